@@ -1,0 +1,39 @@
+# The two commands a newcomer needs (see README):  make serve   |   make test
+# Everything else is a step they run.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU machines take the local CPU build; on GPU hosts use e.g. TORCH_SPEC='torch>=2.4'.
+TORCH_SPEC ?= torch==2.13.0
+HTTP_PORT ?= 8080
+GRPC_PORT ?= 50051
+
+.PHONY: setup generate serve test lint
+
+setup: $(VENV)/.installed node_modules/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+node_modules/.installed: package.json package-lock.json
+	npm ci --no-audit --no-fund
+	touch $@
+
+generate: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/generate
+
+# Serve the embedded default tiny model: gRPC on $(GRPC_PORT), REST/SSE through Envoy on $(HTTP_PORT).
+serve: generate
+	$(VENV)/bin/tokenwire launch --port $(GRPC_PORT) --http-port $(HTTP_PORT)
+
+lint: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/generate --check
+	node_modules/.bin/buf breaking --against '.git#branch=main'
+	$(VENV)/bin/hadolint Dockerfile
+
+# Set up, check generated code is current, and run every test.
+test: lint
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider

@@ -1,0 +1,1 @@
+"""tokenwire router: public gRPC API, validation, scheduling, shard client, launcher."""

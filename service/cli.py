@@ -1,0 +1,45 @@
+"""The `tokenwire` command: one entry point whose subcommands live in their own modules.
+
+Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`; it is imported only
+when chosen, so `tokenwire router` never imports torch and `tokenwire --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "launch": ("service.launcher", "start shards, the router and (with --http-port) Envoy"),
+    "router": ("service.router_main", "serve the public gRPC API in front of running shards"),
+    "shard": ("shard.server_main", "serve one tensor-parallel rank of a model"),
+    "download": ("shard.download", "fetch a model snapshot from the Hugging Face Hub"),
+    "make-tiny-model": ("shard.tiny_model", "write a tiny random-weight model and tokenizer"),
+    "bench": ("shard.bench", "measure decode, prefill and end-to-end throughput on a GPU"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """Builds the top-level parser, importing only the chosen subcommand's module."""
+    parser = argparse.ArgumentParser(prog="tokenwire", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub_parser)
+            sub_parser.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""tokenwire shard: the model server of one tensor-parallel rank."""
