@@ -1,0 +1,142 @@
+"""Contract between the public servicer and the generation engine (scheduler + shard client).
+
+The servicer validates a proto request into a `ValidatedRequest`, submits it to the `Engine`, and
+turns the `StepEvent`s it receives into proto responses. Plain dataclasses: no gRPC, no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class FinishReason(enum.Enum):
+    """Why a sequence stopped; `value` is the spelling of TGI's REST API."""
+
+    LENGTH = "length"
+    EOS_TOKEN = "eos_token"
+    STOP_SEQUENCE = "stop_sequence"
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Normalised sampling parameters (off values: temperature 1, top_k 0, top_p 1, typical_p 1,
+    repetition_penalty 1, frequency_penalty 0). `seed` is always set (drawn when the client gave
+    none) and only matters when `do_sample`."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    watermark: bool = False
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class StoppingConfig:
+    """When generation stops."""
+
+    max_new_tokens: int
+    stop_sequences: tuple[str, ...] = ()
+    ignore_eos_token: bool = False
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """One sequence to generate, after validation and tokenization (best_of is expanded by the
+    servicer into several of these with different seeds)."""
+
+    request_id: str  # x-request-id, for logs and metrics
+    input_ids: tuple[int, ...]  # prompt tokens after truncation
+    sampling: SamplingConfig
+    stopping: StoppingConfig
+    top_n_tokens: int = 0
+    prefill_logprobs: bool = False  # decoder_input_details
+    deadline: float | None = None  # time.monotonic() instant after which it is dropped
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """A token with its incremental text and log-probability (NaN where unknown)."""
+
+    id: int
+    text: str
+    logprob: float
+    special: bool = False
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Final state of a sequence."""
+
+    generated_text: str
+    generated_tokens: int
+    finish_reason: FinishReason
+    seed: int | None  # None for greedy requests
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What one engine step produced for one request: one token; on the step that completes the
+    prefill, the prompt tokens too (when asked); on the last, `finished`."""
+
+    token: TokenInfo
+    top_tokens: tuple[TokenInfo, ...] = ()
+    prefill: tuple[TokenInfo, ...] | None = None
+    finished: Finished | None = None
+
+
+class EngineError(Exception):
+    """Base of errors the engine raises to the servicer; the interceptor maps them to codes."""
+
+
+class OverloadedError(EngineError):
+    """Admission refused: too many requests in flight (RESOURCE_EXHAUSTED)."""
+
+
+class ShardUnavailableError(EngineError):
+    """A shard failed or is unreachable (UNAVAILABLE)."""
+
+
+class DeadlineExceededError(EngineError):
+    """The request's deadline passed before it finished (DEADLINE_EXCEEDED)."""
+
+
+class DrainingError(EngineError):
+    """The server is shutting down and admits nothing new (UNAVAILABLE)."""
+
+
+class RequestStream(Protocol):
+    """Events of one submitted request. Iterating yields StepEvents until one with `finished`;
+    a failure raises an EngineError from the iterator. `cancel()` (or abandoning the iterator via
+    `aclose()`) removes the request at the next step and frees its KV blocks."""
+
+    def __aiter__(self) -> AsyncIterator[StepEvent]: ...
+
+    def cancel(self) -> None: ...
+
+
+@dataclass
+class EngineStats:
+    """Live counters the servicer exposes (metrics, Info)."""
+
+    queued: int = 0
+    running: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """The generation engine as the servicer sees it."""
+
+    def submit(self, request: ValidatedRequest) -> RequestStream:
+        """Admits a request or raises OverloadedError / DrainingError / ShardUnavailableError."""
+        ...
+
+    def stats(self) -> EngineStats: ...
