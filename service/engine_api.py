@@ -78,6 +78,9 @@ class Finished:
     generated_tokens: int
     finish_reason: FinishReason
     seed: int | None  # None for greedy requests
+    queue_seconds: float = 0.0  # admission until the first scheduled step
+    inference_seconds: float = 0.0  # first scheduled step until finished
+    prefix_cache_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -125,10 +128,15 @@ class RequestStream(Protocol):
 class EngineStats:
     """Live counters the servicer exposes (metrics, Info)."""
 
-    queued: int = 0
-    running: int = 0
+    queued: int = 0  # admitted, waiting for their first step
+    running: int = 0  # holding KV blocks
     kv_blocks_total: int = 0
-    kv_blocks_free: int = 0
+    kv_blocks_free: int = 0  # free or evictable (cached prefix blocks no request uses)
+    last_batch_size: int = 0  # requests in the last step
+    steps: int = 0  # steps run since start
+    prefill_tokens_computed: int = 0  # prompt tokens computed (not served by the prefix cache)
+    prefix_cache_hit_tokens: int = 0  # prompt tokens served by the prefix cache
+    preemptions: int = 0  # requests preempted (freed, recomputed later)
     extra: dict[str, float] = field(default_factory=dict)
 
 
