@@ -1,0 +1,307 @@
+"""Batched next-token selection: logits processors, warpers, seeded sampling, logprobs.
+
+One :class:`Sampler` call handles a whole batch whose rows may each use different parameters.
+Everything is vectorised over the batch with per-row parameter tensors; the only device-to-host
+transfer is one copy of the packed results at the very end, so on a GPU the step does not stall
+the host before the sampled ids are needed anyway.
+
+Processing order per row (the order of HF ``generate`` / TGI):
+
+1. repetition penalty over the whole history (prompt + generated), CTRL rule: a positive logit is
+   divided by the penalty, a negative one multiplied;
+2. frequency penalty: ``logit -= penalty * count`` where ``count`` is the token's number of
+   occurrences in the *generated* part only (OpenAI's definition: the prompt is the user's text,
+   penalising it would punish the model for repeating the question's words in its answer);
+3. watermark bias (:mod:`shard.watermark`), seeded by the previous token;
+
+   -> **logprobs** (and the top-n alternatives) are ``log_softmax`` of the logits at this point:
+   after penalties and watermark, before temperature and truncation. They describe the model's
+   (processed) distribution rather than the sampling-time one, so they are comparable across
+   requests with different temperatures; with no processors they equal ``log_softmax(logits)``;
+
+4. sampling rows only: temperature, top_k, top_p, typical_p, then a seeded draw. Greedy rows
+   (``do_sample=False`` or ``temperature == 0``) take the argmax of the processed logits.
+
+Seeded draws: the token at generated position ``i`` of a request (``i = generated_counts[row]``,
+the number of tokens generated before it) is drawn with a fresh ``torch.Generator`` seeded from a
+mix of ``(seed, i)``. A request's samples thus depend neither on its batch mates nor on whether it
+was preempted and recomputed. The draw is an exponential race (``argmax p / E``, ``E ~ Exp(1)``),
+which is exactly a categorical draw from ``p``; the noise rows are generated per row (one small
+kernel per sampling row on CUDA: acceptable for now, a fused Philox kernel keyed by (seed, i) can
+replace it later without changing results' distribution), the argmax is batched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shard.watermark import Watermark
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling parameters (the shard proto's SamplingParameters).
+
+    Neutral values turn a processor off: temperature 1.0, top_k 0, top_p 1.0, typical_p 1.0,
+    repetition_penalty 1.0, frequency_penalty 0.0.
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    watermark: bool = False
+    seed: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the row takes the argmax (temperature 0 is treated as greedy defensively)."""
+        return not self.do_sample or self.temperature <= 0.0
+
+
+@dataclass
+class SampleOutput:
+    """Per-row results of one :meth:`Sampler.sample` call, as plain Python lists.
+
+    token_ids[i]: the chosen token; logprobs[i]: its log-probability (see module docstring);
+    top_ids[i] / top_logprobs[i]: the top_n[i] most likely tokens and their log-probabilities,
+    most likely first (empty when top_n[i] == 0).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+def mix_seed(seed: int, position: int) -> int:
+    """Deterministic 63-bit generator seed for (request seed, generated position).
+
+    SplitMix64 finaliser over ``seed`` and ``position``: nearby inputs give unrelated seeds, so
+    position i of seed s and position i+1 of seed s-1 don't share a random stream.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return z & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class Sampler:
+    """Chooses the next token of every row of a batch; see the module docstring for semantics."""
+
+    def __init__(
+        self, device: torch.device, watermark_gamma: float = 0.5, watermark_delta: float = 2.0
+    ) -> None:
+        self.device = torch.device(device)
+        self.watermark = Watermark(gamma=watermark_gamma, delta=watermark_delta)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        token_histories: list[list[int]],
+        generated_counts: list[int],
+        top_n: list[int],
+    ) -> SampleOutput:
+        """Selects one token per row.
+
+        logits: [num_seqs, vocab] float32 scores of the next token (on the model's device).
+        params: per-row sampling parameters.
+        token_histories: per row, prompt + generated ids so far (the last one precedes the token
+            being chosen; it seeds the watermark).
+        generated_counts: per row, how many tokens were generated before this one; the trailing
+            ``generated_counts[i]`` ids of ``token_histories[i]`` are the generated part. It is
+            also the position whose seeded generator draws this token.
+        top_n: per row, how many alternatives to return (0 for none).
+        """
+        num_seqs, vocab = logits.shape
+        if not (len(params) == len(token_histories) == len(generated_counts) == len(top_n)):
+            raise ValueError("params, token_histories, generated_counts and top_n must match logits")
+        if num_seqs != len(params):
+            raise ValueError(f"logits has {num_seqs} rows but {len(params)} params were given")
+        if num_seqs == 0:
+            return SampleOutput([], [], [], [])
+        device = logits.device
+        scores = logits.float()  # [num_seqs, vocab]
+
+        scores = self._apply_penalties(scores, params, token_histories, generated_counts)
+        wm_rows = [i for i, p in enumerate(params) if p.watermark and token_histories[i]]
+        if wm_rows:
+            prev = [token_histories[i][-1] for i in wm_rows]
+            idx = torch.tensor(wm_rows, device=device)
+            scores = scores.index_copy(0, idx, self.watermark.apply(scores[idx], prev))
+
+        logprobs_all = torch.log_softmax(scores, dim=-1)  # [num_seqs, vocab]
+        next_ids = scores.argmax(dim=-1)  # [num_seqs], greedy for every row first
+
+        sample_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if sample_rows:
+            sub = [params[i] for i in sample_rows]
+            idx = torch.tensor(sample_rows, device=device)
+            warped = _warp(scores[idx], sub)  # [num_sample, vocab], -inf outside the allowed set
+            positions = [generated_counts[i] for i in sample_rows]
+            drawn = _exponential_race(warped, [p.seed for p in sub], positions)
+            next_ids = next_ids.index_copy(0, idx, drawn)
+
+        chosen_lp = logprobs_all.gather(1, next_ids[:, None]).squeeze(1)  # [num_seqs]
+        max_n = min(max(top_n), vocab)
+        if max_n > 0:
+            top_lp, top_idx = logprobs_all.topk(max_n, dim=-1)  # [num_seqs, max_n], descending
+        else:
+            top_lp = logprobs_all.new_empty(num_seqs, 0)
+            top_idx = next_ids.new_empty(num_seqs, 0)
+
+        # One device->host copy: float64 holds int ids exactly (vocab << 2**53) and float32
+        # logprobs without loss.
+        packed = torch.cat(
+            [
+                next_ids.double(),
+                chosen_lp.double(),
+                top_idx.double().flatten(),
+                top_lp.double().flatten(),
+            ]
+        ).cpu()
+        values = packed.tolist()
+        ids_h = [int(v) for v in values[:num_seqs]]
+        lps_h = values[num_seqs : 2 * num_seqs]
+        off = 2 * num_seqs
+        tops_i = values[off : off + num_seqs * max_n]
+        tops_l = values[off + num_seqs * max_n :]
+        top_ids: list[list[int]] = []
+        top_lps: list[list[float]] = []
+        for row, n in enumerate(top_n):
+            n = min(n, max_n)
+            start = row * max_n
+            top_ids.append([int(v) for v in tops_i[start : start + n]])
+            top_lps.append(tops_l[start : start + n])
+        return SampleOutput(ids_h, lps_h, top_ids, top_lps)
+
+    def _apply_penalties(
+        self,
+        scores: torch.Tensor,
+        params: list[SamplingParams],
+        histories: list[list[int]],
+        generated_counts: list[int],
+    ) -> torch.Tensor:
+        """Repetition then frequency penalty; rows with neutral values are left bit-identical."""
+        num_seqs, vocab = scores.shape
+        device = scores.device
+        rep = [p.repetition_penalty for p in params]
+        if any(r != 1.0 for r in rep):
+            # Presence mask via scatter into an extra padding column `vocab` that is dropped.
+            ids = _pad(histories, pad=vocab, device=device)  # [num_seqs, max_len]
+            present = torch.zeros(num_seqs, vocab + 1, dtype=torch.bool, device=device)
+            present.scatter_(1, ids, True)
+            present = present[:, :vocab]
+            penalty = torch.tensor(rep, dtype=scores.dtype, device=device)[:, None]  # [n, 1]
+            penalised = torch.where(scores > 0, scores / penalty, scores * penalty)
+            scores = torch.where(present, penalised, scores)
+        freq = [p.frequency_penalty for p in params]
+        if any(f != 0.0 for f in freq):
+            generated = [h[len(h) - c :] if c > 0 else [] for h, c in zip(histories, generated_counts)]
+            ids = _pad(generated, pad=vocab, device=device)  # [num_seqs, max_gen]
+            counts = torch.zeros(num_seqs, vocab + 1, dtype=scores.dtype, device=device)
+            counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=scores.dtype))
+            penalty = torch.tensor(freq, dtype=scores.dtype, device=device)[:, None]  # [n, 1]
+            scores = scores - penalty * counts[:, :vocab]
+        return scores
+
+
+def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """Right-pads id lists into an int64 tensor [len(rows), max(1, longest)]."""
+    width = max(1, max(len(r) for r in rows))
+    out = torch.full((len(rows), width), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out.to(device, non_blocking=True)
+
+
+def _warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top_k, top_p, typical_p for sampling rows; scores [n, vocab] -> [n, vocab].
+
+    Tokens outside a row's allowed set become -inf. Each warper runs only when some row uses it
+    and leaves rows with the neutral value unchanged.
+    """
+    n, vocab = scores.shape
+    device = scores.device
+    temps = [p.temperature for p in params]
+    if any(t != 1.0 for t in temps):
+        scores = scores / torch.tensor(temps, dtype=scores.dtype, device=device)[:, None]
+
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if any(k < vocab for k in ks):
+        sorted_desc = scores.sort(dim=-1, descending=True).values  # [n, vocab]
+        k_idx = torch.tensor(ks, dtype=torch.long, device=device)[:, None] - 1  # [n, 1]
+        kth = sorted_desc.gather(1, k_idx)  # [n, 1]; ties with the k-th are kept
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+
+    top_ps = [p.top_p for p in params]
+    if any(tp < 1.0 for tp in top_ps):
+        active = torch.tensor([tp < 1.0 for tp in top_ps], device=device)[:, None]  # [n, 1]
+        top_p = torch.tensor(top_ps, dtype=scores.dtype, device=device)[:, None]
+        sorted_asc, order = scores.sort(dim=-1)  # ascending: the kept nucleus is at the end
+        cum = sorted_asc.softmax(dim=-1).cumsum(dim=-1)  # [n, vocab]
+        # Drop the low tail whose total mass is at most 1 - top_p; always keep the best token.
+        drop_sorted = cum <= (1.0 - top_p)
+        drop_sorted[:, -1] = False
+        drop = drop_sorted.scatter(1, order, drop_sorted)
+        scores = scores.masked_fill(drop & active, float("-inf"))
+
+    typ = [p.typical_p for p in params]
+    if any(t < 1.0 for t in typ):
+        active = torch.tensor([t < 1.0 for t in typ], device=device)[:, None]  # [n, 1]
+        mass = torch.tensor(typ, dtype=scores.dtype, device=device)[:, None]
+        logp = scores.log_softmax(dim=-1)  # [n, vocab]
+        entropy = -(logp.exp() * logp).nansum(dim=-1, keepdim=True)  # [n, 1]
+        # Typicality: distance of each token's surprisal from the entropy; most typical first.
+        shifted = (-logp - entropy).abs()  # [n, vocab]; +inf for masked tokens
+        sorted_shift, order = shifted.sort(dim=-1)
+        cum = logp.gather(1, order).exp().cumsum(dim=-1)  # [n, vocab]
+        # Keep the most typical tokens until their mass reaches typical_p (at least one).
+        last = (cum < mass).sum(dim=-1, keepdim=True).clamp(max=vocab - 1)  # [n, 1]
+        drop_sorted = sorted_shift > sorted_shift.gather(1, last)
+        drop = drop_sorted.scatter(1, order, drop_sorted)
+        scores = scores.masked_fill(drop & active, float("-inf"))
+    return scores
+
+
+def _exponential_race(scores: torch.Tensor, seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """Draws one token per row from softmax(scores) [n, vocab] -> int64 [n].
+
+    argmax(p / E) with E ~ Exp(1) i.i.d. is a categorical draw from p. Row i's noise comes from a
+    generator seeded by mix_seed(seeds[i], positions[i]) only.
+    """
+    n, vocab = scores.shape
+    device = scores.device
+    probs = scores.softmax(dim=-1)  # [n, vocab]; exactly 0 outside the allowed set
+    noise = torch.empty(n, vocab, dtype=torch.float32, device=device)
+    for row, (seed, pos) in enumerate(zip(seeds, positions)):
+        gen = torch.Generator(device=device)
+        gen.manual_seed(mix_seed(seed, pos))
+        noise[row].exponential_(generator=gen)
+    # Exp(1) can round to 0; clamping keeps p == 0 tokens at 0 rather than NaN (0 / 0).
+    noise = noise.clamp_min(torch.finfo(torch.float32).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor) -> list[float]:
+    """Log-probabilities of the actual next tokens at prompt positions.
+
+    logits: [n, vocab] raw scores at n prompt positions; next_ids: [n] the token that follows each
+    position. Returns log_softmax(logits)[j, next_ids[j]] for each j (no processors applied), one
+    device-to-host copy.
+    """
+    if logits.shape[0] == 0:
+        return []
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
+    ids = next_ids.to(device=logits.device, dtype=torch.long)[:, None]  # [n, 1]
+    return logp.gather(1, ids).squeeze(1).cpu().tolist()
