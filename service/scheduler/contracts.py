@@ -1,0 +1,81 @@
+"""Typed step contracts: what the scheduler decided, what the shard returned.
+
+Lists of ints and small dataclasses only; `service.shard_convert` turns them into protos and back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from service.engine_api import FinishReason, TokenInfo
+
+
+@dataclass(slots=True)
+class ChunkWork:
+    """One request's prefill chunk in a step (shard Request)."""
+
+    seq_id: int
+    input_ids: list[int]  # every token the cache must hold before sampling (prompt + generated)
+    cache_len: int  # tokens already in the request's blocks; computation starts here
+    chunk_len: int  # tokens computed this step
+    blocks: list[int]  # full block table, covering cache_len + chunk_len tokens
+    generated_len: int  # trailing input_ids generated before a preemption
+    prefill_logprobs: bool
+    payload: object  # engine data for the request (sampling, stopping), opaque here
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one step runs. Chunk work → a Prefill RPC fused with `decode_ids`; else Decode."""
+
+    chunks: list[ChunkWork] = field(default_factory=list)
+    decode_ids: list[int] = field(default_factory=list)  # requests decoding one token
+    # Blocks appended this step to decoding requests: (request id, block ids).
+    grants: list[tuple[int, list[int]]] = field(default_factory=list)
+    # Requests the shard must forget before the step (preempted/aborted while on the shard).
+    removed_from_shard: list[int] = field(default_factory=list)
+    # Every request on the shard after the removals (the FilterBatch keep list).
+    keep_ids: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+
+    @property
+    def is_prefill(self) -> bool:
+        return bool(self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks and not self.decode_ids
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.chunks) + len(self.decode_ids)
+
+
+@dataclass(slots=True)
+class FinishInfo:
+    """Shard's final word on a request (GeneratedText)."""
+
+    reason: FinishReason
+    text: str
+    generated_tokens: int
+    seed: int | None
+
+
+@dataclass(slots=True)
+class GenerationOut:
+    """What one request produced in one step (shard Generation)."""
+
+    seq_id: int
+    token: TokenInfo
+    top_tokens: tuple[TokenInfo, ...] = ()
+    prefill: tuple[TokenInfo, ...] | None = None
+    finish: FinishInfo | None = None
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """Result of one step as the scheduler consumes it."""
+
+    generations: list[GenerationOut]
+    batch_id: int | None  # the shard's merged cached batch; None when it is empty
+    forward_ns: int = 0

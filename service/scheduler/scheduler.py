@@ -1,0 +1,316 @@
+"""Continuous-batching scheduler: one rule, a per-step token budget, lazy blocks, preemption.
+
+Each step every running request's computed tokens catch up with its known tokens as far as the
+budget allows: a decoding request computes 1 token (its last sample), a prefilling one takes the
+next chunk of its prompt (from the prefix-cache hit, if any), a newly admitted one starts. Chunk
+tokens share `max_batch_prefill_tokens` per step; decode tokens ride along (they are bounded by
+`max_batch_size`). Blocks are granted lazily, exactly when a step writes past a request's last
+block. When none is left (free or evictable), the youngest running request is preempted: its
+blocks are freed, it goes back to the front of the queue keeping its generated tokens, and is
+recomputed later as a prefill of prompt + generated tokens (with the prefix cache's help).
+
+Admission of new requests while others decode follows TGI's two knobs, re-read for fused
+chunked prefill (see `_may_admit`): a new prefill makes that step slower for every decoding
+request, so new requests are admitted when (a) nothing is decoding, (b) the step already carries
+prefill chunks anyway, (c) the queue holds at least `waiting_served_ratio` x the decoding batch,
+or (d) requests have waited `max_waiting_tokens` decode steps.
+
+Plain Python: no torch, no gRPC. The engine calls `add`/`abort` between steps, `schedule()` to
+get a StepPlan, runs it on the shard, and feeds the StepOutput to `apply_output`.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from collections import deque
+from dataclasses import dataclass
+
+from service.scheduler.block_manager import BlockManager
+from service.scheduler.contracts import ChunkWork, StepOutput, StepPlan
+from service.scheduler.state import RequestState, Sequence
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_prefill_tokens: int = 4096  # chunk tokens per step, all requests together
+    max_batch_size: int = 256  # requests per step (prefilling + decoding)
+    waiting_served_ratio: float = 0.3  # admit when len(waiting) >= ratio * decoding requests
+    max_waiting_tokens: int = 20  # ... or when requests waited this many decode steps
+
+    def __post_init__(self) -> None:
+        if self.max_batch_prefill_tokens < 1:
+            raise ValueError("max_batch_prefill_tokens must be >= 1")
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+
+
+@dataclass
+class SchedulerCounters:
+    prefill_tokens_computed: int = 0
+    prefix_cache_hit_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest (smallest arrival) first
+        self.seqs: dict[int, Sequence] = {}
+        self.counters = SchedulerCounters()
+        self._removed_from_shard: list[int] = []  # aborted on-shard requests not yet filtered
+        self._steps_without_admission = 0
+        # Current step (between schedule and apply_output).
+        self._step_chunks: list[Sequence] = []
+        self._step_decodes: list[Sequence] = []
+
+    # --- queue --------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self._removed_from_shard)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"duplicate request id {seq.seq_id}")
+        if not seq.token_ids:
+            raise ValueError("empty input")
+        seq.state = RequestState.WAITING
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Removes a request (cancel, deadline). Call between steps only."""
+        seq = self.seqs.pop(seq_id, None)
+        if seq is None:
+            return None
+        if seq.state is RequestState.WAITING:
+            self.waiting.remove(seq)
+        elif seq.state is RequestState.RUNNING:
+            self.running.remove(seq)
+            if seq.on_shard:
+                self._removed_from_shard.append(seq_id)
+                seq.on_shard = False
+            self._free_blocks(seq)
+        seq.state = RequestState.ABORTED
+        return seq
+
+    def abort_all(self) -> list[Sequence]:
+        """Removes every request (shard failure); returns them."""
+        out = list(self.seqs.values())
+        for seq in out:
+            self.abort(seq.seq_id)
+        self._removed_from_shard.clear()
+        return out
+
+    # --- the one place blocks go back -------------------------------------------------------
+    def _free_blocks(self, seq: Sequence) -> None:
+        if seq.blocks:
+            self.blocks.release(seq.blocks)
+        seq.blocks = []
+        seq.block_hashes = []
+        seq.computed = 0
+
+    def _preempt_youngest(self, plan: StepPlan) -> Sequence:
+        victim = self.running.pop()
+        if victim.on_shard:
+            plan.removed_from_shard.append(victim.seq_id)
+            victim.on_shard = False
+        self._free_blocks(victim)
+        victim.state = RequestState.WAITING
+        victim.prefill_done = False
+        victim.scheduled = 0
+        victim.preemptions += 1
+        # Preempted youngest-first, so appendleft keeps the front in arrival order.
+        self.waiting.appendleft(victim)
+        plan.preempted.append(victim.seq_id)
+        self.counters.preemptions += 1
+        return victim
+
+    # --- one step -----------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        if self._removed_from_shard:
+            plan.removed_from_shard.extend(self._removed_from_shard)
+            self._removed_from_shard.clear()
+        bm = self.blocks
+        bs = bm.block_size
+        budget = self.config.max_batch_prefill_tokens
+        running = self.running
+        chunks: list[Sequence] = []
+        decodes: list[Sequence] = []
+        decode_ids = plan.decode_ids
+        grants = plan.grants
+
+        i = 0
+        while i < len(running):
+            seq = running[i]
+            if seq.prefill_done:
+                # Decode: the step writes K/V at position `computed`.
+                if seq.computed >= len(seq.blocks) * bs:
+                    block = bm.allocate_one()
+                    while block is None:
+                        if self._preempt_youngest(plan) is seq:
+                            break
+                        block = bm.allocate_one()
+                    if block is None:
+                        break  # seq itself was the youngest and is now waiting
+                    seq.blocks.append(block)
+                    grants.append((seq.seq_id, [block]))
+                seq.scheduled = 1
+                decodes.append(seq)
+                decode_ids.append(seq.seq_id)
+            elif budget > 0:
+                chunk = self._fit_chunk(seq, budget)
+                if chunk == 0:
+                    if self._preempt_youngest(plan) is seq:
+                        break
+                    continue  # retry seq with the freed blocks
+                budget -= chunk
+                chunks.append(seq)
+            else:
+                seq.scheduled = 0
+            i += 1
+
+        if self.waiting and budget > 0 and self._may_admit(len(decodes), bool(chunks)):
+            admitted = 0
+            max_batch = self.config.max_batch_size
+            while self.waiting and budget > 0 and len(running) < max_batch:
+                seq = self.waiting[0]
+                first = not seq.blocks and seq.computed == 0
+                if first and not seq.prefill_logprobs:
+                    hit_blocks, hit_keys = bm.match_prefix(seq.token_ids)
+                    if hit_blocks:
+                        seq.blocks = hit_blocks
+                        seq.block_hashes = hit_keys
+                        seq.computed = len(hit_blocks) * bs
+                chunk = self._fit_chunk(seq, budget)
+                if chunk == 0:
+                    self._free_blocks(seq)  # give back the prefix hit; waiting holds nothing
+                    break
+                self.waiting.popleft()
+                if seq.computed:
+                    self.counters.prefix_cache_hit_tokens += seq.computed
+                    if seq.preemptions == 0:
+                        seq.prefix_hit_tokens = seq.computed
+                seq.state = RequestState.RUNNING
+                seq.recompute_generated = seq.generated_len
+                if running and running[-1].arrival > seq.arrival:
+                    insort(running, seq, key=_arrival)  # a preempted request coming back
+                else:
+                    running.append(seq)
+                budget -= chunk
+                chunks.append(seq)
+                admitted += 1
+            if admitted:
+                self._steps_without_admission = 0
+        if self.waiting and not chunks:
+            self._steps_without_admission += 1
+
+        if plan.removed_from_shard:
+            plan.keep_ids = [s.seq_id for s in running if s.on_shard]
+        for seq in chunks:
+            seq.on_shard = True
+            plan.chunks.append(
+                ChunkWork(
+                    seq_id=seq.seq_id,
+                    input_ids=seq.token_ids,
+                    cache_len=seq.computed,
+                    chunk_len=seq.scheduled,
+                    blocks=seq.blocks,
+                    generated_len=seq.recompute_generated,
+                    prefill_logprobs=seq.prefill_logprobs,
+                    payload=seq.payload,
+                )
+            )
+        self._step_chunks = chunks
+        self._step_decodes = decodes
+        return plan
+
+    def _fit_chunk(self, seq: Sequence, budget: int) -> int:
+        """Grants blocks for seq's next chunk (at most `budget` tokens, shrunk to the blocks
+        available) and sets seq.scheduled; returns the chunk length (0: no block available)."""
+        bm = self.blocks
+        bs = bm.block_size
+        remaining = len(seq.token_ids) - seq.computed
+        chunk = remaining if remaining < budget else budget
+        have = len(seq.blocks)
+        need = bm.blocks_needed(seq.computed + chunk, have)
+        if need:
+            available = bm.num_free
+            if need > available:
+                fits = (have + available) * bs - seq.computed
+                if fits <= 0:
+                    seq.scheduled = 0
+                    return 0
+                chunk = fits
+                need = available
+            granted = bm.allocate(need)
+            assert granted is not None
+            seq.blocks.extend(granted)
+        seq.scheduled = chunk
+        return chunk
+
+    def _may_admit(self, num_decoding: int, step_has_chunks: bool) -> bool:
+        if num_decoding == 0 or step_has_chunks:
+            return True
+        if self._steps_without_admission >= self.config.max_waiting_tokens:
+            return True
+        return len(self.waiting) >= self.config.waiting_served_ratio * num_decoding
+
+    def apply_output(self, plan: StepPlan, output: StepOutput) -> list[Sequence]:
+        """Advances the step's requests; returns the ones that finished (blocks freed)."""
+        bm = self.blocks
+        bs = bm.block_size
+        counters = self.counters
+        counters.steps += 1
+        for seq in self._step_chunks:
+            seq.computed += seq.scheduled
+            counters.prefill_tokens_computed += seq.scheduled
+            seq.scheduled = 0
+            bm.register_full_blocks(seq.token_ids, seq.blocks, seq.block_hashes, seq.computed)
+        for seq in self._step_decodes:
+            seq.computed += 1
+            seq.scheduled = 0
+            if seq.computed % bs == 0:
+                bm.register_full_blocks(seq.token_ids, seq.blocks, seq.block_hashes, seq.computed)
+        self._step_chunks = []
+        self._step_decodes = []
+
+        finished: list[Sequence] = []
+        seqs = self.seqs
+        for gen in output.generations:
+            seq = seqs.get(gen.seq_id)
+            if seq is None:
+                continue  # aborted while the step ran: filtered at the next boundary
+            if not seq.prefill_done:
+                if seq.computed < len(seq.token_ids):
+                    raise ProtocolError(f"request {seq.seq_id}: token before its prefill ended")
+                seq.prefill_done = True
+                seq.prefill_logprobs = False  # sent once; a recompute does not resend them
+            seq.token_ids.append(gen.token.id)
+            if gen.finish is not None:
+                seq.on_shard = False  # the shard forgot it
+                seq.state = RequestState.FINISHED
+                del seqs[seq.seq_id]
+                self._free_blocks(seq)
+                finished.append(seq)
+        if finished:
+            self.running = [s for s in self.running if s.state is RequestState.RUNNING]
+        return finished
+
+
+class ProtocolError(RuntimeError):
+    """The shard's answer contradicts the step the router sent."""
+
+
+def _arrival(seq: Sequence) -> int:
+    return seq.arrival
