@@ -1,0 +1,156 @@
+"""Public protos ↔ the public API's domain objects. The only module that knows both."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from google.protobuf import json_format
+from tokenwire.v1 import generate_pb2 as pb
+
+from service.engine_api import TokenInfo
+from service.errors import ErrorKind
+from service.generation import GenerateOutcome, Sequence, ServerInfo, StreamItem
+from service.validation import GenerateInput, GrammarInput
+
+
+def _opt(params: pb.GenerateParameters, name: str) -> float | int | None:
+    return getattr(params, name) if params.HasField(name) else None
+
+
+def generate_input(request: pb.GenerateRequest) -> GenerateInput:
+    """Decodes a GenerateRequest; unset optional fields become None."""
+    p = request.parameters
+    grammar = None
+    if p.HasField("grammar"):
+        value = json_format.MessageToDict(p.grammar.value) if p.grammar.HasField("value") else None
+        grammar = GrammarInput(type=p.grammar.type, value=value)
+    return GenerateInput(
+        inputs=request.inputs,
+        best_of=_opt(p, "best_of"),  # type: ignore[arg-type]
+        temperature=_opt(p, "temperature"),
+        repetition_penalty=_opt(p, "repetition_penalty"),
+        frequency_penalty=_opt(p, "frequency_penalty"),
+        top_k=_opt(p, "top_k"),  # type: ignore[arg-type]
+        top_p=_opt(p, "top_p"),
+        typical_p=_opt(p, "typical_p"),
+        do_sample=p.do_sample,
+        max_new_tokens=_opt(p, "max_new_tokens"),  # type: ignore[arg-type]
+        return_full_text=p.return_full_text,
+        stop=tuple(p.stop),
+        truncate=_opt(p, "truncate"),  # type: ignore[arg-type]
+        watermark=p.watermark,
+        details=p.details,
+        decoder_input_details=p.decoder_input_details,
+        seed=_opt(p, "seed"),  # type: ignore[arg-type]
+        top_n_tokens=_opt(p, "top_n_tokens"),  # type: ignore[arg-type]
+        grammar=grammar,
+    )
+
+
+def deadline(time_remaining: float | None) -> float | None:
+    """The gRPC deadline (seconds remaining, None without one) as a time.monotonic() instant."""
+    return None if time_remaining is None else time.monotonic() + max(0.0, time_remaining)
+
+
+def token(info: TokenInfo) -> pb.Token:
+    return pb.Token(id=info.id, text=info.text, logprob=info.logprob, special=info.special)
+
+
+def prefill_token(info: TokenInfo) -> pb.PrefillToken:
+    message = pb.PrefillToken(id=info.id, text=info.text)
+    if not math.isnan(info.logprob):
+        message.logprob = info.logprob
+    return message
+
+
+def _top_tokens(per_position: tuple[tuple[TokenInfo, ...], ...]) -> list[pb.TopTokens]:
+    return [pb.TopTokens(tokens=[token(t) for t in position]) for position in per_position]
+
+
+def _best_of_sequence(seq: Sequence) -> pb.BestOfSequence:
+    message = pb.BestOfSequence(
+        generated_text=seq.generated_text,
+        finish_reason=seq.finish_reason.value,
+        generated_tokens=seq.generated_tokens,
+        prefill=[prefill_token(t) for t in seq.prefill],
+        tokens=[token(t) for t in seq.tokens],
+        top_tokens=_top_tokens(seq.top_tokens),
+    )
+    if seq.seed is not None:
+        message.seed = seq.seed
+    return message
+
+
+def generate_response(outcome: GenerateOutcome) -> pb.GenerateResponse:
+    """Encodes a finished Generate; details only when asked for."""
+    best, options = outcome.best, outcome.options
+    response = pb.GenerateResponse(generated_text=best.generated_text)
+    if options.details or options.decoder_input_details:
+        details = pb.Details(
+            finish_reason=best.finish_reason.value,
+            generated_tokens=best.generated_tokens,
+            prefill=[prefill_token(t) for t in best.prefill]
+            if options.decoder_input_details
+            else [],
+            tokens=[token(t) for t in best.tokens],
+            top_tokens=_top_tokens(best.top_tokens),
+            best_of_sequences=[_best_of_sequence(s) for s in outcome.others],
+        )
+        if best.seed is not None:
+            details.seed = best.seed
+        response.details.CopyFrom(details)
+    return response
+
+
+def stream_response(item: StreamItem) -> pb.GenerateStreamResponse:
+    """Encodes one stream event; the last one carries generated_text and (when asked) details."""
+    response = pb.GenerateStreamResponse(
+        index=item.index,
+        token=token(item.token),
+        top_tokens=[token(t) for t in item.top_tokens],
+    )
+    if item.generated_text is not None:
+        response.generated_text = item.generated_text
+    if item.finished is not None and item.options.details:
+        details = pb.StreamDetails(
+            finish_reason=item.finished.finish_reason.value,
+            generated_tokens=item.finished.generated_tokens,
+            input_length=item.options.input_length,
+        )
+        if item.finished.seed is not None:
+            details.seed = item.finished.seed
+        response.details.CopyFrom(details)
+    return response
+
+
+def stream_error(index: int, kind: ErrorKind, message: str) -> pb.GenerateStreamResponse:
+    """The in-band error event that ends a stream which already sent events."""
+    return pb.GenerateStreamResponse(index=index, error=message, error_type=kind.error_type)
+
+
+def info_response(info: ServerInfo) -> pb.InfoResponse:
+    response = pb.InfoResponse(
+        model_id=info.model_id,
+        model_dtype=info.model_dtype,
+        model_device_type=info.model_device_type,
+        max_concurrent_requests=info.max_concurrent_requests,
+        max_best_of=info.max_best_of,
+        max_stop_sequences=info.max_stop_sequences,
+        max_input_tokens=info.max_input_tokens,
+        max_total_tokens=info.max_total_tokens,
+        validation_workers=info.validation_workers,
+        max_client_batch_size=info.max_client_batch_size,
+        router=info.router,
+        version=info.version,
+        max_top_n_tokens=info.max_top_n_tokens,
+        max_batch_total_tokens=info.max_batch_total_tokens,
+        block_size=info.block_size,
+        num_kv_blocks=info.num_kv_blocks,
+        num_shard=info.num_shard,
+    )
+    for name in ("model_sha", "model_pipeline_tag", "sha", "docker_label"):
+        value = getattr(info, name)
+        if value is not None:
+            setattr(response, name, value)
+    return response

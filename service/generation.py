@@ -1,0 +1,429 @@
+"""The public API's domain object: admits, validates and runs client requests on the engine,
+expands best_of, measures each request (metrics, one log line) — everything the servicer does
+beyond decoding and encoding protos. No gRPC here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from service.engine_api import (
+    DrainingError,
+    Engine,
+    Finished,
+    FinishReason,
+    OverloadedError,
+    RequestStream,
+    ShardUnavailableError,
+    StepEvent,
+    TokenInfo,
+    ValidatedRequest,
+)
+from service.errors import classify
+from service.logs import REQUEST_LOGGER, log_request
+from service.metrics import RequestRecord, ServerMetrics
+from service.validation import GenerateInput, ResponseOptions, Validator
+
+GENERATE = "generate"
+GENERATE_STREAM = "generate_stream"
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """One finished sequence as the response reports it."""
+
+    generated_text: str  # with the prompt prepended when return_full_text
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None
+    prefill: tuple[TokenInfo, ...]
+    tokens: tuple[TokenInfo, ...]
+    top_tokens: tuple[tuple[TokenInfo, ...], ...]
+
+    @property
+    def logprob_sum(self) -> float:
+        """Total log-probability of the generated tokens (unknown ones count 0)."""
+        return math.fsum(t.logprob for t in self.tokens if not math.isnan(t.logprob))
+
+
+@dataclass(frozen=True)
+class GenerateOutcome:
+    """Result of a unary Generate: the best sequence and, for best_of > 1, the others."""
+
+    best: Sequence
+    others: tuple[Sequence, ...]
+    options: ResponseOptions
+
+
+@dataclass(frozen=True)
+class StreamItem:
+    """One event of a stream; `finished` and `generated_text` are set on the last."""
+
+    index: int
+    token: TokenInfo
+    top_tokens: tuple[TokenInfo, ...]
+    options: ResponseOptions
+    generated_text: str | None = None
+    finished: Finished | None = None
+
+
+@dataclass
+class _Timer:
+    """Timings of one client request (time.monotonic seconds)."""
+
+    start: float = field(default_factory=time.monotonic)
+    validated: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    queue_seconds: float = 0.0
+    inference_seconds: float = 0.0
+
+
+@dataclass
+class _Collector:
+    """Accumulates one sequence's events."""
+
+    prefill: tuple[TokenInfo, ...] = ()
+    tokens: list[TokenInfo] = field(default_factory=list)
+    top_tokens: list[tuple[TokenInfo, ...]] = field(default_factory=list)
+    finished: Finished | None = None
+
+    def add(self, event: StepEvent) -> None:
+        if event.prefill is not None:
+            self.prefill = event.prefill
+        self.tokens.append(event.token)
+        if event.top_tokens:
+            self.top_tokens.append(event.top_tokens)
+        if event.finished is not None:
+            self.finished = event.finished
+
+    def sequence(self, options: ResponseOptions) -> Sequence:
+        finished = self.finished
+        if finished is None:  # the engine ended the stream without a final event
+            raise ShardUnavailableError("generation ended without a final token")
+        text = finished.generated_text
+        if options.return_full_text:
+            text = options.prompt + text
+        return Sequence(
+            generated_text=text,
+            finish_reason=finished.finish_reason,
+            generated_tokens=finished.generated_tokens,
+            seed=finished.seed,
+            prefill=self.prefill,
+            tokens=tuple(self.tokens),
+            top_tokens=tuple(self.top_tokens),
+        )
+
+
+class GenerationService:
+    """Runs client requests on the engine within the router's limits."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        validator: Validator,
+        metrics: ServerMetrics,
+        *,
+        max_concurrent_requests: int,
+        on_shard_failure: Callable[[], None] | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.engine = engine
+        self.validator = validator
+        self.metrics = metrics
+        self.max_concurrent_requests = max_concurrent_requests
+        self._on_shard_failure = on_shard_failure
+        self._log = logger or logging.getLogger(REQUEST_LOGGER)
+        self._in_flight = 0
+        self._draining = False
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def start_draining(self) -> None:
+        """Refuses new requests from now on (UNAVAILABLE); in-flight ones go on."""
+        self._draining = True
+
+    def _admit(self, method: str) -> None:
+        self.metrics.request_count.labels(method).inc()
+        if self._draining:
+            raise DrainingError("the server is shutting down and accepts no new requests")
+        if self._in_flight >= self.max_concurrent_requests:
+            raise OverloadedError(
+                f"too many requests in flight: the limit is {self.max_concurrent_requests} "
+                f"(--max-concurrent-requests)"
+            )
+        self._in_flight += 1
+        self.metrics.in_flight.set(self._in_flight)
+
+    def _release(self) -> None:
+        self._in_flight -= 1
+        self.metrics.in_flight.set(self._in_flight)
+
+    def _submit(self, request: ValidatedRequest) -> RequestStream:
+        try:
+            return self.engine.submit(request)
+        except ShardUnavailableError:
+            self._shard_failed()
+            raise
+
+    def _shard_failed(self) -> None:
+        if self._on_shard_failure is not None:
+            self._on_shard_failure()
+
+    def _observe_token(self, timer: _Timer) -> None:
+        now = time.monotonic()
+        if timer.first_token is None:
+            timer.first_token = now
+            self.metrics.time_to_first_token.observe(now - timer.start)
+        elif timer.last_token is not None:
+            self.metrics.inter_token_latency.observe(now - timer.last_token)
+        timer.last_token = now
+
+    async def _run_one(self, request: ValidatedRequest, timer: _Timer) -> _Collector:
+        collector = _Collector()
+        stream = self._submit(request)
+        sequence_timer = _Timer(start=timer.start)
+        try:
+            async for event in stream:
+                self._observe_token(sequence_timer)
+                collector.add(event)
+                if event.finished is not None:
+                    break
+        except ShardUnavailableError:
+            self._shard_failed()
+            raise
+        finally:
+            if collector.finished is None:
+                stream.cancel()
+        timer.first_token = timer.first_token or sequence_timer.first_token
+        return collector
+
+    async def generate(
+        self, request: GenerateInput, *, request_id: str, deadline: float | None = None
+    ) -> GenerateOutcome:
+        """Generates the whole completion (best_of sequences, best first)."""
+        timer = _Timer()
+        self._admit(GENERATE)
+        options: ResponseOptions | None = None
+        outcome: GenerateOutcome | None = None
+        max_new_tokens = 0
+        try:
+            validated = await self.validator.validate(
+                request, request_id=request_id, stream=False, deadline=deadline
+            )
+            timer.validated = time.monotonic()
+            options = validated.options
+            max_new_tokens = validated.requests[0].stopping.max_new_tokens
+            if len(validated.requests) == 1:
+                collectors = [await self._run_one(validated.requests[0], timer)]
+            else:
+                async with asyncio.TaskGroup() as group:
+                    tasks = [group.create_task(self._run_one(r, timer)) for r in validated.requests]
+                collectors = [t.result() for t in tasks]
+            sequences = sorted(
+                (c.sequence(options) for c in collectors), key=lambda s: s.logprob_sum, reverse=True
+            )
+            for c in collectors:
+                assert c.finished is not None
+                timer.queue_seconds = max(timer.queue_seconds, c.finished.queue_seconds)
+                timer.inference_seconds = max(timer.inference_seconds, c.finished.inference_seconds)
+            outcome = GenerateOutcome(
+                best=sequences[0], others=tuple(sequences[1:]), options=options
+            )
+            return outcome
+        except BaseException as error:
+            self._record_failure(GENERATE, request_id, timer, options, _unwrap(error))
+            raise _unwrap(error) from None
+        finally:
+            self._release()
+            if outcome is not None:
+                self._record_success(
+                    GENERATE,
+                    request_id,
+                    timer,
+                    outcome.options,
+                    generated_tokens=sum(
+                        s.generated_tokens for s in (outcome.best, *outcome.others)
+                    ),
+                    finish_reason=outcome.best.finish_reason,
+                    max_new_tokens=max_new_tokens,
+                )
+
+    async def stream(
+        self, request: GenerateInput, *, request_id: str, deadline: float | None = None
+    ) -> AsyncIterator[StreamItem]:
+        """Yields one item per generated token as soon as the engine produces it. Errors before
+        the first item mean nothing was generated; the caller reports later ones in band."""
+        timer = _Timer()
+        self._admit(GENERATE_STREAM)
+        options: ResponseOptions | None = None
+        finished: Finished | None = None
+        index = 0
+        try:
+            validated = await self.validator.validate(
+                request, request_id=request_id, stream=True, deadline=deadline
+            )
+            timer.validated = time.monotonic()
+            options = validated.options
+            engine_stream = self._submit(validated.requests[0])
+            try:
+                async for event in engine_stream:
+                    self._observe_token(timer)
+                    text = None
+                    if event.finished is not None:
+                        finished = event.finished
+                        text = finished.generated_text
+                        if options.return_full_text:
+                            text = options.prompt + text
+                    yield StreamItem(
+                        index=index,
+                        token=event.token,
+                        top_tokens=event.top_tokens,
+                        options=options,
+                        generated_text=text,
+                        finished=event.finished,
+                    )
+                    index += 1
+                    if finished is not None:
+                        break
+                if finished is None:
+                    raise ShardUnavailableError("generation ended without a final token")
+            except ShardUnavailableError:
+                self._shard_failed()
+                raise
+            finally:
+                if finished is None:
+                    engine_stream.cancel()
+        except BaseException as error:
+            self._record_failure(GENERATE_STREAM, request_id, timer, options, error, index)
+            raise
+        finally:
+            self._release()
+        timer.queue_seconds = finished.queue_seconds
+        timer.inference_seconds = finished.inference_seconds
+        self._record_success(
+            GENERATE_STREAM,
+            request_id,
+            timer,
+            options,
+            generated_tokens=finished.generated_tokens,
+            finish_reason=finished.finish_reason,
+            max_new_tokens=validated.requests[0].stopping.max_new_tokens,
+        )
+
+    def _record_success(
+        self,
+        method: str,
+        request_id: str,
+        timer: _Timer,
+        options: ResponseOptions,
+        *,
+        generated_tokens: int,
+        finish_reason: FinishReason,
+        max_new_tokens: int,
+    ) -> None:
+        end = time.monotonic()
+        validated = timer.validated or end
+        record = RequestRecord(
+            method=method,
+            total_seconds=end - timer.start,
+            validation_seconds=validated - timer.start,
+            queue_seconds=timer.queue_seconds,
+            inference_seconds=timer.inference_seconds,
+            input_tokens=options.input_length,
+            generated_tokens=generated_tokens,
+            max_new_tokens=max_new_tokens,
+        )
+        self.metrics.observe_success(record)
+        log_request(
+            self._log,
+            "request finished",
+            logging.INFO,
+            request_id=request_id,
+            method=method,
+            status="ok",
+            input_tokens=record.input_tokens,
+            generated_tokens=generated_tokens,
+            finish_reason=finish_reason.value,
+            best_of=options.best_of,
+            total_ms=round(record.total_seconds * 1e3, 3),
+            validation_ms=round(record.validation_seconds * 1e3, 3),
+            queue_ms=round(record.queue_seconds * 1e3, 3),
+            inference_ms=round(record.inference_seconds * 1e3, 3),
+            time_to_first_token_ms=_ms(timer.first_token, timer.start),
+        )
+
+    def _record_failure(
+        self,
+        method: str,
+        request_id: str,
+        timer: _Timer,
+        options: ResponseOptions | None,
+        error: BaseException,
+        events_sent: int = 0,
+    ) -> None:
+        if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+            reason, message, level = "cancelled", "client cancelled", logging.INFO
+        else:
+            reason = classify(error).error_type
+            message = str(error) or type(error).__name__
+            level = logging.INFO if reason == "validation" else logging.WARNING
+        self.metrics.observe_failure(method, reason)
+        log_request(
+            self._log,
+            "request failed",
+            level,
+            request_id=request_id,
+            method=method,
+            status=reason,
+            error=message,
+            input_tokens=options.input_length if options else None,
+            events_sent=events_sent,
+            total_ms=round((time.monotonic() - timer.start) * 1e3, 3),
+            time_to_first_token_ms=_ms(timer.first_token, timer.start),
+        )
+
+
+def _ms(end: float | None, start: float) -> float | None:
+    return None if end is None else round((end - start) * 1e3, 3)
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    """The first real error of a TaskGroup failure (best_of), else the error itself."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What Info reports: the model, the shards and the router's limits."""
+
+    model_id: str
+    model_sha: str | None
+    model_dtype: str
+    model_device_type: str
+    model_pipeline_tag: str | None
+    max_concurrent_requests: int
+    max_best_of: int
+    max_stop_sequences: int
+    max_input_tokens: int
+    max_total_tokens: int
+    validation_workers: int
+    max_client_batch_size: int
+    version: str
+    max_top_n_tokens: int
+    max_batch_total_tokens: int
+    block_size: int
+    num_kv_blocks: int
+    num_shard: int
+    router: str = "tokenwire-router"
+    sha: str | None = None
+    docker_label: str | None = None

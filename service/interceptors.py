@@ -1,0 +1,247 @@
+"""Server interceptors of the public API: request ids, API-key auth, and the ONE place where
+domain errors become gRPC status codes.
+
+Order them outermost first: `[RequestIdInterceptor(), ErrorInterceptor(), AuthInterceptor(key)]`,
+so that every failure (auth included) is mapped and every answer carries its request id.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hmac
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from service.errors import UnauthenticatedError, classify, is_domain_error, public_message
+
+REQUEST_ID_KEY = "x-request-id"
+# Health and reflection stay open without an API key (probes, grpcurl/buf curl discovery).
+OPEN_METHOD_PREFIXES: tuple[str, ...] = (
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.",
+    "/tokenwire.v1.TextGeneration/Health",
+)
+_VALID_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
+
+_request_id: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "tokenwire_request_id", default=""
+)
+_log = logging.getLogger("tokenwire.grpc")
+
+Unary = Callable[[Any, aio.ServicerContext], Awaitable[Any]]
+Streaming = Callable[[Any, aio.ServicerContext], AsyncIterator[Any]]
+
+
+def current_request_id() -> str:
+    """The request id of the call being served (set by RequestIdInterceptor); a fresh one when
+    called outside an intercepted call."""
+    return _request_id.get() or uuid.uuid4().hex
+
+
+def _metadata(details: grpc.HandlerCallDetails, key: str) -> str | None:
+    for item in details.invocation_metadata or ():
+        if item.key == key:
+            value = item.value
+            return value.decode("latin-1") if isinstance(value, bytes) else value
+    return None
+
+
+class _WrappingInterceptor(aio.ServerInterceptor):
+    """Wraps the behaviour of unary-unary and unary-stream handlers; others pass through."""
+
+    def applies(self, method: str) -> bool:
+        # Only the public API: grpc health and reflection are served untouched.
+        return method.startswith("/tokenwire.")
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if (
+            handler is None
+            or handler.request_streaming
+            or not self.applies(handler_call_details.method)
+        ):
+            return handler
+        details = handler_call_details
+        if handler.response_streaming:
+            inner_stream: Streaming = handler.unary_stream
+
+            def stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+                return self.around_stream(inner_stream, request, context, details)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, handler.request_deserializer, handler.response_serializer
+            )
+        inner_unary: Unary = handler.unary_unary
+
+        async def unary(request: Any, context: aio.ServicerContext) -> Any:
+            return await self.around_unary(inner_unary, request, context, details)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary, handler.request_deserializer, handler.response_serializer
+        )
+
+    async def around_unary(
+        self,
+        behavior: Unary,
+        request: Any,
+        context: aio.ServicerContext,
+        details: grpc.HandlerCallDetails,
+    ) -> Any:
+        return await behavior(request, context)
+
+    async def around_stream(
+        self,
+        behavior: Streaming,
+        request: Any,
+        context: aio.ServicerContext,
+        details: grpc.HandlerCallDetails,
+    ) -> AsyncIterator[Any]:
+        async with aclosing(behavior(request, context)) as responses:
+            async for response in responses:
+                yield response
+
+
+class RequestIdInterceptor(_WrappingInterceptor):
+    """Takes the client's `x-request-id` (printable ASCII, at most 128 characters) or makes one,
+    exposes it through `current_request_id()` and echoes it in the response's initial metadata."""
+
+    def _begin(self, details: grpc.HandlerCallDetails) -> tuple[str, contextvars.Token[str]]:
+        given = _metadata(details, REQUEST_ID_KEY)
+        request_id = given if given and _VALID_REQUEST_ID.match(given) else uuid.uuid4().hex
+        return request_id, _request_id.set(request_id)
+
+    async def around_unary(
+        self,
+        behavior: Unary,
+        request: Any,
+        context: aio.ServicerContext,
+        details: grpc.HandlerCallDetails,
+    ) -> Any:
+        request_id, token = self._begin(details)
+        try:
+            await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
+            return await behavior(request, context)
+        finally:
+            _request_id.reset(token)
+
+    async def around_stream(
+        self,
+        behavior: Streaming,
+        request: Any,
+        context: aio.ServicerContext,
+        details: grpc.HandlerCallDetails,
+    ) -> AsyncIterator[Any]:
+        request_id, token = self._begin(details)
+        try:
+            await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
+            async with aclosing(behavior(request, context)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            try:
+                _request_id.reset(token)
+            except ValueError:  # closed from another context (generator finalisation)
+                pass
+
+
+class ErrorInterceptor(_WrappingInterceptor):
+    """Maps exceptions to status codes (see `service.errors.classify`); unexpected exceptions are
+    logged with their traceback and answered INTERNAL without internals."""
+
+    async def _abort(self, context: aio.ServicerContext, error: Exception) -> None:
+        kind = classify(error)
+        if not is_domain_error(error):
+            _log.exception(
+                "unexpected error serving request %s", current_request_id(), exc_info=error
+            )
+        await context.abort(kind.code, public_message(error))
+
+    async def around_unary(
+        self,
+        behavior: Unary,
+        request: Any,
+        context: aio.ServicerContext,
+        details: grpc.HandlerCallDetails,
+    ) -> Any:
+        try:
+            return await behavior(request, context)
+        except aio.AbortError:
+            raise
+        except Exception as error:  # noqa: BLE001 - this is the mapping point
+            await self._abort(context, error)
+
+    async def around_stream(
+        self,
+        behavior: Streaming,
+        request: Any,
+        context: aio.ServicerContext,
+        details: grpc.HandlerCallDetails,
+    ) -> AsyncIterator[Any]:
+        try:
+            async with aclosing(behavior(request, context)) as responses:
+                async for response in responses:
+                    yield response
+        except aio.AbortError:
+            raise
+        except Exception as error:  # noqa: BLE001 - this is the mapping point
+            await self._abort(context, error)
+
+
+class AuthInterceptor(_WrappingInterceptor):
+    """Requires `authorization: Bearer <key>` on every method but health and reflection."""
+
+    def __init__(self, api_key: str) -> None:
+        if not api_key:
+            raise ValueError("AuthInterceptor needs a non-empty API key")
+        self._expected = f"Bearer {api_key}".encode()
+
+    def applies(self, method: str) -> bool:
+        return super().applies(method) and not method.startswith(OPEN_METHOD_PREFIXES)
+
+    def _check(self, details: grpc.HandlerCallDetails) -> None:
+        given = _metadata(details, "authorization")
+        if given is None:
+            raise UnauthenticatedError("missing 'authorization: Bearer <api key>' metadata")
+        if not hmac.compare_digest(given.encode("latin-1", "replace"), self._expected):
+            raise UnauthenticatedError("invalid API key in 'authorization' metadata")
+
+    async def around_unary(
+        self,
+        behavior: Unary,
+        request: Any,
+        context: aio.ServicerContext,
+        details: grpc.HandlerCallDetails,
+    ) -> Any:
+        self._check(details)
+        return await behavior(request, context)
+
+    async def around_stream(
+        self,
+        behavior: Streaming,
+        request: Any,
+        context: aio.ServicerContext,
+        details: grpc.HandlerCallDetails,
+    ) -> AsyncIterator[Any]:
+        self._check(details)
+        async with aclosing(behavior(request, context)) as responses:
+            async for response in responses:
+                yield response
+
+
+def server_interceptors(api_key: str | None) -> list[aio.ServerInterceptor]:
+    """The public server's interceptors, outermost first."""
+    interceptors: list[aio.ServerInterceptor] = [RequestIdInterceptor(), ErrorInterceptor()]
+    if api_key:
+        interceptors.append(AuthInterceptor(api_key))
+    return interceptors

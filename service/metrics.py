@@ -1,0 +1,179 @@
+"""Prometheus metrics of the router: per-request histograms observed by the generation service and
+the engine's live counters, read from `Engine.stats()` at scrape time by a custom collector.
+
+Everything hangs off one `CollectorRegistry` per server (no module-level registry), so two routers
+in one process (tests) keep separate numbers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from service.engine_api import EngineStats
+
+PREFIX = "tokenwire"
+# Seconds: from sub-millisecond (validation, inter-token on a GPU) to minutes (long requests).
+_DURATION_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 120.0,
+)  # fmt: skip
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What one finished client request measured; fed to metrics and to the request log line."""
+
+    method: str  # "generate" | "generate_stream"
+    total_seconds: float
+    validation_seconds: float
+    queue_seconds: float
+    inference_seconds: float
+    input_tokens: int
+    generated_tokens: int
+    max_new_tokens: int
+
+
+class EngineCollector(Collector):
+    """Turns `EngineStats` into metric families when Prometheus scrapes."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+
+    def describe(self) -> list[Metric]:
+        # Names are fixed except `extra`; an empty describe keeps registration from calling
+        # collect() (and the engine) at construction.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        gauges = (
+            ("queue_size", "Requests admitted and waiting for their first step", s.queued),
+            ("running_requests", "Requests holding KV blocks", s.running),
+            ("batch_current_size", "Requests in the last engine step", s.last_batch_size),
+            ("kv_blocks_total", "KV cache blocks", s.kv_blocks_total),
+            ("kv_blocks_free", "KV cache blocks free or evictable", s.kv_blocks_free),
+            (
+                "kv_blocks_used",
+                "KV cache blocks held by requests",
+                s.kv_blocks_total - s.kv_blocks_free,
+            ),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        counters = (
+            ("engine_steps", "Engine steps run", s.steps),
+            (
+                "prefill_tokens_computed",
+                "Prompt tokens computed by the shards",
+                s.prefill_tokens_computed,
+            ),
+            (
+                "prefix_cache_hit_tokens",
+                "Prompt tokens served by the prefix cache",
+                s.prefix_cache_hit_tokens,
+            ),
+            ("preemptions", "Requests preempted (freed and recomputed later)", s.preemptions),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        for key, value in sorted(s.extra.items()):
+            name = re.sub(r"[^a-zA-Z0-9_]", "_", key)
+            yield GaugeMetricFamily(
+                f"{PREFIX}_engine_{name}", f"Engine statistic {key}", value=value
+            )
+
+
+class ServerMetrics:
+    """The router's metrics, registered in their own registry."""
+
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats] | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.request_count = Counter(
+            f"{PREFIX}_request_count", "Client requests received", ["method"], registry=r
+        )
+        self.request_success = Counter(
+            f"{PREFIX}_request_success", "Client requests that completed", ["method"], registry=r
+        )
+        self.request_failure = Counter(
+            f"{PREFIX}_request_failure",
+            "Client requests that failed, by reason (validation, overloaded, unavailable, deadline, "
+            "generation, cancelled)",
+            ["method", "reason"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            f"{PREFIX}_requests_in_flight", "Client requests being served", registry=r
+        )
+        self.serving = Gauge(
+            f"{PREFIX}_serving", "1 while health is SERVING, 0 otherwise", registry=r
+        )
+
+        def seconds(name: str, doc: str) -> Histogram:
+            return Histogram(f"{PREFIX}_{name}", doc, buckets=_DURATION_BUCKETS, registry=r)
+
+        def tokens(name: str, doc: str) -> Histogram:
+            return Histogram(f"{PREFIX}_{name}", doc, buckets=_TOKEN_BUCKETS, registry=r)
+
+        self.duration = seconds("request_duration_seconds", "Request duration, arrival to end")
+        self.validation_duration = seconds(
+            "request_validation_duration_seconds", "Validation and tokenization time"
+        )
+        self.queue_duration = seconds(
+            "request_queue_duration_seconds", "Admission to the first scheduled step"
+        )
+        self.inference_duration = seconds(
+            "request_inference_duration_seconds", "First scheduled step to finish"
+        )
+        self.time_to_first_token = seconds(
+            "time_to_first_token_seconds", "Request arrival to its first generated token"
+        )
+        self.inter_token_latency = seconds(
+            "inter_token_latency_seconds", "Time between consecutive tokens of one sequence"
+        )
+        self.input_tokens = tokens("request_input_length", "Prompt tokens per request")
+        self.generated_tokens = tokens("request_generated_tokens", "Generated tokens per request")
+        self.max_new_tokens = tokens("request_max_new_tokens", "max_new_tokens per request")
+        if stats is not None:
+            r.register(EngineCollector(stats))
+
+    def observe_success(self, record: RequestRecord) -> None:
+        self.request_success.labels(record.method).inc()
+        self.duration.observe(record.total_seconds)
+        self.validation_duration.observe(record.validation_seconds)
+        self.queue_duration.observe(record.queue_seconds)
+        self.inference_duration.observe(record.inference_seconds)
+        self.input_tokens.observe(record.input_tokens)
+        self.generated_tokens.observe(record.generated_tokens)
+        self.max_new_tokens.observe(record.max_new_tokens)
+
+    def observe_failure(self, method: str, reason: str) -> None:
+        self.request_failure.labels(method, reason).inc()
+
+
+class MetricsServer:
+    """The HTTP endpoint Prometheus scrapes (`/metrics`), on its own daemon thread."""
+
+    def __init__(self, registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> None:
+        self._server: WSGIServer
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,144 @@
+"""The public gRPC servicer (`tokenwire.v1.TextGeneration`) and the standard health reporting.
+
+Thin by design: decode the proto (service.convert), call the domain (service.generation), encode
+the reply. Errors propagate to service.interceptors.ErrorInterceptor, which maps them; the one
+exception is a stream that already sent events, which also reports its failure in band.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+
+from grpc import aio
+from grpc_health.v1 import health, health_pb2
+from tokenwire.v1 import generate_pb2 as pb
+from tokenwire.v1 import generate_pb2_grpc
+
+from service import convert
+from service.engine_api import DrainingError, ShardUnavailableError
+from service.errors import classify, public_message
+from service.generation import GenerationService, ServerInfo
+from service.interceptors import current_request_id
+from service.metrics import ServerMetrics
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+_log = logging.getLogger("tokenwire.router")
+
+
+class HealthReporter:
+    """Whether the router can generate, published through `grpc.health.v1.Health` (for the
+    whole server "" and for TextGeneration), the public Health RPC and a metric.
+
+    NOT_SERVING until `set_ready()` (shards warmed up), and again once draining or after a
+    shard failure (which is final: the launcher restarts the deployment)."""
+
+    def __init__(self, metrics: ServerMetrics | None = None) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self._metrics = metrics
+        self._ready = False
+        self._reason = "warming up"
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def serving(self) -> bool:
+        return self._ready
+
+    @property
+    def reason(self) -> str:
+        """Why the server is not serving ("" when it is)."""
+        return "" if self._ready else self._reason
+
+    async def _publish(self) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if self._ready
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", SERVICE_NAME):
+            await self.servicer.set(service, status)
+        if self._metrics is not None:
+            self._metrics.serving.set(1.0 if self._ready else 0.0)
+
+    async def start(self) -> None:
+        """Publishes the initial NOT_SERVING."""
+        await self._publish()
+
+    async def set_ready(self) -> None:
+        if self._reason == "warming up":
+            self._ready, self._reason = True, ""
+            await self._publish()
+
+    async def set_not_serving(self, reason: str) -> None:
+        if self._ready or self._reason != reason:
+            _log.warning("health: NOT_SERVING (%s)", reason)
+        self._ready, self._reason = False, reason
+        await self._publish()
+
+    def shard_failed(self) -> None:
+        """Synchronous hook for the domain: a shard failed."""
+        if self._reason == "shard failure":
+            return
+        self._ready, self._reason = False, "shard failure"
+        task = asyncio.get_running_loop().create_task(self.set_not_serving("shard failure"))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
+    """tokenwire.v1.TextGeneration over a GenerationService."""
+
+    def __init__(
+        self,
+        service: GenerationService,
+        info: Callable[[], ServerInfo],
+        health_reporter: HealthReporter,
+    ) -> None:
+        self._service = service
+        self._info = info
+        self._health = health_reporter
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: aio.ServicerContext
+    ) -> pb.GenerateResponse:
+        outcome = await self._service.generate(
+            convert.generate_input(request),
+            request_id=current_request_id(),
+            deadline=convert.deadline(context.time_remaining()),
+        )
+        return convert.generate_response(outcome)
+
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        items = self._service.stream(
+            convert.generate_input(request),
+            request_id=current_request_id(),
+            deadline=convert.deadline(context.time_remaining()),
+        )
+        sent = 0
+        async with aclosing(items):
+            try:
+                async for item in items:
+                    yield convert.stream_response(item)
+                    sent += 1
+            except Exception as error:
+                if sent:
+                    # HTTP/1.1 SSE clients behind Envoy never see trailers: say it in band too.
+                    yield convert.stream_error(sent, classify(error), public_message(error))
+                raise
+
+    async def Info(self, request: pb.InfoRequest, context: aio.ServicerContext) -> pb.InfoResponse:
+        return convert.info_response(self._info())
+
+    async def Health(
+        self, request: pb.HealthRequest, context: aio.ServicerContext
+    ) -> pb.HealthResponse:
+        if not self._health.serving:
+            reason = self._health.reason
+            if reason == "draining":
+                raise DrainingError("the server is draining")
+            raise ShardUnavailableError(f"not serving: {reason}")
+        return pb.HealthResponse()

@@ -1,0 +1,55 @@
+"""The model's `tokenizers` tokenizer, run on worker threads so the event loop never tokenizes.
+
+`tokenizers` releases the GIL while encoding, so `--validation-workers` threads tokenize in
+parallel with the event loop serving streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Protocol
+
+
+class Encoder(Protocol):
+    """What validation needs from a tokenizer."""
+
+    async def encode(self, text: str) -> tuple[int, ...]:
+        """Token ids of `text` with the model's special tokens (BOS) added, as the model saw them
+        in training."""
+        ...
+
+
+class TokenizerPool:
+    """A `tokenizers.Tokenizer` loaded from `tokenizer.json` with a pool of worker threads."""
+
+    def __init__(self, tokenizer_json: Path | str, workers: int = 2) -> None:
+        from tokenizers import Tokenizer
+
+        path = Path(tokenizer_json)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"--tokenizer: no tokenizer.json at {path}")
+        self._tokenizer = Tokenizer.from_file(str(path))
+        # Truncation and padding are the router's business (parameters.truncate), not the file's.
+        self._tokenizer.no_truncation()
+        self._tokenizer.no_padding()
+        self._executor = ThreadPoolExecutor(
+            max_workers=max(1, workers), thread_name_prefix="tokenize"
+        )
+
+    def _encode_sync(self, text: str) -> tuple[int, ...]:
+        return tuple(self._tokenizer.encode(text, add_special_tokens=True).ids)
+
+    async def encode(self, text: str) -> tuple[int, ...]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._encode_sync, text)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids` (synchronous; for tests and tools)."""
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
