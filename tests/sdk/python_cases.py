@@ -1,0 +1,247 @@
+"""Acceptance cases for the installed Python SDK, run by tests/sdk/test_python_sdk.py inside a
+fresh virtualenv that holds only the `tokenwire-client` wheel and its dependencies (so: stdlib and
+the SDK only here, no pytest).
+
+    python python_cases.py TARGET README.md OUT.json  ->  OUT.json: {case: null | "failure text"}
+
+Also runs every ```python block of the SDK's README, with "localhost:50051" replaced by TARGET.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+
+import tokenwire_client as tw
+
+PROMPT = "The quick brown fox"
+
+
+def check(condition: bool, what: str) -> None:
+    if not condition:
+        raise AssertionError(what)
+
+
+# ---- sync client ---------------------------------------------------------------------------
+
+
+def sync_generate(target: str) -> None:
+    with tw.Client(target, timeout=60) as client:
+        response = client.generate(PROMPT, max_new_tokens=5, details=True, temperature=0)
+    check(isinstance(response, tw.GenerateResponse), f"type {type(response)}")
+    check(isinstance(response.generated_text, str), "generated_text is a str")
+    check(response.details is not None, "details present")
+    check(response.details.generated_tokens == len(response.details.tokens), "token count")
+    check(1 <= response.details.generated_tokens <= 5, f"{response.details.generated_tokens}")
+    check(response.details.finish_reason in {"length", "eos_token", "stop_sequence"}, "reason")
+
+
+def sync_stream_cancel(target: str) -> None:
+    with tw.Client(target, timeout=60) as client:
+        events = []
+        with client.generate_stream(PROMPT, max_new_tokens=40, temperature=0) as stream:
+            for event in stream:
+                check(isinstance(event, tw.GenerateStreamResponse), f"type {type(event)}")
+                check(event.token is not None, "token present")
+                events.append(event)
+                if len(events) == 2:
+                    stream.cancel()
+        check(len(events) == 2, f"stream stopped after cancel: {len(events)} events")
+        check([e.index for e in events] == [0, 1], "indices")
+        # A full stream on the same client still works after the cancel.
+        full = list(client.generate_stream(PROMPT, max_new_tokens=3, temperature=0))
+        check(full[-1].generated_text is not None, "last event carries generated_text")
+
+
+def sync_validation_error(target: str) -> None:
+    with tw.Client(target, timeout=60) as client:
+        try:
+            client.generate(PROMPT, max_new_tokens=5, top_p=1.5)
+        except tw.ValidationError as error:
+            check(error.code == "INVALID_ARGUMENT", error.code)
+            check("top_p" in error.message, f"message names the field: {error.message}")
+        else:
+            raise AssertionError("top_p=1.5 was accepted")
+        try:
+            for _ in client.generate_stream("", max_new_tokens=5):
+                pass
+        except tw.ValidationError as error:
+            check("inputs" in error.message, f"message names the field: {error.message}")
+        else:
+            raise AssertionError("empty inputs were accepted on the stream")
+
+
+def sync_deadline(target: str) -> None:
+    with tw.Client(target) as client:
+        started = time.monotonic()
+        try:
+            client.generate(PROMPT, max_new_tokens=50, timeout=0.001)
+        except tw.DeadlineExceededError as error:
+            check(isinstance(error, TimeoutError), "also a TimeoutError")
+        else:
+            raise AssertionError("a 1 ms deadline was met")
+        check(time.monotonic() - started < 10, "deadline returned promptly")
+        try:
+            for _ in client.generate_stream(PROMPT, max_new_tokens=50, timeout=0.001):
+                pass
+        except tw.DeadlineExceededError:
+            pass
+        else:
+            raise AssertionError("a 1 ms stream deadline was met")
+
+
+def sync_info(target: str) -> None:
+    with tw.Client(target, timeout=30) as client:
+        info = client.info()
+    check(isinstance(info, tw.InfoResponse), f"type {type(info)}")
+    check(info.version == tw.__version__, f"server {info.version} vs sdk {tw.__version__}")
+    check(info.router == "tokenwire-router", info.router)
+    check(info.max_total_tokens > 0, "max_total_tokens")
+
+
+def sync_health(target: str) -> None:
+    with tw.Client(target, timeout=30) as client:
+        check(client.health() is True, "healthy")
+    # Nothing listens on port 1: not an exception, just not healthy.
+    with tw.Client("127.0.0.1:1", timeout=5) as client:
+        check(client.health() is False, "unreachable server is not healthy")
+
+
+# ---- async client --------------------------------------------------------------------------
+
+
+async def async_generate(target: str) -> None:
+    async with tw.AsyncClient(target, timeout=60) as client:
+        response = await client.generate(PROMPT, max_new_tokens=5, details=True, temperature=0)
+        # Two concurrent calls share the connection.
+        both = await asyncio.gather(
+            client.generate(PROMPT, max_new_tokens=2), client.generate(PROMPT, max_new_tokens=3)
+        )
+    check(isinstance(response, tw.GenerateResponse), f"type {type(response)}")
+    check(response.details is not None, "details present")
+    check(1 <= response.details.generated_tokens <= 5, f"{response.details.generated_tokens}")
+    check(all(isinstance(r.generated_text, str) for r in both), "concurrent calls answered")
+
+
+async def async_stream_cancel(target: str) -> None:
+    async with tw.AsyncClient(target, timeout=60) as client:
+        events = []
+        async with client.generate_stream(PROMPT, max_new_tokens=40, temperature=0) as stream:
+            async for event in stream:
+                events.append(event)
+                if len(events) == 2:
+                    await stream.cancel()
+        check(len(events) == 2, f"stream stopped after cancel: {len(events)} events")
+        full = [e async for e in client.generate_stream(PROMPT, max_new_tokens=3)]
+        check(full[-1].generated_text is not None, "last event carries generated_text")
+
+
+async def async_validation_error(target: str) -> None:
+    async with tw.AsyncClient(target, timeout=60) as client:
+        try:
+            await client.generate(PROMPT, max_new_tokens=5, top_p=1.5)
+        except tw.ValidationError as error:
+            check("top_p" in error.message, f"message names the field: {error.message}")
+        else:
+            raise AssertionError("top_p=1.5 was accepted")
+        try:
+            async for _ in client.generate_stream("", max_new_tokens=5):
+                pass
+        except tw.ValidationError as error:
+            check("inputs" in error.message, f"message names the field: {error.message}")
+        else:
+            raise AssertionError("empty inputs were accepted on the stream")
+
+
+async def async_deadline(target: str) -> None:
+    async with tw.AsyncClient(target) as client:
+        try:
+            await client.generate(PROMPT, max_new_tokens=50, timeout=0.001)
+        except tw.DeadlineExceededError:
+            pass
+        else:
+            raise AssertionError("a 1 ms deadline was met")
+        try:
+            async for _ in client.generate_stream(PROMPT, max_new_tokens=50, timeout=0.001):
+                pass
+        except tw.DeadlineExceededError:
+            pass
+        else:
+            raise AssertionError("a 1 ms stream deadline was met")
+        # The client is still usable after a deadline.
+        check(await client.health(), "healthy after a deadline")
+
+
+async def async_info(target: str) -> None:
+    async with tw.AsyncClient(target, timeout=30) as client:
+        info = await client.info()
+    check(info.version == tw.__version__, f"server {info.version} vs sdk {tw.__version__}")
+    check(info.max_total_tokens > 0, "max_total_tokens")
+
+
+async def async_health(target: str) -> None:
+    async with tw.AsyncClient(target, timeout=30) as client:
+        check(await client.health() is True, "healthy")
+    async with tw.AsyncClient("127.0.0.1:1", timeout=5) as client:
+        check(await client.health() is False, "unreachable server is not healthy")
+
+
+def packaging(target: str) -> None:
+    import importlib.util
+
+    # Nothing but tokenwire_client at top level: the generated google/ must not shadow google.*.
+    spec = importlib.util.find_spec("tokenwire_client._generated.google.protobuf")
+    check(spec is not None, "generated google package lives inside tokenwire_client")
+    check(importlib.util.find_spec("google") is None, "no top-level google package installed")
+    check(importlib.util.find_spec("tokenwire") is None, "no top-level tokenwire package")
+
+
+# ---- runner --------------------------------------------------------------------------------
+
+SYNC_CASES: dict[str, Callable[[str], None]] = {
+    f.__name__: f
+    for f in (sync_generate, sync_stream_cancel, sync_validation_error, sync_deadline, sync_info,
+              sync_health, packaging)
+}
+ASYNC_CASES: dict[str, Callable[[str], Awaitable[None]]] = {
+    f.__name__: f
+    for f in (async_generate, async_stream_cancel, async_validation_error, async_deadline,
+              async_info, async_health)
+}
+
+
+def readme_blocks(readme: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL)
+
+
+def _outcome(run: Callable[[], object]) -> str | None:
+    try:
+        run()
+    except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+        return traceback.format_exc()
+    return None
+
+
+def main() -> None:
+    target, readme_path, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
+    results: dict[str, str | None] = {}
+    for name, case in SYNC_CASES.items():
+        results[name] = _outcome(lambda: case(target))
+    for name, acase in ASYNC_CASES.items():
+        results[name] = _outcome(lambda: asyncio.run(acase(target)))
+    with open(readme_path, encoding="utf-8") as readme:
+        blocks = readme_blocks(readme.read())
+    for i, block in enumerate(blocks):
+        code = block.replace("localhost:50051", target)
+        results[f"readme_example_{i}"] = _outcome(lambda: exec(compile(code, f"README[{i}]", "exec"), {}))
+    with open(out_path, "w", encoding="utf-8") as out:
+        json.dump(results, out)
+
+
+if __name__ == "__main__":
+    main()
