@@ -124,7 +124,9 @@ class Sampler:
         """
         num_seqs, vocab = logits.shape
         if not (len(params) == len(token_histories) == len(generated_counts) == len(top_n)):
-            raise ValueError("params, token_histories, generated_counts and top_n must match logits")
+            raise ValueError(
+                "params, token_histories, generated_counts and top_n must match logits"
+            )
         if num_seqs != len(params):
             raise ValueError(f"logits has {num_seqs} rows but {len(params)} params were given")
         if num_seqs == 0:
@@ -206,7 +208,9 @@ class Sampler:
             scores = torch.where(present, penalised, scores)
         freq = [p.frequency_penalty for p in params]
         if any(f != 0.0 for f in freq):
-            generated = [h[len(h) - c :] if c > 0 else [] for h, c in zip(histories, generated_counts)]
+            generated = [
+                h[len(h) - c :] if c > 0 else [] for h, c in zip(histories, generated_counts)
+            ]
             ids = _pad(generated, pad=vocab, device=device)  # [num_seqs, max_gen]
             counts = torch.zeros(num_seqs, vocab + 1, dtype=scores.dtype, device=device)
             counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=scores.dtype))
@@ -216,12 +220,17 @@ class Sampler:
 
 
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """Right-pads id lists into an int64 tensor [len(rows), max(1, longest)]."""
+    """Right-pads id lists into an int64 tensor [len(rows), max(1, longest)].
+
+    Ids outside [0, pad) also become ``pad``: an out-of-range id would otherwise be a device-side
+    assert in scatter on CUDA, taking the whole shard down for one bad request.
+    """
     width = max(1, max(len(r) for r in rows))
     out = torch.full((len(rows), width), pad, dtype=torch.long)
     for i, r in enumerate(rows):
         if r:
             out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    out.masked_fill_((out < 0) | (out > pad), pad)
     return out.to(device, non_blocking=True)
 
 
@@ -231,7 +240,7 @@ def _warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     Tokens outside a row's allowed set become -inf. Each warper runs only when some row uses it
     and leaves rows with the neutral value unchanged.
     """
-    n, vocab = scores.shape
+    vocab = scores.shape[-1]
     device = scores.device
     temps = [p.temperature for p in params]
     if any(t != 1.0 for t in temps):

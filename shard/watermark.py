@@ -13,6 +13,7 @@ watermarked row on the host and one host-to-device copy; no device-to-host synch
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -75,7 +76,7 @@ class Watermark:
         if scored <= 0:
             return 0.0
         green = 0
-        for prev, tok in zip(token_ids[:-1], token_ids[1:]):
+        for prev, tok in itertools.pairwise(token_ids):
             green += int(bool((self.green_ids(prev, vocab_size) == tok).any()))
         expected = self.gamma * scored
         return (green - expected) / math.sqrt(scored * self.gamma * (1.0 - self.gamma))
