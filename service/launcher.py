@@ -1,0 +1,433 @@
+"""`tokenwire launch`: start the shards, the router and (with --http-port) Envoy, and supervise them.
+
+Order: resolve the model (a local directory, a hub id through `shard.download.resolve_model`, or
+with no --model-id the embedded tiny model, generated once into the cache directory); start
+`--num-shard` shard processes on unix sockets under a per-launch temporary directory and wait until
+each answers its Health RPC; start the router and wait until its grpc.health.v1 status is SERVING
+(it warms the shards up first); start Envoy and wait until it answers HTTP.
+
+Then supervise: SIGINT/SIGTERM drain gracefully (the router stops admitting and finishes in-flight
+requests for up to --graceful-timeout, then Envoy and the shards stop); if any child exits on its
+own, everything is torn down and the launcher exits non-zero naming the component
+("shard 1 exited with code -9").
+
+Flags that belong to the router or the shards pass through unchanged when given; when not given,
+the component's own default applies. Each flag can also come from the environment variable TGI
+users expect (MODEL_ID, NUM_SHARD, PORT, HOSTNAME, MAX_INPUT_TOKENS, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TINY_MODEL_NAME = "tiny-llama-v1"
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class PassThrough:
+    """A flag forwarded verbatim to the router or the shards."""
+
+    flag: str
+    type: Any
+    env: tuple[str, ...]
+    help: str
+    target: str  # "router" | "shard"
+    is_bool: bool = False
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+PASS_THROUGH: tuple[PassThrough, ...] = (
+    # Router limits and scheduling (TGI's names).
+    PassThrough("--max-concurrent-requests", int, ("MAX_CONCURRENT_REQUESTS",), "requests in flight before 429", "router"),
+    PassThrough("--max-best-of", int, ("MAX_BEST_OF",), "largest best_of", "router"),
+    PassThrough("--max-stop-sequences", int, ("MAX_STOP_SEQUENCES",), "most stop sequences", "router"),
+    PassThrough("--max-top-n-tokens", int, ("MAX_TOP_N_TOKENS",), "largest top_n_tokens", "router"),
+    PassThrough("--max-input-tokens", int, ("MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH"), "longest prompt in tokens", "router"),
+    PassThrough("--max-total-tokens", int, ("MAX_TOTAL_TOKENS",), "prompt + generated tokens of one request", "router"),
+    PassThrough("--max-client-batch-size", int, ("MAX_CLIENT_BATCH_SIZE",), "largest client batch", "router"),
+    PassThrough("--max-batch-prefill-tokens", int, ("MAX_BATCH_PREFILL_TOKENS",), "prefill tokens per step", "router"),
+    PassThrough("--max-batch-total-tokens", int, ("MAX_BATCH_TOTAL_TOKENS",), "KV cache tokens (default: found by warmup)", "router"),
+    PassThrough("--max-batch-size", int, ("MAX_BATCH_SIZE",), "requests per step", "router"),
+    PassThrough("--waiting-served-ratio", float, ("WAITING_SERVED_RATIO",), "see TGI", "router"),
+    PassThrough("--max-waiting-tokens", int, ("MAX_WAITING_TOKENS",), "see TGI", "router"),
+    PassThrough("--prometheus-port", int, ("PROMETHEUS_PORT",), "router metrics port", "router"),
+    PassThrough("--api-key", str, ("API_KEY",), "require 'authorization: Bearer KEY'", "router"),
+    PassThrough("--json-output", None, ("JSON_OUTPUT",), "structured JSON logs", "router", is_bool=True),
+    # Shards.
+    PassThrough("--dtype", str, ("DTYPE",), "weight dtype (float32, float16, bfloat16)", "shard"),
+    PassThrough("--device", str, ("DEVICE",), "cpu or cuda", "shard"),
+    PassThrough("--block-size", int, ("BLOCK_SIZE",), "tokens per KV cache block", "shard"),
+    PassThrough("--cuda-memory-fraction", float, ("CUDA_MEMORY_FRACTION",), "GPU memory share for the KV cache", "shard"),
+)
+
+
+def _env(*names: str) -> str | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            return value
+    return None
+
+
+def _env_bool(*names: str) -> bool:
+    value = _env(*names)
+    return value is not None and value.lower() in ("1", "true", "yes", "on")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Defaults read the environment when the parser is built (at run time, not import time).
+    parser.description = __doc__.splitlines()[0]
+    parser.add_argument("--model-id", default=_env("MODEL_ID"),
+                        help="local directory or hub id; default: the embedded tiny model [MODEL_ID]")
+    parser.add_argument("--revision", default=_env("REVISION"), help="hub revision [REVISION]")
+    parser.add_argument("--num-shard", type=int, default=_env("NUM_SHARD") or 1,
+                        help="tensor-parallel shard processes [NUM_SHARD]")
+    parser.add_argument("--hostname", default=_env("HOSTNAME") or "127.0.0.1",
+                        help="router (gRPC) listen address [HOSTNAME]")
+    parser.add_argument("--port", type=int, default=_env("PORT") or 50051,
+                        help="router (gRPC) port [PORT]")
+    parser.add_argument("--http-port", type=int, default=_env("HTTP_PORT"),
+                        help="also serve REST/SSE through Envoy on this port [HTTP_PORT]")
+    parser.add_argument("--http-hostname", default=_env("HTTP_HOSTNAME") or "0.0.0.0",
+                        help="Envoy listen address [HTTP_HOSTNAME]")
+    parser.add_argument("--max-request-bytes", type=int, default=_env("MAX_REQUEST_BYTES"),
+                        help="REST body size limit (413 above); default as in envoy/envoy.yaml")
+    parser.add_argument("--envoy-admin-port", type=int, default=_env("ENVOY_ADMIN_PORT") or 0,
+                        help="Envoy admin port on 127.0.0.1 (0: any free port)")
+    parser.add_argument("--shard-uds-path", default=_env("SHARD_UDS_PATH"),
+                        help="socket prefix; rank r listens on PREFIX-r (default: a fresh "
+                        "temporary directory per launch) [SHARD_UDS_PATH]")
+    parser.add_argument("--master-addr", default=_env("MASTER_ADDR") or "127.0.0.1",
+                        help="rendezvous address of the shards [MASTER_ADDR]")
+    parser.add_argument("--master-port", type=int, default=_env("MASTER_PORT"),
+                        help="rendezvous port of the shards (default: a free port) [MASTER_PORT]")
+    parser.add_argument("--graceful-timeout", type=float, default=_env("GRACEFUL_TIMEOUT") or 30.0,
+                        help="seconds to finish in-flight requests on SIGTERM [GRACEFUL_TIMEOUT]")
+    parser.add_argument("--startup-timeout", type=float, default=_env("STARTUP_TIMEOUT") or 600.0,
+                        help="seconds to wait for each component to become ready")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="where the embedded tiny model is generated (default: "
+                        "$TOKENWIRE_CACHE, $XDG_CACHE_HOME/tokenwire or ~/.cache/tokenwire)")
+    for spec in PASS_THROUGH:
+        help_text = f"{spec.target}: {spec.help} [{spec.env[0]}]"
+        if spec.is_bool:
+            parser.add_argument(spec.flag, action="store_true", default=_env_bool(*spec.env),
+                                help=help_text)
+        else:
+            parser.add_argument(spec.flag, type=spec.type, default=_env(*spec.env),
+                                help=help_text)
+
+
+# --- model ---------------------------------------------------------------------------------------
+
+
+def cache_dir(explicit: Path | None = None) -> Path:
+    if explicit is not None:
+        return explicit
+    if os.environ.get("TOKENWIRE_CACHE"):
+        return Path(os.environ["TOKENWIRE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tokenwire"
+
+
+def ensure_tiny_model(cache: Path) -> Path:
+    """The embedded default model: generated once (atomically, so concurrent launches agree)."""
+    target = cache / TINY_MODEL_NAME
+    if (target / "config.json").is_file():
+        return target
+    from shard.tiny_model import TinyModelSpec, make_tiny_model
+
+    cache.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL_NAME}-", dir=cache))
+    make_tiny_model(staging, TinyModelSpec(arch="llama"))
+    try:
+        staging.rename(target)
+    except OSError:  # another launch finished first
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_model(model_id: str | None, revision: str | None, cache: Path) -> tuple[str, Path]:
+    """Returns (model id to report, local directory with weights and tokenizer)."""
+    if model_id is None:
+        return TINY_MODEL_NAME, ensure_tiny_model(cache)
+    if Path(model_id).is_dir():
+        return model_id, Path(model_id).resolve()
+    from shard.download import resolve_model as resolve_hub_model
+
+    return model_id, Path(resolve_hub_model(model_id, revision))
+
+
+# --- processes -----------------------------------------------------------------------------------
+
+
+def _child_setup() -> None:
+    # Own session: a terminal's Ctrl-C reaches the launcher only, which drains in order.
+    # Parent-death signal: children never outlive a launcher killed with SIGKILL.
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    name: str  # "shard 0", "router", "envoy"
+    process: subprocess.Popen[bytes]
+
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+
+def tokenwire_command(subcommand: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "service.cli", subcommand, *args]
+
+
+def _flag_args(args: argparse.Namespace, target: str) -> list[str]:
+    out: list[str] = []
+    for spec in PASS_THROUGH:
+        if spec.target != target:
+            continue
+        value = getattr(args, spec.dest)
+        if spec.is_bool:
+            if value:
+                out.append(spec.flag)
+        elif value is not None:
+            out += [spec.flag, str(value)]
+    return out
+
+
+def shard_command(args: argparse.Namespace, model_dir: Path, rank: int, uds_prefix: str,
+                  master_port: int) -> list[str]:
+    cmd = [
+        "--model-id", str(model_dir),
+        "--rank", str(rank),
+        "--world-size", str(args.num_shard),
+        "--uds-path", uds_prefix,
+        "--master-addr", args.master_addr,
+        "--master-port", str(master_port),
+    ]
+    return tokenwire_command("shard", *cmd, *_flag_args(args, "shard"))
+
+
+def router_command(args: argparse.Namespace, model_id: str, model_dir: Path,
+                   uds_prefix: str) -> list[str]:
+    cmd = [
+        "--hostname", args.hostname,
+        "--port", str(args.port),
+        "--shard-uds-path", uds_prefix,
+        "--model-id", model_id,
+        "--tokenizer", str(model_dir),
+        "--graceful-timeout", str(args.graceful_timeout),
+    ]
+    return tokenwire_command("router", *cmd, *_flag_args(args, "router"))
+
+
+def health_status(target: str, timeout: float = 1.0) -> str | None:
+    """grpc.health.v1 status name of `target` ("SERVING", "NOT_SERVING", ...), None if it does not
+    answer. Servers without grpc.health.v1 (UNIMPLEMENTED) fall back to the shard's Health RPC."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout
+            )
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                return None
+        from tokenwire.shard.v1 import shard_pb2, shard_pb2_grpc
+
+        try:
+            shard_pb2_grpc.ShardServiceStub(channel).Health(
+                shard_pb2.HealthRequest(), timeout=timeout
+            )
+            return "SERVING"
+        except (grpc.RpcError, AttributeError):
+            return None
+
+
+class Launcher:
+    """Owns the child processes of one deployment."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.children: list[Child] = []
+        self.stop_requested = threading.Event()
+        self.signal_received: int | None = None
+        self.gateway: Any = None
+        self._run_dir: tempfile.TemporaryDirectory[str] | None = None
+
+    def log(self, message: str) -> None:
+        print(f"tokenwire launch: {message}", file=sys.stderr, flush=True)
+
+    def on_signal(self, signum: int, _frame: Any) -> None:
+        self.signal_received = signum
+        self.stop_requested.set()
+
+    def spawn(self, name: str, command: list[str]) -> Child:
+        process = subprocess.Popen(command, preexec_fn=_child_setup)  # noqa: PLW1509
+        child = Child(name, process)
+        self.children.append(child)
+        return child
+
+    def dead_child(self) -> Child | None:
+        for child in self.children:
+            if child.exit_code() is not None:
+                return child
+        return None
+
+    def wait_until(self, what: str, ready: Any, timeout: float) -> None:
+        """Polls `ready()` until true; raises if a child dies, a signal arrives or time runs out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            dead = self.dead_child()
+            if dead is not None:
+                raise ChildExited(dead)
+            if self.stop_requested.is_set():
+                raise Interrupted()
+            if ready():
+                return
+            if time.monotonic() > deadline:
+                raise StartupError(f"{what} not ready after {timeout:.0f}s")
+            self.stop_requested.wait(0.1)
+
+    def start(self) -> None:
+        args = self.args
+        model_id, model_dir = resolve_model(args.model_id, args.revision, cache_dir(args.cache_dir))
+        self.log(f"model {model_id} from {model_dir}")
+        if args.shard_uds_path:
+            uds_prefix = args.shard_uds_path
+        else:
+            self._run_dir = tempfile.TemporaryDirectory(prefix="tokenwire-")
+            uds_prefix = str(Path(self._run_dir.name) / "shard")
+        from service.gateway import free_port
+
+        master_port = args.master_port or free_port(args.master_addr)
+        for rank in range(args.num_shard):
+            self.spawn(f"shard {rank}", shard_command(args, model_dir, rank, uds_prefix, master_port))
+        for rank in range(args.num_shard):
+            target = f"unix://{uds_prefix}-{rank}"
+            self.wait_until(f"shard {rank}", lambda t=target: health_status(t) is not None,
+                            args.startup_timeout)
+        self.log(f"{args.num_shard} shard(s) answering on {uds_prefix}-*")
+
+        self.spawn("router", router_command(args, model_id, model_dir, uds_prefix))
+        host = "127.0.0.1" if args.hostname in ("0.0.0.0", "") else args.hostname
+        host = "[::1]" if host == "::" else host
+        self.wait_until("router", lambda: health_status(f"{host}:{args.port}") == "SERVING",
+                        args.startup_timeout)
+        self.log(f"router serving gRPC on {args.hostname}:{args.port}")
+
+        if args.http_port is not None:
+            from service.gateway import Gateway, GatewaySettings
+
+            self.gateway = Gateway(GatewaySettings(
+                http_port=args.http_port,
+                http_host=args.http_hostname,
+                router_host=host.strip("[]"),
+                router_port=args.port,
+                admin_port=args.envoy_admin_port,
+                max_request_bytes=args.max_request_bytes,
+            ), log_level="warning")
+            process = self.gateway.start(preexec_fn=_child_setup)
+            self.children.append(Child("envoy", process))
+            self.wait_until("envoy", self.gateway.answers, 30.0)
+            self.log(f"envoy serving REST/SSE and gRPC on {args.http_hostname}:{args.http_port}")
+        self.log("ready")
+
+    def supervise(self) -> int:
+        while not self.stop_requested.wait(0.2):
+            dead = self.dead_child()
+            if dead is not None:
+                raise ChildExited(dead)
+        return 0
+
+    def _terminate(self, children: list[Child], timeout: float) -> None:
+        for child in children:
+            if child.exit_code() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for child in children:
+            try:
+                child.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.log(f"{child.name} did not stop in time: killing it")
+                child.process.kill()
+                child.process.wait()
+
+    def shutdown(self, graceful: bool) -> None:
+        """Router first (it drains in-flight requests while Envoy still carries them), then
+        Envoy, then the shards."""
+        routers = [c for c in self.children if c.name == "router"]
+        others = [c for c in self.children if c.name == "envoy"]
+        shards = [c for c in self.children if c.name.startswith("shard")]
+        self._terminate(routers, self.args.graceful_timeout + 5.0 if graceful else 5.0)
+        self._terminate(others, 5.0)
+        self._terminate(shards, 10.0)
+        if self.gateway is not None:
+            self.gateway.stop()
+        if self._run_dir is not None:
+            self._run_dir.cleanup()
+
+
+class ChildExited(Exception):
+    def __init__(self, child: Child) -> None:
+        super().__init__(f"{child.name} exited with code {child.exit_code()}")
+        self.child = child
+
+
+class Interrupted(Exception):
+    pass
+
+
+class StartupError(Exception):
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    launcher = Launcher(args)
+    previous = {
+        sig: signal.signal(sig, launcher.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    code = 0
+    graceful = True
+    try:
+        launcher.start()
+        launcher.supervise()
+        launcher.log(f"received {signal.Signals(launcher.signal_received or signal.SIGTERM).name}: "
+                     f"draining (up to {args.graceful_timeout:.0f}s)")
+    except Interrupted:
+        launcher.log("interrupted during startup: stopping")
+    except ChildExited as exc:
+        launcher.log(f"{exc}: stopping everything")
+        code, graceful = 1, False
+    except Exception as exc:  # startup failure: stop what was started, say why
+        launcher.log(f"error: {exc}: stopping everything")
+        code, graceful = 1, False
+    finally:
+        launcher.shutdown(graceful)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if code == 0:
+        launcher.log("stopped")
+    return code

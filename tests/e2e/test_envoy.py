@@ -1,0 +1,260 @@
+"""End to end through the real Envoy binary: REST + SSE transcoding and gRPC pass-through in front
+of a real `tokenwire launch` (router + shard, embedded tiny model, CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from _deploy import REPO, Deployment, free_port, http_json, launch, metric, sse_events
+from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from service.gateway import Gateway, GatewaySettings
+from tokenwire.v1 import generate_pb2 as pb
+from tokenwire.v1 import generate_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+MAX_CONCURRENT = 4
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory):
+    dep = launch(
+        tmp_path_factory.mktemp("envoy"),
+        "--max-concurrent-requests", str(MAX_CONCURRENT),
+        "--max-request-bytes", "65536",
+    )
+    yield dep
+    code = dep.stop()
+    assert code == 0, dep.log()
+
+
+def to_dict(message) -> dict:
+    # The options of the Envoy transcoder: proto field names, primitives always printed.
+    return json_format.MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+
+
+def assert_json_close(a: object, b: object, path: str = "") -> None:
+    """Equal JSON, floats compared as float32 (Envoy and Python print them differently)."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert math.isclose(float(a), float(b), rel_tol=1e-5, abs_tol=1e-6), path
+    elif isinstance(a, dict) and isinstance(b, dict):
+        assert a.keys() == b.keys(), (path, a.keys(), b.keys())
+        for key in a:
+            assert_json_close(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, list) and isinstance(b, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_json_close(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+GREEDY = {"inputs": "The quick brown fox", "parameters": {"max_new_tokens": 12, "details": True}}
+
+
+def test_tgi_readme_curl(deployment: Deployment) -> None:
+    out = subprocess.run(
+        [
+            "curl", "-sS", f"127.0.0.1:{deployment.http_port}/generate", "-X", "POST", "-d",
+            '{"inputs":"Testing API","parameters":{"max_new_tokens":9}}',
+            "-H", "Content-Type: application/json",
+        ],
+        capture_output=True, text=True, check=True, timeout=60,
+    )
+    body = json.loads(out.stdout)
+    assert isinstance(body["generated_text"], str)
+    assert set(body) == {"generated_text"}  # no details unless asked, as in TGI
+
+
+def test_rest_generate_equals_grpc(deployment: Deployment) -> None:
+    status, headers, body = http_json(deployment.http_port, "POST", "/generate", GREEDY)
+    assert status == 200, body
+    assert headers["content-type"] == "application/json"
+    with grpc.insecure_channel(deployment.grpc_target) as channel:
+        reply = pb_grpc.TextGenerationStub(channel).Generate(
+            json_format.ParseDict(GREEDY, pb.GenerateRequest()), timeout=60
+        )
+    assert_json_close(body, to_dict(reply))
+    details = body["details"]
+    assert details["finish_reason"] in ("length", "eos_token")
+    token = details["tokens"][0]
+    assert set(token) == {"id", "text", "logprob", "special"}
+    assert token["special"] is False or token["special"] is True
+
+
+def test_sse_equals_grpc_stream_and_is_spread_over_time(deployment: Deployment) -> None:
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 24, "details": True}}
+    start = time.monotonic()
+    events = list(sse_events(deployment.http_port, body))
+    end = time.monotonic()
+    with grpc.insecure_channel(deployment.grpc_target) as channel:
+        stream = pb_grpc.TextGenerationStub(channel).GenerateStream(
+            json_format.ParseDict(body, pb.GenerateRequest()), timeout=60
+        )
+        expected = [to_dict(m) for m in stream]
+    assert len(events) == len(expected) > 1
+    for (_, got), want in zip(events, expected):
+        assert_json_close(got, want)
+    # TGI's event shape: token{id,text,logprob,special}; generated_text and details last only.
+    for _, event in events[:-1]:
+        assert set(event["token"]) == {"id", "text", "logprob", "special"}
+        assert "generated_text" not in event and "details" not in event
+    last = events[-1][1]
+    assert last["details"]["finish_reason"] in ("length", "eos_token")
+    assert last["generated_text"] == "".join(
+        e["token"]["text"] for _, e in events if not e["token"]["special"]
+    )
+    # Flushed one by one: arrivals are spread over the generation, not one burst at the end.
+    times = [t for t, _ in events]
+    assert times[-1] - times[0] > 0.3 * (end - start) or times[-1] - times[0] > 0.05
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert sum(1 for g in gaps if g > 0.001) >= len(gaps) // 2, gaps
+
+
+def test_info_and_health(deployment: Deployment) -> None:
+    status, _, info = http_json(deployment.http_port, "GET", "/info")
+    assert status == 200, info
+    assert info["max_concurrent_requests"] == MAX_CONCURRENT
+    assert info["model_id"]
+    assert http_json(deployment.http_port, "GET", "/health")[0] == 200
+    status, _, body = http_json(deployment.http_port, "GET", "/nope")
+    assert status == 404 and body["code"] == 5
+
+
+@pytest.mark.parametrize(
+    ("parameters", "field"),
+    [
+        ({"inputs": ""}, "inputs"),
+        ({"inputs": "x", "parameters": {"temperature": -1.0}}, "temperature"),
+        ({"inputs": "x", "parameters": {"top_p": 1.5}}, "top_p"),
+        ({"inputs": "x", "parameters": {"max_new_tokens": 100000}}, "max_new_tokens"),
+    ],
+)
+def test_invalid_input_is_400_naming_the_field(
+    deployment: Deployment, parameters: dict, field: str
+) -> None:
+    for path in ("/generate", "/generate_stream"):
+        status, headers, body = http_json(deployment.http_port, "POST", path, parameters)
+        assert status == 400, (path, body)
+        assert headers["content-type"] == "application/json"
+        assert body["code"] == 3 and field in body["message"], body
+
+
+def test_malformed_json_is_400_json(deployment: Deployment) -> None:
+    status, headers, body = http_json(deployment.http_port, "POST", "/generate", raw=b'{"inputs":')
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert body["code"] == 3 and body["message"]
+
+
+def test_oversized_body_is_413(deployment: Deployment) -> None:
+    big = {"inputs": "a" * 100_000}
+    for path in ("/generate", "/generate_stream"):
+        status, _, body = http_json(deployment.http_port, "POST", path, big)
+        assert status == 413, body
+        assert body["code"] == 3
+
+
+def test_over_capacity_is_429(deployment: Deployment) -> None:
+    body = {"inputs": "The router batches", "parameters": {"max_new_tokens": 200}}
+    results: list[int] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        status, _, reply = http_json(deployment.http_port, "POST", "/generate", body)
+        with lock:
+            results.append(status)
+        if status == 429:
+            assert reply["code"] == 8, reply
+
+    threads = [threading.Thread(target=one) for _ in range(3 * MAX_CONCURRENT)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert results.count(429) >= 1, results
+    assert results.count(200) >= 1, results
+    assert set(results) <= {200, 429}, results
+
+
+def test_disconnect_mid_sse_frees_kv_blocks(deployment: Deployment) -> None:
+    idle_used = metric(deployment.metrics_port, "tokenwire_kv_blocks_used")
+    body = {"inputs": "Paged attention keeps keys", "parameters": {"max_new_tokens": 400}}
+    events = list(sse_events(deployment.http_port, body, limit=3))
+    assert len(events) == 3
+    deadline = time.monotonic() + 15
+    while True:
+        used = metric(deployment.metrics_port, "tokenwire_kv_blocks_used")
+        running = metric(deployment.metrics_port, "tokenwire_running_requests")
+        if used <= idle_used and running == 0:
+            break
+        assert time.monotonic() < deadline, f"blocks used {used} (idle {idle_used}), running {running}"
+        time.sleep(0.2)
+
+
+def test_grpc_clients_through_envoy(deployment: Deployment) -> None:
+    request = json_format.ParseDict(GREEDY, pb.GenerateRequest())
+    with grpc.insecure_channel(deployment.grpc_target) as direct, grpc.insecure_channel(
+        deployment.envoy_target
+    ) as via_envoy:
+        want = pb_grpc.TextGenerationStub(direct).Generate(request, timeout=60)
+        got = pb_grpc.TextGenerationStub(via_envoy).Generate(request, timeout=60)
+        assert got == want
+        stream = list(pb_grpc.TextGenerationStub(via_envoy).GenerateStream(request, timeout=60))
+        assert stream[-1].generated_text == want.generated_text
+        health = health_pb2_grpc.HealthStub(via_envoy).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.TextGenerationStub(via_envoy).Generate(pb.GenerateRequest(inputs=""), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_buf_curl_reflection_through_envoy(deployment: Deployment) -> None:
+    buf = REPO / "node_modules/.bin/buf"
+    if not buf.exists():
+        pytest.skip("buf not installed (npm ci)")
+    base = ["--protocol", "grpc", "--http2-prior-knowledge"]
+    out = subprocess.run(
+        [str(buf), "curl", *base, "--list-services", f"http://{deployment.envoy_target}"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    services = set(out.stdout.split())
+    assert {"tokenwire.v1.TextGeneration", "grpc.health.v1.Health"} <= services, out.stdout
+    out = subprocess.run(
+        [str(buf), "curl", *base, "-d", '{"inputs":"Testing API","parameters":{"max_new_tokens":3}}',
+         f"http://{deployment.envoy_target}/tokenwire.v1.TextGeneration/Generate"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    assert "generatedText" in out.stdout
+
+
+def test_router_down_is_503(tmp_path: Path) -> None:
+    # A real Envoy from the same envoy.yaml whose router is not running.
+    gateway = Gateway(GatewaySettings(http_port=free_port(), http_host="127.0.0.1",
+                                      router_port=free_port()))
+    gateway.start()
+    try:
+        gateway.wait_ready(30)
+        for method, path, body in (("POST", "/generate", {"inputs": "x"}),
+                                   ("POST", "/generate_stream", {"inputs": "x"}),
+                                   ("GET", "/health", None)):
+            status, headers, reply = http_json(gateway.settings.http_port, method, path, body)
+            assert status == 503, reply
+            assert headers["content-type"] == "application/json"
+            assert reply["code"] == 14, reply
+        with grpc.insecure_channel(f"127.0.0.1:{gateway.settings.http_port}") as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.TextGenerationStub(channel).Generate(pb.GenerateRequest(inputs="x"), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        gateway.stop()
