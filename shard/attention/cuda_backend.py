@@ -1,0 +1,114 @@
+"""The CUDA attention backend: Triton paged kernels, flash-attn when a user has it installed.
+
+- write_kv: slot-mapped Triton store (negative slots are skipped, so CUDA-graph padding rows are
+  harmless);
+- decode-only steps: Triton split-KV paged decode (all query heads of a KV head together);
+- steps with prefill chunks: flash-attn's paged varlen kernel when importable and the cache
+  block size suits it (a multiple of 256), else the Triton paged prefill kernel, which covers
+  chunks that attend to already-cached blocks.
+
+Nothing here syncs with the host: the metadata's device tensors drive the kernels, and the
+number of decode splits depends only on the batch size so a captured graph stays valid.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from shard.attention.base import AttentionMetadata
+
+
+def flash_attn_available() -> bool:
+    """True when the optional flash-attn package is importable (it is never required)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+class CudaAttentionBackend:
+    """AttentionBackend for CUDA devices (see shard/attention/base.py for the contract)."""
+
+    def __init__(self, device: torch.device | str = "cuda", use_flash_attn: bool | None = None):
+        from shard.attention import triton_decode, triton_prefill  # lazy: triton on CUDA only
+
+        self._decode = triton_decode
+        self._prefill = triton_prefill
+        self._num_sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+        self._flash = flash_attn_available() if use_flash_attn is None else use_flash_attn
+        self.name = "cuda-triton+flash-attn" if self._flash else "cuda-triton"
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        self._decode.store_kv(key, value, key_cache, value_cache, slot_mapping)
+
+    def num_decode_splits(self, num_seqs: int, num_kv_heads: int) -> int:
+        return self._decode.default_num_splits(num_seqs, num_kv_heads, self._num_sms)
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if meta.is_decode_only and query.shape[0] == meta.seq_lens.shape[0]:
+            return self._decode.paged_decode_attention(
+                query,
+                key_cache,
+                value_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                sliding_window,
+                num_splits=self.num_decode_splits(query.shape[0], key_cache.shape[2]),
+            )
+        if self._flash and key_cache.shape[1] % 256 == 0:
+            return self._flash_prefill(query, key_cache, value_cache, meta, scale, sliding_window)
+        return self._prefill.paged_prefill_attention(
+            query,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.max_query_len,
+            scale,
+            sliding_window,
+        )
+
+    def _flash_prefill(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        # flash-attn >= 2.6 reads a paged cache through block_table (block size % 256 == 0).
+        from flash_attn import flash_attn_varlen_func
+
+        cu_k = torch.zeros(meta.seq_lens.shape[0] + 1, dtype=torch.int32, device=query.device)
+        torch.cumsum(meta.seq_lens, 0, out=cu_k[1:])
+        window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+        return flash_attn_varlen_func(
+            query,
+            key_cache,
+            value_cache,
+            meta.query_start_loc,
+            cu_k,
+            meta.max_query_len,
+            meta.max_seq_len,
+            softmax_scale=scale,
+            causal=True,
+            window_size=window,
+            block_table=meta.block_tables,
+        )
