@@ -138,7 +138,7 @@ class Sampler:
         wm_rows = [i for i, p in enumerate(params) if p.watermark and token_histories[i]]
         if wm_rows:
             prev = [token_histories[i][-1] for i in wm_rows]
-            idx = torch.tensor(wm_rows, device=device)
+            idx = _tensor(wm_rows, torch.long, device)
             scores = scores.index_copy(0, idx, self.watermark.apply(scores[idx], prev))
 
         logprobs_all = torch.log_softmax(scores, dim=-1)  # [num_seqs, vocab]
@@ -147,7 +147,7 @@ class Sampler:
         sample_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sample_rows:
             sub = [params[i] for i in sample_rows]
-            idx = torch.tensor(sample_rows, device=device)
+            idx = _tensor(sample_rows, torch.long, device)
             warped = _warp(scores[idx], sub)  # [num_sample, vocab], -inf outside the allowed set
             positions = [generated_counts[i] for i in sample_rows]
             drawn = _exponential_race(warped, [p.seed for p in sub], positions)
@@ -199,24 +199,45 @@ class Sampler:
         rep = [p.repetition_penalty for p in params]
         if any(r != 1.0 for r in rep):
             # Presence mask via scatter into an extra padding column `vocab` that is dropped.
-            ids = _pad(histories, pad=vocab, device=device)  # [num_seqs, max_len]
+            # Rows without the penalty contribute no ids, so one long prompt elsewhere in the
+            # batch does not widen their work.
+            used = [h if r != 1.0 else [] for h, r in zip(histories, rep)]
+            ids = _pad(used, pad=vocab, device=device)  # [num_seqs, max_len]
             present = torch.zeros(num_seqs, vocab + 1, dtype=torch.bool, device=device)
             present.scatter_(1, ids, True)
             present = present[:, :vocab]
-            penalty = torch.tensor(rep, dtype=scores.dtype, device=device)[:, None]  # [n, 1]
+            penalty = _tensor(rep, scores.dtype, device)[:, None]  # [n, 1]
             penalised = torch.where(scores > 0, scores / penalty, scores * penalty)
             scores = torch.where(present, penalised, scores)
         freq = [p.frequency_penalty for p in params]
         if any(f != 0.0 for f in freq):
             generated = [
-                h[len(h) - c :] if c > 0 else [] for h, c in zip(histories, generated_counts)
+                h[len(h) - c :] if c > 0 and f != 0.0 else []
+                for h, c, f in zip(histories, generated_counts, freq)
             ]
             ids = _pad(generated, pad=vocab, device=device)  # [num_seqs, max_gen]
             counts = torch.zeros(num_seqs, vocab + 1, dtype=scores.dtype, device=device)
             counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=scores.dtype))
-            penalty = torch.tensor(freq, dtype=scores.dtype, device=device)[:, None]  # [n, 1]
+            penalty = _tensor(freq, scores.dtype, device)[:, None]  # [n, 1]
             scores = scores - penalty * counts[:, :vocab]
         return scores
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copies a host tensor to ``device`` without making the host wait for the device.
+
+    A plain ``.to("cuda")`` from pageable memory synchronises the stream (the host would wait for
+    the queued forward pass); from pinned memory with ``non_blocking`` it is queued like a kernel.
+    PyTorch's pinned caching allocator keeps the source alive until the copy has run.
+    """
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A per-row parameter tensor [len(values)] on ``device`` (see host_to_device)."""
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -231,7 +252,7 @@ def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
         if r:
             out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     out.masked_fill_((out < 0) | (out > pad), pad)
-    return out.to(device, non_blocking=True)
+    return host_to_device(out, device)
 
 
 def _warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -244,19 +265,19 @@ def _warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     device = scores.device
     temps = [p.temperature for p in params]
     if any(t != 1.0 for t in temps):
-        scores = scores / torch.tensor(temps, dtype=scores.dtype, device=device)[:, None]
+        scores = scores / _tensor(temps, scores.dtype, device)[:, None]
 
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if any(k < vocab for k in ks):
         sorted_desc = scores.sort(dim=-1, descending=True).values  # [n, vocab]
-        k_idx = torch.tensor(ks, dtype=torch.long, device=device)[:, None] - 1  # [n, 1]
+        k_idx = _tensor(ks, torch.long, device)[:, None] - 1  # [n, 1]
         kth = sorted_desc.gather(1, k_idx)  # [n, 1]; ties with the k-th are kept
         scores = scores.masked_fill(scores < kth, float("-inf"))
 
     top_ps = [p.top_p for p in params]
     if any(tp < 1.0 for tp in top_ps):
-        active = torch.tensor([tp < 1.0 for tp in top_ps], device=device)[:, None]  # [n, 1]
-        top_p = torch.tensor(top_ps, dtype=scores.dtype, device=device)[:, None]
+        active = _tensor([tp < 1.0 for tp in top_ps], torch.bool, device)[:, None]  # [n, 1]
+        top_p = _tensor(top_ps, scores.dtype, device)[:, None]
         sorted_asc, order = scores.sort(dim=-1)  # ascending: the kept nucleus is at the end
         cum = sorted_asc.softmax(dim=-1).cumsum(dim=-1)  # [n, vocab]
         # Drop the low tail whose total mass is at most 1 - top_p; always keep the best token.
@@ -267,8 +288,8 @@ def _warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
     typ = [p.typical_p for p in params]
     if any(t < 1.0 for t in typ):
-        active = torch.tensor([t < 1.0 for t in typ], device=device)[:, None]  # [n, 1]
-        mass = torch.tensor(typ, dtype=scores.dtype, device=device)[:, None]
+        active = _tensor([t < 1.0 for t in typ], torch.bool, device)[:, None]  # [n, 1]
+        mass = _tensor(typ, scores.dtype, device)[:, None]
         logp = scores.log_softmax(dim=-1)  # [n, vocab]
         entropy = -(logp.exp() * logp).nansum(dim=-1, keepdim=True)  # [n, 1]
         # Typicality: distance of each token's surprisal from the entropy; most typical first.

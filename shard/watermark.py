@@ -56,7 +56,10 @@ class Watermark:
         mask = torch.zeros(len(prev_tokens), vocab_size, dtype=torch.bool)
         for row, prev in enumerate(prev_tokens):
             mask[row, self.green_ids(prev, vocab_size)] = True
-        return mask.to(device, non_blocking=True)
+        if device.type != "cuda":
+            return mask.to(device)
+        # Pinned + non_blocking: queued behind the forward pass instead of waiting for it.
+        return mask.pin_memory().to(device, non_blocking=True)
 
     def apply(self, logits: torch.Tensor, prev_tokens: list[int]) -> torch.Tensor:
         """Returns ``logits`` [n, vocab] with ``delta`` added to each row's green list.
