@@ -93,7 +93,10 @@ def render_config(settings: GatewaySettings) -> dict[str, Any]:
     template = settings.envoy_dir / "envoy.yaml"
     descriptor = settings.envoy_dir / "tokenwire.binpb"
     if not template.is_file():
-        raise GatewayError(f"envoy config not found: {template}")
+        raise GatewayError(
+            f"envoy config not found: {template} (set TOKENWIRE_ENVOY_DIR to the folder holding "
+            "envoy.yaml and tokenwire.binpb)"
+        )
     if not descriptor.is_file():
         raise GatewayError(f"descriptor set not found: {descriptor} (run scripts/generate)")
     config = yaml.safe_load(template.read_text())
