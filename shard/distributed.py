@@ -1,0 +1,78 @@
+"""Tensor-parallel process group: who this rank is and the two collectives the layers need.
+
+One `Dist` object is created at start-up (from CLI flags, never from import-time state) and handed
+to every tensor-parallel layer. With world_size 1 the collectives are no-ops, so single-shard code
+paths carry no torch.distributed dependency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This rank's place in the tensor-parallel group."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums x over ranks, in place; returns x."""
+        if self.world_size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenates every rank's x along the last dim, rank order (equal shapes)."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    def min_int(self, value: int) -> int:
+        """The smallest value over ranks (KV cache sizes must agree)."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        if dist.get_backend() == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    device: torch.device,
+    timeout_s: float = 600.0,
+) -> Dist:
+    """Joins the group (gloo on CPU, nccl on CUDA) at tcp://master_addr:master_port."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"--rank must be in [0, --world-size); got {rank} of {world_size}")
+    if world_size > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return Dist(rank=rank, world_size=world_size)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

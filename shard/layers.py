@@ -1,0 +1,142 @@
+"""Tensor-parallel building blocks; each carries its own weight loader.
+
+Column-parallel: the output features are split over ranks (no communication in forward).
+Row-parallel: the input features are split; partial outputs are summed with one all-reduce.
+Vocab-parallel embedding / LM head: the vocabulary rows are split; lookups are masked and summed,
+logits are gathered.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shard.distributed import Dist
+from shard.weights import Weights
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[..., out/world] = x @ W[rank rows].T (+ b[rank rows])."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dist: Dist):
+        super().__init__()
+        if out_features % dist.world_size:
+            raise ValueError(f"{out_features} output features not divisible by {dist.world_size}")
+        self.out_local = out_features // dist.world_size
+        self.weight = nn.Parameter(torch.empty(self.out_local, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_local), requires_grad=False) if bias else None
+
+    def load(self, weights: Weights, prefix: str) -> None:
+        self.weight.data = weights.get_sharded(f"{prefix}.weight", dim=0)
+        if self.bias is not None:
+            self.bias.data = weights.get_sharded(f"{prefix}.bias", dim=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x[..., rank cols] @ W[:, rank cols].T, then + b (added once)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dist: Dist):
+        super().__init__()
+        if in_features % dist.world_size:
+            raise ValueError(f"{in_features} input features not divisible by {dist.world_size}")
+        self.dist = dist
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features // dist.world_size), requires_grad=False
+        )
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def load(self, weights: Weights, prefix: str) -> None:
+        self.weight.data = weights.get_sharded(f"{prefix}.weight", dim=1)
+        if self.bias is not None:
+            self.bias.data = weights.get(f"{prefix}.bias")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.dist.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds vocabulary rows [r * per_rank, (r + 1) * per_rank), zero-padded at the end."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dist: Dist):
+        super().__init__()
+        self.dist = dist
+        self.vocab_size = vocab_size
+        self.per_rank = math.ceil(vocab_size / dist.world_size)
+        self.start = dist.rank * self.per_rank
+        self.stop = min(self.start + self.per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size), requires_grad=False)
+
+    def load(self, weights: Weights, prefix: str) -> None:
+        rows = weights.get_rows(f"{prefix}.weight", self.start, self.stop)  # [<=per_rank, hidden]
+        padded = torch.zeros(self.per_rank, rows.shape[1], dtype=rows.dtype, device=rows.device)
+        padded[: rows.shape[0]] = rows
+        self.weight.data = padded
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [n] -> [n, hidden]
+        if self.dist.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        return self.dist.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Logits over the full vocabulary from vocabulary-sliced weights (gathered over ranks)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dist: Dist):
+        super().__init__()
+        self.dist = dist
+        self.vocab_size = vocab_size
+        self.per_rank = math.ceil(vocab_size / dist.world_size)
+        self.start = dist.rank * self.per_rank
+        self.stop = min(self.start + self.per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size), requires_grad=False)
+
+    def load(self, weights: Weights, prefix: str) -> None:
+        rows = weights.get_rows(f"{prefix}.weight", self.start, self.stop)
+        padded = torch.zeros(self.per_rank, rows.shape[1], dtype=rows.dtype, device=rows.device)
+        padded[: rows.shape[0]] = rows
+        self.weight.data = padded
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
+        logits = F.linear(hidden, self.weight).float()  # [n, per_rank]
+        logits = self.dist.all_gather_last_dim(logits)  # [n, per_rank * world]
+        return logits[:, : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def load(self, weights: Weights, prefix: str) -> None:
+        self.weight.data = weights.get(f"{prefix}.weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference, then scale in the model dtype.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def load_module_weights(root: nn.Module, weights: Weights) -> None:
+    """Calls `load(weights, name)` on every submodule that has one; module names equal the
+    checkpoint's tensor prefixes."""
+    for name, module in root.named_modules():
+        loader = getattr(module, "load", None)
+        if callable(loader) and module is not root:
+            loader(weights, name)

@@ -1,0 +1,112 @@
+"""Builds one rank's shard from its configuration: model directory, tokenizer, model, runner,
+engine and the static Info."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import tokenizers
+import torch
+
+from shard.attention import get_backend
+from shard.distributed import Dist
+from shard.domain import ShardInfo, WarmupResult, WarmupSpec
+from shard.download import model_sha, resolve_model
+from shard.engine import Engine
+from shard.model_runner import ModelRunner
+from shard.models import LoadContext, load_model
+from shard.warmup import run_warmup
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    model_id: str
+    revision: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    cuda_memory_fraction: float = 0.9
+    kv_cache_memory_mb: int | None = None
+    max_batch_total_tokens: int | None = None
+    attention_backend: str = "auto"
+    force_fallback: bool = False  # serve through the transformers fallback even if we have code
+
+
+def load_tokenizer(model_dir: Path) -> tokenizers.Tokenizer:
+    path = model_dir / "tokenizer.json"
+    if path.is_file():
+        return tokenizers.Tokenizer.from_file(str(path))
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(model_dir)).backend_tokenizer
+
+
+def eos_token_ids(model_dir: Path, config: dict) -> set[int]:
+    ids: set[int] = set()
+    sources = [config]
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()))
+    for source in sources:
+        value = source.get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+class Shard:
+    """One rank: engine + static facts. Methods run on the single model worker thread."""
+
+    def __init__(self, cfg: ShardConfig, dist: Dist):
+        self.cfg = cfg
+        self.dist = dist
+        self.device = torch.device(cfg.device)
+        if cfg.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
+        model_dir = resolve_model(cfg.model_id, cfg.revision)
+        config = json.loads((model_dir / "config.json").read_text())
+        attention = get_backend(cfg.attention_backend, self.device)
+        ctx = LoadContext(model_dir, config, self.device, DTYPES[cfg.dtype], dist, attention)
+        model = load_model(ctx, force_fallback=cfg.force_fallback)
+        self.runner = ModelRunner(model, attention, cfg.block_size, self.device)
+        eos = eos_token_ids(model_dir, config)
+        tokenizer = load_tokenizer(model_dir)
+        self.engine = Engine(self.runner, tokenizer, eos, model.max_position_embeddings)
+        self.info = ShardInfo(
+            dtype=cfg.dtype,
+            device_type=self.device.type,
+            block_size=cfg.block_size,
+            max_position_embeddings=model.max_position_embeddings,
+            eos_token_ids=sorted(eos),
+            model_type=config.get("model_type", ""),
+            vocab_size=model.vocab_size,
+            world_size=dist.world_size,
+            sliding_window=model.sliding_window,
+            attention_backend=getattr(model, "attention_name", attention.name),
+            model_sha=model_sha(model_dir),
+            model_id=cfg.model_id,
+        )
+
+    def warmup(self, spec: WarmupSpec) -> WarmupResult:
+        self.engine.clear_cache(None)
+        return run_warmup(
+            self.runner,
+            spec,
+            self.dist,
+            self.info.max_position_embeddings,
+            self.cfg.cuda_memory_fraction,
+            self.cfg.kv_cache_memory_mb,
+            self.cfg.max_batch_total_tokens,
+        )
+
+    def health(self) -> None:
+        """A tiny computation on the device; raises if the device is gone."""
+        x = torch.ones(8, device=self.device)
+        if float((x * 2).sum().item()) != 16.0:
+            raise RuntimeError("device returned a wrong result")

@@ -1,0 +1,103 @@
+"""ModelRunner: owns the model, its paged KV cache and the attention backend; turns a host-side
+step description into tensors and runs one forward pass.
+
+The CUDA-graph runner wraps `forward` for decode-only steps; everything it needs (flat input ids,
+positions, AttentionMetadata, logits indices) is built by `prepare`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shard.attention.base import AttentionBackend, AttentionMetadata
+from shard.models.base import CausalLM
+
+
+@dataclass
+class StepInputs:
+    """One flat ragged step on the host: num_seqs sequences, num_tokens new tokens."""
+
+    token_ids: list[int]  # [num_tokens]
+    positions: list[int]  # [num_tokens]
+    query_lens: list[int]  # [num_seqs] new tokens per sequence
+    seq_lens: list[int]  # [num_seqs] context length incl. the new tokens
+    block_tables: list[list[int]]  # [num_seqs][blocks] router-assigned block ids
+    logits_indices: list[int]  # [num_logits] rows of the flat batch whose logits are needed
+
+
+@dataclass
+class DeviceStep:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_logits] int64
+
+
+class ModelRunner:
+    def __init__(
+        self, model: CausalLM, attention: AttentionBackend, block_size: int, device: torch.device
+    ):
+        self.model = model
+        self.attention = attention
+        self.block_size = block_size
+        self.device = device
+        self.kv_cache: Any = None
+        self.num_blocks = 0
+
+    def kv_bytes_per_block(self) -> int:
+        return self.model.kv_bytes_per_block(self.block_size)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache = None  # drop the old pool first so its memory can be reused
+        self.kv_cache = self.model.allocate_kv_cache(num_blocks, self.block_size)
+        self.num_blocks = num_blocks
+
+    def prepare(self, step: StepInputs) -> DeviceStep:
+        bs = self.block_size
+        slots: list[int] = []
+        for table, q_len, seq_len in zip(step.block_tables, step.query_lens, step.seq_lens):
+            for p in range(seq_len - q_len, seq_len):
+                slots.append(table[p // bs] * bs + p % bs)
+        width = max((len(t) for t in step.block_tables), default=0) or 1
+        tables = [t + [0] * (width - len(t)) for t in step.block_tables]
+        starts = [0]
+        for q_len in step.query_lens:
+            starts.append(starts[-1] + q_len)
+
+        def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            query_start_loc=dev(starts, torch.int32),
+            seq_lens=dev(step.seq_lens, torch.int32),
+            block_tables=dev(tables, torch.int32).view(len(tables), width),
+            slot_mapping=dev(slots, torch.int64),
+            max_query_len=max(step.query_lens, default=0),
+            max_seq_len=max(step.seq_lens, default=0),
+            query_lens_host=list(step.query_lens),
+            seq_lens_host=list(step.seq_lens),
+        )
+        return DeviceStep(
+            input_ids=dev(step.token_ids, torch.int64),
+            positions=dev(step.positions, torch.int64),
+            meta=meta,
+            logits_indices=dev(step.logits_indices, torch.int64),
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [num_logits]
+    ) -> torch.Tensor:  # [num_logits, vocab] float32
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache not allocated (Warmup has not run)")
+        return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
+
+    def execute(self, step: StepInputs) -> torch.Tensor:
+        d = self.prepare(step)
+        return self.forward(d.input_ids, d.positions, d.meta, d.logits_indices)

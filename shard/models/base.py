@@ -1,0 +1,50 @@
+"""What every model implementation offers the runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from shard.attention.base import AttentionBackend, AttentionMetadata
+from shard.distributed import Dist
+
+
+@dataclass(frozen=True)
+class LoadContext:
+    """Everything a model class needs to build itself and read its weights."""
+
+    model_dir: Path
+    config: dict  # config.json
+    device: torch.device
+    dtype: torch.dtype
+    dist: Dist
+    attention: AttentionBackend
+
+
+class CausalLM(Protocol):
+    """A paged-KV causal language model of one tensor-parallel rank."""
+
+    vocab_size: int
+    max_position_embeddings: int
+    sliding_window: int | None
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one KV block takes on this rank, all layers together."""
+        ...
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> Any:
+        """The KV cache object passed back to forward (per layer key/value pools)."""
+        ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64, the step's new tokens
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_cache: Any,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [num_logits] int64, rows of the flat batch to project
+    ) -> torch.Tensor:  # [num_logits, vocab_size] float32
+        ...

@@ -1,0 +1,175 @@
+"""Llama family (Llama, Mistral, Qwen2): GQA, RoPE (default/linear/llama3), sliding window,
+tied embeddings, optional q/k/v bias. Module names equal checkpoint tensor names, so each
+tensor-parallel layer loads its own slice."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shard.attention.base import AttentionMetadata
+from shard.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from shard.models.base import LoadContext
+from shard.rotary import RotaryEmbedding, rope_parameters
+from shard.weights import Weights
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value) pools
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, ctx: LoadContext, rotary: RotaryEmbedding, sliding_window: int | None):
+        super().__init__()
+        cfg, world = ctx.config, ctx.dist.world_size
+        hidden = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        if self.num_kv_heads % world:
+            raise ValueError(f"{self.num_kv_heads} KV heads cannot be split over {world} ranks")
+        self.local_heads = self.num_heads // world
+        self.local_kv_heads = self.num_kv_heads // world
+        # Qwen2 always has q/k/v biases; Llama only with attention_bias.
+        bias = cfg.get("attention_bias", False) or cfg["model_type"] == "qwen2"
+        self.q_proj = ColumnParallelLinear(hidden, self.num_heads * self.head_dim, bias, ctx.dist)
+        self.k_proj = ColumnParallelLinear(
+            hidden, self.num_kv_heads * self.head_dim, bias, ctx.dist
+        )
+        self.v_proj = ColumnParallelLinear(
+            hidden, self.num_kv_heads * self.head_dim, bias, ctx.dist
+        )
+        self.o_proj = RowParallelLinear(
+            self.num_heads * self.head_dim, hidden, cfg.get("attention_bias", False), ctx.dist
+        )
+        self.rotary = rotary
+        self.attention = ctx.attention
+        self.sliding_window = sliding_window
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,  # [num_tokens]
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.local_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.local_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.local_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        key_cache, value_cache = cache
+        self.attention.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        o = self.attention.attend(q, key_cache, value_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(n, self.local_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, ctx: LoadContext):
+        super().__init__()
+        hidden, inter = ctx.config["hidden_size"], ctx.config["intermediate_size"]
+        bias = ctx.config.get("mlp_bias", False)
+        self.gate_proj = ColumnParallelLinear(hidden, inter, bias, ctx.dist)
+        self.up_proj = ColumnParallelLinear(hidden, inter, bias, ctx.dist)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, ctx.dist)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, ctx: LoadContext, rotary: RotaryEmbedding, sliding_window: int | None):
+        super().__init__()
+        eps = ctx.config.get("rms_norm_eps", 1e-6)
+        self.self_attn = LlamaAttention(ctx, rotary, sliding_window)
+        self.mlp = LlamaMLP(ctx)
+        self.input_layernorm = RMSNorm(ctx.config["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(ctx.config["hidden_size"], eps)
+
+    def forward(self, x, positions, cache, meta):  # x [num_tokens, hidden]
+        x = x + self.self_attn(self.input_layernorm(x), positions, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, ctx: LoadContext, sliding_window: int | None):
+        super().__init__()
+        cfg = ctx.config
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        rotary = RotaryEmbedding(
+            head_dim, cfg["max_position_embeddings"], rope_parameters(cfg), ctx.device
+        )
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], ctx.dist)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(ctx, rotary, sliding_window) for _ in range(cfg["num_hidden_layers"])
+        )
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Serves model_type llama, mistral and qwen2."""
+
+    def __init__(self, ctx: LoadContext):
+        super().__init__()
+        cfg = ctx.config
+        self.vocab_size = cfg["vocab_size"]
+        self.max_position_embeddings = cfg["max_position_embeddings"]
+        # Qwen2 configs carry a sliding_window that only applies with use_sliding_window.
+        window = cfg.get("sliding_window")
+        if cfg["model_type"] == "qwen2" and not cfg.get("use_sliding_window", False):
+            window = None
+        self.sliding_window: int | None = window
+        self.model = LlamaModel(ctx, window)
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], ctx.dist)
+        attn = self.model.layers[0].self_attn
+        self._kv_shape = (attn.local_kv_heads, attn.head_dim)
+        self._dtype, self._device = ctx.dtype, ctx.device
+        self.tie = cfg.get("tie_word_embeddings", False)
+        self.load_weights(Weights(ctx.model_dir, ctx.device, ctx.dtype, ctx.dist))
+
+    def load_weights(self, weights: Weights) -> None:
+        # Checkpoints with tied embeddings usually omit lm_head.weight.
+        tie = self.tie or not weights.has("lm_head.weight")
+        for name, module in self.named_modules():
+            loader = getattr(module, "load", None)
+            if callable(loader) and not (tie and name == "lm_head"):
+                loader(weights, name)
+        if tie:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        heads, head_dim = self._kv_shape
+        elem = torch.empty((), dtype=self._dtype).element_size()
+        return 2 * len(self.model.layers) * block_size * heads * head_dim * elem
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        shape = (num_blocks, block_size, *self._kv_shape)
+        return [
+            (
+                torch.zeros(shape, dtype=self._dtype, device=self._device),
+                torch.zeros(shape, dtype=self._dtype, device=self._device),
+            )
+            for _ in self.model.layers
+        ]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [num_logits]
+    ) -> torch.Tensor:  # [num_logits, vocab] float32
+        x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        for layer, cache in zip(self.model.layers, kv_cache):
+            x = layer(x, positions, cache, meta)
+        x = self.model.norm(x[logits_indices])  # [num_logits, hidden]
+        return self.lm_head(x)

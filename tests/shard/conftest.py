@@ -1,0 +1,22 @@
+"""Shared fixtures of the shard tests: tiny models built once per session, a transformers
+reference, and a small driver that plays the router (allocates blocks, grants them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shard.tiny_model import TinyModelSpec, make_tiny_model
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {
+        arch: make_tiny_model(root / arch, TinyModelSpec(arch=arch))
+        for arch in ("llama", "mistral", "qwen2", "gpt2")
+    }

@@ -1,0 +1,44 @@
+"""transformers reference outputs for the shard tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def load_hf(model_dir: Path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """generate() greedy, n new tokens, EOS disabled so that exactly n come out."""
+    import transformers
+
+    config = transformers.GenerationConfig(
+        max_new_tokens=n, min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    out = model.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        generation_config=config,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts(model_dir: Path, lengths: list[int]) -> list[list[int]]:
+    """Prompts of the given token lengths cut from a real text."""
+    import tokenizers
+
+    from shard.tiny_model import CORPUS
+
+    tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = tok.encode(" ".join(CORPUS * 3)).ids
+    out, offset = [], 0
+    for n in lengths:
+        out.append(ids[offset : offset + n])
+        offset += 7
+    return out
