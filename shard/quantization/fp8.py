@@ -1,0 +1,184 @@
+"""fp8 (float8_e4m3fn) weights with one float32 scale per output channel.
+
+Storage: weight_fp8 [out, in] float8_e4m3fn and weight_scale [out] float32, with
+weight ≈ weight_fp8.float() * weight_scale[:, None]; each row's scale is its absmax / 448 so the
+row spans the whole e4m3 range.
+
+Matmul:
+- CUDA with compute capability >= 8.9 (Ada, Hopper): W8A8 through `torch._scaled_mm` (signature
+  unchanged from torch 2.4 through 2.13: `_scaled_mm(a, b, scale_a, scale_b, bias=None,
+  scale_result=None, out_dtype=None, use_fast_accum=False)`, a [M, K] row-major fp8, b [K, N]
+  column-major fp8). Activations are quantized **dynamically per token** (one scale per row of x,
+  absmax / 448, computed on the device each call: no host sync, CUDA-graph safe), weights per
+  output channel, i.e. the "rowwise" scaling recipe: scale_a [M, 1], scale_b [1, N], bf16 out.
+  Per-token scales keep one outlier token from crushing the precision of its batch mates, which a
+  per-tensor activation scale would do.
+- Anywhere else (CPU, older GPUs, K or N not a multiple of 16): weight-only, the weight is
+  dequantized to the activation dtype and multiplied with `F.linear`. Correct everywhere, and what
+  the CPU tests check against references.
+
+Pre-quantized checkpoints (see methods.checkpoint_quantization) store per-tensor, per-channel or
+block scales; `to_per_channel` converts any of them to this module's per-channel layout, exactly
+for per-tensor and per-channel scales (a per-tensor scale is broadcast to every row, which also
+makes fused q/k/v or gate/up projections with different per-tensor scales simply concatenate).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Smallest scale, so that all-zero rows/tokens do not divide by zero.
+_MIN_SCALE = 1e-12
+
+
+def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] (any float dtype) -> (weight_fp8 [out, in], scale [out] float32)."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=_MIN_SCALE)  # [out]
+    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_fp8_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (any shape) -> (x_fp8, scale [] float32) with one scale for the whole tensor."""
+    xf = x.float()
+    scale = (xf.abs().amax() / FP8_MAX).clamp(min=_MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_fp8 [M, K], scale [M, 1] float32), one scale per row (token)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)  # [M, 1]
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def dequantize_fp8(
+    weight_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """weight_fp8 [out, in], scale [out] (or [] per tensor) -> weight [out, in] in `dtype`."""
+    s = scale.float()
+    if s.dim() == 1:
+        s = s[:, None]
+    return (weight_fp8.float() * s).to(dtype)
+
+
+def to_per_channel(
+    weight_fp8: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Converts a checkpoint's fp8 weight and scale to (weight_fp8 [out, in], scale [out]).
+
+    scale: [] or [1] per tensor; [out] or [out, 1] per channel; [ceil(out/bo), ceil(in/bi)]
+    per block (then block_size=(bo, bi) is required). Per-tensor and per-channel are exact; blocks
+    are dequantized to float32 and re-quantized per channel (the rows of one block row share
+    nothing after that, so a little precision is lost where a row's blocks had different scales).
+    """
+    out_features, in_features = weight_fp8.shape
+    scale = scale.float()
+    if block_size is not None and scale.dim() == 2 and scale.shape[1] > 1:
+        bo, bi = block_size
+        # [out, in] float32: expand each block's multiplier over its (bo, bi) tile.
+        expanded = scale.repeat_interleave(bo, dim=0)[:out_features]
+        expanded = expanded.repeat_interleave(bi, dim=1)[:, :in_features]
+        return quantize_fp8_per_channel(weight_fp8.float() * expanded)
+    if scale.numel() == 1:
+        return weight_fp8, scale.reshape(1).expand(out_features).contiguous()
+    if scale.numel() == out_features:
+        return weight_fp8, scale.reshape(out_features).contiguous()
+    raise ValueError(
+        f"fp8 weight_scale of shape {tuple(scale.shape)} does not fit a weight of shape "
+        f"{tuple(weight_fp8.shape)} (expected per-tensor, per-channel or, with "
+        "weight_block_size, per-block scales)"
+    )
+
+
+def scaled_mm_supported(device: torch.device) -> bool:
+    """True where torch._scaled_mm runs fp8 matmuls in hardware (CUDA sm_89+)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ W.T + b with W stored as float8_e4m3fn per output channel (see module docstring).
+
+    use_scaled_mm: None picks by device (CUDA sm_89+ -> True); True forces torch._scaled_mm (which
+    torch 2.13 also runs on CPU, handy for testing the W8A8 math); False forces dequantization.
+    """
+
+    def __init__(
+        self,
+        weight_fp8: torch.Tensor,  # [out, in] float8_e4m3fn
+        weight_scale: torch.Tensor,  # [out] float32
+        bias: torch.Tensor | None = None,  # [out]
+        use_scaled_mm: bool | None = None,
+    ) -> None:
+        super().__init__()
+        if weight_fp8.dtype != FP8_DTYPE:
+            raise TypeError(f"Fp8Linear: weight dtype {weight_fp8.dtype}, expected {FP8_DTYPE}")
+        out_features, in_features = weight_fp8.shape
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("weight", weight_fp8.contiguous(), persistent=False)
+        self.register_buffer(
+            "weight_scale",
+            weight_scale.float().reshape(out_features).contiguous(),
+            persistent=False,
+        )
+        self.register_buffer("bias", bias, persistent=False)
+        if use_scaled_mm is None:
+            use_scaled_mm = scaled_mm_supported(weight_fp8.device)
+        # The fp8 GEMMs want K and N multiples of 16; other shapes dequantize.
+        self.use_scaled_mm = (
+            bool(use_scaled_mm) and in_features % 16 == 0 and out_features % 16 == 0
+        )
+
+    @classmethod
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        use_scaled_mm: bool | None = None,
+    ) -> Fp8Linear:
+        q, scale = quantize_fp8_per_channel(weight)
+        return cls(q, scale, bias, use_scaled_mm)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size() + self.weight_scale.numel() * 4
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8(self.weight, self.weight_scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        if not self.use_scaled_mm:
+            return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        xq, x_scale = quantize_fp8_per_token(x2)  # [M, K] fp8, [M, 1] fp32
+        out_dtype = (
+            x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+        )
+        # Rowwise scaling wants a bf16 output; convert afterwards for other activation dtypes.
+        y = torch._scaled_mm(
+            xq,
+            self.weight.t(),  # [K, N] column-major view of the [N, K] row-major weight
+            scale_a=x_scale,
+            scale_b=self.weight_scale.view(1, -1),  # [1, N]
+            out_dtype=torch.bfloat16,
+        )
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(out_dtype).reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, scaled_mm={self.use_scaled_mm}"
+        )

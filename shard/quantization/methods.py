@@ -1,0 +1,179 @@
+"""Which quantization a shard runs with: the `--quantize` / `--kv-cache-dtype` values and what a
+checkpoint's own config.json says.
+
+Plain data and parsing only; no torch import, so the CLI can validate flags cheaply.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class QuantizeMethod(enum.Enum):
+    """Weight quantization of the linear layers (embeddings, norms and the LM head stay in the
+    model dtype)."""
+
+    BITSANDBYTES = "bitsandbytes"  # LLM.int8(): int8 per-row absmax, fp16 outlier columns
+    BITSANDBYTES_NF4 = "bitsandbytes-nf4"  # 4-bit NormalFloat, blocks of 64, bf16 compute
+    FP8 = "fp8"  # float8_e4m3fn per output channel; torch._scaled_mm on sm_89+
+
+    @property
+    def flag(self) -> str:
+        return f"--quantize {self.value}"
+
+
+QUANTIZE_CHOICES: tuple[str, ...] = tuple(m.value for m in QuantizeMethod)
+
+
+def parse_quantize(value: str | None) -> QuantizeMethod | None:
+    """Parses a `--quantize` value; None / "" / "none" mean no quantization."""
+    if value is None:
+        return None
+    normalized = value.strip().lower().replace("_", "-")
+    if normalized in ("", "none"):
+        return None
+    aliases = {
+        "bitsandbytes-int8": "bitsandbytes",
+        "int8": "bitsandbytes",
+        "nf4": "bitsandbytes-nf4",
+    }
+    normalized = aliases.get(normalized, normalized)
+    for method in QuantizeMethod:
+        if method.value == normalized:
+            return method
+    raise ValueError(
+        f"--quantize: unknown value {value!r}; expected one of {', '.join(QUANTIZE_CHOICES)}"
+    )
+
+
+class KvCacheDtype(enum.Enum):
+    """Storage dtype of the paged KV cache. AUTO stores K/V in the model dtype."""
+
+    AUTO = "auto"
+    FP8_E4M3FN = "fp8_e4m3fn"
+    FP8_E5M2 = "fp8_e5m2"
+
+    @property
+    def is_fp8(self) -> bool:
+        return self is not KvCacheDtype.AUTO
+
+
+KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = tuple(d.value for d in KvCacheDtype)
+
+
+def parse_kv_cache_dtype(value: str | None) -> KvCacheDtype:
+    """Parses `--kv-cache-dtype`; "fp8" is an alias of fp8_e4m3fn (the one the paged kernels read)."""
+    if value is None:
+        return KvCacheDtype.AUTO
+    normalized = value.strip().lower()
+    if normalized in ("", "auto", "none"):
+        return KvCacheDtype.AUTO
+    if normalized in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
+        return KvCacheDtype.FP8_E4M3FN
+    if normalized in ("float8_e5m2",):
+        return KvCacheDtype.FP8_E5M2
+    for dtype in KvCacheDtype:
+        if dtype.value == normalized:
+            return dtype
+    raise ValueError(
+        f"--kv-cache-dtype: unknown value {value!r}; expected one of "
+        f"{', '.join(KV_CACHE_DTYPE_CHOICES)}"
+    )
+
+
+class Fp8ScaleLayout(enum.Enum):
+    """How a pre-quantized fp8 checkpoint stores each weight's scale (see fp8.py)."""
+
+    TENSOR = "tensor"  # `weight_scale`: one float32 per tensor (AutoFP8 / llm-compressor "fp8")
+    CHANNEL = "channel"  # `weight_scale`: [out] or [out, 1] float32 (compressed-tensors "channel")
+    BLOCK = "block"  # `weight_scale_inv`: [ceil(out/bo), ceil(in/bi)] (DeepSeek-V3 style blocks)
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """What a checkpoint's config.json `quantization_config` says about its stored weights."""
+
+    method: QuantizeMethod
+    # fp8 only: how scales are laid out; block shape [bo, bi] for BLOCK.
+    scale_layout: Fp8ScaleLayout | None = None
+    weight_block_size: tuple[int, int] | None = None
+    # "dynamic" or "static"; tokenwire always quantizes activations dynamically (static
+    # `input_scale` tensors are ignored: dynamic per-token scales are at least as accurate).
+    activation_scheme: str = "dynamic"
+    # Module name fragments left unquantized in the checkpoint (e.g. "lm_head").
+    ignored: tuple[str, ...] = field(default_factory=tuple)
+
+    def is_ignored(self, prefix: str) -> bool:
+        return any(
+            prefix == name or prefix.startswith(name + ".") or prefix.endswith(name)
+            for name in self.ignored
+        )
+
+
+def checkpoint_quantization(config: Mapping[str, Any]) -> CheckpointQuantization | None:
+    """Reads a model config.json (as a dict) and returns how its weights are pre-quantized, or
+    None for a plain checkpoint. Raises ValueError for a quantized format tokenwire cannot load.
+
+    Recognized:
+    - {"quant_method": "fp8", "activation_scheme": ..., ["weight_block_size": [128, 128]],
+       ["ignored_layers" | "modules_to_not_convert": [...]]} — per-tensor `weight_scale`, or
+       block-wise `weight_scale_inv` when weight_block_size is given.
+    - {"quant_method": "fbgemm_fp8", ...} — per-channel `weight_scale` [out, 1].
+    - {"quant_method": "compressed-tensors", "config_groups": {..."weights": {"num_bits": 8,
+       "type": "float", "strategy": "tensor"|"channel"|"block", "block_structure": [..]}}} .
+    """
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    ignored = tuple(
+        qc.get("ignored_layers") or qc.get("modules_to_not_convert") or qc.get("ignore") or ()
+    )
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        return CheckpointQuantization(
+            method=QuantizeMethod.FP8,
+            scale_layout=Fp8ScaleLayout.BLOCK if block else Fp8ScaleLayout.TENSOR,
+            weight_block_size=(int(block[0]), int(block[1])) if block else None,
+            activation_scheme=str(qc.get("activation_scheme", "dynamic")),
+            ignored=ignored,
+        )
+    if method == "fbgemm_fp8":
+        return CheckpointQuantization(
+            method=QuantizeMethod.FP8, scale_layout=Fp8ScaleLayout.CHANNEL, ignored=ignored
+        )
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        for group in groups.values():
+            weights = group.get("weights") or {}
+            if weights.get("type") == "float" and int(weights.get("num_bits", 0)) == 8:
+                strategy = str(weights.get("strategy", "tensor"))
+                block = weights.get("block_structure")
+                layout = {
+                    "tensor": Fp8ScaleLayout.TENSOR,
+                    "channel": Fp8ScaleLayout.CHANNEL,
+                    "block": Fp8ScaleLayout.BLOCK,
+                }.get(strategy)
+                if layout is None:
+                    break
+                acts = group.get("input_activations") or {}
+                return CheckpointQuantization(
+                    method=QuantizeMethod.FP8,
+                    scale_layout=layout,
+                    weight_block_size=(int(block[0]), int(block[1])) if block else None,
+                    activation_scheme="dynamic" if acts.get("dynamic", True) else "static",
+                    ignored=ignored,
+                )
+        raise ValueError(
+            "quantization_config: compressed-tensors checkpoints are supported only as fp8 "
+            "(8-bit float weights, tensor/channel/block strategy)"
+        )
+    if method == "bitsandbytes":
+        raise ValueError(
+            "quantization_config: pre-quantized bitsandbytes checkpoints are not supported; load "
+            "the unquantized checkpoint with --quantize bitsandbytes or bitsandbytes-nf4"
+        )
+    raise ValueError(f"quantization_config: unsupported quant_method {method!r} (supported: fp8)")

@@ -1,0 +1,347 @@
+"""CPU tests of shard/quantization: flags, fp8 weights, bitsandbytes linears, fp8 KV cache."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from shard.quantization import (
+    KvCacheDtype,
+    QuantizeMethod,
+    checkpoint_quantization,
+    kv_cache_bytes_per_token,
+    kv_cache_torch_dtype,
+    linear_weight_bytes,
+    make_fp8_linear_from_checkpoint,
+    make_linear_weights,
+    parse_kv_cache_dtype,
+    parse_quantize,
+    read_blocks,
+    write_kv,
+)
+from shard.quantization.fp8 import (
+    FP8_DTYPE,
+    Fp8Linear,
+    dequantize_fp8,
+    quantize_fp8_per_channel,
+    to_per_channel,
+)
+from shard.quantization.kv_cache import KvScales, calibrate_scale, dequantize_kv, quantize_kv
+from shard.quantization.methods import Fp8ScaleLayout
+
+HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
+HAS_CUDA = torch.cuda.is_available()
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref.float()).norm() / ref.float().norm())
+
+
+# ---------------------------------------------------------------------------------------- flags
+
+
+def test_parse_quantize_values():
+    assert parse_quantize(None) is None
+    assert parse_quantize("") is None
+    assert parse_quantize("bitsandbytes") is QuantizeMethod.BITSANDBYTES
+    assert parse_quantize("bitsandbytes-nf4") is QuantizeMethod.BITSANDBYTES_NF4
+    assert parse_quantize("bitsandbytes_nf4") is QuantizeMethod.BITSANDBYTES_NF4
+    assert parse_quantize("FP8") is QuantizeMethod.FP8
+    with pytest.raises(ValueError, match="--quantize"):
+        parse_quantize("gptq")
+
+
+def test_parse_kv_cache_dtype_values():
+    assert parse_kv_cache_dtype(None) is KvCacheDtype.AUTO
+    assert parse_kv_cache_dtype("auto") is KvCacheDtype.AUTO
+    assert parse_kv_cache_dtype("fp8_e4m3fn") is KvCacheDtype.FP8_E4M3FN
+    assert parse_kv_cache_dtype("fp8") is KvCacheDtype.FP8_E4M3FN
+    assert parse_kv_cache_dtype("fp8_e5m2") is KvCacheDtype.FP8_E5M2
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        parse_kv_cache_dtype("int4")
+
+
+def test_checkpoint_quantization_formats():
+    assert checkpoint_quantization({}) is None
+    q = checkpoint_quantization(
+        {"quantization_config": {"quant_method": "fp8", "activation_scheme": "static",
+                                 "ignored_layers": ["lm_head"]}}
+    )
+    assert q.method is QuantizeMethod.FP8 and q.scale_layout is Fp8ScaleLayout.TENSOR
+    assert q.is_ignored("lm_head") and not q.is_ignored("model.layers.0.mlp.up_proj")
+    q = checkpoint_quantization(
+        {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    )
+    assert q.scale_layout is Fp8ScaleLayout.BLOCK and q.weight_block_size == (128, 128)
+    q = checkpoint_quantization({"quantization_config": {"quant_method": "fbgemm_fp8"}})
+    assert q.scale_layout is Fp8ScaleLayout.CHANNEL
+    q = checkpoint_quantization(
+        {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
+            "group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                        "input_activations": {"dynamic": True}}}}}
+    )
+    assert q.scale_layout is Fp8ScaleLayout.CHANNEL and q.activation_scheme == "dynamic"
+    with pytest.raises(ValueError, match="quant_method"):
+        checkpoint_quantization({"quantization_config": {"quant_method": "awq"}})
+
+
+# ------------------------------------------------------------------------------------ fp8 weights
+
+
+def test_fp8_round_trip_error_bound():
+    torch.manual_seed(0)
+    w = torch.randn(256, 512) * torch.logspace(-2, 1, 256)[:, None]  # rows of very different size
+    q, scale = quantize_fp8_per_channel(w)
+    assert q.dtype == FP8_DTYPE and scale.shape == (256,)
+    back = dequantize_fp8(q, scale, torch.float32)
+    # e4m3 has 3 mantissa bits: relative rounding error <= 2^-4 for normal values; per-row scaling
+    # keeps every row in the normal range, so the error relative to each row's absmax is tiny.
+    row_err = (back - w).abs().amax(dim=1) / w.abs().amax(dim=1)
+    assert float(row_err.max()) <= 2**-4
+    assert rel_err(back, w) < 0.03
+    # Each row uses the full range.
+    assert torch.allclose(q.float().abs().amax(dim=1), torch.full((256,), 448.0))
+
+
+def test_fp8_zero_rows_are_safe():
+    w = torch.zeros(32, 64)
+    w[1] = 1.0
+    q, scale = quantize_fp8_per_channel(w)
+    back = dequantize_fp8(q, scale, torch.float32)
+    assert torch.isfinite(back).all() and torch.equal(back, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linear_matches_reference(dtype, bias):
+    torch.manual_seed(1)
+    w = torch.randn(96, 128, dtype=dtype) * 0.05
+    b = torch.randn(96, dtype=dtype) if bias else None
+    x = torch.randn(5, 7, 128, dtype=dtype)
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    lin = make_linear_weights(w, b, QuantizeMethod.FP8)
+    assert isinstance(lin, Fp8Linear) and not lin.use_scaled_mm  # CPU: dequantize path
+    y = lin(x)
+    assert y.shape == (5, 7, 96) and y.dtype == dtype
+    # e4m3 keeps 3 mantissa bits: each weight is off by up to 2^-4 relative, ~2.5% rms, and with
+    # independent random weights a dot product inherits that rms (no averaging out). So one
+    # random matmul lands near 2.5%, whatever the scaling granularity.
+    assert rel_err(y, ref) < 0.03
+    assert lin.weight_bytes == 96 * 128 + 96 * 4
+
+
+def test_fp8_linear_scaled_mm_math_on_cpu():
+    """The W8A8 path (per-token activation scales, torch._scaled_mm) where this torch runs it on
+    CPU; on CUDA sm_89+ the same code runs on the tensor cores."""
+    torch.manual_seed(2)
+    w = torch.randn(64, 128) * 0.05
+    x = torch.randn(9, 128, dtype=torch.bfloat16)
+    x[3] *= 50  # one outlier token: per-token scales keep the others precise
+    lin = Fp8Linear.from_float(w, None, use_scaled_mm=True)
+    try:
+        y = lin(x)
+    except (RuntimeError, NotImplementedError) as exc:  # torch builds without the CPU kernel
+        pytest.skip(f"torch._scaled_mm unavailable on CPU: {exc}")
+    ref = x.float() @ w.t()
+    assert y.dtype == torch.bfloat16
+    # Weights and activations both rounded: ~sqrt(2) * 2.5% rms per token (noisy per row at
+    # K=128, so rows get some slack).
+    assert rel_err(y, ref) < 0.045
+    for row in range(9):
+        assert rel_err(y[row], ref[row]) < 0.07, row
+
+
+def test_fp8_from_checkpoint_layouts():
+    torch.manual_seed(3)
+    w = torch.randn(64, 256) * 0.1
+    x = torch.randn(4, 256)
+    ref = x @ w.t()
+    # Per tensor (AutoFP8 "fp8"): one scale.
+    s = w.abs().amax() / 448.0
+    q = (w / s).to(FP8_DTYPE)
+    lin = make_fp8_linear_from_checkpoint(q, s.reshape(()), None)
+    # One scale for all rows pushes small rows' values into the subnormals: a bit worse.
+    assert rel_err(lin(x), ref) < 0.05
+    assert torch.equal(lin.weight.view(torch.uint8), q.view(torch.uint8))  # no re-rounding
+    # Per channel [out, 1] (fbgemm / compressed-tensors channel).
+    qc, sc = quantize_fp8_per_channel(w)
+    lin = make_fp8_linear_from_checkpoint(qc, sc[:, None], None)
+    assert rel_err(lin(x), ref) < 0.03
+    # Blocks of 32 x 128 with `weight_scale_inv` multipliers.
+    blocks = w.reshape(2, 32, 2, 128).abs().amax(dim=(1, 3)) / 448.0  # [2, 2]
+    expanded = blocks.repeat_interleave(32, 0).repeat_interleave(128, 1)
+    qb = (w / expanded).to(FP8_DTYPE)
+    lin = make_fp8_linear_from_checkpoint(qb, blocks, None, block_size=(32, 128))
+    # Blocks are re-quantized per channel: rounded twice, ~sqrt(2) * 2.5%.
+    assert rel_err(lin(x), ref) < 0.05
+    with pytest.raises(ValueError, match="weight_scale"):
+        to_per_channel(q, torch.ones(3))
+
+
+def test_fused_per_tensor_scales_concatenate():
+    """Per-tensor scales become per-channel, so q/k/v with different scales can be stacked."""
+    torch.manual_seed(4)
+    parts = [torch.randn(16, 64) * m for m in (0.01, 1.0, 10.0)]
+    qs, ss = [], []
+    for p in parts:
+        s = p.abs().amax() / 448.0
+        q8, sc = to_per_channel((p / s).to(FP8_DTYPE), s)
+        qs.append(q8)
+        ss.append(sc)
+    fused = Fp8Linear(torch.cat(qs), torch.cat(ss))
+    x = torch.randn(3, 64)
+    assert rel_err(fused(x), x @ torch.cat(parts).t()) < 0.03
+
+
+def test_dense_and_weight_bytes():
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    dense = make_linear_weights(w, None, None)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert torch.equal(dense(x), torch.nn.functional.linear(x, w))
+    fp8 = make_linear_weights(w, None, QuantizeMethod.FP8)
+    model = torch.nn.ModuleList([dense, fp8])
+    assert linear_weight_bytes(model) == 32 * 64 * 2 + 32 * 64 + 32 * 4
+
+
+# ----------------------------------------------------------------------------------- bitsandbytes
+
+
+@pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes not installed")
+@pytest.mark.parametrize(
+    ("method", "bound", "ratio"),
+    [(QuantizeMethod.BITSANDBYTES, 0.03, 1.9), (QuantizeMethod.BITSANDBYTES_NF4, 0.12, 3.0)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bnb_linear_on_cpu(method, bound, ratio, dtype):
+    torch.manual_seed(5)
+    w = (torch.randn(128, 256) * 0.05).to(dtype)
+    b = torch.randn(128).to(dtype)
+    x = torch.randn(6, 256).to(dtype)
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    lin = make_linear_weights(w, b, method)
+    y = lin(x)
+    assert y.shape == (6, 128)
+    # nf4 keeps 16 levels per block of 64: ~9% error on one Gaussian matmul; int8 ~1%.
+    assert rel_err(y, ref) < bound
+    dense_bytes = w.numel() * 2  # against bf16
+    assert dense_bytes / lin.weight_bytes >= ratio
+
+
+def test_bnb_missing_names_the_flag(monkeypatch):
+    import builtins
+
+    from shard.quantization.bnb import import_bitsandbytes
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name == "bitsandbytes":
+            raise ImportError("no bitsandbytes")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    with pytest.raises(RuntimeError, match="--quantize bitsandbytes-nf4"):
+        import_bitsandbytes(QuantizeMethod.BITSANDBYTES_NF4)
+
+
+# ------------------------------------------------------------------------------------ fp8 KV cache
+
+
+def test_kv_cache_bytes_per_token_halves():
+    bf16 = kv_cache_bytes_per_token(32, 8, 128, torch.bfloat16)
+    fp8 = kv_cache_bytes_per_token(32, 8, 128, kv_cache_torch_dtype(KvCacheDtype.FP8_E4M3FN, torch.bfloat16))
+    assert bf16 == 2 * 32 * 8 * 128 * 2 == 131072
+    assert fp8 * 2 == bf16
+    assert kv_cache_torch_dtype(KvCacheDtype.AUTO, torch.float16) is torch.float16
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.05])
+def test_fp8_kv_write_read_round_trip(scale):
+    torch.manual_seed(6)
+    num_blocks, block_size, heads, head_dim = 6, 4, 2, 16
+    shape = (num_blocks, block_size, heads, head_dim)
+    kc = torch.zeros(shape, dtype=torch.float8_e4m3fn)
+    vc = torch.zeros(shape, dtype=torch.float8_e4m3fn)
+    n = 7
+    k = torch.randn(n, heads, head_dim, dtype=torch.bfloat16) * 3
+    v = torch.randn(n, heads, head_dim, dtype=torch.bfloat16)
+    # Sequence in blocks [4, 1]: slots 16..19 then 4..6.
+    slots = torch.tensor([16, 17, 18, 19, 4, 5, 6])
+    scales = KvScales(k_scale=scale, v_scale=scale)
+    write_kv(k, v, kc, vc, slots, scales)
+    k_back = read_blocks(kc, torch.tensor([4, 1]), scale, torch.bfloat16)[:n]
+    v_back = read_blocks(vc, torch.tensor([4, 1]), scale, torch.bfloat16)[:n]
+    assert k_back.dtype == torch.bfloat16
+    assert rel_err(k_back, k) < 0.04 and rel_err(v_back, v) < 0.04
+    # Untouched slots stay zero.
+    assert float(read_blocks(kc, torch.tensor([0]), scale, torch.float32).abs().max()) == 0.0
+
+
+def test_kv_write_model_dtype_cache_is_exact():
+    kc = torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    k = torch.randn(3, 1, 8, dtype=torch.bfloat16)
+    write_kv(k, k, kc, vc, torch.tensor([0, 5, 7]))
+    assert torch.equal(read_blocks(kc, torch.tensor([0, 1]), 1.0, torch.bfloat16)[[0, 5, 7]], k)
+
+
+def test_kv_quantize_saturates_and_calibrates():
+    x = torch.tensor([1000.0, -1000.0, 1.0])
+    q = quantize_kv(x, 1.0, torch.float8_e4m3fn)
+    assert torch.equal(dequantize_kv(q, 1.0, torch.float32), torch.tensor([448.0, -448.0, 1.0]))
+    s = calibrate_scale(x)
+    assert s == pytest.approx(2000.0 / 448.0)
+    back = dequantize_kv(quantize_kv(x, s, torch.float8_e4m3fn), s, torch.float32)
+    assert rel_err(back, x) < 0.07
+    assert calibrate_scale(torch.ones(4)) == 1.0
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_fp8_linear_scaled_mm_cuda():
+    from shard.quantization.fp8 import scaled_mm_supported
+
+    device = torch.device("cuda")
+    if not scaled_mm_supported(device):
+        pytest.skip("fp8 matmuls need compute capability 8.9+")
+    torch.manual_seed(7)
+    w = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16) * 0.02
+    for m in (1, 3, 64, 257):
+        x = torch.randn(m, 4096, device=device, dtype=torch.bfloat16)
+        lin = make_linear_weights(w, None, QuantizeMethod.FP8)
+        assert lin.use_scaled_mm
+        ref = x.float() @ w.float().t()
+        assert rel_err(lin(x), ref) < 0.045, m  # W8A8: see test_fp8_linear_scaled_mm_math_on_cpu
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_BNB), reason="needs CUDA and bitsandbytes")
+@pytest.mark.parametrize(
+    ("method", "bound"), [(QuantizeMethod.BITSANDBYTES, 0.03), (QuantizeMethod.BITSANDBYTES_NF4, 0.12)]
+)
+def test_bnb_linear_cuda(method, bound):
+    device = torch.device("cuda")
+    torch.manual_seed(8)
+    w = torch.randn(1024, 2048, device=device, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(8, 2048, device=device, dtype=torch.bfloat16)
+    lin = make_linear_weights(w, None, method)
+    assert lin.inner.weight.device.type == "cuda"
+    assert rel_err(lin(x), x.float() @ w.float().t()) < bound
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_fp8_kv_round_trip_cuda():
+    device = torch.device("cuda")
+    kc = torch.zeros(8, 16, 8, 128, dtype=torch.float8_e4m3fn, device=device)
+    vc = torch.zeros_like(kc)
+    k = torch.randn(20, 8, 128, device=device, dtype=torch.bfloat16)
+    slots = torch.arange(16, 36, device=device)
+    write_kv(k, k, kc, vc, slots)
+    back = read_blocks(kc, torch.tensor([1, 2], device=device), 1.0, torch.bfloat16)[:20]
+    assert rel_err(back, k) < 0.04
