@@ -1,0 +1,167 @@
+"""`tokenwire launch`: flags and environment, readiness, auth through Envoy, graceful drain on
+SIGTERM, and tear-down naming the component when a child dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from _deploy import Deployment, http_json, launch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from service import launcher
+from service.cli import build_parser
+from tokenwire.v1 import generate_pb2 as pb
+from tokenwire.v1 import generate_pb2_grpc as pb_grpc
+
+API_KEY = "s3cret"
+
+
+def parse(argv: list[str]):
+    return build_parser(argv).parse_args(argv)
+
+
+def test_flags_come_from_tgi_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {
+        "MODEL_ID": "/models/x", "NUM_SHARD": "2", "PORT": "6000", "HOSTNAME": "0.0.0.0",
+        "MAX_INPUT_LENGTH": "100", "MAX_TOTAL_TOKENS": "200", "MAX_BATCH_PREFILL_TOKENS": "300",
+        "API_KEY": "k", "JSON_OUTPUT": "true", "DTYPE": "bfloat16", "HTTP_PORT": "8081",
+    }.items():
+        monkeypatch.setenv(name, value)
+    args = parse(["launch", "--max-total-tokens", "250"])  # a flag beats its variable
+    assert (args.model_id, args.num_shard, args.port, args.hostname) == ("/models/x", 2, 6000, "0.0.0.0")
+    assert (args.max_input_tokens, args.max_total_tokens, args.http_port) == (100, 250, 8081)
+    router = launcher.router_command(args, "x", Path("/models/x"), "/tmp/t/shard")
+    joined = " ".join(router)
+    for part in ("router", "--port 6000", "--shard-uds-path /tmp/t/shard", "--max-input-tokens 100",
+                 "--max-total-tokens 250", "--max-batch-prefill-tokens 300", "--api-key k",
+                 "--json-output", "--tokenizer /models/x"):
+        assert part in joined, joined
+    assert "--dtype" not in joined  # shard flags stay with the shards
+    shard = " ".join(launcher.shard_command(args, Path("/models/x"), 1, "/tmp/t/shard", 29500))
+    for part in ("shard", "--rank 1", "--world-size 2", "--uds-path /tmp/t/shard",
+                 "--master-port 29500", "--dtype bfloat16"):
+        assert part in shard, shard
+    assert "--max-total-tokens" not in shard
+
+
+def test_unset_flags_keep_component_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MODEL_ID", "MAX_TOTAL_TOKENS", "MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH", "API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    args = parse(["launch"])
+    assert args.model_id is None and args.http_port is None
+    router = launcher.router_command(args, "m", Path("/m"), "/p")
+    assert "--max-total-tokens" not in router and "--api-key" not in router
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory):
+    # The API key through the environment, as TGI users set it.
+    dep = launch(tmp_path_factory.mktemp("launch"), env={"API_KEY": API_KEY})
+    dep.headers = {"authorization": f"Bearer {API_KEY}"}
+    yield dep
+    dep.stop()
+
+
+@pytest.mark.slow
+def test_embedded_tiny_model_in_cache(deployment: Deployment) -> None:
+    cache = Path(os.environ.get("TOKENWIRE_CACHE") or deployment.log_path.parent.parent / "tokenwire-cache")
+    assert (cache / launcher.TINY_MODEL_NAME / "config.json").is_file()
+    status, _, info = http_json(deployment.http_port, "GET", "/info")
+    assert status == 200 and info["model_id"] == launcher.TINY_MODEL_NAME
+
+
+@pytest.mark.slow
+def test_wrong_api_key_is_401(deployment: Deployment) -> None:
+    body = {"inputs": "Testing API", "parameters": {"max_new_tokens": 3}}
+    for headers in ({}, {"authorization": "Bearer wrong"}):
+        for path in ("/generate", "/generate_stream"):
+            status, _, reply = http_json(deployment.http_port, "POST", path, body, headers=headers)
+            assert status == 401, reply
+            assert reply["code"] == 16, reply
+    status, _, reply = http_json(deployment.http_port, "POST", "/generate", body,
+                                 headers=deployment.headers)
+    assert status == 200, reply
+    with grpc.insecure_channel(deployment.envoy_target) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(pb.GenerateRequest(inputs="x"), metadata=[("authorization", "Bearer no")])
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # Health stays open.
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_streams(deployment: Deployment) -> None:
+    """Runs last in this module: it stops the deployment."""
+    max_new = 48
+    request = pb.GenerateRequest(
+        inputs="Once upon a time", parameters=pb.GenerateParameters(max_new_tokens=max_new)
+    )
+    events: list[pb.GenerateStreamResponse] = []
+    started = threading.Event()
+    errors: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            with grpc.insecure_channel(deployment.grpc_target) as channel:
+                stream = pb_grpc.TextGenerationStub(channel).GenerateStream(
+                    request, metadata=[("authorization", f"Bearer {API_KEY}")], timeout=120
+                )
+                for event in stream:
+                    events.append(event)
+                    started.set()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            started.set()
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    assert started.wait(60)
+    deployment.process.send_signal(signal.SIGTERM)
+    thread.join(120)
+    assert not errors, errors
+    assert events[-1].HasField("generated_text"), events[-1]
+    assert not events[-1].HasField("error"), events[-1]
+    assert 1 < len(events) <= max_new
+    assert deployment.process.wait(60) == 0, deployment.log()
+    assert "draining" in deployment.log()
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                out.append((int(entry.name), cmd))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+@pytest.mark.slow
+def test_killed_shard_tears_everything_down(tmp_path: Path) -> None:
+    dep = launch(tmp_path, http=False)
+    try:
+        children = _children(dep.process.pid)
+        shard = next(pid for pid, cmd in children if " shard " in cmd and "--rank 0" in cmd)
+        os.kill(shard, signal.SIGKILL)
+        code = dep.process.wait(30)
+        assert code != 0
+        assert "shard 0 exited with code -9" in dep.log(), dep.log()
+        time.sleep(0.5)
+        for pid, _ in children:
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
+    finally:
+        dep.stop(signal.SIGKILL)
