@@ -76,8 +76,12 @@ class _WrappingInterceptor(aio.ServerInterceptor):
         if handler.response_streaming:
             inner_stream: Streaming = handler.unary_stream
 
-            def stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
-                return self.around_stream(inner_stream, request, context, details)
+            # grpc.aio needs an async generator *function* to treat the handler as streaming.
+            async def stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+                wrapped = self.around_stream(inner_stream, request, context, details)
+                async with aclosing(wrapped) as responses:
+                    async for response in responses:
+                        yield response
 
             return grpc.unary_stream_rpc_method_handler(
                 stream, handler.request_deserializer, handler.response_serializer

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from grpc import aio
@@ -92,13 +92,28 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
 
     def __init__(
         self,
-        service: GenerationService,
-        info: Callable[[], ServerInfo],
+        service: GenerationService | None,
         health_reporter: HealthReporter,
+        info: ServerInfo | None = None,
     ) -> None:
-        self._service = service
-        self._info = info
+        self._service_or_none = service
+        self._info_or_none = info
         self._health = health_reporter
+
+    def attach(self, service: GenerationService, info: ServerInfo) -> None:
+        """Starts generating (the servicer is registered before the shards are warm)."""
+        self._service_or_none, self._info_or_none = service, info
+
+    @property
+    def _service(self) -> GenerationService:
+        if self._service_or_none is None:
+            raise ShardUnavailableError(f"not serving yet: {self._health.reason or 'starting'}")
+        return self._service_or_none
+
+    def _info(self) -> ServerInfo:
+        if self._info_or_none is None:
+            raise ShardUnavailableError(f"not serving yet: {self._health.reason or 'starting'}")
+        return self._info_or_none
 
     async def Generate(
         self, request: pb.GenerateRequest, context: aio.ServicerContext

@@ -1,0 +1,28 @@
+"""Fixtures shared by every test directory (keep them generic; helpers live in tests/helpers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.models import write_tiny_model, write_tokenizer_dir
+from tests.helpers.ports import free_port
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding only the tiny models' tokenizer.json (no torch needed)."""
+    return write_tokenizer_dir(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight llama model laid out like a hub snapshot (built once per session)."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture
+def unused_port() -> int:
+    """A free loopback TCP port."""
+    return free_port()

@@ -1,0 +1,1 @@
+"""Shared test helpers: free ports, tiny model directories, processes, an engine double."""
