@@ -35,7 +35,7 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int, have: int) -> int:
         """Blocks to add to a table of `have` blocks so it covers `num_tokens` tokens."""
         need = -(-num_tokens // self.block_size) - have
-        return need if need > 0 else 0
+        return max(0, need)
 
     # --- grants and release -----------------------------------------------------------------
     def allocate(self, n: int) -> list[int] | None:

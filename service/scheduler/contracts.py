@@ -15,7 +15,9 @@ class ChunkWork:
     """One request's prefill chunk in a step (shard Request)."""
 
     seq_id: int
-    input_ids: list[int]  # every token the cache must hold before sampling (prompt + generated)
+    # Every token the cache must hold before sampling (prompt + generated). The scheduler's own
+    # list: valid until apply_output (convert it before).
+    input_ids: list[int]
     cache_len: int  # tokens already in the request's blocks; computation starts here
     chunk_len: int  # tokens computed this step
     blocks: list[int]  # full block table, covering cache_len + chunk_len tokens
@@ -78,4 +80,5 @@ class StepOutput:
 
     generations: list[GenerationOut]
     batch_id: int | None  # the shard's merged cached batch; None when it is empty
+    batch_request_ids: list[int] = field(default_factory=list)  # its requests
     forward_ns: int = 0

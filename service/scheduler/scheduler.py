@@ -241,7 +241,7 @@ class Scheduler:
         bm = self.blocks
         bs = bm.block_size
         remaining = len(seq.token_ids) - seq.computed
-        chunk = remaining if remaining < budget else budget
+        chunk = min(budget, remaining)
         have = len(seq.blocks)
         need = bm.blocks_needed(seq.computed + chunk, have)
         if need:

@@ -1,0 +1,455 @@
+"""The generation engine: one asyncio task runs scheduler steps on the shards and streams events.
+
+    engine = GenerationEngine(EngineConfig(num_blocks=..., block_size=..., ...), shard_client,
+                              on_unhealthy=lambda reason: health.set(NOT_SERVING))
+    await engine.start()
+    stream = engine.submit(validated_request)   # OverloadedError / DrainingError / ShardUnavailable
+    async for event in stream: ...               # StepEvents; raises EngineError on failure
+    await engine.drain(timeout_s); await engine.stop()
+
+Admission is immediate (submit never awaits). Cancellations and deadlines are applied at step
+boundaries: the request is removed from the scheduler (its blocks freed) and the shard is told
+with FilterBatch before the next step. Any failed or timed-out shard RPC fails every in-flight
+request with ShardUnavailableError, marks the engine unhealthy and stops the loop: never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from tokenwire.shard.v1 import shard_pb2 as pb
+
+from service import shard_convert
+from service.engine_api import (
+    DeadlineExceededError,
+    DrainingError,
+    EngineError,
+    EngineStats,
+    Finished,
+    OverloadedError,
+    ShardUnavailableError,
+    StepEvent,
+    ValidatedRequest,
+)
+from service.scheduler import BlockManager, Scheduler, SchedulerConfig, Sequence, StepPlan
+
+log = logging.getLogger("tokenwire.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits. `num_blocks` and `block_size` come from the shard's Warmup answer."""
+
+    num_blocks: int
+    block_size: int
+    max_concurrent_requests: int = 128  # queued + running; beyond: OverloadedError
+    max_batch_prefill_tokens: int = 4096  # prefill chunk tokens per step
+    max_batch_total_tokens: int | None = None  # KV capacity cap, applied by the shard's Warmup
+    max_batch_size: int = 256  # requests per step
+    waiting_served_ratio: float = 0.3
+    max_waiting_tokens: int = 20
+    enable_prefix_cache: bool = True
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_batch_prefill_tokens=self.max_batch_prefill_tokens,
+            max_batch_size=self.max_batch_size,
+            waiting_served_ratio=self.waiting_served_ratio,
+            max_waiting_tokens=self.max_waiting_tokens,
+        )
+
+
+class ShardBackend(Protocol):
+    """What the engine needs of service.shard_client.ShardClient (timeouts included)."""
+
+    async def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse: ...
+
+    async def decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse: ...
+
+    async def filter_batch(self, request: pb.FilterBatchRequest) -> pb.FilterBatchResponse: ...
+
+    async def clear_cache(self, batch_id: int | None = None) -> None: ...
+
+
+_END = object()
+
+
+class _Stream:
+    """RequestStream of one request: a deque of events and at most one waiting reader."""
+
+    __slots__ = (
+        "_closed",
+        "_engine",
+        "_error",
+        "_events",
+        "_loop",
+        "_waiter",
+        "admitted_at",
+        "request",
+        "scheduled_at",
+        "seq_id",
+    )
+
+    def __init__(self, engine: GenerationEngine, seq_id: int, request: ValidatedRequest) -> None:
+        self._engine = engine
+        self.seq_id = seq_id
+        self.request = request
+        self._events: deque[StepEvent] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: EngineError | None = None
+        self._closed = False  # no more events will come
+        self.admitted_at = time.monotonic()
+        self.scheduled_at: float | None = None
+
+    # engine side
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    def push(self, event: StepEvent) -> None:
+        self._events.append(event)
+        if event.finished is not None:
+            self._closed = True
+        if self._waiter is not None:
+            self._wake()
+
+    def fail(self, error: EngineError) -> None:
+        if self._closed:
+            return
+        self._error = error
+        self._closed = True
+        self._wake()
+
+    # reader side
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> StepEvent:
+        while True:
+            if self._events:
+                return self._events.popleft()
+            if self._error is not None:
+                err, self._error = self._error, None
+                raise err
+            if self._closed:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+
+    def cancel(self) -> None:
+        """Removes the request at the next step boundary; iteration then ends."""
+        if not self._closed:
+            self._closed = True
+            self._engine._cancel(self.seq_id)
+            self._wake()
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+
+class GenerationEngine:
+    """Implements service.engine_api.Engine over a scheduler and a shard client."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        shard: ShardBackend,
+        on_unhealthy: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.shard = shard
+        self.on_unhealthy = on_unhealthy
+        self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_cache)
+        self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
+        self.healthy = True
+        self.unhealthy_reason: str | None = None
+        self.draining = False
+        self._streams: dict[int, _Stream] = {}
+        self._ids = itertools.count(1)
+        self._arrivals = itertools.count()
+        self._batch_ids = itertools.count(1)
+        self._cancelled: list[tuple[int, EngineError | None]] = []
+        self._deadlines: list[tuple[float, int]] = []  # heap
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+        # The shard's running batch (one id) and its requests.
+        self._batch_id: int | None = None
+        self._batch_ids_on_shard: list[int] = []
+        self._capacity_tokens = config.num_blocks * config.block_size
+        # Stats.
+        self._last_batch_size = 0
+        self.sched_cpu_s = 0.0  # schedule() + apply_output()
+        self.step_cpu_s = 0.0  # all router-side work of a step (scheduling, protos, events)
+        self.max_sched_cpu_s = 0.0
+
+    # --- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        """Stops the loop; remaining requests fail with DrainingError."""
+        self.draining = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+        self._fail_all(DrainingError("the server is shutting down"))
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stops admission and waits up to `timeout_s` for in-flight requests; True when all
+        finished, else the rest fail with DrainingError."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            self._fail_all(DrainingError("the server is shutting down"), notify_shard=True)
+            return False
+
+    # --- Engine API ---------------------------------------------------------------------------
+    def submit(self, request: ValidatedRequest) -> _Stream:
+        if not self.healthy:
+            raise ShardUnavailableError(f"shard unavailable: {self.unhealthy_reason}")
+        if self.draining:
+            raise DrainingError("the server is shutting down")
+        if len(self._streams) >= self.config.max_concurrent_requests:
+            raise OverloadedError(
+                f"too many requests in flight (max_concurrent_requests="
+                f"{self.config.max_concurrent_requests})"
+            )
+        need = len(request.input_ids) + request.stopping.max_new_tokens
+        if need > self._capacity_tokens:
+            raise OverloadedError(
+                f"input + max_new_tokens = {need} exceeds the KV cache capacity "
+                f"{self._capacity_tokens} tokens"
+            )
+        seq_id = next(self._ids)
+        stream = _Stream(self, seq_id, request)
+        self.scheduler.add(
+            Sequence(
+                seq_id=seq_id,
+                token_ids=list(request.input_ids),
+                prompt_len=len(request.input_ids),
+                arrival=next(self._arrivals),
+                prefill_logprobs=request.prefill_logprobs,
+                payload=request,
+            )
+        )
+        self._streams[seq_id] = stream
+        self._idle.clear()
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, seq_id))
+        self._wake.set()
+        return stream
+
+    def stats(self) -> EngineStats:
+        c = self.scheduler.counters
+        steps = max(c.steps, 1)
+        return EngineStats(
+            queued=self.scheduler.num_waiting,
+            running=self.scheduler.num_running,
+            kv_blocks_total=self.blocks.num_blocks,
+            kv_blocks_free=self.blocks.num_free,
+            last_batch_size=self._last_batch_size,
+            steps=c.steps,
+            prefill_tokens_computed=c.prefill_tokens_computed,
+            prefix_cache_hit_tokens=c.prefix_cache_hit_tokens,
+            preemptions=c.preemptions,
+            extra={
+                "scheduler_cpu_seconds_total": self.sched_cpu_s,
+                "scheduler_cpu_seconds_per_step": self.sched_cpu_s / steps,
+                "step_cpu_seconds_per_step": self.step_cpu_s / steps,
+                "healthy": 1.0 if self.healthy else 0.0,
+            },
+        )
+
+    def _cancel(self, seq_id: int, error: EngineError | None = None) -> None:
+        self._cancelled.append((seq_id, error))
+        self._wake.set()
+
+    # --- loop -----------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        sched = self.scheduler
+        try:
+            while True:
+                self._apply_cancellations()
+                if not sched.has_work():
+                    self._wake.clear()
+                    if self._cancelled:
+                        continue
+                    await self._wake.wait()
+                    continue
+                if not await self._step():
+                    # Nothing could run (cannot happen with the submit checks; never spin).
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), 0.05)
+                    except TimeoutError:
+                        pass
+                    continue
+                # Let submitters, readers and cancellations run between steps.
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # shard RPC failure, timeout, protocol violation
+            self._mark_unhealthy(e)
+
+    def _apply_cancellations(self) -> None:
+        now = time.monotonic()
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            _, seq_id = heapq.heappop(deadlines)
+            if seq_id in self._streams:
+                self._cancelled.append(
+                    (seq_id, DeadlineExceededError("the request deadline passed before it finished"))
+                )
+        if not self._cancelled:
+            return
+        cancelled, self._cancelled = self._cancelled, []
+        for seq_id, error in cancelled:
+            stream = self._streams.pop(seq_id, None)
+            if stream is None:
+                continue
+            self.scheduler.abort(seq_id)
+            if error is not None:
+                stream.fail(error)
+        if not self._streams:
+            self._idle.set()
+
+    async def _step(self) -> bool:
+        """Runs one step; False when the plan was empty."""
+        t0 = time.thread_time()
+        sched = self.scheduler
+        plan = sched.schedule()
+        t_sched = time.thread_time() - t0
+
+        if plan.removed_from_shard:
+            await self._filter(plan)
+        if plan.empty:
+            self._fail_unfittable(plan)
+            return bool(plan.removed_from_shard or plan.preempted)
+        now = time.monotonic()
+        streams = self._streams
+        for c in plan.chunks:
+            st = streams.get(c.seq_id)
+            if st is not None and st.scheduled_at is None:
+                st.scheduled_at = now
+        if plan.chunks:
+            req = shard_convert.prefill_request(
+                plan, next(self._batch_ids), self._batch_id, self._batch_ids_on_shard
+            )
+            t_rpc = time.thread_time()
+            resp = await self.shard.prefill(req)
+        else:
+            assert self._batch_id is not None
+            req = shard_convert.decode_request(plan, self._batch_id, self._batch_ids_on_shard)
+            t_rpc = time.thread_time()
+            resp = await self.shard.decode(req)
+        t1 = time.thread_time()
+        out = shard_convert.step_output(resp)
+        self._batch_id = out.batch_id
+        self._batch_ids_on_shard = out.batch_request_ids
+        t2 = time.thread_time()
+        finished = sched.apply_output(plan, out)
+        t_sched += time.thread_time() - t2
+        self._last_batch_size = plan.batch_size
+
+        # Events.
+        hits = {s.seq_id: s.prefix_hit_tokens for s in finished if s.prefix_hit_tokens}
+        now = time.monotonic()
+        for gen in out.generations:
+            stream = streams.get(gen.seq_id)
+            if stream is None:
+                continue  # cancelled during the step
+            fin = gen.finish
+            if fin is None:
+                stream.push(StepEvent(gen.token, gen.top_tokens, gen.prefill))
+                continue
+            del streams[gen.seq_id]
+            scheduled_at = stream.scheduled_at or now
+            finished_ev = Finished(
+                generated_text=fin.text,
+                generated_tokens=fin.generated_tokens,
+                finish_reason=fin.reason,
+                seed=stream.request.sampling.seed if stream.request.sampling.do_sample else None,
+                queue_seconds=scheduled_at - stream.admitted_at,
+                inference_seconds=now - scheduled_at,
+                prefix_cache_hit_tokens=hits.get(gen.seq_id, 0),
+            )
+            stream.push(StepEvent(gen.token, gen.top_tokens, gen.prefill, finished_ev))
+        if not streams:
+            self._idle.set()
+        self.sched_cpu_s += t_sched
+        self.max_sched_cpu_s = max(self.max_sched_cpu_s, t_sched)
+        self.step_cpu_s += (t_rpc - t0) + (time.thread_time() - t1)
+        return True
+
+    async def _filter(self, plan: StepPlan) -> None:
+        if self._batch_id is None:
+            return
+        keep = plan.keep_ids
+        if keep:
+            resp = await self.shard.filter_batch(shard_convert.filter_request(self._batch_id, keep))
+            self._batch_ids_on_shard = list(resp.batch.request_ids)
+        else:
+            await self.shard.clear_cache(self._batch_id)
+            self._batch_id = None
+            self._batch_ids_on_shard = []
+
+    def _fail_unfittable(self, plan: StepPlan) -> None:
+        """A lone request preempted itself: it can never fit the KV cache."""
+        sched = self.scheduler
+        if sched.num_running == 0 and plan.preempted:
+            for seq_id in plan.preempted:
+                self._cancelled.append(
+                    (seq_id, OverloadedError("the request does not fit the KV cache"))
+                )
+
+    def _mark_unhealthy(self, error: BaseException) -> None:
+        reason = f"{type(error).__name__}: {error}"
+        code = getattr(error, "code", None)
+        details = getattr(error, "details", None)
+        if callable(code) and callable(details):
+            reason = f"shard RPC failed: {code().name}: {details()}"
+        log.error("engine unhealthy: %s", reason)
+        self.healthy = False
+        self.unhealthy_reason = reason
+        self._fail_all(ShardUnavailableError(f"shard unavailable: {reason}"))
+        if self.on_unhealthy is not None:
+            try:
+                self.on_unhealthy(reason)
+            except Exception:
+                log.exception("on_unhealthy callback failed")
+
+    def _fail_all(self, error: EngineError, notify_shard: bool = False) -> None:
+        if notify_shard:
+            # Remove them through the normal path at the next boundary (blocks freed, filtered).
+            for seq_id, stream in list(self._streams.items()):
+                stream.fail(error)
+                self._cancel(seq_id)
+            return
+        streams, self._streams = self._streams, {}
+        self.scheduler.abort_all()
+        self._batch_id = None
+        self._batch_ids_on_shard = []
+        for stream in streams.values():
+            stream.fail(error)
+        self._idle.set()
+

@@ -1,0 +1,206 @@
+"""Proto <-> domain conversion for the internal shard protocol (the router side's one module).
+
+The scheduler's typed step contracts (service.scheduler.contracts) become PrefillRequest /
+DecodeRequest here, and the shard's answers become StepOutput. Finish reasons map in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenwire.shard.v1 import shard_pb2 as pb
+
+from service.engine_api import FinishReason, TokenInfo, ValidatedRequest
+from service.scheduler.contracts import FinishInfo, GenerationOut, StepOutput, StepPlan
+
+# The one map of the shard's finish reasons.
+FINISH_REASONS: dict[int, FinishReason] = {
+    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    pb.FINISH_REASON_EOS_TOKEN: FinishReason.EOS_TOKEN,
+    pb.FINISH_REASON_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE,
+}
+FINISH_REASONS_TO_PROTO: dict[FinishReason, int] = {v: k for k, v in FINISH_REASONS.items()}
+
+
+@dataclass(frozen=True)
+class WarmupBudgets:
+    """Budgets the shard must support (WarmupRequest)."""
+
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_prefill_tokens: int
+    max_batch_size: int
+    max_batch_total_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class WarmupInfo:
+    """Result of Warmup: the KV cache the router now owns."""
+
+    num_blocks: int
+    block_size: int
+    max_supported_total_tokens: int
+    warmup_ns: int
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Static facts of the shard (Info)."""
+
+    model_id: str
+    model_type: str
+    dtype: str
+    device_type: str
+    block_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    world_size: int
+    sliding_window: int | None
+    attention_backend: str
+    model_sha: str | None
+
+
+def warmup_request(b: WarmupBudgets) -> pb.WarmupRequest:
+    req = pb.WarmupRequest(
+        max_input_tokens=b.max_input_tokens,
+        max_total_tokens=b.max_total_tokens,
+        max_batch_prefill_tokens=b.max_batch_prefill_tokens,
+        max_batch_size=b.max_batch_size,
+    )
+    if b.max_batch_total_tokens is not None:
+        req.max_batch_total_tokens = b.max_batch_total_tokens
+    return req
+
+
+def warmup_info(r: pb.WarmupResponse) -> WarmupInfo:
+    return WarmupInfo(r.num_blocks, r.block_size, r.max_supported_total_tokens, r.warmup_ns)
+
+
+def shard_info(r: pb.InfoResponse) -> ShardInfo:
+    return ShardInfo(
+        model_id=r.model_id,
+        model_type=r.model_type,
+        dtype=r.dtype,
+        device_type=r.device_type,
+        block_size=r.block_size,
+        max_position_embeddings=r.max_position_embeddings,
+        eos_token_ids=tuple(r.eos_token_ids),
+        vocab_size=r.vocab_size,
+        world_size=r.world_size,
+        sliding_window=r.sliding_window if r.HasField("sliding_window") else None,
+        attention_backend=r.attention_backend,
+        model_sha=r.model_sha if r.HasField("model_sha") else None,
+    )
+
+
+def sampling_proto(req: ValidatedRequest) -> pb.SamplingParameters:
+    s = req.sampling
+    return pb.SamplingParameters(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        typical_p=s.typical_p,
+        do_sample=s.do_sample,
+        seed=s.seed,
+        repetition_penalty=s.repetition_penalty,
+        frequency_penalty=s.frequency_penalty,
+        watermark=s.watermark,
+    )
+
+
+def stopping_proto(req: ValidatedRequest) -> pb.StoppingParameters:
+    s = req.stopping
+    return pb.StoppingParameters(
+        max_new_tokens=s.max_new_tokens,
+        stop_sequences=list(s.stop_sequences),
+        ignore_eos_token=s.ignore_eos_token,
+    )
+
+
+def _cached_batch(batch_id: int, ids: list[int]) -> pb.CachedBatch:
+    return pb.CachedBatch(id=batch_id, request_ids=ids)
+
+
+def _grants(plan: StepPlan) -> list[pb.BlockGrant]:
+    return [pb.BlockGrant(request_id=rid, blocks=blocks) for rid, blocks in plan.grants]
+
+
+def prefill_request(
+    plan: StepPlan, new_batch_id: int, cached_id: int | None, cached_ids: list[int]
+) -> pb.PrefillRequest:
+    """Chunks of the plan as a Batch, fused with the decode of the running (cached) batch."""
+    requests = []
+    for c in plan.chunks:
+        vreq: ValidatedRequest = c.payload  # type: ignore[assignment]
+        requests.append(
+            pb.Request(
+                id=c.seq_id,
+                input_ids=c.input_ids,
+                cache_len=c.cache_len,
+                chunk_len=c.chunk_len,
+                blocks=c.blocks,
+                generated_len=c.generated_len,
+                sampling=sampling_proto(vreq),
+                stopping=stopping_proto(vreq),
+                prefill_logprobs=c.prefill_logprobs,
+                top_n_tokens=vreq.top_n_tokens,
+            )
+        )
+    req = pb.PrefillRequest(batch=pb.Batch(id=new_batch_id, requests=requests))
+    if cached_id is not None:
+        req.cached_batch.CopyFrom(_cached_batch(cached_id, cached_ids))
+    if plan.grants:
+        req.block_grants.extend(_grants(plan))
+    return req
+
+
+def decode_request(plan: StepPlan, cached_id: int, cached_ids: list[int]) -> pb.DecodeRequest:
+    return pb.DecodeRequest(batches=[_cached_batch(cached_id, cached_ids)], block_grants=_grants(plan))
+
+
+def filter_request(batch_id: int, keep_ids: list[int]) -> pb.FilterBatchRequest:
+    return pb.FilterBatchRequest(batch_id=batch_id, request_ids=keep_ids)
+
+
+def _tokens(t: pb.Tokens) -> tuple[TokenInfo, ...]:
+    n = len(t.ids)
+    lps = t.logprobs
+    texts = t.texts
+    specials = t.is_special
+    return tuple(
+        TokenInfo(
+            t.ids[i],
+            texts[i] if i < len(texts) else "",
+            lps[i] if i < len(lps) else float("nan"),
+            specials[i] if i < len(specials) else False,
+        )
+        for i in range(n)
+    )
+
+
+def step_output(resp: pb.PrefillResponse | pb.DecodeResponse) -> StepOutput:
+    """The shard's answer as the scheduler and the engine consume it. Each Generation carries
+    exactly one token (the protocol's promise); fast path for that shape."""
+    gens: list[GenerationOut] = []
+    append = gens.append
+    for g in resp.generations:
+        t = g.tokens
+        token = TokenInfo(t.ids[0], t.texts[0], t.logprobs[0], t.is_special[0])
+        out = GenerationOut(g.request_id, token)
+        if g.top_tokens:
+            out.top_tokens = _tokens(g.top_tokens[0])
+        if g.HasField("prefill_tokens"):
+            out.prefill = _tokens(g.prefill_tokens)
+        if g.HasField("generated_text"):
+            gt = g.generated_text
+            out.finish = FinishInfo(
+                reason=FINISH_REASONS[gt.finish_reason],
+                text=gt.text,
+                generated_tokens=gt.generated_tokens,
+                seed=gt.seed if gt.HasField("seed") else None,
+            )
+        append(out)
+    if resp.HasField("batch"):
+        return StepOutput(gens, resp.batch.id, list(resp.batch.request_ids), resp.timings.forward_ns)
+    return StepOutput(gens, None, [], resp.timings.forward_ns)
