@@ -121,20 +121,20 @@ class Engine:
         for grant in grants:
             self._request(grant.request_id).blocks.extend(grant.blocks)
 
-    def _check_blocks(self, state: RequestState, seq_len: int) -> None:
+    def _check_blocks(self, rid: int, blocks: list[int], seq_len: int) -> None:
         bs = self.runner.block_size
-        if len(state.blocks) * bs < seq_len:
+        if len(blocks) * bs < seq_len:
             raise InvalidRequestError(
-                f"request {state.id}: {len(state.blocks)} blocks hold {len(state.blocks) * bs} "
+                f"request {rid}: {len(blocks)} blocks hold {len(blocks) * bs} "
                 f"tokens but the step needs {seq_len}; grant more blocks"
             )
-        if any(b >= self.runner.num_blocks for b in state.blocks[: math.ceil(seq_len / bs)]):
+        if any(b >= self.runner.num_blocks for b in blocks[: math.ceil(seq_len / bs)]):
             raise InvalidRequestError(
-                f"request {state.id}: block id out of range (num_blocks={self.runner.num_blocks})"
+                f"request {rid}: block id out of range (num_blocks={self.runner.num_blocks})"
             )
         if seq_len > self.max_positions:
             raise InvalidRequestError(
-                f"request {state.id}: {seq_len} tokens exceed max_position_embeddings "
+                f"request {rid}: {seq_len} tokens exceed max_position_embeddings "
                 f"{self.max_positions}"
             )
 
@@ -146,15 +146,18 @@ class Engine:
         t0 = time.perf_counter_ns()
         if self.runner.kv_cache is None:
             raise FailedPreconditionError("Warmup must run before Prefill")
-        work: list[_Work] = []
-        new_ids: list[int] = []
-        for spec in batch.requests:
+        for spec in batch.requests:  # validate everything before any state changes
             end = spec.cache_len + spec.chunk_len
             if spec.chunk_len == 0 or end > len(spec.input_ids):
                 raise InvalidRequestError(
                     f"request {spec.id}: cache_len + chunk_len must be in (cache_len, "
                     f"len(input_ids)={len(spec.input_ids)}]; got {spec.cache_len} + {spec.chunk_len}"
                 )
+            self._check_blocks(spec.id, spec.blocks, end)
+        work: list[_Work] = []
+        new_ids: list[int] = []
+        for spec in batch.requests:
+            end = spec.cache_len + spec.chunk_len
             state = self.requests.get(spec.id)
             if state is None or spec.cache_len == 0:
                 state = self._new_state(spec)
@@ -237,7 +240,7 @@ class Engine:
         lp_owner: list[RequestState] = []
         for w in work:
             seq_len = w.start + w.length
-            self._check_blocks(w.state, seq_len)
+            self._check_blocks(w.state.id, w.state.blocks, seq_len)
             base = len(inputs.token_ids)
             inputs.token_ids.extend(w.state.token_ids[w.start : seq_len])
             inputs.positions.extend(range(w.start, seq_len))

@@ -1,0 +1,134 @@
+"""The shard servicer over real gRPC (grpc.aio server on a Unix socket, in-process): Info,
+discovery, health, reflection, warmup errors, greedy generation equal to transformers, status
+codes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tokenwire.shard.v1 import shard_pb2 as pb
+from tokenwire.shard.v1 import shard_pb2_grpc
+
+from reference import hf_greedy, load_hf, prompts
+from shard.distributed import Dist
+from shard.loader import Shard, ShardConfig
+from shard.server_main import start_server
+from shard_driver import RouterSim
+from test_engine_greedy import joining_and_leaving, N
+
+
+class ServerThread:
+    """Runs the shard's grpc.aio server on its own event loop thread."""
+
+    def __init__(self, shard: Shard, url: str):
+        self.loop = asyncio.new_event_loop()
+        self.fatal: list[str] = []
+        thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        thread.start()
+        started = asyncio.run_coroutine_threadsafe(
+            start_server(shard, [url], 0, self.fatal.append), self.loop
+        )
+        self.server, self.servicer, _ = started.result(60)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(10)
+        self.servicer.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_models, tmp_path_factory):
+    model_dir = tiny_models["qwen2"]
+    shard = Shard(ShardConfig(model_id=str(model_dir), kv_cache_memory_mb=1), Dist())
+    url = f"unix://{tmp_path_factory.mktemp('sock')}/shard-0"
+    server = ServerThread(shard, url)
+    channel = grpc.insecure_channel(url)
+    yield model_dir, channel, shard_pb2_grpc.ShardServiceStub(channel), url
+    channel.close()
+    server.stop()
+
+
+def test_info_discovery_health_reflection(served):
+    model_dir, channel, stub, url = served
+    info = stub.Info(pb.InfoRequest())
+    assert (info.model_type, info.dtype, info.device_type) == ("qwen2", "float32", "cpu")
+    assert info.block_size == 16 and info.vocab_size == 512 and info.world_size == 1
+    assert list(info.eos_token_ids) == [2] and info.max_position_embeddings == 1024
+    assert not info.HasField("sliding_window") and info.attention_backend == "torch"
+    assert list(stub.ServiceDiscovery(pb.ServiceDiscoveryRequest()).urls) == [url]
+    stub.Health(pb.HealthRequest())
+    check = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service="tokenwire.shard.v1.ShardService")
+    )
+    assert check.status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    answers = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
+    names = {s.name for s in next(answers).list_services_response.service}
+    assert "tokenwire.shard.v1.ShardService" in names
+
+
+def test_warmup_impossible_budget_names_the_flag(served):
+    _, _, stub, _ = served
+    with pytest.raises(grpc.RpcError) as err:
+        # 1 MiB of KV cache (qwen2 tiny: 4 KiB per block) holds 4096 tokens, not 8192... but the
+        # model only has 1024 positions: ask for less than that with a cap that cannot hold it.
+        stub.Warmup(
+            pb.WarmupRequest(
+                max_input_tokens=512, max_total_tokens=1000, max_batch_prefill_tokens=512,
+                max_batch_size=4, max_batch_total_tokens=256,
+            )
+        )
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--max-total-tokens" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Warmup(pb.WarmupRequest(max_input_tokens=10, max_total_tokens=4096,
+                                     max_batch_prefill_tokens=10, max_batch_size=1))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--max-total-tokens" in err.value.details()
+
+
+def test_greedy_over_grpc_matches_transformers(served):
+    model_dir, _, stub, _ = served
+    warm = stub.Warmup(
+        pb.WarmupRequest(max_input_tokens=128, max_total_tokens=256, max_batch_prefill_tokens=256,
+                         max_batch_size=8, max_batch_total_tokens=2048)
+    )
+    assert warm.num_blocks == 128 and warm.max_supported_total_tokens == 2048
+
+    def call(method, request):
+        return getattr(stub, method)(request, timeout=60)
+
+    sim = RouterSim(call, warm.num_blocks, warm.block_size)
+    p = prompts(model_dir, [17, 5, 45, 30])
+    joining_and_leaving(sim, p)
+    hf = load_hf(model_dir)
+    for rid, n in [(1, N), (3, N), (4, 20)]:
+        assert sim.done[rid].generated == hf_greedy(hf, p[rid - 1], n), f"request {rid}"
+        assert sim.done[rid].finished.finish_reason == pb.FINISH_REASON_LENGTH
+    text = "".join(t for g in sim.done[1].generations for t in g.tokens.texts)
+    assert text == sim.done[1].finished.text
+
+
+def test_status_codes(served):
+    _, _, stub, _ = served
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=99, request_ids=[12345])]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "12345" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.FilterBatch(pb.FilterBatchRequest(batch_id=777, request_ids=[]))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=5, requests=[
+            pb.Request(id=1, input_ids=[1, 2, 3], cache_len=0, chunk_len=3, blocks=[]),
+        ])))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "blocks" in err.value.details()
+    stub.ClearCache(pb.ClearCacheRequest())
