@@ -1,0 +1,100 @@
+"""`tokenwire shard --world-size 2` (two processes, gloo) generates exactly what one shard does.
+
+Every RPC goes to both ranks at once (as the router does); both answers must agree, and rank 0's
+must equal the single-shard engine's and transformers'.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from tokenwire.shard.v1 import shard_pb2 as pb
+from tokenwire.shard.v1 import shard_pb2_grpc
+
+from reference import hf_greedy, load_hf, prompts
+from shard_driver import RouterSim, engine_call
+from test_engine_greedy import N, joining_and_leaving, make_shard
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _strip(message):
+    """A copy without step timings (they differ per rank)."""
+    copy = type(message)()
+    copy.CopyFrom(message)
+    if "timings" in copy.DESCRIPTOR.fields_by_name:
+        copy.ClearField("timings")
+    return copy
+
+
+def run_scenario(call, num_blocks: int, block_size: int, model_dir) -> dict[int, list[int]]:
+    sim = RouterSim(call, num_blocks, block_size)
+    joining_and_leaving(sim, prompts(model_dir, [17, 5, 45, 30]))
+    return {rid: req.generated for rid, req in sim.done.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_two_ranks_equal_single_shard(tiny_models, tmp_path, arch):
+    model_dir = tiny_models[arch]
+    prefix = str(tmp_path / "shard")
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "shard", "--model-id", str(model_dir),
+             "--device", "cpu", "--rank", str(r), "--world-size", "2", "--uds-path", prefix,
+             "--master-port", str(port), "--kv-cache-memory-mb", "1", "--log-level", "WARNING"],
+            cwd=REPO, env=env,
+        )
+        for r in range(2)
+    ]
+    channels = [grpc.insecure_channel(f"unix://{prefix}-{r}") for r in range(2)]
+    try:
+        for ch in channels:
+            grpc.channel_ready_future(ch).result(timeout=120)
+        stubs = [shard_pb2_grpc.ShardServiceStub(ch) for ch in channels]
+        pool = ThreadPoolExecutor(2)
+
+        def call(method, request):
+            futures = [pool.submit(getattr(s, method), request, timeout=120) for s in stubs]
+            answers = [f.result() for f in futures]
+            if method != "Warmup":  # warmup_ns differs; everything else must agree
+                assert all(_strip(a) == _strip(answers[0]) for a in answers[1:]), method
+            return answers[0]
+
+        info = call("Info", pb.InfoRequest())
+        assert info.world_size == 2
+        urls = list(call("ServiceDiscovery", pb.ServiceDiscoveryRequest()).urls)
+        assert urls == [f"unix://{prefix}-0", f"unix://{prefix}-1"]
+        warm = call("Warmup", pb.WarmupRequest(
+            max_input_tokens=128, max_total_tokens=256, max_batch_prefill_tokens=256,
+            max_batch_size=8, max_batch_total_tokens=2048))
+        tp = run_scenario(call, warm.num_blocks, warm.block_size, model_dir)
+    finally:
+        for ch in channels:
+            ch.close()
+        for p in procs:
+            p.terminate()
+        codes = [p.wait(timeout=30) for p in procs]
+    assert codes == [0, 0]
+    single = make_shard(model_dir)
+    expected = run_scenario(
+        engine_call(single), single.runner.num_blocks, single.runner.block_size, model_dir
+    )
+    assert tp == expected
+    hf = load_hf(model_dir)
+    assert tp[1] == hf_greedy(hf, prompts(model_dir, [17])[0], N)
