@@ -1,0 +1,187 @@
+// The hand-written layer over the generated service descriptor: createClient(baseUrl, options).
+import { create, fromJson, type JsonValue, type MessageInitShape } from "@bufbuild/protobuf";
+import { ValueSchema } from "@bufbuild/protobuf/wkt";
+import { createClient as createConnectClient, type Interceptor } from "@connectrpc/connect";
+import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
+
+import { inBandError, translateError } from "./errors.js";
+import {
+  GenerateParametersSchema,
+  GenerateRequestSchema,
+  TextGeneration,
+  type GenerateRequest,
+  type GenerateResponse,
+  type GenerateStreamResponse,
+  type InfoResponse,
+} from "./gen/tokenwire/v1/generate_pb.js";
+
+/** Options of createClient. */
+export interface ClientOptions {
+  /** Sent as `authorization: Bearer <apiKey>` on every call, as `--api-key` servers require. */
+  apiKey?: string;
+  /** Default deadline of every call (streams included), in milliseconds. Unset: no deadline. */
+  timeoutMs?: number;
+}
+
+/** Options of one call. */
+export interface CallOptions {
+  /** Deadline of this call in milliseconds; overrides the client's timeoutMs. */
+  timeoutMs?: number;
+  /** Aborting it cancels the call (the server stops generating); the call throws CancelledError. */
+  signal?: AbortSignal;
+}
+
+/** A constraint on the output: a JSON schema (type "json") or a regular expression ("regex"). */
+export interface GrammarInit {
+  type: "json" | "regex" | string;
+  value: JsonValue;
+}
+
+/**
+ * Generation parameters: maxNewTokens, temperature, topK, topP, stop, seed, details, grammar, ...
+ * (the proto's snake_case names, TGI's REST spelling, are accepted too). Unset ones take the
+ * server's defaults.
+ */
+export type GenerateParameters = Omit<
+  MessageInitShape<typeof GenerateParametersSchema>,
+  "$typeName" | "grammar"
+> & { grammar?: GrammarInit };
+
+/** The tokenwire client returned by createClient. */
+export interface TokenwireClient {
+  /** Generates a completion for `inputs` and resolves when it is finished. */
+  generate(inputs: string, parameters?: GenerateParameters, options?: CallOptions): Promise<GenerateResponse>;
+  /**
+   * Streams a completion, one event per generated token; the last event carries
+   * `generatedText` (and `details` when asked for). Breaking out of `for await` or aborting
+   * `options.signal` cancels the call on the server.
+   */
+  generateStream(
+    inputs: string,
+    parameters?: GenerateParameters,
+    options?: CallOptions,
+  ): AsyncIterable<GenerateStreamResponse>;
+  /** Describes the served model and the server's limits. */
+  info(options?: CallOptions): Promise<InfoResponse>;
+  /** True when the server can generate; false when it answers UNAVAILABLE (or is unreachable). */
+  health(options?: CallOptions): Promise<boolean>;
+  /** Closes the HTTP/2 connection; calls in flight fail. */
+  close(): void;
+}
+
+function buildRequest(inputs: string, parameters: GenerateParameters = {}): GenerateRequest {
+  if (typeof inputs !== "string") {
+    throw new TypeError(`inputs must be a string, not ${typeof inputs}`);
+  }
+  // Field names as generated (camelCase: maxNewTokens); the proto's snake_case names (TGI's REST
+  // spelling: max_new_tokens) are accepted too.
+  const byName = new Map<string, string>();
+  for (const field of GenerateParametersSchema.fields) {
+    byName.set(field.localName, field.localName);
+    byName.set(field.name, field.localName);
+  }
+  const rest: Record<string, unknown> = {};
+  let grammar: GrammarInit | undefined;
+  const unknown: string[] = [];
+  for (const [name, value] of Object.entries(parameters)) {
+    const localName = byName.get(name);
+    if (localName === undefined) unknown.push(name);
+    else if (value === undefined || value === null) continue;
+    else if (localName === "grammar") grammar = value as GrammarInit;
+    else rest[localName] = value;
+  }
+  if (unknown.length > 0) {
+    throw new TypeError(`unknown generation parameter(s): ${unknown.join(", ")}`);
+  }
+  return create(GenerateRequestSchema, {
+    inputs,
+    parameters: {
+      ...rest,
+      ...(grammar === undefined
+        ? {}
+        : { grammar: { type: grammar.type, value: fromJson(ValueSchema, grammar.value) } }),
+    },
+  });
+}
+
+/**
+ * Creates a client for the tokenwire server at `baseUrl` ("http://host:port" of the router, or
+ * of Envoy's port, which passes gRPC through). Speaks gRPC over HTTP/2 (cleartext for http://,
+ * TLS for https://).
+ */
+export function createClient(baseUrl: string, options: ClientOptions = {}): TokenwireClient {
+  const interceptors: Interceptor[] = [];
+  if (options.apiKey !== undefined) {
+    const header = `Bearer ${options.apiKey}`;
+    interceptors.push((next) => async (request) => {
+      request.header.set("authorization", header);
+      return next(request);
+    });
+  }
+  const sessionManager = new Http2SessionManager(baseUrl);
+  const transport = createGrpcTransport({ baseUrl, interceptors, sessionManager });
+  const service = createConnectClient(TextGeneration, transport);
+  const callOptions = (call: CallOptions = {}) => ({
+    timeoutMs: call.timeoutMs ?? options.timeoutMs,
+    signal: call.signal,
+  });
+
+  return {
+    async generate(inputs, parameters, call) {
+      const request = buildRequest(inputs, parameters);
+      try {
+        return await service.generate(request, callOptions(call));
+      } catch (error) {
+        throw translateError(error);
+      }
+    },
+
+    async *generateStream(inputs, parameters, call) {
+      const request = buildRequest(inputs, parameters);
+      // A local controller so that leaving the loop early (return()) resets the HTTP/2 stream.
+      const controller = new AbortController();
+      const onAbort = () => controller.abort(call?.signal?.reason);
+      call?.signal?.addEventListener("abort", onAbort, { once: true });
+      if (call?.signal?.aborted) onAbort();
+      try {
+        const events = service.generateStream(request, { ...callOptions(call), signal: controller.signal });
+        for await (const event of events) {
+          if (event.error !== undefined) {
+            throw inBandError(event.errorType, event.error);
+          }
+          yield event;
+        }
+      } catch (error) {
+        throw translateError(error);
+      } finally {
+        call?.signal?.removeEventListener("abort", onAbort);
+        controller.abort();
+      }
+    },
+
+    async info(call) {
+      try {
+        return await service.info({}, callOptions(call));
+      } catch (error) {
+        throw translateError(error);
+      }
+    },
+
+    async health(call) {
+      try {
+        await service.health({}, callOptions(call));
+        return true;
+      } catch (error) {
+        const translated = translateError(error);
+        if (translated.code === "UNAVAILABLE") {
+          return false;
+        }
+        throw translated;
+      }
+    },
+
+    close() {
+      sessionManager.abort();
+    },
+  };
+}

@@ -1,0 +1,26 @@
+// @tokenwire/client: TypeScript client for the tokenwire text-generation server.
+export { createClient } from "./client.js";
+export type {
+  CallOptions,
+  ClientOptions,
+  GenerateParameters,
+  GrammarInit,
+  TokenwireClient,
+} from "./client.js";
+export {
+  CancelledError,
+  DeadlineExceededError,
+  GenerationError,
+  OverloadedError,
+  PermissionDeniedError,
+  TokenwireError,
+  UnauthenticatedError,
+  UnavailableError,
+  UnsupportedError,
+  ValidationError,
+} from "./errors.js";
+// Generated message types and schemas, for users who want the raw Connect-ES client.
+export * from "./gen/tokenwire/v1/generate_pb.js";
+
+/** Version of this package; it goes with the tokenwire server of the same version. */
+export const VERSION = "0.1.0";

@@ -1,0 +1,111 @@
+// Cases of the TypeScript SDK against a live tokenwire server at $TOKENWIRE_URL (e.g.
+// http://127.0.0.1:50051, or Envoy's port). tests/sdk/test_typescript_sdk.py runs this file from a
+// temporary project that installed the `npm pack` tarball; `npm test` runs it against this folder
+// (the package imports itself by name).
+import assert from "node:assert/strict";
+import { after, describe, test } from "node:test";
+
+import {
+  createClient,
+  DeadlineExceededError,
+  CancelledError,
+  TokenwireError,
+  ValidationError,
+  VERSION,
+} from "@tokenwire/client";
+
+const url = process.env.TOKENWIRE_URL;
+const PROMPT = "The quick brown fox";
+
+describe(`@tokenwire/client against ${url}`, { skip: url === undefined && "TOKENWIRE_URL not set" }, () => {
+  const client = createClient(url ?? "http://127.0.0.1:1", { timeoutMs: 60_000 });
+  after(() => client.close());
+
+  test("generate", async () => {
+    const response = await client.generate(PROMPT, { maxNewTokens: 5, details: true, temperature: 0 });
+    assert.equal(typeof response.generatedText, "string");
+    assert.ok(response.details, "details present");
+    assert.equal(response.details.generatedTokens, response.details.tokens.length);
+    assert.ok(response.details.generatedTokens >= 1 && response.details.generatedTokens <= 5);
+    assert.ok(["length", "eos_token", "stop_sequence"].includes(response.details.finishReason));
+  });
+
+  test("generateStream, stopped early by break", async () => {
+    const events = [];
+    for await (const event of client.generateStream(PROMPT, { maxNewTokens: 40, temperature: 0 })) {
+      assert.ok(event.token, "token present");
+      events.push(event);
+      if (events.length === 2) break;
+    }
+    assert.deepEqual(events.map((e) => e.index), [0, 1]);
+    // A full stream still works afterwards; its last event carries the text.
+    const full = [];
+    for await (const event of client.generateStream(PROMPT, { maxNewTokens: 3 })) full.push(event);
+    assert.equal(typeof full.at(-1).generatedText, "string");
+  });
+
+  test("generateStream, cancelled by an AbortSignal", async () => {
+    const controller = new AbortController();
+    const events = [];
+    await assert.rejects(
+      (async () => {
+        for await (const event of client.generateStream(PROMPT, { maxNewTokens: 40 }, { signal: controller.signal })) {
+          events.push(event);
+          if (events.length === 2) controller.abort();
+        }
+      })(),
+      CancelledError,
+    );
+    assert.equal(events.length, 2);
+    assert.equal(await client.health(), true);
+  });
+
+  test("validation error", async () => {
+    await assert.rejects(client.generate(PROMPT, { maxNewTokens: 5, top_p: 1.5 }), (error) => {
+      assert.ok(error instanceof ValidationError, String(error));
+      assert.ok(error instanceof TokenwireError);
+      assert.equal(error.code, "INVALID_ARGUMENT");
+      assert.match(error.message, /top_p/);
+      return true;
+    });
+    await assert.rejects(
+      (async () => {
+        for await (const _ of client.generateStream("", { maxNewTokens: 5 })) {
+          // no event expected
+        }
+      })(),
+      (error) => error instanceof ValidationError && /inputs/.test(error.message),
+    );
+    // Unknown parameter names are caught before any call is made.
+    await assert.rejects(client.generate(PROMPT, { no_such_parameter: 1 }), TypeError);
+  });
+
+  test("deadline exceeded", async () => {
+    await assert.rejects(client.generate(PROMPT, { maxNewTokens: 50 }, { timeoutMs: 1 }), DeadlineExceededError);
+    await assert.rejects(
+      (async () => {
+        for await (const _ of client.generateStream(PROMPT, { maxNewTokens: 50 }, { timeoutMs: 1 })) {
+          // the deadline passes first
+        }
+      })(),
+      DeadlineExceededError,
+    );
+  });
+
+  test("info", async () => {
+    const info = await client.info();
+    assert.equal(info.version, VERSION);
+    assert.equal(info.router, "tokenwire-router");
+    assert.ok(info.maxTotalTokens > 0);
+  });
+
+  test("health", async () => {
+    assert.equal(await client.health(), true);
+    const nobody = createClient("http://127.0.0.1:1", { timeoutMs: 5_000 });
+    try {
+      assert.equal(await nobody.health(), false);
+    } finally {
+      nobody.close();
+    }
+  });
+});
