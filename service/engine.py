@@ -22,7 +22,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from tokenwire.shard.v1 import shard_pb2 as pb
@@ -48,8 +48,8 @@ log = logging.getLogger("tokenwire.engine")
 class EngineConfig:
     """Engine limits. `num_blocks` and `block_size` come from the shard's Warmup answer."""
 
-    num_blocks: int
-    block_size: int
+    num_blocks: int = 0  # 0: take it from the warmup answer (build_engine)
+    block_size: int = 0
     max_concurrent_requests: int = 128  # queued + running; beyond: OverloadedError
     max_batch_prefill_tokens: int = 4096  # prefill chunk tokens per step
     max_batch_total_tokens: int | None = None  # KV capacity cap, applied by the shard's Warmup
@@ -167,6 +167,8 @@ class GenerationEngine:
         shard: ShardBackend,
         on_unhealthy: Callable[[str], None] | None = None,
     ) -> None:
+        if config.num_blocks <= 0 or config.block_size <= 0:
+            raise ValueError("EngineConfig needs num_blocks and block_size (see build_engine)")
         self.config = config
         self.shard = shard
         self.on_unhealthy = on_unhealthy
@@ -211,6 +213,9 @@ class GenerationEngine:
                 pass
             self._task = None
         self._fail_all(DrainingError("the server is shutting down"))
+
+    async def close(self) -> None:
+        await self.stop()
 
     async def drain(self, timeout_s: float) -> bool:
         """Stops admission and waits up to `timeout_s` for in-flight requests; True when all
@@ -275,7 +280,9 @@ class GenerationEngine:
             extra={
                 "scheduler_cpu_seconds_total": self.sched_cpu_s,
                 "scheduler_cpu_seconds_per_step": self.sched_cpu_s / steps,
+                "step_cpu_seconds_total": self.step_cpu_s,
                 "step_cpu_seconds_per_step": self.step_cpu_s / steps,
+                "scheduler_cpu_seconds_max_step": self.max_sched_cpu_s,
                 "healthy": 1.0 if self.healthy else 0.0,
             },
         )
@@ -453,3 +460,22 @@ class GenerationEngine:
             stream.fail(error)
         self._idle.set()
 
+
+
+def build_engine(
+    *,
+    client: ShardBackend,
+    warmup: shard_convert.WarmupInfo,
+    config: EngineConfig,
+    shard: shard_convert.ShardInfo | None = None,
+    on_unhealthy: Callable[[str], None] | None = None,
+) -> GenerationEngine:
+    """The engine for a warmed-up shard: KV geometry from `warmup` unless set in `config`.
+    Call `await engine.start()` before submitting."""
+    del shard  # reserved (e.g. sliding windows); the KV facts come from warmup
+    config = replace(
+        config,
+        num_blocks=config.num_blocks or warmup.num_blocks,
+        block_size=config.block_size or warmup.block_size,
+    )
+    return GenerationEngine(config, client, on_unhealthy=on_unhealthy)
