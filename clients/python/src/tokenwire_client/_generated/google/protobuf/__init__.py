@@ -24,8 +24,6 @@ __all__ = (
     "FeatureSetFieldPresence",
     "FeatureSetJsonFormat",
     "FeatureSetMessageEncoding",
-    "FeatureSetProtoLimitsFeature",
-    "FeatureSetProtoLimitsFeatureEnforceProtoLimits",
     "FeatureSetRepeatedFieldEncoding",
     "FeatureSetUtf8Validation",
     "FeatureSetVisibilityFeature",
@@ -236,24 +234,6 @@ class FeatureSetMessageEncoding(betterproto2.Enum):
     LENGTH_PREFIXED = 1
 
     DELIMITED = 2
-
-
-class FeatureSetProtoLimitsFeatureEnforceProtoLimits(betterproto2.Enum):
-    PROTO_LIMITS_UNKNOWN = 0
-
-    LEGACY_NO_EXPLICIT_LIMITS = 1
-    """
-    Default pre-EDITION_2026: there are no limit enforcement at the protoc
-    level. Practical limits still exist, but they will tend to fail while
-    compiling protoc-generated code, and these limits tend to be language
-    or toolchain specific.
-    """
-
-    PROTO_LIMITS2026 = 2
-    """
-    A set of limits enforced by Edition 2026 by default. For a detailed
-    list of all the limits please consult the Edition 2026 documentation.
-    """
 
 
 class FeatureSetRepeatedFieldEncoding(betterproto2.Enum):
@@ -594,9 +574,9 @@ class NullValue(betterproto2.Enum):
     the null value for the `Value` type union.
 
     A field of type `NullValue` with any value other than `0` is considered
-    invalid. Most ProtoJSON serializers will emit a `Value` with a `null_value`
-    set as a JSON `null` regardless of the integer value, and so will round trip
-    to a `0` value.
+    invalid. Most ProtoJSON serializers will emit a Value with a `null_value` set
+    as a JSON `null` regardless of the integer value, and so will round trip to
+    a `0` value.
     """
 
     NULL_VALUE = 0
@@ -1034,24 +1014,8 @@ class FeatureSet(betterproto2.Message):
         )
     )
 
-    enforce_proto_limits: "FeatureSetProtoLimitsFeatureEnforceProtoLimits" = betterproto2.field(
-        9,
-        betterproto2.TYPE_ENUM,
-        default_factory=lambda: FeatureSetProtoLimitsFeatureEnforceProtoLimits(0),
-    )
-
 
 default_message_pool.register_message("google.protobuf", "FeatureSet", FeatureSet)
-
-
-@dataclass(eq=False, repr=False)
-class FeatureSetProtoLimitsFeature(betterproto2.Message):
-    pass
-
-
-default_message_pool.register_message(
-    "google.protobuf", "FeatureSet.ProtoLimitsFeature", FeatureSetProtoLimitsFeature
-)
 
 
 @dataclass(eq=False, repr=False)
@@ -2185,23 +2149,6 @@ class SourceCodeInfoLocation(betterproto2.Message):
       [ 4, 3, 2, 7 ]
     this path refers to the whole field declaration (from the beginning
     of the label to the terminating semicolon).
-
-    For options, the path refers to the interpreted option in the descriptor.
-    E.g., for a custom option `(my_opt) = "foo"` on a message using extension
-    number 10101, the path is:
-      [ 4, 3, 7, 10101 ]
-    refers to:
-      file.message_type(3)     // 4, 3
-          .options()           // 7
-          .my_opt()            // 10101
-
-    Sub-locations corresponding to the interpreted option's corresponding
-    `UninterpretedOption` are also appended to the interpreted option, which
-    deviates from the actual FileDescriptorProto path. E.g.:
-      [ 4, 3, 7, 10101, 2 ]
-    refers to the option name `(my_opt)`, and:
-      [ 4, 3, 7, 10101, 7 ]
-    refers to the "foo" string value of the option.
     """
 
     span: "list[int]" = betterproto2.field(2, betterproto2.TYPE_INT32, repeated=True)
