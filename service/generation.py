@@ -238,7 +238,7 @@ class GenerationService:
                 best=sequences[0], others=tuple(sequences[1:]), options=options
             )
             return outcome
-        except BaseException as error:
+        except BaseException as error:  # noqa: BLE001 - recorded, then re-raised
             self._record_failure(GENERATE, request_id, timer, options, _unwrap(error))
             raise _unwrap(error) from None
         finally:

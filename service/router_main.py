@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 from grpc import aio
 
 DEFAULT_SHARD_UDS_PATH = "/tmp/tokenwire-shard"
@@ -309,8 +310,6 @@ async def serve(
     from service.generation import GenerationService, ServerInfo
     from service.metrics import MetricsServer, ServerMetrics
     from service.servicer import HealthReporter, TextGenerationServicer
-    from service.shard_client import connect_and_warmup
-    from service.shard_convert import WarmupBudgets
     from service.tokenization import TokenizerPool
     from service.validation import ValidationLimits, Validator
 
@@ -351,8 +350,7 @@ async def serve(
     tokenizer = None
     try:
         target = shard_target(args)
-        connect = _connect(args, target, connect_and_warmup, WarmupBudgets)
-        connect_task = asyncio.ensure_future(connect)
+        connect_task = asyncio.ensure_future(_connect(args, target))
         stop_task = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait({connect_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         if connect_task not in done:
@@ -367,15 +365,19 @@ async def serve(
             warmup=warm,
             shard=shard,
             config=engine_module.EngineConfig(
+                # best_of expands one client request into up to max_best_of sequences; the
+                # client-request limit is enforced by GenerationService.
                 max_concurrent_requests=args.max_concurrent_requests * args.max_best_of,
                 max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
+                max_batch_total_tokens=args.max_batch_total_tokens,
                 max_batch_size=limits.max_batch_size,
                 waiting_served_ratio=args.waiting_served_ratio,
                 max_waiting_tokens=args.max_waiting_tokens,
             ),
+            on_unhealthy=lambda reason: health_reporter.shard_failed(),
         )
         holder["engine"] = engine
-        await _maybe_await(getattr(engine, "start", None))
+        await engine.start()
         validation_limits = ValidationLimits(
             max_input_tokens=limits.max_input_tokens,
             max_total_tokens=limits.max_total_tokens,
@@ -418,7 +420,7 @@ async def serve(
             info.model_id, warm.num_blocks, warm.block_size, limits.max_input_tokens,
             limits.max_total_tokens,
         )  # fmt: skip
-        watch = asyncio.ensure_future(_watch_engine(engine, health_reporter, stop))
+        watch = asyncio.ensure_future(_watch_shards(client, engine, health_reporter, stop))
         await stop.wait()
         watch.cancel()
         _log.info("draining (up to %.1f s)", args.graceful_timeout)
@@ -428,14 +430,14 @@ async def serve(
         return 0
     except asyncio.CancelledError:
         raise
-    except Exception:
+    except Exception:  # noqa: BLE001 - log and exit non-zero, whatever broke
         _log.exception("router failed")
         await health_reporter.set_not_serving("startup failure")
         return 1
     finally:
         await server.stop(grace=1.0)
         if engine is not None:
-            await _maybe_await(getattr(engine, "close", None))
+            await engine.close()
         if client is not None:
             await client.close()
         if tokenizer is not None:
@@ -444,21 +446,19 @@ async def serve(
             metrics_server.close()
 
 
-async def _connect(
-    args: argparse.Namespace, target: str, connect_and_warmup: Any, budgets_cls: Any
-) -> Any:
-    from service.shard_client import ShardClient
+async def _connect(args: argparse.Namespace, target: str) -> Any:
+    """Connects to the shards and warms them up; returns (client, warmup, shard info, limits)."""
+    from service.shard_client import ShardClient, connect_and_warmup
+    from service.shard_convert import WarmupBudgets, shard_info
 
     # Info first (max_position_embeddings decides the default limits), then warm up.
     probe = ShardClient([target])
     try:
-        from service.shard_convert import shard_info
-
         shard = shard_info(await _retry_info(probe, args.startup_timeout))
     finally:
         await probe.close()
     limits = resolve_limits(args, shard.max_position_embeddings)
-    budgets = budgets_cls(
+    budgets = WarmupBudgets(
         max_input_tokens=limits.max_input_tokens,
         max_total_tokens=limits.max_total_tokens,
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
@@ -483,41 +483,36 @@ async def _retry_info(client: Any, timeout_s: float) -> Any:
             await asyncio.sleep(0.2)
 
 
-async def _watch_engine(engine: Any, health_reporter: Any, stop: asyncio.Event) -> None:
-    """Flips health to NOT_SERVING when the engine reports a dead shard, even while idle."""
-    healthy = getattr(engine, "healthy", None)
-    if healthy is None:
-        return
-    while not stop.is_set():
-        ok = healthy() if callable(healthy) else bool(engine.healthy)
-        if asyncio.iscoroutine(ok):
-            ok = await ok
-        if not ok:
-            health_reporter.shard_failed()
+async def _watch_shards(
+    client: Any, engine: Any, health_reporter: Any, stop: asyncio.Event
+) -> None:
+    """Flips health to NOT_SERVING when a shard dies while the engine is idle (a busy engine
+    finds out from its step RPCs). Only a refused or broken connection counts as death: a slow
+    answer from a busy shard does not."""
+    while not stop.is_set() and health_reporter.serving:
         await asyncio.sleep(0.5)
+        stats = engine.stats()
+        if stats.queued or stats.running:
+            continue
+        try:
+            await asyncio.wait_for(client.health(), timeout=10.0)
+        except aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.UNAVAILABLE:
+                _log.error("shard health check failed: %s", err.details())
+                health_reporter.shard_failed()
+                return
+        except TimeoutError:
+            continue
 
 
 async def _drain(engine: Any, service: Any, timeout_s: float) -> None:
-    drain = getattr(engine, "drain", None)
-    try:
-        if drain is not None:
-            await asyncio.wait_for(_maybe_await(lambda: drain(timeout_s)), timeout=timeout_s + 1.0)
-        else:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout_s
-            while service.in_flight and loop.time() < deadline:
-                await asyncio.sleep(0.05)
-    except TimeoutError:
-        _log.warning("graceful timeout: %d requests still in flight", service.in_flight)
-
-
-async def _maybe_await(fn: Callable[[], Any] | None) -> Any:
-    if fn is None:
-        return None
-    result = fn()
-    if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
-        return await result
-    return result
+    if not await engine.drain(timeout_s):
+        _log.warning("graceful timeout: unfinished requests failed with UNAVAILABLE")
+    # Let the servicer send the final events of requests that just finished.
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 2.0
+    while service.in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.02)
 
 
 def _no_stats() -> Any:
