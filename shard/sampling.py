@@ -33,6 +33,8 @@ replace it later without changing results' distribution), the argmax is batched.
 
 from __future__ import annotations
 
+import itertools
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -198,14 +200,13 @@ class Sampler:
         device = scores.device
         rep = [p.repetition_penalty for p in params]
         if any(r != 1.0 for r in rep):
-            # Presence mask via scatter into an extra padding column `vocab` that is dropped.
             # Rows without the penalty contribute no ids, so one long prompt elsewhere in the
-            # batch does not widen their work.
+            # batch costs them nothing.
             used = [h if r != 1.0 else [] for h, r in zip(histories, rep)]
-            ids = _pad(used, pad=vocab, device=device)  # [num_seqs, max_len]
-            present = torch.zeros(num_seqs, vocab + 1, dtype=torch.bool, device=device)
-            present.scatter_(1, ids, True)
-            present = present[:, :vocab]
+            flat = _flat_ids(used, vocab, device)  # [total_ids], row * (vocab + 1) + id
+            present = torch.zeros(num_seqs * (vocab + 1), dtype=torch.bool, device=device)
+            present[flat] = True
+            present = present.view(num_seqs, vocab + 1)[:, :vocab]  # [n, vocab]
             penalty = _tensor(rep, scores.dtype, device)[:, None]  # [n, 1]
             penalised = torch.where(scores > 0, scores / penalty, scores * penalty)
             scores = torch.where(present, penalised, scores)
@@ -215,11 +216,12 @@ class Sampler:
                 h[len(h) - c :] if c > 0 and f != 0.0 else []
                 for h, c, f in zip(histories, generated_counts, freq)
             ]
-            ids = _pad(generated, pad=vocab, device=device)  # [num_seqs, max_gen]
-            counts = torch.zeros(num_seqs, vocab + 1, dtype=scores.dtype, device=device)
-            counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=scores.dtype))
+            flat = _flat_ids(generated, vocab, device)  # [total_ids]
+            counts = torch.zeros(num_seqs * (vocab + 1), dtype=scores.dtype, device=device)
+            counts.index_add_(0, flat, torch.ones_like(flat, dtype=scores.dtype))
+            counts = counts.view(num_seqs, vocab + 1)[:, :vocab]  # [n, vocab]
             penalty = _tensor(freq, scores.dtype, device)[:, None]  # [n, 1]
-            scores = scores - penalty * counts[:, :vocab]
+            scores = scores - penalty * counts
         return scores
 
 
@@ -240,19 +242,21 @@ def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return host_to_device(torch.tensor(values, dtype=dtype), device)
 
 
-def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """Right-pads id lists into an int64 tensor [len(rows), max(1, longest)].
+def _flat_ids(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """Flattens per-row id lists to indices into a [len(rows), vocab + 1] table, int64 [total].
 
-    Ids outside [0, pad) also become ``pad``: an out-of-range id would otherwise be a device-side
-    assert in scatter on CUDA, taking the whole shard down for one bad request.
+    Index = row * (vocab + 1) + id. Ids outside [0, vocab) go to the row's spare last column,
+    which callers drop: an out-of-range id would otherwise be a device-side assert on CUDA,
+    taking the whole shard down for one bad request. Conversion goes through ``array`` (one
+    C-level pass over the ints) because histories can hold many thousands of ids per row.
     """
-    width = max(1, max(len(r) for r in rows))
-    out = torch.full((len(rows), width), pad, dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    out.masked_fill_((out < 0) | (out > pad), pad)
-    return host_to_device(out, device)
+    lengths = [len(r) for r in rows]
+    if sum(lengths) == 0:
+        return host_to_device(torch.zeros(0, dtype=torch.long), device)
+    ids = torch.frombuffer(array("q", itertools.chain.from_iterable(rows)), dtype=torch.long)
+    ids = ids.masked_fill((ids < 0) | (ids >= vocab), vocab)
+    row = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lengths))  # [total]
+    return host_to_device(row * (vocab + 1) + ids, device)
 
 
 def _warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -1,19 +1,20 @@
 """The Kirchenbauer et al. (2023) "green list" watermark, as TGI applies it.
 
-For each sampled position, the previous token id seeds a pseudo-random permutation of the vocabulary;
-its first ``gamma * vocab`` entries are the *green list* and get ``+delta`` added to their logits.
-A detector that knows the key recounts green tokens in a text and computes a z-score
-(:meth:`Watermark.z_score`).
+For each sampled position, the previous token id (times a fixed hash key) selects a pseudo-random
+permutation of the vocabulary; its first ``int(gamma * vocab)`` entries are the *green list* and
+get ``+delta`` added to their logits. A detector that knows the key recounts green tokens in a
+text and computes a z-score (:meth:`Watermark.z_score`).
 
-The permutation is drawn on the CPU with a CPU ``torch.Generator`` on purpose: CPU and CUDA
-generators give different permutations for the same seed, and a watermark must be detectable
-whatever device generated the text. Building the mask costs one ``randperm(vocab)`` per
-watermarked row on the host and one host-to-device copy; no device-to-host synchronisation.
+Where TGI draws the permutation with ``torch.randperm`` from a generator seeded by
+``hash_key * prev``, the permutation here is the sort order of a keyed integer hash of
+``(hash_key * prev, token)``. Same construction (a seeded uniform permutation, an exact gamma
+fraction), but integer arithmetic is bit-identical on CPU and CUDA, so a watermark is detectable
+whatever device generated or checks the text, and all watermarked rows of a batch are computed in
+one vectorised pass on the logits' device (no per-row host work, no host synchronisation).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -24,13 +25,26 @@ import torch
 DEFAULT_HASH_KEY = 15485863
 
 
+_MASK32 = 0xFFFF_FFFF
+# Multiplier of a well-mixing 32-bit integer hash; below 2**31 so that a 32-bit value times it
+# stays inside int64 (no signed overflow, identical results on every device).
+_MIX = 0x045D_9F3B
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """Integer hash of int64 values in [0, 2**32) to [0, 2**32), elementwise."""
+    x = (((x >> 16) ^ x) * _MIX) & _MASK32
+    x = (((x >> 16) ^ x) * _MIX) & _MASK32
+    return (x >> 16) ^ x
+
+
 @dataclass(frozen=True)
 class Watermark:
     """Green-list watermark parameters.
 
     gamma: fraction of the vocabulary in each green list (0 < gamma < 1).
     delta: logit bias added to green tokens.
-    hash_key: multiplier of the previous token id in the generator seed.
+    hash_key: multiplier of the previous token id in each list's seed.
     """
 
     gamma: float = 0.5
@@ -41,25 +55,34 @@ class Watermark:
         """Number of green tokens per list."""
         return int(vocab_size * self.gamma)
 
-    def green_ids(self, prev_token: int, vocab_size: int) -> torch.Tensor:
-        """Green-list token ids (CPU, int64, [green_size]) following ``prev_token``."""
-        generator = torch.Generator(device="cpu")
-        # Seed must be a non-negative 64-bit value; the mask keeps large ids from overflowing.
-        generator.manual_seed((self.hash_key * prev_token) & 0x7FFF_FFFF_FFFF_FFFF)
-        perm = torch.randperm(vocab_size, generator=generator)  # [vocab]
-        return perm[: self.green_size(vocab_size)]
-
     def green_mask(
-        self, prev_tokens: list[int], vocab_size: int, device: torch.device
+        self, prev_tokens: list[int] | torch.Tensor, vocab_size: int, device: torch.device
     ) -> torch.Tensor:
-        """Boolean mask [len(prev_tokens), vocab_size]: True where the token is green."""
-        mask = torch.zeros(len(prev_tokens), vocab_size, dtype=torch.bool)
-        for row, prev in enumerate(prev_tokens):
-            mask[row, self.green_ids(prev, vocab_size)] = True
-        if device.type != "cuda":
-            return mask.to(device)
-        # Pinned + non_blocking: queued behind the forward pass instead of waiting for it.
-        return mask.pin_memory().to(device, non_blocking=True)
+        """Boolean mask [len(prev_tokens), vocab_size] on ``device``: True where green.
+
+        Row i ranks every token by hash(seed_i, token) with seed_i = hash(hash_key * prev_i);
+        the ``green_size`` lowest ranks are green. Sort keys are made unique by appending the
+        token id (hash * vocab + token < 2**52), so the list is exactly ``green_size`` long and
+        does not depend on how a sort breaks ties.
+        """
+        if isinstance(prev_tokens, torch.Tensor):
+            prev = prev_tokens.to(device=device, dtype=torch.long)
+        else:
+            prev = torch.tensor(prev_tokens, dtype=torch.long)
+            prev = (
+                prev.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else prev
+            )
+        seeds = _hash32((prev * self.hash_key) & _MASK32)[:, None]  # [n, 1]
+        tokens = torch.arange(vocab_size, device=device)  # [vocab]
+        keys = _hash32(seeds ^ tokens) * vocab_size + tokens  # [n, vocab], unique per row
+        green = keys.topk(self.green_size(vocab_size), dim=-1, largest=False).indices  # [n, g]
+        mask = torch.zeros(prev.shape[0], vocab_size, dtype=torch.bool, device=device)
+        return mask.scatter_(1, green, True)
+
+    def green_ids(self, prev_token: int, vocab_size: int) -> torch.Tensor:
+        """Sorted green-list token ids (CPU, int64, [green_size]) following ``prev_token``."""
+        mask = self.green_mask([prev_token], vocab_size, torch.device("cpu"))[0]
+        return mask.nonzero().squeeze(1)
 
     def apply(self, logits: torch.Tensor, prev_tokens: list[int]) -> torch.Tensor:
         """Returns ``logits`` [n, vocab] with ``delta`` added to each row's green list.
@@ -78,8 +101,8 @@ class Watermark:
         scored = len(token_ids) - 1
         if scored <= 0:
             return 0.0
-        green = 0
-        for prev, tok in itertools.pairwise(token_ids):
-            green += int(bool((self.green_ids(prev, vocab_size) == tok).any()))
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        mask = self.green_mask(ids[:-1], vocab_size, torch.device("cpu"))  # [scored, vocab]
+        green = int(mask.gather(1, ids[1:, None]).sum())
         expected = self.gamma * scored
         return (green - expected) / math.sqrt(scored * self.gamma * (1.0 - self.gamma))

@@ -125,6 +125,36 @@ def test_frequency_penalty_counts_generated_part_only():
     assert lp == pytest.approx(expected.tolist(), abs=1e-5)
 
 
+def test_penalties_with_nothing_to_penalise():
+    torch.manual_seed(10)
+    logits = torch.randn(2, 50)
+    params = [SamplingParams(repetition_penalty=1.5, frequency_penalty=1.0)] * 2
+    # Row 0: empty history; row 1: prompt only (nothing generated, so no frequency penalty).
+    out = run(logits, params, [[], [4, 5]], [0, 0], [50, 50])
+    expected = logits.double().clone()
+    for i in (4, 5):
+        v = expected[1, i]
+        expected[1, i] = v / 1.5 if v > 0 else v * 1.5
+    ref = torch.log_softmax(expected, -1)
+    for row in range(2):
+        got = dict(zip(out.top_ids[row], out.top_logprobs[row]))
+        assert [got[i] for i in range(50)] == pytest.approx(ref[row].tolist(), abs=1e-5)
+
+
+def test_green_mask_rows_match_single_lists_and_are_balanced():
+    mark = Watermark(gamma=0.3)
+    vocab = 997
+    prev = [0, 1, 2, 996, 123456789]
+    mask = mark.green_mask(prev, vocab, CPU)
+    assert mask.shape == (5, vocab) and mask.sum(-1).tolist() == [299] * 5
+    for row, p in enumerate(prev):
+        assert mask[row].nonzero().squeeze(1).tolist() == mark.green_ids(p, vocab).tolist()
+    # Over many previous tokens, every token is green about gamma of the time.
+    freq = mark.green_mask(list(range(2000)), vocab, CPU).float().mean(0)  # [vocab]
+    assert abs(float(freq.mean()) - 0.3) < 1e-3
+    assert float(freq.min()) > 0.2 and float(freq.max()) < 0.4
+
+
 def test_penalties_leave_neutral_rows_bit_identical():
     torch.manual_seed(4)
     logits = torch.randn(3, 100)
@@ -346,3 +376,12 @@ def test_cuda_seeded_sampling_independent_of_batch():
         )
         together.append(out.token_ids[1])
     assert alone == together
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_green_lists_equal_cpu():
+    mark = Watermark()
+    prev = [0, 5, 31999, 128000]
+    cuda = mark.green_mask(prev, 128256, torch.device("cuda")).cpu()
+    assert torch.equal(cuda, mark.green_mask(prev, 128256, CPU))
