@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One device call: wheels, GPU tests, attention check, `tokenwire bench`. Outputs under $OUT.
+# Usage: bash benchmarks/run_device.sh [bench parts] [extra bench args...]
+set -u
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=".:gen/python:${PYTHONPATH:-}"
+PARTS=${1:-ceilings,decode,prefill,e2e,hf}; shift || true
+nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv | tee $OUT/gpu.txt
+if [ -n "${RUN_TESTS:-1}" ] && [ "${RUN_TESTS:-1}" != 0 ]; then
+  timeout 240 python3 -m pytest -q -x -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -25 | tee $OUT/gpu_tests.log
+fi
+if [ "${RUN_ATTN:-0}" != 0 ]; then
+  python3 benchmarks/attention_check.py --out $OUT > $OUT/attention_check.log 2>&1; tail -12 $OUT/attention_check.log
+fi
+python3 -m service.cli bench --parts "$PARTS" --out $OUT --workdir /tmp/twb "$@" 2>&1 | tee $OUT/bench.log | grep -v "^\s*$" | tail -60

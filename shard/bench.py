@@ -1,0 +1,641 @@
+"""`tokenwire bench`: the GPU benchmark of issue 7, in one process tree, in one go.
+
+1. writes a Llama-3-8B-shaped random bf16 checkpoint (safetensors written tensor by tensor, never a
+   full fp32 model in RAM) and a word-level tokenizer of the same 128,256 entries to local disk;
+   lm_head's rows of the EOS tokens are zero, so greedy decoding never picks EOS (logit 0 against
+   the positive maximum of 128k random logits) and every request generates exactly
+   max_new_tokens: "EOS ignored" without any API extension;
+2. ceilings: device copy bandwidth (bytes read + written) and bf16 matmul rate;
+3. loads the checkpoint through the normal shard path (`shard.loader.Shard`) and times decode
+   steps (batch 1..256, ~1k contexts; eager and CUDA graph) against the memory roofline, and
+   prefill (1x4096, 16x512) against the compute roofline;
+4. end to end: `tokenwire launch` (real router + shard over gRPC), 1,000 ShareGPT-like requests
+   submitted at once from separate client processes over GenerateStream;
+5. `transformers` generate() on the same checkpoint at batch 1 and 64;
+and writes RESULTS.md + results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+)
+BOS_ID, EOS_ID = 128000, 128001
+EOS_IDS = (128001, 128008, 128009)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "GPU benchmark: ceilings, decode, prefill, end to end, HF baseline"
+    a = parser.add_argument
+    a("--workdir", type=Path, default=Path("/tmp/tokenwire-bench"),
+      help="where the random checkpoint is written (local disk)")
+    a("--out", type=Path, default=Path("benchmarks"), help="RESULTS.md and results.json go here")
+    a("--parts", default="ceilings,decode,prefill,e2e,hf",
+      help="comma-separated subset of ceilings,decode,prefill,e2e,hf")
+    a("--num-layers", type=int, default=32, help="layers of the random model (32 = Llama-3-8B)")
+    a("--decode-batches", default="1,8,32,64,128,256")
+    a("--context", type=int, default=1024, help="context length of decode benchmarks")
+    a("--requests", type=int, default=1000, help="end-to-end requests")
+    a("--clients", type=int, default=4, help="load-client processes")
+    a("--e2e-timeout", type=float, default=300.0)
+    a("--commit", default=None, help="commit to record (default: git rev-parse)")
+    a("--port", type=int, default=0, help="router port for e2e (0: a free one)")
+
+
+# ---- checkpoint ---------------------------------------------------------------------------------
+
+
+def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
+    """Word-level tokenizer: "t0".."t127999" plus Llama-3's special tokens at 128000+.
+    Whitespace-separated words map 1:1 to tokens, so prompt lengths are exact."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    specials = {BOS_ID: "<|begin_of_text|>", EOS_ID: "<|end_of_text|>",
+                128008: "<|eom_id|>", 128009: "<|eot_id|>"}
+    vocab = {f"t{i}": i for i in range(BOS_ID)}
+    for i in range(BOS_ID, vocab_size):
+        vocab[specials.get(i, f"<|reserved_special_token_{i - BOS_ID}|>")] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|reserved_special_token_2|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken(s, special=True) for s in specials.values()])
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": specials[BOS_ID],
+        "eos_token": specials[EOS_ID], "model_max_length": 8192,
+    }))
+
+
+def write_checkpoint(model_dir: Path, num_layers: int) -> dict:
+    """Random bf16 Llama-3-8B-shaped weights, generated on the GPU and saved shard by shard."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = dict(LLAMA3_8B, num_hidden_layers=num_layers)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    marker = model_dir / "complete.json"
+    if marker.is_file() and json.loads(marker.read_text()).get("num_layers") == num_layers:
+        return json.loads(marker.read_text())
+    t0 = time.perf_counter()
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = h // heads
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
+        t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+        t.normal_(0.0, std, generator=gen)
+        return t.cpu()
+
+    def layer(i: int) -> dict:
+        p = f"model.layers.{i}."
+        return {
+            p + "self_attn.q_proj.weight": rnd(heads * hd, h),
+            p + "self_attn.k_proj.weight": rnd(kvh * hd, h),
+            p + "self_attn.v_proj.weight": rnd(kvh * hd, h),
+            p + "self_attn.o_proj.weight": rnd(h, heads * hd),
+            p + "mlp.gate_proj.weight": rnd(inter, h),
+            p + "mlp.up_proj.weight": rnd(inter, h),
+            p + "mlp.down_proj.weight": rnd(h, inter),
+            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+        }
+
+    groups: list[dict] = []
+    first = {"model.embed_tokens.weight": rnd(v, h)}
+    groups.append(first)
+    per_file = 8
+    for start in range(0, num_layers, per_file):
+        g: dict = {}
+        for i in range(start, min(start + per_file, num_layers)):
+            g.update(layer(i))
+        groups.append(g)
+    lm_head = rnd(v, h)
+    lm_head[list(EOS_IDS)] = 0  # greedy never selects EOS: fixed output lengths
+    groups.append({"lm_head.weight": lm_head, "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)})
+    weight_map, total = {}, 0
+    for n, g in enumerate(groups):
+        name = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file(g, str(model_dir / name), metadata={"format": "pt"})
+        for k, t in g.items():
+            weight_map[k] = name
+            total += t.numel() * t.element_size()
+        del g
+    groups.clear()
+    (model_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": False, "bos_token_id": BOS_ID, "eos_token_id": list(EOS_IDS),
+        "initializer_range": 0.02, "head_dim": hd, **cfg,
+    }
+    (model_dir / "config.json").write_text(json.dumps(config, indent=1))
+    (model_dir / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": BOS_ID, "eos_token_id": list(EOS_IDS), "do_sample": False}))
+    write_tokenizer(model_dir, v)
+    info = {"num_layers": num_layers, "bytes": total, "seconds": time.perf_counter() - t0}
+    marker.write_text(json.dumps(info))
+    return info
+
+
+# ---- measurements ---------------------------------------------------------------------------------
+
+
+def cuda_time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median of per-iteration CUDA-event times."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def wall_time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median host wall time per call, synchronised (what a serving step really costs)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure_ceilings() -> dict:
+    import torch
+
+    n = 1 << 30  # 2 GiB of bf16 per buffer
+    x = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    ms = cuda_time_ms(lambda: y.copy_(x), iters=20)
+    copy_bw = 2 * n * 2 / (ms / 1e3)
+    del x, y
+    m = 8192
+    a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    ms_mm = cuda_time_ms(lambda: a @ b, iters=20)
+    rate = 2 * m**3 / (ms_mm / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return {"copy_bytes_per_s": copy_bw, "bf16_flops_per_s": rate}
+
+
+def decode_step(batch: int, context: int, block_size: int, vocab: int = BOS_ID):
+    from shard.model_runner import StepInputs
+
+    per = math.ceil(context / block_size)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
+    return StepInputs(
+        token_ids=[(17 * i + 5) % vocab for i in range(batch)],
+        positions=[context - 1] * batch,
+        query_lens=[1] * batch,
+        seq_lens=[context] * batch,
+        block_tables=tables,
+        logits_indices=list(range(batch)),
+    )
+
+
+def prefill_step(num_seqs: int, length: int, block_size: int, vocab: int = BOS_ID):
+    from shard.model_runner import StepInputs
+
+    per = math.ceil(length / block_size)
+    step = StepInputs([], [], [], [], [], [])
+    for i in range(num_seqs):
+        step.token_ids.extend((31 * j + i) % vocab for j in range(length))
+        step.positions.extend(range(length))
+        step.query_lens.append(length)
+        step.seq_lens.append(length)
+        step.block_tables.append(list(range(i * per, (i + 1) * per)))
+        step.logits_indices.append((i + 1) * length - 1)
+    return step
+
+
+def model_bytes(cfg: dict) -> dict:
+    h, inter, v, L = (cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"],
+                      cfg["num_hidden_layers"])
+    hd = h // cfg["num_attention_heads"]
+    kvh = cfg["num_key_value_heads"]
+    per_layer = h * (h + 2 * kvh * hd) + h * h + 3 * h * inter + 2 * h
+    body = L * per_layer + h
+    return {
+        "matmul_params_per_token": L * (h * (h + 2 * kvh * hd) + h * h + 3 * h * inter),
+        "weights_read_per_step": 2 * (body + v * h),  # all but the embedding table (gathered)
+        "kv_bytes_per_token": 2 * L * kvh * hd * 2,
+        "lm_head_params": v * h,
+        "layers": L, "heads": cfg["num_attention_heads"], "head_dim": hd,
+    }
+
+
+def bench_model(model_dir: Path, args, ceilings: dict, parts: set[str]) -> dict:
+    """Decode and prefill through the real shard loading path and ModelRunner."""
+    import torch
+
+    from shard.cuda_graphs import CudaGraphDecodeRunner
+    from shard.distributed import Dist
+    from shard.loader import Shard, ShardConfig
+
+    t0 = time.perf_counter()
+    shard = Shard(ShardConfig(model_id=str(model_dir), dtype="bfloat16", device="cuda"), Dist())
+    load_s = time.perf_counter() - t0
+    runner = shard.runner
+    cfg = json.loads((model_dir / "config.json").read_text())
+    mb = model_bytes(cfg)
+    bs = runner.block_size
+    batches = [int(b) for b in args.decode_batches.split(",")]
+    ctx = args.context
+    per = math.ceil(ctx / bs)
+    num_blocks = max(max(batches) * per, 16 * math.ceil(512 / bs), math.ceil(4096 / bs)) + 1
+    runner.allocate_kv_cache(num_blocks)
+    for k, v in runner.kv_cache:  # random K/V: never time on zeros
+        k.normal_()
+        v.normal_()
+    out: dict = {"load_seconds": load_s, "attention_backend": shard.info.attention_backend,
+                 "block_size": bs, "num_blocks": num_blocks, "decode": [], "prefill": []}
+    bw, rate = ceilings["copy_bytes_per_s"], ceilings["bf16_flops_per_s"]
+    if "decode" in parts:
+        graphs = CudaGraphDecodeRunner(runner.forward, runner.device, bs, max(batches),
+                                       per, buckets=sorted(batches))
+        out["graph_capture_seconds"] = graphs.capture()
+        for b in batches:
+            step = decode_step(b, ctx, bs)
+            dev = runner.prepare(step)
+            eager = cuda_time_ms(lambda: runner.forward(dev.input_ids, dev.positions, dev.meta,
+                                                        dev.logits_indices), iters=10)
+            g = graphs.graphs[graphs.bucket(b)]
+            replay = cuda_time_ms(g.replay, iters=30)
+            full = wall_time_ms(lambda: graphs.run(step.token_ids, step.positions, step.seq_lens,
+                                                   step.block_tables), iters=30)
+            # Graph vs eager logits: the same computation.
+            ref = runner.forward(dev.input_ids, dev.positions, dev.meta, dev.logits_indices)
+            got = graphs.run(step.token_ids, step.positions, step.seq_lens, step.block_tables)
+            agree = float((ref.argmax(-1) == got.argmax(-1)).float().mean())
+            bytes_ = mb["weights_read_per_step"] + b * ctx * mb["kv_bytes_per_token"]
+            roof_ms = bytes_ / bw * 1e3
+            out["decode"].append({
+                "batch": b, "context": ctx, "eager_ms": eager, "graph_replay_ms": replay,
+                "graph_step_wall_ms": full, "roofline_ms": roof_ms, "bytes": bytes_,
+                "pct_of_roofline": roof_ms / replay * 100, "tokens_per_s": b / replay * 1e3,
+                "graph_eager_argmax_agree": agree,
+            })
+            print(f"decode b={b}: eager {eager:.2f} ms, graph {replay:.2f} ms (wall {full:.2f}), "
+                  f"roofline {roof_ms:.2f} ms -> {roof_ms / replay * 100:.0f}%", flush=True)
+        del graphs
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "prefill" in parts:
+        for n, length in ((1, 4096), (16, 512)):
+            step = prefill_step(n, length, bs)
+            dev = runner.prepare(step)
+            ms = cuda_time_ms(lambda: runner.forward(dev.input_ids, dev.positions, dev.meta,
+                                                     dev.logits_indices), iters=5, warmup=2)
+            tokens = n * length
+            flops = (2 * mb["matmul_params_per_token"] * tokens + 2 * mb["lm_head_params"] * n
+                     + 4 * n * (length * length / 2) * mb["head_dim"] * mb["heads"] * mb["layers"])
+            roof_ms = flops / rate * 1e3
+            out["prefill"].append({
+                "seqs": n, "length": length, "ms": ms, "tokens_per_s": tokens / ms * 1e3,
+                "flops": flops, "roofline_ms": roof_ms, "pct_of_roofline": roof_ms / ms * 100,
+            })
+            print(f"prefill {n}x{length}: {ms:.1f} ms, {tokens / ms * 1e3:.0f} tok/s, "
+                  f"roofline {roof_ms:.1f} ms -> {roof_ms / ms * 100:.0f}%", flush=True)
+    runner.kv_cache = None
+    del shard, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+# ---- end to end -----------------------------------------------------------------------------------
+
+
+def sharegpt_like(n: int, seed: int = 0) -> list[tuple[int, int]]:
+    """(input_len, output_len) pairs: lognormal, means ~200 and ~180 (ShareGPT-like spread)."""
+    import random
+
+    rng = random.Random(seed)
+    sigma = 1.0
+    out = []
+    for _ in range(n):
+        i = rng.lognormvariate(math.log(200) - sigma**2 / 2, sigma)
+        o = rng.lognormvariate(math.log(180) - sigma**2 / 2, sigma)
+        out.append((int(min(max(i, 4), 2000)), int(min(max(o, 4), 1000))))
+    return out
+
+
+def _client_proc(port: int, jobs: list[tuple[int, int, int]], start_at: float, queue) -> None:
+    """One load-client process: all its requests at once over grpc.aio GenerateStream."""
+    import asyncio
+    import random
+
+    import grpc
+
+    from tokenwire.v1 import generate_pb2, generate_pb2_grpc
+
+    async def one(stub, idx: int, n_in: int, n_out: int):
+        rng = random.Random(idx)
+        prompt = " ".join(f"t{rng.randrange(BOS_ID)}" for _ in range(n_in))
+        req = generate_pb2.GenerateRequest(
+            inputs=prompt,
+            parameters=generate_pb2.GenerateParameters(max_new_tokens=n_out, details=True),
+        )
+        t0 = time.time()
+        times, reason, err, count = [], "", "", 0
+        try:
+            async for ev in stub.GenerateStream(req, timeout=600):
+                if ev.HasField("token"):
+                    times.append(time.time())
+                    count += 1
+                if ev.HasField("error") and ev.error:
+                    err = ev.error
+                if ev.HasField("details"):
+                    reason = ev.details.finish_reason
+        except grpc.aio.AioRpcError as exc:
+            err = f"{exc.code().name}: {exc.details()}"
+        return {"idx": idx, "in": n_in, "out": n_out, "t0": t0, "times": times,
+                "reason": reason, "error": err, "count": count}
+
+    async def main():
+        opts = [("grpc.max_receive_message_length", 64 << 20)]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=opts) as ch:
+            stub = generate_pb2_grpc.TextGenerationStub(ch)
+            await ch.channel_ready()
+            delay = start_at - time.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            return await asyncio.gather(*(one(stub, *j) for j in jobs))
+
+    queue.put(asyncio.run(main()))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    import grpc
+
+    from tokenwire.v1 import generate_pb2, generate_pb2_grpc
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"launcher exited with code {proc.returncode}")
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                generate_pb2_grpc.TextGenerationStub(ch).Health(generate_pb2.HealthRequest(),
+                                                                timeout=2)
+                return
+        except grpc.RpcError:
+            time.sleep(1.0)
+    raise TimeoutError("router did not become healthy")
+
+
+def bench_e2e(model_dir: Path, args, log_path: Path) -> dict:
+    import multiprocessing as mp
+
+    port = args.port or _free_port()
+    cmd = [
+        sys.executable, "-m", "service.cli", "launch", "--model-id", str(model_dir),
+        "--dtype", "bfloat16", "--device", "cuda", "--port", str(port),
+        "--max-concurrent-requests", str(args.requests + 64),
+        "--max-input-tokens", "2048", "--max-total-tokens", "4096",
+        "--max-batch-prefill-tokens", "8192", "--max-batch-size", "256",
+    ]
+    env = dict(os.environ)
+    t0 = time.perf_counter()
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            _wait_ready(port, proc, 600)
+            startup_s = time.perf_counter() - t0
+            lengths = sharegpt_like(args.requests)
+            jobs = [(i, n_in, n_out) for i, (n_in, n_out) in enumerate(lengths)]
+            ctx = mp.get_context("spawn")
+            queue = ctx.Queue()
+            start_at = time.time() + 3.0
+            procs = [ctx.Process(target=_client_proc,
+                                 args=(port, jobs[c :: args.clients], start_at, queue))
+                     for c in range(args.clients)]
+            for p in procs:
+                p.start()
+            results = []
+            for _ in procs:
+                results.extend(queue.get(timeout=args.e2e_timeout + 60))
+            for p in procs:
+                p.join(timeout=10)
+        finally:
+            import signal
+
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001
+                os.killpg(proc.pid, signal.SIGKILL)
+    ok = [r for r in results if not r["error"] and r["times"]]
+    end = max(r["times"][-1] for r in ok)
+    wall = end - start_at
+    ttft = sorted(r["times"][0] - r["t0"] for r in ok)
+    itl = sorted(b - a for r in ok for a, b in zip(r["times"], r["times"][1:]))
+    out_tokens = sum(r["count"] for r in ok)
+
+    def pct(xs, p):
+        return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else float("nan")
+
+    reasons: dict[str, int] = {}
+    for r in results:
+        reasons[r["reason"] or "none"] = reasons.get(r["reason"] or "none", 0) + 1
+    return {
+        "requests": len(results), "ok": len(ok),
+        "errors": [r["error"] for r in results if r["error"]][:5],
+        "finish_reasons": reasons, "startup_seconds": startup_s, "wall_seconds": wall,
+        "requests_per_s": len(ok) / wall, "output_tokens_per_s": out_tokens / wall,
+        "mean_input": statistics.mean(r["in"] for r in results),
+        "mean_output": statistics.mean(r["count"] for r in results),
+        "exact_lengths": sum(r["count"] == r["out"] for r in results),
+        "ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p99_ms": pct(ttft, 99) * 1e3,
+        "itl_p50_ms": pct(itl, 50) * 1e3, "itl_p99_ms": pct(itl, 99) * 1e3,
+    }
+
+
+# ---- transformers baseline ----------------------------------------------------------------------
+
+
+def bench_hf(model_dir: Path) -> dict:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.bfloat16, device_map="cuda")
+    model.eval()
+    out = {}
+    for batch, n_in, n_out in ((1, 128, 128), (64, 512, 128)):
+        ids = torch.randint(0, BOS_ID, (batch, n_in), device="cuda")
+        kw = dict(max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False,
+                  pad_token_id=EOS_ID, attention_mask=torch.ones_like(ids))
+        model.generate(ids, **dict(kw, max_new_tokens=4, min_new_tokens=4))  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        gen = model.generate(ids, **kw)
+        torch.cuda.synchronize()
+        s = time.perf_counter() - t0
+        new = (gen.shape[1] - n_in) * batch
+        out[f"batch{batch}"] = {"batch": batch, "input": n_in, "output": n_out, "seconds": s,
+                                "output_tokens_per_s": new / s}
+        print(f"transformers batch {batch}: {new / s:.1f} tok/s", flush=True)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+
+def _commit(args) -> str:
+    if args.commit:
+        return args.commit
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def write_report(res: dict, path: Path) -> None:
+    L = []
+    c = res.get("ceilings", {})
+    L.append("# tokenwire benchmark results\n")
+    L.append(f"- device: {res['device']}\n- date: {res['date']}\n- commit: {res['commit']}\n"
+             f"- torch {res['torch']}, triton {res['triton']}\n- model: Llama-3-8B shape, random "
+             f"bf16, {res.get('num_layers')} layers\n")
+    if c:
+        L.append(f"\n## Ceilings\n| copy bandwidth (read+write) | bf16 matmul 8192³ |\n|---|---|\n"
+                 f"| {c['copy_bytes_per_s'] / 1e12:.2f} TB/s | "
+                 f"{c['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s |\n")
+    m = res.get("model", {})
+    if m.get("decode"):
+        L.append(f"\n## Decode step (context {m['decode'][0]['context']}, attention "
+                 f"{m['attention_backend']}, block {m['block_size']})\n"
+                 "| batch | eager ms | CUDA graph ms | graph step wall ms | memory roofline ms | "
+                 "% of roofline (graph) | tok/s |\n|---|---|---|---|---|---|---|\n")
+        for d in m["decode"]:
+            L.append(f"| {d['batch']} | {d['eager_ms']:.2f} | {d['graph_replay_ms']:.2f} | "
+                     f"{d['graph_step_wall_ms']:.2f} | {d['roofline_ms']:.2f} | "
+                     f"{d['pct_of_roofline']:.0f}% | {d['tokens_per_s']:.0f} |\n")
+    if m.get("prefill"):
+        L.append("\n## Prefill\n| shape | ms | tokens/s | compute roofline ms | % of roofline |\n"
+                 "|---|---|---|---|---|\n")
+        for p in m["prefill"]:
+            L.append(f"| {p['seqs']}×{p['length']} | {p['ms']:.1f} | {p['tokens_per_s']:.0f} | "
+                     f"{p['roofline_ms']:.1f} | {p['pct_of_roofline']:.0f}% |\n")
+    e = res.get("e2e")
+    if e:
+        L.append(f"\n## End to end (router + shard over gRPC, {e['requests']} requests at once)\n"
+                 "| req/s | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | ok | mean in/out |"
+                 "\n|---|---|---|---|---|---|\n"
+                 f"| {e['requests_per_s']:.1f} | {e['output_tokens_per_s']:.0f} | "
+                 f"{e['ttft_p50_ms']:.0f} / {e['ttft_p99_ms']:.0f} | {e['itl_p50_ms']:.1f} / "
+                 f"{e['itl_p99_ms']:.1f} | {e['ok']} | {e['mean_input']:.0f} / "
+                 f"{e['mean_output']:.0f} |\n\nfinish reasons: {e['finish_reasons']}; exact "
+                 f"output lengths: {e['exact_lengths']}/{e['requests']}; errors: {e['errors']}\n")
+    hf = res.get("hf")
+    if hf:
+        L.append("\n## transformers generate() baseline\n| batch | in/out | output tok/s |\n"
+                 "|---|---|---|\n")
+        for v in hf.values():
+            L.append(f"| {v['batch']} | {v['input']}/{v['output']} | "
+                     f"{v['output_tokens_per_s']:.1f} |\n")
+    if res.get("errors"):
+        L.append(f"\n## Errors\n```\n{json.dumps(res['errors'], indent=1)}\n```\n")
+    path.write_text("".join(L))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        print("tokenwire bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    parts = set(args.parts.split(","))
+    args.out.mkdir(parents=True, exist_ok=True)
+    res: dict = {
+        "device": torch.cuda.get_device_name(), "date": datetime.datetime.now(
+            datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": _commit(args), "torch": torch.__version__, "triton": triton.__version__,
+        "host": platform.node(), "num_layers": args.num_layers, "errors": {},
+    }
+    model_dir = args.workdir / f"llama3-8b-shape-{args.num_layers}l"
+    t0 = time.perf_counter()
+    res["checkpoint"] = write_checkpoint(model_dir, args.num_layers)
+    print(f"checkpoint ready in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    def save():
+        (args.out / "results.json").write_text(json.dumps(res, indent=1))
+        write_report(res, args.out / "RESULTS.md")
+
+    def attempt(name, fn):
+        try:
+            res[name] = fn()
+        except Exception as exc:  # noqa: BLE001 - one failing part must not lose the others
+            import traceback
+
+            traceback.print_exc()
+            res["errors"][name] = f"{type(exc).__name__}: {exc}"
+        save()
+
+    res["ceilings"] = measure_ceilings()
+    print(json.dumps(res["ceilings"]), flush=True)
+    save()
+    if parts & {"decode", "prefill"}:
+        attempt("model", lambda: bench_model(model_dir, args, res["ceilings"], parts))
+    if "e2e" in parts:
+        attempt("e2e", lambda: bench_e2e(model_dir, args, args.out / "e2e_server.log"))
+        print(json.dumps(res.get("e2e")), flush=True)
+    if "hf" in parts:
+        attempt("hf", lambda: bench_hf(model_dir))
+    save()
+    print((args.out / "RESULTS.md").read_text())
+    return 0 if not res["errors"] else 1
