@@ -10,6 +10,8 @@ event dispatch), and the whole router process (gRPC streaming included).
     .venv/bin/python benchmarks/router_bench.py --streams 256 --clients 2 --duration 20
     .venv/bin/python benchmarks/router_bench.py --mode engine   # no public gRPC: engine + consumers
 
+`--mode floor` replaces the router by a bare grpc.aio server streaming pre-built events: the
+floor cost of a streamed message in one Python process, whatever the router does.
 `--mode engine` runs the engine in this process with 256 consumer tasks reading the streams
 directly (the fake shard still over gRPC in its own process): the router minus its front end.
 """
@@ -57,7 +59,9 @@ def _shard_main(port: int, num_blocks: int, block_size: int) -> None:
 
 
 # --- load client process -------------------------------------------------------------------------
-def _client_main(target: str, streams: int, max_new: int, warmup: float, duration: float, q) -> None:
+def _client_main(
+    target: str, streams: int, max_new: int, warmup: float, duration: float, q
+) -> None:
     import grpc
     from tokenwire.v1 import generate_pb2 as gpb
     from tokenwire.v1 import generate_pb2_grpc as ggrpc
@@ -118,7 +122,8 @@ def run_grpc(args: argparse.Namespace) -> dict[str, float]:
     shard.start()
     router = subprocess.Popen(
         [
-            sys.executable, "-m", "service.cli", "router",
+            sys.executable, *(["-m", "cProfile", "-o", args.profile_router] if args.profile_router else []),
+            "-m", "service.cli", "router",
             "--shard-address", f"127.0.0.1:{shard_port}",
             "--tokenizer", str(tok),
             "--port", str(router_port),
@@ -137,11 +142,21 @@ def run_grpc(args: argparse.Namespace) -> dict[str, float]:
     try:
         _wait_serving(f"127.0.0.1:{router_port}", 60)
         q = ctx.Queue()
-        per = [args.streams // args.clients + (i < args.streams % args.clients) for i in range(args.clients)]
+        per = [
+            args.streams // args.clients + (i < args.streams % args.clients)
+            for i in range(args.clients)
+        ]
         clients = [
             ctx.Process(
                 target=_client_main,
-                args=(f"127.0.0.1:{router_port}", n, args.max_new_tokens, args.warmup, args.duration, q),
+                args=(
+                    f"127.0.0.1:{router_port}",
+                    n,
+                    args.max_new_tokens,
+                    args.warmup,
+                    args.duration,
+                    q,
+                ),
             )
             for n in per
         ]
@@ -189,7 +204,9 @@ def _wait_serving(target: str, timeout_s: float) -> None:
     raise TimeoutError("router did not become SERVING")
 
 
-def _report(args, m0, m1, wall, tokens, router_cpu, shard_cpu, client_cpu, errors) -> dict[str, float]:
+def _report(
+    args, m0, m1, wall, tokens, router_cpu, shard_cpu, client_cpu, errors
+) -> dict[str, float]:
     def d(name: str) -> float:
         return m1.get(name, 0.0) - m0.get(name, 0.0)
 
@@ -201,12 +218,83 @@ def _report(args, m0, m1, wall, tokens, router_cpu, shard_cpu, client_cpu, error
         "sched_cpu_ms_per_step": 1e3 * d("tokenwire_engine_scheduler_cpu_seconds_total") / steps,
         "engine_step_cpu_ms_per_step": 1e3 * d("tokenwire_engine_step_cpu_seconds_total") / steps,
         "router_process_cpu_ms_per_step": 1e3 * router_cpu / steps,
+        "router_cpu_us_per_token": 1e6 * router_cpu / max(tokens, 1),
+        "client_cpu_us_per_token": 1e6 * client_cpu / max(tokens, 1),
         "router_cpu_cores": router_cpu / wall,
         "shard_cpu_cores": shard_cpu / wall,
         "client_cpu_cores": client_cpu / wall,
         "errors": errors,
     }
     return out
+
+
+# --- floor mode: grpc.aio streaming alone ---------------------------------------------------------------
+def _floor_server_main(port: int, step_s: float) -> None:
+    """A TextGeneration server that streams pre-built token events, paced like a batch step:
+    every stream gets one event per `step_s` (0: as fast as grpc.aio goes). No engine, no
+    validation: the floor cost of one streamed message in one Python process."""
+    import grpc
+    from tokenwire.v1 import generate_pb2 as gpb
+    from tokenwire.v1 import generate_pb2_grpc as ggrpc
+
+    class Floor(ggrpc.TextGenerationServicer):
+        async def GenerateStream(self, request, context):
+            n = request.parameters.max_new_tokens
+            tok = gpb.Token(id=7, text=" t7", logprob=-0.5)
+            for i in range(n):
+                if step_s:
+                    await asyncio.sleep(step_s)
+                yield gpb.GenerateStreamResponse(index=i, token=tok)
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        ggrpc.add_TextGenerationServicer_to_server(Floor(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def run_floor(args: argparse.Namespace) -> dict[str, float]:
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    server = ctx.Process(target=_floor_server_main, args=(port, 0.0))
+    server.start()
+    time.sleep(2.0)
+    try:
+        q = ctx.Queue()
+        per = [
+            args.streams // args.clients + (i < args.streams % args.clients)
+            for i in range(args.clients)
+        ]
+        clients = [
+            ctx.Process(
+                target=_client_main,
+                args=(f"127.0.0.1:{port}", n, args.max_new_tokens, args.warmup, args.duration, q),
+            )
+            for n in per
+        ]
+        for c in clients:
+            c.start()
+        time.sleep(args.warmup)
+        r0, c0 = _cpu_seconds(server.pid), sum(_cpu_seconds(c.pid) for c in clients)
+        t0 = time.monotonic()
+        time.sleep(args.duration)
+        r1, c1 = _cpu_seconds(server.pid), sum(_cpu_seconds(c.pid) for c in clients)
+        wall = time.monotonic() - t0
+        results = [q.get(timeout=120) for _ in clients]
+        tokens = sum(r["tokens"] for r in results)
+        return {
+            "tokens_per_s": tokens / wall,
+            "server_cpu_us_per_token": 1e6 * (r1 - r0) / max(tokens, 1),
+            "client_cpu_us_per_token": 1e6 * (c1 - c0) / max(tokens, 1),
+            "server_cpu_cores": (r1 - r0) / wall,
+            "client_cpu_cores": (c1 - c0) / wall,
+        }
+    finally:
+        server.terminate()
+        server.join(5)
 
 
 # --- engine mode -----------------------------------------------------------------------------------
@@ -265,8 +353,14 @@ def run_engine(args: argparse.Namespace) -> dict[str, float]:
         await asyncio.gather(*tasks)
         await engine.stop()
         await client.close()
-        m0 = {"tokenwire_engine_steps_total": st0.steps, **{f"tokenwire_engine_{k}": v for k, v in st0.extra.items()}}
-        m1 = {"tokenwire_engine_steps_total": st1.steps, **{f"tokenwire_engine_{k}": v for k, v in st1.extra.items()}}
+        m0 = {
+            "tokenwire_engine_steps_total": st0.steps,
+            **{f"tokenwire_engine_{k}": v for k, v in st0.extra.items()},
+        }
+        m1 = {
+            "tokenwire_engine_steps_total": st1.steps,
+            **{f"tokenwire_engine_{k}": v for k, v in st1.extra.items()},
+        }
         return _report(args, m0, m1, wall, count[0], p1 - p0, s1 - s0, 0.0, 0)
 
     try:
@@ -278,7 +372,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=["grpc", "engine"], default="grpc")
+    p.add_argument("--mode", choices=["grpc", "engine", "floor"], default="grpc")
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--clients", type=int, default=2, help="load-client processes")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -287,8 +381,9 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=8192)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--waiting-served-ratio", type=float, default=0.3)
+    p.add_argument("--profile-router", help="write a cProfile of the router process here")
     args = p.parse_args()
-    res = run_grpc(args) if args.mode == "grpc" else run_engine(args)
+    res = {"grpc": run_grpc, "engine": run_engine, "floor": run_floor}[args.mode](args)
     print(f"mode={args.mode} streams={args.streams} clients={args.clients} "
           f"max_new_tokens={args.max_new_tokens} cpus={os.cpu_count()}")  # fmt: skip
     for k, v in res.items():

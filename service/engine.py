@@ -16,6 +16,7 @@ request with ShardUnavailableError, marks the engine unhealthy and stops the loo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import logging
@@ -207,10 +208,8 @@ class GenerationEngine:
         self.draining = True
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task  # _run never raises anything else (it marks unhealthy)
             self._task = None
         self._fail_all(DrainingError("the server is shutting down"))
 
@@ -315,7 +314,7 @@ class GenerationEngine:
                 await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # shard RPC failure, timeout, protocol violation
+        except Exception as e:  # noqa: BLE001 - any failure (RPC, timeout, protocol) ends the loop
             self._mark_unhealthy(e)
 
     def _apply_cancellations(self) -> None:
@@ -325,7 +324,10 @@ class GenerationEngine:
             _, seq_id = heapq.heappop(deadlines)
             if seq_id in self._streams:
                 self._cancelled.append(
-                    (seq_id, DeadlineExceededError("the request deadline passed before it finished"))
+                    (
+                        seq_id,
+                        DeadlineExceededError("the request deadline passed before it finished"),
+                    )
                 )
         if not self._cancelled:
             return
@@ -459,7 +461,6 @@ class GenerationEngine:
         for stream in streams.values():
             stream.fail(error)
         self._idle.set()
-
 
 
 def build_engine(

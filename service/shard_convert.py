@@ -156,7 +156,9 @@ def prefill_request(
 
 
 def decode_request(plan: StepPlan, cached_id: int, cached_ids: list[int]) -> pb.DecodeRequest:
-    return pb.DecodeRequest(batches=[_cached_batch(cached_id, cached_ids)], block_grants=_grants(plan))
+    return pb.DecodeRequest(
+        batches=[_cached_batch(cached_id, cached_ids)], block_grants=_grants(plan)
+    )
 
 
 def filter_request(batch_id: int, keep_ids: list[int]) -> pb.FilterBatchRequest:
@@ -202,5 +204,7 @@ def step_output(resp: pb.PrefillResponse | pb.DecodeResponse) -> StepOutput:
             )
         append(out)
     if resp.HasField("batch"):
-        return StepOutput(gens, resp.batch.id, list(resp.batch.request_ids), resp.timings.forward_ns)
+        return StepOutput(
+            gens, resp.batch.id, list(resp.batch.request_ids), resp.timings.forward_ns
+        )
     return StepOutput(gens, None, [], resp.timings.forward_ns)

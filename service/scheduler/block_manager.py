@@ -138,4 +138,6 @@ class BlockManager:
         evictable = set(self.cache._evictable)
         for b in range(self.num_blocks):
             states = (b in free) + (b in evictable) + (self._refcount[b] > 0)
-            assert states == 1, f"block {b}: free={b in free} evictable={b in evictable} rc={self._refcount[b]}"
+            assert states == 1, (
+                f"block {b}: free={b in free} evictable={b in evictable} rc={self._refcount[b]}"
+            )

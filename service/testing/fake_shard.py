@@ -73,7 +73,9 @@ class FakeShard(pb_grpc.ShardServiceServicer):
         self.url = url
         self.reqs: dict[int, _Req] = {}
         self.batches: dict[int, list[int]] = {}
-        self.kv: list[int] = [-1] * (config.num_blocks * config.block_size) if config.check_kv else []
+        self.kv: list[int] = (
+            [-1] * (config.num_blocks * config.block_size) if config.check_kv else []
+        )
         self.block_users: dict[int, int] = {}  # block -> live requests referencing it
         self.steps = 0
         self.prefill_calls = 0
@@ -226,7 +228,9 @@ class FakeShard(pb_grpc.ShardServiceServicer):
         r.tokens.append(token)
         g = pb.Generation(
             request_id=r.rid,
-            tokens=pb.Tokens(ids=[token], logprobs=[-0.5], texts=[token_text(token)], is_special=[False]),
+            tokens=pb.Tokens(
+                ids=[token], logprobs=[-0.5], texts=[token_text(token)], is_special=[False]
+            ),
         )
         if r.top_n:
             alts = [token + k for k in range(r.top_n)]
@@ -296,7 +300,9 @@ class FakeShard(pb_grpc.ShardServiceServicer):
                 if q.id not in cached_ids:
                     raise _Violation(f"request {q.id} continues but is not in the cached batch")
                 if r.prefill_done or q.cache_len != r.computed or tokens != r.tokens:
-                    raise _Violation(f"request {q.id}: chunk at {q.cache_len}, shard has {r.computed}")
+                    raise _Violation(
+                        f"request {q.id}: chunk at {q.cache_len}, shard has {r.computed}"
+                    )
                 self._unref(r.blocks)
                 r.blocks = list(q.blocks)
                 self._ref(r.blocks)
@@ -304,7 +310,9 @@ class FakeShard(pb_grpc.ShardServiceServicer):
                 raise _Violation(f"request {q.id}: prefill_logprobs with cache_len {q.cache_len}")
             end = q.cache_len + q.chunk_len
             if q.chunk_len == 0 or end > len(tokens):
-                raise _Violation(f"request {q.id}: chunk {q.cache_len}+{q.chunk_len} of {len(tokens)}")
+                raise _Violation(
+                    f"request {q.id}: chunk {q.cache_len}+{q.chunk_len} of {len(tokens)}"
+                )
             self._check_write(r, q.cache_len, end)
             self._write(r, q.cache_len, end)
             r.computed = end

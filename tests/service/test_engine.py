@@ -43,21 +43,21 @@ class Harness:
         self.unhealthy = unhealthy
 
 
-async def make(
-    shard_cfg: FakeShardConfig | None = None, **engine_kw
-) -> AsyncIterator[Harness]:
-    server, shard, url = await start_fake_shard(shard_cfg or FakeShardConfig(num_blocks=256, block_size=4))
+async def make(shard_cfg: FakeShardConfig | None = None, **engine_kw) -> AsyncIterator[Harness]:
+    server, shard, url = await start_fake_shard(
+        shard_cfg or FakeShardConfig(num_blocks=256, block_size=4)
+    )
     client, warm, info = await connect_and_warmup(
         url, WarmupBudgets(1024, 2048, 256, 64), connect_timeout_s=5, step_timeout_s=5
     )
     assert info.model_type == "fake" and warm.num_blocks == shard.config.num_blocks
-    cfg = dict(
-        num_blocks=warm.num_blocks,
-        block_size=warm.block_size,
-        max_concurrent_requests=64,
-        max_batch_prefill_tokens=64,
-        waiting_served_ratio=0.0,
-    )
+    cfg = {
+        "num_blocks": warm.num_blocks,
+        "block_size": warm.block_size,
+        "max_concurrent_requests": 64,
+        "max_batch_prefill_tokens": 64,
+        "waiting_served_ratio": 0.0,
+    }
     cfg.update(engine_kw)
     unhealthy: list[str] = []
     engine = GenerationEngine(EngineConfig(**cfg), client, on_unhealthy=unhealthy.append)
@@ -174,8 +174,9 @@ async def test_deadline_exceeded() -> None:
 
 
 async def test_overload_rejected_at_once() -> None:
-    async for h in make(FakeShardConfig(num_blocks=64, block_size=4, step_delay_s=0.01),
-                        max_concurrent_requests=4):
+    async for h in make(
+        FakeShardConfig(num_blocks=64, block_size=4, step_delay_s=0.01), max_concurrent_requests=4
+    ):
         streams = [h.engine.submit(req([1], 5)) for _ in range(4)]
         with pytest.raises(OverloadedError):
             h.engine.submit(req([1], 5))
@@ -200,8 +201,10 @@ async def test_shard_failure_fails_everything_and_marks_unhealthy() -> None:
 
 
 async def test_shard_gone_is_unavailable_not_a_hang() -> None:
-    server, shard, url = await start_fake_shard(FakeShardConfig(num_blocks=64, block_size=4, step_delay_s=0.01))
-    client, warm, _ = await connect_and_warmup(url, WarmupBudgets(64, 128, 64, 8), step_timeout_s=2)
+    server, _, url = await start_fake_shard(
+        FakeShardConfig(num_blocks=64, block_size=4, step_delay_s=0.01)
+    )
+    client, _, _ = await connect_and_warmup(url, WarmupBudgets(64, 128, 64, 8), step_timeout_s=2)
     engine = GenerationEngine(EngineConfig(num_blocks=64, block_size=4), client)
     await engine.start()
     s = engine.submit(req([1], 200))

@@ -87,6 +87,4 @@ def test_finished_request_blocks_stay_cached_until_evicted() -> None:
     s.add(make_seq(2, [7] * 15))  # needs all 4 blocks: evicts the cached ones
     plan, _ = step(s)
     assert plan.chunks[0].cache_len == 0 and len(plan.chunks[0].blocks) == 4
-    assert len(s.blocks.cache) == 0 or all(
-        s.blocks.refcount(b) > 0 for b in plan.chunks[0].blocks
-    )
+    assert len(s.blocks.cache) == 0 or all(s.blocks.refcount(b) > 0 for b in plan.chunks[0].blocks)
