@@ -233,3 +233,61 @@ async def test_drain_timeout_fails_leftovers() -> None:
         assert not await h.engine.drain(0.05)
         with pytest.raises(DrainingError):
             await asyncio.wait_for(collect(s), 5)
+
+
+async def test_every_rpc_goes_to_every_rank() -> None:
+    from service.shard_client import ShardClient
+
+    cfg = FakeShardConfig(num_blocks=64, block_size=4)
+    servers = [await start_fake_shard(FakeShardConfig(**vars(cfg))) for _ in range(2)]
+    client = ShardClient([url for _, _, url in servers], step_timeout_s=5)
+    engine = GenerationEngine(EngineConfig(num_blocks=64, block_size=4), client)
+    await engine.start()
+    try:
+        streams = [engine.submit(req([i + 1] * 5, 8)) for i in range(4)]
+        results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 5)
+        assert all(len(r) == 8 for r in results)
+        steps = [shard.steps for _, shard, _ in servers]
+        assert steps[0] == steps[1] > 0
+        assert all(shard.reqs == {} for _, shard, _ in servers)
+    finally:
+        await engine.stop()
+        await client.close()
+        for server, _, _ in servers:
+            await server.stop(0)
+
+
+async def test_stress_prefix_sharing_preemption_and_cancels_keep_kv_consistent() -> None:
+    import random
+
+    rng = random.Random(1)
+    # The fake shard checks every cached slot's token, block ownership and batch membership.
+    async for h in make(FakeShardConfig(num_blocks=40, block_size=4), max_batch_prefill_tokens=24):
+        shared = [[7] * 12, [9] * 8]
+        prompts = [rng.choice(shared) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 9))]
+                   for _ in range(64)]  # fmt: skip
+        lengths = [rng.randrange(1, 40) for _ in prompts]
+        cancel_at = [rng.randrange(1, 10) if rng.random() < 0.25 else None for _ in prompts]
+        streams = [h.engine.submit(req(p, n)) for p, n in zip(prompts, lengths, strict=True)]
+
+        async def consume(i, s):
+            out = []
+            async for ev in s:
+                out.append(ev.token.id)
+                if cancel_at[i] is not None and len(out) == cancel_at[i]:
+                    s.cancel()
+                    return None
+            return out
+
+        results = await asyncio.wait_for(
+            asyncio.gather(*(consume(i, s) for i, s in enumerate(streams))), 20
+        )
+        for p, n, out in zip(prompts, lengths, results, strict=True):
+            if out is not None:
+                assert out == expected_tokens(p, n)
+        await asyncio.sleep(0.05)
+        st = h.engine.stats()
+        assert st.preemptions > 0 and st.prefix_cache_hit_tokens > 0
+        assert st.kv_blocks_free == st.kv_blocks_total and st.running == 0 and st.queued == 0
+        h.engine.blocks.check_invariants()
+        assert h.shard.reqs == {} and h.engine.healthy
