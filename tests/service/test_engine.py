@@ -270,7 +270,7 @@ async def test_stress_prefix_sharing_preemption_and_cancels_keep_kv_consistent()
         cancel_at = [rng.randrange(1, 10) if rng.random() < 0.25 else None for _ in prompts]
         streams = [h.engine.submit(req(p, n)) for p, n in zip(prompts, lengths, strict=True)]
 
-        async def consume(i, s):
+        async def consume(i, s, cancel_at=cancel_at):
             out = []
             async for ev in s:
                 out.append(ev.token.id)
