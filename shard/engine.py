@@ -209,7 +209,10 @@ class Engine:
         current = self.batches[batch_id]
         self._forget([rid for rid in current if rid not in keep_set])
         kept = [rid for rid in current if rid in keep_set]
-        self.batches[batch_id] = kept
+        if kept:
+            self.batches[batch_id] = kept
+        else:  # an empty batch is forgotten, as after a step that finishes everything
+            del self.batches[batch_id]
         return CachedBatchRef(batch_id, kept)
 
     def clear_cache(self, batch_id: int | None) -> None:

@@ -23,6 +23,7 @@ class SimRequest:
     top_n: int = 0
     stop_sequences: tuple[str, ...] = ()
     ignore_eos: bool = True
+    generated_len: int = 0  # tail of `prompt` generated before a preemption (recompute)
     computed: int = 0  # tokens whose K/V the shard holds
     blocks: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
@@ -98,6 +99,7 @@ class RouterSim:
                     ),
                     prefill_logprobs=req.prefill_logprobs,
                     top_n_tokens=req.top_n,
+                    generated_len=req.generated_len,
                 )
             )
             req.computed += chunk
