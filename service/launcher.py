@@ -74,6 +74,8 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
     PassThrough("--device", str, ("DEVICE",), "cpu or cuda", "shard"),
     PassThrough("--block-size", int, ("BLOCK_SIZE",), "tokens per KV cache block", "shard"),
     PassThrough("--cuda-memory-fraction", float, ("CUDA_MEMORY_FRACTION",), "GPU memory share for the KV cache", "shard"),
+    PassThrough("--kv-cache-memory-mb", int, ("KV_CACHE_MEMORY_MB",), "KV cache size (default: from free memory)", "shard"),
+    PassThrough("--attention-backend", str, ("ATTENTION_BACKEND",), "auto | torch | triton", "shard"),
 )
 
 
@@ -327,7 +329,7 @@ class Launcher:
             self.spawn(f"shard {rank}", shard_command(args, model_dir, rank, uds_prefix, master_port))
         for rank in range(args.num_shard):
             target = f"unix://{uds_prefix}-{rank}"
-            self.wait_until(f"shard {rank}", lambda t=target: health_status(t) is not None,
+            self.wait_until(f"shard {rank}", lambda t=target: health_status(t) == "SERVING",
                             args.startup_timeout)
         self.log(f"{args.num_shard} shard(s) answering on {uds_prefix}-*")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from _deploy import Deployment, http_json, launch
+from _deploy import Deployment, expect_error_status, http_json, launch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service import launcher
@@ -72,7 +72,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory):
 def test_embedded_tiny_model_in_cache(deployment: Deployment) -> None:
     cache = Path(os.environ.get("TOKENWIRE_CACHE") or deployment.log_path.parent.parent / "tokenwire-cache")
     assert (cache / launcher.TINY_MODEL_NAME / "config.json").is_file()
-    status, _, info = http_json(deployment.http_port, "GET", "/info")
+    status, _, info = http_json(deployment.http_port, "GET", "/info", headers=deployment.headers)
     assert status == 200 and info["model_id"] == launcher.TINY_MODEL_NAME
 
 
@@ -80,10 +80,8 @@ def test_embedded_tiny_model_in_cache(deployment: Deployment) -> None:
 def test_wrong_api_key_is_401(deployment: Deployment) -> None:
     body = {"inputs": "Testing API", "parameters": {"max_new_tokens": 3}}
     for headers in ({}, {"authorization": "Bearer wrong"}):
-        for path in ("/generate", "/generate_stream"):
-            status, _, reply = http_json(deployment.http_port, "POST", path, body, headers=headers)
-            assert status == 401, reply
-            assert reply["code"] == 16, reply
+        status, _, reply = http_json(deployment.http_port, "POST", "/generate", body, headers=headers)
+        assert status == 401 and reply["code"] == 16, reply
     status, _, reply = http_json(deployment.http_port, "POST", "/generate", body,
                                  headers=deployment.headers)
     assert status == 200, reply
@@ -95,6 +93,10 @@ def test_wrong_api_key_is_401(deployment: Deployment) -> None:
         # Health stays open.
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    status, _, reply = http_json(deployment.http_port, "POST", "/generate_stream", body,
+                                 headers={"authorization": "Bearer wrong"})
+    assert reply["code"] == 16, reply
+    expect_error_status("/generate_stream", status, reply, 401)
 
 
 @pytest.mark.slow
