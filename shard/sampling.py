@@ -205,7 +205,7 @@ class Sampler:
             used = [h if r != 1.0 else [] for h, r in zip(histories, rep)]
             flat = _flat_ids(used, vocab, device)  # [total_ids], row * (vocab + 1) + id
             present = torch.zeros(num_seqs * (vocab + 1), dtype=torch.bool, device=device)
-            present[flat] = True
+            present.index_fill_(0, flat, True)
             present = present.view(num_seqs, vocab + 1)[:, :vocab]  # [n, vocab]
             penalty = _tensor(rep, scores.dtype, device)[:, None]  # [n, 1]
             penalised = torch.where(scores > 0, scores / penalty, scores * penalty)
