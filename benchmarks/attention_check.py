@@ -86,6 +86,14 @@ def check_store(results, gen):
     slots[::7] = -1  # padding rows must be skipped
     k = torch.randn(n, kvh, hd, device=DEV, dtype=torch.bfloat16)
     v = torch.randn(n, kvh, hd, device=DEV, dtype=torch.bfloat16)
+    k[0, 0, :4] = torch.tensor([1000.0, -1000.0, 3.0, -0.5])  # fp8 must saturate, not overflow
+    kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    ref8 = kc8.clone()
+    triton_decode.store_kv(k, v, kc8, vc8, slots)
+    keep = slots >= 0
+    ref8.view(-1, kvh, hd)[slots[keep]] = k[keep].float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    results.append({"check": "store_kv_fp8", "ok": torch.equal(kc8.view(torch.uint8),
+                                                              ref8.view(torch.uint8))})
     kc2, vc2 = kc.clone(), vc.clone()
     triton_decode.store_kv(k, v, kc, vc, slots)
     keep = slots >= 0
@@ -95,10 +103,12 @@ def check_store(results, gen):
     results.append({"check": "store_kv", "ok": ok})
 
 
-def check_decode(results, gen, h, kvh, hd, page, batch, ctx_lo, ctx_hi, window=None, splits=None):
+def check_decode(results, gen, h, kvh, hd, page, batch, ctx_lo, ctx_hi, window=None, splits=None,
+                 cache_dtype=torch.bfloat16):
     lens = torch.randint(ctx_lo, ctx_hi + 1, (batch,), generator=gen).tolist()
     nb = sum(math.ceil(s / page) for s in lens) + 8
     kc, vc = make_cache(nb, page, kvh, hd)
+    kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
     table = random_tables(lens, page, nb, gen)
     q = torch.randn(batch, h, hd, device=DEV, dtype=torch.bfloat16)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
@@ -114,6 +124,7 @@ def check_decode(results, gen, h, kvh, hd, page, batch, ctx_lo, ctx_hi, window=N
     err = rel_err(out, torch.cat(refs))
     results.append({"check": "decode", "shape": [h, kvh, hd, page], "batch": batch,
                     "ctx": [ctx_lo, ctx_hi], "window": window, "splits": splits,
+                    "cache": str(cache_dtype),
                     "rel_err": err, "ok": err < 1e-2})
 
 
@@ -242,6 +253,7 @@ def main() -> int:
     check_decode(results, gen, *L3, 16, 3, 800, 1000, splits=1)
     check_decode(results, gen, 4, 2, 16, 16, 6, 1, 100)  # tiny-model shape
     check_decode(results, gen, 28, 4, 128, 16, 4, 100, 600)  # group 7 (Qwen-like)
+    check_decode(results, gen, *L3, 16, 9, 100, 900, cache_dtype=torch.float8_e4m3fn)
     check_prefill(results, gen, *L3, 16, [(0, 300), (0, 1), (37, 200), (500, 129), (16, 16)])
     check_prefill(results, gen, *L3, 32, [(0, 1000), (1024, 64)])
     check_prefill(results, gen, *L3, 16, [(0, 400), (200, 100)], window=96)

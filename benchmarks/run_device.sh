@@ -3,9 +3,9 @@
 # Usage: bash benchmarks/run_device.sh [bench parts] [extra bench args...]
 set -u
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
+if ls .whl-tw/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    --target /tmp/site .whl-tw/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=".:gen/python:${PYTHONPATH:-}"
 PARTS=${1:-ceilings,decode,prefill,e2e,hf}; shift || true

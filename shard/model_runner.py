@@ -46,11 +46,13 @@ class ModelRunner:
         self.device = device
         self.kv_cache: Any = None
         self.num_blocks = 0
+        self.graphs: Any = None  # shard.cuda_graphs.CudaGraphDecodeRunner once captured
 
     def kv_bytes_per_block(self) -> int:
         return self.model.kv_bytes_per_block(self.block_size)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.graphs = None  # captured graphs hold the old pool's addresses
         self.kv_cache = None  # drop the old pool first so its memory can be reused
         self.kv_cache = self.model.allocate_kv_cache(num_blocks, self.block_size)
         self.num_blocks = num_blocks
@@ -98,6 +100,29 @@ class ModelRunner:
             raise RuntimeError("KV cache not allocated (Warmup has not run)")
         return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
 
+    def capture_cuda_graphs(self, max_batch: int, max_seq_len: int) -> float:
+        """Captures decode CUDA graphs (shard/cuda_graphs.py) for batches up to max_batch and
+        contexts up to max_seq_len; call after the final KV allocation. Returns seconds taken;
+        0 when the attention backend cannot run inside a graph (it needs host-side lengths)."""
+        if self.device.type != "cuda" or not getattr(self.attention, "graph_safe", False):
+            return 0.0
+        from shard.cuda_graphs import CudaGraphDecodeRunner
+
+        graphs = CudaGraphDecodeRunner(
+            self.forward, self.device, self.block_size, max_batch,
+            -(-max_seq_len // self.block_size),
+        )
+        seconds = graphs.capture()
+        self.graphs = graphs
+        return seconds
+
     def execute(self, step: StepInputs) -> torch.Tensor:
+        g = self.graphs
+        if (
+            g is not None
+            and g.can_run(step.query_lens, step.block_tables)
+            and step.logits_indices == list(range(len(step.query_lens)))
+        ):  # decode-only: replay the padded graph ([num_seqs, vocab], valid until next step)
+            return g.run(step.token_ids, step.positions, step.seq_lens, step.block_tables)
         d = self.prepare(step)
         return self.forward(d.input_ids, d.positions, d.meta, d.logits_indices)

@@ -14,6 +14,9 @@ from shard.errors import FailedPreconditionError
 from shard.model_runner import ModelRunner, StepInputs
 
 
+CUDA_GRAPH_MAX_BATCH = 256  # larger decode batches run eagerly
+
+
 def worst_case_prefill(spec: WarmupSpec, block_size: int) -> StepInputs:
     """max_batch_prefill_tokens tokens split into prompts of at most max_input_tokens (at most
     max_batch_size of them), laid out on consecutive blocks starting at 0."""
@@ -101,6 +104,10 @@ def run_warmup(
             f"--max-batch-total-tokens"
         )
     runner.allocate_kv_cache(num_blocks)
+    # Decode CUDA graphs bake in the KV pool's addresses: capture after the final allocation.
+    runner.capture_cuda_graphs(
+        min(max(spec.max_batch_size, 1), CUDA_GRAPH_MAX_BATCH), spec.max_total_tokens
+    )
     return WarmupResult(
         num_blocks=num_blocks,
         block_size=bs,

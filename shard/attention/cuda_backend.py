@@ -36,6 +36,9 @@ class CudaAttentionBackend:
         self._num_sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
         self._flash = flash_attn_available() if use_flash_attn is None else use_flash_attn
         self.name = "cuda-triton+flash-attn" if self._flash else "cuda-triton"
+        # Decode reads only device tensors and its grid depends on the batch size alone, so
+        # decode steps can be captured in CUDA graphs (shard/cuda_graphs.py).
+        self.graph_safe = True
 
     def write_kv(
         self,

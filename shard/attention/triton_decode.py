@@ -35,6 +35,7 @@ def _store_kv_kernel(
     stride_v_tok,
     ROW: tl.constexpr,  # num_kv_heads * head_dim
     BLOCK: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # > 0: the cache is fp8, saturate to +-FP8_MAX (scale 1)
 ):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -44,8 +45,12 @@ def _store_kv_kernel(
     mask = offs < ROW
     k = tl.load(key_ptr + tok.to(tl.int64) * stride_k_tok + offs, mask=mask)
     v = tl.load(value_ptr + tok.to(tl.int64) * stride_v_tok + offs, mask=mask)
-    tl.store(key_cache_ptr + slot * ROW + offs, k, mask=mask)
-    tl.store(value_cache_ptr + slot * ROW + offs, v, mask=mask)
+    if FP8_MAX > 0:
+        k = tl.clamp(k.to(tl.float32), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32), -FP8_MAX, FP8_MAX)
+    tl.store(key_cache_ptr + slot * ROW + offs, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + slot * ROW + offs, v.to(value_cache_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def store_kv(
@@ -144,8 +149,9 @@ def _decode_split_kernel(
         slot = page * PAGE + (pos % PAGE)
         kv_off = slot[:, None] * stride_slot + kv_head_off + offs_d[None, :]
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        # [BLOCK_N, BLOCK_D]; fp8 caches are upcast to the query dtype (scale 1)
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * sm_scale_log2  # [GROUP_PAD, BLOCK_N], log2 domain
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

@@ -82,7 +82,7 @@ def _prefill_kernel(
         slot = page * PAGE + (pos_n % PAGE)
         kv_off = slot[:, None] * stride_slot + kv_head_off + offs_d[None, :]
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # fp8: upcast
         s = tl.dot(q, tl.trans(k)) * sm_scale_log2  # [BLOCK_M, BLOCK_N]
         allowed = (pos_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
         if window > 0:
@@ -93,7 +93,7 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
