@@ -168,13 +168,16 @@ class Scheduler:
                 seq.scheduled = 1
                 decodes.append(seq)
                 decode_ids.append(seq.seq_id)
-            elif budget > 0:
-                chunk = self._fit_chunk(seq, budget)
+            elif budget > 0 or seq.computed == len(seq.token_ids) - 1:
+                # A prefill one token short of its end always runs, over budget if need be:
+                # a shard may treat a cached request with computed == len - 1 as decoding, and
+                # it costs a decode's single token.
+                chunk = self._fit_chunk(seq, budget if budget > 0 else 1)
                 if chunk == 0:
                     if self._preempt_youngest(plan) is seq:
                         break
                     continue  # retry seq with the freed blocks
-                budget -= chunk
+                budget = max(0, budget - chunk)
                 chunks.append(seq)
             else:
                 seq.scheduled = 0

@@ -7,7 +7,8 @@ FAILED_PRECONDITION on any violation:
 - K/V "content" is simulated: each slot remembers the token written there, and a prefill with
   cache_len > 0 must find exactly its input tokens in the slots it claims are cached (this checks
   the router's prefix cache and block tables end to end);
-- decode happens only for requests whose prefill is complete.
+- like the real shard, a cached request decodes when its K/V cover all but its last known token
+  and otherwise waits; a token the router did not plan for fails the router's own checks.
 
 Tokens depend only on (prompt, seed, generated index), so preemption and batching never change
 the output: `expected_tokens` gives the sequence a request must produce. Never used by the
@@ -335,7 +336,10 @@ class FakeShard(pb_grpc.ShardServiceServicer):
             if rid in in_batch:
                 continue
             r = self.reqs[rid]
-            if r.prefill_done:
+            # Like the real shard: a cached request whose K/V cover all but its last known
+            # token decodes; one still prefilling without a chunk this step waits.
+            if r.computed == len(r.tokens) - 1:
+                r.prefill_done = True
                 gens.append(self._decode_one(r))
         return self._answer(pb.PrefillResponse, gens, order, cached_batch_id(request))
 
@@ -350,9 +354,9 @@ class FakeShard(pb_grpc.ShardServiceServicer):
         gens = []
         for rid in order:
             r = self.reqs[rid]
-            if not r.prefill_done:
-                raise _Violation(f"request {rid}: decode before its prefill completed")
-            gens.append(self._decode_one(r))
+            if r.computed == len(r.tokens) - 1:
+                r.prefill_done = True
+                gens.append(self._decode_one(r))
         return self._answer(pb.DecodeResponse, gens, order, request.batches[0].id)
 
     def _answer(self, cls, gens, order, batch_id):

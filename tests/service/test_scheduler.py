@@ -199,3 +199,18 @@ def test_no_block_leak_after_many_requests_with_preemption() -> None:
     assert s.blocks.num_free == 12  # everything free or evictable
     assert all(s.blocks.refcount(b) == 0 for b in range(12))
     assert len(done) == 200 - aborted[0]
+
+
+def test_prefill_one_token_short_runs_even_without_budget() -> None:
+    s = make_scheduler(budget=8, block_size=4)
+    s.add(make_seq(2, [2] * 9))
+    step(s)  # 8 of 9 computed
+    # An older request (e.g. a preempted one back in arrival order) takes the whole budget.
+    older = make_seq(1, [1] * 30)
+    older.arrival = -1
+    s.add(older)
+    s.waiting.remove(older)
+    older.state = RequestState.RUNNING
+    s.running.insert(0, older)
+    plan = s.schedule()
+    assert [(c.seq_id, c.cache_len, c.chunk_len) for c in plan.chunks] == [(1, 0, 8), (2, 8, 1)]
