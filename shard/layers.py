@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shard.distributed import Dist
+from shard.quantization.loading import quantize_loaded_linear
 from shard.weights import Weights
 
 
@@ -28,13 +29,21 @@ class ColumnParallelLinear(nn.Module):
         self.out_local = out_features // dist.world_size
         self.weight = nn.Parameter(torch.empty(self.out_local, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_local), requires_grad=False) if bias else None
+        self.quantized: nn.Module | None = None  # replaces weight/bias under --quantize / fp8
 
     def load(self, weights: Weights, prefix: str) -> None:
         self.weight.data = weights.get_sharded(f"{prefix}.weight", dim=0)
         if self.bias is not None:
             self.bias.data = weights.get_sharded(f"{prefix}.bias", dim=0)
+        if weights.quant is not None:
+            self.quantized = quantize_loaded_linear(
+                weights, prefix, self.weight.data, self.bias, 0, weights.quant
+            )
+            self.weight = self.bias = None  # free the float copy now, one layer at a time
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -50,14 +59,22 @@ class RowParallelLinear(nn.Module):
             torch.empty(out_features, in_features // dist.world_size), requires_grad=False
         )
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.quantized: nn.Module | None = None  # replaces weight under --quantize / fp8
 
     def load(self, weights: Weights, prefix: str) -> None:
         self.weight.data = weights.get_sharded(f"{prefix}.weight", dim=1)
         if self.bias is not None:
             self.bias.data = weights.get(f"{prefix}.bias")
+        if weights.quant is not None:
+            # The bias is added once after the all-reduce, so the quantized part has none.
+            self.quantized = quantize_loaded_linear(
+                weights, prefix, self.weight.data, None, 1, weights.quant
+            )
+            self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.dist.all_reduce(F.linear(x, self.weight))
+        partial = self.quantized(x) if self.quantized is not None else F.linear(x, self.weight)
+        y = self.dist.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
 

@@ -17,6 +17,7 @@ from shard.download import model_sha, resolve_model
 from shard.engine import Engine
 from shard.model_runner import ModelRunner
 from shard.models import LoadContext, load_model
+from shard.quantization import parse_kv_cache_dtype, parse_quantize
 from shard.warmup import run_warmup
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -34,6 +35,8 @@ class ShardConfig:
     max_batch_total_tokens: int | None = None
     attention_backend: str = "auto"
     force_fallback: bool = False  # serve through the transformers fallback even if we have code
+    quantize: str | None = None  # --quantize: bitsandbytes | bitsandbytes-nf4 | fp8
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: auto | fp8_e4m3fn | fp8_e5m2
 
 
 def load_tokenizer(model_dir: Path) -> tokenizers.Tokenizer:
@@ -72,7 +75,11 @@ class Shard:
         model_dir = resolve_model(cfg.model_id, cfg.revision)
         config = json.loads((model_dir / "config.json").read_text())
         attention = get_backend(cfg.attention_backend, self.device)
-        ctx = LoadContext(model_dir, config, self.device, DTYPES[cfg.dtype], dist, attention)
+        ctx = LoadContext(
+            model_dir, config, self.device, DTYPES[cfg.dtype], dist, attention,
+            quantize=parse_quantize(cfg.quantize),
+            kv_cache_dtype=parse_kv_cache_dtype(cfg.kv_cache_dtype),
+        )
         model = load_model(ctx, force_fallback=cfg.force_fallback)
         self.runner = ModelRunner(model, attention, cfg.block_size, self.device)
         eos = eos_token_ids(model_dir, config)

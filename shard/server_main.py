@@ -39,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-total-tokens", type=int, default=None,
                         help="cap on the KV cache size in tokens")
     parser.add_argument("--attention-backend", default="auto", help="auto | torch | triton")
+    parser.add_argument("--quantize", default=None,
+                        choices=["bitsandbytes", "bitsandbytes-nf4", "fp8"],
+                        help="quantize the linear layers at load time (fp8 checkpoints are "
+                        "detected from config.json without it)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        choices=["auto", "fp8_e4m3fn", "fp8_e5m2"],
+                        help="KV cache storage; fp8 halves the bytes per token")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="not supported; present so that a request for it fails clearly")
     parser.add_argument("--log-level", default="INFO")
@@ -143,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_memory_mb=args.kv_cache_memory_mb,
             max_batch_total_tokens=args.max_batch_total_tokens,
             attention_backend=args.attention_backend,
+            quantize=args.quantize,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         shard = Shard(cfg, dist)
         return asyncio.run(serve(args, shard))

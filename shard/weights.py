@@ -13,15 +13,25 @@ import torch
 from safetensors import safe_open
 
 from shard.distributed import Dist
+from shard.quantization.loading import LinearQuantization
 
 
 class Weights:
     """Tensor name -> file index over a checkpoint directory (single file or sharded index)."""
 
-    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype, dist: Dist):
+    def __init__(
+        self,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        dist: Dist,
+        quant: LinearQuantization | None = None,
+    ):
         self.device = device
         self.dtype = dtype
         self.dist = dist
+        # How the tensor-parallel linears quantize what they load (None: dense).
+        self.quant = quant
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
@@ -47,8 +57,12 @@ class Weights:
             t = t.to(self.dtype)
         return t.to(self.device)
 
-    def get(self, name: str) -> torch.Tensor:
-        """The whole tensor (replicated weights: norms, biases of row-parallel layers)."""
+    def get(self, name: str, raw: bool = False) -> torch.Tensor:
+        """The whole tensor (replicated weights: norms, biases of row-parallel layers); raw keeps
+        the stored dtype (fp8 scales)."""
+        if raw:
+            self._slice(name)  # the clear KeyError for a missing name
+            return self._handles[self._where[name]].get_tensor(name).to(self.device)
         return self._finish(self._slice(name)[:])
 
     def get_sharded(self, name: str, dim: int) -> torch.Tensor:

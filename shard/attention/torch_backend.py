@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from shard.attention.base import AttentionMetadata
+from shard.quantization.kv_cache import is_fp8_cache, write_kv
 
 
 class TorchAttentionBackend:
@@ -23,6 +24,9 @@ class TorchAttentionBackend:
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens] int64
     ) -> None:
+        if is_fp8_cache(key_cache):  # --kv-cache-dtype fp8: saturating cast, scale 1
+            write_kv(key, value, key_cache, value_cache, slot_mapping)
+            return
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
@@ -46,8 +50,8 @@ class TorchAttentionBackend:
             num_blocks = -(-seq_len // block_size)
             blocks = meta.block_tables[i, :num_blocks].long()
             # [seq_len, num_kv_heads, head_dim]: the sequence's context, gathered from its blocks
-            k = key_cache[blocks].flatten(0, 1)[:seq_len]
-            v = value_cache[blocks].flatten(0, 1)[:seq_len]
+            k = key_cache[blocks].flatten(0, 1)[:seq_len].to(q.dtype)  # fp8 caches: upcast
+            v = value_cache[blocks].flatten(0, 1)[:seq_len].to(q.dtype)
             if group > 1:
                 k = k.repeat_interleave(group, dim=1)
                 v = v.repeat_interleave(group, dim=1)

@@ -32,6 +32,11 @@ def load_model(ctx: LoadContext, force_fallback: bool = False) -> CausalLM:
     model_type = ctx.config.get("model_type", "")
     factory = None if force_fallback else model_registry().get(model_type)
     if factory is None:
+        if ctx.quantize is not None or ctx.kv_cache_dtype.is_fp8:
+            raise ValueError(
+                f"--quantize / --kv-cache-dtype need tokenwire's own model code; model_type "
+                f"{model_type!r} is served by the transformers fallback, which supports neither"
+            )
         if ctx.dist.world_size > 1:
             log.warning("model_type %r uses the fallback: replicated on every rank", model_type)
         return _fallback(ctx)

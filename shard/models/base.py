@@ -10,6 +10,7 @@ import torch
 
 from shard.attention.base import AttentionBackend, AttentionMetadata
 from shard.distributed import Dist
+from shard.quantization.methods import KvCacheDtype, QuantizeMethod
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class LoadContext:
     dtype: torch.dtype
     dist: Dist
     attention: AttentionBackend
+    quantize: QuantizeMethod | None = None  # --quantize (fp8 checkpoints are detected anyway)
+    kv_cache_dtype: KvCacheDtype = KvCacheDtype.AUTO  # --kv-cache-dtype
 
 
 class CausalLM(Protocol):

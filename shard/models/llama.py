@@ -17,6 +17,8 @@ from shard.layers import (
     VocabParallelEmbedding,
 )
 from shard.models.base import LoadContext
+from shard.quantization import kv_cache_torch_dtype
+from shard.quantization.loading import LinearQuantization
 from shard.rotary import RotaryEmbedding, rope_parameters
 from shard.weights import Weights
 
@@ -131,8 +133,11 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         self._kv_shape = (attn.local_kv_heads, attn.head_dim)
         self._dtype, self._device = ctx.dtype, ctx.device
+        # fp8 caches store K/V / 1.0 (per-layer scales of 1; see shard/quantization/kv_cache.py).
+        self._kv_dtype = kv_cache_torch_dtype(ctx.kv_cache_dtype, ctx.dtype)
         self.tie = cfg.get("tie_word_embeddings", False)
-        self.load_weights(Weights(ctx.model_dir, ctx.device, ctx.dtype, ctx.dist))
+        quant = LinearQuantization.resolve(ctx.quantize, cfg)
+        self.load_weights(Weights(ctx.model_dir, ctx.device, ctx.dtype, ctx.dist, quant))
 
     def load_weights(self, weights: Weights) -> None:
         # Checkpoints with tied embeddings usually omit lm_head.weight.
@@ -146,15 +151,15 @@ class LlamaForCausalLM(nn.Module):
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         heads, head_dim = self._kv_shape
-        elem = torch.empty((), dtype=self._dtype).element_size()
+        elem = torch.empty((), dtype=self._kv_dtype).element_size()
         return 2 * len(self.model.layers) * block_size * heads * head_dim * elem
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         shape = (num_blocks, block_size, *self._kv_shape)
         return [
             (
-                torch.zeros(shape, dtype=self._dtype, device=self._device),
-                torch.zeros(shape, dtype=self._dtype, device=self._device),
+                torch.zeros(shape, dtype=self._kv_dtype, device=self._device),
+                torch.zeros(shape, dtype=self._kv_dtype, device=self._device),
             )
             for _ in self.model.layers
         ]
