@@ -139,6 +139,17 @@ def test_sse_events_arrive_spread_over_the_generation(deployment: Deployment) ->
     assert distinct > len(times) // 4, distinct
 
 
+def test_failure_after_first_event_is_in_band(deployment: Deployment) -> None:
+    # A deadline (grpc-timeout travels through Envoy as a header) that passes mid-stream: the
+    # HTTP/1.1 SSE client never sees trailers, so the router's last event carries the error.
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 1000}}
+    events = [e for _, e in sse_events(deployment.http_port, body, headers={"grpc-timeout": "400m"})]
+    assert len(events) > 1
+    last = events[-1]
+    assert last["error_type"] == "deadline" and last["error"], last
+    assert "token" not in last and "generated_text" not in last
+
+
 def test_info_and_health(deployment: Deployment) -> None:
     status, _, info = http_json(deployment.http_port, "GET", "/info")
     assert status == 200, info

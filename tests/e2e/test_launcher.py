@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from _deploy import Deployment, expect_error_status, http_json, launch
+from _deploy import Deployment, expect_error_status, http_json, launch, sse_events
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service import launcher
@@ -154,16 +154,24 @@ def _children(pid: int) -> list[tuple[int, str]]:
 
 @pytest.mark.slow
 def test_killed_shard_tears_everything_down(tmp_path: Path) -> None:
-    dep = launch(tmp_path, http=False)
+    dep = launch(tmp_path)
     try:
         children = _children(dep.process.pid)
         shard = next(pid for pid, cmd in children if " shard " in cmd and "--rank 0" in cmd)
-        os.kill(shard, signal.SIGKILL)
+        body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 1000}}
+        events = []
+        for _, event in sse_events(dep.http_port, body, timeout=30):
+            events.append(event)
+            if len(events) == 3:
+                os.kill(shard, signal.SIGKILL)
+        # The SSE client learns in band that the stream failed.
+        assert events[-1].get("error_type") in ("unavailable", "generation"), events[-1]
         code = dep.process.wait(30)
         assert code != 0
         assert "shard 0 exited with code -9" in dep.log(), dep.log()
         time.sleep(0.5)
         for pid, _ in children:
-            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
+            status = Path(f"/proc/{pid}/status")
+            assert not status.exists() or "zombie" in status.read_text(), pid
     finally:
         dep.stop(signal.SIGKILL)
