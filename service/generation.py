@@ -106,7 +106,7 @@ class _Collector:
         finished = self.finished
         if finished is None:  # the engine ended the stream without a final event
             raise ShardUnavailableError("generation ended without a final token")
-        text = finished.generated_text
+        text = visible_text(self.tokens)
         if options.return_full_text:
             text = options.prompt + text
         return Sequence(
@@ -266,6 +266,7 @@ class GenerationService:
         options: ResponseOptions | None = None
         finished: Finished | None = None
         index = 0
+        texts: list[str] = []
         try:
             validated = await self.validator.validate(
                 request, request_id=request_id, stream=True, deadline=deadline
@@ -276,10 +277,12 @@ class GenerationService:
             try:
                 async for event in engine_stream:
                     self._observe_token(timer)
+                    if not event.token.special:
+                        texts.append(event.token.text)
                     text = None
                     if event.finished is not None:
                         finished = event.finished
-                        text = finished.generated_text
+                        text = "".join(texts)
                         if options.return_full_text:
                             text = options.prompt + text
                     yield StreamItem(
@@ -389,6 +392,13 @@ class GenerationService:
             total_ms=round((time.monotonic() - timer.start) * 1e3, 3),
             time_to_first_token_ms=_ms(timer.first_token, timer.start),
         )
+
+
+def visible_text(tokens: list[TokenInfo]) -> str:
+    """generated_text: the tokens' incremental texts without special tokens (BOS, EOS, PAD), as
+    in TGI. Built from the same texts a stream sends, so a stream's concatenated non-special
+    token texts always equal the unary generated_text."""
+    return "".join(t.text for t in tokens if not t.special)
 
 
 def _ms(end: float | None, start: float) -> float | None:
