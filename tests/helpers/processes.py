@@ -183,7 +183,7 @@ def start_deployment(
             "--tokenizer",
             str(model_dir),
             *router_args,
-        ),  # fmt: skip
+        ),
         log_dir / "router.log",
     ).start()
     deployment = Deployment(shard, router, port, metrics_port, prefix)
