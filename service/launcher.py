@@ -76,6 +76,8 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
     PassThrough("--cuda-memory-fraction", float, ("CUDA_MEMORY_FRACTION",), "GPU memory share for the KV cache", "shard"),
     PassThrough("--kv-cache-memory-mb", int, ("KV_CACHE_MEMORY_MB",), "KV cache size (default: from free memory)", "shard"),
     PassThrough("--attention-backend", str, ("ATTENTION_BACKEND",), "auto | torch | triton", "shard"),
+    PassThrough("--quantize", str, ("QUANTIZE",), "bitsandbytes | bitsandbytes-nf4 | fp8", "shard"),
+    PassThrough("--kv-cache-dtype", str, ("KV_CACHE_DTYPE",), "auto | fp8_e4m3fn | fp8_e5m2", "shard"),
 )
 
 

@@ -62,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--e2e-timeout", type=float, default=300.0)
     a("--commit", default=None, help="commit to record (default: git rev-parse)")
     a("--port", type=int, default=0, help="router port for e2e (0: a free one)")
+    a("--quantize", default=None, choices=["bitsandbytes", "bitsandbytes-nf4", "fp8"],
+      help="quantize the linear layers (as `tokenwire shard --quantize`)")
+    a("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3fn", "fp8_e5m2"],
+      help="KV cache storage (as `tokenwire shard --kv-cache-dtype`)")
+    a("--num-shard", type=int, default=1,
+      help="tensor-parallel ranks for the end-to-end part (decode/prefill parts run one rank)")
 
 
 # ---- checkpoint ---------------------------------------------------------------------------------
@@ -249,17 +255,23 @@ def prefill_step(num_seqs: int, length: int, block_size: int, vocab: int = BOS_I
     return step
 
 
-def model_bytes(cfg: dict) -> dict:
+# Bytes per linear weight element by --quantize (nf4: 4 bits + one absmax byte per 64).
+WEIGHT_BYTES = {None: 2.0, "fp8": 1.0, "bitsandbytes": 1.0, "bitsandbytes-nf4": 0.5 + 1 / 64}
+
+
+def model_bytes(cfg: dict, quantize: str | None = None, kv_cache_dtype: str = "auto") -> dict:
     h, inter, v, L = (cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"],
                       cfg["num_hidden_layers"])
     hd = h // cfg["num_attention_heads"]
     kvh = cfg["num_key_value_heads"]
-    per_layer = h * (h + 2 * kvh * hd) + h * h + 3 * h * inter + 2 * h
-    body = L * per_layer + h
+    linear = L * (h * (h + 2 * kvh * hd) + h * h + 3 * h * inter)
+    others = L * 2 * h + h + v * h  # norms, final norm, LM head: always in bf16
+    kv_elem = 2 if kv_cache_dtype == "auto" else 1
     return {
-        "matmul_params_per_token": L * (h * (h + 2 * kvh * hd) + h * h + 3 * h * inter),
-        "weights_read_per_step": 2 * (body + v * h),  # all but the embedding table (gathered)
-        "kv_bytes_per_token": 2 * L * kvh * hd * 2,
+        "matmul_params_per_token": linear,
+        # all but the embedding table (gathered)
+        "weights_read_per_step": int(WEIGHT_BYTES[quantize] * linear + 2 * others),
+        "kv_bytes_per_token": 2 * L * kvh * hd * kv_elem,
         "lm_head_params": v * h,
         "layers": L, "heads": cfg["num_attention_heads"], "head_dim": hd,
     }
@@ -274,11 +286,12 @@ def bench_model(model_dir: Path, args, ceilings: dict, parts: set[str]) -> dict:
     from shard.loader import Shard, ShardConfig
 
     t0 = time.perf_counter()
-    shard = Shard(ShardConfig(model_id=str(model_dir), dtype="bfloat16", device="cuda"), Dist())
+    shard = Shard(ShardConfig(model_id=str(model_dir), dtype="bfloat16", device="cuda",
+                              quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype), Dist())
     load_s = time.perf_counter() - t0
     runner = shard.runner
     cfg = json.loads((model_dir / "config.json").read_text())
-    mb = model_bytes(cfg)
+    mb = model_bytes(cfg, args.quantize, args.kv_cache_dtype)
     bs = runner.block_size
     batches = [int(b) for b in args.decode_batches.split(",")]
     ctx = args.context
@@ -286,8 +299,11 @@ def bench_model(model_dir: Path, args, ceilings: dict, parts: set[str]) -> dict:
     num_blocks = max(max(batches) * per, 16 * math.ceil(512 / bs), math.ceil(4096 / bs)) + 1
     runner.allocate_kv_cache(num_blocks)
     for k, v in runner.kv_cache:  # random K/V: never time on zeros
-        k.normal_()
-        v.normal_()
+        for cache in (k, v):
+            if cache.dtype.itemsize == 1:  # fp8: no normal_ kernel; fill through bf16
+                cache.copy_(torch.randn(cache.shape, dtype=torch.bfloat16, device=cache.device))
+            else:
+                cache.normal_()
     out: dict = {"load_seconds": load_s, "attention_backend": shard.info.attention_backend,
                  "block_size": bs, "num_blocks": num_blocks, "decode": [], "prefill": []}
     bw, rate = ceilings["copy_bytes_per_s"], ceilings["bf16_flops_per_s"]
@@ -441,7 +457,8 @@ def bench_e2e(model_dir: Path, args, log_path: Path) -> dict:
         "--max-concurrent-requests", str(args.requests + 64),
         "--max-input-tokens", "2048", "--max-total-tokens", "4096",
         "--max-batch-prefill-tokens", "8192", "--max-batch-size", "256",
-    ]
+        "--num-shard", str(args.num_shard), "--kv-cache-dtype", args.kv_cache_dtype,
+    ] + (["--quantize", args.quantize] if args.quantize else [])
     env = dict(os.environ)
     t0 = time.perf_counter()
     with open(log_path, "w") as logf:
@@ -549,7 +566,9 @@ def write_report(res: dict, path: Path) -> None:
     L.append("# tokenwire benchmark results\n")
     L.append(f"- device: {res['device']}\n- date: {res['date']}\n- commit: {res['commit']}\n"
              f"- torch {res['torch']}, triton {res['triton']}\n- model: Llama-3-8B shape, random "
-             f"bf16, {res.get('num_layers')} layers\n")
+             f"bf16, {res.get('num_layers')} layers\n"
+             f"- quantize: {res.get('quantize') or 'none'}, KV cache: "
+             f"{res.get('kv_cache_dtype', 'auto')}, shards (e2e): {res.get('num_shard', 1)}\n")
     if c:
         L.append(f"\n## Ceilings\n| copy bandwidth (read+write) | bf16 matmul 8192³ |\n|---|---|\n"
                  f"| {c['copy_bytes_per_s'] / 1e12:.2f} TB/s | "
@@ -606,6 +625,8 @@ def run(args: argparse.Namespace) -> int:
             datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": _commit(args), "torch": torch.__version__, "triton": triton.__version__,
         "host": platform.node(), "num_layers": args.num_layers, "errors": {},
+        "quantize": args.quantize, "kv_cache_dtype": args.kv_cache_dtype,
+        "num_shard": args.num_shard,
     }
     model_dir = args.workdir / f"llama3-8b-shape-{args.num_layers}l"
     t0 = time.perf_counter()
