@@ -17,7 +17,7 @@ from shard.layers import (
     VocabParallelEmbedding,
 )
 from shard.models.base import LoadContext
-from shard.quantization import kv_cache_torch_dtype
+from shard.quantization import QuantizeMethod, kv_cache_torch_dtype
 from shard.quantization.loading import LinearQuantization
 from shard.rotary import RotaryEmbedding, rope_parameters
 from shard.weights import Weights
@@ -137,6 +137,10 @@ class LlamaForCausalLM(nn.Module):
         self._kv_dtype = kv_cache_torch_dtype(ctx.kv_cache_dtype, ctx.dtype)
         self.tie = cfg.get("tie_word_embeddings", False)
         quant = LinearQuantization.resolve(ctx.quantize, cfg)
+        # bitsandbytes' LLM.int8() outlier path syncs with the host: no CUDA-graph capture.
+        self.cuda_graph_safe = quant is None or quant.flag not in (
+            QuantizeMethod.BITSANDBYTES, QuantizeMethod.BITSANDBYTES_NF4
+        )
         self.load_weights(Weights(ctx.model_dir, ctx.device, ctx.dtype, ctx.dist, quant))
 
     def load_weights(self, weights: Weights) -> None:
