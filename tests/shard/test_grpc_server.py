@@ -132,3 +132,33 @@ def test_status_codes(served):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "blocks" in err.value.details()
     stub.ClearCache(pb.ClearCacheRequest())
+
+
+def test_fatal_device_error_is_internal_then_unavailable(tiny_models, tmp_path):
+    shard = Shard(ShardConfig(model_id=str(tiny_models["llama"]), kv_cache_memory_mb=1), Dist())
+    url = f"unix://{tmp_path}/fatal-0"
+    server = ServerThread(shard, url)
+    channel = grpc.insecure_channel(url)
+    stub = shard_pb2_grpc.ShardServiceStub(channel)
+    try:
+        stub.Warmup(pb.WarmupRequest(max_input_tokens=16, max_total_tokens=32,
+                                     max_batch_prefill_tokens=16, max_batch_size=1))
+
+        def broken(step):
+            raise RuntimeError("CUDA error: device-side assert triggered")
+
+        shard.runner.execute = broken
+        request = pb.PrefillRequest(batch=pb.Batch(id=1, requests=[pb.Request(
+            id=1, input_ids=[1, 5, 6], cache_len=0, chunk_len=3, blocks=[0],
+            stopping=pb.StoppingParameters(max_new_tokens=2))]))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Prefill(request)
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "device-side assert" in err.value.details()
+        assert server.fatal and "device-side assert" in server.fatal[0]  # server_main exits 1
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Health(pb.HealthRequest())
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        channel.close()
+        server.stop()
