@@ -1,0 +1,104 @@
+"""Acceptance of the Python SDK: build the `tokenwire-client` wheel, install it into a fresh
+virtualenv (nothing else from this repository), and run python_cases.py there against a live
+`tokenwire launch`, directly and through Envoy's port."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.e2e._deploy import Deployment
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+SDK = REPO / "clients" / "python"
+CASES_SCRIPT = Path(__file__).with_name("python_cases.py")
+
+# The cases python_cases.py runs (it reports each by name); README examples come on top.
+CASES = [
+    "sync_generate", "sync_stream_cancel", "sync_validation_error", "sync_deadline", "sync_info",
+    "sync_health", "async_generate", "async_stream_cancel", "async_validation_error",
+    "async_deadline", "async_info", "async_health", "packaging",
+]
+
+
+def _run(args: list[str | Path], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(  # noqa: S603 - our own commands
+        [str(a) for a in args], capture_output=True, text=True, **kwargs  # type: ignore[call-overload]
+    )
+    assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel, built from a copy of clients/python so that no build output lands in the tree."""
+    work = tmp_path_factory.mktemp("sdk-py-build")
+    source = work / "src"
+    shutil.copytree(SDK, source, ignore=shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__"))
+    out = work / "dist"
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+          "-w", out, source])
+    (built,) = out.glob("tokenwire_client-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def venv_python(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh virtualenv holding only the wheel and its dependencies. It is created without pip
+    (fast) and filled by this interpreter's pip, which reuses its wheel cache."""
+    venv = tmp_path_factory.mktemp("sdk-py-venv") / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", venv])
+    python = venv / "bin" / "python"
+    _run([sys.executable, "-m", "pip", "--python", python, "install", "-q",
+          "--disable-pip-version-check", wheel], timeout=300)
+    return python
+
+
+def test_wheel_holds_only_tokenwire_client(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    top_level = {name.split("/")[0] for name in names}
+    assert {t for t in top_level if not t.endswith(".dist-info")} == {"tokenwire_client"}
+    assert "tokenwire_client/py.typed" in names
+    assert "tokenwire_client/_generated/google/protobuf/__init__.py" in names
+
+
+def test_sdk_versions_match_the_server() -> None:
+    server = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    python_sdk = tomllib.loads((SDK / "pyproject.toml").read_text())["project"]["version"]
+    typescript_sdk = json.loads((REPO / "clients/typescript/package.json").read_text())["version"]
+    assert python_sdk == typescript_sdk == server
+
+
+@pytest.fixture(scope="module", params=["direct", "envoy"])
+def results(request: pytest.FixtureRequest, venv_python: Path, live_server: Deployment,
+            tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
+    """Outcome of every case (None: passed; else the traceback), run in the fresh venv from an
+    empty folder so that nothing of this repository is importable."""
+    target = live_server.grpc_target if request.param == "direct" else live_server.envoy_target
+    work = tmp_path_factory.mktemp(f"sdk-py-{request.param}")
+    out = work / "results.json"
+    _run([venv_python, CASES_SCRIPT, target, SDK / "README.md", out], cwd=work,
+         env={"PATH": "/usr/bin:/bin"}, timeout=240)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_case(results: dict[str, str | None], case: str) -> None:
+    assert case in results, sorted(results)
+    assert results[case] is None, results[case]
+
+
+def test_readme_examples(results: dict[str, str | None]) -> None:
+    examples = {name: outcome for name, outcome in results.items() if name.startswith("readme_")}
+    assert len(examples) >= 4
+    failed = {name: outcome for name, outcome in examples.items() if outcome is not None}
+    assert not failed, "\n".join(f"{name}:\n{outcome}" for name, outcome in failed.items())

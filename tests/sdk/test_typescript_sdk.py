@@ -1,0 +1,77 @@
+"""Acceptance of the TypeScript SDK: `npm pack` the package, install the tarball into a temporary
+project, and run its `node --test` cases there against a live `tokenwire launch`, directly and
+through Envoy's port (which passes gRPC through)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.e2e._deploy import Deployment
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("npm") is None or shutil.which("node") is None,
+                       reason="node and npm are needed"),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+SDK = REPO / "clients" / "typescript"
+NPM_FLAGS = ["--no-audit", "--no-fund", "--loglevel=error"]
+
+
+def _run(args: list[str | Path], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(  # noqa: S603 - our own commands
+        [str(a) for a in args], capture_output=True, text=True, **kwargs  # type: ignore[call-overload]
+    )
+    assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def tarball(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`npm ci` + `npm pack` (which builds dist/ with tsc) in a copy of clients/typescript."""
+    work = tmp_path_factory.mktemp("sdk-ts-build")
+    package = work / "package"
+    shutil.copytree(SDK, package, ignore=shutil.ignore_patterns("node_modules", "dist", "*.tgz"))
+    _run(["npm", "ci", *NPM_FLAGS], cwd=package, timeout=300)
+    packed = _run(["npm", "pack", "--json", *NPM_FLAGS, "--pack-destination", work],
+                  cwd=package, timeout=300)
+    info = json.loads(packed.stdout[packed.stdout.index("[") :])[0]
+    files = {entry["path"] for entry in info["files"]}
+    assert {"dist/index.js", "dist/index.d.ts", "README.md", "package.json"} <= files, files
+    assert not any(path.startswith(("src/", "test/", "node_modules/")) for path in files)
+    return work / info["filename"]
+
+
+@pytest.fixture(scope="module")
+def project(tarball: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A throwaway project that installed the tarball, holding the package's test files."""
+    project = tmp_path_factory.mktemp("sdk-ts-project")
+    (project / "package.json").write_text(
+        json.dumps({"name": "sdk-acceptance", "private": True, "type": "module"})
+    )
+    _run(["npm", "install", *NPM_FLAGS, tarball], cwd=project, timeout=300)
+    shutil.copytree(SDK / "test", project / "test")
+    return project
+
+
+@pytest.mark.parametrize("route", ["direct", "envoy"])
+def test_node_cases(project: Path, live_server: Deployment, route: str) -> None:
+    target = live_server.grpc_target if route == "direct" else live_server.envoy_target
+    env = {**os.environ, "TOKENWIRE_URL": f"http://{target}"}
+    result = subprocess.run(  # noqa: S603
+        ["node", "--test", "--test-reporter=tap", "test/"],
+        cwd=project, env=env, capture_output=True, text=True, timeout=240,
+    )
+    summary = dict(re.findall(r"^# (pass|fail|skipped) (\d+)$", result.stdout, flags=re.M))
+    assert result.returncode == 0 and summary.get("fail") == "0", result.stdout + result.stderr
+    assert summary.get("skipped") == "0", result.stdout
+    # generate, two stream cancels, validation, deadline, info, health + README examples.
+    assert int(summary["pass"]) >= 11, result.stdout
