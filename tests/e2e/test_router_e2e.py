@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -419,3 +420,53 @@ async def test_kill_9_shard_ends_streams_unavailable_within_5s_and_not_serving(
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         doomed.stop()
+
+
+# --- graceful drain ---------------------------------------------------------------------------
+
+
+async def test_sigterm_drains_in_flight_streams_then_exits_zero(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    draining = start_deployment(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("draining"),
+        router_args=[
+            "--max-input-tokens", "64",
+            "--max-total-tokens", "400",
+            "--max-batch-prefill-tokens", "128",
+            "--max-batch-size", "8",
+            "--graceful-timeout", "60",
+        ],
+    )  # fmt: skip
+    try:
+        async with grpc.aio.insecure_channel(draining.target) as channel:
+            calls = [
+                stub(channel).GenerateStream(
+                    pb.GenerateRequest(
+                        inputs=f"drain {i}",
+                        parameters=pb.GenerateParameters(max_new_tokens=300, details=True),
+                    )
+                )
+                for i in range(3)
+            ]
+            firsts = [await call.read() for call in calls]
+            assert draining.router.popen is not None
+            draining.router.popen.send_signal(signal.SIGTERM)
+            await until(
+                lambda: (
+                    health_status(draining.target) == health_pb2.HealthCheckResponse.NOT_SERVING
+                ),
+                timeout=5,
+                interval=0.02,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub(channel).Generate(pb.GenerateRequest(inputs="late"))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            finished = await asyncio.gather(*(read_all(c, [f]) for c, f in zip(calls, firsts)))
+        for events in finished:
+            assert events[-1].HasField("generated_text") and not events[-1].HasField("error")
+        exit_code = await asyncio.to_thread(draining.router.popen.wait, 30)
+        assert exit_code == 0
+    finally:
+        draining.stop()

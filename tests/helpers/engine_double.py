@@ -73,8 +73,13 @@ class _Stream:
                 if engine.fail_after is not None and i >= engine.fail_after:
                     raise engine.fail_with
                 token = token_id(request, i)
-                texts.append(token_text(token))
-                info = TokenInfo(id=token, text=texts[-1], logprob=token_logprob(token))
+                special = i in engine.special_at
+                if special:
+                    token = 1
+                    info = TokenInfo(id=1, text="<s>", logprob=-3.0, special=True)
+                else:
+                    texts.append(token_text(token))
+                    info = TokenInfo(id=token, text=texts[-1], logprob=token_logprob(token))
                 top = tuple(
                     TokenInfo(id=token + k, text=token_text(token + k), logprob=-0.5 * (k + 1))
                     for k in range(request.top_n_tokens)
@@ -109,6 +114,8 @@ class ScriptedEngine:
     fail_after: int | None = None
     fail_with: EngineError = field(default_factory=lambda: EngineError("boom"))
     max_in_flight: int | None = None
+    # Positions at which the double emits a special token (text "<s>", special=True) instead.
+    special_at: tuple[int, ...] = ()
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     submitted: list[ValidatedRequest] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)

@@ -172,6 +172,8 @@ def start_deployment(
         "router",
         tokenwire_argv(
             "router",
+            "--hostname",
+            "127.0.0.1",
             "--port",
             str(port),
             "--prometheus-port",

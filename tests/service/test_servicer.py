@@ -288,3 +288,38 @@ async def test_buf_curl_lists_and_calls_through_reflection(tokenizer_dir: Path) 
         )  # fmt: skip
     assert "tokenwire.v1.TextGeneration" in listed and "grpc.health.v1.Health" in listed
     assert "generatedText" in called or "generated_text" in called
+
+
+async def test_special_tokens_are_not_part_of_generated_text(tokenizer_dir: Path) -> None:
+    engine = ScriptedEngine(special_at=(1,))
+    async with running_router(engine, tokenizer_dir) as router:
+        unary = await router.stub.Generate(req(max_new_tokens=3, details=True))
+        events = [e async for e in router.stub.GenerateStream(req(max_new_tokens=3))]
+    assert unary.details.tokens[1].special and unary.details.tokens[1].text == "<s>"
+    assert "<s>" not in unary.generated_text
+    assert events[-1].generated_text == unary.generated_text
+    assert "".join(e.token.text for e in events if not e.token.special) == unary.generated_text
+
+
+async def test_engine_deadline_is_deadline_exceeded(tokenizer_dir: Path) -> None:
+    from service.engine_api import DeadlineExceededError
+
+    engine = ScriptedEngine(fail_after=0, fail_with=DeadlineExceededError("deadline passed"))
+    async with running_router(engine, tokenizer_dir) as router:
+        err = await rpc_error(router.stub.Generate(req(max_new_tokens=3)))
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+async def test_engine_overload_and_shard_down_at_submit(tokenizer_dir: Path) -> None:
+    from service.engine_api import OverloadedError
+
+    engine = ScriptedEngine(submit_error=OverloadedError("engine full"))
+    async with running_router(engine, tokenizer_dir) as router:
+        err = await rpc_error(router.stub.GenerateStream(req(max_new_tokens=3)))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        engine.submit_error = ShardUnavailableError("down")
+        err = await rpc_error(router.stub.Generate(req(max_new_tokens=3)))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        await asyncio.sleep(0.05)
+        assert not router.health.serving
+        assert router.service.in_flight == 0
