@@ -81,6 +81,7 @@ def store_kv(
         value2.stride(0),
         ROW=row,
         BLOCK=block,
+        FP8_MAX=torch.finfo(key_cache.dtype).max if key_cache.element_size() == 1 else 0.0,
         num_warps=4,
     )
 
