@@ -320,6 +320,24 @@ def test_fp8_linear_scaled_mm_cuda():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_triton_per_token_quant_matches_torch():
+    from shard.quantization.fp8 import quantize_fp8_per_token
+    from shard.quantization.triton_quant import quantize_fp8_per_token_triton
+
+    torch.manual_seed(9)
+    for m, k in ((1, 4096), (7, 14336), (300, 1000)):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+        x[0, :5] = 0
+        q_ref, s_ref = quantize_fp8_per_token(x)
+        q, s = quantize_fp8_per_token_triton(x)
+        assert s.shape == (m, 1) and q.dtype == torch.float8_e4m3fn
+        torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+        mismatch = (q.float() != q_ref.float()).float().mean().item()
+        assert mismatch < 1e-3, (m, k, mismatch)  # rounding-mode ties at most
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_BNB), reason="needs CUDA and bitsandbytes")
 @pytest.mark.parametrize(
     ("method", "bound"), [(QuantizeMethod.BITSANDBYTES, 0.03), (QuantizeMethod.BITSANDBYTES_NF4, 0.12)]
