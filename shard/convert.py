@@ -132,10 +132,10 @@ def timings_to_proto(t: StepTimings) -> pb.Timings:
 
 
 def _step_fields(r: StepResult) -> dict:
-    fields = dict(
-        generations=[generation_to_proto(g) for g in r.generations],
-        timings=timings_to_proto(r.timings),
-    )
+    fields = {
+        "generations": [generation_to_proto(g) for g in r.generations],
+        "timings": timings_to_proto(r.timings),
+    }
     if r.batch is not None:
         fields["batch"] = cached_batch_to_proto(r.batch)
     return fields

@@ -70,7 +70,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"shard failed: {self.fatal}")
         try:  # its own thread: answers while a long step holds the model worker
             await asyncio.to_thread(self.shard.health)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure means the device is not usable
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"device check failed: {exc}")
         return pb.HealthResponse()
 

@@ -13,7 +13,6 @@ from shard.domain import WarmupResult, WarmupSpec
 from shard.errors import FailedPreconditionError
 from shard.model_runner import ModelRunner, StepInputs
 
-
 CUDA_GRAPH_MAX_BATCH = 256  # larger decode batches run eagerly
 
 

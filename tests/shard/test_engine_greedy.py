@@ -5,12 +5,12 @@ prefill."""
 from __future__ import annotations
 
 import pytest
-
 from reference import hf_greedy, load_hf, prompts
+from shard_driver import RouterSim, engine_call
+
 from shard.distributed import Dist
 from shard.domain import WarmupSpec
 from shard.loader import Shard, ShardConfig
-from shard_driver import RouterSim, engine_call
 
 N = 32
 

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import random
 
-import grpc
 import pytest
+from reference import prompts
+from shard_driver import RouterSim, engine_call
+from test_engine_sampling import sampled
 from tokenwire.shard.v1 import shard_pb2 as pb
 
-from reference import prompts
 from shard.distributed import Dist
 from shard.domain import WarmupSpec
 from shard.errors import FailedPreconditionError, FatalDeviceError
 from shard.loader import Shard, ShardConfig
-from shard_driver import RouterSim, engine_call
-from test_engine_sampling import sampled
 
 
 @pytest.fixture(scope="module")

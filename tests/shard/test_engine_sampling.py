@@ -7,11 +7,10 @@ import math
 
 import pytest
 import torch
-from tokenwire.shard.v1 import shard_pb2 as pb
-
 from reference import load_hf, prompts
 from shard_driver import RouterSim, engine_call
 from test_engine_greedy import make_shard
+from tokenwire.shard.v1 import shard_pb2 as pb
 
 
 def sampled(seed: int) -> pb.SamplingParameters:

@@ -10,15 +10,15 @@ import threading
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from reference import hf_greedy, load_hf, prompts
+from shard_driver import RouterSim
+from test_engine_greedy import N, joining_and_leaving
 from tokenwire.shard.v1 import shard_pb2 as pb
 from tokenwire.shard.v1 import shard_pb2_grpc
 
-from reference import hf_greedy, load_hf, prompts
 from shard.distributed import Dist
 from shard.loader import Shard, ShardConfig
 from shard.server_main import start_server
-from shard_driver import RouterSim
-from test_engine_greedy import joining_and_leaving, N
 
 
 class ServerThread:
@@ -53,7 +53,7 @@ def served(tiny_models, tmp_path_factory):
 
 
 def test_info_discovery_health_reflection(served):
-    model_dir, channel, stub, url = served
+    _, channel, stub, url = served
     info = stub.Info(pb.InfoRequest())
     assert (info.model_type, info.dtype, info.device_type) == ("qwen2", "float32", "cpu")
     assert info.block_size == 16 and info.vocab_size == 512 and info.world_size == 1

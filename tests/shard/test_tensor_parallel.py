@@ -15,12 +15,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tokenwire.shard.v1 import shard_pb2 as pb
-from tokenwire.shard.v1 import shard_pb2_grpc
-
 from reference import hf_greedy, load_hf, prompts
 from shard_driver import RouterSim, engine_call
 from test_engine_greedy import N, joining_and_leaving, make_shard
+from tokenwire.shard.v1 import shard_pb2 as pb
+from tokenwire.shard.v1 import shard_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 
