@@ -154,10 +154,12 @@ def _children(pid: int) -> list[tuple[int, str]]:
 
 @pytest.mark.slow
 def test_killed_shard_tears_everything_down(tmp_path: Path) -> None:
-    dep = launch(tmp_path)
+    # Two tensor-parallel shards (gloo on CPU); rank 1 dies.
+    dep = launch(tmp_path, "--num-shard", "2")
     try:
         children = _children(dep.process.pid)
-        shard = next(pid for pid, cmd in children if " shard " in cmd and "--rank 0" in cmd)
+        assert sum(" shard " in cmd for _, cmd in children) == 2, children
+        shard = next(pid for pid, cmd in children if " shard " in cmd and "--rank 1" in cmd)
         body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 1000}}
         events = []
         for _, event in sse_events(dep.http_port, body, timeout=30):
@@ -168,7 +170,7 @@ def test_killed_shard_tears_everything_down(tmp_path: Path) -> None:
         assert events[-1].get("error_type") in ("unavailable", "generation"), events[-1]
         code = dep.process.wait(30)
         assert code != 0
-        assert "shard 0 exited with code -9" in dep.log(), dep.log()
+        assert "shard 1 exited with code -9" in dep.log(), dep.log()
         time.sleep(0.5)
         for pid, _ in children:
             status = Path(f"/proc/{pid}/status")
