@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shard.quantization import QuantizeMethod, make_linear_weights  # noqa: E402
+from shard.quantization import QuantizeMethod, make_linear_weights
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,15 @@ def make_float_weights(shape: Shape, device: torch.device, seed: int, std: float
     """Per layer dict of bf16 [out, in] weights, plus embedding and LM head."""
     g = torch.Generator(device=device).manual_seed(seed)
     h, kv, i = shape.hidden, shape.kv_heads * shape.head_dim, shape.intermediate
-    dims = {"q": (h, h), "k": (kv, h), "v": (kv, h), "o": (h, h),
-            "gate": (i, h), "up": (i, h), "down": (h, i)}
+    dims = {
+        "q": (h, h),
+        "k": (kv, h),
+        "v": (kv, h),
+        "o": (h, h),
+        "gate": (i, h),
+        "up": (i, h),
+        "down": (h, i),
+    }
 
     def rand(*size):
         return (torch.randn(*size, generator=g, device=device, dtype=torch.float32) * std).to(
@@ -80,11 +87,15 @@ class Model:
         self.layers = []
         for lw in layers:
             self.layers.append(
-                {name: make_linear_weights(lw[name], None, method, compute_dtype=torch.bfloat16)
-                 for name in LINEAR_NAMES}
+                {
+                    name: make_linear_weights(lw[name], None, method, compute_dtype=torch.bfloat16)
+                    for name in LINEAR_NAMES
+                }
             )
-        inv = 1.0 / (shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, device=device).float()
-                                          / shape.head_dim))
+        inv = 1.0 / (
+            shape.rope_theta
+            ** (torch.arange(0, shape.head_dim, 2, device=device).float() / shape.head_dim)
+        )
         self.inv_freq = inv
 
     def weight_bytes(self) -> int:
@@ -129,13 +140,21 @@ class Model:
         return F.linear(self.rms(x), self.lm_head).float()  # [b, t, vocab]
 
 
-def time_decode(model: Model, device: torch.device, context: int, iters: int, graph_ok: bool) -> float:
+def time_decode(
+    model: Model, device: torch.device, context: int, iters: int, graph_ok: bool
+) -> float:
     """Mean ms of one batch-1 decode step, replayed from a CUDA graph where graph_ok (bitsandbytes
     kernels are timed eagerly: their int8 outlier path syncs with the host)."""
     s = model.shape
     cache = [
-        (torch.randn(1, s.kv_heads, context + 1, s.head_dim, device=device, dtype=torch.bfloat16),
-         torch.randn(1, s.kv_heads, context + 1, s.head_dim, device=device, dtype=torch.bfloat16))
+        (
+            torch.randn(
+                1, s.kv_heads, context + 1, s.head_dim, device=device, dtype=torch.bfloat16
+            ),
+            torch.randn(
+                1, s.kv_heads, context + 1, s.head_dim, device=device, dtype=torch.bfloat16
+            ),
+        )
         for _ in range(s.layers)
     ]
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
@@ -171,8 +190,7 @@ def time_decode(model: Model, device: torch.device, context: int, iters: int, gr
     torch.cuda.synchronize()
     ms = start.elapsed_time(end) / iters
     print(f"  decode step ({mode}): {ms:.3f} ms")
-    del cache, graph
-    return ms
+    return ms  # cache and graph are freed with this frame
 
 
 def main() -> None:
@@ -184,8 +202,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--speed-methods", default="fp8,bitsandbytes,bitsandbytes-nf4",
-                        help="methods whose decode step is timed (bf16 always is)")
+    parser.add_argument(
+        "--speed-methods",
+        default="fp8,bitsandbytes,bitsandbytes-nf4",
+        help="methods whose decode step is timed (bf16 always is)",
+    )
     parser.add_argument("--out", default="quant_check.json")
     parser.add_argument("--tiny", action="store_true", help="small shape on CPU (smoke test)")
     args = parser.parse_args()
@@ -200,9 +221,14 @@ def main() -> None:
         name = torch.cuda.get_device_properties(device).name
         capability = list(torch.cuda.get_device_capability(device))
     report: dict = {
-        "device": name, "capability": capability,
-        "torch": torch.__version__, "shape": shape.__dict__, "date": time.strftime("%Y-%m-%d"),
-        "prompt": [args.prompt_batch, args.prompt_len], "context": args.context, "results": {},
+        "device": name,
+        "capability": capability,
+        "torch": torch.__version__,
+        "shape": shape.__dict__,
+        "date": time.strftime("%Y-%m-%d"),
+        "prompt": [args.prompt_batch, args.prompt_len],
+        "context": args.context,
+        "results": {},
     }
     try:
         import bitsandbytes
@@ -217,8 +243,9 @@ def main() -> None:
     g = torch.Generator(device=device).manual_seed(1)
     if args.tiny:
         args.prompt_len = min(args.prompt_len, 16)
-    ids = torch.randint(0, shape.vocab, (args.prompt_batch, args.prompt_len), device=device,
-                        generator=g)
+    ids = torch.randint(
+        0, shape.vocab, (args.prompt_batch, args.prompt_len), device=device, generator=g
+    )
     pos = torch.arange(args.prompt_len, device=device)
     print(f"weights built in {time.time() - t0:.1f} s")
 
@@ -263,14 +290,21 @@ def main() -> None:
     report["bf16_step_bytes"] = base["weight_bytes"] + 2 * shape.vocab * shape.hidden + kv_bytes
     Path(args.out).write_text(json.dumps(report, indent=2))
 
-    targets = {"fp8": (0.02, 2.0, 1.6), "bitsandbytes": (0.03, 2.0, None),
-               "bitsandbytes-nf4": (0.08, 3.5, None)}
-    print("\n| method | rel. logit error (target) | top-1 agree | linear weight GiB | reduction "
-          "(target) | decode b=1 ms | speedup vs bf16 |")
+    targets = {
+        "fp8": (0.02, 2.0, 1.6),
+        "bitsandbytes": (0.03, 2.0, None),
+        "bitsandbytes-nf4": (0.08, 3.5, None),
+    }
+    print(
+        "\n| method | rel. logit error (target) | top-1 agree | linear weight GiB | reduction "
+        "(target) | decode b=1 ms | speedup vs bf16 |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     gib = 1024**3
-    print(f"| bf16 | — | — | {base['weight_bytes'] / gib:.2f} | 1.00× | "
-          f"{base.get('decode_ms', math.nan):.2f} | 1.00× |")
+    print(
+        f"| bf16 | — | — | {base['weight_bytes'] / gib:.2f} | 1.00× | "
+        f"{base.get('decode_ms', math.nan):.2f} | 1.00× |"
+    )
     for value, entry in report["results"].items():
         if value == "bf16":
             continue

@@ -108,7 +108,9 @@ def _local_scale(
     rank = weights.dist.rank
     if stored.scale_layout is Fp8ScaleLayout.BLOCK or (scale.dim() == 2 and scale.shape[1] > 1):
         if stored.weight_block_size is None:
-            raise ValueError(f"{name}: block scales but no weight_block_size in quantization_config")
+            raise ValueError(
+                f"{name}: block scales but no weight_block_size in quantization_config"
+            )
         block = stored.weight_block_size
         if world > 1:
             local = local_shape[shard_dim]

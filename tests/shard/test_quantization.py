@@ -66,8 +66,13 @@ def test_parse_kv_cache_dtype_values():
 def test_checkpoint_quantization_formats():
     assert checkpoint_quantization({}) is None
     q = checkpoint_quantization(
-        {"quantization_config": {"quant_method": "fp8", "activation_scheme": "static",
-                                 "ignored_layers": ["lm_head"]}}
+        {
+            "quantization_config": {
+                "quant_method": "fp8",
+                "activation_scheme": "static",
+                "ignored_layers": ["lm_head"],
+            }
+        }
     )
     assert q.method is QuantizeMethod.FP8 and q.scale_layout is Fp8ScaleLayout.TENSOR
     assert q.is_ignored("lm_head") and not q.is_ignored("model.layers.0.mlp.up_proj")
@@ -78,9 +83,17 @@ def test_checkpoint_quantization_formats():
     q = checkpoint_quantization({"quantization_config": {"quant_method": "fbgemm_fp8"}})
     assert q.scale_layout is Fp8ScaleLayout.CHANNEL
     q = checkpoint_quantization(
-        {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
-            "group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
-                        "input_activations": {"dynamic": True}}}}}
+        {
+            "quantization_config": {
+                "quant_method": "compressed-tensors",
+                "config_groups": {
+                    "group_0": {
+                        "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                        "input_activations": {"dynamic": True},
+                    }
+                },
+            }
+        }
     )
     assert q.scale_layout is Fp8ScaleLayout.CHANNEL and q.activation_scheme == "dynamic"
     with pytest.raises(ValueError, match="quant_method"):
@@ -251,7 +264,9 @@ def test_bnb_missing_names_the_flag(monkeypatch):
 
 def test_kv_cache_bytes_per_token_halves():
     bf16 = kv_cache_bytes_per_token(32, 8, 128, torch.bfloat16)
-    fp8 = kv_cache_bytes_per_token(32, 8, 128, kv_cache_torch_dtype(KvCacheDtype.FP8_E4M3FN, torch.bfloat16))
+    fp8 = kv_cache_bytes_per_token(
+        32, 8, 128, kv_cache_torch_dtype(KvCacheDtype.FP8_E4M3FN, torch.bfloat16)
+    )
     assert bf16 == 2 * 32 * 8 * 128 * 2 == 131072
     assert fp8 * 2 == bf16
     assert kv_cache_torch_dtype(KvCacheDtype.AUTO, torch.float16) is torch.float16
@@ -340,7 +355,8 @@ def test_triton_per_token_quant_matches_torch():
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_BNB), reason="needs CUDA and bitsandbytes")
 @pytest.mark.parametrize(
-    ("method", "bound"), [(QuantizeMethod.BITSANDBYTES, 0.03), (QuantizeMethod.BITSANDBYTES_NF4, 0.12)]
+    ("method", "bound"),
+    [(QuantizeMethod.BITSANDBYTES, 0.03), (QuantizeMethod.BITSANDBYTES_NF4, 0.12)],
 )
 def test_bnb_linear_cuda(method, bound):
     device = torch.device("cuda")

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from reference import prompts
+from safetensors.torch import load_file, save_file
+from shard_driver import RouterSim, engine_call
+
 from shard.distributed import Dist
 from shard.domain import WarmupSpec
 from shard.layers import ColumnParallelLinear, RowParallelLinear
@@ -20,7 +21,6 @@ from shard.loader import Shard, ShardConfig
 from shard.model_runner import StepInputs
 from shard.quantization import linear_weight_bytes
 from shard.quantization.fp8 import Fp8Linear, quantize_fp8_per_channel
-from shard_driver import RouterSim, engine_call
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 N = 32
@@ -51,8 +51,12 @@ def prefill_logits(shard: Shard, prompt: list[int]) -> torch.Tensor:
     """Logits of every prompt position, one sequence in blocks 0.. (the KV cache is scratch)."""
     n, bs = len(prompt), shard.runner.block_size
     step = StepInputs(
-        token_ids=prompt, positions=list(range(n)), query_lens=[n], seq_lens=[n],
-        block_tables=[list(range(-(-n // bs)))], logits_indices=list(range(n)),
+        token_ids=prompt,
+        positions=list(range(n)),
+        query_lens=[n],
+        seq_lens=[n],
+        block_tables=[list(range(-(-n // bs)))],
+        logits_indices=list(range(n)),
     )
     return shard.runner.execute(step)  # [n, vocab] float32
 
@@ -66,15 +70,31 @@ def teacher_forced_logits(shard: Shard, tokens: list[int], prefill: int) -> torc
     further token (paged writes and reads across blocks). [len(tokens), vocab]."""
     bs = shard.runner.block_size
     table = list(range(-(-len(tokens) // bs)))
-    rows = [shard.runner.execute(StepInputs(
-        token_ids=tokens[:prefill], positions=list(range(prefill)), query_lens=[prefill],
-        seq_lens=[prefill], block_tables=[table], logits_indices=list(range(prefill)),
-    ))]
+    rows = [
+        shard.runner.execute(
+            StepInputs(
+                token_ids=tokens[:prefill],
+                positions=list(range(prefill)),
+                query_lens=[prefill],
+                seq_lens=[prefill],
+                block_tables=[table],
+                logits_indices=list(range(prefill)),
+            )
+        )
+    ]
     for pos in range(prefill, len(tokens)):
-        rows.append(shard.runner.execute(StepInputs(
-            token_ids=[tokens[pos]], positions=[pos], query_lens=[1], seq_lens=[pos + 1],
-            block_tables=[table], logits_indices=[0],
-        )))
+        rows.append(
+            shard.runner.execute(
+                StepInputs(
+                    token_ids=[tokens[pos]],
+                    positions=[pos],
+                    query_lens=[1],
+                    seq_lens=[pos + 1],
+                    block_tables=[table],
+                    logits_indices=[0],
+                )
+            )
+        )
     return torch.cat(rows)
 
 
@@ -108,10 +128,14 @@ def test_fp8_kv_cache_greedy_32_tokens(tiny_models):
     fp8 = greedy_outputs(make_shard(model_dir, kv_cache_dtype="fp8_e4m3fn"), p)
     assert all(len(v) == N for v in fp8.values())
     if fp8 != dense:
-        agree = {rid: next((i for i, (a, b) in enumerate(zip(fp8[rid], dense[rid])) if a != b), N)
-                 for rid in dense}
-        pytest.xfail(f"fp8 KV greedy diverges from the dense cache at token {agree} "
-                     "(random tiny model near-ties; see the test above)")
+        agree = {
+            rid: next((i for i, (a, b) in enumerate(zip(fp8[rid], dense[rid])) if a != b), N)
+            for rid in dense
+        }
+        pytest.xfail(
+            f"fp8 KV greedy diverges from the dense cache at token {agree} "
+            "(random tiny model near-ties; see the test above)"
+        )
 
 
 def test_fp8_kv_cache_doubles_capacity(tiny_models):
@@ -119,8 +143,9 @@ def test_fp8_kv_cache_doubles_capacity(tiny_models):
     spec = WarmupSpec(128, 256, 256, 8)  # no token cap: the 1 MiB budget decides
 
     def blocks(**kw) -> tuple[int, int]:
-        cfg = ShardConfig(model_id=str(tiny_models["llama"]), kv_cache_memory_mb=1,
-                          dtype="bfloat16", **kw)
+        cfg = ShardConfig(
+            model_id=str(tiny_models["llama"]), kv_cache_memory_mb=1, dtype="bfloat16", **kw
+        )
         shard = Shard(cfg, Dist())
         shard.warmup(spec)
         return shard.runner.kv_bytes_per_block(), shard.runner.num_blocks
@@ -133,7 +158,8 @@ def test_fp8_kv_cache_doubles_capacity(tiny_models):
 
 def quantized_linears(shard: Shard) -> list[torch.nn.Module]:
     return [
-        m.quantized for m in shard.runner.model.modules()
+        m.quantized
+        for m in shard.runner.model.modules()
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
     ]
 
@@ -143,7 +169,9 @@ def quantized_linears(shard: Shard) -> list[torch.nn.Module]:
     [
         ("fp8", 0.12),
         pytest.param("bitsandbytes", 0.04, marks=pytest.mark.skipif(not HAS_BNB, reason="no bnb")),
-        pytest.param("bitsandbytes-nf4", 0.3, marks=pytest.mark.skipif(not HAS_BNB, reason="no bnb")),
+        pytest.param(
+            "bitsandbytes-nf4", 0.3, marks=pytest.mark.skipif(not HAS_BNB, reason="no bnb")
+        ),
     ],
 )
 def test_quantize_flag_on_tiny_llama(tiny_models, method, bound):
@@ -155,7 +183,8 @@ def test_quantize_flag_on_tiny_llama(tiny_models, method, bound):
     assert layers and all(m is not None for m in layers)
     assert all(m is None for m in quantized_linears(dense))
     dense_bytes = sum(
-        m.weight.numel() * 4 for m in dense.runner.model.modules()
+        m.weight.numel() * 4
+        for m in dense.runner.model.modules()
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
     )
     assert linear_weight_bytes(quant.runner.model) < dense_bytes / 3  # vs float32 weights
@@ -197,7 +226,9 @@ def write_fp8_checkpoint(src: Path, dst: Path, layout: str) -> Path:
     config = json.loads((dst / "config.json").read_text())
     if layout == "tensor":
         config["quantization_config"] = {
-            "quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ["lm_head"],
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "ignored_layers": ["lm_head"],
         }
     else:
         config["quantization_config"] = {"quant_method": "fbgemm_fp8"}
