@@ -216,9 +216,23 @@ class AuthInterceptor(_WrappingInterceptor):
     def _check(self, details: grpc.HandlerCallDetails) -> None:
         given = _metadata(details, "authorization")
         if given is None:
-            raise UnauthenticatedError("missing 'authorization: Bearer <api key>' metadata")
-        if not hmac.compare_digest(given.encode("latin-1", "replace"), self._expected):
-            raise UnauthenticatedError("invalid API key in 'authorization' metadata")
+            error = UnauthenticatedError("missing 'authorization: Bearer <api key>' metadata")
+        elif not hmac.compare_digest(given.encode("latin-1", "replace"), self._expected):
+            error = UnauthenticatedError("invalid API key in 'authorization' metadata")
+        else:
+            return
+        _log.info(
+            "request refused",
+            extra={
+                "fields": {
+                    "request_id": current_request_id(),
+                    "method": details.method,
+                    "status": "unauthenticated",
+                    "error": str(error),
+                }
+            },
+        )
+        raise error
 
     async def around_unary(
         self,

@@ -346,7 +346,8 @@ async def test_twice_max_concurrent_requests_excess_is_resource_exhausted(
     rng = random.Random(5)
     requests = [
         pb.GenerateRequest(
-            inputs=prompt(rng, 10), parameters=pb.GenerateParameters(max_new_tokens=60)
+            # Long enough that the first 16 are still running when the last request arrives.
+            inputs=prompt(rng, 10), parameters=pb.GenerateParameters(max_new_tokens=120)
         )
         for _ in range(32)
     ]
