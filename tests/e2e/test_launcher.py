@@ -177,3 +177,17 @@ def test_killed_shard_tears_everything_down(tmp_path: Path) -> None:
             assert not status.exists() or "zombie" in status.read_text(), pid
     finally:
         dep.stop(signal.SIGKILL)
+
+
+def test_unknown_model_fails_fast_with_a_reason(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENWIRE_CACHE": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-m", "service.cli", "launch", "--model-id", "org/does-not-exist",
+         "--port", "0"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )
+    assert result.returncode == 1
+    assert "tokenwire launch: error:" in result.stderr, result.stderr
