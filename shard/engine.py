@@ -51,6 +51,8 @@ class RequestState:
     prefill_logprobs: bool
     top_n: int
     prompt_lps: list[float] = field(default_factory=list)  # logprob of prompt token p + 1
+    # Generated text without special tokens' text (EOS, BOS): what GeneratedText.text reports.
+    visible_text: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -89,8 +91,11 @@ class Engine:
         prompt_len = len(spec.input_ids) - spec.generated_len
         prompt = list(spec.input_ids[:prompt_len])
         detok = IncrementalDetokenizer(self.tokenizer, prompt)
+        visible_text = []
         for token in spec.input_ids[prompt_len:]:  # replay generations from before a preemption
-            detok.push(token)
+            text = detok.push(token)
+            if token not in self._special:
+                visible_text.append(text)
         return RequestState(
             id=spec.id,
             token_ids=list(spec.input_ids),
@@ -105,6 +110,7 @@ class Engine:
             generated_count=spec.generated_len,
             prefill_logprobs=spec.prefill_logprobs,
             top_n=spec.top_n_tokens,
+            visible_text=visible_text,
         )
 
     def _forget(self, request_ids: list[int]) -> None:
@@ -303,12 +309,16 @@ class Engine:
             state.token_ids.append(token)
             state.generated_count += 1
             text = state.detok.push(token)
+            if token not in self._special:
+                state.visible_text.append(text)
             reason = state.stopping.check(token, state.detok.text, state.generated_count)
             finished = None
             if reason is not None:
-                text += state.detok.flush()
+                held_back = state.detok.flush()
+                text += held_back
+                state.visible_text.append(held_back)
                 finished = FinishedText(
-                    text=state.detok.text,
+                    text="".join(state.visible_text),
                     generated_tokens=state.generated_count,
                     finish_reason=reason,
                     seed=state.sampling.seed if state.sampling.do_sample else None,

@@ -138,3 +138,30 @@ def test_fatal_device_error_aborts_and_reports(mistral):
     finally:
         runner.execute = original
         shard.engine.clear_cache(None)
+
+
+def test_special_tokens_are_excluded_from_the_finished_text(mistral, monkeypatch):
+    """EOS/BOS keep their own token text, but GeneratedText.text is the generated text without
+    special tokens (the proto contract; TGI does the same)."""
+    model_dir, shard = mistral
+    tokenizer = shard.engine.tokenizer
+    bos, eos = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
+    word = tokenizer.encode("fox", add_special_tokens=False).ids
+    forced = iter(word + [bos] + word + [eos])
+    real_sample = shard.engine.sampler.sample
+
+    def scripted(logits, *args, **kwargs):
+        out = real_sample(logits, *args, **kwargs)
+        out.token_ids = [next(forced) for _ in out.token_ids]
+        return out
+
+    monkeypatch.setattr(shard.engine.sampler, "sample", scripted)
+    sim = fresh(shard)
+    sim.add(1, prompts(model_dir, [8])[0], 32, ignore_eos=False)
+    sim.prefill([(1, 0)])
+    sim.run_to_completion()
+    done = sim.done[1]
+    assert done.finished.finish_reason == pb.FINISH_REASON_EOS_TOKEN
+    assert done.finished.text == "foxfox"
+    texts = [t for gen in done.generations for t in gen.tokens.texts]
+    assert "</s>" in texts and "<s>" in texts  # the special tokens' own texts are kept
