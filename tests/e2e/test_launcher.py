@@ -13,11 +13,11 @@ import grpc
 import pytest
 from _deploy import Deployment, expect_error_status, http_json, launch, sse_events
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tokenwire.v1 import generate_pb2 as pb
+from tokenwire.v1 import generate_pb2_grpc as pb_grpc
 
 from service import launcher
 from service.cli import build_parser
-from tokenwire.v1 import generate_pb2 as pb
-from tokenwire.v1 import generate_pb2_grpc as pb_grpc
 
 API_KEY = "s3cret"
 
@@ -28,24 +28,51 @@ def parse(argv: list[str]):
 
 def test_flags_come_from_tgi_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in {
-        "MODEL_ID": "/models/x", "NUM_SHARD": "2", "PORT": "6000", "HOSTNAME": "0.0.0.0",
-        "MAX_INPUT_LENGTH": "100", "MAX_TOTAL_TOKENS": "200", "MAX_BATCH_PREFILL_TOKENS": "300",
-        "API_KEY": "k", "JSON_OUTPUT": "true", "DTYPE": "bfloat16", "HTTP_PORT": "8081",
+        "MODEL_ID": "/models/x",
+        "NUM_SHARD": "2",
+        "PORT": "6000",
+        "HOSTNAME": "0.0.0.0",
+        "MAX_INPUT_LENGTH": "100",
+        "MAX_TOTAL_TOKENS": "200",
+        "MAX_BATCH_PREFILL_TOKENS": "300",
+        "API_KEY": "k",
+        "JSON_OUTPUT": "true",
+        "DTYPE": "bfloat16",
+        "HTTP_PORT": "8081",
     }.items():
         monkeypatch.setenv(name, value)
     args = parse(["launch", "--max-total-tokens", "250"])  # a flag beats its variable
-    assert (args.model_id, args.num_shard, args.port, args.hostname) == ("/models/x", 2, 6000, "0.0.0.0")
+    assert (args.model_id, args.num_shard, args.port, args.hostname) == (
+        "/models/x",
+        2,
+        6000,
+        "0.0.0.0",
+    )
     assert (args.max_input_tokens, args.max_total_tokens, args.http_port) == (100, 250, 8081)
     router = launcher.router_command(args, "x", Path("/models/x"), "/tmp/t/shard")
     joined = " ".join(router)
-    for part in ("router", "--port 6000", "--shard-uds-path /tmp/t/shard", "--max-input-tokens 100",
-                 "--max-total-tokens 250", "--max-batch-prefill-tokens 300", "--api-key k",
-                 "--json-output", "--tokenizer /models/x"):
+    for part in (
+        "router",
+        "--port 6000",
+        "--shard-uds-path /tmp/t/shard",
+        "--max-input-tokens 100",
+        "--max-total-tokens 250",
+        "--max-batch-prefill-tokens 300",
+        "--api-key k",
+        "--json-output",
+        "--tokenizer /models/x",
+    ):
         assert part in joined, joined
     assert "--dtype" not in joined  # shard flags stay with the shards
     shard = " ".join(launcher.shard_command(args, Path("/models/x"), 1, "/tmp/t/shard", 29500))
-    for part in ("shard", "--rank 1", "--world-size 2", "--uds-path /tmp/t/shard",
-                 "--master-port 29500", "--dtype bfloat16"):
+    for part in (
+        "shard",
+        "--rank 1",
+        "--world-size 2",
+        "--uds-path /tmp/t/shard",
+        "--master-port 29500",
+        "--dtype bfloat16",
+    ):
         assert part in shard, shard
     assert "--max-total-tokens" not in shard
 
@@ -70,7 +97,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.slow
 def test_embedded_tiny_model_in_cache(deployment: Deployment) -> None:
-    cache = Path(os.environ.get("TOKENWIRE_CACHE") or deployment.log_path.parent.parent / "tokenwire-cache")
+    cache = Path(
+        os.environ.get("TOKENWIRE_CACHE") or deployment.log_path.parent.parent / "tokenwire-cache"
+    )
     assert (cache / launcher.TINY_MODEL_NAME / "config.json").is_file()
     status, _, info = http_json(deployment.http_port, "GET", "/info", headers=deployment.headers)
     assert status == 200 and info["model_id"] == launcher.TINY_MODEL_NAME
@@ -80,10 +109,13 @@ def test_embedded_tiny_model_in_cache(deployment: Deployment) -> None:
 def test_wrong_api_key_is_401(deployment: Deployment) -> None:
     body = {"inputs": "Testing API", "parameters": {"max_new_tokens": 3}}
     for headers in ({}, {"authorization": "Bearer wrong"}):
-        status, _, reply = http_json(deployment.http_port, "POST", "/generate", body, headers=headers)
+        status, _, reply = http_json(
+            deployment.http_port, "POST", "/generate", body, headers=headers
+        )
         assert status == 401 and reply["code"] == 16, reply
-    status, _, reply = http_json(deployment.http_port, "POST", "/generate", body,
-                                 headers=deployment.headers)
+    status, _, reply = http_json(
+        deployment.http_port, "POST", "/generate", body, headers=deployment.headers
+    )
     assert status == 200, reply
     with grpc.insecure_channel(deployment.envoy_target) as channel:
         stub = pb_grpc.TextGenerationStub(channel)
@@ -93,8 +125,13 @@ def test_wrong_api_key_is_401(deployment: Deployment) -> None:
         # Health stays open.
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    status, _, reply = http_json(deployment.http_port, "POST", "/generate_stream", body,
-                                 headers={"authorization": "Bearer wrong"})
+    status, _, reply = http_json(
+        deployment.http_port,
+        "POST",
+        "/generate_stream",
+        body,
+        headers={"authorization": "Bearer wrong"},
+    )
     assert reply["code"] == 16, reply
     expect_error_status("/generate_stream", status, reply, 401)
 
@@ -185,9 +222,21 @@ def test_unknown_model_fails_fast_with_a_reason(tmp_path: Path) -> None:
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENWIRE_CACHE": str(tmp_path)}
     result = subprocess.run(
-        [sys.executable, "-m", "service.cli", "launch", "--model-id", "org/does-not-exist",
-         "--port", "0"],
-        capture_output=True, text=True, env=env, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "launch",
+            "--model-id",
+            "org/does-not-exist",
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+        timeout=60,
     )
     assert result.returncode == 1
     assert "tokenwire launch: error:" in result.stderr, result.stderr
