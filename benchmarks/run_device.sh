@@ -17,3 +17,6 @@ if [ "${RUN_ATTN:-0}" != 0 ]; then
   python3 benchmarks/attention_check.py --out $OUT > $OUT/attention_check.log 2>&1; tail -12 $OUT/attention_check.log
 fi
 python3 -m service.cli bench --parts "$PARTS" --out $OUT --workdir /tmp/twb "$@" 2>&1 | tee $OUT/bench.log | grep -v "^\s*$" | tail -60
+if [ "${RUN_PROFILE:-0}" != 0 ]; then
+  python3 benchmarks/engine_profile.py /tmp/twb/llama3-8b-shape-32l --out $OUT > $OUT/engine_profile.log 2>&1; head -40 $OUT/engine_profile.log
+fi

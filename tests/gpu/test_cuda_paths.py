@@ -131,3 +131,35 @@ def test_llama3_shape_logits_within_bf16_tolerance(tmp_path):
     ref_picks = [lg.argmax(-1) for lg in ref_logits]
     agree = sum(int((a == b).sum()) for a, b in zip(picks, ref_picks))
     assert agree >= 10, agree
+
+
+def test_fused_ops_match_torch_forms():
+    """Triton RMSNorm / rotary / SiLU-mul against the portable torch formulas (bf16, CUDA)."""
+    import torch.nn.functional as F
+
+    from shard import triton_ops
+    from shard.rotary import RotaryEmbedding, _rotate_half
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    x = torch.randn(37, 4096, device="cuda", dtype=torch.bfloat16) * 3
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    xf = x.float()
+    ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+    assert rel(triton_ops.rms_norm(x, w, 1e-5), ref) < 1e-2
+
+    rot = RotaryEmbedding(128, 4096, {"rope_theta": 500000.0, "rope_type": "default"},
+                          torch.device("cuda"))
+    pos = torch.randint(0, 4096, (29,), device="cuda")
+    q = torch.randn(29, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(29, 8, 128, device="cuda", dtype=torch.bfloat16)
+    cos = rot.cos[pos].unsqueeze(1).to(q.dtype)
+    sin = rot.sin[pos].unsqueeze(1).to(q.dtype)
+    got_q, got_k = triton_ops.rotary(pos, q, k, rot.cos, rot.sin)
+    assert rel(got_q, q * cos + _rotate_half(q) * sin) < 1e-2
+    assert rel(got_k, k * cos + _rotate_half(k) * sin) < 1e-2
+
+    g = torch.randn(33, 14336, device="cuda", dtype=torch.bfloat16)
+    u = torch.randn(33, 14336, device="cuda", dtype=torch.bfloat16)
+    assert rel(triton_ops.silu_mul(g, u), F.silu(g) * u) < 1e-2
