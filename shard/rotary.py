@@ -66,6 +66,10 @@ class RotaryEmbedding(torch.nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:  # one fused kernel
+            from shard.triton_ops import rotary
+
+            return rotary(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -82,6 +82,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias, ctx.dist)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # fused SiLU-and-mul: one kernel instead of two
+            from shard.triton_ops import silu_mul
+
+            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
