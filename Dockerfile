@@ -6,8 +6,8 @@
 # runs a single component (`tokenwire shard`, `tokenwire router`, `python -m service.gateway`), as
 # compose.yaml does.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
-ARG CUDA_IMAGE=nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04
-ARG TORCH_VERSION=2.5.1
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+ARG TORCH_VERSION=2.11.0
 
 # --- codegen: Python stubs and the Envoy descriptor set, generated from protos/ by scripts/generate.
 FROM ${PYTHON_IMAGE} AS codegen
