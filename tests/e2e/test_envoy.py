@@ -325,3 +325,55 @@ def test_router_down_is_503(tmp_path: Path) -> None:
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         gateway.stop()
+
+
+def test_envoy_yaml_is_valid_as_it_is() -> None:
+    # Users run `envoy -c envoy/envoy.yaml` from the repository root, unchanged.
+    from service.gateway import envoy_binary
+
+    result = subprocess.run(
+        [
+            str(envoy_binary()),
+            "--mode",
+            "validate",
+            "-c",
+            "envoy/envoy.yaml",
+            "--disable-hot-restart",
+            "--log-level",
+            "error",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_rendered_config_differs_only_in_addresses_and_paths() -> None:
+    import yaml
+
+    from service.gateway import render_config
+
+    original = yaml.safe_load((REPO / "envoy/envoy.yaml").read_text())
+    rendered = render_config(
+        GatewaySettings(http_port=1234, router_port=4321, router_host="router", admin_port=999)
+    )
+    changed: list[str] = []
+
+    def walk(a: object, b: object, path: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            assert a.keys() == b.keys(), path
+            for key in a:
+                walk(a[key], b[key], f"{path}.{key}")
+        elif isinstance(a, list) and isinstance(b, list):
+            assert len(a) == len(b), path
+            for i, (x, y) in enumerate(zip(a, b)):
+                walk(x, y, f"{path}[{i}]")
+        elif a != b:
+            changed.append(path)
+
+    walk(original, rendered, "")
+    assert all(p.endswith(("port_value", "address", "proto_descriptor")) for p in changed), changed
+    assert len(changed) == 5, changed
