@@ -141,6 +141,8 @@ def run_grpc(args: argparse.Namespace) -> dict[str, float]:
     )  # fmt: skip
     try:
         _wait_serving(f"127.0.0.1:{router_port}", 60)
+        if args.client == "h2load":
+            return _grpc_h2load(args, f"127.0.0.1:{router_port}", prom_port, router, shard, tmp)
         q = ctx.Queue()
         per = [
             args.streams // args.clients + (i < args.streams % args.clients)
@@ -186,6 +188,80 @@ def run_grpc(args: argparse.Namespace) -> dict[str, float]:
         shard.join(5)
 
 
+def _h2load_body(path: Path, max_new: int) -> bytes:
+    """The gRPC-framed GenerateRequest h2load posts (flag 0, 4-byte big-endian length)."""
+    from tokenwire.v1 import generate_pb2 as gpb
+
+    msg = gpb.GenerateRequest(
+        inputs="stream request hello world",
+        parameters=gpb.GenerateParameters(max_new_tokens=max_new),
+    ).SerializeToString()
+    body = b"\x00" + len(msg).to_bytes(4, "big") + msg
+    path.write_bytes(body)
+    return body
+
+
+def _sample_stream(target: str, max_new: int) -> tuple[int, int]:
+    """One GenerateStream with h2load's request through a Python client: (messages, framed
+    response bytes). Checks the router streams max_new tokens per request, and gives the bytes
+    per request that cross-check h2load's data-byte count."""
+    import grpc
+    from tokenwire.v1 import generate_pb2 as gpb
+    from tokenwire.v1 import generate_pb2_grpc as ggrpc
+
+    with grpc.insecure_channel(target) as ch:
+        stub = ggrpc.TextGenerationStub(ch)
+        req = gpb.GenerateRequest(
+            inputs="stream request hello world",
+            parameters=gpb.GenerateParameters(max_new_tokens=max_new),
+        )
+        n = size = 0
+        for m in stub.GenerateStream(req, timeout=60):
+            assert not m.error, m.error
+            n += 1
+            size += 5 + m.ByteSize()
+        return n, size
+
+
+def _run_h2load(args, target: str, tmp: Path) -> tuple[subprocess.Popen, Path]:
+    """Starts h2load (nghttp2-client, C): `clients` HTTP/2 connections with
+    streams/clients concurrent GenerateStream calls each, closed loop, warm-up then a measured
+    window. Not a test dependency: `apt-get install nghttp2-client`."""
+    import shutil
+
+    exe = shutil.which("h2load")
+    if exe is None:
+        raise SystemExit("--client h2load needs h2load: apt-get install -y nghttp2-client")
+    body = tmp / "request.bin"
+    _h2load_body(body, args.max_new_tokens)
+    out = tmp / "h2load.out"
+    per_conn = -(-args.streams // args.clients)
+    cmd = [
+        exe, "-c", str(args.clients), "-m", str(per_conn), "-t", "1",
+        "-D", f"{int(args.duration)}", "--warm-up-time", f"{int(args.warmup)}",
+        "-d", str(body),
+        "-H", "content-type: application/grpc", "-H", "te: trailers",
+        f"http://{target}/tokenwire.v1.TextGeneration/GenerateStream",
+    ]  # fmt: skip
+    with out.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    return proc, out
+
+
+def _parse_h2load(text: str) -> dict[str, float]:
+    m = re.search(r"requests: (\d+) total, (\d+) started, (\d+) done, (\d+) succeeded", text)
+    t = re.search(r"\((\d+)\) data", text)
+    d = re.search(r"finished in ([0-9.]+)s", text)
+    if not m:
+        raise RuntimeError("cannot parse h2load output:\n" + text)
+    return {
+        "done": float(m.group(3)),
+        "succeeded": float(m.group(4)),
+        "data_bytes": float(t.group(1)) if t else 0.0,
+        "finished_s": float(d.group(1)) if d else 0.0,
+    }
+
+
 def _wait_serving(target: str, timeout_s: float) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -202,6 +278,33 @@ def _wait_serving(target: str, timeout_s: float) -> None:
                 pass
             time.sleep(0.2)
     raise TimeoutError("router did not become SERVING")
+
+
+def _grpc_h2load(args, target, prom_port, router, shard, tmp) -> dict[str, float]:
+    n, size = _sample_stream(target, args.max_new_tokens)
+    if n != args.max_new_tokens:
+        raise RuntimeError(f"sample stream sent {n} messages, expected {args.max_new_tokens}")
+    proc, out = _run_h2load(args, target, tmp)
+    time.sleep(args.warmup + 0.3)  # h2load's measured window starts after its warm-up
+    m0, r0, s0, c0 = _scrape(prom_port), _cpu_seconds(router.pid), _cpu_seconds(shard.pid), _cpu_seconds(proc.pid)
+    t0 = time.monotonic()
+    time.sleep(args.duration - 0.6)
+    m1, r1, s1, c1 = _scrape(prom_port), _cpu_seconds(router.pid), _cpu_seconds(shard.pid), _cpu_seconds(proc.pid)
+    wall = time.monotonic() - t0
+    proc.wait(args.duration + 120)
+    h = _parse_h2load(out.read_text())
+    # Steady closed loop: streamed tokens in the window = requests completed x max_new_tokens
+    # (the fake shard always generates max_new_tokens; checked by the sample stream above).
+    tokens_in_window = h["done"] * args.max_new_tokens / args.duration * wall
+    res = _report(args, m0, m1, wall, tokens_in_window, r1 - r0, s1 - s0, c1 - c0, 0)  # fmt: skip
+    res["h2load_requests_done"] = h["done"]
+    res["h2load_requests_non2xx"] = h["done"] - h["succeeded"]
+    # Cross-check over h2load's whole run (warm-up and ramp included, so a little lower).
+    res["tokens_per_s_from_bytes_whole_run"] = (
+        h["data_bytes"] / size * args.max_new_tokens / max(h["finished_s"], 1e-9)
+    )
+    res["bytes_per_request"] = size
+    return res
 
 
 def _report(
@@ -263,6 +366,25 @@ def run_floor(args: argparse.Namespace) -> dict[str, float]:
     server.start()
     time.sleep(2.0)
     try:
+        if args.client == "h2load":
+            tmp = Path(tempfile.mkdtemp(prefix="router-bench-"))
+            proc, out = _run_h2load(args, f"127.0.0.1:{port}", tmp)
+            time.sleep(args.warmup + 0.3)
+            r0, c0 = _cpu_seconds(server.pid), _cpu_seconds(proc.pid)
+            t0 = time.monotonic()
+            time.sleep(args.duration - 0.6)
+            r1, c1 = _cpu_seconds(server.pid), _cpu_seconds(proc.pid)
+            wall = time.monotonic() - t0
+            proc.wait(args.duration + 120)
+            h = _parse_h2load(out.read_text())
+            tokens = h["done"] * args.max_new_tokens / args.duration * wall
+            return {
+                "tokens_per_s": tokens / wall,
+                "server_cpu_us_per_token": 1e6 * (r1 - r0) / max(tokens, 1),
+                "client_cpu_us_per_token": 1e6 * (c1 - c0) / max(tokens, 1),
+                "server_cpu_cores": (r1 - r0) / wall,
+                "client_cpu_cores": (c1 - c0) / wall,
+            }
         q = ctx.Queue()
         per = [
             args.streams // args.clients + (i < args.streams % args.clients)
@@ -381,6 +503,12 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=8192)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--waiting-served-ratio", type=float, default=0.3)
+    p.add_argument(
+        "--client",
+        choices=["python", "h2load"],
+        default="python",
+        help="load client: Python grpc.aio processes, or h2load (C, apt-get install nghttp2-client)",
+    )
     p.add_argument("--profile-router", help="write a cProfile of the router process here")
     args = p.parse_args()
     res = {"grpc": run_grpc, "engine": run_engine, "floor": run_floor}[args.mode](args)
