@@ -105,11 +105,14 @@ def generate_response(outcome: GenerateOutcome) -> pb.GenerateResponse:
 
 def stream_response(item: StreamItem) -> pb.GenerateStreamResponse:
     """Encodes one stream event; the last one carries generated_text and (when asked) details."""
-    response = pb.GenerateStreamResponse(
-        index=item.index,
-        token=token(item.token),
-        top_tokens=[token(t) for t in item.top_tokens],
-    )
+    t = item.token
+    token_pb = pb.Token(id=t.id, text=t.text, logprob=t.logprob, special=t.special)
+    if item.top_tokens:
+        response = pb.GenerateStreamResponse(
+            index=item.index, token=token_pb, top_tokens=[token(x) for x in item.top_tokens]
+        )
+    else:  # the hot path: one message per generated token
+        response = pb.GenerateStreamResponse(index=item.index, token=token_pb)
     if item.generated_text is not None:
         response.generated_text = item.generated_text
     if item.finished is not None and item.options.details:

@@ -60,7 +60,7 @@ class GenerateOutcome:
     options: ResponseOptions
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StreamItem:
     """One event of a stream; `finished` and `generated_text` are set on the last."""
 
@@ -267,6 +267,11 @@ class GenerationService:
         finished: Finished | None = None
         index = 0
         texts: list[str] = []
+        # Inter-token gaps, observed in one batch when the stream ends (hot path: no histogram
+        # update per token); the first token's latency is observed at once.
+        gaps: list[float] = []
+        monotonic = time.monotonic
+        last = 0.0
         try:
             validated = await self.validator.validate(
                 request, request_id=request_id, stream=True, deadline=deadline
@@ -276,26 +281,27 @@ class GenerationService:
             engine_stream = self._submit(validated.requests[0])
             try:
                 async for event in engine_stream:
-                    self._observe_token(timer)
-                    if not event.token.special:
-                        texts.append(event.token.text)
-                    text = None
-                    if event.finished is not None:
-                        finished = event.finished
-                        text = "".join(texts)
-                        if options.return_full_text:
-                            text = options.prompt + text
-                    yield StreamItem(
-                        index=index,
-                        token=event.token,
-                        top_tokens=event.top_tokens,
-                        options=options,
-                        generated_text=text,
-                        finished=event.finished,
-                    )
+                    now = monotonic()
+                    if index:
+                        gaps.append(now - last)
+                    else:
+                        timer.first_token = now
+                        self.metrics.time_to_first_token.observe(now - timer.start)
+                    last = now
+                    token = event.token
+                    if not token.special:
+                        texts.append(token.text)
+                    finished = event.finished
+                    if finished is None:
+                        yield StreamItem(index, token, event.top_tokens, options)
+                        index += 1
+                        continue
+                    text = "".join(texts)
+                    if options.return_full_text:
+                        text = options.prompt + text
+                    yield StreamItem(index, token, event.top_tokens, options, text, finished)
                     index += 1
-                    if finished is not None:
-                        break
+                    break
                 if finished is None:
                     raise ShardUnavailableError("generation ended without a final token")
             except ShardUnavailableError:
@@ -305,10 +311,16 @@ class GenerationService:
                 if finished is None:
                     engine_stream.cancel()
         except BaseException as error:
+            if gaps:
+                self.metrics.observe_inter_token_latencies(gaps)
+            timer.last_token = last or None
             self._record_failure(GENERATE_STREAM, request_id, timer, options, error, index)
             raise
         finally:
             self._release()
+        if gaps:
+            self.metrics.observe_inter_token_latencies(gaps)
+        timer.last_token = last
         timer.queue_seconds = finished.queue_seconds
         timer.inference_seconds = finished.inference_seconds
         self._record_success(

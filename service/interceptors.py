@@ -54,7 +54,13 @@ def _metadata(details: grpc.HandlerCallDetails, key: str) -> str | None:
 
 
 class _WrappingInterceptor(aio.ServerInterceptor):
-    """Wraps the behaviour of unary-unary and unary-stream handlers; others pass through."""
+    """Wraps the behaviour of unary-unary and unary-stream handlers; others pass through.
+
+    Unary calls nest one coroutine per interceptor (`around_unary`). Streams are the hot path
+    (one message per generated token), so the stream interceptors of a chain are folded into ONE
+    async generator over the servicer's: each interceptor contributes hooks run once per call
+    (`stream_enter` before the first message, `stream_error` for an exception, `stream_exit`
+    at the end), never a per-message layer."""
 
     def applies(self, method: str) -> bool:
         # Only the public API: grpc health and reflection are served untouched.
@@ -75,14 +81,12 @@ class _WrappingInterceptor(aio.ServerInterceptor):
         details = handler_call_details
         if handler.response_streaming:
             inner_stream: Streaming = handler.unary_stream
-
-            # grpc.aio needs an async generator *function* to treat the handler as streaming.
-            async def stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
-                wrapped = self.around_stream(inner_stream, request, context, details)
-                async with aclosing(wrapped) as responses:
-                    async for response in responses:
-                        yield response
-
+            layers: tuple[_WrappingInterceptor, ...] = (self,)
+            base = getattr(inner_stream, "_tokenwire_base", None)
+            if base is not None:  # an inner interceptor of ours: fold into one generator
+                layers += inner_stream._tokenwire_layers  # type: ignore[attr-defined]
+                inner_stream = base
+            stream = _folded_stream(inner_stream, layers, details)
             return grpc.unary_stream_rpc_method_handler(
                 stream, handler.request_deserializer, handler.response_serializer
             )
@@ -104,16 +108,59 @@ class _WrappingInterceptor(aio.ServerInterceptor):
     ) -> Any:
         return await behavior(request, context)
 
-    async def around_stream(
-        self,
-        behavior: Streaming,
-        request: Any,
-        context: aio.ServicerContext,
-        details: grpc.HandlerCallDetails,
-    ) -> AsyncIterator[Any]:
-        async with aclosing(behavior(request, context)) as responses:
-            async for response in responses:
-                yield response
+    # Stream hooks (once per call).
+    async def stream_enter(
+        self, context: aio.ServicerContext, details: grpc.HandlerCallDetails
+    ) -> Any:
+        """Before the stream's first message; what it returns is given to `stream_exit`."""
+        return None
+
+    async def stream_error(self, error: Exception, context: aio.ServicerContext) -> None:
+        """An exception raised inside this interceptor (by inner hooks or the handler): raise
+        it or another one (the default re-raises it)."""
+        raise error
+
+    def stream_exit(self, state: Any) -> None:
+        """At the end of the call, however it ended (only when `stream_enter` returned)."""
+
+
+def _folded_stream(
+    behavior: Streaming, layers: tuple[_WrappingInterceptor, ...], details: grpc.HandlerCallDetails
+) -> Streaming:
+    """One async generator running `layers` (outermost first) around `behavior`: hooks once per
+    call, a single pass-through per message."""
+
+    # grpc.aio needs an async generator *function* to treat the handler as streaming.
+    async def stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+        entered: list[tuple[_WrappingInterceptor, Any]] = []
+        try:
+            try:
+                for layer in layers:
+                    entered.append((layer, await layer.stream_enter(context, details)))
+                async with aclosing(behavior(request, context)) as responses:
+                    async for response in responses:
+                        yield response
+            except Exception as error:
+                # Layers entered so far see it, innermost first; the one that raised in its
+                # own stream_enter was not entered (as an exception before its wrapper ran).
+                current: Exception = error
+                for layer, _ in reversed(entered):
+                    try:
+                        await layer.stream_error(current, context)
+                    except Exception as mapped:  # noqa: BLE001
+                        current = mapped
+                        continue
+                    return  # swallowed: the stream ends normally
+                if current is error:
+                    raise
+                raise current from None
+        finally:
+            for layer, state in reversed(entered):
+                layer.stream_exit(state)
+
+    stream._tokenwire_base = behavior  # type: ignore[attr-defined]
+    stream._tokenwire_layers = layers  # type: ignore[attr-defined]
+    return stream
 
 
 class RequestIdInterceptor(_WrappingInterceptor):
@@ -139,24 +186,22 @@ class RequestIdInterceptor(_WrappingInterceptor):
         finally:
             _request_id.reset(token)
 
-    async def around_stream(
-        self,
-        behavior: Streaming,
-        request: Any,
-        context: aio.ServicerContext,
-        details: grpc.HandlerCallDetails,
-    ) -> AsyncIterator[Any]:
+    async def stream_enter(
+        self, context: aio.ServicerContext, details: grpc.HandlerCallDetails
+    ) -> contextvars.Token[str]:
         request_id, token = self._begin(details)
         try:
             await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
-            async with aclosing(behavior(request, context)) as responses:
-                async for response in responses:
-                    yield response
-        finally:
-            try:
-                _request_id.reset(token)
-            except ValueError:  # closed from another context (generator finalisation)
-                pass
+        except BaseException:
+            _request_id.reset(token)
+            raise
+        return token
+
+    def stream_exit(self, state: contextvars.Token[str]) -> None:
+        try:
+            _request_id.reset(state)
+        except ValueError:  # closed from another context (generator finalisation)
+            pass
 
 
 class ErrorInterceptor(_WrappingInterceptor):
@@ -185,21 +230,10 @@ class ErrorInterceptor(_WrappingInterceptor):
         except Exception as error:  # noqa: BLE001 - this is the mapping point
             await self._abort(context, error)
 
-    async def around_stream(
-        self,
-        behavior: Streaming,
-        request: Any,
-        context: aio.ServicerContext,
-        details: grpc.HandlerCallDetails,
-    ) -> AsyncIterator[Any]:
-        try:
-            async with aclosing(behavior(request, context)) as responses:
-                async for response in responses:
-                    yield response
-        except aio.AbortError:
-            raise
-        except Exception as error:  # noqa: BLE001 - this is the mapping point
-            await self._abort(context, error)
+    async def stream_error(self, error: Exception, context: aio.ServicerContext) -> None:
+        if isinstance(error, aio.AbortError):
+            raise error
+        await self._abort(context, error)
 
 
 class AuthInterceptor(_WrappingInterceptor):
@@ -244,17 +278,10 @@ class AuthInterceptor(_WrappingInterceptor):
         self._check(details)
         return await behavior(request, context)
 
-    async def around_stream(
-        self,
-        behavior: Streaming,
-        request: Any,
-        context: aio.ServicerContext,
-        details: grpc.HandlerCallDetails,
-    ) -> AsyncIterator[Any]:
+    async def stream_enter(
+        self, context: aio.ServicerContext, details: grpc.HandlerCallDetails
+    ) -> None:
         self._check(details)
-        async with aclosing(behavior(request, context)) as responses:
-            async for response in responses:
-                yield response
 
 
 def server_interceptors(api_key: str | None) -> list[aio.ServerInterceptor]:

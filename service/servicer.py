@@ -134,10 +134,11 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
             deadline=convert.deadline(context.time_remaining()),
         )
         sent = 0
+        encode = convert.stream_response
         async with aclosing(items):
             try:
                 async for item in items:
-                    yield convert.stream_response(item)
+                    yield encode(item)
                     sent += 1
             except Exception as error:
                 if sent:
