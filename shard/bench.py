@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--requests", type=int, default=1000, help="end-to-end requests")
     a("--clients", type=int, default=4, help="load-client processes")
     a("--e2e-timeout", type=float, default=300.0)
+    a("--e2e-max-batch-size", type=int, default=256,
+      help="router --max-batch-size for the end-to-end run (decode graphs cover up to 512)")
     a("--commit", default=None, help="commit to record (default: git rev-parse)")
     a("--port", type=int, default=0, help="router port for e2e (0: a free one)")
     a("--quantize", default=None, choices=["bitsandbytes", "bitsandbytes-nf4", "fp8"],
@@ -456,7 +458,8 @@ def bench_e2e(model_dir: Path, args, log_path: Path) -> dict:
         "--dtype", "bfloat16", "--device", "cuda", "--port", str(port),
         "--max-concurrent-requests", str(args.requests + 64),
         "--max-input-tokens", "2048", "--max-total-tokens", "4096",
-        "--max-batch-prefill-tokens", "8192", "--max-batch-size", "256",
+        "--max-batch-prefill-tokens", "8192",
+        "--max-batch-size", str(args.e2e_max_batch_size),
         "--num-shard", str(args.num_shard), "--kv-cache-dtype", args.kv_cache_dtype,
     ] + (["--quantize", args.quantize] if args.quantize else [])
     env = dict(os.environ)
