@@ -13,7 +13,7 @@ from shard.domain import WarmupResult, WarmupSpec
 from shard.errors import FailedPreconditionError
 from shard.model_runner import ModelRunner, StepInputs
 
-CUDA_GRAPH_MAX_BATCH = 256  # larger decode batches run eagerly
+CUDA_GRAPH_MAX_BATCH = 512  # larger decode batches run eagerly
 
 
 def worst_case_prefill(spec: WarmupSpec, block_size: int) -> StepInputs:

@@ -25,6 +25,22 @@ from shard.weights import Weights
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value) pools
 
 
+def merge_rows(*linears: nn.Module) -> torch.Tensor | None:
+    """CUDA decode fast path: one [sum(out), in] weight whose row blocks back the given
+    column-parallel linears' weights (their weights become views: no extra memory), so q/k/v or
+    gate/up run as one GEMM. None when any is quantized or has a bias."""
+    if any(getattr(m, "quantized", None) is not None or m.weight is None or m.bias is not None
+           for m in linears):
+        return None
+    merged = torch.cat([m.weight.data for m in linears])
+    at = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight.data = merged[at : at + rows]
+        at += rows
+    return merged
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, ctx: LoadContext, rotary: RotaryEmbedding, sliding_window: int | None):
         super().__init__()
@@ -53,6 +69,7 @@ class LlamaAttention(nn.Module):
         self.attention = ctx.attention
         self.sliding_window = sliding_window
         self.scale = self.head_dim**-0.5
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse_projections() on CUDA
 
     def forward(
         self,
@@ -62,9 +79,16 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.local_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.local_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.local_kv_heads, self.head_dim)
+        if self.qkv_weight is not None and x.is_cuda:  # one GEMM for q, k and v
+            nq, nk = self.local_heads * self.head_dim, self.local_kv_heads * self.head_dim
+            q, k, v = F.linear(x, self.qkv_weight).split([nq, nk, nk], dim=-1)
+            q = q.view(n, self.local_heads, self.head_dim)
+            k = k.view(n, self.local_kv_heads, self.head_dim)
+            v = v.view(n, self.local_kv_heads, self.head_dim)
+        else:
+            q = self.q_proj(x).view(n, self.local_heads, self.head_dim)
+            k = self.k_proj(x).view(n, self.local_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(n, self.local_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         key_cache, value_cache = cache
         self.attention.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
@@ -80,11 +104,15 @@ class LlamaMLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, inter, bias, ctx.dist)
         self.up_proj = ColumnParallelLinear(hidden, inter, bias, ctx.dist)
         self.down_proj = RowParallelLinear(inter, hidden, bias, ctx.dist)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse_projections() on CUDA
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:  # fused SiLU-and-mul: one kernel instead of two
             from shard.triton_ops import silu_mul
 
+            if self.gate_up_weight is not None:  # one GEMM for gate and up
+                gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+                return self.down_proj(silu_mul(gate, up))
             return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -156,6 +184,11 @@ class LlamaForCausalLM(nn.Module):
                 loader(weights, name)
         if tie:
             self.lm_head.tie_to(self.model.embed_tokens)
+        if self._device.type == "cuda":
+            for layer in self.model.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                attn.qkv_weight = merge_rows(attn.q_proj, attn.k_proj, attn.v_proj)
+                mlp.gate_up_weight = merge_rows(mlp.gate_proj, mlp.up_proj)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         heads, head_dim = self._kv_shape
