@@ -1,7 +1,7 @@
 // The hand-written layer over the generated service descriptor: createClient(baseUrl, options).
 import { create, fromJson, type JsonValue, type MessageInitShape } from "@bufbuild/protobuf";
 import { ValueSchema } from "@bufbuild/protobuf/wkt";
-import { createClient as createConnectClient, type Interceptor } from "@connectrpc/connect";
+import { Code, ConnectError, createClient as createConnectClient, type Interceptor } from "@connectrpc/connect";
 import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
 
 import { inBandError, translateError } from "./errors.js";
@@ -139,12 +139,24 @@ export function createClient(baseUrl: string, options: ClientOptions = {}): Toke
     async *generateStream(inputs, parameters, call) {
       const request = buildRequest(inputs, parameters);
       // A local controller so that leaving the loop early (return()) resets the HTTP/2 stream.
+      // The deadline is ours too: Connect's own timer is not cleared when a stream is abandoned,
+      // and would keep the process alive until it fires.
       const controller = new AbortController();
       const onAbort = () => controller.abort(call?.signal?.reason);
       call?.signal?.addEventListener("abort", onAbort, { once: true });
       if (call?.signal?.aborted) onAbort();
+      const timeoutMs = call?.timeoutMs ?? options.timeoutMs;
+      const timer =
+        timeoutMs === undefined
+          ? undefined
+          : setTimeout(
+              () => controller.abort(new ConnectError("the call's deadline passed", Code.DeadlineExceeded)),
+              timeoutMs,
+            );
+      const headers: Record<string, string> =
+        timeoutMs === undefined ? {} : { "grpc-timeout": `${Math.max(1, Math.ceil(timeoutMs))}m` };
       try {
-        const events = service.generateStream(request, { ...callOptions(call), signal: controller.signal });
+        const events = service.generateStream(request, { signal: controller.signal, headers });
         for await (const event of events) {
           if (event.error !== undefined) {
             throw inBandError(event.errorType, event.error);
@@ -154,6 +166,7 @@ export function createClient(baseUrl: string, options: ClientOptions = {}): Toke
       } catch (error) {
         throw translateError(error);
       } finally {
+        clearTimeout(timer);
         call?.signal?.removeEventListener("abort", onAbort);
         controller.abort();
       }
