@@ -39,7 +39,7 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
             )
         return params.max_new_tokens if params.HasField("max_new_tokens") else 20
 
-    async def Generate(self, request, context):  # noqa: N802
+    async def Generate(self, request, context):
         n = await self._check(request, context)
         await asyncio.sleep(TOKEN_DELAY_S * n)
         response = pb.GenerateResponse(generated_text=" tok" * n)
@@ -50,7 +50,7 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
                 response.details.tokens.add(id=i, text=" tok", logprob=-1.0)
         return response
 
-    async def GenerateStream(self, request, context):  # noqa: N802
+    async def GenerateStream(self, request, context):
         n = await self._check(request, context)
         for i in range(n):
             await asyncio.sleep(TOKEN_DELAY_S)
@@ -67,14 +67,19 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
                     event.details.generated_tokens = n
             yield event
 
-    async def Info(self, request, context):  # noqa: N802
+    async def Info(self, request, context):
         return pb.InfoResponse(
-            model_id="fake", model_dtype="float32", model_device_type="cpu",
-            router="tokenwire-router", version="0.1.0", max_input_tokens=100,
-            max_total_tokens=200, max_concurrent_requests=8,
+            model_id="fake",
+            model_dtype="float32",
+            model_device_type="cpu",
+            router="tokenwire-router",
+            version="0.1.0",
+            max_input_tokens=100,
+            max_total_tokens=200,
+            max_concurrent_requests=8,
         )
 
-    async def Health(self, request, context):  # noqa: N802
+    async def Health(self, request, context):
         return pb.HealthResponse()
 
 

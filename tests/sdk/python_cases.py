@@ -205,13 +205,26 @@ def packaging(target: str) -> None:
 
 SYNC_CASES: dict[str, Callable[[str], None]] = {
     f.__name__: f
-    for f in (sync_generate, sync_stream_cancel, sync_validation_error, sync_deadline, sync_info,
-              sync_health, packaging)
+    for f in (
+        sync_generate,
+        sync_stream_cancel,
+        sync_validation_error,
+        sync_deadline,
+        sync_info,
+        sync_health,
+        packaging,
+    )
 }
 ASYNC_CASES: dict[str, Callable[[str], Awaitable[None]]] = {
     f.__name__: f
-    for f in (async_generate, async_stream_cancel, async_validation_error, async_deadline,
-              async_info, async_health)
+    for f in (
+        async_generate,
+        async_stream_cancel,
+        async_validation_error,
+        async_deadline,
+        async_info,
+        async_health,
+    )
 }
 
 
@@ -231,14 +244,16 @@ def main() -> None:
     target, readme_path, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
     results: dict[str, str | None] = {}
     for name, case in SYNC_CASES.items():
-        results[name] = _outcome(lambda: case(target))
+        results[name] = _outcome(lambda case=case: case(target))
     for name, acase in ASYNC_CASES.items():
-        results[name] = _outcome(lambda: asyncio.run(acase(target)))
+        results[name] = _outcome(lambda acase=acase: asyncio.run(acase(target)))
     with open(readme_path, encoding="utf-8") as readme:
         blocks = readme_blocks(readme.read())
     for i, block in enumerate(blocks):
         code = block.replace("localhost:50051", target)
-        results[f"readme_example_{i}"] = _outcome(lambda: exec(compile(code, f"README[{i}]", "exec"), {}))
+        results[f"readme_example_{i}"] = _outcome(
+            lambda code=code, i=i: exec(compile(code, f"README[{i}]", "exec"), {})  # noqa: S102
+        )
     with open(out_path, "w", encoding="utf-8") as out:
         json.dump(results, out)
 

@@ -24,15 +24,29 @@ CASES_SCRIPT = Path(__file__).with_name("python_cases.py")
 
 # The cases python_cases.py runs (it reports each by name); README examples come on top.
 CASES = [
-    "sync_generate", "sync_stream_cancel", "sync_validation_error", "sync_deadline", "sync_info",
-    "sync_health", "async_generate", "async_stream_cancel", "async_validation_error",
-    "async_deadline", "async_info", "async_health", "packaging",
+    "sync_generate",
+    "sync_stream_cancel",
+    "sync_validation_error",
+    "sync_deadline",
+    "sync_info",
+    "sync_health",
+    "async_generate",
+    "async_stream_cancel",
+    "async_validation_error",
+    "async_deadline",
+    "async_info",
+    "async_health",
+    "packaging",
 ]
 
 
 def _run(args: list[str | Path], **kwargs: object) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(  # noqa: S603 - our own commands
-        [str(a) for a in args], capture_output=True, text=True, **kwargs  # type: ignore[call-overload]
+    result = subprocess.run(
+        [str(a) for a in args],
+        capture_output=True,
+        text=True,
+        check=False,
+        **kwargs,  # type: ignore[call-overload]
     )
     assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
     return result
@@ -43,10 +57,24 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel, built from a copy of clients/python so that no build output lands in the tree."""
     work = tmp_path_factory.mktemp("sdk-py-build")
     source = work / "src"
-    shutil.copytree(SDK, source, ignore=shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__"))
+    shutil.copytree(
+        SDK, source, ignore=shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__")
+    )
     out = work / "dist"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-          "-w", out, source])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            out,
+            source,
+        ]
+    )
     (built,) = out.glob("tokenwire_client-*.whl")
     return built
 
@@ -58,8 +86,20 @@ def venv_python(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv = tmp_path_factory.mktemp("sdk-py-venv") / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", venv])
     python = venv / "bin" / "python"
-    _run([sys.executable, "-m", "pip", "--python", python, "install", "-q",
-          "--disable-pip-version-check", wheel], timeout=300)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            python,
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            wheel,
+        ],
+        timeout=300,
+    )
     return python
 
 
@@ -79,15 +119,23 @@ def test_sdk_versions_match_the_server() -> None:
 
 
 @pytest.fixture(scope="module", params=["direct", "envoy"])
-def results(request: pytest.FixtureRequest, venv_python: Path, live_server: Deployment,
-            tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
+def results(
+    request: pytest.FixtureRequest,
+    venv_python: Path,
+    live_server: Deployment,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, str | None]:
     """Outcome of every case (None: passed; else the traceback), run in the fresh venv from an
     empty folder so that nothing of this repository is importable."""
     target = live_server.grpc_target if request.param == "direct" else live_server.envoy_target
     work = tmp_path_factory.mktemp(f"sdk-py-{request.param}")
     out = work / "results.json"
-    _run([venv_python, CASES_SCRIPT, target, SDK / "README.md", out], cwd=work,
-         env={"PATH": "/usr/bin:/bin"}, timeout=240)
+    _run(
+        [venv_python, CASES_SCRIPT, target, SDK / "README.md", out],
+        cwd=work,
+        env={"PATH": "/usr/bin:/bin"},
+        timeout=240,
+    )
     return json.loads(out.read_text())
 
 
@@ -102,3 +150,43 @@ def test_readme_examples(results: dict[str, str | None]) -> None:
     assert len(examples) >= 4
     failed = {name: outcome for name, outcome in examples.items() if outcome is not None}
     assert not failed, "\n".join(f"{name}:\n{outcome}" for name, outcome in failed.items())
+
+
+def test_sdk_unit_tests_pass_in_the_fresh_venv(venv_python: Path, tmp_path: Path) -> None:
+    """clients/python/tests (a fake in-process server: API key, in-band errors, overload, cancel
+    reaching the server) against the installed wheel; only pytest is added to the venv."""
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            venv_python,
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "pytest>=8",
+        ],
+        timeout=300,
+    )
+    tests = tmp_path / "tests"
+    shutil.copytree(SDK / "tests", tests, ignore=shutil.ignore_patterns("__pycache__"))
+    result = _run(
+        [
+            venv_python,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            "/dev/null",
+            "--rootdir",
+            tmp_path,
+            tests,
+        ],
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin"},
+        timeout=240,
+    )
+    assert " passed" in result.stdout and "failed" not in result.stdout, result.stdout

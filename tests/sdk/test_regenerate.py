@@ -13,8 +13,11 @@ GENERATED = ["clients/python/src/tokenwire_client/_generated", "clients/typescri
 
 def _status() -> str:
     return subprocess.run(
-        ["git", "status", "--porcelain", "--", *GENERATED], cwd=REPO, capture_output=True,
-        text=True, check=True,
+        ["git", "status", "--porcelain", "--", *GENERATED],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
 
 

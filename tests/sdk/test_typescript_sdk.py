@@ -17,8 +17,10 @@ from tests.e2e._deploy import Deployment
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(shutil.which("npm") is None or shutil.which("node") is None,
-                       reason="node and npm are needed"),
+    pytest.mark.skipif(
+        shutil.which("npm") is None or shutil.which("node") is None,
+        reason="node and npm are needed",
+    ),
 ]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,8 +29,12 @@ NPM_FLAGS = ["--no-audit", "--no-fund", "--loglevel=error"]
 
 
 def _run(args: list[str | Path], **kwargs: object) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(  # noqa: S603 - our own commands
-        [str(a) for a in args], capture_output=True, text=True, **kwargs  # type: ignore[call-overload]
+    result = subprocess.run(
+        [str(a) for a in args],
+        capture_output=True,
+        text=True,
+        check=False,
+        **kwargs,  # type: ignore[call-overload]
     )
     assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
     return result
@@ -41,8 +47,9 @@ def tarball(tmp_path_factory: pytest.TempPathFactory) -> Path:
     package = work / "package"
     shutil.copytree(SDK, package, ignore=shutil.ignore_patterns("node_modules", "dist", "*.tgz"))
     _run(["npm", "ci", *NPM_FLAGS], cwd=package, timeout=300)
-    packed = _run(["npm", "pack", "--json", *NPM_FLAGS, "--pack-destination", work],
-                  cwd=package, timeout=300)
+    packed = _run(
+        ["npm", "pack", "--json", *NPM_FLAGS, "--pack-destination", work], cwd=package, timeout=300
+    )
     info = json.loads(packed.stdout[packed.stdout.index("[") :])[0]
     files = {entry["path"] for entry in info["files"]}
     assert {"dist/index.js", "dist/index.d.ts", "README.md", "package.json"} <= files, files
@@ -66,11 +73,16 @@ def project(tarball: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_node_cases(project: Path, live_server: Deployment, route: str) -> None:
     target = live_server.grpc_target if route == "direct" else live_server.envoy_target
     env = {**os.environ, "TOKENWIRE_URL": f"http://{target}"}
-    result = subprocess.run(  # noqa: S603
+    result = subprocess.run(
         ["node", "--test", "--test-reporter=tap", "test/"],
-        cwd=project, env=env, capture_output=True, text=True, timeout=240,
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=240,
     )
-    summary = dict(re.findall(r"^# (pass|fail|skipped) (\d+)$", result.stdout, flags=re.M))
+    summary = dict(re.findall(r"^# (pass|fail|skipped) (\d+)$", result.stdout, flags=re.MULTILINE))
     assert result.returncode == 0 and summary.get("fail") == "0", result.stdout + result.stderr
     assert summary.get("skipped") == "0", result.stdout
     # generate, two stream cancels, validation, deadline, info, health + README examples.

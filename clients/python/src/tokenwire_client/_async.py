@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from grpclib.client import Channel
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
@@ -65,7 +65,7 @@ class AsyncStream(AsyncIterator[GenerateStreamResponse]):
         self._events = events
         self._done = False
 
-    def __aiter__(self) -> AsyncStream:
+    def __aiter__(self) -> Self:
         return self
 
     async def __anext__(self) -> GenerateStreamResponse:
@@ -92,7 +92,7 @@ class AsyncStream(AsyncIterator[GenerateStreamResponse]):
         except _CALL_ERRORS:
             pass  # the call was already failing; cancelling it is all that was asked
 
-    async def __aenter__(self) -> AsyncStream:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(
@@ -190,7 +190,7 @@ class AsyncClient:
         self._channel = None
         self._service = None
 
-    async def __aenter__(self) -> AsyncClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Self
 
 import grpc
 
@@ -81,7 +81,7 @@ class Stream(Iterator[GenerateStreamResponse]):
         self._options = options
         self._done = False
 
-    def __iter__(self) -> Stream:
+    def __iter__(self) -> Self:
         return self
 
     def __next__(self) -> GenerateStreamResponse:
@@ -110,7 +110,7 @@ class Stream(Iterator[GenerateStreamResponse]):
         if close is not None:
             close()
 
-    def __enter__(self) -> Stream:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -202,7 +202,7 @@ class Client:
         """Closes the channel; calls in flight are cancelled."""
         self._channel.close()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
