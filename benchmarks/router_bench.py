@@ -46,6 +46,27 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of `pid` and its live descendants (the multi-process router)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += _cpu_seconds(p)
+        except OSError:
+            continue
+        todo.extend(children.get(p, []))
+    return total
+
+
 # --- fake shard process ------------------------------------------------------------------------
 def _shard_main(port: int, num_blocks: int, block_size: int) -> None:
     from service.testing import FakeShardConfig, start_fake_shard
@@ -123,12 +144,13 @@ def run_grpc(args: argparse.Namespace) -> dict[str, float]:
     router = subprocess.Popen(
         [
             sys.executable, *(["-m", "cProfile", "-o", args.profile_router] if args.profile_router else []),
-            "-m", "service.cli", "router",
+            *(["-m", "service.frontend", "--frontends", str(args.frontends)]
+              if args.frontends else ["-m", "service.cli", "router"]),
             "--shard-address", f"127.0.0.1:{shard_port}",
             "--tokenizer", str(tok),
             "--port", str(router_port),
             "--prometheus-port", str(prom_port),
-            "--max-concurrent-requests", str(args.streams * 2),
+            "--max-concurrent-requests", str(args.streams * 2 // max(args.frontends, 1)),
             "--max-batch-size", str(args.streams),
             "--max-input-tokens", "1024",
             "--max-total-tokens", "2048",
@@ -165,11 +187,11 @@ def run_grpc(args: argparse.Namespace) -> dict[str, float]:
         for c in clients:
             c.start()
         time.sleep(args.warmup)
-        m0, r0, s0 = _scrape(prom_port), _cpu_seconds(router.pid), _cpu_seconds(shard.pid)
+        m0, r0, s0 = _scrape(prom_port), _tree_cpu_seconds(router.pid), _cpu_seconds(shard.pid)
         c0 = sum(_cpu_seconds(c.pid) for c in clients)
         t0 = time.monotonic()
         time.sleep(args.duration)
-        m1, r1, s1 = _scrape(prom_port), _cpu_seconds(router.pid), _cpu_seconds(shard.pid)
+        m1, r1, s1 = _scrape(prom_port), _tree_cpu_seconds(router.pid), _cpu_seconds(shard.pid)
         c1 = sum(_cpu_seconds(c.pid) for c in clients)
         wall = time.monotonic() - t0
         results = [q.get(timeout=120) for _ in clients]
@@ -286,10 +308,20 @@ def _grpc_h2load(args, target, prom_port, router, shard, tmp) -> dict[str, float
         raise RuntimeError(f"sample stream sent {n} messages, expected {args.max_new_tokens}")
     proc, out = _run_h2load(args, target, tmp)
     time.sleep(args.warmup + 0.3)  # h2load's measured window starts after its warm-up
-    m0, r0, s0, c0 = _scrape(prom_port), _cpu_seconds(router.pid), _cpu_seconds(shard.pid), _cpu_seconds(proc.pid)
+    m0, r0, s0, c0 = (
+        _scrape(prom_port),
+        _tree_cpu_seconds(router.pid),
+        _cpu_seconds(shard.pid),
+        _cpu_seconds(proc.pid),
+    )
     t0 = time.monotonic()
     time.sleep(args.duration - 0.6)
-    m1, r1, s1, c1 = _scrape(prom_port), _cpu_seconds(router.pid), _cpu_seconds(shard.pid), _cpu_seconds(proc.pid)
+    m1, r1, s1, c1 = (
+        _scrape(prom_port),
+        _tree_cpu_seconds(router.pid),
+        _cpu_seconds(shard.pid),
+        _cpu_seconds(proc.pid),
+    )
     wall = time.monotonic() - t0
     proc.wait(args.duration + 120)
     h = _parse_h2load(out.read_text())
@@ -509,10 +541,18 @@ def main() -> None:
         default="python",
         help="load client: Python grpc.aio processes, or h2load (C, apt-get install nghttp2-client)",
     )
+    p.add_argument(
+        "--frontends",
+        type=int,
+        default=0,
+        help="0: `tokenwire router` (one process); N: service.frontend, one scheduler process "
+        "and N streaming front-end processes",
+    )
     p.add_argument("--profile-router", help="write a cProfile of the router process here")
     args = p.parse_args()
     res = {"grpc": run_grpc, "engine": run_engine, "floor": run_floor}[args.mode](args)
-    print(f"mode={args.mode} streams={args.streams} clients={args.clients} "
+    print(f"mode={args.mode} client={args.client} frontends={args.frontends} "
+          f"streams={args.streams} clients={args.clients} "
           f"max_new_tokens={args.max_new_tokens} cpus={os.cpu_count()}")  # fmt: skip
     for k, v in res.items():
         print(f"  {k:32s} {v:12.3f}")

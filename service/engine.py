@@ -105,6 +105,7 @@ class _Stream:
         self.request = request
         self._events: deque[StepEvent] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._loop = engine._loop  # the engine's (submit runs on it): no lookup per wait
         self._error: EngineError | None = None
         self._closed = False  # no more events will come
         self.admitted_at = time.monotonic()
@@ -145,7 +146,10 @@ class _Stream:
                 raise err
             if self._closed:
                 raise StopAsyncIteration
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = self._loop
+            if loop is None:  # submitted before start()
+                loop = self._loop = asyncio.get_running_loop()
+            self._waiter = loop.create_future()
             await self._waiter
 
     def cancel(self) -> None:
@@ -157,6 +161,49 @@ class _Stream:
 
     async def aclose(self) -> None:
         self.cancel()
+
+
+class EventSink(Protocol):
+    """Receives the events of many requests (an out-of-process front end, service.frontend):
+    `add` for each event during a step, `flush` once at the end of every step that added any
+    (one batched message per front end per step instead of one wakeup per request), `fail` for
+    a request's failure (at any time)."""
+
+    rows: list[object]
+
+    def add(self, key: int, event: StepEvent) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def fail(self, key: int, error: EngineError) -> None: ...
+
+
+class _SinkStream(_Stream):
+    """A request whose events go to an EventSink instead of a reader."""
+
+    __slots__ = ("key", "sink")
+
+    def __init__(
+        self, engine: GenerationEngine, seq_id: int, request: ValidatedRequest, sink: EventSink,
+        key: int,
+    ) -> None:  # fmt: skip
+        super().__init__(engine, seq_id, request)
+        self.sink = sink
+        self.key = key
+
+    def push(self, event: StepEvent) -> None:
+        sink = self.sink
+        if not sink.rows:
+            self._engine._dirty_sinks.append(sink)
+        sink.add(self.key, event)
+        if event.finished is not None:
+            self._closed = True
+
+    def fail(self, error: EngineError) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.sink.fail(self.key, error)
 
 
 class GenerationEngine:
@@ -183,8 +230,10 @@ class GenerationEngine:
         self._arrivals = itertools.count()
         self._batch_ids = itertools.count(1)
         self._cancelled: list[tuple[int, EngineError | None]] = []
+        self._dirty_sinks: list[EventSink] = []
         self._deadlines: list[tuple[float, int]] = []  # heap
         self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -201,7 +250,8 @@ class GenerationEngine:
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+            self._loop = asyncio.get_running_loop()
+            self._task = self._loop.create_task(self._run(), name="engine-loop")
 
     async def stop(self) -> None:
         """Stops the loop; remaining requests fail with DrainingError."""
@@ -229,6 +279,14 @@ class GenerationEngine:
 
     # --- Engine API ---------------------------------------------------------------------------
     def submit(self, request: ValidatedRequest) -> _Stream:
+        return self._submit(request, None, 0)
+
+    def submit_to(self, request: ValidatedRequest, sink: EventSink, key: int) -> _Stream:
+        """Like submit, but the request's events go to `sink` under `key` (batched per step);
+        `cancel()` on the returned stream still removes it."""
+        return self._submit(request, sink, key)
+
+    def _submit(self, request: ValidatedRequest, sink: EventSink | None, key: int) -> _Stream:
         if not self.healthy:
             raise ShardUnavailableError(f"shard unavailable: {self.unhealthy_reason}")
         if self.draining:
@@ -245,7 +303,11 @@ class GenerationEngine:
                 f"{self._capacity_tokens} tokens"
             )
         seq_id = next(self._ids)
-        stream = _Stream(self, seq_id, request)
+        stream = (
+            _Stream(self, seq_id, request)
+            if sink is None
+            else _SinkStream(self, seq_id, request, sink, key)
+        )
         self.scheduler.add(
             Sequence(
                 seq_id=seq_id,
@@ -403,6 +465,10 @@ class GenerationEngine:
                 prefix_cache_hit_tokens=hits.get(gen.seq_id, 0),
             )
             stream.push(StepEvent(gen.token, gen.top_tokens, gen.prefill, finished_ev))
+        if self._dirty_sinks:
+            dirty, self._dirty_sinks = self._dirty_sinks, []
+            for sink in dirty:
+                sink.flush()
         if not streams:
             self._idle.set()
         self.sched_cpu_s += t_sched
