@@ -40,6 +40,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
+def _add_rms_norm_kernel(d_ptr, x_ptr, w_ptr, out_ptr, res_ptr, stride_d, stride_x, n_cols, eps,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    # torch form: x = x + d in the model dtype, then RMSNorm of the rounded sum
+    s = (x + d).to(res_ptr.dtype.element_ty)
+    tl.store(res_ptr + row * n_cols + offs, s, mask=mask)
+    s = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(s * s, 0) / n_cols + eps)
+    y = (s * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + offs, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(
+    delta: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + delta), x + delta) for [num_tokens, hidden]: the residual add fused into the
+    next norm (one kernel instead of two)."""
+    n, h = x.shape
+    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    res = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out, res
+    assert x.stride(1) == 1 and delta.stride(1) == 1
+    block = triton.next_power_of_2(h)
+    _add_rms_norm_kernel[(n,)](delta, x, weight, out, res, delta.stride(0), x.stride(0), h, eps,
+                               BLOCK=block, num_warps=8 if block >= 4096 else 4)
+    return out, res
+
+
+@triton.jit
 def _rope_heads(src, dst, tok, st_t, st_h, c, s, NH: tl.constexpr, HALF: tl.constexpr,
                 HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
     offs_h = tl.arange(0, HEADS_PAD)

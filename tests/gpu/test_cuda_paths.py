@@ -148,6 +148,12 @@ def test_fused_ops_match_torch_forms():
     xf = x.float()
     ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
     assert rel(triton_ops.rms_norm(x, w, 1e-5), ref) < 1e-2
+    d = torch.randn_like(x)
+    h, r = triton_ops.add_rms_norm(d, x, w, 1e-5)
+    sf = (x + d).float()
+    assert torch.equal(r, x + d)
+    ref = w * (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+    assert rel(h, ref) < 1e-2
 
     rot = RotaryEmbedding(128, 4096, {"rope_theta": 500000.0, "rope_type": "default"},
                           torch.device("cuda"))
