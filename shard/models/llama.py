@@ -130,6 +130,21 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, x, delta, positions, cache, meta):
+        """CUDA: the same layer with each residual add fused into the following norm. The
+        residual stream is x + delta (delta None before the first layer); returns the new
+        (x, delta) pair, the MLP output still to be added."""
+        from shard.triton_ops import add_rms_norm
+
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        if delta is None:
+            h = n1(x)
+        else:
+            h, x = add_rms_norm(delta, x, n1.weight, n1.eps)
+        a = self.self_attn(h, positions, cache, meta)
+        h, x = add_rms_norm(a, x, n2.weight, n2.eps)
+        return x, self.mlp(h)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, ctx: LoadContext, sliding_window: int | None):
@@ -215,6 +230,15 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [num_logits]
     ) -> torch.Tensor:  # [num_logits, vocab] float32
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        if x.is_cuda:  # residual adds fused into the norms (two fewer kernels per layer)
+            from shard.triton_ops import add_rms_norm
+
+            delta = None
+            for layer, cache in zip(self.model.layers, kv_cache):
+                x, delta = layer.forward_fused(x, delta, positions, cache, meta)
+            norm = self.model.norm
+            h, _ = add_rms_norm(delta[logits_indices], x[logits_indices], norm.weight, norm.eps)
+            return self.lm_head(h)
         for layer, cache in zip(self.model.layers, kv_cache):
             x = layer(x, positions, cache, meta)
         x = self.model.norm(x[logits_indices])  # [num_logits, hidden]
