@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--requests", type=int, default=1000, help="end-to-end requests")
     a("--clients", type=int, default=4, help="load-client processes")
     a("--e2e-timeout", type=float, default=300.0)
-    a("--e2e-max-batch-size", type=int, default=256,
+    a("--e2e-max-batch-size", type=int, default=512,
       help="router --max-batch-size for the end-to-end run (decode graphs cover up to 512)")
     a("--commit", default=None, help="commit to record (default: git rev-parse)")
     a("--port", type=int, default=0, help="router port for e2e (0: a free one)")
