@@ -22,5 +22,6 @@ if [ "${E2E_BATCH2:-0}" != 0 ]; then
   cp /tmp/e2e2/results.json $OUT/e2e_batch$E2E_BATCH2.json; grep -A3 "End to end" /tmp/e2e2/RESULTS.md
 fi
 if [ "${RUN_PROFILE:-0}" != 0 ]; then
-  python3 benchmarks/engine_profile.py /tmp/twb/llama3-8b-shape-32l --out $OUT > /tmp/engine_profile.log 2>&1; head -30 $OUT/engine_profile.txt
+  python3 benchmarks/engine_profile.py /tmp/twb/llama3-8b-shape-32l --out $OUT > /tmp/engine_profile.log 2>&1; head -8 $OUT/engine_profile.txt
+  python3 benchmarks/decode_profile.py /tmp/twb/llama3-8b-shape-32l --batches 1,64,256 --out $OUT 2>&1 | grep -v -i warn | tail -36
 fi
