@@ -314,6 +314,7 @@ def _grpc_h2load(args, target, prom_port, router, shard, tmp) -> dict[str, float
         _cpu_seconds(shard.pid),
         _cpu_seconds(proc.pid),
     )
+    root0 = _cpu_seconds(router.pid)
     t0 = time.monotonic()
     time.sleep(args.duration - 0.6)
     m1, r1, s1, c1 = (
@@ -322,6 +323,7 @@ def _grpc_h2load(args, target, prom_port, router, shard, tmp) -> dict[str, float
         _cpu_seconds(shard.pid),
         _cpu_seconds(proc.pid),
     )
+    root1 = _cpu_seconds(router.pid)
     wall = time.monotonic() - t0
     proc.wait(args.duration + 120)
     h = _parse_h2load(out.read_text())
@@ -329,6 +331,9 @@ def _grpc_h2load(args, target, prom_port, router, shard, tmp) -> dict[str, float
     # (the fake shard always generates max_new_tokens; checked by the sample stream above).
     tokens_in_window = h["done"] * args.max_new_tokens / args.duration * wall
     res = _report(args, m0, m1, wall, tokens_in_window, r1 - r0, s1 - s0, c1 - c0, 0)  # fmt: skip
+    if args.frontends:  # the scheduler process alone (the rest is the front ends)
+        res["scheduler_process_cpu_us_per_token"] = 1e6 * (root1 - root0) / max(tokens_in_window, 1)
+        res["scheduler_process_cpu_cores"] = (root1 - root0) / wall
     res["h2load_requests_done"] = h["done"]
     res["h2load_requests_non2xx"] = h["done"] - h["succeeded"]
     # Cross-check over h2load's whole run (warm-up and ramp included, so a little lower).

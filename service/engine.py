@@ -22,7 +22,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -231,6 +231,9 @@ class GenerationEngine:
         self._batch_ids = itertools.count(1)
         self._cancelled: list[tuple[int, EngineError | None]] = []
         self._dirty_sinks: list[EventSink] = []
+        # Awaited before each step when set: lets out-of-process front ends pace the engine
+        # (service.frontend), so that an instant shard cannot run far ahead of the streams.
+        self.step_gate: Callable[[], Awaitable[None]] | None = None
         self._deadlines: list[tuple[float, int]] = []  # heap
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -357,6 +360,8 @@ class GenerationEngine:
         sched = self.scheduler
         try:
             while True:
+                if self.step_gate is not None:
+                    await self.step_gate()
                 self._apply_cancellations()
                 if not sched.has_work():
                     self._wake.clear()

@@ -54,11 +54,25 @@ from service.engine_api import (
 _log = logging.getLogger("tokenwire.frontend")
 _HEADER = struct.Struct("!I")
 _STATS_PERIOD_S = 0.25
+# Step frames a front end may have unacknowledged before the engine waits for it: the engine
+# works on step n+1 while the front ends stream step n, but never runs further ahead (with an
+# instant shard it would otherwise finish requests long before their tokens are streamed, and
+# spend the CPU the front ends need on ever smaller batches).
+_FRAMES_IN_FLIGHT = 2
+# A front end acknowledges a step frame once its streams have at most this many steps' worth
+# of events queued. More lets each stream write several queued tokens per wakeup (cheaper per
+# token), at the cost of the engine's batch (requests finish in the engine before their tokens
+# are all written) and of latency.
+_BACKLOG_STEPS = float(os.environ.get("TOKENWIRE_FRONTEND_BACKLOG_STEPS", "1"))
+_GATE_TIMEOUT_S = 1.0  # a stuck front end does not stall the others for longer than this
 
 
 def _frame(message: object) -> bytes:
     body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return _HEADER.pack(len(body)) + body
+
+
+_ACK = _frame(("ack",))
 
 
 async def _read(reader: asyncio.StreamReader) -> Any:
@@ -83,6 +97,8 @@ class _FrontEndConnection:
         self.writer = writer
         self.rows: list[object] = []
         self.streams: dict[int, Any] = {}
+        self.unacked = 0  # step frames sent and not yet acknowledged
+        self.acked = asyncio.Event()
 
     # EventSink
     def add(self, key: int, event: StepEvent) -> None:
@@ -97,6 +113,7 @@ class _FrontEndConnection:
 
     def flush(self) -> None:
         rows, self.rows = self.rows, []
+        self.unacked += 1
         self.send(("ev", rows))
 
     def fail(self, key: int, error: EngineError) -> None:
@@ -119,6 +136,9 @@ class _FrontEndConnection:
                         self.streams[key] = engine.submit_to(request, self, key)
                     except EngineError as error:
                         self.send(("fail", key, error))
+                elif kind == "ack":
+                    self.unacked -= 1
+                    self.acked.set()
                 elif kind == "cancel":
                     stream = self.streams.pop(msg[1], None)
                     if stream is not None:
@@ -128,6 +148,8 @@ class _FrontEndConnection:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:  # the front end went away: its requests free their blocks
+            self.unacked = 0
+            self.acked.set()
             for stream in self.streams.values():
                 stream.cancel()
             self.streams.clear()
@@ -180,6 +202,17 @@ async def _scheduler_main(args: argparse.Namespace, extra: list[str]) -> int:
         ),
         on_unhealthy=unhealthy,
     )
+
+    async def gate() -> None:
+        for c in conns:
+            while c.unacked >= _FRAMES_IN_FLIGHT:
+                c.acked.clear()
+                try:
+                    await asyncio.wait_for(c.acked.wait(), _GATE_TIMEOUT_S)
+                except TimeoutError:
+                    break
+
+    engine.step_gate = gate
     await engine.start()
     hello = (warm, shard, limits)
 
@@ -294,6 +327,10 @@ class _RemoteStream:
         while True:
             if self._events:
                 event = self._events.popleft()
+                engine = self._engine
+                engine._pending -= 1
+                if engine._ack_owed and engine._pending <= engine._ack_below:
+                    engine._ack()
                 if event.finished is not None:
                     self._closed = True
                 return event
@@ -306,6 +343,9 @@ class _RemoteStream:
             await self._waiter
 
     def cancel(self) -> None:
+        if self._events:  # never read now
+            self._engine._pending -= len(self._events)
+            self._events.clear()
         if not self._closed:
             self._closed = True
             self._engine._cancel(self.key)
@@ -332,6 +372,9 @@ class RemoteEngine:
         self.unhealthy_reason: str | None = None
         self.draining = False
         self.on_unhealthy: Any = None
+        self._pending = 0  # events received and not yet read by their stream
+        self._ack_owed = 0  # step frames to acknowledge once _pending <= _ack_below
+        self._ack_below = 0
 
     async def hello(self) -> tuple[Any, Any, Any]:
         self._writer.write(_frame(("hello",)))
@@ -358,6 +401,12 @@ class RemoteEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def _ack(self) -> None:
+        if self._ack_owed:
+            self._ack_owed -= 1
+        if not self._writer.is_closing():
+            self._writer.write(_ACK)
+
     def _cancel(self, key: int) -> None:
         if self._streams.pop(key, None) is not None:
             self._writer.write(_frame(("cancel", key)))
@@ -371,10 +420,12 @@ class RemoteEngine:
                 msg = await _read(self._reader)
                 kind = msg[0]
                 if kind == "ev":
+                    rows = 0
                     for key, tid, text, logprob, special, extra in msg[1]:
                         stream = streams.get(key)
                         if stream is None:
                             continue
+                        rows += 1
                         token = TokenInfo(tid, text, logprob, special)
                         if extra is None:
                             stream.push(StepEvent(token))
@@ -384,6 +435,15 @@ class RemoteEngine:
                                 del streams[key]
                     if not streams:
                         self._idle.set()
+                    # Acknowledged once the events queued here are down to about one step's
+                    # worth (the streams consume them as gRPC takes their messages): the
+                    # engine runs at the pace the streams are written.
+                    self._pending += rows
+                    self._ack_below = threshold = int(rows * _BACKLOG_STEPS)
+                    if self._pending <= threshold:
+                        self._loop.call_soon(self._ack)
+                    else:
+                        self._ack_owed += 1
                 elif kind == "fail":
                     stream = streams.pop(msg[1], None)
                     if stream is not None:
