@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shard.attention import triton_decode, triton_prefill  # noqa: E402
+from shard.attention import triton_decode, triton_prefill
 
 DEV = "cuda"
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -179,9 +179,11 @@ def time_decode(rows, gen, batch, ctx=1024, page=16, h=32, kvh=8, hd=128, sweep=
                     configs.append((s, bn, nw, st))
     best = None
     for s, bn, nw, st in configs:
-        fn = lambda: triton_decode.paged_decode_attention(  # noqa: E731
-            q, kc, vc, table, seq_lens, hd**-0.5, None, s, out=out, block_n=bn, num_warps=nw,
-            num_stages=st)
+        def fn(s=s, bn=bn, nw=nw, st=st):
+            return triton_decode.paged_decode_attention(
+                q, kc, vc, table, seq_lens, hd**-0.5, None, s, out=out, block_n=bn,
+                num_warps=nw, num_stages=st)
+
         ms = bench_ms(fn)
         row = {"bench": "decode", "batch": batch, "ctx": ctx, "splits": s, "block_n": bn,
                "warps": nw, "stages": st, "us": ms * 1e3, "GBps": kv_bytes / ms / 1e6}
@@ -203,9 +205,12 @@ def time_prefill(rows, gen, nseq, qlen, page=16, h=32, kvh=8, hd=128):
     flops = 4 * nseq * (qlen * qlen / 2) * hd * h  # causal: half the score matrix
     res = {}
     for bm, bn, nw, st in [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]:
-        ms = bench_ms(lambda: triton_prefill.paged_prefill_attention(  # noqa: E731
-            q, kc, vc, table, qsl, seq_lens, qlen, hd**-0.5, None, out=out, block_m=bm,
-            block_n=bn, num_warps=nw, num_stages=st))
+        def fn(bm=bm, bn=bn, nw=nw, st=st):
+            return triton_prefill.paged_prefill_attention(
+                q, kc, vc, table, qsl, seq_lens, qlen, hd**-0.5, None, out=out, block_m=bm,
+                block_n=bn, num_warps=nw, num_stages=st)
+
+        ms = bench_ms(fn)
         rows.append({"bench": "prefill_triton", "nseq": nseq, "qlen": qlen, "cfg": [bm, bn, nw, st],
                      "ms": ms, "TFLOPs": flops / ms / 1e9})
         res.setdefault("triton", ms)
@@ -215,7 +220,7 @@ def time_prefill(rows, gen, nseq, qlen, page=16, h=32, kvh=8, hd=128):
     ks = torch.randn(nseq, kvh, qlen, hd, device=DEV, dtype=torch.bfloat16)
     vs = torch.randn_like(ks)
     try:
-        ms = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        ms = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
             qs, ks, vs, is_causal=True, enable_gqa=True))
         rows.append({"bench": "prefill_sdpa", "nseq": nseq, "qlen": qlen, "ms": ms,
                      "TFLOPs": flops / ms / 1e9})
@@ -227,7 +232,7 @@ def time_prefill(rows, gen, nseq, qlen, page=16, h=32, kvh=8, hd=128):
 
         kf = torch.randn(nseq * qlen, h, hd, device=DEV, dtype=torch.bfloat16)
         vf = torch.randn_like(kf)
-        ms = bench_ms(lambda: varlen_attn(q, kf, vf, qsl, qsl, qlen, qlen, is_causal=True))  # noqa: E731
+        ms = bench_ms(lambda: varlen_attn(q, kf, vf, qsl, qsl, qlen, qlen, is_causal=True))
         rows.append({"bench": "prefill_varlen", "nseq": nseq, "qlen": qlen, "ms": ms,
                      "TFLOPs": flops / ms / 1e9})
         res["varlen"] = ms

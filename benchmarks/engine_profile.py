@@ -35,7 +35,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from shard.distributed import Dist
-    from shard.domain import BatchSpec, CachedBatchRef, RequestSpec, WarmupSpec
+    from shard.domain import BatchSpec, RequestSpec, WarmupSpec
     from shard.loader import Shard, ShardConfig
 
     shard = Shard(ShardConfig(model_id=str(args.model_dir), dtype=args.dtype, device=args.device),

@@ -31,17 +31,17 @@ import sys
 import time
 from pathlib import Path
 
-LLAMA3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    rope_theta=500000.0,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-)
+LLAMA3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+}
 BOS_ID, EOS_ID = 128000, 128001
 EOS_IDS = (128001, 128008, 128009)
 
@@ -216,13 +216,13 @@ def measure_ceilings() -> dict:
     y = torch.empty_like(x)
     ms = cuda_time_ms(lambda: y.copy_(x), iters=20)
     copy_bw = 2 * n * 2 / (ms / 1e3)
-    del x, y
+    x = y = None  # free before the matmul buffers
     m = 8192
     a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
     ms_mm = cuda_time_ms(lambda: a @ b, iters=20)
     rate = 2 * m**3 / (ms_mm / 1e3)
-    del a, b
+    a = b = None
     torch.cuda.empty_cache()
     return {"copy_bytes_per_s": copy_bw, "bf16_flops_per_s": rate}
 
@@ -316,13 +316,18 @@ def bench_model(model_dir: Path, args, ceilings: dict, parts: set[str]) -> dict:
         for b in batches:
             step = decode_step(b, ctx, bs)
             dev = runner.prepare(step)
-            eager = cuda_time_ms(lambda: runner.forward(dev.input_ids, dev.positions, dev.meta,
-                                                        dev.logits_indices), iters=10)
+
+            def eager_step(dev=dev):
+                return runner.forward(dev.input_ids, dev.positions, dev.meta, dev.logits_indices)
+
+            def graph_step(step=step):
+                return graphs.run(step.token_ids, step.positions, step.seq_lens, step.block_tables)
+
+            eager = cuda_time_ms(eager_step, iters=10)
             g = graphs.graphs[graphs.bucket(b)]
             # The wall timing fills the graph's static inputs with this step; only then may the
             # bare replay be timed (replaying stale inputs would time a different step).
-            full = wall_time_ms(lambda: graphs.run(step.token_ids, step.positions, step.seq_lens,
-                                                   step.block_tables), iters=30)
+            full = wall_time_ms(graph_step, iters=30)
             replay = cuda_time_ms(g.replay, iters=30)
             # Graph vs eager logits: the same computation.
             ref = runner.forward(dev.input_ids, dev.positions, dev.meta, dev.logits_indices)
@@ -347,8 +352,11 @@ def bench_model(model_dir: Path, args, ceilings: dict, parts: set[str]) -> dict:
         for n, length in ((1, 4096), (16, 512)):
             step = prefill_step(n, length, bs)
             dev = runner.prepare(step)
-            ms = cuda_time_ms(lambda: runner.forward(dev.input_ids, dev.positions, dev.meta,
-                                                     dev.logits_indices), iters=5, warmup=2)
+
+            def prefill_fwd(dev=dev):
+                return runner.forward(dev.input_ids, dev.positions, dev.meta, dev.logits_indices)
+
+            ms = cuda_time_ms(prefill_fwd, iters=5, warmup=2)
             tokens = n * length
             flops = (2 * mb["matmul_params_per_token"] * tokens + 2 * mb["lm_head_params"] * n
                      + 4 * n * (length * length / 2) * mb["head_dim"] * mb["heads"] * mb["layers"])
@@ -360,7 +368,7 @@ def bench_model(model_dir: Path, args, ceilings: dict, parts: set[str]) -> dict:
             print(f"prefill {n}x{length}: {ms:.1f} ms, {tokens / ms * 1e3:.0f} tok/s, "
                   f"roofline {roof_ms:.1f} ms -> {roof_ms / ms * 100:.0f}%", flush=True)
     runner.kv_cache = None
-    del shard, runner
+    shard = runner = None
     gc.collect()
     torch.cuda.empty_cache()
     return out
@@ -389,7 +397,6 @@ def _client_proc(port: int, jobs: list[tuple[int, int, int]], start_at: float, q
     import random
 
     import grpc
-
     from tokenwire.v1 import generate_pb2, generate_pb2_grpc
 
     async def one(stub, idx: int, n_in: int, n_out: int):
@@ -436,7 +443,6 @@ def _free_port() -> int:
 
 def _wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     import grpc
-
     from tokenwire.v1 import generate_pb2, generate_pb2_grpc
 
     deadline = time.time() + timeout
@@ -536,8 +542,8 @@ def bench_hf(model_dir: Path) -> dict:
     out = {}
     for batch, n_in, n_out in ((1, 128, 128), (64, 512, 128)):
         ids = torch.randint(0, BOS_ID, (batch, n_in), device="cuda")
-        kw = dict(max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False,
-                  pad_token_id=EOS_ID, attention_mask=torch.ones_like(ids))
+        kw = {"max_new_tokens": n_out, "min_new_tokens": n_out, "do_sample": False,
+                  "pad_token_id": EOS_ID, "attention_mask": torch.ones_like(ids)}
         model.generate(ids, **dict(kw, max_new_tokens=4, min_new_tokens=4))  # warm-up
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -631,7 +637,7 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     res: dict = {
         "device": torch.cuda.get_device_name(), "date": datetime.datetime.now(
-            datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": _commit(args), "torch": torch.__version__, "triton": triton.__version__,
         "host": platform.node(), "num_layers": args.num_layers, "errors": {},
         "quantize": args.quantize, "kv_cache_dtype": args.kv_cache_dtype,
