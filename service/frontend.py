@@ -63,7 +63,7 @@ _FRAMES_IN_FLIGHT = 2
 # of events queued. More lets each stream write several queued tokens per wakeup (cheaper per
 # token), at the cost of the engine's batch (requests finish in the engine before their tokens
 # are all written) and of latency.
-_BACKLOG_STEPS = float(os.environ.get("TOKENWIRE_FRONTEND_BACKLOG_STEPS", "1"))
+_BACKLOG_STEPS = float(os.environ.get("TOKENWIRE_FRONTEND_BACKLOG_STEPS", "8"))
 _GATE_TIMEOUT_S = 1.0  # a stuck front end does not stall the others for longer than this
 
 
