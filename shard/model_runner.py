@@ -116,6 +116,19 @@ class ModelRunner:
         self.graphs = graphs
         return seconds
 
+    def execute_calibrating(self, step: StepInputs) -> torch.Tensor:
+        """Runs a step eagerly; a model with an fp8 KV cache records each layer's K/V range on
+        the way and sets its cache scales from it (warmup's worst-case prefill)."""
+        begin = getattr(self.model, "begin_kv_calibration", None)
+        calibrating = bool(begin and begin())
+        try:
+            d = self.prepare(step)
+            out = self.forward(d.input_ids, d.positions, d.meta, d.logits_indices)
+        finally:
+            if calibrating:
+                self.model.finish_kv_calibration()
+        return out
+
     def execute(self, step: StepInputs) -> torch.Tensor:
         g = self.graphs
         if (

@@ -16,16 +16,19 @@ from shard.model_runner import ModelRunner, StepInputs
 CUDA_GRAPH_MAX_BATCH = 512  # larger decode batches run eagerly
 
 
-def worst_case_prefill(spec: WarmupSpec, block_size: int) -> StepInputs:
+def worst_case_prefill(spec: WarmupSpec, block_size: int, vocab_size: int = 1) -> StepInputs:
     """max_batch_prefill_tokens tokens split into prompts of at most max_input_tokens (at most
-    max_batch_size of them), laid out on consecutive blocks starting at 0."""
+    max_batch_size of them), laid out on consecutive blocks starting at 0. Token ids are spread
+    over the vocabulary (a fixed stride), so that the K/V ranges an fp8 cache calibrates on come
+    from varied text rather than one repeated token."""
     step = StepInputs([], [], [], [], [], [])
     left, next_block = spec.max_batch_prefill_tokens, 0
     while left > 0 and len(step.seq_lens) < max(spec.max_batch_size, 1):
         n = min(left, spec.max_input_tokens)
         blocks = list(range(next_block, next_block + math.ceil(n / block_size)))
         next_block += len(blocks)
-        step.token_ids.extend([0] * n)
+        first = len(step.token_ids)
+        step.token_ids.extend((7919 * (first + j) + 13) % vocab_size for j in range(n))
         step.positions.extend(range(n))
         step.query_lens.append(n)
         step.seq_lens.append(n)
@@ -59,7 +62,7 @@ def run_warmup(
         )
     if spec.max_batch_prefill_tokens < spec.max_input_tokens:
         raise FailedPreconditionError("--max-batch-prefill-tokens must be >= --max-input-tokens")
-    step = worst_case_prefill(spec, bs)
+    step = worst_case_prefill(spec, bs, getattr(runner.model, "vocab_size", 1))
     device = runner.device
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -67,7 +70,7 @@ def run_warmup(
     base_alloc = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     try:
         runner.allocate_kv_cache(sum(len(t) for t in step.block_tables) + 1)
-        runner.execute(step)
+        runner.execute_calibrating(step)  # fp8 KV caches: per-head scales from this prefill
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except torch.OutOfMemoryError as exc:

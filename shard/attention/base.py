@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from shard.quantization.kv_cache import KvScales
+
 
 @dataclass
 class AttentionMetadata:
@@ -58,6 +60,7 @@ class AttentionBackend(Protocol):
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # [num_tokens] int64
+        kv_scales: KvScales | None = None,  # fp8 caches: stored = x / scale (per KV head)
     ) -> None: ...
 
     def attend(
@@ -68,5 +71,6 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,  # attend to at most this many most recent positions
+        kv_scales: KvScales | None = None,  # fp8 caches: read value = stored * scale
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

@@ -18,6 +18,22 @@ import importlib.util
 import torch
 
 from shard.attention.base import AttentionMetadata
+from shard.quantization.kv_cache import KvScales
+
+
+def _scale_tensors(
+    kv_scales: KvScales | None, num_kv_heads: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Per-KV-head scale tensors for the kernels (floats broadcast; None: no scales)."""
+    if kv_scales is None:
+        return None, None
+
+    def tensor(x: float | torch.Tensor) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            return x
+        return torch.full((num_kv_heads,), float(x), dtype=torch.float32, device=device)
+
+    return tensor(kv_scales.k_scale), tensor(kv_scales.v_scale)
 
 
 def flash_attn_available() -> bool:
@@ -47,8 +63,12 @@ class CudaAttentionBackend:
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens] int64
+        kv_scales: KvScales | None = None,  # fp8 caches: stored = x / scale per KV head
     ) -> None:
-        self._decode.store_kv(key, value, key_cache, value_cache, slot_mapping)
+        k_scale, v_scale = (None, None)
+        if key_cache.element_size() == 1:
+            k_scale, v_scale = _scale_tensors(kv_scales, key_cache.shape[2], key.device)
+        self._decode.store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
     def num_decode_splits(self, num_seqs: int, num_kv_heads: int) -> int:
         return self._decode.default_num_splits(num_seqs, num_kv_heads, self._num_sms)
@@ -61,7 +81,11 @@ class CudaAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        kv_scales: KvScales | None = None,  # fp8 caches: read value = stored * scale
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        k_scale, v_scale = (None, None)
+        if key_cache.element_size() == 1:
+            k_scale, v_scale = _scale_tensors(kv_scales, key_cache.shape[2], query.device)
         if meta.is_decode_only and query.shape[0] == meta.seq_lens.shape[0]:
             return self._decode.paged_decode_attention(
                 query,
@@ -72,8 +96,10 @@ class CudaAttentionBackend:
                 scale,
                 sliding_window,
                 num_splits=self.num_decode_splits(query.shape[0], key_cache.shape[2]),
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
-        if self._flash and key_cache.shape[1] % 256 == 0:
+        if self._flash and key_cache.shape[1] % 256 == 0 and k_scale is None:
             return self._flash_prefill(query, key_cache, value_cache, meta, scale, sliding_window)
         return self._prefill.paged_prefill_attention(
             query,
@@ -85,6 +111,8 @@ class CudaAttentionBackend:
             meta.max_query_len,
             scale,
             sliding_window,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     def _flash_prefill(

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from shard.attention.base import AttentionMetadata
-from shard.quantization.kv_cache import is_fp8_cache, write_kv
+from shard.quantization.kv_cache import KvScales, dequantize_kv, is_fp8_cache, write_kv
 
 
 class TorchAttentionBackend:
@@ -23,9 +23,10 @@ class TorchAttentionBackend:
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens] int64
+        kv_scales: KvScales | None = None,  # fp8 caches: per-KV-head scales
     ) -> None:
-        if is_fp8_cache(key_cache):  # --kv-cache-dtype fp8: saturating cast, scale 1
-            write_kv(key, value, key_cache, value_cache, slot_mapping)
+        if is_fp8_cache(key_cache):  # --kv-cache-dtype fp8: x / scale, saturating
+            write_kv(key, value, key_cache, value_cache, slot_mapping, kv_scales)
             return
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
@@ -39,7 +40,10 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        kv_scales: KvScales | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        fp8 = is_fp8_cache(key_cache)
+        s = kv_scales or KvScales()
         block_size = key_cache.shape[1]
         num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
         group = num_heads // num_kv_heads
@@ -50,8 +54,12 @@ class TorchAttentionBackend:
             num_blocks = -(-seq_len // block_size)
             blocks = meta.block_tables[i, :num_blocks].long()
             # [seq_len, num_kv_heads, head_dim]: the sequence's context, gathered from its blocks
-            k = key_cache[blocks].flatten(0, 1)[:seq_len].to(q.dtype)  # fp8 caches: upcast
-            v = value_cache[blocks].flatten(0, 1)[:seq_len].to(q.dtype)
+            k = key_cache[blocks].flatten(0, 1)[:seq_len]
+            v = value_cache[blocks].flatten(0, 1)[:seq_len]
+            if fp8:  # stored * per-head scale
+                k, v = dequantize_kv(k, s.k_scale, q.dtype), dequantize_kv(v, s.v_scale, q.dtype)
+            else:
+                k, v = k.to(q.dtype), v.to(q.dtype)
             if group > 1:
                 k = k.repeat_interleave(group, dim=1)
                 v = v.repeat_interleave(group, dim=1)

@@ -31,11 +31,14 @@ def _store_kv_kernel(
     key_cache_ptr,  # [num_slots, num_kv_heads * head_dim]
     value_cache_ptr,
     slot_ptr,  # [num_tokens] int64; negative = padding, skipped
+    k_scale_ptr,  # [num_kv_heads] fp32 (fp8 caches only)
+    v_scale_ptr,
     stride_k_tok,
     stride_v_tok,
     ROW: tl.constexpr,  # num_kv_heads * head_dim
+    HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
-    FP8_MAX: tl.constexpr,  # > 0: the cache is fp8, saturate to +-FP8_MAX (scale 1)
+    FP8_MAX: tl.constexpr,  # > 0: the cache is fp8, store x / scale saturated to +-FP8_MAX
 ):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -46,8 +49,11 @@ def _store_kv_kernel(
     k = tl.load(key_ptr + tok.to(tl.int64) * stride_k_tok + offs, mask=mask)
     v = tl.load(value_ptr + tok.to(tl.int64) * stride_v_tok + offs, mask=mask)
     if FP8_MAX > 0:
-        k = tl.clamp(k.to(tl.float32), -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v.to(tl.float32), -FP8_MAX, FP8_MAX)
+        head = offs // HEAD_DIM
+        ks = tl.load(k_scale_ptr + head, mask=mask, other=1.0)
+        vs = tl.load(v_scale_ptr + head, mask=mask, other=1.0)
+        k = tl.clamp(k.to(tl.float32) / ks, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / vs, -FP8_MAX, FP8_MAX)
     tl.store(key_cache_ptr + slot * ROW + offs, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + slot * ROW + offs, v.to(value_cache_ptr.dtype.element_ty),
              mask=mask)
@@ -59,8 +65,11 @@ def store_kv(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 for padding tokens
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32; fp8 caches (None: 1.0)
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Writes each token's K/V row into its cache slot (slots < 0 are skipped: graph padding)."""
+    """Writes each token's K/V row into its cache slot (slots < 0 are skipped: graph padding);
+    fp8 caches store x / scale per KV head."""
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
@@ -71,17 +80,25 @@ def store_kv(
     assert key_cache.is_contiguous() and value_cache.is_contiguous()
     block = min(triton.next_power_of_2(row), 1024)
     grid = (num_tokens, triton.cdiv(row, block))
+    fp8 = key_cache.element_size() == 1
+    if fp8 and (k_scale is None or v_scale is None):
+        ones = torch.ones(key.shape[1], dtype=torch.float32, device=key.device)
+        k_scale = ones if k_scale is None else k_scale
+        v_scale = ones if v_scale is None else v_scale
     _store_kv_kernel[grid](
         key2,
         value2,
         key_cache,
         value_cache,
         slot_mapping,
+        k_scale if fp8 else slot_mapping,  # unused pointers for model-dtype caches
+        v_scale if fp8 else slot_mapping,
         key2.stride(0),
         value2.stride(0),
         ROW=row,
+        HEAD_DIM=key.shape[2],
         BLOCK=block,
-        FP8_MAX=torch.finfo(key_cache.dtype).max if key_cache.element_size() == 1 else 0.0,
+        FP8_MAX=torch.finfo(key_cache.dtype).max if fp8 else 0.0,
         num_warps=4,
     )
 
@@ -95,6 +112,8 @@ def _decode_split_kernel(
     seq_lens_ptr,  # [num_seqs]
     out_ptr,  # final [num_seqs, num_heads, head_dim] (ONE_SPLIT) or partial fp32
     lse_ptr,  # [num_seqs, num_heads, num_splits] fp32 (unused when ONE_SPLIT)
+    k_scale_ptr,  # [num_kv_heads] fp32 (SCALED only)
+    v_scale_ptr,
     stride_q_seq,
     stride_q_head,
     stride_bt,
@@ -112,10 +131,18 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,  # cache block size (tokens)
     ONE_SPLIT: tl.constexpr,
+    SCALED: tl.constexpr,  # fp8 cache with per-KV-head scales
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # fp8: K = stored * k_scale, V = stored * v_scale for this program's KV head; both scales are
+    # folded in exactly (scores * k_scale, output * v_scale) instead of scaling every element.
+    qk_scale = sm_scale_log2
+    v_mul = 1.0
+    if SCALED:
+        qk_scale = sm_scale_log2 * tl.load(k_scale_ptr + kvh)
+        v_mul = tl.load(v_scale_ptr + kvh)
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = 0
     if window > 0:
@@ -150,10 +177,10 @@ def _decode_split_kernel(
         slot = page * PAGE + (pos % PAGE)
         kv_off = slot[:, None] * stride_slot + kv_head_off + offs_d[None, :]
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        # [BLOCK_N, BLOCK_D]; fp8 caches are upcast to the query dtype (scale 1)
+        # [BLOCK_N, BLOCK_D]; fp8 caches are upcast to the query dtype (exact: e4m3 c bf16/fp16)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * sm_scale_log2  # [GROUP_PAD, BLOCK_N], log2 domain
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 domain
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -169,6 +196,8 @@ def _decode_split_kernel(
         + split * stride_out_split
         + offs_d[None, :]
     )
+    if SCALED:
+        acc = acc * v_mul
     if ONE_SPLIT:
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         tl.store(
@@ -247,6 +276,8 @@ def paged_decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches with scales
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Attention of one new query token per sequence over its whole paged context."""
     num_seqs, num_heads, head_dim = query.shape
@@ -261,6 +292,7 @@ def paged_decode_attention(
         num_splits = default_num_splits(num_seqs, num_kv_heads, sms)
     block_d = triton.next_power_of_2(head_dim)
     one = num_splits == 1
+    scaled = k_scale is not None and v_scale is not None
     if one:
         part, lse = out, out  # lse unused
         s_seq, s_head, s_split = out.stride(0), out.stride(1), 0
@@ -280,6 +312,8 @@ def paged_decode_attention(
         seq_lens,
         part,
         lse,
+        k_scale if scaled else seq_lens,  # unused pointers when not SCALED
+        v_scale if scaled else seq_lens,
         query.stride(0),
         query.stride(1),
         block_tables.stride(0),
@@ -297,6 +331,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         PAGE=page,
         ONE_SPLIT=one,
+        SCALED=scaled,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -25,6 +25,8 @@ def _prefill_kernel(
     query_start_ptr,  # [num_seqs + 1]
     seq_lens_ptr,  # [num_seqs]
     out_ptr,  # [num_tokens, num_heads, head_dim]
+    k_scale_ptr,  # [num_kv_heads] fp32 (SCALED only)
+    v_scale_ptr,
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -39,6 +41,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
+    SCALED: tl.constexpr,  # fp8 cache with per-KV-head scales (folded: scores, output)
 ):
     seq = tl.program_id(0)
     tile_m = tl.program_id(1)
@@ -50,6 +53,11 @@ def _prefill_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len  # tokens already cached before this chunk
     kvh = head // GROUP
+    qk_scale = sm_scale_log2
+    v_mul = 1.0
+    if SCALED:
+        qk_scale = sm_scale_log2 * tl.load(k_scale_ptr + kvh)
+        v_mul = tl.load(v_scale_ptr + kvh)
 
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # index within the chunk
     offs_d = tl.arange(0, BLOCK_D)
@@ -83,7 +91,7 @@ def _prefill_kernel(
         kv_off = slot[:, None] * stride_slot + kv_head_off + offs_d[None, :]
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # fp8: upcast
-        s = tl.dot(q, tl.trans(k)) * sm_scale_log2  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N]
         allowed = (pos_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
         if window > 0:
             allowed = allowed & (pos_m[:, None] - pos_n[None, :] < window)
@@ -99,6 +107,8 @@ def _prefill_kernel(
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
+    if SCALED:
+        o = o * v_mul
     tl.store(
         out_ptr + tok[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
         o.to(out_ptr.dtype.element_ty),
@@ -122,6 +132,8 @@ def paged_prefill_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches with scales
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its cached context plus themselves."""
     num_tokens, num_heads, head_dim = query.shape
@@ -132,6 +144,7 @@ def paged_prefill_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_heads)
+    scaled = k_scale is not None and v_scale is not None
     _prefill_kernel[grid](
         query,
         key_cache,
@@ -140,6 +153,8 @@ def paged_prefill_attention(
         query_start_loc,
         seq_lens,
         out,
+        k_scale if scaled else seq_lens,  # unused pointers when not SCALED
+        v_scale if scaled else seq_lens,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -154,6 +169,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         PAGE=page,
+        SCALED=scaled,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -18,6 +18,7 @@ from shard.layers import (
 )
 from shard.models.base import LoadContext
 from shard.quantization import QuantizeMethod, kv_cache_torch_dtype
+from shard.quantization.kv_cache import FP8_MAXES, KvCalibration, KvScales, scales_from_amax
 from shard.quantization.loading import LinearQuantization
 from shard.rotary import RotaryEmbedding, rope_parameters
 from shard.weights import Weights
@@ -70,6 +71,13 @@ class LlamaAttention(nn.Module):
         self.sliding_window = sliding_window
         self.scale = self.head_dim**-0.5
         self.qkv_weight: torch.Tensor | None = None  # set by fuse_projections() on CUDA
+        # fp8 caches: per-KV-head scales at fixed device addresses (CUDA graphs read them), 1.0
+        # until warmup calibrates them; None for model-dtype caches.
+        self.kv_scales: KvScales | None = None
+        if kv_cache_torch_dtype(ctx.kv_cache_dtype, ctx.dtype) in FP8_MAXES:
+            ones = torch.ones(self.local_kv_heads, dtype=torch.float32, device=ctx.device)
+            self.kv_scales = KvScales(ones, ones.clone())
+        self.kv_calibration: KvCalibration | None = None  # set while warmup observes K/V
 
     def forward(
         self,
@@ -91,8 +99,12 @@ class LlamaAttention(nn.Module):
             v = self.v_proj(x).view(n, self.local_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         key_cache, value_cache = cache
-        self.attention.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-        o = self.attention.attend(q, key_cache, value_cache, meta, self.scale, self.sliding_window)
+        if self.kv_calibration is not None:
+            self.kv_calibration.observe(k, v)
+        self.attention.write_kv(k, v, key_cache, value_cache, meta.slot_mapping, self.kv_scales)
+        o = self.attention.attend(
+            q, key_cache, value_cache, meta, self.scale, self.sliding_window, self.kv_scales
+        )
         return self.o_proj(o.reshape(n, self.local_heads * self.head_dim))
 
 
@@ -180,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         self._kv_shape = (attn.local_kv_heads, attn.head_dim)
         self._dtype, self._device = ctx.dtype, ctx.device
-        # fp8 caches store K/V / 1.0 (per-layer scales of 1; see shard/quantization/kv_cache.py).
+        # fp8 caches store K/V / scale (per layer and KV head; shard/quantization/kv_cache.py).
         self._kv_dtype = kv_cache_torch_dtype(ctx.kv_cache_dtype, ctx.dtype)
         self.tie = cfg.get("tie_word_embeddings", False)
         quant = LinearQuantization.resolve(ctx.quantize, cfg)
@@ -204,6 +216,32 @@ class LlamaForCausalLM(nn.Module):
                 attn, mlp = layer.self_attn, layer.mlp
                 attn.qkv_weight = merge_rows(attn.q_proj, attn.k_proj, attn.v_proj)
                 mlp.gate_up_weight = merge_rows(mlp.gate_proj, mlp.up_proj)
+
+    def begin_kv_calibration(self) -> bool:
+        """fp8 caches: start recording max |K|, |V| per layer and KV head (warmup's prefill).
+        False (nothing to do) for model-dtype caches."""
+        layers = [layer.self_attn for layer in self.model.layers]
+        if layers[0].kv_scales is None:
+            return False
+        for attn in layers:
+            attn.kv_calibration = KvCalibration(attn.local_kv_heads, self._device)
+        return True
+
+    def finish_kv_calibration(self, headroom: float | None = None) -> list[KvScales]:
+        """Sets every layer's fp8 scales from what was observed (in place: captured graphs keep
+        their addresses); returns them."""
+        out = []
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            cal, scales = attn.kv_calibration, attn.kv_scales
+            if cal is None or scales is None:
+                continue
+            kw = {} if headroom is None else {"headroom": headroom}
+            scales.k_scale.copy_(scales_from_amax(cal.k_amax, self._kv_dtype, **kw))
+            scales.v_scale.copy_(scales_from_amax(cal.v_amax, self._kv_dtype, **kw))
+            attn.kv_calibration = None
+            out.append(scales)
+        return out
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         heads, head_dim = self._kv_shape

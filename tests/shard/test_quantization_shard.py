@@ -119,23 +119,36 @@ def test_fp8_kv_cache_matches_where_the_choice_is_clear(tiny_models, arch):
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
-def test_fp8_kv_cache_greedy_32_tokens(tiny_models):
+# The largest logit change an fp8 cache made in the teacher-forced check above on these models
+# (measured: 0.19-0.21 max |dlogit|, 4.3-4.6% rms, CPU float32, per-KV-head calibrated scales).
+FP8_KV_LOGIT_NOISE = 0.25
+
+
+def test_fp8_kv_cache_greedy_32_tokens(tiny_models, record_property):
     """Greedy output through the engine (batched prefill, decode, chunked prefill) with an fp8
-    cache: equal to the model-dtype cache up to the first near-tie. Reports how far it got."""
+    cache equals the model-dtype cache for 32 tokens, except where the dense run itself had a
+    near-tie: any divergence must be at a step whose dense top-2 margin is below the fp8 logit
+    noise (e4m3 keeps 3 mantissa bits: ~2.5% rms per element whatever the scale). The margins
+    at divergences are recorded (benchmarks/QUANT_TP.md lists them)."""
     model_dir = tiny_models["llama"]
     p = prompts(model_dir, [17, 5, 45])
-    dense = greedy_outputs(make_shard(model_dir), p)
+    dense_shard = make_shard(model_dir)
+    dense = greedy_outputs(dense_shard, p)
     fp8 = greedy_outputs(make_shard(model_dir, kv_cache_dtype="fp8_e4m3fn"), p)
     assert all(len(v) == N for v in fp8.values())
-    if fp8 != dense:
-        agree = {
-            rid: next((i for i, (a, b) in enumerate(zip(fp8[rid], dense[rid])) if a != b), N)
-            for rid in dense
-        }
-        pytest.xfail(
-            f"fp8 KV greedy diverges from the dense cache at token {agree} "
-            "(random tiny model near-ties; see the test above)"
-        )
+    margins = {}
+    for i, rid in enumerate(sorted(dense)):
+        first = next((j for j, (a, b) in enumerate(zip(fp8[rid], dense[rid])) if a != b), None)
+        if first is None:
+            continue
+        prompt = p[i]
+        logits = teacher_forced_logits(dense_shard, prompt + dense[rid], len(prompt))
+        top2 = logits[len(prompt) - 1 + first].topk(2).values
+        margins[rid] = (first, float(top2[0] - top2[1]))
+    record_property("fp8_kv_divergences", margins)
+    print(f"fp8 KV greedy divergences (request: (token, dense top-2 margin)): {margins}")
+    for rid, (first, margin) in margins.items():
+        assert margin < FP8_KV_LOGIT_NOISE, (rid, first, margin)
 
 
 def test_fp8_kv_cache_doubles_capacity(tiny_models):
