@@ -435,9 +435,9 @@ class RemoteEngine:
                                 del streams[key]
                     if not streams:
                         self._idle.set()
-                    # Acknowledged once the events queued here are down to about one step's
-                    # worth (the streams consume them as gRPC takes their messages): the
-                    # engine runs at the pace the streams are written.
+                    # Acknowledged once the events queued here are down to _BACKLOG_STEPS
+                    # steps' worth (the streams consume them as gRPC takes their messages):
+                    # the engine runs at the pace the streams are written.
                     self._pending += rows
                     self._ack_below = threshold = int(rows * _BACKLOG_STEPS)
                     if self._pending <= threshold:
@@ -467,8 +467,9 @@ class RemoteEngine:
             self.on_unhealthy(reason)
 
     def _fail_all(self, error: EngineError) -> None:
-        streams, self._streams = self._streams, {}
-        for key, stream in streams.items():
+        streams = list(self._streams.items())
+        self._streams.clear()  # in place: _receive holds this dict
+        for key, stream in streams:
             stream.fail(error)
             if not self._writer.is_closing():
                 self._writer.write(_frame(("cancel", key)))
@@ -568,7 +569,15 @@ def main(argv: list[str] | None = None) -> int:
     from service.logs import setup_logging
 
     setup_logging(json_output=args.json_output, level=args.log_level)
-    extra = [a for a in argv if not a.startswith("--role")]
+    extra: list[str] = []  # the front ends get the same flags, less --role
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--role":
+            skip = True
+        elif not a.startswith("--role="):
+            extra.append(a)
     try:
         return asyncio.run(_scheduler_main(args, extra))
     except KeyboardInterrupt:
