@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3fn", "fp8_e5m2"],
       help="KV cache storage (as `tokenwire shard --kv-cache-dtype`)")
     a("--num-shard", type=int, default=1,
-      help="tensor-parallel ranks for the end-to-end part (decode/prefill parts run one rank)")
+      help="tensor-parallel ranks: > 1 adds the `tp` part (one process per GPU over NCCL: tiny "
+           "greedy vs one GPU, 8B logits vs one GPU, decode speedup) and is used by e2e")
 
 
 # ---- checkpoint ---------------------------------------------------------------------------------
@@ -614,6 +615,33 @@ def write_report(res: dict, path: Path) -> None:
                  f"{e['itl_p99_ms']:.1f} | {e['ok']} | {e['mean_input']:.0f} / "
                  f"{e['mean_output']:.0f} |\n\nfinish reasons: {e['finish_reasons']}; exact "
                  f"output lengths: {e['exact_lengths']}/{e['requests']}; errors: {e['errors']}\n")
+    tp = res.get("tp")
+    if tp:
+        n = tp["num_shard"]
+        L.append(f"\n## Tensor parallel: {n} GPUs (NCCL) vs one\n")
+        if tp.get("tiny"):
+            L.append(f"- tiny llama greedy ({len(tp['tiny']['tp_tokens'])} seqs x "
+                     f"{len(tp['tiny']['tp_tokens'][0])} tokens, warmup + CUDA graphs): equal to "
+                     f"one GPU: {tp['tiny']['equal']}\n")
+        if tp.get("logits_8b"):
+            g = tp["logits_8b"]
+            L.append(f"- 8B shape, 1x256 prefill logits vs one GPU: rel. error "
+                     f"{g['rel_err']:.2e}, max |diff| {g['max_abs']:.3f} (logit std "
+                     f"{g['logit_std']:.2f}), argmax agree {g['argmax_agree']:.3f}\n")
+        if tp.get("decode"):
+            L.append("\n| batch | one GPU graph ms | TP graph ms | TP wall ms | speedup |\n"
+                     "|---|---|---|---|---|\n")
+            for d in tp["decode"]:
+                one, sp = d.get("single_gpu_ms"), d.get("speedup")
+                L.append(f"| {d['batch']} | {one if one is None else f'{one:.2f}'} | "
+                         f"{d['graph_replay_ms']:.2f} | {d['graph_step_wall_ms']:.2f} | "
+                         f"{sp if sp is None else f'{sp:.2f}x'} |\n")
+        if tp.get("allreduce"):
+            L.append("\n| all-reduce [batch, 4096] bf16 | eager us | in graph us | x64 per "
+                     "step ms |\n|---|---|---|---|\n")
+            for a in tp["allreduce"]:
+                L.append(f"| batch {a['batch']} | {a['eager_us']:.1f} | {a['in_graph_us']:.1f} |"
+                         f" {a['per_step_64_ms']:.2f} |\n")
     hf = res.get("hf")
     if hf:
         L.append("\n## transformers generate() baseline\n| batch | in/out | output tok/s |\n"
@@ -667,6 +695,14 @@ def run(args: argparse.Namespace) -> int:
     save()
     if parts & {"decode", "prefill"}:
         attempt("model", lambda: bench_model(model_dir, args, res["ceilings"], parts))
+    if args.num_shard > 1 and "decode" in parts:
+        from shard.bench_tp import bench_tp
+        from shard.tiny_model import TinyModelSpec, make_tiny_model
+
+        tiny = make_tiny_model(args.workdir / "tiny-llama", TinyModelSpec(arch="llama"))
+        single = res.get("model", {}).get("decode", [])
+        attempt("tp", lambda: bench_tp(model_dir, tiny, args, single))
+        print(json.dumps(res.get("tp"), indent=1), flush=True)
     if "e2e" in parts:
         attempt("e2e", lambda: bench_e2e(model_dir, args, args.out / "e2e_server.log"))
         print(json.dumps(res.get("e2e")), flush=True)

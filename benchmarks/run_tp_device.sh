@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One nvidia-h200-x2 call (issue 8): GPU tests (incl. fp8 KV kernels), then `tokenwire bench
+# --num-shard 2` decode: one-GPU decode + TP=2 (tiny greedy, 8B logits, decode speedup,
+# all-reduce cost). Outputs under $OUT. NCCL_NVLS_ENABLE=0 etc. are preset on the machine.
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl-tw/*.whl && export PYTHONPATH=/tmp/site
+export PYTHONPATH=".:gen/python:${PYTHONPATH:-}"
+nvidia-smi --query-gpu=name,memory.total --format=csv; nvidia-smi topo -m | head -4
+timeout 120 python3 -m pytest -q -m gpu tests/gpu tests/shard/test_quantization.py -p no:cacheprovider -s 2>&1 \
+  | grep -v -i warn | tail -20 | tee $OUT/gpu_tests.log
+timeout ${BENCH_TIMEOUT:-330} python3 -m service.cli bench --parts decode --decode-batches 1,8,64 \
+  --num-shard 2 --out $OUT --workdir /tmp/twb 2>&1 | grep -v "Loading weights" | tee $OUT/bench_tp.log | tail -60

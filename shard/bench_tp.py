@@ -1,0 +1,295 @@
+"""`tokenwire bench --num-shard N`: tensor parallel over NCCL, one process per GPU (rank r on
+cuda:r), through the shard's own loading path (`shard.loader.Shard` with a `Dist`).
+
+Every rank runs the same script in lockstep (collectives pair up), rank 0 reports:
+1. tiny model: greedy tokens (3 prompts, a batched prefill then 32 decode steps) after the real
+   Warmup (worst-case prefill, KV sizing, CUDA-graph capture with NCCL all-reduces inside);
+2. Llama-3-8B shape: logits of a 1x256 prefill (to compare with one GPU);
+3. decode step times on the 8B shape (CUDA graph replay, ~1k context, random K/V), the same
+   measurement as the single-GPU decode part, so the speedup is a ratio of like numbers;
+4. all-reduce cost of one decode step's size ([batch, hidden] bf16): eager per call, and per
+   call inside a captured graph of 64 (what a 32-layer step issues).
+The single-GPU references (tiny greedy, 8B logits) are computed by the caller with `Dist()`.
+Works on CPU with gloo for the tiny check (tests), where timings are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from pathlib import Path
+
+PROMPT_LENS = (17, 5, 45)
+GREEDY_STEPS = 32
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_prompts(vocab: int) -> list[list[int]]:
+    return [[(37 * i + 11 * j + 3) % vocab for j in range(n)] for i, n in enumerate(PROMPT_LENS)]
+
+
+def greedy_tokens(shard, steps: int = GREEDY_STEPS) -> list[list[int]]:
+    """Batched prefill of the tiny prompts, then `steps` decode steps (CUDA graphs when the
+    shard captured them); returns each sequence's generated tokens."""
+    from shard.model_runner import StepInputs
+
+    runner = shard.runner
+    bs = runner.block_size
+    prompts = tiny_prompts(runner.model.vocab_size)
+    per = math.ceil((max(len(p) for p in prompts) + steps + 1) / bs)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(len(prompts))]
+    step = StepInputs([], [], [], [], [], [])
+    for p, t in zip(prompts, tables):
+        step.token_ids.extend(p)
+        step.positions.extend(range(len(p)))
+        step.query_lens.append(len(p))
+        step.seq_lens.append(len(p))
+        step.block_tables.append(t)
+        step.logits_indices.append(len(step.token_ids) - 1)
+    last = runner.execute(step).argmax(-1).tolist()
+    out = [[t] for t in last]
+    lens = [len(p) for p in prompts]
+    for _ in range(steps - 1):
+        dec = StepInputs(
+            token_ids=last,
+            positions=list(lens),
+            query_lens=[1] * len(prompts),
+            seq_lens=[n + 1 for n in lens],
+            block_tables=tables,
+            logits_indices=list(range(len(prompts))),
+        )
+        last = runner.execute(dec).argmax(-1).tolist()
+        lens = [n + 1 for n in lens]
+        for o, t in zip(out, last):
+            o.append(t)
+    return out
+
+
+def load_tiny(model_dir: Path, device: str, dist):
+    from shard.domain import WarmupSpec
+    from shard.loader import Shard, ShardConfig
+
+    cuda = device.startswith("cuda")
+    shard = Shard(ShardConfig(model_id=str(model_dir), dtype="bfloat16" if cuda else "float32",
+                              device=device, kv_cache_memory_mb=None if cuda else 4), dist)
+    shard.warmup(WarmupSpec(128, 256, 256, 8, max_batch_total_tokens=2048))
+    return shard
+
+
+def prefill_logits_8b(runner, length: int = 256, keep: int = 64):
+    """Logits of the last `keep` positions of one `length`-token prefill ([keep, vocab] fp32,
+    on the CPU)."""
+    from shard.model_runner import StepInputs
+
+    bs = runner.block_size
+    step = StepInputs(
+        token_ids=[(31 * j + 7) % 128000 for j in range(length)],
+        positions=list(range(length)),
+        query_lens=[length],
+        seq_lens=[length],
+        block_tables=[list(range(math.ceil(length / bs)))],
+        logits_indices=list(range(length - keep, length)),
+    )
+    return runner.execute(step).float().cpu()
+
+
+def _allreduce_cost(dist, hidden: int, batches: list[int]) -> list[dict]:
+    import torch
+    import torch.distributed as tdist
+
+    from shard.bench import cuda_time_ms
+
+    out = []
+    for b in batches:
+        x = torch.randn(b, hidden, dtype=torch.bfloat16, device="cuda")
+        eager = cuda_time_ms(lambda x=x: tdist.all_reduce(x), iters=50, warmup=5)
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            tdist.all_reduce(x)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            for _ in range(64):
+                tdist.all_reduce(x)
+        per = cuda_time_ms(g.replay, iters=20, warmup=3) / 64
+        out.append({"batch": b, "bytes": b * hidden * 2, "eager_us": eager * 1e3,
+                    "in_graph_us": per * 1e3, "per_step_64_ms": per * 64})
+    return out
+
+
+def rank_main(rank: int, world: int, port: int, job: dict, queue) -> None:
+    """One rank of the TP benchmark (a spawned process)."""
+    import torch
+
+    from shard.distributed import init_distributed, shutdown_distributed
+
+    cuda = job["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    device = f"cuda:{rank}" if cuda else "cpu"
+    dist = init_distributed(rank, world, "127.0.0.1", port, torch.device(device))
+    res: dict = {}
+    try:
+        if job.get("tiny_dir"):
+            tiny = load_tiny(Path(job["tiny_dir"]), device, dist)
+            res["tiny_tokens"] = greedy_tokens(tiny)
+            res["tiny_graphs"] = tiny.runner.graphs is not None
+            tiny.runner.kv_cache = None
+            tiny.runner.graphs = None
+            del tiny
+        if job.get("model_dir") and cuda:
+            res.update(_bench_8b(Path(job["model_dir"]), job, dist, device))
+        if cuda and job.get("allreduce_batches"):
+            res["allreduce"] = _allreduce_cost(dist, 4096, job["allreduce_batches"])
+    except Exception as exc:  # noqa: BLE001 - report, do not hang the other rank silently
+        import traceback
+
+        traceback.print_exc()
+        res["error"] = f"rank {rank}: {type(exc).__name__}: {exc}"
+    if rank == 0:
+        queue.put(res)
+    shutdown_distributed()
+
+
+def _bench_8b(model_dir: Path, job: dict, dist, device: str) -> dict:
+    import gc
+
+    import torch
+
+    from shard.bench import cuda_time_ms, decode_step, wall_time_ms
+    from shard.cuda_graphs import CudaGraphDecodeRunner
+    from shard.loader import Shard, ShardConfig
+
+    shard = Shard(ShardConfig(model_id=str(model_dir), dtype="bfloat16", device=device,
+                              quantize=job.get("quantize"),
+                              kv_cache_dtype=job.get("kv_cache_dtype", "auto")), dist)
+    runner = shard.runner
+    bs = runner.block_size
+    batches, ctx = job["batches"], job["context"]
+    per = math.ceil(ctx / bs)
+    runner.allocate_kv_cache(max(max(batches) * per, 64) + 1)
+    res: dict = {"logits_8b": prefill_logits_8b(runner)}
+    gen = torch.Generator(device=device).manual_seed(1 + dist.rank)
+    for k, v in runner.kv_cache:  # random K/V: never time on zeros
+        for cache in (k, v):
+            cache.copy_(torch.randn(cache.shape, dtype=torch.bfloat16, device=device,
+                                    generator=gen))
+    graphs = CudaGraphDecodeRunner(runner.forward, runner.device, bs, max(batches), per,
+                                   buckets=sorted(batches))
+    res["graph_capture_seconds"] = graphs.capture()
+    res["decode"] = []
+    for b in batches:
+        step = decode_step(b, ctx, bs)
+
+        def graph_step(step=step):
+            return graphs.run(step.token_ids, step.positions, step.seq_lens, step.block_tables)
+
+        full = wall_time_ms(graph_step, iters=30)
+        replay = cuda_time_ms(graphs.graphs[graphs.bucket(b)].replay, iters=30)
+        res["decode"].append({"batch": b, "context": ctx, "graph_replay_ms": replay,
+                              "graph_step_wall_ms": full})
+        if dist.rank == 0:
+            print(f"TP={dist.world_size} decode b={b}: graph {replay:.2f} ms (wall {full:.2f})",
+                  flush=True)
+    del graphs
+    runner.kv_cache = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def run_ranks(world: int, job: dict, timeout_s: float = 900.0) -> dict:
+    """Spawns `world` ranks running `rank_main`; returns rank 0's results."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (shared hosts)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, job, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    import queue as queue_mod
+    import time
+
+    deadline = time.time() + timeout_s
+    res = None
+    try:
+        while res is None:
+            try:
+                res = queue.get(timeout=5.0)
+            except queue_mod.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.time() > deadline:
+                    return {"error": f"ranks exited {dead} or timed out before reporting"}
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+    return res
+
+
+def compare_logits(got, want) -> dict:
+    diff = (got - want).float()
+    return {
+        "rel_err": float(diff.norm() / want.float().norm()),
+        "max_abs": float(diff.abs().max()),
+        "logit_std": float(want.float().std()),
+        "argmax_agree": float((got.argmax(-1) == want.argmax(-1)).float().mean()),
+    }
+
+
+def bench_tp(model_dir: Path | None, tiny_dir: Path | None, args, single_decode: list[dict]
+             ) -> dict:
+    """TP=N on N GPUs vs one GPU: tiny greedy equality, 8B logits, decode speedup."""
+    import gc
+
+    import torch
+
+    from shard.distributed import Dist
+
+    world = args.num_shard
+    batches = [int(b) for b in args.decode_batches.split(",")]
+    job = {"device": "cuda", "tiny_dir": str(tiny_dir) if tiny_dir else None,
+           "model_dir": str(model_dir) if model_dir else None, "batches": batches,
+           "context": args.context, "quantize": args.quantize,
+           "kv_cache_dtype": args.kv_cache_dtype, "allreduce_batches": [1, 64]}
+    tp = run_ranks(world, job)
+    out: dict = {"num_shard": world, "error": tp.get("error")}
+    if tiny_dir and "tiny_tokens" in tp:
+        single = load_tiny(tiny_dir, "cuda:0", Dist())
+        want = greedy_tokens(single)
+        out["tiny"] = {"tp_tokens": tp["tiny_tokens"], "single_tokens": want,
+                       "equal": tp["tiny_tokens"] == want, "tp_graphs": tp["tiny_graphs"]}
+        single.runner.kv_cache = None
+        del single
+    if model_dir and "logits_8b" in tp:
+        from shard.loader import Shard, ShardConfig
+
+        shard = Shard(ShardConfig(model_id=str(model_dir), dtype="bfloat16", device="cuda:0",
+                                  quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype),
+                      Dist())
+        shard.runner.allocate_kv_cache(64)
+        out["logits_8b"] = compare_logits(tp["logits_8b"], prefill_logits_8b(shard.runner))
+        shard.runner.kv_cache = None
+        del shard
+        gc.collect()
+        torch.cuda.empty_cache()
+    one = {d["batch"]: d["graph_replay_ms"] for d in single_decode}
+    out["decode"] = [
+        dict(d, single_gpu_ms=one.get(d["batch"]),
+             speedup=(one[d["batch"]] / d["graph_replay_ms"]) if d["batch"] in one else None)
+        for d in tp.get("decode", [])
+    ]
+    out["allreduce"] = tp.get("allreduce")
+    return out
