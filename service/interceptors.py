@@ -115,6 +115,10 @@ class _WrappingInterceptor(aio.ServerInterceptor):
         """Before the stream's first message; what it returns is given to `stream_exit`."""
         return None
 
+    async def stream_first(self, context: aio.ServicerContext, state: Any) -> None:
+        """Just before the stream's first message goes out (not called for a stream that fails
+        or ends before its first message)."""
+
     async def stream_error(self, error: Exception, context: aio.ServicerContext) -> None:
         """An exception raised inside this interceptor (by inner hooks or the handler): raise
         it or another one (the default re-raises it)."""
@@ -138,7 +142,12 @@ def _folded_stream(
                 for layer in layers:
                     entered.append((layer, await layer.stream_enter(context, details)))
                 async with aclosing(behavior(request, context)) as responses:
+                    first = True
                     async for response in responses:
+                        if first:
+                            first = False
+                            for layer, state in entered:
+                                await layer.stream_first(context, state)
                         yield response
             except Exception as error:
                 # Layers entered so far see it, innermost first; the one that raised in its
@@ -165,7 +174,11 @@ def _folded_stream(
 
 class RequestIdInterceptor(_WrappingInterceptor):
     """Takes the client's `x-request-id` (printable ASCII, at most 128 characters) or makes one,
-    exposes it through `current_request_id()` and echoes it in the response's initial metadata."""
+    exposes it through `current_request_id()` and echoes it in the response's metadata.
+
+    Streams send it in the initial metadata together with their first event, and always in the
+    trailing metadata: a stream that fails before its first event must stay a trailers-only
+    response, or Envoy has already answered HTTP 200 and cannot map the status (400, 429, ...)."""
 
     def _begin(self, details: grpc.HandlerCallDetails) -> tuple[str, contextvars.Token[str]]:
         given = _metadata(details, REQUEST_ID_KEY)
@@ -188,18 +201,19 @@ class RequestIdInterceptor(_WrappingInterceptor):
 
     async def stream_enter(
         self, context: aio.ServicerContext, details: grpc.HandlerCallDetails
-    ) -> contextvars.Token[str]:
+    ) -> tuple[str, contextvars.Token[str]]:
         request_id, token = self._begin(details)
-        try:
-            await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
-        except BaseException:
-            _request_id.reset(token)
-            raise
-        return token
+        context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
+        return request_id, token
 
-    def stream_exit(self, state: contextvars.Token[str]) -> None:
+    async def stream_first(
+        self, context: aio.ServicerContext, state: tuple[str, contextvars.Token[str]]
+    ) -> None:
+        await context.send_initial_metadata(((REQUEST_ID_KEY, state[0]),))
+
+    def stream_exit(self, state: tuple[str, contextvars.Token[str]]) -> None:
         try:
-            _request_id.reset(state)
+            _request_id.reset(state[1])
         except ValueError:  # closed from another context (generator finalisation)
             pass
 

@@ -188,26 +188,8 @@ def metric(port: int, name: str) -> float:
     raise KeyError(f"metric {name} not found")
 
 
-# The router's stream interceptor sends initial metadata (x-request-id) before the handler runs,
-# so an error raised before the first event is not a trailers-only response and Envoy has already
-# answered 200 + the JSON error body. Fixed when the router sends initial metadata lazily.
-EARLY_STREAM_ERROR_IS_200 = (
-    "router sends initial metadata before a stream's first event: Envoy cannot turn the error "
-    "into an HTTP status (service/interceptors.py RequestIdInterceptor.around_stream)"
-)
-
-
 def expect_error_status(path: str, status: int, body: object, expected: int) -> None:
-    """Asserts an error status; for /generate_stream a 200 carrying the same JSON error is the
-    known router limitation above (xfail), anything else fails."""
-    import pytest
-
-    if (
-        status != expected
-        and path == "/generate_stream"
-        and status == 200
-        and isinstance(body, dict)
-        and "code" in body
-    ):
-        pytest.xfail(EARLY_STREAM_ERROR_IS_200)
+    """Asserts an error's HTTP status. Streams that fail before their first event are
+    trailers-only responses (the router sends its initial metadata with the first event), so
+    Envoy maps their status exactly as for unary calls."""
     assert status == expected, (path, status, body)

@@ -159,10 +159,8 @@ def test_failure_after_first_event_is_in_band(deployment: Deployment) -> None:
     ]
     assert len(events) > 1
     last = events[-1]
-    if "error_type" not in last and "generated_text" not in last:
-        # grpc core cancels the call at the deadline itself; when that beats the router's own
-        # deadline check, no in-band event can be sent (a router issue, reported).
-        pytest.xfail("router's deadline check raced grpc's own cancellation at the deadline")
+    # The router gives up a little before the gRPC deadline (service/convert.py DEADLINE_SLACK_S)
+    # so that this event still goes out before grpc cancels the call.
     assert last.get("error_type") == "deadline" and last["error"], (len(events), last)
     assert "token" not in last and "generated_text" not in last
 
