@@ -628,6 +628,11 @@ def write_report(res: dict, path: Path) -> None:
             L.append(f"- 8B shape, 1x256 prefill logits vs one GPU: rel. error "
                      f"{g['rel_err']:.2e}, max |diff| {g['max_abs']:.3f} (logit std "
                      f"{g['logit_std']:.2f}), argmax agree {g['argmax_agree']:.3f}\n")
+            f32 = tp.get("logits_8b_vs_fp32")
+            if f32:
+                L.append(f"- vs an fp32 run of the same weights: TP rel. error "
+                         f"{f32['tp']['rel_err']:.2e}, one GPU bf16 "
+                         f"{f32['single_gpu_bf16']['rel_err']:.2e}\n")
         if tp.get("decode"):
             L.append("\n| batch | one GPU graph ms | TP graph ms | TP wall ms | speedup |\n"
                      "|---|---|---|---|---|\n")

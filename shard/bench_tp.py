@@ -34,9 +34,11 @@ def tiny_prompts(vocab: int) -> list[list[int]]:
     return [[(37 * i + 11 * j + 3) % vocab for j in range(n)] for i, n in enumerate(PROMPT_LENS)]
 
 
-def greedy_tokens(shard, steps: int = GREEDY_STEPS) -> list[list[int]]:
+def greedy_tokens(shard, steps: int = GREEDY_STEPS, margins: list | None = None
+                  ) -> list[list[int]]:
     """Batched prefill of the tiny prompts, then `steps` decode steps (CUDA graphs when the
-    shard captured them); returns each sequence's generated tokens."""
+    shard captured them); returns each sequence's generated tokens (and appends each step's
+    top-2 logit margins per sequence to `margins` when given)."""
     from shard.model_runner import StepInputs
 
     runner = shard.runner
@@ -52,7 +54,13 @@ def greedy_tokens(shard, steps: int = GREEDY_STEPS) -> list[list[int]]:
         step.seq_lens.append(len(p))
         step.block_tables.append(t)
         step.logits_indices.append(len(step.token_ids) - 1)
-    last = runner.execute(step).argmax(-1).tolist()
+    def pick(logits) -> list[int]:
+        if margins is not None:
+            top2 = logits.float().topk(2, dim=-1).values
+            margins.append((top2[:, 0] - top2[:, 1]).tolist())
+        return logits.argmax(-1).tolist()
+
+    last = pick(runner.execute(step))
     out = [[t] for t in last]
     lens = [len(p) for p in prompts]
     for _ in range(steps - 1):
@@ -64,7 +72,7 @@ def greedy_tokens(shard, steps: int = GREEDY_STEPS) -> list[list[int]]:
             block_tables=tables,
             logits_indices=list(range(len(prompts))),
         )
-        last = runner.execute(dec).argmax(-1).tolist()
+        last = pick(runner.execute(dec))
         lens = [n + 1 for n in lens]
         for o, t in zip(out, last):
             o.append(t)
@@ -268,9 +276,17 @@ def bench_tp(model_dir: Path | None, tiny_dir: Path | None, args, single_decode:
     out: dict = {"num_shard": world, "error": tp.get("error")}
     if tiny_dir and "tiny_tokens" in tp:
         single = load_tiny(tiny_dir, "cuda:0", Dist())
-        want = greedy_tokens(single)
+        margins: list = []
+        want = greedy_tokens(single, margins=margins)
+        first = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+                 for g, w in zip(tp["tiny_tokens"], want)]
         out["tiny"] = {"tp_tokens": tp["tiny_tokens"], "single_tokens": want,
-                       "equal": tp["tiny_tokens"] == want, "tp_graphs": tp["tiny_graphs"]}
+                       "equal": tp["tiny_tokens"] == want, "tp_graphs": tp["tiny_graphs"],
+                       "first_divergence": first,
+                       # one GPU's top-2 margin at each divergence (bf16 near-tie if small)
+                       "margin_at_divergence": [None if f is None else margins[f][i]
+                                                for i, f in enumerate(first)],
+                       "min_margin_all_steps": min(min(m) for m in margins)}
         single.runner.kv_cache = None
         del single
     if model_dir and "logits_8b" in tp:
@@ -280,9 +296,22 @@ def bench_tp(model_dir: Path | None, tiny_dir: Path | None, args, single_decode:
                                   quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype),
                       Dist())
         shard.runner.allocate_kv_cache(64)
-        out["logits_8b"] = compare_logits(tp["logits_8b"], prefill_logits_8b(shard.runner))
+        single = prefill_logits_8b(shard.runner)
+        out["logits_8b"] = compare_logits(tp["logits_8b"], single)
         shard.runner.kv_cache = None
         del shard
+        gc.collect()
+        torch.cuda.empty_cache()
+        # The yardstick for "bf16 tolerance": both against an fp32 run of the same weights
+        # (torch attention); TP is within tolerance when its error is one GPU's bf16 error.
+        ref = Shard(ShardConfig(model_id=str(model_dir), dtype="float32", device="cuda:0",
+                                attention_backend="torch"), Dist())
+        ref.runner.allocate_kv_cache(64)
+        fp32 = prefill_logits_8b(ref.runner)
+        out["logits_8b_vs_fp32"] = {"tp": compare_logits(tp["logits_8b"], fp32),
+                                    "single_gpu_bf16": compare_logits(single, fp32)}
+        ref.runner.kv_cache = None
+        del ref
         gc.collect()
         torch.cuda.empty_cache()
     one = {d["batch"]: d["graph_replay_ms"] for d in single_decode}

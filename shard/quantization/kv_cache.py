@@ -152,8 +152,8 @@ def write_kv(
     else:
         key = key.to(key_cache.dtype)
         value = value.to(value_cache.dtype)
-    if is_fp8_cache(key_cache) and key_cache.device.type == "cpu":
-        # index_copy_ has no CPU kernel for float8: copy the raw bytes instead.
+    if is_fp8_cache(key_cache):
+        # index_copy_ has no float8 kernel (CPU or CUDA): copy the raw bytes instead.
         flat_k.view(torch.uint8).index_copy_(0, slot_mapping, key.view(torch.uint8))
         flat_v.view(torch.uint8).index_copy_(0, slot_mapping, value.view(torch.uint8))
     else:
