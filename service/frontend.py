@@ -1,25 +1,29 @@
 """Multi-process router: ONE scheduler process beside N streaming front-end processes.
 
-    python -m service.frontend --frontends 2 <the `tokenwire router` flags>
+    tokenwire router --frontends 2 <the other `tokenwire router` flags>
+    tokenwire launch --frontends 2 ...
 
 Why: the per-token cost of a grpc.aio stream (one message write, one `sendmsg`, per token) is
 paid on the event-loop thread; at batch 256 one Python process cannot stream 20k tokens/s on a
 loaded 2-core machine (benchmarks/ROUTER.md). Here the public gRPC work scales out:
 
-- the scheduler process (this module's main) connects to the shards, warms them up and runs the
-  one `GenerationEngine` (scheduler, KV blocks, prefix cache, shard RPCs). Front ends talk to it
-  over a unix socket: each submitted request travels once (pickled `ValidatedRequest`), and each
-  engine step sends each front end ONE frame with the step's rows for its requests
-  (`GenerationEngine.submit_to` + an `EventSink`), not one message per token;
+- the scheduler process (`run_multiprocess`, what `tokenwire router` runs when --frontends >= 2)
+  connects to the shards, warms them up and runs the one `GenerationEngine` (scheduler, KV
+  blocks, prefix cache, shard RPCs). Front ends talk to it over a unix socket: each submitted
+  request travels once (pickled `ValidatedRequest`), and each engine step sends each front end
+  ONE frame with the step's rows for its requests (`GenerationEngine.submit_to` + an
+  `EventSink`), not one message per token;
 - each front-end process runs the unchanged public router (`service.router_main.serve`:
   servicer, interceptors, validation, tokenizer, health, reflection) on the same port
-  (SO_REUSEPORT: the kernel spreads connections over the front ends), with a `RemoteEngine`
-  in place of the engine.
+  (`reuse_port=True`: SO_REUSEPORT, the kernel spreads connections over the front ends), with
+  a `RemoteEngineSource` as its engine source: its engine is a `RemoteEngine`.
 
-Differences from `tokenwire router` (which stays the default; nothing else uses this module):
-`--max-concurrent-requests` is enforced per front end (pass the total divided by N for the same
-global limit; the engine's KV-capacity and overload checks stay global), and `--prometheus-port`
-serves the scheduler's engine metrics only (request histograms live in the front ends).
+Limits and metrics across processes: `--max-concurrent-requests` is global — the front ends
+share one counter of client requests in flight (`SharedAdmission`, checked at once before
+validation, as one process does), and the scheduler's engine keeps its own global limit on
+sequences (max-concurrent-requests x max-best-of) and the KV-capacity checks.
+`--prometheus-port PORT` serves the scheduler's engine metrics on PORT and front end i's request
+metrics on PORT+i (i = 1..N).
 """
 
 from __future__ import annotations
@@ -30,14 +34,16 @@ import contextlib
 import gc
 import itertools
 import logging
+import multiprocessing
 import os
 import pickle
 import signal
+import socket
 import struct
-import subprocess
 import sys
 import tempfile
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +65,6 @@ _STATS_PERIOD_S = 0.25
 # instant shard it would otherwise finish requests long before their tokens are streamed, and
 # spend the CPU the front ends need on ever smaller batches).
 _FRAMES_IN_FLIGHT = 2
-# A front end acknowledges a step frame once its streams have at most this many steps' worth
-# of events queued. More lets each stream write several queued tokens per wakeup (cheaper per
-# token), at the cost of the engine's batch (requests finish in the engine before their tokens
-# are all written) and of latency.
-_BACKLOG_STEPS = float(os.environ.get("TOKENWIRE_FRONTEND_BACKLOG_STEPS", "8"))
 _GATE_TIMEOUT_S = 1.0  # a stuck front end does not stall the others for longer than this
 
 
@@ -156,7 +157,7 @@ class _FrontEndConnection:
 
 
 class _EngineHealth:
-    """What router_main._watch_shards needs of a health reporter, for the scheduler process."""
+    """What router_main.watch_shards needs of a health reporter, for the scheduler process."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -170,8 +171,24 @@ class _EngineHealth:
             self.engine._mark_unhealthy(ShardUnavailableError("shard health check failed"))
 
 
-async def _scheduler_main(args: argparse.Namespace, extra: list[str]) -> int:
-    from service import engine as engine_module
+def _free_port(host: str) -> int:
+    """A port for the front ends to share when --port is 0 (each would pick its own)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host.strip("[]"), 0))
+        return int(sock.getsockname()[1])
+
+
+def _frontend_args(args: argparse.Namespace, index: int, port: int) -> argparse.Namespace:
+    """Front end `index` (1-based): the router flags, the shared port, its own metrics port."""
+    child = argparse.Namespace(**vars(args))
+    child.port = port
+    if args.prometheus_port:
+        child.prometheus_port = args.prometheus_port + index
+    return child
+
+
+async def _scheduler_main(args: argparse.Namespace) -> int:
     from service import router_main
     from service.metrics import MetricsServer, ServerMetrics
 
@@ -179,28 +196,19 @@ async def _scheduler_main(args: argparse.Namespace, extra: list[str]) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    client, warm, shard, limits = await router_main._connect(args, router_main.shard_target(args))
+    source = router_main.ShardEngineSource(args)
+    connection = await source.connect()
+    client = connection.client
     conns: list[_FrontEndConnection] = []
 
     def unhealthy(reason: str) -> None:
         for c in conns:
             c.send(("unhealthy", reason))
 
-    engine = engine_module.build_engine(
-        client=client,
-        warmup=warm,
-        shard=shard,
-        config=engine_module.EngineConfig(
-            max_concurrent_requests=args.max_concurrent_requests
-            * args.max_best_of
-            * args.frontends,
-            max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
-            max_batch_total_tokens=args.max_batch_total_tokens,
-            max_batch_size=limits.max_batch_size,
-            waiting_served_ratio=args.waiting_served_ratio,
-            max_waiting_tokens=args.max_waiting_tokens,
-        ),
-        on_unhealthy=unhealthy,
+    # The global limit on sequences (as in one process); the client-request limit is the
+    # front ends' SharedAdmission.
+    engine = source.build_engine(
+        connection, router_main.engine_config(args, connection.limits), unhealthy
     )
 
     async def gate() -> None:
@@ -214,7 +222,7 @@ async def _scheduler_main(args: argparse.Namespace, extra: list[str]) -> int:
 
     engine.step_gate = gate
     await engine.start()
-    hello = (warm, shard, limits)
+    hello = (connection.warmup, connection.shard, connection.limits)
 
     async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _FrontEndConnection(engine, writer)
@@ -239,7 +247,7 @@ async def _scheduler_main(args: argparse.Namespace, extra: list[str]) -> int:
 
     stats_task = asyncio.ensure_future(push_stats())
     watch = asyncio.ensure_future(
-        router_main._watch_shards(client, engine, _EngineHealth(engine), stop)
+        router_main.watch_shards(client, engine, _EngineHealth(engine), stop)
     )
     metrics_server = None
     if args.prometheus_port:
@@ -247,31 +255,43 @@ async def _scheduler_main(args: argparse.Namespace, extra: list[str]) -> int:
         metrics_server = MetricsServer(
             metrics.registry, args.prometheus_port, args.prometheus_hostname
         )
-    command = [sys.executable, "-m", "service.frontend", "--role", "frontend",
-               "--engine-socket", sock_path, *extra]  # fmt: skip
-    children = [subprocess.Popen(command) for _ in range(args.frontends)]  # noqa: ASYNC220 - startup
+    port = args.port or _free_port(args.hostname)
+    ctx = multiprocessing.get_context("spawn")
+    in_flight = ctx.Value("i", 0)  # client requests admitted by all front ends
+    children = [
+        ctx.Process(
+            target=_frontend_process,
+            args=(_frontend_args(args, i, port), sock_path, in_flight),
+            name=f"tokenwire-frontend-{i}",
+        )
+        for i in range(1, args.frontends + 1)
+    ]
+    for child in children:
+        child.start()
+    _log.info("scheduler process: %d front ends on %s:%d", args.frontends, args.hostname, port)
     _tune_gc()
     code = 0
     try:
         while not stop.is_set():
-            dead = [c for c in children if c.poll() is not None]
+            dead = [c for c in children if c.exitcode is not None]
             if dead:
-                _log.error("front end %d exited with %s", dead[0].pid, dead[0].returncode)
+                _log.error("front end %d exited with %s", dead[0].pid, dead[0].exitcode)
                 code = 1
                 break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.2)
     finally:
         for c in children:  # they drain their own requests (graceful timeout)
-            if c.poll() is None:
-                c.send_signal(signal.SIGTERM)
+            if c.exitcode is None:
+                c.terminate()
         deadline = loop.time() + args.graceful_timeout + 10
-        while any(c.poll() is None for c in children) and loop.time() < deadline:
+        while any(c.exitcode is None for c in children) and loop.time() < deadline:
             await asyncio.sleep(0.05)
         for c in children:
-            if c.poll() is None:
+            if c.exitcode is None:
                 c.kill()
-            if c.returncode not in (0, -signal.SIGTERM) and not code:
+                c.join(5)
+            if c.exitcode not in (0, -signal.SIGTERM) and not code:
                 code = 1
         watch.cancel()
         stats_task.cancel()
@@ -284,6 +304,18 @@ async def _scheduler_main(args: argparse.Namespace, extra: list[str]) -> int:
             os.unlink(sock_path)
             sock_dir.rmdir()
     return code
+
+
+def run_multiprocess(args: argparse.Namespace) -> int:
+    """`tokenwire router --frontends N` (N >= 2): the scheduler process; it starts the front
+    ends and exits when one of them dies or on SIGTERM/SIGINT (after they drain)."""
+    from service.logs import setup_logging
+
+    setup_logging(json_output=args.json_output, level=args.log_level)
+    try:
+        return asyncio.run(_scheduler_main(args))
+    except KeyboardInterrupt:
+        return 130
 
 
 # --- front-end side ------------------------------------------------------------------------------
@@ -358,7 +390,12 @@ class _RemoteStream:
 class RemoteEngine:
     """service.engine_api.Engine over the scheduler process's engine (one unix socket)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        backlog_steps: float,
+    ) -> None:
         self._reader = reader
         self._writer = writer
         self._streams: dict[int, _RemoteStream] = {}
@@ -375,6 +412,9 @@ class RemoteEngine:
         self._pending = 0  # events received and not yet read by their stream
         self._ack_owed = 0  # step frames to acknowledge once _pending <= _ack_below
         self._ack_below = 0
+        # A step frame is acknowledged once the streams here have at most this many steps'
+        # worth of events queued (--frontend-backlog-steps).
+        self._backlog_steps = backlog_steps
 
     async def hello(self) -> tuple[Any, Any, Any]:
         self._writer.write(_frame(("hello",)))
@@ -435,11 +475,11 @@ class RemoteEngine:
                                 del streams[key]
                     if not streams:
                         self._idle.set()
-                    # Acknowledged once the events queued here are down to _BACKLOG_STEPS
+                    # Acknowledged once the events queued here are down to backlog_steps
                     # steps' worth (the streams consume them as gRPC takes their messages):
                     # the engine runs at the pace the streams are written.
                     self._pending += rows
-                    self._ack_below = threshold = int(rows * _BACKLOG_STEPS)
+                    self._ack_below = threshold = int(rows * self._backlog_steps)
                     if self._pending <= threshold:
                         self._loop.call_soon(self._ack)
                     else:
@@ -519,70 +559,68 @@ class _RemoteClient:
         self.engine._writer.close()
 
 
-def _frontend_main(args: argparse.Namespace) -> int:
-    """The unchanged public router (router_main.serve) over a RemoteEngine, on a shared port."""
-    from grpc import aio
+@dataclass(frozen=True)
+class RemoteEngineSource:
+    """router_main.EngineSource of a front end: the scheduler process's engine, over its unix
+    socket (the shard facts come from the scheduler's hello)."""
 
-    from service import engine as engine_module
-    from service import router_main
+    socket_path: str
+    backlog_steps: float
 
-    holder: dict[str, RemoteEngine] = {}
+    async def connect(self) -> Any:
+        from service.router_main import ShardConnection
 
-    async def connect(_args: argparse.Namespace, _target: str) -> Any:
-        reader, writer = await asyncio.open_unix_connection(args.engine_socket)
-        engine = RemoteEngine(reader, writer)
-        holder["engine"] = engine
+        reader, writer = await asyncio.open_unix_connection(self.socket_path)
+        engine = RemoteEngine(reader, writer, self.backlog_steps)
         warm, shard, limits = await engine.hello()
         _tune_gc()
-        return _RemoteClient(engine), warm, shard, limits
+        return ShardConnection(_RemoteClient(engine), warm, shard, limits)
 
-    def build_engine(*, on_unhealthy: Any = None, **_: Any) -> RemoteEngine:
-        engine = holder["engine"]
+    def build_engine(self, connection: Any, config: Any, on_unhealthy: Any) -> RemoteEngine:
+        del config  # the scheduler process's engine has its own
+        engine: RemoteEngine = connection.client.engine
         engine.on_unhealthy = on_unhealthy
         return engine
 
-    original_server = aio.server
 
-    def shared_port_server(*a: Any, options: Any = (), **kw: Any) -> Any:
-        opts = [o for o in options if o[0] != "grpc.so_reuseport"]
-        return original_server(*a, options=[*opts, ("grpc.so_reuseport", 1)], **kw)
+class SharedAdmission:
+    """generation.Admission over a counter shared by all front ends: the global
+    --max-concurrent-requests."""
 
-    router_main._connect = connect  # type: ignore[assignment]
-    engine_module.build_engine = build_engine  # type: ignore[assignment]
-    router_main.aio.server = shared_port_server  # type: ignore[attr-defined]
-    args.prometheus_port = None  # the scheduler process serves the engine metrics
-    return router_main.run(args)
+    def __init__(self, counter: Any, limit: int) -> None:
+        self.counter = counter  # multiprocessing Value("i") with its lock
+        self.limit = limit
+
+    def try_enter(self) -> bool:
+        with self.counter.get_lock():
+            if self.counter.value >= self.limit:
+                return False
+            self.counter.value += 1
+            return True
+
+    def leave(self) -> None:
+        with self.counter.get_lock():
+            self.counter.value -= 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def _frontend_process(args: argparse.Namespace, socket_path: str, in_flight: Any) -> None:
+    """A front end (spawned): the unchanged public router (router_main.serve) over a
+    RemoteEngine, on the port it shares with the other front ends."""
     from service import router_main
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    router_main.add_arguments(parser)
-    parser.add_argument("--frontends", type=int, default=2, help="front-end processes")
-    parser.add_argument("--role", choices=["scheduler", "frontend"], default="scheduler")
-    parser.add_argument("--engine-socket", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.role == "frontend":
-        return _frontend_main(args)
     from service.logs import setup_logging
 
+    if sys.platform == "linux":  # the scheduler process gone (even SIGKILL): stop too
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
     setup_logging(json_output=args.json_output, level=args.log_level)
-    extra: list[str] = []  # the front ends get the same flags, less --role
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--role":
-            skip = True
-        elif not a.startswith("--role="):
-            extra.append(a)
+    source = RemoteEngineSource(socket_path, args.frontend_backlog_steps)
+    admission = SharedAdmission(in_flight, args.max_concurrent_requests)
     try:
-        return asyncio.run(_scheduler_main(args, extra))
+        code = asyncio.run(
+            router_main.serve(args, engine_source=source, reuse_port=True, admission=admission)
+        )
     except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        code = 130
+    sys.exit(code)

@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from service.engine_api import (
     DrainingError,
@@ -120,6 +121,19 @@ class _Collector:
         )
 
 
+class Admission(Protocol):
+    """A limit on client requests in flight shared with other processes (the multi-process
+    router's front ends): checked beside the service's own limit, at once, before validation."""
+
+    def try_enter(self) -> bool:
+        """Counts one more request in flight, or returns False when the limit is reached."""
+        ...
+
+    def leave(self) -> None:
+        """Counts one request fewer (only after a successful try_enter)."""
+        ...
+
+
 class GenerationService:
     """Runs client requests on the engine within the router's limits."""
 
@@ -132,6 +146,7 @@ class GenerationService:
         max_concurrent_requests: int,
         on_shard_failure: Callable[[], None] | None = None,
         logger: logging.Logger | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.engine = engine
         self.validator = validator
@@ -141,6 +156,7 @@ class GenerationService:
         self._log = logger or logging.getLogger(REQUEST_LOGGER)
         self._in_flight = 0
         self._draining = False
+        self._admission = admission
 
     @property
     def in_flight(self) -> int:
@@ -154,7 +170,9 @@ class GenerationService:
         self.metrics.request_count.labels(method).inc()
         if self._draining:
             raise DrainingError("the server is shutting down and accepts no new requests")
-        if self._in_flight >= self.max_concurrent_requests:
+        if self._in_flight >= self.max_concurrent_requests or (
+            self._admission is not None and not self._admission.try_enter()
+        ):
             raise OverloadedError(
                 f"too many requests in flight: the limit is {self.max_concurrent_requests} "
                 f"(--max-concurrent-requests)"
@@ -163,6 +181,8 @@ class GenerationService:
         self.metrics.in_flight.set(self._in_flight)
 
     def _release(self) -> None:
+        if self._admission is not None:
+            self._admission.leave()
         self._in_flight -= 1
         self.metrics.in_flight.set(self._in_flight)
 

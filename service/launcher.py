@@ -100,7 +100,29 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
     PassThrough("--max-batch-size", int, ("MAX_BATCH_SIZE",), "requests per step", "router"),
     PassThrough("--waiting-served-ratio", float, ("WAITING_SERVED_RATIO",), "see TGI", "router"),
     PassThrough("--max-waiting-tokens", int, ("MAX_WAITING_TOKENS",), "see TGI", "router"),
-    PassThrough("--prometheus-port", int, ("PROMETHEUS_PORT",), "router metrics port", "router"),
+    PassThrough(
+        "--prometheus-port",
+        int,
+        ("PROMETHEUS_PORT",),
+        "router metrics port (with --frontends N: PORT scheduler, PORT+i front end i)",
+        "router",
+    ),
+    PassThrough(
+        "--frontends",
+        int,
+        ("FRONTENDS",),
+        "router processes streaming the public API: N >= 2 runs a scheduler process and N "
+        "front ends sharing --port (default 1: one process)",
+        "router",
+    ),
+    PassThrough(
+        "--frontend-backlog-steps",
+        float,
+        ("FRONTEND_BACKLOG_STEPS",),
+        "with --frontends >= 2: steps of events a front end may queue (more: cheaper per "
+        "token, smaller batches, more latency)",
+        "router",
+    ),
     PassThrough("--api-key", str, ("API_KEY",), "require 'authorization: Bearer KEY'", "router"),
     PassThrough(
         "--json-output", None, ("JSON_OUTPUT",), "structured JSON logs", "router", is_bool=True

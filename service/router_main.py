@@ -4,6 +4,11 @@ Startup: connect to rank 0 (which names the other ranks), read Info, Warmup with
 build the engine, then serve `tokenwire.v1.TextGeneration`, `grpc.health.v1.Health` (NOT_SERVING
 until warm) and server reflection. SIGTERM/SIGINT: NOT_SERVING, drain up to --graceful-timeout,
 stop. Flags fall back to the environment variables TGI users know (PORT, MAX_INPUT_TOKENS, ...).
+
+`--frontends N` (N >= 2) runs the same public router in N front-end processes sharing the port
+(SO_REUSEPORT) beside one scheduler process that owns the engine: see service/frontend.py.
+`serve` takes where its engine comes from as an `EngineSource` (default: the shards themselves,
+`ShardEngineSource`), which is how the front ends plug in theirs.
 """
 
 from __future__ import annotations
@@ -16,7 +21,12 @@ import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from service.engine import EngineConfig
+    from service.engine_api import Engine
+    from service.generation import Admission
 
 import grpc
 from grpc import aio
@@ -82,7 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-concurrent-requests",
         type=int,
         default=int(_env("MAX_CONCURRENT_REQUESTS") or 128),
-        help="client requests in flight (queued or running) before RESOURCE_EXHAUSTED "
+        help="client requests in flight (queued or running) before RESOURCE_EXHAUSTED; with "
+        "--frontends N the limit is global: the front ends share one counter of admitted "
+        "requests, so the excess is refused at once whichever front end it reaches "
         "[MAX_CONCURRENT_REQUESTS] (default 128)",
     )
     a(
@@ -170,8 +182,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prometheus-port",
         type=int,
         default=int(_env("PROMETHEUS_PORT") or 0),
-        help="serve Prometheus metrics at http://HOSTNAME:PORT/metrics; 0 = off "
-        "[PROMETHEUS_PORT] (default 0)",
+        help="serve Prometheus metrics at http://HOSTNAME:PORT/metrics; 0 = off. With "
+        "--frontends N: PORT serves the scheduler process (engine metrics: KV blocks, queue, "
+        "batch, scheduler CPU) and PORT+1 .. PORT+N serve front end 1 .. N (request metrics: "
+        "counts, latencies, tokens, in flight; their engine gauges are copies of the "
+        "scheduler's, refreshed every 0.25 s) [PROMETHEUS_PORT] (default 0)",
     )
     a(
         "--prometheus-hostname",
@@ -199,6 +214,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--startup-timeout", type=float, default=float(_env("STARTUP_TIMEOUT") or 600.0),
       help="seconds to wait for the shards to answer and warm up (default 600)")  # fmt: skip
+    a(
+        "--frontends",
+        type=int,
+        default=int(_env("FRONTENDS") or 1),
+        help="public gRPC processes. 1: one process runs everything. N >= 2: one scheduler "
+        "process runs the engine and N front-end processes (validation, tokenization, "
+        "streaming) share --port through SO_REUSEPORT; streaming many tokens/s then uses more "
+        "than one core (benchmarks/ROUTER.md) [FRONTENDS] (default 1)",
+    )
+    a(
+        "--frontend-backlog-steps",
+        type=float,
+        default=float(_env("FRONTEND_BACKLOG_STEPS") or 8.0),
+        help="with --frontends N >= 2: steps' worth of token events a front end may hold "
+        "unwritten before it lets the engine run further ahead. More: each stream writes "
+        "several queued tokens per wakeup (less CPU per token), but requests finish in the "
+        "engine before their tokens are written (smaller batches) and tokens wait longer. "
+        "Fewer: tighter pacing, more CPU per token [FRONTEND_BACKLOG_STEPS] (default 8)",
+    )
 
 
 def _opt_int(*names: str) -> int | None:
@@ -245,6 +279,78 @@ def resolve_limits(args: argparse.Namespace, max_position_embeddings: int) -> Li
     return Limits(inputs, total, prefill, batch_size)
 
 
+@dataclass(frozen=True)
+class ShardConnection:
+    """What connecting to the shards yields: the client the router health-checks and closes,
+    the Warmup answer (`shard_convert.WarmupInfo`), the shard's `ShardInfo`, resolved limits."""
+
+    client: Any
+    warmup: Any
+    shard: Any
+    limits: Limits
+
+
+class EngineSource(Protocol):
+    """Where `serve` gets its engine: connect (and warm up), then build the engine."""
+
+    async def connect(self) -> ShardConnection:
+        """Waits until the engine's backend is ready; raises when it cannot be reached."""
+        ...
+
+    def build_engine(
+        self,
+        connection: ShardConnection,
+        config: EngineConfig,
+        on_unhealthy: Callable[[str], None],
+    ) -> Engine:
+        """The engine to serve with (`start()`, `drain()`, `close()` are called by serve);
+        `on_unhealthy(reason)` is called when its backend fails."""
+        ...
+
+
+@dataclass(frozen=True)
+class ShardEngineSource:
+    """The default EngineSource: the shards themselves and an in-process GenerationEngine."""
+
+    args: argparse.Namespace
+
+    async def connect(self) -> ShardConnection:
+        client, warm, shard, limits = await _connect(self.args, shard_target(self.args))
+        return ShardConnection(client, warm, shard, limits)
+
+    def build_engine(
+        self,
+        connection: ShardConnection,
+        config: EngineConfig,
+        on_unhealthy: Callable[[str], None],
+    ) -> Any:
+        from service import engine as engine_module
+
+        return engine_module.build_engine(
+            client=connection.client,
+            warmup=connection.warmup,
+            shard=connection.shard,
+            config=config,
+            on_unhealthy=on_unhealthy,
+        )
+
+
+def engine_config(args: argparse.Namespace, limits: Limits) -> EngineConfig:
+    """The engine's limits from the router flags and the resolved token limits."""
+    from service.engine import EngineConfig
+
+    return EngineConfig(
+        # best_of expands one client request into up to max_best_of sequences; the
+        # client-request limit is enforced by GenerationService.
+        max_concurrent_requests=args.max_concurrent_requests * args.max_best_of,
+        max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
+        max_batch_total_tokens=args.max_batch_total_tokens,
+        max_batch_size=limits.max_batch_size,
+        waiting_served_ratio=args.waiting_served_ratio,
+        max_waiting_tokens=args.max_waiting_tokens,
+    )
+
+
 def shard_target(args: argparse.Namespace) -> str:
     """gRPC target of shard rank 0."""
     if args.shard_address:
@@ -267,9 +373,11 @@ def build_server(
     host: str,
     port: int,
     api_key: str | None,
+    reuse_port: bool = False,
 ) -> tuple[aio.Server, int]:
     """The public gRPC server (not started): TextGeneration, grpc.health.v1 and reflection of
-    every service, behind the interceptors. Returns it with its bound port."""
+    every service, behind the interceptors. Returns it with its bound port. `reuse_port`:
+    several processes listen on the port (SO_REUSEPORT) and the kernel spreads connections."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
     from tokenwire.v1 import generate_pb2_grpc
@@ -280,7 +388,7 @@ def build_server(
     server = aio.server(
         interceptors=server_interceptors(api_key),
         options=[
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", int(reuse_port)),
             ("grpc.max_receive_message_length", 16 << 20),
             ("grpc.max_send_message_length", 64 << 20),
         ],
@@ -304,9 +412,15 @@ async def serve(
     *,
     on_listening: Callable[[int], Awaitable[None] | None] | None = None,
     stop: asyncio.Event | None = None,
+    engine_source: EngineSource | None = None,
+    reuse_port: bool = False,
+    admission: Admission | None = None,
 ) -> int:
-    """Runs the router until SIGTERM/SIGINT (or `stop`); returns the exit code."""
-    from service import engine as engine_module
+    """Runs the router until SIGTERM/SIGINT (or `stop`); returns the exit code.
+
+    `engine_source`: where the engine comes from (default `ShardEngineSource(args)`);
+    `reuse_port`: share the port with other processes (SO_REUSEPORT); `admission`: a counter of
+    client requests in flight shared with other processes, checked beside the local limit."""
     from service.generation import GenerationService, ServerInfo
     from service.metrics import MetricsServer, ServerMetrics
     from service.servicer import HealthReporter, TextGenerationServicer
@@ -314,6 +428,7 @@ async def serve(
     from service.validation import ValidationLimits, Validator
 
     stop = stop or asyncio.Event()
+    source = engine_source if engine_source is not None else ShardEngineSource(args)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
@@ -330,7 +445,12 @@ async def serve(
     await health_reporter.start()
     servicer = TextGenerationServicer(None, health_reporter)
     server, port = build_server(
-        servicer, health_reporter, host=args.hostname, port=args.port, api_key=args.api_key
+        servicer,
+        health_reporter,
+        host=args.hostname,
+        port=args.port,
+        api_key=args.api_key,
+        reuse_port=reuse_port,
     )
     await server.start()
     _log.info("listening on %s:%d (NOT_SERVING until the shards are warm)", args.hostname, port)
@@ -349,8 +469,7 @@ async def serve(
     engine = None
     tokenizer = None
     try:
-        target = shard_target(args)
-        connect_task = asyncio.ensure_future(_connect(args, target))
+        connect_task = asyncio.ensure_future(source.connect())
         stop_task = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait({connect_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         if connect_task not in done:
@@ -358,23 +477,18 @@ async def serve(
             _log.info("stopped before the shards were ready")
             return 0
         stop_task.cancel()
-        client, warm, shard, limits = connect_task.result()
+        connection = connect_task.result()
+        client, warm, shard, limits = (
+            connection.client,
+            connection.warmup,
+            connection.shard,
+            connection.limits,
+        )
         tokenizer = TokenizerPool(_tokenizer_path(args, shard.model_id), args.validation_workers)
-        engine = engine_module.build_engine(
-            client=client,
-            warmup=warm,
-            shard=shard,
-            config=engine_module.EngineConfig(
-                # best_of expands one client request into up to max_best_of sequences; the
-                # client-request limit is enforced by GenerationService.
-                max_concurrent_requests=args.max_concurrent_requests * args.max_best_of,
-                max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
-                max_batch_total_tokens=args.max_batch_total_tokens,
-                max_batch_size=limits.max_batch_size,
-                waiting_served_ratio=args.waiting_served_ratio,
-                max_waiting_tokens=args.max_waiting_tokens,
-            ),
-            on_unhealthy=lambda reason: health_reporter.shard_failed(),
+        engine = source.build_engine(
+            connection,
+            engine_config(args, limits),
+            lambda reason: health_reporter.shard_failed(),
         )
         holder["engine"] = engine
         await engine.start()
@@ -392,6 +506,7 @@ async def serve(
             metrics,
             max_concurrent_requests=args.max_concurrent_requests,
             on_shard_failure=health_reporter.shard_failed,
+            admission=admission,
         )
         info = ServerInfo(
             model_id=args.model_id or shard.model_id,
@@ -420,7 +535,7 @@ async def serve(
             info.model_id, warm.num_blocks, warm.block_size, limits.max_input_tokens,
             limits.max_total_tokens,
         )  # fmt: skip
-        watch = asyncio.ensure_future(_watch_shards(client, engine, health_reporter, stop))
+        watch = asyncio.ensure_future(watch_shards(client, engine, health_reporter, stop))
         await stop.wait()
         watch.cancel()
         _log.info("draining (up to %.1f s)", args.graceful_timeout)
@@ -483,9 +598,7 @@ async def _retry_info(client: Any, timeout_s: float) -> Any:
             await asyncio.sleep(0.2)
 
 
-async def _watch_shards(
-    client: Any, engine: Any, health_reporter: Any, stop: asyncio.Event
-) -> None:
+async def watch_shards(client: Any, engine: Any, health_reporter: Any, stop: asyncio.Event) -> None:
     """Flips health to NOT_SERVING when a shard dies while the engine is idle (a busy engine
     finds out from its step RPCs). Only a refused or broken connection counts as death: a slow
     answer from a busy shard does not."""
@@ -531,6 +644,16 @@ def _version() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.frontends < 1:
+        raise SystemExit(f"--frontends must be >= 1 (got {args.frontends})")
+    if args.frontend_backlog_steps <= 0:
+        raise SystemExit(
+            f"--frontend-backlog-steps must be > 0 (got {args.frontend_backlog_steps})"
+        )
+    if args.frontends > 1:
+        from service.frontend import run_multiprocess
+
+        return run_multiprocess(args)
     from service.logs import setup_logging
 
     setup_logging(json_output=args.json_output, level=args.log_level)

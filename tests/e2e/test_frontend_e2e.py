@@ -1,15 +1,18 @@
-"""service.frontend (one scheduler process + streaming front-end processes) against the fake shard:
-the public API behaves as `tokenwire router` does — streams equal unary answers, validation
-errors, cancellation frees every KV block, a dead shard ends streams with UNAVAILABLE."""
+"""`tokenwire router --frontends 2` (one scheduler process + streaming front-end processes, see
+service/frontend.py) against the fake shard: the public API behaves as the one-process router
+does — streams equal unary answers, validation errors, cancellation frees every KV block, a dead
+shard ends streams with UNAVAILABLE, --max-concurrent-requests is one global limit — and each
+front end serves its request metrics on its own Prometheus port."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -40,40 +43,55 @@ async def _until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-u
         await asyncio.sleep(0.05)
 
 
-@pytest.fixture
-async def deployment(tokenizer_dir: Path) -> AsyncIterator[tuple[object, str, int, object]]:
+@contextlib.asynccontextmanager
+async def _deploy(
+    tokenizer_dir: Path, *, max_concurrent: int, channels: int = 1
+) -> AsyncIterator[tuple[Sequence[object], str, int, object]]:
+    """The fake shard and `tokenwire router --frontends 2`; yields stubs over `channels`
+    separate connections (SO_REUSEPORT spreads connections, not calls, over the front ends)."""
     cfg = FakeShardConfig(num_blocks=512, block_size=16, step_delay_s=0.002)
     shard_server, _, shard_url = await start_fake_shard(cfg)
     port, prom = free_port(), free_port()
     proc = subprocess.Popen(  # noqa: ASYNC220 - fixture setup
-        [sys.executable, "-m", "service.frontend", "--frontends", "2",
+        [sys.executable, "-m", "service.cli", "router", "--frontends", "2",
          "--shard-address", shard_url, "--tokenizer", str(tokenizer_dir),
          "--port", str(port), "--prometheus-port", str(prom),
          "--max-input-tokens", "64", "--max-total-tokens", "256",
-         "--max-concurrent-requests", "64", "--log-level", "WARNING"],
+         "--max-concurrent-requests", str(max_concurrent), "--log-level", "WARNING"],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'gen' / 'python'}"},
     )  # fmt: skip
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    # A local subchannel pool per channel: one TCP connection each.
+    opts = [("grpc.use_local_subchannel_pool", 1)]
+    chans = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=opts) for _ in range(channels)]
     try:
-        health = health_pb2_grpc.HealthStub(channel)
-        for _ in range(300):
-            try:
-                reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.1)
-        yield generate_pb2_grpc.TextGenerationStub(channel), shard_url, prom, shard_server
+        for chan in chans:  # every connection's front end is up
+            health = health_pb2_grpc.HealthStub(chan)
+            for _ in range(300):
+                try:
+                    reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.aio.AioRpcError:
+                    pass
+                await asyncio.sleep(0.1)
+        stubs = [generate_pb2_grpc.TextGenerationStub(c) for c in chans]
+        yield stubs, shard_url, prom, shard_server
     finally:
-        await channel.close()
+        for c in chans:
+            await c.close()
         proc.terminate()
         try:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
         await shard_server.stop(None)
+
+
+@pytest.fixture
+async def deployment(tokenizer_dir: Path) -> AsyncIterator[tuple[object, str, int, object]]:
+    async with _deploy(tokenizer_dir, max_concurrent=64) as (stubs, shard_url, prom, shard):
+        yield stubs[0], shard_url, prom, shard
 
 
 def _req(text: str, n: int, **kw: object) -> pb.GenerateRequest:
@@ -128,3 +146,36 @@ async def test_cancel_half_frees_blocks_and_shard_death_is_unavailable(deploymen
         while (await long.read()) is not grpc.aio.EOF:
             pass
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_max_concurrent_requests_is_global(tokenizer_dir: Path) -> None:
+    limit = 8
+    async with _deploy(tokenizer_dir, max_concurrent=limit, channels=16) as (stubs, _, prom, _):
+
+        async def one(stub: object, i: int) -> str:
+            try:
+                n = 0
+                async for _ in stub.GenerateStream(_req(f"busy {i}", 150)):  # type: ignore[attr-defined]
+                    n += 1
+                assert n == 150
+                return "ok"
+            except grpc.aio.AioRpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+                assert "--max-concurrent-requests" in (err.details() or "")
+                return "refused"
+
+        # 2x the limit at once, one call per connection (both front ends get some): the excess
+        # is refused, the rest complete.
+        results = await asyncio.gather(*(one(stubs[i], i) for i in range(2 * limit)))
+        assert sorted(results) == ["ok"] * limit + ["refused"] * limit
+        # Over ONE connection (one front end) the whole global limit is usable.
+        results = await asyncio.gather(*(one(stubs[0], i) for i in range(2 * limit)))
+        assert sorted(results) == ["ok"] * limit + ["refused"] * limit
+        # Each front end serves its request metrics on PORT+i; together they saw every call.
+        counts = [_counter_sum(prom + i, "tokenwire_request_count_total") for i in (1, 2)]
+        assert sum(counts) == 4 * limit and all(c > 0 for c in counts), counts
+
+
+def _counter_sum(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
