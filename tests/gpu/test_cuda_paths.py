@@ -182,7 +182,8 @@ def test_fp8_kv_scaled_kernels_match_torch_backend():
     torch.manual_seed(3)
     dev = torch.device("cuda")
     heads, kvh, hd, bs, blocks = 8, 2, 64, 16, 32
-    scales = KvScales(torch.tensor([0.01, 0.05], device=dev), torch.tensor([0.02, 0.003], device=dev))
+    # |k| < ~10, |v| < ~2.5: stored values stay under 448 (no saturation) at these scales
+    scales = KvScales(torch.tensor([0.03, 0.05], device=dev), torch.tensor([0.02, 0.01], device=dev))
     runner = ModelRunner(None, None, bs, dev)  # only prepare() is used
     lens = [40, 7, 100]
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
