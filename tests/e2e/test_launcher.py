@@ -86,6 +86,23 @@ def test_unset_flags_keep_component_defaults(monkeypatch: pytest.MonkeyPatch) ->
     assert "--max-total-tokens" not in router and "--api-key" not in router
 
 
+def test_frontends_flag_reaches_the_router(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FRONTENDS", raising=False)
+    monkeypatch.delenv("FRONTEND_BACKLOG_STEPS", raising=False)
+    assert parse(["router"]).frontends == 1  # one process unless asked
+    assert parse(["router"]).frontend_backlog_steps == 8.0
+    args = parse(["launch", "--frontends", "3", "--frontend-backlog-steps", "4"])
+    joined = " ".join(launcher.router_command(args, "m", Path("/m"), "/p"))
+    assert "--frontends 3" in joined and "--frontend-backlog-steps 4.0" in joined, joined
+    router_args = parse(joined.split(" service.cli ", 1)[1].split())
+    assert (router_args.frontends, router_args.frontend_backlog_steps) == (3, 4.0)
+    monkeypatch.setenv("FRONTENDS", "2")
+    assert parse(["router"]).frontends == 2
+    assert "--frontends 2" in " ".join(
+        launcher.router_command(parse(["launch"]), "m", Path("/m"), "/p")
+    )
+
+
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory):
     # The API key through the environment, as TGI users set it.
