@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="quantize the linear layers (as `tokenwire shard --quantize`)")
     a("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3fn", "fp8_e5m2"],
       help="KV cache storage (as `tokenwire shard --kv-cache-dtype`)")
+    a("--router-frontends", type=int, default=4 if (os.cpu_count() or 1) >= 8 else 1,
+      help="e2e: `launch --frontends` (router front-end processes; default 4 with >= 8 CPUs, "
+           "else 1)")
     a("--num-shard", type=int, default=1,
       help="tensor-parallel ranks: > 1 adds the `tp` part (one process per GPU over NCCL: tiny "
            "greedy vs one GPU, 8B logits vs one GPU, decode speedup) and is used by e2e")
@@ -472,6 +475,7 @@ def bench_e2e(model_dir: Path, args, log_path: Path) -> dict:
         "--max-batch-prefill-tokens", "8192",
         "--max-batch-size", str(args.e2e_max_batch_size),
         "--num-shard", str(args.num_shard), "--kv-cache-dtype", args.kv_cache_dtype,
+        "--frontends", str(args.router_frontends),
     ] + (["--quantize", args.quantize] if args.quantize else [])
     env = dict(os.environ)
     t0 = time.perf_counter()
