@@ -144,13 +144,12 @@ def run_grpc(args: argparse.Namespace) -> dict[str, float]:
     router = subprocess.Popen(
         [
             sys.executable, *(["-m", "cProfile", "-o", args.profile_router] if args.profile_router else []),
-            *(["-m", "service.frontend", "--frontends", str(args.frontends)]
-              if args.frontends else ["-m", "service.cli", "router"]),
+            "-m", "service.cli", "router", "--frontends", str(max(args.frontends, 1)),
             "--shard-address", f"127.0.0.1:{shard_port}",
             "--tokenizer", str(tok),
             "--port", str(router_port),
             "--prometheus-port", str(prom_port),
-            "--max-concurrent-requests", str(args.streams * 2 // max(args.frontends, 1)),
+            "--max-concurrent-requests", str(args.streams * 2),
             "--max-batch-size", str(args.streams),
             "--max-input-tokens", "1024",
             "--max-total-tokens", "2048",
@@ -331,7 +330,7 @@ def _grpc_h2load(args, target, prom_port, router, shard, tmp) -> dict[str, float
     # (the fake shard always generates max_new_tokens; checked by the sample stream above).
     tokens_in_window = h["done"] * args.max_new_tokens / args.duration * wall
     res = _report(args, m0, m1, wall, tokens_in_window, r1 - r0, s1 - s0, c1 - c0, 0)  # fmt: skip
-    if args.frontends:  # the scheduler process alone (the rest is the front ends)
+    if args.frontends > 1:  # the scheduler process alone (the rest is the front ends)
         res["scheduler_process_cpu_us_per_token"] = 1e6 * (root1 - root0) / max(tokens_in_window, 1)
         res["scheduler_process_cpu_cores"] = (root1 - root0) / wall
     res["h2load_requests_done"] = h["done"]
@@ -550,7 +549,8 @@ def main() -> None:
         "--frontends",
         type=int,
         default=0,
-        help="0: `tokenwire router` (one process); N: service.frontend, one scheduler process "
+        help="0 or 1: `tokenwire router` (one process); N >= 2: `tokenwire router --frontends N`, "
+        "one scheduler process "
         "and N streaming front-end processes",
     )
     p.add_argument("--profile-router", help="write a cProfile of the router process here")

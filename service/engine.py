@@ -164,7 +164,7 @@ class _Stream:
 
 
 class EventSink(Protocol):
-    """Receives the events of many requests (an out-of-process front end, service.frontend):
+    """Receives the events of many requests (an out-of-process front end, service/frontend.py):
     `add` for each event during a step, `flush` once at the end of every step that added any
     (one batched message per front end per step instead of one wakeup per request), `fail` for
     a request's failure (at any time)."""
@@ -232,7 +232,7 @@ class GenerationEngine:
         self._cancelled: list[tuple[int, EngineError | None]] = []
         self._dirty_sinks: list[EventSink] = []
         # Awaited before each step when set: lets out-of-process front ends pace the engine
-        # (service.frontend), so that an instant shard cannot run far ahead of the streams.
+        # (service/frontend.py), so that an instant shard cannot run far ahead of the streams.
         self.step_gate: Callable[[], Awaitable[None]] | None = None
         self._deadlines: list[tuple[float, int]] = []  # heap
         self._wake = asyncio.Event()
