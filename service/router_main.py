@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import grpc
+from grpc import aio
+
 if TYPE_CHECKING:
     from service.engine import EngineConfig
     from service.engine_api import Engine
     from service.generation import Admission
-
-import grpc
-from grpc import aio
 
 DEFAULT_SHARD_UDS_PATH = "/tmp/tokenwire-shard"
 # TGI's defaults: max_total_tokens = min(max_position_embeddings, 4096), max_input = total - 1.

@@ -1,0 +1,124 @@
+"""router_main.serve takes its engine, port sharing and cross-process admission as parameters
+(what the multi-process router's front ends inject): no module attribute is patched."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import socket
+from pathlib import Path
+from typing import Any
+
+import grpc
+from tokenwire.v1 import generate_pb2 as pb
+from tokenwire.v1 import generate_pb2_grpc
+
+from service import router_main
+from service.frontend import SharedAdmission
+from service.testing import FakeShardConfig, start_fake_shard
+
+
+class _CountingSource:
+    """The default source, counting its calls: serve must use the one it is given."""
+
+    def __init__(self, args: Any) -> None:
+        self.inner = router_main.ShardEngineSource(args)
+        self.calls: list[str] = []
+
+    async def connect(self) -> router_main.ShardConnection:
+        self.calls.append("connect")
+        return await self.inner.connect()
+
+    def build_engine(self, connection: Any, config: Any, on_unhealthy: Any) -> Any:
+        self.calls.append(f"build max_concurrent={config.max_concurrent_requests}")
+        return self.inner.build_engine(connection, config, on_unhealthy)
+
+
+class _OneSlot:
+    """An Admission that another process has filled but for one slot."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+
+    def try_enter(self) -> bool:
+        if self.taken:
+            return False
+        self.taken += 1
+        return True
+
+    def leave(self) -> None:
+        self.taken -= 1
+
+
+def _args(shard_url: str, tokenizer_dir: Path) -> Any:
+    parser = argparse.ArgumentParser()
+    router_main.add_arguments(parser)
+    argv = f"--shard-address {shard_url} --tokenizer {tokenizer_dir} --port 0 "
+    argv += (
+        "--max-input-tokens 32 --max-total-tokens 64 --max-best-of 2 --max-concurrent-requests 4"
+    )
+    return parser.parse_args(argv.split())
+
+
+async def test_serve_uses_the_injected_source_admission_and_reuse_port(
+    tokenizer_dir: Path,
+) -> None:
+    shard_server, _, shard_url = await start_fake_shard(FakeShardConfig(num_blocks=64))
+    args = _args(shard_url, tokenizer_dir)
+    source, admission = _CountingSource(args), _OneSlot()
+    stop = asyncio.Event()
+    ports: asyncio.Queue[int] = asyncio.Queue()
+    task = asyncio.ensure_future(
+        router_main.serve(
+            args,
+            on_listening=ports.put_nowait,
+            stop=stop,
+            engine_source=source,
+            reuse_port=True,
+            admission=admission,
+        )
+    )
+    try:
+        port = await asyncio.wait_for(ports.get(), 10)
+        # SO_REUSEPORT: another process (here a socket) may listen on the same port.
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            other.bind(("127.0.0.1", port))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = generate_pb2_grpc.TextGenerationStub(channel)
+            req = pb.GenerateRequest(
+                inputs="hello", parameters=pb.GenerateParameters(max_new_tokens=3, details=True)
+            )
+            for _ in range(100):  # until warm
+                try:
+                    reply = await stub.Generate(req, timeout=5)
+                    break
+                except grpc.aio.AioRpcError as err:
+                    assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                    await asyncio.sleep(0.05)
+            assert reply.details.generated_tokens == 3
+            assert admission.taken == 0  # left after the call
+            admission.taken = 1  # the other front ends hold the rest of the global limit
+            try:
+                await stub.Generate(req, timeout=5)
+                raise AssertionError("expected RESOURCE_EXHAUSTED")
+            except grpc.aio.AioRpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "--max-concurrent-requests" in (err.details() or "")
+        assert source.calls == ["connect", "build max_concurrent=8"]  # 4 requests x best_of 2
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 20) == 0
+        await shard_server.stop(None)
+
+
+def test_shared_admission_is_one_limit_across_holders() -> None:
+    counter = multiprocessing.get_context("spawn").Value("i", 0)
+    a, b = SharedAdmission(counter, 3), SharedAdmission(counter, 3)
+    assert [a.try_enter(), b.try_enter(), b.try_enter(), a.try_enter(), b.try_enter()] == [
+        True, True, True, False, False,
+    ]  # fmt: skip
+    a.leave()
+    assert b.try_enter() and not a.try_enter()
+    assert counter.value == 3
