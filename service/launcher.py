@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.env_flags import env_bool, env_value
+
 TINY_MODEL_NAME = "tiny-llama-v1"
 PR_SET_PDEATHSIG = 1
 
@@ -155,92 +157,79 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
 )
 
 
-def _env(*names: str) -> str | None:
-    for name in names:
-        value = os.environ.get(name)
-        if value not in (None, ""):
-            return value
-    return None
-
-
-def _env_bool(*names: str) -> bool:
-    value = _env(*names)
-    return value is not None and value.lower() in ("1", "true", "yes", "on")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Defaults read the environment when the parser is built (at run time, not import time).
     parser.description = __doc__.splitlines()[0]
     parser.add_argument(
         "--model-id",
-        default=_env("MODEL_ID"),
+        default=env_value("MODEL_ID"),
         help="local directory or hub id; default: the embedded tiny model [MODEL_ID]",
     )
-    parser.add_argument("--revision", default=_env("REVISION"), help="hub revision [REVISION]")
+    parser.add_argument("--revision", default=env_value("REVISION"), help="hub revision [REVISION]")
     parser.add_argument(
         "--num-shard",
         type=int,
-        default=_env("NUM_SHARD") or 1,
+        default=env_value("NUM_SHARD") or 1,
         help="tensor-parallel shard processes [NUM_SHARD]",
     )
     parser.add_argument(
         "--hostname",
-        default=_env("HOSTNAME") or "127.0.0.1",
+        default=env_value("HOSTNAME") or "127.0.0.1",
         help="router (gRPC) listen address [HOSTNAME]",
     )
     parser.add_argument(
-        "--port", type=int, default=_env("PORT") or 50051, help="router (gRPC) port [PORT]"
+        "--port", type=int, default=env_value("PORT") or 50051, help="router (gRPC) port [PORT]"
     )
     parser.add_argument(
         "--http-port",
         type=int,
-        default=_env("HTTP_PORT"),
+        default=env_value("HTTP_PORT"),
         help="also serve REST/SSE through Envoy on this port [HTTP_PORT]",
     )
     parser.add_argument(
         "--http-hostname",
-        default=_env("HTTP_HOSTNAME") or "0.0.0.0",
+        default=env_value("HTTP_HOSTNAME") or "0.0.0.0",
         help="Envoy listen address [HTTP_HOSTNAME]",
     )
     parser.add_argument(
         "--max-request-bytes",
         type=int,
-        default=_env("MAX_REQUEST_BYTES"),
+        default=env_value("MAX_REQUEST_BYTES"),
         help="REST body size limit (413 above); default as in envoy/envoy.yaml",
     )
     parser.add_argument(
         "--envoy-admin-port",
         type=int,
-        default=_env("ENVOY_ADMIN_PORT") or 0,
+        default=env_value("ENVOY_ADMIN_PORT") or 0,
         help="Envoy admin port on 127.0.0.1 (0: any free port)",
     )
     parser.add_argument(
         "--shard-uds-path",
-        default=_env("SHARD_UDS_PATH"),
+        default=env_value("SHARD_UDS_PATH"),
         help="socket prefix; rank r listens on PREFIX-r (default: a fresh "
         "temporary directory per launch) [SHARD_UDS_PATH]",
     )
     parser.add_argument(
         "--master-addr",
-        default=_env("MASTER_ADDR") or "127.0.0.1",
+        default=env_value("MASTER_ADDR") or "127.0.0.1",
         help="rendezvous address of the shards [MASTER_ADDR]",
     )
     parser.add_argument(
         "--master-port",
         type=int,
-        default=_env("MASTER_PORT"),
+        default=env_value("MASTER_PORT"),
         help="rendezvous port of the shards (default: a free port) [MASTER_PORT]",
     )
     parser.add_argument(
         "--graceful-timeout",
         type=float,
-        default=_env("GRACEFUL_TIMEOUT") or 30.0,
+        default=env_value("GRACEFUL_TIMEOUT") or 30.0,
         help="seconds to finish in-flight requests on SIGTERM [GRACEFUL_TIMEOUT]",
     )
     parser.add_argument(
         "--startup-timeout",
         type=float,
-        default=_env("STARTUP_TIMEOUT") or 600.0,
+        default=env_value("STARTUP_TIMEOUT") or 600.0,
         help="seconds to wait for each component to become ready",
     )
     parser.add_argument(
@@ -254,10 +243,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help_text = f"{spec.target}: {spec.help} [{spec.env[0]}]"
         if spec.is_bool:
             parser.add_argument(
-                spec.flag, action="store_true", default=_env_bool(*spec.env), help=help_text
+                spec.flag, action="store_true", default=env_bool(*spec.env), help=help_text
             )
         else:
-            parser.add_argument(spec.flag, type=spec.type, default=_env(*spec.env), help=help_text)
+            parser.add_argument(
+                spec.flag, type=spec.type, default=env_value(*spec.env), help=help_text
+            )
 
 
 # --- model ---------------------------------------------------------------------------------------

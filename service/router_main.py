@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -25,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from grpc import aio
+
+from service.env_flags import env_bool, env_value
 
 if TYPE_CHECKING:
     from service.engine import EngineConfig
@@ -37,61 +38,48 @@ DEFAULT_TOTAL_TOKENS_CAP = 4096
 _log = logging.getLogger("tokenwire.router")
 
 
-def _env(*names: str) -> str | None:
-    for name in names:
-        value = os.environ.get(name)
-        if value not in (None, ""):
-            return value
-    return None
-
-
-def _env_bool(*names: str) -> bool:
-    value = _env(*names)
-    return value is not None and value.lower() in ("1", "true", "yes", "on")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `tokenwire router` (defaults read the environment when the parser is built)."""
     parser.description = __doc__.splitlines()[0]
     a = parser.add_argument
     a(
         "--hostname",
-        default=_env("HOSTNAME") or "127.0.0.1",
+        default=env_value("HOSTNAME") or "127.0.0.1",
         help="address the gRPC server listens on [HOSTNAME] (default 127.0.0.1)",
     )
     a(
         "--port",
         type=int,
-        default=int(_env("PORT") or 50051),
+        default=int(env_value("PORT") or 50051),
         help="gRPC port; 0 picks a free one [PORT] (default 50051)",
     )
     a(
         "--shard-uds-path",
-        default=_env("SHARD_UDS_PATH"),
+        default=env_value("SHARD_UDS_PATH"),
         help="unix socket prefix of the shards: rank 0 listens on unix://PREFIX-0 and names the "
         f"others [SHARD_UDS_PATH] (default {DEFAULT_SHARD_UDS_PATH})",
     )
     a(
         "--shard-address",
-        default=_env("SHARD_ADDRESS"),
+        default=env_value("SHARD_ADDRESS"),
         help="HOST:PORT of shard rank 0 instead of a unix socket [SHARD_ADDRESS]",
     )
     a(
         "--model-id",
-        default=_env("MODEL_ID"),
+        default=env_value("MODEL_ID"),
         help="model id reported by Info (default: what the shard reports) [MODEL_ID]",
     )
     a(
         "--tokenizer",
         type=Path,
-        default=_env("TOKENIZER"),
+        default=env_value("TOKENIZER"),
         help="directory holding tokenizer.json, or the file (default: the resolved --model-id "
         "directory, else the shard's model directory) [TOKENIZER]",
     )
     a(
         "--max-concurrent-requests",
         type=int,
-        default=int(_env("MAX_CONCURRENT_REQUESTS") or 128),
+        default=int(env_value("MAX_CONCURRENT_REQUESTS") or 128),
         help="client requests in flight (queued or running) before RESOURCE_EXHAUSTED; with "
         "--frontends N the limit is global: the front ends share one counter of admitted "
         "requests, so the excess is refused at once whichever front end it reaches "
@@ -100,19 +88,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--max-best-of",
         type=int,
-        default=int(_env("MAX_BEST_OF") or 2),
+        default=int(env_value("MAX_BEST_OF") or 2),
         help="largest best_of a request may ask for [MAX_BEST_OF] (default 2)",
     )
     a(
         "--max-stop-sequences",
         type=int,
-        default=int(_env("MAX_STOP_SEQUENCES") or 4),
+        default=int(env_value("MAX_STOP_SEQUENCES") or 4),
         help="most stop sequences per request [MAX_STOP_SEQUENCES] (default 4)",
     )
     a(
         "--max-top-n-tokens",
         type=int,
-        default=int(_env("MAX_TOP_N_TOKENS") or 5),
+        default=int(env_value("MAX_TOP_N_TOKENS") or 5),
         help="largest top_n_tokens per request [MAX_TOP_N_TOKENS] (default 5)",
     )
     a(
@@ -133,14 +121,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--max-client-batch-size",
         type=int,
-        default=int(_env("MAX_CLIENT_BATCH_SIZE") or 4),
+        default=int(env_value("MAX_CLIENT_BATCH_SIZE") or 4),
         help="most inputs in one client batch (reported by Info) [MAX_CLIENT_BATCH_SIZE] "
         "(default 4)",
     )
     a(
         "--validation-workers",
         type=int,
-        default=int(_env("VALIDATION_WORKERS") or 2),
+        default=int(env_value("VALIDATION_WORKERS") or 2),
         help="tokenizer threads [VALIDATION_WORKERS] (default 2)",
     )
     a(
@@ -167,21 +155,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--waiting-served-ratio",
         type=float,
-        default=float(_env("WAITING_SERVED_RATIO") or 0.3),
+        default=float(env_value("WAITING_SERVED_RATIO") or 0.3),
         help="admit waiting requests into a running batch when waiting/running exceeds this "
         "[WAITING_SERVED_RATIO] (default 0.3)",
     )
     a(
         "--max-waiting-tokens",
         type=int,
-        default=int(_env("MAX_WAITING_TOKENS") or 20),
+        default=int(env_value("MAX_WAITING_TOKENS") or 20),
         help="decode steps a waiting request may wait before forcing a prefill "
         "[MAX_WAITING_TOKENS] (default 20)",
     )
     a(
         "--prometheus-port",
         type=int,
-        default=int(_env("PROMETHEUS_PORT") or 0),
+        default=int(env_value("PROMETHEUS_PORT") or 0),
         help="serve Prometheus metrics at http://HOSTNAME:PORT/metrics; 0 = off. With "
         "--frontends N: PORT serves the scheduler process (engine metrics: KV blocks, queue, "
         "batch, scheduler CPU) and PORT+1 .. PORT+N serve front end 1 .. N (request metrics: "
@@ -190,34 +178,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a(
         "--prometheus-hostname",
-        default=_env("PROMETHEUS_HOSTNAME") or "0.0.0.0",
+        default=env_value("PROMETHEUS_HOSTNAME") or "0.0.0.0",
         help="address of the metrics endpoint [PROMETHEUS_HOSTNAME] (default 0.0.0.0)",
     )
     a(
         "--api-key",
-        default=_env("API_KEY"),
+        default=env_value("API_KEY"),
         help="require 'authorization: Bearer KEY' metadata on generation calls (health and "
         "reflection stay open) [API_KEY]",
     )
     a(
         "--json-output",
         action="store_true",
-        default=_env_bool("JSON_OUTPUT"),
+        default=env_bool("JSON_OUTPUT"),
         help="log one JSON object per line [JSON_OUTPUT]",
     )
-    a("--log-level", default=_env("LOG_LEVEL") or "INFO", help="[LOG_LEVEL] (default INFO)")
+    a("--log-level", default=env_value("LOG_LEVEL") or "INFO", help="[LOG_LEVEL] (default INFO)")
     a(
         "--graceful-timeout",
         type=float,
-        default=float(_env("GRACEFUL_TIMEOUT") or 30.0),
+        default=float(env_value("GRACEFUL_TIMEOUT") or 30.0),
         help="seconds to finish in-flight requests after SIGTERM [GRACEFUL_TIMEOUT] (default 30)",
     )
-    a("--startup-timeout", type=float, default=float(_env("STARTUP_TIMEOUT") or 600.0),
+    a("--startup-timeout", type=float, default=float(env_value("STARTUP_TIMEOUT") or 600.0),
       help="seconds to wait for the shards to answer and warm up (default 600)")  # fmt: skip
     a(
         "--frontends",
         type=int,
-        default=int(_env("FRONTENDS") or 1),
+        default=int(env_value("FRONTENDS") or 1),
         help="public gRPC processes. 1: one process runs everything. N >= 2: one scheduler "
         "process runs the engine and N front-end processes (validation, tokenization, "
         "streaming) share --port through SO_REUSEPORT; streaming many tokens/s then uses more "
@@ -226,7 +214,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--frontend-backlog-steps",
         type=float,
-        default=float(_env("FRONTEND_BACKLOG_STEPS") or 8.0),
+        default=float(env_value("FRONTEND_BACKLOG_STEPS") or 8.0),
         help="with --frontends N >= 2: steps' worth of token events a front end may hold "
         "unwritten before it lets the engine run further ahead. More: each stream writes "
         "several queued tokens per wakeup (less CPU per token), but requests finish in the "
@@ -236,7 +224,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _opt_int(*names: str) -> int | None:
-    value = _env(*names)
+    value = env_value(*names)
     return None if value is None else int(value)
 
 
