@@ -16,10 +16,12 @@ The graph bakes in the KV cache's addresses: capture after the final KV allocati
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from shard.attention.base import AttentionMetadata
@@ -162,13 +164,19 @@ class CudaGraphDecodeRunner:
         b, w, h, bs = self.max_batch, self.width, self._host_np, self.block_size
         h[0:n] = token_ids
         h[b : b + n] = positions
-        h[2 * b : 2 * b + n] = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)]
         h[2 * b + n : 2 * b + g] = -1  # padding rows: no K/V write
         h[3 * b : 3 * b + n] = seq_lens
         h[3 * b + n : 3 * b + g] = 0  # padding rows: empty context
         tables = h[4 * b : 4 * b + g * w].reshape(g, w)
-        for i, t in enumerate(block_tables):
-            tables[i, : len(t)] = t
+        # All rows at once: one flat C-level pass over the ids, scattered under a ragged mask
+        # (entries past a row's length keep stale ids; seq_lens bounds what is read).
+        lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n)  # [n]
+        flat = np.fromiter(
+            itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lens.sum())
+        )
+        tables[:n][np.arange(w) < lens[:, None]] = flat
+        pos = h[b : b + n]
+        h[2 * b : 2 * b + n] = tables[np.arange(n), pos // bs] * bs + pos % bs  # slots [n]
         # One H2D copy of the used prefix of each section is simplest as one copy of it all.
         self._staged.copy_(self._host, non_blocking=True)
         self.graphs[g].replay()

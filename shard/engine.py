@@ -53,6 +53,9 @@ class RequestState:
     prompt_lps: list[float] = field(default_factory=list)  # logprob of prompt token p + 1
     # Generated text without special tokens' text (EOS, BOS): what GeneratedText.text reports.
     visible_text: list[str] = field(default_factory=list)
+    # Leading entries of `blocks` already checked against the KV pool (block tables only grow
+    # between Prefill chunks, so each id is range-checked once, not on every step).
+    blocks_checked: int = 0
 
 
 @dataclass
@@ -135,14 +138,36 @@ class Engine:
                 f"tokens but the step needs {seq_len}; grant more blocks"
             )
         if any(b >= self.runner.num_blocks for b in blocks[: math.ceil(seq_len / bs)]):
-            raise InvalidRequestError(
-                f"request {rid}: block id out of range (num_blocks={self.runner.num_blocks})"
-            )
+            self._block_out_of_range(rid)
         if seq_len > self.max_positions:
-            raise InvalidRequestError(
-                f"request {rid}: {seq_len} tokens exceed max_position_embeddings "
-                f"{self.max_positions}"
-            )
+            self._too_long(rid, seq_len)
+
+    def _check_state_blocks(self, state: RequestState, seq_len: int) -> None:
+        """_check_blocks for a known request: only block ids not yet checked are range-checked
+        (a decode step usually checks none)."""
+        bs = self.runner.block_size
+        blocks = state.blocks
+        if len(blocks) * bs < seq_len:
+            self._check_blocks(state.id, blocks, seq_len)  # raises
+        if seq_len > self.max_positions:
+            self._too_long(state.id, seq_len)
+        need = -(-seq_len // bs)
+        if need > state.blocks_checked:
+            limit = self.runner.num_blocks
+            if any(b >= limit for b in blocks[state.blocks_checked : need]):
+                self._block_out_of_range(state.id)
+            state.blocks_checked = need
+
+    def _block_out_of_range(self, rid: int) -> None:
+        raise InvalidRequestError(
+            f"request {rid}: block id out of range (num_blocks={self.runner.num_blocks})"
+        )
+
+    def _too_long(self, rid: int, seq_len: int) -> None:
+        raise InvalidRequestError(
+            f"request {rid}: {seq_len} tokens exceed max_position_embeddings "
+            f"{self.max_positions}"
+        )
 
     # ---- RPCs -------------------------------------------------------------------------------
 
@@ -170,6 +195,7 @@ class Engine:
                 self.requests[spec.id] = state
             else:  # next chunk: the router replaces block table and cursor
                 state.blocks = list(spec.blocks)
+                state.blocks_checked = 0
                 state.computed_len = spec.cache_len
             work.append(_Work(state, spec.cache_len, spec.chunk_len, end == len(state.token_ids)))
             new_ids.append(spec.id)
@@ -249,7 +275,7 @@ class Engine:
         lp_owner: list[RequestState] = []
         for w in work:
             seq_len = w.start + w.length
-            self._check_blocks(w.state.id, w.state.blocks, seq_len)
+            self._check_state_blocks(w.state, seq_len)
             base = len(inputs.token_ids)
             inputs.token_ids.extend(w.state.token_ids[w.start : seq_len])
             inputs.positions.extend(range(w.start, seq_len))
