@@ -100,24 +100,38 @@ def tokens_to_proto(t: TokenList) -> pb.Tokens:
     return pb.Tokens(ids=t.ids, logprobs=t.logprobs, texts=t.texts, is_special=t.is_special)
 
 
-def generation_to_proto(g: Generation) -> pb.Generation:
-    m = pb.Generation(
-        request_id=g.request_id,
-        tokens=tokens_to_proto(g.tokens),
-        top_tokens=[tokens_to_proto(t) for t in g.top_tokens],
-    )
+def _fill_tokens(m: pb.Tokens, t: TokenList) -> None:
+    m.SetInParent()  # present even when empty, as a constructed submessage would be
+    m.ids.extend(t.ids)
+    m.logprobs.extend(t.logprobs)
+    m.texts.extend(t.texts)
+    m.is_special.extend(t.is_special)
+
+
+def _fill_generation(m: pb.Generation, g: Generation) -> None:
+    """Writes g into m in place: a step answers hundreds of generations, and filling messages
+    that the response already owns is ~2.5x cheaper with upb than building each one and copying
+    it in."""
+    m.request_id = g.request_id
+    _fill_tokens(m.tokens, g.tokens)
+    for t in g.top_tokens:
+        _fill_tokens(m.top_tokens.add(), t)
     if g.prefill_tokens is not None:
-        m.prefill_tokens.CopyFrom(tokens_to_proto(g.prefill_tokens))
+        _fill_tokens(m.prefill_tokens, g.prefill_tokens)
     if g.finished is not None:
         f = g.finished
-        m.generated_text.CopyFrom(
-            pb.GeneratedText(
-                text=f.text,
-                generated_tokens=f.generated_tokens,
-                finish_reason=FINISH_REASONS[f.finish_reason],
-                seed=f.seed,
-            )
-        )
+        gt = m.generated_text
+        gt.SetInParent()
+        gt.text = f.text
+        gt.generated_tokens = f.generated_tokens
+        gt.finish_reason = FINISH_REASONS[f.finish_reason]
+        if f.seed is not None:
+            gt.seed = f.seed
+
+
+def generation_to_proto(g: Generation) -> pb.Generation:
+    m = pb.Generation()
+    _fill_generation(m, g)
     return m
 
 
@@ -131,22 +145,22 @@ def timings_to_proto(t: StepTimings) -> pb.Timings:
     )
 
 
-def _step_fields(r: StepResult) -> dict:
-    fields = {
-        "generations": [generation_to_proto(g) for g in r.generations],
-        "timings": timings_to_proto(r.timings),
-    }
+def _fill_step(m: pb.PrefillResponse | pb.DecodeResponse, r: StepResult):
+    generations = m.generations
+    for g in r.generations:
+        _fill_generation(generations.add(), g)
+    m.timings.CopyFrom(timings_to_proto(r.timings))
     if r.batch is not None:
-        fields["batch"] = cached_batch_to_proto(r.batch)
-    return fields
+        m.batch.CopyFrom(cached_batch_to_proto(r.batch))
+    return m
 
 
 def prefill_to_proto(r: StepResult) -> pb.PrefillResponse:
-    return pb.PrefillResponse(**_step_fields(r))
+    return _fill_step(pb.PrefillResponse(), r)
 
 
 def decode_to_proto(r: StepResult) -> pb.DecodeResponse:
-    return pb.DecodeResponse(**_step_fields(r))
+    return _fill_step(pb.DecodeResponse(), r)
 
 
 def warmup_to_proto(r: WarmupResult) -> pb.WarmupResponse:

@@ -267,7 +267,26 @@ class Engine:
             ref = None
         return StepResult(generations, ref, timings)
 
+    def _decode_inputs(self, work: list[_Work]) -> StepInputs:
+        """StepInputs of a step whose sequences all compute one token and sample (the usual
+        decode step): built with one comprehension per field instead of per-row appends. A
+        one-token step never reaches a prompt-logprob row (its start is >= prompt_len - 1)."""
+        for w in work:
+            self._check_state_blocks(w.state, w.start + 1)
+        starts = [w.start for w in work]
+        n = len(work)
+        return StepInputs(
+            token_ids=[w.state.token_ids[w.start] for w in work],
+            positions=starts,
+            query_lens=[1] * n,
+            seq_lens=[s + 1 for s in starts],
+            block_tables=[w.state.blocks for w in work],
+            logits_indices=list(range(n)),
+        )
+
     def _step(self, work: list[_Work], t0: int) -> tuple[list[Generation], StepTimings]:
+        if work and all(w.length == 1 and w.samples for w in work):
+            return self._run_step(work, self._decode_inputs(work), len(work), [], [], [], t0)
         inputs = StepInputs([], [], [], [], [], [])
         sample_rows: list[int] = []
         lp_rows: list[int] = []  # rows whose logits give a prompt token's logprob
@@ -290,6 +309,18 @@ class Engine:
             if w.samples:
                 sample_rows.append(base + w.length - 1)
         inputs.logits_indices = sample_rows + lp_rows
+        return self._run_step(work, inputs, len(sample_rows), lp_rows, lp_next, lp_owner, t0)
+
+    def _run_step(
+        self,
+        work: list[_Work],
+        inputs: StepInputs,
+        num_samples: int,  # the first num_samples logits rows sample; prompt-logprob rows follow
+        lp_rows: list[int],
+        lp_next: list[int],
+        lp_owner: list[RequestState],
+        t0: int,
+    ) -> tuple[list[Generation], StepTimings]:
         timings = StepTimings()
         t1 = time.perf_counter_ns()
         timings.prepare_ns = t1 - t0
@@ -305,12 +336,12 @@ class Engine:
             w.state.computed_len = w.start + w.length
         if lp_rows:
             values = prompt_logprobs(
-                logits[len(sample_rows) :], torch.tensor(lp_next, device=logits.device)
+                logits[num_samples:], torch.tensor(lp_next, device=logits.device)
             )
             for state, value in zip(lp_owner, values):
                 state.prompt_lps.append(value)
         sampling = [w for w in work if w.samples]
-        generations = self._sample(sampling, logits[: len(sample_rows)])
+        generations = self._sample(sampling, logits[:num_samples])
         t3 = time.perf_counter_ns()
         timings.decode_ns = t3 - t2
         timings.total_ns = t3 - t0
@@ -327,6 +358,7 @@ class Engine:
             [s.generated_count for s in states],
             [s.top_n for s in states],
         )
+        special = self._special
         generations = []
         for i, state in enumerate(states):
             token = out.token_ids[i]
@@ -335,9 +367,13 @@ class Engine:
             state.token_ids.append(token)
             state.generated_count += 1
             text = state.detok.push(token)
-            if token not in self._special:
+            is_special = token in special
+            if not is_special:
                 state.visible_text.append(text)
-            reason = state.stopping.check(token, state.detok.text, state.generated_count)
+            stopping = state.stopping
+            # Only stop sequences read the text: joining it every step is O(length) per row.
+            so_far = state.detok.text if stopping.stop_sequences else ""
+            reason = stopping.check(token, so_far, state.generated_count)
             finished = None
             if reason is not None:
                 held_back = state.detok.flush()
@@ -357,13 +393,13 @@ class Engine:
                         ids=list(out.top_ids[i]),
                         logprobs=list(out.top_logprobs[i]),
                         texts=[self._text(t) for t in out.top_ids[i]],
-                        is_special=[t in self._special for t in out.top_ids[i]],
+                        is_special=[t in special for t in out.top_ids[i]],
                     )
                 ]
             generations.append(
                 Generation(
                     request_id=state.id,
-                    tokens=TokenList([token], [out.logprobs[i]], [text], [token in self._special]),
+                    tokens=TokenList([token], [out.logprobs[i]], [text], [is_special]),
                     prefill_tokens=prefill_tokens,
                     top_tokens=top,
                     finished=finished,

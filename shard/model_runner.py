@@ -7,9 +7,11 @@ positions, AttentionMetadata, logits indices) is built by `prepare`.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from shard.attention.base import AttentionBackend, AttentionMetadata
@@ -59,23 +61,40 @@ class ModelRunner:
 
     def prepare(self, step: StepInputs) -> DeviceStep:
         bs = self.block_size
-        slots: list[int] = []
-        for table, q_len, seq_len in zip(step.block_tables, step.query_lens, step.seq_lens):
-            for p in range(seq_len - q_len, seq_len):
-                slots.append(table[p // bs] * bs + p % bs)
-        width = max((len(t) for t in step.block_tables), default=0) or 1
-        tables = [t + [0] * (width - len(t)) for t in step.block_tables]
-        starts = [0]
-        for q_len in step.query_lens:
-            starts.append(starts[-1] + q_len)
+        n = len(step.seq_lens)
+        # Block tables: one flat C-level pass over the ids, scattered into a zero-padded
+        # [num_seqs, width] array under a ragged mask (no per-row Python lists).
+        t_lens = np.fromiter(map(len, step.block_tables), dtype=np.int64, count=n)  # [num_seqs]
+        width = int(t_lens.max(initial=0)) or 1
+        flat = np.fromiter(
+            itertools.chain.from_iterable(step.block_tables), dtype=np.int64,
+            count=int(t_lens.sum()),
+        )
+        tables = np.zeros((n, width), dtype=np.int32)
+        tables[np.arange(width) < t_lens[:, None]] = flat
+        q_lens = np.asarray(step.query_lens, dtype=np.int64)  # [num_seqs]
+        seq_lens = np.asarray(step.seq_lens, dtype=np.int64)  # [num_seqs]
+        starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=starts[1:])
+        # Slot of every new token: position p of sequence s is in block tables[s, p // bs].
+        seq_of = np.repeat(np.arange(n), q_lens)  # [num_tokens]
+        p = (seq_lens - q_lens)[seq_of] + np.arange(int(starts[-1])) - starts[:-1][seq_of]
+        blk = p // bs
+        if blk.size and not (blk < t_lens[seq_of]).all():
+            raise IndexError("a sequence's block table is shorter than its length")
+        slots = tables[seq_of, blk].astype(np.int64) * bs + p % bs  # [num_tokens]
 
-        def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        def dev(values, dtype: torch.dtype) -> torch.Tensor:
+            if isinstance(values, np.ndarray):
+                t = torch.from_numpy(values).to(dtype)
+            else:
+                t = torch.tensor(values, dtype=dtype)
+            return t.to(self.device, non_blocking=True)
 
         meta = AttentionMetadata(
             query_start_loc=dev(starts, torch.int32),
             seq_lens=dev(step.seq_lens, torch.int32),
-            block_tables=dev(tables, torch.int32).view(len(tables), width),
+            block_tables=dev(tables, torch.int32).view(n, width),
             slot_mapping=dev(slots, torch.int64),
             max_query_len=max(step.query_lens, default=0),
             max_seq_len=max(step.seq_lens, default=0),

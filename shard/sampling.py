@@ -173,18 +173,21 @@ class Sampler:
                 top_lp.double().flatten(),
             ]
         ).cpu()
-        values = packed.tolist()
-        ids_h = [int(v) for v in values[:num_seqs]]
-        lps_h = values[num_seqs : 2 * num_seqs]
+        ids_h = packed[:num_seqs].long().tolist()  # host-side conversion, no per-row int()
+        lps_h = packed[num_seqs : 2 * num_seqs].tolist()
+        if max_n == 0:  # the common case: no alternatives asked for
+            top_ids: list[list[int]] = [[] for _ in range(num_seqs)]
+            top_lps: list[list[float]] = [[] for _ in range(num_seqs)]
+            return SampleOutput(ids_h, lps_h, top_ids, top_lps)
         off = 2 * num_seqs
-        tops_i = values[off : off + num_seqs * max_n]
-        tops_l = values[off + num_seqs * max_n :]
-        top_ids: list[list[int]] = []
-        top_lps: list[list[float]] = []
+        tops_i = packed[off : off + num_seqs * max_n].long().tolist()
+        tops_l = packed[off + num_seqs * max_n :].tolist()
+        top_ids = []
+        top_lps = []
         for row, n in enumerate(top_n):
             n = min(n, max_n)
             start = row * max_n
-            top_ids.append([int(v) for v in tops_i[start : start + n]])
+            top_ids.append(tops_i[start : start + n])
             top_lps.append(tops_l[start : start + n])
         return SampleOutput(ids_h, lps_h, top_ids, top_lps)
 
