@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from array import array
 from dataclasses import dataclass, field
 
 import tokenizers
@@ -40,7 +41,10 @@ from shard.stopping import StoppingCriteria
 @dataclass
 class RequestState:
     id: int
-    token_ids: list[int]  # prompt + every generated token (incl. those before a preemption)
+    # Prompt + every generated token (incl. those before a preemption). An int64 array rather
+    # than a list: the sampler's penalties read whole histories every step, and an array is
+    # handed to torch as one memcpy instead of a per-int conversion.
+    token_ids: array
     prompt_len: int
     computed_len: int  # tokens whose K/V are in the cache
     blocks: list[int]
@@ -101,7 +105,7 @@ class Engine:
                 visible_text.append(text)
         return RequestState(
             id=spec.id,
-            token_ids=list(spec.input_ids),
+            token_ids=array("q", spec.input_ids),
             prompt_len=prompt_len,
             computed_len=spec.cache_len,
             blocks=list(spec.blocks),

@@ -245,7 +245,7 @@ def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return host_to_device(torch.tensor(values, dtype=dtype), device)
 
 
-def _flat_ids(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+def _flat_ids(rows: list[list[int]] | list[array], vocab: int, device: torch.device) -> torch.Tensor:
     """Flattens per-row id lists to indices into a [len(rows), vocab + 1] table, int64 [total].
 
     Index = row * (vocab + 1) + id. Ids outside [0, vocab) go to the row's spare last column,
@@ -256,10 +256,21 @@ def _flat_ids(rows: list[list[int]], vocab: int, device: torch.device) -> torch.
     lengths = [len(r) for r in rows]
     if sum(lengths) == 0:
         return host_to_device(torch.zeros(0, dtype=torch.long), device)
-    ids = torch.frombuffer(array("q", itertools.chain.from_iterable(rows)), dtype=torch.long)
+    if all(isinstance(r, array) and r.typecode == "q" for r in rows if r):
+        # int64 arrays (the engine's histories): concatenated as bytes, one memcpy per row.
+        buf = bytearray().join(r for r in rows if r)
+        ids = torch.frombuffer(buf, dtype=torch.long)
+    else:
+        ids = torch.frombuffer(array("q", itertools.chain.from_iterable(rows)), dtype=torch.long)
+    # The element-wise work runs on the device: only the raw ids cross (one H2D copy), and
+    # output_size keeps repeat_interleave from synchronising to learn its length.
+    ids = host_to_device(ids, device)
     ids = ids.masked_fill((ids < 0) | (ids >= vocab), vocab)
-    row = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lengths))  # [total]
-    return host_to_device(row * (vocab + 1) + ids, device)
+    row = torch.repeat_interleave(
+        torch.arange(len(rows), device=device), _tensor(lengths, torch.long, device),
+        output_size=ids.shape[0],
+    )  # [total]
+    return row * (vocab + 1) + ids
 
 
 def _warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -385,3 +385,23 @@ def test_cuda_green_lists_equal_cpu():
     prev = [0, 5, 31999, 128000]
     cuda = mark.green_mask(prev, 128256, torch.device("cuda")).cpu()
     assert torch.equal(cuda, mark.green_mask(prev, 128256, CPU))
+
+
+def test_penalties_same_for_int64_array_and_list_histories():
+    """The engine passes histories as array('q') (a memcpy fast path); lists take the generic
+    path. Both, out-of-range ids and empty rows included, give identical results."""
+    from array import array
+
+    torch.manual_seed(3)
+    logits = torch.randn(4, 32)
+    hist = [[1, 5, 5, 31, 40, -2], [], [7] * 50, [0, 2]]
+    params = [
+        SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4),
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(frequency_penalty=0.7),
+        SamplingParams(),
+    ]
+    counts = [3, 0, 20, 1]
+    as_lists = run(logits, params, hist, counts, [4] * 4)
+    as_arrays = run(logits, params, [array("q", h) for h in hist], counts, [4] * 4)
+    assert as_lists == as_arrays
