@@ -197,7 +197,7 @@ def _bench_8b(model_dir: Path, job: dict, dist, device: str) -> dict:
     for b in batches:
         step = decode_step(b, ctx, bs)
 
-        def graph_step(step=step):
+        def graph_step(step=step, graphs=graphs):
             return graphs.run(step.token_ids, step.positions, step.seq_lens, step.block_tables)
 
         full = wall_time_ms(graph_step, iters=30)

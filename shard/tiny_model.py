@@ -77,15 +77,15 @@ def build_config(spec: TinyModelSpec, vocab_size: int, special: dict[str, int]):
     """Returns a transformers config for the architecture, with the tokenizer's special ids."""
     import transformers
 
-    common = dict(
-        vocab_size=vocab_size,
-        bos_token_id=special[BOS],
-        eos_token_id=special[EOS],
-        pad_token_id=special[PAD],
+    common = {
+        "vocab_size": vocab_size,
+        "bos_token_id": special[BOS],
+        "eos_token_id": special[EOS],
+        "pad_token_id": special[PAD],
         # Larger than the usual 0.02 so that random logits are peaked: greedy comparisons against
         # the reference then do not hinge on near-ties.
-        initializer_range=0.1,
-    )
+        "initializer_range": 0.1,
+    }
     if spec.arch == "gpt2":
         return transformers.GPT2Config(
             n_embd=spec.hidden_size,

@@ -38,7 +38,7 @@ class Weights:
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         self._where: dict[str, int] = {}
         for i, handle in enumerate(self._handles):
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 self._where[name] = i
 
     def has(self, name: str) -> bool:

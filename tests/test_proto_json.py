@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 from google.protobuf import json_format
-
 from tokenwire.v1 import generate_pb2 as pb
 
 
