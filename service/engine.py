@@ -21,7 +21,6 @@ import heapq
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -40,6 +39,7 @@ from service.engine_api import (
     StepEvent,
     ValidatedRequest,
 )
+from service.event_stream import EventStream
 from service.scheduler import BlockManager, Scheduler, SchedulerConfig, Sequence, StepPlan
 
 log = logging.getLogger("tokenwire.engine")
@@ -83,41 +83,18 @@ class ShardBackend(Protocol):
 _END = object()
 
 
-class _Stream:
-    """RequestStream of one request: a deque of events and at most one waiting reader."""
+class _Stream(EventStream):
+    """RequestStream of one request in this process."""
 
-    __slots__ = (
-        "_closed",
-        "_engine",
-        "_error",
-        "_events",
-        "_loop",
-        "_waiter",
-        "admitted_at",
-        "request",
-        "scheduled_at",
-        "seq_id",
-    )
+    __slots__ = ("_engine", "admitted_at", "request", "scheduled_at", "seq_id")
 
     def __init__(self, engine: GenerationEngine, seq_id: int, request: ValidatedRequest) -> None:
+        super().__init__(engine._loop)  # the engine's (submit runs on it): no lookup per wait
         self._engine = engine
         self.seq_id = seq_id
         self.request = request
-        self._events: deque[StepEvent] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self._loop = engine._loop  # the engine's (submit runs on it): no lookup per wait
-        self._error: EngineError | None = None
-        self._closed = False  # no more events will come
         self.admitted_at = time.monotonic()
         self.scheduled_at: float | None = None
-
-    # engine side
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None:
-            self._waiter = None
-            if not w.done():
-                w.set_result(None)
 
     def push(self, event: StepEvent) -> None:
         self._events.append(event)
@@ -126,41 +103,8 @@ class _Stream:
         if self._waiter is not None:
             self._wake()
 
-    def fail(self, error: EngineError) -> None:
-        if self._closed:
-            return
-        self._error = error
-        self._closed = True
-        self._wake()
-
-    # reader side
-    def __aiter__(self) -> _Stream:
-        return self
-
-    async def __anext__(self) -> StepEvent:
-        while True:
-            if self._events:
-                return self._events.popleft()
-            if self._error is not None:
-                err, self._error = self._error, None
-                raise err
-            if self._closed:
-                raise StopAsyncIteration
-            loop = self._loop
-            if loop is None:  # submitted before start()
-                loop = self._loop = asyncio.get_running_loop()
-            self._waiter = loop.create_future()
-            await self._waiter
-
-    def cancel(self) -> None:
-        """Removes the request at the next step boundary; iteration then ends."""
-        if not self._closed:
-            self._closed = True
-            self._engine._cancel(self.seq_id)
-            self._wake()
-
-    async def aclose(self) -> None:
-        self.cancel()
+    def _cancelled(self) -> None:
+        self._engine._cancel(self.seq_id)
 
 
 class EventSink(Protocol):

@@ -42,7 +42,6 @@ import socket
 import struct
 import sys
 import tempfile
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +55,7 @@ from service.engine_api import (
     TokenInfo,
     ValidatedRequest,
 )
+from service.event_stream import EventStream
 
 _log = logging.getLogger("tokenwire.frontend")
 _HEADER = struct.Struct("!I")
@@ -319,72 +319,34 @@ def run_multiprocess(args: argparse.Namespace) -> int:
 
 
 # --- front-end side ------------------------------------------------------------------------------
-class _RemoteStream:
-    """RequestStream of a request running in the scheduler process."""
+class _RemoteStream(EventStream):
+    """RequestStream of a request running in the scheduler process: each event the reader
+    takes counts towards acknowledging the scheduler's step frames (pacing)."""
 
-    __slots__ = ("_closed", "_engine", "_error", "_events", "_loop", "_waiter", "key")
+    __slots__ = ("_engine", "key")
 
     def __init__(self, engine: RemoteEngine, key: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
         self._engine = engine
         self.key = key
-        self._events: deque[StepEvent] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self._error: EngineError | None = None
-        self._closed = False
-        self._loop = loop
 
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None:
-            self._waiter = None
-            if not w.done():
-                w.set_result(None)
-
-    def push(self, event: StepEvent) -> None:
-        self._events.append(event)
-        if self._waiter is not None:
-            self._wake()
-
-    def fail(self, error: EngineError) -> None:
-        if self._closed:
-            return
-        self._error = error
-        self._closed = True
-        self._wake()
-
-    def __aiter__(self) -> _RemoteStream:
-        return self
-
-    async def __anext__(self) -> StepEvent:
-        while True:
-            if self._events:
-                event = self._events.popleft()
-                engine = self._engine
-                engine._pending -= 1
-                if engine._ack_owed and engine._pending <= engine._ack_below:
-                    engine._ack()
-                if event.finished is not None:
-                    self._closed = True
-                return event
-            if self._error is not None:
-                err, self._error = self._error, None
-                raise err
-            if self._closed:
-                raise StopAsyncIteration
-            self._waiter = self._loop.create_future()
-            await self._waiter
+    def _taken(self, event: StepEvent) -> StepEvent:
+        engine = self._engine
+        engine._pending -= 1
+        if engine._ack_owed and engine._pending <= engine._ack_below:
+            engine._ack()
+        if event.finished is not None:
+            self._closed = True
+        return event
 
     def cancel(self) -> None:
-        if self._events:  # never read now
+        if self._events:  # never read now: they no longer hold back the acknowledgement
             self._engine._pending -= len(self._events)
             self._events.clear()
-        if not self._closed:
-            self._closed = True
-            self._engine._cancel(self.key)
-            self._wake()
+        super().cancel()
 
-    async def aclose(self) -> None:
-        self.cancel()
+    def _cancelled(self) -> None:
+        self._engine._cancel(self.key)
 
 
 class RemoteEngine:
