@@ -78,8 +78,9 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Rank r holds vocabulary rows [r * per_rank, (r + 1) * per_rank), zero-padded at the end."""
+class VocabSlicedWeight(nn.Module):
+    """A [vocab, hidden] weight of which rank r holds rows [r * per_rank, (r + 1) * per_rank),
+    zero-padded at the end so that every rank's slice has the same shape."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dist: Dist):
         super().__init__()
@@ -96,6 +97,10 @@ class VocabParallelEmbedding(nn.Module):
         padded[: rows.shape[0]] = rows
         self.weight.data = padded
 
+
+class VocabParallelEmbedding(VocabSlicedWeight):
+    """Token embedding over vocabulary-sliced rows (summed over ranks)."""
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [n] -> [n, hidden]
         if self.dist.world_size == 1:
             return F.embedding(ids, self.weight)
@@ -106,23 +111,8 @@ class VocabParallelEmbedding(nn.Module):
         return self.dist.all_reduce(out)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(VocabSlicedWeight):
     """Logits over the full vocabulary from vocabulary-sliced weights (gathered over ranks)."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, dist: Dist):
-        super().__init__()
-        self.dist = dist
-        self.vocab_size = vocab_size
-        self.per_rank = math.ceil(vocab_size / dist.world_size)
-        self.start = dist.rank * self.per_rank
-        self.stop = min(self.start + self.per_rank, vocab_size)
-        self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size), requires_grad=False)
-
-    def load(self, weights: Weights, prefix: str) -> None:
-        rows = weights.get_rows(f"{prefix}.weight", self.start, self.stop)
-        padded = torch.zeros(self.per_rank, rows.shape[1], dtype=rows.dtype, device=rows.device)
-        padded[: rows.shape[0]] = rows
-        self.weight.data = padded
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
