@@ -195,3 +195,16 @@ def start_deployment(
         deployment.stop()
         raise
     return deployment
+
+
+def run_checked(args: Sequence[str | Path], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    """Runs a command to completion; fails the test with its output when it exits non-zero."""
+    result = subprocess.run(
+        [str(a) for a in args],
+        capture_output=True,
+        text=True,
+        check=False,
+        **kwargs,  # type: ignore[call-overload]
+    )
+    assert result.returncode == 0, f"{list(args)} failed:\n{result.stdout}\n{result.stderr}"
+    return result

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
-import subprocess
 import sys
 import tomllib
 import zipfile
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e._deploy import Deployment
+from tests.helpers.processes import run_checked
 
 pytestmark = pytest.mark.slow
 
@@ -41,18 +41,6 @@ CASES = [
 ]
 
 
-def _run(args: list[str | Path], **kwargs: object) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [str(a) for a in args],
-        capture_output=True,
-        text=True,
-        check=False,
-        **kwargs,  # type: ignore[call-overload]
-    )
-    assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
-    return result
-
-
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel, built from a copy of clients/python so that no build output lands in the tree."""
@@ -64,7 +52,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = work / "dist"
     # Build with this venv's setuptools when it has one (offline, fast); else pip's isolated build.
     isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
-    _run(
+    run_checked(
         [
             sys.executable,
             "-m",
@@ -87,9 +75,9 @@ def venv_python(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh virtualenv holding only the wheel and its dependencies. It is created without pip
     (fast) and filled by this interpreter's pip, which reuses its wheel cache."""
     venv = tmp_path_factory.mktemp("sdk-py-venv") / "venv"
-    _run([sys.executable, "-m", "venv", "--without-pip", venv])
+    run_checked([sys.executable, "-m", "venv", "--without-pip", venv])
     python = venv / "bin" / "python"
-    _run(
+    run_checked(
         [
             sys.executable,
             "-m",
@@ -133,7 +121,7 @@ def results(
     target = live_server.grpc_target if request.param == "direct" else live_server.envoy_target
     work = tmp_path_factory.mktemp(f"sdk-py-{request.param}")
     out = work / "results.json"
-    _run(
+    run_checked(
         [venv_python, CASES_SCRIPT, target, SDK / "README.md", out],
         cwd=work,
         env={"PATH": "/usr/bin:/bin"},
@@ -158,7 +146,7 @@ def test_readme_examples(results: dict[str, str | None]) -> None:
 def test_sdk_unit_tests_pass_in_the_fresh_venv(venv_python: Path, tmp_path: Path) -> None:
     """clients/python/tests (a fake in-process server: API key, in-band errors, overload, cancel
     reaching the server) against the installed wheel; only pytest is added to the venv."""
-    _run(
+    run_checked(
         [
             sys.executable,
             "-m",
@@ -174,7 +162,7 @@ def test_sdk_unit_tests_pass_in_the_fresh_venv(venv_python: Path, tmp_path: Path
     )
     tests = tmp_path / "tests"
     shutil.copytree(SDK / "tests", tests, ignore=shutil.ignore_patterns("__pycache__"))
-    result = _run(
+    result = run_checked(
         [
             venv_python,
             "-m",

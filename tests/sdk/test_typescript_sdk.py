@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e._deploy import Deployment
+from tests.helpers.processes import run_checked
 
 pytestmark = [
     pytest.mark.slow,
@@ -28,26 +29,14 @@ SDK = REPO / "clients" / "typescript"
 NPM_FLAGS = ["--no-audit", "--no-fund", "--loglevel=error"]
 
 
-def _run(args: list[str | Path], **kwargs: object) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [str(a) for a in args],
-        capture_output=True,
-        text=True,
-        check=False,
-        **kwargs,  # type: ignore[call-overload]
-    )
-    assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
-    return result
-
-
 @pytest.fixture(scope="module")
 def tarball(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`npm ci` + `npm pack` (which builds dist/ with tsc) in a copy of clients/typescript."""
     work = tmp_path_factory.mktemp("sdk-ts-build")
     package = work / "package"
     shutil.copytree(SDK, package, ignore=shutil.ignore_patterns("node_modules", "dist", "*.tgz"))
-    _run(["npm", "ci", *NPM_FLAGS], cwd=package, timeout=300)
-    packed = _run(
+    run_checked(["npm", "ci", *NPM_FLAGS], cwd=package, timeout=300)
+    packed = run_checked(
         ["npm", "pack", "--json", *NPM_FLAGS, "--pack-destination", work], cwd=package, timeout=300
     )
     info = json.loads(packed.stdout[packed.stdout.index("[") :])[0]
@@ -64,7 +53,7 @@ def project(tarball: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     (project / "package.json").write_text(
         json.dumps({"name": "sdk-acceptance", "private": True, "type": "module"})
     )
-    _run(["npm", "install", *NPM_FLAGS, tarball], cwd=project, timeout=300)
+    run_checked(["npm", "install", *NPM_FLAGS, tarball], cwd=project, timeout=300)
     shutil.copytree(SDK / "test", project / "test")
     return project
 
