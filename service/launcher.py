@@ -154,6 +154,14 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
     PassThrough(
         "--kv-cache-dtype", str, ("KV_CACHE_DTYPE",), "auto | fp8_e4m3fn | fp8_e5m2", "shard"
     ),
+    PassThrough(
+        "--all-reduce",
+        str,
+        ("ALL_REDUCE",),
+        "--num-shard > 1 on GPUs: auto (one-shot symmetric memory for decode-sized tensors) | "
+        "nccl",
+        "shard",
+    ),
 )
 
 

@@ -74,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--num-shard", type=int, default=1,
       help="tensor-parallel ranks: > 1 adds the `tp` part (one process per GPU over NCCL: tiny "
            "greedy vs one GPU, 8B logits vs one GPU, decode speedup) and is used by e2e")
+    a("--all-reduce", choices=["auto", "nccl"], default="auto",
+      help="TP all-reduce (as `tokenwire shard --all-reduce`)")
 
 
 # ---- checkpoint ---------------------------------------------------------------------------------
@@ -475,6 +477,7 @@ def bench_e2e(model_dir: Path, args, log_path: Path) -> dict:
         "--max-batch-prefill-tokens", "8192",
         "--max-batch-size", str(args.e2e_max_batch_size),
         "--num-shard", str(args.num_shard), "--kv-cache-dtype", args.kv_cache_dtype,
+        "--all-reduce", args.all_reduce,
         "--frontends", str(args.router_frontends),
     ] + (["--quantize", args.quantize] if args.quantize else [])
     env = dict(os.environ)
@@ -646,11 +649,15 @@ def write_report(res: dict, path: Path) -> None:
                          f"{d['graph_replay_ms']:.2f} | {d['graph_step_wall_ms']:.2f} | "
                          f"{sp if sp is None else f'{sp:.2f}x'} |\n")
         if tp.get("allreduce"):
-            L.append("\n| all-reduce [batch, 4096] bf16 | eager us | in graph us | x64 per "
-                     "step ms |\n|---|---|---|---|\n")
+            L.append("\n| all-reduce [batch, 4096] bf16 | layers' path | eager us | in graph us "
+                     "| x64 per step ms | NCCL in graph us | 64 chained sums exact |\n"
+                     "|---|---|---|---|---|---|---|\n")
             for a in tp["allreduce"]:
-                L.append(f"| batch {a['batch']} | {a['eager_us']:.1f} | {a['in_graph_us']:.1f} |"
-                         f" {a['per_step_64_ms']:.2f} |\n")
+                path = "one-shot symm. mem." if a.get("small_path") else "NCCL"
+                L.append(f"| batch {a['batch']} | {path} | {a['eager_us']:.1f} | "
+                         f"{a['in_graph_us']:.1f} | {a['per_step_64_ms']:.2f} | "
+                         f"{a.get('nccl_in_graph_us', float('nan')):.1f} | "
+                         f"{a.get('chain_exact')} |\n")
     hf = res.get("hf")
     if hf:
         L.append("\n## transformers generate() baseline\n| batch | in/out | output tok/s |\n"

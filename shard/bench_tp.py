@@ -108,29 +108,74 @@ def prefill_logits_8b(runner, length: int = 256, keep: int = 64):
 
 
 def _allreduce_cost(dist, hidden: int, batches: list[int]) -> list[dict]:
+    """Per-call cost of NCCL's all-reduce and of `dist.all_reduce` (the path the layers take:
+    one-shot symmetric memory for small tensors when enabled), eager and inside a CUDA graph of
+    64 calls; plus a check that 64 back-to-back graph all-reduces give the exact sums."""
     import torch
     import torch.distributed as tdist
 
     from shard.bench import cuda_time_ms
 
-    out = []
-    for b in batches:
-        x = torch.randn(b, hidden, dtype=torch.bfloat16, device="cuda")
-        eager = cuda_time_ms(lambda x=x: tdist.all_reduce(x), iters=50, warmup=5)
+    def in_graph_us(fn, x) -> float:
         g = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            tdist.all_reduce(x)
+            fn(x)
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
         with torch.cuda.graph(g):
             for _ in range(64):
-                tdist.all_reduce(x)
-        per = cuda_time_ms(g.replay, iters=20, warmup=3) / 64
-        out.append({"batch": b, "bytes": b * hidden * 2, "eager_us": eager * 1e3,
-                    "in_graph_us": per * 1e3, "per_step_64_ms": per * 64})
+                fn(x)
+        return cuda_time_ms(g.replay, iters=20, warmup=3) / 64 * 1e3
+
+    out = []
+    for b in batches:
+        x = torch.randn(b, hidden, dtype=torch.bfloat16, device="cuda")
+        row = {"batch": b, "bytes": b * hidden * 2,
+               "small_path": dist.small_all_reduce is not None
+               and dist.small_all_reduce.handles(x)}
+        for name, fn in (("nccl", tdist.all_reduce), ("layers", dist.all_reduce)):
+            row[f"{name}_eager_us"] = cuda_time_ms(lambda x=x, fn=fn: fn(x), iters=50,
+                                                   warmup=5) * 1e3
+            row[f"{name}_in_graph_us"] = in_graph_us(fn, x)
+        row["eager_us"], row["in_graph_us"] = row["layers_eager_us"], row["layers_in_graph_us"]
+        row["per_step_64_ms"] = row["in_graph_us"] * 64 / 1e3
+        row["chain_exact"] = _chained_sums_exact(dist, b, hidden)
+        out.append(row)
     return out
+
+
+def _chained_sums_exact(dist, batch: int, hidden: int, calls: int = 64) -> bool:
+    """64 dependent all-reduces in one CUDA graph (each input derived from the previous sum, as
+    in a model), replayed 3 times with new inputs: every result equals its exact value. Catches
+    a buffer reused before a peer finished reading it. Values stay small integers (exact)."""
+    import torch
+
+    base = torch.empty(batch, hidden, dtype=torch.bfloat16, device="cuda")
+    results = []
+
+    def chain():
+        results.clear()
+        y = base
+        for _ in range(calls):
+            y = dist.all_reduce(y.clone()) - y * (dist.world_size - 1)  # = y if all ranks agree
+            results.append(y)
+
+    for _ in range(2):
+        chain()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chain()
+    ok = True
+    for trial in range(3):
+        vals = (torch.arange(batch * hidden, device="cuda") % 13 + trial).view(batch, hidden)
+        base.copy_(vals.to(torch.bfloat16))
+        g.replay()
+        torch.cuda.synchronize()
+        ok = ok and all(torch.equal(r, base) for r in results)
+    return ok
 
 
 def rank_main(rank: int, world: int, port: int, job: dict, queue) -> None:
@@ -143,7 +188,8 @@ def rank_main(rank: int, world: int, port: int, job: dict, queue) -> None:
     if cuda:
         torch.cuda.set_device(rank)
     device = f"cuda:{rank}" if cuda else "cpu"
-    dist = init_distributed(rank, world, "127.0.0.1", port, torch.device(device))
+    dist = init_distributed(rank, world, "127.0.0.1", port, torch.device(device),
+                            all_reduce=job.get("all_reduce", "auto"))
     res: dict = {}
     try:
         if job.get("tiny_dir"):
@@ -271,7 +317,8 @@ def bench_tp(model_dir: Path | None, tiny_dir: Path | None, args, single_decode:
     job = {"device": "cuda", "tiny_dir": str(tiny_dir) if tiny_dir else None,
            "model_dir": str(model_dir) if model_dir else None, "batches": batches,
            "context": args.context, "quantize": args.quantize,
-           "kv_cache_dtype": args.kv_cache_dtype, "allreduce_batches": [1, 64]}
+           "kv_cache_dtype": args.kv_cache_dtype, "allreduce_batches": [1, 8, 64, 256],
+           "all_reduce": getattr(args, "all_reduce", "auto")}
     tp = run_ranks(world, job)
     out: dict = {"num_shard": world, "error": tp.get("error")}
     if tiny_dir and "tiny_tokens" in tp:

@@ -7,11 +7,18 @@ paths carry no torch.distributed dependency.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from shard.all_reduce import SymmetricMemoryAllReduce
+
+
+ALL_REDUCE_CHOICES = ("auto", "nccl")
 
 
 @dataclass(frozen=True)
@@ -20,11 +27,18 @@ class Dist:
 
     rank: int = 0
     world_size: int = 1
+    # One-shot all-reduce for small CUDA tensors (decode steps); None: NCCL/gloo for every size.
+    small_all_reduce: SymmetricMemoryAllReduce | None = field(
+        default=None, compare=False, repr=False
+    )
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sums x over ranks, in place; returns x."""
-        if self.world_size > 1:
-            dist.all_reduce(x)
+        """Sums x over ranks; returns the sum (x itself, summed in place, or a new tensor)."""
+        if self.world_size == 1:
+            return x
+        if self.small_all_reduce is not None and self.small_all_reduce.handles(x):
+            return self.small_all_reduce(x)
+        dist.all_reduce(x)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,8 +71,15 @@ def init_distributed(
     master_port: int,
     device: torch.device,
     timeout_s: float = 600.0,
+    all_reduce: str = "auto",
 ) -> Dist:
-    """Joins the group (gloo on CPU, nccl on CUDA) at tcp://master_addr:master_port."""
+    """Joins the group (gloo on CPU, nccl on CUDA) at tcp://master_addr:master_port.
+
+    all_reduce: "auto" adds the one-shot symmetric-memory all-reduce for small tensors on CUDA
+    where it works (shard.all_reduce), "nccl" uses the process group for every size.
+    """
+    if all_reduce not in ALL_REDUCE_CHOICES:
+        raise ValueError(f"--all-reduce must be one of {ALL_REDUCE_CHOICES}; got {all_reduce!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"--rank must be in [0, --world-size); got {rank} of {world_size}")
     if world_size > 1:
@@ -70,6 +91,11 @@ def init_distributed(
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+        if backend == "nccl" and all_reduce == "auto":
+            from shard.all_reduce import try_symmetric_memory_all_reduce
+
+            small = try_symmetric_memory_all_reduce(device, rank, world_size)
+            return Dist(rank=rank, world_size=world_size, small_all_reduce=small)
     return Dist(rank=rank, world_size=world_size)
 
 

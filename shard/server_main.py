@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--port", type=int, default=None, help="rank r listens on 127.0.0.1:PORT+r")
     parser.add_argument("--master-addr", default="127.0.0.1", help="torch.distributed rendezvous")
     parser.add_argument("--master-port", type=int, default=29500)
+    parser.add_argument("--all-reduce", choices=["auto", "nccl"], default="auto",
+                        help="tensor parallel on CUDA: auto = one-shot symmetric-memory "
+                        "all-reduce for small (decode) tensors where P2P works, else NCCL")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--cuda-memory-fraction", type=float, default=0.9)
     parser.add_argument("--kv-cache-memory-mb", type=int, default=None,
@@ -137,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ and args.world_size > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
     dist = init_distributed(
-        args.rank, args.world_size, args.master_addr, args.master_port, torch.device(device)
+        args.rank, args.world_size, args.master_addr, args.master_port, torch.device(device),
+        all_reduce=args.all_reduce,
     )
     try:
         cfg = ShardConfig(
