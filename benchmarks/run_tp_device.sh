@@ -8,7 +8,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl-tw/*.whl && export PYTHONPATH=/tmp/site
 export PYTHONPATH=".:gen/python:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,memory.total --format=csv; nvidia-smi topo -m | head -4
-timeout 120 python3 -m pytest -q -m gpu tests/gpu tests/shard/test_quantization.py -p no:cacheprovider -s -rA 2>&1 \
+[ "${RUN_TESTS:-1}" != 0 ] && timeout 120 python3 -m pytest -q -m gpu tests/gpu tests/shard/test_quantization.py -p no:cacheprovider -s -rA 2>&1 \
   | grep -v -i warn | tee $OUT/gpu_tests.log | tail -30
-timeout ${BENCH_TIMEOUT:-330} python3 -m service.cli bench --parts decode --decode-batches 1,8,64 \
-  --num-shard 2 --out $OUT --workdir /tmp/twb 2>&1 | grep -v "Loading weights" | tee $OUT/bench_tp.log | tail -60
+timeout ${BENCH_TIMEOUT:-330} python3 -m service.cli bench --parts ${PARTS:-decode} --decode-batches 1,8,64 \
+  --num-shard 2 "$@" --out $OUT --workdir /tmp/twb 2>&1 | grep -v "Loading weights" | tee $OUT/bench_tp.log | tail -60
