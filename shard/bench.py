@@ -653,8 +653,8 @@ def write_report(res: dict, path: Path) -> None:
                      "| x64 per step ms | NCCL in graph us | 64 chained sums exact |\n"
                      "|---|---|---|---|---|---|---|\n")
             for a in tp["allreduce"]:
-                path = "one-shot symm. mem." if a.get("small_path") else "NCCL"
-                L.append(f"| batch {a['batch']} | {path} | {a['eager_us']:.1f} | "
+                route = "one-shot symm. mem." if a.get("small_path") else "NCCL"
+                L.append(f"| batch {a['batch']} | {route} | {a['eager_us']:.1f} | "
                          f"{a['in_graph_us']:.1f} | {a['per_step_64_ms']:.2f} | "
                          f"{a.get('nccl_in_graph_us', float('nan')):.1f} | "
                          f"{a.get('chain_exact')} |\n")
