@@ -351,6 +351,11 @@ def bench_model(model_dir: Path, args, ceilings: dict, parts: set[str]) -> dict:
             })
             print(f"decode b={b}: eager {eager:.2f} ms, graph {replay:.2f} ms (wall {full:.2f}), "
                   f"roofline {roof_ms:.2f} ms -> {roof_ms / replay * 100:.0f}%", flush=True)
+            if b == min(batches):  # where the time goes at the smallest batch (graph replay)
+                from shard.kernel_profile import profile_kernels
+
+                out["decode"][-1]["profile"] = profile_kernels(g.replay, calls=5)
+                print(json.dumps(out["decode"][-1]["profile"]), flush=True)
         del graphs
         gc.collect()
         torch.cuda.empty_cache()
