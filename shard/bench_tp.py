@@ -132,10 +132,14 @@ def _allreduce_cost(dist, hidden: int, batches: list[int]) -> list[dict]:
 
     out = []
     for b in batches:
-        x = torch.randn(b, hidden, dtype=torch.bfloat16, device="cuda")
+        gen = torch.Generator(device="cuda").manual_seed(100 + dist.rank)  # rank-specific
+        x = torch.randn(b, hidden, dtype=torch.bfloat16, device="cuda", generator=gen)
+        nccl_sum = x.clone()
+        tdist.all_reduce(nccl_sum)
         row = {"batch": b, "bytes": b * hidden * 2,
                "small_path": dist.small_all_reduce is not None
-               and dist.small_all_reduce.handles(x)}
+               and dist.small_all_reduce.handles(x),
+               "equals_nccl": bool(torch.equal(dist.all_reduce(x.clone()), nccl_sum))}
         for name, fn in (("nccl", tdist.all_reduce), ("layers", dist.all_reduce)):
             row[f"{name}_eager_us"] = cuda_time_ms(lambda x=x, fn=fn: fn(x), iters=50,
                                                    warmup=5) * 1e3
@@ -274,6 +278,7 @@ def run_ranks(world: int, job: dict, timeout_s: float = 900.0) -> dict:
     import torch.multiprocessing as mp
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (shared hosts)
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
