@@ -5,17 +5,29 @@ weight ≈ weight_fp8.float() * weight_scale[:, None]; each row's scale is its a
 row spans the whole e4m3 range.
 
 Matmul:
-- CUDA with compute capability >= 8.9 (Ada, Hopper): W8A8 through `torch._scaled_mm` (signature
-  unchanged from torch 2.4 through 2.13: `_scaled_mm(a, b, scale_a, scale_b, bias=None,
-  scale_result=None, out_dtype=None, use_fast_accum=False)`, a [M, K] row-major fp8, b [K, N]
-  column-major fp8). Activations are quantized **dynamically per token** (one scale per row of x,
-  absmax / 448, computed on the device each call: no host sync, CUDA-graph safe), weights per
-  output channel, i.e. the "rowwise" scaling recipe: scale_a [M, 1], scale_b [1, N], bf16 out.
-  Per-token scales keep one outlier token from crushing the precision of its batch mates, which a
-  per-tensor activation scale would do.
+- CUDA sm_89+ with at most GEMV_MAX_M (16) rows of bf16/fp16 activations (decode batches):
+  weight-only, one Triton kernel (triton_fp8_gemv.py) that streams the fp8 weight, converts it in
+  registers, accumulates x @ W.T in fp32 and applies the per-channel scale (and bias) once per
+  output. A decode step is a pass over the weight bytes, so this is the path that can run it at
+  up to 2x bf16's speed; the W8A8 path below is slower than bf16 there (its activation
+  quantization is one more kernel, and _scaled_mm is a GEMM tiled for large M). The kernel is
+  autotuned for every batch bucket at the module's first eager forward, whatever its batch
+  (CUDA-graph capture forbids autotuning's host syncs and a kernel's first load); a capture
+  that comes before any eager forward falls back to the paths below.
+- CUDA with compute capability >= 8.9 (Ada, Hopper), larger batches: W8A8 through
+  `torch._scaled_mm` (signature unchanged from torch 2.4 through 2.13: `_scaled_mm(a, b,
+  scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False)`, a
+  [M, K] row-major fp8, b [K, N] column-major fp8). Activations are quantized **dynamically per
+  token** (one scale per row of x, absmax / 448, computed on the device each call: no host sync,
+  CUDA-graph safe), weights per output channel, i.e. the "rowwise" scaling recipe: scale_a
+  [M, 1], scale_b [1, N], bf16 out. Per-token scales keep one outlier token from crushing the
+  precision of its batch mates, which a per-tensor activation scale would do.
 - Anywhere else (CPU, older GPUs, K or N not a multiple of 16): weight-only, the weight is
   dequantized to the activation dtype and multiplied with `F.linear`. Correct everywhere, and what
   the CPU tests check against references.
+
+Per-channel scales also make row blocks of several Fp8Linears stack exactly
+(`Fp8Linear.merge_rows`): q/k/v or gate/up as one kernel instead of three or two.
 
 Pre-quantized checkpoints (see methods.checkpoint_quantization) store per-tensor, per-channel or
 block scales; `to_per_channel` converts any of them to this module's per-channel layout, exactly
@@ -110,6 +122,8 @@ class Fp8Linear(nn.Module):
 
     use_scaled_mm: None picks by device (CUDA sm_89+ -> True); True forces torch._scaled_mm (which
     torch 2.13 also runs on CPU, handy for testing the W8A8 math); False forces dequantization.
+    use_gemv: None picks by device (CUDA sm_89+ with Triton -> True); False turns the small-batch
+    Triton kernel off (batches then take the path use_scaled_mm says). Ignored off CUDA.
     """
 
     def __init__(
@@ -118,6 +132,7 @@ class Fp8Linear(nn.Module):
         weight_scale: torch.Tensor,  # [out] float32
         bias: torch.Tensor | None = None,  # [out]
         use_scaled_mm: bool | None = None,
+        use_gemv: bool | None = None,
     ) -> None:
         super().__init__()
         if weight_fp8.dtype != FP8_DTYPE:
@@ -132,21 +147,39 @@ class Fp8Linear(nn.Module):
             persistent=False,
         )
         self.register_buffer("bias", bias, persistent=False)
+        device = weight_fp8.device
         if use_scaled_mm is None:
-            use_scaled_mm = scaled_mm_supported(weight_fp8.device)
+            use_scaled_mm = scaled_mm_supported(device)
         # The fp8 GEMMs want K and N multiples of 16; other shapes dequantize.
         self.use_scaled_mm = (
             bool(use_scaled_mm) and in_features % 16 == 0 and out_features % 16 == 0
         )
         # On CUDA, activations are quantized by one Triton kernel instead of ~5 torch ops.
         self._quantize_input = quantize_fp8_per_token
-        if self.use_scaled_mm and weight_fp8.device.type == "cuda":
+        if self.use_scaled_mm and device.type == "cuda":
             try:
                 from shard.quantization.triton_quant import quantize_fp8_per_token_triton
             except ImportError:
                 pass
             else:
                 self._quantize_input = quantize_fp8_per_token_triton
+        # Small batches: the weight-only Triton GEMV (any K, N). The kernel converts e4m3 with
+        # sm_89+ instructions, hence the same device test as _scaled_mm.
+        self.use_gemv = False
+        self.gemv_max_m = 0
+        self._gemv_tuned: set[torch.dtype] = set()  # activation dtypes tuned (and loaded) so far
+        if use_gemv is None:
+            use_gemv = scaled_mm_supported(device)
+        if use_gemv and device.type == "cuda":
+            try:
+                from shard.quantization.triton_fp8_gemv import GEMV_MAX_M, fp8_gemv, tune_fp8_gemv
+            except ImportError:
+                pass
+            else:
+                self.use_gemv = True
+                self.gemv_max_m = GEMV_MAX_M
+                self._gemv = fp8_gemv
+                self._tune_gemv = tune_fp8_gemv
 
     @classmethod
     def from_float(
@@ -154,9 +187,39 @@ class Fp8Linear(nn.Module):
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         use_scaled_mm: bool | None = None,
+        use_gemv: bool | None = None,
     ) -> Fp8Linear:
         q, scale = quantize_fp8_per_channel(weight)
-        return cls(q, scale, bias, use_scaled_mm)
+        return cls(q, scale, bias, use_scaled_mm, use_gemv)
+
+    @classmethod
+    def merge_rows(cls, *linears: Fp8Linear) -> Fp8Linear:
+        """One Fp8Linear over the stacked output rows of `linears` (same in_features), e.g. q/k/v
+        or gate/up as one kernel. Exact: each row keeps its own scale. The parts' buffers become
+        views of the merged ones (no extra memory), so they keep working on their own."""
+        if len({m.in_features for m in linears}) != 1:
+            raise ValueError("Fp8Linear.merge_rows: the parts differ in in_features")
+        with_bias = [m.bias is not None for m in linears]
+        if any(with_bias) and not all(with_bias):
+            raise ValueError("Fp8Linear.merge_rows: some parts have a bias and some not")
+        first = linears[0]
+        merged = cls(
+            # [sum(out), in]; concatenated as bytes (cat has no fp8 kernels on some builds)
+            torch.cat([m.weight.view(torch.uint8) for m in linears]).view(FP8_DTYPE),
+            torch.cat([m.weight_scale for m in linears]),  # [sum(out)]
+            torch.cat([m.bias for m in linears]) if all(with_bias) else None,
+            use_scaled_mm=first.use_scaled_mm,
+            use_gemv=first.use_gemv,
+        )
+        at = 0
+        for m in linears:
+            rows = slice(at, at + m.out_features)
+            m.weight = merged.weight[rows]
+            m.weight_scale = merged.weight_scale[rows]
+            if m.bias is not None:
+                m.bias = merged.bias[rows]
+            at += m.out_features
+        return merged
 
     @property
     def weight_bytes(self) -> int:
@@ -165,10 +228,32 @@ class Fp8Linear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8(self.weight, self.weight_scale, dtype)
 
+    def _gemv_ready(self, dtype: torch.dtype) -> bool:
+        """Tunes the GEMV for every batch bucket at the first eager call in `dtype`, whatever that
+        call's batch: the shard warms up eagerly at large batches, then captures CUDA graphs for
+        the small ones, where neither autotuning nor a kernel's first load may happen. False
+        while a capture finds it untuned."""
+        if dtype in self._gemv_tuned:
+            return True
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        self._tune_gemv(self.weight, self.weight_scale, self.bias, dtype)
+        self._gemv_tuned.add(dtype)
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        lead = x.shape[:-1]
+        if (
+            self.use_gemv
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and self._gemv_ready(x.dtype)
+        ):
+            x2 = x.reshape(-1, self.in_features)  # [M, K]
+            if x2.shape[0] <= self.gemv_max_m:
+                y = self._gemv(x2, self.weight, self.weight_scale, self.bias)  # [M, N]
+                return y.reshape(*lead, self.out_features)
         if not self.use_scaled_mm:
             return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
-        lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         xq, x_scale = self._quantize_input(x2)  # [M, K] fp8, [M, 1] fp32
         out_dtype = (
@@ -189,5 +274,5 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, scaled_mm={self.use_scaled_mm}"
+            f"bias={self.bias is not None}, scaled_mm={self.use_scaled_mm}, gemv={self.use_gemv}"
         )

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -33,6 +39,8 @@ from shard.quantization.methods import Fp8ScaleLayout
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 HAS_CUDA = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -218,6 +226,90 @@ def test_dense_and_weight_bytes():
     assert linear_weight_bytes(model) == 32 * 64 * 2 + 32 * 64 + 32 * 4
 
 
+def test_fp8_merge_rows_is_exact_and_shares_memory():
+    torch.manual_seed(10)
+    parts = [
+        Fp8Linear.from_float(torch.randn(n, 64) * m, torch.randn(n))
+        for n, m in ((32, 0.01), (16, 1.0), (16, 5.0))
+    ]
+    x = torch.randn(3, 64)
+    before = torch.cat([p(x) for p in parts], dim=-1)
+    merged = Fp8Linear.merge_rows(*parts)
+    assert merged.out_features == 64 and merged.bias is not None
+    torch.testing.assert_close(merged(x), before, rtol=1e-6, atol=1e-6)
+    # The parts now read the merged buffers (no second copy) and still compute the same.
+    base = merged.weight.data_ptr()
+    assert [p.weight.data_ptr() - base for p in parts] == [0, 32 * 64, 48 * 64]
+    torch.testing.assert_close(torch.cat([p(x) for p in parts], dim=-1), before)
+    with pytest.raises(ValueError, match="bias"):
+        Fp8Linear.merge_rows(parts[0], Fp8Linear.from_float(torch.randn(8, 64)))
+
+
+def test_fp8_gemv_is_cuda_only():
+    lin = Fp8Linear.from_float(torch.randn(32, 64), use_gemv=True)
+    assert not lin.use_gemv  # CPU: the Triton GEMV never runs, the dequantize path does
+    assert "gemv=False" in repr(lin)
+
+
+# The kernel under Triton's interpreter on CPU tensors (no GPU). Triton reads TRITON_INTERPRET
+# when a kernel is defined, hence a fresh process. Interpreter limits (triton 3.6): its bf16
+# tl.dot multiplies raw bits and its fp32 -> bf16 casts truncate, so bf16 runs the CUDA-core
+# config only, to 2^-7; everything else (fp16) is checked to fp16 rounding.
+_INTERPRETER_CHECK = textwrap.dedent(
+    """
+    import torch
+    from shard.quantization.fp8 import quantize_fp8_per_channel
+    from shard.quantization.triton_fp8_gemv import configs_for, fp8_gemv
+
+    torch.manual_seed(0)
+    for n, k in ((96, 256), (37, 200), (5, 1999)):  # even; N and K tails; N < BLOCK_N
+        w = torch.randn(n, k) * torch.logspace(-2, 0, n)[:, None]
+        q, s = quantize_fp8_per_channel(w)
+        wd = q.float() * s[:, None]
+        for dtype, bound in ((torch.float16, 2**-10), (torch.bfloat16, 2**-7)):
+            for bias in (None, torch.randn(n).to(dtype)):
+                for m in (1, 3, 16):
+                    x = torch.randn(m, k).to(dtype)
+                    ref = x.float() @ wd.t() + (0 if bias is None else bias.float())
+                    for cfg in configs_for(m):
+                        if dtype is torch.bfloat16 and cfg.kwargs["USE_DOT"]:
+                            continue
+                        y = fp8_gemv(x, q, s, bias, config=cfg)
+                        assert y.shape == (m, n) and y.dtype == dtype
+                        err = float((y.float() - ref).abs().max() / ref.abs().max())
+                        assert err <= bound, (n, k, dtype, bias is not None, m, str(cfg), err)
+    # Strided and misaligned activations are normalized before the launch.
+    q, s = quantize_fp8_per_channel(torch.randn(40, 64))
+    wd = q.float() * s[:, None]
+    base = torch.randn(4, 192).half()
+    for x in (base[:, 5:69], base[:, 8:72], base[:, :64].t().contiguous().t(), base[:1, 3:67]):
+        ref = x.float() @ wd.t()
+        for cfg in configs_for(x.shape[0]):
+            y = fp8_gemv(x, q, s, None, config=cfg)
+            assert float((y.float() - ref).abs().max() / ref.abs().max()) <= 2**-10
+    """
+)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (not a CPU dependency)")
+@pytest.mark.skipif(
+    np.lib.NumpyVersion(np.__version__) >= "2.4.0",
+    reason="triton 3.6's interpreter cannot take runtime loop bounds with numpy >= 2.4",
+)
+def test_fp8_gemv_kernel_in_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        [sys.executable, "-c", _INTERPRETER_CHECK],
+        check=False,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+
+
 # ----------------------------------------------------------------------------------- bitsandbytes
 
 
@@ -379,3 +471,160 @@ def test_fp8_kv_round_trip_cuda():
     write_kv(k, k, kc, vc, slots)
     back = read_blocks(kc, torch.tensor([1, 2], device=device), 1.0, torch.bfloat16)[:20]
     assert rel_err(back, k) < 0.04
+
+
+# ------------------------------------------------------------------ fp8 GEMV (Triton, decode batches)
+
+# (N, K): fused q/k/v, o, fused gate/up, down of Llama-3-8B, and one with K and N off every block.
+GEMV_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1037, 1999))
+
+
+def _fp8_gemv_device() -> torch.device:
+    from shard.quantization.fp8 import scaled_mm_supported
+
+    device = torch.device("cuda")
+    if not scaled_mm_supported(device):
+        pytest.skip("the fp8 GEMV needs compute capability 8.9+")
+    pytest.importorskip("triton")
+    return device
+
+
+def _gemv_case(n: int, k: int, m: int, dtype: torch.dtype, bias: bool, seed: int):
+    """x [m, k], fp8 weight [n, k], scale [n], bias [n] | None, fp32 reference [m, n]."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = torch.logspace(-2, 0, n, device="cuda")[:, None]  # rows of very different size
+    w = torch.randn(n, k, generator=g, device="cuda") * rows
+    q, s = quantize_fp8_per_channel(w)
+    b = torch.randn(n, generator=g, device="cuda").to(dtype) if bias else None
+    x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
+    ref = x.float() @ (q.float() * s[:, None]).t()
+    if b is not None:
+        ref += b.float()
+    return x, q, s, b, ref
+
+
+def _assert_gemv_close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what) -> None:
+    # Same products as the reference; only the fp32 summation order and the final rounding to
+    # the output dtype differ (2^-9 relative for bf16, 2^-12 for fp16).
+    assert y.dtype == dtype and y.shape == ref.shape, what
+    rtol = 2**-8 if dtype is torch.bfloat16 else 2**-10
+    atol = 1e-4 * float(ref.abs().max())
+    bad = ((y.float() - ref).abs() > rtol * ref.abs() + atol).sum().item()
+    assert bad == 0, (what, bad, rel_err(y, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_gemv_matches_reference(dtype, bias):
+    _fp8_gemv_device()
+    from shard.quantization.triton_fp8_gemv import configs_for, fp8_gemv
+
+    # bf16 without bias (Llama) runs the autotuned configs; the other combinations one fixed
+    # config per path (each combination and config is another compile; every config is run by
+    # test_fp8_gemv_every_config).
+    tuned = dtype is torch.bfloat16 and not bias
+    for i, (n, k) in enumerate(GEMV_SHAPES):
+        for m in (1, 3, 8, 16):
+            x, q, s, b, ref = _gemv_case(n, k, m, dtype, bias, seed=100 * i + m)
+            y = fp8_gemv(x, q, s, b, config=None if tuned else configs_for(m)[0])
+            _assert_gemv_close(y, ref, dtype, (n, k, m))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_fp8_gemv_every_config():
+    _fp8_gemv_device()
+    from shard.quantization.triton_fp8_gemv import configs_for, fp8_gemv
+
+    for n, k in ((4096, 4096), (1037, 1999)):
+        for m in (1, 3, 16):
+            x, q, s, b, ref = _gemv_case(n, k, m, torch.bfloat16, True, seed=7 + m)
+            for cfg in configs_for(m):
+                _assert_gemv_close(
+                    fp8_gemv(x, q, s, b, config=cfg), ref, torch.bfloat16, (n, k, m, str(cfg))
+                )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_fp8_gemv_strided_activations():
+    _fp8_gemv_device()
+    from shard.quantization.triton_fp8_gemv import fp8_gemv
+
+    x, q, s, _, ref = _gemv_case(4096, 4096, 4, torch.bfloat16, False, seed=11)
+    wide = torch.zeros(4, 4096 + 64, device="cuda", dtype=torch.bfloat16)
+    wide[:, 3 : 3 + 4096] = x
+    views = (wide[:, 3 : 3 + 4096], x.t().contiguous().t(), wide[:1, 3 : 3 + 4096])
+    for view, r in zip(views, (ref, ref, ref[:1]), strict=True):
+        _assert_gemv_close(fp8_gemv(view, q, s), r, torch.bfloat16, view.stride())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linear_gemv_matches_dequant_path(bias):
+    device = _fp8_gemv_device()
+    torch.manual_seed(12)
+    w = torch.randn(6144, 4096, device=device, dtype=torch.bfloat16) * 0.02
+    b = torch.randn(6144, device=device, dtype=torch.bfloat16) if bias else None
+    gemv = Fp8Linear.from_float(w, b)
+    dequant = Fp8Linear(gemv.weight, gemv.weight_scale, b, use_scaled_mm=False, use_gemv=False)
+    assert gemv.use_gemv and gemv.gemv_max_m == 16 and not dequant.use_gemv
+    for lead in ((1,), (3,), (2, 8), (16,)):
+        x = torch.randn(*lead, 4096, device=device, dtype=torch.bfloat16)
+        y = gemv(x)
+        assert y.shape == (*lead, 6144) and y.dtype == torch.bfloat16
+        # Same fp8 weights; the dequantize path rounds W * scale to bf16 first (2^-9 relative
+        # per weight), the GEMV scales the fp32 sum: far inside fp8's own ~2.5% error.
+        assert rel_err(y, dequant(x)) < 0.01, lead
+        ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        assert rel_err(y, ref) < 0.035, lead  # fp8 weights, ~2.5%: see the CPU test above
+    assert torch.bfloat16 in gemv._gemv_tuned
+    # Past the cutoff the W8A8 path runs, unchanged.
+    x = torch.randn(17, 4096, device=device, dtype=torch.bfloat16)
+    assert rel_err(gemv(x), x.float() @ w.float().t() + (0 if b is None else b.float())) < 0.045
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_fp8_gemv_cuda_graph_replay():
+    device = _fp8_gemv_device()
+    torch.manual_seed(13)
+    w = torch.randn(4096, 14336, device=device, dtype=torch.bfloat16) * 0.02
+    lin = Fp8Linear.from_float(w)
+    # One eager call (any batch) tunes and loads every bucket, as the shard's warm-up does.
+    lin(torch.randn(64, 14336, device=device, dtype=torch.bfloat16))
+    for m in (1, 4, 16):
+        x_static = torch.randn(m, 14336, device=device, dtype=torch.bfloat16)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_static = lin(x_static)
+        for _ in range(2):
+            x_new = torch.randn(m, 14336, device=device, dtype=torch.bfloat16)
+            x_static.copy_(x_new)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y_static, lin(x_new)), m  # same kernel, same config: bit-equal
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_fp8_linear_captured_before_any_eager_call_falls_back():
+    device = _fp8_gemv_device()
+    torch.manual_seed(14)
+    w = torch.randn(1024, 4096, device=device, dtype=torch.bfloat16) * 0.02
+    # Loads the activation-quantization kernel of the W8A8 path (K = 4096) before capture.
+    Fp8Linear.from_float(w, use_gemv=False)(
+        torch.randn(32, 4096, device=device, dtype=torch.bfloat16)
+    )
+    lin = Fp8Linear.from_float(w)
+    x = torch.randn(4, 4096, device=device, dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = lin(x)  # untuned while capturing: no autotuning, no first kernel load; W8A8 instead
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not lin._gemv_tuned
+    assert rel_err(y, x.float() @ w.float().t()) < 0.045
