@@ -4,6 +4,8 @@ tensor-parallel layer loads its own slice."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +20,7 @@ from shard.layers import (
 )
 from shard.models.base import LoadContext
 from shard.quantization import QuantizeMethod, kv_cache_torch_dtype
+from shard.quantization.fp8 import Fp8Linear
 from shard.quantization.kv_cache import FP8_MAXES, KvCalibration, KvScales, scales_from_amax
 from shard.quantization.loading import LinearQuantization
 from shard.rotary import RotaryEmbedding, rope_parameters
@@ -26,20 +29,33 @@ from shard.weights import Weights
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value) pools
 
 
-def merge_rows(*linears: nn.Module) -> torch.Tensor | None:
-    """CUDA decode fast path: one [sum(out), in] weight whose row blocks back the given
-    column-parallel linears' weights (their weights become views: no extra memory), so q/k/v or
-    gate/up run as one GEMM. None when any is quantized or has a bias."""
-    if any(getattr(m, "quantized", None) is not None or m.weight is None or m.bias is not None
-           for m in linears):
-        return None
-    merged = torch.cat([m.weight.data for m in linears])
-    at = 0
-    for m in linears:
-        rows = m.weight.shape[0]
-        m.weight.data = merged[at : at + rows]
-        at += rows
-    return merged
+class FusedProjection:
+    """Several column-parallel linears over the same input as one matmul (CUDA decode fast
+    path): q/k/v or gate/up. Deliberately not an nn.Module: the parts stay the model's modules
+    (checkpoint names, loaders), this only holds the merged weight they are views of."""
+
+    def __init__(self, linear: Callable[[torch.Tensor], torch.Tensor]):
+        self.linear = linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, sum(out)]
+        return self.linear(x)
+
+
+def merge_rows(*linears: ColumnParallelLinear) -> FusedProjection | None:
+    """One [sum(out), in] weight whose row blocks back the given column-parallel linears' weights
+    (their weights become views: no extra memory). Plain weights and fp8 weights (each row keeps
+    its scale) merge; None when any part has a bias or another quantization."""
+    if all(m.quantized is None and m.weight is not None and m.bias is None for m in linears):
+        merged = torch.cat([m.weight.data for m in linears])
+        at = 0
+        for m in linears:
+            rows = m.weight.shape[0]
+            m.weight.data = merged[at : at + rows]
+            at += rows
+        return FusedProjection(lambda x: F.linear(x, merged))
+    if all(isinstance(m.quantized, Fp8Linear) and m.quantized.bias is None for m in linears):
+        return FusedProjection(Fp8Linear.merge_rows(*(m.quantized for m in linears)))
+    return None
 
 
 class LlamaAttention(nn.Module):
@@ -70,7 +86,7 @@ class LlamaAttention(nn.Module):
         self.attention = ctx.attention
         self.sliding_window = sliding_window
         self.scale = self.head_dim**-0.5
-        self.qkv_weight: torch.Tensor | None = None  # set by fuse_projections() on CUDA
+        self.qkv: FusedProjection | None = None  # set by merge_rows() on CUDA
         # fp8 caches: per-KV-head scales at fixed device addresses (CUDA graphs read them), 1.0
         # until warmup calibrates them; None for model-dtype caches.
         self.kv_scales: KvScales | None = None
@@ -87,9 +103,9 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        if self.qkv_weight is not None and x.is_cuda:  # one GEMM for q, k and v
+        if self.qkv is not None and x.is_cuda:  # one GEMM for q, k and v
             nq, nk = self.local_heads * self.head_dim, self.local_kv_heads * self.head_dim
-            q, k, v = F.linear(x, self.qkv_weight).split([nq, nk, nk], dim=-1)
+            q, k, v = self.qkv(x).split([nq, nk, nk], dim=-1)
             q = q.view(n, self.local_heads, self.head_dim)
             k = k.view(n, self.local_kv_heads, self.head_dim)
             v = v.view(n, self.local_kv_heads, self.head_dim)
@@ -116,14 +132,14 @@ class LlamaMLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, inter, bias, ctx.dist)
         self.up_proj = ColumnParallelLinear(hidden, inter, bias, ctx.dist)
         self.down_proj = RowParallelLinear(inter, hidden, bias, ctx.dist)
-        self.gate_up_weight: torch.Tensor | None = None  # set by fuse_projections() on CUDA
+        self.gate_up: FusedProjection | None = None  # set by merge_rows() on CUDA
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:  # fused SiLU-and-mul: one kernel instead of two
             from shard.triton_ops import silu_mul
 
-            if self.gate_up_weight is not None:  # one GEMM for gate and up
-                gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            if self.gate_up is not None:  # one GEMM for gate and up
+                gate, up = self.gate_up(x).chunk(2, dim=-1)
                 return self.down_proj(silu_mul(gate, up))
             return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -214,8 +230,8 @@ class LlamaForCausalLM(nn.Module):
         if self._device.type == "cuda":
             for layer in self.model.layers:
                 attn, mlp = layer.self_attn, layer.mlp
-                attn.qkv_weight = merge_rows(attn.q_proj, attn.k_proj, attn.v_proj)
-                mlp.gate_up_weight = merge_rows(mlp.gate_proj, mlp.up_proj)
+                attn.qkv = merge_rows(attn.q_proj, attn.k_proj, attn.v_proj)
+                mlp.gate_up = merge_rows(mlp.gate_proj, mlp.up_proj)
 
     def begin_kv_calibration(self) -> bool:
         """fp8 caches: start recording max |K|, |V| per layer and KV head (warmup's prefill).
