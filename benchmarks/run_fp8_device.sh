@@ -5,7 +5,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl-tw/*.whl .whl/*.whl && export PYTHONPATH=/tmp/site
+  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 export PYTHONPATH=".:gen/python:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,memory.total --format=csv
 if [ "${RUN_TESTS:-1}" != 0 ]; then
