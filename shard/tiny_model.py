@@ -1,9 +1,11 @@
-"""`tokenwire make-tiny-model`: deterministic random-weight models laid out like a hub snapshot.
+"""`tokenwire make-tiny-model`: deterministic tiny models laid out like a hub snapshot.
 
 Tests and the embedded default model need real checkpoints without a model hub: this writes
 config.json, generation_config.json, model.safetensors and a real byte-level BPE tokenizer
 (tokenizer.json + tokenizer_config.json with BOS/EOS and a chat template) that
 `transformers.AutoModelForCausalLM` / `AutoTokenizer` load as they would a downloaded model.
+Weights are random unless `--train-steps N` fits them to a synthetic task (shard/tiny_training.py),
+which gives the confident predictions that exact greedy comparisons need.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class TinyModelSpec:
     # Mistral only: small enough that test prompts plus generation cross it.
     sliding_window: int = 48
     seed: int = 0
+    # 0: random weights (the bytes tests have always had); N: N steps on the tiny task.
+    train_steps: int = 0
 
 
 def build_tokenizer(vocab_size: int):
@@ -139,7 +143,16 @@ def make_tiny_model(out_dir: Path | str, spec: TinyModelSpec) -> Path:
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=special[BOS], eos_token_id=special[EOS], pad_token_id=special[PAD]
     )
+    final_loss = None
+    if spec.train_steps > 0:
+        from shard.tiny_training import train_tiny_model
+
+        final_loss = train_tiny_model(model, spec.train_steps, seed=spec.seed)
     model.save_pretrained(out, safe_serialization=True)
+    if final_loss is not None:
+        from shard.tiny_training import write_task_card
+
+        write_task_card(out, spec.train_steps, spec.seed, final_loss)
 
     tokenizer.save(str(out / "tokenizer.json"))
     tokenizer_config = {
@@ -162,9 +175,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", type=Path, help="directory to write the model into")
     parser.add_argument("--arch", choices=ARCHITECTURES, default="llama")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    parser.add_argument(
+        "--train-steps", type=int, default=0, metavar="N",
+        help="train N steps on the synthetic progression task (CPU, deterministic; 200 gives "
+        "confident greedy choices in ~5 s); 0 keeps random weights",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    path = make_tiny_model(args.out_dir, TinyModelSpec(arch=args.arch, seed=args.seed))
-    print(f"wrote tiny {args.arch} model to {path}")
+    if args.train_steps < 0:
+        raise SystemExit(f"--train-steps must be >= 0; got {args.train_steps}")
+    spec = TinyModelSpec(arch=args.arch, seed=args.seed, train_steps=args.train_steps)
+    path = make_tiny_model(args.out_dir, spec)
+    trained = f" trained {args.train_steps} steps" if args.train_steps else ""
+    print(f"wrote tiny {args.arch} model{trained} to {path}")
     return 0

@@ -1,5 +1,6 @@
 """`tokenwire make-tiny-model` writes a hub-like snapshot that transformers loads and generates
-with, deterministically per seed."""
+with, deterministically per seed; `--train-steps` fits it to the progression task
+(shard/tiny_training.py), deterministically too, and the trained model does the task."""
 
 from __future__ import annotations
 
@@ -13,14 +14,29 @@ import pytest
 import torch
 import transformers
 
+from shard.tiny_model import TinyModelSpec, make_tiny_model
+from shard.tiny_training import (
+    TASK,
+    TASK_FILE,
+    read_task,
+    task_continuation,
+    task_prompt,
+    task_prompts,
+)
+from tests.helpers.models import trained_tiny_model
 
-def make(out: Path, arch: str, seed: int = 0) -> Path:
+
+def make(out: Path, arch: str, seed: int = 0, *extra: str) -> Path:
     subprocess.run(
         [sys.executable, "-m", "service.cli", "make-tiny-model", str(out), "--arch", arch,
-         "--seed", str(seed)],
+         "--seed", str(seed), *extra],
         check=True, capture_output=True, timeout=120,
     )
     return out
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gpt2"])
@@ -47,10 +63,54 @@ def test_cli_output_loads_in_transformers_and_generates(tmp_path: Path, arch: st
 
 
 def test_same_seed_same_weights_other_seed_other_weights(tmp_path: Path) -> None:
-    def digest(path: Path) -> str:
-        return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
-
     a = digest(make(tmp_path / "a", "llama", seed=1))
     b = digest(make(tmp_path / "b", "llama", seed=1))
     c = digest(make(tmp_path / "c", "llama", seed=2))
     assert a == b != c
+
+
+def test_training_is_deterministic(tmp_path: Path) -> None:
+    """The CLI (its own process, default thread count) and an in-process build (this process's
+    thread count) of the same seed and steps write the same bytes; training changes them."""
+    steps = 20  # determinism does not need a converged model
+    cli = make(tmp_path / "cli", "qwen2", 0, "--train-steps", str(steps))
+    api = make_tiny_model(tmp_path / "api", TinyModelSpec(arch="qwen2", train_steps=steps))
+    untrained = make_tiny_model(tmp_path / "random", TinyModelSpec(arch="qwen2"))
+    assert digest(cli) == digest(api) != digest(untrained)
+    assert (cli / TASK_FILE).read_text() == (api / TASK_FILE).read_text()
+    assert read_task(cli) == TASK and read_task(untrained) is None
+    assert not (untrained / TASK_FILE).exists()  # random models are written as before
+
+
+def test_task_prompts_are_in_distribution() -> None:
+    p = task_prompts((17, 5, 45))
+    assert [len(x) for x in p] == [17, 5, 45]
+    assert all(x[0] == TASK.bos_id for x in p)
+    band = range(TASK.base, TASK.base + TASK.modulus)
+    assert all(t in band for x in p for t in x[1:])  # clear of PAD/BOS/EOS
+    assert len({(x[2] - x[1]) % TASK.modulus for x in p}) == 3  # another stride each
+    assert task_prompt(4, 3, start=30) == [TASK.bos_id, 94, 65, 68]  # wraps modulo 32
+    assert task_continuation([TASK.bos_id, 94, 65, 68], 2) == [71, 74]
+    with pytest.raises(ValueError, match="length >= 3"):
+        task_prompt(2, 1)
+
+
+def test_trained_model_continues_the_progression(tmp_path_factory) -> None:
+    """The trained tiny llama (the shard tests' model, built once per session) greedily
+    continues task prompts for 32 tokens, every pick by a wide top-2 margin: random models'
+    margins are 0.001-0.09, the fp8 KV cache's logit noise ~0.5."""
+    model_dir = trained_tiny_model(tmp_path_factory, "llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    n, margins = 32, []
+    for prompt in task_prompts((17, 5, 45, 3)):
+        want = task_continuation(prompt, n)
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+            logits = model(torch.tensor([prompt + want])).logits[0, len(prompt) - 1 : -1]
+        assert out[0, len(prompt):].tolist() == want
+        top2 = logits.topk(2, dim=-1).values  # [n, 2]
+        margins.append(top2[:, 0] - top2[:, 1])
+    min_margin = float(torch.cat(margins).min())
+    print(f"trained tiny llama: min top-2 margin over 32 greedy steps {min_margin:.2f}")
+    assert min_margin > 1.0
