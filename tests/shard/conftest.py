@@ -3,12 +3,14 @@ reference, and a small driver that plays the router (allocates blocks, grants th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from shard.tiny_model import TinyModelSpec, make_tiny_model
+from tests.helpers.models import trained_tiny_model
 
 torch.set_num_threads(1)
 
@@ -20,3 +22,10 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         arch: make_tiny_model(root / arch, TinyModelSpec(arch=arch))
         for arch in ("llama", "mistral", "qwen2", "gpt2")
     }
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_models(tmp_path_factory) -> Callable[[str], Path]:
+    """arch -> a tiny model trained on the progression task (confident greedy choices), each
+    built on first use only: training costs ~5 s per architecture."""
+    return lambda arch: trained_tiny_model(tmp_path_factory, arch)

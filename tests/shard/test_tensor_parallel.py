@@ -1,7 +1,8 @@
 """`tokenwire shard --world-size 2` (two processes, gloo) generates exactly what one shard does.
 
 Every RPC goes to both ranks at once (as the router does); both answers must agree, and rank 0's
-must equal the single-shard engine's and transformers'.
+must equal the single-shard engine's and transformers'. Random tiny models and one trained on the
+progression task (confident choices, as issue 8's "greedy tokens equal TP=1" presumes).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from test_engine_greedy import N, joining_and_leaving, make_shard
 from tokenwire.shard.v1 import shard_pb2 as pb
 from tokenwire.shard.v1 import shard_pb2_grpc
 
+from shard.tiny_training import task_continuation, task_prompts
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -39,16 +42,22 @@ def _strip(message):
     return copy
 
 
-def run_scenario(call, num_blocks: int, block_size: int, model_dir) -> dict[int, list[int]]:
+def run_scenario(call, num_blocks: int, block_size: int, inputs: list[list[int]]
+                 ) -> dict[int, list[int]]:
     sim = RouterSim(call, num_blocks, block_size)
-    joining_and_leaving(sim, prompts(model_dir, [17, 5, 45, 30]))
+    joining_and_leaving(sim, inputs)
     return {rid: req.generated for rid, req in sim.done.items()}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_two_ranks_equal_single_shard(tiny_models, tmp_path, arch):
-    model_dir = tiny_models[arch]
+@pytest.mark.parametrize("model", ["llama", "qwen2", "trained-llama"])
+def test_two_ranks_equal_single_shard(tiny_models, trained_tiny_models, tmp_path, model):
+    if model.startswith("trained-"):  # in-distribution prompts: the progression task's
+        model_dir = trained_tiny_models(model.removeprefix("trained-"))
+        inputs = task_prompts((17, 5, 45, 30))
+    else:
+        model_dir = tiny_models[model]
+        inputs = prompts(model_dir, [17, 5, 45, 30])
     prefix = str(tmp_path / "shard")
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
@@ -82,7 +91,7 @@ def test_two_ranks_equal_single_shard(tiny_models, tmp_path, arch):
         warm = call("Warmup", pb.WarmupRequest(
             max_input_tokens=128, max_total_tokens=256, max_batch_prefill_tokens=256,
             max_batch_size=8, max_batch_total_tokens=2048))
-        tp = run_scenario(call, warm.num_blocks, warm.block_size, model_dir)
+        tp = run_scenario(call, warm.num_blocks, warm.block_size, inputs)
     finally:
         for ch in channels:
             ch.close()
@@ -92,8 +101,11 @@ def test_two_ranks_equal_single_shard(tiny_models, tmp_path, arch):
     assert codes == [0, 0]
     single = make_shard(model_dir)
     expected = run_scenario(
-        engine_call(single), single.runner.num_blocks, single.runner.block_size, model_dir
+        engine_call(single), single.runner.num_blocks, single.runner.block_size, inputs
     )
     assert tp == expected
     hf = load_hf(model_dir)
-    assert tp[1] == hf_greedy(hf, prompts(model_dir, [17])[0], N)
+    assert tp[1] == hf_greedy(hf, inputs[0], N)
+    if model.startswith("trained-"):
+        assert tp[1] == task_continuation(inputs[0], N)
+        assert tp[3] == task_continuation(inputs[2], N)
