@@ -31,7 +31,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def tiny_prompts(vocab: int) -> list[list[int]]:
+def tiny_prompts(vocab: int, model_dir: Path | str | None = None) -> list[list[int]]:
+    """The greedy check's prompts: in-distribution task prompts for a model trained by
+    `make-tiny-model --train-steps` (its task card says which), arbitrary ids otherwise."""
+    from shard.tiny_training import read_task, task_prompts
+
+    task = read_task(model_dir) if model_dir is not None else None
+    if task is not None:
+        return task_prompts(PROMPT_LENS, task)
     return [[(37 * i + 11 * j + 3) % vocab for j in range(n)] for i, n in enumerate(PROMPT_LENS)]
 
 
@@ -44,7 +51,7 @@ def greedy_tokens(shard, steps: int = GREEDY_STEPS, margins: list | None = None
 
     runner = shard.runner
     bs = runner.block_size
-    prompts = tiny_prompts(runner.model.vocab_size)
+    prompts = tiny_prompts(runner.model.vocab_size, shard.cfg.model_id)
     per = math.ceil((max(len(p) for p in prompts) + steps + 1) / bs)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(len(prompts))]
     step = StepInputs([], [], [], [], [], [])
@@ -197,10 +204,10 @@ def rank_main(rank: int, world: int, port: int, job: dict, queue) -> None:
                             all_reduce=job.get("all_reduce", "auto"))
     res: dict = {}
     try:
-        if job.get("tiny_dir"):
-            tiny = load_tiny(Path(job["tiny_dir"]), device, dist)
-            res["tiny_tokens"] = greedy_tokens(tiny)
-            res["tiny_graphs"] = tiny.runner.graphs is not None
+        for name, tiny_dir in (job.get("tiny_dirs") or {}).items():
+            tiny = load_tiny(Path(tiny_dir), device, dist)
+            res.setdefault("tiny_tokens", {})[name] = greedy_tokens(tiny)
+            res.setdefault("tiny_graphs", {})[name] = tiny.runner.graphs is not None
             tiny.runner.kv_cache = None
             tiny.runner.graphs = None
             del tiny
@@ -317,9 +324,10 @@ def compare_logits(got, want) -> dict:
     }
 
 
-def bench_tp(model_dir: Path | None, tiny_dir: Path | None, args, single_decode: list[dict]
-             ) -> dict:
-    """TP=N on N GPUs vs one GPU: tiny greedy equality, 8B logits, decode speedup."""
+def bench_tp(model_dir: Path | None, tiny_dirs: dict[str, Path], args,
+             single_decode: list[dict]) -> dict:
+    """TP=N on N GPUs vs one GPU: tiny greedy equality (per tiny model, e.g. random and trained
+    weights), 8B logits, decode speedup."""
     import gc
 
     import torch
@@ -328,26 +336,27 @@ def bench_tp(model_dir: Path | None, tiny_dir: Path | None, args, single_decode:
 
     world = args.num_shard
     batches = [int(b) for b in args.decode_batches.split(",")]
-    job = {"device": "cuda", "tiny_dir": str(tiny_dir) if tiny_dir else None,
+    job = {"device": "cuda", "tiny_dirs": {k: str(v) for k, v in tiny_dirs.items()},
            "model_dir": str(model_dir) if model_dir else None, "batches": batches,
            "context": args.context, "quantize": args.quantize,
            "kv_cache_dtype": args.kv_cache_dtype, "allreduce_batches": [1, 8, 64, 256],
            "all_reduce": getattr(args, "all_reduce", "auto")}
     tp = run_ranks(world, job)
     out: dict = {"num_shard": world, "error": tp.get("error")}
-    if tiny_dir and "tiny_tokens" in tp:
-        single = load_tiny(tiny_dir, "cuda:0", Dist())
+    out["tiny"] = {}
+    for name, tp_tokens in tp.get("tiny_tokens", {}).items():
+        single = load_tiny(tiny_dirs[name], "cuda:0", Dist())
         margins: list = []
         want = greedy_tokens(single, margins=margins)
         first = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
-                 for g, w in zip(tp["tiny_tokens"], want)]
-        out["tiny"] = {"tp_tokens": tp["tiny_tokens"], "single_tokens": want,
-                       "equal": tp["tiny_tokens"] == want, "tp_graphs": tp["tiny_graphs"],
-                       "first_divergence": first,
-                       # one GPU's top-2 margin at each divergence (bf16 near-tie if small)
-                       "margin_at_divergence": [None if f is None else margins[f][i]
-                                                for i, f in enumerate(first)],
-                       "min_margin_all_steps": min(min(m) for m in margins)}
+                 for g, w in zip(tp_tokens, want)]
+        out["tiny"][name] = {
+            "tp_tokens": tp_tokens, "single_tokens": want, "equal": tp_tokens == want,
+            "tp_graphs": tp["tiny_graphs"][name], "first_divergence": first,
+            # one GPU's top-2 margin at each divergence (bf16 near-tie if small)
+            "margin_at_divergence": [None if f is None else margins[f][i]
+                                     for i, f in enumerate(first)],
+            "min_margin_all_steps": min(min(m) for m in margins)}
         single.runner.kv_cache = None
         del single
     if model_dir and "logits_8b" in tp:

@@ -35,3 +35,24 @@ def test_symmetric_memory_all_reduce_equals_nccl_and_survives_graph_reuse():
     # Not a timing test; kept in the output for the record.
     print({b: (round(r["in_graph_us"], 1), round(r["nccl_in_graph_us"], 1))
            for b, r in rows.items()})
+
+
+def test_trained_tiny_llama_tp2_greedy_equals_one_gpu(tmp_path):
+    """TP=2 (NCCL, one-shot all-reduce, warmup + CUDA graphs) vs one GPU, bf16: 32 greedy tokens
+    equal on a tiny model whose choices are clear (trained on the progression task; a random
+    model's bf16 near-ties would let rounding order decide)."""
+    from shard.bench_tp import greedy_tokens, load_tiny, run_ranks
+    from shard.distributed import Dist
+    from shard.tiny_model import TinyModelSpec, make_tiny_model
+    from shard.tiny_training import RECOMMENDED_STEPS, task_continuation, task_prompts
+
+    model = make_tiny_model(tmp_path / "trained-llama",
+                            TinyModelSpec("llama", train_steps=RECOMMENDED_STEPS))
+    res = run_ranks(2, {"device": "cuda", "tiny_dirs": {"trained": str(model)}}, timeout_s=300)
+    assert res.get("error") is None, res
+    assert res["tiny_graphs"]["trained"]
+    margins: list = []
+    want = greedy_tokens(load_tiny(model, "cuda:0", Dist()), margins=margins)
+    assert res["tiny_tokens"]["trained"] == want
+    assert want == [task_continuation(p, 32) for p in task_prompts((17, 5, 45))]
+    assert min(min(m) for m in margins) > 1.0
