@@ -514,7 +514,9 @@ def bench_e2e(model_dir: Path, args, log_path: Path) -> dict:
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(timeout=30)
-            except Exception:  # noqa: BLE001
+            except ProcessLookupError:  # already gone (e.g. it failed to start): keep its error
+                pass
+            except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
     ok = [r for r in results if not r["error"] and r["times"]]
     end = max(r["times"][-1] for r in ok)

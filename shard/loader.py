@@ -112,6 +112,13 @@ class Shard:
             self.cfg.max_batch_total_tokens,
         )
 
+    def bind_thread(self) -> None:
+        """Makes this shard's GPU the calling thread's current device. CUDA's current device is
+        per thread, and Triton kernels launch on it: on rank 1 (cuda:1) a worker thread left
+        on cuda:0 fails every Triton launch. A no-op on CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def health(self) -> None:
         """A tiny computation on the device; raises if the device is gone."""
         x = torch.ones(8, device=self.device)

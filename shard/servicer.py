@@ -40,7 +40,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self.urls = urls
         self.on_fatal = on_fatal
         # One worker: model steps run in RPC order, never concurrently, off the event loop.
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-model")
+        self.worker = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="shard-model", initializer=shard.bind_thread
+        )
         self.fatal: str | None = None
 
     async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args) -> Any:

@@ -56,3 +56,75 @@ def test_trained_tiny_llama_tp2_greedy_equals_one_gpu(tmp_path):
     assert res["tiny_tokens"]["trained"] == want
     assert want == [task_continuation(p, 32) for p in task_prompts((17, 5, 45))]
     assert min(min(m) for m in margins) > 1.0
+
+
+def _launch_generate(model_dir, num_shard: int, tmp_path, prompts: list[str],
+                     device: str = "cuda", dtype: str = "bfloat16") -> list[list[int]]:
+    """`tokenwire launch --num-shard N --device cuda` (real router + shard processes over gRPC),
+    greedy 32 tokens per prompt through the public API; returns the generated token ids."""
+    import subprocess
+    import sys
+    import time
+
+    import grpc
+    from google.protobuf import json_format
+    from tokenwire.v1 import generate_pb2 as pb
+    from tokenwire.v1 import generate_pb2_grpc as pb_grpc
+
+    from tests.helpers.ports import free_port
+    from tests.helpers.processes import REPO, health_status
+
+    port = free_port()
+    log_path = tmp_path / f"launch-{num_shard}.log"
+    argv = [sys.executable, "-m", "service.cli", "launch", "--model-id", str(model_dir),
+            "--device", device, "--dtype", dtype, "--num-shard", str(num_shard),
+            "--port", str(port), "--prometheus-port", str(free_port())]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while health_status(f"127.0.0.1:{port}") != 1:  # SERVING
+            assert proc.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-4000:]
+            time.sleep(0.5)
+        out = []
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.TextGenerationStub(channel)
+            for text in prompts:
+                body = {"inputs": text, "parameters": {"max_new_tokens": 32, "details": True}}
+                reply = stub.Generate(json_format.ParseDict(body, pb.GenerateRequest()),
+                                      timeout=120)
+                out.append([t.id for t in reply.details.tokens])
+        return out
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_launch_num_shard_2_on_gpus_equals_one_shard(tmp_path):
+    """The shipped path: `launch --num-shard 2` puts rank r on cuda:r (each shard's model thread
+    bound to its GPU), the router drives both ranks; greedy output over the public gRPC API equals
+    `--num-shard 1` on the trained tiny model."""
+    from transformers import AutoTokenizer
+
+    from shard.tiny_model import TinyModelSpec, make_tiny_model
+    from shard.tiny_training import RECOMMENDED_STEPS, TASK, task_continuation, task_prompt
+
+    model = make_tiny_model(tmp_path / "trained-llama",
+                            TinyModelSpec("llama", train_steps=RECOMMENDED_STEPS))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+
+    def round_trips(ids: list[int]) -> bool:  # text that the router tokenizes back to `ids`
+        return tokenizer(tokenizer.decode(ids[1:]))["input_ids"] == ids
+
+    # Task prompts whose text tokenizes back exactly (BPE merges break some), one per length.
+    ids = [next(p for stride in TASK.strides for start in range(TASK.modulus)
+                if round_trips(p := task_prompt(length, stride, start))) for length in (17, 5, 45)]
+    prompts = [tokenizer.decode(p[1:]) for p in ids]
+    two = _launch_generate(model, 2, tmp_path, prompts)
+    one = _launch_generate(model, 1, tmp_path, prompts)
+    assert two == one
+    assert two == [task_continuation(p, 32) for p in ids]
