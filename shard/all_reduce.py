@@ -72,8 +72,10 @@ class SymmetricMemoryAllReduce:
 def try_symmetric_memory_all_reduce(
     device: torch.device, rank: int, world_size: int, max_bytes: int = DEFAULT_MAX_BYTES
 ) -> SymmetricMemoryAllReduce | None:
-    """Builds the one-shot all-reduce and checks one sum against NCCL's on every rank; returns
-    None (callers use NCCL) where it is unavailable or wrong. Collective: all ranks call it."""
+    """Builds the one-shot all-reduce and checks one sum on every rank; returns None (callers
+    use NCCL) where it is unavailable or wrong. Collective: all ranks call it. A rank that fails
+    before the buffer rendezvous leaves its peers waiting there until the process-group timeout;
+    identical ranks (same torch, same GPUs) fail alike, before it."""
     ok = torch.ones(1, device=device)
     reducer: SymmetricMemoryAllReduce | None = None
     reason = ""
