@@ -2,12 +2,7 @@
 # One device call: wheels, GPU tests, attention check, `tokenwire bench`, engine profile.
 # Usage: bash benchmarks/run_device.sh [bench parts] [extra bench args...]; outputs under $OUT.
 set -u
-export PYTHONUNBUFFERED=1
-if ls .whl-tw/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl-tw/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=".:gen/python:${PYTHONPATH:-}"
+source "$(dirname "$0")/device_env.sh"
 PARTS=${1:-ceilings,decode,prefill,e2e,hf}; shift || true
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv
 if [ "${RUN_TESTS:-1}" != 0 ]; then

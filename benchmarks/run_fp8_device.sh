@@ -3,10 +3,7 @@
 # micro-benchmark, then `tokenwire bench --parts decode` in bf16 and with --quantize fp8 on the
 # same machine (batch-1 speedup = bf16 graph ms / fp8 graph ms). Outputs under $OUT.
 set -u
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-export PYTHONPATH=".:gen/python:${PYTHONPATH:-}"
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv
 if [ "${RUN_TESTS:-1}" != 0 ]; then
   timeout 240 python3 -m pytest -q -m gpu tests/gpu tests/shard/test_quantization.py -p no:cacheprovider -rA 2>&1 \
