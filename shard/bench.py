@@ -665,6 +665,14 @@ def write_report(res: dict, path: Path) -> None:
                          f"{a['in_graph_us']:.1f} | {a['per_step_64_ms']:.2f} | "
                          f"{a.get('nccl_in_graph_us', float('nan')):.1f} | "
                          f"{a.get('chain_exact')} |\n")
+        if tp.get("fused_norm"):
+            L.append("\n| all-reduce + add + RMSNorm [batch, 4096] bf16 | fused kernel used | "
+                     "fused in graph us | NCCL + add_rms_norm in graph us | 64-call chain equal "
+                     "(eager / graph) |\n|---|---|---|---|---|\n")
+            for a in tp["fused_norm"]:
+                L.append(f"| batch {a['batch']} | {a['fused_path']} | "
+                         f"{a['fused_in_graph_us']:.1f} | {a['unfused_in_graph_us']:.1f} | "
+                         f"{a['eager_chain_exact']} / {a['graph_chain_exact']} |\n")
     hf = res.get("hf")
     if hf:
         L.append("\n## transformers generate() baseline\n| batch | in/out | output tok/s |\n"

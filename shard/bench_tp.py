@@ -190,6 +190,73 @@ def _chained_sums_exact(dist, batch: int, hidden: int, calls: int = 64) -> bool:
     return ok
 
 
+def _fused_norm_cost(dist, hidden: int, batches: list[int]) -> list[dict]:
+    """The fused all-reduce + add + RMSNorm (layers.reduce_add_rms_norm, what the model calls)
+    against NCCL's all-reduce + the add/norm kernel: per-call time inside a CUDA graph of 64
+    calls, and exactness: 64 dependent calls (each partial derived from the previous normed
+    output, as in a model), eager and as graph replays with new inputs, equal the unfused chain
+    bit for bit (two ranks: both round the exact sum once)."""
+    import torch
+    import torch.distributed as tdist
+
+    from shard.bench import cuda_time_ms
+    from shard.layers import RMSNorm, reduce_add_rms_norm
+    from shard.triton_ops import add_rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(7)  # same weight on every rank
+    norm = RMSNorm(hidden, 1e-5).cuda()
+    norm.weight.data = (torch.rand(hidden, generator=gen, device="cuda") + 0.5).to(torch.bfloat16)
+    share = (dist.rank + 1) / 2  # rank r's partial is h * (r + 1) / 2: exact in bf16
+
+    def unfused(partial, x):
+        total = partial.clone()
+        tdist.all_reduce(total)
+        return add_rms_norm(total, x, norm.weight, norm.eps)
+
+    def chain(step, h, x, calls: int = 64) -> list:
+        outs = []
+        for _ in range(calls):
+            h, x = step(h * share, x)
+            outs.extend((h, x))
+        return outs
+
+    def fused(partial, x):
+        return reduce_add_rms_norm(dist, partial, x, norm)
+
+    out = []
+    for b in batches:
+        h0 = torch.randn(b, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        x0 = torch.randn(b, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        row = {"batch": b, "fused_path": dist.fused_all_reduce_norm is not None
+               and dist.fused_all_reduce_norm.handles(h0)}
+        want = chain(unfused, h0, x0)
+        row["eager_chain_exact"] = all(torch.equal(g, w)
+                                       for g, w in zip(chain(fused, h0, x0), want))
+        h_in, x_in = h0.clone(), x0.clone()
+        for step in (fused, unfused):
+            chain(step, h_in, x_in)  # compile/warm before capture
+        torch.cuda.synchronize()
+        graphs = {}
+        for name, step in (("fused", fused), ("unfused", unfused)):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                got = chain(step, h_in, x_in)
+            graphs[name] = (g, got)
+        exact = True
+        for trial in range(3):
+            h_in.copy_(torch.randn(b, hidden, device="cuda", generator=gen).to(torch.bfloat16))
+            x_in.copy_(torch.randn(b, hidden, device="cuda", generator=gen).to(torch.bfloat16))
+            want = chain(unfused, h_in, x_in)
+            graphs["fused"][0].replay()
+            torch.cuda.synchronize()
+            exact = exact and all(torch.equal(g, w) for g, w in zip(graphs["fused"][1], want))
+        row["graph_chain_exact"] = exact
+        for name, (g, _) in graphs.items():
+            row[f"{name}_in_graph_us"] = cuda_time_ms(g.replay, iters=20, warmup=3) / 64 * 1e3
+        out.append(row)
+    return out
+
+
 def rank_main(rank: int, world: int, port: int, job: dict, queue) -> None:
     """One rank of the TP benchmark (a spawned process)."""
     import torch
@@ -215,6 +282,8 @@ def rank_main(rank: int, world: int, port: int, job: dict, queue) -> None:
             res.update(_bench_8b(Path(job["model_dir"]), job, dist, device))
         if cuda and job.get("allreduce_batches"):
             res["allreduce"] = _allreduce_cost(dist, 4096, job["allreduce_batches"])
+            res["fused_norm"] = _fused_norm_cost(dist, 4096, [b for b in job["allreduce_batches"]
+                                                             if b <= 16] or [1])
     except Exception as exc:  # noqa: BLE001 - report, do not hang the other rank silently
         import traceback
 
@@ -391,4 +460,5 @@ def bench_tp(model_dir: Path | None, tiny_dirs: dict[str, Path], args,
         for d in tp.get("decode", [])
     ]
     out["allreduce"] = tp.get("allreduce")
+    out["fused_norm"] = tp.get("fused_norm")
     return out

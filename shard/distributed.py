@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from shard.all_reduce import SymmetricMemoryAllReduce
+    from shard.all_reduce_norm import AllReduceAddRmsNorm
 
 
 ALL_REDUCE_CHOICES = ("auto", "nccl")
@@ -29,6 +30,11 @@ class Dist:
     world_size: int = 1
     # One-shot all-reduce for small CUDA tensors (decode steps); None: NCCL/gloo for every size.
     small_all_reduce: SymmetricMemoryAllReduce | None = field(
+        default=None, compare=False, repr=False
+    )
+    # All-reduce + residual add + RMSNorm in one kernel for decode-sized CUDA tensors
+    # (layers.reduce_add_rms_norm); None: the all-reduce, then the add + norm.
+    fused_all_reduce_norm: AllReduceAddRmsNorm | None = field(
         default=None, compare=False, repr=False
     )
 
@@ -75,8 +81,9 @@ def init_distributed(
 ) -> Dist:
     """Joins the group (gloo on CPU, nccl on CUDA) at tcp://master_addr:master_port.
 
-    all_reduce: "auto" adds the one-shot symmetric-memory all-reduce for small tensors on CUDA
-    where it works (shard.all_reduce), "nccl" uses the process group for every size.
+    all_reduce: "auto" adds, on CUDA where they work, the one-shot symmetric-memory all-reduce
+    for small tensors (shard.all_reduce) and the fused all-reduce + add + RMSNorm for decode-sized
+    ones (shard.all_reduce_norm); "nccl" uses the process group for every size.
     """
     if all_reduce not in ALL_REDUCE_CHOICES:
         raise ValueError(f"--all-reduce must be one of {ALL_REDUCE_CHOICES}; got {all_reduce!r}")
@@ -93,9 +100,12 @@ def init_distributed(
         )
         if backend == "nccl" and all_reduce == "auto":
             from shard.all_reduce import try_symmetric_memory_all_reduce
+            from shard.all_reduce_norm import try_all_reduce_add_rms_norm
 
             small = try_symmetric_memory_all_reduce(device, rank, world_size)
-            return Dist(rank=rank, world_size=world_size, small_all_reduce=small)
+            fused = try_all_reduce_add_rms_norm(device, rank, world_size)
+            return Dist(rank=rank, world_size=world_size, small_all_reduce=small,
+                        fused_all_reduce_norm=fused)
     return Dist(rank=rank, world_size=world_size)
 
 

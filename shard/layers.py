@@ -77,6 +77,14 @@ class RowParallelLinear(nn.Module):
         y = self.dist.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, not yet summed over ranks (the caller sums it, e.g.
+        fused with the next norm: `reduce_add_rms_norm`); the bias is counted once, on rank 0."""
+        y = self.quantized(x) if self.quantized is not None else F.linear(x, self.weight)
+        if self.bias is not None and self.dist.rank == 0:
+            y = y + self.bias
+        return y
+
 
 class VocabSlicedWeight(nn.Module):
     """A [vocab, hidden] weight of which rank r holds rows [r * per_rank, (r + 1) * per_rank),
@@ -142,6 +150,32 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
+
+
+def add_rms_norm(
+    delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + delta), x + delta) for [num_tokens, hidden]: one Triton kernel on CUDA, the
+    torch form (same rounding points: the sum rounded to the dtype first) elsewhere."""
+    if x.is_cuda:
+        from shard.triton_ops import add_rms_norm as fused
+
+        return fused(delta, x, norm.weight, norm.eps)
+    residual = x + delta
+    return norm(residual), residual
+
+
+def reduce_add_rms_norm(
+    dist: Dist, partial: torch.Tensor, x: torch.Tensor, norm: RMSNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add after a row-parallel linear: s = x + (sum over ranks of partial), returns
+    (norm(s), s). partial [num_tokens, hidden] is RowParallelLinear.partial's output. Decode-sized
+    CUDA tensors take one kernel for the all-reduce, the add and the norm where the fused kernel
+    is available (shard.all_reduce_norm); otherwise the all-reduce, then add + norm."""
+    fused = dist.fused_all_reduce_norm
+    if fused is not None and fused.handles(partial):
+        return fused(partial, x, norm.weight, norm.eps)
+    return add_rms_norm(dist.all_reduce(partial), x, norm)
 
 
 def load_module_weights(root: nn.Module, weights: Weights) -> None:

@@ -17,6 +17,7 @@ from shard.layers import (
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
+    reduce_add_rms_norm,
 )
 from shard.models.base import LoadContext
 from shard.quantization import QuantizeMethod, kv_cache_torch_dtype
@@ -101,7 +102,9 @@ class LlamaAttention(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        reduce: bool = True,
     ) -> torch.Tensor:
+        """-> [num_tokens, hidden]; with reduce=False this rank's un-reduced o_proj share."""
         n = x.shape[0]
         if self.qkv is not None and x.is_cuda:  # one GEMM for q, k and v
             nq, nk = self.local_heads * self.head_dim, self.local_kv_heads * self.head_dim
@@ -121,7 +124,8 @@ class LlamaAttention(nn.Module):
         o = self.attention.attend(
             q, key_cache, value_cache, meta, self.scale, self.sliding_window, self.kv_scales
         )
-        return self.o_proj(o.reshape(n, self.local_heads * self.head_dim))
+        o = o.reshape(n, self.local_heads * self.head_dim)
+        return self.o_proj(o) if reduce else self.o_proj.partial(o)
 
 
 class LlamaMLP(nn.Module):
@@ -134,21 +138,25 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias, ctx.dist)
         self.gate_up: FusedProjection | None = None  # set by merge_rows() on CUDA
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """x [num_tokens, hidden] -> [num_tokens, hidden]; with reduce=False this rank's
+        un-reduced down_proj share."""
+        down = self.down_proj if reduce else self.down_proj.partial
         if x.is_cuda:  # fused SiLU-and-mul: one kernel instead of two
             from shard.triton_ops import silu_mul
 
             if self.gate_up is not None:  # one GEMM for gate and up
                 gate, up = self.gate_up(x).chunk(2, dim=-1)
-                return self.down_proj(silu_mul(gate, up))
-            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+                return down(silu_mul(gate, up))
+            return down(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return down(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, ctx: LoadContext, rotary: RotaryEmbedding, sliding_window: int | None):
         super().__init__()
         eps = ctx.config.get("rms_norm_eps", 1e-6)
+        self.dist = ctx.dist
         self.self_attn = LlamaAttention(ctx, rotary, sliding_window)
         self.mlp = LlamaMLP(ctx)
         self.input_layernorm = RMSNorm(ctx.config["hidden_size"], eps)
@@ -159,19 +167,18 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_fused(self, x, delta, positions, cache, meta):
-        """CUDA: the same layer with each residual add fused into the following norm. The
-        residual stream is x + delta (delta None before the first layer); returns the new
-        (x, delta) pair, the MLP output still to be added."""
-        from shard.triton_ops import add_rms_norm
-
+        """The same layer with each residual add (and, under tensor parallelism, the all-reduce
+        before it) fused into the following norm. The residual stream is x + the sum over ranks
+        of delta, this rank's un-reduced share of the previous MLP output (None before the first
+        layer); returns the new (x, delta) pair, delta still to be reduced and added."""
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         if delta is None:
             h = n1(x)
         else:
-            h, x = add_rms_norm(delta, x, n1.weight, n1.eps)
-        a = self.self_attn(h, positions, cache, meta)
-        h, x = add_rms_norm(a, x, n2.weight, n2.eps)
-        return x, self.mlp(h)
+            h, x = reduce_add_rms_norm(self.dist, delta, x, n1)
+        a = self.self_attn(h, positions, cache, meta, reduce=False)
+        h, x = reduce_add_rms_norm(self.dist, a, x, n2)
+        return x, self.mlp(h, reduce=False)
 
 
 class LlamaModel(nn.Module):
@@ -211,6 +218,8 @@ class LlamaForCausalLM(nn.Module):
         # fp8 caches store K/V / scale (per layer and KV head; shard/quantization/kv_cache.py).
         self._kv_dtype = kv_cache_torch_dtype(ctx.kv_cache_dtype, ctx.dtype)
         self.tie = cfg.get("tie_word_embeddings", False)
+        # The fused-residual forward is the CUDA path; on CPU it exists for tests (same math).
+        self.fused_residual = False
         quant = LinearQuantization.resolve(ctx.quantize, cfg)
         # bitsandbytes' LLM.int8() outlier path syncs with the host: no CUDA-graph capture.
         self.cuda_graph_safe = quant is None or quant.flag not in (
@@ -284,14 +293,15 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [num_logits]
     ) -> torch.Tensor:  # [num_logits, vocab] float32
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
-        if x.is_cuda:  # residual adds fused into the norms (two fewer kernels per layer)
-            from shard.triton_ops import add_rms_norm
-
+        if x.is_cuda or self.fused_residual:  # residual adds (and all-reduces) fused into norms
             delta = None
             for layer, cache in zip(self.model.layers, kv_cache):
                 x, delta = layer.forward_fused(x, delta, positions, cache, meta)
-            norm = self.model.norm
-            h, _ = add_rms_norm(delta[logits_indices], x[logits_indices], norm.weight, norm.eps)
+            # Only the rows that need logits are reduced and normalized: [num_logits, hidden].
+            h, _ = reduce_add_rms_norm(
+                self.model.layers[-1].dist, delta[logits_indices], x[logits_indices],
+                self.model.norm,
+            )
             return self.lm_head(h)
         for layer, cache in zip(self.model.layers, kv_cache):
             x = layer(x, positions, cache, meta)

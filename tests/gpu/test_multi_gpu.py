@@ -37,6 +37,25 @@ def test_symmetric_memory_all_reduce_equals_nccl_and_survives_graph_reuse():
            for b, r in rows.items()})
 
 
+def test_fused_all_reduce_add_rms_norm_equals_unfused_over_graph_replays():
+    """Decode-sized row-parallel outputs are summed, added and normalized by one kernel
+    (shard.all_reduce_norm): 64 dependent calls, eager and replayed from a CUDA graph with new
+    inputs, equal NCCL's all-reduce + the add/norm kernel bit for bit (two ranks), including the
+    slot rotation across replays and rows changing between 1 and 16."""
+    from shard.bench_tp import run_ranks
+
+    res = run_ranks(2, {"device": "cuda", "allreduce_batches": [1, 16]}, timeout_s=300)
+    assert res.get("error") is None, res
+    rows = {r["batch"]: r for r in res["fused_norm"]}
+    assert set(rows) == {1, 16}
+    for row in rows.values():
+        assert row["fused_path"], row
+        assert row["eager_chain_exact"], row
+        assert row["graph_chain_exact"], row
+    print({b: (round(r["fused_in_graph_us"], 1), round(r["unfused_in_graph_us"], 1))
+           for b, r in rows.items()})
+
+
 def test_trained_tiny_llama_tp2_greedy_equals_one_gpu(tmp_path):
     """TP=2 (NCCL, one-shot all-reduce, warmup + CUDA graphs) vs one GPU, bf16: 32 greedy tokens
     equal on a tiny model whose choices are clear (trained on the progression task; a random
