@@ -5,8 +5,8 @@ and then immediately added to the residual stream and RMS-normalized for the nex
 separate kernels that is an all-reduce (~7 us for [1, 4096] bf16 on 2 H200s even as PyTorch's
 one-shot symmetric-memory kernel, whose two barriers are NVLink round trips) plus a fused
 add+norm (~2 us), 64 times per Llama-3-8B step: ~0.6 ms of a ~3.5 ms TP=2 batch-1 step
-(benchmarks/QUANT_TP.md). This module does all three in one single-block Triton kernel and needs no
-barrier at all.
+(benchmarks/QUANT_TP.md). This module does all three in one Triton kernel (a program per row) and needs
+no barrier at all.
 
 How (a "Lamport" exchange, the scheme TensorRT-LLM uses for small all-reduces): every rank owns an
 exchange buffer that all peers have mapped (torch symmetric memory, NVLink/P2P, no multicast),
@@ -46,12 +46,23 @@ log = logging.getLogger(__name__)
 EMPTY = tl.constexpr(-32768)
 # Polls of one sender's row before giving up (each poll is a ~1 us volatile read: ~10-20 s).
 SPIN_LIMIT = tl.constexpr(1 << 24)
-# state tensor layout: [call counter, rows written in slot 0, 1, 2, failed flag]
-_STATE_WORDS = 5
+# state tensor layout: [call counter, rows written in slot 0, 1, 2, failed flag, programs done]
+_STATE_WORDS = 6
 _SLOTS = 3
 
 
-@triton.jit(do_not_specialize=["rows", "hidden"])
+@triton.jit
+def _buffer(buffers_ptr, rank):
+    """Rank `rank`'s exchange buffer as an int16 pointer. Symmetric-memory buffers are 16-byte
+    aligned; saying so lets Triton issue 16-byte loads and stores (without the hint every word
+    of a row is a separate 2-byte NVLink transaction)."""
+    return tl.multiple_of(tl.load(buffers_ptr + rank).to(tl.pointer_type(tl.int16)), 16)
+
+
+# `rows` varies per call (1 would otherwise compile a variant of its own); `hidden` stays
+# specialized: it is fixed per model, and its divisibility by 16 lets the row loads go 16 bytes
+# wide (masks of unknown alignment force 2-byte accesses).
+@triton.jit(do_not_specialize=["rows"])
 def _all_reduce_add_rms_norm_kernel(
     partial_ptr,  # [rows, hidden] int16 view of this rank's un-reduced model-dtype output
     x_ptr,  # [rows, hidden] model dtype, residual stream before the add
@@ -59,7 +70,7 @@ def _all_reduce_add_rms_norm_kernel(
     out_ptr,  # [rows, hidden] model dtype: rms_norm(x + sum over ranks of partial) * w
     res_ptr,  # [rows, hidden] model dtype: x + sum over ranks of partial
     buffers_ptr,  # [WORLD] int64: every rank's exchange buffer, as mapped in this process
-    state_ptr,  # [5] int32, see _STATE_WORDS
+    state_ptr,  # [_STATE_WORDS] int32
     rows,
     hidden,
     stride_p,
@@ -71,6 +82,9 @@ def _all_reduce_add_rms_norm_kernel(
     MAX_HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # One program per row: rows are independent until the end, where the last program to
+    # finish advances the call counter.
+    row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     call = tl.load(state_ptr)
@@ -78,61 +92,62 @@ def _all_reduce_add_rms_norm_kernel(
     # Fixed strides of the [slot][sender][row][MAX_HIDDEN] buffer, independent of `rows` and
     # `hidden`, so a slot's words mean the same thing to every rank in every call.
     slot_words = WORLD * MAX_ROWS * MAX_HIDDEN
-    row_base = slot.to(tl.int64) * slot_words
-    own = tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int16))
+    slot_base = slot.to(tl.int64) * slot_words
+    own = _buffer(buffers_ptr, RANK)
 
-    # 1. push: this rank's rows into slot `slot`, sender RANK, of every rank's buffer.
-    for row in range(rows):
-        bits = tl.load(partial_ptr + row * stride_p + offs, mask=mask, other=0)
-        bits = tl.where(bits == EMPTY, 0, bits).to(tl.int16)  # -0.0 -> +0.0: never the mark
-        at = row_base + (RANK * MAX_ROWS + row) * MAX_HIDDEN + offs
-        for peer in tl.static_range(WORLD):
-            dst = tl.load(buffers_ptr + peer).to(tl.pointer_type(tl.int16))
-            tl.store(dst + at, bits, mask=mask)
+    # 1. push: this rank's row into slot `slot`, sender RANK, of every rank's buffer.
+    bits = tl.load(partial_ptr + row * stride_p + offs, mask=mask, other=0)
+    bits = tl.where(bits == EMPTY, 0, bits).to(tl.int16)  # -0.0 -> +0.0: never the mark
+    at = slot_base + (RANK * MAX_ROWS + row) * MAX_HIDDEN + offs
+    for peer in tl.static_range(WORLD):
+        tl.store(_buffer(buffers_ptr, peer) + at, bits, mask=mask)
 
     # 2. wait for every sender's row, sum in rank order, add the residual, normalize.
     timed_out = tl.full([], 0, tl.int32)
-    for row in range(rows):
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        for sender in tl.static_range(WORLD):
-            src = own + row_base + (sender * MAX_ROWS + row) * MAX_HIDDEN + offs
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for sender in tl.static_range(WORLD):
+        src = own + slot_base + (sender * MAX_ROWS + row) * MAX_HIDDEN + offs
+        words = tl.load(src, mask=mask, other=0, volatile=True)
+        pending = tl.max((words == EMPTY).to(tl.int32), axis=0)
+        polls = tl.full([], 0, tl.int32)
+        while (pending > 0) & (polls < SPIN_LIMIT):
             words = tl.load(src, mask=mask, other=0, volatile=True)
             pending = tl.max((words == EMPTY).to(tl.int32), axis=0)
-            polls = tl.full([], 0, tl.int32)
-            while (pending > 0) & (polls < SPIN_LIMIT):
-                words = tl.load(src, mask=mask, other=0, volatile=True)
-                pending = tl.max((words == EMPTY).to(tl.int32), axis=0)
-                polls += 1
-            timed_out = tl.maximum(timed_out, pending)
-            total += words.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
-        # Same rounding points as the unfused path: the all-reduce's result in the model dtype,
-        # x + d rounded, RMSNorm of the rounded sum, (s * rstd) rounded, then * w.
-        d = total.to(x_ptr.dtype.element_ty).to(tl.float32)
-        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        s = (x + d).to(res_ptr.dtype.element_ty)
-        tl.store(res_ptr + row * hidden + offs, s, mask=mask)
-        s = s.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(s * s, axis=0) / hidden + eps)
-        y = (s * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * hidden + offs, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+            polls += 1
+        timed_out = tl.maximum(timed_out, pending)
+        total += words.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+    # Same rounding points as the unfused path: the all-reduce's result in the model dtype,
+    # x + d rounded, RMSNorm of the rounded sum, (s * rstd) rounded, then * w.
+    d = total.to(x_ptr.dtype.element_ty).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (x + d).to(res_ptr.dtype.element_ty)
+    tl.store(res_ptr + row * hidden + offs, s, mask=mask)
+    s = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(s * s, axis=0) / hidden + eps)
+    y = (s * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * hidden + offs, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
-    # 3. reset the previous call's slot (what was written there) and advance the counter.
+    # 3. reset the previous call's slot (all it held: its row count is in the state; programs
+    # share the rows) and let the last program to finish advance the counter.
     prev = (call + 2) % 3
     prev_rows = tl.load(state_ptr + 1 + prev)
     prev_base = prev.to(tl.int64) * slot_words
     empty = tl.full([BLOCK], EMPTY, tl.int16)
-    for sender in tl.static_range(WORLD):
-        for row in range(prev_rows):
-            at = prev_base + (sender * MAX_ROWS + row) * MAX_HIDDEN + offs
-            tl.store(own + at, empty, mask=mask)
+    for stale in range(row, prev_rows, rows):
+        for sender in tl.static_range(WORLD):
+            tl.store(own + prev_base + (sender * MAX_ROWS + stale) * MAX_HIDDEN + offs, empty,
+                     mask=mask)
     if timed_out > 0:
         tl.store(state_ptr + 4, 1)
-    # Every thread has read `call` by now (the reductions above synchronize the block); the
-    # barrier makes that explicit before any thread overwrites it.
+    # A scalar atomic runs once per program. Every program takes its ticket after its last read
+    # of `call`, so the last ticket holder may advance it.
     tl.debug_barrier()
-    tl.store(state_ptr + 1 + slot, rows)
-    tl.store(state_ptr, call + 1)
+    ticket = tl.atomic_add(state_ptr + 5, 1, sem="acq_rel")
+    if ticket == rows - 1:
+        tl.store(state_ptr + 5, 0)
+        tl.store(state_ptr + 1 + slot, rows)
+        tl.store(state_ptr, call + 1)
 
 
 class AllReduceAddRmsNorm:
@@ -193,7 +208,7 @@ class AllReduceAddRmsNorm:
         out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
         res = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
         block = triton.next_power_of_2(hidden)
-        _all_reduce_add_rms_norm_kernel[(1,)](
+        _all_reduce_add_rms_norm_kernel[(rows,)](
             partial.view(torch.int16), x, weight, out, res, self.buffer_ptrs, self.state,
             rows, hidden, partial.stride(0), x.stride(0), eps,
             RANK=self.rank, WORLD=self.world_size, MAX_ROWS=self.max_rows,
