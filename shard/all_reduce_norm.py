@@ -140,14 +140,20 @@ def _all_reduce_add_rms_norm_kernel(
                      mask=mask)
     if timed_out > 0:
         tl.store(state_ptr + 4, 1)
-    # A scalar atomic runs once per program. Every program takes its ticket after its last read
-    # of `call`, so the last ticket holder may advance it.
+    # Every thread has read `call` by now (the reductions above synchronize the block); the
+    # barrier makes that explicit before any thread may overwrite it.
     tl.debug_barrier()
-    ticket = tl.atomic_add(state_ptr + 5, 1, sem="acq_rel")
-    if ticket == rows - 1:
-        tl.store(state_ptr + 5, 0)
+    if rows == 1:  # the decode batch-1 case: no other program, no atomic needed
         tl.store(state_ptr + 1 + slot, rows)
         tl.store(state_ptr, call + 1)
+    else:
+        # A scalar atomic runs once per program. Every program takes its ticket after its last
+        # read of `call`, so the last ticket holder may advance it.
+        ticket = tl.atomic_add(state_ptr + 5, 1, sem="acq_rel")
+        if ticket == rows - 1:
+            tl.store(state_ptr + 5, 0)
+            tl.store(state_ptr + 1 + slot, rows)
+            tl.store(state_ptr, call + 1)
 
 
 class AllReduceAddRmsNorm:
@@ -181,6 +187,10 @@ class AllReduceAddRmsNorm:
             [int(p) for p in handle.buffer_ptrs], dtype=torch.int64, device=device
         )
         self.state = torch.zeros(_STATE_WORDS, dtype=torch.int32, device=device)
+        # Warps per row program: 4 measured fastest for [rows, 4096] bf16 on 2 H200s (fewer
+        # warps mean cheaper block reductions in the poll loop, more mean more loads in flight;
+        # shard/bench_tp.py's fused-norm table sweeps it).
+        self.num_warps = 4
         torch.cuda.synchronize(device)
         dist.barrier()  # every buffer holds the mark before anyone pushes
 
@@ -212,7 +222,7 @@ class AllReduceAddRmsNorm:
             partial.view(torch.int16), x, weight, out, res, self.buffer_ptrs, self.state,
             rows, hidden, partial.stride(0), x.stride(0), eps,
             RANK=self.rank, WORLD=self.world_size, MAX_ROWS=self.max_rows,
-            MAX_HIDDEN=self.max_hidden, BLOCK=block, num_warps=8 if block >= 4096 else 4,
+            MAX_HIDDEN=self.max_hidden, BLOCK=block, num_warps=self.num_warps,
         )
         return out, res
 

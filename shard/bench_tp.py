@@ -253,7 +253,33 @@ def _fused_norm_cost(dist, hidden: int, batches: list[int]) -> list[dict]:
         row["graph_chain_exact"] = exact
         for name, (g, _) in graphs.items():
             row[f"{name}_in_graph_us"] = cuda_time_ms(g.replay, iters=20, warmup=3) / 64 * 1e3
+        row["fused_in_graph_us_by_warps"] = _fused_warps_sweep(dist, chain, fused, h_in, x_in)
         out.append(row)
+    return out
+
+
+def _fused_warps_sweep(dist, chain, fused, h, x) -> dict[int, float]:
+    """In-graph us per fused call for 1, 2, 4 and 8 warps per row program (the kernel's one
+    launch parameter worth tuning); the default is restored afterwards."""
+    import torch
+
+    from shard.bench import cuda_time_ms
+
+    kernel = dist.fused_all_reduce_norm
+    if kernel is None:
+        return {}
+    default, out = kernel.num_warps, {}
+    try:
+        for warps in (1, 2, 4, 8):
+            kernel.num_warps = warps
+            chain(fused, h, x)  # compile before capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                chain(fused, h, x)
+            out[warps] = cuda_time_ms(g.replay, iters=20, warmup=3) / 64 * 1e3
+    finally:
+        kernel.num_warps = default
     return out
 
 

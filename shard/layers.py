@@ -126,9 +126,10 @@ class ParallelLMHead(VocabSlicedWeight):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
-        logits = F.linear(hidden, self.weight).float()  # [n, per_rank]
+        logits = F.linear(hidden, self.weight)  # [n, per_rank], model dtype
+        # Gathered in the model dtype (half of fp32's bytes), widened after: the same values.
         logits = self.dist.all_gather_last_dim(logits)  # [n, per_rank * world]
-        return logits[:, : self.vocab_size]
+        return logits[:, : self.vocab_size].float()
 
 
 class RMSNorm(nn.Module):
