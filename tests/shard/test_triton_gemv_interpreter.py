@@ -1,0 +1,157 @@
+"""shard/triton_gemv.py's kernel under Triton's interpreter on CPU tensors (no GPU): 16-bit
+weights (every config of every batch path) and the fused SiLU-and-mul epilogue.
+
+Triton reads TRITON_INTERPRET when a kernel is defined, hence a fresh process per check.
+Interpreter limits (triton 3.6): its fp32 -> bf16 casts truncate (so bf16 outputs are checked to
+2^-7, fp16 ones to 2^-10), and its tl.dot multiplies bf16 operands as raw 16-bit integers. The
+check patches the interpreter's dot to widen bf16 operands to fp32 first (exact), so that the
+bf16 tensor-core configs run here too; the GPU tests (tests/gpu/test_decode_linear.py) run the
+real thing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+_PRELUDE = textwrap.dedent(
+    """
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    _dot = interpreter.InterpreterBuilder.create_dot
+
+    def _widen_bf16(h):
+        if h.dtype != tl.bfloat16:
+            return h
+        data = interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None)
+        return interpreter.TensorHandle(data.view(np.float32), tl.float32)
+
+    def _create_dot(self, a, b, d, *rest):  # bf16 dot operands are exact in fp32
+        return _dot(self, _widen_bf16(a), _widen_bf16(b), d, *rest)
+
+    interpreter.InterpreterBuilder.create_dot = _create_dot
+
+    from shard.triton_gemv import configs_for, gemv
+
+    def max_rel(y, ref):
+        return float((y.float() - ref).abs().max() / ref.abs().max())
+
+    BOUND = {torch.float16: 2**-10, torch.bfloat16: 2**-7}
+    """
+)
+
+# Plain GEMV vs an fp32 reference: every config of each batch path, N and K tails, N < BLOCK_N.
+_GEMV_CHECK = textwrap.dedent(
+    """
+    torch.manual_seed(0)
+    for n, k in ((96, 256), (37, 200), (5, 1999)):
+        w32 = torch.randn(n, k) * torch.logspace(-2, 0, n)[:, None]
+        for dtype in (torch.bfloat16, torch.float16):
+            w = w32.to(dtype)
+            for bias in (None, torch.randn(n).to(dtype)):
+                for m in (1, 3, 16):
+                    x = torch.randn(m, k).to(dtype)
+                    ref = x.float() @ w.float().t() + (0 if bias is None else bias.float())
+                    for cfg in configs_for(m, dtype):
+                        y = gemv(x, w, None, bias, config=cfg)
+                        assert y.shape == (m, n) and y.dtype == dtype
+                        err = max_rel(y, ref)
+                        what = (n, k, dtype, bias is not None, m, str(cfg), err)
+                        assert err <= BOUND[dtype], what
+    # Strided and misaligned activations are normalized before the launch.
+    w = torch.randn(40, 64).to(torch.bfloat16)
+    base = torch.randn(4, 192).to(torch.bfloat16)
+    for x in (base[:, 5:69], base[:, 8:72], base[:, :64].t().contiguous().t(), base[:1, 3:67]):
+        ref = x.float() @ w.float().t()
+        for cfg in configs_for(x.shape[0], torch.bfloat16):
+            assert max_rel(gemv(x, w, config=cfg), ref) <= 2**-7
+    """
+)
+
+# Fused SiLU-and-mul vs (a) the unfused Triton path with the same config: bit-equal, since each
+# output's gate and up sums are the same products summed in the same order (a program's rows
+# are reduced independently) and the epilogue rounds at the same points with the same
+# expression as triton_ops.silu_mul; (b) an fp32 reference of gate and up rounded to the dtype,
+# to a tolerance (the sums' order differs).
+_SILU_CHECK = textwrap.dedent(
+    """
+    from shard.quantization.fp8 import quantize_fp8_per_channel
+    from shard.triton_ops import silu_mul
+
+    torch.manual_seed(1)
+    for inter, k in ((48, 256), (19, 200)):
+        w32 = torch.randn(2 * inter, k) * 0.1
+        for dtype in (torch.bfloat16, torch.float16):
+            w = w32.to(dtype)
+            for bias in (None, torch.randn(2 * inter).to(dtype)):
+                bg, bu = (None, None) if bias is None else bias.chunk(2)
+                for m in (1, 3, 16):
+                    x = torch.randn(m, k).to(dtype)
+                    g = (x.float() @ w[:inter].float().t() + (0 if bg is None else bg.float()))
+                    u = (x.float() @ w[inter:].float().t() + (0 if bu is None else bu.float()))
+                    ref = torch.nn.functional.silu(g.to(dtype).float()) * u.to(dtype).float()
+                    for cfg in configs_for(m, dtype):
+                        y = gemv(x, w, None, bias, silu_mul=True, config=cfg)
+                        assert y.shape == (m, inter) and y.dtype == dtype
+                        unfused = silu_mul(
+                            gemv(x, w[:inter], None, bg, config=cfg),
+                            gemv(x, w[inter:], None, bu, config=cfg),
+                        )
+                        assert torch.equal(y, unfused), (inter, k, dtype, m, str(cfg))
+                        err = max_rel(y, ref)
+                        assert err <= 4 * BOUND[dtype], (inter, k, dtype, m, str(cfg), err)
+    # fp8 weights take the same epilogue after their per-channel scale.
+    q, s = quantize_fp8_per_channel(torch.randn(2 * 24, 128))
+    for m in (1, 5):
+        x = torch.randn(m, 128).half()
+        for cfg in configs_for(m, q.dtype):
+            y = gemv(x, q, s, silu_mul=True, config=cfg)
+            unfused = silu_mul(gemv(x, q[:24], s[:24], config=cfg),
+                               gemv(x, q[24:], s[24:], config=cfg))
+            assert torch.equal(y, unfused), (m, str(cfg))
+    """
+)
+
+
+def _run_interpreted(check: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        [sys.executable, "-c", _PRELUDE + check],
+        check=False,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+
+
+pytestmark = [
+    pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (not a CPU dependency)"),
+    pytest.mark.skipif(
+        np.lib.NumpyVersion(np.__version__) >= "2.4.0",
+        reason="triton 3.6's interpreter cannot take runtime loop bounds with numpy >= 2.4",
+    ),
+]
+
+
+def test_16bit_gemv_every_config_in_interpreter():
+    _run_interpreted(_GEMV_CHECK)
+
+
+def test_fused_silu_mul_epilogue_in_interpreter():
+    _run_interpreted(_SILU_CHECK)
