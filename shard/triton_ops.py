@@ -1,4 +1,5 @@
-"""Fused Triton element-wise ops for the CUDA path: RMSNorm, rotary embedding, SiLU-and-mul.
+"""Fused Triton element-wise ops for the CUDA path: RMSNorm, rotary embedding (alone or with the
+KV-cache store), SiLU-and-mul.
 
 Why: a decode step at small batch is a long chain of tiny kernels; the unfused torch forms cost
 7 (RMSNorm), ~14 (rotary) and 2 (SiLU * up) launches per use, each a few microseconds even
@@ -75,17 +76,41 @@ def add_rms_norm(
 
 
 @triton.jit
-def _rope_heads(src, dst, tok, st_t, st_h, c, s, NH: tl.constexpr, HALF: tl.constexpr,
-                HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+def _rope_load(src, tok, st_t, st_h, c, s, NH: tl.constexpr, HALF: tl.constexpr,
+               HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Token `tok`'s NH heads rotated: (first halves, second halves, [HEADS_PAD, HALF_PAD]
+    offsets within a contiguous [NH, 2 * HALF] row, mask), halves fp32 [HEADS_PAD, HALF_PAD]."""
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HALF_PAD)
     m = (offs_h < NH)[:, None] & (offs_d < HALF)[None, :]
     base = src + tok * st_t + offs_h[:, None] * st_h + offs_d[None, :]
     x1 = tl.load(base, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
-    obase = dst + tok * (NH * 2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-    tl.store(obase, (x1 * c - x2 * s).to(dst.dtype.element_ty), mask=m)
-    tl.store(obase + HALF, (x2 * c + x1 * s).to(dst.dtype.element_ty), mask=m)
+    at = offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    return x1 * c - x2 * s, x2 * c + x1 * s, at, m
+
+
+@triton.jit
+def _rope_heads(src, dst, tok, st_t, st_h, c, s, NH: tl.constexpr, HALF: tl.constexpr,
+                HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+    first, second, at, m = _rope_load(src, tok, st_t, st_h, c, s, NH, HALF, HEADS_PAD, HALF_PAD)
+    obase = dst + tok * (NH * 2 * HALF) + at
+    tl.store(obase, first.to(dst.dtype.element_ty), mask=m)
+    tl.store(obase + HALF, second.to(dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rope_tables(cos_ptr, sin_ptr, pos_ptr, tok, stride_cos, dtype, HALF: tl.constexpr,
+                 HALF_PAD: tl.constexpr):
+    """cos, sin of token `tok`'s position, [1, HALF_PAD] fp32. Tables hold [cos(f), cos(f)]
+    over head_dim; the first half is enough. Rounded to the model dtype first, as the torch form
+    does."""
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    offs_d = tl.arange(0, HALF_PAD)
+    dmask = offs_d < HALF
+    c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=dmask, other=0.0)
+    s = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=dmask, other=0.0)
+    return c.to(dtype).to(tl.float32)[None, :], s.to(dtype).to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -96,19 +121,65 @@ def _rotary_kernel(
     HALF_PAD: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    offs_d = tl.arange(0, HALF_PAD)
-    dmask = offs_d < HALF
-    # Tables hold [cos(f), cos(f)] over head_dim; the first half is enough. Rounded to the model
-    # dtype first, as the torch form does.
-    c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=dmask, other=0.0)
-    s = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=dmask, other=0.0)
-    c = c.to(q_out_ptr.dtype.element_ty).to(tl.float32)[None, :]
-    s = s.to(q_out_ptr.dtype.element_ty).to(tl.float32)[None, :]
+    c, s = _rope_tables(cos_ptr, sin_ptr, pos_ptr, tok, stride_cos, q_out_ptr.dtype.element_ty,
+                        HALF, HALF_PAD)
     _rope_heads(q_ptr, q_out_ptr, tok, stride_qt, stride_qh, c, s, NUM_Q, HALF, HEADS_PAD,
                 HALF_PAD)
     _rope_heads(k_ptr, k_out_ptr, tok, stride_kt, stride_kh, c, s, NUM_K, HALF, HEADS_PAD,
                 HALF_PAD)
+
+
+@triton.jit
+def _to_cache(x, scale, dtype, cache_dtype, FP8_MAX: tl.constexpr):
+    """A K or V tile (fp32, [HEADS_PAD, HALF_PAD]) as the cache stores it: rounded to the model
+    dtype first (the unfused path stores the model-dtype tensor), then for fp8 caches divided
+    by the per-head scale ([HEADS_PAD, 1]) and saturated."""
+    x = x.to(dtype)
+    if FP8_MAX > 0:
+        x = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+    return x.to(cache_dtype)
+
+
+@triton.jit
+def _rotary_store_kv_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr,
+    key_cache_ptr,  # [num_slots, NUM_K * 2 * HALF]
+    value_cache_ptr,
+    slot_ptr,  # [num_tokens] int64; negative = padding: q is rotated, nothing is stored
+    k_scale_ptr,  # [NUM_K] fp32 (fp8 caches only)
+    v_scale_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
+    NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr, HEADS_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    dtype = q_out_ptr.dtype.element_ty
+    c, s = _rope_tables(cos_ptr, sin_ptr, pos_ptr, tok, stride_cos, dtype, HALF, HALF_PAD)
+    _rope_heads(q_ptr, q_out_ptr, tok, stride_qt, stride_qh, c, s, NUM_Q, HALF, HEADS_PAD,
+                HALF_PAD)
+    slot = tl.load(slot_ptr + tok)
+    if slot >= 0:
+        cache_dtype = key_cache_ptr.dtype.element_ty
+        head = tl.arange(0, HEADS_PAD)[:, None]  # [HEADS_PAD, 1]
+        ks = 1.0
+        vs = 1.0
+        if FP8_MAX > 0:
+            ks = tl.load(k_scale_ptr + head, mask=head < NUM_K, other=1.0)
+            vs = tl.load(v_scale_ptr + head, mask=head < NUM_K, other=1.0)
+        row = slot * (NUM_K * 2 * HALF)
+        k1, k2, at, m = _rope_load(k_ptr, tok, stride_kt, stride_kh, c, s, NUM_K, HALF,
+                                   HEADS_PAD, HALF_PAD)
+        tl.store(key_cache_ptr + row + at, _to_cache(k1, ks, dtype, cache_dtype, FP8_MAX),
+                 mask=m)
+        tl.store(key_cache_ptr + row + at + HALF,
+                 _to_cache(k2, ks, dtype, cache_dtype, FP8_MAX), mask=m)
+        # V is not rotated: cos 1, sin 0 loads it through the same tiles (x * 1 - y * 0 = x).
+        v1, v2, _, _ = _rope_load(v_ptr, tok, stride_vt, stride_vh, 1.0, 0.0, NUM_K, HALF,
+                                  HEADS_PAD, HALF_PAD)
+        tl.store(value_cache_ptr + row + at, _to_cache(v1, vs, dtype, cache_dtype, FP8_MAX),
+                 mask=m)
+        tl.store(value_cache_ptr + row + at + HALF,
+                 _to_cache(v2, vs, dtype, cache_dtype, FP8_MAX), mask=m)
 
 
 def rotary(
@@ -134,6 +205,43 @@ def rotary(
         HALF_PAD=triton.next_power_of_2(half), num_warps=4,
     )
     return q_out, k_out
+
+
+def rotary_store_kv(
+    positions: torch.Tensor,  # [num_tokens] int64
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [max_positions, head_dim] fp32
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 for padding tokens
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32, fp8 caches only
+    v_scale: torch.Tensor | None = None,
+    fp8_max: float = 0.0,  # > 0: the cache is fp8 with this saturation bound
+) -> torch.Tensor:
+    """`rotary` and the KV-cache store in one kernel (one launch instead of two per layer):
+    returns the rotated q [num_tokens, num_heads, head_dim]; rotated k and v go straight into
+    their cache slots, with the same values the two unfused kernels store."""
+    n, hq, d = q.shape
+    hk = k.shape[1]
+    q_out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
+    if n == 0:
+        return q_out
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and cos.stride(1) == 1
+    assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    half = d // 2
+    _rotary_store_kv_kernel[(n,)](
+        q, k, v, cos, sin, positions, q_out, key_cache, value_cache, slot_mapping,
+        slot_mapping if k_scale is None else k_scale,  # never read for model-dtype caches
+        slot_mapping if v_scale is None else v_scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0),
+        NUM_Q=hq, NUM_K=hk, HALF=half, HEADS_PAD=triton.next_power_of_2(max(hq, hk)),
+        HALF_PAD=triton.next_power_of_2(half), FP8_MAX=fp8_max, num_warps=4,
+    )
+    return q_out
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """The CUDA attention backend: Triton paged kernels, flash-attn when a user has it installed.
 
 - write_kv: slot-mapped Triton store (negative slots are skipped, so CUDA-graph padding rows are
-  harmless);
+  harmless); rotate_and_write_kv does the rotary embedding in the same kernel;
 - decode-only steps: Triton split-KV paged decode (all query heads of a KV head together);
 - steps with prefill chunks: flash-attn's paged varlen kernel when importable and the cache
   block size suits it (a multiple of 256), else the Triton paged prefill kernel, which covers
@@ -19,6 +19,7 @@ import torch
 
 from shard.attention.base import AttentionMetadata
 from shard.quantization.kv_cache import KvScales
+from shard.rotary import RotaryEmbedding
 
 
 def _scale_tensors(
@@ -69,6 +70,29 @@ class CudaAttentionBackend:
         if key_cache.element_size() == 1:
             k_scale, v_scale = _scale_tensors(kv_scales, key_cache.shape[2], key.device)
         self._decode.store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
+    def rotate_and_write_kv(
+        self,
+        rotary: RotaryEmbedding,
+        positions: torch.Tensor,  # [num_tokens] int64
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], not yet rotated
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+        kv_scales: KvScales | None = None,
+    ) -> torch.Tensor:
+        """rotary(q, k), then write_kv(k, v), as one kernel; returns the rotated query
+        [num_tokens, num_heads, head_dim]. The cache holds exactly what the two steps store."""
+        from shard.triton_ops import rotary_store_kv
+
+        k_scale, v_scale, fp8_max = None, None, 0.0
+        if key_cache.element_size() == 1:
+            k_scale, v_scale = _scale_tensors(kv_scales, key_cache.shape[2], key.device)
+            fp8_max = float(torch.finfo(key_cache.dtype).max)
+        return rotary_store_kv(positions, query, key, value, rotary.cos, rotary.sin, key_cache,
+                               value_cache, slot_mapping, k_scale, v_scale, fp8_max)
 
     def num_decode_splits(self, num_seqs: int, num_kv_heads: int) -> int:
         return self._decode.default_num_splits(num_seqs, num_kv_heads, self._num_sms)

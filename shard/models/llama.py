@@ -116,11 +116,17 @@ class LlamaAttention(nn.Module):
             q = self.q_proj(x).view(n, self.local_heads, self.head_dim)
             k = self.k_proj(x).view(n, self.local_kv_heads, self.head_dim)
             v = self.v_proj(x).view(n, self.local_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
         key_cache, value_cache = cache
-        if self.kv_calibration is not None:
-            self.kv_calibration.observe(k, v)
-        self.attention.write_kv(k, v, key_cache, value_cache, meta.slot_mapping, self.kv_scales)
+        fused_store = getattr(self.attention, "rotate_and_write_kv", None)
+        if fused_store is not None and x.is_cuda and self.kv_calibration is None:
+            q = fused_store(self.rotary, positions, q, k, v, key_cache, value_cache,
+                            meta.slot_mapping, self.kv_scales)  # one kernel for both steps
+        else:
+            q, k = self.rotary(positions, q, k)
+            if self.kv_calibration is not None:
+                self.kv_calibration.observe(k, v)
+            self.attention.write_kv(k, v, key_cache, value_cache, meta.slot_mapping,
+                                    self.kv_scales)
         o = self.attention.attend(
             q, key_cache, value_cache, meta, self.scale, self.sliding_window, self.kv_scales
         )
