@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shard.decode_linear import linear  # F.linear, or a faster decode GEMV on CUDA
 from shard.distributed import Dist
 from shard.quantization.loading import quantize_loaded_linear
 from shard.weights import Weights
@@ -44,7 +45,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             return self.quantized(x)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -73,14 +74,14 @@ class RowParallelLinear(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = self.quantized(x) if self.quantized is not None else F.linear(x, self.weight)
+        partial = self.quantized(x) if self.quantized is not None else linear(x, self.weight)
         y = self.dist.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output, not yet summed over ranks (the caller sums it, e.g.
         fused with the next norm: `reduce_add_rms_norm`); the bias is counted once, on rank 0."""
-        y = self.quantized(x) if self.quantized is not None else F.linear(x, self.weight)
+        y = self.quantized(x) if self.quantized is not None else linear(x, self.weight)
         if self.bias is not None and self.dist.rank == 0:
             y = y + self.bias
         return y
@@ -126,7 +127,7 @@ class ParallelLMHead(VocabSlicedWeight):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
-        logits = F.linear(hidden, self.weight)  # [n, per_rank], model dtype
+        logits = linear(hidden, self.weight)  # [n, per_rank], model dtype
         # Gathered in the model dtype (half of fp32's bytes), widened after: the same values.
         logits = self.dist.all_gather_last_dim(logits)  # [n, per_rank * world]
         return logits[:, : self.vocab_size].float()

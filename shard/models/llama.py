@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shard import decode_linear
 from shard.attention.base import AttentionMetadata
 from shard.layers import (
     ColumnParallelLinear,
@@ -35,8 +36,13 @@ class FusedProjection:
     path): q/k/v or gate/up. Deliberately not an nn.Module: the parts stay the model's modules
     (checkpoint names, loaders), this only holds the merged weight they are views of."""
 
-    def __init__(self, linear: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(
+        self,
+        linear: Callable[[torch.Tensor], torch.Tensor],
+        weight: torch.Tensor | None = None,  # [sum(out), in] when it is a plain weight
+    ):
         self.linear = linear
+        self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, sum(out)]
         return self.linear(x)
@@ -53,7 +59,7 @@ def merge_rows(*linears: ColumnParallelLinear) -> FusedProjection | None:
             rows = m.weight.shape[0]
             m.weight.data = merged[at : at + rows]
             at += rows
-        return FusedProjection(lambda x: F.linear(x, merged))
+        return FusedProjection(lambda x: decode_linear.linear(x, merged), merged)
     if all(isinstance(m.quantized, Fp8Linear) and m.quantized.bias is None for m in linears):
         return FusedProjection(Fp8Linear.merge_rows(*(m.quantized for m in linears)))
     return None
@@ -151,6 +157,10 @@ class LlamaMLP(nn.Module):
         if x.is_cuda:  # fused SiLU-and-mul: one kernel instead of two
             from shard.triton_ops import silu_mul
 
+            if self.gate_up is not None and self.gate_up.weight is not None:
+                # one pass over the merged gate/up weight, SiLU-and-mul in its epilogue where
+                # that is faster (shard.decode_linear)
+                return down(decode_linear.gate_up_silu(x, self.gate_up.weight))
             if self.gate_up is not None:  # one GEMM for gate and up
                 gate, up = self.gate_up(x).chunk(2, dim=-1)
                 return down(silu_mul(gate, up))
