@@ -42,7 +42,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +83,7 @@ class BucketChoice:
     """One M bucket's tuning result."""
 
     backend: Backend  # the faster one
-    config: triton.Config | Any  # the tuned Triton config (kept when cuBLAS wins: forced runs)
+    config: triton.Config  # the tuned Triton config (kept when cuBLAS wins: forced runs)
     triton_us: float
     cublas_us: float
 

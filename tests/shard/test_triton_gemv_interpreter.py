@@ -5,8 +5,8 @@ Triton reads TRITON_INTERPRET when a kernel is defined, hence a fresh process pe
 Interpreter limits (triton 3.6): its fp32 -> bf16 casts truncate (so bf16 outputs are checked to
 2^-7, fp16 ones to 2^-10), and its tl.dot multiplies bf16 operands as raw 16-bit integers. The
 check patches the interpreter's dot to widen bf16 operands to fp32 first (exact), so that the
-bf16 tensor-core configs run here too; the GPU tests (tests/gpu/test_decode_linear.py) run the
-real thing.
+bf16 tensor-core configs run here too; the GPU tests (tests/gpu/test_decode_linear_cuda.py) run
+the real thing.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 TP=2 (per rank), both backends and the tuned choice, the fused SiLU-and-mul epilogue, and CUDA
 graphs captured after tuning.
 
-Run on a GPU machine: `pytest -m gpu tests/gpu/test_decode_linear.py`. Without CUDA every test
-here is skipped, and nothing GPU-only is imported at collection time.
+Run on a GPU machine: `pytest -m gpu tests/gpu/test_decode_linear_cuda.py`. Without CUDA every
+test here is skipped, and nothing GPU-only is imported at collection time.
 """
 
 from __future__ import annotations
