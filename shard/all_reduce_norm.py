@@ -187,10 +187,12 @@ class AllReduceAddRmsNorm:
             [int(p) for p in handle.buffer_ptrs], dtype=torch.int64, device=device
         )
         self.state = torch.zeros(_STATE_WORDS, dtype=torch.int32, device=device)
-        # Warps per row program: 4 measured fastest for [rows, 4096] bf16 on 2 H200s (fewer
-        # warps mean cheaper block reductions in the poll loop, more mean more loads in flight;
-        # shard/bench_tp.py's fused-norm table sweeps it).
-        self.num_warps = 4
+        # Warps per row program; None: add_rms_norm's choice (8 from 4096 columns). That is
+        # also the fastest measured on 2 H200s ([1..16, 4096] bf16: 1 warp 12.0-12.6 us, 2
+        # 7.1-7.7, 4 6.0-6.6, 8 5.8-6.2; bench_tp sweeps it), and the same reduction layout
+        # keeps rstd bit-identical to the unfused path's (with 4 warps one element in ~10^6
+        # came out one bf16 ulp apart).
+        self.num_warps: int | None = None
         torch.cuda.synchronize(device)
         dist.barrier()  # every buffer holds the mark before anyone pushes
 
@@ -222,7 +224,8 @@ class AllReduceAddRmsNorm:
             partial.view(torch.int16), x, weight, out, res, self.buffer_ptrs, self.state,
             rows, hidden, partial.stride(0), x.stride(0), eps,
             RANK=self.rank, WORLD=self.world_size, MAX_ROWS=self.max_rows,
-            MAX_HIDDEN=self.max_hidden, BLOCK=block, num_warps=self.num_warps,
+            MAX_HIDDEN=self.max_hidden, BLOCK=block,
+            num_warps=self.num_warps or (8 if block >= 4096 else 4),
         )
         return out, res
 
