@@ -233,29 +233,6 @@ def measure_ceilings() -> dict:
     return {"copy_bytes_per_s": copy_bw, "bf16_flops_per_s": rate}
 
 
-def replay_ms_without_prefetch(runner, batch: int, context: int) -> float | None:
-    """Graph replay time of one decode step with the model's L2 weight prefetch turned off
-    (shard/l2_prefetch.py): the A/B of that optimization, same process, same weights. None when
-    the model has no prefetcher. Collective under TP: every rank calls it."""
-    from shard.cuda_graphs import CudaGraphDecodeRunner
-
-    model = runner.model
-    prefetch = getattr(model, "_prefetch", None)
-    if prefetch is None:
-        return None
-    model._prefetch = None
-    try:
-        bs = runner.block_size
-        graphs = CudaGraphDecodeRunner(runner.forward, runner.device, bs, batch,
-                                       math.ceil(context / bs), buckets=[batch])
-        graphs.capture()
-        step = decode_step(batch, context, bs)
-        graphs.run(step.token_ids, step.positions, step.seq_lens, step.block_tables)
-        return cuda_time_ms(graphs.graphs[graphs.bucket(batch)].replay, iters=30)
-    finally:
-        model._prefetch = prefetch
-
-
 def decode_step(batch: int, context: int, block_size: int, vocab: int = BOS_ID):
     from shard.model_runner import StepInputs
 
@@ -380,10 +357,6 @@ def bench_model(model_dir: Path, args, ceilings: dict, parts: set[str]) -> dict:
                 out["decode"][-1]["profile"] = profile_kernels(g.replay, calls=5)
                 print(json.dumps(out["decode"][-1]["profile"]), flush=True)
         del graphs
-        off = replay_ms_without_prefetch(runner, min(batches), ctx)
-        if off is not None:
-            out["decode"][0]["graph_replay_ms_no_l2_prefetch"] = off
-            print(f"decode b={min(batches)} without L2 prefetch: graph {off:.2f} ms", flush=True)
         gc.collect()
         torch.cuda.empty_cache()
     if "prefill" in parts:
@@ -682,13 +655,6 @@ def write_report(res: dict, path: Path) -> None:
                 L.append(f"| {d['batch']} | {one if one is None else f'{one:.2f}'} | "
                          f"{d['graph_replay_ms']:.2f} | {d['graph_step_wall_ms']:.2f} | "
                          f"{sp if sp is None else f'{sp:.2f}x'} |\n")
-            for d in tp["decode"]:
-                one_off = d.get("single_gpu_ms_no_l2_prefetch")
-                tp_off = d.get("graph_replay_ms_no_l2_prefetch")
-                if one_off and tp_off:
-                    L.append(f"\nWithout the L2 weight prefetch (batch {d['batch']}, same run): "
-                             f"one GPU {one_off:.2f} ms, TP {tp_off:.2f} ms = "
-                             f"{one_off / tp_off:.2f}x\n")
         if tp.get("allreduce"):
             L.append("\n| all-reduce [batch, 4096] bf16 | layers' path | eager us | in graph us "
                      "| x64 per step ms | NCCL in graph us | 64 chained sums exact |\n"

@@ -5,7 +5,6 @@ tensor-parallel layer loads its own slice."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,23 +28,7 @@ from shard.quantization.loading import LinearQuantization
 from shard.rotary import RotaryEmbedding, rope_parameters
 from shard.weights import Weights
 
-if TYPE_CHECKING:
-    from shard.l2_prefetch import L2Prefetcher  # Triton: imported on CUDA only
-
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value) pools
-# Steps with at most this many tokens prefetch weights into L2 (the decode GEMV range).
-PREFETCH_MAX_TOKENS = 16
-
-
-def prefetch_weight(prefetch: L2Prefetcher, source: nn.Module | FusedProjection) -> None:
-    """Queues an L2 prefetch of the weight `source` multiplies by (plain or fp8); nothing for
-    other quantizations (bitsandbytes' packed layouts)."""
-    weight = getattr(source, "weight", None)
-    quantized = getattr(source, "quantized", None)
-    if quantized is not None:
-        weight = getattr(quantized, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.is_cuda and weight.is_contiguous():
-        prefetch.prefetch(weight)
 
 
 class FusedProjection:
@@ -126,10 +109,8 @@ class LlamaAttention(nn.Module):
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         reduce: bool = True,
-        prefetch: L2Prefetcher | None = None,
     ) -> torch.Tensor:
-        """-> [num_tokens, hidden]; with reduce=False this rank's un-reduced o_proj share.
-        prefetch: warm L2 with o_proj's weight while rotary and attention run."""
+        """-> [num_tokens, hidden]; with reduce=False this rank's un-reduced o_proj share."""
         n = x.shape[0]
         if self.qkv is not None and x.is_cuda:  # one GEMM for q, k and v
             nq, nk = self.local_heads * self.head_dim, self.local_kv_heads * self.head_dim
@@ -141,8 +122,6 @@ class LlamaAttention(nn.Module):
             q = self.q_proj(x).view(n, self.local_heads, self.head_dim)
             k = self.k_proj(x).view(n, self.local_kv_heads, self.head_dim)
             v = self.v_proj(x).view(n, self.local_kv_heads, self.head_dim)
-        if prefetch is not None:
-            prefetch_weight(prefetch, self.o_proj)
         key_cache, value_cache = cache
         fused_store = getattr(self.attention, "rotate_and_write_kv", None)
         if fused_store is not None and x.is_cuda and self.kv_calibration is None:
@@ -203,20 +182,17 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_fused(self, x, delta, positions, cache, meta, prefetch=None):
+    def forward_fused(self, x, delta, positions, cache, meta):
         """The same layer with each residual add (and, under tensor parallelism, the all-reduce
         before it) fused into the following norm. The residual stream is x + the sum over ranks
         of delta, this rank's un-reduced share of the previous MLP output (None before the first
-        layer); returns the new (x, delta) pair, delta still to be reduced and added.
-        prefetch (decode-sized CUDA steps): warm L2 with the next weight in each idle window."""
+        layer); returns the new (x, delta) pair, delta still to be reduced and added."""
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         if delta is None:
             h = n1(x)
         else:
             h, x = reduce_add_rms_norm(self.dist, delta, x, n1)
-        a = self.self_attn(h, positions, cache, meta, reduce=False, prefetch=prefetch)
-        if prefetch is not None:  # while the o_proj all-reduce waits on the peers
-            prefetch_weight(prefetch, self.mlp.gate_up or self.mlp.gate_proj)
+        a = self.self_attn(h, positions, cache, meta, reduce=False)
         h, x = reduce_add_rms_norm(self.dist, a, x, n2)
         return x, self.mlp(h, reduce=False)
 
@@ -260,7 +236,6 @@ class LlamaForCausalLM(nn.Module):
         self.tie = cfg.get("tie_word_embeddings", False)
         # The fused-residual forward is the CUDA path; on CPU it exists for tests (same math).
         self.fused_residual = False
-        self._prefetch: L2Prefetcher | None = None  # set on Hopper+ GPUs by load_weights
         quant = LinearQuantization.resolve(ctx.quantize, cfg)
         # bitsandbytes' LLM.int8() outlier path syncs with the host: no CUDA-graph capture.
         self.cuda_graph_safe = quant is None or quant.flag not in (
@@ -282,9 +257,6 @@ class LlamaForCausalLM(nn.Module):
                 attn, mlp = layer.self_attn, layer.mlp
                 attn.qkv = merge_rows(attn.q_proj, attn.k_proj, attn.v_proj)
                 mlp.gate_up = merge_rows(mlp.gate_proj, mlp.up_proj)
-            from shard.l2_prefetch import try_l2_prefetcher
-
-            self._prefetch = try_l2_prefetcher(self._device)
 
     def begin_kv_calibration(self) -> bool:
         """fp8 caches: start recording max |K|, |V| per layer and KV head (warmup's prefill).
@@ -339,20 +311,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         if x.is_cuda or self.fused_residual:  # residual adds (and all-reduces) fused into norms
             delta = None
-            layers = self.model.layers
-            # Weight prefetches pay off only for decode-sized steps (a GEMV streams cold weights);
-            # prefill is compute-bound.
-            prefetch = self._prefetch if x.shape[0] <= PREFETCH_MAX_TOKENS else None
-            if prefetch is not None:
-                prefetch_weight(prefetch, layers[0].self_attn.qkv or layers[0].self_attn.q_proj)
-            for i, (layer, cache) in enumerate(zip(layers, kv_cache)):
-                x, delta = layer.forward_fused(x, delta, positions, cache, meta, prefetch)
-                if prefetch is not None:  # while the down_proj all-reduce waits
-                    nxt = layers[i + 1].self_attn if i + 1 < len(layers) else None
-                    prefetch_weight(prefetch, self.lm_head if nxt is None
-                                    else nxt.qkv or nxt.q_proj)
-            if prefetch is not None:
-                prefetch.join()
+            for layer, cache in zip(self.model.layers, kv_cache):
+                x, delta = layer.forward_fused(x, delta, positions, cache, meta)
             # Only the rows that need logits are reduced and normalized: [num_logits, hidden].
             h, _ = reduce_add_rms_norm(
                 self.model.layers[-1].dist, delta[logits_indices], x[logits_indices],

@@ -44,31 +44,3 @@ def test_rotary_store_kv_equals_rotary_then_store(cache_dtype):
     for want, got in zip(caches[0], caches[1]):
         assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
     assert caches[1][0].float().abs().sum() > 0  # something was stored
-
-
-def test_l2_prefetch_compiles_and_runs_inside_a_graph():
-    """The bulk L2 prefetch (shard.l2_prefetch) compiles on Hopper, forks and rejoins inside a
-    captured CUDA graph, and changes no result."""
-    from shard.l2_prefetch import try_l2_prefetcher
-
-    device = torch.device("cuda")
-    prefetcher = try_l2_prefetcher(device)
-    if torch.cuda.get_device_capability(device) < (9, 0):
-        assert prefetcher is None
-        return
-    assert prefetcher is not None
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    w = torch.randn(4096, 4096, device="cuda", generator=gen).to(torch.bfloat16)
-    x = torch.randn(1, 4096, device="cuda", generator=gen).to(torch.bfloat16)
-    want = x @ w.T
-    prefetcher.prefetch(w, max_bytes=w.numel())  # a partial prefetch, eagerly
-    prefetcher.join()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        prefetcher.prefetch(w)
-        y = x @ w.T
-        prefetcher.join()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y, want)
