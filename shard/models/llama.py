@@ -39,10 +39,12 @@ class FusedProjection:
     def __init__(
         self,
         linear: Callable[[torch.Tensor], torch.Tensor],
-        weight: torch.Tensor | None = None,  # [sum(out), in] when it is a plain weight
+        silu_mul: Callable[[torch.Tensor], torch.Tensor],
     ):
         self.linear = linear
-        self.weight = weight
+        # For gate/up: silu(gate) * up of the merged output, [n, in] -> [n, sum(out) / 2], in
+        # one kernel where the decode GEMV serves the batch.
+        self.silu_mul = silu_mul
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, sum(out)]
         return self.linear(x)
@@ -59,9 +61,11 @@ def merge_rows(*linears: ColumnParallelLinear) -> FusedProjection | None:
             rows = m.weight.shape[0]
             m.weight.data = merged[at : at + rows]
             at += rows
-        return FusedProjection(lambda x: decode_linear.linear(x, merged), merged)
+        return FusedProjection(lambda x: decode_linear.linear(x, merged),
+                               lambda x: decode_linear.gate_up_silu(x, merged))
     if all(isinstance(m.quantized, Fp8Linear) and m.quantized.bias is None for m in linears):
-        return FusedProjection(Fp8Linear.merge_rows(*(m.quantized for m in linears)))
+        fp8 = Fp8Linear.merge_rows(*(m.quantized for m in linears))
+        return FusedProjection(fp8, fp8.forward_silu_mul)
     return None
 
 
@@ -157,13 +161,8 @@ class LlamaMLP(nn.Module):
         if x.is_cuda:  # fused SiLU-and-mul: one kernel instead of two
             from shard.triton_ops import silu_mul
 
-            if self.gate_up is not None and self.gate_up.weight is not None:
-                # one pass over the merged gate/up weight, SiLU-and-mul in its epilogue where
-                # that is faster (shard.decode_linear)
-                return down(decode_linear.gate_up_silu(x, self.gate_up.weight))
-            if self.gate_up is not None:  # one GEMM for gate and up
-                gate, up = self.gate_up(x).chunk(2, dim=-1)
-                return down(silu_mul(gate, up))
+            if self.gate_up is not None:  # one pass over the merged gate/up weight
+                return down(self.gate_up.silu_mul(x))
             return down(silu_mul(self.gate_proj(x), self.up_proj(x)))
         return down(F.silu(self.gate_proj(x)) * self.up_proj(x))
 

@@ -167,7 +167,8 @@ class Fp8Linear(nn.Module):
         # sm_89+ instructions, hence the same device test as _scaled_mm.
         self.use_gemv = False
         self.gemv_max_m = 0
-        self._gemv_tuned: set[torch.dtype] = set()  # activation dtypes tuned (and loaded) so far
+        # (activation dtype, SiLU epilogue) pairs tuned (and loaded) so far
+        self._gemv_tuned: set[tuple[torch.dtype, bool]] = set()
         if use_gemv is None:
             use_gemv = scaled_mm_supported(device)
         if use_gemv and device.type == "cuda":
@@ -228,18 +229,44 @@ class Fp8Linear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8(self.weight, self.weight_scale, dtype)
 
-    def _gemv_ready(self, dtype: torch.dtype) -> bool:
+    def _gemv_ready(self, dtype: torch.dtype, silu_mul: bool = False) -> bool:
         """Tunes the GEMV for every batch bucket at the first eager call in `dtype`, whatever that
         call's batch: the shard warms up eagerly at large batches, then captures CUDA graphs for
         the small ones, where neither autotuning nor a kernel's first load may happen. False
         while a capture finds it untuned."""
-        if dtype in self._gemv_tuned:
+        key = (dtype, silu_mul)
+        if key in self._gemv_tuned:
             return True
         if torch.cuda.is_current_stream_capturing():
             return False
-        self._tune_gemv(self.weight, self.weight_scale, self.bias, dtype)
-        self._gemv_tuned.add(dtype)
+        if silu_mul:
+            from shard.triton_gemv import tune_gemv
+
+            tune_gemv(self.weight, self.weight_scale, self.bias, dtype, silu_mul=True)
+        else:
+            self._tune_gemv(self.weight, self.weight_scale, self.bias, dtype)
+        self._gemv_tuned.add(key)
         return True
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """For a merged gate/up weight (rows 0..I-1 gate, I..2I-1 up): silu(gate) * up,
+        x [M, in] -> [M, out / 2]. Decode-sized batches on the GEMV path take one kernel with
+        the SiLU-and-mul in its epilogue (same roundings as the two-step form); otherwise
+        forward() then shard.triton_ops.silu_mul."""
+        if (
+            self.use_gemv
+            and x.dim() == 2
+            and x.shape[0] <= self.gemv_max_m
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and self._gemv_ready(x.dtype, silu_mul=True)
+        ):
+            from shard.triton_gemv import gemv
+
+            return gemv(x, self.weight, self.weight_scale, self.bias, silu_mul=True)
+        from shard.triton_ops import silu_mul
+
+        gate, up = self.forward(x).chunk(2, dim=-1)
+        return silu_mul(gate, up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         lead = x.shape[:-1]

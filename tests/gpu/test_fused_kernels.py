@@ -1,5 +1,6 @@
-"""The rotary embedding fused with the KV-cache store (shard.triton_ops.rotary_store_kv) stores
-and returns exactly what the two unfused kernels do (`pytest -m gpu tests/gpu`)."""
+"""Fused CUDA kernels equal their unfused forms (`pytest -m gpu tests/gpu`): the rotary
+embedding with the KV-cache store (shard.triton_ops.rotary_store_kv), and fp8 gate/up with
+SiLU-and-mul (Fp8Linear.forward_silu_mul)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,26 @@ def test_rotary_store_kv_equals_rotary_then_store(cache_dtype):
     for want, got in zip(caches[0], caches[1]):
         assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
     assert caches[1][0].float().abs().sum() > 0  # something was stored
+
+
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_fp8_gate_up_silu_equals_linear_then_silu_mul(rows):
+    """Batches on the GEMV path (1, 8) take the SiLU epilogue: equal to forward() then silu_mul
+    up to bf16 rounding (the two may be tuned to different tiles, i.e. summation orders); 32
+    takes the W8A8 path + silu_mul, exactly the two-step form."""
+    from shard.quantization.fp8 import Fp8Linear
+    from shard.triton_ops import silu_mul
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs sm_89+")
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    gate = Fp8Linear.from_float(torch.randn(1024, 4096, device="cuda", generator=gen) * 0.02)
+    up = Fp8Linear.from_float(torch.randn(1024, 4096, device="cuda", generator=gen) * 0.02)
+    merged = Fp8Linear.merge_rows(gate, up)
+    x = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    g, u = merged(x).chunk(2, dim=-1)
+    want, got = silu_mul(g, u), merged.forward_silu_mul(x)
+    if rows > 16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
