@@ -158,7 +158,7 @@ def _gemv_kernel(
         part = BLOCK_N // 2 if SILU_MUL else BLOCK_N
         first = pid * part
         nbytes = tl.minimum(part, N - first).to(tl.int64) * stride_wn * (
-            w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+            w_ptr.dtype.element_ty.primitive_bitsize // 8)
         _l2_prefetch(w_ptr + first.to(tl.int64) * stride_wn, nbytes)
         if SILU_MUL:
             _l2_prefetch(w_ptr + (first + N).to(tl.int64) * stride_wn, nbytes)
