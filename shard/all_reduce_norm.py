@@ -40,8 +40,6 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from shard.pdl import enabled as pdl_enabled
-
 log = logging.getLogger(__name__)
 
 # Bits of -0.0 in bf16 and fp16 as a signed 16-bit word: the "not written yet" mark.
@@ -83,10 +81,7 @@ def _all_reduce_add_rms_norm_kernel(
     MAX_ROWS: tl.constexpr,
     MAX_HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    if PDL:  # the next GEMV may start now and stream its weight while we wait on NVLink
-        tl.extra.cuda.gdc_launch_dependents()
     # One program per row: rows are independent until the end, where the last program to
     # finish advances the call counter.
     row = tl.program_id(0)
@@ -229,7 +224,7 @@ class AllReduceAddRmsNorm:
             partial.view(torch.int16), x, weight, out, res, self.buffer_ptrs, self.state,
             rows, hidden, partial.stride(0), x.stride(0), eps,
             RANK=self.rank, WORLD=self.world_size, MAX_ROWS=self.max_rows,
-            MAX_HIDDEN=self.max_hidden, BLOCK=block, PDL=pdl_enabled(x.device),
+            MAX_HIDDEN=self.max_hidden, BLOCK=block,
             num_warps=self.num_warps or (8 if block >= 4096 else 4),
         )
         return out, res

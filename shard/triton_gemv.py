@@ -59,7 +59,6 @@ import triton.language as tl
 from triton.runtime.autotuner import Autotuner
 
 from shard.gemv_buckets import GEMV_MAX_M, M_BUCKETS, m_bucket
-from shard.pdl import enabled as pdl_enabled
 
 FP8_DTYPE = torch.float8_e4m3fn
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, FP8_DTYPE)
@@ -104,29 +103,6 @@ def _epilogue(
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_out[None, :], y.to(out_ty), mask=mask)
 
 
-@triton.jit
-def _l2_prefetch(ptr, nbytes):
-    """Requests [ptr, ptr + nbytes) into L2 (Hopper bulk prefetch, fire-and-forget: no
-    registers held, nothing waits for it): 16 lanes, each one instruction for its share."""
-    lane = tl.arange(0, 16).to(tl.int64)
-    span = tl.cdiv(nbytes, 16 * 16) * 16  # bytes per lane, a multiple of 16
-    start = lane * span
-    size = (tl.minimum(tl.maximum(nbytes - start, 0), span) // 16 * 16).to(tl.int32)
-    tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred p;
-        setp.ne.u32 p, $2, 0;
-        @p cp.async.bulk.prefetch.L2.global [$1], $2;
-        mov.u32 $0, 0;
-        }""",
-        constraints="=r,l,r",
-        args=[ptr.to(tl.int64) + start, size],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _gemv_kernel(
     x_ptr,  # [M, K] bf16/fp16, rows stride_xm apart, unit column stride
@@ -148,21 +124,8 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     STAGES: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched as a programmatic dependent (shard/pdl.py)
 ):
     pid = tl.program_id(0)
-    if PDL:
-        # This grid may be running before the previous kernel has finished. The weight does
-        # not depend on it: request this program's rows into L2 now (gate and up rows for
-        # SILU_MUL), and read x, the previous kernel's output, only after the wait.
-        part = BLOCK_N // 2 if SILU_MUL else BLOCK_N
-        first = pid * part
-        nbytes = tl.minimum(part, N - first).to(tl.int64) * stride_wn * (
-            w_ptr.dtype.element_ty.primitive_bitsize // 8)
-        _l2_prefetch(w_ptr + first.to(tl.int64) * stride_wn, nbytes)
-        if SILU_MUL:
-            _l2_prefetch(w_ptr + (first + N).to(tl.int64) * stride_wn, nbytes)
-        tl.extra.cuda.gdc_wait()
     r = tl.arange(0, BLOCK_N)
     if SILU_MUL:
         cols = pid * (BLOCK_N // 2) + r // 2  # [BLOCK_N] output column of each tile row
@@ -456,13 +419,7 @@ def gemv(
     if not config.kwargs["USE_DOT"] and m != 1:
         raise ValueError(f"{caller}: the CUDA-core config serves one row only")
     grid = (triton.cdiv(n * outs_per_row, config.kwargs["BLOCK_N"]),)
-    # Programmatic dependent launch where the GPU has it and the rows' byte offsets keep the
-    # 16-byte alignment the bulk prefetch needs.
-    pdl = pdl_enabled(x.device) and (weight.stride(0) * weight.element_size()) % 16 == 0
-    launch = {**config.all_kwargs(), "PDL": pdl}
-    if pdl:
-        launch["launch_pdl"] = True
-    _gemv_kernel[grid](*args, **flags, **launch)
+    _gemv_kernel[grid](*args, **flags, **config.all_kwargs())
     return y
 
 

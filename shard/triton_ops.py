@@ -13,14 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from shard.pdl import enabled as pdl_enabled
-
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # the next GEMV may start now and stream its weight (shard/pdl.py)
-        tl.extra.cuda.gdc_launch_dependents()
+                     BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -40,15 +36,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return out
     block = triton.next_power_of_2(h)
     _rms_norm_kernel[(n,)](x, weight, out, x.stride(0), out.stride(0), h, eps, BLOCK=block,
-                           PDL=pdl_enabled(x.device), num_warps=8 if block >= 4096 else 4)
+                           num_warps=8 if block >= 4096 else 4)
     return out
 
 
 @triton.jit
 def _add_rms_norm_kernel(d_ptr, x_ptr, w_ptr, out_ptr, res_ptr, stride_d, stride_x, n_cols, eps,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # the next GEMV may start now and stream its weight (shard/pdl.py)
-        tl.extra.cuda.gdc_launch_dependents()
+                         BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -77,8 +71,7 @@ def add_rms_norm(
     assert x.stride(1) == 1 and delta.stride(1) == 1
     block = triton.next_power_of_2(h)
     _add_rms_norm_kernel[(n,)](delta, x, weight, out, res, delta.stride(0), x.stride(0), h, eps,
-                               BLOCK=block, PDL=pdl_enabled(x.device),
-                               num_warps=8 if block >= 4096 else 4)
+                               BLOCK=block, num_warps=8 if block >= 4096 else 4)
     return out, res
 
 

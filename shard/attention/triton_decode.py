@@ -21,8 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from shard.pdl import enabled as pdl_enabled
-
 LOG2E = 1.4426950408889634
 
 
@@ -227,10 +225,7 @@ def _decode_merge_kernel(
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    if PDL:  # o_proj's GEMV may start now and stream its weight (shard/pdl.py)
-        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -352,7 +347,6 @@ def paged_decode_attention(
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            PDL=pdl_enabled(query.device),
             num_warps=4,
         )
     return out
