@@ -76,7 +76,6 @@ def try_symmetric_memory_all_reduce(
     use NCCL) where it is unavailable or wrong. Collective: all ranks call it. A rank that fails
     before the buffer rendezvous leaves its peers waiting there until the process-group timeout;
     identical ranks (same torch, same GPUs) fail alike, before it."""
-    ok = torch.ones(1, device=device)
     reducer: SymmetricMemoryAllReduce | None = None
     reason = ""
     try:
@@ -91,12 +90,17 @@ def try_symmetric_memory_all_reduce(
             reason = "self-check sum differs from the expected value"
     except Exception as exc:  # noqa: BLE001 - any failure means "use NCCL"
         reason = f"{type(exc).__name__}: {exc}"
-    if reason:
-        ok.zero_()
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # all ranks take the same path
-    if ok.item() != 1:
+    if not every_rank_passed(reason, device):
         log.warning("symmetric-memory all-reduce unavailable (%s); using NCCL for all sizes",
                     reason or "failed on another rank")
         return None
     log.info("one-shot symmetric-memory all-reduce for messages up to %d bytes", max_bytes)
     return reducer
+
+
+def every_rank_passed(reason: str, device: torch.device) -> bool:
+    """A start-up check's vote (collective): True when no rank has a failure `reason`, so that
+    all ranks take the same path."""
+    ok = torch.tensor([0.0 if reason else 1.0], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return ok.item() == 1

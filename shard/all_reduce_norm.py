@@ -40,6 +40,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from shard.all_reduce import every_rank_passed
+
 log = logging.getLogger(__name__)
 
 # Bits of -0.0 in bf16 and fp16 as a signed 16-bit word: the "not written yet" mark.
@@ -251,7 +253,6 @@ def try_all_reduce_add_rms_norm(
     """Builds the fused kernel and checks it against the unfused path on every rank (several
     calls of 1-3 rows, so every slot is written, read and reset); None (callers use the unfused
     path) where it is unavailable or wrong. Collective: all ranks call it."""
-    ok = torch.ones(1, device=device)
     fused: AllReduceAddRmsNorm | None = None
     reason = ""
     try:
@@ -277,10 +278,7 @@ def try_all_reduce_add_rms_norm(
                 break
     except Exception as exc:  # noqa: BLE001 - any failure means "use the unfused path"
         reason = f"{type(exc).__name__}: {exc}"
-    if reason:
-        ok.zero_()
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # all ranks take the same path
-    if ok.item() != 1:
+    if not every_rank_passed(reason, device):
         log.warning("fused all-reduce + RMSNorm unavailable (%s); using the unfused path",
                     reason or "failed on another rank")
         return None
