@@ -13,7 +13,10 @@ exchange buffer that all peers have mapped (torch symmetric memory, NVLink/P2P, 
 laid out [3 slots][world senders][max_rows][hidden] of 16-bit words and filled with -0.0
 (bits 0x8000), which marks "not written yet". A call
   1. pushes this rank's partial rows into slot `s` of EVERY rank's buffer (its own included), with
-     -0.0 rewritten as +0.0 (the same number) so real data is never the mark;
+     -0.0 rewritten as +0.0 (the same number) so real data is never the mark. Under tensor
+     parallelism the row-parallel GEMV that produces the rows does this from its epilogue
+     (`push_to_exchange`; RowParallelLinear.partial(push=True)): the remote stores then overlap
+     the GEMV's tail and the launch gap, and the kernel (`reduce_pushed`) only waits;
   2. spins on its own buffer until no word of any sender's rows in slot `s` is the mark (each
      word is stored whole, so "not the mark" means "final"), then sums the senders in rank order
      (fp32; every rank adds in the same order, so all ranks get bit-identical results), adds the
@@ -61,6 +64,31 @@ def _buffer(buffers_ptr, rank):
     return tl.multiple_of(tl.load(buffers_ptr + rank).to(tl.pointer_type(tl.int16)), 16)
 
 
+@triton.jit
+def push_to_exchange(
+    bits,  # [R, C] int16: model-dtype values bit-cast
+    rows,  # [R] row indices (< MAX_ROWS)
+    cols,  # [C] column indices (< MAX_HIDDEN)
+    mask,  # [R, C]
+    call,  # the state's call counter (read before any reduce of this call)
+    buffers_ptr,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    MAX_ROWS: tl.constexpr,
+    MAX_HIDDEN: tl.constexpr,
+):
+    """Step 1 of a call: this rank's values into slot call % 3, sender RANK, of every rank's
+    buffer (its own included), -0.0 rewritten as +0.0 so real data is never the mark. Called by
+    the fused kernel itself or, earlier, by the epilogue of the GEMV that produces the values
+    (shard.triton_gemv, PUSH): then the remote stores overlap the GEMV's tail instead of
+    starting the all-reduce's critical path."""
+    bits = tl.where(bits == EMPTY, 0, bits).to(tl.int16)
+    slot_base = (call % 3).to(tl.int64) * (WORLD * MAX_ROWS * MAX_HIDDEN)
+    at = slot_base + (RANK * MAX_ROWS + rows[:, None]) * MAX_HIDDEN + cols[None, :]
+    for peer in tl.static_range(WORLD):
+        tl.store(_buffer(buffers_ptr, peer) + at, bits, mask=mask)
+
+
 # `rows` varies per call (1 would otherwise compile a variant of its own); `hidden` stays
 # specialized: it is fixed per model, and its divisibility by 16 lets the row loads go 16 bytes
 # wide (masks of unknown alignment force 2-byte accesses).
@@ -83,6 +111,7 @@ def _all_reduce_add_rms_norm_kernel(
     MAX_ROWS: tl.constexpr,
     MAX_HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
+    PUSHED: tl.constexpr,  # the partial rows are already in the buffers (partial_ptr unused)
 ):
     # One program per row: rows are independent until the end, where the last program to
     # finish advances the call counter.
@@ -97,12 +126,12 @@ def _all_reduce_add_rms_norm_kernel(
     slot_base = slot.to(tl.int64) * slot_words
     own = _buffer(buffers_ptr, RANK)
 
-    # 1. push: this rank's row into slot `slot`, sender RANK, of every rank's buffer.
-    bits = tl.load(partial_ptr + row * stride_p + offs, mask=mask, other=0)
-    bits = tl.where(bits == EMPTY, 0, bits).to(tl.int16)  # -0.0 -> +0.0: never the mark
-    at = slot_base + (RANK * MAX_ROWS + row) * MAX_HIDDEN + offs
-    for peer in tl.static_range(WORLD):
-        tl.store(_buffer(buffers_ptr, peer) + at, bits, mask=mask)
+    # 1. push: this rank's row into slot `slot`, sender RANK, of every rank's buffer (unless the
+    # row-parallel GEMV's epilogue already did: PUSHED).
+    if not PUSHED:
+        bits = tl.load(partial_ptr + row * stride_p + offs, mask=mask, other=0)
+        push_to_exchange(bits[None, :], row + tl.arange(0, 1), offs, mask[None, :], call,
+                         buffers_ptr, RANK, WORLD, MAX_ROWS, MAX_HIDDEN)
 
     # 2. wait for every sender's row, sum in rank order, add the residual, normalize.
     timed_out = tl.full([], 0, tl.int32)
@@ -195,16 +224,25 @@ class AllReduceAddRmsNorm:
         # keeps rstd bit-identical to the unfused path's (with 4 warps one element in ~10^6
         # came out one bf16 ulp apart).
         self.num_warps: int | None = None
+        # Whether producers may push their output into the buffers themselves (the GEMV's PUSH
+        # epilogue, RowParallelLinear.partial); benchmarks turn it off to compare.
+        self.accept_pushes = True
         torch.cuda.synchronize(device)
         dist.barrier()  # every buffer holds the mark before anyone pushes
+
+    def handles_rows(self, rows: int, hidden: int, dtype: torch.dtype) -> bool:
+        """Whether a [rows, hidden] output of `dtype` can go through the exchange."""
+        return (
+            dtype in (torch.bfloat16, torch.float16)
+            and 1 <= rows <= self.max_rows
+            and hidden <= self.max_hidden
+        )
 
     def handles(self, partial: torch.Tensor) -> bool:
         return (
             partial.is_cuda
             and partial.dim() == 2
-            and partial.dtype in (torch.bfloat16, torch.float16)
-            and 1 <= partial.shape[0] <= self.max_rows
-            and partial.shape[1] <= self.max_hidden
+            and self.handles_rows(partial.shape[0], partial.shape[1], partial.dtype)
             and partial.stride(1) == 1
         )
 
@@ -216,17 +254,41 @@ class AllReduceAddRmsNorm:
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (normed [rows, hidden], new residual [rows, hidden]), x's dtype."""
-        rows, hidden = partial.shape
+        return self._launch(partial, x, weight, eps)
+
+    def reduce_pushed(
+        self,
+        x: torch.Tensor,  # [rows, hidden] residual stream
+        weight: torch.Tensor,  # [hidden]
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As __call__ for a partial that this call's producer already pushed into every rank's
+        buffer (a GEMV with the PUSH epilogue, given `exchange_args()`), of x's shape."""
+        return self._launch(None, x, weight, eps)
+
+    def exchange_args(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
+        """(buffer pointers, state, constexprs) a producer kernel needs to call
+        push_to_exchange for this rank."""
+        return self.buffer_ptrs, self.state, {
+            "RANK": self.rank, "WORLD": self.world_size, "MAX_ROWS": self.max_rows,
+            "MAX_HIDDEN": self.max_hidden,
+        }
+
+    def _launch(
+        self, partial: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, hidden = x.shape
         if x.stride(1) != 1:
             x = x.contiguous()
         out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
         res = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
         block = triton.next_power_of_2(hidden)
+        pushed = partial is None
         _all_reduce_add_rms_norm_kernel[(rows,)](
-            partial.view(torch.int16), x, weight, out, res, self.buffer_ptrs, self.state,
-            rows, hidden, partial.stride(0), x.stride(0), eps,
+            x if pushed else partial.view(torch.int16), x, weight, out, res, self.buffer_ptrs,
+            self.state, rows, hidden, 0 if pushed else partial.stride(0), x.stride(0), eps,
             RANK=self.rank, WORLD=self.world_size, MAX_ROWS=self.max_rows,
-            MAX_HIDDEN=self.max_hidden, BLOCK=block,
+            MAX_HIDDEN=self.max_hidden, BLOCK=block, PUSHED=pushed,
             num_warps=self.num_warps or (8 if block >= 4096 else 4),
         )
         return out, res

@@ -673,6 +673,14 @@ def write_report(res: dict, path: Path) -> None:
                 L.append(f"| batch {a['batch']} | {a['fused_path']} | "
                          f"{a['fused_in_graph_us']:.1f} | {a['unfused_in_graph_us']:.1f} | "
                          f"{a['eager_chain_exact']} / {a['graph_chain_exact']} |\n")
+        if tp.get("pushed_linear"):
+            L.append("\n| row-parallel GEMV [batch, 4096] x [4096, 4096] + fused all-reduce/norm "
+                     "| GEMV pushes | pushed step us | unpushed step us | GEMV + NCCL + norm us "
+                     "| 32-step chain equal (eager / graph) |\n|---|---|---|---|---|---|\n")
+            for a in tp["pushed_linear"]:
+                L.append(f"| batch {a['batch']} | {a['pushes']} | {a['pushed_step_us']:.1f} | "
+                         f"{a['unpushed_step_us']:.1f} | {a['nccl_step_us']:.1f} | "
+                         f"{a['eager_chain_exact']} / {a['graph_chain_exact']} |\n")
     hf = res.get("hf")
     if hf:
         L.append("\n## transformers generate() baseline\n| batch | in/out | output tok/s |\n"

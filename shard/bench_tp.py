@@ -258,6 +258,92 @@ def _fused_norm_cost(dist, hidden: int, batches: list[int]) -> list[dict]:
     return out
 
 
+def _pushed_linear_cost(dist, hidden: int, batches: list[int], steps: int = 32) -> list[dict]:
+    """A row-parallel linear + the fused all-reduce/add/norm, its GEMV pushing the output into
+    the exchange buffers (RowParallelLinear.partial(push=True), what the model does) against the
+    same GEMV config writing a tensor that the fused kernel then pushes, and against GEMV + NCCL
+    + add_rms_norm: `steps` dependent steps (each step's input is the previous normed output),
+    eager and as graph replays with new inputs, bit-equal; per-step time inside a CUDA graph."""
+    import torch
+    import torch.distributed as tdist
+
+    from shard import decode_linear
+    from shard.bench import cuda_time_ms
+    from shard.gemv_buckets import m_bucket
+    from shard.layers import PushedPartial, RMSNorm, RowParallelLinear, reduce_add_rms_norm
+    from shard.triton_gemv import gemv
+    from shard.triton_ops import add_rms_norm
+
+    fused_kernel = dist.fused_all_reduce_norm
+    if fused_kernel is None:
+        return []
+    gen = torch.Generator(device="cuda").manual_seed(11 + dist.rank)  # each rank its own slice
+    # in_features hidden * world: each rank's slice is [hidden, hidden], like a TP o_proj.
+    linear = RowParallelLinear(hidden * dist.world_size, hidden, False, dist).cuda()
+    linear.weight.data = (torch.randn(hidden, hidden, generator=gen, device="cuda")
+                          * hidden**-0.5).to(torch.bfloat16)
+    norm = RMSNorm(hidden, 1e-5).cuda()
+    norm.weight.data = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    record = decode_linear.tune(linear.weight, torch.bfloat16)
+
+    def plain_gemv(h):
+        return gemv(h, linear.weight, config=record[m_bucket(h.shape[0])].config)
+
+    def reference(h, x):
+        total = plain_gemv(h)
+        tdist.all_reduce(total)
+        return add_rms_norm(total, x, norm.weight, norm.eps)
+
+    def unpushed(h, x):
+        return reduce_add_rms_norm(dist, plain_gemv(h), x, norm)
+
+    def pushed(h, x):
+        return reduce_add_rms_norm(dist, linear.partial(h, push=True), x, norm)
+
+    def chain(step, h, x) -> list:
+        outs = []
+        for _ in range(steps):
+            h, x = step(h, x)
+            outs.extend((h, x))
+        return outs
+
+    out = []
+    for b in batches:
+        h0 = torch.randn(b, hidden, device="cuda").to(torch.bfloat16)
+        x0 = torch.randn(b, hidden, device="cuda").to(torch.bfloat16)
+        tdist.broadcast(h0, 0)  # replicated inputs, as the normed residual stream is
+        tdist.broadcast(x0, 0)
+        first = linear.partial(h0, push=True)
+        row = {"batch": b, "pushes": isinstance(first, PushedPartial)}
+        reduce_add_rms_norm(dist, first, x0, norm)  # consumes that push
+        want = chain(reference, h0, x0)
+        row["eager_chain_exact"] = all(
+            torch.equal(g, w) for g, w in zip(chain(pushed, h0, x0), want))
+        chain(unpushed, h0, x0)  # every kernel variant compiled before capture
+        torch.cuda.synchronize()
+        graphs = {}
+        for name, step in (("pushed", pushed), ("unpushed", unpushed), ("nccl", reference)):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                got = chain(step, h0, x0)
+            graphs[name] = (g, got)
+        exact = True
+        for _ in range(3):
+            h0.copy_(torch.randn(b, hidden, device="cuda").to(torch.bfloat16))
+            x0.copy_(torch.randn(b, hidden, device="cuda").to(torch.bfloat16))
+            tdist.broadcast(h0, 0)
+            tdist.broadcast(x0, 0)
+            want = chain(reference, h0, x0)
+            graphs["pushed"][0].replay()
+            torch.cuda.synchronize()
+            exact = exact and all(torch.equal(g, w) for g, w in zip(graphs["pushed"][1], want))
+        row["graph_chain_exact"] = exact
+        for name, (g, _) in graphs.items():
+            row[f"{name}_step_us"] = cuda_time_ms(g.replay, iters=20, warmup=3) / steps * 1e3
+        out.append(row)
+    return out
+
+
 def _fused_warps_sweep(dist, chain, fused, h, x) -> dict[int, float]:
     """In-graph us per fused call for 1, 2, 4 and 8 warps per row program (the kernel's one
     launch parameter worth tuning); the default is restored afterwards."""
@@ -308,8 +394,9 @@ def rank_main(rank: int, world: int, port: int, job: dict, queue) -> None:
             res.update(_bench_8b(Path(job["model_dir"]), job, dist, device))
         if cuda and job.get("allreduce_batches"):
             res["allreduce"] = _allreduce_cost(dist, 4096, job["allreduce_batches"])
-            res["fused_norm"] = _fused_norm_cost(dist, 4096, [b for b in job["allreduce_batches"]
-                                                             if b <= 16] or [1])
+            small = [b for b in job["allreduce_batches"] if b <= 16] or [1]
+            res["fused_norm"] = _fused_norm_cost(dist, 4096, small)
+            res["pushed_linear"] = _pushed_linear_cost(dist, 4096, small)
     except Exception as exc:  # noqa: BLE001 - report, do not hang the other rank silently
         import traceback
 
@@ -369,6 +456,24 @@ def _bench_8b(model_dir: Path, job: dict, dist, device: str) -> dict:
             if "profile" in res["decode"][-1]:
                 print(json.dumps(res["decode"][-1]["profile"]), flush=True)
     del graphs
+    fused = dist.fused_all_reduce_norm
+    if fused is not None:
+        # A/B in the same processes: the row-parallel GEMVs write tensors again and the fused
+        # all-reduce pushes them itself (the pre-push design); graphs recaptured.
+        fused.accept_pushes = False
+        try:
+            graphs = CudaGraphDecodeRunner(runner.forward, runner.device, bs, max(batches), per,
+                                           buckets=sorted(batches))
+            graphs.capture()
+            for entry in res["decode"]:
+                graph = graphs.graphs[graphs.bucket(entry["batch"])]
+                entry["graph_replay_ms_unpushed"] = cuda_time_ms(graph.replay, iters=30)
+                if dist.rank == 0:
+                    print(f"TP={dist.world_size} decode b={entry['batch']} without GEMV "
+                          f"pushes: graph {entry['graph_replay_ms_unpushed']:.2f} ms", flush=True)
+            del graphs
+        finally:
+            fused.accept_pushes = True
     runner.kv_cache = None
     gc.collect()
     torch.cuda.empty_cache()
@@ -487,4 +592,5 @@ def bench_tp(model_dir: Path | None, tiny_dirs: dict[str, Path], args,
     ]
     out["allreduce"] = tp.get("allreduce")
     out["fused_norm"] = tp.get("fused_norm")
+    out["pushed_linear"] = tp.get("pushed_linear")
     return out

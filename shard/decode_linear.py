@@ -2,6 +2,7 @@
 
     linear(x, weight, bias)        x [M, K] @ weight [N, K].T (+ bias)        -> [M, N]
     gate_up_silu(x, weight, bias)  silu(x @ Wg.T) * (x @ Wu.T), weight [2I, K] -> [M, I]
+    linear_pushed(x, weight, push_to)  x @ weight.T into a fused all-reduce's exchange buffers
     tune(weight, dtype, bias, silu_mul=...)   eager: time both backends for every batch bucket
 
 Why: at batch 1..16 a linear is a pass over its weight bytes. cuBLAS (F.linear) streams some
@@ -52,6 +53,8 @@ from shard.gemv_buckets import GEMV_MAX_M, M_BUCKETS, m_bucket
 if TYPE_CHECKING:
     import triton
 
+    from shard.all_reduce_norm import AllReduceAddRmsNorm
+
 log = logging.getLogger(__name__)
 
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -93,6 +96,8 @@ class BucketChoice:
 _TUNED: dict[ShapeKey, dict[int, BucketChoice]] = {}
 _LOCK = threading.Lock()
 _WARNED: set[ShapeKey] = set()
+# Shapes whose GEMV PUSH variants are loaded (linear_pushed), with their tuning record.
+_PUSH_READY: dict[ShapeKey, Mapping[int, BucketChoice]] = {}
 _FORCED: Backend | None = None
 
 
@@ -112,6 +117,43 @@ def linear(
     if choice is None:
         return F.linear(x, weight, bias)
     return _gemv(x, weight, bias, False, choice.config)
+
+
+def linear_pushed(
+    x: torch.Tensor,  # [M, K], M <= the exchange's rows
+    weight: torch.Tensor,  # [N, K], N <= the exchange's hidden
+    push_to: AllReduceAddRmsNorm,
+) -> bool:
+    """A row-parallel linear whose output goes straight into every rank's exchange buffer of the
+    fused all-reduce + norm (the GEMV's PUSH epilogue) instead of a tensor; the caller then runs
+    `push_to.reduce_pushed`. Returns False, having done nothing, where the GEMV cannot serve the
+    call (then: linear() and the fused kernel's own push). Uses the shape's tuned Triton config
+    even where cuBLAS won the plain timing: the push saves more than the ~10% cuBLAS can be
+    faster on a small shape (benchmarks/QUANT_TP.md)."""
+    _check_shapes("linear_pushed", x, weight, None)
+    if _FORCED is Backend.CUBLAS or not _eligible(x, weight, None):
+        return False
+    key = shape_key(weight, x.dtype, None, False)
+    record = _PUSH_READY.get(key)
+    if record is None:
+        # Prepared at the first eager call of any batch size (the warm-up's large batch too),
+        # so that the small-batch graphs captured next can push.
+        if torch.cuda.is_current_stream_capturing():
+            _warn_untuned_capture(key)
+            return False
+        record = tune(weight, x.dtype)
+        from shard.triton_gemv import load_push_variants
+
+        with torch.cuda.device(weight.device):
+            load_push_variants(weight, x.dtype, [c.config for c in record.values()], push_to)
+        _PUSH_READY[key] = record
+    m = x.shape[0]
+    if not 1 <= m <= GEMV_MAX_M or not push_to.handles_rows(m, weight.shape[0], x.dtype):
+        return False
+    from shard.triton_gemv import gemv
+
+    gemv(x, weight, config=record[m_bucket(m)].config, caller="linear_pushed", push_to=push_to)
+    return True
 
 
 def gate_up_silu(
@@ -188,6 +230,7 @@ def clear() -> None:
     with _LOCK:
         _TUNED.clear()
         _WARNED.clear()
+        _PUSH_READY.clear()
 
 
 def shape_key(

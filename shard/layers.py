@@ -9,12 +9,13 @@ logits are gathered.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shard.decode_linear import linear  # F.linear, or a faster decode GEMV on CUDA
+from shard.decode_linear import linear, linear_pushed  # F.linear or a faster decode GEMV
 from shard.distributed import Dist
 from shard.quantization.loading import quantize_loaded_linear
 from shard.weights import Weights
@@ -78,13 +79,36 @@ class RowParallelLinear(nn.Module):
         y = self.dist.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
+    def partial(self, x: torch.Tensor, push: bool = False) -> torch.Tensor | PushedPartial:
         """This rank's share of the output, not yet summed over ranks (the caller sums it, e.g.
-        fused with the next norm: `reduce_add_rms_norm`); the bias is counted once, on rank 0."""
+        fused with the next norm: `reduce_add_rms_norm`); the bias is counted once, on rank 0.
+        push: where the fused all-reduce + norm serves the shape, the GEMV writes the share
+        straight into every rank's exchange buffer and a PushedPartial stands for it; the
+        caller's next collective must then be its `reduce_add_rms_norm`."""
+        fused = self.dist.fused_all_reduce_norm
+        if (
+            push
+            and fused is not None
+            and fused.accept_pushes
+            and self.quantized is None
+            and self.bias is None
+            and x.dim() == 2
+            and linear_pushed(x, self.weight, fused)
+        ):
+            return PushedPartial(rows=x.shape[0])
         y = self.quantized(x) if self.quantized is not None else linear(x, self.weight)
         if self.bias is not None and self.dist.rank == 0:
             y = y + self.bias
         return y
+
+
+@dataclass(frozen=True)
+class PushedPartial:
+    """A row-parallel output already sitting in every rank's exchange buffer of the fused
+    all-reduce + norm (RowParallelLinear.partial with push=True); only reduce_add_rms_norm can
+    consume it, and must be the next collective call."""
+
+    rows: int
 
 
 class VocabSlicedWeight(nn.Module):
@@ -168,13 +192,16 @@ def add_rms_norm(
 
 
 def reduce_add_rms_norm(
-    dist: Dist, partial: torch.Tensor, x: torch.Tensor, norm: RMSNorm
+    dist: Dist, partial: torch.Tensor | PushedPartial, x: torch.Tensor, norm: RMSNorm
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add after a row-parallel linear: s = x + (sum over ranks of partial), returns
     (norm(s), s). partial [num_tokens, hidden] is RowParallelLinear.partial's output. Decode-sized
     CUDA tensors take one kernel for the all-reduce, the add and the norm where the fused kernel
     is available (shard.all_reduce_norm); otherwise the all-reduce, then add + norm."""
     fused = dist.fused_all_reduce_norm
+    if isinstance(partial, PushedPartial):
+        assert fused is not None and partial.rows == x.shape[0]
+        return fused.reduce_pushed(x, norm.weight, norm.eps)
     if fused is not None and fused.handles(partial):
         return fused(partial, x, norm.weight, norm.eps)
     return add_rms_norm(dist.all_reduce(partial), x, norm)

@@ -52,13 +52,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.autotuner import Autotuner
 
+from shard.all_reduce_norm import push_to_exchange
 from shard.gemv_buckets import GEMV_MAX_M, M_BUCKETS, m_bucket
+
+if TYPE_CHECKING:
+    from shard.all_reduce_norm import AllReduceAddRmsNorm
 
 FP8_DTYPE = torch.float8_e4m3fn
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, FP8_DTYPE)
@@ -74,6 +79,8 @@ def _epilogue(
     s_ptr,
     b_ptr,
     y_ptr,
+    xchg_ptr,
+    xstate_ptr,
     M,
     N,
     stride_ym,
@@ -82,6 +89,11 @@ def _epilogue(
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PUSH: tl.constexpr,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    MAX_ROWS: tl.constexpr,
+    MAX_HIDDEN: tl.constexpr,
 ):
     out_ty = y_ptr.dtype.element_ty
     y = acc
@@ -100,7 +112,15 @@ def _epilogue(
     else:
         offs_out = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_out[None, :] < N)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_out[None, :], y.to(out_ty), mask=mask)
+    if PUSH:
+        # A row-parallel output: straight into every rank's all-reduce exchange buffer
+        # (shard.all_reduce_norm), not into y; the fused reduce that follows only waits.
+        bits = y.to(out_ty).to(tl.int16, bitcast=True)
+        push_to_exchange(bits, offs_m, offs_out, mask, tl.load(xstate_ptr), xchg_ptr, RANK, WORLD,
+                         MAX_ROWS, MAX_HIDDEN)
+    else:
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_out[None, :], y.to(out_ty),
+                 mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
@@ -109,7 +129,9 @@ def _gemv_kernel(
     w_ptr,  # [N, K] (SILU_MUL: [2N, K]) bf16/fp16/float8_e4m3fn, unit column stride
     s_ptr,  # [rows of w] float32 per output channel; read only when HAS_SCALE
     b_ptr,  # [rows of w] any float dtype; read only when HAS_BIAS
-    y_ptr,  # [M, N] x's dtype, rows stride_ym apart
+    y_ptr,  # [M, N] x's dtype, rows stride_ym apart (not written when PUSH)
+    xchg_ptr,  # PUSH: [WORLD] int64 exchange buffer addresses (shard.all_reduce_norm)
+    xstate_ptr,  # PUSH: the exchange's int32 state (its call counter picks the slot)
     M,
     N,  # output columns (SILU_MUL: I, half the weight's rows)
     K,
@@ -124,6 +146,11 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     STAGES: tl.constexpr,
+    PUSH: tl.constexpr = False,
+    RANK: tl.constexpr = 0,
+    WORLD: tl.constexpr = 1,
+    MAX_ROWS: tl.constexpr = 1,
+    MAX_HIDDEN: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     r = tl.arange(0, BLOCK_N)
@@ -168,6 +195,8 @@ def _gemv_kernel(
             s_ptr,
             b_ptr,
             y_ptr,
+            xchg_ptr,
+            xstate_ptr,
             M,
             N,
             stride_ym,
@@ -176,6 +205,11 @@ def _gemv_kernel(
             HAS_BIAS,
             SILU_MUL,
             BLOCK_N,
+            PUSH,
+            RANK,
+            WORLD,
+            MAX_ROWS,
+            MAX_HIDDEN,
         )
     else:
         # M == 1 (the launcher only picks this path then): one x row, CUDA cores. Each
@@ -205,6 +239,8 @@ def _gemv_kernel(
             s_ptr,
             b_ptr,
             y_ptr,
+            xchg_ptr,
+            xstate_ptr,
             M,
             N,
             stride_ym,
@@ -213,6 +249,11 @@ def _gemv_kernel(
             HAS_BIAS,
             SILU_MUL,
             BLOCK_N,
+            PUSH,
+            RANK,
+            WORLD,
+            MAX_ROWS,
+            MAX_HIDDEN,
         )
 
 
@@ -376,14 +417,21 @@ def gemv(
     silu_mul: bool = False,
     config: triton.Config | None = None,
     caller: str = "gemv",  # named in error messages
+    push_to: AllReduceAddRmsNorm | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x @ weight.T (* scale) (+ bias) in x's dtype; silu_mul: y [M, I] = silu(gate)
     * up of the [M, 2I] result.
 
     config None: the autotuned config for (M bucket, N, K, bias, epilogue, dtypes); the first call
     for a key benchmarks every candidate (host syncs: never while capturing; see tune_gemv).
-    Otherwise `config` is launched as given (one of configs_for(M, weight.dtype))."""
+    Otherwise `config` is launched as given (one of configs_for(M, weight.dtype)).
+
+    push_to (a row-parallel output under tensor parallelism; needs `config`): y is not written
+    (returned uninitialized); the result goes into every rank's exchange buffer of that fused
+    all-reduce + norm, whose `reduce_pushed` must be the next call on it."""
     _check(caller, x, weight, scale, bias, silu_mul)
+    if push_to is not None and (config is None or silu_mul):
+        raise ValueError(f"{caller}: push_to needs an explicit config and no silu_mul")
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]  # output columns
     # One layout for every call (unit stride, rows K apart, 16-byte aligned): the compiled
@@ -402,6 +450,7 @@ def gemv(
         weight if scale is None else scale,  # valid pointers that are never read
         weight if bias is None else bias,
         y,
+        *(push_to.exchange_args()[:2] if push_to is not None else (weight, weight)),
         m,
         n,
         k,
@@ -419,8 +468,32 @@ def gemv(
     if not config.kwargs["USE_DOT"] and m != 1:
         raise ValueError(f"{caller}: the CUDA-core config serves one row only")
     grid = (triton.cdiv(n * outs_per_row, config.kwargs["BLOCK_N"]),)
+    if push_to is not None:
+        flags.update(PUSH=True, **push_to.exchange_args()[2])
     _gemv_kernel[grid](*args, **flags, **config.all_kwargs())
     return y
+
+
+def load_push_variants(
+    weight: torch.Tensor,  # [N, K] 16-bit, the row-parallel weight
+    dtype: torch.dtype,  # the activations' dtype
+    configs: Sequence[triton.Config],  # every config the shape's buckets launch
+    push_to: AllReduceAddRmsNorm,
+) -> None:
+    """Compiles and loads the PUSH variant of each config before any CUDA-graph capture (a
+    first launch loads a module, which a capturing stream forbids), by launching it with M = 0:
+    every store is masked off, so no exchange buffer is written and the protocol's state is
+    untouched. Eager only."""
+    x = torch.zeros((GEMV_MAX_M, weight.shape[1]), dtype=dtype, device=weight.device)  # [16, K]
+    y = torch.empty((GEMV_MAX_M, weight.shape[0]), dtype=dtype, device=weight.device)
+    ptrs, state, consts = push_to.exchange_args()
+    n = weight.shape[0]
+    for config in configs:
+        _gemv_kernel[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
+            x, weight, weight, weight, y, ptrs, state, 0, n, weight.shape[1], 1,
+            weight.shape[1], weight.stride(0), n, HAS_SCALE=False, HAS_BIAS=False,
+            SILU_MUL=False, PUSH=True, **consts, **config.all_kwargs(),
+        )
 
 
 def tune_gemv(

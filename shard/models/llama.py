@@ -15,6 +15,7 @@ from shard.attention.base import AttentionMetadata
 from shard.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
+    PushedPartial,
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -141,7 +142,8 @@ class LlamaAttention(nn.Module):
             q, key_cache, value_cache, meta, self.scale, self.sliding_window, self.kv_scales
         )
         o = o.reshape(n, self.local_heads * self.head_dim)
-        return self.o_proj(o) if reduce else self.o_proj.partial(o)
+        # Un-reduced: the layer's next step is the fused all-reduce + norm, so the GEMV may push.
+        return self.o_proj(o) if reduce else self.o_proj.partial(o, push=True)
 
 
 class LlamaMLP(nn.Module):
@@ -154,10 +156,16 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias, ctx.dist)
         self.gate_up: FusedProjection | None = None  # set by merge_rows() on CUDA
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, reduce: bool = True, push: bool = False
+    ) -> torch.Tensor | PushedPartial:
         """x [num_tokens, hidden] -> [num_tokens, hidden]; with reduce=False this rank's
-        un-reduced down_proj share."""
-        down = self.down_proj if reduce else self.down_proj.partial
+        un-reduced down_proj share (push: see RowParallelLinear.partial)."""
+        if reduce:
+            down = self.down_proj
+        else:
+            def down(h: torch.Tensor) -> torch.Tensor | PushedPartial:
+                return self.down_proj.partial(h, push=push)
         if x.is_cuda:  # fused SiLU-and-mul: one kernel instead of two
             from shard.triton_ops import silu_mul
 
@@ -181,11 +189,13 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_fused(self, x, delta, positions, cache, meta):
+    def forward_fused(self, x, delta, positions, cache, meta, last: bool = False):
         """The same layer with each residual add (and, under tensor parallelism, the all-reduce
         before it) fused into the following norm. The residual stream is x + the sum over ranks
         of delta, this rank's un-reduced share of the previous MLP output (None before the first
-        layer); returns the new (x, delta) pair, delta still to be reduced and added."""
+        layer); returns the new (x, delta) pair, delta still to be reduced and added. delta
+        may be pushed into the all-reduce's buffers already (PushedPartial) except after the
+        last layer, whose delta the caller slices to the rows that need logits."""
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         if delta is None:
             h = n1(x)
@@ -193,7 +203,7 @@ class LlamaDecoderLayer(nn.Module):
             h, x = reduce_add_rms_norm(self.dist, delta, x, n1)
         a = self.self_attn(h, positions, cache, meta, reduce=False)
         h, x = reduce_add_rms_norm(self.dist, a, x, n2)
-        return x, self.mlp(h, reduce=False)
+        return x, self.mlp(h, reduce=False, push=not last)
 
 
 class LlamaModel(nn.Module):
@@ -310,8 +320,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         if x.is_cuda or self.fused_residual:  # residual adds (and all-reduces) fused into norms
             delta = None
-            for layer, cache in zip(self.model.layers, kv_cache):
-                x, delta = layer.forward_fused(x, delta, positions, cache, meta)
+            layers = self.model.layers
+            for i, (layer, cache) in enumerate(zip(layers, kv_cache)):
+                x, delta = layer.forward_fused(x, delta, positions, cache, meta,
+                                               last=i == len(layers) - 1)
             # Only the rows that need logits are reduced and normalized: [num_logits, hidden].
             h, _ = reduce_add_rms_norm(
                 self.model.layers[-1].dist, delta[logits_indices], x[logits_indices],

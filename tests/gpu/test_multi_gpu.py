@@ -54,6 +54,16 @@ def test_fused_all_reduce_add_rms_norm_equals_unfused_over_graph_replays():
         assert row["graph_chain_exact"], row
     print({b: (round(r["fused_in_graph_us"], 1), round(r["unfused_in_graph_us"], 1))
            for b, r in rows.items()})
+    # The row-parallel GEMV pushing its output into the exchange buffers itself (the model's
+    # decode path): 32 dependent GEMV + reduce steps equal GEMV + NCCL + add_rms_norm.
+    pushed = {r["batch"]: r for r in res["pushed_linear"]}
+    assert set(pushed) == {1, 16}
+    for row in pushed.values():
+        assert row["pushes"], row
+        assert row["eager_chain_exact"], row
+        assert row["graph_chain_exact"], row
+    print({b: (round(r["pushed_step_us"], 1), round(r["unpushed_step_us"], 1),
+               round(r["nccl_step_us"], 1)) for b, r in pushed.items()})
 
 
 def test_trained_tiny_llama_tp2_greedy_equals_one_gpu(tmp_path):
