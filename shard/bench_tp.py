@@ -456,28 +456,50 @@ def _bench_8b(model_dir: Path, job: dict, dist, device: str) -> dict:
             if "profile" in res["decode"][-1]:
                 print(json.dumps(res["decode"][-1]["profile"]), flush=True)
     del graphs
-    fused = dist.fused_all_reduce_norm
-    if fused is not None:
-        # A/B in the same processes: the row-parallel GEMVs write tensors again and the fused
-        # all-reduce pushes them itself (the pre-push design); graphs recaptured.
-        fused.accept_pushes = False
-        try:
-            graphs = CudaGraphDecodeRunner(runner.forward, runner.device, bs, max(batches), per,
-                                           buckets=sorted(batches))
-            graphs.capture()
-            for entry in res["decode"]:
-                graph = graphs.graphs[graphs.bucket(entry["batch"])]
-                entry["graph_replay_ms_unpushed"] = cuda_time_ms(graph.replay, iters=30)
-                if dist.rank == 0:
-                    print(f"TP={dist.world_size} decode b={entry['batch']} without GEMV "
-                          f"pushes: graph {entry['graph_replay_ms_unpushed']:.2f} ms", flush=True)
-            del graphs
-        finally:
-            fused.accept_pushes = True
+    _ab_variants(runner, dist, res["decode"], bs, per)
     runner.kv_cache = None
     gc.collect()
     torch.cuda.empty_cache()
     return res
+
+
+def _ab_variants(runner, dist, decode: list[dict], block_size: int, blocks_per_seq: int) -> None:
+    """A/B in the same processes, graphs recaptured per variant, each entry of `decode` gains
+    graph_replay_ms_<variant>: `unpushed` (row-parallel GEMVs write tensors and the fused
+    all-reduce pushes them itself, the design before the GEMV epilogue push) and
+    `two_kernel_attention` (split-KV decode merged by a second kernel, no tickets buffer)."""
+    from shard.bench import cuda_time_ms
+    from shard.cuda_graphs import CudaGraphDecodeRunner
+
+    fused, attention = dist.fused_all_reduce_norm, runner.attention
+    tickets = getattr(attention, "_decode_tickets", None)
+
+    def unpushed(on: bool) -> None:
+        fused.accept_pushes = not on
+
+    def two_kernel_attention(on: bool) -> None:
+        attention._decode_tickets = None if on else tickets
+
+    batches = sorted(d["batch"] for d in decode)
+    for name, toggle in (("unpushed", unpushed if fused is not None else None),
+                         ("two_kernel_attention", two_kernel_attention if tickets is not None
+                          else None)):
+        if toggle is None:
+            continue
+        toggle(True)
+        try:
+            graphs = CudaGraphDecodeRunner(runner.forward, runner.device, block_size,
+                                           max(batches), blocks_per_seq, buckets=batches)
+            graphs.capture()
+            for entry in decode:
+                graph = graphs.graphs[graphs.bucket(entry["batch"])]
+                entry[f"graph_replay_ms_{name}"] = ms = cuda_time_ms(graph.replay, iters=30)
+                if dist.rank == 0:
+                    print(f"TP={dist.world_size} decode b={entry['batch']} {name}: graph "
+                          f"{ms:.2f} ms", flush=True)
+            del graphs
+        finally:
+            toggle(False)
 
 
 def run_ranks(world: int, job: dict, timeout_s: float = 900.0) -> dict:

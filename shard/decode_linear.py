@@ -63,6 +63,13 @@ GEMV_DTYPES = (torch.bfloat16, torch.float16)
 WIN_MARGIN = 0.02
 
 
+# What a row-parallel GEMV pushing its own output saves per fused all-reduce call, measured on
+# 2 H200s ([1, 4096] bf16: 12.5 -> 11.7 us per GEMV + reduce step, [16, 4096]: 15.3 -> 14.6;
+# shard/bench_tp.py's pushed_linear): the Triton GEMV may be this much slower than cuBLAS and
+# still win when it pushes.
+PUSH_SAVING_US = 0.75
+
+
 class Backend(enum.Enum):
     TRITON = "triton"
     CUBLAS = "cublas"
@@ -127,9 +134,8 @@ def linear_pushed(
     """A row-parallel linear whose output goes straight into every rank's exchange buffer of the
     fused all-reduce + norm (the GEMV's PUSH epilogue) instead of a tensor; the caller then runs
     `push_to.reduce_pushed`. Returns False, having done nothing, where the GEMV cannot serve the
-    call (then: linear() and the fused kernel's own push). Uses the shape's tuned Triton config
-    even where cuBLAS won the plain timing: the push saves more than the ~10% cuBLAS can be
-    faster on a small shape (benchmarks/QUANT_TP.md)."""
+    call (then: linear() and the fused kernel's own push), or where cuBLAS's plain timing beat
+    the tuned Triton config by more than the push saves (PUSH_SAVING_US)."""
     _check_shapes("linear_pushed", x, weight, None)
     if _FORCED is Backend.CUBLAS or not _eligible(x, weight, None):
         return False
@@ -150,9 +156,12 @@ def linear_pushed(
     m = x.shape[0]
     if not 1 <= m <= GEMV_MAX_M or not push_to.handles_rows(m, weight.shape[0], x.dtype):
         return False
+    choice = record[m_bucket(m)]
+    if choice.triton_us > choice.cublas_us + PUSH_SAVING_US:
+        return False  # cuBLAS's faster pass outweighs what the push saves
     from shard.triton_gemv import gemv
 
-    gemv(x, weight, config=record[m_bucket(m)].config, caller="linear_pushed", push_to=push_to)
+    gemv(x, weight, config=choice.config, caller="linear_pushed", push_to=push_to)
     return True
 
 
