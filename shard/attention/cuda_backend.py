@@ -2,8 +2,7 @@
 
 - write_kv: slot-mapped Triton store (negative slots are skipped, so CUDA-graph padding rows are
   harmless); rotate_and_write_kv does the rotary embedding in the same kernel;
-- decode-only steps: Triton split-KV paged decode (all query heads of a KV head together), the
-  splits merged inside the same kernel through a per-backend tickets buffer;
+- decode-only steps: Triton split-KV paged decode (all query heads of a KV head together);
 - steps with prefill chunks: flash-attn's paged varlen kernel when importable and the cache
   block size suits it (a multiple of 256), else the Triton paged prefill kernel, which covers
   chunks that attend to already-cached blocks.
@@ -52,15 +51,6 @@ class CudaAttentionBackend:
         self._decode = triton_decode
         self._prefill = triton_prefill
         self._num_sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
-        # Split-KV decode's per-(sequence, KV head) merge counters (int32, zero between calls;
-        # the last split of each call resets its own). Several splits are only chosen while
-        # num_seqs * num_kv_heads < the SM count (default_num_splits; 132 on H200), so
-        # max(1024, SMs) entries (4 KiB) always suffice; were one too small, paged_decode_attention
-        # would fall back to its merge kernel. One buffer per backend is enough: its decode calls
-        # (eager or graph replays) run one after another on one stream.
-        self._decode_tickets = torch.zeros(
-            max(1024, self._num_sms), dtype=torch.int32, device=torch.device(device)
-        )
         self._flash = flash_attn_available() if use_flash_attn is None else use_flash_attn
         self.name = "cuda-triton+flash-attn" if self._flash else "cuda-triton"
         # Decode reads only device tensors and its grid depends on the batch size alone, so
@@ -132,7 +122,6 @@ class CudaAttentionBackend:
                 num_splits=self.num_decode_splits(query.shape[0], key_cache.shape[2]),
                 k_scale=k_scale,
                 v_scale=v_scale,
-                tickets=self._decode_tickets,
             )
         if self._flash and key_cache.shape[1] % 256 == 0 and k_scale is None:
             return self._flash_prefill(query, key_cache, value_cache, meta, scale, sliding_window)

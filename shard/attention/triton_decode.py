@@ -9,10 +9,8 @@ stream K/V at full bandwidth. Design:
   so a CUDA graph captured at one batch size stays valid for any lengths;
 - K/V are gathered through the block table one BLOCK_N tile at a time (BLOCK_N spans several
   cache blocks; each row is a contiguous head_dim vector);
-- partial results (per-split normalised output + log2-sum-exp) are merged either by the last
-  split program of each (sequence, KV head) to finish (FUSED_MERGE: one launch; it finds out it
-  is last from a ticket counter, see _merge_if_last) or, without a tickets buffer, by a second
-  small kernel; with one split the first kernel writes the final output directly.
+- partial results (unnormalised output + log-sum-exp per split) are merged by a second small
+  kernel; with one split the first kernel writes the final output directly.
 
 Imported only on CUDA machines (triton is not needed on CPU).
 """
@@ -57,7 +55,8 @@ def _store_kv_kernel(
         k = tl.clamp(k.to(tl.float32) / ks, -FP8_MAX, FP8_MAX)
         v = tl.clamp(v.to(tl.float32) / vs, -FP8_MAX, FP8_MAX)
     tl.store(key_cache_ptr + slot * ROW + offs, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(value_cache_ptr + slot * ROW + offs, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + slot * ROW + offs, v.to(value_cache_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def store_kv(
@@ -105,53 +104,6 @@ def store_kv(
 
 
 @triton.jit
-def _merge_if_last(
-    ticket_ptr,  # scalar int32 counter of this (seq, KV head); 0 when the call starts
-    part_row,  # [GROUP_PAD, BLOCK_D] pointers: split 0's fp32 partial of each query head
-    stride_split,  # elements between one split's partial and the next
-    lse_row,  # [GROUP_PAD] pointers: split 0's log2-sum-exp of each query head
-    fin,  # [GROUP_PAD, BLOCK_D] pointers into the final output
-    mask_g,  # [GROUP_PAD] real query heads
-    out_mask,  # [GROUP_PAD, BLOCK_D]
-    NUM_SPLITS,
-    GROUP_PAD: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Called by every split program after it stored its partial and lse: the last of the
-    (seq, KV head)'s NUM_SPLITS programs to take a ticket merges all of them, as
-    _decode_merge_kernel does, and resets the counter so that the next call (or CUDA-graph
-    replay) starts from zero without a memset."""
-    # Release: the barrier orders every thread's partial/lse stores before thread 0's gpu-scope
-    # acq_rel atomic (a scalar atomic runs once per program), which is cumulative over them.
-    tl.debug_barrier()
-    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-    # Acquire: no thread reads other programs' partials before the atomic has returned.
-    tl.debug_barrier()
-    if ticket == NUM_SPLITS - 1:
-        # Every program of this (seq, KV head) has taken its ticket: none touches it again.
-        tl.store(ticket_ptr, 0)
-        # Two passes over the splits keep registers at [GROUP_PAD, BLOCK_D] (the merge kernel
-        # holds all splits at once). ".cg" loads skip L1, which is not coherent across SMs.
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        for s in range(NUM_SPLITS):
-            lse = tl.load(lse_row + s, mask=mask_g, other=float("-inf"), cache_modifier=".cg")
-            m = tl.maximum(m, lse)
-        m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights 0
-        denom = tl.zeros([GROUP_PAD], tl.float32)
-        o = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-        for s in range(NUM_SPLITS):
-            lse = tl.load(lse_row + s, mask=mask_g, other=float("-inf"), cache_modifier=".cg")
-            w = tl.exp2(lse - m)  # [GROUP_PAD]; 0 for empty splits
-            part = tl.load(
-                part_row + s * stride_split, mask=out_mask, other=0.0, cache_modifier=".cg"
-            )
-            denom += w
-            o += part * w[:, None]
-        denom = tl.where(denom > 0, denom, 1.0)
-        tl.store(fin, (o / denom[:, None]).to(fin.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks * block_size, num_kv_heads, head_dim]
@@ -162,8 +114,6 @@ def _decode_split_kernel(
     lse_ptr,  # [num_seqs, num_heads, num_splits] fp32 (unused when ONE_SPLIT)
     k_scale_ptr,  # [num_kv_heads] fp32 (SCALED only)
     v_scale_ptr,
-    final_ptr,  # [num_seqs, num_heads, head_dim] output dtype (FUSED_MERGE only)
-    tickets_ptr,  # [>= num_seqs * num_kv_heads] int32, zero between calls (FUSED_MERGE only)
     stride_q_seq,
     stride_q_head,
     stride_bt,
@@ -171,8 +121,6 @@ def _decode_split_kernel(
     stride_out_seq,
     stride_out_head,
     stride_out_split,
-    stride_fin_seq,
-    stride_fin_head,
     sm_scale_log2,  # softmax scale * log2(e)
     window,  # sliding window (positions), <= 0 for none
     NUM_SPLITS,  # runtime: one compiled kernel serves every split count
@@ -184,7 +132,6 @@ def _decode_split_kernel(
     PAGE: tl.constexpr,  # cache block size (tokens)
     ONE_SPLIT: tl.constexpr,
     SCALED: tl.constexpr,  # fp8 cache with per-KV-head scales
-    FUSED_MERGE: tl.constexpr,  # the last split of each (seq, KV head) merges (not ONE_SPLIT)
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -257,38 +204,13 @@ def _decode_split_kernel(
             out_ptr + out_off, (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask
         )
     else:
-        # Per-split normalised partial output and its log2-sum-exp (-inf for an empty split).
+        # Unnormalised partial output and its log2-sum-exp (-inf for an empty split).
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         tl.store(out_ptr + out_off, acc / safe_l[:, None], mask=out_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
         num_heads = tl.num_programs(1) * GROUP
-        lse_row = lse_ptr + (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS  # [GROUP_PAD]
-        tl.store(lse_row + split, lse, mask=mask_g)
-        if FUSED_MERGE:
-            part_row = (
-                out_ptr
-                + seq.to(tl.int64) * stride_out_seq
-                + heads[:, None] * stride_out_head
-                + offs_d[None, :]
-            )  # [GROUP_PAD, BLOCK_D] pointers to split 0
-            fin = (
-                final_ptr
-                + seq.to(tl.int64) * stride_fin_seq
-                + heads[:, None] * stride_fin_head
-                + offs_d[None, :]
-            )
-            _merge_if_last(
-                tickets_ptr + seq * tl.num_programs(1) + kvh,
-                part_row,
-                stride_out_split,
-                lse_row,
-                fin,
-                mask_g,
-                out_mask,
-                NUM_SPLITS,
-                GROUP_PAD,
-                BLOCK_D,
-            )
+        lse_off = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        tl.store(lse_ptr + lse_off, lse, mask=mask_g)
 
 
 @triton.jit
@@ -356,15 +278,8 @@ def paged_decode_attention(
     num_stages: int = 3,
     k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches with scales
     v_scale: torch.Tensor | None = None,
-    tickets: torch.Tensor | None = None,  # int32, zeroed, >= num_seqs * num_kv_heads entries
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Attention of one new query token per sequence over its whole paged context.
-
-    With several splits and a `tickets` buffer the split kernel also merges (one launch, see
-    _merge_if_last) and leaves the buffer zeroed again; calls sharing a buffer must not overlap
-    in time (one stream, no programmatic dependent launch). Without it, or when it is too small,
-    a second kernel merges.
-    """
+    """Attention of one new query token per sequence over its whole paged context."""
     num_seqs, num_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
@@ -378,9 +293,6 @@ def paged_decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     one = num_splits == 1
     scaled = k_scale is not None and v_scale is not None
-    fused = not one and tickets is not None and tickets.numel() >= num_seqs * num_kv_heads
-    if fused:
-        assert tickets.dtype == torch.int32 and tickets.is_contiguous()
     if one:
         part, lse = out, out  # lse unused
         s_seq, s_head, s_split = out.stride(0), out.stride(1), 0
@@ -402,8 +314,6 @@ def paged_decode_attention(
         lse,
         k_scale if scaled else seq_lens,  # unused pointers when not SCALED
         v_scale if scaled else seq_lens,
-        out,  # the final output: written by the split kernel itself when fused
-        tickets if fused else seq_lens,  # unused pointer when not fused
         query.stride(0),
         query.stride(1),
         block_tables.stride(0),
@@ -411,8 +321,6 @@ def paged_decode_attention(
         s_seq,
         s_head,
         s_split,
-        out.stride(0),
-        out.stride(1),
         scale * LOG2E,
         sliding_window or 0,
         NUM_SPLITS=num_splits,
@@ -424,11 +332,10 @@ def paged_decode_attention(
         PAGE=page,
         ONE_SPLIT=one,
         SCALED=scaled,
-        FUSED_MERGE=fused,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if not one and not fused:
+    if not one:
         _decode_merge_kernel[(num_seqs, num_heads)](
             part,
             lse,
