@@ -154,7 +154,11 @@ def linear_pushed(
             load_push_variants(weight, x.dtype, [c.config for c in record.values()], push_to)
         _PUSH_READY[key] = record
     m = x.shape[0]
-    if not 1 <= m <= GEMV_MAX_M or not push_to.handles_rows(m, weight.shape[0], x.dtype):
+    # One row only: there each program pushes one contiguous run of outputs. With the
+    # tensor-core path's [16, BLOCK_N] tiles (M >= 2) the stores are scattered 4-byte pieces
+    # over several rows, and the Llama-3-8B TP=2 step measured slower at batch 8 with pushes
+    # (3.16 -> 3.28 ms, benchmarks/QUANT_TP.md).
+    if m != 1 or not push_to.handles_rows(m, weight.shape[0], x.dtype):
         return False
     choice = record[m_bucket(m)]
     if choice.triton_us > choice.cublas_us + PUSH_SAVING_US:
