@@ -468,7 +468,7 @@ def _ab_variants(runner, dist, decode: list[dict], block_size: int, blocks_per_s
     graph_replay_ms_<variant>: `unpushed` (row-parallel GEMVs write tensors and the fused
     all-reduce pushes them itself, the design before the GEMV epilogue push) and
     `two_kernel_attention` (split-KV decode merged by a second kernel, no tickets buffer)."""
-    from shard.bench import cuda_time_ms
+    from shard.bench import cuda_time_ms, decode_step
     from shard.cuda_graphs import CudaGraphDecodeRunner
 
     fused, attention = dist.fused_all_reduce_norm, runner.attention
@@ -492,6 +492,9 @@ def _ab_variants(runner, dist, decode: list[dict], block_size: int, blocks_per_s
                                            max(batches), blocks_per_seq, buckets=batches)
             graphs.capture()
             for entry in decode:
+                # Stage a real step first: capture leaves lengths of 0 (nothing attended).
+                step = decode_step(entry["batch"], entry["context"], block_size)
+                graphs.run(step.token_ids, step.positions, step.seq_lens, step.block_tables)
                 graph = graphs.graphs[graphs.bucket(entry["batch"])]
                 entry[f"graph_replay_ms_{name}"] = ms = cuda_time_ms(graph.replay, iters=30)
                 if dist.rank == 0:

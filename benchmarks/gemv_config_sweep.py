@@ -1,0 +1,93 @@
+"""Batch-1 decode GEMV: every Triton config of a wider grid vs the tuned one, per weight shape.
+
+    python3 benchmarks/gemv_config_sweep.py --out $OUT/gemv_sweep.json   (one GPU, ~2 min)
+
+Why: shard/triton_gemv.py autotunes among a handful of M == 1 configs, timing one call at a time
+with the L2 cleared (triton.testing.do_bench). A decode step runs the GEMVs back to back inside a
+CUDA graph, where a config's ramp-up and tail matter more; this script times a wider grid of
+(BLOCK_N, BLOCK_K, warps, stages) the way gemv_check.py times backends (a graph of many calls
+cycling through weight copies that overflow the L2) for the Llama-3-8B shapes at TP=2 and TP=1,
+and reports, per shape, the tuned config's time and the best few of the grid. Only a config
+that wins by more than the run-to-run spread is worth adding to the candidate lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fp8_gemv_check import time_calls_us  # this script's directory is on sys.path
+from gemv_check import ROTATION_BYTES, SHAPES
+
+from shard import triton_gemv
+from shard.decode_linear import tune
+
+SWEPT = ("qkv", "o", "gate_up_silu", "down")
+
+
+def grid() -> list:
+    """Candidate M == 1 (CUDA-core) configs: bytes in flight per program from 1 to 32 KB."""
+    out = []
+    for block_n, block_k, warps, stages in itertools.product(
+        (2, 4, 8, 16), (256, 512, 1024), (4, 8), (1, 3, 4)
+    ):
+        in_flight = block_n * block_k * 2 * max(stages - 1, 1)
+        if not 2048 <= in_flight <= 24576 or (stages == 1 and block_k < 512):
+            continue
+        out.append(triton_gemv._config(block_n, block_k, warps, stages, False))
+    return out
+
+
+def sweep_shape(name: str, n: int, k: int, silu: bool, device: torch.device) -> dict:
+    w = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16)  # [N, K]
+    copies = [w] + [w.clone() for _ in range(max(2, math.ceil(ROTATION_BYTES / (2 * n * k))) - 1)]
+    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)  # [1, K]
+    tuned = tune(w, torch.bfloat16, silu_mul=silu)[1]
+
+    def timed(config) -> float:
+        return time_calls_us([
+            lambda wi=wi: triton_gemv.gemv(x, wi, silu_mul=silu, config=config) for wi in copies
+        ])
+
+    rows = []
+    for config in grid():
+        try:
+            rows.append((timed(config), str(config)))
+        except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config
+            rows.append((float("inf"), f"{config}: {type(exc).__name__}"))
+    rows.sort()
+    return {"shape": name, "n": n, "k": k, "silu_mul": silu, "tuned_config": str(tuned.config),
+            "tuned_us": timed(tuned.config), "cublas_pick": tuned.backend.value,
+            "best": rows[:6], "candidates": len(rows)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="gemv_sweep.json")
+    parser.add_argument("--tp", nargs="*", type=int, default=[2], choices=[1, 2])
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    results = []
+    for tp in args.tp:
+        for name in SWEPT:
+            tp1, tp2, silu = SHAPES[name]
+            n, k = tp1 if tp == 1 else tp2
+            row = sweep_shape(name, n, k, silu, device)
+            row["tp"] = tp
+            results.append(row)
+            print(f"TP={tp} {name} {n}x{k}: tuned {row['tuned_us']:.2f} us "
+                  f"({row['tuned_config']}); best {row['best'][:3]}", flush=True)
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                          "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
