@@ -464,45 +464,33 @@ def _bench_8b(model_dir: Path, job: dict, dist, device: str) -> dict:
 
 
 def _ab_variants(runner, dist, decode: list[dict], block_size: int, blocks_per_seq: int) -> None:
-    """A/B in the same processes, graphs recaptured per variant, each entry of `decode` gains
-    graph_replay_ms_<variant>: `unpushed` (row-parallel GEMVs write tensors and the fused
-    all-reduce pushes them itself, the design before the GEMV epilogue push) and
-    `two_kernel_attention` (split-KV decode merged by a second kernel, no tickets buffer)."""
+    """A/B in the same processes: each entry of `decode` gains graph_replay_ms_unpushed, the
+    step with the row-parallel GEMVs writing tensors that the fused all-reduce pushes itself
+    (the design before the GEMV epilogue push), graphs recaptured."""
     from shard.bench import cuda_time_ms, decode_step
     from shard.cuda_graphs import CudaGraphDecodeRunner
 
-    fused, attention = dist.fused_all_reduce_norm, runner.attention
-    tickets = getattr(attention, "_decode_tickets", None)
-
-    def unpushed(on: bool) -> None:
-        fused.accept_pushes = not on
-
-    def two_kernel_attention(on: bool) -> None:
-        attention._decode_tickets = None if on else tickets
-
+    fused = dist.fused_all_reduce_norm
+    if fused is None:
+        return
     batches = sorted(d["batch"] for d in decode)
-    for name, toggle in (("unpushed", unpushed if fused is not None else None),
-                         ("two_kernel_attention", two_kernel_attention if tickets is not None
-                          else None)):
-        if toggle is None:
-            continue
-        toggle(True)
-        try:
-            graphs = CudaGraphDecodeRunner(runner.forward, runner.device, block_size,
-                                           max(batches), blocks_per_seq, buckets=batches)
-            graphs.capture()
-            for entry in decode:
-                # Stage a real step first: capture leaves lengths of 0 (nothing attended).
-                step = decode_step(entry["batch"], entry["context"], block_size)
-                graphs.run(step.token_ids, step.positions, step.seq_lens, step.block_tables)
-                graph = graphs.graphs[graphs.bucket(entry["batch"])]
-                entry[f"graph_replay_ms_{name}"] = ms = cuda_time_ms(graph.replay, iters=30)
-                if dist.rank == 0:
-                    print(f"TP={dist.world_size} decode b={entry['batch']} {name}: graph "
-                          f"{ms:.2f} ms", flush=True)
-            del graphs
-        finally:
-            toggle(False)
+    fused.accept_pushes = False
+    try:
+        graphs = CudaGraphDecodeRunner(runner.forward, runner.device, block_size, max(batches),
+                                       blocks_per_seq, buckets=batches)
+        graphs.capture()
+        for entry in decode:
+            # Stage a real step first: capture leaves lengths of 0 (nothing attended).
+            step = decode_step(entry["batch"], entry["context"], block_size)
+            graphs.run(step.token_ids, step.positions, step.seq_lens, step.block_tables)
+            graph = graphs.graphs[graphs.bucket(entry["batch"])]
+            entry["graph_replay_ms_unpushed"] = ms = cuda_time_ms(graph.replay, iters=30)
+            if dist.rank == 0:
+                print(f"TP={dist.world_size} decode b={entry['batch']} unpushed: graph "
+                      f"{ms:.2f} ms", flush=True)
+        del graphs
+    finally:
+        fused.accept_pushes = True
 
 
 def run_ranks(world: int, job: dict, timeout_s: float = 900.0) -> dict:

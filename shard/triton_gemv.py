@@ -280,6 +280,7 @@ _FP8_FMA_CONFIGS = (
     _config(8, 512, 4, 4, False),
     _config(16, 512, 4, 3, False),
     _config(8, 1024, 4, 3, False),
+    _config(2, 2048, 4, 1, False),  # the bytes of the 16-bit grid's winner (2 x 1024), see below
     _config(4, 2048, 4, 1, False),
     _config(8, 2048, 4, 1, False),
 )
@@ -297,13 +298,22 @@ _FP8_DOT_CONFIGS = (
 # 1.5-2 KB in flight is 768-1024 elements. Registers per thread for the raw tile stay 64-128
 # bytes (STAGES=1: 8 x 1024 x 2 B / 128 threads). The fp32 conversion is cheaper per byte than
 # fp8's (half the elements), so these are further from the CUDA-core instruction limit.
+#
+# Two rows of 1024 (STAGES=1, 4 warps) were the fastest of a 50-config grid for every TP=2
+# Llama-3-8B shape and three of the four TP=1 ones, timed back to back in a CUDA graph as a
+# decode step runs them (benchmarks/gemv_config_sweep.py, raw/gemv_sweep_h200x2.json: e.g. TP=2
+# gate/up + SiLU 30.7 -> 28.6 us, down 16.5 -> 15.1, qkv 9.2 -> 8.2): twice the programs of
+# BLOCK_N 4 for the same bytes each, so the tail of the last wave is shorter. 8 rows with 8
+# warps came second.
 _W16_FMA_CONFIGS = (
     _config(4, 256, 4, 4, False),
     _config(8, 256, 4, 4, False),
     _config(16, 256, 4, 3, False),
     _config(8, 512, 4, 3, False),
+    _config(2, 1024, 4, 1, False),
     _config(4, 1024, 4, 1, False),
     _config(8, 1024, 4, 1, False),
+    _config(8, 1024, 8, 1, False),
 )
 # 16-bit weights, 2 <= M <= 16: half fp8's BLOCK_K keeps the weight bytes per stage (BLOCK_N x
 # BLOCK_K x 2 B: 8-16 KB); x's [16, BLOCK_K] tile shrinks with it. Each program re-reads x from
