@@ -1,6 +1,7 @@
 """Batch-1 decode GEMV: every Triton config of a wider grid vs the tuned one, per weight shape.
 
-    python3 benchmarks/gemv_config_sweep.py --out $OUT/gemv_sweep.json   (one GPU, ~2 min)
+    python3 benchmarks/gemv_config_sweep.py [--tp 2 1] [--fp8] --out $OUT/gemv_sweep.json
+                                                                  (one GPU, ~1 min per dtype)
 
 Why: shard/triton_gemv.py autotunes among a handful of M == 1 configs, timing one call at a time
 with the L2 cleared (triton.testing.do_bench). A decode step runs the GEMVs back to back inside a
@@ -29,43 +30,56 @@ from gemv_check import ROTATION_BYTES, SHAPES
 
 from shard import triton_gemv
 from shard.decode_linear import tune
+from shard.quantization.fp8 import quantize_fp8_per_channel
 
 SWEPT = ("qkv", "o", "gate_up_silu", "down")
 
 
-def grid() -> list:
-    """Candidate M == 1 (CUDA-core) configs: bytes in flight per program from 1 to 32 KB."""
+def grid(weight_bytes: int) -> list:
+    """Candidate M == 1 (CUDA-core) configs: 2 to 24 KB of weight in flight per program (fp8
+    rows: twice the elements of bf16 ones for the same bytes)."""
     out = []
+    ks = (256, 512, 1024) if weight_bytes == 2 else (512, 1024, 2048)
     for block_n, block_k, warps, stages in itertools.product(
-        (2, 4, 8, 16), (256, 512, 1024), (4, 8), (1, 3, 4)
+        (2, 4, 8, 16), ks, (4, 8), (1, 3, 4)
     ):
-        in_flight = block_n * block_k * 2 * max(stages - 1, 1)
+        in_flight = block_n * block_k * weight_bytes * max(stages - 1, 1)
         if not 2048 <= in_flight <= 24576 or (stages == 1 and block_k < 512):
             continue
         out.append(triton_gemv._config(block_n, block_k, warps, stages, False))
     return out
 
 
-def sweep_shape(name: str, n: int, k: int, silu: bool, device: torch.device) -> dict:
+def sweep_shape(name: str, n: int, k: int, silu: bool, fp8: bool, device: torch.device) -> dict:
     w = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16)  # [N, K]
-    copies = [w] + [w.clone() for _ in range(max(2, math.ceil(ROTATION_BYTES / (2 * n * k))) - 1)]
+    scale = None
+    if fp8:
+        w, scale = quantize_fp8_per_channel(w)  # [N, K] fp8, [N] fp32
+    size = w.element_size() * n * k
+    copies = [w] + [w.clone() for _ in range(max(2, math.ceil(ROTATION_BYTES / size)) - 1)]
     x = torch.randn(1, k, device=device, dtype=torch.bfloat16)  # [1, K]
-    tuned = tune(w, torch.bfloat16, silu_mul=silu)[1]
+    if fp8:
+        tuned_config = triton_gemv.tune_gemv(w, scale, None, torch.bfloat16, silu_mul=silu)[1]
+        pick = "triton"
+    else:
+        tuned = tune(w, torch.bfloat16, silu_mul=silu)[1]
+        tuned_config, pick = tuned.config, tuned.backend.value
 
     def timed(config) -> float:
         return time_calls_us([
-            lambda wi=wi: triton_gemv.gemv(x, wi, silu_mul=silu, config=config) for wi in copies
+            lambda wi=wi: triton_gemv.gemv(x, wi, scale, silu_mul=silu, config=config)
+            for wi in copies
         ])
 
     rows = []
-    for config in grid():
+    for config in grid(w.element_size()):
         try:
             rows.append((timed(config), str(config)))
         except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config
             rows.append((float("inf"), f"{config}: {type(exc).__name__}"))
     rows.sort()
-    return {"shape": name, "n": n, "k": k, "silu_mul": silu, "tuned_config": str(tuned.config),
-            "tuned_us": timed(tuned.config), "cublas_pick": tuned.backend.value,
+    return {"shape": name, "n": n, "k": k, "silu_mul": silu, "fp8": fp8,
+            "tuned_config": str(tuned_config), "tuned_us": timed(tuned_config), "pick": pick,
             "best": rows[:6], "candidates": len(rows)}
 
 
@@ -73,6 +87,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gemv_sweep.json")
     parser.add_argument("--tp", nargs="*", type=int, default=[2], choices=[1, 2])
+    parser.add_argument("--fp8", action="store_true", help="fp8 weights (per-channel scales)")
     args = parser.parse_args()
     device = torch.device("cuda")
     results = []
@@ -80,10 +95,11 @@ def main() -> None:
         for name in SWEPT:
             tp1, tp2, silu = SHAPES[name]
             n, k = tp1 if tp == 1 else tp2
-            row = sweep_shape(name, n, k, silu, device)
+            row = sweep_shape(name, n, k, silu, args.fp8, device)
             row["tp"] = tp
             results.append(row)
-            print(f"TP={tp} {name} {n}x{k}: tuned {row['tuned_us']:.2f} us "
+            print(f"TP={tp} {'fp8 ' if args.fp8 else ''}{name} {n}x{k}: tuned "
+                  f"{row['tuned_us']:.2f} us "
                   f"({row['tuned_config']}); best {row['best'][:3]}", flush=True)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                           "results": results}, indent=1))
