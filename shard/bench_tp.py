@@ -190,6 +190,21 @@ def _chained_sums_exact(dist, batch: int, hidden: int, calls: int = 64) -> bool:
     return ok
 
 
+def _capture_chains(chain, steps: dict, h, x) -> dict:
+    """{name: (CUDA graph of chain(step, h, x), its output tensors)} for each step (already
+    compiled: run eagerly before)."""
+    import torch
+
+    torch.cuda.synchronize()
+    graphs = {}
+    for name, step in steps.items():
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            got = chain(step, h, x)
+        graphs[name] = (g, got)
+    return graphs
+
+
 def _fused_norm_cost(dist, hidden: int, batches: list[int]) -> list[dict]:
     """The fused all-reduce + add + RMSNorm (layers.reduce_add_rms_norm, what the model calls)
     against NCCL's all-reduce + the add/norm kernel: per-call time inside a CUDA graph of 64
@@ -235,13 +250,7 @@ def _fused_norm_cost(dist, hidden: int, batches: list[int]) -> list[dict]:
         h_in, x_in = h0.clone(), x0.clone()
         for step in (fused, unfused):
             chain(step, h_in, x_in)  # compile/warm before capture
-        torch.cuda.synchronize()
-        graphs = {}
-        for name, step in (("fused", fused), ("unfused", unfused)):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                got = chain(step, h_in, x_in)
-            graphs[name] = (g, got)
+        graphs = _capture_chains(chain, {"fused": fused, "unfused": unfused}, h_in, x_in)
         exact = True
         for trial in range(3):
             h_in.copy_(torch.randn(b, hidden, device="cuda", generator=gen).to(torch.bfloat16))
@@ -320,13 +329,8 @@ def _pushed_linear_cost(dist, hidden: int, batches: list[int], steps: int = 32) 
         row["eager_chain_exact"] = all(
             torch.equal(g, w) for g, w in zip(chain(pushed, h0, x0), want))
         chain(unpushed, h0, x0)  # every kernel variant compiled before capture
-        torch.cuda.synchronize()
-        graphs = {}
-        for name, step in (("pushed", pushed), ("unpushed", unpushed), ("nccl", reference)):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                got = chain(step, h0, x0)
-            graphs[name] = (g, got)
+        graphs = _capture_chains(
+            chain, {"pushed": pushed, "unpushed": unpushed, "nccl": reference}, h0, x0)
         exact = True
         for _ in range(3):
             h0.copy_(torch.randn(b, hidden, device="cuda").to(torch.bfloat16))

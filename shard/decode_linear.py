@@ -144,10 +144,9 @@ def linear_pushed(
     if record is None:
         # Prepared at the first eager call of any batch size (the warm-up's large batch too),
         # so that the small-batch graphs captured next can push.
-        if torch.cuda.is_current_stream_capturing():
-            _warn_untuned_capture(key)
+        record = _tuned_record(weight, x.dtype, None, False)
+        if record is None or torch.cuda.is_current_stream_capturing():
             return False
-        record = tune(weight, x.dtype)
         from shard.triton_gemv import load_push_variants
 
         with torch.cuda.device(weight.device):
@@ -333,18 +332,27 @@ def _dispatch(
     """The tuned choice whose Triton config to launch, or None for the torch/cuBLAS path."""
     if _FORCED is Backend.CUBLAS or not _eligible(x, weight, bias):
         return None
-    key = shape_key(weight, x.dtype, bias, silu_mul)
-    record = _TUNED.get(key)
-    if record is None:
-        if torch.cuda.is_current_stream_capturing():
-            _warn_untuned_capture(key)
-        else:
-            record = tune(weight, x.dtype, bias, silu_mul=silu_mul)
+    record = _tuned_record(weight, x.dtype, bias, silu_mul)
     m = x.shape[0]
     if select_backend(m, record, _FORCED) is Backend.CUBLAS:
         return None
     assert record is not None
     return record[m_bucket(m)]
+
+
+def _tuned_record(
+    weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None, silu_mul: bool
+) -> Mapping[int, BucketChoice] | None:
+    """The shape's tuning record, tuning it now if needed; None if it is untuned and a CUDA
+    graph is being captured (tuning syncs and loads kernels)."""
+    key = shape_key(weight, dtype, bias, silu_mul)
+    record = _TUNED.get(key)
+    if record is None:
+        if torch.cuda.is_current_stream_capturing():
+            _warn_untuned_capture(key)
+        else:
+            record = tune(weight, dtype, bias, silu_mul=silu_mul)
+    return record
 
 
 def _warn_untuned_capture(key: ShapeKey) -> None:
