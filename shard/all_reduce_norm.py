@@ -43,7 +43,9 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from shard import pdl
 from shard.all_reduce import every_rank_passed
+from shard.pdl import let_dependents_launch, wait_for_predecessor
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +114,13 @@ def _all_reduce_add_rms_norm_kernel(
     MAX_HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     PUSHED: tl.constexpr,  # the partial rows are already in the buffers (partial_ptr unused)
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent (shard/pdl.py)
 ):
+    # The next GEMV may be launched now and stream its first weight tile while this kernel
+    # waits on NVLink; nothing (the state, the buffers) is touched before the previous kernel
+    # is done, so the exchange protocol below is the same as without PDL.
+    let_dependents_launch(PDL)
+    wait_for_predecessor(PDL)
     # One program per row: rows are independent until the end, where the last program to
     # finish advances the call counter.
     row = tl.program_id(0)
@@ -290,6 +298,7 @@ class AllReduceAddRmsNorm:
             RANK=self.rank, WORLD=self.world_size, MAX_ROWS=self.max_rows,
             MAX_HIDDEN=self.max_hidden, BLOCK=block, PUSHED=pushed,
             num_warps=self.num_warps or (8 if block >= 4096 else 4),
+            **pdl.launch_options(x.device),
         )
         return out, res
 

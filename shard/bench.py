@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 LLAMA3_8B = {
@@ -248,6 +249,34 @@ def decode_step(batch: int, context: int, block_size: int, vocab: int = BOS_ID):
     )
 
 
+def replay_ms_under(
+    runner, setting: AbstractContextManager, batches: list[int], context: int, block_size: int,
+    blocks_per_seq: int,
+) -> dict[int, float]:
+    """{batch: decode graph replay ms} with the graphs captured under `setting` (a context
+    manager that switches a code path, e.g. pdl.override(False)): an A/B against the step timed
+    before, in the same process. One eager step per batch comes first, because kernels compile a
+    variant per setting and capture cannot compile. Under tensor parallelism every rank calls it
+    alike (the steps are collective)."""
+    from shard.cuda_graphs import CudaGraphDecodeRunner
+
+    out: dict[int, float] = {}
+    with setting:
+        for b in batches:
+            dev = runner.prepare(decode_step(b, context, block_size))
+            runner.forward(dev.input_ids, dev.positions, dev.meta, dev.logits_indices)
+        graphs = CudaGraphDecodeRunner(runner.forward, runner.device, block_size, max(batches),
+                                       blocks_per_seq, buckets=sorted(batches))
+        graphs.capture()
+        for b in batches:
+            # Stage a real step first: capture leaves lengths of 0 (nothing attended).
+            step = decode_step(b, context, block_size)
+            graphs.run(step.token_ids, step.positions, step.seq_lens, step.block_tables)
+            out[b] = cuda_time_ms(graphs.graphs[graphs.bucket(b)].replay, iters=30)
+        del graphs
+    return out
+
+
 def prefill_step(num_seqs: int, length: int, block_size: int, vocab: int = BOS_ID):
     from shard.model_runner import StepInputs
 
@@ -359,6 +388,17 @@ def bench_model(model_dir: Path, args, ceilings: dict, parts: set[str]) -> dict:
         del graphs
         gc.collect()
         torch.cuda.empty_cache()
+        # A/B in this process: the same step with programmatic dependent launch off.
+        from shard import pdl
+
+        if pdl.enabled(runner.device):
+            off = replay_ms_under(runner, pdl.override(False), batches, ctx, bs, per)
+            for entry in out["decode"]:
+                entry["graph_replay_ms_no_pdl"] = off[entry["batch"]]
+                print(f"decode b={entry['batch']} without PDL: graph "
+                      f"{off[entry['batch']]:.2f} ms", flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
     if "prefill" in parts:
         for n, length in ((1, 4096), (16, 512)):
             step = prefill_step(n, length, bs)
@@ -606,13 +646,14 @@ def write_report(res: dict, path: Path) -> None:
         L.append(f"\n## Decode step (context {m['decode'][0]['context']}, attention "
                  f"{m['attention_backend']}, block {m['block_size']})\n"
                  "| batch | eager ms | CUDA graph ms | graph step wall ms | memory roofline ms | "
-                 "% of roofline (graph) | tok/s | matmul compute floor ms |\n"
-                 "|---|---|---|---|---|---|---|---|\n")
+                 "% of roofline (graph) | tok/s | matmul compute floor ms | graph ms without "
+                 "PDL |\n|---|---|---|---|---|---|---|---|---|\n")
         for d in m["decode"]:
             L.append(f"| {d['batch']} | {d['eager_ms']:.2f} | {d['graph_replay_ms']:.2f} | "
                      f"{d['graph_step_wall_ms']:.2f} | {d['roofline_ms']:.2f} | "
                      f"{d['pct_of_roofline']:.0f}% | {d['tokens_per_s']:.0f} | "
-                     f"{d.get('matmul_compute_floor_ms', float('nan')):.2f} |\n")
+                     f"{d.get('matmul_compute_floor_ms', float('nan')):.2f} | "
+                     f"{d.get('graph_replay_ms_no_pdl', float('nan')):.2f} |\n")
     if m.get("prefill"):
         L.append("\n## Prefill\n| shape | ms | tokens/s | compute roofline ms | % of roofline |\n"
                  "|---|---|---|---|---|\n")
@@ -648,13 +689,15 @@ def write_report(res: dict, path: Path) -> None:
                          f"{f32['tp']['rel_err']:.2e}, one GPU bf16 "
                          f"{f32['single_gpu_bf16']['rel_err']:.2e}\n")
         if tp.get("decode"):
-            L.append("\n| batch | one GPU graph ms | TP graph ms | TP wall ms | speedup |\n"
-                     "|---|---|---|---|---|\n")
+            L.append("\n| batch | one GPU graph ms | TP graph ms | TP wall ms | speedup | TP "
+                     "without GEMV push ms | TP without PDL ms |\n|---|---|---|---|---|---|---|\n")
             for d in tp["decode"]:
                 one, sp = d.get("single_gpu_ms"), d.get("speedup")
                 L.append(f"| {d['batch']} | {one if one is None else f'{one:.2f}'} | "
                          f"{d['graph_replay_ms']:.2f} | {d['graph_step_wall_ms']:.2f} | "
-                         f"{sp if sp is None else f'{sp:.2f}x'} |\n")
+                         f"{sp if sp is None else f'{sp:.2f}x'} | "
+                         f"{d.get('graph_replay_ms_unpushed', float('nan')):.2f} | "
+                         f"{d.get('graph_replay_ms_no_pdl', float('nan')):.2f} |\n")
         if tp.get("allreduce"):
             L.append("\n| all-reduce [batch, 4096] bf16 | layers' path | eager us | in graph us "
                      "| x64 per step ms | NCCL in graph us | 64 chained sums exact |\n"

@@ -19,6 +19,8 @@ import json
 import math
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 PROMPT_LENS = (17, 5, 45)
@@ -468,31 +470,36 @@ def _bench_8b(model_dir: Path, job: dict, dist, device: str) -> dict:
 
 
 def _ab_variants(runner, dist, decode: list[dict], block_size: int, blocks_per_seq: int) -> None:
-    """A/B in the same processes: each entry of `decode` gains graph_replay_ms_unpushed, the
-    step with the row-parallel GEMVs writing tensors that the fused all-reduce pushes itself
-    (the design before the GEMV epilogue push), graphs recaptured."""
-    from shard.bench import cuda_time_ms, decode_step
-    from shard.cuda_graphs import CudaGraphDecodeRunner
+    """A/B in the same processes, graphs recaptured per variant: each entry of `decode` gains
+    graph_replay_ms_unpushed (the row-parallel GEMVs write tensors that the fused all-reduce
+    pushes itself: the design before the GEMV epilogue push) and graph_replay_ms_no_pdl
+    (programmatic dependent launch off)."""
+    from shard import pdl
+    from shard.bench import replay_ms_under
 
+    variants: dict[str, AbstractContextManager] = {}
     fused = dist.fused_all_reduce_norm
-    if fused is None:
-        return
+    if fused is not None:
+        variants["unpushed"] = _pushes_refused(fused)
+    if pdl.enabled(runner.device):
+        variants["no_pdl"] = pdl.override(False)
     batches = sorted(d["batch"] for d in decode)
+    for name, setting in variants.items():
+        times = replay_ms_under(runner, setting, batches, decode[0]["context"], block_size,
+                                blocks_per_seq)
+        for entry in decode:
+            entry[f"graph_replay_ms_{name}"] = ms = times[entry["batch"]]
+            if dist.rank == 0:
+                print(f"TP={dist.world_size} decode b={entry['batch']} {name}: graph "
+                      f"{ms:.2f} ms", flush=True)
+
+
+@contextmanager
+def _pushes_refused(fused) -> Iterator[None]:
+    """The fused all-reduce + norm pushing its own input (GEMV epilogue pushes refused)."""
     fused.accept_pushes = False
     try:
-        graphs = CudaGraphDecodeRunner(runner.forward, runner.device, block_size, max(batches),
-                                       blocks_per_seq, buckets=batches)
-        graphs.capture()
-        for entry in decode:
-            # Stage a real step first: capture leaves lengths of 0 (nothing attended).
-            step = decode_step(entry["batch"], entry["context"], block_size)
-            graphs.run(step.token_ids, step.positions, step.seq_lens, step.block_tables)
-            graph = graphs.graphs[graphs.bucket(entry["batch"])]
-            entry["graph_replay_ms_unpushed"] = ms = cuda_time_ms(graph.replay, iters=30)
-            if dist.rank == 0:
-                print(f"TP={dist.world_size} decode b={entry['batch']} unpushed: graph "
-                      f"{ms:.2f} ms", flush=True)
-        del graphs
+        yield
     finally:
         fused.accept_pushes = True
 

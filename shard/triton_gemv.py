@@ -59,8 +59,10 @@ import triton
 import triton.language as tl
 from triton.runtime.autotuner import Autotuner
 
+from shard import pdl
 from shard.all_reduce_norm import push_to_exchange
 from shard.gemv_buckets import GEMV_MAX_M, M_BUCKETS, m_bucket
+from shard.pdl import let_dependents_launch, wait_for_predecessor
 
 if TYPE_CHECKING:
     from shard.all_reduce_norm import AllReduceAddRmsNorm
@@ -123,6 +125,18 @@ def _epilogue(
                  mask=mask)
 
 
+@triton.jit
+def _weight_tile(w_rows, k, row_mask, K):
+    """[BLOCK_N, BLOCK_K] weight tile at columns k of the program's rows (w_rows: [BLOCK_N]
+    row-start pointers); read once, so marked evict-first to keep the caches for x."""
+    return tl.load(
+        w_rows[:, None] + k[None, :],
+        mask=row_mask[:, None] & (k < K)[None, :],
+        other=0.0,
+        eviction_policy="evict_first",
+    )
+
+
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _gemv_kernel(
     x_ptr,  # [M, K] bf16/fp16, rows stride_xm apart, unit column stride
@@ -151,7 +165,9 @@ def _gemv_kernel(
     WORLD: tl.constexpr = 1,
     MAX_ROWS: tl.constexpr = 1,
     MAX_HIDDEN: tl.constexpr = 1,
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent (shard/pdl.py)
 ):
+    let_dependents_launch(PDL)
     pid = tl.program_id(0)
     r = tl.arange(0, BLOCK_N)
     if SILU_MUL:
@@ -165,6 +181,7 @@ def _gemv_kernel(
     w_rows = w_ptr + rows.to(tl.int64) * stride_wn  # [BLOCK_N] pointers to row starts
     offs_k = tl.arange(0, BLOCK_K)
     if USE_DOT:
+        wait_for_predecessor(PDL)  # (the pipelined loop below issues the first weight loads)
         offs_m = tl.arange(0, 16)  # the MMA's row tile; rows >= M are masked (never read)
         m_mask = offs_m < M
         acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
@@ -217,18 +234,22 @@ def _gemv_kernel(
         # and a [BLOCK_N] accumulator, not a fp32 copy of the tile: the tile, i.e. the bytes each
         # program has in flight, can be large.
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        k_first = 0
+        if PDL:
+            # The first weight tile does not depend on the previous kernel: load it before the
+            # wait, so its DRAM latency overlaps that kernel's tail (shard/pdl.py). x, the
+            # previous kernel's output, only after.
+            w = _weight_tile(w_rows, offs_k, row_mask, K)  # [BLOCK_N, BLOCK_K]
+            wait_for_predecessor(PDL)
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            k_first = BLOCK_K
+        for k0 in tl.range(k_first, K, BLOCK_K, num_stages=STAGES):
             k = k0 + offs_k
-            k_mask = k < K
             # The weight load first: its HBM latency then overlaps x's (L2) load and the
             # layout shuffle x takes to match w's layout.
-            w = tl.load(
-                w_rows[:, None] + k[None, :],
-                mask=row_mask[:, None] & k_mask[None, :],
-                other=0.0,
-                eviction_policy="evict_first",  # read once: keep the caches for x
-            )  # [BLOCK_N, BLOCK_K]
-            x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
+            w = _weight_tile(w_rows, k, row_mask, K)  # [BLOCK_N, BLOCK_K]
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         _epilogue(
             acc[None, :],
@@ -470,7 +491,8 @@ def gemv(
         weight.stride(0),
         n,  # stride_ym
     )
-    flags = {"HAS_SCALE": scale is not None, "HAS_BIAS": bias is not None, "SILU_MUL": silu_mul}
+    flags = {"HAS_SCALE": scale is not None, "HAS_BIAS": bias is not None, "SILU_MUL": silu_mul,
+             **pdl.launch_options(x.device)}
     if config is None:
         _tuner(weight.dtype)[lambda meta: (triton.cdiv(n * outs_per_row, meta["BLOCK_N"]),)](
             *args, **flags
@@ -503,7 +525,8 @@ def load_push_variants(
         _gemv_kernel[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
             x, weight, weight, weight, y, ptrs, state, 0, n, weight.shape[1], 1,
             weight.shape[1], weight.stride(0), n, HAS_SCALE=False, HAS_BIAS=False,
-            SILU_MUL=False, PUSH=True, **consts, **config.all_kwargs(),
+            SILU_MUL=False, PUSH=True, **consts, **pdl.launch_options(weight.device),
+            **config.all_kwargs(),
         )
 
 

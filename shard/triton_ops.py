@@ -13,10 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
+from shard import pdl
+from shard.pdl import let_dependents_launch, wait_for_predecessor
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    let_dependents_launch(PDL)  # latency-bound: the next GEMV may start streaming now
+    wait_for_predecessor(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -36,13 +41,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return out
     block = triton.next_power_of_2(h)
     _rms_norm_kernel[(n,)](x, weight, out, x.stride(0), out.stride(0), h, eps, BLOCK=block,
-                           num_warps=8 if block >= 4096 else 4)
+                           num_warps=8 if block >= 4096 else 4, **pdl.launch_options(x.device))
     return out
 
 
 @triton.jit
 def _add_rms_norm_kernel(d_ptr, x_ptr, w_ptr, out_ptr, res_ptr, stride_d, stride_x, n_cols, eps,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    let_dependents_launch(PDL)  # latency-bound: the next GEMV may start streaming now
+    wait_for_predecessor(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -71,7 +78,8 @@ def add_rms_norm(
     assert x.stride(1) == 1 and delta.stride(1) == 1
     block = triton.next_power_of_2(h)
     _add_rms_norm_kernel[(n,)](delta, x, weight, out, res, delta.stride(0), x.stride(0), h, eps,
-                               BLOCK=block, num_warps=8 if block >= 4096 else 4)
+                               BLOCK=block, num_warps=8 if block >= 4096 else 4,
+                               **pdl.launch_options(x.device))
     return out, res
 
 
@@ -150,8 +158,10 @@ def _rotary_store_kv_kernel(
     v_scale_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
     NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr, HEADS_PAD: tl.constexpr,
-    HALF_PAD: tl.constexpr, FP8_MAX: tl.constexpr,
+    HALF_PAD: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    let_dependents_launch(PDL)
+    wait_for_predecessor(PDL)
     tok = tl.program_id(0).to(tl.int64)
     dtype = q_out_ptr.dtype.element_ty
     c, s = _rope_tables(cos_ptr, sin_ptr, pos_ptr, tok, stride_cos, dtype, HALF, HALF_PAD)
@@ -240,6 +250,7 @@ def rotary_store_kv(
         cos.stride(0),
         NUM_Q=hq, NUM_K=hk, HALF=half, HEADS_PAD=triton.next_power_of_2(max(hq, hk)),
         HALF_PAD=triton.next_power_of_2(half), FP8_MAX=fp8_max, num_warps=4,
+        **pdl.launch_options(q.device),
     )
     return q_out
 

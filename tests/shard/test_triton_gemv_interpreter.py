@@ -125,6 +125,46 @@ _SILU_CHECK = textwrap.dedent(
     """
 )
 
+# Programmatic dependent launch (shard/pdl.py): the kernel loads its first weight tile before
+# the wait (M == 1) or waits first (tensor cores). The interpreter has no grid dependencies, so
+# the two PTX instructions become counted no-ops; what is checked is that the peeled first
+# iteration computes exactly what the plain loop does (same products, same order: bit-equal),
+# for K below, at and above BLOCK_K, and that the PDL path really ran.
+_PDL_CHECK = textwrap.dedent(
+    """
+    import triton.language.extra.cuda as cuda_extra
+
+    calls = {"wait": 0, "launch": 0}
+
+    def _count(name):
+        def no_op(*args, **kwargs):
+            calls[name] += 1
+        return no_op
+
+    cuda_extra.gdc_wait = _count("wait")
+    cuda_extra.gdc_launch_dependents = _count("launch")
+    from shard import pdl, triton_gemv
+
+    torch.manual_seed(2)
+    for n, k in ((24, 100), (40, 1024), (33, 2500)):
+        for dtype in (torch.bfloat16,):
+            w = (torch.randn(n, k) * 0.1).to(dtype)
+            for m in (1, 3):
+                x = torch.randn(m, k).to(dtype)
+                for cfg in configs_for(m, dtype):
+                    plain = gemv(x, w, config=cfg)
+                    pdl.launch_options = lambda device: {"PDL": True}
+                    try:
+                        before = dict(calls)
+                        dependent = gemv(x, w, config=cfg)
+                    finally:
+                        pdl.launch_options = lambda device: {"PDL": False}
+                    assert calls["wait"] > before["wait"], str(cfg)
+                    assert calls["launch"] > before["launch"], str(cfg)
+                    assert torch.equal(plain, dependent), (n, k, m, str(cfg))
+    """
+)
+
 
 def _run_interpreted(check: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -155,3 +195,7 @@ def test_16bit_gemv_every_config_in_interpreter():
 
 def test_fused_silu_mul_epilogue_in_interpreter():
     _run_interpreted(_SILU_CHECK)
+
+
+def test_pdl_first_tile_peel_in_interpreter():
+    _run_interpreted(_PDL_CHECK)
