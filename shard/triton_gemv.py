@@ -491,8 +491,11 @@ def gemv(
         weight.stride(0),
         n,  # stride_ym
     )
+    # Programmatic dependent launch at batch 1 only: there the first weight tile streams before
+    # the wait. The tensor-core path (2 <= M <= 16) waits first, and with PDL the fp8 one
+    # measured slower at batch 8 (Llama-3-8B step 4.34 -> 4.58 ms, benchmarks/QUANT_TP.md).
     flags = {"HAS_SCALE": scale is not None, "HAS_BIAS": bias is not None, "SILU_MUL": silu_mul,
-             **pdl.launch_options(x.device)}
+             **(pdl.launch_options(x.device) if m == 1 else {"PDL": False})}
     if config is None:
         _tuner(weight.dtype)[lambda meta: (triton.cdiv(n * outs_per_row, meta["BLOCK_N"]),)](
             *args, **flags
@@ -526,7 +529,7 @@ def load_push_variants(
             x, weight, weight, weight, y, ptrs, state, 0, n, weight.shape[1], 1,
             weight.shape[1], weight.stride(0), n, HAS_SCALE=False, HAS_BIAS=False,
             SILU_MUL=False, PUSH=True, **consts, **pdl.launch_options(weight.device),
-            **config.all_kwargs(),
+            **config.all_kwargs(),  # (pushes are batch-1 only: the PDL variant)
         )
 
 
@@ -538,9 +541,13 @@ def tune_gemv(
     silu_mul: bool = False,
 ) -> dict[int, triton.Config]:
     """Autotunes (and compiles and loads) the kernel for every M bucket of this weight shape,
-    bias-ness, epilogue and activation dtype; returns each bucket's config. Eager only: it
-    benchmarks with host syncs. Keys already tuned (other layers of the same shape) cost one
-    launch each, which also loads the kernel on this weight's device."""
+    bias-ness, epilogue and activation dtype; returns each bucket's config. Batch 1's config is
+    then re-chosen by timing the candidates back to back in a CUDA graph, as a decode step runs
+    them (shard/gemv_graph_tuning.py). Eager only: it benchmarks with host syncs. Keys already
+    tuned (other layers of the same shape) cost one launch each, which also loads the kernel on
+    this weight's device."""
+    from shard.gemv_graph_tuning import fastest_in_graph
+
     k = weight.shape[1]
     x = torch.zeros((GEMV_MAX_M, k), dtype=dtype, device=weight.device)  # [16, K]
     tuner = _tuner(weight.dtype)
@@ -548,4 +555,18 @@ def tune_gemv(
     for bucket in M_BUCKETS:
         gemv(x[:bucket], weight, scale, bias, silu_mul=silu_mul)
         chosen[bucket] = tuner.best_config  # set by the launch just made
+    if not weight.is_cuda:  # the interpreter on CPU: no graphs to time in
+        return chosen
+    key = (tuple(weight.shape), weight.dtype, dtype, bias is not None, silu_mul,
+           weight.device.index, pdl.enabled(weight.device))
+    if key not in _GRAPH_PICKS:
+        _GRAPH_PICKS[key] = fastest_in_graph(weight, scale, bias, dtype, silu_mul,
+                                             configs_for(1, weight.dtype))[0]
+    chosen[1] = _GRAPH_PICKS[key]
     return chosen
+
+
+# Batch-1 configs chosen in-graph by tune_gemv, per (weight shape, weight dtype, activation
+# dtype, bias, epilogue, device, PDL): module-level like the autotuner's own cache, so that the
+# 32 layers of a shape are timed once.
+_GRAPH_PICKS: dict[tuple, triton.Config] = {}

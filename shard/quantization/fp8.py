@@ -37,6 +37,8 @@ makes fused q/k/v or gate/up projections with different per-tensor scales simply
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -167,8 +169,8 @@ class Fp8Linear(nn.Module):
         # sm_89+ instructions, hence the same device test as _scaled_mm.
         self.use_gemv = False
         self.gemv_max_m = 0
-        # (activation dtype, SiLU epilogue) pairs tuned (and loaded) so far
-        self._gemv_tuned: set[tuple[torch.dtype, bool]] = set()
+        # (activation dtype, SiLU epilogue) -> {M bucket: the GEMV config tuned for it}
+        self._gemv_configs: dict[tuple[torch.dtype, bool], dict[int, Any]] = {}
         if use_gemv is None:
             use_gemv = scaled_mm_supported(device)
         if use_gemv and device.type == "cuda":
@@ -235,18 +237,24 @@ class Fp8Linear(nn.Module):
         the small ones, where neither autotuning nor a kernel's first load may happen. False
         while a capture finds it untuned."""
         key = (dtype, silu_mul)
-        if key in self._gemv_tuned:
+        if key in self._gemv_configs:
             return True
         if torch.cuda.is_current_stream_capturing():
             return False
         if silu_mul:
             from shard.triton_gemv import tune_gemv
 
-            tune_gemv(self.weight, self.weight_scale, self.bias, dtype, silu_mul=True)
+            configs = tune_gemv(self.weight, self.weight_scale, self.bias, dtype, silu_mul=True)
         else:
-            self._tune_gemv(self.weight, self.weight_scale, self.bias, dtype)
-        self._gemv_tuned.add(key)
+            configs = self._tune_gemv(self.weight, self.weight_scale, self.bias, dtype)
+        self._gemv_configs[key] = configs
         return True
+
+    def _gemv_config(self, x: torch.Tensor, silu_mul: bool) -> Any:
+        """The tuned GEMV config for x's batch bucket (after _gemv_ready)."""
+        from shard.gemv_buckets import m_bucket
+
+        return self._gemv_configs[(x.dtype, silu_mul)][m_bucket(x.shape[0])]
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """For a merged gate/up weight (rows 0..I-1 gate, I..2I-1 up): silu(gate) * up,
@@ -262,7 +270,8 @@ class Fp8Linear(nn.Module):
         ):
             from shard.triton_gemv import gemv
 
-            return gemv(x, self.weight, self.weight_scale, self.bias, silu_mul=True)
+            return gemv(x, self.weight, self.weight_scale, self.bias, silu_mul=True,
+                        config=self._gemv_config(x, silu_mul=True))
         from shard.triton_ops import silu_mul
 
         gate, up = self.forward(x).chunk(2, dim=-1)
@@ -277,7 +286,8 @@ class Fp8Linear(nn.Module):
         ):
             x2 = x.reshape(-1, self.in_features)  # [M, K]
             if x2.shape[0] <= self.gemv_max_m:
-                y = self._gemv(x2, self.weight, self.weight_scale, self.bias)  # [M, N]
+                y = self._gemv(x2, self.weight, self.weight_scale, self.bias,
+                               config=self._gemv_config(x2, silu_mul=False))  # [M, N]
                 return y.reshape(*lead, self.out_features)
         if not self.use_scaled_mm:
             return F.linear(x, self.dequantized_weight(x.dtype), self.bias)

@@ -60,8 +60,9 @@ def tune_fp8_gemv(
     scale: torch.Tensor,  # [N] float32
     bias: torch.Tensor | None,
     dtype: torch.dtype,  # the activations' dtype
-) -> None:
+) -> dict[int, triton.Config]:
     """Autotunes (and compiles and loads) the kernel for every M bucket of this weight shape,
-    bias-ness and activation dtype. Eager only: it benchmarks with host syncs. Keys already tuned
-    (other layers of the same shape) cost one launch each."""
-    triton_gemv.tune_gemv(weight, scale, bias, dtype)
+    bias-ness and activation dtype; returns each bucket's config (triton_gemv.tune_gemv). Eager
+    only: it benchmarks with host syncs. Keys already tuned (other layers of the same shape) cost
+    one launch each."""
+    return triton_gemv.tune_gemv(weight, scale, bias, dtype)

@@ -206,3 +206,27 @@ def test_untuned_capture_falls_back_to_cublas():
     torch.cuda.synchronize()
     assert dl.tuned(w, DTYPE) is None
     assert torch.equal(y, F.linear(x, w))
+
+
+def test_batch1_config_is_the_in_graph_fastest_candidate():
+    """tune_gemv re-chooses batch 1 by timing every candidate back to back in a CUDA graph over
+    weight-shaped views that overflow the L2 twice; the pick is the fastest of those timings."""
+    from shard import triton_gemv
+    from shard.gemv_graph_tuning import _rotation, fastest_in_graph
+
+    w, _ = _weights(4096, 2048, seed=11)  # [4096, 2048]: 16 MB, below the L2
+    views = _rotation(w)
+    l2 = torch.cuda.get_device_properties(w.device).L2_cache_size
+    assert sum(v.numel() * v.element_size() for v in views) >= 2 * l2
+    assert all(v.shape == w.shape and v.dtype == w.dtype for v in views)
+    candidates = triton_gemv.configs_for(1, DTYPE)
+    best, timings = fastest_in_graph(w, None, None, DTYPE, False, candidates)
+    assert set(timings) == {str(c) for c in candidates}
+    assert all(0 < us < 1e3 for us in timings.values())
+    assert timings[str(best)] == min(timings.values())
+    picked = triton_gemv.tune_gemv(w, None, None, DTYPE)[1]
+    assert str(picked) in timings
+    x = _x(1, 2048, seed=12)
+    ref = _reference(x, w, None)
+    got = triton_gemv.gemv(x, w, config=picked)
+    assert float((got.float() - ref).abs().max() / ref.abs().max()) < 2**-7

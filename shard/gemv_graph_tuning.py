@@ -1,0 +1,104 @@
+"""Ranks batch-1 decode GEMV configs the way a decode step runs them: back to back in a CUDA graph.
+
+Why: Triton's autotuner (shard/triton_gemv.py) times one launch at a time with the L2 cleared
+before each. A decode step instead runs its GEMVs back to back inside a CUDA graph, where a
+config's ramp-up and tail overlap its neighbours' (more so with programmatic dependent launch,
+shard/pdl.py, where the first weight tile streams during the previous kernel). The two timings
+rank some configs differently: for the Llama-3-8B fp8 q/k/v and gate/up shapes the autotuner's
+pick was 0.4-0.9 us per call slower in-graph than the best candidate
+(benchmarks/raw/gemv_sweep_fp8_h200.json). Batch 1 is where that matters (the GEMVs are shortest),
+so its candidates are re-ranked here after autotuning.
+
+How: a graph of >= 16 launches cycling through weight-shaped views of a scratch buffer larger than
+twice the L2 (so every launch streams from DRAM, as with a model's distinct layers; the scratch
+holds whatever bytes it holds: only the timing is used), replayed a few times; the median per-
+launch time decides. Shapes whose weight alone overflows the L2 twice use the weight itself.
+Eager only, like all tuning (compiles, host syncs).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.runtime.errors
+
+_MIN_LAUNCHES = 16
+_REPLAYS = 5
+
+
+def _rotation(weight: torch.Tensor) -> list[torch.Tensor]:
+    """Weight-shaped tensors whose bytes together overflow the L2 twice: [weight] when it does
+    alone, else views of one scratch allocation (freed with the list)."""
+    l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
+    size = weight.numel() * weight.element_size()
+    if size >= 2 * l2:
+        return [weight]
+    count = math.ceil(2 * l2 / size)
+    flat = torch.empty(count * weight.numel(), dtype=weight.dtype, device=weight.device)
+    return [part.view(weight.shape) for part in flat.chunk(count)]
+
+
+def _graph_us_per_launch(
+    config: triton.Config,
+    x: torch.Tensor,  # [1, K]
+    views: Sequence[torch.Tensor],
+    scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    silu_mul: bool,
+) -> float:
+    from shard.triton_gemv import gemv
+
+    def launches() -> None:
+        for _ in range(math.ceil(_MIN_LAUNCHES / len(views))):
+            for w in views:
+                gemv(x, w, scale, bias, silu_mul=silu_mul, config=config)
+
+    stream = torch.cuda.Stream(x.device)
+    stream.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(stream):
+        launches()  # compiles and loads this variant before the capture
+    torch.cuda.current_stream(x.device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launches()
+    graph.replay()
+    times = []
+    for _ in range(_REPLAYS):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    n = math.ceil(_MIN_LAUNCHES / len(views)) * len(views)
+    return 1e3 * statistics.median(times) / n
+
+
+def fastest_in_graph(
+    weight: torch.Tensor,  # [N, K] (silu_mul: [2I, K]) 16-bit or fp8
+    scale: torch.Tensor | None,  # [N] fp32 for fp8 weights
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,  # the activations' dtype
+    silu_mul: bool,
+    candidates: Sequence[triton.Config],  # batch-1 configs (triton_gemv.configs_for(1, ...))
+) -> tuple[triton.Config, dict[str, float]]:
+    """(the candidate with the lowest in-graph time per launch, {config: us} of all)."""
+    x = torch.zeros((1, weight.shape[1]), dtype=dtype, device=weight.device)  # [1, K]
+    views = _rotation(weight)
+    timings: dict[str, float] = {}
+    best: tuple[float, triton.Config] | None = None
+    for config in candidates:
+        try:
+            us = _graph_us_per_launch(config, x, views, scale, bias, silu_mul)
+        except triton.runtime.errors.OutOfResources:  # e.g. shared memory: not a candidate here
+            us = math.inf
+        timings[str(config)] = us
+        if best is None or us < best[0]:
+            best = (us, config)
+    assert best is not None, "no candidates"
+    return best[1], timings
