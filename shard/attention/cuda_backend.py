@@ -3,6 +3,8 @@
 - write_kv: slot-mapped Triton store (negative slots are skipped, so CUDA-graph padding rows are
   harmless); rotate_and_write_kv does the rotary embedding in the same kernel;
 - decode-only steps: Triton split-KV paged decode (all query heads of a KV head together);
+  rotate_write_and_attend_decode does rotary, the cache store and decode attention in the split
+  kernel itself (one launch fewer per layer than rotate_and_write_kv + attend, same results);
 - steps with prefill chunks: flash-attn's paged varlen kernel when importable and the cache
   block size suits it (a multiple of 256), else the Triton paged prefill kernel, which covers
   chunks that attend to already-cached blocks.
@@ -93,6 +95,47 @@ class CudaAttentionBackend:
             fp8_max = float(torch.finfo(key_cache.dtype).max)
         return rotary_store_kv(positions, query, key, value, rotary.cos, rotary.sin, key_cache,
                                value_cache, slot_mapping, k_scale, v_scale, fp8_max)
+
+    def rotate_write_and_attend_decode(
+        self,
+        rotary: RotaryEmbedding,
+        positions: torch.Tensor,  # [num_seqs] int64
+        query: torch.Tensor,  # [num_seqs, num_heads, head_dim], not yet rotated
+        key: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim], not yet rotated
+        value: torch.Tensor,
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,  # decode-only: one new token per sequence
+        scale: float,
+        sliding_window: int | None,
+        kv_scales: KvScales | None = None,  # fp8 caches: stored = x / scale per KV head
+    ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+        """rotate_and_write_kv then attend for a decode-only step (the caller checks
+        meta.is_decode_only and one token per sequence), in one kernel plus the split merge:
+        the same output and cache contents, bit for bit. Not part of the AttentionBackend
+        protocol: callers probe for it."""
+        assert meta.is_decode_only and query.shape[0] == meta.seq_lens.shape[0]
+        k_scale, v_scale = (None, None)
+        if key_cache.element_size() == 1:
+            k_scale, v_scale = _scale_tensors(kv_scales, key_cache.shape[2], key.device)
+        return self._decode.rotary_store_decode_attention(
+            query,
+            key,
+            value,
+            positions,
+            rotary.cos,
+            rotary.sin,
+            key_cache,
+            value_cache,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            sliding_window,
+            num_splits=self.num_decode_splits(query.shape[0], key_cache.shape[2]),
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
 
     def num_decode_splits(self, num_seqs: int, num_kv_heads: int) -> int:
         return self._decode.default_num_splits(num_seqs, num_kv_heads, self._num_sms)

@@ -12,14 +12,38 @@ stream K/V at full bandwidth. Design:
 - partial results (unnormalised output + log-sum-exp per split) are merged by a second small
   kernel; with one split the first kernel writes the final output directly.
 
+Fused rotary mode (`rotary_store_decode_attention`, FUSED_ROTARY): the split kernel also does
+what shard.triton_ops.rotary_store_kv does before it, saving one launch per layer and step:
+- it takes the UNROTATED q/k/v (strided views of the merged projection output), the rotary
+  cos/sin tables, positions and slot_mapping;
+- every program rotates its GQA group's query heads (GROUP x head_dim, cheap) with the same
+  helpers and rounding points as rotary_store_kv, and parks them, rounded to the model dtype, in
+  its own rows of its output buffer (the final output, or its split's fp32 partial: exact for
+  model-dtype values), which it overwrites with the attention result at the end;
+- the one program per (sequence, KV head) whose split holds position seq_len - 1 rotates that
+  head's k and stores k, v into the new token's cache slot (fp8: x / scale, saturated; slot < 0:
+  a CUDA-graph padding row, nothing stored);
+- then a CTA barrier makes those global writes visible to all of the program's threads, q is read
+  back, and the tile loop reads the new token from the cache like any other position.
+So the output and the cache are bit-identical to rotary_store_kv followed by
+paged_decode_attention (same instructions on the same values). Other sequences of the step must
+not read the new tokens' slots (true: only full blocks are shared, by the prefix cache), since
+no ordering exists between programs of different sequences.
+
 Imported only on CUDA machines (triton is not needed on CPU).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+# The rotary and cache-store building blocks of rotary_store_kv, shared so that the fused mode
+# runs the very same instructions (bit-identical results).
+from shard.triton_ops import _rope_load, _rope_tables, _to_cache
 
 LOG2E = 1.4426950408889634
 
@@ -104,8 +128,124 @@ def store_kv(
 
 
 @triton.jit
+def _rotate_q_group(
+    q_ptr,  # unrotated [num_seqs, num_heads, head_dim] (strided view)
+    dst_ptr,  # where head kvh * GROUP of this program's output rows starts
+    seq,  # int64
+    kvh,
+    stride_q_seq,
+    stride_q_head,
+    stride_dst_head,
+    c,  # [1, HALF_PAD] fp32 (_rope_tables)
+    s,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
+    """Rotates KV head kvh's GROUP query heads of sequence seq and stores them rounded to the
+    model dtype (as rotary_store_kv's q_out holds them), heads stride_dst_head apart."""
+    first, second, _, m = _rope_load(q_ptr + kvh * GROUP * stride_q_head, seq, stride_q_seq,
+                                     stride_q_head, c, s, GROUP, HALF, GROUP_PAD, HALF_PAD)
+    at = tl.arange(0, GROUP_PAD)[:, None] * stride_dst_head + tl.arange(0, HALF_PAD)[None, :]
+    dtype = q_ptr.dtype.element_ty
+    # .to(dtype) is the rounding point; the second cast is exact (dst: model dtype or fp32).
+    tl.store(dst_ptr + at, first.to(dtype).to(dst_ptr.dtype.element_ty), mask=m)
+    tl.store(dst_ptr + at + HALF, second.to(dtype).to(dst_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _store_new_kv(
+    k_ptr,  # unrotated [num_seqs, num_kv_heads, head_dim] (strided view)
+    v_ptr,
+    k_cache_ptr,  # [num_slots, num_kv_heads * head_dim]
+    v_cache_ptr,
+    k_scale_ptr,  # [num_kv_heads] fp32 (FP8_MAX > 0 only)
+    v_scale_ptr,
+    seq,  # int64
+    kvh,
+    slot,  # int64, >= 0
+    stride_k_seq,
+    stride_k_head,
+    stride_v_seq,
+    stride_v_head,
+    stride_slot,
+    c,  # [1, HALF_PAD] fp32 (_rope_tables)
+    s,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    """Rotated k and plain v of (seq, kvh) into cache slot `slot`, exactly as rotary_store_kv
+    stores them (one head of its [heads, half] tiles: a 2-row tile, the second row masked)."""
+    dtype = k_ptr.dtype.element_ty
+    cache_dtype = k_cache_ptr.dtype.element_ty
+    ks = 1.0
+    vs = 1.0
+    if FP8_MAX > 0:
+        ks = tl.load(k_scale_ptr + kvh)
+        vs = tl.load(v_scale_ptr + kvh)
+    row = slot * stride_slot + kvh * (2 * HALF)
+    k1, k2, at, m = _rope_load(k_ptr + kvh * stride_k_head, seq, stride_k_seq, stride_k_head, c,
+                               s, 1, HALF, 2, HALF_PAD)
+    tl.store(k_cache_ptr + row + at, _to_cache(k1, ks, dtype, cache_dtype, FP8_MAX), mask=m)
+    tl.store(k_cache_ptr + row + at + HALF, _to_cache(k2, ks, dtype, cache_dtype, FP8_MAX),
+             mask=m)
+    # V is not rotated; cos 1, sin 0 loads it through the same helper, as rotary_store_kv does.
+    v1, v2, _, _ = _rope_load(v_ptr + kvh * stride_v_head, seq, stride_v_seq, stride_v_head, 1.0,
+                              0.0, 1, HALF, 2, HALF_PAD)
+    tl.store(v_cache_ptr + row + at, _to_cache(v1, vs, dtype, cache_dtype, FP8_MAX), mask=m)
+    tl.store(v_cache_ptr + row + at + HALF, _to_cache(v2, vs, dtype, cache_dtype, FP8_MAX),
+             mask=m)
+
+
+@triton.jit
+def _rotary_prologue(
+    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, cos_ptr, sin_ptr,
+    pos_ptr, slot_ptr, out_ptr,  # as in _decode_split_kernel
+    seq,  # int64
+    kvh,
+    split,
+    is_owner,  # this program's split holds the new token: it stores the new k, v
+    stride_q_seq, stride_q_head, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
+    stride_cos, stride_slot, stride_out_seq, stride_out_head, stride_out_split,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    """FUSED_ROTARY's first phase (module docstring): rotates the group's q into this program's
+    own output rows, stores the new k, v if is_owner, then returns the rotated q
+    [GROUP_PAD, BLOCK_D] (model dtype) read back after a CTA barrier."""
+    cos_t, sin_t = _rope_tables(cos_ptr, sin_ptr, pos_ptr, seq, stride_cos,
+                                q_ptr.dtype.element_ty, HALF, HALF_PAD)  # [1, HALF_PAD] each
+    # This program's output rows (no other program touches them) are scratch for the rotated
+    # q; the kernel overwrites them with its result at the end.
+    rows = out_ptr + seq * stride_out_seq + split * stride_out_split
+    _rotate_q_group(q_ptr, rows + kvh * GROUP * stride_out_head, seq, kvh, stride_q_seq,
+                    stride_q_head, stride_out_head, cos_t, sin_t, GROUP, GROUP_PAD, HALF,
+                    HALF_PAD)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    if is_owner & (slot >= 0):
+        _store_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, seq, kvh,
+                      slot, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
+                      stride_slot, cos_t, sin_t, HALF, HALF_PAD, FP8_MAX)
+    # Every thread passes here (outside the branch): the CTA's global writes above become
+    # visible to all of its threads before q and the new token's K/V are read back.
+    tl.debug_barrier()
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    at = (kvh * GROUP + offs_g)[:, None] * stride_out_head + offs_d[None, :]
+    return tl.load(rows + at, mask=mask, other=0.0).to(q_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _decode_split_kernel(
-    q_ptr,  # [num_seqs, num_heads, head_dim]
+    q_ptr,  # [num_seqs, num_heads, head_dim]; FUSED_ROTARY: not yet rotated
     k_cache_ptr,  # [num_blocks * block_size, num_kv_heads, head_dim]
     v_cache_ptr,
     block_tables_ptr,  # [num_seqs, max_blocks]
@@ -114,8 +254,19 @@ def _decode_split_kernel(
     lse_ptr,  # [num_seqs, num_heads, num_splits] fp32 (unused when ONE_SPLIT)
     k_scale_ptr,  # [num_kv_heads] fp32 (SCALED only)
     v_scale_ptr,
+    k_ptr,  # FUSED_ROTARY only: new k, v [num_seqs, num_kv_heads, head_dim], k not yet rotated
+    v_ptr,
+    cos_ptr,  # FUSED_ROTARY only: [max_positions, head_dim] fp32 rotary tables
+    sin_ptr,
+    pos_ptr,  # FUSED_ROTARY only: [num_seqs] positions of the new tokens
+    slot_ptr,  # FUSED_ROTARY only: [num_seqs] int64 cache slots of the new tokens, < 0: none
     stride_q_seq,
     stride_q_head,
+    stride_k_seq,
+    stride_k_head,
+    stride_v_seq,
+    stride_v_head,
+    stride_cos,
     stride_bt,
     stride_slot,  # elements between consecutive cache slots (num_kv_heads * head_dim)
     stride_out_seq,
@@ -132,6 +283,10 @@ def _decode_split_kernel(
     PAGE: tl.constexpr,  # cache block size (tokens)
     ONE_SPLIT: tl.constexpr,
     SCALED: tl.constexpr,  # fp8 cache with per-KV-head scales
+    FUSED_ROTARY: tl.constexpr,  # rotate q, k and store the new k, v first (module docstring)
+    HALF: tl.constexpr,  # HEAD_DIM // 2 (FUSED_ROTARY)
+    HALF_PAD: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # > 0 (FUSED_ROTARY): fp8 cache, store x / scale saturated
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -158,11 +313,24 @@ def _decode_split_kernel(
     mask_g = offs_g < GROUP
     mask_d = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
-    q = tl.load(
-        q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :],
-        mask=mask_g[:, None] & mask_d[None, :],
-        other=0.0,
-    )  # [GROUP_PAD, BLOCK_D]
+    if FUSED_ROTARY:
+        # The split holding the new token (position seq_len - 1) stores its k, v; split 0 when
+        # the row is empty, so that the cache matches rotary_store_kv for any slot_mapping.
+        owner = tl.where(span > 0, (seq_len - 1 - lo) // tl.maximum(chunk, 1), 0)
+        q = _rotary_prologue(
+            q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, cos_ptr,
+            sin_ptr, pos_ptr, slot_ptr, out_ptr, seq.to(tl.int64), kvh, split, split == owner,
+            stride_q_seq, stride_q_head, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
+            stride_cos, stride_slot, stride_out_seq, stride_out_head, stride_out_split, GROUP,
+            GROUP_PAD, HEAD_DIM, BLOCK_D, HALF, HALF_PAD, FP8_MAX,
+        )  # [GROUP_PAD, BLOCK_D]
+    else:
+        q = tl.load(
+            q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head
+            + offs_d[None, :],
+            mask=mask_g[:, None] & mask_d[None, :],
+            other=0.0,
+        )  # [GROUP_PAD, BLOCK_D]
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -189,6 +357,9 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    if FUSED_ROTARY:
+        # Every thread has read its q (the scratch) before any thread overwrites it below.
+        tl.debug_barrier()
     out_mask = mask_g[:, None] & mask_d[None, :]
     out_off = (
         seq.to(tl.int64) * stride_out_seq
@@ -263,6 +434,18 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> 
     return int(min(triton.cdiv(4 * num_sms, programs), 16))
 
 
+@dataclass(frozen=True)
+class _NewTokens:
+    """The FUSED_ROTARY inputs: each sequence's new token before rotary and the cache store."""
+
+    key: torch.Tensor  # [num_seqs, num_kv_heads, head_dim], not yet rotated (strided view)
+    value: torch.Tensor  # [num_seqs, num_kv_heads, head_dim]
+    positions: torch.Tensor  # [num_seqs] int
+    cos: torch.Tensor  # [max_positions, head_dim] fp32 (shard.rotary.RotaryEmbedding)
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor  # [num_seqs] int64, < 0: padding row (nothing stored)
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -280,11 +463,70 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Attention of one new query token per sequence over its whole paged context."""
+    if out is None:
+        out = torch.empty_like(query)
+    return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
+                   num_splits, out, block_n, num_warps, num_stages, k_scale, v_scale, None)
+
+
+def rotary_store_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], not yet rotated (strided view)
+    key: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim], not yet rotated (strided view)
+    value: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_seqs] int, the new tokens' positions
+    cos: torch.Tensor,  # [max_positions, head_dim] fp32 (shard.rotary.RotaryEmbedding)
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_seqs] int64, < 0: padding row (nothing stored)
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, incl. the new token (0 = padding row)
+    scale: float,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,  # must not overlap query, key or value
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches with scales
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """shard.triton_ops.rotary_store_kv then paged_decode_attention, in the split kernel itself
+    (the module docstring's fused mode): one launch fewer, the same output and cache contents,
+    bit for bit. fp8 caches store x / scale per KV head (scales None: 1.0)."""
+    num_seqs, num_heads, head_dim = query.shape
+    assert head_dim % 2 == 0 and cos.stride(1) == 1 and sin.stride() == cos.stride()
+    assert query.stride(2) == 1 and key.stride(2) == 1 and value.stride(2) == 1
+    assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    if out is None:
+        out = torch.empty((num_seqs, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    new = _NewTokens(key, value, positions, cos, sin, slot_mapping)
+    return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
+                   num_splits, out, block_n, num_warps, num_stages, k_scale, v_scale, new)
+
+
+def _decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim] (new is not None: not yet rotated)
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    sliding_window: int | None,
+    num_splits: int | None,
+    out: torch.Tensor,  # [num_seqs, num_heads, head_dim], head_dim contiguous
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    new: _NewTokens | None,  # FUSED_ROTARY inputs, None: query is rotated, the cache written
+) -> torch.Tensor:
+    """Launches the split kernel (and the merge kernel for more than one split). Host work only:
+    no syncs; the temporaries depend on the batch shape alone (CUDA-graph capture)."""
     num_seqs, num_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
-    if out is None:
-        out = torch.empty_like(query)
     if num_seqs == 0:
         return out
     if num_splits is None:
@@ -304,6 +546,14 @@ def paged_decode_attention(
             (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
         )
         s_seq, s_head, s_split = part.stride(0), part.stride(1), part.stride(2)
+    dummy = seq_lens  # pointer arguments that the compiled variant never reads
+    k_store_scale, v_store_scale, fp8_max = k_scale, v_scale, 0.0
+    if new is not None and key_cache.element_size() == 1:  # the store divides by the scales
+        fp8_max = float(torch.finfo(key_cache.dtype).max)
+        if k_store_scale is None or v_store_scale is None:
+            ones = torch.ones(num_kv_heads, dtype=torch.float32, device=query.device)
+            k_store_scale, v_store_scale = ones, ones
+    fused = new is not None
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         key_cache,
@@ -312,10 +562,21 @@ def paged_decode_attention(
         seq_lens,
         part,
         lse,
-        k_scale if scaled else seq_lens,  # unused pointers when not SCALED
-        v_scale if scaled else seq_lens,
+        k_store_scale if scaled or fp8_max > 0 else dummy,
+        v_store_scale if scaled or fp8_max > 0 else dummy,
+        new.key if fused else dummy,
+        new.value if fused else dummy,
+        new.cos if fused else dummy,
+        new.sin if fused else dummy,
+        new.positions if fused else dummy,
+        new.slot_mapping if fused else dummy,
         query.stride(0),
         query.stride(1),
+        new.key.stride(0) if fused else 0,
+        new.key.stride(1) if fused else 0,
+        new.value.stride(0) if fused else 0,
+        new.value.stride(1) if fused else 0,
+        new.cos.stride(0) if fused else 0,
         block_tables.stride(0),
         num_kv_heads * head_dim,
         s_seq,
@@ -332,6 +593,10 @@ def paged_decode_attention(
         PAGE=page,
         ONE_SPLIT=one,
         SCALED=scaled,
+        FUSED_ROTARY=fused,
+        HALF=head_dim // 2,
+        HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        FP8_MAX=fp8_max,
         num_warps=num_warps,
         num_stages=num_stages,
     )

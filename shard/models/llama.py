@@ -128,19 +128,26 @@ class LlamaAttention(nn.Module):
             k = self.k_proj(x).view(n, self.local_kv_heads, self.head_dim)
             v = self.v_proj(x).view(n, self.local_kv_heads, self.head_dim)
         key_cache, value_cache = cache
+        fused_decode = getattr(self.attention, "rotate_write_and_attend_decode", None)
         fused_store = getattr(self.attention, "rotate_and_write_kv", None)
-        if fused_store is not None and x.is_cuda and self.kv_calibration is None:
-            q = fused_store(self.rotary, positions, q, k, v, key_cache, value_cache,
-                            meta.slot_mapping, self.kv_scales)  # one kernel for both steps
+        fast = x.is_cuda and self.kv_calibration is None
+        if (fused_decode is not None and fast and meta.is_decode_only
+                and n == meta.seq_lens.shape[0]):  # rotary, cache store, attention: one kernel
+            o = fused_decode(self.rotary, positions, q, k, v, key_cache, value_cache, meta,
+                             self.scale, self.sliding_window, self.kv_scales)
         else:
-            q, k = self.rotary(positions, q, k)
-            if self.kv_calibration is not None:
-                self.kv_calibration.observe(k, v)
-            self.attention.write_kv(k, v, key_cache, value_cache, meta.slot_mapping,
-                                    self.kv_scales)
-        o = self.attention.attend(
-            q, key_cache, value_cache, meta, self.scale, self.sliding_window, self.kv_scales
-        )
+            if fused_store is not None and fast:
+                q = fused_store(self.rotary, positions, q, k, v, key_cache, value_cache,
+                                meta.slot_mapping, self.kv_scales)  # one kernel for both steps
+            else:
+                q, k = self.rotary(positions, q, k)
+                if self.kv_calibration is not None:
+                    self.kv_calibration.observe(k, v)
+                self.attention.write_kv(k, v, key_cache, value_cache, meta.slot_mapping,
+                                        self.kv_scales)
+            o = self.attention.attend(
+                q, key_cache, value_cache, meta, self.scale, self.sliding_window, self.kv_scales
+            )
         o = o.reshape(n, self.local_heads * self.head_dim)
         # Un-reduced: the layer's next step is the fused all-reduce + norm, so the GEMV may push.
         return self.o_proj(o) if reduce else self.o_proj.partial(o, push=True)
