@@ -1,8 +1,12 @@
 """Fused CUDA kernels equal their unfused forms (`pytest -m gpu tests/gpu`): the rotary
-embedding with the KV-cache store (shard.triton_ops.rotary_store_kv), and fp8 gate/up with
-SiLU-and-mul (Fp8Linear.forward_silu_mul)."""
+embedding with the KV-cache store (shard.triton_ops.rotary_store_kv), fp8 gate/up with
+SiLU-and-mul (Fp8Linear.forward_silu_mul), and decode attention with rotary and the cache store
+in its split kernel (triton_decode.rotary_store_decode_attention: bit-equal to rotary_store_kv +
+paged_decode_attention, eagerly, in a CUDA graph, and through the model)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -68,3 +72,191 @@ def test_fp8_gate_up_silu_equals_linear_then_silu_mul(rows):
         assert torch.equal(got, want)
     else:
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
+
+
+def _decode_step(cache_dtype: torch.dtype, seq_lens: list[int], seed: int,
+                 num_blocks: int | None = None) -> SimpleNamespace:
+    """One decode step at the Llama-3-8B attention shape (32 heads, 8 KV heads, head_dim 128):
+    unrotated q/k/v as column views of one merged projection output (as the model passes them),
+    positions, slots (-1 and seq_len 0: a CUDA-graph padding row), shuffled block tables, a
+    random starting cache and, for fp8 caches, per-KV-head scales."""
+    from shard.rotary import RotaryEmbedding
+
+    heads, kv_heads, head_dim, page = 32, 8, 128, 16
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    n = len(seq_lens)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, device="cuda", generator=gen)
+    q, k, v = qkv.to(torch.bfloat16).split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    per = max(-(-max(seq_lens) // page), 1)  # blocks per sequence
+    num_blocks = num_blocks or n * per + 3
+    tables = torch.randperm(num_blocks, device="cuda", generator=gen)[: n * per].view(n, per)
+    tables = tables.to(torch.int32)
+    slots = [int(tables[i, (s - 1) // page]) * page + (s - 1) % page if s else -1
+             for i, s in enumerate(seq_lens)]
+    cache = torch.randn(2, num_blocks, page, kv_heads, head_dim, device="cuda", generator=gen)
+    scales = (None, None)
+    if cache_dtype != torch.bfloat16:
+        scales = (torch.rand(kv_heads, device="cuda", generator=gen) + 0.05,
+                  torch.rand(kv_heads, device="cuda", generator=gen) + 0.05)
+    return SimpleNamespace(
+        q=q.view(n, heads, head_dim), k=k.view(n, kv_heads, head_dim),
+        v=v.view(n, kv_heads, head_dim),
+        positions=torch.tensor([max(s - 1, 0) for s in seq_lens], device="cuda"),
+        slots=torch.tensor(slots, device="cuda"),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        tables=tables, cache=cache.to(cache_dtype), scales=scales,
+        rope=RotaryEmbedding(head_dim, 8192, {"rope_type": "default", "rope_theta": 500000.0},
+                             torch.device("cuda")),
+        scale=head_dim**-0.5,
+    )
+
+
+def _assert_same_bytes(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("num_splits", [1, 5])
+@pytest.mark.parametrize("seq_lens", [[300], [300, 0, 1000, 17]], ids=["batch1", "padded"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_rotary_store_decode_attention_equals_two_kernels(cache_dtype, seq_lens, num_splits,
+                                                          window):
+    from shard.attention.triton_decode import paged_decode_attention, rotary_store_decode_attention
+    from shard.triton_ops import rotary_store_kv
+
+    d = _decode_step(cache_dtype, seq_lens, seed=len(seq_lens) + num_splits)
+    fused_cache, want_cache = d.cache.clone(), d.cache.clone()
+    fp8_max = float(torch.finfo(cache_dtype).max) if d.scales[0] is not None else 0.0
+    q_rot = rotary_store_kv(d.positions, d.q, d.k, d.v, d.rope.cos, d.rope.sin, *want_cache,
+                            d.slots, *d.scales, fp8_max)
+    want = paged_decode_attention(q_rot, *want_cache, d.tables, d.seq_lens, d.scale, window,
+                                  num_splits, k_scale=d.scales[0], v_scale=d.scales[1])
+    got = rotary_store_decode_attention(d.q, d.k, d.v, d.positions, d.rope.cos, d.rope.sin,
+                                        *fused_cache, d.slots, d.tables, d.seq_lens, d.scale,
+                                        window, num_splits, k_scale=d.scales[0],
+                                        v_scale=d.scales[1])
+    assert torch.equal(got, want)
+    _assert_same_bytes(fused_cache, want_cache)
+    assert not torch.equal(fused_cache.view(torch.uint8), d.cache.view(torch.uint8))  # stored
+    for i, s in enumerate(seq_lens):
+        if s == 0:
+            assert not got[i].any()  # padding row: zeros
+
+
+@pytest.mark.parametrize("seq_lens", [[300], [300, 0, 1000, 17]], ids=["batch1", "padded"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_fused_decode_backend_in_cuda_graph_equals_two_kernels(cache_dtype, seq_lens):
+    """CudaAttentionBackend.rotate_write_and_attend_decode captured in a CUDA graph (static
+    inputs, the backend's own split count), replayed for two different steps: output and cache
+    equal rotate_and_write_kv + attend run eagerly."""
+    from shard.attention.base import AttentionMetadata
+    from shard.attention.cuda_backend import CudaAttentionBackend
+    from shard.quantization.kv_cache import KvScales
+
+    backend = CudaAttentionBackend("cuda")
+    first = _decode_step(cache_dtype, seq_lens, seed=1)
+    n, width = len(seq_lens), first.tables.shape[1] + 4
+    kv_scales = None if first.scales[0] is None else KvScales(*first.scales)
+    # Static buffers the graph reads; capture-time contents write and read nothing. q/k/v are
+    # column views of one merged projection buffer, as in the model.
+    heads, kv_heads, head_dim = first.q.shape[1], first.k.shape[1], first.q.shape[2]
+    qkv = torch.zeros(n, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16, device="cuda")
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(n, -1, head_dim) for t in (q, k, v))
+    positions = torch.zeros(n, dtype=torch.int64, device="cuda")
+    slots = torch.full((n,), -1, dtype=torch.int64, device="cuda")
+    lens = torch.zeros(n, dtype=torch.int32, device="cuda")
+    tables = torch.zeros(n, width, dtype=torch.int32, device="cuda")
+    cache = torch.zeros_like(first.cache)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device="cuda"), seq_lens=lens,
+        block_tables=tables, slot_mapping=slots, max_query_len=1, max_seq_len=width * 16,
+        query_lens_host=[1] * n, seq_lens_host=[1] * n)
+
+    def fused() -> torch.Tensor:
+        return backend.rotate_write_and_attend_decode(first.rope, positions, q, k, v, *cache,
+                                                      meta, first.scale, None, kv_scales)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up: Triton compilation
+        fused()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused()
+
+    for seed, lens_now in ((2, seq_lens), (3, [s // 3 for s in seq_lens])):
+        d = _decode_step(cache_dtype, lens_now, seed, num_blocks=cache.shape[1])
+        for dst, src in ((q, d.q), (k, d.k), (v, d.v), (positions, d.positions), (slots, d.slots),
+                         (lens, d.seq_lens), (cache, d.cache)):
+            dst.copy_(src)
+        tables.zero_()
+        tables[:, : d.tables.shape[1]] = d.tables
+        graph.replay()
+        want_cache = d.cache.clone()
+        q_rot = backend.rotate_and_write_kv(first.rope, positions, q, k, v, *want_cache, slots,
+                                            kv_scales)
+        want = backend.attend(q_rot, *want_cache, meta, first.scale, None, kv_scales)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), seed
+        _assert_same_bytes(cache, want_cache)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3fn"])
+@pytest.mark.parametrize("arch", ["llama", "mistral"])  # mistral: a sliding window
+def test_model_decode_takes_fused_path_and_equals_unfused(tmp_path, monkeypatch, arch,
+                                                          kv_cache_dtype):
+    """A tiny bf16 model's decode steps through the fused kernel (LlamaAttention.forward) give
+    logits bit-equal to the two-kernel path (the backend method hidden)."""
+    from shard.attention.cuda_backend import CudaAttentionBackend
+    from shard.distributed import Dist
+    from shard.loader import Shard, ShardConfig
+    from shard.model_runner import StepInputs
+    from shard.tiny_model import TinyModelSpec, make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / arch, TinyModelSpec(arch=arch))
+    prompts = [list(range(1, 30)), [7] * 60, [3, 4]]
+    tables = [list(range(i * 8, (i + 1) * 8)) for i in range(len(prompts))]  # 128 positions
+    calls: list[int] = []  # one entry per call of the fused decode method
+    method = CudaAttentionBackend.rotate_write_and_attend_decode
+
+    def spy(self: CudaAttentionBackend, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return method(self, *args, **kwargs)
+
+    def run() -> tuple[list[torch.Tensor], int]:
+        """Prefill, then 20 decode steps: the logits of every step, and how many times the
+        fused decode method ran during the decode steps."""
+        shard = Shard(ShardConfig(model_id=str(model_dir), dtype="bfloat16", device="cuda",
+                                  attention_backend="triton", kv_cache_dtype=kv_cache_dtype),
+                      Dist())
+        runner = shard.runner
+        runner.allocate_kv_cache(32)
+        prefill = StepInputs([], [], [], [], [], [])
+        for p, t in zip(prompts, tables):
+            prefill.logits_indices.append(len(prefill.token_ids) + len(p) - 1)
+            prefill.token_ids.extend(p)
+            prefill.positions.extend(range(len(p)))
+            prefill.query_lens.append(len(p))
+            prefill.seq_lens.append(len(p))
+            prefill.block_tables.append(t)
+        logits = [runner.execute(prefill)]
+        lens = [len(p) for p in prompts]
+        before = len(calls)
+        for step in range(20):  # fixed tokens: both runs compute the same thing
+            ids = [(step * 31 + i * 7) % 500 + 1 for i in range(len(prompts))]
+            logits.append(runner.execute(StepInputs(
+                ids, lens, [1] * len(prompts), [n + 1 for n in lens], tables,
+                list(range(len(prompts))))))
+            lens = [n + 1 for n in lens]
+        return [x.float().cpu() for x in logits], len(calls) - before
+
+    monkeypatch.setattr(CudaAttentionBackend, "rotate_write_and_attend_decode", spy)
+    fused, decode_calls = run()
+    assert decode_calls == len(calls) == 20 * 2  # each decode step's 2 layers, no prefill
+    monkeypatch.setattr(CudaAttentionBackend, "rotate_write_and_attend_decode", None)
+    unfused, _ = run()
+    for a, b in zip(fused, unfused):
+        assert torch.equal(a, b)

@@ -1,0 +1,246 @@
+"""shard/attention/triton_decode.py's fused rotary decode mode (rotary_store_decode_attention)
+under Triton's interpreter on CPU tensors (no GPU).
+
+Two checks per case: (a) bit-equal output and cache bytes against the unfused Triton pair
+(shard.triton_ops.rotary_store_kv, then paged_decode_attention), interpreted too; (b) against the
+portable torch path (shard.rotary on CPU + shard/attention/torch_backend.py) to a tolerance,
+since that path rounds to the model dtype after every op.
+
+Interpreter limits (triton 3.6), patched in the prelude so that it rounds like the GPU: its fp32
+-> bf16 casts truncate, its fp32 -> fp8 casts drop the carry of a round-up into the exponent
+(7.9 -> 4.0), and its tl.dot multiplies bf16 operands as raw 16-bit integers (see
+tests/shard/test_triton_gemv_interpreter.py). It runs programs one after another, so it does not
+exercise the kernel's CTA barrier: tests/gpu/test_fused_kernels.py checks the real thing, CUDA
+graphs included.
+
+Triton reads TRITON_INTERPRET when a kernel is defined, hence a fresh process per check.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+_PRELUDE = textwrap.dedent(
+    """
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    _dot = interpreter.InterpreterBuilder.create_dot
+
+    def _widen_bf16(h):
+        if h.dtype != tl.bfloat16:
+            return h
+        data = interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None)
+        return interpreter.TensorHandle(data.view(np.float32), tl.float32)
+
+    def _create_dot(self, a, b, d, *rest):  # bf16 dot operands are exact in fp32
+        return _dot(self, _widen_bf16(a), _widen_bf16(b), d, *rest)
+
+    interpreter.InterpreterBuilder.create_dot = _create_dot
+
+    def _torch_cast(src, dst_type, torch_dtype, torch_bits):  # fp32 -> round to nearest even
+        x = torch.from_numpy(np.array(src.data, dtype=np.float32, copy=True))
+        data = x.to(torch_dtype).view(torch_bits).numpy()
+        return interpreter.TensorHandle(data.view(interpreter._get_np_dtype(dst_type)),
+                                        dst_type.scalar)
+
+    _cast = interpreter.InterpreterBuilder.cast_impl
+    _fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def _cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return _torch_cast(src, dst_type, torch.bfloat16, torch.int16)
+        return _cast(self, src, dst_type)
+
+    def _create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            return _torch_cast(src, dst_type, torch.float8_e4m3fn, torch.uint8)
+        return _fp_to_fp(self, src, dst_type, rounding_mode)
+
+    interpreter.InterpreterBuilder.cast_impl = _cast_impl
+    interpreter.InterpreterBuilder.create_fp_to_fp = _create_fp_to_fp
+
+    # The interpreter runs programs in grid order. Running them in reverse order too shows that
+    # the program which stores the new token is the one that reads it (any other one would
+    # store it after the reader ran in one of the two orders).
+    _set_grid_idx = interpreter.InterpreterBuilder.set_grid_idx
+    REVERSED = [False]
+
+    def _maybe_reversed_grid_idx(self, x, y, z):
+        if REVERSED[0]:
+            nx, ny, nz = self.grid_dim
+            x, y, z = nx - 1 - x, ny - 1 - y, nz - 1 - z
+        _set_grid_idx(self, x, y, z)
+
+    interpreter.InterpreterBuilder.set_grid_idx = _maybe_reversed_grid_idx
+
+    from shard.attention.base import AttentionMetadata
+    from shard.attention.torch_backend import TorchAttentionBackend
+    from shard.attention.triton_decode import (
+        paged_decode_attention, rotary_store_decode_attention)
+    from shard.quantization.kv_cache import KvScales
+    from shard.rotary import RotaryEmbedding
+    from shard.triton_ops import rotary_store_kv
+
+    HEADS, KV_HEADS, PAGE, BLOCKS = 8, 2, 16, 40
+    EPS = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-20}  # rounding
+    TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}  # output vs torch
+
+    def case(dtype, cache_dtype, head_dim, seq_lens, num_splits, window, seed):
+        '''One decode step of len(seq_lens) sequences (seq_len 0: a graph padding row, slot -1)
+        through the fused kernel and the unfused pair, from the same starting cache.'''
+        gen = torch.Generator().manual_seed(seed)
+        n = len(seq_lens)
+        rope = RotaryEmbedding(head_dim, 512, {"rope_type": "default", "rope_theta": 10000.0},
+                               torch.device("cpu"))
+        # q/k/v: column views of one merged projection output, as LlamaAttention passes them.
+        width = (HEADS + 2 * KV_HEADS) * head_dim
+        qkv = torch.randn(n, width, generator=gen).to(dtype)
+        q, k, v = qkv.split([HEADS * head_dim, KV_HEADS * head_dim, KV_HEADS * head_dim], -1)
+        q, k, v = (t.view(n, -1, head_dim) for t in (q, k, v))
+        per = max(-(-max(seq_lens) // PAGE), 1)
+        perm = torch.randperm(BLOCKS, generator=gen)[: n * per].view(n, per)
+        tables = perm.to(torch.int32)
+        positions = torch.tensor([max(s - 1, 0) for s in seq_lens])
+        slots = torch.tensor([int(tables[i, (s - 1) // PAGE]) * PAGE + (s - 1) % PAGE
+                              if s else -1 for i, s in enumerate(seq_lens)])
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        cache = torch.randn(2, BLOCKS, PAGE, KV_HEADS, head_dim, generator=gen).to(dtype)
+        scales = None
+        if cache_dtype != dtype:  # fp8: per-KV-head scales
+            scales = (torch.rand(KV_HEADS, generator=gen) + 0.05,
+                      torch.rand(KV_HEADS, generator=gen) + 0.05)
+            cache = (cache.float() / 2).to(cache_dtype)
+        fused_cache, reversed_cache, pair_cache = cache.clone(), cache.clone(), cache.clone()
+        scale = head_dim ** -0.5
+        sc = scales or (None, None)
+        got = rotary_store_decode_attention(
+            q, k, v, positions, rope.cos, rope.sin, *fused_cache, slots, tables, lens, scale,
+            window, num_splits, k_scale=sc[0], v_scale=sc[1])
+        REVERSED[0] = True
+        try:
+            got_reversed = rotary_store_decode_attention(
+                q, k, v, positions, rope.cos, rope.sin, *reversed_cache, slots, tables, lens,
+                scale, window, num_splits, k_scale=sc[0], v_scale=sc[1])
+        finally:
+            REVERSED[0] = False
+        fp8_max = float(torch.finfo(cache_dtype).max) if scales else 0.0
+        q_rot = rotary_store_kv(positions, q, k, v, rope.cos, rope.sin, *pair_cache, slots,
+                                *sc, fp8_max)
+        want = paged_decode_attention(q_rot, *pair_cache, tables, lens, scale, window,
+                                      num_splits, k_scale=sc[0], v_scale=sc[1])
+        what = (dtype, cache_dtype, head_dim, seq_lens, num_splits, window)
+        assert got.shape == (n, HEADS, head_dim) and got.dtype == dtype, what
+        assert torch.equal(got, want) and torch.equal(got_reversed, want), what
+        for c in (fused_cache, reversed_cache):
+            assert torch.equal(c.view(torch.uint8), pair_cache.view(torch.uint8)), what
+        assert not torch.equal(fused_cache.view(torch.uint8), cache.view(torch.uint8)), what
+        for i, s in enumerate(seq_lens):
+            if s == 0:
+                assert not got[i].any(), what  # padding row: zeros
+        torch_reference(got, fused_cache, cache, q, k, v, positions, rope, slots, tables,
+                        seq_lens, scale, window, scales, what)
+
+    def torch_reference(got, fused_cache, cache, q, k, v, positions, rope, slots, tables,
+                        seq_lens, scale, window, scales, what):
+        '''The portable path over the real (non-padding) rows, to a tolerance: the new tokens'
+        cache entries against shard.rotary + the torch write, then the output against torch
+        attention of the torch-rotated q over the fused kernel's cache.'''
+        rows = torch.tensor([i for i, s in enumerate(seq_lens) if s])
+        qr, kr = rope(positions[rows], q[rows], k[rows])
+        ref_cache = cache.clone()
+        backend = TorchAttentionBackend()
+        kv_scales = KvScales(*scales) if scales else None
+        backend.write_kv(kr, v[rows], *ref_cache, slots[rows], kv_scales)
+        for a, b in zip(fused_cache, ref_cache):
+            a = a.view(-1, *a.shape[2:])[slots[rows]].float()  # [rows, num_kv_heads, head_dim]
+            b = b.view(-1, *b.shape[2:])[slots[rows]].float()
+            if scales:  # at most one e4m3 step apart (3 mantissa bits; subnormal step 2^-9)
+                assert ((a - b).abs() <= b.abs() / 8 + 2**-9).all(), what
+            else:
+                bound = 2 * EPS[q.dtype] * b.abs().amax(-1, keepdim=True)
+                assert ((a - b).abs() <= bound).all(), what
+        m = len(rows)
+        lens = [seq_lens[i] for i in rows]
+        meta = AttentionMetadata(
+            query_start_loc=torch.arange(m + 1, dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables[rows],
+            slot_mapping=slots[rows], max_query_len=1, max_seq_len=max(lens),
+            query_lens_host=[1] * m, seq_lens_host=lens)
+        ref = backend.attend(qr, *fused_cache, meta, scale, window, kv_scales).float()
+        err = float((got[rows].float() - ref).norm() / ref.norm())
+        assert err <= TOL[q.dtype], (what, err)
+    """
+)
+
+# Model-dtype caches: bf16, fp16 and fp32 (the tiny test models), head_dim 64 and 48 (HALF_PAD >
+# HALF, BLOCK_D > head_dim), batch 1 and a batch with a padding row, one split and several (the
+# new token in a later split, empty splits), with and without a sliding window.
+_MODEL_DTYPE_CHECK = textwrap.dedent(
+    """
+    seed = 0
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for head_dim in (64, 48):
+            for seq_lens in ([37], [70, 0, 130, 1]):
+                for num_splits in (1, 3):
+                    for window in (None, 20):
+                        seed += 1
+                        case(dtype, dtype, head_dim, seq_lens, num_splits, window, seed)
+    """
+)
+
+# fp8 e4m3 caches with per-KV-head scales (the store divides and saturates).
+_FP8_CHECK = textwrap.dedent(
+    """
+    seed = 100
+    for seq_lens in ([37], [70, 0, 130, 1]):
+        for num_splits in (1, 4):
+            for window in (None, 50):
+                seed += 1
+                case(torch.bfloat16, torch.float8_e4m3fn, 64, seq_lens, num_splits, window, seed)
+    """
+)
+
+
+def _run_interpreted(check: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        [sys.executable, "-c", _PRELUDE + check],
+        check=False,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+
+
+pytestmark = [
+    pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (not a CPU dependency)"),
+    pytest.mark.skipif(
+        np.lib.NumpyVersion(np.__version__) >= "2.4.0",
+        reason="triton 3.6's interpreter cannot take runtime loop bounds with numpy >= 2.4",
+    ),
+]
+
+
+def test_fused_rotary_decode_model_dtype_cache_in_interpreter():
+    _run_interpreted(_MODEL_DTYPE_CHECK)
+
+
+def test_fused_rotary_decode_fp8_cache_in_interpreter():
+    _run_interpreted(_FP8_CHECK)
