@@ -137,11 +137,15 @@ class VocabParallelEmbedding(VocabSlicedWeight):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [n] -> [n, hidden]
         if self.dist.world_size == 1:
             return F.embedding(ids, self.weight)
+        return self.dist.all_reduce(self.partial(ids))
+
+    def partial(self, ids: torch.Tensor) -> torch.Tensor:  # ids [n] -> [n, hidden]
+        """This rank's share of the lookup, not yet summed over ranks: the rows of ids in this
+        rank's vocabulary slice, zeros elsewhere (so the sum over ranks is exact)."""
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        out = out.masked_fill(outside.unsqueeze(-1), 0)
-        return self.dist.all_reduce(out)
+        return out.masked_fill(outside.unsqueeze(-1), 0)
 
 
 class ParallelLMHead(VocabSlicedWeight):

@@ -41,6 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from shard import pdl
+from shard.pdl import let_dependents_launch, wait_for_predecessor
+
 # The rotary and cache-store building blocks of rotary_store_kv, shared so that the fused mode
 # runs the very same instructions (bit-identical results).
 from shard.triton_ops import _rope_load, _rope_tables, _to_cache
@@ -287,7 +290,12 @@ def _decode_split_kernel(
     HALF: tl.constexpr,  # HEAD_DIM // 2 (FUSED_ROTARY)
     HALF_PAD: tl.constexpr,
     FP8_MAX: tl.constexpr,  # > 0 (FUSED_ROTARY): fp8 cache, store x / scale saturated
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent (shard/pdl.py)
 ):
+    # Latency-bound at decode batch sizes: let the next kernel launch now; read nothing before
+    # the previous one (q/k/v's GEMV) is done.
+    let_dependents_launch(PDL)
+    wait_for_predecessor(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -396,7 +404,10 @@ def _decode_merge_kernel(
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent (shard/pdl.py)
 ):
+    let_dependents_launch(PDL)  # o_proj's GEMV may start streaming its weight now
+    wait_for_predecessor(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -599,6 +610,7 @@ def _decode(
         FP8_MAX=fp8_max,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl.launch_options(query.device),
     )
     if not one:
         _decode_merge_kernel[(num_seqs, num_heads)](
@@ -613,5 +625,6 @@ def _decode(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             num_warps=4,
+            **pdl.launch_options(query.device),
         )
     return out

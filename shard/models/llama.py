@@ -324,9 +324,17 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [num_logits]
     ) -> torch.Tensor:  # [num_logits, vocab] float32
-        x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
-        if x.is_cuda or self.fused_residual:  # residual adds (and all-reduces) fused into norms
+        embed = self.model.embed_tokens
+        if input_ids.is_cuda or self.fused_residual:  # residual adds, all-reduces fused in norms
             delta = None
+            if embed.dist.world_size > 1:
+                # The lookup's all-reduce goes into the first norm like any row-parallel output:
+                # the residual stream starts at 0 and the un-reduced lookup is its first delta
+                # (0 + the exact sum: bit-identical to all-reduce, then norm).
+                delta = embed.partial(input_ids)  # [num_tokens, hidden]
+                x = torch.zeros_like(delta)
+            else:
+                x = embed(input_ids)  # [num_tokens, hidden]
             layers = self.model.layers
             for i, (layer, cache) in enumerate(zip(layers, kv_cache)):
                 x, delta = layer.forward_fused(x, delta, positions, cache, meta,
@@ -337,6 +345,7 @@ class LlamaForCausalLM(nn.Module):
                 self.model.norm,
             )
             return self.lm_head(h)
+        x = embed(input_ids)  # [num_tokens, hidden]
         for layer, cache in zip(self.model.layers, kv_cache):
             x = layer(x, positions, cache, meta)
         x = self.model.norm(x[logits_indices])  # [num_logits, hidden]
