@@ -29,7 +29,8 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 LLAMA3_8B = {
@@ -249,6 +250,32 @@ def decode_step(batch: int, context: int, block_size: int, vocab: int = BOS_ID):
     )
 
 
+@contextmanager
+def attribute_set(obj: object, name: str, value: object) -> Iterator[None]:
+    """obj.name = value inside the block, restored after."""
+    previous = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, previous)
+
+
+def ab_variants(runner) -> dict[str, AbstractContextManager]:
+    """{name: a context manager that switches one decode optimization off} for the A/B timings
+    of replay_ms_under: "no_pdl" (programmatic dependent launch) and "unfused_rotary" (rotary +
+    cache store as their own kernel before decode attention), where they apply."""
+    from shard import pdl
+
+    variants: dict[str, AbstractContextManager] = {}
+    if pdl.enabled(runner.device):
+        variants["no_pdl"] = pdl.override(False)
+    if getattr(runner.attention, "fuse_rotary_into_decode", False):
+        variants["unfused_rotary"] = attribute_set(runner.attention, "fuse_rotary_into_decode",
+                                                   False)
+    return variants
+
+
 def replay_ms_under(
     runner, setting: AbstractContextManager, batches: list[int], context: int, block_size: int,
     blocks_per_seq: int,
@@ -388,15 +415,13 @@ def bench_model(model_dir: Path, args, ceilings: dict, parts: set[str]) -> dict:
         del graphs
         gc.collect()
         torch.cuda.empty_cache()
-        # A/B in this process: the same step with programmatic dependent launch off.
-        from shard import pdl
-
-        if pdl.enabled(runner.device):
-            off = replay_ms_under(runner, pdl.override(False), batches, ctx, bs, per)
+        # A/B in this process: the same step with one optimization switched off at a time.
+        for name, setting in ab_variants(runner).items():
+            times = replay_ms_under(runner, setting, batches, ctx, bs, per)
             for entry in out["decode"]:
-                entry["graph_replay_ms_no_pdl"] = off[entry["batch"]]
-                print(f"decode b={entry['batch']} without PDL: graph "
-                      f"{off[entry['batch']]:.2f} ms", flush=True)
+                entry[f"graph_replay_ms_{name}"] = times[entry["batch"]]
+                print(f"decode b={entry['batch']} {name}: graph {times[entry['batch']]:.2f} ms",
+                      flush=True)
             gc.collect()
             torch.cuda.empty_cache()
     if "prefill" in parts:
@@ -647,13 +672,14 @@ def write_report(res: dict, path: Path) -> None:
                  f"{m['attention_backend']}, block {m['block_size']})\n"
                  "| batch | eager ms | CUDA graph ms | graph step wall ms | memory roofline ms | "
                  "% of roofline (graph) | tok/s | matmul compute floor ms | graph ms without "
-                 "PDL |\n|---|---|---|---|---|---|---|---|---|\n")
+                 "PDL | graph ms, rotary unfused |\n|---|---|---|---|---|---|---|---|---|---|\n")
         for d in m["decode"]:
             L.append(f"| {d['batch']} | {d['eager_ms']:.2f} | {d['graph_replay_ms']:.2f} | "
                      f"{d['graph_step_wall_ms']:.2f} | {d['roofline_ms']:.2f} | "
                      f"{d['pct_of_roofline']:.0f}% | {d['tokens_per_s']:.0f} | "
                      f"{d.get('matmul_compute_floor_ms', float('nan')):.2f} | "
-                     f"{d.get('graph_replay_ms_no_pdl', float('nan')):.2f} |\n")
+                     f"{d.get('graph_replay_ms_no_pdl', float('nan')):.2f} | "
+                     f"{d.get('graph_replay_ms_unfused_rotary', float('nan')):.2f} |\n")
     if m.get("prefill"):
         L.append("\n## Prefill\n| shape | ms | tokens/s | compute roofline ms | % of roofline |\n"
                  "|---|---|---|---|---|\n")
@@ -690,14 +716,16 @@ def write_report(res: dict, path: Path) -> None:
                          f"{f32['single_gpu_bf16']['rel_err']:.2e}\n")
         if tp.get("decode"):
             L.append("\n| batch | one GPU graph ms | TP graph ms | TP wall ms | speedup | TP "
-                     "without GEMV push ms | TP without PDL ms |\n|---|---|---|---|---|---|---|\n")
+                     "without GEMV push ms | TP without PDL ms | TP rotary unfused ms |\n"
+                     "|---|---|---|---|---|---|---|---|\n")
             for d in tp["decode"]:
                 one, sp = d.get("single_gpu_ms"), d.get("speedup")
                 L.append(f"| {d['batch']} | {one if one is None else f'{one:.2f}'} | "
                          f"{d['graph_replay_ms']:.2f} | {d['graph_step_wall_ms']:.2f} | "
                          f"{sp if sp is None else f'{sp:.2f}x'} | "
                          f"{d.get('graph_replay_ms_unpushed', float('nan')):.2f} | "
-                         f"{d.get('graph_replay_ms_no_pdl', float('nan')):.2f} |\n")
+                         f"{d.get('graph_replay_ms_no_pdl', float('nan')):.2f} | "
+                         f"{d.get('graph_replay_ms_unfused_rotary', float('nan')):.2f} |\n")
         if tp.get("allreduce"):
             L.append("\n| all-reduce [batch, 4096] bf16 | layers' path | eager us | in graph us "
                      "| x64 per step ms | NCCL in graph us | 64 chained sums exact |\n"

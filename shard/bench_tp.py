@@ -19,8 +19,7 @@ import json
 import math
 import os
 import socket
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 PROMPT_LENS = (17, 5, 45)
@@ -472,17 +471,14 @@ def _bench_8b(model_dir: Path, job: dict, dist, device: str) -> dict:
 def _ab_variants(runner, dist, decode: list[dict], block_size: int, blocks_per_seq: int) -> None:
     """A/B in the same processes, graphs recaptured per variant: each entry of `decode` gains
     graph_replay_ms_unpushed (the row-parallel GEMVs write tensors that the fused all-reduce
-    pushes itself: the design before the GEMV epilogue push) and graph_replay_ms_no_pdl
-    (programmatic dependent launch off)."""
-    from shard import pdl
-    from shard.bench import replay_ms_under
+    pushes itself: the design before the GEMV epilogue push) and those of bench.ab_variants."""
+    from shard.bench import ab_variants, attribute_set, replay_ms_under
 
     variants: dict[str, AbstractContextManager] = {}
     fused = dist.fused_all_reduce_norm
     if fused is not None:
-        variants["unpushed"] = _pushes_refused(fused)
-    if pdl.enabled(runner.device):
-        variants["no_pdl"] = pdl.override(False)
+        variants["unpushed"] = attribute_set(fused, "accept_pushes", False)
+    variants.update(ab_variants(runner))
     batches = sorted(d["batch"] for d in decode)
     for name, setting in variants.items():
         times = replay_ms_under(runner, setting, batches, decode[0]["context"], block_size,
@@ -492,16 +488,6 @@ def _ab_variants(runner, dist, decode: list[dict], block_size: int, blocks_per_s
             if dist.rank == 0:
                 print(f"TP={dist.world_size} decode b={entry['batch']} {name}: graph "
                       f"{ms:.2f} ms", flush=True)
-
-
-@contextmanager
-def _pushes_refused(fused) -> Iterator[None]:
-    """The fused all-reduce + norm pushing its own input (GEMV epilogue pushes refused)."""
-    fused.accept_pushes = False
-    try:
-        yield
-    finally:
-        fused.accept_pushes = True
 
 
 def run_ranks(world: int, job: dict, timeout_s: float = 900.0) -> dict:

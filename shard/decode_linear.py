@@ -397,17 +397,27 @@ def _unfused_gate_up_silu(
 def _measure(
     weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None, silu_mul: bool
 ) -> dict[int, BucketChoice]:
-    """Autotunes the GEMV per bucket, then times its config and the cuBLAS path alike."""
+    """Autotunes the GEMV per bucket, then times its config and the cuBLAS path alike: batch 1
+    back to back in a CUDA graph, as its config was chosen (shard/gemv_graph_tuning.py; a
+    single-call timing of the in-graph pick can lose to cuBLAS's there and flip the choice to
+    the slower path in the step), larger buckets one call at a time like the autotuner."""
+    from shard.gemv_graph_tuning import time_in_graph_us, weight_views
     from shard.triton_gemv import bench_us, tune_gemv
 
     configs = tune_gemv(weight, None, bias, dtype, silu_mul=silu_mul)
     x = torch.randn((GEMV_MAX_M, weight.shape[1]), dtype=dtype, device=weight.device)  # [16, K]
     cublas = _unfused_gate_up_silu if silu_mul else F.linear
+    views = weight_views(weight)
     record = {}
     for bucket in M_BUCKETS:
         xb, cfg = x[:bucket], configs[bucket]
-        t_triton = bench_us(functools.partial(_gemv, xb, weight, bias, silu_mul, cfg))
-        t_cublas = bench_us(functools.partial(cublas, xb, weight, bias))
+        if bucket == 1:
+            t_triton = time_in_graph_us(
+                lambda w, xb=xb, cfg=cfg: _gemv(xb, w, bias, silu_mul, cfg), views)
+            t_cublas = time_in_graph_us(lambda w, xb=xb: cublas(xb, w, bias), views)
+        else:
+            t_triton = bench_us(functools.partial(_gemv, xb, weight, bias, silu_mul, cfg))
+            t_cublas = bench_us(functools.partial(cublas, xb, weight, bias))
         record[bucket] = BucketChoice(winner(t_triton, t_cublas), cfg, t_triton, t_cublas)
     return record
 

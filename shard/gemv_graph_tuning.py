@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
@@ -30,7 +30,7 @@ _MIN_LAUNCHES = 16
 _REPLAYS = 5
 
 
-def _rotation(weight: torch.Tensor) -> list[torch.Tensor]:
+def weight_views(weight: torch.Tensor) -> list[torch.Tensor]:
     """Weight-shaped tensors whose bytes together overflow the L2 twice: [weight] when it does
     alone, else views of one scratch allocation (freed with the list)."""
     l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
@@ -42,29 +42,25 @@ def _rotation(weight: torch.Tensor) -> list[torch.Tensor]:
     return [part.view(weight.shape) for part in flat.chunk(count)]
 
 
-def _graph_us_per_launch(
-    config: triton.Config,
-    x: torch.Tensor,  # [1, K]
-    views: Sequence[torch.Tensor],
-    scale: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    silu_mul: bool,
-) -> float:
-    from shard.triton_gemv import gemv
+def time_in_graph_us(call: Callable[[torch.Tensor], object], views: Sequence[torch.Tensor]) -> float:
+    """Median microseconds per call of call(view) when >= 16 calls cycling through `views` run
+    back to back in a CUDA graph (compiled and warmed up eagerly first)."""
+    device = views[0].device
+    rounds = math.ceil(_MIN_LAUNCHES / len(views))
 
-    def launches() -> None:
-        for _ in range(math.ceil(_MIN_LAUNCHES / len(views))):
+    def calls() -> None:
+        for _ in range(rounds):
             for w in views:
-                gemv(x, w, scale, bias, silu_mul=silu_mul, config=config)
+                call(w)
 
-    stream = torch.cuda.Stream(x.device)
-    stream.wait_stream(torch.cuda.current_stream(x.device))
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        launches()  # compiles and loads this variant before the capture
-    torch.cuda.current_stream(x.device).wait_stream(stream)
+        calls()  # compiles and loads what the calls launch before the capture
+    torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        launches()
+        calls()
     graph.replay()
     times = []
     for _ in range(_REPLAYS):
@@ -75,8 +71,7 @@ def _graph_us_per_launch(
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    n = math.ceil(_MIN_LAUNCHES / len(views)) * len(views)
-    return 1e3 * statistics.median(times) / n
+    return 1e3 * statistics.median(times) / (rounds * len(views))
 
 
 def fastest_in_graph(
@@ -88,13 +83,18 @@ def fastest_in_graph(
     candidates: Sequence[triton.Config],  # batch-1 configs (triton_gemv.configs_for(1, ...))
 ) -> tuple[triton.Config, dict[str, float]]:
     """(the candidate with the lowest in-graph time per launch, {config: us} of all)."""
+    from shard.triton_gemv import gemv
+
     x = torch.zeros((1, weight.shape[1]), dtype=dtype, device=weight.device)  # [1, K]
-    views = _rotation(weight)
+    views = weight_views(weight)
     timings: dict[str, float] = {}
     best: tuple[float, triton.Config] | None = None
     for config in candidates:
         try:
-            us = _graph_us_per_launch(config, x, views, scale, bias, silu_mul)
+            us = time_in_graph_us(
+                lambda w, config=config: gemv(x, w, scale, bias, silu_mul=silu_mul, config=config),
+                views,
+            )
         except triton.runtime.errors.OutOfResources:  # e.g. shared memory: not a candidate here
             us = math.inf
         timings[str(config)] = us

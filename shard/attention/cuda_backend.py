@@ -58,6 +58,9 @@ class CudaAttentionBackend:
         # Decode reads only device tensors and its grid depends on the batch size alone, so
         # decode steps can be captured in CUDA graphs (shard/cuda_graphs.py).
         self.graph_safe = True
+        # Decode-only steps take rotate_write_and_attend_decode (one kernel for rotary, the cache
+        # store and attention); benchmarks switch it off to compare with the two-kernel path.
+        self.fuse_rotary_into_decode = True
 
     def write_kv(
         self,

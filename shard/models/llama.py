@@ -128,7 +128,9 @@ class LlamaAttention(nn.Module):
             k = self.k_proj(x).view(n, self.local_kv_heads, self.head_dim)
             v = self.v_proj(x).view(n, self.local_kv_heads, self.head_dim)
         key_cache, value_cache = cache
-        fused_decode = getattr(self.attention, "rotate_write_and_attend_decode", None)
+        fused_decode = None
+        if getattr(self.attention, "fuse_rotary_into_decode", False):
+            fused_decode = self.attention.rotate_write_and_attend_decode
         fused_store = getattr(self.attention, "rotate_and_write_kv", None)
         fast = x.is_cuda and self.kv_calibration is None
         if (fused_decode is not None and fast and meta.is_decode_only

@@ -212,10 +212,10 @@ def test_batch1_config_is_the_in_graph_fastest_candidate():
     """tune_gemv re-chooses batch 1 by timing every candidate back to back in a CUDA graph over
     weight-shaped views that overflow the L2 twice; the pick is the fastest of those timings."""
     from shard import triton_gemv
-    from shard.gemv_graph_tuning import _rotation, fastest_in_graph
+    from shard.gemv_graph_tuning import fastest_in_graph, weight_views
 
     w, _ = _weights(4096, 2048, seed=11)  # [4096, 2048]: 16 MB, below the L2
-    views = _rotation(w)
+    views = weight_views(w)
     l2 = torch.cuda.get_device_properties(w.device).L2_cache_size
     assert sum(v.numel() * v.element_size() for v in views) >= 2 * l2
     assert all(v.shape == w.shape and v.dtype == w.dtype for v in views)
