@@ -305,6 +305,12 @@ _FP8_FMA_CONFIGS = (
     _config(8, 1024, 4, 3, False),
     _config(4, 2048, 4, 1, False),
     _config(8, 2048, 4, 1, False),
+    # Whole 4096-wide rows in one tile (the same elements per thread as 8 x 2048): with
+    # programmatic dependent launch a program's first tile streams before it waits on the
+    # previous kernel, so for K = 4096 that is all of its weight (chosen in-graph or not at all,
+    # shard/gemv_graph_tuning.py).
+    _config(4, 4096, 4, 1, False),
+    _config(8, 4096, 8, 1, False),
 )
 # fp8, 2 <= M <= 16, tensor cores (mma.sync m16n8k16; tl.dot needs BLOCK_N >= 16, and num_warps
 # <= BLOCK_N / 8 keeps warps from repeating each other's columns). All pipelined; shared memory
