@@ -581,7 +581,7 @@ def test_fp8_linear_gemv_matches_dequant_path(bias):
         assert rel_err(y, dequant(x)) < 0.01, lead
         ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
         assert rel_err(y, ref) < 0.035, lead  # fp8 weights, ~2.5%: see the CPU test above
-    assert (torch.bfloat16, False) in gemv._gemv_tuned
+    assert (torch.bfloat16, False) in gemv._gemv_configs
     # Past the cutoff the W8A8 path runs, unchanged.
     x = torch.randn(17, 4096, device=device, dtype=torch.bfloat16)
     assert rel_err(gemv(x), x.float() @ w.float().t() + (0 if b is None else b.float())) < 0.045
@@ -626,5 +626,5 @@ def test_fp8_linear_captured_before_any_eager_call_falls_back():
         y = lin(x)  # untuned while capturing: no autotuning, no first kernel load; W8A8 instead
     graph.replay()
     torch.cuda.synchronize()
-    assert not lin._gemv_tuned
+    assert not lin._gemv_configs
     assert rel_err(y, x.float() @ w.float().t()) < 0.045
