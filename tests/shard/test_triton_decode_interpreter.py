@@ -18,18 +18,9 @@ Triton reads TRITON_INTERPRET when a kernel is defined, hence a fresh process pe
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-import numpy as np
-import pytest
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.triton_interpreter import INTERPRETER_MARKS, run_interpreted
 
 _PRELUDE = textwrap.dedent(
     """
@@ -216,26 +207,10 @@ _FP8_CHECK = textwrap.dedent(
 
 
 def _run_interpreted(check: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run(
-        [sys.executable, "-c", _PRELUDE + check],
-        check=False,
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
+    run_interpreted(_PRELUDE + check)
 
 
-pytestmark = [
-    pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (not a CPU dependency)"),
-    pytest.mark.skipif(
-        np.lib.NumpyVersion(np.__version__) >= "2.4.0",
-        reason="triton 3.6's interpreter cannot take runtime loop bounds with numpy >= 2.4",
-    ),
-]
+pytestmark = INTERPRETER_MARKS
 
 
 def test_fused_rotary_decode_model_dtype_cache_in_interpreter():
