@@ -37,6 +37,11 @@ Design (memory-bound: what matters is bytes in flight, ~26-40 KB per SM on an H2
   up rows (tile row 2j: gate row c_j, 2j+1: up row I + c_j), so the bytes in flight per config
   are the same as without the epilogue and the epilogue splits the tile's last axis in pairs.
 
+Programmatic dependent launch (shard/pdl.py), batch 1: a program loads its first weight tile
+before waiting on the previous kernel, so the start of the weight stream overlaps that kernel's
+tail; batch 1's config is chosen by timing the candidates back to back in a CUDA graph
+(shard/gemv_graph_tuning.py), where that overlap and each config's ramp and tail show.
+
 CUDA graphs: everything a launch needs must be compiled and loaded before capture (Triton's
 first launch loads a module, which a capturing stream forbids) and autotuning benchmarks with
 host syncs, so `tune_gemv` runs every M bucket eagerly once per (weight shape, bias, epilogue,
@@ -305,13 +310,9 @@ _FP8_FMA_CONFIGS = (
     _config(8, 1024, 4, 3, False),
     _config(4, 2048, 4, 1, False),
     _config(8, 2048, 4, 1, False),
-    # Whole 4096-wide rows in one tile (the same elements per thread as 8 x 2048): with
-    # programmatic dependent launch a program's first tile streams before it waits on the
-    # previous kernel, so for K = 4096 that is all of its weight (chosen in-graph or not at all,
-    # shard/gemv_graph_tuning.py).
-    _config(4, 4096, 4, 1, False),
-    _config(8, 4096, 8, 1, False),
 )
+# (Whole 4096-wide rows, 4 x 4096 and 8 x 4096, were tried as candidates with PDL, where a
+# program's first tile is then all of a K = 4096 row: the fp8 step stayed at 2.49 ms.)
 # fp8, 2 <= M <= 16, tensor cores (mma.sync m16n8k16; tl.dot needs BLOCK_N >= 16, and num_warps
 # <= BLOCK_N / 8 keeps warps from repeating each other's columns). All pipelined; shared memory
 # per stage is BLOCK_N * BLOCK_K fp8 + 16 * BLOCK_K x (bf16/fp16): 64-96 KB per program.
