@@ -13,6 +13,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,30 @@ INTERPRETER_MARKS = [
         reason="triton 3.6's interpreter cannot take runtime loop bounds with numpy >= 2.4",
     ),
 ]
+
+# Prepended to checks that run bf16 tl.dot: triton 3.6's interpreter multiplies bf16 operands as
+# raw 16-bit integers; widening them to fp32 first is exact.
+BF16_DOT_PRELUDE = textwrap.dedent(
+    """
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    _dot = interpreter.InterpreterBuilder.create_dot
+
+    def _widen_bf16(h):
+        if h.dtype != tl.bfloat16:
+            return h
+        data = interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None)
+        return interpreter.TensorHandle(data.view(np.float32), tl.float32)
+
+    def _create_dot(self, a, b, d, *rest):  # bf16 dot operands are exact in fp32
+        return _dot(self, _widen_bf16(a), _widen_bf16(b), d, *rest)
+
+    interpreter.InterpreterBuilder.create_dot = _create_dot
+    """
+)
 
 
 def run_interpreted(source: str, timeout_s: float = 280.0) -> None:

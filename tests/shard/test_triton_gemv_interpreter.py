@@ -13,27 +13,18 @@ from __future__ import annotations
 
 import textwrap
 
-from tests.helpers.triton_interpreter import INTERPRETER_MARKS, run_interpreted
+from tests.helpers.triton_interpreter import (
+    BF16_DOT_PRELUDE,
+    INTERPRETER_MARKS,
+    run_interpreted,
+)
 
-_PRELUDE = textwrap.dedent(
+_PRELUDE = BF16_DOT_PRELUDE + textwrap.dedent(
     """
     import numpy as np
     import torch
     import triton.language as tl
     from triton.runtime import interpreter
-
-    _dot = interpreter.InterpreterBuilder.create_dot
-
-    def _widen_bf16(h):
-        if h.dtype != tl.bfloat16:
-            return h
-        data = interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None)
-        return interpreter.TensorHandle(data.view(np.float32), tl.float32)
-
-    def _create_dot(self, a, b, d, *rest):  # bf16 dot operands are exact in fp32
-        return _dot(self, _widen_bf16(a), _widen_bf16(b), d, *rest)
-
-    interpreter.InterpreterBuilder.create_dot = _create_dot
 
     from shard.triton_gemv import configs_for, gemv
 
