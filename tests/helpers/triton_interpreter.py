@@ -21,16 +21,18 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-INTERPRETER_MARKS = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("triton") is None,
-        reason="triton not installed (not a CPU dependency)",
-    ),
-    pytest.mark.skipif(
-        np.lib.NumpyVersion(np.__version__) >= "2.4.0",
-        reason="triton 3.6's interpreter cannot take runtime loop bounds with numpy >= 2.4",
-    ),
-]
+def _unavailable_reason() -> str:
+    if importlib.util.find_spec("triton") is None:
+        return "triton not installed (not a CPU dependency)"
+    if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
+        return "triton 3.6's interpreter cannot take runtime loop bounds with numpy >= 2.4"
+    return ""
+
+
+_REASON = _unavailable_reason()
+# Skips a test where the interpreter cannot run; INTERPRETER_MARKS for a module's pytestmark.
+requires_interpreter = pytest.mark.skipif(bool(_REASON), reason=_REASON or "available")
+INTERPRETER_MARKS = [requires_interpreter]
 
 # Prepended to checks that run bf16 tl.dot: triton 3.6's interpreter multiplies bf16 operands as
 # raw 16-bit integers; widening them to fp32 first is exact.

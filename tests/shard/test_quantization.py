@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -36,11 +31,10 @@ from shard.quantization.fp8 import (
 )
 from shard.quantization.kv_cache import KvScales, calibrate_scale, dequantize_kv, quantize_kv
 from shard.quantization.methods import Fp8ScaleLayout
+from tests.helpers.triton_interpreter import requires_interpreter, run_interpreted
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 HAS_CUDA = torch.cuda.is_available()
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -291,23 +285,10 @@ _INTERPRETER_CHECK = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (not a CPU dependency)")
-@pytest.mark.skipif(
-    np.lib.NumpyVersion(np.__version__) >= "2.4.0",
-    reason="triton 3.6's interpreter cannot take runtime loop bounds with numpy >= 2.4",
-)
+@requires_interpreter
 def test_fp8_gemv_kernel_in_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run(
-        [sys.executable, "-c", _INTERPRETER_CHECK],
-        check=False,
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
+    run_interpreted(_INTERPRETER_CHECK, timeout_s=240)
+
 
 
 # ----------------------------------------------------------------------------------- bitsandbytes
