@@ -40,13 +40,15 @@ def grid(weight_bytes: int) -> list:
     rows: twice the elements of bf16 ones for the same bytes)."""
     out = []
     ks = (256, 512, 1024) if weight_bytes == 2 else (512, 1024, 2048)
-    for block_n, block_k, warps, stages in itertools.product(
-        (2, 4, 8, 16), ks, (4, 8), (1, 3, 4)
+    for block_n, block_k, warps, stages, prefetch in itertools.product(
+        (2, 4, 8, 16), ks, (4, 8), (1, 3, 4), (False, True)
     ):
         in_flight = block_n * block_k * weight_bytes * max(stages - 1, 1)
         if not 2048 <= in_flight <= 24576 or (stages == 1 and block_k < 512):
             continue
-        out.append(triton_gemv._config(block_n, block_k, warps, stages, False))
+        if prefetch and stages != 1:  # (the register double buffer is the STAGES=1 loop's)
+            continue
+        out.append(triton_gemv._config(block_n, block_k, warps, stages, False, prefetch))
     return out
 
 

@@ -165,6 +165,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr = False,  # M == 1: hold the next weight tile in flight (see below)
     PUSH: tl.constexpr = False,
     RANK: tl.constexpr = 0,
     WORLD: tl.constexpr = 1,
@@ -239,23 +240,39 @@ def _gemv_kernel(
         # and a [BLOCK_N] accumulator, not a fp32 copy of the tile: the tile, i.e. the bytes each
         # program has in flight, can be large.
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        k_first = 0
-        if PDL:
-            # The first weight tile does not depend on the previous kernel: load it before the
-            # wait, so its DRAM latency overlaps that kernel's tail (shard/pdl.py). x, the
-            # previous kernel's output, only after.
+        if PREFETCH:
+            # Register double buffer: tile i + 1's load is issued before tile i's conversion and
+            # FMAs, so a program keeps weight bytes in flight while it computes. Without it a
+            # STAGES=1 program's loads stop for the compute of every tile, which costs fp8 most
+            # (twice the elements, so conversions and FMAs, per byte of 16-bit weights). The
+            # first tile is loaded before the wait on the previous kernel, as below.
             w = _weight_tile(w_rows, offs_k, row_mask, K)  # [BLOCK_N, BLOCK_K]
             wait_for_predecessor(PDL)
-            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-            k_first = BLOCK_K
-        for k0 in tl.range(k_first, K, BLOCK_K, num_stages=STAGES):
-            k = k0 + offs_k
-            # The weight load first: its HBM latency then overlaps x's (L2) load and the
-            # layout shuffle x takes to match w's layout.
-            w = _weight_tile(w_rows, k, row_mask, K)  # [BLOCK_N, BLOCK_K]
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=1):
+                # past the last tile the mask is all false: no memory traffic
+                w_next = _weight_tile(w_rows, k0 + BLOCK_K + offs_k, row_mask, K)
+                k = k0 + offs_k
+                x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
+                acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+                w = w_next
+        else:
+            k_first = 0
+            if PDL:
+                # The first weight tile does not depend on the previous kernel: load it before the
+                # wait, so its DRAM latency overlaps that kernel's tail (shard/pdl.py). x, the
+                # previous kernel's output, only after.
+                w = _weight_tile(w_rows, offs_k, row_mask, K)  # [BLOCK_N, BLOCK_K]
+                wait_for_predecessor(PDL)
+                x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+                k_first = BLOCK_K
+            for k0 in tl.range(k_first, K, BLOCK_K, num_stages=STAGES):
+                k = k0 + offs_k
+                # The weight load first: its HBM latency then overlaps x's (L2) load and the
+                # layout shuffle x takes to match w's layout.
+                w = _weight_tile(w_rows, k, row_mask, K)  # [BLOCK_N, BLOCK_K]
+                x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
+                acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         _epilogue(
             acc[None, :],
             tl.arange(0, 1),
@@ -283,9 +300,12 @@ def _gemv_kernel(
         )
 
 
-def _config(block_n: int, block_k: int, warps: int, stages: int, use_dot: bool) -> triton.Config:
+def _config(
+    block_n: int, block_k: int, warps: int, stages: int, use_dot: bool, prefetch: bool = False
+) -> triton.Config:
     return triton.Config(
-        {"BLOCK_N": block_n, "BLOCK_K": block_k, "USE_DOT": use_dot, "STAGES": stages},
+        {"BLOCK_N": block_n, "BLOCK_K": block_k, "USE_DOT": use_dot, "STAGES": stages,
+         "PREFETCH": prefetch},
         num_warps=warps,
         num_stages=stages,
     )
@@ -310,6 +330,10 @@ _FP8_FMA_CONFIGS = (
     _config(8, 1024, 4, 3, False),
     _config(4, 2048, 4, 1, False),
     _config(8, 2048, 4, 1, False),
+    _config(4, 1024, 4, 1, False, prefetch=True),
+    _config(8, 1024, 4, 1, False, prefetch=True),
+    _config(4, 2048, 4, 1, False, prefetch=True),
+    _config(16, 512, 4, 1, False, prefetch=True),
 )
 # (Whole 4096-wide rows, 4 x 4096 and 8 x 4096, were tried as candidates with PDL, where a
 # program's first tile is then all of a K = 4096 row: the fp8 step stayed at 2.49 ms.)
@@ -343,6 +367,10 @@ _W16_FMA_CONFIGS = (
     _config(4, 1024, 4, 1, False),
     _config(8, 1024, 4, 1, False),
     _config(8, 1024, 8, 1, False),
+    _config(2, 1024, 4, 1, False, prefetch=True),
+    _config(4, 512, 4, 1, False, prefetch=True),
+    _config(4, 1024, 4, 1, False, prefetch=True),
+    _config(8, 512, 4, 1, False, prefetch=True),
 )
 # 16-bit weights, 2 <= M <= 16: half fp8's BLOCK_K keeps the weight bytes per stage (BLOCK_N x
 # BLOCK_K x 2 B: 8-16 KB); x's [16, BLOCK_K] tile shrinks with it. Each program re-reads x from
