@@ -330,10 +330,7 @@ _FP8_FMA_CONFIGS = (
     _config(8, 1024, 4, 3, False),
     _config(4, 2048, 4, 1, False),
     _config(8, 2048, 4, 1, False),
-    _config(4, 1024, 4, 1, False, prefetch=True),
-    _config(8, 1024, 4, 1, False, prefetch=True),
-    _config(4, 2048, 4, 1, False, prefetch=True),
-    _config(16, 512, 4, 1, False, prefetch=True),
+    _config(8, 2048, 8, 1, False),
 )
 # (Whole 4096-wide rows, 4 x 4096 and 8 x 4096, were tried as candidates with PDL, where a
 # program's first tile is then all of a K = 4096 row: the fp8 step stayed at 2.49 ms.)
@@ -368,9 +365,7 @@ _W16_FMA_CONFIGS = (
     _config(8, 1024, 4, 1, False),
     _config(8, 1024, 8, 1, False),
     _config(2, 1024, 4, 1, False, prefetch=True),
-    _config(4, 512, 4, 1, False, prefetch=True),
     _config(4, 1024, 4, 1, False, prefetch=True),
-    _config(8, 512, 4, 1, False, prefetch=True),
 )
 # 16-bit weights, 2 <= M <= 16: half fp8's BLOCK_K keeps the weight bytes per stage (BLOCK_N x
 # BLOCK_K x 2 B: 8-16 KB); x's [16, BLOCK_K] tile shrinks with it. Each program re-reads x from
