@@ -332,8 +332,12 @@ _FP8_FMA_CONFIGS = (
     _config(8, 2048, 4, 1, False),
     _config(8, 2048, 8, 1, False),
 )
+# 8 x 2048 with 8 warps won the in-graph sweep for down (16.1 -> 15.5 us) and tied for o
+# (raw/gemv_sweep_fp8_prefetch_session6_h200x2.json). The register double buffer (PREFETCH) lost
+# on every fp8 shape (e.g. down 4 x 2048: 16.1 -> 18.2 us), so no fp8 candidate uses it.
 # (Whole 4096-wide rows, 4 x 4096 and 8 x 4096, were tried as candidates with PDL, where a
-# program's first tile is then all of a K = 4096 row: the fp8 step stayed at 2.49 ms.)
+# program's first tile is then all of a K = 4096 row: the fp8 step stayed at 2.49 ms; forced
+# onto o_proj, or onto q/k/v, o and gate/up, the step got slower: 2.53 -> 2.61 / 2.71 ms.)
 # fp8, 2 <= M <= 16, tensor cores (mma.sync m16n8k16; tl.dot needs BLOCK_N >= 16, and num_warps
 # <= BLOCK_N / 8 keeps warps from repeating each other's columns). All pipelined; shared memory
 # per stage is BLOCK_N * BLOCK_K fp8 + 16 * BLOCK_K x (bf16/fp16): 64-96 KB per program.
@@ -364,6 +368,9 @@ _W16_FMA_CONFIGS = (
     _config(4, 1024, 4, 1, False),
     _config(8, 1024, 4, 1, False),
     _config(8, 1024, 8, 1, False),
+    # Register double buffer: 2 x 1024 won TP=2 q/k/v (7.94 -> 7.16 us) and 4 x 1024 one-GPU o
+    # by a hair (raw/gemv_sweep_bf16_prefetch_session6_h200x2.json); the other shapes keep the
+    # plain loop.
     _config(2, 1024, 4, 1, False, prefetch=True),
     _config(4, 1024, 4, 1, False, prefetch=True),
 )
