@@ -45,11 +45,11 @@ async def _until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-u
 
 @contextlib.asynccontextmanager
 async def _deploy(
-    tokenizer_dir: Path, *, max_concurrent: int, channels: int = 1
+    tokenizer_dir: Path, *, max_concurrent: int, channels: int = 1, step_delay_s: float = 0.002
 ) -> AsyncIterator[tuple[Sequence[object], str, int, object]]:
     """The fake shard and `tokenwire router --frontends 2`; yields stubs over `channels`
     separate connections (SO_REUSEPORT spreads connections, not calls, over the front ends)."""
-    cfg = FakeShardConfig(num_blocks=512, block_size=16, step_delay_s=0.002)
+    cfg = FakeShardConfig(num_blocks=512, block_size=16, step_delay_s=step_delay_s)
     shard_server, _, shard_url = await start_fake_shard(cfg)
     port, prom = free_port(), free_port()
     proc = subprocess.Popen(  # noqa: ASYNC220 - fixture setup
@@ -90,7 +90,11 @@ async def _deploy(
 
 @pytest.fixture
 async def deployment(tokenizer_dir: Path) -> AsyncIterator[tuple[object, str, int, object]]:
-    async with _deploy(tokenizer_dir, max_concurrent=64) as (stubs, shard_url, prom, shard):
+    # 5 ms a step: the "doomed" stream below must still be running when its shard stops, even
+    # when a loaded machine starves this event loop for a while after its first token.
+    async with _deploy(tokenizer_dir, max_concurrent=64, step_delay_s=0.005) as (
+        stubs, shard_url, prom, shard
+    ):
         yield stubs[0], shard_url, prom, shard
 
 
@@ -137,9 +141,9 @@ async def test_cancel_half_frees_blocks_and_shard_death_is_unavailable(deploymen
         while (await c.read()) is not grpc.aio.EOF:
             n += 1
         assert n == 150
-    await _until(lambda: _gauge(prom, "tokenwire_kv_blocks_free") == total)
+    await _until(lambda: _gauge(prom, "tokenwire_kv_blocks_free") == total, timeout=30.0)
 
-    long = stub.GenerateStream(_req("doomed stream", 200))
+    long = stub.GenerateStream(_req("doomed stream", 240))  # >= 1.2 s of steps
     await long.read()
     await shard_server.stop(None)
     with pytest.raises(grpc.aio.AioRpcError) as err:
