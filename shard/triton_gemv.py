@@ -210,31 +210,7 @@ def _gemv_kernel(
             # e4m3 values are exact in bf16 and fp16 (and 16-bit weights are x's dtype): the
             # conversion loses nothing.
             acc = tl.dot(x, w.to(x_ptr.dtype.element_ty), acc)  # [16, BLOCK_N] fp32
-        _epilogue(
-            acc,
-            offs_m,
-            rows,
-            row_mask,
-            pid,
-            s_ptr,
-            b_ptr,
-            y_ptr,
-            xchg_ptr,
-            xstate_ptr,
-            M,
-            N,
-            stride_ym,
-            16,
-            HAS_SCALE,
-            HAS_BIAS,
-            SILU_MUL,
-            BLOCK_N,
-            PUSH,
-            RANK,
-            WORLD,
-            MAX_ROWS,
-            MAX_HIDDEN,
-        )
+        acc_rows = acc  # [16, BLOCK_N]: the MMA's row tile
     else:
         # M == 1 (the launcher only picks this path then): one x row, CUDA cores. Each
         # iteration reduces its tile over K at once, so registers hold the loaded weight bytes
@@ -275,31 +251,34 @@ def _gemv_kernel(
                 w = _weight_tile(w_rows, k, row_mask, K)  # [BLOCK_N, BLOCK_K]
                 x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
                 acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        _epilogue(
-            acc[None, :],
-            tl.arange(0, 1),
-            rows,
-            row_mask,
-            pid,
-            s_ptr,
-            b_ptr,
-            y_ptr,
-            xchg_ptr,
-            xstate_ptr,
-            M,
-            N,
-            stride_ym,
-            1,
-            HAS_SCALE,
-            HAS_BIAS,
-            SILU_MUL,
-            BLOCK_N,
-            PUSH,
-            RANK,
-            WORLD,
-            MAX_ROWS,
-            MAX_HIDDEN,
-        )
+        acc_rows = acc[None, :]  # [1, BLOCK_N]
+        offs_m = tl.arange(0, 1)
+    # (The branches above are compile-time: only the taken one defines acc_rows and offs_m.)
+    _epilogue(
+        acc_rows,
+        offs_m,
+        rows,
+        row_mask,
+        pid,
+        s_ptr,
+        b_ptr,
+        y_ptr,
+        xchg_ptr,
+        xstate_ptr,
+        M,
+        N,
+        stride_ym,
+        acc_rows.shape[0],
+        HAS_SCALE,
+        HAS_BIAS,
+        SILU_MUL,
+        BLOCK_N,
+        PUSH,
+        RANK,
+        WORLD,
+        MAX_ROWS,
+        MAX_HIDDEN,
+    )
 
 
 def _config(
