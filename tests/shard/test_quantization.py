@@ -272,6 +272,18 @@ _INTERPRETER_CHECK = textwrap.dedent(
                         assert y.shape == (m, n) and y.dtype == dtype
                         err = float((y.float() - ref).abs().max() / ref.abs().max())
                         assert err <= bound, (n, k, dtype, bias is not None, m, str(cfg), err)
+    # Whole tiles (N, K multiples of every CUDA-core BLOCK_N, BLOCK_K): the unmasked loads.
+    q, s = quantize_fp8_per_channel(torch.randn(32, 2048))
+    wd = q.float() * s[:, None]
+    for dtype, bound in ((torch.float16, 2**-10), (torch.bfloat16, 2**-7)):
+        x = torch.randn(1, 2048).to(dtype)
+        ref = x.float() @ wd.t()
+        for cfg in configs_for(1):
+            if cfg.kwargs["USE_DOT"]:
+                continue
+            err = float((fp8_gemv(x, q, s, None, config=cfg).float() - ref).abs().max()
+                        / ref.abs().max())
+            assert err <= bound, (dtype, str(cfg), err)
     # Strided and misaligned activations are normalized before the launch.
     q, s = quantize_fp8_per_channel(torch.randn(40, 64))
     wd = q.float() * s[:, None]

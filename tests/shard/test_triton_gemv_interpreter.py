@@ -53,6 +53,15 @@ _GEMV_CHECK = textwrap.dedent(
                         err = max_rel(y, ref)
                         what = (n, k, dtype, bias is not None, m, str(cfg), err)
                         assert err <= BOUND[dtype], what
+    # Whole tiles: N and K multiples of every CUDA-core config's BLOCK_N and BLOCK_K, so those
+    # configs run their unmasked (EVEN) loads.
+    w32 = torch.randn(32, 2048)
+    for dtype in (torch.bfloat16, torch.float16):
+        w, x = w32.to(dtype), torch.randn(1, 2048).to(dtype)
+        ref = x.float() @ w.float().t()
+        for cfg in configs_for(1, dtype):
+            err = max_rel(gemv(x, w, config=cfg), ref)
+            assert err <= BOUND[dtype], (dtype, str(cfg), err)
     # Strided and misaligned activations are normalized before the launch.
     w = torch.randn(40, 64).to(torch.bfloat16)
     base = torch.randn(4, 192).to(torch.bfloat16)
@@ -156,7 +165,7 @@ def _run_interpreted(check: str) -> None:
 pytestmark = INTERPRETER_MARKS
 
 
-def test_16bit_gemv_every_config_in_interpreter():
+def test_16bit_gemv_every_config_in_interpreter():  # (incl. the unmasked whole-tile loads)
     _run_interpreted(_GEMV_CHECK)
 
 
