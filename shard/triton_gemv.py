@@ -20,10 +20,8 @@ Design (memory-bound: what matters is bytes in flight, ~26-40 KB per SM on an H2
   output zeroed by one more kernel per linear. Small N (unfused k/v projections, N = 1024) gets
   only ~2 programs per SM and streams well below bandwidth: fuse such projections instead.
 - M == 1 (`USE_DOT=False`): CUDA cores. Each iteration converts its [BLOCK_N, BLOCK_K] tile
-  to fp32, multiplies by the x row and sums each thread's 16-byte vectors in registers
-  ([BLOCK_N, BLOCK_K / VEC] partial sums); the reduction across lanes and warps runs once after
-  the loop. Registers hold the raw weight bytes in flight and the partial sums, not an fp32 copy
-  of the tile.
+  to fp32, multiplies by the x row and reduces over K into a [BLOCK_N] accumulator right away, so
+  registers hold only the raw weight bytes in flight, not an fp32 copy of the tile.
 - 2 <= M <= 16 (`USE_DOT=True`): tensor cores. The x rows are padded to the MMA's 16-row tile
   (masked loads, nothing read from memory for padding rows) and
   tl.dot(x [16, BLOCK_K], w.to(x dtype) [BLOCK_K, BLOCK_N]) accumulates in fp32. On CUDA cores
@@ -134,13 +132,9 @@ def _epilogue(
 
 
 @triton.jit
-def _weight_tile(w_rows, k, row_mask, K, EVEN: tl.constexpr):
+def _weight_tile(w_rows, k, row_mask, K):
     """[BLOCK_N, BLOCK_K] weight tile at columns k of the program's rows (w_rows: [BLOCK_N]
-    row-start pointers); read once, so marked evict-first to keep the caches for x. EVEN: the
-    tile is known to lie inside the weight, so no mask (each masked 16-byte load also costs a
-    register clear and a predicate)."""
-    if EVEN:
-        return tl.load(w_rows[:, None] + k[None, :], eviction_policy="evict_first")
+    row-start pointers); read once, so marked evict-first to keep the caches for x."""
     return tl.load(
         w_rows[:, None] + k[None, :],
         mask=row_mask[:, None] & (k < K)[None, :],
@@ -149,33 +143,6 @@ def _weight_tile(w_rows, k, row_mask, K, EVEN: tl.constexpr):
     )
 
 
-@triton.jit
-def _vector_sums(w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
-    """[BLOCK_N, BLOCK_K // VEC] fp32: the tile's products w * x summed over each run of VEC
-    columns, one 16-byte vector load (VEC = 16 fp8 or 8 16-bit elements) held by one thread,
-    so the sums are chains of FMAs inside a thread (no cross-lane reduction)."""
-    prods = w.to(tl.float32) * x[None, :]  # [BLOCK_N, BLOCK_K]
-    return tl.sum(tl.reshape(prods, [BLOCK_N, BLOCK_K // VEC, VEC]), axis=2)
-
-
-@triton.jit
-def _x_row(x_ptr, k, K, EVEN: tl.constexpr):
-    """[BLOCK_K] fp32 slice of the single x row at columns k (masked past K unless EVEN)."""
-    if EVEN:
-        return tl.load(x_ptr + k).to(tl.float32)
-    return tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-
-
-def _even_tiles(args: dict[str, object]) -> bool:
-    """The EVEN constexpr of a launch: a CUDA-core config whose tiles cover the weight exactly
-    (every Llama-3-8B shape at TP=1 and 2 but down's K = 7168 with BLOCK_K = 2048), so its loads
-    need no masks. The tensor-core path ignores it (and gets False: no second compilation)."""
-    rows = int(args["N"]) * (2 if args["SILU_MUL"] else 1)  # weight rows
-    return (not args["USE_DOT"] and rows % int(args["BLOCK_N"]) == 0
-            and int(args["K"]) % int(args["BLOCK_K"]) == 0)
-
-
-@triton.heuristics({"EVEN": _even_tiles})
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _gemv_kernel(
     x_ptr,  # [M, K] bf16/fp16, rows stride_xm apart, unit column stride
@@ -200,14 +167,12 @@ def _gemv_kernel(
     USE_DOT: tl.constexpr,
     STAGES: tl.constexpr,
     PREFETCH: tl.constexpr = False,  # M == 1: hold the next weight tile in flight (see below)
-    TILE_ACC: tl.constexpr = False,  # M == 1: accumulate the whole tile, not vector sums (below)
     PUSH: tl.constexpr = False,
     RANK: tl.constexpr = 0,
     WORLD: tl.constexpr = 1,
     MAX_ROWS: tl.constexpr = 1,
     MAX_HIDDEN: tl.constexpr = 1,
     PDL: tl.constexpr = False,  # launched as a programmatic dependent (shard/pdl.py)
-    EVEN: tl.constexpr = False,  # N and K are whole tiles (set by _even_tiles): loads unmasked
 ):
     let_dependents_launch(PDL)
     pid = tl.program_id(0)
@@ -247,23 +212,11 @@ def _gemv_kernel(
             acc = tl.dot(x, w.to(x_ptr.dtype.element_ty), acc)  # [16, BLOCK_N] fp32
         acc_rows = acc  # [16, BLOCK_N]: the MMA's row tile
     else:
-        # M == 1 (the launcher only picks this path then): one x row, CUDA cores. The products
-        # are summed inside each thread across the loop, into vec_sums [BLOCK_N, BLOCK_K // VEC]:
-        # per 16-byte vector of the thread's tile (VEC elements: one FMA chain) or, TILE_ACC,
-        # per element (VEC = 1: a whole-tile fp32 accumulator, one FMA per element, for configs
-        # where that is <= 32 registers a thread: _config). The reduction across lanes and warps
-        # runs once, after the loop. Reducing every tile at once (a [BLOCK_N] accumulator, as
-        # before) cost each iteration a shuffle tree and, where warps split K, a shared-memory
-        # exchange with barriers. sm_90 SASS per loop iteration, 64 weight bytes a thread,
-        # unmasked (EVEN): fp8 8 x 2048 (8 warps) 295 -> 220 instructions, registers 64 -> 48;
-        # 16-bit 4 x 1024 198 -> 116 (TILE_ACC). A whole-tile accumulator on the big fp8 tiles
-        # takes 115-215 registers and measured slower (fp8 step 2.51 -> 2.64 ms,
-        # raw/ab_gemv_accumulators_session7_h200x2.md). On CUDA cores an fp8 byte costs a
-        # conversion to f16 (half an instruction), one to f32 and an FMA, a 16-bit byte about one
-        # instruction; fewer instructions per byte made every Llama-3-8B GEMV faster in the
-        # in-graph sweeps (fp8 o 5.30 -> 5.10 us, down 16.10 -> 15.38; bf16 o 9.16 -> 8.40).
-        VEC: tl.constexpr = 1 if TILE_ACC else 128 // w_ptr.dtype.element_ty.primitive_bitwidth
-        vec_sums = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+        # M == 1 (the launcher only picks this path then): one x row, CUDA cores. Each
+        # iteration reduces its tile over K at once, so registers hold the loaded weight bytes
+        # and a [BLOCK_N] accumulator, not a fp32 copy of the tile: the tile, i.e. the bytes each
+        # program has in flight, can be large.
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         if PREFETCH:
             # Register double buffer: tile i + 1's load is issued before tile i's conversion and
             # FMAs, so the program keeps weight bytes in flight while it computes (the plain
@@ -271,13 +224,14 @@ def _gemv_kernel(
             # registers. Measured per shape, not assumed: it wins some 16-bit shapes and lost on
             # every fp8 one (the candidate lists). The first tile is loaded before the wait on
             # the previous kernel, as below.
-            w = _weight_tile(w_rows, offs_k, row_mask, K, EVEN)  # [BLOCK_N, BLOCK_K]
+            w = _weight_tile(w_rows, offs_k, row_mask, K)  # [BLOCK_N, BLOCK_K]
             wait_for_predecessor(PDL)
             for k0 in tl.range(0, K, BLOCK_K, num_stages=1):
-                # past the last tile the mask is all false: no memory traffic (so always masked)
-                w_next = _weight_tile(w_rows, k0 + BLOCK_K + offs_k, row_mask, K, False)
-                x = _x_row(x_ptr, k0 + offs_k, K, EVEN)  # [BLOCK_K]
-                vec_sums += _vector_sums(w, x, BLOCK_N, BLOCK_K, VEC)
+                # past the last tile the mask is all false: no memory traffic
+                w_next = _weight_tile(w_rows, k0 + BLOCK_K + offs_k, row_mask, K)
+                k = k0 + offs_k
+                x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
+                acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
                 w = w_next
         else:
             k_first = 0
@@ -285,19 +239,19 @@ def _gemv_kernel(
                 # The first weight tile does not depend on the previous kernel: load it before the
                 # wait, so its DRAM latency overlaps that kernel's tail (shard/pdl.py). x, the
                 # previous kernel's output, only after.
-                w = _weight_tile(w_rows, offs_k, row_mask, K, EVEN)  # [BLOCK_N, BLOCK_K]
+                w = _weight_tile(w_rows, offs_k, row_mask, K)  # [BLOCK_N, BLOCK_K]
                 wait_for_predecessor(PDL)
-                x = _x_row(x_ptr, offs_k, K, EVEN)
-                vec_sums += _vector_sums(w, x, BLOCK_N, BLOCK_K, VEC)
+                x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
                 k_first = BLOCK_K
             for k0 in tl.range(k_first, K, BLOCK_K, num_stages=STAGES):
                 k = k0 + offs_k
                 # The weight load first: its HBM latency then overlaps x's (L2) load and the
                 # layout shuffle x takes to match w's layout.
-                w = _weight_tile(w_rows, k, row_mask, K, EVEN)  # [BLOCK_N, BLOCK_K]
-                x = _x_row(x_ptr, k, K, EVEN)  # [BLOCK_K]
-                vec_sums += _vector_sums(w, x, BLOCK_N, BLOCK_K, VEC)
-        acc_rows = tl.sum(vec_sums, axis=1)[None, :]  # [1, BLOCK_N]
+                w = _weight_tile(w_rows, k, row_mask, K)  # [BLOCK_N, BLOCK_K]
+                x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
+                acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        acc_rows = acc[None, :]  # [1, BLOCK_N]
         offs_m = tl.arange(0, 1)
     # (The branches above are compile-time: only the taken one defines acc_rows and offs_m.)
     _epilogue(
@@ -330,12 +284,9 @@ def _gemv_kernel(
 def _config(
     block_n: int, block_k: int, warps: int, stages: int, use_dot: bool, prefetch: bool = False
 ) -> triton.Config:
-    # CUDA cores: a whole-tile fp32 accumulator where it costs at most 32 registers a thread
-    # (see TILE_ACC in the kernel).
-    tile_acc = not use_dot and block_n * block_k <= 32 * 32 * warps
     return triton.Config(
         {"BLOCK_N": block_n, "BLOCK_K": block_k, "USE_DOT": use_dot, "STAGES": stages,
-         "PREFETCH": prefetch, "TILE_ACC": tile_acc},
+         "PREFETCH": prefetch},
         num_warps=warps,
         num_stages=stages,
     )
