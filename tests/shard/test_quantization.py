@@ -272,7 +272,7 @@ _INTERPRETER_CHECK = textwrap.dedent(
                         assert y.shape == (m, n) and y.dtype == dtype
                         err = float((y.float() - ref).abs().max() / ref.abs().max())
                         assert err <= bound, (n, k, dtype, bias is not None, m, str(cfg), err)
-    # Whole tiles (N, K multiples of every CUDA-core BLOCK_N, BLOCK_K): the unmasked loads.
+    # Whole tiles (N, K multiples of every CUDA-core BLOCK_N, BLOCK_K): no masked tail.
     q, s = quantize_fp8_per_channel(torch.randn(32, 2048))
     wd = q.float() * s[:, None]
     for dtype, bound in ((torch.float16, 2**-10), (torch.bfloat16, 2**-7)):
