@@ -204,14 +204,17 @@ def _store_new_kv(
 
 @triton.jit
 def _rotary_prologue(
-    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, cos_ptr, sin_ptr,
-    pos_ptr, slot_ptr, out_ptr,  # as in _decode_split_kernel
+    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr,  # as in _decode_split_kernel
+    cos_t,  # [1, HALF_PAD] fp32: the new token's rotary tables (_rope_tables)
+    sin_t,
+    slot,  # int64: the new token's cache slot, < 0: none
     seq,  # int64
     kvh,
     split,
     is_owner,  # this program's split holds the new token: it stores the new k, v
     stride_q_seq, stride_q_head, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
-    stride_cos, stride_slot, stride_out_seq, stride_out_head, stride_out_split,
+    stride_slot, stride_out_seq, stride_out_head, stride_out_split,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -223,15 +226,12 @@ def _rotary_prologue(
     """FUSED_ROTARY's first phase (module docstring): rotates the group's q into this program's
     own output rows, stores the new k, v if is_owner, then returns the rotated q
     [GROUP_PAD, BLOCK_D] (model dtype) read back after a CTA barrier."""
-    cos_t, sin_t = _rope_tables(cos_ptr, sin_ptr, pos_ptr, seq, stride_cos,
-                                q_ptr.dtype.element_ty, HALF, HALF_PAD)  # [1, HALF_PAD] each
     # This program's output rows (no other program touches them) are scratch for the rotated
     # q; the kernel overwrites them with its result at the end.
     rows = out_ptr + seq * stride_out_seq + split * stride_out_split
     _rotate_q_group(q_ptr, rows + kvh * GROUP * stride_out_head, seq, kvh, stride_q_seq,
                     stride_q_head, stride_out_head, cos_t, sin_t, GROUP, GROUP_PAD, HALF,
                     HALF_PAD)
-    slot = tl.load(slot_ptr + seq).to(tl.int64)
     if is_owner & (slot >= 0):
         _store_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, seq, kvh,
                       slot, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
@@ -244,6 +244,38 @@ def _rotary_prologue(
     mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
     at = (kvh * GROUP + offs_g)[:, None] * stride_out_head + offs_d[None, :]
     return tl.load(rows + at, mask=mask, other=0.0).to(q_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _kv_offsets(bt_row, pos, mask_n, offs_d, kv_head_off, stride_slot, PAGE: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] element offsets of positions `pos` ([BLOCK_N]) of one KV head in the
+    paged cache, through the sequence's block-table row (positions outside mask_n: page 0)."""
+    page = tl.load(bt_row + pos // PAGE, mask=mask_n, other=0).to(tl.int64)
+    slot = page * PAGE + (pos % PAGE)
+    return slot[:, None] * stride_slot + kv_head_off + offs_d[None, :]
+
+
+@triton.jit
+def _load_kv(k_cache_ptr, v_cache_ptr, kv_off, mask, dtype):
+    """K and V tiles [BLOCK_N, BLOCK_D] at kv_off, zeros outside mask; fp8 caches are upcast to
+    the query dtype (exact: e4m3 c bf16/fp16)."""
+    k = tl.load(k_cache_ptr + kv_off, mask=mask, other=0.0).to(dtype)
+    v = tl.load(v_cache_ptr + kv_off, mask=mask, other=0.0).to(dtype)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, k, v, mask_n, m_i, l_i, acc, qk_scale):
+    """One online-softmax step: q [GROUP_PAD, BLOCK_D] against the tile's k, v [BLOCK_N,
+    BLOCK_D] (positions outside mask_n [BLOCK_N] ignored); returns the new (m_i, l_i, acc)."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 domain
+    s = tl.where(mask_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -291,11 +323,14 @@ def _decode_split_kernel(
     HALF_PAD: tl.constexpr,
     FP8_MAX: tl.constexpr,  # > 0 (FUSED_ROTARY): fp8 cache, store x / scale saturated
     PDL: tl.constexpr = False,  # launched as a programmatic dependent (shard/pdl.py)
+    EARLY_TILE: tl.constexpr = False,  # load the first K/V tile before the wait (see _decode)
 ):
-    # Latency-bound at decode batch sizes: let the next kernel launch now; read nothing before
-    # the previous one (q/k/v's GEMV) is done.
+    # Latency-bound at decode batch sizes: let the next kernel launch now. Before the wait on
+    # the previous kernel (q/k/v's GEMV, or the rotary + store kernel) only what it cannot have
+    # written is read: the step's inputs (copied in before any kernel of the step ran), the fp8
+    # scales, and (EARLY_TILE) the first tile's cache rows of earlier tokens; so their DRAM
+    # latency, the block table's and that tile's included, overlaps that kernel.
     let_dependents_launch(PDL)
-    wait_for_predecessor(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -321,15 +356,35 @@ def _decode_split_kernel(
     mask_g = offs_g < GROUP
     mask_d = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_head_off = kvh * HEAD_DIM
+    dtype = q_ptr.dtype.element_ty
+    if FUSED_ROTARY:
+        cos_t, sin_t = _rope_tables(cos_ptr, sin_ptr, pos_ptr, seq.to(tl.int64), stride_cos,
+                                    dtype, HALF, HALF_PAD)  # [1, HALF_PAD] each
+        new_slot = tl.load(slot_ptr + seq).to(tl.int64)
+    if EARLY_TILE:
+        # The first tile without the new token's row (position seq_len - 1, written by the
+        # previous kernel or, FUSED_ROTARY, by this very kernel below).
+        first_pos = start + offs_n  # [BLOCK_N]
+        first_in = first_pos < end
+        first_new = first_in & (first_pos == seq_len - 1)
+        first_off = _kv_offsets(bt_row, first_pos, first_in, offs_d, kv_head_off, stride_slot,
+                                PAGE)
+        k_first, v_first = _load_kv(k_cache_ptr, v_cache_ptr, first_off,
+                                    (first_in & ~first_new)[:, None] & mask_d[None, :], dtype)
+    wait_for_predecessor(PDL)
+
     if FUSED_ROTARY:
         # The split holding the new token (position seq_len - 1) stores its k, v; split 0 when
         # the row is empty, so that the cache matches rotary_store_kv for any slot_mapping.
         owner = tl.where(span > 0, (seq_len - 1 - lo) // tl.maximum(chunk, 1), 0)
         q = _rotary_prologue(
-            q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, cos_ptr,
-            sin_ptr, pos_ptr, slot_ptr, out_ptr, seq.to(tl.int64), kvh, split, split == owner,
+            q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+            cos_t, sin_t, new_slot, seq.to(tl.int64), kvh, split, split == owner,
             stride_q_seq, stride_q_head, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
-            stride_cos, stride_slot, stride_out_seq, stride_out_head, stride_out_split, GROUP,
+            stride_slot, stride_out_seq, stride_out_head, stride_out_split, GROUP,
             GROUP_PAD, HEAD_DIM, BLOCK_D, HALF, HALF_PAD, FP8_MAX,
         )  # [GROUP_PAD, BLOCK_D]
     else:
@@ -343,27 +398,24 @@ def _decode_split_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    kv_head_off = kvh * HEAD_DIM
-    for tile in range(start, end, BLOCK_N):
+    loop_start = start
+    if EARLY_TILE:
+        if start < end:  # (an empty split attends to nothing)
+            # The new token's row now (FUSED_ROTARY: after the prologue's barrier); where the
+            # first tile holds it, in place of the zeros the early load left there.
+            k_new, v_new = _load_kv(k_cache_ptr, v_cache_ptr, first_off,
+                                    first_new[:, None] & mask_d[None, :], dtype)
+            k_first = tl.where(first_new[:, None], k_new, k_first)
+            v_first = tl.where(first_new[:, None], v_new, v_first)
+            m_i, l_i, acc = _attend_tile(q, k_first, v_first, first_in, m_i, l_i, acc, qk_scale)
+        loop_start = start + BLOCK_N
+    for tile in range(loop_start, end, BLOCK_N):
         pos = tile + offs_n  # [BLOCK_N]
         mask_n = pos < end
-        page = tl.load(bt_row + pos // PAGE, mask=mask_n, other=0).to(tl.int64)
-        slot = page * PAGE + (pos % PAGE)
-        kv_off = slot[:, None] * stride_slot + kv_head_off + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        # [BLOCK_N, BLOCK_D]; fp8 caches are upcast to the query dtype (exact: e4m3 c bf16/fp16)
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 domain
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        kv_off = _kv_offsets(bt_row, pos, mask_n, offs_d, kv_head_off, stride_slot, PAGE)
+        k, v = _load_kv(k_cache_ptr, v_cache_ptr, kv_off, mask_n[:, None] & mask_d[None, :],
+                        dtype)
+        m_i, l_i, acc = _attend_tile(q, k, v, mask_n, m_i, l_i, acc, qk_scale)
 
     if FUSED_ROTARY:
         # Every thread has read its q (the scratch) before any thread overwrites it below.
@@ -608,6 +660,10 @@ def _decode(
         HALF=head_dim // 2,
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
         FP8_MAX=fp8_max,
+        # Only batch 1's q/k/v GEMV is itself a PDL launch that lets this kernel start early
+        # (shard/triton_gemv.py); elsewhere the early tile just sits in registers (batch 8: step
+        # 4.25 -> 4.48 ms fp8, benchmarks/QUANT_TP.md).
+        EARLY_TILE=num_seqs == 1,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch_options(query.device),

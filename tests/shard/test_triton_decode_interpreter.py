@@ -169,14 +169,15 @@ _PRELUDE = BF16_DOT_PRELUDE + textwrap.dedent(
 )
 
 # Model-dtype caches: bf16, fp16 and fp32 (the tiny test models), head_dim 64 and 48 (HALF_PAD >
-# HALF, BLOCK_D > head_dim), batch 1 and a batch with a padding row, one split and several (the
+# HALF, BLOCK_D > head_dim), batch 1 (one tile, and three: the first tile loaded before the PDL
+# wait, the new token in a later one) and a batch with a padding row, one split and several (the
 # new token in a later split, empty splits), with and without a sliding window.
 _MODEL_DTYPE_CHECK = textwrap.dedent(
     """
     seed = 0
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for head_dim in (64, 48):
-            for seq_lens in ([37], [70, 0, 130, 1]):
+            for seq_lens in ([37], [150], [70, 0, 130, 1]):
                 for num_splits in (1, 3):
                     for window in (None, 20):
                         seed += 1
