@@ -263,8 +263,9 @@ def attribute_set(obj: object, name: str, value: object) -> Iterator[None]:
 
 def ab_variants(runner) -> dict[str, AbstractContextManager]:
     """{name: a context manager that switches one decode optimization off} for the A/B timings
-    of replay_ms_under: "no_pdl" (programmatic dependent launch) and "unfused_rotary" (rotary +
-    cache store as their own kernel before decode attention), where they apply."""
+    of replay_ms_under: "no_pdl" (programmatic dependent launch), "unfused_rotary" (rotary +
+    cache store as their own kernel before decode attention) and "q_through_memory" (the fused
+    kernel's rotated q parked in memory and read back), where they apply."""
     from shard import pdl
 
     variants: dict[str, AbstractContextManager] = {}
@@ -273,6 +274,9 @@ def ab_variants(runner) -> dict[str, AbstractContextManager]:
     if getattr(runner.attention, "fuse_rotary_into_decode", False):
         variants["unfused_rotary"] = attribute_set(runner.attention, "fuse_rotary_into_decode",
                                                    False)
+        from shard.attention import triton_decode
+
+        variants["q_through_memory"] = triton_decode.q_through_memory()
     return variants
 
 

@@ -9,32 +9,41 @@ stream K/V at full bandwidth. Design:
   so a CUDA graph captured at one batch size stays valid for any lengths;
 - K/V are gathered through the block table one BLOCK_N tile at a time (BLOCK_N spans several
   cache blocks; each row is a contiguous head_dim vector);
-- partial results (unnormalised output + log-sum-exp per split) are merged by a second small
-  kernel; with one split the first kernel writes the final output directly.
+- each split stores its partial result (normalised output + log2-sum-exp), then takes a ticket
+  (an acq_rel atomic on a per-(sequence, KV head) counter); the split that takes the last one
+  merges them all and resets the counter (_merge_splits). No second kernel: at batch 1 that is
+  one launch and one programmatic-dependent hop fewer per layer (benchmarks/QUANT_TP.md, ninth
+  session). With one split the kernel writes the final output directly.
 
 Fused rotary mode (`rotary_store_decode_attention`, FUSED_ROTARY): the split kernel also does
 what shard.triton_ops.rotary_store_kv does before it, saving one launch per layer and step:
 - it takes the UNROTATED q/k/v (strided views of the merged projection output), the rotary
   cos/sin tables, positions and slot_mapping;
 - every program rotates its GQA group's query heads (GROUP x head_dim, cheap) with the same
-  helpers and rounding points as rotary_store_kv, and parks them, rounded to the model dtype, in
-  its own rows of its output buffer (the final output, or its split's fp32 partial: exact for
-  model-dtype values), which it overwrites with the attention result at the end;
+  helpers and rounding points as rotary_store_kv, rounds them to the model dtype and joins the
+  two halves in registers (power-of-two head_dim; otherwise the halves' padding sits inside the
+  row, and q is parked in the program's own output rows and read back after a CTA barrier);
 - the one program per (sequence, KV head) whose split holds position seq_len - 1 rotates that
   head's k and stores k, v into the new token's cache slot (fp8: x / scale, saturated; slot < 0:
-  a CUDA-graph padding row, nothing stored);
-- then a CTA barrier makes those global writes visible to all of the program's threads, q is read
-  back, and the tile loop reads the new token from the cache like any other position.
-So the output and the cache are bit-identical to rotary_store_kv followed by
-paged_decode_attention (same instructions on the same values). Other sequences of the step must
-not read the new tokens' slots (true: only full blocks are shared, by the prefix cache), since
-no ordering exists between programs of different sequences.
+  a CUDA-graph padding row, nothing stored); at batch 1, where that row is in the program's
+  first tile (loaded before the PDL wait), it goes into the tile from registers;
+- then a CTA barrier makes those global writes visible to all of the program's threads, and the
+  tile loop reads the new token from the cache like any other position.
+So the cache is bit-identical to rotary_store_kv followed by paged_decode_attention, and so are
+the values the attention computes with; the output matches to the order of the fp32 sums inside
+the MMAs (Triton compiles the two kernels' dots apart: with bf16 caches a few outputs a step
+come out one bf16 step off, tests/gpu/test_fused_kernels.py; bit-identical under the
+interpreter). Other sequences of the step must not read the new tokens' slots (true: only full
+blocks are shared, by the prefix cache), since no ordering exists between programs of different
+sequences.
 
 Imported only on CUDA machines (triton is not needed on CPU).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -158,6 +167,21 @@ def _rotate_q_group(
 
 
 @triton.jit
+def _rows_of_halves(first, second):
+    """[R, 2 * HALF_PAD] rows from their first and second halves ([R, HALF_PAD] each), in
+    registers: the layout a head_dim vector has in memory when HALF == HALF_PAD."""
+    both = tl.permute(tl.join(first, second), (0, 2, 1))  # [R, 2, HALF_PAD]
+    return tl.reshape(both, [first.shape[0], 2 * first.shape[1]])
+
+
+@triton.jit
+def _first_row(tile):
+    """Row 0 of a [2, D] tile as a [D] vector (exact: no arithmetic)."""
+    row0, _ = tl.split(tl.permute(tile, (1, 0)))
+    return row0
+
+
+@triton.jit
 def _store_new_kv(
     k_ptr,  # unrotated [num_seqs, num_kv_heads, head_dim] (strided view)
     v_ptr,
@@ -180,7 +204,9 @@ def _store_new_kv(
     FP8_MAX: tl.constexpr,
 ):
     """Rotated k and plain v of (seq, kvh) into cache slot `slot`, exactly as rotary_store_kv
-    stores them (one head of its [heads, half] tiles: a 2-row tile, the second row masked)."""
+    stores them (one head of its [heads, half] tiles: a 2-row tile, the second row masked).
+    Returns the stored k and v rows [2 * HALF_PAD] as the attention reads them back (upcast to
+    the model dtype); they are the cache's bytes only when HALF == HALF_PAD."""
     dtype = k_ptr.dtype.element_ty
     cache_dtype = k_cache_ptr.dtype.element_ty
     ks = 1.0
@@ -191,15 +217,20 @@ def _store_new_kv(
     row = slot * stride_slot + kvh * (2 * HALF)
     k1, k2, at, m = _rope_load(k_ptr + kvh * stride_k_head, seq, stride_k_seq, stride_k_head, c,
                                s, 1, HALF, 2, HALF_PAD)
-    tl.store(k_cache_ptr + row + at, _to_cache(k1, ks, dtype, cache_dtype, FP8_MAX), mask=m)
-    tl.store(k_cache_ptr + row + at + HALF, _to_cache(k2, ks, dtype, cache_dtype, FP8_MAX),
-             mask=m)
+    k1 = _to_cache(k1, ks, dtype, cache_dtype, FP8_MAX)
+    k2 = _to_cache(k2, ks, dtype, cache_dtype, FP8_MAX)
+    tl.store(k_cache_ptr + row + at, k1, mask=m)
+    tl.store(k_cache_ptr + row + at + HALF, k2, mask=m)
     # V is not rotated; cos 1, sin 0 loads it through the same helper, as rotary_store_kv does.
     v1, v2, _, _ = _rope_load(v_ptr + kvh * stride_v_head, seq, stride_v_seq, stride_v_head, 1.0,
                               0.0, 1, HALF, 2, HALF_PAD)
-    tl.store(v_cache_ptr + row + at, _to_cache(v1, vs, dtype, cache_dtype, FP8_MAX), mask=m)
-    tl.store(v_cache_ptr + row + at + HALF, _to_cache(v2, vs, dtype, cache_dtype, FP8_MAX),
-             mask=m)
+    v1 = _to_cache(v1, vs, dtype, cache_dtype, FP8_MAX)
+    v2 = _to_cache(v2, vs, dtype, cache_dtype, FP8_MAX)
+    tl.store(v_cache_ptr + row + at, v1, mask=m)
+    tl.store(v_cache_ptr + row + at + HALF, v2, mask=m)
+    k_row = _first_row(_rows_of_halves(k1.to(dtype), k2.to(dtype)))
+    v_row = _first_row(_rows_of_halves(v1.to(dtype), v2.to(dtype)))
+    return k_row, v_row
 
 
 @triton.jit
@@ -222,28 +253,44 @@ def _rotary_prologue(
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    Q_IN_REGISTERS: tl.constexpr,  # HALF == HALF_PAD: halves joined in registers, no scratch
 ):
-    """FUSED_ROTARY's first phase (module docstring): rotates the group's q into this program's
-    own output rows, stores the new k, v if is_owner, then returns the rotated q
-    [GROUP_PAD, BLOCK_D] (model dtype) read back after a CTA barrier."""
-    # This program's output rows (no other program touches them) are scratch for the rotated
-    # q; the kernel overwrites them with its result at the end.
+    """FUSED_ROTARY's first phase (module docstring): rotates the group's q, stores the new k, v
+    if is_owner, and returns (q [GROUP_PAD, BLOCK_D] in the model dtype, the stored k and v rows
+    [BLOCK_D] as read back from the cache: zeros unless is_owner and slot >= 0).
+
+    Q_IN_REGISTERS: q's rotated halves are joined in registers. Otherwise (head_dim not a power
+    of two: the halves' padding sits inside the row) q goes through this program's own output
+    rows and is read back after a CTA barrier (the kernel overwrites them with its result)."""
     rows = out_ptr + seq * stride_out_seq + split * stride_out_split
-    _rotate_q_group(q_ptr, rows + kvh * GROUP * stride_out_head, seq, kvh, stride_q_seq,
-                    stride_q_head, stride_out_head, cos_t, sin_t, GROUP, GROUP_PAD, HALF,
-                    HALF_PAD)
+    if Q_IN_REGISTERS:
+        first, second, _, _ = _rope_load(q_ptr + kvh * GROUP * stride_q_head, seq, stride_q_seq,
+                                         stride_q_head, cos_t, sin_t, GROUP, HALF, GROUP_PAD,
+                                         HALF_PAD)
+        dtype = q_ptr.dtype.element_ty
+        q = _rows_of_halves(first.to(dtype), second.to(dtype))  # [GROUP_PAD, BLOCK_D]
+    else:
+        _rotate_q_group(q_ptr, rows + kvh * GROUP * stride_out_head, seq, kvh, stride_q_seq,
+                        stride_q_head, stride_out_head, cos_t, sin_t, GROUP, GROUP_PAD, HALF,
+                        HALF_PAD)
+    k_row = tl.zeros([BLOCK_D], dtype=q_ptr.dtype.element_ty)
+    v_row = tl.zeros([BLOCK_D], dtype=q_ptr.dtype.element_ty)
     if is_owner & (slot >= 0):
-        _store_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, seq, kvh,
-                      slot, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
-                      stride_slot, cos_t, sin_t, HALF, HALF_PAD, FP8_MAX)
+        k_row, v_row = _store_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                                     v_scale_ptr, seq, kvh, slot, stride_k_seq, stride_k_head,
+                                     stride_v_seq, stride_v_head, stride_slot, cos_t, sin_t,
+                                     HALF, HALF_PAD, FP8_MAX)
     # Every thread passes here (outside the branch): the CTA's global writes above become
-    # visible to all of its threads before q and the new token's K/V are read back.
+    # visible to all of its threads before anything reads them back (q's scratch; the new
+    # token's row, where the tile loop reaches it).
     tl.debug_barrier()
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    at = (kvh * GROUP + offs_g)[:, None] * stride_out_head + offs_d[None, :]
-    return tl.load(rows + at, mask=mask, other=0.0).to(q_ptr.dtype.element_ty)
+    if not Q_IN_REGISTERS:
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        at = (kvh * GROUP + offs_g)[:, None] * stride_out_head + offs_d[None, :]
+        q = tl.load(rows + at, mask=mask, other=0.0).to(q_ptr.dtype.element_ty)
+    return q, k_row, v_row
 
 
 @triton.jit
@@ -287,6 +334,8 @@ def _decode_split_kernel(
     seq_lens_ptr,  # [num_seqs]
     out_ptr,  # final [num_seqs, num_heads, head_dim] (ONE_SPLIT) or partial fp32
     lse_ptr,  # [num_seqs, num_heads, num_splits] fp32 (unused when ONE_SPLIT)
+    final_ptr,  # several splits: the final [num_seqs, num_heads, head_dim] output
+    ticket_ptr,  # several splits: [>= num_seqs * num_kv_heads] int32, zero between launches
     k_scale_ptr,  # [num_kv_heads] fp32 (SCALED only)
     v_scale_ptr,
     k_ptr,  # FUSED_ROTARY only: new k, v [num_seqs, num_kv_heads, head_dim], k not yet rotated
@@ -307,6 +356,8 @@ def _decode_split_kernel(
     stride_out_seq,
     stride_out_head,
     stride_out_split,
+    stride_final_seq,
+    stride_final_head,
     sm_scale_log2,  # softmax scale * log2(e)
     window,  # sliding window (positions), <= 0 for none
     NUM_SPLITS,  # runtime: one compiled kernel serves every split count
@@ -324,6 +375,9 @@ def _decode_split_kernel(
     FP8_MAX: tl.constexpr,  # > 0 (FUSED_ROTARY): fp8 cache, store x / scale saturated
     PDL: tl.constexpr = False,  # launched as a programmatic dependent (shard/pdl.py)
     EARLY_TILE: tl.constexpr = False,  # load the first K/V tile before the wait (see _decode)
+    Q_IN_REGISTERS: tl.constexpr = False,  # FUSED_ROTARY with HALF == HALF_PAD (_rotary_prologue)
+    GROUP_P2: tl.constexpr = 1,  # next power of two of GROUP (_merge_splits)
+    SPLITS_PAD: tl.constexpr = 1,  # next power of two of NUM_SPLITS (_merge_splits)
 ):
     # Latency-bound at decode batch sizes: let the next kernel launch now. Before the wait on
     # the previous kernel (q/k/v's GEMV, or the rotary + store kernel) only what it cannot have
@@ -380,13 +434,13 @@ def _decode_split_kernel(
         # The split holding the new token (position seq_len - 1) stores its k, v; split 0 when
         # the row is empty, so that the cache matches rotary_store_kv for any slot_mapping.
         owner = tl.where(span > 0, (seq_len - 1 - lo) // tl.maximum(chunk, 1), 0)
-        q = _rotary_prologue(
+        q, k_new, v_new = _rotary_prologue(
             q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
             cos_t, sin_t, new_slot, seq.to(tl.int64), kvh, split, split == owner,
             stride_q_seq, stride_q_head, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
             stride_slot, stride_out_seq, stride_out_head, stride_out_split, GROUP,
-            GROUP_PAD, HEAD_DIM, BLOCK_D, HALF, HALF_PAD, FP8_MAX,
-        )  # [GROUP_PAD, BLOCK_D]
+            GROUP_PAD, HEAD_DIM, BLOCK_D, HALF, HALF_PAD, FP8_MAX, Q_IN_REGISTERS,
+        )  # q [GROUP_PAD, BLOCK_D]; the stored new k, v rows [BLOCK_D] (owner only)
     else:
         q = tl.load(
             q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head
@@ -401,12 +455,21 @@ def _decode_split_kernel(
     loop_start = start
     if EARLY_TILE:
         if start < end:  # (an empty split attends to nothing)
-            # The new token's row now (FUSED_ROTARY: after the prologue's barrier); where the
-            # first tile holds it, in place of the zeros the early load left there.
-            k_new, v_new = _load_kv(k_cache_ptr, v_cache_ptr, first_off,
-                                    first_new[:, None] & mask_d[None, :], dtype)
-            k_first = tl.where(first_new[:, None], k_new, k_first)
-            v_first = tl.where(first_new[:, None], v_new, v_first)
+            # The new token's row now, where the first tile holds it, in place of the zeros the
+            # early load left there: the rows this program just stored, from registers
+            # (Q_IN_REGISTERS), else read back from the cache (FUSED_ROTARY: after the
+            # prologue's barrier). A fused step without a slot for it (not one the engine
+            # makes) reads whatever the cache holds there, as the unfused pair does.
+            reload = first_new
+            if Q_IN_REGISTERS:
+                stored = first_new & (new_slot >= 0)
+                reload = first_new & (new_slot < 0)
+                k_first = tl.where(stored[:, None], k_new[None, :], k_first)
+                v_first = tl.where(stored[:, None], v_new[None, :], v_first)
+            k_re, v_re = _load_kv(k_cache_ptr, v_cache_ptr, first_off,
+                                  reload[:, None] & mask_d[None, :], dtype)
+            k_first = tl.where(reload[:, None], k_re, k_first)
+            v_first = tl.where(reload[:, None], v_re, v_first)
             m_i, l_i, acc = _attend_tile(q, k_first, v_first, first_in, m_i, l_i, acc, qk_scale)
         loop_start = start + BLOCK_N
     for tile in range(loop_start, end, BLOCK_N):
@@ -417,7 +480,7 @@ def _decode_split_kernel(
                         dtype)
         m_i, l_i, acc = _attend_tile(q, k, v, mask_n, m_i, l_i, acc, qk_scale)
 
-    if FUSED_ROTARY:
+    if FUSED_ROTARY and not Q_IN_REGISTERS:
         # Every thread has read its q (the scratch) before any thread overwrites it below.
         tl.debug_barrier()
     out_mask = mask_g[:, None] & mask_d[None, :]
@@ -442,47 +505,106 @@ def _decode_split_kernel(
         num_heads = tl.num_programs(1) * GROUP
         lse_off = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
         tl.store(lse_ptr + lse_off, lse, mask=mask_g)
+        # The split that finishes last merges (no second kernel: one launch and one PDL hop
+        # fewer per layer). Every thread's stores above precede the ticket; the acq_rel atomic
+        # publishes them to (and, for the last split, acquires the others' from) the whole GPU.
+        tl.debug_barrier()
+        ticket_at = ticket_ptr + seq * tl.num_programs(1) + kvh
+        ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel", scope="gpu")
+        if ticket == NUM_SPLITS - 1:
+            tl.store(ticket_at, 0)  # every split has taken its ticket: reset for the next launch
+            _merge_splits(out_ptr, lse_ptr, final_ptr, seq.to(tl.int64), kvh, num_heads,
+                          NUM_SPLITS, stride_out_seq, stride_out_head, stride_out_split,
+                          stride_final_seq, stride_final_head, GROUP, GROUP_P2, SPLITS_PAD,
+                          HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
-def _decode_merge_kernel(
+def _merge_splits(
     part_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32, normalised per split
-    lse_ptr,  # [num_seqs, num_heads, num_splits] fp32 (log2 domain)
-    out_ptr,  # [num_seqs, num_heads, head_dim]
+    lse_ptr,  # [num_seqs, num_heads, num_splits] fp32 (log2 domain, -inf: empty split)
+    out_ptr,  # [num_seqs, num_heads, head_dim], the model dtype
+    seq,  # int64
+    kvh,
+    num_heads,
+    NUM_SPLITS,
+    stride_part_seq,
+    stride_part_head,
+    stride_part_split,
     stride_out_seq,
     stride_out_head,
-    NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched as a programmatic dependent (shard/pdl.py)
 ):
-    let_dependents_launch(PDL)  # o_proj's GEMV may start streaming its weight now
-    wait_for_predecessor(PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
+    """Merges the splits of KV head kvh's query heads of one sequence (run by the split kernel's
+    program that finishes last): o = sum_s w_s * part_s / sum_s w_s,
+    w_s = 2^(lse_s - max lse). The other programs wrote the partials: loaded past the L1
+    (.cg), which is not coherent across SMs and may hold an earlier step's lines."""
     offs_s = tl.arange(0, SPLITS_PAD)
+    offs_g = tl.arange(0, GROUP_P2)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < NUM_SPLITS
-    base = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
-    lse = tl.load(lse_ptr + base + offs_s, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse, 0)
+    heads = kvh * GROUP + offs_g  # [GROUP_P2]
+    mask_sg = (offs_s < NUM_SPLITS)[:, None] & (offs_g < GROUP)[None, :]  # [SPLITS_PAD, GROUP_P2]
+    lse = tl.load(lse_ptr + (seq * num_heads + heads[None, :]) * NUM_SPLITS + offs_s[:, None],
+                  mask=mask_sg, other=float("-inf"), cache_modifier=".cg")
+    part = tl.load(
+        part_ptr + seq * stride_part_seq + heads[None, :, None] * stride_part_head
+        + offs_s[:, None, None] * stride_part_split + offs_d[None, None, :],
+        mask=mask_sg[:, :, None] & (offs_d < HEAD_DIM)[None, None, :],
+        other=0.0,
+        cache_modifier=".cg",
+    )  # [SPLITS_PAD, GROUP_P2, BLOCK_D]
+    m = tl.max(lse, 0)  # [GROUP_P2]
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)  # 0 for empty splits
+    w = tl.exp2(lse - m[None, :])  # 0 for empty splits
     denom = tl.sum(w, 0)
     denom = tl.where(denom > 0, denom, 1.0)
-    part = tl.load(
-        part_ptr + (base + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
-        mask=mask_s[:, None] & (offs_d[None, :] < HEAD_DIM),
-        other=0.0,
-    )
-    o = tl.sum(part * w[:, None], 0) / denom
+    o = tl.sum(part * w[:, :, None], 0) / denom[:, None]  # [GROUP_P2, BLOCK_D]
     tl.store(
-        out_ptr + seq.to(tl.int64) * stride_out_seq + head * stride_out_head + offs_d,
+        out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + offs_d[None, :],
         o.to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
+        mask=(offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :],
     )
+
+
+# Per-device ticket counters of the split kernel's merge, one per (sequence, KV head) of a
+# launch: zero between launches (the last split resets its own), so allocated once, zeroed, and
+# never moved (CUDA graphs bake the address in). Default split counts split only batches of
+# fewer than num_sms (sequence, KV head) pairs, well inside the first allocation; larger explicit
+# counts grow it, outside capture only (old ones stay alive).
+_TICKETS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    held = _TICKETS.setdefault(device, [])
+    if held and held[-1].numel() >= count:
+        return held[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"decode attention: {count} ticket counters needed while capturing a CUDA graph, "
+            f"{held[-1].numel() if held else 0} allocated; run the batch eagerly first")
+    held.append(torch.zeros(max(count, 1024), dtype=torch.int32, device=device))
+    return held[-1]
+
+
+_q_through_memory = False  # A/B only (q_through_memory): FUSED_ROTARY's q path of head_dims
+# that are not powers of two, forced onto every head_dim
+
+
+@contextmanager
+def q_through_memory() -> Iterator[None]:
+    """Inside the block the fused mode parks the rotated q in its output rows and reads it back
+    (_rotary_prologue) whatever the head_dim: benchmarks compare it with the register path in
+    one process (kernels compile a variant per setting: capture a graph after an eager call)."""
+    global _q_through_memory
+    previous, _q_through_memory = _q_through_memory, True
+    try:
+        yield
+    finally:
+        _q_through_memory = previous
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> int:
@@ -585,7 +707,7 @@ def _decode(
     v_scale: torch.Tensor | None,
     new: _NewTokens | None,  # FUSED_ROTARY inputs, None: query is rotated, the cache written
 ) -> torch.Tensor:
-    """Launches the split kernel (and the merge kernel for more than one split). Host work only:
+    """Launches the split kernel (its last split per sequence and KV head merges). Host work only:
     no syncs; the temporaries depend on the batch shape alone (CUDA-graph capture)."""
     num_seqs, num_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
@@ -610,6 +732,9 @@ def _decode(
         )
         s_seq, s_head, s_split = part.stride(0), part.stride(1), part.stride(2)
     dummy = seq_lens  # pointer arguments that the compiled variant never reads
+    # (Allocated at the first call whatever the split count: a CUDA-graph warm-up runs only the
+    # largest batch, with one split, before the smaller, split batches are captured.)
+    tickets = _tickets(query.device, 0 if one else num_seqs * num_kv_heads)
     k_store_scale, v_store_scale, fp8_max = k_scale, v_scale, 0.0
     if new is not None and key_cache.element_size() == 1:  # the store divides by the scales
         fp8_max = float(torch.finfo(key_cache.dtype).max)
@@ -625,6 +750,8 @@ def _decode(
         seq_lens,
         part,
         lse,
+        out,
+        tickets,
         k_store_scale if scaled or fp8_max > 0 else dummy,
         v_store_scale if scaled or fp8_max > 0 else dummy,
         new.key if fused else dummy,
@@ -645,6 +772,8 @@ def _decode(
         s_seq,
         s_head,
         s_split,
+        out.stride(0),
+        out.stride(1),
         scale * LOG2E,
         sliding_window or 0,
         NUM_SPLITS=num_splits,
@@ -664,23 +793,12 @@ def _decode(
         # (shard/triton_gemv.py); elsewhere the early tile just sits in registers (batch 8: step
         # 4.25 -> 4.48 ms fp8, benchmarks/QUANT_TP.md).
         EARLY_TILE=num_seqs == 1,
+        Q_IN_REGISTERS=fused and head_dim // 2 == triton.next_power_of_2(head_dim // 2)
+        and not _q_through_memory,
+        GROUP_P2=triton.next_power_of_2(group),
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch_options(query.device),
     )
-    if not one:
-        _decode_merge_kernel[(num_seqs, num_heads)](
-            part,
-            lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            NUM_HEADS=num_heads,
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            num_warps=4,
-            **pdl.launch_options(query.device),
-        )
     return out

@@ -116,6 +116,19 @@ def _assert_same_bytes(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def _assert_equal_but_mma_order(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 attention outputs of the fused kernel and the unfused pair: the same values in and the
+    same math, but two compilations. With q joined in registers (the fused kernel) rather than
+    loaded from memory, Triton may feed the bf16 K tile to the MMAs differently, and the fp32
+    scores then round differently now and then: measured on an H200, 0-10 of 4096 outputs a step,
+    each one bf16 step (2^-7 relative) off, deterministically; fp8 caches matched exactly. So:
+    at most one bf16 step, in under 1% of the outputs."""
+    assert got.shape == want.shape and got.dtype == want.dtype == torch.bfloat16
+    diff = (got.float() - want.float()).abs()
+    assert (diff <= want.float().abs() * 2**-7 + 2**-24).all()
+    assert (diff > 0).float().mean() < 0.01
+
+
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("num_splits", [1, 5])
 @pytest.mark.parametrize("seq_lens", [[300], [300, 0, 1000, 17]], ids=["batch1", "padded"])
@@ -136,12 +149,39 @@ def test_rotary_store_decode_attention_equals_two_kernels(cache_dtype, seq_lens,
                                         *fused_cache, d.slots, d.tables, d.seq_lens, d.scale,
                                         window, num_splits, k_scale=d.scales[0],
                                         v_scale=d.scales[1])
-    assert torch.equal(got, want)
+    _assert_equal_but_mma_order(got, want)
     _assert_same_bytes(fused_cache, want_cache)
     assert not torch.equal(fused_cache.view(torch.uint8), d.cache.view(torch.uint8))  # stored
     for i, s in enumerate(seq_lens):
         if s == 0:
             assert not got[i].any()  # padding row: zeros
+
+
+@pytest.mark.parametrize("seq_lens", [[1024], [1024, 0, 700, 33]], ids=["batch1", "padded"])
+def test_last_split_merges_under_stress(seq_lens):
+    """The split that finishes last merges its (sequence, KV head) (the split kernel's ticket
+    protocol). 16 splits, 60 launches queued back to back with new queries and read after one
+    sync: each equals one split's result (no merge) to rounding, and every ticket counter is
+    back at zero. A merge that read a split's partial before it was written, or an earlier
+    launch's, would be off by a whole split's weight (~1/16 of the output)."""
+    from shard.attention import triton_decode
+
+    d = _decode_step(torch.bfloat16, seq_lens, seed=7)
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    results = []
+    for _ in range(60):
+        q = torch.randn(d.q.shape, device="cuda", generator=gen).to(torch.bfloat16)
+        split = triton_decode.paged_decode_attention(q, *d.cache, d.tables, d.seq_lens, d.scale,
+                                                     None, 16)
+        whole = triton_decode.paged_decode_attention(q, *d.cache, d.tables, d.seq_lens, d.scale,
+                                                     None, 1)
+        results.append((split, whole))
+    torch.cuda.synchronize()
+    for i, (split, whole) in enumerate(results):
+        torch.testing.assert_close(split, whole, atol=2e-3, rtol=1e-2, msg=f"launch {i}")
+    assert not torch.equal(results[0][0], results[1][0])  # new queries, new outputs
+    for tickets in triton_decode._TICKETS[d.q.device]:
+        assert not tickets.any()
 
 
 @pytest.mark.parametrize("seq_lens", [[300], [300, 0, 1000, 17]], ids=["batch1", "padded"])
@@ -200,7 +240,7 @@ def test_fused_decode_backend_in_cuda_graph_equals_two_kernels(cache_dtype, seq_
                                             kv_scales)
         want = backend.attend(q_rot, *want_cache, meta, first.scale, None, kv_scales)
         torch.cuda.synchronize()
-        assert torch.equal(out, want), seed
+        _assert_equal_but_mma_order(out, want)
         _assert_same_bytes(cache, want_cache)
 
 
