@@ -30,10 +30,9 @@ what shard.triton_ops.rotary_store_kv does before it, saving one launch per laye
 - then a CTA barrier makes those global writes visible to all of the program's threads, and the
   tile loop reads the new token from the cache like any other position.
 So the cache is bit-identical to rotary_store_kv followed by paged_decode_attention, and so are
-the values the attention computes with; the output matches to the order of the fp32 sums inside
-the MMAs (Triton compiles the two kernels' dots apart: with bf16 caches a few outputs a step
-come out one bf16 step off, tests/gpu/test_fused_kernels.py; bit-identical under the
-interpreter). Other sequences of the step must not read the new tokens' slots (true: only full
+the values the attention computes with; the output matches to bf16 rounding (the two kernels'
+dots compile apart: with bf16 caches a few outputs a step come out one bf16 step off,
+tests/gpu/test_fused_kernels.py; bit-identical under the interpreter). Other sequences of the step must not read the new tokens' slots (true: only full
 blocks are shared, by the prefix cache), since no ordering exists between programs of different
 sequences.
 

@@ -119,11 +119,10 @@ def _assert_same_bytes(a: torch.Tensor, b: torch.Tensor) -> None:
 def _assert_equal_but_mma_order(got: torch.Tensor, want: torch.Tensor) -> None:
     """bf16 attention outputs of the fused kernel and the unfused pair: the same values in and the
     same math, but two compilations. With q joined in registers (the fused kernel) rather than
-    loaded from memory, Triton feeds the bf16 K tile to the MMAs differently and the fp32 scores
-    round differently now and then: measured on an H200, 0-10 of 4096 outputs a step differ,
-    deterministically; fp8 caches matched exactly. So: under 1% of the outputs, each within
-    bf16 rounding of the scores' difference. (A stale or missing new K/V row, or a wrong merge,
-    moves most outputs by ~1e-2 or more.)"""
+    loaded from memory, some outputs come out one bf16 step apart, deterministically: measured
+    on an H200, 0-54 of 16384 per case, only with bf16 caches (benchmarks/QUANT_TP.md, ninth
+    session). So: under 1% of the outputs, each within bf16 rounding. (A stale or missing new
+    K/V row, or a wrong merge, moves most outputs by ~1e-2 or more.)"""
     assert got.shape == want.shape and got.dtype == want.dtype == torch.bfloat16
     diff = (got.float() - want.float()).abs().flatten()
     worst = int(diff.argmax())
