@@ -32,9 +32,9 @@ what shard.triton_ops.rotary_store_kv does before it, saving one launch per laye
 So the cache is bit-identical to rotary_store_kv followed by paged_decode_attention, and so are
 the values the attention computes with; the output matches to bf16 rounding (the two kernels'
 dots compile apart: with bf16 caches a few outputs a step come out one bf16 step off,
-tests/gpu/test_fused_kernels.py; bit-identical under the interpreter). Other sequences of the step must not read the new tokens' slots (true: only full
-blocks are shared, by the prefix cache), since no ordering exists between programs of different
-sequences.
+tests/gpu/test_fused_kernels.py; bit-identical under the interpreter). Other sequences of the
+step must not read the new tokens' slots (true: only full blocks are shared, by the prefix
+cache), since no ordering exists between programs of different sequences.
 
 Imported only on CUDA machines (triton is not needed on CPU).
 """
@@ -573,7 +573,8 @@ def _merge_splits(
 # launch: zero between launches (the last split resets its own), so allocated once, zeroed, and
 # never moved (CUDA graphs bake the address in). Default split counts split only batches of
 # fewer than num_sms (sequence, KV head) pairs, well inside the first allocation; larger explicit
-# counts grow it, outside capture only (old ones stay alive).
+# counts grow it, outside capture only (old ones stay alive). Launches on a device share them,
+# so they must run one after another (the engine's one stream per device).
 _TICKETS: dict[torch.device, list[torch.Tensor]] = {}
 
 
