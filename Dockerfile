@@ -3,7 +3,7 @@
 #   cpu  (slim, CPU torch)            docker build --target cpu -t tokenwire:cpu .
 #   gpu  (CUDA runtime, CUDA torch)   docker build --target gpu -t tokenwire:gpu .   (the default)
 # Both run `tokenwire launch` (shards + router + Envoy) as a non-root user; the same image also
-# runs a single component (`tokenwire shard`, `tokenwire router`, `python -m service.gateway`), as
+# runs a single component (`tokenwire shard`, `tokenwire router`, `python -m service.app.gateway`), as
 # compose.yaml does.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04

@@ -144,7 +144,7 @@ def run_grpc(args: argparse.Namespace) -> dict[str, float]:
     router = subprocess.Popen(
         [
             sys.executable, *(["-m", "cProfile", "-o", args.profile_router] if args.profile_router else []),
-            "-m", "service.cli", "router", "--frontends", str(max(args.frontends, 1)),
+            "-m", "service.app.cli", "router", "--frontends", str(max(args.frontends, 1)),
             "--shard-address", f"127.0.0.1:{shard_port}",
             "--tokenizer", str(tok),
             "--port", str(router_port),
@@ -457,10 +457,10 @@ def run_floor(args: argparse.Namespace) -> dict[str, float]:
 
 # --- engine mode -----------------------------------------------------------------------------------
 def run_engine(args: argparse.Namespace) -> dict[str, float]:
-    from service.engine import EngineConfig, build_engine
-    from service.engine_api import SamplingConfig, StoppingConfig, ValidatedRequest
-    from service.shard_client import connect_and_warmup
-    from service.shard_convert import WarmupBudgets
+    from service.engine.contracts import SamplingConfig, StoppingConfig, ValidatedRequest
+    from service.engine.engine import EngineConfig, build_engine
+    from service.shard_client.client import connect_and_warmup
+    from service.shard_client.convert import WarmupBudgets
 
     shard_port = _free_port()
     ctx = mp.get_context("spawn")

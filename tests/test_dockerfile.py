@@ -48,5 +48,5 @@ def test_compose_runs_envoy_router_and_shard() -> None:
     assert {"envoy", "router", "shard"} <= set(services)
     assert services["router"]["command"][0] == "router"
     assert services["shard"]["command"][0] == "shard"
-    assert services["envoy"]["entrypoint"][-1] == "service.gateway"
+    assert services["envoy"]["entrypoint"][-1] == "service.app.gateway"
     assert "8080:8080" in services["envoy"]["ports"]

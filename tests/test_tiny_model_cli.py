@@ -28,7 +28,7 @@ from tests.helpers.models import trained_tiny_model
 
 def make(out: Path, arch: str, seed: int = 0, *extra: str) -> Path:
     subprocess.run(
-        [sys.executable, "-m", "service.cli", "make-tiny-model", str(out), "--arch", arch,
+        [sys.executable, "-m", "service.app.cli", "make-tiny-model", str(out), "--arch", arch,
          "--seed", str(seed), *extra],
         check=True, capture_output=True, timeout=120,
     )

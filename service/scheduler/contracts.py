@@ -1,13 +1,13 @@
 """Typed step contracts: what the scheduler decided, what the shard returned.
 
-Lists of ints and small dataclasses only; `service.shard_convert` turns them into protos and back.
+Lists of ints and small dataclasses only; `service.shard_client.convert` turns them into protos and back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from service.engine_api import FinishReason, TokenInfo
+from service.engine.contracts import FinishReason, TokenInfo
 
 
 @dataclass(slots=True)

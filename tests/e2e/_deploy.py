@@ -70,7 +70,7 @@ def launch(
     args = [
         sys.executable,
         "-m",
-        "service.cli",
+        "service.app.cli",
         "launch",
         "--port",
         str(grpc_port),

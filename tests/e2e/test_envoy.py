@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenwire.v1 import generate_pb2 as pb
 from tokenwire.v1 import generate_pb2_grpc as pb_grpc
 
-from service.gateway import Gateway, GatewaySettings
+from service.app.gateway import Gateway, GatewaySettings
 
 pytestmark = pytest.mark.slow
 
@@ -327,7 +327,7 @@ def test_router_down_is_503(tmp_path: Path) -> None:
 
 def test_envoy_yaml_is_valid_as_it_is() -> None:
     # Users run `envoy -c envoy/envoy.yaml` from the repository root, unchanged.
-    from service.gateway import envoy_binary
+    from service.app.gateway import envoy_binary
 
     result = subprocess.run(
         [
@@ -352,7 +352,7 @@ def test_envoy_yaml_is_valid_as_it_is() -> None:
 def test_rendered_config_differs_only_in_addresses_and_paths() -> None:
     import yaml
 
-    from service.gateway import render_config
+    from service.app.gateway import render_config
 
     original = yaml.safe_load((REPO / "envoy/envoy.yaml").read_text())
     rendered = render_config(

@@ -53,7 +53,7 @@ async def _deploy(
     shard_server, _, shard_url = await start_fake_shard(cfg)
     port, prom = free_port(), free_port()
     proc = subprocess.Popen(  # noqa: ASYNC220 - fixture setup
-        [sys.executable, "-m", "service.cli", "router", "--frontends", "2",
+        [sys.executable, "-m", "service.app.cli", "router", "--frontends", "2",
          "--shard-address", shard_url, "--tokenizer", str(tokenizer_dir),
          "--port", str(port), "--prometheus-port", str(prom),
          "--max-input-tokens", "64", "--max-total-tokens", "256",

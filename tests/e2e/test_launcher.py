@@ -16,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenwire.v1 import generate_pb2 as pb
 from tokenwire.v1 import generate_pb2_grpc as pb_grpc
 
-from service import launcher
-from service.cli import build_parser
+from service.app import launcher
+from service.app.cli import build_parser
 
 API_KEY = "s3cret"
 
@@ -94,7 +94,7 @@ def test_frontends_flag_reaches_the_router(monkeypatch: pytest.MonkeyPatch) -> N
     args = parse(["launch", "--frontends", "3", "--frontend-backlog-steps", "4"])
     joined = " ".join(launcher.router_command(args, "m", Path("/m"), "/p"))
     assert "--frontends 3" in joined and "--frontend-backlog-steps 4.0" in joined, joined
-    router_args = parse(joined.split(" service.cli ", 1)[1].split())
+    router_args = parse(joined.split(" service.app.cli ", 1)[1].split())
     assert (router_args.frontends, router_args.frontend_backlog_steps) == (3, 4.0)
     monkeypatch.setenv("FRONTENDS", "2")
     assert parse(["router"]).frontends == 2
@@ -242,7 +242,7 @@ def test_unknown_model_fails_fast_with_a_reason(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "service.cli",
+            "service.app.cli",
             "launch",
             "--model-id",
             "org/does-not-exist",

@@ -106,7 +106,7 @@ def _launch_generate(model_dir, num_shard: int, tmp_path, prompts: list[str],
 
     port = free_port()
     log_path = tmp_path / f"launch-{num_shard}.log"
-    argv = [sys.executable, "-m", "service.cli", "launch", "--model-id", str(model_dir),
+    argv = [sys.executable, "-m", "service.app.cli", "launch", "--model-id", str(model_dir),
             "--device", device, "--dtype", dtype, "--num-shard", str(num_shard),
             "--port", str(port), "--prometheus-port", str(free_port())]
     with log_path.open("wb") as log:

@@ -11,7 +11,7 @@ import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from service.engine_api import (
+from service.engine.contracts import (
     EngineError,
     EngineStats,
     Finished,

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def tokenwire_argv(subcommand: str, *args: str) -> list[str]:
     """The command line of `tokenwire SUBCOMMAND ARGS` with this interpreter."""
-    return [sys.executable, "-m", "service.cli", subcommand, *args]
+    return [sys.executable, "-m", "service.app.cli", subcommand, *args]
 
 
 def quiet_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -12,13 +12,13 @@ import grpc
 from grpc import aio
 from tokenwire.v1 import generate_pb2_grpc
 
-from service.engine_api import Engine
-from service.generation import GenerationService, ServerInfo
-from service.metrics import ServerMetrics
-from service.router_main import build_server
-from service.servicer import HealthReporter, TextGenerationServicer
-from service.tokenization import TokenizerPool
-from service.validation import ValidationLimits, Validator
+from service.api.servicer import HealthReporter, TextGenerationServicer
+from service.app.router import build_server
+from service.engine.contracts import Engine
+from service.generation.service import GenerationService, ServerInfo
+from service.generation.tokenization import TokenizerPool
+from service.generation.validation import ValidationLimits, Validator
+from service.observability.metrics import ServerMetrics
 
 DEFAULT_LIMITS = ValidationLimits(
     max_input_tokens=64,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.engine_api import FinishReason, TokenInfo
+from service.engine.contracts import FinishReason, TokenInfo
 from service.scheduler import (
     BlockManager,
     FinishInfo,

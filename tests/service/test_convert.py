@@ -9,11 +9,11 @@ import grpc
 from google.protobuf import struct_pb2
 from tokenwire.v1 import generate_pb2 as pb
 
-from service import convert
-from service.engine_api import Finished, FinishReason, TokenInfo
-from service.errors import ErrorKind
-from service.generation import Sequence, StreamItem
-from service.validation import ResponseOptions
+from service.api import convert
+from service.api.status import ErrorKind
+from service.engine.contracts import Finished, FinishReason, TokenInfo
+from service.generation.service import Sequence, StreamItem
+from service.generation.validation import ResponseOptions
 
 
 def test_unset_optionals_become_none_and_set_ones_keep_zero() -> None:
@@ -58,7 +58,7 @@ def test_prefill_nan_logprob_is_absent() -> None:
 
 
 def test_generate_response_details() -> None:
-    from service.generation import GenerateOutcome
+    from service.generation.service import GenerateOutcome
 
     seq = Sequence(
         generated_text="ab",

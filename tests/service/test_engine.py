@@ -8,8 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from service.engine import EngineConfig, GenerationEngine
-from service.engine_api import (
+from service.engine.contracts import (
     DeadlineExceededError,
     DrainingError,
     FinishReason,
@@ -19,8 +18,9 @@ from service.engine_api import (
     StoppingConfig,
     ValidatedRequest,
 )
-from service.shard_client import connect_and_warmup
-from service.shard_convert import WarmupBudgets
+from service.engine.engine import EngineConfig, GenerationEngine
+from service.shard_client.client import connect_and_warmup
+from service.shard_client.convert import WarmupBudgets
 from service.testing import FakeShard, FakeShardConfig, expected_tokens, start_fake_shard
 
 pytestmark = pytest.mark.timeout(30)
@@ -236,7 +236,7 @@ async def test_drain_timeout_fails_leftovers() -> None:
 
 
 async def test_every_rpc_goes_to_every_rank() -> None:
-    from service.shard_client import ShardClient
+    from service.shard_client.client import ShardClient
 
     cfg = FakeShardConfig(num_blocks=64, block_size=4)
     servers = [await start_fake_shard(FakeShardConfig(**vars(cfg))) for _ in range(2)]

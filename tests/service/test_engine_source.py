@@ -14,8 +14,8 @@ import grpc
 from tokenwire.v1 import generate_pb2 as pb
 from tokenwire.v1 import generate_pb2_grpc
 
-from service import router_main
-from service.frontend import SharedAdmission
+from service.app import router as router_main
+from service.app.remote_engine import SharedAdmission
 from service.testing import FakeShardConfig, start_fake_shard
 
 

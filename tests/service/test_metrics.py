@@ -12,8 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tokenwire.v1 import generate_pb2 as pb
 
-from service.logs import JsonFormatter, TextFormatter
-from service.metrics import MetricsServer
+from service.observability.logs import JsonFormatter, TextFormatter
+from service.observability.metrics import MetricsServer
 from tests.helpers.engine_double import ScriptedEngine
 from tests.helpers.router_harness import rpc_error, running_router
 

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tokenwire.v1 import generate_pb2 as pb
 
-from service.engine_api import ShardUnavailableError
+from service.engine.contracts import ShardUnavailableError
 from tests.helpers.engine_double import ScriptedEngine, expected_text, token_logprob
 from tests.helpers.router_harness import rpc_error, running_router
 
@@ -302,7 +302,7 @@ async def test_special_tokens_are_not_part_of_generated_text(tokenizer_dir: Path
 
 
 async def test_engine_deadline_is_deadline_exceeded(tokenizer_dir: Path) -> None:
-    from service.engine_api import DeadlineExceededError
+    from service.engine.contracts import DeadlineExceededError
 
     engine = ScriptedEngine(fail_after=0, fail_with=DeadlineExceededError("deadline passed"))
     async with running_router(engine, tokenizer_dir) as router:
@@ -311,7 +311,7 @@ async def test_engine_deadline_is_deadline_exceeded(tokenizer_dir: Path) -> None
 
 
 async def test_engine_overload_and_shard_down_at_submit(tokenizer_dir: Path) -> None:
-    from service.engine_api import OverloadedError
+    from service.engine.contracts import OverloadedError
 
     engine = ScriptedEngine(submit_error=OverloadedError("engine full"))
     async with running_router(engine, tokenizer_dir) as router:

@@ -11,8 +11,13 @@ import pytest
 from google.protobuf import struct_pb2
 from tokenwire.v1 import generate_pb2 as pb
 
-from service.errors import UnsupportedError, ValidationError
-from service.validation import GenerateInput, GrammarInput, check_length, check_parameters
+from service.api.status import UnsupportedError, ValidationError
+from service.generation.validation import (
+    GenerateInput,
+    GrammarInput,
+    check_length,
+    check_parameters,
+)
 from tests.helpers.engine_double import ScriptedEngine
 from tests.helpers.router_harness import DEFAULT_LIMITS, rpc_error, running_router
 

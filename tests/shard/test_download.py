@@ -48,7 +48,7 @@ def test_hub_id_resolves_from_the_offline_cache(tiny_models, tmp_path):
         HF_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1",
     )
     out = subprocess.run(
-        [sys.executable, "-m", "service.cli", "download", "tiny-org/tiny-llama", "--revision",
+        [sys.executable, "-m", "service.app.cli", "download", "tiny-org/tiny-llama", "--revision",
          "main"], env=env, cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
     )
     assert out.returncode == 0, out.stderr
@@ -64,7 +64,7 @@ def test_hub_id_resolves_from_the_offline_cache(tiny_models, tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [COMMIT, "llama"]
     missing = subprocess.run(
-        [sys.executable, "-m", "service.cli", "download", "tiny-org/absent"], env=env, cwd=REPO,
+        [sys.executable, "-m", "service.app.cli", "download", "tiny-org/absent"], env=env, cwd=REPO,
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert missing.returncode != 0

@@ -63,7 +63,7 @@ def test_two_ranks_equal_single_shard(tiny_models, trained_tiny_models, tmp_path
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "shard", "--model-id", str(model_dir),
+            [sys.executable, "-m", "service.app.cli", "shard", "--model-id", str(model_dir),
              "--device", "cpu", "--rank", str(r), "--world-size", "2", "--uds-path", prefix,
              "--master-port", str(port), "--kv-cache-memory-mb", "1", "--log-level", "WARNING"],
             cwd=REPO, env=env,

@@ -13,7 +13,7 @@ loaded 2-core machine (benchmarks/ROUTER.md). Here the public gRPC work scales o
   request travels once (pickled `ValidatedRequest`), and each engine step sends each front end
   ONE frame with the step's rows for its requests (`GenerationEngine.submit_to` + an
   `EventSink`), not one message per token;
-- each front-end process runs the unchanged public router (`service.router_main.serve`:
+- each front-end process runs the unchanged public router (`service.app.router.serve`:
   servicer, interceptors, validation, tokenizer, health, reflection) on the same port
   (`reuse_port=True`: SO_REUSEPORT, the kernel spreads connections over the front ends), with
   a `RemoteEngineSource` as its engine source: its engine is a `RemoteEngine`.
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.engine_api import (
+from service.engine.contracts import (
     DrainingError,
     EngineError,
     EngineStats,
@@ -55,7 +55,7 @@ from service.engine_api import (
     TokenInfo,
     ValidatedRequest,
 )
-from service.event_stream import EventStream
+from service.engine.event_stream import EventStream
 
 _log = logging.getLogger("tokenwire.frontend")
 _HEADER = struct.Struct("!I")
@@ -189,8 +189,8 @@ def _frontend_args(args: argparse.Namespace, index: int, port: int) -> argparse.
 
 
 async def _scheduler_main(args: argparse.Namespace) -> int:
-    from service import router_main
-    from service.metrics import MetricsServer, ServerMetrics
+    from service.app import router as router_main
+    from service.observability.metrics import MetricsServer, ServerMetrics
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -309,7 +309,7 @@ async def _scheduler_main(args: argparse.Namespace) -> int:
 def run_multiprocess(args: argparse.Namespace) -> int:
     """`tokenwire router --frontends N` (N >= 2): the scheduler process; it starts the front
     ends and exits when one of them dies or on SIGTERM/SIGINT (after they drain)."""
-    from service.logs import setup_logging
+    from service.observability.logs import setup_logging
 
     setup_logging(json_output=args.json_output, level=args.log_level)
     try:
@@ -350,7 +350,7 @@ class _RemoteStream(EventStream):
 
 
 class RemoteEngine:
-    """service.engine_api.Engine over the scheduler process's engine (one unix socket)."""
+    """service.engine.contracts.Engine over the scheduler process's engine (one unix socket)."""
 
     def __init__(
         self,
@@ -530,7 +530,7 @@ class RemoteEngineSource:
     backlog_steps: float
 
     async def connect(self) -> Any:
-        from service.router_main import ShardConnection
+        from service.app.router import ShardConnection
 
         reader, writer = await asyncio.open_unix_connection(self.socket_path)
         engine = RemoteEngine(reader, writer, self.backlog_steps)
@@ -568,8 +568,8 @@ class SharedAdmission:
 def _frontend_process(args: argparse.Namespace, socket_path: str, in_flight: Any) -> None:
     """A front end (spawned): the unchanged public router (router_main.serve) over a
     RemoteEngine, on the port it shares with the other front ends."""
-    from service import router_main
-    from service.logs import setup_logging
+    from service.app import router as router_main
+    from service.observability.logs import setup_logging
 
     if sys.platform == "linux":  # the scheduler process gone (even SIGKILL): stop too
         import ctypes

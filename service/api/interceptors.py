@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from service.errors import UnauthenticatedError, classify, is_domain_error, public_message
+from service.api.status import UnauthenticatedError, classify, is_domain_error, public_message
 
 REQUEST_ID_KEY = "x-request-id"
 # Health and reflection stay open without an API key (probes, grpcurl/buf curl discovery).
@@ -219,7 +219,7 @@ class RequestIdInterceptor(_WrappingInterceptor):
 
 
 class ErrorInterceptor(_WrappingInterceptor):
-    """Maps exceptions to status codes (see `service.errors.classify`); unexpected exceptions are
+    """Maps exceptions to status codes (see `service.api.status.classify`); unexpected exceptions are
     logged with their traceback and answered INTERNAL without internals."""
 
     async def _abort(self, context: aio.ServicerContext, error: Exception) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from tokenwire.shard.v1 import shard_pb2 as pb
 
-from service.engine_api import FinishReason, TokenInfo, ValidatedRequest
+from service.engine.contracts import FinishReason, TokenInfo, ValidatedRequest
 from service.scheduler.contracts import FinishInfo, GenerationOut, StepOutput, StepPlan
 
 # The one map of the shard's finish reasons.

@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 from grpc import aio
 
-from service.env_flags import env_bool, env_value
+from service.app.env_flags import env_bool, env_value
 
 if TYPE_CHECKING:
-    from service.engine import EngineConfig
-    from service.engine_api import Engine
-    from service.generation import Admission
+    from service.engine.contracts import Engine
+    from service.engine.engine import EngineConfig
+    from service.generation.service import Admission
 
 DEFAULT_SHARD_UDS_PATH = "/tmp/tokenwire-shard"
 # TGI's defaults: max_total_tokens = min(max_position_embeddings, 4096), max_input = total - 1.
@@ -312,7 +312,7 @@ class ShardEngineSource:
         config: EngineConfig,
         on_unhealthy: Callable[[str], None],
     ) -> Any:
-        from service import engine as engine_module
+        from service.engine import engine as engine_module
 
         return engine_module.build_engine(
             client=connection.client,
@@ -325,7 +325,7 @@ class ShardEngineSource:
 
 def engine_config(args: argparse.Namespace, limits: Limits) -> EngineConfig:
     """The engine's limits from the router flags and the resolved token limits."""
-    from service.engine import EngineConfig
+    from service.engine.engine import EngineConfig
 
     return EngineConfig(
         # best_of expands one client request into up to max_best_of sequences; the
@@ -370,8 +370,8 @@ def build_server(
     from grpc_reflection.v1alpha import reflection
     from tokenwire.v1 import generate_pb2_grpc
 
-    from service.interceptors import server_interceptors
-    from service.servicer import SERVICE_NAME
+    from service.api.interceptors import server_interceptors
+    from service.api.servicer import SERVICE_NAME
 
     server = aio.server(
         interceptors=server_interceptors(api_key),
@@ -409,11 +409,11 @@ async def serve(
     `engine_source`: where the engine comes from (default `ShardEngineSource(args)`);
     `reuse_port`: share the port with other processes (SO_REUSEPORT); `admission`: a counter of
     client requests in flight shared with other processes, checked beside the local limit."""
-    from service.generation import GenerationService, ServerInfo
-    from service.metrics import MetricsServer, ServerMetrics
-    from service.servicer import HealthReporter, TextGenerationServicer
-    from service.tokenization import TokenizerPool
-    from service.validation import ValidationLimits, Validator
+    from service.api.servicer import HealthReporter, TextGenerationServicer
+    from service.generation.service import GenerationService, ServerInfo
+    from service.generation.tokenization import TokenizerPool
+    from service.generation.validation import ValidationLimits, Validator
+    from service.observability.metrics import MetricsServer, ServerMetrics
 
     stop = stop or asyncio.Event()
     source = engine_source if engine_source is not None else ShardEngineSource(args)
@@ -551,8 +551,8 @@ async def serve(
 
 async def _connect(args: argparse.Namespace, target: str) -> Any:
     """Connects to the shards and warms them up; returns (client, warmup, shard info, limits)."""
-    from service.shard_client import ShardClient, connect_and_warmup
-    from service.shard_convert import WarmupBudgets, shard_info
+    from service.shard_client.client import ShardClient, connect_and_warmup
+    from service.shard_client.convert import WarmupBudgets, shard_info
 
     # Info first (max_position_embeddings decides the default limits), then warm up.
     probe = ShardClient([target])
@@ -617,7 +617,7 @@ async def _drain(engine: Any, service: Any, timeout_s: float) -> None:
 
 
 def _no_stats() -> Any:
-    from service.engine_api import EngineStats
+    from service.engine.contracts import EngineStats
 
     return EngineStats()
 
@@ -639,10 +639,10 @@ def run(args: argparse.Namespace) -> int:
             f"--frontend-backlog-steps must be > 0 (got {args.frontend_backlog_steps})"
         )
     if args.frontends > 1:
-        from service.frontend import run_multiprocess
+        from service.app.remote_engine import run_multiprocess
 
         return run_multiprocess(args)
-    from service.logs import setup_logging
+    from service.observability.logs import setup_logging
 
     setup_logging(json_output=args.json_output, level=args.log_level)
     try:

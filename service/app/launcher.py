@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.env_flags import env_bool, env_value
+from service.app.env_flags import env_bool, env_value
 
 TINY_MODEL_NAME = "tiny-llama-v1"
 PR_SET_PDEATHSIG = 1
@@ -322,7 +322,7 @@ class Child:
 
 
 def tokenwire_command(subcommand: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "service.cli", subcommand, *args]
+    return [sys.executable, "-m", "service.app.cli", subcommand, *args]
 
 
 def _flag_args(args: argparse.Namespace, target: str) -> list[str]:
@@ -459,7 +459,7 @@ class Launcher:
         else:
             self._run_dir = tempfile.TemporaryDirectory(prefix="tokenwire-")
             uds_prefix = str(Path(self._run_dir.name) / "shard")
-        from service.gateway import free_port
+        from service.app.gateway import free_port
 
         master_port = args.master_port or free_port(args.master_addr)
         for rank in range(args.num_shard):
@@ -486,7 +486,7 @@ class Launcher:
         self.log(f"router serving gRPC on {args.hostname}:{args.port}")
 
         if args.http_port is not None:
-            from service.gateway import Gateway, GatewaySettings
+            from service.app.gateway import Gateway, GatewaySettings
 
             self.gateway = Gateway(
                 GatewaySettings(

@@ -1,7 +1,7 @@
 """The public gRPC servicer (`tokenwire.v1.TextGeneration`) and the standard health reporting.
 
-Thin by design: decode the proto (service.convert), call the domain (service.generation), encode
-the reply. Errors propagate to service.interceptors.ErrorInterceptor, which maps them; the one
+Thin by design: decode the proto (service.api.convert), call the domain (service.generation.service), encode
+the reply. Errors propagate to service.api.interceptors.ErrorInterceptor, which maps them; the one
 exception is a stream that already sent events, which also reports its failure in band.
 """
 
@@ -17,12 +17,12 @@ from grpc_health.v1 import health, health_pb2
 from tokenwire.v1 import generate_pb2 as pb
 from tokenwire.v1 import generate_pb2_grpc
 
-from service import convert
-from service.engine_api import DrainingError, ShardUnavailableError
-from service.errors import classify, public_message
-from service.generation import GenerationService, ServerInfo
-from service.interceptors import current_request_id
-from service.metrics import ServerMetrics
+from service.api import convert
+from service.api.interceptors import current_request_id
+from service.api.status import classify, public_message
+from service.engine.contracts import DrainingError, ShardUnavailableError
+from service.generation.service import GenerationService, ServerInfo
+from service.observability.metrics import ServerMetrics
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 _log = logging.getLogger("tokenwire.router")

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from service.engine_api import EngineStats
+from service.engine.contracts import EngineStats
 
 PREFIX = "tokenwire"
 # Seconds: from sub-millisecond (validation, inter-token on a GPU) to minutes (long requests).

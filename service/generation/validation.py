@@ -14,9 +14,9 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Any
 
-from service.engine_api import SamplingConfig, StoppingConfig, ValidatedRequest
-from service.errors import UnsupportedError, ValidationError
-from service.tokenization import Encoder
+from service.api.status import UnsupportedError, ValidationError
+from service.engine.contracts import SamplingConfig, StoppingConfig, ValidatedRequest
+from service.generation.tokenization import Encoder
 
 # TGI caps the default max_new_tokens at 100 when the client gives none.
 DEFAULT_MAX_NEW_TOKENS_CAP = 100

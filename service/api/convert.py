@@ -8,10 +8,10 @@ import time
 from google.protobuf import json_format
 from tokenwire.v1 import generate_pb2 as pb
 
-from service.engine_api import TokenInfo
-from service.errors import ErrorKind
-from service.generation import GenerateOutcome, Sequence, ServerInfo, StreamItem
-from service.validation import GenerateInput, GrammarInput
+from service.api.status import ErrorKind
+from service.engine.contracts import TokenInfo
+from service.generation.service import GenerateOutcome, Sequence, ServerInfo, StreamItem
+from service.generation.validation import GenerateInput, GrammarInput
 
 
 def _opt(params: pb.GenerateParameters, name: str) -> float | int | None:

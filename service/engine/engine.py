@@ -27,8 +27,7 @@ from typing import Protocol
 
 from tokenwire.shard.v1 import shard_pb2 as pb
 
-from service import shard_convert
-from service.engine_api import (
+from service.engine.contracts import (
     DeadlineExceededError,
     DrainingError,
     EngineError,
@@ -39,8 +38,9 @@ from service.engine_api import (
     StepEvent,
     ValidatedRequest,
 )
-from service.event_stream import EventStream
+from service.engine.event_stream import EventStream
 from service.scheduler import BlockManager, Scheduler, SchedulerConfig, Sequence, StepPlan
+from service.shard_client import convert as shard_convert
 
 log = logging.getLogger("tokenwire.engine")
 
@@ -69,7 +69,7 @@ class EngineConfig:
 
 
 class ShardBackend(Protocol):
-    """What the engine needs of service.shard_client.ShardClient (timeouts included)."""
+    """What the engine needs of service.shard_client.client.ShardClient (timeouts included)."""
 
     async def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse: ...
 
@@ -151,7 +151,7 @@ class _SinkStream(_Stream):
 
 
 class GenerationEngine:
-    """Implements service.engine_api.Engine over a scheduler and a shard client."""
+    """Implements service.engine.contracts.Engine over a scheduler and a shard client."""
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """Errors of the public API's domain and the one table that maps them to gRPC status codes.
 
-Domain code raises these (or the engine's `EngineError`s); only `service.interceptors` turns them
+Domain code raises these (or the engine's `EngineError`s); only `service.api.interceptors` turns them
 into a status, and the servicer uses `classify` for the in-band `error_type` of a failed stream.
 """
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from service.engine_api import (
+from service.engine.contracts import (
     DeadlineExceededError,
     DrainingError,
     EngineError,

@@ -12,8 +12,8 @@ import sys
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "launch": ("service.launcher", "start shards, the router and (with --http-port) Envoy"),
-    "router": ("service.router_main", "serve the public gRPC API in front of running shards"),
+    "launch": ("service.app.launcher", "start shards, the router and (with --http-port) Envoy"),
+    "router": ("service.app.router", "serve the public gRPC API in front of running shards"),
     "shard": ("shard.server_main", "serve one tensor-parallel rank of a model"),
     "download": ("shard.download", "fetch a model snapshot from the Hugging Face Hub"),
     "make-tiny-model": ("shard.tiny_model", "write a tiny random-weight model and tokenizer"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from service.engine_api import EngineError, StepEvent
+from service.engine.contracts import EngineError, StepEvent
 
 
 class EventStream:

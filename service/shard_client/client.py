@@ -13,7 +13,7 @@ import grpc
 from tokenwire.shard.v1 import shard_pb2 as pb
 from tokenwire.shard.v1 import shard_pb2_grpc as pb_grpc
 
-from service.shard_convert import (
+from service.shard_client.convert import (
     ShardInfo,
     WarmupBudgets,
     WarmupInfo,

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from service.engine_api import (
+from service.api.status import classify
+from service.engine.contracts import (
     DrainingError,
     Engine,
     Finished,
@@ -25,10 +26,9 @@ from service.engine_api import (
     TokenInfo,
     ValidatedRequest,
 )
-from service.errors import classify
-from service.logs import REQUEST_LOGGER, log_request
-from service.metrics import RequestRecord, ServerMetrics
-from service.validation import GenerateInput, ResponseOptions, Validator
+from service.generation.validation import GenerateInput, ResponseOptions, Validator
+from service.observability.logs import REQUEST_LOGGER, log_request
+from service.observability.metrics import RequestRecord, ServerMetrics
 
 GENERATE = "generate"
 GENERATE_STREAM = "generate_stream"

@@ -1,0 +1,1 @@
+"""The public gRPC surface: servicer, interceptors, proto <-> domain conversion, status mapping."""

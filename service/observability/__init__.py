@@ -1,0 +1,1 @@
+"""Logs and Prometheus metrics of the router."""
