@@ -457,10 +457,10 @@ def run_floor(args: argparse.Namespace) -> dict[str, float]:
 
 # --- engine mode -----------------------------------------------------------------------------------
 def run_engine(args: argparse.Namespace) -> dict[str, float]:
+    from service.engine.backend import WarmupBudgets
     from service.engine.contracts import SamplingConfig, StoppingConfig, ValidatedRequest
     from service.engine.engine import EngineConfig, build_engine
     from service.shard_client.client import connect_and_warmup
-    from service.shard_client.convert import WarmupBudgets
 
     shard_port = _free_port()
     ctx = mp.get_context("spawn")

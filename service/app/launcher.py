@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from service.app.env_flags import env_bool, env_value
+from service.app.ports import free_port
+from service.shard_client.client import shard_answers_health
 
 TINY_MODEL_NAME = "tiny-llama-v1"
 PR_SET_PDEATHSIG = 1
@@ -288,15 +290,18 @@ def ensure_tiny_model(cache: Path) -> Path:
     return target
 
 
-def resolve_model(model_id: str | None, revision: str | None, cache: Path) -> tuple[str, Path]:
-    """Returns (model id to report, local directory with weights and tokenizer)."""
+def ensure_local_model(
+    model_id: str | None, revision: str | None, cache: Path
+) -> tuple[str, Path]:
+    """Returns (model id to report, local directory with weights and tokenizer): a local
+    directory as is, a hub id downloaded (shard.download.resolve_model), none: the tiny model."""
     if model_id is None:
         return TINY_MODEL_NAME, ensure_tiny_model(cache)
     if Path(model_id).is_dir():
         return model_id, Path(model_id).resolve()
-    from shard.download import resolve_model as resolve_hub_model
+    from shard.download import resolve_model
 
-    return model_id, Path(resolve_hub_model(model_id, revision))
+    return model_id, Path(resolve_model(model_id, revision))
 
 
 # --- processes -----------------------------------------------------------------------------------
@@ -394,15 +399,7 @@ def health_status(target: str, timeout: float = 1.0) -> str | None:
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.UNIMPLEMENTED:
                 return None
-        from tokenwire.shard.v1 import shard_pb2, shard_pb2_grpc
-
-        try:
-            shard_pb2_grpc.ShardServiceStub(channel).Health(
-                shard_pb2.HealthRequest(), timeout=timeout
-            )
-            return "SERVING"
-        except (grpc.RpcError, AttributeError):
-            return None
+    return "SERVING" if shard_answers_health(target, timeout) else None
 
 
 class Launcher:
@@ -452,15 +449,15 @@ class Launcher:
 
     def start(self) -> None:
         args = self.args
-        model_id, model_dir = resolve_model(args.model_id, args.revision, cache_dir(args.cache_dir))
+        model_id, model_dir = ensure_local_model(
+            args.model_id, args.revision, cache_dir(args.cache_dir)
+        )
         self.log(f"model {model_id} from {model_dir}")
         if args.shard_uds_path:
             uds_prefix = args.shard_uds_path
         else:
             self._run_dir = tempfile.TemporaryDirectory(prefix="tokenwire-")
             uds_prefix = str(Path(self._run_dir.name) / "shard")
-        from service.app.gateway import free_port
-
         master_port = args.master_port or free_port(args.master_addr)
         for rank in range(args.num_shard):
             self.spawn(

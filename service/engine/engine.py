@@ -1,6 +1,6 @@
 """The generation engine: one asyncio task runs scheduler steps on the shards and streams events.
 
-    engine = GenerationEngine(EngineConfig(num_blocks=..., block_size=..., ...), shard_client,
+    engine = GenerationEngine(EngineConfig(num_blocks=..., block_size=..., ...), shard_backend,
                               on_unhealthy=lambda reason: health.set(NOT_SERVING))
     await engine.start()
     stream = engine.submit(validated_request)   # OverloadedError / DrainingError / ShardUnavailable
@@ -9,8 +9,9 @@
 
 Admission is immediate (submit never awaits). Cancellations and deadlines are applied at step
 boundaries: the request is removed from the scheduler (its blocks freed) and the shard is told
-with FilterBatch before the next step. Any failed or timed-out shard RPC fails every in-flight
-request with ShardUnavailableError, marks the engine unhealthy and stops the loop: never a hang.
+(`ShardBackend.filter`) before the next step. Any failed or timed-out shard RPC (ShardRpcError)
+fails every in-flight request with ShardUnavailableError, marks the engine unhealthy and stops the
+loop: never a hang. The shards are a typed `ShardBackend` (service.engine.backend): no protobuf.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from tokenwire.shard.v1 import shard_pb2 as pb
-
+from service.engine.backend import ShardBackend, ShardDescription, ShardRpcError, WarmupInfo
 from service.engine.contracts import (
     DeadlineExceededError,
     DrainingError,
@@ -40,7 +40,6 @@ from service.engine.contracts import (
 )
 from service.engine.event_stream import EventStream
 from service.scheduler import BlockManager, Scheduler, SchedulerConfig, Sequence, StepPlan
-from service.shard_client import convert as shard_convert
 
 log = logging.getLogger("tokenwire.engine")
 
@@ -66,18 +65,6 @@ class EngineConfig:
             waiting_served_ratio=self.waiting_served_ratio,
             max_waiting_tokens=self.max_waiting_tokens,
         )
-
-
-class ShardBackend(Protocol):
-    """What the engine needs of service.shard_client.client.ShardClient (timeouts included)."""
-
-    async def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse: ...
-
-    async def decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse: ...
-
-    async def filter_batch(self, request: pb.FilterBatchRequest) -> pb.FilterBatchResponse: ...
-
-    async def clear_cache(self, batch_id: int | None = None) -> None: ...
 
 
 _END = object()
@@ -172,7 +159,6 @@ class GenerationEngine:
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count(1)
         self._arrivals = itertools.count()
-        self._batch_ids = itertools.count(1)
         self._cancelled: list[tuple[int, EngineError | None]] = []
         self._dirty_sinks: list[EventSink] = []
         # Awaited before each step when set: lets out-of-process front ends pace the engine
@@ -184,9 +170,6 @@ class GenerationEngine:
         self._task: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
-        # The shard's running batch (one id) and its requests.
-        self._batch_id: int | None = None
-        self._batch_ids_on_shard: list[int] = []
         self._capacity_tokens = config.num_blocks * config.block_size
         # Stats.
         self._last_batch_size = 0
@@ -361,7 +344,7 @@ class GenerationEngine:
         t_sched = time.thread_time() - t0
 
         if plan.removed_from_shard:
-            await self._filter(plan)
+            await self.shard.filter(plan.keep_ids)
         if plan.empty:
             self._fail_unfittable(plan)
             return bool(plan.removed_from_shard or plan.preempted)
@@ -371,21 +354,11 @@ class GenerationEngine:
             st = streams.get(c.seq_id)
             if st is not None and st.scheduled_at is None:
                 st.scheduled_at = now
-        if plan.chunks:
-            req = shard_convert.prefill_request(
-                plan, next(self._batch_ids), self._batch_id, self._batch_ids_on_shard
-            )
-            t_rpc = time.thread_time()
-            resp = await self.shard.prefill(req)
-        else:
-            assert self._batch_id is not None
-            req = shard_convert.decode_request(plan, self._batch_id, self._batch_ids_on_shard)
-            t_rpc = time.thread_time()
-            resp = await self.shard.decode(req)
+        shard_cpu_s = self.shard.cpu_seconds
+        t_rpc = time.thread_time()
+        out = await self.shard.step(plan)
         t1 = time.thread_time()
-        out = shard_convert.step_output(resp)
-        self._batch_id = out.batch_id
-        self._batch_ids_on_shard = out.batch_request_ids
+        shard_cpu_s = self.shard.cpu_seconds - shard_cpu_s  # building and reading the RPC
         t2 = time.thread_time()
         finished = sched.apply_output(plan, out)
         t_sched += time.thread_time() - t2
@@ -422,20 +395,8 @@ class GenerationEngine:
             self._idle.set()
         self.sched_cpu_s += t_sched
         self.max_sched_cpu_s = max(self.max_sched_cpu_s, t_sched)
-        self.step_cpu_s += (t_rpc - t0) + (time.thread_time() - t1)
+        self.step_cpu_s += (t_rpc - t0) + (time.thread_time() - t1) + shard_cpu_s
         return True
-
-    async def _filter(self, plan: StepPlan) -> None:
-        if self._batch_id is None:
-            return
-        keep = plan.keep_ids
-        if keep:
-            resp = await self.shard.filter_batch(shard_convert.filter_request(self._batch_id, keep))
-            self._batch_ids_on_shard = list(resp.batch.request_ids)
-        else:
-            await self.shard.clear_cache(self._batch_id)
-            self._batch_id = None
-            self._batch_ids_on_shard = []
 
     def _fail_unfittable(self, plan: StepPlan) -> None:
         """A lone request preempted itself: it can never fit the KV cache."""
@@ -447,11 +408,10 @@ class GenerationEngine:
                 )
 
     def _mark_unhealthy(self, error: BaseException) -> None:
-        reason = f"{type(error).__name__}: {error}"
-        code = getattr(error, "code", None)
-        details = getattr(error, "details", None)
-        if callable(code) and callable(details):
-            reason = f"shard RPC failed: {code().name}: {details()}"
+        if isinstance(error, ShardRpcError):
+            reason = str(error)  # "shard RPC failed: STATUS: details"
+        else:
+            reason = f"{type(error).__name__}: {error}"
         log.error("engine unhealthy: %s", reason)
         self.healthy = False
         self.unhealthy_reason = reason
@@ -471,8 +431,6 @@ class GenerationEngine:
             return
         streams, self._streams = self._streams, {}
         self.scheduler.abort_all()
-        self._batch_id = None
-        self._batch_ids_on_shard = []
         for stream in streams.values():
             stream.fail(error)
         self._idle.set()
@@ -481,9 +439,9 @@ class GenerationEngine:
 def build_engine(
     *,
     client: ShardBackend,
-    warmup: shard_convert.WarmupInfo,
+    warmup: WarmupInfo,
     config: EngineConfig,
-    shard: shard_convert.ShardInfo | None = None,
+    shard: ShardDescription | None = None,
     on_unhealthy: Callable[[str], None] | None = None,
 ) -> GenerationEngine:
     """The engine for a warmed-up shard: KV geometry from `warmup` unless set in `config`.

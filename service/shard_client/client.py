@@ -1,33 +1,34 @@
 """gRPC client of the shards: every RPC goes to every rank, rank 0's answer is read.
 
-Timeouts on every call, so a wedged shard turns into an error instead of a hang.
+Speaks `tokenwire.shard.v1` on the wire and domain types to its callers: it implements the
+engine's `service.engine.backend.ShardBackend` (StepPlan in, StepOutput out) and tracks the
+shard's running batch (TGI v3's cached batch id) itself. Every failed or timed-out RPC becomes a
+`ShardRpcError`. Timeouts on every call, so a wedged shard turns into an error instead of a hang.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-from typing import TypeVar
+from typing import Any
 
 import grpc
 from tokenwire.shard.v1 import shard_pb2 as pb
 from tokenwire.shard.v1 import shard_pb2_grpc as pb_grpc
 
-from service.shard_client.convert import (
-    ShardInfo,
-    WarmupBudgets,
-    WarmupInfo,
-    shard_info,
-    warmup_info,
-    warmup_request,
-)
+from service.engine.backend import ShardDescription, ShardRpcError, WarmupBudgets, WarmupInfo
+from service.scheduler.contracts import StepOutput, StepPlan
+from service.shard_client import convert
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 256 << 20),
     ("grpc.max_receive_message_length", 256 << 20),
 ]
 
-R = TypeVar("R")
+
+def _rpc_error(error: grpc.aio.AioRpcError) -> ShardRpcError:
+    return ShardRpcError(error.code().name, error.details())
 
 
 class ShardClient:
@@ -48,35 +49,81 @@ class ShardClient:
         self.warmup_timeout_s = warmup_timeout_s
         self._channels = [grpc.aio.insecure_channel(u, options=_CHANNEL_OPTIONS) for u in urls]
         self._stubs = [pb_grpc.ShardServiceStub(c) for c in self._channels]
+        # The shard's running batch (one id) and its requests, as its last answer reported them.
+        self._batch_ids = itertools.count(1)
+        self._batch_id: int | None = None
+        self._batch_request_ids: list[int] = []
+        self.cpu_seconds = 0.0  # ShardBackend: request building and answer reading
 
-    async def _all(self, method: str, request: object, timeout: float) -> R:  # type: ignore[type-var]
-        if len(self._stubs) == 1:
-            return await getattr(self._stubs[0], method)(request, timeout=timeout)
-        calls = [getattr(s, method)(request, timeout=timeout) for s in self._stubs]
-        results = await asyncio.gather(*calls)
-        return results[0]
+    async def _all(self, method: str, request: object, timeout: float) -> Any:
+        try:
+            if len(self._stubs) == 1:
+                return await getattr(self._stubs[0], method)(request, timeout=timeout)
+            calls = [getattr(s, method)(request, timeout=timeout) for s in self._stubs]
+            results = await asyncio.gather(*calls)
+            return results[0]
+        except grpc.aio.AioRpcError as error:
+            raise _rpc_error(error) from error
 
-    async def info(self) -> pb.InfoResponse:
-        return await self._stubs[0].Info(pb.InfoRequest(), timeout=self.control_timeout_s)
+    # --- control -------------------------------------------------------------------------------
+    async def info(self) -> ShardDescription:
+        """Rank 0's Info."""
+        try:
+            reply = await self._stubs[0].Info(pb.InfoRequest(), timeout=self.control_timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise _rpc_error(error) from error
+        return convert.shard_description(reply)
 
     async def health(self) -> None:
         await self._all("Health", pb.HealthRequest(), self.control_timeout_s)
 
-    async def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
-        return await self._all("Warmup", request, self.warmup_timeout_s)
+    async def warmup(self, budgets: WarmupBudgets) -> WarmupInfo:
+        reply = await self._all("Warmup", convert.warmup_request(budgets), self.warmup_timeout_s)
+        return convert.warmup_info(reply)
 
-    async def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
-        return await self._all("Prefill", request, self.step_timeout_s)
+    async def clear_cache(self) -> None:
+        """Every rank forgets every batch (before warmup: state left by an earlier router)."""
+        await self._all("ClearCache", convert.clear_cache_request(None), self.control_timeout_s)
+        self._batch_id = None
+        self._batch_request_ids = []
 
-    async def decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
-        return await self._all("Decode", request, self.step_timeout_s)
+    # --- ShardBackend --------------------------------------------------------------------------
+    async def step(self, plan: StepPlan) -> StepOutput:
+        t0 = time.thread_time()
+        if plan.chunks:
+            request = convert.prefill_request(
+                plan, next(self._batch_ids), self._batch_id, self._batch_request_ids
+            )
+            method = "Prefill"
+        else:
+            assert self._batch_id is not None
+            request = convert.decode_request(plan, self._batch_id, self._batch_request_ids)
+            method = "Decode"
+        t1 = time.thread_time()
+        reply = await self._all(method, request, self.step_timeout_s)
+        t2 = time.thread_time()
+        out = convert.step_output(reply)
+        self._batch_id = out.batch_id
+        self._batch_request_ids = out.batch_request_ids
+        self.cpu_seconds += (t1 - t0) + (time.thread_time() - t2)
+        return out
 
-    async def filter_batch(self, request: pb.FilterBatchRequest) -> pb.FilterBatchResponse:
-        return await self._all("FilterBatch", request, self.control_timeout_s)
-
-    async def clear_cache(self, batch_id: int | None = None) -> None:
-        req = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)
-        await self._all("ClearCache", req, self.control_timeout_s)
+    async def filter(self, keep_ids: list[int]) -> None:
+        if self._batch_id is None:
+            return
+        if keep_ids:
+            reply = await self._all(
+                "FilterBatch",
+                convert.filter_request(self._batch_id, keep_ids),
+                self.control_timeout_s,
+            )
+            self._batch_request_ids = list(reply.batch.request_ids)
+        else:
+            await self._all(
+                "ClearCache", convert.clear_cache_request(self._batch_id), self.control_timeout_s
+            )
+            self._batch_id = None
+            self._batch_request_ids = []
 
     async def close(self) -> None:
         for c in self._channels:
@@ -93,9 +140,9 @@ async def _wait_healthy(target: str, timeout_s: float) -> None:
             try:
                 await stub.Health(pb.HealthRequest(), timeout=max(0.1, min(5.0, left)))
                 return
-            except grpc.aio.AioRpcError:
+            except grpc.aio.AioRpcError as error:
                 if time.monotonic() >= deadline:
-                    raise
+                    raise _rpc_error(error) from error
                 await asyncio.sleep(0.1)
 
 
@@ -104,22 +151,37 @@ async def connect_and_warmup(
     budgets: WarmupBudgets,
     connect_timeout_s: float = 60.0,
     step_timeout_s: float = 120.0,
-) -> tuple[ShardClient, WarmupInfo, ShardInfo]:
+) -> tuple[ShardClient, WarmupInfo, ShardDescription]:
     """Connects to rank 0 at `shard_target`, discovers every rank, clears old state and warms
     them all up with `budgets`. Returns the client with the KV cache facts and the model info."""
     await _wait_healthy(shard_target, connect_timeout_s)
     async with grpc.aio.insecure_channel(shard_target) as channel:
         stub = pb_grpc.ShardServiceStub(channel)
-        disc = await stub.ServiceDiscovery(pb.ServiceDiscoveryRequest(), timeout=connect_timeout_s)
+        try:
+            disc = await stub.ServiceDiscovery(
+                pb.ServiceDiscoveryRequest(), timeout=connect_timeout_s
+            )
+        except grpc.aio.AioRpcError as error:
+            raise _rpc_error(error) from error
     urls = list(disc.urls) or [shard_target]
     for url in urls[1:]:
         await _wait_healthy(url, connect_timeout_s)
     client = ShardClient(urls, step_timeout_s=step_timeout_s)
     try:
-        info = shard_info(await client.info())
+        info = await client.info()
         await client.clear_cache()
-        warm = warmup_info(await client.warmup(warmup_request(budgets)))
+        warm = await client.warmup(budgets)
     except BaseException:
         await client.close()
         raise
     return client, warm, info
+
+
+def shard_answers_health(target: str, timeout: float) -> bool:
+    """True when the shard at `target` answers its Health RPC (blocking; for the launcher)."""
+    with grpc.insecure_channel(target) as channel:
+        try:
+            pb_grpc.ShardServiceStub(channel).Health(pb.HealthRequest(), timeout=timeout)
+            return True
+        except grpc.RpcError:
+            return False

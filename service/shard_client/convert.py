@@ -1,15 +1,15 @@
 """Proto <-> domain conversion for the internal shard protocol (the router side's one module).
 
 The scheduler's typed step contracts (service.scheduler.contracts) become PrefillRequest /
-DecodeRequest here, and the shard's answers become StepOutput. Finish reasons map in one place.
+DecodeRequest here, and the shard's answers become StepOutput; Info and Warmup become the engine's
+backend facts (service.engine.backend). Finish reasons map in one place.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tokenwire.shard.v1 import shard_pb2 as pb
 
+from service.engine.backend import ShardDescription, WarmupBudgets, WarmupInfo
 from service.engine.contracts import FinishReason, TokenInfo, ValidatedRequest
 from service.scheduler.contracts import FinishInfo, GenerationOut, StepOutput, StepPlan
 
@@ -20,45 +20,6 @@ FINISH_REASONS: dict[int, FinishReason] = {
     pb.FINISH_REASON_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE,
 }
 FINISH_REASONS_TO_PROTO: dict[FinishReason, int] = {v: k for k, v in FINISH_REASONS.items()}
-
-
-@dataclass(frozen=True)
-class WarmupBudgets:
-    """Budgets the shard must support (WarmupRequest)."""
-
-    max_input_tokens: int
-    max_total_tokens: int
-    max_batch_prefill_tokens: int
-    max_batch_size: int
-    max_batch_total_tokens: int | None = None
-
-
-@dataclass(frozen=True)
-class WarmupInfo:
-    """Result of Warmup: the KV cache the router now owns."""
-
-    num_blocks: int
-    block_size: int
-    max_supported_total_tokens: int
-    warmup_ns: int
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """Static facts of the shard (Info)."""
-
-    model_id: str
-    model_type: str
-    dtype: str
-    device_type: str
-    block_size: int
-    max_position_embeddings: int
-    eos_token_ids: tuple[int, ...]
-    vocab_size: int
-    world_size: int
-    sliding_window: int | None
-    attention_backend: str
-    model_sha: str | None
 
 
 def warmup_request(b: WarmupBudgets) -> pb.WarmupRequest:
@@ -77,8 +38,8 @@ def warmup_info(r: pb.WarmupResponse) -> WarmupInfo:
     return WarmupInfo(r.num_blocks, r.block_size, r.max_supported_total_tokens, r.warmup_ns)
 
 
-def shard_info(r: pb.InfoResponse) -> ShardInfo:
-    return ShardInfo(
+def shard_description(r: pb.InfoResponse) -> ShardDescription:
+    return ShardDescription(
         model_id=r.model_id,
         model_type=r.model_type,
         dtype=r.dtype,
@@ -163,6 +124,11 @@ def decode_request(plan: StepPlan, cached_id: int, cached_ids: list[int]) -> pb.
 
 def filter_request(batch_id: int, keep_ids: list[int]) -> pb.FilterBatchRequest:
     return pb.FilterBatchRequest(batch_id=batch_id, request_ids=keep_ids)
+
+
+def clear_cache_request(batch_id: int | None) -> pb.ClearCacheRequest:
+    """Forget batch `batch_id`, or every batch when None."""
+    return pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)
 
 
 def _tokens(t: pb.Tokens) -> tuple[TokenInfo, ...]:

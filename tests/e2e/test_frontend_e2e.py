@@ -1,6 +1,6 @@
 """`tokenwire router --frontends 2` (one scheduler process + streaming front-end processes, see
-service/frontend.py) against the fake shard: the public API behaves as the one-process router
-does — streams equal unary answers, validation errors, cancellation frees every KV block, a dead
+service/app/scheduler_process.py) against the fake shard: the public API behaves as the
+one-process router does — streams equal unary answers, validation errors, cancellation frees every KV block, a dead
 shard ends streams with UNAVAILABLE, --max-concurrent-requests is one global limit — and each
 front end serves its request metrics on its own Prometheus port."""
 

@@ -12,8 +12,8 @@ import grpc
 from grpc import aio
 from tokenwire.v1 import generate_pb2_grpc
 
+from service.api.server import build_server
 from service.api.servicer import HealthReporter, TextGenerationServicer
-from service.app.router import build_server
 from service.engine.contracts import Engine
 from service.generation.service import GenerationService, ServerInfo
 from service.generation.tokenization import TokenizerPool

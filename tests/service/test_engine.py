@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from service.engine.backend import WarmupBudgets
 from service.engine.contracts import (
     DeadlineExceededError,
     DrainingError,
@@ -20,7 +21,6 @@ from service.engine.contracts import (
 )
 from service.engine.engine import EngineConfig, GenerationEngine
 from service.shard_client.client import connect_and_warmup
-from service.shard_client.convert import WarmupBudgets
 from service.testing import FakeShard, FakeShardConfig, expected_tokens, start_fake_shard
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,4 +1,4 @@
-"""router_main.serve takes its engine, port sharing and cross-process admission as parameters
+"""service.app.serve.serve takes its engine, port sharing and cross-process admission as parameters
 (what the multi-process router's front ends inject): no module attribute is patched."""
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import grpc
 from tokenwire.v1 import generate_pb2 as pb
 from tokenwire.v1 import generate_pb2_grpc
 
-from service.app import router as router_main
+from service.app.engine_source import ShardConnection, ShardEngineSource
 from service.app.remote_engine import SharedAdmission
+from service.app.router_flags import add_arguments
+from service.app.serve import serve
 from service.testing import FakeShardConfig, start_fake_shard
 
 
@@ -23,10 +25,10 @@ class _CountingSource:
     """The default source, counting its calls: serve must use the one it is given."""
 
     def __init__(self, args: Any) -> None:
-        self.inner = router_main.ShardEngineSource(args)
+        self.inner = ShardEngineSource(args)
         self.calls: list[str] = []
 
-    async def connect(self) -> router_main.ShardConnection:
+    async def connect(self) -> ShardConnection:
         self.calls.append("connect")
         return await self.inner.connect()
 
@@ -53,7 +55,7 @@ class _OneSlot:
 
 def _args(shard_url: str, tokenizer_dir: Path) -> Any:
     parser = argparse.ArgumentParser()
-    router_main.add_arguments(parser)
+    add_arguments(parser)
     argv = f"--shard-address {shard_url} --tokenizer {tokenizer_dir} --port 0 "
     argv += (
         "--max-input-tokens 32 --max-total-tokens 64 --max-best-of 2 --max-concurrent-requests 4"
@@ -70,7 +72,7 @@ async def test_serve_uses_the_injected_source_admission_and_reuse_port(
     stop = asyncio.Event()
     ports: asyncio.Queue[int] = asyncio.Queue()
     task = asyncio.ensure_future(
-        router_main.serve(
+        serve(
             args,
             on_listening=ports.put_nowait,
             stop=stop,

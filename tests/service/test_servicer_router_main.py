@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from service.app import router as router_main
+from service.app import router_flags as router_main
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -1,0 +1,45 @@
+"""The public gRPC server: TextGeneration, grpc.health.v1 and reflection behind the interceptors."""
+
+from __future__ import annotations
+
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from tokenwire.v1 import generate_pb2_grpc
+
+from service.api.interceptors import server_interceptors
+from service.api.servicer import SERVICE_NAME, HealthReporter, TextGenerationServicer
+
+
+def build_server(
+    servicer: TextGenerationServicer,
+    health_reporter: HealthReporter,
+    *,
+    host: str,
+    port: int,
+    api_key: str | None,
+    reuse_port: bool = False,
+) -> tuple[aio.Server, int]:
+    """The public gRPC server (not started): TextGeneration, grpc.health.v1 and reflection of
+    every service, behind the interceptors. Returns it with its bound port. `reuse_port`:
+    several processes listen on the port (SO_REUSEPORT) and the kernel spreads connections."""
+    server = aio.server(
+        interceptors=server_interceptors(api_key),
+        options=[
+            ("grpc.so_reuseport", int(reuse_port)),
+            ("grpc.max_receive_message_length", 16 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+        ],
+    )
+    generate_pb2_grpc.add_TextGenerationServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_reporter.servicer, server)
+    services = (
+        SERVICE_NAME,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(services, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise SystemExit(f"cannot listen on {host}:{port}")
+    return server, bound

@@ -1,0 +1,118 @@
+"""Where the router's engine comes from: connect to the shards (Info, Warmup), then build it.
+
+`serve` (service.app.serve) takes an `EngineSource`; the default, `ShardEngineSource`, connects to
+the shards and builds an in-process `GenerationEngine`. The multi-process router's front ends plug
+in theirs (`service.app.remote_engine.RemoteEngineSource`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from service.app.router_flags import Limits, resolve_limits, shard_target
+from service.engine.backend import ShardDescription, ShardRpcError, WarmupBudgets, WarmupInfo
+from service.engine.contracts import Engine
+from service.engine.engine import EngineConfig, build_engine
+from service.shard_client.client import ShardClient, connect_and_warmup
+
+
+class ShardLink(Protocol):
+    """What the router keeps of its connection to the shards: a health probe and close."""
+
+    async def health(self) -> None:
+        """Returns when every shard answers; raises ShardRpcError otherwise."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ShardConnection:
+    """What connecting to the shards yields: the link the router health-checks and closes, the
+    Warmup answer, the shard's description and the resolved limits."""
+
+    client: ShardLink
+    warmup: WarmupInfo
+    shard: ShardDescription
+    limits: Limits
+
+
+class EngineSource(Protocol):
+    """Where `serve` gets its engine: connect (and warm up), then build the engine."""
+
+    async def connect(self) -> ShardConnection:
+        """Waits until the engine's backend is ready; raises when it cannot be reached."""
+        ...
+
+    def build_engine(
+        self,
+        connection: ShardConnection,
+        config: EngineConfig,
+        on_unhealthy: Callable[[str], None],
+    ) -> Engine:
+        """The engine to serve with (`start()`, `drain()`, `close()` are called by serve);
+        `on_unhealthy(reason)` is called when its backend fails."""
+        ...
+
+
+@dataclass(frozen=True)
+class ShardEngineSource:
+    """The default EngineSource: the shards themselves and an in-process GenerationEngine."""
+
+    args: argparse.Namespace
+
+    async def connect(self) -> ShardConnection:
+        return await connect_shards(self.args, shard_target(self.args))
+
+    def build_engine(
+        self,
+        connection: ShardConnection,
+        config: EngineConfig,
+        on_unhealthy: Callable[[str], None],
+    ) -> Engine:
+        assert isinstance(connection.client, ShardClient)
+        return build_engine(
+            client=connection.client,
+            warmup=connection.warmup,
+            shard=connection.shard,
+            config=config,
+            on_unhealthy=on_unhealthy,
+        )
+
+
+async def connect_shards(args: argparse.Namespace, target: str) -> ShardConnection:
+    """Connects to the shards and warms them up with the limits resolved against the model."""
+    # Info first (max_position_embeddings decides the default limits), then warm up.
+    probe = ShardClient([target])
+    try:
+        shard = await _retry_info(probe, args.startup_timeout)
+    finally:
+        await probe.close()
+    limits = resolve_limits(args, shard.max_position_embeddings)
+    budgets = WarmupBudgets(
+        max_input_tokens=limits.max_input_tokens,
+        max_total_tokens=limits.max_total_tokens,
+        max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
+        max_batch_size=limits.max_batch_size,
+        max_batch_total_tokens=args.max_batch_total_tokens,
+    )
+    client, warm, shard = await connect_and_warmup(
+        target, budgets, connect_timeout_s=args.startup_timeout
+    )
+    return ShardConnection(client, warm, shard, limits)
+
+
+async def _retry_info(client: ShardClient, timeout_s: float) -> ShardDescription:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            return await client.info()
+        except ShardRpcError:
+            if loop.time() >= deadline:
+                raise
+            await asyncio.sleep(0.2)

@@ -1,0 +1,294 @@
+"""Flags of `tokenwire router`, and the settings resolved from them (token limits, engine limits,
+shard address). Defaults read the environment variables TGI users know (PORT, MAX_INPUT_TOKENS,
+...) when the parser is built, never at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from service.app.env_flags import env_bool, env_value
+from service.engine.engine import EngineConfig
+
+DEFAULT_SHARD_UDS_PATH = "/tmp/tokenwire-shard"
+# TGI's defaults: max_total_tokens = min(max_position_embeddings, 4096), max_input = total - 1.
+DEFAULT_TOTAL_TOKENS_CAP = 4096
+
+_AddArgument = Callable[..., argparse.Action]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `tokenwire router`, one argument group per concern."""
+    parser.description = "serve the public gRPC API in front of running shards"
+    group = parser.add_argument_group
+    _listening_flags(group("listening").add_argument)
+    _shard_flags(group("shards").add_argument)
+    _request_limit_flags(group("request limits").add_argument)
+    _batching_flags(group("batching").add_argument)
+    _observability_flags(group("observability").add_argument)
+    _process_flags(group("processes").add_argument)
+
+
+def _listening_flags(a: _AddArgument) -> None:
+    a(
+        "--hostname",
+        default=env_value("HOSTNAME") or "127.0.0.1",
+        help="address the gRPC server listens on [HOSTNAME] (default 127.0.0.1)",
+    )
+    a(
+        "--port",
+        type=int,
+        default=int(env_value("PORT") or 50051),
+        help="gRPC port; 0 picks a free one [PORT] (default 50051)",
+    )
+    a(
+        "--api-key",
+        default=env_value("API_KEY"),
+        help="require 'authorization: Bearer KEY' metadata on generation calls (health and "
+        "reflection stay open) [API_KEY]",
+    )
+
+
+def _shard_flags(a: _AddArgument) -> None:
+    a(
+        "--shard-uds-path",
+        default=env_value("SHARD_UDS_PATH"),
+        help="unix socket prefix of the shards: rank 0 listens on unix://PREFIX-0 and names the "
+        f"others [SHARD_UDS_PATH] (default {DEFAULT_SHARD_UDS_PATH})",
+    )
+    a(
+        "--shard-address",
+        default=env_value("SHARD_ADDRESS"),
+        help="HOST:PORT of shard rank 0 instead of a unix socket [SHARD_ADDRESS]",
+    )
+    a(
+        "--model-id",
+        default=env_value("MODEL_ID"),
+        help="model id reported by Info (default: what the shard reports) [MODEL_ID]",
+    )
+    a(
+        "--tokenizer",
+        type=Path,
+        default=env_value("TOKENIZER"),
+        help="directory holding tokenizer.json, or the file (default: the resolved --model-id "
+        "directory, else the shard's model directory) [TOKENIZER]",
+    )
+    a("--startup-timeout", type=float, default=float(env_value("STARTUP_TIMEOUT") or 600.0),
+      help="seconds to wait for the shards to answer and warm up (default 600)")  # fmt: skip
+
+
+def _request_limit_flags(a: _AddArgument) -> None:
+    a(
+        "--max-concurrent-requests",
+        type=int,
+        default=int(env_value("MAX_CONCURRENT_REQUESTS") or 128),
+        help="client requests in flight (queued or running) before RESOURCE_EXHAUSTED; with "
+        "--frontends N the limit is global: the front ends share one counter of admitted "
+        "requests, so the excess is refused at once whichever front end it reaches "
+        "[MAX_CONCURRENT_REQUESTS] (default 128)",
+    )
+    a(
+        "--max-best-of",
+        type=int,
+        default=int(env_value("MAX_BEST_OF") or 2),
+        help="largest best_of a request may ask for [MAX_BEST_OF] (default 2)",
+    )
+    a(
+        "--max-stop-sequences",
+        type=int,
+        default=int(env_value("MAX_STOP_SEQUENCES") or 4),
+        help="most stop sequences per request [MAX_STOP_SEQUENCES] (default 4)",
+    )
+    a(
+        "--max-top-n-tokens",
+        type=int,
+        default=int(env_value("MAX_TOP_N_TOKENS") or 5),
+        help="largest top_n_tokens per request [MAX_TOP_N_TOKENS] (default 5)",
+    )
+    a(
+        "--max-input-tokens",
+        type=int,
+        default=_opt_int("MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH"),
+        help="longest prompt in tokens, after truncation [MAX_INPUT_TOKENS] (default "
+        "max-total-tokens - 1)",
+    )
+    a(
+        "--max-total-tokens",
+        type=int,
+        default=_opt_int("MAX_TOTAL_TOKENS"),
+        help="prompt + generated tokens of one request [MAX_TOTAL_TOKENS] (default "
+        f"min(max_position_embeddings, {DEFAULT_TOTAL_TOKENS_CAP}), or max-input-tokens + 1 "
+        "when only that is set)",
+    )
+    a(
+        "--max-client-batch-size",
+        type=int,
+        default=int(env_value("MAX_CLIENT_BATCH_SIZE") or 4),
+        help="most inputs in one client batch (reported by Info) [MAX_CLIENT_BATCH_SIZE] "
+        "(default 4)",
+    )
+    a(
+        "--validation-workers",
+        type=int,
+        default=int(env_value("VALIDATION_WORKERS") or 2),
+        help="tokenizer threads [VALIDATION_WORKERS] (default 2)",
+    )
+
+
+def _batching_flags(a: _AddArgument) -> None:
+    a(
+        "--max-batch-prefill-tokens",
+        type=int,
+        default=_opt_int("MAX_BATCH_PREFILL_TOKENS"),
+        help="most prompt tokens computed in one step (longer prompts are chunked) "
+        "[MAX_BATCH_PREFILL_TOKENS] (default max-input-tokens + 50)",
+    )
+    a(
+        "--max-batch-total-tokens",
+        type=int,
+        default=_opt_int("MAX_BATCH_TOTAL_TOKENS"),
+        help="cap on the KV cache in tokens, all requests together [MAX_BATCH_TOTAL_TOKENS] "
+        "(default: what fits, found by warmup)",
+    )
+    a(
+        "--max-batch-size",
+        type=int,
+        default=_opt_int("MAX_BATCH_SIZE"),
+        help="most requests in one step [MAX_BATCH_SIZE] (default max-concurrent-requests x "
+        "max-best-of)",
+    )
+    a(
+        "--waiting-served-ratio",
+        type=float,
+        default=float(env_value("WAITING_SERVED_RATIO") or 0.3),
+        help="admit waiting requests into a running batch when waiting/running exceeds this "
+        "[WAITING_SERVED_RATIO] (default 0.3)",
+    )
+    a(
+        "--max-waiting-tokens",
+        type=int,
+        default=int(env_value("MAX_WAITING_TOKENS") or 20),
+        help="decode steps a waiting request may wait before forcing a prefill "
+        "[MAX_WAITING_TOKENS] (default 20)",
+    )
+
+
+def _observability_flags(a: _AddArgument) -> None:
+    a(
+        "--prometheus-port",
+        type=int,
+        default=int(env_value("PROMETHEUS_PORT") or 0),
+        help="serve Prometheus metrics at http://HOSTNAME:PORT/metrics; 0 = off. With "
+        "--frontends N: PORT serves the scheduler process (engine metrics: KV blocks, queue, "
+        "batch, scheduler CPU) and PORT+1 .. PORT+N serve front end 1 .. N (request metrics: "
+        "counts, latencies, tokens, in flight; their engine gauges are copies of the "
+        "scheduler's, refreshed every 0.25 s) [PROMETHEUS_PORT] (default 0)",
+    )
+    a(
+        "--prometheus-hostname",
+        default=env_value("PROMETHEUS_HOSTNAME") or "0.0.0.0",
+        help="address of the metrics endpoint [PROMETHEUS_HOSTNAME] (default 0.0.0.0)",
+    )
+    a(
+        "--json-output",
+        action="store_true",
+        default=env_bool("JSON_OUTPUT"),
+        help="log one JSON object per line [JSON_OUTPUT]",
+    )
+    a("--log-level", default=env_value("LOG_LEVEL") or "INFO", help="[LOG_LEVEL] (default INFO)")
+
+
+def _process_flags(a: _AddArgument) -> None:
+    a(
+        "--graceful-timeout",
+        type=float,
+        default=float(env_value("GRACEFUL_TIMEOUT") or 30.0),
+        help="seconds to finish in-flight requests after SIGTERM [GRACEFUL_TIMEOUT] (default 30)",
+    )
+    a(
+        "--frontends",
+        type=int,
+        default=int(env_value("FRONTENDS") or 1),
+        help="public gRPC processes. 1: one process runs everything. N >= 2: one scheduler "
+        "process runs the engine and N front-end processes (validation, tokenization, "
+        "streaming) share --port through SO_REUSEPORT; streaming many tokens/s then uses more "
+        "than one core (benchmarks/ROUTER.md) [FRONTENDS] (default 1)",
+    )
+    a(
+        "--frontend-backlog-steps",
+        type=float,
+        default=float(env_value("FRONTEND_BACKLOG_STEPS") or 8.0),
+        help="with --frontends N >= 2: steps' worth of token events a front end may hold "
+        "unwritten before it lets the engine run further ahead. More: each stream writes "
+        "several queued tokens per wakeup (less CPU per token), but requests finish in the "
+        "engine before their tokens are written (smaller batches) and tokens wait longer. "
+        "Fewer: tighter pacing, more CPU per token [FRONTEND_BACKLOG_STEPS] (default 8)",
+    )
+
+
+def _opt_int(*names: str) -> int | None:
+    value = env_value(*names)
+    return None if value is None else int(value)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Token limits after defaults are resolved against the model."""
+
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_prefill_tokens: int
+    max_batch_size: int
+
+
+def resolve_limits(args: argparse.Namespace, max_position_embeddings: int) -> Limits:
+    """Fills the token limits the user left unset (TGI's rules) and checks them."""
+    total = args.max_total_tokens
+    inputs = args.max_input_tokens
+    if total is None:
+        total = (
+            inputs + 1
+            if inputs is not None
+            and inputs + 1 > min(max_position_embeddings, DEFAULT_TOTAL_TOKENS_CAP)
+            else min(max_position_embeddings, DEFAULT_TOTAL_TOKENS_CAP)
+        )
+    if inputs is None:
+        inputs = total - 1
+    if not 0 < inputs < total:
+        raise SystemExit(
+            f"--max-input-tokens ({inputs}) must be > 0 and < --max-total-tokens ({total})"
+        )
+    if total > max_position_embeddings:
+        raise SystemExit(
+            f"--max-total-tokens ({total}) must be <= the model's max_position_embeddings "
+            f"({max_position_embeddings})"
+        )
+    prefill = args.max_batch_prefill_tokens
+    if prefill is None:
+        prefill = inputs + 50
+    batch_size = args.max_batch_size or args.max_concurrent_requests * args.max_best_of
+    return Limits(inputs, total, prefill, batch_size)
+
+
+def shard_target(args: argparse.Namespace) -> str:
+    """gRPC target of shard rank 0."""
+    if args.shard_address:
+        return args.shard_address
+    return f"unix://{args.shard_uds_path or DEFAULT_SHARD_UDS_PATH}-0"
+
+
+def engine_config(args: argparse.Namespace, limits: Limits) -> EngineConfig:
+    """The engine's limits from the router flags and the resolved token limits."""
+    return EngineConfig(
+        # best_of expands one client request into up to max_best_of sequences; the
+        # client-request limit is enforced by GenerationService.
+        max_concurrent_requests=args.max_concurrent_requests * args.max_best_of,
+        max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
+        max_batch_total_tokens=args.max_batch_total_tokens,
+        max_batch_size=limits.max_batch_size,
+        waiting_served_ratio=args.waiting_served_ratio,
+        max_waiting_tokens=args.max_waiting_tokens,
+    )

@@ -1,0 +1,276 @@
+"""Multi-process router: ONE scheduler process beside N streaming front-end processes.
+
+    tokenwire router --frontends 2 <the other `tokenwire router` flags>
+    tokenwire launch --frontends 2 ...
+
+Why: the per-token cost of a grpc.aio stream (one message write, one `sendmsg`, per token) is
+paid on the event-loop thread; at batch 256 one Python process cannot stream 20k tokens/s on a
+loaded 2-core machine (benchmarks/ROUTER.md). Here the public gRPC work scales out:
+
+- the scheduler process (`run_multiprocess`, what `tokenwire router` runs when --frontends >= 2)
+  connects to the shards, warms them up and runs the one `GenerationEngine` (scheduler, KV
+  blocks, prefix cache, shard RPCs). Front ends talk to it over a unix socket: each submitted
+  request travels once (pickled `ValidatedRequest`), and each engine step sends each front end
+  ONE frame with the step's rows for its requests (`GenerationEngine.submit_to` + an
+  `EventSink`), not one message per token;
+- each front-end process runs the unchanged public router (`service.app.serve.serve`:
+  servicer, interceptors, validation, tokenizer, health, reflection) on the same port
+  (`reuse_port=True`: SO_REUSEPORT, the kernel spreads connections over the front ends), with
+  a `RemoteEngineSource` as its engine source: its engine is a `RemoteEngine`.
+
+Limits and metrics across processes: `--max-concurrent-requests` is global — the front ends
+share one counter of client requests in flight (`SharedAdmission`, checked at once before
+validation, as one process does), and the scheduler's engine keeps its own global limit on
+sequences (max-concurrent-requests x max-best-of) and the KV-capacity checks.
+`--prometheus-port PORT` serves the scheduler's engine metrics on PORT and front end i's request
+metrics on PORT+i (i = 1..N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from service.app.engine_link import frame, read_frame, tune_gc
+from service.app.engine_source import ShardEngineSource
+from service.app.ports import free_port
+from service.app.remote_engine import frontend_process
+from service.app.router_flags import engine_config
+from service.app.serve import watch_shards
+from service.engine.contracts import EngineError, ShardUnavailableError, StepEvent
+from service.observability.logs import setup_logging
+from service.observability.metrics import MetricsServer, ServerMetrics
+
+_log = logging.getLogger("tokenwire.frontend")
+_STATS_PERIOD_S = 0.25
+# Step frames a front end may have unacknowledged before the engine waits for it: the engine
+# works on step n+1 while the front ends stream step n, but never runs further ahead (with an
+# instant shard it would otherwise finish requests long before their tokens are streamed, and
+# spend the CPU the front ends need on ever smaller batches).
+_FRAMES_IN_FLIGHT = 2
+_GATE_TIMEOUT_S = 1.0  # a stuck front end does not stall the others for longer than this
+
+
+class _FrontEndConnection:
+    """One front end as the engine sees it: an EventSink batching its rows per step."""
+
+    def __init__(self, engine: Any, writer: asyncio.StreamWriter) -> None:
+        self.engine = engine
+        self.writer = writer
+        self.rows: list[object] = []
+        self.streams: dict[int, Any] = {}
+        self.unacked = 0  # step frames sent and not yet acknowledged
+        self.acked = asyncio.Event()
+
+    # EventSink
+    def add(self, key: int, event: StepEvent) -> None:
+        t = event.token
+        if event.top_tokens or event.prefill is not None or event.finished is not None:
+            self.rows.append((key, t.id, t.text, t.logprob, t.special,
+                              (event.top_tokens, event.prefill, event.finished)))  # fmt: skip
+            if event.finished is not None:
+                self.streams.pop(key, None)
+        else:
+            self.rows.append((key, t.id, t.text, t.logprob, t.special, None))
+
+    def flush(self) -> None:
+        rows, self.rows = self.rows, []
+        self.unacked += 1
+        self.send(("ev", rows))
+
+    def fail(self, key: int, error: EngineError) -> None:
+        self.streams.pop(key, None)
+        self.send(("fail", key, error))
+
+    def send(self, message: object) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(frame(message))
+
+    async def serve(self, reader: asyncio.StreamReader, hello: tuple[Any, ...]) -> None:
+        engine = self.engine
+        try:
+            while True:
+                msg = await read_frame(reader)
+                kind = msg[0]
+                if kind == "sub":
+                    key, request = msg[1], msg[2]
+                    try:
+                        self.streams[key] = engine.submit_to(request, self, key)
+                    except EngineError as error:
+                        self.send(("fail", key, error))
+                elif kind == "ack":
+                    self.unacked -= 1
+                    self.acked.set()
+                elif kind == "cancel":
+                    stream = self.streams.pop(msg[1], None)
+                    if stream is not None:
+                        stream.cancel()
+                elif kind == "hello":
+                    self.send(("hello", *hello))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:  # the front end went away: its requests free their blocks
+            self.unacked = 0
+            self.acked.set()
+            for stream in self.streams.values():
+                stream.cancel()
+            self.streams.clear()
+
+
+class _EngineHealth:
+    """What service.app.serve.watch_shards needs of a health reporter, for the scheduler process."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    @property
+    def serving(self) -> bool:
+        return bool(self.engine.healthy)
+
+    def shard_failed(self) -> None:
+        if self.engine.healthy:
+            self.engine._mark_unhealthy(ShardUnavailableError("shard health check failed"))
+
+
+def _frontend_args(args: argparse.Namespace, index: int, port: int) -> argparse.Namespace:
+    """Front end `index` (1-based): the router flags, the shared port, its own metrics port."""
+    child = argparse.Namespace(**vars(args))
+    child.port = port
+    if args.prometheus_port:
+        child.prometheus_port = args.prometheus_port + index
+    return child
+
+
+async def _scheduler_main(args: argparse.Namespace) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    source = ShardEngineSource(args)
+    connection = await source.connect()
+    client = connection.client
+    conns: list[_FrontEndConnection] = []
+
+    def unhealthy(reason: str) -> None:
+        for c in conns:
+            c.send(("unhealthy", reason))
+
+    # The global limit on sequences (as in one process); the client-request limit is the
+    # front ends' SharedAdmission.
+    engine = source.build_engine(
+        connection, engine_config(args, connection.limits), unhealthy
+    )
+
+    async def gate() -> None:
+        for c in conns:
+            while c.unacked >= _FRAMES_IN_FLIGHT:
+                c.acked.clear()
+                try:
+                    await asyncio.wait_for(c.acked.wait(), _GATE_TIMEOUT_S)
+                except TimeoutError:
+                    break
+
+    engine.step_gate = gate
+    await engine.start()
+    hello = (connection.warmup, connection.shard, connection.limits)
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = _FrontEndConnection(engine, writer)
+        conns.append(conn)
+        try:
+            await conn.serve(reader, hello)
+        finally:
+            conns.remove(conn)
+            writer.close()
+
+    sock_dir = Path(tempfile.mkdtemp(prefix="tokenwire-engine-"))
+    sock_path = str(sock_dir / "engine.sock")
+    server = await asyncio.start_unix_server(on_connect, sock_path)
+
+    async def push_stats() -> None:
+        while True:
+            await asyncio.sleep(_STATS_PERIOD_S)
+            if conns:
+                stats = engine.stats()
+                for c in conns:
+                    c.send(("stats", stats))
+
+    stats_task = asyncio.ensure_future(push_stats())
+    watch = asyncio.ensure_future(
+        watch_shards(client, engine, _EngineHealth(engine), stop)
+    )
+    metrics_server = None
+    if args.prometheus_port:
+        metrics = ServerMetrics(stats=engine.stats)
+        metrics_server = MetricsServer(
+            metrics.registry, args.prometheus_port, args.prometheus_hostname
+        )
+    port = args.port or free_port(args.hostname)
+    ctx = multiprocessing.get_context("spawn")
+    in_flight = ctx.Value("i", 0)  # client requests admitted by all front ends
+    children = [
+        ctx.Process(
+            target=frontend_process,
+            args=(_frontend_args(args, i, port), sock_path, in_flight),
+            name=f"tokenwire-frontend-{i}",
+        )
+        for i in range(1, args.frontends + 1)
+    ]
+    for child in children:
+        child.start()
+    _log.info("scheduler process: %d front ends on %s:%d", args.frontends, args.hostname, port)
+    tune_gc()
+    code = 0
+    try:
+        while not stop.is_set():
+            dead = [c for c in children if c.exitcode is not None]
+            if dead:
+                _log.error("front end %d exited with %s", dead[0].pid, dead[0].exitcode)
+                code = 1
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.2)
+    finally:
+        for c in children:  # they drain their own requests (graceful timeout)
+            if c.exitcode is None:
+                c.terminate()
+        deadline = loop.time() + args.graceful_timeout + 10
+        while any(c.exitcode is None for c in children) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for c in children:
+            if c.exitcode is None:
+                c.kill()
+                c.join(5)
+            if c.exitcode not in (0, -signal.SIGTERM) and not code:
+                code = 1
+        watch.cancel()
+        stats_task.cancel()
+        server.close()
+        await engine.close()
+        await client.close()
+        if metrics_server is not None:
+            metrics_server.close()
+        with contextlib.suppress(OSError):
+            os.unlink(sock_path)
+            sock_dir.rmdir()
+    return code
+
+
+def run_multiprocess(args: argparse.Namespace) -> int:
+    """`tokenwire router --frontends N` (N >= 2): the scheduler process; it starts the front
+    ends and exits when one of them dies or on SIGTERM/SIGINT (after they drain)."""
+    setup_logging(json_output=args.json_output, level=args.log_level)
+    try:
+        return asyncio.run(_scheduler_main(args))
+    except KeyboardInterrupt:
+        return 130
+
+

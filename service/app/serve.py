@@ -1,0 +1,236 @@
+"""The router process: serve the public API over an engine, health-check the shards, drain.
+
+Startup: serve `grpc.health.v1.Health` (NOT_SERVING) and reflection at once, connect to the
+shards through the `EngineSource` (Info, Warmup), build the engine, then serve
+`tokenwire.v1.TextGeneration` (SERVING). SIGTERM/SIGINT (or `stop`): NOT_SERVING, refuse new
+requests, drain up to --graceful-timeout, stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Protocol
+
+from service.api.server import build_server
+from service.api.servicer import HealthReporter, TextGenerationServicer
+from service.app.engine_source import EngineSource, ShardEngineSource, ShardLink
+from service.app.router_flags import engine_config
+from service.engine.backend import ShardRpcError
+from service.engine.contracts import Engine, EngineStats
+from service.generation.service import Admission, GenerationService, ServerInfo
+from service.generation.tokenization import TokenizerPool
+from service.generation.validation import ValidationLimits, Validator
+from service.observability.metrics import MetricsServer, ServerMetrics
+
+_log = logging.getLogger("tokenwire.router")
+
+
+class ShardHealthReporter(Protocol):
+    """What watch_shards reports to (the router's HealthReporter, or the scheduler process's)."""
+
+    @property
+    def serving(self) -> bool: ...
+
+    def shard_failed(self) -> None: ...
+
+
+async def serve(
+    args: argparse.Namespace,
+    *,
+    on_listening: Callable[[int], Awaitable[None] | None] | None = None,
+    stop: asyncio.Event | None = None,
+    engine_source: EngineSource | None = None,
+    reuse_port: bool = False,
+    admission: Admission | None = None,
+) -> int:
+    """Runs the router until SIGTERM/SIGINT (or `stop`); returns the exit code.
+
+    `engine_source`: where the engine comes from (default `ShardEngineSource(args)`);
+    `reuse_port`: share the port with other processes (SO_REUSEPORT); `admission`: a counter of
+    client requests in flight shared with other processes, checked beside the local limit."""
+    stop = stop or asyncio.Event()
+    source = engine_source if engine_source is not None else ShardEngineSource(args)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+
+    # Serve health (NOT_SERVING) and reflection while the shards warm up, so probes get answers.
+    holder: dict[str, Engine] = {}
+    metrics = ServerMetrics(
+        stats=lambda: holder["engine"].stats() if "engine" in holder else EngineStats()
+    )
+    health_reporter = HealthReporter(metrics)
+    await health_reporter.start()
+    servicer = TextGenerationServicer(None, health_reporter)
+    server, port = build_server(
+        servicer,
+        health_reporter,
+        host=args.hostname,
+        port=args.port,
+        api_key=args.api_key,
+        reuse_port=reuse_port,
+    )
+    await server.start()
+    _log.info("listening on %s:%d (NOT_SERVING until the shards are warm)", args.hostname, port)
+    if on_listening is not None:
+        maybe = on_listening(port)
+        if maybe is not None:
+            await maybe
+    metrics_server = None
+    if args.prometheus_port:
+        metrics_server = MetricsServer(
+            metrics.registry, args.prometheus_port, args.prometheus_hostname
+        )
+        _log.info("metrics on http://%s:%d/metrics", args.prometheus_hostname, metrics_server.port)
+
+    client = None
+    engine = None
+    tokenizer = None
+    try:
+        connect_task = asyncio.ensure_future(source.connect())
+        stop_task = asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait({connect_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        if connect_task not in done:
+            connect_task.cancel()
+            _log.info("stopped before the shards were ready")
+            return 0
+        stop_task.cancel()
+        connection = connect_task.result()
+        client, warm, shard, limits = (
+            connection.client,
+            connection.warmup,
+            connection.shard,
+            connection.limits,
+        )
+        tokenizer = TokenizerPool(_tokenizer_path(args, shard.model_id), args.validation_workers)
+        engine = source.build_engine(
+            connection,
+            engine_config(args, limits),
+            lambda reason: health_reporter.shard_failed(),
+        )
+        holder["engine"] = engine
+        await engine.start()
+        validation_limits = ValidationLimits(
+            max_input_tokens=limits.max_input_tokens,
+            max_total_tokens=limits.max_total_tokens,
+            max_best_of=args.max_best_of,
+            max_stop_sequences=args.max_stop_sequences,
+            max_top_n_tokens=args.max_top_n_tokens,
+            max_client_batch_size=args.max_client_batch_size,
+        )
+        service = GenerationService(
+            engine,
+            Validator(validation_limits, tokenizer),
+            metrics,
+            max_concurrent_requests=args.max_concurrent_requests,
+            on_shard_failure=health_reporter.shard_failed,
+            admission=admission,
+        )
+        info = ServerInfo(
+            model_id=args.model_id or shard.model_id,
+            model_sha=shard.model_sha,
+            model_dtype=shard.dtype,
+            model_device_type=shard.device_type,
+            model_pipeline_tag="text-generation",
+            max_concurrent_requests=args.max_concurrent_requests,
+            max_best_of=args.max_best_of,
+            max_stop_sequences=args.max_stop_sequences,
+            max_input_tokens=limits.max_input_tokens,
+            max_total_tokens=limits.max_total_tokens,
+            validation_workers=args.validation_workers,
+            max_client_batch_size=args.max_client_batch_size,
+            version=_version(),
+            max_top_n_tokens=args.max_top_n_tokens,
+            max_batch_total_tokens=warm.max_supported_total_tokens,
+            block_size=warm.block_size,
+            num_kv_blocks=warm.num_blocks,
+            num_shard=shard.world_size,
+        )
+        servicer.attach(service, info)
+        await health_reporter.set_ready()
+        _log.info(
+            "serving %s: %d KV blocks of %d tokens, max_input_tokens=%d max_total_tokens=%d",
+            info.model_id, warm.num_blocks, warm.block_size, limits.max_input_tokens,
+            limits.max_total_tokens,
+        )  # fmt: skip
+        watch = asyncio.ensure_future(watch_shards(client, engine, health_reporter, stop))
+        await stop.wait()
+        watch.cancel()
+        _log.info("draining (up to %.1f s)", args.graceful_timeout)
+        await health_reporter.set_not_serving("draining")
+        service.start_draining()
+        await _drain(engine, service, args.graceful_timeout)
+        return 0
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001 - log and exit non-zero, whatever broke
+        _log.exception("router failed")
+        await health_reporter.set_not_serving("startup failure")
+        return 1
+    finally:
+        await server.stop(grace=1.0)
+        if engine is not None:
+            await engine.close()
+        if client is not None:
+            await client.close()
+        if tokenizer is not None:
+            tokenizer.close()
+        if metrics_server is not None:
+            metrics_server.close()
+
+
+async def watch_shards(
+    client: ShardLink, engine: Engine, health_reporter: ShardHealthReporter, stop: asyncio.Event
+) -> None:
+    """Flips health to NOT_SERVING when a shard dies while the engine is idle (a busy engine
+    finds out from its step RPCs). Only a refused or broken connection counts as death: a slow
+    answer from a busy shard does not."""
+    while not stop.is_set() and health_reporter.serving:
+        await asyncio.sleep(0.5)
+        stats = engine.stats()
+        if stats.queued or stats.running:
+            continue
+        try:
+            await asyncio.wait_for(client.health(), timeout=10.0)
+        except ShardRpcError as err:
+            if err.unreachable:
+                _log.error("shard health check failed: %s", err.details)
+                health_reporter.shard_failed()
+                return
+        except TimeoutError:
+            continue
+
+
+async def _drain(engine: Engine, service: GenerationService, timeout_s: float) -> None:
+    if not await engine.drain(timeout_s):
+        _log.warning("graceful timeout: unfinished requests failed with UNAVAILABLE")
+    # Let the servicer send the final events of requests that just finished.
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 2.0
+    while service.in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("tokenwire")
+    except Exception:  # noqa: BLE001 - not installed (source checkout)
+        return "0.0.0"
+
+
+def _tokenizer_path(args: argparse.Namespace, shard_model_id: str) -> Path:
+    if args.tokenizer is not None:
+        return Path(args.tokenizer)
+    from shard.download import resolve_model
+
+    return resolve_model(args.model_id or shard_model_id)
