@@ -10,7 +10,12 @@ from tokenwire.v1 import generate_pb2 as pb
 
 from service.api.status import ErrorKind
 from service.engine.contracts import TokenInfo
-from service.generation.service import GenerateOutcome, Sequence, ServerInfo, StreamItem
+from service.generation.service import (
+    GeneratedSequence,
+    GenerateOutcome,
+    ServerInfo,
+    StreamItem,
+)
 from service.generation.validation import GenerateInput, GrammarInput
 
 
@@ -80,7 +85,7 @@ def _top_tokens(per_position: tuple[tuple[TokenInfo, ...], ...]) -> list[pb.TopT
     return [pb.TopTokens(tokens=[token(t) for t in position]) for position in per_position]
 
 
-def _best_of_sequence(seq: Sequence) -> pb.BestOfSequence:
+def _best_of_sequence(seq: GeneratedSequence) -> pb.BestOfSequence:
     message = pb.BestOfSequence(
         generated_text=seq.generated_text,
         finish_reason=seq.finish_reason.value,

@@ -19,7 +19,8 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from service.api.status import UnauthenticatedError, classify, is_domain_error, public_message
+from service.api.status import classify, is_domain_error, public_message
+from service.generation.errors import UnauthenticatedError
 
 REQUEST_ID_KEY = "x-request-id"
 # Health and reflection stay open without an API key (probes, grpcurl/buf curl discovery).

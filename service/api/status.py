@@ -1,8 +1,5 @@
-"""Errors of the public API's domain and the one table that maps them to gRPC status codes.
-
-Domain code raises these (or the engine's `EngineError`s); only `service.api.interceptors` turns them
-into a status, and the servicer uses `classify` for the in-band `error_type` of a failed stream.
-"""
+"""Domain errors -> gRPC status codes: the one table, used by the interceptor (status) and the
+servicer (the in-band `error_type` of a failed stream)."""
 
 from __future__ import annotations
 
@@ -17,27 +14,12 @@ from service.engine.contracts import (
     OverloadedError,
     ShardUnavailableError,
 )
-
-
-class ValidationError(EngineError):
-    """A request parameter is invalid (INVALID_ARGUMENT). The message names the field, the value
-    and the limit, e.g. "parameters.top_p must be in (0, 1]; got 1.5"."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-
-class UnsupportedError(EngineError):
-    """A well-formed request asks for something this server does not do (UNIMPLEMENTED)."""
-
-
-class UnauthenticatedError(EngineError):
-    """The call lacks the API key the server requires (UNAUTHENTICATED)."""
-
-
-class GenerationError(EngineError):
-    """The engine failed a request for a reason other than the specific ones (INTERNAL)."""
+from service.generation.errors import (
+    UnauthenticatedError,
+    UnsupportedError,
+    ValidationError,
+    error_type,
+)
 
 
 @dataclass(frozen=True)
@@ -50,25 +32,24 @@ class ErrorKind:
 
 
 # Most specific first: subclasses must come before their bases.
-_KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
-    (ValidationError, ErrorKind(grpc.StatusCode.INVALID_ARGUMENT, "validation")),
-    (UnsupportedError, ErrorKind(grpc.StatusCode.UNIMPLEMENTED, "validation")),
-    (UnauthenticatedError, ErrorKind(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated")),
-    (OverloadedError, ErrorKind(grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded")),
-    (DrainingError, ErrorKind(grpc.StatusCode.UNAVAILABLE, "unavailable")),
-    (ShardUnavailableError, ErrorKind(grpc.StatusCode.UNAVAILABLE, "unavailable")),
-    (DeadlineExceededError, ErrorKind(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline")),
-    (EngineError, ErrorKind(grpc.StatusCode.INTERNAL, "generation")),
+_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
+    (UnsupportedError, grpc.StatusCode.UNIMPLEMENTED),
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DrainingError, grpc.StatusCode.UNAVAILABLE),
+    (ShardUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (EngineError, grpc.StatusCode.INTERNAL),
 )
-_UNEXPECTED = ErrorKind(grpc.StatusCode.INTERNAL, "generation")
 
 
 def classify(error: BaseException) -> ErrorKind:
     """Returns how `error` is reported; anything unknown is an INTERNAL "generation" error."""
-    for error_class, kind in _KINDS:
+    for error_class, code in _CODES:
         if isinstance(error, error_class):
-            return kind
-    return _UNEXPECTED
+            return ErrorKind(code, error_type(error))
+    return ErrorKind(grpc.StatusCode.INTERNAL, error_type(error))
 
 
 def is_domain_error(error: BaseException) -> bool:

@@ -1,7 +1,7 @@
 """Where the router's engine comes from: connect to the shards (Info, Warmup), then build it.
 
 `serve` (service.app.serve) takes an `EngineSource`; the default, `ShardEngineSource`, connects to
-the shards and builds an in-process `GenerationEngine`. The multi-process router's front ends plug
+the shards and builds an in-process `LocalEngine`. The multi-process router's front ends plug
 in theirs (`service.app.remote_engine.RemoteEngineSource`).
 """
 
@@ -61,7 +61,7 @@ class EngineSource(Protocol):
 
 @dataclass(frozen=True)
 class ShardEngineSource:
-    """The default EngineSource: the shards themselves and an in-process GenerationEngine."""
+    """The default EngineSource: the shards themselves and an in-process LocalEngine."""
 
     args: argparse.Namespace
 

@@ -8,10 +8,10 @@ paid on the event-loop thread; at batch 256 one Python process cannot stream 20k
 loaded 2-core machine (benchmarks/ROUTER.md). Here the public gRPC work scales out:
 
 - the scheduler process (`run_multiprocess`, what `tokenwire router` runs when --frontends >= 2)
-  connects to the shards, warms them up and runs the one `GenerationEngine` (scheduler, KV
+  connects to the shards, warms them up and runs the one `LocalEngine` (scheduler, KV
   blocks, prefix cache, shard RPCs). Front ends talk to it over a unix socket: each submitted
   request travels once (pickled `ValidatedRequest`), and each engine step sends each front end
-  ONE frame with the step's rows for its requests (`GenerationEngine.submit_to` + an
+  ONE frame with the step's rows for its requests (`LocalEngine.submit_to` + an
   `EventSink`), not one message per token;
 - each front-end process runs the unchanged public router (`service.app.serve.serve`:
   servicer, interceptors, validation, tokenizer, health, reflection) on the same port

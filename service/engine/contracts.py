@@ -141,7 +141,8 @@ class EngineStats:
 
 
 class Engine(Protocol):
-    """The generation engine as the servicer sees it."""
+    """The generation engine as the servicer sees it: `LocalEngine` (service.engine.engine) runs
+    it in this process, `RemoteEngine` (service.app.remote_engine) reaches one in another."""
 
     def submit(self, request: ValidatedRequest) -> RequestStream:
         """Admits a request or raises OverloadedError / DrainingError / ShardUnavailableError."""

@@ -1,7 +1,7 @@
 """The generation engine: one asyncio task runs scheduler steps on the shards and streams events.
 
-    engine = GenerationEngine(EngineConfig(num_blocks=..., block_size=..., ...), shard_backend,
-                              on_unhealthy=lambda reason: health.set(NOT_SERVING))
+    engine = LocalEngine(EngineConfig(num_blocks=..., block_size=..., ...), shard_backend,
+                         on_unhealthy=lambda reason: health.set(NOT_SERVING))
     await engine.start()
     stream = engine.submit(validated_request)   # OverloadedError / DrainingError / ShardUnavailable
     async for event in stream: ...               # StepEvents; raises EngineError on failure
@@ -75,7 +75,7 @@ class _Stream(EventStream):
 
     __slots__ = ("_engine", "admitted_at", "request", "scheduled_at", "seq_id")
 
-    def __init__(self, engine: GenerationEngine, seq_id: int, request: ValidatedRequest) -> None:
+    def __init__(self, engine: LocalEngine, seq_id: int, request: ValidatedRequest) -> None:
         super().__init__(engine._loop)  # the engine's (submit runs on it): no lookup per wait
         self._engine = engine
         self.seq_id = seq_id
@@ -95,7 +95,7 @@ class _Stream(EventStream):
 
 
 class EventSink(Protocol):
-    """Receives the events of many requests (an out-of-process front end, service/frontend.py):
+    """Receives the events of many requests (an out-of-process front end, service/app/scheduler_process.py):
     `add` for each event during a step, `flush` once at the end of every step that added any
     (one batched message per front end per step instead of one wakeup per request), `fail` for
     a request's failure (at any time)."""
@@ -115,7 +115,7 @@ class _SinkStream(_Stream):
     __slots__ = ("key", "sink")
 
     def __init__(
-        self, engine: GenerationEngine, seq_id: int, request: ValidatedRequest, sink: EventSink,
+        self, engine: LocalEngine, seq_id: int, request: ValidatedRequest, sink: EventSink,
         key: int,
     ) -> None:  # fmt: skip
         super().__init__(engine, seq_id, request)
@@ -137,8 +137,10 @@ class _SinkStream(_Stream):
         self.sink.fail(self.key, error)
 
 
-class GenerationEngine:
-    """Implements service.engine.contracts.Engine over a scheduler and a shard client."""
+class LocalEngine:
+    """The engine in this process: service.engine.contracts.Engine over a scheduler and a
+    ShardBackend (the multi-process router's front ends use service.app.remote_engine.RemoteEngine,
+    the same interface over a unix socket to the process running this one)."""
 
     def __init__(
         self,
@@ -162,7 +164,7 @@ class GenerationEngine:
         self._cancelled: list[tuple[int, EngineError | None]] = []
         self._dirty_sinks: list[EventSink] = []
         # Awaited before each step when set: lets out-of-process front ends pace the engine
-        # (service/frontend.py), so that an instant shard cannot run far ahead of the streams.
+        # (service/app/scheduler_process.py), so that an instant shard cannot run far ahead of the streams.
         self.step_gate: Callable[[], Awaitable[None]] | None = None
         self._deadlines: list[tuple[float, int]] = []  # heap
         self._wake = asyncio.Event()
@@ -443,7 +445,7 @@ def build_engine(
     config: EngineConfig,
     shard: ShardDescription | None = None,
     on_unhealthy: Callable[[str], None] | None = None,
-) -> GenerationEngine:
+) -> LocalEngine:
     """The engine for a warmed-up shard: KV geometry from `warmup` unless set in `config`.
     Call `await engine.start()` before submitting."""
     del shard  # reserved (e.g. sliding windows); the KV facts come from warmup
@@ -452,4 +454,4 @@ def build_engine(
         num_blocks=config.num_blocks or warmup.num_blocks,
         block_size=config.block_size or warmup.block_size,
     )
-    return GenerationEngine(config, client, on_unhealthy=on_unhealthy)
+    return LocalEngine(config, client, on_unhealthy=on_unhealthy)

@@ -2,7 +2,8 @@
 
 One future per wait, none per event: a producer on the same event loop appends events and wakes
 the reader only when it is waiting, which keeps the per-token cost of streaming low. The engine's
-in-process streams and the front ends' remote streams (service/frontend.py) both build on it.
+in-process streams and the front ends' remote streams (service/app/remote_engine.py) both build
+on it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from service.engine.contracts import EngineError, StepEvent
 
 
 class EventStream:
-    """A RequestStream (service/engine_api.py) fed by `push` / `fail`.
+    """A RequestStream (service/engine/contracts.py) fed by `push` / `fail`.
 
     Subclasses say what cancelling does (`_cancelled`) and may account for each event the
     reader takes (`_taken`)."""

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from service.api.status import classify
 from service.engine.contracts import (
     DrainingError,
     Engine,
@@ -26,6 +25,7 @@ from service.engine.contracts import (
     TokenInfo,
     ValidatedRequest,
 )
+from service.generation.errors import error_type
 from service.generation.validation import GenerateInput, ResponseOptions, Validator
 from service.observability.logs import REQUEST_LOGGER, log_request
 from service.observability.metrics import RequestRecord, ServerMetrics
@@ -35,7 +35,7 @@ GENERATE_STREAM = "generate_stream"
 
 
 @dataclass(frozen=True)
-class Sequence:
+class GeneratedSequence:
     """One finished sequence as the response reports it."""
 
     generated_text: str  # with the prompt prepended when return_full_text
@@ -56,8 +56,8 @@ class Sequence:
 class GenerateOutcome:
     """Result of a unary Generate: the best sequence and, for best_of > 1, the others."""
 
-    best: Sequence
-    others: tuple[Sequence, ...]
+    best: GeneratedSequence
+    others: tuple[GeneratedSequence, ...]
     options: ResponseOptions
 
 
@@ -103,14 +103,14 @@ class _Collector:
         if event.finished is not None:
             self.finished = event.finished
 
-    def sequence(self, options: ResponseOptions) -> Sequence:
+    def sequence(self, options: ResponseOptions) -> GeneratedSequence:
         finished = self.finished
         if finished is None:  # the engine ended the stream without a final event
             raise ShardUnavailableError("generation ended without a final token")
         text = visible_text(self.tokens)
         if options.return_full_text:
             text = options.prompt + text
-        return Sequence(
+        return GeneratedSequence(
             generated_text=text,
             finish_reason=finished.finish_reason,
             generated_tokens=finished.generated_tokens,
@@ -407,7 +407,7 @@ class GenerationService:
         if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
             reason, message, level = "cancelled", "client cancelled", logging.INFO
         else:
-            reason = classify(error).error_type
+            reason = error_type(error)
             message = str(error) or type(error).__name__
             level = logging.INFO if reason == "validation" else logging.WARNING
         self.metrics.observe_failure(method, reason)

@@ -14,8 +14,8 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Any
 
-from service.api.status import UnsupportedError, ValidationError
 from service.engine.contracts import SamplingConfig, StoppingConfig, ValidatedRequest
+from service.generation.errors import UnsupportedError, ValidationError
 from service.generation.tokenization import Encoder
 
 # TGI caps the default max_new_tokens at 100 when the client gives none.

@@ -1,6 +1,7 @@
 """Router-side scheduling: request states, KV block manager, prefix cache, step contracts.
 
-Plain Python over small dataclasses; no torch, no gRPC (see DESIGN.md, examples 1-4).
+Plain Python over small dataclasses; no torch, no gRPC (see the design reference,
+shared/DESIGN.md beside the repository: examples 1-4).
 """
 
 from service.scheduler.block_manager import BlockManager

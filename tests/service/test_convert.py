@@ -12,7 +12,7 @@ from tokenwire.v1 import generate_pb2 as pb
 from service.api import convert
 from service.api.status import ErrorKind
 from service.engine.contracts import Finished, FinishReason, TokenInfo
-from service.generation.service import Sequence, StreamItem
+from service.generation.service import GeneratedSequence, StreamItem
 from service.generation.validation import ResponseOptions
 
 
@@ -60,7 +60,7 @@ def test_prefill_nan_logprob_is_absent() -> None:
 def test_generate_response_details() -> None:
     from service.generation.service import GenerateOutcome
 
-    seq = Sequence(
+    seq = GeneratedSequence(
         generated_text="ab",
         finish_reason=FinishReason.EOS_TOKEN,
         generated_tokens=2,

@@ -19,7 +19,7 @@ from service.engine.contracts import (
     StoppingConfig,
     ValidatedRequest,
 )
-from service.engine.engine import EngineConfig, GenerationEngine
+from service.engine.engine import EngineConfig, LocalEngine
 from service.shard_client.client import connect_and_warmup
 from service.testing import FakeShard, FakeShardConfig, expected_tokens, start_fake_shard
 
@@ -37,7 +37,7 @@ def req(prompt: list[int], n: int, **kw) -> ValidatedRequest:
 
 
 class Harness:
-    def __init__(self, engine: GenerationEngine, shard: FakeShard, unhealthy: list[str]) -> None:
+    def __init__(self, engine: LocalEngine, shard: FakeShard, unhealthy: list[str]) -> None:
         self.engine = engine
         self.shard = shard
         self.unhealthy = unhealthy
@@ -60,7 +60,7 @@ async def make(shard_cfg: FakeShardConfig | None = None, **engine_kw) -> AsyncIt
     }
     cfg.update(engine_kw)
     unhealthy: list[str] = []
-    engine = GenerationEngine(EngineConfig(**cfg), client, on_unhealthy=unhealthy.append)
+    engine = LocalEngine(EngineConfig(**cfg), client, on_unhealthy=unhealthy.append)
     await engine.start()
     try:
         yield Harness(engine, shard, unhealthy)
@@ -205,7 +205,7 @@ async def test_shard_gone_is_unavailable_not_a_hang() -> None:
         FakeShardConfig(num_blocks=64, block_size=4, step_delay_s=0.01)
     )
     client, _, _ = await connect_and_warmup(url, WarmupBudgets(64, 128, 64, 8), step_timeout_s=2)
-    engine = GenerationEngine(EngineConfig(num_blocks=64, block_size=4), client)
+    engine = LocalEngine(EngineConfig(num_blocks=64, block_size=4), client)
     await engine.start()
     s = engine.submit(req([1], 200))
     await s.__anext__()
@@ -241,7 +241,7 @@ async def test_every_rpc_goes_to_every_rank() -> None:
     cfg = FakeShardConfig(num_blocks=64, block_size=4)
     servers = [await start_fake_shard(FakeShardConfig(**vars(cfg))) for _ in range(2)]
     client = ShardClient([url for _, _, url in servers], step_timeout_s=5)
-    engine = GenerationEngine(EngineConfig(num_blocks=64, block_size=4), client)
+    engine = LocalEngine(EngineConfig(num_blocks=64, block_size=4), client)
     await engine.start()
     try:
         streams = [engine.submit(req([i + 1] * 5, 8)) for i in range(4)]

@@ -11,7 +11,7 @@ import pytest
 from google.protobuf import struct_pb2
 from tokenwire.v1 import generate_pb2 as pb
 
-from service.api.status import UnsupportedError, ValidationError
+from service.generation.errors import UnsupportedError, ValidationError
 from service.generation.validation import (
     GenerateInput,
     GrammarInput,
