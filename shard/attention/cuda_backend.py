@@ -21,7 +21,7 @@ import torch
 
 from shard.attention.base import AttentionMetadata
 from shard.quantization.kv_cache import KvScales
-from shard.rotary import RotaryEmbedding
+from shard.layers.rotary import RotaryEmbedding
 
 
 def _scale_tensors(
@@ -48,15 +48,15 @@ class CudaAttentionBackend:
     """AttentionBackend for CUDA devices (see shard/attention/base.py for the contract)."""
 
     def __init__(self, device: torch.device | str = "cuda", use_flash_attn: bool | None = None):
-        from shard.attention import triton_decode, triton_prefill  # lazy: triton on CUDA only
+        from shard.kernels import attention_decode, attention_prefill  # lazy: triton on CUDA only
 
-        self._decode = triton_decode
-        self._prefill = triton_prefill
+        self._decode = attention_decode
+        self._prefill = attention_prefill
         self._num_sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
         self._flash = flash_attn_available() if use_flash_attn is None else use_flash_attn
         self.name = "cuda-triton+flash-attn" if self._flash else "cuda-triton"
         # Decode reads only device tensors and its grid depends on the batch size alone, so
-        # decode steps can be captured in CUDA graphs (shard/cuda_graphs.py).
+        # decode steps can be captured in CUDA graphs (shard/runner/cuda_graphs.py).
         self.graph_safe = True
         # Decode-only steps take rotate_write_and_attend_decode (one kernel for rotary, the cache
         # store and attention); benchmarks switch it off to compare with the two-kernel path.
@@ -90,7 +90,7 @@ class CudaAttentionBackend:
     ) -> torch.Tensor:
         """rotary(q, k), then write_kv(k, v), as one kernel; returns the rotated query
         [num_tokens, num_heads, head_dim]. The cache holds exactly what the two steps store."""
-        from shard.triton_ops import rotary_store_kv
+        from shard.kernels.elementwise import rotary_store_kv
 
         k_scale, v_scale, fp8_max = None, None, 0.0
         if key_cache.element_size() == 1:

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from shard.attention.base import AttentionBackend, AttentionMetadata
-from shard.distributed import Dist
+from shard.distributed.groups import Dist
 from shard.quantization.methods import KvCacheDtype, QuantizeMethod
 
 

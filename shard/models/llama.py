@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shard import decode_linear
+from shard.layers import decode_linear
 from shard.attention.base import AttentionMetadata
-from shard.layers import (
+from shard.layers.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
     PushedPartial,
@@ -26,8 +26,8 @@ from shard.quantization import QuantizeMethod, kv_cache_torch_dtype
 from shard.quantization.fp8 import Fp8Linear
 from shard.quantization.kv_cache import FP8_MAXES, KvCalibration, KvScales, scales_from_amax
 from shard.quantization.loading import LinearQuantization
-from shard.rotary import RotaryEmbedding, rope_parameters
-from shard.weights import Weights
+from shard.layers.rotary import RotaryEmbedding, rope_parameters
+from shard.layers.weights import Weights
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value) pools
 
@@ -176,7 +176,7 @@ class LlamaMLP(nn.Module):
             def down(h: torch.Tensor) -> torch.Tensor | PushedPartial:
                 return self.down_proj.partial(h, push=push)
         if x.is_cuda:  # fused SiLU-and-mul: one kernel instead of two
-            from shard.triton_ops import silu_mul
+            from shard.kernels.elementwise import silu_mul
 
             if self.gate_up is not None:  # one pass over the merged gate/up weight
                 return down(self.gate_up.silu_mul(x))
