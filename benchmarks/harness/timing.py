@@ -101,7 +101,7 @@ def ab_variants(runner) -> dict[str, AbstractContextManager]:
     variants: dict[str, AbstractContextManager] = {}
     if pdl.enabled(runner.device):
         variants["no_pdl"] = pdl.override(False)
-    if getattr(runner.attention, "fuse_rotary_into_decode", False):
+    if runner.attention.fuse_rotary_into_decode:
         variants["unfused_rotary"] = attribute_set(runner.attention, "fuse_rotary_into_decode",
                                                    False)
         from shard.kernels import attention_decode

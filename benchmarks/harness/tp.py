@@ -146,7 +146,7 @@ def _fused_norm_cost(dist, hidden: int, batches: list[int]) -> list[dict]:
     import torch
     import torch.distributed as tdist
 
-    from shard.layers.linear import RMSNorm, reduce_add_rms_norm
+    from shard.layers.norm import RMSNorm, reduce_add_rms_norm
     from shard.kernels.elementwise import add_rms_norm
 
     gen = torch.Generator(device="cuda").manual_seed(7)  # same weight on every rank
@@ -209,7 +209,8 @@ def _pushed_linear_cost(dist, hidden: int, batches: list[int], steps: int = 32) 
 
     from shard.layers import decode_linear
     from shard.kernels.gemv_buckets import m_bucket
-    from shard.layers.linear import PushedPartial, RMSNorm, RowParallelLinear, reduce_add_rms_norm
+    from shard.layers.linear import PushedPartial, RowParallelLinear
+    from shard.layers.norm import RMSNorm, reduce_add_rms_norm
     from shard.kernels.gemv import gemv
     from shard.kernels.elementwise import add_rms_norm
 

@@ -19,9 +19,8 @@ import importlib.util
 
 import torch
 
-from shard.attention.base import AttentionMetadata
+from shard.attention.base import AttentionMetadata, Rotary
 from shard.quantization.kv_cache import KvScales
-from shard.layers.rotary import RotaryEmbedding
 
 
 def _scale_tensors(
@@ -78,7 +77,7 @@ class CudaAttentionBackend:
 
     def rotate_and_write_kv(
         self,
-        rotary: RotaryEmbedding,
+        rotary: Rotary,
         positions: torch.Tensor,  # [num_tokens] int64
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], not yet rotated
@@ -101,7 +100,7 @@ class CudaAttentionBackend:
 
     def rotate_write_and_attend_decode(
         self,
-        rotary: RotaryEmbedding,
+        rotary: Rotary,
         positions: torch.Tensor,  # [num_seqs] int64
         query: torch.Tensor,  # [num_seqs, num_heads, head_dim], not yet rotated
         key: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim], not yet rotated
@@ -115,8 +114,7 @@ class CudaAttentionBackend:
     ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
         """rotate_and_write_kv then attend for a decode-only step (the caller checks
         meta.is_decode_only and one token per sequence), in one kernel plus the split merge:
-        the same output and cache contents, bit for bit. Not part of the AttentionBackend
-        protocol: callers probe for it."""
+        the same output and cache contents, bit for bit."""
         assert meta.is_decode_only and query.shape[0] == meta.seq_lens.shape[0]
         k_scale, v_scale = (None, None)
         if key_cache.element_size() == 1:

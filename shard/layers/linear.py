@@ -1,27 +1,31 @@
-"""Tensor-parallel building blocks; each carries its own weight loader.
+"""Tensor-parallel linear layers; each carries its own weight loader.
 
 Column-parallel: the output features are split over ranks (no communication in forward).
-Row-parallel: the input features are split; partial outputs are summed with one all-reduce.
-Vocab-parallel embedding / LM head: the vocabulary rows are split; lookups are masked and summed,
-logits are gathered.
+Row-parallel: the input features are split; partial outputs are summed with one all-reduce (or
+left to the caller, fused with the next norm: layers/norm.py's reduce_add_rms_norm).
+Merged column-parallel: several column-parallel linears over the same input (q/k/v, gate/up) as
+one layer; on CUDA their weights become row blocks of one merged weight, so that a decode step
+runs one GEMV (or one fp8 GEMV with the SiLU-and-mul in its epilogue) instead of two or three.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shard.layers.decode_linear import linear, linear_pushed  # F.linear or a faster decode GEMV
 from shard.distributed.groups import Dist
+from shard.layers import decode_linear
+from shard.layers.decode_linear import linear, linear_pushed  # F.linear or a faster decode GEMV
+from shard.layers.weights import WeightLoader, Weights
+from shard.quantization.fp8 import Fp8Linear
 from shard.quantization.loading import quantize_loaded_linear
-from shard.layers.weights import Weights
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(nn.Module, WeightLoader):
     """y[..., out/world] = x @ W[rank rows].T (+ b[rank rows])."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dist: Dist):
@@ -49,7 +53,7 @@ class ColumnParallelLinear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(nn.Module, WeightLoader):
     """y = sum over ranks of x[..., rank cols] @ W[:, rank cols].T, then + b (added once)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dist: Dist):
@@ -111,110 +115,82 @@ class PushedPartial:
     rows: int
 
 
-class VocabSlicedWeight(nn.Module):
-    """A [vocab, hidden] weight of which rank r holds rows [r * per_rank, (r + 1) * per_rank),
-    zero-padded at the end so that every rank's slice has the same shape."""
+class _MergedWeight:
+    """The merged [sum(out), in] weight that the parts' weights are row blocks (views) of, with
+    its two decode entry points. Not an nn.Module: the parts stay the modules (checkpoint names,
+    loaders, quantization)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dist: Dist):
+    def __init__(
+        self,
+        linear: Callable[[torch.Tensor], torch.Tensor],  # [n, in] -> [n, sum(out)]
+        silu_mul: Callable[[torch.Tensor], torch.Tensor],  # [n, in] -> [n, sum(out) / 2]
+    ):
+        self.linear = linear
+        # For gate/up: silu(gate) * up of the merged output, in one kernel where the decode
+        # GEMV serves the batch.
+        self.silu_mul = silu_mul
+
+
+def _merge_rows(parts: list[ColumnParallelLinear]) -> _MergedWeight | None:
+    """One [sum(out), in] weight whose row blocks back the parts' weights (their weights become
+    views: no extra memory). Plain weights and fp8 weights (each row keeps its scale) merge;
+    None when any part has a bias or another quantization."""
+    if all(m.quantized is None and m.weight is not None and m.bias is None for m in parts):
+        merged = torch.cat([m.weight.data for m in parts])
+        at = 0
+        for m in parts:
+            rows = m.weight.shape[0]
+            m.weight.data = merged[at : at + rows]
+            at += rows
+        return _MergedWeight(lambda x: decode_linear.linear(x, merged),
+                             lambda x: decode_linear.gate_up_silu(x, merged))
+    if all(isinstance(m.quantized, Fp8Linear) and m.quantized.bias is None for m in parts):
+        fp8 = Fp8Linear.merge_rows(*(m.quantized for m in parts))
+        return _MergedWeight(fp8, fp8.forward_silu_mul)
+    return None
+
+
+class MergedColumnParallelLinear(nn.Module, WeightLoader):
+    """Column-parallel linears over the same input, e.g. q/k/v or gate/up, as one layer.
+
+    The checkpoint stores the parts side by side (`{parent}.q_proj.weight`, ...): the layer's
+    loader reads each part under its own name (as a ColumnParallelLinear, quantized alike) from
+    the layer's parent prefix. With `merge` (CUDA), the parts' weights then become row blocks of
+    one merged weight where they can (no bias; 16-bit or fp8 weights), and CUDA inputs take one
+    GEMM / GEMV for all parts."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool, dist: Dist,
+                 merge: bool):
         super().__init__()
-        self.dist = dist
-        self.vocab_size = vocab_size
-        self.per_rank = math.ceil(vocab_size / dist.world_size)
-        self.start = dist.rank * self.per_rank
-        self.stop = min(self.start + self.per_rank, vocab_size)
-        self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size), requires_grad=False)
+        # part name -> ColumnParallelLinear of its full output features (split over ranks)
+        self.parts = nn.ModuleDict(
+            {name: ColumnParallelLinear(in_features, out, bias, dist) for name, out in parts.items()}
+        )
+        self.sizes = [p.out_local for p in self.parts.values()]  # output features per part
+        self.merge = merge
+        self.merged: _MergedWeight | None = None
 
     def load(self, weights: Weights, prefix: str) -> None:
-        rows = weights.get_rows(f"{prefix}.weight", self.start, self.stop)  # [<=per_rank, hidden]
-        padded = torch.zeros(self.per_rank, rows.shape[1], dtype=rows.dtype, device=rows.device)
-        padded[: rows.shape[0]] = rows
-        self.weight.data = padded
+        parent = prefix.rpartition(".")[0]
+        for name, part in self.parts.items():
+            part.load(weights, f"{parent}.{name}" if parent else name)
+        if self.merge:
+            self.merged = _merge_rows(list(self.parts.values()))
 
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [n, in] -> each part's output [n, out_local]."""
+        if self.merged is not None and x.is_cuda:  # one GEMM for all parts
+            return list(self.merged.linear(x).split(self.sizes, dim=-1))
+        return [part(x) for part in self.parts.values()]
 
-class VocabParallelEmbedding(VocabSlicedWeight):
-    """Token embedding over vocabulary-sliced rows (summed over ranks)."""
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """For two parts (gate, up): silu(gate(x)) * up(x), [n, in] -> [n, out_local]; one
+        kernel for the SiLU-and-mul on CUDA, one pass over the merged weight where merged."""
+        gate, up = self.parts.values()
+        if x.is_cuda:
+            from shard.kernels.elementwise import silu_mul
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [n] -> [n, hidden]
-        if self.dist.world_size == 1:
-            return F.embedding(ids, self.weight)
-        return self.dist.all_reduce(self.partial(ids))
-
-    def partial(self, ids: torch.Tensor) -> torch.Tensor:  # ids [n] -> [n, hidden]
-        """This rank's share of the lookup, not yet summed over ranks: the rows of ids in this
-        rank's vocabulary slice, zeros elsewhere (so the sum over ranks is exact)."""
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return out.masked_fill(outside.unsqueeze(-1), 0)
-
-
-class ParallelLMHead(VocabSlicedWeight):
-    """Logits over the full vocabulary from vocabulary-sliced weights (gathered over ranks)."""
-
-    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
-        self.weight = embedding.weight
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
-        logits = linear(hidden, self.weight)  # [n, per_rank], model dtype
-        # Gathered in the model dtype (half of fp32's bytes), widened after: the same values.
-        logits = self.dist.all_gather_last_dim(logits)  # [n, per_rank * world]
-        return logits[:, : self.vocab_size].float()
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-
-    def load(self, weights: Weights, prefix: str) -> None:
-        self.weight.data = weights.get(f"{prefix}.weight")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:  # one fused kernel instead of 7
-            from shard.kernels.elementwise import rms_norm
-
-            return rms_norm(x, self.weight, self.eps)
-        # Normalise in fp32 like the reference, then scale in the model dtype.
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
-
-
-def add_rms_norm(
-    delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + delta), x + delta) for [num_tokens, hidden]: one Triton kernel on CUDA, the
-    torch form (same rounding points: the sum rounded to the dtype first) elsewhere."""
-    if x.is_cuda:
-        from shard.kernels.elementwise import add_rms_norm as fused
-
-        return fused(delta, x, norm.weight, norm.eps)
-    residual = x + delta
-    return norm(residual), residual
-
-
-def reduce_add_rms_norm(
-    dist: Dist, partial: torch.Tensor | PushedPartial, x: torch.Tensor, norm: RMSNorm
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add after a row-parallel linear: s = x + (sum over ranks of partial), returns
-    (norm(s), s). partial [num_tokens, hidden] is RowParallelLinear.partial's output. Decode-sized
-    CUDA tensors take one kernel for the all-reduce, the add and the norm where the fused kernel
-    is available (shard.distributed.all_reduce_norm); otherwise the all-reduce, then add + norm."""
-    fused = dist.fused_all_reduce_norm
-    if isinstance(partial, PushedPartial):
-        assert fused is not None and partial.rows == x.shape[0]
-        return fused.reduce_pushed(x, norm.weight, norm.eps)
-    if fused is not None and fused.handles(partial):
-        return fused(partial, x, norm.weight, norm.eps)
-    return add_rms_norm(dist.all_reduce(partial), x, norm)
-
-
-def load_module_weights(root: nn.Module, weights: Weights) -> None:
-    """Calls `load(weights, name)` on every submodule that has one; module names equal the
-    checkpoint's tensor prefixes."""
-    for name, module in root.named_modules():
-        loader = getattr(module, "load", None)
-        if callable(loader) and module is not root:
-            loader(weights, name)
+            if self.merged is not None:
+                return self.merged.silu_mul(x)
+            return silu_mul(gate(x), up(x))
+        return F.silu(gate(x)) * up(x)

@@ -6,11 +6,13 @@ N-way tensor-parallel deployment touches about 1/N of each sharded matrix.
 
 from __future__ import annotations
 
+import abc
 import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from shard.distributed.groups import Dist
 from shard.quantization.loading import LinearQuantization
@@ -84,3 +86,28 @@ class Weights:
 
 def read_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
+
+
+class WeightLoader(abc.ABC):
+    """A layer that reads its own tensors (its slice of them, under tensor parallelism) from a
+    checkpoint; mixed into the nn.Module layers. A loader owns its whole subtree: its children
+    are loaded by it, not visited on their own."""
+
+    @abc.abstractmethod
+    def load(self, weights: Weights, prefix: str) -> None:
+        """Reads the tensors named `{prefix}.<name>` (prefix: the module's checkpoint name)."""
+
+
+def load_module_weights(root: nn.Module, weights: Weights, skip: frozenset[str] = frozenset()
+                        ) -> None:
+    """Calls `load(weights, name)` on every WeightLoader below root, outermost first (module
+    names equal the checkpoint's tensor prefixes); the modules named in `skip` and everything
+    under a loader are left to their owner."""
+    owned: list[str] = []  # prefixes of loaders already called: their subtrees are theirs
+    for name, module in list(root.named_modules()):  # loaders add modules (quantized parts)
+        if module is root or any(name.startswith(p + ".") for p in owned):
+            continue
+        if isinstance(module, WeightLoader):
+            owned.append(name)
+            if name not in skip:
+                module.load(weights, name)

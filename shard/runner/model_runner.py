@@ -123,7 +123,7 @@ class ModelRunner:
         """Captures decode CUDA graphs (shard/runner/cuda_graphs.py) for batches up to max_batch and
         contexts up to max_seq_len; call after the final KV allocation. Returns seconds taken;
         0 when the attention backend cannot run inside a graph (it needs host-side lengths)."""
-        if self.device.type != "cuda" or not getattr(self.attention, "graph_safe", False):
+        if self.device.type != "cuda" or not self.attention.graph_safe:
             return 0.0
         from shard.runner.cuda_graphs import CudaGraphDecodeRunner
 
@@ -138,8 +138,7 @@ class ModelRunner:
     def execute_calibrating(self, step: StepInputs) -> torch.Tensor:
         """Runs a step eagerly; a model with an fp8 KV cache records each layer's K/V range on
         the way and sets its cache scales from it (warmup's worst-case prefill)."""
-        begin = getattr(self.model, "begin_kv_calibration", None)
-        calibrating = bool(begin and begin())
+        calibrating = self.model.begin_kv_calibration()
         try:
             d = self.prepare(step)
             out = self.forward(d.input_ids, d.positions, d.meta, d.logits_indices)

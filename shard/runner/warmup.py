@@ -86,7 +86,7 @@ def run_warmup(
         )
     if spec.max_batch_prefill_tokens < spec.max_input_tokens:
         raise FailedPreconditionError("--max-batch-prefill-tokens must be >= --max-input-tokens")
-    step = worst_case_prefill(spec, bs, getattr(runner.model, "vocab_size", 1))
+    step = worst_case_prefill(spec, bs, runner.model.vocab_size)
     device = runner.device
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -112,7 +112,7 @@ class Shard:
             vocab_size=model.vocab_size,
             world_size=dist.world_size,
             sliding_window=model.sliding_window,
-            attention_backend=getattr(model, "attention_name", attention.name),
+            attention_backend=model.attention_name,
             model_sha=model_sha(model_dir),
             model_id=cfg.model_id,
         )

@@ -234,7 +234,7 @@ def test_tiny_fp8_kv_cache_cuda_matches_cpu_path(tiny_llama):
         return s
 
     fp8 = load("fp8_e4m3fn")
-    attn = fp8.runner.model.model.layers[0].self_attn
+    attn = fp8.runner.model.model.layers[0].self_attn.attn
     assert float(attn.kv_scales.k_scale.min()) < 0.5  # calibrated from the tiny model's range
     assert fp8.runner.graphs is not None
     from shard.testing.tiny import greedy_tokens

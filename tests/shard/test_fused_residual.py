@@ -13,7 +13,8 @@ import torch
 from test_quantization_shard import prefill_logits
 
 from shard.distributed.groups import Dist, init_distributed, shutdown_distributed
-from shard.layers.linear import RMSNorm, RowParallelLinear, reduce_add_rms_norm
+from shard.layers.linear import RowParallelLinear
+from shard.layers.norm import RMSNorm, reduce_add_rms_norm
 from shard.server.loader import Shard, ShardConfig
 from shard.runner.model_runner import StepInputs
 
