@@ -106,8 +106,8 @@ def bench_model(model_dir: Path, args, ceilings: dict, parts: set[str]) -> dict:
     """Decode and prefill through the real shard loading path and ModelRunner."""
     import torch
 
-    from shard.runner.cuda_graphs import CudaGraphDecodeRunner
     from shard.distributed.groups import Dist
+    from shard.runner.cuda_graphs import CudaGraphDecodeRunner
     from shard.server.loader import Shard, ShardConfig
 
     t0 = time.perf_counter()

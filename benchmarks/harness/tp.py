@@ -32,6 +32,7 @@ from shard.distributed.groups import Dist
 from shard.testing.ranks import greedy_rank, run_ranks
 from shard.testing.tiny import greedy_tokens, load_tiny
 
+
 def prefill_logits_8b(runner, length: int = 256, keep: int = 64):
     """Logits of the last `keep` positions of one `length`-token prefill ([keep, vocab] fp32,
     on the CPU)."""
@@ -146,8 +147,8 @@ def _fused_norm_cost(dist, hidden: int, batches: list[int]) -> list[dict]:
     import torch
     import torch.distributed as tdist
 
-    from shard.layers.norm import RMSNorm, reduce_add_rms_norm
     from shard.kernels.elementwise import add_rms_norm
+    from shard.layers.norm import RMSNorm, reduce_add_rms_norm
 
     gen = torch.Generator(device="cuda").manual_seed(7)  # same weight on every rank
     norm = RMSNorm(hidden, 1e-5).cuda()
@@ -207,12 +208,12 @@ def _pushed_linear_cost(dist, hidden: int, batches: list[int], steps: int = 32) 
     import torch
     import torch.distributed as tdist
 
-    from shard.layers import decode_linear
+    from shard.kernels.elementwise import add_rms_norm
+    from shard.kernels.gemv import gemv
     from shard.kernels.gemv_buckets import m_bucket
+    from shard.layers import decode_linear
     from shard.layers.linear import PushedPartial, RowParallelLinear
     from shard.layers.norm import RMSNorm, reduce_add_rms_norm
-    from shard.kernels.gemv import gemv
-    from shard.kernels.elementwise import add_rms_norm
 
     fused_kernel = dist.fused_all_reduce_norm
     if fused_kernel is None:

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import tokenizers
 import torch
 
-from shard.engine.detokenizer import IncrementalDetokenizer
 from shard.engine.contracts import (
     BatchSpec,
     BlockGrant,
@@ -27,6 +26,9 @@ from shard.engine.contracts import (
     StepTimings,
     TokenList,
 )
+from shard.engine.detokenizer import IncrementalDetokenizer
+from shard.engine.sampling import Sampler, SamplingParams, prompt_logprobs
+from shard.engine.stopping import StoppingCriteria
 from shard.errors import (
     FailedPreconditionError,
     FatalDeviceError,
@@ -34,8 +36,6 @@ from shard.errors import (
     NotFoundError,
 )
 from shard.runner.model_runner import ModelRunner, StepInputs
-from shard.engine.sampling import Sampler, SamplingParams, prompt_logprobs
-from shard.engine.stopping import StoppingCriteria
 
 
 @dataclass

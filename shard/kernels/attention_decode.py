@@ -50,11 +50,11 @@ import triton
 import triton.language as tl
 
 from shard.kernels import pdl
-from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
 
 # The rotary and cache-store building blocks of rotary_store_kv, shared so that the fused mode
 # runs the very same instructions (bit-identical results).
 from shard.kernels.elementwise import _rope_load, _rope_tables, _to_cache
+from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
 
 LOG2E = 1.4426950408889634
 

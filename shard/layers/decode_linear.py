@@ -401,8 +401,8 @@ def _measure(
     back to back in a CUDA graph, as its config was chosen (shard/kernels/graph_timing.py; a
     single-call timing of the in-graph pick can lose to cuBLAS's there and flip the choice to
     the slower path in the step), larger buckets one call at a time like the autotuner."""
-    from shard.kernels.graph_timing import time_in_graph_us, weight_views
     from shard.kernels.gemv import bench_us, tune_gemv
+    from shard.kernels.graph_timing import time_in_graph_us, weight_views
 
     configs = tune_gemv(weight, None, bias, dtype, silu_mul=silu_mul)
     x = torch.randn((GEMV_MAX_M, weight.shape[1]), dtype=dtype, device=weight.device)  # [16, K]

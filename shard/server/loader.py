@@ -12,12 +12,13 @@ import torch
 
 from shard.attention import get_backend
 from shard.distributed.groups import Dist
-from shard.tools.download import model_sha, resolve_model
 from shard.engine.batches import BatchState
-from shard.runner.model_runner import ModelRunner
 from shard.models import LoadContext, load_model
 from shard.quantization import parse_kv_cache_dtype, parse_quantize
+from shard.runner.model_runner import ModelRunner
 from shard.runner.warmup import WarmupResult, WarmupSpec, run_warmup
+from shard.tools.download import model_sha, resolve_model
+
 
 @dataclass(frozen=True)
 class RankInfo:

@@ -13,7 +13,6 @@ import grpc
 from tokenwire.shard.v1 import shard_pb2 as pb
 from tokenwire.shard.v1 import shard_pb2_grpc
 
-from shard.server import convert
 from shard.errors import (
     FailedPreconditionError,
     FatalDeviceError,
@@ -21,6 +20,7 @@ from shard.errors import (
     NotFoundError,
     ShardError,
 )
+from shard.server import convert
 from shard.server.loader import Shard
 
 log = logging.getLogger(__name__)

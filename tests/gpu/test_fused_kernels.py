@@ -253,7 +253,7 @@ def test_fused_decode_backend_in_cuda_graph_equals_two_kernels(cache_dtype, seq_
 def test_model_decode_takes_fused_path_and_equals_unfused(tmp_path, monkeypatch, arch,
                                                           kv_cache_dtype):
     """A tiny bf16 model's decode steps through the fused kernel (LlamaAttention.forward) give
-    logits bit-equal to the two-kernel path (the backend method hidden)."""
+    logits bit-equal to the two-kernel path (the backend's fuse_rotary_into_decode switched off)."""
     from shard.attention.cuda_backend import CudaAttentionBackend
     from shard.distributed.groups import Dist
     from shard.server.loader import Shard, ShardConfig
@@ -270,13 +270,14 @@ def test_model_decode_takes_fused_path_and_equals_unfused(tmp_path, monkeypatch,
         calls.append(1)
         return method(self, *args, **kwargs)
 
-    def run() -> tuple[list[torch.Tensor], int]:
+    def run(fuse: bool = True) -> tuple[list[torch.Tensor], int]:
         """Prefill, then 20 decode steps: the logits of every step, and how many times the
         fused decode method ran during the decode steps."""
         shard = Shard(ShardConfig(model_id=str(model_dir), dtype="bfloat16", device="cuda",
                                   attention_backend="triton", kv_cache_dtype=kv_cache_dtype),
                       Dist())
         runner = shard.runner
+        runner.attention.fuse_rotary_into_decode = fuse
         runner.allocate_kv_cache(32)
         prefill = StepInputs([], [], [], [], [], [])
         for p, t in zip(prompts, tables):
@@ -300,7 +301,7 @@ def test_model_decode_takes_fused_path_and_equals_unfused(tmp_path, monkeypatch,
     monkeypatch.setattr(CudaAttentionBackend, "rotate_write_and_attend_decode", spy)
     fused, decode_calls = run()
     assert decode_calls == len(calls) == 20 * 2  # each decode step's 2 layers, no prefill
-    monkeypatch.setattr(CudaAttentionBackend, "rotate_write_and_attend_decode", None)
-    unfused, _ = run()
+    unfused, unfused_calls = run(fuse=False)
+    assert unfused_calls == 0
     for a, b in zip(fused, unfused):
         assert torch.equal(a, b)
