@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shard.attention import triton_decode, triton_prefill
+from shard.kernels import attention_decode, attention_prefill
 
 DEV = "cuda"
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -89,13 +89,13 @@ def check_store(results, gen):
     k[0, 0, :4] = torch.tensor([1000.0, -1000.0, 3.0, -0.5])  # fp8 must saturate, not overflow
     kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
     ref8 = kc8.clone()
-    triton_decode.store_kv(k, v, kc8, vc8, slots)
+    attention_decode.store_kv(k, v, kc8, vc8, slots)
     keep = slots >= 0
     ref8.view(-1, kvh, hd)[slots[keep]] = k[keep].float().clamp(-448, 448).to(torch.float8_e4m3fn)
     results.append({"check": "store_kv_fp8", "ok": torch.equal(kc8.view(torch.uint8),
                                                               ref8.view(torch.uint8))})
     kc2, vc2 = kc.clone(), vc.clone()
-    triton_decode.store_kv(k, v, kc, vc, slots)
+    attention_decode.store_kv(k, v, kc, vc, slots)
     keep = slots >= 0
     kc2.view(-1, kvh, hd)[slots[keep]] = k[keep]
     vc2.view(-1, kvh, hd)[slots[keep]] = v[keep]
@@ -114,7 +114,7 @@ def check_decode(results, gen, h, kvh, hd, page, batch, ctx_lo, ctx_hi, window=N
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
     out = torch.full_like(q, float("nan"))
     scale = hd**-0.5
-    triton_decode.paged_decode_attention(q, kc, vc, table, seq_lens, scale, window, splits, out=out)
+    attention_decode.paged_decode_attention(q, kc, vc, table, seq_lens, scale, window, splits, out=out)
     refs = []
     for i, L in enumerate(lens):
         k = gather_ctx(kc, table[i], L, page)
@@ -141,7 +141,7 @@ def check_prefill(results, gen, h, kvh, hd, page, chunks, window=None):
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
     out = torch.full_like(q, float("nan"))
     scale = hd**-0.5
-    triton_prefill.paged_prefill_attention(q, kc, vc, table, qsl, seq_lens, max(qlens), scale,
+    attention_prefill.paged_prefill_attention(q, kc, vc, table, qsl, seq_lens, max(qlens), scale,
                                            window, out=out)
     refs = []
     for i, (c, n) in enumerate(chunks):
@@ -169,7 +169,7 @@ def time_decode(rows, gen, batch, ctx=1024, page=16, h=32, kvh=8, hd=128, sweep=
     q = torch.randn(batch, h, hd, device=DEV, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     kv_bytes = 2 * batch * ctx * kvh * hd * 2
-    default_splits = triton_decode.default_num_splits(batch, kvh, 132)
+    default_splits = attention_decode.default_num_splits(batch, kvh, 132)
     configs = [(default_splits, 64, 4, 2)]
     if sweep:
         for s in sorted({1, 2, 4, 8, 16, 32, default_splits}):
@@ -180,7 +180,7 @@ def time_decode(rows, gen, batch, ctx=1024, page=16, h=32, kvh=8, hd=128, sweep=
     best = None
     for s, bn, nw, st in configs:
         def fn(s=s, bn=bn, nw=nw, st=st):
-            return triton_decode.paged_decode_attention(
+            return attention_decode.paged_decode_attention(
                 q, kc, vc, table, seq_lens, hd**-0.5, None, s, out=out, block_n=bn,
                 num_warps=nw, num_stages=st)
 
@@ -206,7 +206,7 @@ def time_prefill(rows, gen, nseq, qlen, page=16, h=32, kvh=8, hd=128):
     res = {}
     for bm, bn, nw, st in [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]:
         def fn(bm=bm, bn=bn, nw=nw, st=st):
-            return triton_prefill.paged_prefill_attention(
+            return attention_prefill.paged_prefill_attention(
                 q, kc, vc, table, qsl, seq_lens, qlen, hd**-0.5, None, out=out, block_m=bm,
                 block_n=bn, num_warps=nw, num_stages=st)
 

@@ -28,11 +28,11 @@ def main() -> int:
 
     import torch
 
-    from shard.bench import cuda_time_ms, decode_step
-    from shard.cuda_graphs import CudaGraphDecodeRunner
-    from shard.distributed import Dist
-    from shard.kernel_profile import profile_kernels
-    from shard.loader import Shard, ShardConfig
+    from benchmarks.harness.timing import cuda_time_ms, decode_step
+    from shard.runner.cuda_graphs import CudaGraphDecodeRunner
+    from shard.distributed.groups import Dist
+    from benchmarks.harness.kernel_profile import profile_kernels
+    from shard.server.loader import Shard, ShardConfig
 
     shard = Shard(ShardConfig(model_id=str(args.model_dir), dtype="bfloat16", device="cuda"),
                   Dist())

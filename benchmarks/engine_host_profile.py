@@ -3,12 +3,12 @@
     python benchmarks/engine_host_profile.py [--batch 256] [--context 1024] [--steps 30]
         [--mode eager|graphs] [--penalties] [--profile]
 
-A tiny llama (shard.tiny_model) is loaded through the normal shard path, but the model's forward
+A tiny llama (shard.tools.tiny_model) is loaded through the normal shard path, but the model's forward
 is replaced by a stub that returns precomputed logits: what is left is exactly the Python the
 shard runs per step around the GPU work — batch preparation (ModelRunner.prepare for eager steps,
 or the CUDA-graph runner's staging-buffer fill with `--mode graphs`, using the real
 CudaGraphDecodeRunner.run with a no-op replay), sampling bookkeeping, detokenization, stopping,
-Generation objects and the DecodeResponse proto (shard/convert.py). Contexts are ~`context`
+Generation objects and the DecodeResponse proto (shard/server/convert.py). Contexts are ~`context`
 tokens, so block tables are ~context/16 entries per request.
 
 Prints the median per-step milliseconds of: the engine's prepare / forward(stub+staging) /
@@ -41,7 +41,7 @@ class _NoopGraph:
 def _cpu_graphs(runner, max_batch: int, max_blocks: int):
     """A CudaGraphDecodeRunner whose buffers live on the CPU and whose replay does nothing: its
     run() performs the same host-side staging as on the GPU."""
-    from shard.cuda_graphs import CudaGraphDecodeRunner
+    from shard.runner.cuda_graphs import CudaGraphDecodeRunner
 
     g = CudaGraphDecodeRunner.__new__(CudaGraphDecodeRunner)
     # Re-run __init__ without pinned memory (pin_memory needs CUDA).
@@ -76,12 +76,13 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from shard import convert
-    from shard.distributed import Dist
-    from shard.domain import BatchSpec, RequestSpec, WarmupSpec
-    from shard.loader import Shard, ShardConfig
-    from shard.sampling import SamplingParams
-    from shard.tiny_model import TinyModelSpec, make_tiny_model
+    from shard.server import convert
+    from shard.distributed.groups import Dist
+    from shard.engine.contracts import BatchSpec, RequestSpec
+    from shard.runner.warmup import WarmupSpec
+    from shard.server.loader import Shard, ShardConfig
+    from shard.engine.sampling import SamplingParams
+    from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="tw_hostprof_"))
     model_dir = make_tiny_model(tmp / "llama", TinyModelSpec(arch="llama",

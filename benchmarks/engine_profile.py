@@ -34,9 +34,10 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
 
-    from shard.distributed import Dist
-    from shard.domain import BatchSpec, RequestSpec, WarmupSpec
-    from shard.loader import Shard, ShardConfig
+    from shard.distributed.groups import Dist
+    from shard.engine.contracts import BatchSpec, RequestSpec
+    from shard.runner.warmup import WarmupSpec
+    from shard.server.loader import Shard, ShardConfig
 
     shard = Shard(ShardConfig(model_id=str(args.model_dir), dtype=args.dtype, device=args.device),
                   Dist())

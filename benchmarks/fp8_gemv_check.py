@@ -10,7 +10,7 @@ M = 1, 2, 4, 8, 16, times per call:
   (b) W8A8: Fp8Linear with use_gemv=False (Triton per-token activation quantization +
       torch._scaled_mm), the path fp8 took before the GEMV;
   (c) GEMV: Fp8Linear with the autotuned Triton weight-only kernel (shard/quantization/
-      triton_fp8_gemv.py); its first eager call tunes every batch bucket (timed, reported).
+      shard/kernels/fp8_gemv.py); its first eager call tunes every batch bucket (timed, reported).
 Each time is the mean over a CUDA graph that cycles through enough copies of the weight to
 overflow L2 (as a decode step's 32 layers do), so every call streams its weight from HBM; the
 graph is replayed after a warm replay. Reported per call: microseconds, GB/s of weight bytes
@@ -204,7 +204,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     import triton
 
-    from shard.quantization import triton_fp8_gemv
+    from shard.kernels import fp8_gemv as fp8_gemv_kernel
 
     copy_gbps = copy_bandwidth_gbps(device)
     print(f"{torch.cuda.get_device_name(device)}: device copy {copy_gbps:.0f} GB/s (read+write)")
@@ -214,14 +214,14 @@ def main() -> None:
         torch.cuda.empty_cache()
     steps = step_estimates(shapes, args.bf16_step_ms)
     # (M bucket, N, K, bias, tensor dtypes...) -> the config the autotuner kept.
-    tuned = getattr(triton_fp8_gemv._fp8_gemv_tuned, "cache", {})
+    tuned = getattr(fp8_gemv_kernel._fp8_gemv_tuned, "cache", {})
     chosen = {str(key): str(cfg) for key, cfg in tuned.items()}
     report = {
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "copy_gbps": round(copy_gbps, 1),
-        "gemv_max_m": triton_fp8_gemv.GEMV_MAX_M,
+        "gemv_max_m": fp8_gemv_kernel.GEMV_MAX_M,
         "shapes": shapes,
         "steps": steps,
         "autotuned_configs": chosen,

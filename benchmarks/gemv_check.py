@@ -6,9 +6,9 @@ For the Llama-3-8B linear shapes N x K at TP=1 and per rank at TP=2 (fused q/k/v
 4096, o 4096 x 4096 / 2048, fused gate/up 28672 / 14336 x 4096 plain and with the fused SiLU-and-
 mul epilogue, down 4096 x 14336 / 7168, LM head 128256 / 64128 x 4096) and batches M = 1, 2, 4,
 8, 16, times per call:
-  cublas: F.linear(x, W) (gate_up_silu: F.linear + triton_ops.silu_mul), what the model runs now;
-  triton: the Triton GEMV (shard/triton_gemv.py) with its tuned config;
-both through shard/decode_linear.py with the backend forced, after decode_linear.tune() (timed,
+  cublas: F.linear(x, W) (gate_up_silu: F.linear + elementwise.silu_mul), what the model runs now;
+  triton: the Triton GEMV (shard/kernels/gemv.py) with its tuned config;
+both through shard/layers/decode_linear.py with the backend forced, after decode_linear.tune() (timed,
 reported), which also records the dispatcher's pick per batch bucket (reported as `picked`).
 Each time is the mean over a CUDA graph of many calls (launch gaps as in a decode step) that
 cycle through enough copies of the weight to overflow the L2 (60 MB on an H200), so every call
@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Shared with the fp8 check (this script's directory is on sys.path).
 from fp8_gemv_check import copy_bandwidth_gbps, time_calls_us
 
-from shard import decode_linear
-from shard.decode_linear import Backend
-from shard.gemv_buckets import m_bucket
+from shard.layers import decode_linear
+from shard.layers.decode_linear import Backend
+from shard.kernels.gemv_buckets import m_bucket
 
 LAYERS = 32
 BATCHES = (1, 2, 4, 8, 16)

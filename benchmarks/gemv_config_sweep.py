@@ -3,7 +3,7 @@
     python3 benchmarks/gemv_config_sweep.py [--tp 2 1] [--fp8] --out $OUT/gemv_sweep.json
                                                                   (one GPU, ~1 min per dtype)
 
-Why: shard/triton_gemv.py autotunes among a handful of M == 1 configs, timing one call at a time
+Why: shard/kernels/gemv.py autotunes among a handful of M == 1 configs, timing one call at a time
 with the L2 cleared (triton.testing.do_bench). A decode step runs the GEMVs back to back inside a
 CUDA graph, where a config's ramp-up and tail matter more; this script times a wider grid of
 (BLOCK_N, BLOCK_K, warps, stages) the way gemv_check.py times backends (a graph of many calls
@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fp8_gemv_check import time_calls_us  # this script's directory is on sys.path
 from gemv_check import ROTATION_BYTES, SHAPES
 
-from shard import triton_gemv
-from shard.decode_linear import tune
+from shard.kernels import gemv as gemv_kernel
+from shard.layers.decode_linear import tune
 from shard.quantization.fp8 import quantize_fp8_per_channel
 
 SWEPT = ("qkv", "o", "gate_up_silu", "down")
@@ -48,7 +48,7 @@ def grid(weight_bytes: int) -> list:
             continue
         if prefetch and stages != 1:  # (the register double buffer is the STAGES=1 loop's)
             continue
-        out.append(triton_gemv._config(block_n, block_k, warps, stages, False, prefetch))
+        out.append(gemv_kernel._config(block_n, block_k, warps, stages, False, prefetch))
     return out
 
 
@@ -61,7 +61,7 @@ def sweep_shape(name: str, n: int, k: int, silu: bool, fp8: bool, device: torch.
     copies = [w] + [w.clone() for _ in range(max(2, math.ceil(ROTATION_BYTES / size)) - 1)]
     x = torch.randn(1, k, device=device, dtype=torch.bfloat16)  # [1, K]
     if fp8:
-        tuned_config = triton_gemv.tune_gemv(w, scale, None, torch.bfloat16, silu_mul=silu)[1]
+        tuned_config = gemv_kernel.tune_gemv(w, scale, None, torch.bfloat16, silu_mul=silu)[1]
         pick = "triton"
     else:
         tuned = tune(w, torch.bfloat16, silu_mul=silu)[1]
@@ -69,7 +69,7 @@ def sweep_shape(name: str, n: int, k: int, silu: bool, fp8: bool, device: torch.
 
     def timed(config) -> float:
         return time_calls_us([
-            lambda wi=wi: triton_gemv.gemv(x, wi, scale, silu_mul=silu, config=config)
+            lambda wi=wi: gemv_kernel.gemv(x, wi, scale, silu_mul=silu, config=config)
             for wi in copies
         ])
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: wheels, GPU tests, attention check, `tokenwire bench`, engine profile.
+# One device call: wheels, GPU tests, attention check, `python -m benchmarks.harness`, engine profile.
 # Usage: bash benchmarks/run_device.sh [bench parts] [extra bench args...]; outputs under $OUT.
 set -u
 source "$(dirname "$0")/device_env.sh"
@@ -11,9 +11,9 @@ fi
 if [ "${RUN_ATTN:-0}" != 0 ]; then
   python3 benchmarks/attention_check.py --out $OUT > $OUT/attention_check.log 2>&1; tail -12 $OUT/attention_check.log
 fi
-python3 -m service.cli bench --parts "$PARTS" --out $OUT --workdir /tmp/twb "$@" 2>&1 | tee $OUT/bench.log | grep -v "^\s*$" | grep -v "Loading weights" | tail -60
+python3 -m benchmarks.harness --parts "$PARTS" --out $OUT --workdir /tmp/twb "$@" 2>&1 | tee $OUT/bench.log | grep -v "^\s*$" | grep -v "Loading weights" | tail -60
 if [ "${E2E_BATCH2:-0}" != 0 ]; then
-  python3 -m service.cli bench --parts e2e --out /tmp/e2e2 --workdir /tmp/twb --e2e-max-batch-size $E2E_BATCH2 "$@" > /tmp/e2e2.log 2>&1
+  python3 -m benchmarks.harness --parts e2e --out /tmp/e2e2 --workdir /tmp/twb --e2e-max-batch-size $E2E_BATCH2 "$@" > /tmp/e2e2.log 2>&1
   cp /tmp/e2e2/results.json $OUT/e2e_batch$E2E_BATCH2.json; grep -A3 "End to end" /tmp/e2e2/RESULTS.md
 fi
 if [ "${RUN_PROFILE:-0}" != 0 ]; then

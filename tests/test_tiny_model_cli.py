@@ -1,6 +1,6 @@
 """`tokenwire make-tiny-model` writes a hub-like snapshot that transformers loads and generates
 with, deterministically per seed; `--train-steps` fits it to the progression task
-(shard/tiny_training.py), deterministically too, and the trained model does the task."""
+(shard/tools/tiny_training.py), deterministically too, and the trained model does the task."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 import transformers
 
-from shard.tiny_model import TinyModelSpec, make_tiny_model
-from shard.tiny_training import (
+from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
+from shard.tools.tiny_training import (
     TASK,
     TASK_FILE,
     read_task,

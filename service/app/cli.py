@@ -14,10 +14,9 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("service.app.launcher", "start shards, the router and (with --http-port) Envoy"),
     "router": ("service.app.router", "serve the public gRPC API in front of running shards"),
-    "shard": ("shard.server_main", "serve one tensor-parallel rank of a model"),
-    "download": ("shard.download", "fetch a model snapshot from the Hugging Face Hub"),
-    "make-tiny-model": ("shard.tiny_model", "write a tiny random-weight model and tokenizer"),
-    "bench": ("shard.bench", "measure decode, prefill and end-to-end throughput on a GPU"),
+    "shard": ("shard.server.main", "serve one tensor-parallel rank of a model"),
+    "download": ("shard.tools.download", "fetch a model snapshot from the Hugging Face Hub"),
+    "make-tiny-model": ("shard.tools.tiny_model", "write a tiny random-weight model and tokenizer"),
 }
 
 

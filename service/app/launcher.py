@@ -1,7 +1,7 @@
 """`tokenwire launch`: start the shards, the router and (with --http-port) Envoy, and supervise them.
 
-Order: resolve the model (a local directory, a hub id through `shard.download.resolve_model`, or
-with no --model-id the embedded tiny model, generated once into the cache directory); start
+Order: resolve the model (a local directory, a hub id through `shard.tools.download.resolve_model`,
+or with no --model-id the embedded tiny model, generated once into the cache directory); start
 `--num-shard` shard processes on unix sockets under a per-launch temporary directory and wait until
 each answers its Health RPC; start the router and wait until its grpc.health.v1 status is SERVING
 (it warms the shards up first); start Envoy and wait until it answers HTTP.
@@ -278,7 +278,7 @@ def ensure_tiny_model(cache: Path) -> Path:
     target = cache / TINY_MODEL_NAME
     if (target / "config.json").is_file():
         return target
-    from shard.tiny_model import TinyModelSpec, make_tiny_model
+    from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
 
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL_NAME}-", dir=cache))
@@ -294,14 +294,14 @@ def ensure_local_model(
     model_id: str | None, revision: str | None, cache: Path
 ) -> tuple[str, Path]:
     """Returns (model id to report, local directory with weights and tokenizer): a local
-    directory as is, a hub id downloaded (shard.download.resolve_model), none: the tiny model."""
+    directory as is, a hub id downloaded (shard.tools.download.resolve_model), none: the tiny model."""
     if model_id is None:
         return TINY_MODEL_NAME, ensure_tiny_model(cache)
     if Path(model_id).is_dir():
         return model_id, Path(model_id).resolve()
-    from shard.download import resolve_model
+    from shard.tools.download import resolve_model as resolve_hub_model
 
-    return model_id, Path(resolve_model(model_id, revision))
+    return model_id, Path(resolve_hub_model(model_id, revision))
 
 
 # --- processes -----------------------------------------------------------------------------------

@@ -231,6 +231,6 @@ def _version() -> str:
 def _tokenizer_path(args: argparse.Namespace, shard_model_id: str) -> Path:
     if args.tokenizer is not None:
         return Path(args.tokenizer)
-    from shard.download import resolve_model
+    from shard.tools.download import resolve_model
 
     return resolve_model(args.model_id or shard_model_id)

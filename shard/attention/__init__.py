@@ -22,9 +22,9 @@ def _torch_backend() -> AttentionBackend:
 
 
 def _triton_backend() -> AttentionBackend:
-    from shard.attention.triton_backend import TritonAttentionBackend  # GPU helper's module
+    from shard.attention.cuda_backend import CudaAttentionBackend
 
-    return TritonAttentionBackend()
+    return CudaAttentionBackend()
 
 
 def backend_factories() -> dict[str, Callable[[], AttentionBackend]]:

@@ -47,11 +47,35 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+class Rotary(Protocol):
+    """The rotary embedding a backend applies (shard/layers/rotary.py's RotaryEmbedding)."""
+
+    cos: torch.Tensor  # [max_positions, head_dim] float32
+    sin: torch.Tensor  # [max_positions, head_dim] float32
+
+    def __call__(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rotated q, rotated k); positions [num_tokens], q/k [num_tokens, heads, head_dim]."""
+        ...
+
+
 class AttentionBackend(Protocol):
     """Stores new K/V into the paged cache and computes causal attention over each sequence's
-    whole context (cached tokens + new tokens)."""
+    whole context (cached tokens + new tokens).
+
+    Capabilities a backend declares (read by the runner and the attention layer):
+    - graph_safe: decode steps read only device tensors and launch a grid that depends on the
+      batch size alone, so they can be captured in CUDA graphs (shard/runner/cuda_graphs.py);
+    - fuse_rotary_into_decode: decode-only steps should take rotate_write_and_attend_decode
+      (one kernel) rather than rotate_and_write_kv + attend; benchmarks switch it off to compare.
+    Every backend implements every method; the fused ones compose the plain ones where a backend
+    has no kernel for them, with the same results.
+    """
 
     name: str
+    graph_safe: bool
+    fuse_rotary_into_decode: bool
 
     def write_kv(
         self,
@@ -73,4 +97,37 @@ class AttentionBackend(Protocol):
         sliding_window: int | None,  # attend to at most this many most recent positions
         kv_scales: KvScales | None = None,  # fp8 caches: read value = stored * scale
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+    def rotate_and_write_kv(
+        self,
+        rotary: Rotary,
+        positions: torch.Tensor,  # [num_tokens] int64
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim], not yet rotated
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], not yet rotated
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+        kv_scales: KvScales | None = None,
+    ) -> torch.Tensor:  # the rotated query [num_tokens, num_heads, head_dim]
+        """rotary(q, k), then write_kv(k, v); the cache holds exactly what the two steps store."""
+        ...
+
+    def rotate_write_and_attend_decode(
+        self,
+        rotary: Rotary,
+        positions: torch.Tensor,  # [num_seqs] int64
+        query: torch.Tensor,  # [num_seqs, num_heads, head_dim], not yet rotated
+        key: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim], not yet rotated
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,  # decode-only: one new token per sequence
+        scale: float,
+        sliding_window: int | None,
+        kv_scales: KvScales | None = None,
+    ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+        """rotate_and_write_kv, then attend, for a decode-only step (the caller checks
+        meta.is_decode_only and one token per sequence)."""
         ...

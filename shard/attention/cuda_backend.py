@@ -19,9 +19,8 @@ import importlib.util
 
 import torch
 
-from shard.attention.base import AttentionMetadata
+from shard.attention.base import AttentionMetadata, Rotary
 from shard.quantization.kv_cache import KvScales
-from shard.rotary import RotaryEmbedding
 
 
 def _scale_tensors(
@@ -48,15 +47,15 @@ class CudaAttentionBackend:
     """AttentionBackend for CUDA devices (see shard/attention/base.py for the contract)."""
 
     def __init__(self, device: torch.device | str = "cuda", use_flash_attn: bool | None = None):
-        from shard.attention import triton_decode, triton_prefill  # lazy: triton on CUDA only
+        from shard.kernels import attention_decode, attention_prefill  # lazy: triton on CUDA only
 
-        self._decode = triton_decode
-        self._prefill = triton_prefill
+        self._decode = attention_decode
+        self._prefill = attention_prefill
         self._num_sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
         self._flash = flash_attn_available() if use_flash_attn is None else use_flash_attn
         self.name = "cuda-triton+flash-attn" if self._flash else "cuda-triton"
         # Decode reads only device tensors and its grid depends on the batch size alone, so
-        # decode steps can be captured in CUDA graphs (shard/cuda_graphs.py).
+        # decode steps can be captured in CUDA graphs (shard/runner/cuda_graphs.py).
         self.graph_safe = True
         # Decode-only steps take rotate_write_and_attend_decode (one kernel for rotary, the cache
         # store and attention); benchmarks switch it off to compare with the two-kernel path.
@@ -78,7 +77,7 @@ class CudaAttentionBackend:
 
     def rotate_and_write_kv(
         self,
-        rotary: RotaryEmbedding,
+        rotary: Rotary,
         positions: torch.Tensor,  # [num_tokens] int64
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], not yet rotated
@@ -90,7 +89,7 @@ class CudaAttentionBackend:
     ) -> torch.Tensor:
         """rotary(q, k), then write_kv(k, v), as one kernel; returns the rotated query
         [num_tokens, num_heads, head_dim]. The cache holds exactly what the two steps store."""
-        from shard.triton_ops import rotary_store_kv
+        from shard.kernels.elementwise import rotary_store_kv
 
         k_scale, v_scale, fp8_max = None, None, 0.0
         if key_cache.element_size() == 1:
@@ -101,7 +100,7 @@ class CudaAttentionBackend:
 
     def rotate_write_and_attend_decode(
         self,
-        rotary: RotaryEmbedding,
+        rotary: Rotary,
         positions: torch.Tensor,  # [num_seqs] int64
         query: torch.Tensor,  # [num_seqs, num_heads, head_dim], not yet rotated
         key: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim], not yet rotated
@@ -115,8 +114,7 @@ class CudaAttentionBackend:
     ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
         """rotate_and_write_kv then attend for a decode-only step (the caller checks
         meta.is_decode_only and one token per sequence), in one kernel plus the split merge:
-        the same output and cache contents, bit for bit. Not part of the AttentionBackend
-        protocol: callers probe for it."""
+        the same output and cache contents, bit for bit."""
         assert meta.is_decode_only and query.shape[0] == meta.seq_lens.shape[0]
         k_scale, v_scale = (None, None)
         if key_cache.element_size() == 1:

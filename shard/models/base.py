@@ -9,7 +9,8 @@ from typing import Any, Protocol
 import torch
 
 from shard.attention.base import AttentionBackend, AttentionMetadata
-from shard.distributed import Dist
+from shard.distributed.groups import Dist
+from shard.quantization.kv_cache import KvScales
 from shard.quantization.methods import KvCacheDtype, QuantizeMethod
 
 
@@ -33,6 +34,17 @@ class CausalLM(Protocol):
     vocab_size: int
     max_position_embeddings: int
     sliding_window: int | None
+    attention_name: str  # what Info reports: the backend's name, or where attention runs
+
+    def begin_kv_calibration(self) -> bool:
+        """fp8 KV caches: start recording max |K|, |V| per layer and KV head (warmup's worst-case
+        prefill runs next); False (nothing to calibrate) for model-dtype caches."""
+        ...
+
+    def finish_kv_calibration(self, headroom: float | None = None) -> list[KvScales]:
+        """Sets every layer's fp8 cache scales from what was observed (in place: captured
+        graphs keep their addresses); returns them."""
+        ...
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes one KV block takes on this rank, all layers together."""

@@ -12,6 +12,7 @@ import torch
 
 from shard.attention.base import AttentionMetadata
 from shard.models.base import LoadContext
+from shard.quantization.kv_cache import KvScales
 
 
 class HFFallbackForCausalLM:
@@ -31,6 +32,12 @@ class HFFallbackForCausalLM:
             cfg.get("max_position_embeddings") or cfg.get("n_positions") or 2048
         )
         self.sliding_window: int | None = cfg.get("sliding_window")
+
+    def begin_kv_calibration(self) -> bool:
+        return False  # its cache holds token ids: nothing to calibrate
+
+    def finish_kv_calibration(self, headroom: float | None = None) -> list[KvScales]:
+        return []
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return block_size * 8  # one int64 token id per slot

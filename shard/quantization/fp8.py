@@ -6,7 +6,7 @@ row spans the whole e4m3 range.
 
 Matmul:
 - CUDA sm_89+ with at most GEMV_MAX_M (16) rows of bf16/fp16 activations (decode batches):
-  weight-only, one Triton kernel (triton_fp8_gemv.py) that streams the fp8 weight, converts it in
+  weight-only, one Triton kernel (shard/kernels/fp8_gemv.py) that streams the fp8 weight, converts it in
   registers, accumulates x @ W.T in fp32 and applies the per-channel scale (and bias) once per
   output. A decode step is a pass over the weight bytes, so this is the path that can run it at
   up to 2x bf16's speed; the W8A8 path below is slower than bf16 there (its activation
@@ -160,7 +160,7 @@ class Fp8Linear(nn.Module):
         self._quantize_input = quantize_fp8_per_token
         if self.use_scaled_mm and device.type == "cuda":
             try:
-                from shard.quantization.triton_quant import quantize_fp8_per_token_triton
+                from shard.kernels.quant import quantize_fp8_per_token_triton
             except ImportError:
                 pass
             else:
@@ -175,7 +175,7 @@ class Fp8Linear(nn.Module):
             use_gemv = scaled_mm_supported(device)
         if use_gemv and device.type == "cuda":
             try:
-                from shard.quantization.triton_fp8_gemv import GEMV_MAX_M, fp8_gemv, tune_fp8_gemv
+                from shard.kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv, tune_fp8_gemv
             except ImportError:
                 pass
             else:
@@ -242,7 +242,7 @@ class Fp8Linear(nn.Module):
         if torch.cuda.is_current_stream_capturing():
             return False
         if silu_mul:
-            from shard.triton_gemv import tune_gemv
+            from shard.kernels.gemv import tune_gemv
 
             configs = tune_gemv(self.weight, self.weight_scale, self.bias, dtype, silu_mul=True)
         else:
@@ -252,7 +252,7 @@ class Fp8Linear(nn.Module):
 
     def _gemv_config(self, x: torch.Tensor, silu_mul: bool) -> Any:
         """The tuned GEMV config for x's batch bucket (after _gemv_ready)."""
-        from shard.gemv_buckets import m_bucket
+        from shard.kernels.gemv_buckets import m_bucket
 
         return self._gemv_configs[(x.dtype, silu_mul)][m_bucket(x.shape[0])]
 
@@ -260,7 +260,7 @@ class Fp8Linear(nn.Module):
         """For a merged gate/up weight (rows 0..I-1 gate, I..2I-1 up): silu(gate) * up,
         x [M, in] -> [M, out / 2]. Decode-sized batches on the GEMV path take one kernel with
         the SiLU-and-mul in its epilogue (same roundings as the two-step form); otherwise
-        forward() then shard.triton_ops.silu_mul."""
+        forward() then shard.kernels.elementwise.silu_mul."""
         if (
             self.use_gemv
             and x.dim() == 2
@@ -268,11 +268,11 @@ class Fp8Linear(nn.Module):
             and x.dtype in (torch.bfloat16, torch.float16)
             and self._gemv_ready(x.dtype, silu_mul=True)
         ):
-            from shard.triton_gemv import gemv
+            from shard.kernels.gemv import gemv
 
             return gemv(x, self.weight, self.weight_scale, self.bias, silu_mul=True,
                         config=self._gemv_config(x, silu_mul=True))
-        from shard.triton_ops import silu_mul
+        from shard.kernels.elementwise import silu_mul
 
         gate, up = self.forward(x).chunk(2, dim=-1)
         return silu_mul(gate, up)

@@ -31,7 +31,7 @@ from shard.quantization.methods import (
 
 
 class WeightSource(Protocol):
-    """What shard/weights.py's Weights offers (duck-typed to keep this package independent)."""
+    """What shard/layers/weights.py's Weights offers (duck-typed to keep this package independent)."""
 
     dtype: torch.dtype
     device: torch.device

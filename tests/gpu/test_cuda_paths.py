@@ -19,8 +19,8 @@ pytestmark = [
 
 
 def _load(model_dir: Path, device: str, dtype: str, backend: str):
-    from shard.distributed import Dist
-    from shard.loader import Shard, ShardConfig
+    from shard.distributed.groups import Dist
+    from shard.server.loader import Shard, ShardConfig
 
     cfg = ShardConfig(model_id=str(model_dir), dtype=dtype, device=device,
                       attention_backend=backend)
@@ -30,7 +30,7 @@ def _load(model_dir: Path, device: str, dtype: str, backend: str):
 def _greedy(runner, prompts: list[list[int]], steps: int, graphs=None, forced=None):
     """Prefill every prompt in one ragged step, then `steps` decode steps; returns the tokens
     and the logits of every step ([num_seqs, vocab] each)."""
-    from shard.model_runner import StepInputs
+    from shard.runner.model_runner import StepInputs
 
     bs = runner.block_size
     max_len = max(len(p) for p in prompts) + steps + 1
@@ -73,7 +73,7 @@ def _greedy(runner, prompts: list[list[int]], steps: int, graphs=None, forced=No
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> Path:
-    from shard.tiny_model import TinyModelSpec, make_tiny_model
+    from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("gpu") / "llama", TinyModelSpec(arch="llama"))
 
@@ -94,7 +94,7 @@ def test_tiny_greedy_tokens_match_cpu(tiny_llama):
 
 
 def test_tiny_cuda_graph_decode_matches_eager(tiny_llama):
-    from shard.cuda_graphs import CudaGraphDecodeRunner
+    from shard.runner.cuda_graphs import CudaGraphDecodeRunner
 
     gpu = _load(tiny_llama, "cuda", "float32", "auto")
     gpu.runner.allocate_kv_cache(64)
@@ -110,7 +110,7 @@ def test_tiny_cuda_graph_decode_matches_eager(tiny_llama):
 def test_llama3_shape_logits_within_bf16_tolerance(tmp_path):
     """2 layers of the real Llama-3-8B shape: Triton backend vs the portable torch backend on the
     same GPU and weights, prefill + 3 decode steps fed the same tokens."""
-    from shard.bench import write_checkpoint
+    from shard.testing.checkpoint import write_checkpoint
 
     model_dir = tmp_path / "l3"
     write_checkpoint(model_dir, num_layers=2)
@@ -137,8 +137,8 @@ def test_fused_ops_match_torch_forms():
     """Triton RMSNorm / rotary / SiLU-mul against the portable torch formulas (bf16, CUDA)."""
     import torch.nn.functional as F
 
-    from shard import triton_ops
-    from shard.rotary import RotaryEmbedding, _rotate_half
+    from shard.kernels import elementwise
+    from shard.layers.rotary import RotaryEmbedding, _rotate_half
 
     def rel(a, b):
         return ((a.float() - b.float()).norm() / b.float().norm()).item()
@@ -147,9 +147,9 @@ def test_fused_ops_match_torch_forms():
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     xf = x.float()
     ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
-    assert rel(triton_ops.rms_norm(x, w, 1e-5), ref) < 1e-2
+    assert rel(elementwise.rms_norm(x, w, 1e-5), ref) < 1e-2
     d = torch.randn_like(x)
-    h, r = triton_ops.add_rms_norm(d, x, w, 1e-5)
+    h, r = elementwise.add_rms_norm(d, x, w, 1e-5)
     sf = (x + d).float()
     assert torch.equal(r, x + d)
     ref = w * (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
@@ -162,13 +162,13 @@ def test_fused_ops_match_torch_forms():
     k = torch.randn(29, 8, 128, device="cuda", dtype=torch.bfloat16)
     cos = rot.cos[pos].unsqueeze(1).to(q.dtype)
     sin = rot.sin[pos].unsqueeze(1).to(q.dtype)
-    got_q, got_k = triton_ops.rotary(pos, q, k, rot.cos, rot.sin)
+    got_q, got_k = elementwise.rotary(pos, q, k, rot.cos, rot.sin)
     assert rel(got_q, q * cos + _rotate_half(q) * sin) < 1e-2
     assert rel(got_k, k * cos + _rotate_half(k) * sin) < 1e-2
 
     g = torch.randn(33, 14336, device="cuda", dtype=torch.bfloat16)
     u = torch.randn(33, 14336, device="cuda", dtype=torch.bfloat16)
-    assert rel(triton_ops.silu_mul(g, u), F.silu(g) * u) < 1e-2
+    assert rel(elementwise.silu_mul(g, u), F.silu(g) * u) < 1e-2
 
 
 def test_fp8_kv_scaled_kernels_match_torch_backend():
@@ -176,7 +176,7 @@ def test_fp8_kv_scaled_kernels_match_torch_backend():
     portable torch backend (same quantized bytes; outputs within bf16 rounding)."""
     from shard.attention.cuda_backend import CudaAttentionBackend
     from shard.attention.torch_backend import TorchAttentionBackend
-    from shard.model_runner import ModelRunner, StepInputs
+    from shard.runner.model_runner import ModelRunner, StepInputs
     from shard.quantization.kv_cache import KvScales
 
     torch.manual_seed(3)
@@ -223,9 +223,9 @@ def test_tiny_fp8_kv_cache_cuda_matches_cpu_path(tiny_llama):
     """--kv-cache-dtype fp8_e4m3fn on CUDA (Triton kernels, graphs) after warmup calibration:
     the scales equal the CPU path's and greedy tokens follow the GPU bf16 cache except at
     near-ties (reported)."""
-    from shard.distributed import Dist
-    from shard.domain import WarmupSpec
-    from shard.loader import Shard, ShardConfig
+    from shard.distributed.groups import Dist
+    from shard.runner.warmup import WarmupSpec
+    from shard.server.loader import Shard, ShardConfig
 
     def load(kv):
         s = Shard(ShardConfig(model_id=str(tiny_llama), dtype="bfloat16", device="cuda",
@@ -234,10 +234,10 @@ def test_tiny_fp8_kv_cache_cuda_matches_cpu_path(tiny_llama):
         return s
 
     fp8 = load("fp8_e4m3fn")
-    attn = fp8.runner.model.model.layers[0].self_attn
+    attn = fp8.runner.model.model.layers[0].self_attn.attn
     assert float(attn.kv_scales.k_scale.min()) < 0.5  # calibrated from the tiny model's range
     assert fp8.runner.graphs is not None
-    from shard.bench_tp import greedy_tokens
+    from shard.testing.tiny import greedy_tokens
 
     got = greedy_tokens(fp8)
     want = greedy_tokens(load("auto"))
@@ -250,8 +250,8 @@ def test_tiny_fp8_kv_cache_cuda_matches_cpu_path(tiny_llama):
 @pytest.fixture(scope="module")
 def trained_llama(tmp_path_factory) -> Path:
     """Tiny llama trained on the progression task (CPU, ~5 s): confident greedy choices."""
-    from shard.tiny_model import TinyModelSpec, make_tiny_model
-    from shard.tiny_training import RECOMMENDED_STEPS
+    from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
+    from shard.tools.tiny_training import RECOMMENDED_STEPS
 
     spec = TinyModelSpec(arch="llama", train_steps=RECOMMENDED_STEPS)
     return make_tiny_model(tmp_path_factory.mktemp("gpu") / "trained-llama", spec)
@@ -262,10 +262,10 @@ def test_trained_tiny_fp8_kv_cache_cuda_greedy_32_tokens(trained_llama):
     real warmup (fp8 scales calibrated): greedy 32 tokens with an fp8_e4m3fn cache equal the
     bf16 cache's exactly on a model whose choices are clear (the random model above has bf16
     ties, so it cannot show this)."""
-    from shard.distributed import Dist
-    from shard.domain import WarmupSpec
-    from shard.loader import Shard, ShardConfig
-    from shard.tiny_training import task_continuation, task_prompts
+    from shard.distributed.groups import Dist
+    from shard.runner.warmup import WarmupSpec
+    from shard.server.loader import Shard, ShardConfig
+    from shard.tools.tiny_training import task_continuation, task_prompts
 
     prompts = task_prompts((17, 5, 45))
 

@@ -1,4 +1,4 @@
-"""shard/decode_linear.py and the 16-bit Triton GEMV on CUDA: Llama-3-8B shapes at TP=1 and
+"""shard/layers/decode_linear.py and the 16-bit Triton GEMV on CUDA: Llama-3-8B shapes at TP=1 and
 TP=2 (per rank), both backends and the tuned choice, the fused SiLU-and-mul epilogue, and CUDA
 graphs captured after tuning.
 
@@ -34,7 +34,7 @@ CASES = [(name, tp, shapes[tp - 1]) for name, shapes in SHAPES_8B.items() for tp
 @pytest.fixture(autouse=True)
 def _fresh_records() -> Iterator[None]:
     pytest.importorskip("triton")
-    from shard import decode_linear
+    from shard.layers import decode_linear
 
     decode_linear.clear()
     yield
@@ -78,8 +78,8 @@ def _silu_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) ->
 
 @pytest.mark.parametrize(("name", "tp", "shape"), CASES, ids=[f"{c[0]}-tp{c[1]}" for c in CASES])
 def test_linear_8b_shapes_both_backends(name, tp, shape):
-    from shard import decode_linear as dl
-    from shard.decode_linear import Backend
+    from shard.layers import decode_linear as dl
+    from shard.layers.decode_linear import Backend
 
     n, k = shape
     w, _ = _weights(n, k, seed=n + k)
@@ -97,11 +97,11 @@ def test_linear_8b_shapes_both_backends(name, tp, shape):
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gate_up_silu_8b_shapes(tp, bias):
-    from shard import decode_linear as dl
-    from shard.decode_linear import Backend
-    from shard.gemv_buckets import m_bucket
-    from shard.triton_gemv import gemv
-    from shard.triton_ops import silu_mul
+    from shard.layers import decode_linear as dl
+    from shard.layers.decode_linear import Backend
+    from shard.kernels.gemv_buckets import m_bucket
+    from shard.kernels.gemv import gemv
+    from shard.kernels.elementwise import silu_mul
 
     n, k = SHAPES_8B["gate_up"][tp - 1]
     inter = n // 2
@@ -130,7 +130,7 @@ def test_gate_up_silu_8b_shapes(tp, bias):
 
 @pytest.mark.parametrize(("n", "k", "bias"), [(4096, 4096, False), (1037, 1999, True)])
 def test_16bit_gemv_every_config(n, k, bias):
-    from shard.triton_gemv import configs_for, gemv
+    from shard.kernels.gemv import configs_for, gemv
 
     w, b = _weights(n, k, seed=3, bias=bias)
     # The SiLU epilogue wants an even number of rows ([2I, K]): drop the odd shape's last row.
@@ -147,8 +147,8 @@ def test_16bit_gemv_every_config(n, k, bias):
 
 
 def test_strided_activations():
-    from shard import decode_linear as dl
-    from shard.decode_linear import Backend
+    from shard.layers import decode_linear as dl
+    from shard.layers.decode_linear import Backend
 
     w, _ = _weights(4096, 4096, seed=5)
     x = _x(4, 4096, seed=5)
@@ -166,8 +166,8 @@ def test_strided_activations():
 
 @pytest.mark.parametrize("forced", ["auto", "triton"])
 def test_cuda_graph_after_tune_replays_eager_result(forced):
-    from shard import decode_linear as dl
-    from shard.decode_linear import Backend
+    from shard.layers import decode_linear as dl
+    from shard.layers.decode_linear import Backend
 
     w, _ = _weights(4096, 2048, seed=6)  # o at TP=2
     w_gu, _ = _weights(14336, 4096, seed=7)  # gate_up at TP=2
@@ -193,7 +193,7 @@ def test_cuda_graph_after_tune_replays_eager_result(forced):
 
 
 def test_untuned_capture_falls_back_to_cublas():
-    from shard import decode_linear as dl
+    from shard.layers import decode_linear as dl
 
     w, _ = _weights(1024, 4096, seed=8)
     x = _x(2, 4096, seed=8)
@@ -211,22 +211,23 @@ def test_untuned_capture_falls_back_to_cublas():
 def test_batch1_config_is_the_in_graph_fastest_candidate():
     """tune_gemv re-chooses batch 1 by timing every candidate back to back in a CUDA graph over
     weight-shaped views that overflow the L2 twice; the pick is the fastest of those timings."""
-    from shard import triton_gemv
-    from shard.gemv_graph_tuning import fastest_in_graph, weight_views
+    from shard.kernels import gemv as gemv_kernel
+    from shard.kernels.gemv import fastest_in_graph
+    from shard.kernels.graph_timing import weight_views
 
     w, _ = _weights(4096, 2048, seed=11)  # [4096, 2048]: 16 MB, below the L2
     views = weight_views(w)
     l2 = torch.cuda.get_device_properties(w.device).L2_cache_size
     assert sum(v.numel() * v.element_size() for v in views) >= 2 * l2
     assert all(v.shape == w.shape and v.dtype == w.dtype for v in views)
-    candidates = triton_gemv.configs_for(1, DTYPE)
+    candidates = gemv_kernel.configs_for(1, DTYPE)
     best, timings = fastest_in_graph(w, None, None, DTYPE, False, candidates)
     assert set(timings) == {str(c) for c in candidates}
     assert all(0 < us < 1e3 for us in timings.values())
     assert timings[str(best)] == min(timings.values())
-    picked = triton_gemv.tune_gemv(w, None, None, DTYPE)[1]
+    picked = gemv_kernel.tune_gemv(w, None, None, DTYPE)[1]
     assert str(picked) in timings
     x = _x(1, 2048, seed=12)
     ref = _reference(x, w, None)
-    got = triton_gemv.gemv(x, w, config=picked)
+    got = gemv_kernel.gemv(x, w, config=picked)
     assert float((got.float() - ref).abs().max() / ref.abs().max()) < 2**-7

@@ -1,7 +1,7 @@
 """Fused CUDA kernels equal their unfused forms (`pytest -m gpu tests/gpu`): the rotary
-embedding with the KV-cache store (shard.triton_ops.rotary_store_kv), fp8 gate/up with
+embedding with the KV-cache store (shard.kernels.elementwise.rotary_store_kv), fp8 gate/up with
 SiLU-and-mul (Fp8Linear.forward_silu_mul), and decode attention with rotary and the cache store
-in its split kernel (triton_decode.rotary_store_decode_attention: bit-equal to rotary_store_kv +
+in its split kernel (attention_decode.rotary_store_decode_attention: bit-equal to rotary_store_kv +
 paged_decode_attention, eagerly, in a CUDA graph, and through the model)."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ pytestmark = [
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_rotary_store_kv_equals_rotary_then_store(cache_dtype):
-    from shard.attention.triton_decode import store_kv
-    from shard.rotary import RotaryEmbedding
-    from shard.triton_ops import rotary, rotary_store_kv
+    from shard.kernels.attention_decode import store_kv
+    from shard.layers.rotary import RotaryEmbedding
+    from shard.kernels.elementwise import rotary, rotary_store_kv
 
     heads, kv_heads, head_dim, n = 16, 4, 128, 5
     rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 500000.0},
@@ -57,7 +57,7 @@ def test_fp8_gate_up_silu_equals_linear_then_silu_mul(rows):
     up to bf16 rounding (the two may be tuned to different tiles, i.e. summation orders); 32
     takes the W8A8 path + silu_mul, exactly the two-step form."""
     from shard.quantization.fp8 import Fp8Linear
-    from shard.triton_ops import silu_mul
+    from shard.kernels.elementwise import silu_mul
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs sm_89+")
@@ -80,7 +80,7 @@ def _decode_step(cache_dtype: torch.dtype, seq_lens: list[int], seed: int,
     unrotated q/k/v as column views of one merged projection output (as the model passes them),
     positions, slots (-1 and seq_len 0: a CUDA-graph padding row), shuffled block tables, a
     random starting cache and, for fp8 caches, per-KV-head scales."""
-    from shard.rotary import RotaryEmbedding
+    from shard.layers.rotary import RotaryEmbedding
 
     heads, kv_heads, head_dim, page = 32, 8, 128, 16
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -139,8 +139,8 @@ def _assert_equal_but_mma_order(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_rotary_store_decode_attention_equals_two_kernels(cache_dtype, seq_lens, num_splits,
                                                           window):
-    from shard.attention.triton_decode import paged_decode_attention, rotary_store_decode_attention
-    from shard.triton_ops import rotary_store_kv
+    from shard.kernels.attention_decode import paged_decode_attention, rotary_store_decode_attention
+    from shard.kernels.elementwise import rotary_store_kv
 
     d = _decode_step(cache_dtype, seq_lens, seed=len(seq_lens) + num_splits)
     fused_cache, want_cache = d.cache.clone(), d.cache.clone()
@@ -168,23 +168,23 @@ def test_last_split_merges_under_stress(seq_lens):
     sync: each equals one split's result (no merge) to rounding, and every ticket counter is
     back at zero. A merge that read a split's partial before it was written, or an earlier
     launch's, would be off by a whole split's weight (~1/16 of the output)."""
-    from shard.attention import triton_decode
+    from shard.kernels import attention_decode
 
     d = _decode_step(torch.bfloat16, seq_lens, seed=7)
     gen = torch.Generator(device="cuda").manual_seed(8)
     results = []
     for _ in range(60):
         q = torch.randn(d.q.shape, device="cuda", generator=gen).to(torch.bfloat16)
-        split = triton_decode.paged_decode_attention(q, *d.cache, d.tables, d.seq_lens, d.scale,
+        split = attention_decode.paged_decode_attention(q, *d.cache, d.tables, d.seq_lens, d.scale,
                                                      None, 16)
-        whole = triton_decode.paged_decode_attention(q, *d.cache, d.tables, d.seq_lens, d.scale,
+        whole = attention_decode.paged_decode_attention(q, *d.cache, d.tables, d.seq_lens, d.scale,
                                                      None, 1)
         results.append((split, whole))
     torch.cuda.synchronize()
     for i, (split, whole) in enumerate(results):
         torch.testing.assert_close(split, whole, atol=2e-3, rtol=1e-2, msg=f"launch {i}")
     assert not torch.equal(results[0][0], results[1][0])  # new queries, new outputs
-    for tickets in triton_decode._TICKETS[d.q.device]:
+    for tickets in attention_decode._TICKETS[d.q.device]:
         assert not tickets.any()
 
 
@@ -253,12 +253,12 @@ def test_fused_decode_backend_in_cuda_graph_equals_two_kernels(cache_dtype, seq_
 def test_model_decode_takes_fused_path_and_equals_unfused(tmp_path, monkeypatch, arch,
                                                           kv_cache_dtype):
     """A tiny bf16 model's decode steps through the fused kernel (LlamaAttention.forward) give
-    logits bit-equal to the two-kernel path (the backend method hidden)."""
+    logits bit-equal to the two-kernel path (the backend's fuse_rotary_into_decode switched off)."""
     from shard.attention.cuda_backend import CudaAttentionBackend
-    from shard.distributed import Dist
-    from shard.loader import Shard, ShardConfig
-    from shard.model_runner import StepInputs
-    from shard.tiny_model import TinyModelSpec, make_tiny_model
+    from shard.distributed.groups import Dist
+    from shard.server.loader import Shard, ShardConfig
+    from shard.runner.model_runner import StepInputs
+    from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / arch, TinyModelSpec(arch=arch))
     prompts = [list(range(1, 30)), [7] * 60, [3, 4]]
@@ -270,13 +270,14 @@ def test_model_decode_takes_fused_path_and_equals_unfused(tmp_path, monkeypatch,
         calls.append(1)
         return method(self, *args, **kwargs)
 
-    def run() -> tuple[list[torch.Tensor], int]:
+    def run(fuse: bool = True) -> tuple[list[torch.Tensor], int]:
         """Prefill, then 20 decode steps: the logits of every step, and how many times the
         fused decode method ran during the decode steps."""
         shard = Shard(ShardConfig(model_id=str(model_dir), dtype="bfloat16", device="cuda",
                                   attention_backend="triton", kv_cache_dtype=kv_cache_dtype),
                       Dist())
         runner = shard.runner
+        runner.attention.fuse_rotary_into_decode = fuse
         runner.allocate_kv_cache(32)
         prefill = StepInputs([], [], [], [], [], [])
         for p, t in zip(prompts, tables):
@@ -300,7 +301,7 @@ def test_model_decode_takes_fused_path_and_equals_unfused(tmp_path, monkeypatch,
     monkeypatch.setattr(CudaAttentionBackend, "rotate_write_and_attend_decode", spy)
     fused, decode_calls = run()
     assert decode_calls == len(calls) == 20 * 2  # each decode step's 2 layers, no prefill
-    monkeypatch.setattr(CudaAttentionBackend, "rotate_write_and_attend_decode", None)
-    unfused, _ = run()
+    unfused, unfused_calls = run(fuse=False)
+    assert unfused_calls == 0
     for a, b in zip(fused, unfused):
         assert torch.equal(a, b)

@@ -1,7 +1,8 @@
 """Tensor parallelism over NCCL on two GPUs (run on the device kind with 2 GPUs).
 
 `pytest -m gpu tests/gpu`; skipped with fewer than two CUDA devices. Ranks are real processes,
-one per GPU, spawned through the same helper `tokenwire bench --num-shard` uses.
+one per GPU, spawned through the same helper (shard.testing.ranks) as the benchmark harness's
+`--num-shard` runs.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ def test_symmetric_memory_all_reduce_equals_nccl_and_survives_graph_reuse():
     """Decode-sized tensors take the one-shot path, larger ones NCCL; both give NCCL's exact sum,
     and 64 dependent all-reduces captured in one CUDA graph stay exact over replays (the staging
     buffer is never overwritten while a peer still reads it)."""
-    from shard.bench_tp import run_ranks
+    from benchmarks.harness.tp import bench_rank
+    from shard.testing.ranks import run_ranks
 
-    res = run_ranks(2, {"device": "cuda", "allreduce_batches": [1, 64, 256]}, timeout_s=300)
+    res = run_ranks(2, {"device": "cuda", "allreduce_batches": [1, 64, 256]}, bench_rank,
+                    timeout_s=300)
     assert res.get("error") is None, res
     rows = {r["batch"]: r for r in res["allreduce"]}
     assert rows[1]["small_path"] and rows[64]["small_path"]  # 8 KiB, 512 KiB
@@ -39,12 +42,14 @@ def test_symmetric_memory_all_reduce_equals_nccl_and_survives_graph_reuse():
 
 def test_fused_all_reduce_add_rms_norm_equals_unfused_over_graph_replays():
     """Decode-sized row-parallel outputs are summed, added and normalized by one kernel
-    (shard.all_reduce_norm): 64 dependent calls, eager and replayed from a CUDA graph with new
+    (shard.distributed.all_reduce_norm): 64 dependent calls, eager and replayed from a CUDA graph with new
     inputs, equal NCCL's all-reduce + the add/norm kernel bit for bit (two ranks), including the
     slot rotation across replays and rows changing between 1 and 16."""
-    from shard.bench_tp import run_ranks
+    from benchmarks.harness.tp import bench_rank
+    from shard.testing.ranks import run_ranks
 
-    res = run_ranks(2, {"device": "cuda", "allreduce_batches": [1, 16]}, timeout_s=300)
+    res = run_ranks(2, {"device": "cuda", "allreduce_batches": [1, 16]}, bench_rank,
+                    timeout_s=300)
     assert res.get("error") is None, res
     rows = {r["batch"]: r for r in res["fused_norm"]}
     assert set(rows) == {1, 16}
@@ -71,10 +76,11 @@ def test_trained_tiny_llama_tp2_greedy_equals_one_gpu(tmp_path):
     """TP=2 (NCCL, one-shot all-reduce, warmup + CUDA graphs) vs one GPU, bf16: 32 greedy tokens
     equal on a tiny model whose choices are clear (trained on the progression task; a random
     model's bf16 near-ties would let rounding order decide)."""
-    from shard.bench_tp import greedy_tokens, load_tiny, run_ranks
-    from shard.distributed import Dist
-    from shard.tiny_model import TinyModelSpec, make_tiny_model
-    from shard.tiny_training import RECOMMENDED_STEPS, task_continuation, task_prompts
+    from shard.testing.ranks import run_ranks
+    from shard.testing.tiny import greedy_tokens, load_tiny
+    from shard.distributed.groups import Dist
+    from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
+    from shard.tools.tiny_training import RECOMMENDED_STEPS, task_continuation, task_prompts
 
     model = make_tiny_model(tmp_path / "trained-llama",
                             TinyModelSpec("llama", train_steps=RECOMMENDED_STEPS))
@@ -140,8 +146,8 @@ def test_launch_num_shard_2_on_gpus_equals_one_shard(tmp_path):
     `--num-shard 1` on the trained tiny model."""
     from transformers import AutoTokenizer
 
-    from shard.tiny_model import TinyModelSpec, make_tiny_model
-    from shard.tiny_training import RECOMMENDED_STEPS, TASK, task_continuation, task_prompt
+    from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
+    from shard.tools.tiny_training import RECOMMENDED_STEPS, TASK, task_continuation, task_prompt
 
     model = make_tiny_model(tmp_path / "trained-llama",
                             TinyModelSpec("llama", train_steps=RECOMMENDED_STEPS))

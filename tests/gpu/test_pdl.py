@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (shard/pdl.py) on CUDA: a decode-like chain of dependent kernels
+"""Programmatic dependent launch (shard/kernels/pdl.py) on CUDA: a decode-like chain of dependent kernels
 (add + RMSNorm -> gate/up GEMV with SiLU -> down GEMV, repeated) gives bit-identical results with
 PDL on and off, eagerly and replayed from a CUDA graph. A kernel that read its input before
 `griddepcontrol.wait`, or a dependent that missed a write, would show up as a difference: every
@@ -23,7 +23,7 @@ HIDDEN, INTER, STEPS = 4096, 7168, 12
 
 def _needs_pdl() -> None:
     pytest.importorskip("triton")
-    from shard import pdl
+    from shard.kernels import pdl
 
     if not pdl.enabled(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs sm_90 or later")
@@ -32,8 +32,8 @@ def _needs_pdl() -> None:
 def _chain(gate_up: torch.Tensor, down: torch.Tensor, norm_w: torch.Tensor, configs: dict,
            x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """STEPS layers of residual add + norm -> gate/up + SiLU -> down, [1, HIDDEN] in and out."""
-    from shard.triton_gemv import gemv
-    from shard.triton_ops import add_rms_norm, rms_norm
+    from shard.kernels.gemv import gemv
+    from shard.kernels.elementwise import add_rms_norm, rms_norm
 
     for _ in range(STEPS):
         h, x = add_rms_norm(delta, x, norm_w, 1e-5)
@@ -44,8 +44,8 @@ def _chain(gate_up: torch.Tensor, down: torch.Tensor, norm_w: torch.Tensor, conf
 
 def test_pdl_chain_equals_plain_launches_eager_and_graph():
     _needs_pdl()
-    from shard import pdl
-    from shard.triton_gemv import tune_gemv
+    from shard.kernels import pdl
+    from shard.kernels.gemv import tune_gemv
 
     g = torch.Generator(device="cuda").manual_seed(7)
     gate_up = (torch.randn(2 * INTER, HIDDEN, generator=g, device="cuda") * 0.02).to(DTYPE)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shard.tiny_model import TinyModelSpec, make_tiny_model
+from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
 from tests.helpers.models import trained_tiny_model
 
 torch.set_num_threads(1)

@@ -33,7 +33,7 @@ def prompts(model_dir: Path, lengths: list[int]) -> list[list[int]]:
     """Prompts of the given token lengths cut from a real text."""
     import tokenizers
 
-    from shard.tiny_model import CORPUS
+    from shard.tools.tiny_model import CORPUS
 
     tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     ids = tok.encode(" ".join(CORPUS * 3)).ids

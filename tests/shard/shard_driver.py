@@ -159,7 +159,7 @@ class RouterSim:
 
 def engine_call(shard) -> Call:
     """`call` that goes through convert + engine in-process (no gRPC)."""
-    from shard import convert
+    from shard.server import convert
 
     def call(method: str, request):
         engine = shard.engine

@@ -1,4 +1,4 @@
-"""CPU tests of shard/decode_linear.py (the Triton-GEMV-or-cuBLAS dispatcher): what it decides,
+"""CPU tests of shard/layers/decode_linear.py (the Triton-GEMV-or-cuBLAS dispatcher): what it decides,
 what it rejects, and that off CUDA it is the plain torch path. The kernels themselves are tested
 under Triton's interpreter (test_triton_gemv_interpreter.py) and on CUDA (tests/gpu)."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shard import decode_linear as dl
-from shard.decode_linear import Backend, BucketChoice
-from shard.gemv_buckets import GEMV_MAX_M, M_BUCKETS, m_bucket
+from shard.layers import decode_linear as dl
+from shard.layers.decode_linear import Backend, BucketChoice
+from shard.kernels.gemv_buckets import GEMV_MAX_M, M_BUCKETS, m_bucket
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def _record(*backends: Backend) -> dict[int, BucketChoice]:
 
 
 def test_import_needs_no_triton():
-    code = "import sys, shard.decode_linear; assert 'triton' not in sys.modules"
+    code = "import sys, shard.layers.decode_linear; assert 'triton' not in sys.modules"
     run = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=False
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shard.download import model_sha, resolve_model
+from shard.tools.download import model_sha, resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -55,7 +55,7 @@ def test_hub_id_resolves_from_the_offline_cache(tiny_models, tmp_path):
     assert Path(out.stdout.strip()) == snapshot
     # A shard started with the hub id loads from that snapshot and reports its commit.
     code = (
-        "from shard.loader import Shard, ShardConfig; from shard.distributed import Dist; "
+        "from shard.server.loader import Shard, ShardConfig; from shard.distributed.groups import Dist; "
         "s = Shard(ShardConfig(model_id='tiny-org/tiny-llama', revision='main'), Dist()); "
         "print(s.info.model_sha, s.info.model_type)"
     )

@@ -8,9 +8,9 @@ import pytest
 from reference import hf_greedy, load_hf, prompts
 from shard_driver import RouterSim, engine_call
 
-from shard.distributed import Dist
-from shard.domain import WarmupSpec
-from shard.loader import Shard, ShardConfig
+from shard.distributed.groups import Dist
+from shard.runner.warmup import WarmupSpec
+from shard.server.loader import Shard, ShardConfig
 
 N = 32
 

@@ -11,10 +11,10 @@ from shard_driver import RouterSim, engine_call
 from test_engine_sampling import sampled
 from tokenwire.shard.v1 import shard_pb2 as pb
 
-from shard.distributed import Dist
-from shard.domain import WarmupSpec
+from shard.distributed.groups import Dist
+from shard.runner.warmup import WarmupSpec
 from shard.errors import FailedPreconditionError, FatalDeviceError
-from shard.loader import Shard, ShardConfig
+from shard.server.loader import Shard, ShardConfig
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,11 @@ import pytest
 import torch
 from test_quantization_shard import prefill_logits
 
-from shard.distributed import Dist, init_distributed, shutdown_distributed
-from shard.layers import RMSNorm, RowParallelLinear, reduce_add_rms_norm
-from shard.loader import Shard, ShardConfig
-from shard.model_runner import StepInputs
+from shard.distributed.groups import Dist, init_distributed, shutdown_distributed
+from shard.layers.linear import RowParallelLinear
+from shard.layers.norm import RMSNorm, reduce_add_rms_norm
+from shard.server.loader import Shard, ShardConfig
+from shard.runner.model_runner import StepInputs
 
 PROMPT = [5, 17, 3, 42, 8, 11, 29, 64, 2, 7, 19, 33]
 

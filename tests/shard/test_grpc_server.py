@@ -16,9 +16,9 @@ from test_engine_greedy import N, joining_and_leaving
 from tokenwire.shard.v1 import shard_pb2 as pb
 from tokenwire.shard.v1 import shard_pb2_grpc
 
-from shard.distributed import Dist
-from shard.loader import Shard, ShardConfig
-from shard.server_main import start_server
+from shard.distributed.groups import Dist
+from shard.server.loader import Shard, ShardConfig
+from shard.server.main import start_server
 
 
 class ServerThread:
@@ -155,7 +155,7 @@ def test_fatal_device_error_is_internal_then_unavailable(tiny_models, tmp_path):
             stub.Prefill(request)
         assert err.value.code() == grpc.StatusCode.INTERNAL
         assert "device-side assert" in err.value.details()
-        assert server.fatal and "device-side assert" in server.fatal[0]  # server_main exits 1
+        assert server.fatal and "device-side assert" in server.fatal[0]  # shard.server.main exits 1
         with pytest.raises(grpc.RpcError) as err:
             stub.Health(pb.HealthRequest())
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE

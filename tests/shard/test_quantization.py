@@ -253,7 +253,7 @@ _INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
     from shard.quantization.fp8 import quantize_fp8_per_channel
-    from shard.quantization.triton_fp8_gemv import configs_for, fp8_gemv
+    from shard.kernels.fp8_gemv import configs_for, fp8_gemv
 
     torch.manual_seed(0)
     for n, k in ((96, 256), (37, 200), (5, 1999)):  # even; N and K tails; N < BLOCK_N
@@ -423,7 +423,7 @@ def test_fp8_linear_scaled_mm_cuda():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_triton_per_token_quant_matches_torch():
     from shard.quantization.fp8 import quantize_fp8_per_token
-    from shard.quantization.triton_quant import quantize_fp8_per_token_triton
+    from shard.kernels.quant import quantize_fp8_per_token_triton
 
     torch.manual_seed(9)
     for m, k in ((1, 4096), (7, 14336), (300, 1000)):
@@ -512,7 +512,7 @@ def _assert_gemv_close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, w
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp8_gemv_matches_reference(dtype, bias):
     _fp8_gemv_device()
-    from shard.quantization.triton_fp8_gemv import configs_for, fp8_gemv
+    from shard.kernels.fp8_gemv import configs_for, fp8_gemv
 
     # bf16 without bias (Llama) runs the autotuned configs; the other combinations one fixed
     # config per path (each combination and config is another compile; every config is run by
@@ -529,7 +529,7 @@ def test_fp8_gemv_matches_reference(dtype, bias):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_fp8_gemv_every_config():
     _fp8_gemv_device()
-    from shard.quantization.triton_fp8_gemv import configs_for, fp8_gemv
+    from shard.kernels.fp8_gemv import configs_for, fp8_gemv
 
     for n, k in ((4096, 4096), (1037, 1999)):
         for m in (1, 3, 16):
@@ -544,7 +544,7 @@ def test_fp8_gemv_every_config():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_fp8_gemv_strided_activations():
     _fp8_gemv_device()
-    from shard.quantization.triton_fp8_gemv import fp8_gemv
+    from shard.kernels.fp8_gemv import fp8_gemv
 
     x, q, s, _, ref = _gemv_case(4096, 4096, 4, torch.bfloat16, False, seed=11)
     wide = torch.zeros(4, 4096 + 64, device="cuda", dtype=torch.bfloat16)

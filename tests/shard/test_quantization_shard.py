@@ -14,14 +14,14 @@ from reference import prompts
 from safetensors.torch import load_file, save_file
 from shard_driver import RouterSim, engine_call
 
-from shard.distributed import Dist
-from shard.domain import WarmupSpec
-from shard.layers import ColumnParallelLinear, RowParallelLinear
-from shard.loader import Shard, ShardConfig
-from shard.model_runner import StepInputs
+from shard.distributed.groups import Dist
+from shard.runner.warmup import WarmupSpec
+from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shard.server.loader import Shard, ShardConfig
+from shard.runner.model_runner import StepInputs
 from shard.quantization import linear_weight_bytes
 from shard.quantization.fp8 import Fp8Linear, quantize_fp8_per_channel
-from shard.tiny_training import task_continuation, task_prompts
+from shard.tools.tiny_training import task_continuation, task_prompts
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 N = 32
@@ -162,7 +162,7 @@ def greedy_path_margins(shard: Shard, prompt: list[int], generated: list[int]) -
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_fp8_kv_cache_greedy_32_tokens_trained_model(trained_tiny_models, arch, record_property):
     """Issue 8's acceptance, "greedy output unchanged for 32 tokens", exactly, on a tiny model
-    trained on the progression task (shard/tiny_training.py): its choices are confident like a
+    trained on the progression task (shard/tools/tiny_training.py): its choices are confident like a
     real model's, unlike the random models' near-ties above. Same engine path (batched prefill,
     decode, chunked prefill). The margins and the fp8 cache's logit change along the greedy
     path are asserted too: the equality holds because every margin dwarfs the fp8 noise."""

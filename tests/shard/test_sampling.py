@@ -1,4 +1,4 @@
-"""Unit tests of shard.sampling and shard.watermark on hand-made logits (CPU)."""
+"""Unit tests of shard.engine.sampling and shard.engine.watermark on hand-made logits (CPU)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from shard.sampling import SampleOutput, Sampler, SamplingParams, mix_seed, prompt_logprobs
-from shard.watermark import Watermark
+from shard.engine.sampling import SampleOutput, Sampler, SamplingParams, mix_seed, prompt_logprobs
+from shard.engine.watermark import Watermark
 
 CPU = torch.device("cpu")
 

@@ -1,8 +1,8 @@
-"""Unit tests of shard.stopping."""
+"""Unit tests of shard.engine.stopping."""
 
 from __future__ import annotations
 
-from shard.stopping import StoppingCriteria, StopReason
+from shard.engine.stopping import StoppingCriteria, StopReason
 
 EOS = 2
 

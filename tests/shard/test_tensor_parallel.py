@@ -22,7 +22,7 @@ from test_engine_greedy import N, joining_and_leaving, make_shard
 from tokenwire.shard.v1 import shard_pb2 as pb
 from tokenwire.shard.v1 import shard_pb2_grpc
 
-from shard.tiny_training import task_continuation, task_prompts
+from shard.tools.tiny_training import task_continuation, task_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 

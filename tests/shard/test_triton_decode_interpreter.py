@@ -1,9 +1,9 @@
-"""shard/attention/triton_decode.py's fused rotary decode mode (rotary_store_decode_attention)
+"""shard/kernels/attention_decode.py's fused rotary decode mode (rotary_store_decode_attention)
 under Triton's interpreter on CPU tensors (no GPU).
 
 Two checks per case: (a) bit-equal output and cache bytes against the unfused Triton pair
-(shard.triton_ops.rotary_store_kv, then paged_decode_attention), interpreted too; (b) against the
-portable torch path (shard.rotary on CPU + shard/attention/torch_backend.py) to a tolerance,
+(shard.kernels.elementwise.rotary_store_kv, then paged_decode_attention), interpreted too; (b) against the
+portable torch path (shard.layers.rotary on CPU + shard/attention/torch_backend.py) to a tolerance,
 since that path rounds to the model dtype after every op.
 
 Interpreter limits (triton 3.6), patched in the prelude so that it rounds like the GPU: its fp32
@@ -71,11 +71,11 @@ _PRELUDE = BF16_DOT_PRELUDE + textwrap.dedent(
 
     from shard.attention.base import AttentionMetadata
     from shard.attention.torch_backend import TorchAttentionBackend
-    from shard.attention.triton_decode import (
+    from shard.kernels.attention_decode import (
         paged_decode_attention, rotary_store_decode_attention)
     from shard.quantization.kv_cache import KvScales
-    from shard.rotary import RotaryEmbedding
-    from shard.triton_ops import rotary_store_kv
+    from shard.layers.rotary import RotaryEmbedding
+    from shard.kernels.elementwise import rotary_store_kv
 
     HEADS, KV_HEADS, PAGE, BLOCKS = 8, 2, 16, 40
     EPS = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-20}  # rounding
@@ -139,7 +139,7 @@ _PRELUDE = BF16_DOT_PRELUDE + textwrap.dedent(
     def torch_reference(got, fused_cache, cache, q, k, v, positions, rope, slots, tables,
                         seq_lens, scale, window, scales, what):
         '''The portable path over the real (non-padding) rows, to a tolerance: the new tokens'
-        cache entries against shard.rotary + the torch write, then the output against torch
+        cache entries against shard.layers.rotary + the torch write, then the output against torch
         attention of the torch-rotated q over the fused kernel's cache.'''
         rows = torch.tensor([i for i, s in enumerate(seq_lens) if s])
         qr, kr = rope(positions[rows], q[rows], k[rows])

@@ -1,4 +1,4 @@
-"""shard/triton_gemv.py's kernel under Triton's interpreter on CPU tensors (no GPU): 16-bit
+"""shard/kernels/gemv.py's kernel under Triton's interpreter on CPU tensors (no GPU): 16-bit
 weights (every config of every batch path) and the fused SiLU-and-mul epilogue.
 
 Triton reads TRITON_INTERPRET when a kernel is defined, hence a fresh process per check.
@@ -26,7 +26,7 @@ _PRELUDE = BF16_DOT_PRELUDE + textwrap.dedent(
     import triton.language as tl
     from triton.runtime import interpreter
 
-    from shard.triton_gemv import configs_for, gemv
+    from shard.kernels.gemv import configs_for, gemv
 
     def max_rel(y, ref):
         return float((y.float() - ref).abs().max() / ref.abs().max())
@@ -75,12 +75,12 @@ _GEMV_CHECK = textwrap.dedent(
 # Fused SiLU-and-mul vs (a) the unfused Triton path with the same config: bit-equal, since each
 # output's gate and up sums are the same products summed in the same order (a program's rows
 # are reduced independently) and the epilogue rounds at the same points with the same
-# expression as triton_ops.silu_mul; (b) an fp32 reference of gate and up rounded to the dtype,
+# expression as elementwise.silu_mul; (b) an fp32 reference of gate and up rounded to the dtype,
 # to a tolerance (the sums' order differs).
 _SILU_CHECK = textwrap.dedent(
     """
     from shard.quantization.fp8 import quantize_fp8_per_channel
-    from shard.triton_ops import silu_mul
+    from shard.kernels.elementwise import silu_mul
 
     torch.manual_seed(1)
     for inter, k in ((48, 256), (19, 200)):
@@ -116,7 +116,7 @@ _SILU_CHECK = textwrap.dedent(
     """
 )
 
-# Programmatic dependent launch (shard/pdl.py), batch 1 only: the kernel loads its first weight
+# Programmatic dependent launch (shard/kernels/pdl.py), batch 1 only: the kernel loads its first weight
 # tile before the wait (CUDA cores) or waits first (tensor cores). The interpreter has no grid dependencies, so
 # the two PTX instructions become counted no-ops; what is checked is that the peeled first
 # iteration computes exactly what the plain loop does (same products, same order: bit-equal),
@@ -134,7 +134,7 @@ _PDL_CHECK = textwrap.dedent(
 
     cuda_extra.gdc_wait = _count("wait")
     cuda_extra.gdc_launch_dependents = _count("launch")
-    from shard import pdl, triton_gemv
+    from shard.kernels import gemv as gemv_kernel, pdl
 
     torch.manual_seed(2)
     for n, k in ((24, 100), (40, 1024), (33, 2500)):

@@ -1,0 +1,95 @@
+"""The attention layer: rotary embedding -> KV-cache write -> attention over the paged cache, for
+one decoder layer's already projected q/k/v, through an AttentionBackend.
+
+Which kernels run is the backend's business; the order of the three steps, and when they may be
+fused, is this layer's: a decode-only step takes the backend's one-kernel
+rotate_write_and_attend_decode where it fuses rotary into decode, other steps its
+rotate_and_write_kv then attend. While warmup calibrates an fp8 KV cache the steps run apart, so
+that the rotated K and V can be observed before they are stored.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shard.attention.base import AttentionBackend, AttentionMetadata
+from shard.layers.rotary import RotaryEmbedding
+from shard.quantization.kv_cache import FP8_MAXES, KvCalibration, KvScales, scales_from_amax
+
+
+class PagedAttention(nn.Module):
+    """Attention of this rank's heads: num_heads query heads over num_kv_heads KV heads (GQA)."""
+
+    def __init__(
+        self,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None,
+        kv_dtype: torch.dtype,  # the cache's storage dtype
+        device: torch.device,
+    ):
+        super().__init__()
+        self.backend = backend
+        self.rotary = rotary
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.sliding_window = sliding_window
+        self.scale = head_dim**-0.5
+        self.kv_dtype = kv_dtype
+        # fp8 caches: per-KV-head scales at fixed device addresses (CUDA graphs read them), 1.0
+        # until warmup calibrates them; None for model-dtype caches.
+        self.kv_scales: KvScales | None = None
+        if kv_dtype in FP8_MAXES:
+            ones = torch.ones(num_kv_heads, dtype=torch.float32, device=device)
+            self.kv_scales = KvScales(ones, ones.clone())
+        self.kv_calibration: KvCalibration | None = None  # set while warmup observes K/V
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], not yet rotated
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], not yet rotated
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        positions: torch.Tensor,  # [num_tokens]
+        cache: tuple[torch.Tensor, torch.Tensor],  # [num_blocks, block_size, kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        n, b = q.shape[0], self.backend
+        key_cache, value_cache = cache
+        if self.kv_calibration is not None:  # warmup: observe the rotated K/V before the store
+            q, k = self.rotary(positions, q, k)
+            self.kv_calibration.observe(k, v)
+            b.write_kv(k, v, key_cache, value_cache, meta.slot_mapping, self.kv_scales)
+        elif b.fuse_rotary_into_decode and meta.is_decode_only and n == meta.seq_lens.shape[0]:
+            o = b.rotate_write_and_attend_decode(  # rotary, cache store, attention: one kernel
+                self.rotary, positions, q, k, v, key_cache, value_cache, meta, self.scale,
+                self.sliding_window, self.kv_scales,
+            )
+            return o.reshape(n, self.num_heads * self.head_dim)
+        else:
+            q = b.rotate_and_write_kv(self.rotary, positions, q, k, v, key_cache, value_cache,
+                                      meta.slot_mapping, self.kv_scales)
+        o = b.attend(q, key_cache, value_cache, meta, self.scale, self.sliding_window,
+                     self.kv_scales)
+        return o.reshape(n, self.num_heads * self.head_dim)
+
+    def begin_kv_calibration(self) -> bool:
+        """fp8 caches: start recording max |K|, |V| per KV head; False for model-dtype caches."""
+        if self.kv_scales is None:
+            return False
+        self.kv_calibration = KvCalibration(self.num_kv_heads, self.kv_scales.k_scale.device)
+        return True
+
+    def finish_kv_calibration(self, headroom: float | None = None) -> KvScales | None:
+        """Sets the fp8 scales from what was observed (in place: captured graphs keep their
+        addresses) and returns them; None when nothing was calibrated."""
+        cal, scales = self.kv_calibration, self.kv_scales
+        if cal is None or scales is None:
+            return None
+        kw = {} if headroom is None else {"headroom": headroom}
+        scales.k_scale.copy_(scales_from_amax(cal.k_amax, self.kv_dtype, **kw))
+        scales.v_scale.copy_(scales_from_amax(cal.v_amax, self.kv_dtype, **kw))
+        self.kv_calibration = None
+        return scales

@@ -1,0 +1,64 @@
+"""Vocabulary-parallel embedding and LM head: the vocabulary rows are split over ranks; lookups
+are masked and summed, logits are gathered."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shard.distributed.groups import Dist
+from shard.layers.decode_linear import linear
+from shard.layers.weights import WeightLoader, Weights
+
+
+class VocabSlicedWeight(nn.Module, WeightLoader):
+    """A [vocab, hidden] weight of which rank r holds rows [r * per_rank, (r + 1) * per_rank),
+    zero-padded at the end so that every rank's slice has the same shape."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dist: Dist):
+        super().__init__()
+        self.dist = dist
+        self.vocab_size = vocab_size
+        self.per_rank = math.ceil(vocab_size / dist.world_size)
+        self.start = dist.rank * self.per_rank
+        self.stop = min(self.start + self.per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size), requires_grad=False)
+
+    def load(self, weights: Weights, prefix: str) -> None:
+        rows = weights.get_rows(f"{prefix}.weight", self.start, self.stop)  # [<=per_rank, hidden]
+        padded = torch.zeros(self.per_rank, rows.shape[1], dtype=rows.dtype, device=rows.device)
+        padded[: rows.shape[0]] = rows
+        self.weight.data = padded
+
+
+class VocabParallelEmbedding(VocabSlicedWeight):
+    """Token embedding over vocabulary-sliced rows (summed over ranks)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [n] -> [n, hidden]
+        if self.dist.world_size == 1:
+            return F.embedding(ids, self.weight)
+        return self.dist.all_reduce(self.partial(ids))
+
+    def partial(self, ids: torch.Tensor) -> torch.Tensor:  # ids [n] -> [n, hidden]
+        """This rank's share of the lookup, not yet summed over ranks: the rows of ids in this
+        rank's vocabulary slice, zeros elsewhere (so the sum over ranks is exact)."""
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return out.masked_fill(outside.unsqueeze(-1), 0)
+
+
+class ParallelLMHead(VocabSlicedWeight):
+    """Logits over the full vocabulary from vocabulary-sliced weights (gathered over ranks)."""
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
+        logits = linear(hidden, self.weight)  # [n, per_rank], model dtype
+        # Gathered in the model dtype (half of fp32's bytes), widened after: the same values.
+        logits = self.dist.all_gather_last_dim(logits)  # [n, per_rank * world]
+        return logits[:, : self.vocab_size].float()

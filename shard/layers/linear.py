@@ -1,0 +1,196 @@
+"""Tensor-parallel linear layers; each carries its own weight loader.
+
+Column-parallel: the output features are split over ranks (no communication in forward).
+Row-parallel: the input features are split; partial outputs are summed with one all-reduce (or
+left to the caller, fused with the next norm: layers/norm.py's reduce_add_rms_norm).
+Merged column-parallel: several column-parallel linears over the same input (q/k/v, gate/up) as
+one layer; on CUDA their weights become row blocks of one merged weight, so that a decode step
+runs one GEMV (or one fp8 GEMV with the SiLU-and-mul in its epilogue) instead of two or three.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shard.distributed.groups import Dist
+from shard.layers import decode_linear
+from shard.layers.decode_linear import linear, linear_pushed  # F.linear or a faster decode GEMV
+from shard.layers.weights import WeightLoader, Weights
+from shard.quantization.fp8 import Fp8Linear
+from shard.quantization.loading import quantize_loaded_linear
+
+
+class ColumnParallelLinear(nn.Module, WeightLoader):
+    """y[..., out/world] = x @ W[rank rows].T (+ b[rank rows])."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dist: Dist):
+        super().__init__()
+        if out_features % dist.world_size:
+            raise ValueError(f"{out_features} output features not divisible by {dist.world_size}")
+        self.out_local = out_features // dist.world_size
+        self.weight = nn.Parameter(torch.empty(self.out_local, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_local), requires_grad=False) if bias else None
+        self.quantized: nn.Module | None = None  # replaces weight/bias under --quantize / fp8
+
+    def load(self, weights: Weights, prefix: str) -> None:
+        self.weight.data = weights.get_sharded(f"{prefix}.weight", dim=0)
+        if self.bias is not None:
+            self.bias.data = weights.get_sharded(f"{prefix}.bias", dim=0)
+        if weights.quant is not None:
+            self.quantized = quantize_loaded_linear(
+                weights, prefix, self.weight.data, self.bias, 0, weights.quant
+            )
+            self.weight = self.bias = None  # free the float copy now, one layer at a time
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x)
+        return linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module, WeightLoader):
+    """y = sum over ranks of x[..., rank cols] @ W[:, rank cols].T, then + b (added once)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dist: Dist):
+        super().__init__()
+        if in_features % dist.world_size:
+            raise ValueError(f"{in_features} input features not divisible by {dist.world_size}")
+        self.dist = dist
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features // dist.world_size), requires_grad=False
+        )
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.quantized: nn.Module | None = None  # replaces weight under --quantize / fp8
+
+    def load(self, weights: Weights, prefix: str) -> None:
+        self.weight.data = weights.get_sharded(f"{prefix}.weight", dim=1)
+        if self.bias is not None:
+            self.bias.data = weights.get(f"{prefix}.bias")
+        if weights.quant is not None:
+            # The bias is added once after the all-reduce, so the quantized part has none.
+            self.quantized = quantize_loaded_linear(
+                weights, prefix, self.weight.data, None, 1, weights.quant
+            )
+            self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = self.quantized(x) if self.quantized is not None else linear(x, self.weight)
+        y = self.dist.all_reduce(partial)
+        return y if self.bias is None else y + self.bias
+
+    def partial(self, x: torch.Tensor, push: bool = False) -> torch.Tensor | PushedPartial:
+        """This rank's share of the output, not yet summed over ranks (the caller sums it, e.g.
+        fused with the next norm: `reduce_add_rms_norm`); the bias is counted once, on rank 0.
+        push: where the fused all-reduce + norm serves the shape, the GEMV writes the share
+        straight into every rank's exchange buffer and a PushedPartial stands for it; the
+        caller's next collective must then be its `reduce_add_rms_norm`."""
+        fused = self.dist.fused_all_reduce_norm
+        if (
+            push
+            and fused is not None
+            and fused.accept_pushes
+            and self.quantized is None
+            and self.bias is None
+            and x.dim() == 2
+            and linear_pushed(x, self.weight, fused)
+        ):
+            return PushedPartial(rows=x.shape[0])
+        y = self.quantized(x) if self.quantized is not None else linear(x, self.weight)
+        if self.bias is not None and self.dist.rank == 0:
+            y = y + self.bias
+        return y
+
+
+@dataclass(frozen=True)
+class PushedPartial:
+    """A row-parallel output already sitting in every rank's exchange buffer of the fused
+    all-reduce + norm (RowParallelLinear.partial with push=True); only reduce_add_rms_norm can
+    consume it, and must be the next collective call."""
+
+    rows: int
+
+
+class _MergedWeight:
+    """The merged [sum(out), in] weight that the parts' weights are row blocks (views) of, with
+    its two decode entry points. Not an nn.Module: the parts stay the modules (checkpoint names,
+    loaders, quantization)."""
+
+    def __init__(
+        self,
+        linear: Callable[[torch.Tensor], torch.Tensor],  # [n, in] -> [n, sum(out)]
+        silu_mul: Callable[[torch.Tensor], torch.Tensor],  # [n, in] -> [n, sum(out) / 2]
+    ):
+        self.linear = linear
+        # For gate/up: silu(gate) * up of the merged output, in one kernel where the decode
+        # GEMV serves the batch.
+        self.silu_mul = silu_mul
+
+
+def _merge_rows(parts: list[ColumnParallelLinear]) -> _MergedWeight | None:
+    """One [sum(out), in] weight whose row blocks back the parts' weights (their weights become
+    views: no extra memory). Plain weights and fp8 weights (each row keeps its scale) merge;
+    None when any part has a bias or another quantization."""
+    if all(m.quantized is None and m.weight is not None and m.bias is None for m in parts):
+        merged = torch.cat([m.weight.data for m in parts])
+        at = 0
+        for m in parts:
+            rows = m.weight.shape[0]
+            m.weight.data = merged[at : at + rows]
+            at += rows
+        return _MergedWeight(lambda x: decode_linear.linear(x, merged),
+                             lambda x: decode_linear.gate_up_silu(x, merged))
+    if all(isinstance(m.quantized, Fp8Linear) and m.quantized.bias is None for m in parts):
+        fp8 = Fp8Linear.merge_rows(*(m.quantized for m in parts))
+        return _MergedWeight(fp8, fp8.forward_silu_mul)
+    return None
+
+
+class MergedColumnParallelLinear(nn.Module, WeightLoader):
+    """Column-parallel linears over the same input, e.g. q/k/v or gate/up, as one layer.
+
+    The checkpoint stores the parts side by side (`{parent}.q_proj.weight`, ...): the layer's
+    loader reads each part under its own name (as a ColumnParallelLinear, quantized alike) from
+    the layer's parent prefix. With `merge` (CUDA), the parts' weights then become row blocks of
+    one merged weight where they can (no bias; 16-bit or fp8 weights), and CUDA inputs take one
+    GEMM / GEMV for all parts."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool, dist: Dist,
+                 merge: bool):
+        super().__init__()
+        # part name -> ColumnParallelLinear of its full output features (split over ranks)
+        self.parts = nn.ModuleDict(
+            {name: ColumnParallelLinear(in_features, out, bias, dist) for name, out in parts.items()}
+        )
+        self.sizes = [p.out_local for p in self.parts.values()]  # output features per part
+        self.merge = merge
+        self.merged: _MergedWeight | None = None
+
+    def load(self, weights: Weights, prefix: str) -> None:
+        parent = prefix.rpartition(".")[0]
+        for name, part in self.parts.items():
+            part.load(weights, f"{parent}.{name}" if parent else name)
+        if self.merge:
+            self.merged = _merge_rows(list(self.parts.values()))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [n, in] -> each part's output [n, out_local]."""
+        if self.merged is not None and x.is_cuda:  # one GEMM for all parts
+            return list(self.merged.linear(x).split(self.sizes, dim=-1))
+        return [part(x) for part in self.parts.values()]
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """For two parts (gate, up): silu(gate(x)) * up(x), [n, in] -> [n, out_local]; one
+        kernel for the SiLU-and-mul on CUDA, one pass over the merged weight where merged."""
+        gate, up = self.parts.values()
+        if x.is_cuda:
+            from shard.kernels.elementwise import silu_mul
+
+            if self.merged is not None:
+                return self.merged.silu_mul(x)
+            return silu_mul(gate(x), up(x))
+        return F.silu(gate(x)) * up(x)

@@ -1,0 +1,80 @@
+"""Rotary position embeddings (NeoX "rotate half" layout) with the rope_type variants we support."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent scaling: long wavelengths divided by factor, short kept,
+    a smooth blend in between."""
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+def _default(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    return inv_freq
+
+
+def _linear(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    return inv_freq / params["factor"]
+
+
+# rope_type -> inverse-frequency transform
+ROPE_TYPES = {"default": _default, "linear": _linear, "llama3": _llama3_inv_freq}
+
+
+def rope_parameters(config: dict) -> dict:
+    """rope_theta and rope_type from a config dict, old (rope_scaling) or new (rope_parameters)."""
+    params = dict(config.get("rope_parameters") or {})
+    scaling = config.get("rope_scaling") or {}
+    params.update(scaling)
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """cos/sin tables for every position up to max_positions, looked up per token."""
+
+    def __init__(self, head_dim: int, max_positions: int, params: dict, device: torch.device):
+        super().__init__()
+        rope_type = params["rope_type"]
+        if rope_type not in ROPE_TYPES:
+            raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
+        base = float(params["rope_theta"])
+        exps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = ROPE_TYPES[rope_type](1.0 / (base**exps), params)  # [head_dim / 2]
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("cos", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:  # one fused kernel
+            from shard.kernels.elementwise import rotary
+
+            return rotary(positions, q, k, self.cos, self.sin)
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

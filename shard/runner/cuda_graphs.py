@@ -1,0 +1,183 @@
+"""CUDA graphs for decode steps: one self-contained recipe (example 8 of ../shared/DESIGN.md).
+
+- static device buffers sized for the largest bucket (input ids, positions, slot mapping, sequence
+  lengths, block tables at the widest table a request can have, the logits);
+- batch-size buckets; graphs captured largest first into ONE memory pool, so smaller graphs reuse
+  the larger ones' intermediate memory;
+- on replay the step is padded up to the next bucket: padding rows have sequence length 0 (the
+  decode kernel writes zeros for them) and slot -1 (the K/V store skips them), so they touch no
+  real cache block;
+- the host fills one pinned staging buffer and issues ONE host-to-device copy; unpacking it into
+  the typed static buffers is the first part of the captured graph;
+- prefill and mixed steps, larger batches and wider block tables run eagerly.
+
+The graph bakes in the KV cache's addresses: capture after the final KV allocation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from shard.attention.base import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]
+
+
+def default_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to 64, every 32 up to 256, every 64 beyond (and max_batch)."""
+    sizes = [1, 2, 4, 8]
+    b = 16
+    while b <= max_batch:
+        sizes.append(b)
+        b += 16 if b < 64 else 32 if b < 256 else 64
+    sizes = [s for s in sizes if s <= max_batch]
+    if not sizes or sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sorted(set(sizes))
+
+
+class CudaGraphDecodeRunner:
+    """Captures `forward` for decode-only batches and replays it with padded inputs."""
+
+    def __init__(
+        self,
+        forward: ForwardFn,
+        device: torch.device,
+        block_size: int,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        buckets: list[int] | None = None,
+    ):
+        self.forward = forward
+        self.device = device
+        self.block_size = block_size
+        self.buckets = buckets or default_buckets(max_batch)
+        self.max_batch = self.buckets[-1]
+        self.width = max(max_blocks_per_seq, 1)
+        b, w = self.max_batch, self.width
+        # Staging layout (int64): ids[b] | positions[b] | slots[b] | seq_lens[b] | tables[b*w]
+        self._n_staged = 4 * b + b * w
+        self._host = torch.zeros(self._n_staged, dtype=torch.int64, pin_memory=True)
+        self._host_np = self._host.numpy()
+        self._staged = torch.zeros(self._n_staged, dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(b, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(b, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((b,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(b, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((b, w), dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
+        self.logits_indices = torch.arange(b, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool: Any = None
+
+    # ---- capture ----------------------------------------------------------------------------
+
+    def _unpack(self, n: int) -> None:
+        """Device-side copies from the staging buffer into the typed buffers (first n rows)."""
+        b, w, s = self.max_batch, self.width, self._staged
+        self.input_ids[:n].copy_(s[0:n])
+        self.positions[:n].copy_(s[b : b + n])
+        self.slot_mapping[:n].copy_(s[2 * b : 2 * b + n])
+        self.seq_lens[:n].copy_(s[3 * b : 3 * b + n])
+        self.block_tables[:n].copy_(s[4 * b : 4 * b + n * w].view(n, w))
+
+    def _meta(self, n: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: n + 1],
+            seq_lens=self.seq_lens[:n],
+            block_tables=self.block_tables[:n],
+            slot_mapping=self.slot_mapping[:n],
+            max_query_len=1,
+            max_seq_len=self.width * self.block_size,
+            query_lens_host=[1] * n,
+            seq_lens_host=[1] * n,  # only the count matters to the CUDA backend
+        )
+
+    def _run(self, n: int) -> torch.Tensor:
+        self._unpack(n)
+        return self.forward(
+            self.input_ids[:n], self.positions[:n], self._meta(n), self.logits_indices[:n]
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Captures every bucket, largest first, into one pool; returns seconds taken."""
+        import time
+
+        t0 = time.perf_counter()
+        # Safe inputs for capture: nothing is written (slot -1), nothing is read (length 0).
+        self._host_np[:] = 0
+        b = self.max_batch
+        self._host_np[2 * b : 3 * b] = -1
+        self._staged.copy_(self._host)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: Triton compilation, cuBLAS handles, allocator
+                self._run(self.max_batch)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.pool = torch.cuda.graph_pool_handle()
+        for n in sorted(self.buckets, reverse=True):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[n] = self._run(n)
+            self.graphs[n] = graph
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.graphs),
+                 self.buckets[0], self.max_batch, seconds)
+        return seconds
+
+    # ---- replay -----------------------------------------------------------------------------
+
+    def can_run(self, query_lens: list[int], block_tables: list[list[int]]) -> bool:
+        n = len(query_lens)
+        return (
+            bool(self.graphs)
+            and 0 < n <= self.max_batch
+            and all(q == 1 for q in query_lens)
+            and max(len(t) for t in block_tables) <= self.width
+        )
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def run(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+    ) -> torch.Tensor:  # [n, vocab] — a view of a static buffer, valid until the next replay
+        n = len(token_ids)
+        g = self.bucket(n)
+        b, w, h, bs = self.max_batch, self.width, self._host_np, self.block_size
+        h[0:n] = token_ids
+        h[b : b + n] = positions
+        h[2 * b + n : 2 * b + g] = -1  # padding rows: no K/V write
+        h[3 * b : 3 * b + n] = seq_lens
+        h[3 * b + n : 3 * b + g] = 0  # padding rows: empty context
+        tables = h[4 * b : 4 * b + g * w].reshape(g, w)
+        # All rows at once: one flat C-level pass over the ids, scattered under a ragged mask
+        # (entries past a row's length keep stale ids; seq_lens bounds what is read).
+        lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n)  # [n]
+        flat = np.fromiter(
+            itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lens.sum())
+        )
+        tables[:n][np.arange(w) < lens[:, None]] = flat
+        pos = h[b : b + n]
+        h[2 * b : 2 * b + n] = tables[np.arange(n), pos // bs] * bs + pos % bs  # slots [n]
+        # One H2D copy of the used prefix of each section is simplest as one copy of it all.
+        self._staged.copy_(self._host, non_blocking=True)
+        self.graphs[g].replay()
+        return self.outputs[g][:n]

@@ -1,0 +1,159 @@
+"""ModelRunner: owns the model, its paged KV cache and the attention backend; turns a host-side
+step description into tensors and runs one forward pass.
+
+The CUDA-graph runner wraps `forward` for decode-only steps; everything it needs (flat input ids,
+positions, AttentionMetadata, logits indices) is built by `prepare`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from shard.attention.base import AttentionBackend, AttentionMetadata
+from shard.models.base import CausalLM
+
+
+@dataclass
+class StepInputs:
+    """One flat ragged step on the host: num_seqs sequences, num_tokens new tokens."""
+
+    token_ids: list[int]  # [num_tokens]
+    positions: list[int]  # [num_tokens]
+    query_lens: list[int]  # [num_seqs] new tokens per sequence
+    seq_lens: list[int]  # [num_seqs] context length incl. the new tokens
+    block_tables: list[list[int]]  # [num_seqs][blocks] router-assigned block ids
+    logits_indices: list[int]  # [num_logits] rows of the flat batch whose logits are needed
+
+
+@dataclass
+class DeviceStep:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_logits] int64
+
+
+class ModelRunner:
+    def __init__(
+        self, model: CausalLM, attention: AttentionBackend, block_size: int, device: torch.device
+    ):
+        self.model = model
+        self.attention = attention
+        self.block_size = block_size
+        self.device = device
+        self.kv_cache: Any = None
+        self.num_blocks = 0
+        self.graphs: Any = None  # shard.runner.cuda_graphs.CudaGraphDecodeRunner once captured
+
+    def kv_bytes_per_block(self) -> int:
+        return self.model.kv_bytes_per_block(self.block_size)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.graphs = None  # captured graphs hold the old pool's addresses
+        self.kv_cache = None  # drop the old pool first so its memory can be reused
+        self.kv_cache = self.model.allocate_kv_cache(num_blocks, self.block_size)
+        self.num_blocks = num_blocks
+
+    def prepare(self, step: StepInputs) -> DeviceStep:
+        bs = self.block_size
+        n = len(step.seq_lens)
+        # Block tables: one flat C-level pass over the ids, scattered into a zero-padded
+        # [num_seqs, width] array under a ragged mask (no per-row Python lists).
+        t_lens = np.fromiter(map(len, step.block_tables), dtype=np.int64, count=n)  # [num_seqs]
+        width = int(t_lens.max(initial=0)) or 1
+        flat = np.fromiter(
+            itertools.chain.from_iterable(step.block_tables), dtype=np.int64,
+            count=int(t_lens.sum()),
+        )
+        tables = np.zeros((n, width), dtype=np.int32)
+        tables[np.arange(width) < t_lens[:, None]] = flat
+        q_lens = np.asarray(step.query_lens, dtype=np.int64)  # [num_seqs]
+        seq_lens = np.asarray(step.seq_lens, dtype=np.int64)  # [num_seqs]
+        starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=starts[1:])
+        # Slot of every new token: position p of sequence s is in block tables[s, p // bs].
+        seq_of = np.repeat(np.arange(n), q_lens)  # [num_tokens]
+        p = (seq_lens - q_lens)[seq_of] + np.arange(int(starts[-1])) - starts[:-1][seq_of]
+        blk = p // bs
+        if blk.size and not (blk < t_lens[seq_of]).all():
+            raise IndexError("a sequence's block table is shorter than its length")
+        slots = tables[seq_of, blk].astype(np.int64) * bs + p % bs  # [num_tokens]
+
+        def dev(values, dtype: torch.dtype) -> torch.Tensor:
+            if isinstance(values, np.ndarray):
+                t = torch.from_numpy(values).to(dtype)
+            else:
+                t = torch.tensor(values, dtype=dtype)
+            return t.to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            query_start_loc=dev(starts, torch.int32),
+            seq_lens=dev(step.seq_lens, torch.int32),
+            block_tables=dev(tables, torch.int32).view(n, width),
+            slot_mapping=dev(slots, torch.int64),
+            max_query_len=max(step.query_lens, default=0),
+            max_seq_len=max(step.seq_lens, default=0),
+            query_lens_host=list(step.query_lens),
+            seq_lens_host=list(step.seq_lens),
+        )
+        return DeviceStep(
+            input_ids=dev(step.token_ids, torch.int64),
+            positions=dev(step.positions, torch.int64),
+            meta=meta,
+            logits_indices=dev(step.logits_indices, torch.int64),
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [num_logits]
+    ) -> torch.Tensor:  # [num_logits, vocab] float32
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache not allocated (Warmup has not run)")
+        return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
+
+    def capture_cuda_graphs(self, max_batch: int, max_seq_len: int) -> float:
+        """Captures decode CUDA graphs (shard/runner/cuda_graphs.py) for batches up to max_batch and
+        contexts up to max_seq_len; call after the final KV allocation. Returns seconds taken;
+        0 when the attention backend cannot run inside a graph (it needs host-side lengths)."""
+        if self.device.type != "cuda" or not self.attention.graph_safe:
+            return 0.0
+        from shard.runner.cuda_graphs import CudaGraphDecodeRunner
+
+        graphs = CudaGraphDecodeRunner(
+            self.forward, self.device, self.block_size, max_batch,
+            -(-max_seq_len // self.block_size),
+        )
+        seconds = graphs.capture()
+        self.graphs = graphs
+        return seconds
+
+    def execute_calibrating(self, step: StepInputs) -> torch.Tensor:
+        """Runs a step eagerly; a model with an fp8 KV cache records each layer's K/V range on
+        the way and sets its cache scales from it (warmup's worst-case prefill)."""
+        calibrating = self.model.begin_kv_calibration()
+        try:
+            d = self.prepare(step)
+            out = self.forward(d.input_ids, d.positions, d.meta, d.logits_indices)
+        finally:
+            if calibrating:
+                self.model.finish_kv_calibration()
+        return out
+
+    def execute(self, step: StepInputs) -> torch.Tensor:
+        g = self.graphs
+        if (
+            g is not None
+            and g.can_run(step.query_lens, step.block_tables)
+            and step.logits_indices == list(range(len(step.query_lens)))
+        ):  # decode-only: replay the padded graph ([num_seqs, vocab], valid until next step)
+            return g.run(step.token_ids, step.positions, step.seq_lens, step.block_tables)
+        d = self.prepare(step)
+        return self.forward(d.input_ids, d.positions, d.meta, d.logits_indices)

@@ -1,0 +1,142 @@
+"""Warmup: run the worst-case prefill, then size the paged KV cache from the memory left."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shard.distributed.groups import Dist
+from shard.errors import FailedPreconditionError
+from shard.runner.model_runner import ModelRunner, StepInputs
+
+
+@dataclass(frozen=True)
+class WarmupSpec:
+    """The router's limits, which bound the worst-case prefill and the KV cache (Warmup in
+    shard.proto)."""
+
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_prefill_tokens: int
+    max_batch_size: int
+    max_batch_total_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class WarmupResult:
+    """How many KV blocks fit, and so how many tokens the router may schedule."""
+
+    num_blocks: int
+    block_size: int
+    max_supported_total_tokens: int
+    warmup_ns: int
+
+
+
+CUDA_GRAPH_MAX_BATCH = 512  # larger decode batches run eagerly
+
+
+def worst_case_prefill(spec: WarmupSpec, block_size: int, vocab_size: int = 1) -> StepInputs:
+    """max_batch_prefill_tokens tokens split into prompts of at most max_input_tokens (at most
+    max_batch_size of them), laid out on consecutive blocks starting at 0. Token ids are spread
+    over the vocabulary (a fixed stride), so that the K/V ranges an fp8 cache calibrates on come
+    from varied text rather than one repeated token."""
+    step = StepInputs([], [], [], [], [], [])
+    left, next_block = spec.max_batch_prefill_tokens, 0
+    while left > 0 and len(step.seq_lens) < max(spec.max_batch_size, 1):
+        n = min(left, spec.max_input_tokens)
+        blocks = list(range(next_block, next_block + math.ceil(n / block_size)))
+        next_block += len(blocks)
+        first = len(step.token_ids)
+        step.token_ids.extend((7919 * (first + j) + 13) % vocab_size for j in range(n))
+        step.positions.extend(range(n))
+        step.query_lens.append(n)
+        step.seq_lens.append(n)
+        step.block_tables.append(blocks)
+        step.logits_indices.append(len(step.token_ids) - 1)
+        left -= n
+    return step
+
+
+def cpu_available_bytes() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_warmup(
+    runner: ModelRunner,
+    spec: WarmupSpec,
+    dist: Dist,
+    max_positions: int,
+    cuda_memory_fraction: float,
+    kv_cache_memory_mb: int | None,
+    flag_cap_tokens: int | None,
+) -> WarmupResult:
+    t0 = time.perf_counter_ns()
+    bs = runner.block_size
+    if spec.max_input_tokens > spec.max_total_tokens:
+        raise FailedPreconditionError("--max-input-tokens must be <= --max-total-tokens")
+    if spec.max_total_tokens > max_positions:
+        raise FailedPreconditionError(
+            f"--max-total-tokens {spec.max_total_tokens} exceeds the model's "
+            f"max_position_embeddings {max_positions}; lower --max-total-tokens"
+        )
+    if spec.max_batch_prefill_tokens < spec.max_input_tokens:
+        raise FailedPreconditionError("--max-batch-prefill-tokens must be >= --max-input-tokens")
+    step = worst_case_prefill(spec, bs, runner.model.vocab_size)
+    device = runner.device
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    base_alloc = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    try:
+        runner.allocate_kv_cache(sum(len(t) for t in step.block_tables) + 1)
+        runner.execute_calibrating(step)  # fp8 KV caches: per-head scales from this prefill
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except torch.OutOfMemoryError as exc:
+        runner.allocate_kv_cache(0)
+        raise FailedPreconditionError(
+            f"the worst-case prefill of {spec.max_batch_prefill_tokens} tokens does not fit in "
+            f"device memory ({exc}); lower --max-batch-prefill-tokens"
+        ) from exc
+    bytes_per_block = runner.kv_bytes_per_block()
+    runner.kv_cache = None
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) - base_alloc
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        usable = free - int(total * (1.0 - cuda_memory_fraction)) - peak
+        knob = "--cuda-memory-fraction"
+    else:
+        if kv_cache_memory_mb is not None:
+            usable = kv_cache_memory_mb * 2**20
+        else:
+            usable = cpu_available_bytes() // 10
+        knob = "--kv-cache-memory-mb"
+    num_blocks = max(usable // bytes_per_block, 0)
+    caps = [c for c in (spec.max_batch_total_tokens, flag_cap_tokens) if c]
+    if caps:
+        num_blocks = min(num_blocks, math.ceil(min(caps) / bs))
+    num_blocks = dist.min_int(int(num_blocks))
+    if num_blocks * bs < spec.max_total_tokens:
+        raise FailedPreconditionError(
+            f"the KV cache holds only {num_blocks * bs} tokens ({num_blocks} blocks of {bs}) but "
+            f"one request may need --max-total-tokens {spec.max_total_tokens}; lower "
+            f"--max-total-tokens (or --max-batch-prefill-tokens), or raise {knob} / "
+            f"--max-batch-total-tokens"
+        )
+    runner.allocate_kv_cache(num_blocks)
+    # Decode CUDA graphs bake in the KV pool's addresses: capture after the final allocation.
+    runner.capture_cuda_graphs(
+        min(max(spec.max_batch_size, 1), CUDA_GRAPH_MAX_BATCH), spec.max_total_tokens
+    )
+    return WarmupResult(
+        num_blocks=num_blocks,
+        block_size=bs,
+        max_supported_total_tokens=num_blocks * bs,
+        warmup_ns=time.perf_counter_ns() - t0,
+    )

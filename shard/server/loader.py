@@ -1,0 +1,144 @@
+"""Builds one rank's shard from its configuration: model directory, tokenizer, model, runner,
+engine and the static Info."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import tokenizers
+import torch
+
+from shard.attention import get_backend
+from shard.distributed.groups import Dist
+from shard.engine.batches import BatchState
+from shard.models import LoadContext, load_model
+from shard.quantization import parse_kv_cache_dtype, parse_quantize
+from shard.runner.model_runner import ModelRunner
+from shard.runner.warmup import WarmupResult, WarmupSpec, run_warmup
+from shard.tools.download import model_sha, resolve_model
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """The static facts of one rank that Info reports (model, dtype, KV block size, ...)."""
+
+    dtype: str
+    device_type: str
+    block_size: int
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+    model_type: str
+    vocab_size: int
+    world_size: int
+    sliding_window: int | None
+    attention_backend: str
+    model_sha: str | None
+    model_id: str
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    model_id: str
+    revision: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    cuda_memory_fraction: float = 0.9
+    kv_cache_memory_mb: int | None = None
+    max_batch_total_tokens: int | None = None
+    attention_backend: str = "auto"
+    force_fallback: bool = False  # serve through the transformers fallback even if we have code
+    quantize: str | None = None  # --quantize: bitsandbytes | bitsandbytes-nf4 | fp8
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: auto | fp8_e4m3fn | fp8_e5m2
+
+
+def load_tokenizer(model_dir: Path) -> tokenizers.Tokenizer:
+    path = model_dir / "tokenizer.json"
+    if path.is_file():
+        return tokenizers.Tokenizer.from_file(str(path))
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(model_dir)).backend_tokenizer
+
+
+def eos_token_ids(model_dir: Path, config: dict) -> set[int]:
+    ids: set[int] = set()
+    sources = [config]
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()))
+    for source in sources:
+        value = source.get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+class Shard:
+    """One rank: engine + static facts. Methods run on the single model worker thread."""
+
+    def __init__(self, cfg: ShardConfig, dist: Dist):
+        self.cfg = cfg
+        self.dist = dist
+        self.device = torch.device(cfg.device)
+        if cfg.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
+        model_dir = resolve_model(cfg.model_id, cfg.revision)
+        config = json.loads((model_dir / "config.json").read_text())
+        attention = get_backend(cfg.attention_backend, self.device)
+        ctx = LoadContext(
+            model_dir, config, self.device, DTYPES[cfg.dtype], dist, attention,
+            quantize=parse_quantize(cfg.quantize),
+            kv_cache_dtype=parse_kv_cache_dtype(cfg.kv_cache_dtype),
+        )
+        model = load_model(ctx, force_fallback=cfg.force_fallback)
+        self.runner = ModelRunner(model, attention, cfg.block_size, self.device)
+        eos = eos_token_ids(model_dir, config)
+        tokenizer = load_tokenizer(model_dir)
+        self.engine = BatchState(self.runner, tokenizer, eos, model.max_position_embeddings)
+        self.info = RankInfo(
+            dtype=cfg.dtype,
+            device_type=self.device.type,
+            block_size=cfg.block_size,
+            max_position_embeddings=model.max_position_embeddings,
+            eos_token_ids=sorted(eos),
+            model_type=config.get("model_type", ""),
+            vocab_size=model.vocab_size,
+            world_size=dist.world_size,
+            sliding_window=model.sliding_window,
+            attention_backend=model.attention_name,
+            model_sha=model_sha(model_dir),
+            model_id=cfg.model_id,
+        )
+
+    def warmup(self, spec: WarmupSpec) -> WarmupResult:
+        self.engine.clear_cache(None)
+        return run_warmup(
+            self.runner,
+            spec,
+            self.dist,
+            self.info.max_position_embeddings,
+            self.cfg.cuda_memory_fraction,
+            self.cfg.kv_cache_memory_mb,
+            self.cfg.max_batch_total_tokens,
+        )
+
+    def bind_thread(self) -> None:
+        """Makes this shard's GPU the calling thread's current device. CUDA's current device is
+        per thread, and Triton kernels launch on it: on rank 1 (cuda:1) a worker thread left
+        on cuda:0 fails every Triton launch. A no-op on CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def health(self) -> None:
+        """A tiny computation on the device; raises if the device is gone."""
+        x = torch.ones(8, device=self.device)
+        if float((x * 2).sum().item()) != 16.0:
+            raise RuntimeError("device returned a wrong result")

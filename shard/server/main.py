@@ -1,0 +1,164 @@
+"""`tokenwire shard`: serve one tensor-parallel rank of a model over tokenwire.shard.v1.
+
+Rank r listens on unix://PREFIX-r (--uds-path PREFIX) or 127.0.0.1:BASE+r (--port BASE), with
+grpc.health.v1 and server reflection. Every rank receives every RPC; rank 0's answer counts.
+Exit status: 0 after SIGTERM/SIGINT, 1 after a fatal device error (so the launcher sees it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger("tokenwire.shard")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-id", required=True, help="local directory or hub id")
+    parser.add_argument("--revision", default=None, help="hub branch, tag or commit")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                        help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="default: cuda when available")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world-size", type=int, default=1)
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--uds-path", default=None, help="rank r listens on unix://PREFIX-r")
+    where.add_argument("--port", type=int, default=None, help="rank r listens on 127.0.0.1:PORT+r")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="torch.distributed rendezvous")
+    parser.add_argument("--master-port", type=int, default=29500)
+    parser.add_argument("--all-reduce", choices=["auto", "nccl"], default="auto",
+                        help="tensor parallel on CUDA: auto = one-shot symmetric-memory "
+                        "all-reduce for small (decode) tensors where P2P works, else NCCL")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--cuda-memory-fraction", type=float, default=0.9)
+    parser.add_argument("--kv-cache-memory-mb", type=int, default=None,
+                        help="KV cache budget on CPU (default: 10%% of available RAM)")
+    parser.add_argument("--max-batch-total-tokens", type=int, default=None,
+                        help="cap on the KV cache size in tokens")
+    parser.add_argument("--attention-backend", default="auto", help="auto | torch | triton")
+    parser.add_argument("--quantize", default=None,
+                        choices=["bitsandbytes", "bitsandbytes-nf4", "fp8"],
+                        help="quantize the linear layers at load time (fp8 checkpoints are "
+                        "detected from config.json without it)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        choices=["auto", "fp8_e4m3fn", "fp8_e5m2"],
+                        help="KV cache storage; fp8 halves the bytes per token")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="not supported; present so that a request for it fails clearly")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def listen_url(args: argparse.Namespace, rank: int) -> str:
+    if args.uds_path:
+        return f"unix://{args.uds_path}-{rank}"
+    port = args.port if args.port is not None else 5001
+    return f"127.0.0.1:{port + rank}"
+
+
+async def start_server(shard, urls: list[str], rank: int, on_fatal: Callable[[str], None]):
+    """Builds and starts the grpc.aio server of one rank; returns (server, servicer, health)."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+    from tokenwire.shard.v1 import shard_pb2, shard_pb2_grpc
+
+    from shard.server.servicer import ShardServicer
+
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 256 * 2**20),
+            ("grpc.max_send_message_length", 256 * 2**20),
+        ]
+    )
+    servicer = ShardServicer(shard, urls, on_fatal)
+    shard_pb2_grpc.add_ShardServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service_name = shard_pb2.DESCRIPTOR.services_by_name["ShardService"].full_name
+    reflection.enable_server_reflection(
+        [service_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    url = urls[rank]
+    if url.startswith("unix://"):
+        Path(url.removeprefix("unix://")).unlink(missing_ok=True)
+    if server.add_insecure_port(url) == 0:
+        raise OSError(f"cannot listen on {url}")
+    await server.start()
+    for name in ("", service_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, servicer, health_servicer
+
+
+async def serve(args: argparse.Namespace, shard) -> int:
+    urls = [listen_url(args, r) for r in range(args.world_size)]
+    exit_code = 0
+    stop = asyncio.Event()
+
+    def on_fatal(message: str) -> None:
+        nonlocal exit_code
+        log.error("fatal device error, shutting down: %s", message)
+        exit_code = 1
+        stop.set()
+
+    server, servicer, health_servicer = await start_server(shard, urls, args.rank, on_fatal)
+    log.info("rank %d/%d serving %s on %s", args.rank, args.world_size, args.model_id,
+             urls[args.rank])
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=1.0 if exit_code == 0 else 0)
+    servicer.close()
+    return exit_code
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s rank{args.rank} %(levelname)s %(name)s: %(message)s",
+    )
+    if args.trust_remote_code:
+        log.error("--trust-remote-code is not supported")
+        return 2
+    import torch
+
+    from shard.distributed.groups import init_distributed, shutdown_distributed
+    from shard.server.loader import Shard, ShardConfig
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(args.rank % torch.cuda.device_count())
+        device = f"cuda:{torch.cuda.current_device()}"
+    dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ and args.world_size > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+    dist = init_distributed(
+        args.rank, args.world_size, args.master_addr, args.master_port, torch.device(device),
+        all_reduce=args.all_reduce,
+    )
+    try:
+        cfg = ShardConfig(
+            model_id=args.model_id,
+            revision=args.revision,
+            dtype=dtype,
+            device=device,
+            block_size=args.block_size,
+            cuda_memory_fraction=args.cuda_memory_fraction,
+            kv_cache_memory_mb=args.kv_cache_memory_mb,
+            max_batch_total_tokens=args.max_batch_total_tokens,
+            attention_backend=args.attention_backend,
+            quantize=args.quantize,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+        shard = Shard(cfg, dist)
+        return asyncio.run(serve(args, shard))
+    finally:
+        if args.world_size > 1:
+            shutdown_distributed()

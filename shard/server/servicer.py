@@ -1,0 +1,103 @@
+"""Thin gRPC servicer of tokenwire.shard.v1: decode the proto, run the domain call on the single
+model worker thread, encode the reply. Domain errors become status codes in `_STATUS` only."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+from tokenwire.shard.v1 import shard_pb2 as pb
+from tokenwire.shard.v1 import shard_pb2_grpc
+
+from shard.errors import (
+    FailedPreconditionError,
+    FatalDeviceError,
+    InvalidRequestError,
+    NotFoundError,
+    ShardError,
+)
+from shard.server import convert
+from shard.server.loader import Shard
+
+log = logging.getLogger(__name__)
+
+# domain error class -> gRPC status code (the one mapping)
+_STATUS: dict[type[ShardError], grpc.StatusCode] = {
+    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFoundError: grpc.StatusCode.NOT_FOUND,
+    FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
+    FatalDeviceError: grpc.StatusCode.INTERNAL,
+}
+
+
+class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
+    def __init__(self, shard: Shard, urls: list[str], on_fatal: Callable[[str], None]):
+        self.shard = shard
+        self.urls = urls
+        self.on_fatal = on_fatal
+        # One worker: model steps run in RPC order, never concurrently, off the event loop.
+        self.worker = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="shard-model", initializer=shard.bind_thread
+        )
+        self.fatal: str | None = None
+
+    async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args) -> Any:
+        if self.fatal is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"shard failed: {self.fatal}")
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.worker, fn, *args)
+        except ShardError as exc:
+            code, message = _STATUS[type(exc)], str(exc)
+            if isinstance(exc, FatalDeviceError):
+                self.fatal = message
+                self.on_fatal(message)
+        except Exception as exc:  # a bug, not the caller's fault
+            log.exception("internal error")
+            code, message = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+        await context.abort(code, message)
+
+    async def Info(self, request, context):
+        return convert.info_to_proto(self.shard.info)
+
+    async def ServiceDiscovery(self, request, context):
+        return pb.ServiceDiscoveryResponse(urls=self.urls)
+
+    async def Health(self, request, context):
+        if self.fatal is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"shard failed: {self.fatal}")
+        try:  # its own thread: answers while a long step holds the model worker
+            await asyncio.to_thread(self.shard.health)
+        except Exception as exc:  # noqa: BLE001 - any failure means the device is not usable
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"device check failed: {exc}")
+        return pb.HealthResponse()
+
+    async def Warmup(self, request, context):
+        result = await self._run(context, self.shard.warmup, convert.warmup_from_proto(request))
+        return convert.warmup_to_proto(result)
+
+    async def Prefill(self, request, context):
+        args = convert.prefill_from_proto(request)
+        return convert.prefill_to_proto(await self._run(context, self.shard.engine.prefill, *args))
+
+    async def Decode(self, request, context):
+        args = convert.decode_from_proto(request)
+        return convert.decode_to_proto(await self._run(context, self.shard.engine.decode, *args))
+
+    async def FilterBatch(self, request, context):
+        ref = await self._run(
+            context, self.shard.engine.filter_batch, request.batch_id, list(request.request_ids)
+        )
+        return pb.FilterBatchResponse(batch=convert.cached_batch_to_proto(ref))
+
+    async def ClearCache(self, request, context):
+        batch_id = request.id if request.HasField("id") else None
+        await self._run(context, self.shard.engine.clear_cache, batch_id)
+        return pb.ClearCacheResponse()
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=False, cancel_futures=True)

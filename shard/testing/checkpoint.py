@@ -1,0 +1,124 @@
+"""Llama-3-8B-shaped random checkpoints (bf16 safetensors written on the GPU, tensor by tensor)
+with a word-level tokenizer of the same 128,256 entries: the benchmark harness's model and the GPU
+tests' large-shape model.
+
+lm_head's rows of the EOS tokens are zero, so greedy decoding never picks EOS (logit 0 against
+the positive maximum of 128k random logits) and every request generates exactly max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+LLAMA3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+}
+BOS_ID, EOS_ID = 128000, 128001
+EOS_IDS = (128001, 128008, 128009)
+
+
+def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
+    """Word-level tokenizer: "t0".."t127999" plus Llama-3's special tokens at 128000+.
+    Whitespace-separated words map 1:1 to tokens, so prompt lengths are exact."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    specials = {BOS_ID: "<|begin_of_text|>", EOS_ID: "<|end_of_text|>",
+                128008: "<|eom_id|>", 128009: "<|eot_id|>"}
+    vocab = {f"t{i}": i for i in range(BOS_ID)}
+    for i in range(BOS_ID, vocab_size):
+        vocab[specials.get(i, f"<|reserved_special_token_{i - BOS_ID}|>")] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|reserved_special_token_2|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken(s, special=True) for s in specials.values()])
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": specials[BOS_ID],
+        "eos_token": specials[EOS_ID], "model_max_length": 8192,
+    }))
+
+
+def write_checkpoint(model_dir: Path, num_layers: int) -> dict:
+    """Random bf16 Llama-3-8B-shaped weights, generated on the GPU and saved shard by shard."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = dict(LLAMA3_8B, num_hidden_layers=num_layers)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    marker = model_dir / "complete.json"
+    if marker.is_file() and json.loads(marker.read_text()).get("num_layers") == num_layers:
+        return json.loads(marker.read_text())
+    t0 = time.perf_counter()
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = h // heads
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
+        t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+        t.normal_(0.0, std, generator=gen)
+        return t.cpu()
+
+    def layer(i: int) -> dict:
+        p = f"model.layers.{i}."
+        return {
+            p + "self_attn.q_proj.weight": rnd(heads * hd, h),
+            p + "self_attn.k_proj.weight": rnd(kvh * hd, h),
+            p + "self_attn.v_proj.weight": rnd(kvh * hd, h),
+            p + "self_attn.o_proj.weight": rnd(h, heads * hd),
+            p + "mlp.gate_proj.weight": rnd(inter, h),
+            p + "mlp.up_proj.weight": rnd(inter, h),
+            p + "mlp.down_proj.weight": rnd(h, inter),
+            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+        }
+
+    groups: list[dict] = []
+    first = {"model.embed_tokens.weight": rnd(v, h)}
+    groups.append(first)
+    per_file = 8
+    for start in range(0, num_layers, per_file):
+        g: dict = {}
+        for i in range(start, min(start + per_file, num_layers)):
+            g.update(layer(i))
+        groups.append(g)
+    lm_head = rnd(v, h)
+    lm_head[list(EOS_IDS)] = 0  # greedy never selects EOS: fixed output lengths
+    groups.append({"lm_head.weight": lm_head, "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)})
+    weight_map, total = {}, 0
+    for n, g in enumerate(groups):
+        name = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file(g, str(model_dir / name), metadata={"format": "pt"})
+        for k, t in g.items():
+            weight_map[k] = name
+            total += t.numel() * t.element_size()
+        del g
+    groups.clear()
+    (model_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": False, "bos_token_id": BOS_ID, "eos_token_id": list(EOS_IDS),
+        "initializer_range": 0.02, "head_dim": hd, **cfg,
+    }
+    (model_dir / "config.json").write_text(json.dumps(config, indent=1))
+    (model_dir / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": BOS_ID, "eos_token_id": list(EOS_IDS), "do_sample": False}))
+    write_tokenizer(model_dir, v)
+    info = {"num_layers": num_layers, "bytes": total, "seconds": time.perf_counter() - t0}
+    marker.write_text(json.dumps(info))
+    return info
+
