@@ -16,7 +16,7 @@ from typing import Protocol
 from service.app.router_flags import Limits, resolve_limits, shard_target
 from service.engine.backend import ShardDescription, ShardRpcError, WarmupBudgets, WarmupInfo
 from service.engine.contracts import Engine
-from service.engine.engine import EngineConfig, build_engine
+from service.engine.engine import EngineConfig, LocalEngine, build_engine
 from service.shard_client.client import ShardClient, connect_and_warmup
 
 
@@ -73,7 +73,7 @@ class ShardEngineSource:
         connection: ShardConnection,
         config: EngineConfig,
         on_unhealthy: Callable[[str], None],
-    ) -> Engine:
+    ) -> LocalEngine:
         assert isinstance(connection.client, ShardClient)
         return build_engine(
             client=connection.client,
