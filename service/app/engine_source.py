@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from service.app.router_flags import Limits, resolve_limits, shard_target
-from service.engine.backend import ShardDescription, ShardRpcError, WarmupBudgets, WarmupInfo
+from service.app.router_flags import Limits, resolve_limits, shard_target, warmup_budgets
+from service.engine.backend import ShardDescription, ShardRpcError, WarmupInfo
 from service.engine.contracts import Engine
-from service.engine.engine import EngineConfig, build_engine
+from service.engine.engine import EngineConfig, LocalEngine, build_engine
 from service.shard_client.client import ShardClient, connect_and_warmup
 
 
@@ -73,7 +73,7 @@ class ShardEngineSource:
         connection: ShardConnection,
         config: EngineConfig,
         on_unhealthy: Callable[[str], None],
-    ) -> Engine:
+    ) -> LocalEngine:
         assert isinstance(connection.client, ShardClient)
         return build_engine(
             client=connection.client,
@@ -93,15 +93,8 @@ async def connect_shards(args: argparse.Namespace, target: str) -> ShardConnecti
     finally:
         await probe.close()
     limits = resolve_limits(args, shard.max_position_embeddings)
-    budgets = WarmupBudgets(
-        max_input_tokens=limits.max_input_tokens,
-        max_total_tokens=limits.max_total_tokens,
-        max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
-        max_batch_size=limits.max_batch_size,
-        max_batch_total_tokens=args.max_batch_total_tokens,
-    )
     client, warm, shard = await connect_and_warmup(
-        target, budgets, connect_timeout_s=args.startup_timeout
+        target, warmup_budgets(args, limits), connect_timeout_s=args.startup_timeout
     )
     return ShardConnection(client, warm, shard, limits)
 

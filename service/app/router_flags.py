@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from service.app.env_flags import env_bool, env_value
+from service.engine.backend import WarmupBudgets
 from service.engine.engine import EngineConfig
+from service.generation.validation import ValidationLimits
 
 DEFAULT_SHARD_UDS_PATH = "/tmp/tokenwire-shard"
 # TGI's defaults: max_total_tokens = min(max_position_embeddings, 4096), max_input = total - 1.
@@ -291,4 +293,27 @@ def engine_config(args: argparse.Namespace, limits: Limits) -> EngineConfig:
         max_batch_size=limits.max_batch_size,
         waiting_served_ratio=args.waiting_served_ratio,
         max_waiting_tokens=args.max_waiting_tokens,
+    )
+
+
+def validation_limits(args: argparse.Namespace, limits: Limits) -> ValidationLimits:
+    """What one client request may ask for, from the router flags and the resolved limits."""
+    return ValidationLimits(
+        max_input_tokens=limits.max_input_tokens,
+        max_total_tokens=limits.max_total_tokens,
+        max_best_of=args.max_best_of,
+        max_stop_sequences=args.max_stop_sequences,
+        max_top_n_tokens=args.max_top_n_tokens,
+        max_client_batch_size=args.max_client_batch_size,
+    )
+
+
+def warmup_budgets(args: argparse.Namespace, limits: Limits) -> WarmupBudgets:
+    """What the shards must support (their Warmup), from the resolved limits."""
+    return WarmupBudgets(
+        max_input_tokens=limits.max_input_tokens,
+        max_total_tokens=limits.max_total_tokens,
+        max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
+        max_batch_size=limits.max_batch_size,
+        max_batch_total_tokens=args.max_batch_total_tokens,
     )

@@ -19,12 +19,12 @@ from typing import Protocol
 from service.api.server import build_server
 from service.api.servicer import HealthReporter, TextGenerationServicer
 from service.app.engine_source import EngineSource, ShardEngineSource, ShardLink
-from service.app.router_flags import engine_config
+from service.app.router_flags import engine_config, validation_limits
 from service.engine.backend import ShardRpcError
 from service.engine.contracts import Engine, EngineStats
 from service.generation.service import Admission, GenerationService, ServerInfo
 from service.generation.tokenization import TokenizerPool
-from service.generation.validation import ValidationLimits, Validator
+from service.generation.validation import Validator
 from service.observability.metrics import MetricsServer, ServerMetrics
 
 _log = logging.getLogger("tokenwire.router")
@@ -118,17 +118,9 @@ async def serve(
         )
         holder["engine"] = engine
         await engine.start()
-        validation_limits = ValidationLimits(
-            max_input_tokens=limits.max_input_tokens,
-            max_total_tokens=limits.max_total_tokens,
-            max_best_of=args.max_best_of,
-            max_stop_sequences=args.max_stop_sequences,
-            max_top_n_tokens=args.max_top_n_tokens,
-            max_client_batch_size=args.max_client_batch_size,
-        )
         service = GenerationService(
             engine,
-            Validator(validation_limits, tokenizer),
+            Validator(validation_limits(args, limits), tokenizer),
             metrics,
             max_concurrent_requests=args.max_concurrent_requests,
             on_shard_failure=health_reporter.shard_failed,
