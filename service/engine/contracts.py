@@ -6,18 +6,12 @@ turns the `StepEvent`s it receives into proto responses. Plain dataclasses: no g
 
 from __future__ import annotations
 
-import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-
-class FinishReason(enum.Enum):
-    """Why a sequence stopped; `value` is the spelling of TGI's REST API."""
-
-    LENGTH = "length"
-    EOS_TOKEN = "eos_token"
-    STOP_SEQUENCE = "stop_sequence"
+# The step vocabulary lives with the scheduler (the lower layer); re-exported for the API side.
+from service.scheduler.contracts import FinishReason, TokenInfo
 
 
 @dataclass(frozen=True)
@@ -58,16 +52,6 @@ class ValidatedRequest:
     top_n_tokens: int = 0
     prefill_logprobs: bool = False  # decoder_input_details
     deadline: float | None = None  # time.monotonic() instant after which it is dropped
-
-
-@dataclass(frozen=True)
-class TokenInfo:
-    """A token with its incremental text and log-probability (NaN where unknown)."""
-
-    id: int
-    text: str
-    logprob: float
-    special: bool = False
 
 
 @dataclass(frozen=True)

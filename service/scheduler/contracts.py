@@ -5,9 +5,26 @@ Lists of ints and small dataclasses only; `service.shard_client.convert` turns t
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-from service.engine.contracts import FinishReason, TokenInfo
+
+class FinishReason(enum.Enum):
+    """Why a sequence stopped; `value` is the spelling of TGI's REST API."""
+
+    LENGTH = "length"
+    EOS_TOKEN = "eos_token"
+    STOP_SEQUENCE = "stop_sequence"
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """A token with its incremental text and log-probability (NaN where unknown)."""
+
+    id: int
+    text: str
+    logprob: float
+    special: bool = False
 
 
 @dataclass(slots=True)
