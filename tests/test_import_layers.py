@@ -59,6 +59,19 @@ RULES: tuple[Rule, ...] = (
         why="shards know nothing of the router",
     ),
     Rule(
+        "service",
+        forbidden=("service.testing", "shard.testing"),
+        exempt=("service.testing",),
+        why="test doubles are for tests and benchmarks, never the product",
+    ),
+    Rule(
+        "shard",
+        forbidden=("shard.testing",),
+        exempt=("shard.testing",),
+        why="test helpers are for tests and benchmarks, never the product",
+    ),
+    Rule("shard.tools", forbidden=("shard.server", "shard.engine", "shard.runner", "shard.models")),
+    Rule(
         "service.scheduler",
         only=("service.scheduler",),
         why="the scheduler is plain Python over its own contracts",
