@@ -28,6 +28,7 @@ from tokenwire.v1 import generate_pb2 as pb
 from tokenwire.v1 import generate_pb2_grpc as pb_grpc
 
 from service.gateway import Gateway, GatewaySettings
+from tests.helpers.tools import require
 
 pytestmark = pytest.mark.slow
 
@@ -269,8 +270,7 @@ def test_grpc_clients_through_envoy(deployment: Deployment) -> None:
 
 def test_buf_curl_reflection_through_envoy(deployment: Deployment) -> None:
     buf = REPO / "node_modules/.bin/buf"
-    if not buf.exists():
-        pytest.skip("buf not installed (npm ci)")
+    require(buf.exists(), "buf not installed (npm ci)")
     base = ["--protocol", "grpc", "--http2-prior-knowledge"]
     out = subprocess.run(
         [str(buf), "curl", *base, "--list-services", f"http://{deployment.envoy_target}"],

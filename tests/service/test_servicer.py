@@ -18,6 +18,7 @@ from tokenwire.v1 import generate_pb2 as pb
 from service.engine_api import ShardUnavailableError
 from tests.helpers.engine_double import ScriptedEngine, expected_text, token_logprob
 from tests.helpers.router_harness import rpc_error, running_router
+from tests.helpers.tools import needs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -267,7 +268,7 @@ async def test_reflection_lists_every_service(tokenizer_dir: Path) -> None:
     } <= names
 
 
-@pytest.mark.skipif(not (REPO / "node_modules/.bin/buf").exists(), reason="buf not installed")
+@needs((REPO / "node_modules/.bin/buf").exists(), "buf not installed (npm ci)")
 async def test_buf_curl_lists_and_calls_through_reflection(tokenizer_dir: Path) -> None:
     buf = str(REPO / "node_modules/.bin/buf")
     async with running_router(ScriptedEngine(), tokenizer_dir) as router:
