@@ -69,8 +69,8 @@ _PRELUDE = BF16_DOT_PRELUDE + textwrap.dedent(
 
     interpreter.InterpreterBuilder.set_grid_idx = _maybe_reversed_grid_idx
 
-    # triton 3.9's interpreter types `bool_tile & (int64 scalar < 0)` as int32, and its C++
-    # masked load then refuses the mask; the compiled kernel sees an i1 mask. Nonzero is true.
+    # triton 3.9's interpreter hands the early tile's reload (Q_IN_REGISTERS) an int32 mask, which
+    # its C++ masked load refuses ("mask has unsupported dtype"); compiled, the mask is i1.
     _masked_load = interpreter.InterpreterBuilder.create_masked_load
 
     def _create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
