@@ -461,12 +461,15 @@ async def test_sigterm_drains_in_flight_streams_then_exits_zero(
                 timeout=5,
                 interval=0.02,
             )
+            # SIGTERM arrived (NOT_SERVING) while the engine was still generating all three.
+            assert scrape(draining.metrics_port)["tokenwire_running_requests"] == 3
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub(channel).Generate(pb.GenerateRequest(inputs="late"))
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             finished = await asyncio.gather(*(read_all(c, [f]) for c, f in zip(calls, firsts)))
         for events in finished:
             assert events[-1].HasField("generated_text") and not events[-1].HasField("error")
+            assert events[-1].details.finish_reason == "length" and len(events) == 300
         exit_code = await asyncio.to_thread(draining.router.popen.wait, 30)
         assert exit_code == 0
     finally:
