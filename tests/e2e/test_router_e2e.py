@@ -460,6 +460,7 @@ async def test_sigterm_drains_in_flight_streams_then_exits_zero(
                 ),
                 timeout=5,
                 interval=0.02,
+                what="router NOT_SERVING after SIGTERM",
             )
             # SIGTERM arrived (NOT_SERVING) while the engine was still generating all three.
             assert scrape(draining.metrics_port)["tokenwire_running_requests"] == 3
