@@ -8,6 +8,17 @@ import pytest
 
 from tests.helpers.models import write_tiny_model, write_tokenizer_dir
 from tests.helpers.ports import free_port
+from tests.helpers.tools import check_needs_tool
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "needs_tool(available, reason): skips without the tool; fails under CI=true"
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    check_needs_tool(item)
 
 
 @pytest.fixture(scope="session")

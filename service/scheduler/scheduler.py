@@ -50,6 +50,7 @@ class SchedulerCounters:
     prefix_cache_hit_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
+    aborted: int = 0  # requests removed before they finished (cancel, deadline, shard failure)
 
 
 class Scheduler:
@@ -101,6 +102,7 @@ class Scheduler:
                 seq.on_shard = False
             self._free_blocks(seq)
         seq.state = RequestState.ABORTED
+        self.counters.aborted += 1
         return seq
 
     def abort_all(self) -> list[Sequence]:

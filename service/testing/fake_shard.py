@@ -83,6 +83,7 @@ class FakeShard(pb_grpc.ShardServiceServicer):
         self.decode_calls = 0
         self.filter_calls = 0
         self.prefill_tokens = 0
+        self.generated_tokens = 0  # tokens generated for all requests (cancelled ones included)
 
     def _ref(self, blocks) -> None:
         users = self.block_users
@@ -227,6 +228,7 @@ class FakeShard(pb_grpc.ShardServiceServicer):
         if self.config.eos_token_id is not None and gen_idx == 1 and not r.ignore_eos:
             token = self.config.eos_token_id
         r.tokens.append(token)
+        self.generated_tokens += 1
         g = pb.Generation(
             request_id=r.rid,
             tokens=pb.Tokens(

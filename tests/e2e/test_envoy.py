@@ -19,7 +19,6 @@ from _deploy import (
     free_port,
     http_json,
     launch,
-    metric,
     sse_events,
 )
 from google.protobuf import json_format
@@ -28,6 +27,9 @@ from tokenwire.v1 import generate_pb2 as pb
 from tokenwire.v1 import generate_pb2_grpc as pb_grpc
 
 from service.app.gateway import Gateway, GatewaySettings
+from tests.helpers.metrics import scrape
+from tests.helpers.tools import require
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -107,10 +109,16 @@ def test_rest_generate_equals_grpc(deployment: Deployment) -> None:
         )
     assert_json_close(body, to_dict(reply))
     details = body["details"]
-    assert details["finish_reason"] in ("length", "eos_token")
-    token = details["tokens"][0]
-    assert set(token) == {"id", "text", "logprob", "special"}
-    assert token["special"] is False or token["special"] is True
+    tokens = details["tokens"]
+    assert all(set(t) == {"id", "text", "logprob", "special"} for t in tokens)
+    # JSON booleans (always printed, as TGI does), and the text is the non-special tokens' texts.
+    assert all(type(t["special"]) is bool for t in tokens), tokens
+    assert body["generated_text"] == "".join(t["text"] for t in tokens if not t["special"])
+    assert len(tokens) == details["generated_tokens"] > 0
+    if details["finish_reason"] == "length":
+        assert len(tokens) == GREEDY["parameters"]["max_new_tokens"]
+    else:
+        assert details["finish_reason"] == "eos_token" and tokens[-1]["special"] is True
 
 
 def test_sse_equals_grpc_stream(deployment: Deployment) -> None:
@@ -231,20 +239,35 @@ def test_over_capacity_is_429(deployment: Deployment) -> None:
 
 
 def test_disconnect_mid_sse_frees_kv_blocks(deployment: Deployment) -> None:
-    idle_used = metric(deployment.metrics_port, "tokenwire_kv_blocks_used")
-    body = {"inputs": "Paged attention keeps keys", "parameters": {"max_new_tokens": 400}}
+    before = scrape(deployment.metrics_port)
+    # 1000 tokens: a disconnect that did not cancel would keep the engine stepping ~1000 times.
+    body = {"inputs": "Paged attention keeps keys", "parameters": {"max_new_tokens": 1000}}
     events = list(sse_events(deployment.http_port, body, limit=3))
     assert len(events) == 3
-    deadline = time.monotonic() + 15
-    while True:
-        used = metric(deployment.metrics_port, "tokenwire_kv_blocks_used")
-        running = metric(deployment.metrics_port, "tokenwire_running_requests")
-        if used <= idle_used and running == 0:
-            break
-        assert time.monotonic() < deadline, (
-            f"blocks used {used} (idle {idle_used}), running {running}"
+    wait_until(
+        lambda: (
+            (m := scrape(deployment.metrics_port))["tokenwire_kv_blocks_used"]
+            <= before["tokenwire_kv_blocks_used"]
+            and m["tokenwire_running_requests"] == 0
+        ),
+        timeout=15,
+        interval=0.1,
+        what="the disconnected stream's KV blocks freed",
+    )
+    after = scrape(deployment.metrics_port)
+    assert (
+        after["tokenwire_requests_aborted_total"] - before["tokenwire_requests_aborted_total"] == 1
+    )
+    assert (
+        after.total("tokenwire_request_failure_total", method="generate_stream", reason="cancelled")
+        - before.total(
+            "tokenwire_request_failure_total", method="generate_stream", reason="cancelled"
         )
-        time.sleep(0.2)
+        == 1
+    )
+    # The engine stopped stepping it: a few steps past the 3 events read, not ~1000.
+    steps = after["tokenwire_engine_steps_total"] - before["tokenwire_engine_steps_total"]
+    assert steps < 200, steps
 
 
 def test_grpc_clients_through_envoy(deployment: Deployment) -> None:
@@ -269,8 +292,7 @@ def test_grpc_clients_through_envoy(deployment: Deployment) -> None:
 
 def test_buf_curl_reflection_through_envoy(deployment: Deployment) -> None:
     buf = REPO / "node_modules/.bin/buf"
-    if not buf.exists():
-        pytest.skip("buf not installed (npm ci)")
+    require(buf.exists(), "buf not installed (npm ci)")
     base = ["--protocol", "grpc", "--http2-prior-knowledge"]
     out = subprocess.run(
         [str(buf), "curl", *base, "--list-services", f"http://{deployment.envoy_target}"],

@@ -11,7 +11,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import urllib.request
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -21,36 +20,23 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenwire.v1 import generate_pb2 as pb
 from tokenwire.v1 import generate_pb2_grpc
 
-from service.testing import FakeShardConfig, start_fake_shard
+from service.testing import FakeShard, FakeShardConfig, start_fake_shard
+from tests.helpers.metrics import scrape
 from tests.helpers.ports import free_port
+from tests.helpers.waiting import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _gauge(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
-
-
-async def _until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.05)
-
-
 @contextlib.asynccontextmanager
 async def _deploy(
     tokenizer_dir: Path, *, max_concurrent: int, channels: int = 1, step_delay_s: float = 0.002
-) -> AsyncIterator[tuple[Sequence[object], str, int, object]]:
+) -> AsyncIterator[tuple[Sequence[object], FakeShard, int, object]]:
     """The fake shard and `tokenwire router --frontends 2`; yields stubs over `channels`
     separate connections (SO_REUSEPORT spreads connections, not calls, over the front ends)."""
     cfg = FakeShardConfig(num_blocks=512, block_size=16, step_delay_s=step_delay_s)
-    shard_server, _, shard_url = await start_fake_shard(cfg)
+    shard_server, fake, shard_url = await start_fake_shard(cfg)
     port, prom = free_port(), free_port()
     proc = subprocess.Popen(  # noqa: ASYNC220 - fixture setup
         [sys.executable, "-m", "service.app.cli", "router", "--frontends", "2",
@@ -76,7 +62,7 @@ async def _deploy(
                     pass
                 await asyncio.sleep(0.1)
         stubs = [generate_pb2_grpc.TextGenerationStub(c) for c in chans]
-        yield stubs, shard_url, prom, shard_server
+        yield stubs, fake, prom, shard_server
     finally:
         for c in chans:
             await c.close()
@@ -89,13 +75,16 @@ async def _deploy(
 
 
 @pytest.fixture
-async def deployment(tokenizer_dir: Path) -> AsyncIterator[tuple[object, str, int, object]]:
+async def deployment(tokenizer_dir: Path) -> AsyncIterator[tuple[object, FakeShard, int, object]]:
     # 5 ms a step: the "doomed" stream below must still be running when its shard stops, even
     # when a loaded machine starves this event loop for a while after its first token.
     async with _deploy(tokenizer_dir, max_concurrent=64, step_delay_s=0.005) as (
-        stubs, shard_url, prom, shard
+        stubs,
+        fake,
+        prom,
+        shard,
     ):
-        yield stubs[0], shard_url, prom, shard
+        yield stubs[0], fake, prom, shard
 
 
 def _req(text: str, n: int, **kw: object) -> pb.GenerateRequest:
@@ -129,19 +118,39 @@ async def test_streams_match_unary_and_errors_map(deployment) -> None:  # type: 
 
 
 async def test_cancel_half_frees_blocks_and_shard_death_is_unavailable(deployment) -> None:  # type: ignore[no-untyped-def]
-    stub, _, prom, shard_server = deployment
-    total = _gauge(prom, "tokenwire_kv_blocks_total")
-    calls = [stub.GenerateStream(_req(f"stream {i} " * 3, 150)) for i in range(16)]
+    stub, fake, prom, shard_server = deployment
+    before = scrape(prom)
+    total = before["tokenwire_kv_blocks_total"]
+    cancelled_before = sum(_cancelled_count(prom + i) for i in (1, 2))
+    # The cancelled half asks for 200 tokens (1 s of 5 ms steps), the survivors for 30: only a
+    # working cancel keeps the shard from generating the cancelled half to the end.
+    calls = [
+        stub.GenerateStream(_req(f"stream {i} " * 3, 200 if i % 2 == 0 else 30)) for i in range(16)
+    ]
     firsts = [await c.read() for c in calls]
     assert all(f.index == 0 for f in firsts)
+    generated_before = fake.generated_tokens - 16  # the first tokens above
     for c in calls[::2]:
         c.cancel()
     for c in calls[1::2]:
         n = 1
         while (await c.read()) is not grpc.aio.EOF:
             n += 1
-        assert n == 150
-    await _until(lambda: _gauge(prom, "tokenwire_kv_blocks_free") == total, timeout=30.0)
+        assert n == 30
+    await until(
+        lambda: not fake.reqs and scrape(prom)["tokenwire_kv_blocks_free"] == total,
+        timeout=30.0,
+        what="the shard holds no request and every KV block is free",
+    )
+    # The shard stopped generating for the cancelled 8 soon after the cancel (no-op cancel:
+    # 8 x 200 tokens); the survivors generated 8 x 30.
+    cancelled_tokens = fake.generated_tokens - generated_before - 8 * 30
+    assert cancelled_tokens < 8 * 100, cancelled_tokens
+    after = scrape(prom)
+    assert (
+        after["tokenwire_requests_aborted_total"] - before["tokenwire_requests_aborted_total"] == 8
+    )
+    assert sum(_cancelled_count(prom + i) for i in (1, 2)) - cancelled_before == 8
 
     long = stub.GenerateStream(_req("doomed stream", 240))  # >= 1.2 s of steps
     await long.read()
@@ -176,10 +185,10 @@ async def test_max_concurrent_requests_is_global(tokenizer_dir: Path) -> None:
         results = await asyncio.gather(*(one(stubs[0], i) for i in range(2 * limit)))
         assert sorted(results) == ["ok"] * limit + ["refused"] * limit
         # Each front end serves its request metrics on PORT+i; together they saw every call.
-        counts = [_counter_sum(prom + i, "tokenwire_request_count_total") for i in (1, 2)]
+        counts = [scrape(prom + i).total("tokenwire_request_count_total") for i in (1, 2)]
         assert sum(counts) == 4 * limit and all(c > 0 for c in counts), counts
 
 
-def _counter_sum(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+def _cancelled_count(frontend_port: int) -> float:
+    """Client cancellations one front end counted (tokenwire_request_failure{reason=cancelled})."""
+    return scrape(frontend_port).total("tokenwire_request_failure_total", reason="cancelled")

@@ -12,19 +12,19 @@ import asyncio
 import random
 import signal
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 from tokenwire.v1 import generate_pb2 as pb
 from tokenwire.v1 import generate_pb2_grpc
 
+from tests.helpers.metrics import scrape
 from tests.helpers.processes import Deployment, health_status, start_deployment
+from tests.helpers.waiting import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -108,18 +108,6 @@ def tokenizer(tiny_model_dir: Path) -> Tokenizer:
     return Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
 
 
-def scrape(deployment: Deployment) -> dict[str, float]:
-    """Unlabelled samples of the router's metrics endpoint, by name."""
-    with urllib.request.urlopen(deployment.metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    return {
-        s.name: s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if not s.labels
-    }
-
-
 def stub(channel: grpc.aio.Channel) -> generate_pb2_grpc.TextGenerationStub:
     return generate_pb2_grpc.TextGenerationStub(channel)
 
@@ -143,13 +131,6 @@ async def read_all(call, first: list | None = None) -> list[pb.GenerateStreamRes
     while (event := await call.read()) is not grpc.aio.EOF:
         events.append(event)
     return events
-
-
-async def until(predicate, timeout: float, interval: float = 0.1) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(interval)
 
 
 # --- main deployment ------------------------------------------------------------------------
@@ -238,15 +219,18 @@ async def test_best_of_returns_the_other_sequences(main: Deployment) -> None:
 
 
 async def test_cancel_half_of_32_streams_frees_every_kv_block(main: Deployment) -> None:
+    # The cancelled half asks for 10x the tokens of the survivors: only a working cancel frees
+    # their blocks (and stops the engine stepping them) by the time the survivors are done.
     rng = random.Random(7)
     requests = [
         pb.GenerateRequest(
             inputs=prompt(rng, rng.randint(5, 30)),
-            parameters=pb.GenerateParameters(max_new_tokens=100),
+            parameters=pb.GenerateParameters(max_new_tokens=400 if i % 2 == 0 else 40),
         )
-        for _ in range(32)
+        for i in range(32)
     ]
     keep = requests[1::2]
+    before = scrape(main.metrics_port)
     async with grpc.aio.insecure_channel(main.target) as channel:
         calls = [stub(channel).GenerateStream(r, timeout=120) for r in requests]
         firsts = [await call.read() for call in calls]  # everyone is generating
@@ -257,12 +241,27 @@ async def test_cancel_half_of_32_streams_frees_every_kv_block(main: Deployment) 
         )
     await until(
         lambda: (
-            (m := scrape(main))["tokenwire_kv_blocks_free"] == m["tokenwire_kv_blocks_total"]
+            (m := scrape(main.metrics_port))["tokenwire_kv_blocks_free"]
+            == m["tokenwire_kv_blocks_total"]
             and m["tokenwire_running_requests"] == 0
             and m["tokenwire_queue_size"] == 0
         ),
         timeout=10,
+        interval=0.1,
+        what="every KV block free, nothing running or queued",
     )
+    after = scrape(main.metrics_port)
+    # The engine removed exactly the cancelled 16, and the router counted them as cancelled.
+    aborted = after["tokenwire_requests_aborted_total"] - before["tokenwire_requests_aborted_total"]
+    assert aborted == 16
+    cancelled = after.total("tokenwire_request_failure_total", reason="cancelled") - before.total(
+        "tokenwire_request_failure_total", reason="cancelled"
+    )
+    assert cancelled == 16
+    # The shard stopped computing them: a step decodes every running request, so the steps run
+    # are the survivors' ~40 (plus prefill chunks), far from the ~400 the cancelled would need.
+    steps = after["tokenwire_engine_steps_total"] - before["tokenwire_engine_steps_total"]
+    assert steps < 150, steps
     # The survivors are unchanged by their cancelled batch mates.
     expected = await solo(main, keep)
     assert [events[-1].generated_text for events in survivors] == expected
@@ -282,11 +281,11 @@ async def test_shared_prefix_hits_the_prefix_cache_with_the_same_output(
         inputs=prefix + " tail", parameters=pb.GenerateParameters(max_new_tokens=8)
     )
     prompt_len = len(tokenizer.encode(request.inputs).ids)
-    before = scrape(main)
+    before = scrape(main.metrics_port)
     first = (await solo(main, [request]))[0]
-    middle = scrape(main)
+    middle = scrape(main.metrics_port)
     second = (await solo(main, [request]))[0]
-    after = scrape(main)
+    after = scrape(main.metrics_port)
     first_computed = (
         middle["tokenwire_prefill_tokens_computed_total"]
         - before["tokenwire_prefill_tokens_computed_total"]
@@ -321,7 +320,7 @@ async def test_request_id_echoed_end_to_end(main: Deployment) -> None:
 async def test_16_long_requests_with_a_4_sequence_kv_cache_complete_correctly(
     main: Deployment, small_kv: Deployment
 ) -> None:
-    before = scrape(small_kv)
+    before = scrape(small_kv.metrics_port)
     assert before["tokenwire_kv_blocks_total"] <= 28
     rng = random.Random(3)
     requests = [
@@ -335,7 +334,7 @@ async def test_16_long_requests_with_a_4_sequence_kv_cache_complete_correctly(
     async with grpc.aio.insecure_channel(small_kv.target) as channel:
         results = await asyncio.gather(*(stub(channel).Generate(r, timeout=180) for r in requests))
     assert [r.generated_text for r in results] == expected
-    after = scrape(small_kv)
+    after = scrape(small_kv.metrics_port)
     assert after["tokenwire_preemptions_total"] > before["tokenwire_preemptions_total"]
     assert after["tokenwire_kv_blocks_free"] == after["tokenwire_kv_blocks_total"]
 
@@ -347,7 +346,8 @@ async def test_twice_max_concurrent_requests_excess_is_resource_exhausted(
     requests = [
         pb.GenerateRequest(
             # Long enough that the first 16 are still running when the last request arrives.
-            inputs=prompt(rng, 10), parameters=pb.GenerateParameters(max_new_tokens=120)
+            inputs=prompt(rng, 10),
+            parameters=pb.GenerateParameters(max_new_tokens=120),
         )
         for _ in range(32)
     ]
@@ -460,13 +460,17 @@ async def test_sigterm_drains_in_flight_streams_then_exits_zero(
                 ),
                 timeout=5,
                 interval=0.02,
+                what="router NOT_SERVING after SIGTERM",
             )
+            # SIGTERM arrived (NOT_SERVING) while the engine was still generating all three.
+            assert scrape(draining.metrics_port)["tokenwire_running_requests"] == 3
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub(channel).Generate(pb.GenerateRequest(inputs="late"))
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             finished = await asyncio.gather(*(read_all(c, [f]) for c, f in zip(calls, firsts)))
         for events in finished:
             assert events[-1].HasField("generated_text") and not events[-1].HasField("error")
+            assert events[-1].details.finish_reason == "length" and len(events) == 300
         exit_code = await asyncio.to_thread(draining.router.popen.wait, 30)
         assert exit_code == 0
     finally:

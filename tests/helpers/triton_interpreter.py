@@ -3,12 +3,15 @@ kernels whose real runs need a GPU.
 
 Triton reads TRITON_INTERPRET when a kernel is defined, so each check runs in a fresh Python
 process: a source string (a prelude plus the check) executed with the variable set, which must
-exit 0. The marks skip where the interpreter cannot run: no triton (not a CPU dependency), or
-numpy >= 2.4 (triton 3.6's interpreter cannot take runtime loop bounds with it).
+exit 0. `triton` is a dev dependency (pyproject.toml), so `make test` runs these on CPU; the mark
+skips them only where the interpreter cannot run (no triton, or triton < 3.9 with numpy >= 2.4:
+triton 3.6's interpreter cannot take runtime loop bounds with it), and fails them under CI=true
+(tests/helpers/tools.py).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import subprocess
@@ -17,21 +20,25 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
-import pytest
+from packaging.version import Version
+
+from tests.helpers.tools import needs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def _unavailable_reason() -> str:
     if importlib.util.find_spec("triton") is None:
-        return "triton not installed (not a CPU dependency)"
-    if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
-        return "triton 3.6's interpreter cannot take runtime loop bounds with numpy >= 2.4"
+        return "triton not installed (a dev dependency: pip install -e '.[dev]')"
+    triton_version = importlib.metadata.version("triton")
+    if Version(triton_version) < Version("3.9") and Version(np.__version__) >= Version("2.4"):
+        return f"triton {triton_version}'s interpreter cannot run loops with numpy >= 2.4"
     return ""
 
 
 _REASON = _unavailable_reason()
-# Skips a test where the interpreter cannot run; INTERPRETER_MARKS for a module's pytestmark.
-requires_interpreter = pytest.mark.skipif(bool(_REASON), reason=_REASON or "available")
+# Skips a test where the interpreter cannot run (fails it under CI=true); INTERPRETER_MARKS for a
+# module's pytestmark.
+requires_interpreter = needs(not _REASON, _REASON)
 INTERPRETER_MARKS = [requires_interpreter]
 
 # Prepended to checks that run bf16 tl.dot: triton 3.6's interpreter multiplies bf16 operands as
@@ -62,6 +69,7 @@ BF16_DOT_PRELUDE = textwrap.dedent(
 def run_interpreted(source: str, timeout_s: float = 280.0) -> None:
     """Executes `source` in a fresh interpreter-mode Python process (repo root as the working
     directory, no GPU visible); fails the test with the process's stderr if it exits non-zero."""
+    assert not _REASON, _REASON
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run(
         [sys.executable, "-c", source],

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.tools import tool_missing
+
 REPO = Path(__file__).resolve().parents[2]
 GENERATED = ["clients/python/src/tokenwire_client/_generated", "clients/typescript/src/gen"]
 
@@ -24,9 +26,9 @@ def _status() -> str:
 @pytest.mark.slow
 def test_regenerating_the_sdks_leaves_git_status_clean() -> None:
     if not (REPO / "build/protodeps/google/api").is_dir():
-        pytest.skip("build/protodeps missing: scripts/generate prepares it")
+        tool_missing("build/protodeps missing: scripts/generate prepares it")
     if not (REPO / ".git").exists():
-        pytest.skip("not a git checkout")
+        tool_missing("not a git checkout")
     assert _status() == "", "generated SDK code differs from the commit before regenerating"
     for script in ("clients/python/generate", "clients/typescript/generate"):
         subprocess.run([REPO / script], cwd=REPO, check=True, capture_output=True)

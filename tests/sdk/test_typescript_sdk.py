@@ -15,12 +15,13 @@ import pytest
 
 from tests.e2e._deploy import Deployment
 from tests.helpers.processes import run_checked
+from tests.helpers.tools import needs
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        shutil.which("npm") is None or shutil.which("node") is None,
-        reason="node and npm are needed",
+    needs(
+        shutil.which("npm") is not None and shutil.which("node") is not None,
+        "node and npm are needed",
     ),
 ]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 import pytest
 
@@ -22,6 +23,14 @@ from service.engine.contracts import (
 from service.engine.engine import EngineConfig, LocalEngine
 from service.shard_client.client import connect_and_warmup
 from service.testing import FakeShard, FakeShardConfig, expected_tokens, start_fake_shard
+from tests.helpers.waiting import until
+
+
+def _all_free(engine: GenerationEngine) -> bool:
+    """Nothing queued or running and every KV block free: the engine is idle."""
+    st = engine.stats()
+    return st.queued == 0 and st.running == 0 and st.kv_blocks_free == st.kv_blocks_total
+
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -138,7 +147,10 @@ async def test_prefill_logprobs_and_top_tokens(h: Harness) -> None:
 async def test_cancel_frees_blocks_and_others_complete() -> None:
     async for h in make(FakeShardConfig(num_blocks=256, block_size=4, step_delay_s=0.005)):
         prompts = [[i + 1] * 10 for i in range(16)]
-        streams = [h.engine.submit(req(p, 40)) for p in prompts]
+        # The cancelled half (even i) asks for 400 tokens: a no-op cancel would generate them all.
+        streams = [
+            h.engine.submit(req(p, 400 if i % 2 == 0 else 40)) for i, p in enumerate(prompts)
+        ]
 
         async def consume(i, s):
             out = []
@@ -155,10 +167,12 @@ async def test_cancel_frees_blocks_and_others_complete() -> None:
         for i, evs in enumerate(results):
             if i % 2:
                 assert [e.token.id for e in evs] == expected_tokens(prompts[i], 40)
-        await asyncio.sleep(0.05)
+        await until(partial(_all_free, h.engine), timeout=5, what="nothing running, blocks free")
         st = h.engine.stats()
-        assert st.kv_blocks_free == st.kv_blocks_total and st.running == 0
+        assert st.aborted == 8
         assert h.shard.filter_calls > 0 and h.shard.reqs == {}
+        # Each cancelled request stopped within a step or two of its cancel (after 3 tokens).
+        assert h.shard.generated_tokens - 8 * 40 <= 8 * 5, h.shard.generated_tokens
 
 
 async def test_deadline_exceeded() -> None:
@@ -168,9 +182,8 @@ async def test_deadline_exceeded() -> None:
             await asyncio.wait_for(collect(s), 5)
         ok = await asyncio.wait_for(collect(h.engine.submit(req([3], 2))), 5)
         assert len(ok) == 2
-        await asyncio.sleep(0.03)
-        st = h.engine.stats()
-        assert st.kv_blocks_free == st.kv_blocks_total
+        await until(partial(_all_free, h.engine), timeout=5, what="nothing running, blocks free")
+        assert h.engine.stats().aborted == 1  # the deadline removed it
 
 
 async def test_overload_rejected_at_once() -> None:
@@ -285,7 +298,7 @@ async def test_stress_prefix_sharing_preemption_and_cancels_keep_kv_consistent()
         for p, n, out in zip(prompts, lengths, results, strict=True):
             if out is not None:
                 assert out == expected_tokens(p, n)
-        await asyncio.sleep(0.05)
+        await until(partial(_all_free, h.engine), timeout=5, what="nothing running, blocks free")
         st = h.engine.stats()
         assert st.preemptions > 0 and st.prefix_cache_hit_tokens > 0
         assert st.kv_blocks_free == st.kv_blocks_total and st.running == 0 and st.queued == 0

@@ -18,6 +18,8 @@ from tokenwire.v1 import generate_pb2 as pb
 from service.engine.contracts import ShardUnavailableError
 from tests.helpers.engine_double import ScriptedEngine, expected_text, token_logprob
 from tests.helpers.router_harness import rpc_error, running_router
+from tests.helpers.tools import needs
+from tests.helpers.waiting import until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -119,8 +121,8 @@ async def test_stream_failure_after_first_event_is_in_band_then_status(tokenizer
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for event in call:
                 events.append(event)
-        await asyncio.sleep(0.05)
-        assert not router.health.serving  # a shard failure flips health
+        # A shard failure flips health (its callback runs as the stream fails).
+        await until(lambda: not router.health.serving, timeout=2, what="health not serving")
         check = await health_pb2_grpc.HealthStub(router.channel).Check(
             health_pb2.HealthCheckRequest()
         )
@@ -144,13 +146,6 @@ async def test_stream_failure_before_first_event_is_status_only(tokenizer_dir: P
     assert info.value.details() == "boom"
 
 
-async def _until(predicate, timeout: float = 2.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 async def test_client_cancel_cancels_engine_stream(tokenizer_dir: Path) -> None:
     engine = ScriptedEngine(token_delay=0.02)
     async with running_router(engine, tokenizer_dir) as router:
@@ -158,8 +153,10 @@ async def test_client_cancel_cancels_engine_stream(tokenizer_dir: Path) -> None:
         first = await call.read()
         assert first.index == 0
         call.cancel()
-        await _until(lambda: engine.cancelled == [engine.submitted[0].request_id])
-        await _until(lambda: router.service.in_flight == 0)
+        await until(
+            timeout=2, condition=lambda: engine.cancelled == [engine.submitted[0].request_id]
+        )
+        await until(timeout=2, condition=lambda: router.service.in_flight == 0)
 
 
 async def test_deadline_is_passed_to_the_engine(tokenizer_dir: Path) -> None:
@@ -180,7 +177,7 @@ async def test_over_max_concurrent_requests_is_resource_exhausted_at_once(
     async with running_router(engine, tokenizer_dir, max_concurrent_requests=3) as router:
         calls = [router.stub.Generate(req(max_new_tokens=2)) for _ in range(6)]
         tasks = [asyncio.ensure_future(c) for c in calls]
-        await _until(lambda: sum(t.done() for t in tasks) == 3)
+        await until(timeout=2, condition=lambda: sum(t.done() for t in tasks) == 3)
         errors = [t.exception() for t in tasks if t.done()]
         assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in errors)
         assert "--max-concurrent-requests" in errors[0].details()
@@ -267,7 +264,7 @@ async def test_reflection_lists_every_service(tokenizer_dir: Path) -> None:
     } <= names
 
 
-@pytest.mark.skipif(not (REPO / "node_modules/.bin/buf").exists(), reason="buf not installed")
+@needs((REPO / "node_modules/.bin/buf").exists(), "buf not installed (npm ci)")
 async def test_buf_curl_lists_and_calls_through_reflection(tokenizer_dir: Path) -> None:
     buf = str(REPO / "node_modules/.bin/buf")
     async with running_router(ScriptedEngine(), tokenizer_dir) as router:
@@ -320,6 +317,5 @@ async def test_engine_overload_and_shard_down_at_submit(tokenizer_dir: Path) -> 
         engine.submit_error = ShardUnavailableError("down")
         err = await rpc_error(router.stub.Generate(req(max_new_tokens=3)))
         assert err.code() == grpc.StatusCode.UNAVAILABLE
-        await asyncio.sleep(0.05)
-        assert not router.health.serving
+        await until(lambda: not router.health.serving, timeout=2, what="health not serving")
         assert router.service.in_flight == 0

@@ -22,6 +22,7 @@ from shard.runner.model_runner import StepInputs
 from shard.quantization import linear_weight_bytes
 from shard.quantization.fp8 import Fp8Linear, quantize_fp8_per_channel
 from shard.tools.tiny_training import task_continuation, task_prompts
+from tests.helpers.tools import needs
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 N = 32
@@ -219,9 +220,9 @@ def quantized_linears(shard: Shard) -> list[torch.nn.Module]:
     ("method", "bound"),
     [
         ("fp8", 0.12),
-        pytest.param("bitsandbytes", 0.04, marks=pytest.mark.skipif(not HAS_BNB, reason="no bnb")),
+        pytest.param("bitsandbytes", 0.04, marks=needs(HAS_BNB, "no bnb")),
         pytest.param(
-            "bitsandbytes-nf4", 0.3, marks=pytest.mark.skipif(not HAS_BNB, reason="no bnb")
+            "bitsandbytes-nf4", 0.3, marks=needs(HAS_BNB, "no bnb")
         ),
     ],
 )

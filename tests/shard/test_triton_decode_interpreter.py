@@ -6,7 +6,7 @@ Two checks per case: (a) bit-equal output and cache bytes against the unfused Tr
 portable torch path (shard.layers.rotary on CPU + shard/attention/torch_backend.py) to a tolerance,
 since that path rounds to the model dtype after every op.
 
-Interpreter limits (triton 3.6), patched in the prelude so that it rounds like the GPU: its fp32
+Interpreter limits (triton 3.6-3.9), patched in the prelude so that it rounds like the GPU: its fp32
 -> bf16 casts truncate, its fp32 -> fp8 casts drop the carry of a round-up into the exponent
 (7.9 -> 4.0), and its tl.dot multiplies bf16 operands as raw 16-bit integers (see
 tests/shard/test_triton_gemv_interpreter.py). It runs programs one after another, so it does not
@@ -68,6 +68,17 @@ _PRELUDE = BF16_DOT_PRELUDE + textwrap.dedent(
         _set_grid_idx(self, x, y, z)
 
     interpreter.InterpreterBuilder.set_grid_idx = _maybe_reversed_grid_idx
+
+    # triton 3.9's interpreter hands the early tile's reload (Q_IN_REGISTERS) an int32 mask, which
+    # its C++ masked load refuses ("mask has unsupported dtype"); compiled, the mask is i1.
+    _masked_load = interpreter.InterpreterBuilder.create_masked_load
+
+    def _create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        if mask.data.dtype != np.bool_:
+            mask = interpreter.TensorHandle(mask.data != 0, tl.int1)
+        return _masked_load(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    interpreter.InterpreterBuilder.create_masked_load = _create_masked_load
 
     from shard.attention.base import AttentionMetadata
     from shard.attention.torch_backend import TorchAttentionBackend
