@@ -68,6 +68,8 @@ class EngineConfig:
 
 
 _END = object()
+# Stale entries the deadline heap may hold beyond twice the requests in flight (see _submit).
+DEADLINE_HEAP_SLACK = 64
 
 
 class _Stream(EventStream):
@@ -166,7 +168,11 @@ class LocalEngine:
         # Awaited before each step when set: lets out-of-process front ends pace the engine
         # (service/app/scheduler_process.py), so that an instant shard cannot run far ahead of the streams.
         self.step_gate: Callable[[], Awaitable[None]] | None = None
-        self._deadlines: list[tuple[float, int]] = []  # heap
+        # (deadline, seq_id) min-heap. A request that ends before its deadline leaves its entry
+        # behind (lazy deletion); _submit compacts the heap once stale entries outnumber live
+        # ones, so it holds at most 2 x in-flight + DEADLINE_HEAP_SLACK entries instead of one
+        # per request admitted in the last deadline's worth of time (hours for long deadlines).
+        self._deadlines: list[tuple[float, int]] = []
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -253,7 +259,11 @@ class LocalEngine:
         self._streams[seq_id] = stream
         self._idle.clear()
         if request.deadline is not None:
-            heapq.heappush(self._deadlines, (request.deadline, seq_id))
+            deadlines = self._deadlines
+            if len(deadlines) >= 2 * len(self._streams) + DEADLINE_HEAP_SLACK:
+                deadlines[:] = [d for d in deadlines if d[1] in self._streams]
+                heapq.heapify(deadlines)
+            heapq.heappush(deadlines, (request.deadline, seq_id))
         self._wake.set()
         return stream
 
@@ -278,6 +288,12 @@ class LocalEngine:
                 "step_cpu_seconds_per_step": self.step_cpu_s / steps,
                 "scheduler_cpu_seconds_max_step": self.max_sched_cpu_s,
                 "healthy": 1.0 if self.healthy else 0.0,
+                # Sizes of the engine's bookkeeping, for memory soaks (benchmarks/soak.py):
+                # per-request structures return to 0 when idle; the prefix cache is bounded
+                # by the KV blocks (README, "Memory").
+                "requests_tracked": float(len(self._streams)),
+                "deadline_entries": float(len(self._deadlines)),
+                "prefix_cache_blocks": float(len(self.blocks.cache)),
             },
         )
 
