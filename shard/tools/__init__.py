@@ -1,0 +1,1 @@
+"""Tools around the product: model download, GGUF conversion, tiny test models."""
