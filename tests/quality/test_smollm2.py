@@ -41,7 +41,7 @@ def greedy(stub: generate_pb2_grpc.TextGenerationStub, prompt: str, new_tokens: 
                 max_new_tokens=new_tokens, details=True, decoder_input_details=True
             ),
         ),
-        timeout=300,
+        timeout=900,
     )
     return [t.id for t in reply.details.prefill], [t.id for t in reply.details.tokens], reply
 
