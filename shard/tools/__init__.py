@@ -1,2 +1,2 @@
-"""Command-line tools around the shard: `tokenwire download` (hub snapshots) and
-`tokenwire make-tiny-model` (tiny random or trained models for tests and demos)."""
+"""Tools around the shard: hub snapshots (`tokenwire download`), GGUF conversion into cached
+snapshots, and tiny random or trained models for tests and demos (`tokenwire make-tiny-model`)."""

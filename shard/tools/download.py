@@ -15,7 +15,14 @@ ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "
 
 
 def resolve_model(model_id: str, revision: str | None = None, cache_dir: str | None = None) -> Path:
-    """The local directory holding model_id's files (config.json, safetensors, tokenizer)."""
+    """The local directory holding model_id's files (config.json, safetensors, tokenizer).
+    A .gguf file, or a local directory of one, resolves to its converted snapshot (shard/tools/gguf.py)."""
+    from shard.tools.cache import cache_dir as tokenwire_cache_dir
+    from shard.tools.gguf import ensure_snapshot, locate_gguf
+
+    gguf = locate_gguf(model_id, None, revision)
+    if gguf is not None:
+        return ensure_snapshot(gguf, tokenwire_cache_dir()).path
     local = Path(model_id).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
@@ -29,6 +36,11 @@ def resolve_model(model_id: str, revision: str | None = None, cache_dir: str | N
         cache_dir=cache_dir,
         allow_patterns=ALLOW_PATTERNS,
     )
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"--model-id {model_id}: the hub snapshot has no config.json (for a repo of GGUF "
+            "files, name one with --gguf-file NAME)"
+        )
     return Path(path)
 
 

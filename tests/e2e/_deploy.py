@@ -62,9 +62,11 @@ def launch(
     env: dict[str, str] | None = None,
     timeout: float = 150.0,
     api_key: str | None = None,
+    default_model: bool = False,
 ) -> Deployment:
-    """Starts `tokenwire launch` (embedded tiny model unless --model-id is in `extra`) and waits
-    for its "ready" line."""
+    """Starts `tokenwire launch` and waits for its "ready" line. Serves the tiny random model
+    from the cache (fast) unless `extra` names a --model-id; `default_model=True` leaves
+    --model-id out, so the embedded default is served."""
     grpc_port, metrics_port = free_port(), free_port()
     http_port = free_port() if http else None
     args = [
@@ -83,10 +85,14 @@ def launch(
         args += ["--http-port", str(http_port), "--http-hostname", "127.0.0.1"]
     if api_key is not None:
         args += ["--api-key", api_key]
-    args += list(extra)
     full_env = dict(os.environ)
     full_env.setdefault("TOKENWIRE_CACHE", str(tmp.parent / "tokenwire-cache"))
     full_env.update(env or {})
+    if not default_model and "--model-id" not in extra and "MODEL_ID" not in full_env:
+        from service.app.launcher import ensure_tiny_model
+
+        args += ["--model-id", str(ensure_tiny_model(Path(full_env["TOKENWIRE_CACHE"])))]
+    args += list(extra)
     log_path = tmp / f"launch-{grpc_port}.log"
     log_file = log_path.open("wb")
     process = subprocess.Popen(args, cwd=REPO, env=full_env, stdout=log_file, stderr=log_file)

@@ -114,13 +114,14 @@ def deployment(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.slow
-def test_embedded_tiny_model_in_cache(deployment: Deployment) -> None:
+def test_tiny_model_in_cache(deployment: Deployment) -> None:
     cache = Path(
         os.environ.get("TOKENWIRE_CACHE") or deployment.log_path.parent.parent / "tokenwire-cache"
     )
-    assert (cache / launcher.TINY_MODEL_NAME / "config.json").is_file()
+    tiny = cache / launcher.TINY_MODEL_NAME
+    assert (tiny / "config.json").is_file()
     status, _, info = http_json(deployment.http_port, "GET", "/info", headers=deployment.headers)
-    assert status == 200 and info["model_id"] == launcher.TINY_MODEL_NAME
+    assert status == 200 and info["model_id"] == str(tiny)
 
 
 @pytest.mark.slow

@@ -1,0 +1,209 @@
+"""Quantization quality on trained weights: SmolLM2-135M-Instruct (the embedded default).
+
+For each variant (bf16 reference, --quantize fp8, bitsandbytes int8, bitsandbytes-nf4,
+--kv-cache-dtype fp8_e4m3fn, plus float32 for context), a shard is built exactly as
+`tokenwire shard` builds it (shard.loader.Shard: the same weight loading and quantization, the
+same warmup, which calibrates fp8 KV scales), and the first N tokens of
+`pydoc_data.topics` (shard/tools/perplexity.py) are run through it as a chunked prefill on one
+sequence: every chunk after the first attends to the K/V of the earlier ones through the paged
+cache, so an fp8 KV cache is read back quantized. From the logits of every position:
+  - perplexity of the text and its change vs bf16 (targets: <= 1.5 % for fp8 weights, int8 and
+    the fp8 KV cache, <= 10 % for nf4);
+  - top-1 agreement: how often the next-token argmax equals bf16's;
+  - mean KL(bf16 || variant) of the next-token distributions, in nats.
+
+On CPU, fp8 weights run weight-only: the stored float8_e4m3fn weight and its per-channel scale
+are dequantized to the activation dtype for the matmul (shard/quantization/fp8.py). That measures
+the error of the fp8 weights themselves; on Hopper, prefill batches go through W8A8
+`_scaled_mm` (activations quantized per token too), whose own error against this path is covered
+by the GPU tests.
+
+Run (from the repo root; converts the default model once into the cache if needed):
+  .venv/bin/python benchmarks/quality.py --out benchmarks/raw/quality-cpu.json
+Prints the markdown table of benchmarks/QUALITY.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shard.distributed import Dist  # noqa: E402
+from shard.domain import WarmupSpec  # noqa: E402
+from shard.loader import Shard, ShardConfig  # noqa: E402
+from shard.model_runner import StepInputs  # noqa: E402
+from shard.tools.perplexity import reference_prefix  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    dtype: str
+    quantize: str | None = None
+    kv_cache_dtype: str = "auto"
+    target_delta_pct: float | None = None  # |Δ perplexity| target vs bf16, percent
+
+    @property
+    def flags(self) -> str:
+        parts = [f"--dtype {self.dtype}"]
+        if self.quantize:
+            parts.append(f"--quantize {self.quantize}")
+        if self.kv_cache_dtype != "auto":
+            parts.append(f"--kv-cache-dtype {self.kv_cache_dtype}")
+        return " ".join(parts)
+
+
+VARIANTS = {
+    "bf16": Variant("bf16", "bfloat16"),
+    "fp32": Variant("fp32", "float32"),
+    "fp8": Variant("fp8 weights", "bfloat16", quantize="fp8", target_delta_pct=1.5),
+    "int8": Variant("int8 (bitsandbytes)", "bfloat16", quantize="bitsandbytes",
+                    target_delta_pct=1.5),
+    "nf4": Variant("nf4 (bitsandbytes-nf4)", "bfloat16", quantize="bitsandbytes-nf4",
+                   target_delta_pct=10.0),
+    "kv-fp8": Variant("fp8 KV cache", "bfloat16", kv_cache_dtype="fp8_e4m3fn",
+                      target_delta_pct=1.5),
+}
+
+
+@dataclass
+class Row:
+    variant: str
+    flags: str
+    perplexity: float
+    delta_pct: float
+    top1_agreement: float
+    mean_kl: float
+    target_delta_pct: float | None
+    seconds: float
+
+
+def next_token_logprobs(model_dir: Path, variant: Variant, ids: list[int], chunk: int,
+                        device: str) -> torch.Tensor:
+    """[len(ids) - 1, vocab] float32 log-softmax of the logits at positions 0 .. T-2."""
+    shard = Shard(
+        ShardConfig(model_id=str(model_dir), dtype=variant.dtype, device=device,
+                    quantize=variant.quantize, kv_cache_dtype=variant.kv_cache_dtype,
+                    kv_cache_memory_mb=1024),
+        Dist(),
+    )
+    total = len(ids)
+    shard.warmup(WarmupSpec(max_input_tokens=chunk, max_total_tokens=total,
+                            max_batch_prefill_tokens=chunk, max_batch_size=1))
+    bs = shard.runner.block_size
+    blocks = list(range(math.ceil(total / bs)))
+    out = []
+    with torch.inference_mode():
+        for start in range(0, total - 1, chunk):
+            stop = min(start + chunk, total - 1)
+            n = stop - start
+            step = StepInputs(
+                token_ids=ids[start:stop], positions=list(range(start, stop)), query_lens=[n],
+                seq_lens=[stop], block_tables=[blocks], logits_indices=list(range(n)),
+            )
+            logits = shard.runner.execute(step).float()  # [n, vocab]
+            out.append(torch.log_softmax(logits, dim=-1).cpu())
+    return torch.cat(out)  # [T-1, vocab]
+
+
+def compare(name: Variant, logprobs: torch.Tensor, reference: torch.Tensor,
+            targets: torch.Tensor, ref_ppl: float, seconds: float) -> Row:
+    nll = -logprobs.gather(1, targets[:, None])[:, 0]  # [T-1]
+    ppl = math.exp(float(nll.mean()))
+    top1 = float((logprobs.argmax(-1) == reference.argmax(-1)).float().mean())
+    # KL(ref || q) = sum_v p_ref (log p_ref - log q), per position, then the mean.
+    kl = float((reference.exp() * (reference - logprobs)).sum(-1).mean())
+    return Row(name.name, name.flags, ppl, 100.0 * (ppl / ref_ppl - 1.0), top1, kl,
+               name.target_delta_pct, seconds)
+
+
+def markdown(rows: list[Row], tokens: int) -> str:
+    lines = [
+        f"| variant | flags | perplexity ({tokens} tokens) | Δ ppl vs bf16 | target | "
+        "top-1 agreement with bf16 | mean KL vs bf16 (nats) |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        target = f"≤ {r.target_delta_pct:g} %" if r.target_delta_pct is not None else ""
+        met = ""
+        if r.target_delta_pct is not None:
+            met = " ✓" if abs(r.delta_pct) <= r.target_delta_pct else " ✗"
+        lines.append(
+            f"| {r.variant} | `{r.flags}` | {r.perplexity:.3f} | {r.delta_pct:+.2f} %{met} | "
+            f"{target} | {100 * r.top1_agreement:.2f} % | {r.mean_kl:.5f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="a snapshot (default: the embedded SmolLM2, converted into the cache)")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens of text to score")
+    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--variants", default="bf16,fp32,fp8,int8,nf4,kv-fp8",
+                        help=f"comma-separated, from {', '.join(VARIANTS)} (bf16 always runs)")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    args = parser.parse_args(argv)
+
+    model_dir = args.model_dir
+    if model_dir is None:
+        from service.launcher import cache_dir, resolve_model
+
+        model_dir = resolve_model(None, None, cache_dir())[1]
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = tokenizer.encode(reference_prefix(tokenizer, args.tokens), add_special_tokens=False).ids
+    targets = torch.tensor(ids[1:])
+    names = ["bf16"] + [v for v in args.variants.split(",") if v and v != "bf16"]
+    rows: list[Row] = []
+    reference: torch.Tensor | None = None
+    ref_ppl = float("nan")
+    for key in names:
+        variant = VARIANTS[key]
+        t0 = time.perf_counter()
+        logprobs = next_token_logprobs(model_dir, variant, ids, args.chunk, args.device)
+        seconds = time.perf_counter() - t0
+        if reference is None:
+            reference = logprobs
+            ref_ppl = math.exp(float(-logprobs.gather(1, targets[:, None]).mean()))
+        row = compare(variant, logprobs, reference, targets, ref_ppl, seconds)
+        rows.append(row)
+        print(f"{variant.name}: ppl {row.perplexity:.4f} ({row.delta_pct:+.2f} %), top-1 "
+              f"{100 * row.top1_agreement:.2f} %, KL {row.mean_kl:.5f} [{seconds:.0f}s]",
+              file=sys.stderr, flush=True)
+    table = markdown(rows, len(ids))
+    print(table)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({
+            "date": datetime.date.today().isoformat(),
+            "machine": f"{platform.machine()} {platform.processor() or ''} "
+                       f"{os.cpu_count()} CPUs".strip(),
+            "torch": torch.__version__,
+            "device": args.device,
+            "model_dir": str(model_dir),
+            "tokens": len(ids),
+            "chunk": args.chunk,
+            "rows": [asdict(r) for r in rows],
+            "table": table,
+        }, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""GGUF models: converted once into a cached safetensors snapshot that shards load like any other.
+
+A `.gguf` file (or a directory / hub repo holding one) goes through transformers' own GGUF support
+(`from_pretrained(dir, gguf_file=name)`, which reads the file with the `gguf` package and
+dequantizes it); the result is written as an ordinary snapshot (config.json,
+generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json, the chat template)
+under CACHE/gguf/<sha256 of the file>, so a second launch, or a shard started after the launcher,
+finds it without converting again. Weights are stored as dequantized (float32): `--dtype` then
+applies to them exactly as to any checkpoint when a shard loads them.
+
+Atomicity: the snapshot is built in CACHE/gguf/.partial-<sha>-<pid> and renamed into place in one
+step; only complete snapshots ever carry the final name, and an interrupted conversion leaves a
+`.partial-*` directory that no launch trusts (it is removed by the next conversion once its
+process is gone).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+GGUF_SUFFIX = ".gguf"
+GGUF_MAGIC = b"GGUF"
+PROVENANCE = "tokenwire-gguf.json"
+# A hash prefix long enough to never collide among one user's files; keeps paths short.
+KEY_CHARS = 32
+
+Log = Callable[[str], None]
+
+
+class GGUFError(Exception):
+    """A GGUF model that cannot be served; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class GGUFSnapshot:
+    """Where a GGUF file's converted snapshot lives."""
+
+    path: Path  # the snapshot directory (config.json, model.safetensors, tokenizer.json, ...)
+    source: Path  # the .gguf file it was made from
+    sha256: str  # of the .gguf file's bytes: the cache key
+    converted: bool  # True when this call did the conversion, False when it reused the cache
+
+
+def _stderr(message: str) -> None:
+    print(f"tokenwire gguf: {message}", file=sys.stderr, flush=True)
+
+
+def supported_model_types() -> list[str]:
+    """model_types tokenwire serves from GGUF: its own model registry's (each of which
+    transformers' GGUF loader also reads; tests/shard/test_gguf.py checks that)."""
+    from shard.models import model_registry
+
+    return sorted(model_registry())
+
+
+def locate_gguf(model_id: str, gguf_file: str | None = None, revision: str | None = None) -> Path | None:
+    """The local .gguf file `model_id` names, or None when it names an ordinary snapshot.
+
+    model_id may be a .gguf file, a local directory (with no config.json) holding .gguf files, or
+    with `gguf_file` a hub repo, whose file is fetched through huggingface_hub (HF cache, honours
+    HF_HUB_OFFLINE). `gguf_file` picks one file where a directory holds several."""
+    local = Path(model_id).expanduser()
+    if local.is_file():
+        if local.suffix != GGUF_SUFFIX:
+            raise GGUFError(f"--model-id {model_id}: a file must be a {GGUF_SUFFIX} model")
+        return local.resolve()
+    if local.is_dir():
+        if gguf_file is not None:
+            chosen = local / gguf_file
+            if not chosen.is_file():
+                raise GGUFError(f"--gguf-file {gguf_file}: no such file in {local}")
+            return chosen.resolve()
+        if (local / "config.json").is_file():
+            return None
+        found = sorted(p.name for p in local.glob(f"*{GGUF_SUFFIX}"))
+        if len(found) > 1:
+            raise GGUFError(
+                f"--model-id {model_id} holds several GGUF files ({', '.join(found)}): pick one "
+                "with --gguf-file NAME"
+            )
+        return (local / found[0]).resolve() if found else None
+    if gguf_file is None:
+        return None
+    from huggingface_hub import hf_hub_download
+
+    return Path(hf_hub_download(repo_id=model_id, filename=gguf_file, revision=revision))
+
+
+def file_sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _check_magic(path: Path) -> None:
+    with path.open("rb") as f:
+        if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+            raise GGUFError(f"{path}: not a GGUF file (no GGUF magic at its start)")
+
+
+def _gguf_architecture(path: Path) -> str:
+    """general.architecture from the file's metadata, through the `gguf` package's reader."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(path)).fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode()
+    except Exception as exc:  # noqa: BLE001 - whatever the reader meets in a damaged file
+        raise GGUFError(f"{path}: unreadable GGUF file (corrupt or truncated?): {exc}") from None
+
+
+def read_config(path: Path):
+    """The transformers config of a GGUF file; GGUFError when tokenwire cannot serve it."""
+    from transformers import AutoConfig
+
+    supported = supported_model_types()
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:  # noqa: BLE001 - sorted out below into one line for the user
+        arch = _gguf_architecture(path)  # raises GGUFError when the file itself is damaged
+        if arch in supported:
+            raise GGUFError(f"{path}: cannot read its {arch} metadata: {exc}") from None
+        raise GGUFError(
+            f"{path}: GGUF architecture {arch!r} is not supported; tokenwire serves GGUF files of "
+            f"{', '.join(supported)}"
+        ) from None
+    if config.model_type not in supported:
+        raise GGUFError(
+            f"{path}: GGUF architecture {config.model_type!r} is not supported; tokenwire serves "
+            f"GGUF files of {', '.join(supported)}"
+        )
+    return config
+
+
+def _remove_stale_partials(root: Path, sha: str) -> None:
+    """Deletes .partial-<sha>-<pid> directories whose converting process is gone."""
+    for partial in root.glob(f".partial-{sha[:KEY_CHARS]}-*"):
+        try:
+            pid = int(partial.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(partial, ignore_errors=True)
+        except (ValueError, PermissionError):
+            continue
+
+
+def convert(path: Path, out: Path, log: Log = _stderr) -> None:
+    """Writes the snapshot of GGUF file `path` into the (existing, empty) directory `out`."""
+    import safetensors.torch
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    started = time.monotonic()
+
+    def step(n: int, what: str) -> None:
+        log(f"[{n}/4] {what} ({time.monotonic() - started:.0f}s)")
+
+    step(1, "reading the model's metadata")
+    config = read_config(path)
+    step(2, "reading the tokenizer and chat template")
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    step(3, "dequantizing the weights")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, **_dequantize_option(path)
+    )
+    step(4, "writing safetensors")
+    # save_pretrained refuses models loaded through the GGUF quantizer, so the tensors are
+    # written here. Tied parameters (embed_tokens / lm_head) share storage: the first name in
+    # module order is kept, as checkpoints with tied embeddings do.
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        storage = tensor.untyped_storage().data_ptr()
+        if storage not in storages:
+            storages.add(storage)
+            tensors[name] = tensor.contiguous()
+    safetensors.torch.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config_dict = model.config.to_diff_dict()
+    config_dict.pop("quantization_config", None)  # the snapshot holds plain float weights
+    for key in ("_name_or_path", "_model_name_or_path"):
+        config_dict.pop(key, None)
+    config_dict["architectures"] = [type(model).__name__]
+    (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    log(f"converted in {time.monotonic() - started:.0f}s")
+
+
+def _dequantize_option(path: Path) -> dict:
+    """Asks transformers for plain float weights even where a GGUF matmul kernel is installed
+    (which would otherwise keep the weights packed and unsaveable). Older transformers releases
+    have no GgufConfig and always dequantize."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(gguf_file=path.name, dequantize=True)}
+
+
+def ensure_snapshot(path: Path, cache: Path, log: Log = _stderr) -> GGUFSnapshot:
+    """The cached snapshot of GGUF file `path`, converting it first when the cache has none."""
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such GGUF file")
+    _check_magic(path)
+    sha = file_sha256(path)
+    root = cache / "gguf"
+    target = root / sha[:KEY_CHARS]
+    if (target / PROVENANCE).is_file():
+        return GGUFSnapshot(target, path, sha, converted=False)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(root, sha)
+    size_mb = path.stat().st_size / 2**20
+    log(f"converting {path.name} ({size_mb:.0f} MB) once into {target}")
+    staging = root / f".partial-{sha[:KEY_CHARS]}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        convert(path, staging, log)
+        provenance = {"source": path.name, "sha256": sha, "size_bytes": path.stat().st_size}
+        # Written last: a snapshot without it is incomplete (belt and braces with the rename).
+        (staging / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+        try:
+            staging.rename(target)
+        except OSError:  # another launch converted the same file first: theirs is as good
+            if not (target / PROVENANCE).is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return GGUFSnapshot(target, path, sha, converted=True)

