@@ -69,8 +69,8 @@ class AttentionBackend(Protocol):
       batch size alone, so they can be captured in CUDA graphs (shard/runner/cuda_graphs.py);
     - fuse_rotary_into_decode: decode-only steps should take rotate_write_and_attend_decode
       (one kernel) rather than rotate_and_write_kv + attend; benchmarks switch it off to compare.
-    Every backend implements every method; the fused ones compose the plain ones where a backend
-    has no kernel for them, with the same results.
+    Backends subclass this protocol: the fused methods' default bodies compose the plain ones,
+    and a backend with a kernel for them overrides them, with the same results.
     """
 
     name: str
@@ -99,35 +99,30 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
+    # The fused steps below default to composing write_kv and attend (what a backend without a
+    # kernel for them does); backends with one override them, with the same results. Shapes:
+    # positions [n] int64; query [n, num_heads, head_dim] and key / value [n, num_kv_heads,
+    # head_dim], not yet rotated; caches [num_blocks, block_size, num_kv_heads, head_dim].
     def rotate_and_write_kv(
-        self,
-        rotary: Rotary,
-        positions: torch.Tensor,  # [num_tokens] int64
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim], not yet rotated
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], not yet rotated
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,  # [num_tokens] int64
-        kv_scales: KvScales | None = None,
-    ) -> torch.Tensor:  # the rotated query [num_tokens, num_heads, head_dim]
-        """rotary(q, k), then write_kv(k, v); the cache holds exactly what the two steps store."""
-        ...
+        self, rotary: Rotary, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+        value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, kv_scales: KvScales | None = None,
+    ) -> torch.Tensor:
+        """rotary(q, k), then write_kv(k, v) at slot_mapping [n]; returns the rotated query."""
+        query, key = rotary(positions, query, key)
+        self.write_kv(key, value, key_cache, value_cache, slot_mapping, kv_scales)
+        return query
 
     def rotate_write_and_attend_decode(
-        self,
-        rotary: Rotary,
-        positions: torch.Tensor,  # [num_seqs] int64
-        query: torch.Tensor,  # [num_seqs, num_heads, head_dim], not yet rotated
-        key: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim], not yet rotated
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,  # decode-only: one new token per sequence
-        scale: float,
-        sliding_window: int | None,
+        self, rotary: Rotary, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+        value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float, sliding_window: int | None,
         kv_scales: KvScales | None = None,
-    ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-        """rotate_and_write_kv, then attend, for a decode-only step (the caller checks
-        meta.is_decode_only and one token per sequence)."""
-        ...
+    ) -> torch.Tensor:
+        """rotate_and_write_kv, then attend, for a decode-only step (one new token per
+        sequence: the caller checks meta.is_decode_only); returns [n, num_heads, head_dim]."""
+        query = self.rotate_and_write_kv(
+            rotary, positions, query, key, value, key_cache, value_cache, meta.slot_mapping,
+            kv_scales,
+        )
+        return self.attend(query, key_cache, value_cache, meta, scale, sliding_window, kv_scales)

@@ -19,7 +19,7 @@ import importlib.util
 
 import torch
 
-from shard.attention.base import AttentionMetadata, Rotary
+from shard.attention.base import AttentionBackend, AttentionMetadata, Rotary
 from shard.quantization.kv_cache import KvScales
 
 
@@ -43,7 +43,7 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-class CudaAttentionBackend:
+class CudaAttentionBackend(AttentionBackend):
     """AttentionBackend for CUDA devices (see shard/attention/base.py for the contract)."""
 
     def __init__(self, device: torch.device | str = "cuda", use_flash_attn: bool | None = None):
@@ -76,17 +76,10 @@ class CudaAttentionBackend:
         self._decode.store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
     def rotate_and_write_kv(
-        self,
-        rotary: Rotary,
-        positions: torch.Tensor,  # [num_tokens] int64
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], not yet rotated
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,  # [num_tokens] int64
-        kv_scales: KvScales | None = None,
-    ) -> torch.Tensor:
+        self, rotary: Rotary, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+        value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, kv_scales: KvScales | None = None,
+    ) -> torch.Tensor:  # shapes: see AttentionBackend
         """rotary(q, k), then write_kv(k, v), as one kernel; returns the rotated query
         [num_tokens, num_heads, head_dim]. The cache holds exactly what the two steps store."""
         from shard.kernels.elementwise import rotary_store_kv
@@ -99,19 +92,11 @@ class CudaAttentionBackend:
                                value_cache, slot_mapping, k_scale, v_scale, fp8_max)
 
     def rotate_write_and_attend_decode(
-        self,
-        rotary: Rotary,
-        positions: torch.Tensor,  # [num_seqs] int64
-        query: torch.Tensor,  # [num_seqs, num_heads, head_dim], not yet rotated
-        key: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim], not yet rotated
-        value: torch.Tensor,
-        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,  # decode-only: one new token per sequence
-        scale: float,
-        sliding_window: int | None,
+        self, rotary: Rotary, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+        value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float, sliding_window: int | None,
         kv_scales: KvScales | None = None,  # fp8 caches: stored = x / scale per KV head
-    ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]; shapes: see AttentionBackend
         """rotate_and_write_kv then attend for a decode-only step (the caller checks
         meta.is_decode_only and one token per sequence), in one kernel plus the split merge:
         the same output and cache contents, bit for bit."""

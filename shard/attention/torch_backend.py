@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shard.attention.base import AttentionMetadata, Rotary
+from shard.attention.base import AttentionBackend, AttentionMetadata
 from shard.quantization.kv_cache import KvScales, dequantize_kv, is_fp8_cache, write_kv
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(AttentionBackend):
     """AttentionBackend in plain torch (see shard/attention/base.py for the contract)."""
 
     name = "torch"
@@ -82,37 +82,3 @@ class TorchAttentionBackend:
             out[start : start + q_len] = o.transpose(0, 1)
             start += q_len
         return out
-
-    def rotate_and_write_kv(
-        self,
-        rotary: Rotary,
-        positions: torch.Tensor,  # [num_tokens] int64
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,  # [num_tokens] int64
-        kv_scales: KvScales | None = None,
-    ) -> torch.Tensor:  # the rotated query
-        query, key = rotary(positions, query, key)
-        self.write_kv(key, value, key_cache, value_cache, slot_mapping, kv_scales)
-        return query
-
-    def rotate_write_and_attend_decode(
-        self,
-        rotary: Rotary,
-        positions: torch.Tensor,  # [num_seqs] int64
-        query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-        kv_scales: KvScales | None = None,
-    ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-        query = self.rotate_and_write_kv(rotary, positions, query, key, value, key_cache,
-                                         value_cache, meta.slot_mapping, kv_scales)
-        return self.attend(query, key_cache, value_cache, meta, scale, sliding_window, kv_scales)
