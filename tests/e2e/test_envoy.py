@@ -28,6 +28,7 @@ from tokenwire.v1 import generate_pb2_grpc as pb_grpc
 
 from service.gateway import Gateway, GatewaySettings
 from tests.helpers.metrics import scrape
+from tests.helpers.proto_json import to_json
 from tests.helpers.tools import require
 from tests.helpers.waiting import wait_until
 
@@ -48,13 +49,6 @@ def deployment(tmp_path_factory: pytest.TempPathFactory):
     yield dep
     code = dep.stop()
     assert code == 0, dep.log()
-
-
-def to_dict(message) -> dict:
-    # The options of the Envoy transcoder: proto field names, primitives always printed.
-    return json_format.MessageToDict(
-        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
 
 
 def assert_json_close(a: object, b: object, path: str = "") -> None:
@@ -107,7 +101,7 @@ def test_rest_generate_equals_grpc(deployment: Deployment) -> None:
         reply = pb_grpc.TextGenerationStub(channel).Generate(
             json_format.ParseDict(GREEDY, pb.GenerateRequest()), timeout=60
         )
-    assert_json_close(body, to_dict(reply))
+    assert_json_close(body, to_json(reply))
     details = body["details"]
     tokens = details["tokens"]
     assert all(set(t) == {"id", "text", "logprob", "special"} for t in tokens)
@@ -128,7 +122,7 @@ def test_sse_equals_grpc_stream(deployment: Deployment) -> None:
         stream = pb_grpc.TextGenerationStub(channel).GenerateStream(
             json_format.ParseDict(body, pb.GenerateRequest()), timeout=60
         )
-        expected = [to_dict(m) for m in stream]
+        expected = [to_json(m) for m in stream]
     assert len(events) == len(expected) > 1
     for (_, got), want in zip(events, expected):
         assert_json_close(got, want)
