@@ -12,22 +12,16 @@ from pathlib import Path
 
 import grpc
 import pytest
-from _deploy import (
-    REPO,
-    Deployment,
-    expect_error_status,
-    free_port,
-    http_json,
-    launch,
-    sse_events,
-)
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenwire.v1 import generate_pb2 as pb
 from tokenwire.v1 import generate_pb2_grpc as pb_grpc
 
 from service.gateway import Gateway, GatewaySettings
+from tests.helpers.http_api import expect_error_status, http_json, sse_events
 from tests.helpers.metrics import scrape
+from tests.helpers.ports import free_port
+from tests.helpers.processes import REPO, Deployment, launch
 from tests.helpers.proto_json import to_json
 from tests.helpers.tools import require
 from tests.helpers.waiting import wait_until
@@ -97,7 +91,7 @@ def test_rest_generate_equals_grpc(deployment: Deployment) -> None:
     status, headers, body = http_json(deployment.http_port, "POST", "/generate", GREEDY)
     assert status == 200, body
     assert headers["content-type"] == "application/json"
-    with grpc.insecure_channel(deployment.grpc_target) as channel:
+    with grpc.insecure_channel(deployment.target) as channel:
         reply = pb_grpc.TextGenerationStub(channel).Generate(
             json_format.ParseDict(GREEDY, pb.GenerateRequest()), timeout=60
         )
@@ -118,7 +112,7 @@ def test_rest_generate_equals_grpc(deployment: Deployment) -> None:
 def test_sse_equals_grpc_stream(deployment: Deployment) -> None:
     body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 24, "details": True}}
     events = list(sse_events(deployment.http_port, body))
-    with grpc.insecure_channel(deployment.grpc_target) as channel:
+    with grpc.insecure_channel(deployment.target) as channel:
         stream = pb_grpc.TextGenerationStub(channel).GenerateStream(
             json_format.ParseDict(body, pb.GenerateRequest()), timeout=60
         )
@@ -267,7 +261,7 @@ def test_disconnect_mid_sse_frees_kv_blocks(deployment: Deployment) -> None:
 def test_grpc_clients_through_envoy(deployment: Deployment) -> None:
     request = json_format.ParseDict(GREEDY, pb.GenerateRequest())
     with (
-        grpc.insecure_channel(deployment.grpc_target) as direct,
+        grpc.insecure_channel(deployment.target) as direct,
         grpc.insecure_channel(deployment.envoy_target) as via_envoy,
     ):
         want = pb_grpc.TextGenerationStub(direct).Generate(request, timeout=60)

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e._deploy import Deployment
-from tests.helpers.processes import run_checked
+from tests.helpers.processes import Deployment, run_checked
 from tests.helpers.raw_grpc import RawClient
 
 pytestmark = pytest.mark.slow
@@ -121,7 +120,7 @@ def run(
     """python_cases.py's report, run in the fresh venv from an empty folder so that nothing of
     this repository is importable: "outcomes" (None: passed; else the traceback) and
     "observed" (what the SDK returned and what the README examples printed)."""
-    target = live_server.grpc_target if request.param == "direct" else live_server.envoy_target
+    target = live_server.target if request.param == "direct" else live_server.envoy_target
     work = tmp_path_factory.mktemp(f"sdk-py-{request.param}")
     out = work / "results.json"
     run_checked(
@@ -145,7 +144,7 @@ def observed(run: dict[str, dict[str, object]]) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def raw(live_server: Deployment) -> RawClient:
-    return RawClient(live_server.grpc_target)
+    return RawClient(live_server.target)
 
 
 @pytest.mark.parametrize("case", CASES)

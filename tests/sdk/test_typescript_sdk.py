@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e._deploy import Deployment
-from tests.helpers.processes import run_checked
+from tests.helpers.processes import Deployment, run_checked
 from tests.helpers.raw_grpc import RawClient
 from tests.helpers.tools import needs
 
@@ -67,7 +66,7 @@ PROMPT = "The quick brown fox"  # sdk.test.mjs's PROMPT
 def expected(live_server: Deployment) -> dict[str, object]:
     """Raw gRPC answers (no SDK) to the requests of sdk.test.mjs and the README examples, which
     the node tests compare with what the SDK returns and what the examples print."""
-    raw = RawClient(live_server.grpc_target)
+    raw = RawClient(live_server.target)
     france = raw.generate("The capital of France is", max_new_tokens=8, details=True)
     info = raw.info()
     return {
@@ -88,7 +87,7 @@ def expected(live_server: Deployment) -> dict[str, object]:
 def test_node_cases(
     project: Path, live_server: Deployment, expected: dict[str, object], route: str
 ) -> None:
-    target = live_server.grpc_target if route == "direct" else live_server.envoy_target
+    target = live_server.target if route == "direct" else live_server.envoy_target
     env = {
         **os.environ,
         "TOKENWIRE_URL": f"http://{target}",
