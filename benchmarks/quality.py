@@ -40,10 +40,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shard.distributed import Dist  # noqa: E402
-from shard.domain import WarmupSpec  # noqa: E402
-from shard.loader import Shard, ShardConfig  # noqa: E402
-from shard.model_runner import StepInputs  # noqa: E402
+from shard.distributed.groups import Dist  # noqa: E402
+from shard.runner.warmup import WarmupSpec  # noqa: E402
+from shard.server.loader import Shard, ShardConfig  # noqa: E402
+from shard.runner.model_runner import StepInputs  # noqa: E402
 from shard.tools.perplexity import reference_prefix  # noqa: E402
 
 

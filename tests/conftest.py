@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.models import write_tiny_model, write_tokenizer_dir
+from tests.helpers.models import tiny_model, write_tokenizer_dir
 from tests.helpers.ports import free_port
 from tests.helpers.tools import check_needs_tool
 
@@ -30,7 +30,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight llama model laid out like a hub snapshot (built once per session)."""
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+    return tiny_model(tmp_path_factory, "llama")
 
 
 @pytest.fixture

@@ -7,14 +7,7 @@ import json
 from google.protobuf import json_format
 from tokenwire.v1 import generate_pb2 as pb
 
-
-def to_json(message) -> dict:
-    # The same options as Envoy's transcoder: proto field names, primitives always printed.
-    return json.loads(
-        json_format.MessageToJson(
-            message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-        )
-    )
+from tests.helpers.proto_json import to_json
 
 
 def round_trip(message):
@@ -54,7 +47,10 @@ def test_response_json_uses_tgi_names() -> None:
             finish_reason="eos_token",
             generated_tokens=1,
             seed=7,
-            prefill=[pb.PrefillToken(id=1, text="<s>"), pb.PrefillToken(id=5, text="Hi", logprob=-1.5)],
+            prefill=[
+                pb.PrefillToken(id=1, text="<s>"),
+                pb.PrefillToken(id=5, text="Hi", logprob=-1.5),
+            ],
             tokens=[pb.Token(id=9, text=" world", logprob=-0.25, special=False)],
             top_tokens=[pb.TopTokens(tokens=[pb.Token(id=9, text=" world", logprob=-0.25)])],
         ),
@@ -92,11 +88,26 @@ def test_in_band_error_event() -> None:
 
 
 def test_info_json_fields_match_tgi() -> None:
-    info = pb.InfoResponse(model_id="tiny", model_dtype="float32", model_device_type="cpu",
-                           max_input_tokens=512, max_total_tokens=1024, version="0.1.0",
-                           router="tokenwire-router")
+    info = pb.InfoResponse(
+        model_id="tiny",
+        model_dtype="float32",
+        model_device_type="cpu",
+        max_input_tokens=512,
+        max_total_tokens=1024,
+        version="0.1.0",
+        router="tokenwire-router",
+    )
     data = round_trip(info)
-    for name in ("model_id", "model_dtype", "model_device_type", "max_concurrent_requests",
-                 "max_best_of", "max_stop_sequences", "max_input_tokens", "max_total_tokens",
-                 "max_client_batch_size", "version"):
+    for name in (
+        "model_id",
+        "model_dtype",
+        "model_device_type",
+        "max_concurrent_requests",
+        "max_best_of",
+        "max_stop_sequences",
+        "max_input_tokens",
+        "max_total_tokens",
+        "max_client_batch_size",
+        "version",
+    ):
         assert name in data, name

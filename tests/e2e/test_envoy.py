@@ -12,22 +12,17 @@ from pathlib import Path
 
 import grpc
 import pytest
-from _deploy import (
-    REPO,
-    Deployment,
-    expect_error_status,
-    free_port,
-    http_json,
-    launch,
-    sse_events,
-)
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenwire.v1 import generate_pb2 as pb
 from tokenwire.v1 import generate_pb2_grpc as pb_grpc
 
 from service.app.gateway import Gateway, GatewaySettings
+from tests.helpers.http_api import expect_error_status, http_json, sse_events
 from tests.helpers.metrics import scrape
+from tests.helpers.ports import free_port
+from tests.helpers.processes import REPO, Deployment, launch
+from tests.helpers.proto_json import to_json
 from tests.helpers.tools import require
 from tests.helpers.waiting import wait_until
 
@@ -48,13 +43,6 @@ def deployment(tmp_path_factory: pytest.TempPathFactory):
     yield dep
     code = dep.stop()
     assert code == 0, dep.log()
-
-
-def to_dict(message) -> dict:
-    # The options of the Envoy transcoder: proto field names, primitives always printed.
-    return json_format.MessageToDict(
-        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
 
 
 def assert_json_close(a: object, b: object, path: str = "") -> None:
@@ -103,11 +91,11 @@ def test_rest_generate_equals_grpc(deployment: Deployment) -> None:
     status, headers, body = http_json(deployment.http_port, "POST", "/generate", GREEDY)
     assert status == 200, body
     assert headers["content-type"] == "application/json"
-    with grpc.insecure_channel(deployment.grpc_target) as channel:
+    with grpc.insecure_channel(deployment.target) as channel:
         reply = pb_grpc.TextGenerationStub(channel).Generate(
             json_format.ParseDict(GREEDY, pb.GenerateRequest()), timeout=60
         )
-    assert_json_close(body, to_dict(reply))
+    assert_json_close(body, to_json(reply))
     details = body["details"]
     tokens = details["tokens"]
     assert all(set(t) == {"id", "text", "logprob", "special"} for t in tokens)
@@ -124,11 +112,11 @@ def test_rest_generate_equals_grpc(deployment: Deployment) -> None:
 def test_sse_equals_grpc_stream(deployment: Deployment) -> None:
     body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 24, "details": True}}
     events = list(sse_events(deployment.http_port, body))
-    with grpc.insecure_channel(deployment.grpc_target) as channel:
+    with grpc.insecure_channel(deployment.target) as channel:
         stream = pb_grpc.TextGenerationStub(channel).GenerateStream(
             json_format.ParseDict(body, pb.GenerateRequest()), timeout=60
         )
-        expected = [to_dict(m) for m in stream]
+        expected = [to_json(m) for m in stream]
     assert len(events) == len(expected) > 1
     for (_, got), want in zip(events, expected):
         assert_json_close(got, want)
@@ -273,7 +261,7 @@ def test_disconnect_mid_sse_frees_kv_blocks(deployment: Deployment) -> None:
 def test_grpc_clients_through_envoy(deployment: Deployment) -> None:
     request = json_format.ParseDict(GREEDY, pb.GenerateRequest())
     with (
-        grpc.insecure_channel(deployment.grpc_target) as direct,
+        grpc.insecure_channel(deployment.target) as direct,
         grpc.insecure_channel(deployment.envoy_target) as via_envoy,
     ):
         want = pb_grpc.TextGenerationStub(direct).Generate(request, timeout=60)

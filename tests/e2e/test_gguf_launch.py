@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from _deploy import REPO, launch
+from tests.helpers.processes import REPO, launch
 from tokenwire.v1 import generate_pb2 as pb
 from tokenwire.v1 import generate_pb2_grpc as pb_grpc
 
@@ -40,7 +40,7 @@ def test_gguf_file_is_served_and_converted_once(tmp_path: Path) -> None:
     for attempt in range(2):
         dep = launch(tmp_path, "--model-id", str(gguf), http=False, env=env)
         try:
-            replies.append(generate(dep.grpc_target, "Testing API: generate text"))
+            replies.append(generate(dep.target, "Testing API: generate text"))
         finally:
             assert dep.stop() == 0, dep.log()
         log = dep.log()

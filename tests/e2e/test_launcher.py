@@ -9,15 +9,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-from _deploy import Deployment, expect_error_status, http_json, launch, sse_events
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenwire.v1 import generate_pb2 as pb
 from tokenwire.v1 import generate_pb2_grpc as pb_grpc
 
 from service.app import launcher
 from service.app.cli import build_parser
+from tests.helpers.http_api import expect_error_status, http_json, sse_events
 from tests.helpers.metrics import scrape
-from tests.helpers.processes import health_status
+from tests.helpers.processes import Deployment, health_status, launch
 from tests.helpers.waiting import wait_until
 
 API_KEY = "s3cret"
@@ -116,7 +116,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.slow
 def test_tiny_model_in_cache(deployment: Deployment) -> None:
     cache = Path(
-        os.environ.get("TOKENWIRE_CACHE") or deployment.log_path.parent.parent / "tokenwire-cache"
+        os.environ.get("TOKENWIRE_CACHE")
+        or deployment.main.log_path.parent.parent / "tokenwire-cache"
     )
     tiny = cache / launcher.TINY_MODEL_NAME
     assert (tiny / "config.json").is_file()
@@ -163,18 +164,16 @@ def test_sigterm_drains_in_flight_streams(deployment: Deployment) -> None:
         inputs="Once upon a time",
         parameters=pb.GenerateParameters(max_new_tokens=max_new, details=True),
     )
-    with grpc.insecure_channel(deployment.grpc_target) as channel:
+    with grpc.insecure_channel(deployment.target) as channel:
         stream = pb_grpc.TextGenerationStub(channel).GenerateStream(
             request, metadata=[("authorization", f"Bearer {API_KEY}")], timeout=120
         )
         events = [next(stream)]
-        deployment.process.send_signal(signal.SIGTERM)
+        deployment.main.send_signal(signal.SIGTERM)
         # The router took the signal (health went NOT_SERVING) while the stream was still being
         # generated: the engine holds it as running.
         wait_until(
-            lambda: (
-                health_status(deployment.grpc_target) == health_pb2.HealthCheckResponse.NOT_SERVING
-            ),
+            lambda: health_status(deployment.target) == health_pb2.HealthCheckResponse.NOT_SERVING,
             timeout=10,
             interval=0.02,
             what="router NOT_SERVING after SIGTERM",
@@ -185,7 +184,7 @@ def test_sigterm_drains_in_flight_streams(deployment: Deployment) -> None:
     last = events[-1]
     assert last.HasField("generated_text") and not last.HasField("error"), last
     assert last.details.finish_reason == "length" and len(events) == max_new
-    assert deployment.process.wait(60) == 0, deployment.log()
+    assert deployment.main.wait(60) == 0, deployment.log()
     assert "draining" in deployment.log()
 
 
@@ -210,7 +209,7 @@ def test_killed_shard_tears_everything_down(tmp_path: Path) -> None:
     # Two tensor-parallel shards (gloo on CPU); rank 1 dies.
     dep = launch(tmp_path, "--num-shard", "2")
     try:
-        children = _children(dep.process.pid)
+        children = _children(dep.main.pid)
         assert sum(" shard " in cmd for _, cmd in children) == 2, children
         shard = next(pid for pid, cmd in children if " shard " in cmd and "--rank 1" in cmd)
         body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 1000}}
@@ -221,9 +220,10 @@ def test_killed_shard_tears_everything_down(tmp_path: Path) -> None:
                 os.kill(shard, signal.SIGKILL)
         # The SSE client learns in band that the stream failed.
         assert events[-1].get("error_type") in ("unavailable", "generation"), events[-1]
-        code = dep.process.wait(30)
+        code = dep.main.wait(30)
         assert code != 0
         assert "shard 1 exited with code -9" in dep.log(), dep.log()
+
         def gone(pid: int) -> bool:
             status = Path(f"/proc/{pid}/status")
             try:

@@ -73,9 +73,9 @@ def _greedy(runner, prompts: list[list[int]], steps: int, graphs=None, forced=No
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> Path:
-    from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
+    from tests.helpers.models import tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("gpu") / "llama", TinyModelSpec(arch="llama"))
+    return tiny_model(tmp_path_factory, "llama")
 
 
 PROMPTS = [[1, 5, 9, 33, 200, 7], [3] * 40, list(range(10, 90)), [42]]
@@ -250,11 +250,9 @@ def test_tiny_fp8_kv_cache_cuda_matches_cpu_path(tiny_llama):
 @pytest.fixture(scope="module")
 def trained_llama(tmp_path_factory) -> Path:
     """Tiny llama trained on the progression task (CPU, ~5 s): confident greedy choices."""
-    from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
-    from shard.tools.tiny_training import RECOMMENDED_STEPS
+    from tests.helpers.models import trained_tiny_model
 
-    spec = TinyModelSpec(arch="llama", train_steps=RECOMMENDED_STEPS)
-    return make_tiny_model(tmp_path_factory.mktemp("gpu") / "trained-llama", spec)
+    return trained_tiny_model(tmp_path_factory, "llama")
 
 
 def test_trained_tiny_fp8_kv_cache_cuda_greedy_32_tokens(trained_llama):

@@ -26,6 +26,7 @@ from tests.helpers.tools import needs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+
 def _unavailable_reason() -> str:
     if importlib.util.find_spec("triton") is None:
         return "triton not installed (a dev dependency: pip install -e '.[dev]')"

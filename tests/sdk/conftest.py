@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e._deploy import Deployment, launch
+from tests.helpers.processes import Deployment, launch
 
 
 @pytest.fixture(scope="session")

@@ -2,14 +2,19 @@
 fresh virtualenv that holds only the `tokenwire-client` wheel and its dependencies (so: stdlib and
 the SDK only here, no pytest).
 
-    python python_cases.py TARGET README.md OUT.json  ->  OUT.json: {case: null | "failure text"}
+    python python_cases.py TARGET README.md OUT.json
+    ->  OUT.json: {"outcomes": {case: null | "failure text"}, "observed": {name: value}}
 
-Also runs every ```python block of the SDK's README, with "localhost:50051" replaced by TARGET.
+Also runs every ```python block of the SDK's README, with "localhost:50051" replaced by TARGET,
+and records what each printed. "observed" holds what the SDK returned for greedy requests and
+the README's printed output; the pytest side compares them with raw gRPC calls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import re
 import sys
@@ -20,6 +25,17 @@ from collections.abc import Awaitable, Callable
 import tokenwire_client as tw
 
 PROMPT = "The quick brown fox"
+# What the SDK returned, for tests/sdk/test_python_sdk.py to compare with raw gRPC calls.
+OBSERVED: dict[str, object] = {}
+
+
+def greedy_result(response: tw.GenerateResponse) -> dict[str, object]:
+    assert response.details is not None
+    return {
+        "text": response.generated_text,
+        "ids": [t.id for t in response.details.tokens],
+        "finish_reason": response.details.finish_reason,
+    }
 
 
 def check(condition: bool, what: str) -> None:
@@ -34,6 +50,7 @@ def sync_generate(target: str) -> None:
     with tw.Client(target, timeout=60) as client:
         response = client.generate(PROMPT, max_new_tokens=5, details=True, temperature=0)
     check(isinstance(response, tw.GenerateResponse), f"type {type(response)}")
+    OBSERVED["sync_generate"] = greedy_result(response)
     check(isinstance(response.generated_text, str), "generated_text is a str")
     check(response.details is not None, "details present")
     check(response.details.generated_tokens == len(response.details.tokens), "token count")
@@ -56,6 +73,11 @@ def sync_stream_cancel(target: str) -> None:
         # A full stream on the same client still works after the cancel.
         full = list(client.generate_stream(PROMPT, max_new_tokens=3, temperature=0))
         check(full[-1].generated_text is not None, "last event carries generated_text")
+        OBSERVED["sync_stream"] = {
+            "text": full[-1].generated_text,
+            "ids": [e.token.id for e in full],
+            "finish_reason": full[-1].details.finish_reason if full[-1].details else None,
+        }
 
 
 def sync_validation_error(target: str) -> None:
@@ -123,6 +145,8 @@ async def async_generate(target: str) -> None:
             client.generate(PROMPT, max_new_tokens=2), client.generate(PROMPT, max_new_tokens=3)
         )
     check(isinstance(response, tw.GenerateResponse), f"type {type(response)}")
+    OBSERVED["async_generate"] = greedy_result(response)
+    OBSERVED["async_concurrent_texts"] = [r.generated_text for r in both]
     check(response.details is not None, "details present")
     check(1 <= response.details.generated_tokens <= 5, f"{response.details.generated_tokens}")
     check(all(isinstance(r.generated_text, str) for r in both), "concurrent calls answered")
@@ -251,11 +275,14 @@ def main() -> None:
         blocks = readme_blocks(readme.read())
     for i, block in enumerate(blocks):
         code = block.replace("localhost:50051", target)
-        results[f"readme_example_{i}"] = _outcome(
-            lambda code=code, i=i: exec(compile(code, f"README[{i}]", "exec"), {})  # noqa: S102
-        )
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            results[f"readme_example_{i}"] = _outcome(
+                lambda code=code, i=i: exec(compile(code, f"README[{i}]", "exec"), {})  # noqa: S102
+            )
+        OBSERVED[f"readme_example_{i}"] = printed.getvalue()
     with open(out_path, "w", encoding="utf-8") as out:
-        json.dump(results, out)
+        json.dump({"outcomes": results, "observed": OBSERVED}, out)
 
 
 if __name__ == "__main__":

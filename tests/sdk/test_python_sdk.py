@@ -14,14 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e._deploy import Deployment
-from tests.helpers.processes import run_checked
+from tests.helpers.processes import Deployment, run_checked
+from tests.helpers.raw_grpc import RawClient
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 SDK = REPO / "clients" / "python"
 CASES_SCRIPT = Path(__file__).with_name("python_cases.py")
+PROMPT = "The quick brown fox"  # python_cases.PROMPT (that script runs in the SDK's venv)
 
 # The cases python_cases.py runs (it reports each by name); README examples come on top.
 CASES = [
@@ -110,15 +111,16 @@ def test_sdk_versions_match_the_server() -> None:
 
 
 @pytest.fixture(scope="module", params=["direct", "envoy"])
-def results(
+def run(
     request: pytest.FixtureRequest,
     venv_python: Path,
     live_server: Deployment,
     tmp_path_factory: pytest.TempPathFactory,
-) -> dict[str, str | None]:
-    """Outcome of every case (None: passed; else the traceback), run in the fresh venv from an
-    empty folder so that nothing of this repository is importable."""
-    target = live_server.grpc_target if request.param == "direct" else live_server.envoy_target
+) -> dict[str, dict[str, object]]:
+    """python_cases.py's report, run in the fresh venv from an empty folder so that nothing of
+    this repository is importable: "outcomes" (None: passed; else the traceback) and
+    "observed" (what the SDK returned and what the README examples printed)."""
+    target = live_server.target if request.param == "direct" else live_server.envoy_target
     work = tmp_path_factory.mktemp(f"sdk-py-{request.param}")
     out = work / "results.json"
     run_checked(
@@ -128,6 +130,21 @@ def results(
         timeout=240,
     )
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(run: dict[str, dict[str, object]]) -> dict[str, str | None]:
+    return run["outcomes"]  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def observed(run: dict[str, dict[str, object]]) -> dict[str, object]:
+    return run["observed"]
+
+
+@pytest.fixture(scope="module")
+def raw(live_server: Deployment) -> RawClient:
+    return RawClient(live_server.target)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -141,6 +158,36 @@ def test_readme_examples(results: dict[str, str | None]) -> None:
     assert len(examples) >= 4
     failed = {name: outcome for name, outcome in examples.items() if outcome is not None}
     assert not failed, "\n".join(f"{name}:\n{outcome}" for name, outcome in failed.items())
+
+
+def test_sdk_results_equal_raw_grpc(observed: dict[str, object], raw: RawClient) -> None:
+    """The SDK's greedy results are the server's: text, token ids and finish reason equal a raw
+    gRPC call's (generated stubs, no SDK) for the same request."""
+    greedy = {"max_new_tokens": 5, "details": True, "temperature": 0.0}
+    assert observed["sync_generate"] == raw.generate(PROMPT, **greedy)
+    assert observed["async_generate"] == raw.generate(PROMPT, **greedy)
+    assert observed["async_concurrent_texts"] == [
+        raw.generate(PROMPT, max_new_tokens=n)["text"] for n in (2, 3)
+    ]
+    assert observed["sync_stream"] == raw.stream(PROMPT, max_new_tokens=3, temperature=0.0)
+
+
+def test_readme_examples_print_what_the_server_answers(
+    observed: dict[str, object], raw: RawClient
+) -> None:
+    """Each README example's printed output, from the same requests made over raw gRPC."""
+    first = raw.generate("The capital of France is", max_new_tokens=8, details=True)
+    assert observed["readme_example_0"] == (
+        f"{first['text']}\n{first['finish_reason']} {first['ids']}\n"
+    )
+    # The stream example prints token texts as they come and cancels after index 3.
+    texts = raw.token_texts("Once upon a time", max_new_tokens=64)
+    assert observed["readme_example_1"] == "".join(texts[:4])
+    info = raw.info()
+    hello = raw.generate("Hello", max_new_tokens=4)["text"]
+    assert observed["readme_example_2"] == (f"{info.model_id} {info.max_total_tokens}\n{hello}\n")
+    rejected = raw.validation_message("Hi", top_p=1.5)
+    assert observed["readme_example_3"] == f"rejected: {rejected}\ntoo slow\nhealthy: True\n"
 
 
 def test_sdk_unit_tests_pass_in_the_fresh_venv(venv_python: Path, tmp_path: Path) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e._deploy import Deployment
-from tests.helpers.processes import run_checked
+from tests.helpers.processes import Deployment, run_checked
+from tests.helpers.raw_grpc import RawClient
 from tests.helpers.tools import needs
 
 pytestmark = [
@@ -59,10 +59,40 @@ def project(tarball: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return project
 
 
+PROMPT = "The quick brown fox"  # sdk.test.mjs's PROMPT
+
+
+@pytest.fixture(scope="module")
+def expected(live_server: Deployment) -> dict[str, object]:
+    """Raw gRPC answers (no SDK) to the requests of sdk.test.mjs and the README examples, which
+    the node tests compare with what the SDK returns and what the examples print."""
+    raw = RawClient(live_server.target)
+    france = raw.generate("The capital of France is", max_new_tokens=8, details=True)
+    info = raw.info()
+    return {
+        "generate": raw.generate(PROMPT, max_new_tokens=5, details=True, temperature=0.0),
+        "stream3": raw.stream(PROMPT, max_new_tokens=3, temperature=0.0, details=True),
+        "readme": {
+            "france": france,
+            "once_texts": raw.token_texts("Once upon a time", max_new_tokens=64),
+            "hello_texts": raw.token_texts("Hello", max_new_tokens=64),
+            "top_p_message": raw.validation_message("Hi", top_p=1.5),
+            "model_id": info.model_id,
+            "max_total_tokens": info.max_total_tokens,
+        },
+    }
+
+
 @pytest.mark.parametrize("route", ["direct", "envoy"])
-def test_node_cases(project: Path, live_server: Deployment, route: str) -> None:
-    target = live_server.grpc_target if route == "direct" else live_server.envoy_target
-    env = {**os.environ, "TOKENWIRE_URL": f"http://{target}"}
+def test_node_cases(
+    project: Path, live_server: Deployment, expected: dict[str, object], route: str
+) -> None:
+    target = live_server.target if route == "direct" else live_server.envoy_target
+    env = {
+        **os.environ,
+        "TOKENWIRE_URL": f"http://{target}",
+        "TOKENWIRE_EXPECTED": json.dumps(expected),
+    }
     result = subprocess.run(
         ["node", "--test", "--test-reporter=tap", "test/"],
         cwd=project,
@@ -75,6 +105,7 @@ def test_node_cases(project: Path, live_server: Deployment, route: str) -> None:
     summary = dict(re.findall(r"^# (pass|fail|skipped) (\d+)$", result.stdout, flags=re.MULTILINE))
     assert result.returncode == 0 and summary.get("fail") == "0", result.stdout + result.stderr
     assert summary.get("skipped") == "0", result.stdout
-    # Live: generate, two stream cancels, validation, deadline, info, health; 3 README examples
-    # (+1 check); fake server: API key, typed errors, cancel reaching the server.
-    assert int(summary["pass"]) >= 14, result.stdout
+    # Live: generate (+ equal to raw gRPC, unary and stream), two stream cancels, validation,
+    # deadline, info, health; 3 README examples (+1 check); fake server: API key, typed errors,
+    # cancel reaching the server.
+    assert int(summary["pass"]) >= 16, result.stdout

@@ -9,7 +9,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tokenwire.v1 import generate_pb2 as pb
 
-from tests.helpers.engine_double import ScriptedEngine
+from tests.helpers.engine_double import ScriptedEngine, expected_text
 from tests.helpers.router_harness import rpc_error, running_router
 
 KEY = "s3cret-key"
@@ -69,5 +69,14 @@ async def test_health_and_reflection_stay_open(tokenizer_dir: Path) -> None:
 
 
 async def test_no_key_configured_means_open(tokenizer_dir: Path) -> None:
-    async with running_router(ScriptedEngine(), tokenizer_dir) as router:
-        await router.stub.Generate(REQUEST)
+    # Without --api-key every call is served, with no header or with any header at all.
+    engine = ScriptedEngine()
+    async with running_router(engine, tokenizer_dir) as router:
+        for metadata in ((), (("authorization", "Bearer anything"),)):
+            response = await router.stub.Generate(REQUEST, metadata=metadata)
+            events = [e async for e in router.stub.GenerateStream(REQUEST, metadata=metadata)]
+            info = await router.stub.Info(pb.InfoRequest(), metadata=metadata)
+            assert response.generated_text == expected_text(engine.submitted[-1])
+            assert events[-1].generated_text == response.generated_text
+            assert info.model_id == "tiny-test"
+    assert len(engine.submitted) == 4

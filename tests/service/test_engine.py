@@ -20,13 +20,14 @@ from service.engine.contracts import (
     StoppingConfig,
     ValidatedRequest,
 )
-from service.engine.engine import EngineConfig, LocalEngine
 from service.shard_client.client import connect_and_warmup
-from service.testing import FakeShard, FakeShardConfig, expected_tokens, start_fake_shard
+from service.engine.backend import WarmupBudgets
+from service.testing import FakeShardConfig, expected_tokens, start_fake_shard
+from tests.helpers.engine_harness import Harness, engine_on_fake_shard
 from tests.helpers.waiting import until
 
 
-def _all_free(engine: GenerationEngine) -> bool:
+def _all_free(engine: LocalEngine) -> bool:
     """Nothing queued or running and every KV block free: the engine is idle."""
     st = engine.stats()
     return st.queued == 0 and st.running == 0 and st.kv_blocks_free == st.kv_blocks_total
@@ -45,43 +46,9 @@ def req(prompt: list[int], n: int, **kw) -> ValidatedRequest:
     )
 
 
-class Harness:
-    def __init__(self, engine: LocalEngine, shard: FakeShard, unhealthy: list[str]) -> None:
-        self.engine = engine
-        self.shard = shard
-        self.unhealthy = unhealthy
-
-
-async def make(shard_cfg: FakeShardConfig | None = None, **engine_kw) -> AsyncIterator[Harness]:
-    server, shard, url = await start_fake_shard(
-        shard_cfg or FakeShardConfig(num_blocks=256, block_size=4)
-    )
-    client, warm, info = await connect_and_warmup(
-        url, WarmupBudgets(1024, 2048, 256, 64), connect_timeout_s=5, step_timeout_s=5
-    )
-    assert info.model_type == "fake" and warm.num_blocks == shard.config.num_blocks
-    cfg = {
-        "num_blocks": warm.num_blocks,
-        "block_size": warm.block_size,
-        "max_concurrent_requests": 64,
-        "max_batch_prefill_tokens": 64,
-        "waiting_served_ratio": 0.0,
-    }
-    cfg.update(engine_kw)
-    unhealthy: list[str] = []
-    engine = LocalEngine(EngineConfig(**cfg), client, on_unhealthy=unhealthy.append)
-    await engine.start()
-    try:
-        yield Harness(engine, shard, unhealthy)
-    finally:
-        await engine.stop()
-        await client.close()
-        await server.stop(0)
-
-
 @pytest.fixture
 async def h() -> AsyncIterator[Harness]:
-    async for x in make():
+    async for x in engine_on_fake_shard():
         yield x
 
 
@@ -113,7 +80,7 @@ async def test_concurrent_requests_all_correct_with_chunking(h: Harness) -> None
 
 
 async def test_preemption_under_tiny_kv_cache_keeps_outputs() -> None:
-    async for h in make(FakeShardConfig(num_blocks=24, block_size=4)):
+    async for h in engine_on_fake_shard(FakeShardConfig(num_blocks=24, block_size=4)):
         prompts = [[100 + i] * 20 for i in range(8)]
         streams = [h.engine.submit(req(p, 30)) for p in prompts]
         results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 10)
@@ -145,7 +112,9 @@ async def test_prefill_logprobs_and_top_tokens(h: Harness) -> None:
 
 
 async def test_cancel_frees_blocks_and_others_complete() -> None:
-    async for h in make(FakeShardConfig(num_blocks=256, block_size=4, step_delay_s=0.005)):
+    async for h in engine_on_fake_shard(
+        FakeShardConfig(num_blocks=256, block_size=4, step_delay_s=0.005)
+    ):
         prompts = [[i + 1] * 10 for i in range(16)]
         # The cancelled half (even i) asks for 400 tokens: a no-op cancel would generate them all.
         streams = [
@@ -176,7 +145,9 @@ async def test_cancel_frees_blocks_and_others_complete() -> None:
 
 
 async def test_deadline_exceeded() -> None:
-    async for h in make(FakeShardConfig(num_blocks=64, block_size=4, step_delay_s=0.01)):
+    async for h in engine_on_fake_shard(
+        FakeShardConfig(num_blocks=64, block_size=4, step_delay_s=0.01)
+    ):
         s = h.engine.submit(req([1, 2], 200, deadline=time.monotonic() + 0.1))
         with pytest.raises(DeadlineExceededError):
             await asyncio.wait_for(collect(s), 5)
@@ -187,7 +158,7 @@ async def test_deadline_exceeded() -> None:
 
 
 async def test_overload_rejected_at_once() -> None:
-    async for h in make(
+    async for h in engine_on_fake_shard(
         FakeShardConfig(num_blocks=64, block_size=4, step_delay_s=0.01), max_concurrent_requests=4
     ):
         streams = [h.engine.submit(req([1], 5)) for _ in range(4)]
@@ -203,7 +174,9 @@ async def test_request_larger_than_kv_cache_rejected(h: Harness) -> None:
 
 
 async def test_shard_failure_fails_everything_and_marks_unhealthy() -> None:
-    async for h in make(FakeShardConfig(num_blocks=64, block_size=4, fail_after_steps=3)):
+    async for h in engine_on_fake_shard(
+        FakeShardConfig(num_blocks=64, block_size=4, fail_after_steps=3)
+    ):
         streams = [h.engine.submit(req([i + 1], 50)) for i in range(4)]
         for s in streams:
             with pytest.raises(ShardUnavailableError):
@@ -231,7 +204,9 @@ async def test_shard_gone_is_unavailable_not_a_hang() -> None:
 
 
 async def test_drain_stops_admission_and_waits() -> None:
-    async for h in make(FakeShardConfig(num_blocks=64, block_size=4, step_delay_s=0.005)):
+    async for h in engine_on_fake_shard(
+        FakeShardConfig(num_blocks=64, block_size=4, step_delay_s=0.005)
+    ):
         s = h.engine.submit(req([1], 10))
         task = asyncio.ensure_future(collect(s))
         assert await h.engine.drain(5)
@@ -241,7 +216,9 @@ async def test_drain_stops_admission_and_waits() -> None:
 
 
 async def test_drain_timeout_fails_leftovers() -> None:
-    async for h in make(FakeShardConfig(num_blocks=64, block_size=4, step_delay_s=0.01)):
+    async for h in engine_on_fake_shard(
+        FakeShardConfig(num_blocks=64, block_size=4, step_delay_s=0.01)
+    ):
         s = h.engine.submit(req([1], 200))
         assert not await h.engine.drain(0.05)
         with pytest.raises(DrainingError):
@@ -275,7 +252,9 @@ async def test_stress_prefix_sharing_preemption_and_cancels_keep_kv_consistent()
 
     rng = random.Random(1)
     # The fake shard checks every cached slot's token, block ownership and batch membership.
-    async for h in make(FakeShardConfig(num_blocks=40, block_size=4), max_batch_prefill_tokens=24):
+    async for h in engine_on_fake_shard(
+        FakeShardConfig(num_blocks=40, block_size=4), max_batch_prefill_tokens=24
+    ):
         shared = [[7] * 12, [9] * 8]
         prompts = [rng.choice(shared) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 9))]
                    for _ in range(64)]  # fmt: skip

@@ -4,76 +4,103 @@ from __future__ import annotations
 
 import json
 import logging
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Tokenizer
 from tokenwire.v1 import generate_pb2 as pb
 
 from service.observability.logs import JsonFormatter, TextFormatter
 from service.observability.metrics import MetricsServer
+from service.testing import FakeShardConfig
 from tests.helpers.engine_double import ScriptedEngine
+from tests.helpers.engine_harness import engine_on_fake_shard
+from tests.helpers.metrics import scrape
 from tests.helpers.router_harness import rpc_error, running_router
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
+from tests.helpers.waiting import until
 
 
 async def test_metrics_endpoint_exposes_request_and_engine_metrics(tokenizer_dir: Path) -> None:
-    engine = ScriptedEngine()
-    async with running_router(engine, tokenizer_dir) as router:
-        server = MetricsServer(router.metrics.registry, 0, "127.0.0.1")
-        try:
-            await router.stub.Generate(
-                pb.GenerateRequest(inputs="hi", parameters=pb.GenerateParameters(max_new_tokens=4))
-            )
-            _ = [
-                e
-                async for e in router.stub.GenerateStream(
+    """Request metrics count what the calls did; engine metrics are the real engine's statistics
+    (LocalEngine on the fake shard), read at scrape time."""
+    prompt = "the router batches requests " * 3  # several KV blocks of 4 tokens
+    n_prompt = len(Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).encode(prompt).ids)
+    shard_cfg = FakeShardConfig(num_blocks=256, block_size=4, step_delay_s=0.002)
+    async for h in engine_on_fake_shard(shard_cfg):
+        async with running_router(h.engine, tokenizer_dir) as router:
+            server = MetricsServer(router.metrics.registry, 0, "127.0.0.1")
+            try:
+                before = scrape(server.port)
+                await router.stub.Generate(
                     pb.GenerateRequest(
-                        inputs="hi", parameters=pb.GenerateParameters(max_new_tokens=3)
+                        inputs=prompt, parameters=pb.GenerateParameters(max_new_tokens=4)
                     )
                 )
-            ]
-            err = await rpc_error(router.stub.Generate(pb.GenerateRequest(inputs="")))
-            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-            m = scrape(server.port)
-        finally:
-            server.close()
-    g, s = (("method", "generate"),), (("method", "generate_stream"),)
-    assert m[("tokenwire_request_count_total", g)] == 2
-    assert m[("tokenwire_request_success_total", g)] == 1
-    assert m[("tokenwire_request_success_total", s)] == 1
-    assert (
-        m[("tokenwire_request_failure_total", (("method", "generate"), ("reason", "validation")))]
-        == 1
-    )
-    assert m[("tokenwire_request_generated_tokens_count", ())] == 2
-    assert m[("tokenwire_request_generated_tokens_sum", ())] == 7
-    assert m[("tokenwire_time_to_first_token_seconds_count", ())] == 2
-    assert m[("tokenwire_inter_token_latency_seconds_count", ())] == 3 + 2
+                _ = [
+                    e
+                    async for e in router.stub.GenerateStream(
+                        pb.GenerateRequest(
+                            inputs=prompt, parameters=pb.GenerateParameters(max_new_tokens=3)
+                        )
+                    )
+                ]
+                err = await rpc_error(router.stub.Generate(pb.GenerateRequest(inputs="")))
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+                # A cancelled stream: the engine removes it and counts it.
+                call = router.stub.GenerateStream(
+                    pb.GenerateRequest(
+                        inputs="cancel me", parameters=pb.GenerateParameters(max_new_tokens=60)
+                    )
+                )
+                await call.read()
+                call.cancel()
+                await until(
+                    lambda engine=h.engine: (
+                        engine.stats().aborted == 1 and engine.stats().running == 0
+                    ),
+                    timeout=5,
+                    what="the cancelled stream aborted",
+                )
+                m = scrape(server.port)
+            finally:
+                server.close()
+            stats = h.engine.stats()
+    g, s = {"method": "generate"}, {"method": "generate_stream"}
+    assert m.value("tokenwire_request_count_total", **g) == 2
+    assert m.value("tokenwire_request_count_total", **s) == 2
+    assert m.value("tokenwire_request_success_total", **g) == 1
+    assert m.value("tokenwire_request_success_total", **s) == 1
+    assert m.value("tokenwire_request_failure_total", **g, reason="validation") == 1
+    assert m.value("tokenwire_request_failure_total", **s, reason="cancelled") == 1
+    assert m["tokenwire_request_generated_tokens_count"] == 2
+    assert m["tokenwire_request_generated_tokens_sum"] == 7
+    assert m["tokenwire_time_to_first_token_seconds_count"] == 3  # the cancelled one's too
+    assert m["tokenwire_inter_token_latency_seconds_count"] == 3 + 2
     for name in ("duration", "validation_duration", "queue_duration", "inference_duration"):
-        assert m[(f"tokenwire_request_{name}_seconds_count", ())] == 2
-    assert m[("tokenwire_request_queue_duration_seconds_sum", ())] == pytest.approx(0.002)
-    assert m[("tokenwire_request_input_length_count", ())] == 2
-    # Engine statistics, read at scrape time.
-    assert m[("tokenwire_kv_blocks_total", ())] == 64
-    assert m[("tokenwire_kv_blocks_free", ())] == 64
-    assert m[("tokenwire_kv_blocks_used", ())] == 0
-    assert m[("tokenwire_prefix_cache_hit_tokens_total", ())] == 3
-    assert m[("tokenwire_preemptions_total", ())] == 1
-    assert m[("tokenwire_engine_step_ms", ())] == 1.5
-    assert m[("tokenwire_serving", ())] == 1
-    assert m[("tokenwire_requests_in_flight", ())] == 0
+        assert m[f"tokenwire_request_{name}_seconds_count"] == 2
+    assert m["tokenwire_request_input_length_count"] == 2
+    assert m["tokenwire_request_input_length_sum"] == 2 * n_prompt
+    # Engine statistics: the fake shard's KV cache, all free again; the second request found the
+    # first one's full blocks in the prefix cache; every step the engine ran is counted.
+    assert m["tokenwire_kv_blocks_total"] == 256 == stats.kv_blocks_total
+    assert m["tokenwire_kv_blocks_free"] == 256 and m["tokenwire_kv_blocks_used"] == 0
+    assert m["tokenwire_running_requests"] == 0 and m["tokenwire_queue_size"] == 0
+    hits = m["tokenwire_prefix_cache_hit_tokens_total"]
+    computed = m["tokenwire_prefill_tokens_computed_total"]
+    assert hits >= 4 * ((n_prompt - 1) // 4) - 4 > 0, (hits, n_prompt)
+    assert computed + hits == 2 * n_prompt + len(router_ids_of_cancelled(tokenizer_dir))
+    assert m["tokenwire_engine_steps_total"] == stats.steps >= 4 + 3
+    assert before["tokenwire_engine_steps_total"] == 0
+    assert m["tokenwire_preemptions_total"] == 0
+    assert m["tokenwire_requests_aborted_total"] == 1
+    assert m["tokenwire_engine_healthy"] == 1
+    assert m["tokenwire_serving"] == 1
+    assert m["tokenwire_requests_in_flight"] == 0
+
+
+def router_ids_of_cancelled(tokenizer_dir: Path) -> list[int]:
+    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).encode("cancel me").ids
 
 
 async def test_one_log_line_per_request_with_its_id(

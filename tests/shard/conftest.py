@@ -9,18 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
-from tests.helpers.models import trained_tiny_model
+from tests.helpers.models import tiny_model, trained_tiny_model
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny_models")
     return {
-        arch: make_tiny_model(root / arch, TinyModelSpec(arch=arch))
-        for arch in ("llama", "mistral", "qwen2", "gpt2")
+        arch: tiny_model(tmp_path_factory, arch) for arch in ("llama", "mistral", "qwen2", "gpt2")
     }
 
 

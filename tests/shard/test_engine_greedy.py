@@ -8,17 +8,9 @@ import pytest
 from reference import hf_greedy, load_hf, prompts
 from shard_driver import RouterSim, engine_call
 
-from shard.distributed.groups import Dist
-from shard.runner.warmup import WarmupSpec
-from shard.server.loader import Shard, ShardConfig
+from tests.helpers.shards import make_shard
 
 N = 32
-
-
-def make_shard(model_dir, **kw) -> Shard:
-    shard = Shard(ShardConfig(model_id=str(model_dir), kv_cache_memory_mb=1, **kw), Dist())
-    shard.warmup(WarmupSpec(128, 256, 256, 8, max_batch_total_tokens=2048))
-    return shard
 
 
 def joining_and_leaving(sim: RouterSim, p: list[list[int]]) -> None:

@@ -6,7 +6,6 @@ forward whose structure is checked here."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from shard.layers.linear import RowParallelLinear
 from shard.layers.norm import RMSNorm, reduce_add_rms_norm
 from shard.server.loader import Shard, ShardConfig
 from shard.runner.model_runner import StepInputs
+from tests.helpers.ports import free_port
 
 PROMPT = [5, 17, 3, 42, 8, 11, 29, 64, 2, 7, 19, 33]
 
@@ -41,12 +41,6 @@ def test_fused_residual_forward_equals_plain(tiny_models, model):
     shard = Shard(ShardConfig(model_id=str(tiny_models[model]), kv_cache_memory_mb=1), Dist())
     plain, fused = both_forwards(shard)
     assert torch.equal(plain, fused)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, port: int, model_dir: str, out: mp.Queue) -> None:
@@ -81,7 +75,7 @@ def _rank_main(rank: int, port: int, model_dir: str, out: mp.Queue) -> None:
 def test_fused_residual_forward_two_ranks(tiny_models):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_rank_main, args=(r, port, str(tiny_models["llama"]), out))
         for r in range(2)

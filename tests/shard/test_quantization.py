@@ -31,15 +31,12 @@ from shard.quantization.fp8 import (
 )
 from shard.quantization.kv_cache import KvScales, calibrate_scale, dequantize_kv, quantize_kv
 from shard.quantization.methods import Fp8ScaleLayout
+from tests.helpers.numerics import rel_err
 from tests.helpers.tools import needs
 from tests.helpers.triton_interpreter import requires_interpreter, run_interpreted
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 HAS_CUDA = torch.cuda.is_available()
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.float() - ref.float()).norm() / ref.float().norm())
 
 
 # ---------------------------------------------------------------------------------------- flags

@@ -22,16 +22,12 @@ from shard.runner.model_runner import StepInputs
 from shard.quantization import linear_weight_bytes
 from shard.quantization.fp8 import Fp8Linear, quantize_fp8_per_channel
 from shard.tools.tiny_training import task_continuation, task_prompts
+from tests.helpers.numerics import rel_err
+from tests.helpers.shards import make_shard
 from tests.helpers.tools import needs
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 N = 32
-
-
-def make_shard(model_dir: Path, **kw) -> Shard:
-    shard = Shard(ShardConfig(model_id=str(model_dir), kv_cache_memory_mb=1, **kw), Dist())
-    shard.warmup(WarmupSpec(128, 256, 256, 8, max_batch_total_tokens=2048))
-    return shard
 
 
 def greedy_outputs(shard: Shard, p: list[list[int]]) -> dict[int, list[int]]:
@@ -61,10 +57,6 @@ def prefill_logits(shard: Shard, prompt: list[int]) -> torch.Tensor:
         logits_indices=list(range(n)),
     )
     return shard.runner.execute(step)  # [n, vocab] float32
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y - ref).norm() / ref.norm())
 
 
 def teacher_forced_logits(shard: Shard, tokens: list[int], prefill: int) -> torch.Tensor:

@@ -8,7 +8,6 @@ progression task (confident choices, as issue 8's "greedy tokens equal TP=1" pre
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -23,14 +22,9 @@ from tokenwire.shard.v1 import shard_pb2 as pb
 from tokenwire.shard.v1 import shard_pb2_grpc
 
 from shard.tools.tiny_training import task_continuation, task_prompts
+from tests.helpers.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _strip(message):

@@ -6,10 +6,32 @@ import { mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
 import { dirname, join } from "node:path";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
-import { promisify } from "node:util";
+import { format, promisify } from "node:util";
 
 const url = process.env.TOKENWIRE_URL;
 const run = promisify(execFile);
+// What raw gRPC calls answered for the examples' requests (tests/sdk/test_typescript_sdk.py).
+const expected = process.env.TOKENWIRE_EXPECTED ? JSON.parse(process.env.TOKENWIRE_EXPECTED).readme : undefined;
+
+// Each example's printed output, from the raw answers (console.log(a, b) prints format(a, b)).
+const checks = [
+  (stdout) => {
+    const { text, finish_reason: reason, ids } = expected.france;
+    assert.equal(stdout, `${text}\n${format(reason, ids)}\n`);
+  },
+  (stdout) => {
+    // Four tokens, then a prefix of the "Hello" stream (aborted after 50 ms), then "stopped".
+    const first = expected.once_texts.slice(0, 4).join("");
+    assert.ok(stdout.startsWith(first), JSON.stringify(stdout));
+    assert.ok(stdout.endsWith("\nstopped\n"), JSON.stringify(stdout));
+    const hello = stdout.slice(first.length, -"\nstopped\n".length);
+    assert.ok(expected.hello_texts.join("").startsWith(hello), JSON.stringify(hello));
+  },
+  (stdout) => {
+    const healthy = format(expected.model_id, expected.max_total_tokens, "healthy:", true);
+    assert.equal(stdout, `rejected: ${expected.top_p_message}\ntoo slow\n${healthy}\n`);
+  },
+];
 
 // The README that ships in the package (resolved through the package's own entry point).
 const entry = fileURLToPath(import.meta.resolve("@tokenwire/client"));
@@ -17,7 +39,7 @@ const readmePath = join(dirname(entry), "..", "README.md");
 const readme = await readFile(readmePath, "utf8");
 const blocks = [...readme.matchAll(/```js\n([\s\S]*?)```/g)].map((m) => m[1]);
 
-test("README has examples", () => assert.ok(blocks.length >= 3, `${blocks.length} js blocks`));
+test("README has examples", () => assert.equal(blocks.length, checks.length, `${blocks.length} js blocks`));
 
 blocks.forEach((block, i) => {
   test(`README example ${i}`, { skip: url === undefined && "TOKENWIRE_URL not set" }, async () => {
@@ -27,7 +49,8 @@ blocks.forEach((block, i) => {
       const file = join(dir, `example${i}.mjs`);
       await writeFile(file, block.replaceAll("http://localhost:50051", url));
       const { stdout } = await run(process.execPath, [file], { timeout: 60_000 });
-      assert.ok(stdout.length > 0, "the example printed something");
+      if (expected !== undefined) checks[i](stdout);
+      else assert.ok(stdout.length > 0, "the example printed something");
     } finally {
       await rm(dir, { recursive: true, force: true });
     }

@@ -16,6 +16,10 @@ import {
 
 const url = process.env.TOKENWIRE_URL;
 const PROMPT = "The quick brown fox";
+// What raw gRPC calls (no SDK) answered for the same greedy requests, set by
+// tests/sdk/test_typescript_sdk.py: {generate: {text, ids, finish_reason}, stream3: {...}}.
+const expected = process.env.TOKENWIRE_EXPECTED ? JSON.parse(process.env.TOKENWIRE_EXPECTED) : undefined;
+const noExpected = expected === undefined && "TOKENWIRE_EXPECTED not set";
 
 describe(`@tokenwire/client against ${url}`, { skip: url === undefined && "TOKENWIRE_URL not set" }, () => {
   const client = createClient(url ?? "http://127.0.0.1:1", { timeoutMs: 60_000 });
@@ -28,6 +32,23 @@ describe(`@tokenwire/client against ${url}`, { skip: url === undefined && "TOKEN
     assert.equal(response.details.generatedTokens, response.details.tokens.length);
     assert.ok(response.details.generatedTokens >= 1 && response.details.generatedTokens <= 5);
     assert.ok(["length", "eos_token", "stop_sequence"].includes(response.details.finishReason));
+  });
+
+  test("generate equals a raw gRPC call", { skip: noExpected }, async () => {
+    const response = await client.generate(PROMPT, { maxNewTokens: 5, details: true, temperature: 0 });
+    assert.deepEqual(
+      { text: response.generatedText, ids: response.details.tokens.map((t) => t.id), finish_reason: response.details.finishReason },
+      expected.generate,
+    );
+  });
+
+  test("generateStream equals a raw gRPC stream", { skip: noExpected }, async () => {
+    const events = [];
+    for await (const event of client.generateStream(PROMPT, { maxNewTokens: 3, temperature: 0, details: true })) events.push(event);
+    assert.deepEqual(
+      { text: events.at(-1).generatedText, ids: events.map((e) => e.token.id), finish_reason: events.at(-1).details.finishReason },
+      expected.stream3,
+    );
   });
 
   test("generateStream, stopped early by break", async () => {
