@@ -40,11 +40,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shard.distributed import Dist  # noqa: E402
-from shard.domain import WarmupSpec  # noqa: E402
-from shard.loader import Shard, ShardConfig  # noqa: E402
-from shard.model_runner import StepInputs  # noqa: E402
-from shard.tools.perplexity import reference_prefix  # noqa: E402
+from shard.distributed import Dist
+from shard.domain import WarmupSpec
+from shard.loader import Shard, ShardConfig
+from shard.model_runner import StepInputs
+from shard.tools.perplexity import reference_prefix
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,10 @@ def compare(name: Variant, logprobs: torch.Tensor, reference: torch.Tensor,
 
 def markdown(rows: list[Row], tokens: int) -> str:
     lines = [
-        f"| variant | flags | perplexity ({tokens} tokens) | Δ ppl vs bf16 | target | "
-        "top-1 agreement with bf16 | mean KL vs bf16 (nats) |",
+        (
+            f"| variant | flags | perplexity ({tokens} tokens) | Δ ppl vs bf16 | target | "
+            "top-1 agreement with bf16 | mean KL vs bf16 (nats) |"
+        ),
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
