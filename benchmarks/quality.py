@@ -131,8 +131,10 @@ def compare(name: Variant, logprobs: torch.Tensor, reference: torch.Tensor,
 
 def markdown(rows: list[Row], tokens: int) -> str:
     lines = [
-        f"| variant | flags | perplexity ({tokens} tokens) | Δ ppl vs bf16 | target | "
-        "top-1 agreement with bf16 | mean KL vs bf16 (nats) |",
+        (
+            f"| variant | flags | perplexity ({tokens} tokens) | Δ ppl vs bf16 | target | "
+            "top-1 agreement with bf16 | mean KL vs bf16 (nats) |"
+        ),
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

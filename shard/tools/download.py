@@ -16,7 +16,8 @@ ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "
 
 def resolve_model(model_id: str, revision: str | None = None, cache_dir: str | None = None) -> Path:
     """The local directory holding model_id's files (config.json, safetensors, tokenizer).
-    A .gguf file, or a local directory of one, resolves to its converted snapshot (shard/tools/gguf.py)."""
+    A .gguf file, or a local directory of one, resolves to its converted snapshot in tokenwire's
+    cache (shard/tools/gguf.py)."""
     from shard.tools.cache import cache_dir as tokenwire_cache_dir
     from shard.tools.gguf import ensure_snapshot, locate_gguf
 

@@ -8,6 +8,7 @@ version.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Protocol
@@ -33,6 +34,17 @@ def reference_prefix(tokenizer: Tokenizer, num_tokens: int) -> str:
     encoding = tokenizer.encode(text, add_special_tokens=False)
     end = encoding.offsets[min(num_tokens, len(encoding.offsets)) - 1][1]
     return text[:end]
+
+
+def reference_windows(tokenizer: Tokenizer, num_tokens: int, window: int) -> list[str]:
+    """reference_prefix(tokenizer, num_tokens) cut at token boundaries into consecutive texts of
+    ~`window` tokens each: the same text scored with a context of at most `window` tokens (what a
+    server with a --max-input-tokens of `window` can take)."""
+    text = reference_prefix(tokenizer, num_tokens)
+    offsets = tokenizer.encode(text, add_special_tokens=False).offsets
+    cuts = [offsets[min(w, len(offsets)) - 1][1] for w in range(window, num_tokens, window)]
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def perplexity(logprobs: Sequence[float]) -> float:
