@@ -486,6 +486,10 @@ class GenerationEngine:
                 self._cancel(seq_id)
             return
         streams, self._streams = self._streams, {}
+        # Pending cancellations and deadlines name only these requests; the loop may have
+        # stopped (unhealthy) and would never drain them.
+        self._cancelled = []
+        self._deadlines = []
         self.scheduler.abort_all()
         self._batch_id = None
         self._batch_ids_on_shard = []
