@@ -115,9 +115,7 @@ def one_request(conn: http.client.HTTPConnection, kind: str, client: int, i: int
     return True
 
 
-def client_loop(
-    port: int, client: int, deadline: float, max_requests: int, counts: Counts
-) -> None:
+def client_loop(port: int, client: int, deadline: float, max_requests: int, counts: Counts) -> None:
     conn: http.client.HTTPConnection | None = None
     for i in range(max_requests):  # bounded: the deadline or max_requests, whichever first
         if time.monotonic() >= deadline:
@@ -183,7 +181,7 @@ def scrape_gauges(port: int) -> dict[str, float]:
         return {}
     out: dict[str, float] = {}
     for name in GAUGES:
-        m = re.search(rf"^tokenwire_engine_{name} ([0-9.e+]+)$", text, re.M)
+        m = re.search(rf"^tokenwire_engine_{name} ([0-9.e+]+)$", text, re.MULTILINE)
         if m:
             out[name] = float(m.group(1))
     return out
@@ -234,9 +232,7 @@ def main() -> int:
         "--launch-log", type=Path, default=None,
         help="the stack's output (request log lines: large); default /tmp/soak-launch-PID.log",
     )  # fmt: skip
-    p.add_argument(
-        "launch_args", nargs="*", help="more `tokenwire launch` flags (after --)"
-    )
+    p.add_argument("launch_args", nargs="*", help="more `tokenwire launch` flags (after --)")
     args = p.parse_args()
 
     grpc_port, http_port, admin_port, prom_port = (free_port() for _ in range(4))
@@ -265,8 +261,15 @@ def main() -> int:
             out.write(line + "\n")
             out.flush()
 
-    emit({"command": " ".join(sys.argv), "launch": " ".join(cmd), "started": time.strftime(
-        "%Y-%m-%d %H:%M:%S %Z"), "cpus": os.cpu_count(), "clients": args.clients})
+    emit(
+        {
+            "command": " ".join(sys.argv),
+            "launch": " ".join(cmd),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "cpus": os.cpu_count(),
+            "clients": args.clients,
+        }
+    )
     with log.open("wb") as log_file:
         proc = subprocess.Popen(
             cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT,

@@ -449,6 +449,10 @@ class LocalEngine:
                 self._cancel(seq_id)
             return
         streams, self._streams = self._streams, {}
+        # Pending cancellations and deadlines name only these requests; the loop may have
+        # stopped (unhealthy) and would never drain them.
+        self._cancelled = []
+        self._deadlines = []
         self.scheduler.abort_all()
         for stream in streams.values():
             stream.fail(error)
