@@ -20,8 +20,8 @@ from service.engine.contracts import (
     StoppingConfig,
     ValidatedRequest,
 )
+from service.engine.engine import EngineConfig, LocalEngine
 from service.shard_client.client import connect_and_warmup
-from service.engine.backend import WarmupBudgets
 from service.testing import FakeShardConfig, expected_tokens, start_fake_shard
 from tests.helpers.engine_harness import Harness, engine_on_fake_shard
 from tests.helpers.waiting import until

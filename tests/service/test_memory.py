@@ -1,5 +1,5 @@
 """A per-request leak in the router fails here: 2,000 mixed requests through an in-process router
-(real gRPC servicer, interceptors, validation, tokenizer, metrics and GenerationEngine over the
+(real gRPC servicer, interceptors, validation, tokenizer, metrics and LocalEngine over the
 fake shard) leave every per-request structure empty and grow the router's traced heap by less
 than GROWTH_BOUND_BYTES.
 
@@ -23,9 +23,9 @@ from pathlib import Path
 import grpc
 from tokenwire.v1 import generate_pb2 as pb
 
-from service.engine import DEADLINE_HEAP_SLACK, EngineConfig, GenerationEngine, build_engine
-from service.shard_client import connect_and_warmup
-from service.shard_convert import WarmupBudgets
+from service.engine.backend import WarmupBudgets
+from service.engine.engine import DEADLINE_HEAP_SLACK, EngineConfig, LocalEngine, build_engine
+from service.shard_client.client import connect_and_warmup
 from service.testing import FakeShardConfig, start_fake_shard
 from tests.helpers.router_harness import Router, running_router
 
@@ -132,7 +132,7 @@ async def _round(router: Router, start: int, n: int) -> dict[str, int]:
     return outcomes
 
 
-async def _idle(router: Router, engine: GenerationEngine) -> None:
+async def _idle(router: Router, engine: LocalEngine) -> None:
     """Waits until the service and the engine hold no request (cancellations apply at the next
     step boundary), then lets grpc finish its calls."""
     for _ in range(500):
@@ -142,7 +142,7 @@ async def _idle(router: Router, engine: GenerationEngine) -> None:
     await asyncio.sleep(0.5)
 
 
-def _assert_per_request_structures_empty(router: Router, engine: GenerationEngine) -> None:
+def _assert_per_request_structures_empty(router: Router, engine: LocalEngine) -> None:
     sched = engine.scheduler
     assert router.service.in_flight == 0
     assert router.metrics.in_flight._value.get() == 0
@@ -174,7 +174,7 @@ async def test_mixed_requests_leave_nothing_behind(tokenizer_dir: Path) -> None:
     shard = FakeShardConfig(num_blocks=64, block_size=4, step_delay_s=0.001)
     async with _router(tokenizer_dir, shard) as router:
         engine = router.engine
-        assert isinstance(engine, GenerationEngine)
+        assert isinstance(engine, LocalEngine)
         tasks_before = len(asyncio.all_tasks())
         warm = await _round(router, 0, REQUESTS // 4)  # fills the bounded caches
         await _idle(router, engine)
@@ -219,7 +219,7 @@ async def test_shard_failure_leaves_nothing_behind(tokenizer_dir: Path) -> None:
     shard = FakeShardConfig(num_blocks=64, block_size=4, step_delay_s=0.001, fail_after_steps=30)
     async with _router(tokenizer_dir, shard) as router:
         engine = router.engine
-        assert isinstance(engine, GenerationEngine)
+        assert isinstance(engine, LocalEngine)
         outcomes = await _round(router, 0, 200)
         await _idle(router, engine)
         assert not engine.healthy
