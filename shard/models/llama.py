@@ -22,6 +22,7 @@ from shard.layers import (
     reduce_add_rms_norm,
 )
 from shard.models.base import LoadContext
+from shard.models.heads import partition_heads
 from shard.quantization import QuantizeMethod, kv_cache_torch_dtype
 from shard.quantization.fp8 import Fp8Linear
 from shard.quantization.kv_cache import FP8_MAXES, KvCalibration, KvScales, scales_from_amax
@@ -78,18 +79,18 @@ class LlamaAttention(nn.Module):
         self.num_heads = cfg["num_attention_heads"]
         self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
         self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
-        if self.num_kv_heads % world:
-            raise ValueError(f"{self.num_kv_heads} KV heads cannot be split over {world} ranks")
-        self.local_heads = self.num_heads // world
-        self.local_kv_heads = self.num_kv_heads // world
+        # Fewer KV heads than ranks: each rank loads the one KV head its query heads read.
+        heads = partition_heads(self.num_heads, self.num_kv_heads, ctx.dist.rank, world)
+        self.local_heads, self.local_kv_heads = heads.local_heads, heads.local_kv_heads
+        kv_part = (heads.kv_part, heads.kv_parts)
         # Qwen2 always has q/k/v biases; Llama only with attention_bias.
         bias = cfg.get("attention_bias", False) or cfg["model_type"] == "qwen2"
         self.q_proj = ColumnParallelLinear(hidden, self.num_heads * self.head_dim, bias, ctx.dist)
         self.k_proj = ColumnParallelLinear(
-            hidden, self.num_kv_heads * self.head_dim, bias, ctx.dist
+            hidden, self.num_kv_heads * self.head_dim, bias, ctx.dist, kv_part
         )
         self.v_proj = ColumnParallelLinear(
-            hidden, self.num_kv_heads * self.head_dim, bias, ctx.dist
+            hidden, self.num_kv_heads * self.head_dim, bias, ctx.dist, kv_part
         )
         self.o_proj = RowParallelLinear(
             self.num_heads * self.head_dim, hidden, cfg.get("attention_bias", False), ctx.dist
