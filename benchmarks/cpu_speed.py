@@ -172,9 +172,14 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads for both sides "
+                    "(default: torch's own choice, one per core)")
     args = ap.parse_args()
 
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     tw = TokenwireSide(args.model_dir, max_total=512, streams=max(args.streams, 1))
     hf = TransformersSide(args.model_dir)
