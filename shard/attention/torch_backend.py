@@ -1,7 +1,8 @@
 """Portable attention over the paged KV cache in plain torch (CPU and CUDA).
 
-Loops over sequences with host-side lengths: simple and exact, not fast. The GPU kernels implement
-the same interface (shard/attention/base.py).
+Loops over sequences with host-side lengths (a decode-only step is one padded call instead); each
+call is SDPA's fused kernel. The GPU kernels implement the same interface
+(shard/attention/base.py).
 """
 
 from __future__ import annotations
@@ -46,39 +47,88 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window: int | None,
         kv_scales: KvScales | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        fp8 = is_fp8_cache(key_cache)
-        s = kv_scales or KvScales()
+        # 4-D inputs with enable_gqa (no repeat of K/V over the query group) and a mask only
+        # where causality needs one: SDPA then takes its fused (flash) CPU kernel, not the math
+        # path's bmm + softmax + bmm (several times faster per layer on CPU).
+        if meta.is_decode_only and meta.num_seqs > 1:
+            return self._attend_decode(query, key_cache, value_cache, meta, scale,
+                                       sliding_window, kv_scales)
         block_size = key_cache.shape[1]
-        num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
-        group = num_heads // num_kv_heads
         out = torch.empty_like(query)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
             q = query[start : start + q_len]  # [q_len, num_heads, head_dim]
-            num_blocks = -(-seq_len // block_size)
-            blocks = meta.block_tables[i, :num_blocks].long()
-            # [seq_len, num_kv_heads, head_dim]: the sequence's context, gathered from its blocks
-            k = key_cache[blocks].flatten(0, 1)[:seq_len]
-            v = value_cache[blocks].flatten(0, 1)[:seq_len]
-            if fp8:  # stored * per-head scale
-                k, v = dequantize_kv(k, s.k_scale, q.dtype), dequantize_kv(v, s.v_scale, q.dtype)
-            else:
-                k, v = k.to(q.dtype), v.to(q.dtype)
-            if group > 1:
-                k = k.repeat_interleave(group, dim=1)
-                v = v.repeat_interleave(group, dim=1)
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
-            k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
-            allowed = k_pos <= q_pos  # [q_len, seq_len]
-            if sliding_window is not None:
-                allowed &= q_pos - k_pos < sliding_window
+            blocks = meta.block_tables[i, : -(-seq_len // block_size)].long()
+            k, v = _gather(key_cache, value_cache, blocks, seq_len, q.dtype, kv_scales)
+            mask, causal = None, False  # one query row at the end sees the whole context
+            if (sliding_window is not None and seq_len > sliding_window) or 1 < q_len < seq_len:
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+                k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
+                mask = k_pos <= q_pos  # [q_len, seq_len]
+                if sliding_window is not None:
+                    mask &= q_pos - k_pos < sliding_window
+            elif q_len > 1:  # a whole prompt (no cached prefix): the plain causal mask
+                causal = True
             o = F.scaled_dot_product_attention(
-                q.transpose(0, 1),  # [num_heads, q_len, head_dim]
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                attn_mask=allowed,
+                q.transpose(0, 1).unsqueeze(0),  # [1, num_heads, q_len, head_dim]
+                k.transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, seq_len, head_dim]
+                v.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                is_causal=causal,
                 scale=scale,
+                enable_gqa=True,
             )
-            out[start : start + q_len] = o.transpose(0, 1)
+            out[start : start + q_len] = o[0].transpose(0, 1)
             start += q_len
         return out
+
+    def _attend_decode(
+        self,
+        query: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one new token per sequence
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        kv_scales: KvScales | None,
+    ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+        """A decode-only step as one SDPA call over the batch: every sequence's context is
+        gathered into [num_seqs, max_seq_len] (padded), padding masked out."""
+        n, block_size = meta.num_seqs, key_cache.shape[1]
+        width = -(-meta.max_seq_len // block_size)
+        blocks = meta.block_tables[:, :width].long().flatten()  # [num_seqs * width]
+        k, v = _gather(key_cache, value_cache, blocks, None, query.dtype, kv_scales)
+        length = width * block_size
+        k = k.view(n, length, *k.shape[1:])  # [num_seqs, length, num_kv_heads, head_dim]
+        v = v.view(n, length, *v.shape[1:])
+        k_pos = torch.arange(length, device=query.device).unsqueeze(0)  # [1, length]
+        seq_lens = meta.seq_lens.unsqueeze(1)  # [num_seqs, 1]
+        mask = k_pos < seq_lens  # [num_seqs, length]: the query is at position seq_len - 1
+        if sliding_window is not None:
+            mask &= k_pos >= seq_lens - sliding_window
+        o = F.scaled_dot_product_attention(
+            query.unsqueeze(2),  # [num_seqs, num_heads, 1, head_dim]
+            k.transpose(1, 2),  # [num_seqs, num_kv_heads, length, head_dim]
+            v.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return o.squeeze(2)
+
+
+def _gather(
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    blocks: torch.Tensor,  # [n] int64 block ids
+    length: int | None,  # keep the first `length` slots (None: all n * block_size)
+    dtype: torch.dtype,
+    kv_scales: KvScales | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # each [length, num_kv_heads, head_dim] in dtype
+    """The given blocks' keys and values, concatenated in order (fp8 caches dequantized)."""
+    k = key_cache.index_select(0, blocks).flatten(0, 1)[:length]
+    v = value_cache.index_select(0, blocks).flatten(0, 1)[:length]
+    if is_fp8_cache(key_cache):  # stored * per-head scale
+        s = kv_scales or KvScales()
+        return dequantize_kv(k, s.k_scale, dtype), dequantize_kv(v, s.v_scale, dtype)
+    return k.to(dtype), v.to(dtype)

@@ -26,18 +26,24 @@ from shard.quantization.loading import quantize_loaded_linear
 
 
 class ColumnParallelLinear(nn.Module, WeightLoader):
-    """y[..., out/world] = x @ W[rank rows].T (+ b[rank rows])."""
+    """y[..., out/world] = x @ W[rank rows].T (+ b[rank rows]).
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dist: Dist):
+    part (index, count): hold row block `index` of `count` equal blocks instead of (rank, world),
+    e.g. the one KV head a rank reads when KV heads are replicated (shard/models/heads.py)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dist: Dist,
+                 part: tuple[int, int] | None = None):
         super().__init__()
-        if out_features % dist.world_size:
-            raise ValueError(f"{out_features} output features not divisible by {dist.world_size}")
-        self.out_local = out_features // dist.world_size
+        self.part = part if part is not None else (dist.rank, dist.world_size)
+        if out_features % self.part[1]:
+            raise ValueError(f"{out_features} output features not divisible by {self.part[1]}")
+        self.out_local = out_features // self.part[1]
         self.weight = nn.Parameter(torch.empty(self.out_local, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_local), requires_grad=False) if bias else None
         self.quantized: nn.Module | None = None  # replaces weight/bias under --quantize / fp8
 
     def load(self, weights: Weights, prefix: str) -> None:
+        weights = weights.for_part(*self.part)
         self.weight.data = weights.get_sharded(f"{prefix}.weight", dim=0)
         if self.bias is not None:
             self.bias.data = weights.get_sharded(f"{prefix}.bias", dim=0)
@@ -160,12 +166,15 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
     GEMM / GEMV for all parts."""
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool, dist: Dist,
-                 merge: bool):
+                 merge: bool, row_blocks: dict[str, tuple[int, int]] | None = None):
         super().__init__()
-        # part name -> ColumnParallelLinear of its full output features (split over ranks)
-        self.parts = nn.ModuleDict(
-            {name: ColumnParallelLinear(in_features, out, bias, dist) for name, out in parts.items()}
-        )
+        # part name -> ColumnParallelLinear of its full output features, split over the ranks or
+        # as row_blocks names it (replicated KV heads: the block this rank reads)
+        blocks = row_blocks or {}
+        self.parts = nn.ModuleDict({
+            name: ColumnParallelLinear(in_features, out, bias, dist, blocks.get(name))
+            for name, out in parts.items()
+        })
         self.sizes = [p.out_local for p in self.parts.values()]  # output features per part
         self.merge = merge
         self.merged: _MergedWeight | None = None

@@ -7,6 +7,7 @@ N-way tensor-parallel deployment touches about 1/N of each sharded matrix.
 from __future__ import annotations
 
 import abc
+import copy
 import json
 from pathlib import Path
 
@@ -78,6 +79,16 @@ class Weights:
         start, stop = rank * block, (rank + 1) * block
         t = sl[start:stop] if dim == 0 else sl[:, start:stop]
         return self._finish(t)
+
+    def for_part(self, index: int, count: int) -> Weights:
+        """These weights with get_sharded (and fp8 scale slicing) cutting tensors into count
+        parts and reading part index, instead of (rank, world_size): layers whose rows are not
+        split by rank, such as replicated KV heads. Shares the open files."""
+        if (index, count) == (self.dist.rank, self.dist.world_size):
+            return self
+        view = copy.copy(self)
+        view.dist = Dist(rank=index, world_size=count)
+        return view
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) along dim 0 (vocab-parallel embeddings with padding)."""

@@ -15,6 +15,7 @@ from shard.layers.norm import RMSNorm, reduce_add_rms_norm
 from shard.layers.rotary import RotaryEmbedding, rope_parameters
 from shard.layers.weights import Weights, load_module_weights
 from shard.models.base import LoadContext
+from shard.models.heads import partition_heads
 from shard.quantization import QuantizeMethod, kv_cache_torch_dtype
 from shard.quantization.kv_cache import KvScales
 from shard.quantization.loading import LinearQuantization
@@ -30,19 +31,22 @@ class LlamaAttention(nn.Module):
         heads = cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or heads
         head_dim = cfg.get("head_dim") or hidden // heads
-        if kv_heads % world:
-            raise ValueError(f"{kv_heads} KV heads cannot be split over {world} ranks")
+        # Fewer KV heads than ranks: each rank loads the one KV head its query heads read.
+        split = partition_heads(heads, kv_heads, ctx.dist.rank, world)
+        kv_block = (split.kv_part, split.kv_parts)
         # Qwen2 always has q/k/v biases; Llama only with attention_bias.
         bias = cfg.get("attention_bias", False) or cfg["model_type"] == "qwen2"
         parts = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim,
                  "v_proj": kv_heads * head_dim}
-        self.qkv_proj = MergedColumnParallelLinear(hidden, parts, bias, ctx.dist,
-                                                   merge=ctx.device.type == "cuda")
+        self.qkv_proj = MergedColumnParallelLinear(
+            hidden, parts, bias, ctx.dist, merge=ctx.device.type == "cuda",
+            row_blocks={"k_proj": kv_block, "v_proj": kv_block},
+        )
         self.o_proj = RowParallelLinear(
             heads * head_dim, hidden, cfg.get("attention_bias", False), ctx.dist
         )
         self.attn = PagedAttention(
-            ctx.attention, rotary, heads // world, kv_heads // world, head_dim, sliding_window,
+            ctx.attention, rotary, split.local_heads, split.local_kv_heads, head_dim, sliding_window,
             kv_cache_torch_dtype(ctx.kv_cache_dtype, ctx.dtype), ctx.device,
         )
 

@@ -21,6 +21,7 @@ from test_engine_greedy import N, joining_and_leaving, make_shard
 from tokenwire.shard.v1 import shard_pb2 as pb
 from tokenwire.shard.v1 import shard_pb2_grpc
 
+from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
 from shard.tools.tiny_training import task_continuation, task_prompts
 from tests.helpers.ports import free_port
 
@@ -43,15 +44,10 @@ def run_scenario(call, num_blocks: int, block_size: int, inputs: list[list[int]]
     return {rid: req.generated for rid, req in sim.done.items()}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model", ["llama", "qwen2", "trained-llama"])
-def test_two_ranks_equal_single_shard(tiny_models, trained_tiny_models, tmp_path, model):
-    if model.startswith("trained-"):  # in-distribution prompts: the progression task's
-        model_dir = trained_tiny_models(model.removeprefix("trained-"))
-        inputs = task_prompts((17, 5, 45, 30))
-    else:
-        model_dir = tiny_models[model]
-        inputs = prompts(model_dir, [17, 5, 45, 30])
+def two_rank_scenario(model_dir: Path, tmp_path: Path, inputs: list[list[int]]
+                      ) -> dict[int, list[int]]:
+    """joining_and_leaving through `tokenwire shard --world-size 2` (two processes, gloo); every
+    RPC goes to both ranks, whose answers must agree. Returns rank 0's tokens per request."""
     prefix = str(tmp_path / "shard")
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
@@ -93,13 +89,41 @@ def test_two_ranks_equal_single_shard(tiny_models, trained_tiny_models, tmp_path
             p.terminate()
         codes = [p.wait(timeout=30) for p in procs]
     assert codes == [0, 0]
+    return tp
+
+
+def single_shard_scenario(model_dir: Path, inputs: list[list[int]]) -> dict[int, list[int]]:
     single = make_shard(model_dir)
-    expected = run_scenario(
+    return run_scenario(
         engine_call(single), single.runner.num_blocks, single.runner.block_size, inputs
     )
-    assert tp == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama", "qwen2", "trained-llama"])
+def test_two_ranks_equal_single_shard(tiny_models, trained_tiny_models, tmp_path, model):
+    if model.startswith("trained-"):  # in-distribution prompts: the progression task's
+        model_dir = trained_tiny_models(model.removeprefix("trained-"))
+        inputs = task_prompts((17, 5, 45, 30))
+    else:
+        model_dir = tiny_models[model]
+        inputs = prompts(model_dir, [17, 5, 45, 30])
+    tp = two_rank_scenario(model_dir, tmp_path, inputs)
+    assert tp == single_shard_scenario(model_dir, inputs)
     hf = load_hf(model_dir)
     assert tp[1] == hf_greedy(hf, inputs[0], N)
     if model.startswith("trained-"):
         assert tp[1] == task_continuation(inputs[0], N)
         assert tp[3] == task_continuation(inputs[2], N)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_one_kv_head_replicated_over_two_ranks(tmp_path, arch):
+    """Multi-query attention (1 KV head, 4 query heads) at world size 2: both ranks load the one
+    KV head (qwen2: its bias too) and greedy output equals one shard's and transformers'."""
+    model_dir = make_tiny_model(tmp_path / "model", TinyModelSpec(arch=arch, num_kv_heads=1))
+    inputs = prompts(model_dir, [17, 5, 45, 30])
+    tp = two_rank_scenario(model_dir, tmp_path, inputs)
+    assert tp == single_shard_scenario(model_dir, inputs)
+    assert tp[1] == hf_greedy(load_hf(model_dir), inputs[0], N)
