@@ -397,7 +397,9 @@ class OpenAIEndpoints:
             prompt_param = "messages" if method == CHAT_COMPLETIONS_STREAM else "prompt"
             async for item in _openai_errors_iter(items, prompt_param):
                 if first:
-                    yield ChoiceDelta(0, echo, first=True)
+                    # Chat announces the role in a first chunk; completions only echo there.
+                    if method == CHAT_COMPLETIONS_STREAM or echo:
+                        yield ChoiceDelta(0, echo, first=True)
                     first = False
                 token = item.token
                 text = "" if token.special else trimmer.push(token.text)

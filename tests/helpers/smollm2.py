@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,11 @@ def convert(out_dir: Path) -> Path:
 
 
 def snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The converted snapshot, shared by every test of the session."""
+    """The converted snapshot, shared by every test of the session ($TOKENWIRE_SMOLLM2_DIR: one
+    converted before, reused across sessions while developing)."""
+    reuse = os.environ.get("TOKENWIRE_SMOLLM2_DIR")
+    if reuse:
+        return Path(reuse)
     out = tmp_path_factory.getbasetemp() / "smollm2-135m-instruct"
     if not out.exists():
         convert(out)
