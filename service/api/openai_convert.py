@@ -129,6 +129,7 @@ def chat_chunk(header: ResponseHeader, event: StreamEvent) -> pb.ChatStreamRespo
         chunk.usage.CopyFrom(_usage(event.usage))
         return chunk
     choice = chunk.choices.add(index=event.index)
+    choice.delta.SetInParent()  # present even when empty (the finish chunk), as in OpenAI
     if event.first:
         choice.delta.role = "assistant"
     if event.first or event.text:

@@ -375,3 +375,24 @@ def test_rendered_config_differs_only_in_addresses_and_paths() -> None:
     walk(original, rendered, "")
     assert all(p.endswith(("port_value", "address", "proto_descriptor")) for p in changed), changed
     assert len(changed) == 5, changed
+
+
+def test_chat_without_a_chat_template_is_a_400_saying_so(deployment: Deployment) -> None:
+    # The embedded tiny model's tokenizer has no chat template and no --chat-template was given.
+    status, _, body = http_json(
+        deployment.http_port,
+        "POST",
+        "/v1/chat/completions",
+        {"model": "tgi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
+    assert status == 400, body
+    assert body["error"]["param"] == "messages"
+    assert "chat template" in body["error"]["message"]
+    # Completions need no template.
+    status, _, body = http_json(
+        deployment.http_port,
+        "POST",
+        "/v1/completions",
+        {"model": "tgi", "prompt": "Once upon a time", "max_tokens": 2},
+    )
+    assert status == 200 and body["object"] == "text_completion", body

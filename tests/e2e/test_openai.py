@@ -80,6 +80,8 @@ def hf(model_dir: Path):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
+    # One math thread, as the servers under test: more only fight them for the CI's two cores.
+    torch.set_num_threads(1)
     return model, transformers.AutoTokenizer.from_pretrained(model_dir)
 
 
@@ -395,3 +397,40 @@ def test_error_reaching_no_handler_is_openai_shaped(deployment: Deployment) -> N
     assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
     status, _, body = http_json(deployment.http_port, "GET", "/v1/nothing-here")
     assert status == 404 and body["error"]["type"] == "invalid_request_error"
+
+
+NPM_CASES = [
+    "haiku_stream",
+    "non_stream_with_usage",
+    "include_usage",
+    "bad_request_names_the_param",
+    "wrong_key",
+    "unknown_model",
+    "completions_and_models",
+]
+
+
+@pytest.fixture(scope="module")
+def npm_results(deployment: Deployment) -> dict[str, str | None]:
+    """The `openai` npm package (package.json's devDependencies) run once over its cases."""
+    import shutil
+    import subprocess
+
+    node = shutil.which("node")
+    assert node is not None, "node is needed for the openai npm package"
+    script = Path(__file__).with_name("openai_npm_cases.mjs")
+    done = subprocess.run(
+        [node, script, f"http://{deployment.envoy_target}/v1", API_KEY],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", NPM_CASES)
+def test_openai_npm_package(npm_results: dict[str, str | None], case: str) -> None:
+    assert case in npm_results, sorted(npm_results)
+    assert npm_results[case] is None, npm_results[case]
