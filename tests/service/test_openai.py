@@ -186,3 +186,54 @@ def test_an_error_before_the_first_chunk_is_one_json_error_body() -> None:
     (only,) = asyncio.run(_bodies(body()))
     assert only.content_type == "application/json"
     assert json.loads(only.data)["error"]["code"] == "rate_limit_exceeded"
+
+
+@pytest.fixture(scope="module")
+def template_free_model(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny model with the chat template removed from its tokenizer_config.json."""
+    from tests.helpers.models import write_tiny_model
+
+    out = write_tiny_model(tmp_path_factory.mktemp("no-template") / "model")
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    config_path.write_text(json.dumps(config))
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    return out
+
+
+def test_a_model_without_a_chat_template_answers_400_saying_so(template_free_model) -> None:
+    from service.generation.chat_template import ChatTemplate
+    from service.generation.openai import ChatMessage
+
+    template = ChatTemplate(template_free_model)
+    try:
+        with pytest.raises(ValidationError) as caught:
+            asyncio.run(template.render((ChatMessage("user", "hi"),)))
+    finally:
+        template.close()
+    assert caught.value.field == "messages"
+    assert "no chat template" in str(caught.value) and "--chat-template" in str(caught.value)
+
+
+def test_chat_template_file_overrides_and_ids_match_the_text(template_free_model, tmp_path) -> None:
+    from service.generation.chat_template import ChatTemplate
+    from service.generation.openai import ChatMessage
+
+    path = tmp_path / "t.jinja"
+    path.write_text(
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
+    template = ChatTemplate(template_free_model, path)
+    try:
+        prompt, ids = asyncio.run(
+            template.render((ChatMessage("system", "s"), ChatMessage("user", "u")))
+        )
+    finally:
+        template.close()
+    assert prompt == "[system] s\n[user] u\n[assistant] "
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(template_free_model / "tokenizer.json"))
+    assert list(ids) == tokenizer.encode(prompt, add_special_tokens=False).ids
