@@ -9,8 +9,10 @@ here: `service.api.openai_json` and `service.api.openai_convert` encode what thi
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -244,12 +246,11 @@ class OpenAIEndpoints:
                 "presence_penalty is not supported by this server (only 0); use "
                 f"frequency_penalty; got {params.presence_penalty}",
             )
-        if params.n < 1:
-            raise ValidationError("n", f"n must be >= 1; got {params.n}")
+        max_n = self.service.validator.limits.max_best_of
+        if not 1 <= params.n <= max_n:
+            raise ValidationError("n", f"n must be in [1, {max_n}] (--max-best-of); got {params.n}")
         if params.top_logprobs is not None and not params.logprobs:
             raise ValidationError("top_logprobs", "top_logprobs needs logprobs: true")
-        if params.stream and params.n > 1:
-            raise ValidationError("n", f"n > 1 is not supported with stream: true; got {params.n}")
 
     def _input(
         self, params: SamplingRequest, prompt: str, prompt_ids: tuple[int, ...] | None
@@ -259,7 +260,6 @@ class OpenAIEndpoints:
         return GenerateInput(
             inputs=prompt,
             prompt_ids=prompt_ids,
-            best_of=params.n if params.n > 1 else None,
             temperature=temperature,
             do_sample=temperature != 0.0,
             top_p=params.top_p,
@@ -327,15 +327,32 @@ class OpenAIEndpoints:
         deadline: float | None,
     ) -> Completed:
         header = self._header(prefix, request_id)
-        outcome = await _openai_errors(
-            self.service.generate(
-                generate, request_id=request_id, deadline=deadline, method=method
-            ),
-            "messages" if prefix == "chatcmpl" else "prompt",
-        )
-        sequences = (outcome.best, *outcome.others)
+        prompt_param = "messages" if prefix == "chatcmpl" else "prompt"
+        # n choices are n sequences run side by side (each admitted as a request of its own).
+        calls = [
+            _openai_errors(
+                self.service.generate(
+                    _nth(generate, i, params.n),
+                    request_id=_nth_id(request_id, i, params.n),
+                    deadline=deadline,
+                    method=method,
+                ),
+                prompt_param,
+            )
+            for i in range(params.n)
+        ]
+        if len(calls) == 1:
+            outcomes = [await calls[0]]
+        else:
+            try:
+                async with asyncio.TaskGroup() as group:
+                    tasks = [group.create_task(call) for call in calls]
+            except BaseExceptionGroup as group_error:
+                raise group_error.exceptions[0] from None
+            outcomes = [t.result() for t in tasks]
+        sequences = [o.best for o in outcomes]
         choices = tuple(self._choice(i, s, params) for i, s in enumerate(sequences))
-        usage = Usage(outcome.options.input_length, sum(s.generated_tokens for s in sequences))
+        usage = Usage(outcomes[0].options.input_length, sum(s.generated_tokens for s in sequences))
         return Completed(header, choices, usage)
 
     def _choice(self, index: int, seq: GeneratedSequence, params: SamplingRequest) -> Choice:
@@ -384,22 +401,51 @@ class OpenAIEndpoints:
         request_id: str,
         deadline: float | None,
         echo: str = "",
-    ) -> AsyncIterator[StreamEvent]:
-        """One choice's chunks: the first (role; echoed prompt), one per token with text (or
-        with logprobs), the finish, then usage when asked. Validation errors surface on the
-        first iteration, before anything is sent."""
+    ) -> AsyncGenerator[StreamEvent, None]:
+        """The chunks of all choices (n sequences streamed side by side), then usage when asked.
+        Validation errors surface on the first iteration, before anything is sent."""
+        choices = [
+            self._choice_stream(
+                i, _nth(generate, i, params.n), params, method, _nth_id(request_id, i, params.n),
+                deadline, echo,
+            )
+            for i in range(params.n)
+        ]  # fmt: skip
+        prompt_tokens = completion_tokens = 0
+        async with aclosing(_merge(choices) if len(choices) > 1 else choices[0]) as events:
+            async for event in events:
+                if isinstance(event, _ChoiceDone):
+                    prompt_tokens = event.prompt_tokens
+                    completion_tokens += event.completion_tokens
+                    continue
+                yield event
+        if params.include_usage:
+            yield UsageChunk(Usage(prompt_tokens, completion_tokens))
+
+    async def _choice_stream(
+        self,
+        index: int,
+        generate: GenerateInput,
+        params: SamplingRequest,
+        method: str,
+        request_id: str,
+        deadline: float | None,
+        echo: str,
+    ) -> AsyncGenerator[ChoiceDelta | _ChoiceDone, None]:
+        """One choice's chunks: the first (chat: the role; an echoed prompt), one per token with
+        text (or logprobs), the finish; then its token counts for the usage chunk."""
         items = self.service.stream(
             generate, request_id=request_id, deadline=deadline, method=method
         )
         trimmer = StopTrimmer(params.stop)
         first = True
-        try:
-            prompt_param = "messages" if method == CHAT_COMPLETIONS_STREAM else "prompt"
+        prompt_param = "messages" if method == CHAT_COMPLETIONS_STREAM else "prompt"
+        async with aclosing(items):
             async for item in _openai_errors_iter(items, prompt_param):
                 if first:
                     # Chat announces the role in a first chunk; completions only echo there.
                     if method == CHAT_COMPLETIONS_STREAM or echo:
-                        yield ChoiceDelta(0, echo, first=True)
+                        yield ChoiceDelta(index, echo, first=True)
                     first = False
                 token = item.token
                 text = "" if token.special else trimmer.push(token.text)
@@ -408,17 +454,68 @@ class OpenAIEndpoints:
                     logprobs = (_logprob(token, item.top_tokens),)
                 if item.finished is None:
                     if text or logprobs:
-                        yield ChoiceDelta(0, text, logprobs=logprobs)
+                        yield ChoiceDelta(index, text, logprobs=logprobs)
                     continue
                 text += trimmer.flush()
                 if text or logprobs:
-                    yield ChoiceDelta(0, text, logprobs=logprobs)
-                yield ChoiceDelta(0, "", finish_reason=FINISH_REASONS[item.finished.finish_reason])
-                if params.include_usage:
-                    usage = Usage(item.options.input_length, item.finished.generated_tokens)
-                    yield UsageChunk(usage)
-        finally:
-            await items.aclose()
+                    yield ChoiceDelta(index, text, logprobs=logprobs)
+                reason = FINISH_REASONS[item.finished.finish_reason]
+                yield ChoiceDelta(index, "", finish_reason=reason)
+                yield _ChoiceDone(item.options.input_length, item.finished.generated_tokens)
+
+
+@dataclass(frozen=True)
+class _ChoiceDone:
+    """End of one streamed choice: its token counts (not sent; summed into the usage chunk)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def _nth(generate: GenerateInput, index: int, n: int) -> GenerateInput:
+    """Choice `index` of n: its own sequence, with seed `seed + index` when a seed was given."""
+    if n == 1:
+        return generate
+    seed = None if generate.seed is None else (generate.seed + index) % (1 << 64)
+    return replace(generate, seed=seed)
+
+
+def _nth_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{request_id}/{index}"
+
+
+async def _merge(
+    streams: list[AsyncGenerator[_T, None]],
+) -> AsyncGenerator[_T, None]:
+    """The items of several async generators as they come. The first failure ends the merge
+    (and closes the others); closing the merge closes them all."""
+    queue: asyncio.Queue[tuple[int, _T | None, Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncGenerator[_T, None]) -> None:
+        try:
+            async with aclosing(stream):
+                async for item in stream:
+                    await queue.put((i, item, None))
+        except Exception as error:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((i, None, error))
+            return
+        await queue.put((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            _, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is None:
+                running -= 1
+                continue
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def openai_param(field: str, prompt_param: str) -> str:

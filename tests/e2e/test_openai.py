@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
-from _deploy import Deployment, http_json, launch, metric
+from _deploy import REPO, Deployment, http_json, launch, metric
 from tokenwire.v1 import openai_pb2 as opb
 from tokenwire.v1 import openai_pb2_grpc as opb_grpc
 
@@ -211,9 +211,26 @@ def test_n_2_returns_two_choices(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
         model="tgi", messages=FRANCE, max_tokens=4, n=2, seed=7
     )
-    assert sorted(c.index for c in reply.choices) == [0, 1]
+    assert [c.index for c in reply.choices] == [0, 1]
     assert all(c.message.content for c in reply.choices)
     assert 2 <= reply.usage.completion_tokens <= 8
+    # Choice i is sampled with seed + i: choice 0 is the n=1 answer with the same seed.
+    single = client.chat.completions.create(
+        model="tgi", messages=FRANCE, max_tokens=4, seed=7
+    )
+    assert reply.choices[0].message.content == single.choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(
+            model="tgi", messages=FRANCE, max_tokens=4, n=2, seed=7, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    texts = ["", ""]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.message.content for c in reply.choices]
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
 
 
 @pytest.mark.parametrize(
@@ -434,3 +451,26 @@ def npm_results(deployment: Deployment) -> dict[str, str | None]:
 def test_openai_npm_package(npm_results: dict[str, str | None], case: str) -> None:
     assert case in npm_results, sorted(npm_results)
     assert npm_results[case] is None, npm_results[case]
+
+
+def test_buf_curl_calls_the_typed_chat_rpc(client: openai.OpenAI, deployment: Deployment) -> None:
+    """Plain gRPC from the command line (`buf curl`, over server reflection) gives the REST text."""
+    import subprocess
+
+    rest = greedy(client, FRANCE, max_tokens=6).choices[0].message.content
+    request = {"model": "tgi", "messages": FRANCE, "temperature": 0, "max_tokens": 6}
+    done = subprocess.run(
+        [
+            str(REPO / "node_modules" / ".bin" / "buf"),
+            "curl",
+            "--protocol", "grpc",
+            "--http2-prior-knowledge",
+            "-H", f"authorization: Bearer {API_KEY}",
+            "-d", json.dumps(request),
+            f"http://{deployment.grpc_target}/tokenwire.v1.OpenAIService/Chat",
+        ],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    reply = json.loads(done.stdout)
+    assert reply["choices"][0]["message"]["content"] == rest
