@@ -14,6 +14,7 @@ import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -34,6 +35,10 @@ _VALID_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar(
     "tokenwire_request_id", default=""
 )
+# Extra initial-metadata entries of the streaming call being served (see set_response_header).
+_response_headers: contextvars.ContextVar[list[tuple[str, str]] | None] = contextvars.ContextVar(
+    "tokenwire_response_headers", default=None
+)
 _log = logging.getLogger("tokenwire.grpc")
 
 Unary = Callable[[Any, aio.ServicerContext], Awaitable[Any]]
@@ -44,6 +49,15 @@ def current_request_id() -> str:
     """The request id of the call being served (set by RequestIdInterceptor); a fresh one when
     called outside an intercepted call."""
     return _request_id.get() or uuid.uuid4().hex
+
+
+def set_response_header(key: str, value: str) -> None:
+    """Adds an entry to the initial metadata of the streaming call being served, sent with its
+    first message (Envoy turns it into an HTTP response header). Call it before yielding the
+    first message; outside a stream served through RequestIdInterceptor it does nothing."""
+    headers = _response_headers.get()
+    if headers is not None:
+        headers.append((key, value))
 
 
 def _metadata(details: grpc.HandlerCallDetails, key: str) -> str | None:
@@ -173,6 +187,14 @@ def _folded_stream(
     return stream
 
 
+@dataclass(frozen=True)
+class _StreamState:
+    request_id: str
+    token: contextvars.Token[str]
+    headers: list[tuple[str, str]]
+    headers_token: contextvars.Token[list[tuple[str, str]] | None]
+
+
 class RequestIdInterceptor(_WrappingInterceptor):
     """Takes the client's `x-request-id` (printable ASCII, at most 128 characters) or makes one,
     exposes it through `current_request_id()` and echoes it in the response's metadata.
@@ -202,19 +224,19 @@ class RequestIdInterceptor(_WrappingInterceptor):
 
     async def stream_enter(
         self, context: aio.ServicerContext, details: grpc.HandlerCallDetails
-    ) -> tuple[str, contextvars.Token[str]]:
+    ) -> _StreamState:
         request_id, token = self._begin(details)
         context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
-        return request_id, token
+        headers: list[tuple[str, str]] = []
+        return _StreamState(request_id, token, headers, _response_headers.set(headers))
 
-    async def stream_first(
-        self, context: aio.ServicerContext, state: tuple[str, contextvars.Token[str]]
-    ) -> None:
-        await context.send_initial_metadata(((REQUEST_ID_KEY, state[0]),))
+    async def stream_first(self, context: aio.ServicerContext, state: _StreamState) -> None:
+        await context.send_initial_metadata(((REQUEST_ID_KEY, state.request_id), *state.headers))
 
-    def stream_exit(self, state: tuple[str, contextvars.Token[str]]) -> None:
+    def stream_exit(self, state: _StreamState) -> None:
         try:
-            _request_id.reset(state[1])
+            _request_id.reset(state.token)
+            _response_headers.reset(state.headers_token)
         except ValueError:  # closed from another context (generator finalisation)
             pass
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from tokenwire.v1 import generate_pb2_grpc
+from tokenwire.v1 import generate_pb2_grpc, openai_pb2, openai_pb2_grpc
 
 from service.api.interceptors import server_interceptors
+from service.api.openai_servicer import OpenAIServicer
 from service.api.servicer import SERVICE_NAME, HealthReporter, TextGenerationServicer
 
 
@@ -19,9 +20,11 @@ def build_server(
     port: int,
     api_key: str | None,
     reuse_port: bool = False,
+    openai: OpenAIServicer | None = None,
 ) -> tuple[aio.Server, int]:
     """The public gRPC server (not started): TextGeneration, grpc.health.v1 and reflection of
-    every service, behind the interceptors. Returns it with its bound port. `reuse_port`:
+    every service, behind the interceptors (and tokenwire.v1.OpenAIService when `openai` is
+    given). Returns it with its bound port. `reuse_port`:
     several processes listen on the port (SO_REUSEPORT) and the kernel spreads connections."""
     server = aio.server(
         interceptors=server_interceptors(api_key),
@@ -33,11 +36,14 @@ def build_server(
     )
     generate_pb2_grpc.add_TextGenerationServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_reporter.servicer, server)
-    services = (
+    services: tuple[str, ...] = (
         SERVICE_NAME,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         reflection.SERVICE_NAME,
     )
+    if openai is not None:
+        openai_pb2_grpc.add_OpenAIServiceServicer_to_server(openai, server)
+        services += (openai_pb2.DESCRIPTOR.services_by_name["OpenAIService"].full_name,)
     reflection.enable_server_reflection(services, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

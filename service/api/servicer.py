@@ -8,10 +8,13 @@ exception is a stream that already sent events, which also reports its failure i
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from google.api.httpbody_pb2 import HttpBody
+from google.protobuf import json_format
 from grpc import aio
 from grpc_health.v1 import health, health_pb2
 from tokenwire.v1 import generate_pb2 as pb
@@ -21,7 +24,9 @@ from service.api import convert
 from service.api.interceptors import current_request_id
 from service.api.status import classify, public_message
 from service.engine.contracts import DrainingError, ShardUnavailableError
+from service.generation.errors import ValidationError
 from service.generation.service import GenerationService, ServerInfo
+from service.generation.tokenization import Tokenizing
 from service.observability.metrics import ServerMetrics
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
@@ -99,10 +104,15 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         self._service_or_none = service
         self._info_or_none = info
         self._health = health_reporter
+        self._tokenizer: Tokenizing | None = None
 
-    def attach(self, service: GenerationService, info: ServerInfo) -> None:
-        """Starts generating (the servicer is registered before the shards are warm)."""
+    def attach(
+        self, service: GenerationService, info: ServerInfo, tokenizer: Tokenizing | None = None
+    ) -> None:
+        """Starts generating (the servicer is registered before the shards are warm);
+        `tokenizer` serves Tokenize."""
         self._service_or_none, self._info_or_none = service, info
+        self._tokenizer = tokenizer
 
     @property
     def _service(self) -> GenerationService:
@@ -145,6 +155,36 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
                     # HTTP/1.1 SSE clients behind Envoy never see trailers: say it in band too.
                     yield convert.stream_error(sent, classify(error), public_message(error))
                 raise
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        if self._tokenizer is None:
+            raise ShardUnavailableError(f"not serving yet: {self._health.reason or 'starting'}")
+        if not request.inputs:
+            raise ValidationError("inputs", "inputs must not be empty")
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        tokens = await self._tokenizer.tokenize(request.inputs, add_special)
+        return pb.TokenizeResponse(
+            tokens=[
+                pb.SimpleToken(id=i, text=text, start=start, stop=stop)
+                for i, text, start, stop in tokens
+            ]
+        )
+
+    async def TokenizeHttp(self, request: HttpBody, context: aio.ServicerContext) -> HttpBody:
+        try:
+            parsed = json_format.Parse(
+                request.data or b"{}", pb.TokenizeRequest(), ignore_unknown_fields=True
+            )
+        except json_format.ParseError as error:
+            raise ValidationError("body", f"the request body is not a TokenizeRequest: {error}")
+        reply = await self.Tokenize(parsed, context)
+        # TGI's array of {id, text, start, stop}, in that order.
+        tokens = [
+            {"id": t.id, "text": t.text, "start": t.start, "stop": t.stop} for t in reply.tokens
+        ]
+        return HttpBody(content_type="application/json", data=json.dumps(tokens).encode())
 
     async def Info(self, request: pb.InfoRequest, context: aio.ServicerContext) -> pb.InfoResponse:
         return convert.info_response(self._info())

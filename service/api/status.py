@@ -15,6 +15,7 @@ from service.engine.contracts import (
     ShardUnavailableError,
 )
 from service.generation.errors import (
+    ModelNotFoundError,
     UnauthenticatedError,
     UnsupportedError,
     ValidationError,
@@ -36,6 +37,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnsupportedError, grpc.StatusCode.UNIMPLEMENTED),
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DrainingError, grpc.StatusCode.UNAVAILABLE),
     (ShardUnavailableError, grpc.StatusCode.UNAVAILABLE),

@@ -135,6 +135,13 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
     ),
     PassThrough("--api-key", str, ("API_KEY",), "require 'authorization: Bearer KEY'", "router"),
     PassThrough(
+        "--chat-template",
+        str,
+        ("CHAT_TEMPLATE",),
+        "Jinja chat template file (default: the model's)",
+        "router",
+    ),
+    PassThrough(
         "--json-output", None, ("JSON_OUTPUT",), "structured JSON logs", "router", is_bool=True
     ),
     # Shards.

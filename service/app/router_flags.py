@@ -133,6 +133,13 @@ def _request_limit_flags(a: _AddArgument) -> None:
         "(default 4)",
     )
     a(
+        "--chat-template",
+        type=Path,
+        default=env_value("CHAT_TEMPLATE"),
+        help="Jinja chat template file for /v1/chat/completions and Chat, instead of the one in "
+        "the model's tokenizer_config.json [CHAT_TEMPLATE]",
+    )
+    a(
         "--validation-workers",
         type=int,
         default=int(env_value("VALIDATION_WORKERS") or 2),

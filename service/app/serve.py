@@ -16,12 +16,15 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
 
+from service.api.openai_servicer import OpenAIServicer
 from service.api.server import build_server
 from service.api.servicer import HealthReporter, TextGenerationServicer
 from service.app.engine_source import EngineSource, ShardEngineSource, ShardLink
 from service.app.router_flags import engine_config, validation_limits
 from service.engine.backend import ShardRpcError
 from service.engine.contracts import Engine, EngineStats
+from service.generation.chat_template import ChatTemplate
+from service.generation.openai import OpenAIEndpoints
 from service.generation.service import Admission, GenerationService, ServerInfo
 from service.generation.tokenization import TokenizerPool
 from service.generation.validation import Validator
@@ -70,6 +73,7 @@ async def serve(
     health_reporter = HealthReporter(metrics)
     await health_reporter.start()
     servicer = TextGenerationServicer(None, health_reporter)
+    openai_servicer = OpenAIServicer()
     server, port = build_server(
         servicer,
         health_reporter,
@@ -77,6 +81,7 @@ async def serve(
         port=args.port,
         api_key=args.api_key,
         reuse_port=reuse_port,
+        openai=openai_servicer,
     )
     await server.start()
     _log.info("listening on %s:%d (NOT_SERVING until the shards are warm)", args.hostname, port)
@@ -94,6 +99,7 @@ async def serve(
     client = None
     engine = None
     tokenizer = None
+    chat_template = None
     try:
         connect_task = asyncio.ensure_future(source.connect())
         stop_task = asyncio.ensure_future(stop.wait())
@@ -110,7 +116,12 @@ async def serve(
             connection.shard,
             connection.limits,
         )
-        tokenizer = TokenizerPool(_tokenizer_path(args, shard.model_id), args.validation_workers)
+        tokenizer_path = _tokenizer_path(args, shard.model_id)
+        tokenizer = TokenizerPool(tokenizer_path, args.validation_workers)
+        chat_template = ChatTemplate(
+            tokenizer_path if tokenizer_path.is_dir() else tokenizer_path.parent,
+            args.chat_template,
+        )
         engine = source.build_engine(
             connection,
             engine_config(args, limits),
@@ -146,7 +157,15 @@ async def serve(
             num_kv_blocks=warm.num_blocks,
             num_shard=shard.world_size,
         )
-        servicer.attach(service, info)
+        servicer.attach(service, info, tokenizer)
+        openai_servicer.attach(
+            OpenAIEndpoints(
+                service,
+                model_id=info.model_id,
+                system_fingerprint=f"tokenwire-{info.version}",
+                chat_template=chat_template,
+            )
+        )
         await health_reporter.set_ready()
         _log.info(
             "serving %s: %d KV blocks of %d tokens, max_input_tokens=%d max_total_tokens=%d",
@@ -175,6 +194,8 @@ async def serve(
             await client.close()
         if tokenizer is not None:
             tokenizer.close()
+        if chat_template is not None:
+            chat_template.close()
         if metrics_server is not None:
             metrics_server.close()
 

@@ -29,6 +29,10 @@ class UnsupportedError(EngineError):
     """A well-formed request asks for something this server does not do (UNIMPLEMENTED)."""
 
 
+class ModelNotFoundError(EngineError):
+    """The request names a model this server does not serve (NOT_FOUND)."""
+
+
 class UnauthenticatedError(EngineError):
     """The call lacks the API key the server requires (UNAUTHENTICATED)."""
 
@@ -42,6 +46,7 @@ _ERROR_TYPES: tuple[tuple[type[BaseException], str], ...] = (
     (ValidationError, "validation"),
     (UnsupportedError, "validation"),
     (UnauthenticatedError, "unauthenticated"),
+    (ModelNotFoundError, "not_found"),
     (OverloadedError, "overloaded"),
     (DrainingError, "unavailable"),
     (ShardUnavailableError, "unavailable"),

@@ -32,6 +32,10 @@ from service.observability.metrics import RequestRecord, ServerMetrics
 
 GENERATE = "generate"
 GENERATE_STREAM = "generate_stream"
+CHAT_COMPLETIONS = "chat_completions"
+CHAT_COMPLETIONS_STREAM = "chat_completions_stream"
+COMPLETIONS = "completions"
+COMPLETIONS_STREAM = "completions_stream"
 
 
 @dataclass(frozen=True)
@@ -226,11 +230,17 @@ class GenerationService:
         return collector
 
     async def generate(
-        self, request: GenerateInput, *, request_id: str, deadline: float | None = None
+        self,
+        request: GenerateInput,
+        *,
+        request_id: str,
+        deadline: float | None = None,
+        method: str = GENERATE,
     ) -> GenerateOutcome:
-        """Generates the whole completion (best_of sequences, best first)."""
+        """Generates the whole completion (best_of sequences, best first). `method`: the route's
+        label in metrics and logs."""
         timer = _Timer()
-        self._admit(GENERATE)
+        self._admit(method)
         options: ResponseOptions | None = None
         outcome: GenerateOutcome | None = None
         max_new_tokens = 0
@@ -259,13 +269,13 @@ class GenerationService:
             )
             return outcome
         except BaseException as error:  # noqa: BLE001 - recorded, then re-raised
-            self._record_failure(GENERATE, request_id, timer, options, _unwrap(error))
+            self._record_failure(method, request_id, timer, options, _unwrap(error))
             raise _unwrap(error) from None
         finally:
             self._release()
             if outcome is not None:
                 self._record_success(
-                    GENERATE,
+                    method,
                     request_id,
                     timer,
                     outcome.options,
@@ -277,12 +287,17 @@ class GenerationService:
                 )
 
     async def stream(
-        self, request: GenerateInput, *, request_id: str, deadline: float | None = None
+        self,
+        request: GenerateInput,
+        *,
+        request_id: str,
+        deadline: float | None = None,
+        method: str = GENERATE_STREAM,
     ) -> AsyncIterator[StreamItem]:
         """Yields one item per generated token as soon as the engine produces it. Errors before
         the first item mean nothing was generated; the caller reports later ones in band."""
         timer = _Timer()
-        self._admit(GENERATE_STREAM)
+        self._admit(method)
         options: ResponseOptions | None = None
         finished: Finished | None = None
         index = 0
@@ -334,7 +349,7 @@ class GenerationService:
             if gaps:
                 self.metrics.observe_inter_token_latencies(gaps)
             timer.last_token = last or None
-            self._record_failure(GENERATE_STREAM, request_id, timer, options, error, index)
+            self._record_failure(method, request_id, timer, options, error, index)
             raise
         finally:
             self._release()
@@ -344,7 +359,7 @@ class GenerationService:
         timer.queue_seconds = finished.queue_seconds
         timer.inference_seconds = finished.inference_seconds
         self._record_success(
-            GENERATE_STREAM,
+            method,
             request_id,
             timer,
             options,

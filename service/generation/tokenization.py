@@ -21,6 +21,16 @@ class Encoder(Protocol):
         ...
 
 
+class Tokenizing(Protocol):
+    """What Tokenize (TGI's /tokenize) needs from a tokenizer."""
+
+    async def tokenize(
+        self, text: str, add_special_tokens: bool = True
+    ) -> tuple[tuple[int, str, int, int], ...]:
+        """(id, text, start, stop) of each token; offsets in characters."""
+        ...
+
+
 class TokenizerPool:
     """A `tokenizers.Tokenizer` loaded from `tokenizer.json` with a pool of worker threads."""
 
@@ -46,6 +56,25 @@ class TokenizerPool:
     async def encode(self, text: str) -> tuple[int, ...]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._encode_sync, text)
+
+    def _tokenize_sync(
+        self, text: str, add_special_tokens: bool
+    ) -> tuple[tuple[int, str, int, int], ...]:
+        encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return tuple(
+            (token_id, text[start:stop], start, stop)
+            for token_id, (start, stop) in zip(encoding.ids, encoding.offsets, strict=True)
+        )
+
+    async def tokenize(
+        self, text: str, add_special_tokens: bool = True
+    ) -> tuple[tuple[int, str, int, int], ...]:
+        """(id, text, start, stop) of each token of `text`; offsets in characters (TGI's
+        /tokenize)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._executor, self._tokenize_sync, text, add_special_tokens
+        )
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (synchronous; for tests and tools)."""

@@ -75,6 +75,8 @@ class GenerateInput:
     seed: int | None = None
     top_n_tokens: int | None = None
     grammar: GrammarInput | None = None
+    # The prompt's token ids when the caller tokenized it (chat templates); None: tokenize inputs.
+    prompt_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -361,9 +363,10 @@ class Validator:
     ) -> ValidatedGenerate:
         """Returns the engine requests (one per best_of sequence) or raises ValidationError."""
         params = check_parameters(request, self.limits, stream=stream)
-        input_ids, max_new_tokens = check_length(
-            request, self.limits, await self._encoder.encode(request.inputs)
-        )
+        ids = request.prompt_ids
+        if ids is None:
+            ids = await self._encoder.encode(request.inputs)
+        input_ids, max_new_tokens = check_length(request, self.limits, ids)
         stopping = StoppingConfig(max_new_tokens=max_new_tokens, stop_sequences=params.stop)
         requests = tuple(
             ValidatedRequest(

@@ -385,3 +385,23 @@ def test_rendered_config_differs_only_in_addresses_and_paths() -> None:
     walk(original, rendered, "")
     assert all(p.endswith(("port_value", "address", "proto_descriptor")) for p in changed), changed
     assert len(changed) == 5, changed
+
+
+
+def test_openai_routes_serve_the_tiny_model(deployment: Deployment) -> None:
+    # The embedded tiny model carries its own (non-ChatML) chat template.
+    status, _, body = http_json(
+        deployment.http_port,
+        "POST",
+        "/v1/chat/completions",
+        {"model": "tgi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
+    assert status == 200 and body["object"] == "chat.completion", body
+    assert body["usage"]["completion_tokens"] <= 2
+    status, _, body = http_json(
+        deployment.http_port,
+        "POST",
+        "/v1/completions",
+        {"model": "tgi", "prompt": "Once upon a time", "max_tokens": 2},
+    )
+    assert status == 200 and body["object"] == "text_completion", body

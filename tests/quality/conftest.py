@@ -4,13 +4,13 @@ served by a real shard + router over loopback, and the same snapshot in transfor
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.processes import Deployment, start_deployment
+from tests.helpers.smollm2 import snapshot
 
 # The longest prompt the perplexity test sends (one window of its text), plus room to generate.
 MAX_INPUT_TOKENS = 2048
@@ -18,19 +18,8 @@ MAX_INPUT_TOKENS = 2048
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The converted snapshot of the embedded default (the launcher's ensure_local_model, no
-    --model-id): in a cache private to this test session, so the conversion itself is tested,
-    unless $TOKENWIRE_CACHE names one to reuse (saves the ~20-70 s conversion between runs)."""
-    from service.app.launcher import DEFAULT_MODEL_NAME, ensure_local_model
-
-    cache = (
-        Path(os.environ["TOKENWIRE_CACHE"])
-        if os.environ.get("TOKENWIRE_CACHE")
-        else tmp_path_factory.mktemp("tokenwire-cache")
-    )
-    model_id, path = ensure_local_model(None, None, cache)
-    assert model_id == DEFAULT_MODEL_NAME
-    return path
+    """The converted snapshot of the embedded default, shared with the OpenAI tests."""
+    return snapshot(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

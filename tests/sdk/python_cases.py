@@ -215,6 +215,49 @@ async def async_health(target: str) -> None:
         check(await client.health() is False, "unreachable server is not healthy")
 
 
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+
+
+def sync_chat(target: str) -> None:
+    with tw.Client(target, timeout=60) as client:
+        reply = client.chat(CHAT, max_tokens=5, temperature=0)
+        check(isinstance(reply, tw.ChatResponse), f"type {type(reply)}")
+        check(reply.object == "chat.completion", reply.object)
+        choice = reply.choices[0]
+        check(choice.message.role == "assistant", choice.message.role)
+        check(choice.finish_reason in {"stop", "length"}, choice.finish_reason)
+        check(reply.usage.completion_tokens <= 5, f"{reply.usage}")
+        chunks = list(client.chat_stream(CHAT, max_tokens=5, temperature=0, include_usage=True))
+        check(all(isinstance(c, tw.ChatStreamResponse) for c in chunks), "chunk types")
+        check(chunks[0].choices[0].delta.role == "assistant", "first chunk carries the role")
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        check(text == choice.message.content, f"stream {text!r} != unary {choice.message.content!r}")
+        check(chunks[-1].usage is not None and not chunks[-1].choices, "usage chunk last")
+        done = client.completion(PROMPT, max_tokens=3, temperature=0)
+        check(isinstance(done, tw.CompletionResponse), f"type {type(done)}")
+        streamed = client.completion_stream(PROMPT, max_tokens=3, temperature=0)
+        check("".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text,
+              "completion stream equals completion")  # fmt: skip
+        try:
+            client.chat(CHAT, model="gpt-4o", max_tokens=2)
+        except tw.TokenwireError as error:
+            check(error.code == "NOT_FOUND", error.code)
+        else:
+            raise AssertionError("an unknown model was accepted")
+
+
+async def async_chat(target: str) -> None:
+    async with tw.AsyncClient(target, timeout=60) as client:
+        reply = await client.chat(CHAT, max_tokens=5, temperature=0)
+        check(isinstance(reply, tw.ChatResponse), f"type {type(reply)}")
+        text = ""
+        async for chunk in client.chat_stream(CHAT, max_tokens=5, temperature=0):
+            text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+        check(text == reply.choices[0].message.content, f"{text!r}")
+        done = await client.completion(PROMPT, max_tokens=3, temperature=0)
+        check(done.usage.completion_tokens <= 3, f"{done.usage}")
+
+
 def packaging(target: str) -> None:
     import importlib.util
 
@@ -236,6 +279,7 @@ SYNC_CASES: dict[str, Callable[[str], None]] = {
         sync_deadline,
         sync_info,
         sync_health,
+        sync_chat,
         packaging,
     )
 }
@@ -248,6 +292,7 @@ ASYNC_CASES: dict[str, Callable[[str], Awaitable[None]]] = {
         async_deadline,
         async_info,
         async_health,
+        async_chat,
     )
 }
 

@@ -32,12 +32,14 @@ CASES = [
     "sync_deadline",
     "sync_info",
     "sync_health",
+    "sync_chat",
     "async_generate",
     "async_stream_cancel",
     "async_validation_error",
     "async_deadline",
     "async_info",
     "async_health",
+    "async_chat",
     "packaging",
 ]
 

@@ -14,6 +14,19 @@ import {
   type GenerateStreamResponse,
   type InfoResponse,
 } from "./gen/tokenwire/v1/generate_pb.js";
+import {
+  ChatMessageSchema,
+  ChatRequestSchema,
+  CompletionRequestSchema,
+  OpenAIService,
+  type ChatResponse,
+  type ChatStreamResponse,
+  type CompletionResponse,
+  type CompletionStreamResponse,
+} from "./gen/tokenwire/v1/openai_pb.js";
+
+/** The model name every tokenwire server accepts for the model it serves. */
+export const SERVED_MODEL = "tgi";
 
 /** Options of createClient. */
 export interface ClientOptions {
@@ -47,6 +60,21 @@ export type GenerateParameters = Omit<
   "$typeName" | "grammar"
 > & { grammar?: GrammarInit };
 
+/** One chat message: {role, content} (name and toolCallId optional). */
+export type ChatMessageInit = Omit<MessageInitShape<typeof ChatMessageSchema>, "$typeName">;
+
+/**
+ * Chat parameters (OpenAI's, camelCase): model (default "tgi"), maxTokens, temperature, topP,
+ * seed, stop, frequencyPenalty, n, logprobs, topLogprobs, includeUsage, ...
+ */
+export type ChatParameters = Omit<MessageInitShape<typeof ChatRequestSchema>, "$typeName" | "messages">;
+
+/** Completion parameters: as ChatParameters, plus echo. */
+export type CompletionParameters = Omit<
+  MessageInitShape<typeof CompletionRequestSchema>,
+  "$typeName" | "prompt"
+>;
+
 /** The tokenwire client returned by createClient. */
 export interface TokenwireClient {
   /** Generates a completion for `inputs` and resolves when it is finished. */
@@ -61,6 +89,25 @@ export interface TokenwireClient {
     parameters?: GenerateParameters,
     options?: CallOptions,
   ): AsyncIterable<GenerateStreamResponse>;
+  /** A chat completion (tokenwire.v1.OpenAIService/Chat), resolved when finished. */
+  chat(messages: ChatMessageInit[], parameters?: ChatParameters, options?: CallOptions): Promise<ChatResponse>;
+  /**
+   * A streamed chat completion: the first chunk carries the role, later ones
+   * `choices[0].delta.content`. Breaking out of `for await` cancels the call on the server.
+   */
+  chatStream(
+    messages: ChatMessageInit[],
+    parameters?: ChatParameters,
+    options?: CallOptions,
+  ): AsyncIterable<ChatStreamResponse>;
+  /** A completion of a string prompt, resolved when finished. */
+  completion(prompt: string, parameters?: CompletionParameters, options?: CallOptions): Promise<CompletionResponse>;
+  /** A streamed completion of a string prompt. */
+  completionStream(
+    prompt: string,
+    parameters?: CompletionParameters,
+    options?: CallOptions,
+  ): AsyncIterable<CompletionStreamResponse>;
   /** Describes the served model and the server's limits. */
   info(options?: CallOptions): Promise<InfoResponse>;
   /** True when the server can generate; false when it answers UNAVAILABLE (or is unreachable). */
@@ -104,6 +151,43 @@ function buildRequest(inputs: string, parameters: GenerateParameters = {}): Gene
   });
 }
 
+/** A streamed call's events with the client's deadline and cancellation, in-band errors raised. */
+async function* cancellableStreamWith<T extends { error?: string; errorType?: string }>(
+  start: (signal: AbortSignal, headers: Record<string, string>) => AsyncIterable<T>,
+  call: CallOptions | undefined,
+  defaultTimeoutMs: number | undefined,
+): AsyncGenerator<T> {
+  // As generateStream: a local controller so that leaving the loop early resets the stream.
+  const controller = new AbortController();
+  const onAbort = () => controller.abort(call?.signal?.reason);
+  call?.signal?.addEventListener("abort", onAbort, { once: true });
+  if (call?.signal?.aborted) onAbort();
+  const timeoutMs = call?.timeoutMs ?? defaultTimeoutMs;
+  const timer =
+    timeoutMs === undefined
+      ? undefined
+      : setTimeout(
+          () => controller.abort(new ConnectError("the call's deadline passed", Code.DeadlineExceeded)),
+          timeoutMs,
+        );
+  const headers: Record<string, string> =
+    timeoutMs === undefined ? {} : { "grpc-timeout": `${Math.max(1, Math.ceil(timeoutMs))}m` };
+  try {
+    for await (const event of start(controller.signal, headers)) {
+      if (event.error !== undefined) {
+        throw inBandError(event.errorType, event.error);
+      }
+      yield event;
+    }
+  } catch (error) {
+    throw translateError(error);
+  } finally {
+    clearTimeout(timer);
+    call?.signal?.removeEventListener("abort", onAbort);
+    controller.abort();
+  }
+}
+
 /**
  * Creates a client for the tokenwire server at `baseUrl` ("http://host:port" of the router, or
  * of Envoy's port, which passes gRPC through). Speaks gRPC over HTTP/2 (cleartext for http://,
@@ -121,6 +205,11 @@ export function createClient(baseUrl: string, options: ClientOptions = {}): Toke
   const sessionManager = new Http2SessionManager(baseUrl);
   const transport = createGrpcTransport({ baseUrl, interceptors, sessionManager });
   const service = createConnectClient(TextGeneration, transport);
+  const openai = createConnectClient(OpenAIService, transport);
+  const cancellableStream = <T extends { error?: string; errorType?: string }>(
+    start: (signal: AbortSignal, headers: Record<string, string>) => AsyncIterable<T>,
+    call: CallOptions | undefined,
+  ) => cancellableStreamWith(start, call, options.timeoutMs);
   const callOptions = (call: CallOptions = {}) => ({
     timeoutMs: call.timeoutMs ?? options.timeoutMs,
     signal: call.signal,
@@ -134,6 +223,34 @@ export function createClient(baseUrl: string, options: ClientOptions = {}): Toke
       } catch (error) {
         throw translateError(error);
       }
+    },
+
+    async chat(messages, parameters, call) {
+      const request = create(ChatRequestSchema, { model: SERVED_MODEL, ...parameters, messages });
+      try {
+        return await openai.chat(request, callOptions(call));
+      } catch (error) {
+        throw translateError(error);
+      }
+    },
+
+    chatStream(messages, parameters, call) {
+      const request = create(ChatRequestSchema, { model: SERVED_MODEL, ...parameters, messages });
+      return cancellableStream((signal, headers) => openai.chatStream(request, { signal, headers }), call);
+    },
+
+    async completion(prompt, parameters, call) {
+      const request = create(CompletionRequestSchema, { model: SERVED_MODEL, ...parameters, prompt });
+      try {
+        return await openai.completion(request, callOptions(call));
+      } catch (error) {
+        throw translateError(error);
+      }
+    },
+
+    completionStream(prompt, parameters, call) {
+      const request = create(CompletionRequestSchema, { model: SERVED_MODEL, ...parameters, prompt });
+      return cancellableStream((signal, headers) => openai.completionStream(request, { signal, headers }), call);
     },
 
     async *generateStream(inputs, parameters, call) {

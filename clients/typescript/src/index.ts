@@ -1,7 +1,10 @@
 // @tokenwire/client: TypeScript client for the tokenwire text-generation server.
-export { createClient } from "./client.js";
+export { createClient, SERVED_MODEL } from "./client.js";
 export type {
   CallOptions,
+  ChatMessageInit,
+  ChatParameters,
+  CompletionParameters,
   ClientOptions,
   GenerateParameters,
   GrammarInit,
@@ -21,6 +24,7 @@ export {
 } from "./errors.js";
 // Generated message types and schemas, for users who want the raw Connect-ES client.
 export * from "./gen/tokenwire/v1/generate_pb.js";
+export * from "./gen/tokenwire/v1/openai_pb.js";
 
 /** Version of this package; it goes with the tokenwire server of the same version. */
 export const VERSION = "0.1.0";

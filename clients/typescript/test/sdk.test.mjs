@@ -51,6 +51,32 @@ describe(`@tokenwire/client against ${url}`, { skip: url === undefined && "TOKEN
     );
   });
 
+  test("chat and chatStream (the server runs with --chat-template)", async () => {
+    const messages = [
+      { role: "system", content: "Be brief." },
+      { role: "user", content: PROMPT },
+    ];
+    const reply = await client.chat(messages, { maxTokens: 5, temperature: 0 });
+    assert.equal(reply.object, "chat.completion");
+    assert.equal(reply.choices[0].message.role, "assistant");
+    assert.ok(["stop", "length"].includes(reply.choices[0].finishReason));
+    const chunks = [];
+    for await (const chunk of client.chatStream(messages, { maxTokens: 5, temperature: 0, includeUsage: true })) {
+      chunks.push(chunk);
+    }
+    assert.equal(chunks[0].choices[0].delta.role, "assistant");
+    const text = chunks.map((c) => c.choices[0]?.delta?.content ?? "").join("");
+    assert.equal(text, reply.choices[0].message.content);
+    assert.ok(chunks.at(-1).usage, "usage chunk last");
+    const done = await client.completion(PROMPT, { maxTokens: 3, temperature: 0 });
+    let streamed = "";
+    for await (const chunk of client.completionStream(PROMPT, { maxTokens: 3, temperature: 0 })) {
+      streamed += chunk.choices[0]?.text ?? "";
+    }
+    assert.equal(streamed, done.choices[0].text);
+    await assert.rejects(client.chat(messages, { model: "gpt-4o", maxTokens: 2 }), TokenwireError);
+  });
+
   test("generateStream, stopped early by break", async () => {
     const events = [];
     for await (const event of client.generateStream(PROMPT, { maxNewTokens: 40, temperature: 0 })) {

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
 
@@ -18,13 +18,23 @@ from ._errors import (
     error_for_status,
 )
 from ._generated.tokenwire.v1 import (
+    ChatMessage,
+    ChatResponse,
+    CompletionResponse,
     GenerateRequest,
     GenerateResponse,
     GenerateStreamResponse,
     InfoResponse,
+    OpenAiServiceStub,
     TextGenerationStub,
 )
-from ._request import auth_metadata, build_request
+from ._request import (
+    auth_metadata,
+    build_chat_request,
+    build_completion_request,
+    build_request,
+)
+from ._sync import SERVED_MODEL
 
 
 def split_target(target: str) -> tuple[str, int]:
@@ -128,14 +138,19 @@ class AsyncClient:
         self._metadata = auth_metadata(api_key)
         self._channel: Channel | None = None
         self._service: TextGenerationStub | None = None
+        self._openai_service: OpenAiServiceStub | None = None
+
+    def _connect(self) -> Channel:
+        # grpclib binds the channel to the running loop, so it is created on first use.
+        if self._channel is None:
+            self._channel = Channel(self._host, self._port, ssl=True if self._tls else None)
+        return self._channel
 
     @property
     def _stub(self) -> TextGenerationStub:
         if self._service is None:
-            # grpclib binds the channel to the running loop, so it is created on first use.
-            self._channel = Channel(self._host, self._port, ssl=True if self._tls else None)
             self._service = TextGenerationStub(
-                self._channel, timeout=self.timeout, metadata=self._metadata
+                self._connect(), timeout=self.timeout, metadata=self._metadata
             )
         return self._service
 
@@ -164,6 +179,71 @@ class AsyncClient:
         events = self._stub.generate_stream(request, timeout=timeout)
         return AsyncStream(events)  # type: ignore[arg-type]
 
+    @property
+    def _openai(self) -> OpenAiServiceStub:
+        if self._openai_service is None:
+            self._stub  # noqa: B018 - opens the channel in the running loop
+            self._openai_service = OpenAiServiceStub(
+                self._channel,
+                timeout=self.timeout,
+                metadata=self._metadata,  # type: ignore[arg-type]
+            )
+        return self._openai_service
+
+    async def chat(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        *,
+        model: str = SERVED_MODEL,
+        timeout: float | None = None,
+        **parameters: Any,
+    ) -> ChatResponse:
+        """A chat completion, returned when finished (see `Client.chat`)."""
+        request = build_chat_request(model, messages, parameters)
+        try:
+            return await self._openai.chat(request, timeout=timeout)
+        except _CALL_ERRORS as error:
+            raise _translate(error) from None
+
+    def chat_stream(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        *,
+        model: str = SERVED_MODEL,
+        timeout: float | None = None,
+        **parameters: Any,
+    ) -> AsyncStream:
+        """A streamed chat completion: an `AsyncStream` of ChatStreamResponse chunks."""
+        request = build_chat_request(model, messages, parameters)
+        return AsyncStream(self._openai.chat_stream(request, timeout=timeout))  # type: ignore[arg-type]
+
+    async def completion(
+        self,
+        prompt: str,
+        *,
+        model: str = SERVED_MODEL,
+        timeout: float | None = None,
+        **parameters: Any,
+    ) -> CompletionResponse:
+        """A completion of a string prompt, returned when finished."""
+        request = build_completion_request(model, prompt, parameters)
+        try:
+            return await self._openai.completion(request, timeout=timeout)
+        except _CALL_ERRORS as error:
+            raise _translate(error) from None
+
+    def completion_stream(
+        self,
+        prompt: str,
+        *,
+        model: str = SERVED_MODEL,
+        timeout: float | None = None,
+        **parameters: Any,
+    ) -> AsyncStream:
+        """A streamed completion: an `AsyncStream` of CompletionStreamResponse chunks."""
+        request = build_completion_request(model, prompt, parameters)
+        return AsyncStream(self._openai.completion_stream(request, timeout=timeout))  # type: ignore[arg-type]
+
     async def info(self, *, timeout: float | None = None) -> InfoResponse:
         """Describes the served model and the server's limits."""
         try:
@@ -189,6 +269,7 @@ class AsyncClient:
             self._channel.close()
         self._channel = None
         self._service = None
+        self._openai_service = None
 
     async def __aenter__(self) -> Self:
         return self

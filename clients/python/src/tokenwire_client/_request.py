@@ -6,13 +6,27 @@ Shared by both clients so that they accept exactly the same parameters.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._generated.google.protobuf import Value
-from ._generated.tokenwire.v1 import GenerateParameters, GenerateRequest, Grammar
+from ._generated.tokenwire.v1 import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    GenerateParameters,
+    GenerateRequest,
+    Grammar,
+)
 
 PARAMETER_NAMES: frozenset[str] = frozenset(f.name for f in dataclasses.fields(GenerateParameters))
+# OpenAI-style parameters of chat / completion (the request fields but model and the prompt).
+CHAT_PARAMETER_NAMES: frozenset[str] = frozenset(
+    f.name for f in dataclasses.fields(ChatRequest)
+) - {"model", "messages"}
+COMPLETION_PARAMETER_NAMES: frozenset[str] = frozenset(
+    f.name for f in dataclasses.fields(CompletionRequest)
+) - {"model", "prompt"}
 
 
 def _grammar(value: Grammar | Mapping[str, Any]) -> Grammar:
@@ -50,3 +64,45 @@ def build_request(inputs: str, parameters: Mapping[str, Any]) -> GenerateRequest
 def auth_metadata(api_key: str | None) -> list[tuple[str, str]]:
     """The call metadata that carries the API key, as the router expects it."""
     return [] if api_key is None else [("authorization", f"Bearer {api_key}")]
+
+
+def _check_names(parameters: Mapping[str, Any], allowed: frozenset[str]) -> dict[str, Any]:
+    unknown = sorted(set(parameters) - allowed)
+    if unknown:
+        raise TypeError(
+            f"unknown parameter(s): {', '.join(unknown)}; expected some of: "
+            f"{', '.join(sorted(allowed))}"
+        )
+    fields = {name: value for name, value in parameters.items() if value is not None}
+    if isinstance(fields.get("stop"), str):
+        fields["stop"] = [fields["stop"]]
+    elif fields.get("stop") is not None:
+        fields["stop"] = list(fields["stop"])
+    return fields
+
+
+def _message(message: ChatMessage | Mapping[str, Any]) -> ChatMessage:
+    if isinstance(message, ChatMessage):
+        return message
+    if not isinstance(message, Mapping):
+        raise TypeError("messages must be ChatMessage objects or {'role', 'content'} mappings")
+    return ChatMessage(**dict(message))
+
+
+def build_chat_request(
+    model: str, messages: Sequence[ChatMessage | Mapping[str, Any]], parameters: Mapping[str, Any]
+) -> ChatRequest:
+    """The ChatRequest for OpenAI-style messages ({"role", "content"} mappings or ChatMessage)
+    and parameters (max_tokens, temperature, top_p, seed, stop, n, logprobs, ...)."""
+    fields = _check_names(parameters, CHAT_PARAMETER_NAMES)
+    return ChatRequest(model=model, messages=[_message(m) for m in messages], **fields)
+
+
+def build_completion_request(
+    model: str, prompt: str, parameters: Mapping[str, Any]
+) -> CompletionRequest:
+    """The CompletionRequest for a string prompt and OpenAI-style parameters."""
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a str, not {type(prompt).__name__}")
+    fields = _check_names(parameters, COMPLETION_PARAMETER_NAMES)
+    return CompletionRequest(model=model, prompt=prompt, **fields)

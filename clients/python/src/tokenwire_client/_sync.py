@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple, Self
 
@@ -10,12 +10,24 @@ import grpc
 
 from ._errors import TokenwireError, UnavailableError, error_for_event, error_for_status
 from ._generated.tokenwire.v1 import (
+    ChatMessage,
+    ChatResponse,
+    CompletionResponse,
     GenerateResponse,
     GenerateStreamResponse,
     InfoResponse,
+    OpenAiServiceSyncStub,
     TextGenerationSyncStub,
 )
-from ._request import auth_metadata, build_request
+from ._request import (
+    auth_metadata,
+    build_chat_request,
+    build_completion_request,
+    build_request,
+)
+
+# The model name every tokenwire server accepts for the model it serves.
+SERVED_MODEL = "tgi"
 
 
 class _CallDetails(NamedTuple):
@@ -68,7 +80,8 @@ def _translate(error: grpc.RpcError) -> TokenwireError:
 
 
 class Stream(Iterator[GenerateStreamResponse]):
-    """The events of one GenerateStream call.
+    """The events of one GenerateStream call (or the chunks of a ChatStream / CompletionStream
+    call, which carry in-band errors the same way).
 
     Iterate it for `GenerateStreamResponse` events; the last one carries `generated_text` (and
     `details` when asked for). Call `cancel()` (or leave a `with` block) to stop early: the server
@@ -176,6 +189,71 @@ class Client:
         request = build_request(inputs, parameters)
         stub, options = self._stub(timeout)
         return Stream(stub.generate_stream(request), options)
+
+    def _openai(self, timeout: float | None) -> tuple[OpenAiServiceSyncStub, _CallOptions]:
+        options = _CallOptions(self.timeout if timeout is None else timeout, self._metadata)
+        return OpenAiServiceSyncStub(grpc.intercept_channel(self._channel, options)), options
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        *,
+        model: str = SERVED_MODEL,
+        timeout: float | None = None,
+        **parameters: Any,
+    ) -> ChatResponse:
+        """A chat completion (tokenwire.v1.OpenAIService/Chat), returned when finished.
+
+        `messages`: {"role", "content"} mappings or ChatMessage objects; `parameters`: ChatRequest
+        fields (max_tokens, temperature, top_p, seed, stop, n, logprobs, top_logprobs, ...).
+        """
+        stub, _ = self._openai(timeout)
+        try:
+            return stub.chat(build_chat_request(model, messages, parameters))
+        except grpc.RpcError as error:
+            raise _translate(error) from None
+
+    def chat_stream(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        *,
+        model: str = SERVED_MODEL,
+        timeout: float | None = None,
+        **parameters: Any,
+    ) -> Stream:
+        """A streamed chat completion: a `Stream` of ChatStreamResponse chunks (the first carries
+        the role, each later one `choices[0].delta.content`). Same arguments as `chat`."""
+        stub, options = self._openai(timeout)
+        request = build_chat_request(model, messages, parameters)
+        return Stream(stub.chat_stream(request), options)  # type: ignore[arg-type]
+
+    def completion(
+        self,
+        prompt: str,
+        *,
+        model: str = SERVED_MODEL,
+        timeout: float | None = None,
+        **parameters: Any,
+    ) -> CompletionResponse:
+        """A completion of a string prompt (tokenwire.v1.OpenAIService/Completion)."""
+        stub, _ = self._openai(timeout)
+        try:
+            return stub.completion(build_completion_request(model, prompt, parameters))
+        except grpc.RpcError as error:
+            raise _translate(error) from None
+
+    def completion_stream(
+        self,
+        prompt: str,
+        *,
+        model: str = SERVED_MODEL,
+        timeout: float | None = None,
+        **parameters: Any,
+    ) -> Stream:
+        """A streamed completion: a `Stream` of CompletionStreamResponse chunks."""
+        stub, options = self._openai(timeout)
+        request = build_completion_request(model, prompt, parameters)
+        return Stream(stub.completion_stream(request), options)  # type: ignore[arg-type]
 
     def info(self, *, timeout: float | None = None) -> InfoResponse:
         """Describes the served model and the server's limits."""

@@ -1,4 +1,5 @@
 from google.api import annotations_pb2 as _annotations_pb2
+from google.api import httpbody_pb2 as _httpbody_pb2
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -223,3 +224,29 @@ class HealthRequest(_message.Message):
 class HealthResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("inputs", "add_special_tokens")
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    inputs: str
+    add_special_tokens: bool
+    def __init__(self, inputs: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class SimpleToken(_message.Message):
+    __slots__ = ("id", "text", "start", "stop")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    text: str
+    start: int
+    stop: int
+    def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[SimpleToken]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[SimpleToken, _Mapping]]] = ...) -> None: ...

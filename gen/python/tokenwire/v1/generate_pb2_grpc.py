@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from google.api import httpbody_pb2 as google_dot_api_dot_httpbody__pb2
 from tokenwire.v1 import generate_pb2 as tokenwire_dot_v1_dot_generate__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -55,6 +56,16 @@ class TextGenerationStub:
                 request_serializer=tokenwire_dot_v1_dot_generate__pb2.HealthRequest.SerializeToString,
                 response_deserializer=tokenwire_dot_v1_dot_generate__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/tokenwire.v1.TextGeneration/Tokenize',
+                request_serializer=tokenwire_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=tokenwire_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.TokenizeHttp = channel.unary_unary(
+                '/tokenwire.v1.TextGeneration/TokenizeHttp',
+                request_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -93,6 +104,22 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Splits a prompt into the model's tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TokenizeHttp(self, request, context):
+        """TGI's POST /tokenize: the same as Tokenize with a TokenizeRequest as its JSON body, answered
+        with the bare JSON array of TGI (`[{"id", "text", "start", "stop"}, ...]`), which a typed
+        transcoding cannot print (Envoy supports response_body only for HttpBody fields).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +142,16 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=tokenwire_dot_v1_dot_generate__pb2.HealthRequest.FromString,
                     response_serializer=tokenwire_dot_v1_dot_generate__pb2.HealthResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=tokenwire_dot_v1_dot_generate__pb2.TokenizeRequest.FromString,
+                    response_serializer=tokenwire_dot_v1_dot_generate__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'TokenizeHttp': grpc.unary_unary_rpc_method_handler(
+                    servicer.TokenizeHttp,
+                    request_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +263,60 @@ class TextGeneration:
             '/tokenwire.v1.TextGeneration/Health',
             tokenwire_dot_v1_dot_generate__pb2.HealthRequest.SerializeToString,
             tokenwire_dot_v1_dot_generate__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenwire.v1.TextGeneration/Tokenize',
+            tokenwire_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+            tokenwire_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenizeHttp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenwire.v1.TextGeneration/TokenizeHttp',
+            google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
             options,
             channel_credentials,
             insecure,

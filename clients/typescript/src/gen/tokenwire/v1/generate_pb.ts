@@ -14,6 +14,8 @@
 import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
 import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
 import { file_google_api_annotations } from "../../google/api/annotations_pb.js";
+import type { HttpBodySchema } from "../../google/api/httpbody_pb.js";
+import { file_google_api_httpbody } from "../../google/api/httpbody_pb.js";
 import type { Value } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_struct } from "@bufbuild/protobuf/wkt";
 import type { Message } from "@bufbuild/protobuf";
@@ -22,7 +24,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file tokenwire/v1/generate.proto.
  */
 export const file_tokenwire_v1_generate: GenFile = /*@__PURE__*/
-  fileDesc("Cht0b2tlbndpcmUvdjEvZ2VuZXJhdGUucHJvdG8SDHRva2Vud2lyZS52MSJXCg9HZW5lcmF0ZVJlcXVlc3QSDgoGaW5wdXRzGAEgASgJEjQKCnBhcmFtZXRlcnMYAiABKAsyIC50b2tlbndpcmUudjEuR2VuZXJhdGVQYXJhbWV0ZXJzIokFChJHZW5lcmF0ZVBhcmFtZXRlcnMSFAoHYmVzdF9vZhgBIAEoDUgAiAEBEhgKC3RlbXBlcmF0dXJlGAIgASgCSAGIAQESHwoScmVwZXRpdGlvbl9wZW5hbHR5GAMgASgCSAKIAQESHgoRZnJlcXVlbmN5X3BlbmFsdHkYBCABKAJIA4gBARISCgV0b3BfaxgFIAEoBUgEiAEBEhIKBXRvcF9wGAYgASgCSAWIAQESFgoJdHlwaWNhbF9wGAcgASgCSAaIAQESEQoJZG9fc2FtcGxlGAggASgIEhsKDm1heF9uZXdfdG9rZW5zGAkgASgNSAeIAQESGAoQcmV0dXJuX2Z1bGxfdGV4dBgKIAEoCBIMCgRzdG9wGAsgAygJEhUKCHRydW5jYXRlGAwgASgNSAiIAQESEQoJd2F0ZXJtYXJrGA0gASgIEg8KB2RldGFpbHMYDiABKAgSHQoVZGVjb2Rlcl9pbnB1dF9kZXRhaWxzGA8gASgIEhEKBHNlZWQYECABKARICYgBARIZCgx0b3Bfbl90b2tlbnMYESABKA1ICogBARIrCgdncmFtbWFyGBIgASgLMhUudG9rZW53aXJlLnYxLkdyYW1tYXJIC4gBAUIKCghfYmVzdF9vZkIOCgxfdGVtcGVyYXR1cmVCFQoTX3JlcGV0aXRpb25fcGVuYWx0eUIUChJfZnJlcXVlbmN5X3BlbmFsdHlCCAoGX3RvcF9rQggKBl90b3BfcEIMCgpfdHlwaWNhbF9wQhEKD19tYXhfbmV3X3Rva2Vuc0ILCglfdHJ1bmNhdGVCBwoFX3NlZWRCDwoNX3RvcF9uX3Rva2Vuc0IKCghfZ3JhbW1hckoECBMQHiI+CgdHcmFtbWFyEgwKBHR5cGUYASABKAkSJQoFdmFsdWUYAiABKAsyFi5nb29nbGUucHJvdG9idWYuVmFsdWUiQwoFVG9rZW4SCgoCaWQYASABKA0SDAoEdGV4dBgCIAEoCRIPCgdsb2dwcm9iGAMgASgCEg8KB3NwZWNpYWwYBCABKAgiSgoMUHJlZmlsbFRva2VuEgoKAmlkGAEgASgNEgwKBHRleHQYAiABKAkSFAoHbG9ncHJvYhgDIAEoAkgAiAEBQgoKCF9sb2dwcm9iIjAKCVRvcFRva2VucxIjCgZ0b2tlbnMYASADKAsyEy50b2tlbndpcmUudjEuVG9rZW4i9AEKDkJlc3RPZlNlcXVlbmNlEhYKDmdlbmVyYXRlZF90ZXh0GAEgASgJEhUKDWZpbmlzaF9yZWFzb24YAiABKAkSGAoQZ2VuZXJhdGVkX3Rva2VucxgDIAEoDRIRCgRzZWVkGAQgASgESACIAQESKwoHcHJlZmlsbBgFIAMoCzIaLnRva2Vud2lyZS52MS5QcmVmaWxsVG9rZW4SIwoGdG9rZW5zGAYgAygLMhMudG9rZW53aXJlLnYxLlRva2VuEisKCnRvcF90b2tlbnMYByADKAsyFy50b2tlbndpcmUudjEuVG9wVG9rZW5zQgcKBV9zZWVkIo4CCgdEZXRhaWxzEhUKDWZpbmlzaF9yZWFzb24YASABKAkSGAoQZ2VuZXJhdGVkX3Rva2VucxgCIAEoDRIRCgRzZWVkGAMgASgESACIAQESKwoHcHJlZmlsbBgEIAMoCzIaLnRva2Vud2lyZS52MS5QcmVmaWxsVG9rZW4SIwoGdG9rZW5zGAUgAygLMhMudG9rZW53aXJlLnYxLlRva2VuEisKCnRvcF90b2tlbnMYBiADKAsyFy50b2tlbndpcmUudjEuVG9wVG9rZW5zEjcKEWJlc3Rfb2Zfc2VxdWVuY2VzGAcgAygLMhwudG9rZW53aXJlLnYxLkJlc3RPZlNlcXVlbmNlQgcKBV9zZWVkImMKEEdlbmVyYXRlUmVzcG9uc2USFgoOZ2VuZXJhdGVkX3RleHQYASABKAkSKwoHZGV0YWlscxgCIAEoCzIVLnRva2Vud2lyZS52MS5EZXRhaWxzSACIAQFCCgoIX2RldGFpbHMicgoNU3RyZWFtRGV0YWlscxIVCg1maW5pc2hfcmVhc29uGAEgASgJEhgKEGdlbmVyYXRlZF90b2tlbnMYAiABKA0SEQoEc2VlZBgDIAEoBEgAiAEBEhQKDGlucHV0X2xlbmd0aBgEIAEoDUIHCgVfc2VlZCK4AgoWR2VuZXJhdGVTdHJlYW1SZXNwb25zZRINCgVpbmRleBgBIAEoDRInCgV0b2tlbhgCIAEoCzITLnRva2Vud2lyZS52MS5Ub2tlbkgAiAEBEicKCnRvcF90b2tlbnMYAyADKAsyEy50b2tlbndpcmUudjEuVG9rZW4SGwoOZ2VuZXJhdGVkX3RleHQYBCABKAlIAYgBARIxCgdkZXRhaWxzGAUgASgLMhsudG9rZW53aXJlLnYxLlN0cmVhbURldGFpbHNIAogBARISCgVlcnJvchgGIAEoCUgDiAEBEhcKCmVycm9yX3R5cGUYByABKAlIBIgBAUIICgZfdG9rZW5CEQoPX2dlbmVyYXRlZF90ZXh0QgoKCF9kZXRhaWxzQggKBl9lcnJvckINCgtfZXJyb3JfdHlwZSINCgtJbmZvUmVxdWVzdCLOBAoMSW5mb1Jlc3BvbnNlEhAKCG1vZGVsX2lkGAEgASgJEhYKCW1vZGVsX3NoYRgCIAEoCUgAiAEBEhMKC21vZGVsX2R0eXBlGAMgASgJEhkKEW1vZGVsX2RldmljZV90eXBlGAQgASgJEh8KEm1vZGVsX3BpcGVsaW5lX3RhZxgFIAEoCUgBiAEBEh8KF21heF9jb25jdXJyZW50X3JlcXVlc3RzGAYgASgNEhMKC21heF9iZXN0X29mGAcgASgNEhoKEm1heF9zdG9wX3NlcXVlbmNlcxgIIAEoDRIYChBtYXhfaW5wdXRfdG9rZW5zGAkgASgNEhgKEG1heF90b3RhbF90b2tlbnMYCiABKA0SGgoSdmFsaWRhdGlvbl93b3JrZXJzGAsgASgNEh0KFW1heF9jbGllbnRfYmF0Y2hfc2l6ZRgMIAEoDRIOCgZyb3V0ZXIYDSABKAkSDwoHdmVyc2lvbhgOIAEoCRIQCgNzaGEYDyABKAlIAogBARIZCgxkb2NrZXJfbGFiZWwYECABKAlIA4gBARIYChBtYXhfdG9wX25fdG9rZW5zGBEgASgNEh4KFm1heF9iYXRjaF90b3RhbF90b2tlbnMYEiABKAQSEgoKYmxvY2tfc2l6ZRgTIAEoDRIVCg1udW1fa3ZfYmxvY2tzGBQgASgNEhEKCW51bV9zaGFyZBgVIAEoDUIMCgpfbW9kZWxfc2hhQhUKE19tb2RlbF9waXBlbGluZV90YWdCBgoEX3NoYUIPCg1fZG9ja2VyX2xhYmVsIg8KDUhlYWx0aFJlcXVlc3QiEAoOSGVhbHRoUmVzcG9uc2UyiwMKDlRleHRHZW5lcmF0aW9uEl8KCEdlbmVyYXRlEh0udG9rZW53aXJlLnYxLkdlbmVyYXRlUmVxdWVzdBoeLnRva2Vud2lyZS52MS5HZW5lcmF0ZVJlc3BvbnNlIhSC0+STAg46ASoiCS9nZW5lcmF0ZRJ0Cg5HZW5lcmF0ZVN0cmVhbRIdLnRva2Vud2lyZS52MS5HZW5lcmF0ZVJlcXVlc3QaJC50b2tlbndpcmUudjEuR2VuZXJhdGVTdHJlYW1SZXNwb25zZSIbgtPkkwIVOgEqIhAvZ2VuZXJhdGVfc3RyZWFtMAESTAoESW5mbxIZLnRva2Vud2lyZS52MS5JbmZvUmVxdWVzdBoaLnRva2Vud2lyZS52MS5JbmZvUmVzcG9uc2UiDYLT5JMCBxIFL2luZm8SVAoGSGVhbHRoEhsudG9rZW53aXJlLnYxLkhlYWx0aFJlcXVlc3QaHC50b2tlbndpcmUudjEuSGVhbHRoUmVzcG9uc2UiD4LT5JMCCRIHL2hlYWx0aGIGcHJvdG8z", [file_google_api_annotations, file_google_protobuf_struct]);
+  fileDesc("Cht0b2tlbndpcmUvdjEvZ2VuZXJhdGUucHJvdG8SDHRva2Vud2lyZS52MSJXCg9HZW5lcmF0ZVJlcXVlc3QSDgoGaW5wdXRzGAEgASgJEjQKCnBhcmFtZXRlcnMYAiABKAsyIC50b2tlbndpcmUudjEuR2VuZXJhdGVQYXJhbWV0ZXJzIokFChJHZW5lcmF0ZVBhcmFtZXRlcnMSFAoHYmVzdF9vZhgBIAEoDUgAiAEBEhgKC3RlbXBlcmF0dXJlGAIgASgCSAGIAQESHwoScmVwZXRpdGlvbl9wZW5hbHR5GAMgASgCSAKIAQESHgoRZnJlcXVlbmN5X3BlbmFsdHkYBCABKAJIA4gBARISCgV0b3BfaxgFIAEoBUgEiAEBEhIKBXRvcF9wGAYgASgCSAWIAQESFgoJdHlwaWNhbF9wGAcgASgCSAaIAQESEQoJZG9fc2FtcGxlGAggASgIEhsKDm1heF9uZXdfdG9rZW5zGAkgASgNSAeIAQESGAoQcmV0dXJuX2Z1bGxfdGV4dBgKIAEoCBIMCgRzdG9wGAsgAygJEhUKCHRydW5jYXRlGAwgASgNSAiIAQESEQoJd2F0ZXJtYXJrGA0gASgIEg8KB2RldGFpbHMYDiABKAgSHQoVZGVjb2Rlcl9pbnB1dF9kZXRhaWxzGA8gASgIEhEKBHNlZWQYECABKARICYgBARIZCgx0b3Bfbl90b2tlbnMYESABKA1ICogBARIrCgdncmFtbWFyGBIgASgLMhUudG9rZW53aXJlLnYxLkdyYW1tYXJIC4gBAUIKCghfYmVzdF9vZkIOCgxfdGVtcGVyYXR1cmVCFQoTX3JlcGV0aXRpb25fcGVuYWx0eUIUChJfZnJlcXVlbmN5X3BlbmFsdHlCCAoGX3RvcF9rQggKBl90b3BfcEIMCgpfdHlwaWNhbF9wQhEKD19tYXhfbmV3X3Rva2Vuc0ILCglfdHJ1bmNhdGVCBwoFX3NlZWRCDwoNX3RvcF9uX3Rva2Vuc0IKCghfZ3JhbW1hckoECBMQHiI+CgdHcmFtbWFyEgwKBHR5cGUYASABKAkSJQoFdmFsdWUYAiABKAsyFi5nb29nbGUucHJvdG9idWYuVmFsdWUiQwoFVG9rZW4SCgoCaWQYASABKA0SDAoEdGV4dBgCIAEoCRIPCgdsb2dwcm9iGAMgASgCEg8KB3NwZWNpYWwYBCABKAgiSgoMUHJlZmlsbFRva2VuEgoKAmlkGAEgASgNEgwKBHRleHQYAiABKAkSFAoHbG9ncHJvYhgDIAEoAkgAiAEBQgoKCF9sb2dwcm9iIjAKCVRvcFRva2VucxIjCgZ0b2tlbnMYASADKAsyEy50b2tlbndpcmUudjEuVG9rZW4i9AEKDkJlc3RPZlNlcXVlbmNlEhYKDmdlbmVyYXRlZF90ZXh0GAEgASgJEhUKDWZpbmlzaF9yZWFzb24YAiABKAkSGAoQZ2VuZXJhdGVkX3Rva2VucxgDIAEoDRIRCgRzZWVkGAQgASgESACIAQESKwoHcHJlZmlsbBgFIAMoCzIaLnRva2Vud2lyZS52MS5QcmVmaWxsVG9rZW4SIwoGdG9rZW5zGAYgAygLMhMudG9rZW53aXJlLnYxLlRva2VuEisKCnRvcF90b2tlbnMYByADKAsyFy50b2tlbndpcmUudjEuVG9wVG9rZW5zQgcKBV9zZWVkIo4CCgdEZXRhaWxzEhUKDWZpbmlzaF9yZWFzb24YASABKAkSGAoQZ2VuZXJhdGVkX3Rva2VucxgCIAEoDRIRCgRzZWVkGAMgASgESACIAQESKwoHcHJlZmlsbBgEIAMoCzIaLnRva2Vud2lyZS52MS5QcmVmaWxsVG9rZW4SIwoGdG9rZW5zGAUgAygLMhMudG9rZW53aXJlLnYxLlRva2VuEisKCnRvcF90b2tlbnMYBiADKAsyFy50b2tlbndpcmUudjEuVG9wVG9rZW5zEjcKEWJlc3Rfb2Zfc2VxdWVuY2VzGAcgAygLMhwudG9rZW53aXJlLnYxLkJlc3RPZlNlcXVlbmNlQgcKBV9zZWVkImMKEEdlbmVyYXRlUmVzcG9uc2USFgoOZ2VuZXJhdGVkX3RleHQYASABKAkSKwoHZGV0YWlscxgCIAEoCzIVLnRva2Vud2lyZS52MS5EZXRhaWxzSACIAQFCCgoIX2RldGFpbHMicgoNU3RyZWFtRGV0YWlscxIVCg1maW5pc2hfcmVhc29uGAEgASgJEhgKEGdlbmVyYXRlZF90b2tlbnMYAiABKA0SEQoEc2VlZBgDIAEoBEgAiAEBEhQKDGlucHV0X2xlbmd0aBgEIAEoDUIHCgVfc2VlZCK4AgoWR2VuZXJhdGVTdHJlYW1SZXNwb25zZRINCgVpbmRleBgBIAEoDRInCgV0b2tlbhgCIAEoCzITLnRva2Vud2lyZS52MS5Ub2tlbkgAiAEBEicKCnRvcF90b2tlbnMYAyADKAsyEy50b2tlbndpcmUudjEuVG9rZW4SGwoOZ2VuZXJhdGVkX3RleHQYBCABKAlIAYgBARIxCgdkZXRhaWxzGAUgASgLMhsudG9rZW53aXJlLnYxLlN0cmVhbURldGFpbHNIAogBARISCgVlcnJvchgGIAEoCUgDiAEBEhcKCmVycm9yX3R5cGUYByABKAlIBIgBAUIICgZfdG9rZW5CEQoPX2dlbmVyYXRlZF90ZXh0QgoKCF9kZXRhaWxzQggKBl9lcnJvckINCgtfZXJyb3JfdHlwZSINCgtJbmZvUmVxdWVzdCLOBAoMSW5mb1Jlc3BvbnNlEhAKCG1vZGVsX2lkGAEgASgJEhYKCW1vZGVsX3NoYRgCIAEoCUgAiAEBEhMKC21vZGVsX2R0eXBlGAMgASgJEhkKEW1vZGVsX2RldmljZV90eXBlGAQgASgJEh8KEm1vZGVsX3BpcGVsaW5lX3RhZxgFIAEoCUgBiAEBEh8KF21heF9jb25jdXJyZW50X3JlcXVlc3RzGAYgASgNEhMKC21heF9iZXN0X29mGAcgASgNEhoKEm1heF9zdG9wX3NlcXVlbmNlcxgIIAEoDRIYChBtYXhfaW5wdXRfdG9rZW5zGAkgASgNEhgKEG1heF90b3RhbF90b2tlbnMYCiABKA0SGgoSdmFsaWRhdGlvbl93b3JrZXJzGAsgASgNEh0KFW1heF9jbGllbnRfYmF0Y2hfc2l6ZRgMIAEoDRIOCgZyb3V0ZXIYDSABKAkSDwoHdmVyc2lvbhgOIAEoCRIQCgNzaGEYDyABKAlIAogBARIZCgxkb2NrZXJfbGFiZWwYECABKAlIA4gBARIYChBtYXhfdG9wX25fdG9rZW5zGBEgASgNEh4KFm1heF9iYXRjaF90b3RhbF90b2tlbnMYEiABKAQSEgoKYmxvY2tfc2l6ZRgTIAEoDRIVCg1udW1fa3ZfYmxvY2tzGBQgASgNEhEKCW51bV9zaGFyZBgVIAEoDUIMCgpfbW9kZWxfc2hhQhUKE19tb2RlbF9waXBlbGluZV90YWdCBgoEX3NoYUIPCg1fZG9ja2VyX2xhYmVsIg8KDUhlYWx0aFJlcXVlc3QiEAoOSGVhbHRoUmVzcG9uc2UiWQoPVG9rZW5pemVSZXF1ZXN0Eg4KBmlucHV0cxgBIAEoCRIfChJhZGRfc3BlY2lhbF90b2tlbnMYAiABKAhIAIgBAUIVChNfYWRkX3NwZWNpYWxfdG9rZW5zIkQKC1NpbXBsZVRva2VuEgoKAmlkGAEgASgNEgwKBHRleHQYAiABKAkSDQoFc3RhcnQYAyABKA0SDAoEc3RvcBgEIAEoDSI9ChBUb2tlbml6ZVJlc3BvbnNlEikKBnRva2VucxgBIAMoCzIZLnRva2Vud2lyZS52MS5TaW1wbGVUb2tlbjKoBAoOVGV4dEdlbmVyYXRpb24SXwoIR2VuZXJhdGUSHS50b2tlbndpcmUudjEuR2VuZXJhdGVSZXF1ZXN0Gh4udG9rZW53aXJlLnYxLkdlbmVyYXRlUmVzcG9uc2UiFILT5JMCDjoBKiIJL2dlbmVyYXRlEnQKDkdlbmVyYXRlU3RyZWFtEh0udG9rZW53aXJlLnYxLkdlbmVyYXRlUmVxdWVzdBokLnRva2Vud2lyZS52MS5HZW5lcmF0ZVN0cmVhbVJlc3BvbnNlIhuC0+STAhU6ASoiEC9nZW5lcmF0ZV9zdHJlYW0wARJMCgRJbmZvEhkudG9rZW53aXJlLnYxLkluZm9SZXF1ZXN0GhoudG9rZW53aXJlLnYxLkluZm9SZXNwb25zZSINgtPkkwIHEgUvaW5mbxJUCgZIZWFsdGgSGy50b2tlbndpcmUudjEuSGVhbHRoUmVxdWVzdBocLnRva2Vud2lyZS52MS5IZWFsdGhSZXNwb25zZSIPgtPkkwIJEgcvaGVhbHRoEkkKCFRva2VuaXplEh0udG9rZW53aXJlLnYxLlRva2VuaXplUmVxdWVzdBoeLnRva2Vud2lyZS52MS5Ub2tlbml6ZVJlc3BvbnNlElAKDFRva2VuaXplSHR0cBIULmdvb2dsZS5hcGkuSHR0cEJvZHkaFC5nb29nbGUuYXBpLkh0dHBCb2R5IhSC0+STAg46ASoiCS90b2tlbml6ZWIGcHJvdG8z", [file_google_api_annotations, file_google_api_httpbody, file_google_protobuf_struct]);
 
 /**
  * A generation request: TGI's `{"inputs": "...", "parameters": {...}}`.
@@ -805,6 +807,97 @@ export const HealthResponseSchema: GenMessage<HealthResponse> = /*@__PURE__*/
   messageDesc(file_tokenwire_v1_generate, 14);
 
 /**
+ * Request of Tokenize (TGI's body: `inputs`; `parameters` is accepted and ignored by Envoy).
+ *
+ * @generated from message tokenwire.v1.TokenizeRequest
+ */
+export type TokenizeRequest = Message<"tokenwire.v1.TokenizeRequest"> & {
+  /**
+   * The text to tokenize. Must not be empty.
+   *
+   * @generated from field: string inputs = 1;
+   */
+  inputs: string;
+
+  /**
+   * Add the model's special tokens (BOS) as generation does. Default true.
+   *
+   * @generated from field: optional bool add_special_tokens = 2;
+   */
+  addSpecialTokens?: boolean | undefined;
+};
+
+/**
+ * Describes the message tokenwire.v1.TokenizeRequest.
+ * Use `create(TokenizeRequestSchema)` to create a new message.
+ */
+export const TokenizeRequestSchema: GenMessage<TokenizeRequest> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_generate, 15);
+
+/**
+ * One token of a tokenized prompt.
+ *
+ * @generated from message tokenwire.v1.SimpleToken
+ */
+export type SimpleToken = Message<"tokenwire.v1.SimpleToken"> & {
+  /**
+   * Token id in the model's vocabulary.
+   *
+   * @generated from field: uint32 id = 1;
+   */
+  id: number;
+
+  /**
+   * The part of `inputs` the token covers.
+   *
+   * @generated from field: string text = 2;
+   */
+  text: string;
+
+  /**
+   * Offset of the token's first character in `inputs` (Unicode code points).
+   *
+   * @generated from field: uint32 start = 3;
+   */
+  start: number;
+
+  /**
+   * Offset just past its last character.
+   *
+   * @generated from field: uint32 stop = 4;
+   */
+  stop: number;
+};
+
+/**
+ * Describes the message tokenwire.v1.SimpleToken.
+ * Use `create(SimpleTokenSchema)` to create a new message.
+ */
+export const SimpleTokenSchema: GenMessage<SimpleToken> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_generate, 16);
+
+/**
+ * Answer of Tokenize.
+ *
+ * @generated from message tokenwire.v1.TokenizeResponse
+ */
+export type TokenizeResponse = Message<"tokenwire.v1.TokenizeResponse"> & {
+  /**
+   * The tokens, in order.
+   *
+   * @generated from field: repeated tokenwire.v1.SimpleToken tokens = 1;
+   */
+  tokens: SimpleToken[];
+};
+
+/**
+ * Describes the message tokenwire.v1.TokenizeResponse.
+ * Use `create(TokenizeResponseSchema)` to create a new message.
+ */
+export const TokenizeResponseSchema: GenMessage<TokenizeResponse> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_generate, 17);
+
+/**
  * The text-generation service. Reached directly over gRPC or through Envoy as REST + SSE.
  *
  * @generated from service tokenwire.v1.TextGeneration
@@ -853,6 +946,28 @@ export const TextGeneration: GenService<{
     methodKind: "unary";
     input: typeof HealthRequestSchema;
     output: typeof HealthResponseSchema;
+  },
+  /**
+   * Splits a prompt into the model's tokens.
+   *
+   * @generated from rpc tokenwire.v1.TextGeneration.Tokenize
+   */
+  tokenize: {
+    methodKind: "unary";
+    input: typeof TokenizeRequestSchema;
+    output: typeof TokenizeResponseSchema;
+  },
+  /**
+   * TGI's POST /tokenize: the same as Tokenize with a TokenizeRequest as its JSON body, answered
+   * with the bare JSON array of TGI (`[{"id", "text", "start", "stop"}, ...]`), which a typed
+   * transcoding cannot print (Envoy supports response_body only for HttpBody fields).
+   *
+   * @generated from rpc tokenwire.v1.TextGeneration.TokenizeHttp
+   */
+  tokenizeHttp: {
+    methodKind: "unary";
+    input: typeof HttpBodySchema;
+    output: typeof HttpBodySchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_tokenwire_v1_generate, 0);

@@ -1,0 +1,97 @@
+"""Chat templates: a conversation rendered into the model's prompt with transformers'
+`apply_chat_template` (the model's own Jinja template, or the one of --chat-template FILE), on a
+worker thread so that the event loop never renders.
+
+The transformers tokenizer is loaded on the worker thread as the router starts (importing
+transformers takes seconds; the event loop never waits for it). The prompt's token ids come from the
+same call, tokenized without adding special tokens again, exactly as `apply_chat_template(...,
+tokenize=True)` gives them to `generate()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from service.generation.errors import ValidationError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class Message(Protocol):
+    """What a template sees of one message."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def content(self) -> str: ...
+
+    @property
+    def name(self) -> str | None: ...
+
+    @property
+    def tool_call_id(self) -> str | None: ...
+
+
+class ChatTemplate:
+    """Renders conversations for one model directory."""
+
+    def __init__(self, tokenizer_dir: Path, template_file: Path | None = None) -> None:
+        self._dir = tokenizer_dir
+        # Read at startup so that a wrong --chat-template path fails the router at once.
+        self._override = template_file.read_text() if template_file is not None else None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chat-template")
+        # Load in the background now, so the first chat request does not wait for it (a
+        # failure here is raised again, and reported, by that request's own load).
+        self._executor.submit(self._load)
+
+    def _load(self) -> PreTrainedTokenizerBase:
+        with self._lock:
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(str(self._dir))
+            return self._tokenizer
+
+    def _render_sync(self, messages: list[dict[str, Any]]) -> tuple[str, tuple[int, ...]]:
+        tokenizer = self._load()
+        template = self._override or tokenizer.chat_template
+        if not template:
+            raise ValidationError(
+                "messages",
+                "this model has no chat template (its tokenizer_config.json has none): start "
+                "the router with --chat-template FILE to serve chat completions",
+            )
+        try:
+            prompt = tokenizer.apply_chat_template(
+                messages, chat_template=template, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as error:  # noqa: BLE001 - jinja raises anything a template throws
+            raise ValidationError(
+                "messages", f"the chat template rejected the messages: {error}"
+            ) from None
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return str(prompt), tuple(int(i) for i in ids)
+
+    async def render(self, messages: tuple[Message, ...]) -> tuple[str, tuple[int, ...]]:
+        """The prompt text and its token ids, with the assistant's turn opened."""
+        payload: list[dict[str, Any]] = []
+        for m in messages:
+            item: dict[str, Any] = {"role": m.role, "content": m.content}
+            if m.name is not None:
+                item["name"] = m.name
+            if m.tool_call_id is not None:
+                item["tool_call_id"] = m.tool_call_id
+            payload.append(item)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._render_sync, payload)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

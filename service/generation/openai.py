@@ -1,0 +1,553 @@
+"""OpenAI's chat completions and completions as the router runs them: requests decoded from
+either face (the HttpBody REST routes or the typed gRPC RPCs) become `GenerateInput`s for the
+`GenerationService`, and its sequences and stream items become OpenAI's choices and chunks.
+
+Where OpenAI and TGI differ, OpenAI wins here: sampling is on unless temperature is 0; stop
+strings are not part of the output; finish reasons are "stop" / "length". No protobuf and no JSON
+here: `service.api.openai_json` and `service.api.openai_convert` encode what this module returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from contextlib import aclosing
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+from service.engine.contracts import FinishReason, TokenInfo
+from service.generation.chat_template import ChatTemplate
+from service.generation.errors import ModelNotFoundError, ValidationError
+from service.generation.service import (
+    CHAT_COMPLETIONS,
+    CHAT_COMPLETIONS_STREAM,
+    COMPLETIONS,
+    COMPLETIONS_STREAM,
+    GeneratedSequence,
+    GenerationService,
+)
+from service.generation.validation import GenerateInput
+
+# The model name TGI accepts besides the served id, so that its documented example runs as is.
+TGI_MODEL_ALIAS = "tgi"
+_T = TypeVar("_T")
+TEMPERATURE_RANGE = (0.0, 2.0)
+FINISH_REASONS: dict[FinishReason, str] = {
+    FinishReason.EOS_TOKEN: "stop",
+    FinishReason.STOP_SEQUENCE: "stop",
+    FinishReason.LENGTH: "length",
+}
+# Field names of the TGI validator -> the OpenAI parameter a client sent.
+_PARAMS: dict[str, str] = {
+    "parameters.max_new_tokens": "max_tokens",
+    "parameters.temperature": "temperature",
+    "parameters.top_p": "top_p",
+    "parameters.frequency_penalty": "frequency_penalty",
+    "parameters.stop": "stop",
+    "parameters.seed": "seed",
+    "parameters.best_of": "n",
+    "parameters.top_n_tokens": "top_logprobs",
+}
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message of a conversation; content is text (text parts already joined)."""
+
+    role: str
+    content: str
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """The request fields chat completions and completions share (None: not sent)."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: tuple[ChatMessage, ...]
+    params: SamplingRequest
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: str
+    params: SamplingRequest
+    echo: bool = False
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and its most likely alternatives."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One finished choice (chat: the assistant message's content; completion: its text)."""
+
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: tuple[TokenLogprob, ...] | None  # None: not asked for
+
+
+@dataclass(frozen=True)
+class ResponseHeader:
+    """What every object of one response repeats: id, created, model, system_fingerprint."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+
+
+@dataclass(frozen=True)
+class Completed:
+    """A finished (unary) response."""
+
+    header: ResponseHeader
+    choices: tuple[Choice, ...]
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """One chunk's update of choice `index`. `first`: the choice's first chunk (chat sends the
+    role there); `finish_reason` is set on its last."""
+
+    index: int
+    text: str
+    first: bool = False
+    finish_reason: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True)
+class UsageChunk:
+    """The last chunk of a stream with include_usage."""
+
+    usage: Usage
+
+
+StreamEvent = ChoiceDelta | UsageChunk
+
+
+class StopTrimmer:
+    """Removes stop strings from streamed text, as OpenAI does (the engine keeps them, as TGI
+    does): text that could still become a stop string is held back until it cannot, and the
+    text from a stop string on is dropped."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = stops
+        self._pending = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        """Appends generated text; returns what can be sent now."""
+        if self.stopped:
+            return ""
+        if not self._stops:
+            return text
+        pending = self._pending + text
+        cut = cut_at_stop(pending, self._stops)
+        if cut is not None:
+            self.stopped, self._pending = True, ""
+            return pending[:cut]
+        keep = max(
+            (k for s in self._stops for k in range(min(len(s) - 1, len(pending)), 0, -1)
+             if pending.endswith(s[:k])),
+            default=0,
+        )  # fmt: skip
+        self._pending = pending[len(pending) - keep :]
+        return pending[: len(pending) - keep]
+
+    def flush(self) -> str:
+        """At the end: what was held back (it never became a stop string)."""
+        out, self._pending = self._pending, ""
+        return "" if self.stopped else out
+
+
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    """Index of the earliest stop string in `text`, None when there is none."""
+    found = [i for s in stops if (i := text.find(s)) >= 0]
+    return min(found) if found else None
+
+
+def _logprob(token: TokenInfo, top: tuple[TokenInfo, ...]) -> TokenLogprob:
+    return TokenLogprob(token.text, token.logprob, tuple((t.text, t.logprob) for t in top))
+
+
+class OpenAIEndpoints:
+    """Chat completions and completions on a GenerationService."""
+
+    def __init__(
+        self,
+        service: GenerationService,
+        *,
+        model_id: str,
+        system_fingerprint: str,
+        chat_template: ChatTemplate | None,
+    ) -> None:
+        self.service = service
+        self.model_id = model_id
+        self.system_fingerprint = system_fingerprint
+        self.created = int(time.time())
+        self._template = chat_template
+
+    # --- requests -> GenerateInput ---------------------------------------------------------
+
+    def _check(self, params: SamplingRequest) -> None:
+        if params.model not in (self.model_id, TGI_MODEL_ALIAS):
+            raise ModelNotFoundError(
+                f"The model '{params.model}' does not exist: this server serves "
+                f"'{self.model_id}' (also reachable as '{TGI_MODEL_ALIAS}')",
+            )
+        if params.temperature is not None:
+            low, high = TEMPERATURE_RANGE
+            if not low <= params.temperature <= high:
+                raise ValidationError(
+                    "temperature", f"temperature must be in [{low}, {high}]; got "
+                    f"{params.temperature}"
+                )  # fmt: skip
+        if params.presence_penalty:
+            raise ValidationError(
+                "presence_penalty",
+                "presence_penalty is not supported by this server (only 0); use "
+                f"frequency_penalty; got {params.presence_penalty}",
+            )
+        max_n = self.service.validator.limits.max_best_of
+        if not 1 <= params.n <= max_n:
+            raise ValidationError("n", f"n must be in [1, {max_n}] (--max-best-of); got {params.n}")
+        if params.top_logprobs is not None and not params.logprobs:
+            raise ValidationError("top_logprobs", "top_logprobs needs logprobs: true")
+
+    def _input(
+        self, params: SamplingRequest, prompt: str, prompt_ids: tuple[int, ...] | None
+    ) -> GenerateInput:
+        # OpenAI samples at temperature 1 by default; 0 means greedy (the validator's rule).
+        temperature = 1.0 if params.temperature is None else params.temperature
+        return GenerateInput(
+            inputs=prompt,
+            prompt_ids=prompt_ids,
+            temperature=temperature,
+            do_sample=temperature != 0.0,
+            top_p=params.top_p,
+            frequency_penalty=params.frequency_penalty,
+            max_new_tokens=params.max_tokens,
+            stop=params.stop,
+            details=True,
+            seed=params.seed,
+            top_n_tokens=params.top_logprobs if params.logprobs else None,
+        )
+
+    async def _chat_input(self, request: ChatRequest) -> GenerateInput:
+        self._check(request.params)
+        if not request.messages:
+            raise ValidationError("messages", "messages must not be empty")
+        if self._template is None:
+            raise ValidationError(
+                "messages",
+                "this server has no chat template: the model's tokenizer_config.json has none "
+                "and the router was started without --chat-template FILE",
+            )
+        prompt, ids = await self._template.render(request.messages)
+        return self._input(request.params, prompt, ids)
+
+    def _completion_input(self, request: CompletionRequest) -> GenerateInput:
+        self._check(request.params)
+        if not request.prompt:
+            raise ValidationError("prompt", "prompt must not be empty")
+        return self._input(request.params, request.prompt, None)
+
+    def _header(self, prefix: str, request_id: str) -> ResponseHeader:
+        return ResponseHeader(
+            f"{prefix}-{request_id}", int(time.time()), self.model_id, self.system_fingerprint
+        )
+
+    # --- unary -----------------------------------------------------------------------------
+
+    async def chat(
+        self, request: ChatRequest, *, request_id: str, deadline: float | None
+    ) -> Completed:
+        generate = await _openai_errors(self._chat_input(request), "messages")
+        return await self._complete(
+            generate, request.params, "chatcmpl", CHAT_COMPLETIONS, request_id, deadline
+        )
+
+    async def completion(
+        self, request: CompletionRequest, *, request_id: str, deadline: float | None
+    ) -> Completed:
+        generate = self._completion_input(request)
+        completed = await self._complete(
+            generate, request.params, "cmpl", COMPLETIONS, request_id, deadline
+        )
+        if request.echo:
+            choices = tuple(replace(c, text=request.prompt + c.text) for c in completed.choices)
+            completed = replace(completed, choices=choices)
+        return completed
+
+    async def _complete(
+        self,
+        generate: GenerateInput,
+        params: SamplingRequest,
+        prefix: str,
+        method: str,
+        request_id: str,
+        deadline: float | None,
+    ) -> Completed:
+        header = self._header(prefix, request_id)
+        prompt_param = "messages" if prefix == "chatcmpl" else "prompt"
+        # n choices are n sequences run side by side (each admitted as a request of its own).
+        calls = [
+            _openai_errors(
+                self.service.generate(
+                    _nth(generate, i, params.n),
+                    request_id=_nth_id(request_id, i, params.n),
+                    deadline=deadline,
+                    method=method,
+                ),
+                prompt_param,
+            )
+            for i in range(params.n)
+        ]
+        if len(calls) == 1:
+            outcomes = [await calls[0]]
+        else:
+            try:
+                async with asyncio.TaskGroup() as group:
+                    tasks = [group.create_task(call) for call in calls]
+            except BaseExceptionGroup as group_error:
+                raise group_error.exceptions[0] from None
+            outcomes = [t.result() for t in tasks]
+        sequences = [o.best for o in outcomes]
+        choices = tuple(self._choice(i, s, params) for i, s in enumerate(sequences))
+        usage = Usage(outcomes[0].options.input_length, sum(s.generated_tokens for s in sequences))
+        return Completed(header, choices, usage)
+
+    def _choice(self, index: int, seq: GeneratedSequence, params: SamplingRequest) -> Choice:
+        text = seq.generated_text
+        if seq.finish_reason is FinishReason.STOP_SEQUENCE:
+            cut = cut_at_stop(text, params.stop)
+            text = text if cut is None else text[:cut]
+        logprobs = None
+        if params.logprobs:
+            tops = seq.top_tokens or tuple(() for _ in seq.tokens)
+            logprobs = tuple(
+                _logprob(t, top) for t, top in zip(seq.tokens, tops, strict=True) if not t.special
+            )
+        return Choice(index, text, FINISH_REASONS[seq.finish_reason], logprobs)
+
+    # --- streams ---------------------------------------------------------------------------
+
+    async def chat_stream(
+        self, request: ChatRequest, *, request_id: str, deadline: float | None
+    ) -> tuple[ResponseHeader, AsyncIterator[StreamEvent]]:
+        """Validates and renders the request (errors raise here, before any chunk), then
+        returns the stream's header and its events."""
+        generate = await _openai_errors(self._chat_input(request), "messages")
+        header = self._header("chatcmpl", request_id)
+        events = self._stream(
+            generate, request.params, CHAT_COMPLETIONS_STREAM, request_id, deadline
+        )
+        return header, events
+
+    async def completion_stream(
+        self, request: CompletionRequest, *, request_id: str, deadline: float | None
+    ) -> tuple[ResponseHeader, AsyncIterator[StreamEvent]]:
+        generate = self._completion_input(request)
+        header = self._header("cmpl", request_id)
+        echo = request.prompt if request.echo else ""
+        events = self._stream(
+            generate, request.params, COMPLETIONS_STREAM, request_id, deadline, echo
+        )
+        return header, events
+
+    async def _stream(
+        self,
+        generate: GenerateInput,
+        params: SamplingRequest,
+        method: str,
+        request_id: str,
+        deadline: float | None,
+        echo: str = "",
+    ) -> AsyncGenerator[StreamEvent, None]:
+        """The chunks of all choices (n sequences streamed side by side), then usage when asked.
+        Validation errors surface on the first iteration, before anything is sent."""
+        choices = [
+            self._choice_stream(
+                i, _nth(generate, i, params.n), params, method, _nth_id(request_id, i, params.n),
+                deadline, echo,
+            )
+            for i in range(params.n)
+        ]  # fmt: skip
+        prompt_tokens = completion_tokens = 0
+        async with aclosing(_merge(choices) if len(choices) > 1 else choices[0]) as events:
+            async for event in events:
+                if isinstance(event, _ChoiceDone):
+                    prompt_tokens = event.prompt_tokens
+                    completion_tokens += event.completion_tokens
+                    continue
+                yield event
+        if params.include_usage:
+            yield UsageChunk(Usage(prompt_tokens, completion_tokens))
+
+    async def _choice_stream(
+        self,
+        index: int,
+        generate: GenerateInput,
+        params: SamplingRequest,
+        method: str,
+        request_id: str,
+        deadline: float | None,
+        echo: str,
+    ) -> AsyncGenerator[ChoiceDelta | _ChoiceDone, None]:
+        """One choice's chunks: the first (chat: the role; an echoed prompt), one per token with
+        text (or logprobs), the finish; then its token counts for the usage chunk."""
+        items = self.service.stream(
+            generate, request_id=request_id, deadline=deadline, method=method
+        )
+        trimmer = StopTrimmer(params.stop)
+        first = True
+        prompt_param = "messages" if method == CHAT_COMPLETIONS_STREAM else "prompt"
+        async with aclosing(items):
+            async for item in _openai_errors_iter(items, prompt_param):
+                if first:
+                    # Chat announces the role in a first chunk; completions only echo there.
+                    if method == CHAT_COMPLETIONS_STREAM or echo:
+                        yield ChoiceDelta(index, echo, first=True)
+                    first = False
+                token = item.token
+                text = "" if token.special else trimmer.push(token.text)
+                logprobs = None
+                if params.logprobs and not token.special:
+                    logprobs = (_logprob(token, item.top_tokens),)
+                if item.finished is None:
+                    if text or logprobs:
+                        yield ChoiceDelta(index, text, logprobs=logprobs)
+                    continue
+                text += trimmer.flush()
+                if text or logprobs:
+                    yield ChoiceDelta(index, text, logprobs=logprobs)
+                reason = FINISH_REASONS[item.finished.finish_reason]
+                yield ChoiceDelta(index, "", finish_reason=reason)
+                yield _ChoiceDone(item.options.input_length, item.finished.generated_tokens)
+
+
+@dataclass(frozen=True)
+class _ChoiceDone:
+    """End of one streamed choice: its token counts (not sent; summed into the usage chunk)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def _nth(generate: GenerateInput, index: int, n: int) -> GenerateInput:
+    """Choice `index` of n: its own sequence, with seed `seed + index` when a seed was given."""
+    if n == 1:
+        return generate
+    seed = None if generate.seed is None else (generate.seed + index) % (1 << 64)
+    return replace(generate, seed=seed)
+
+
+def _nth_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{request_id}/{index}"
+
+
+async def _merge(
+    streams: list[AsyncGenerator[_T, None]],
+) -> AsyncGenerator[_T, None]:
+    """The items of several async generators as they come. The first failure ends the merge
+    (and closes the others); closing the merge closes them all."""
+    queue: asyncio.Queue[tuple[int, _T | None, Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncGenerator[_T, None]) -> None:
+        try:
+            async with aclosing(stream):
+                async for item in stream:
+                    await queue.put((i, item, None))
+        except Exception as error:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((i, None, error))
+            return
+        await queue.put((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            _, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is None:
+                running -= 1
+                continue
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def openai_param(field: str, prompt_param: str) -> str:
+    """The OpenAI parameter that a validator field name stands for."""
+    if field == "inputs":
+        return prompt_param
+    return _PARAMS.get(field, field.removeprefix("parameters."))
+
+
+def _rename(error: ValidationError, prompt_param: str) -> ValidationError:
+    param = openai_param(error.field, prompt_param)
+    if param == error.field:
+        return error
+    message = str(error).replace(error.field, param)
+    if error.field == "parameters.max_new_tokens":
+        message = message.replace("max_new_tokens", param)
+    return ValidationError(param, message)
+
+
+async def _openai_errors(awaitable: Awaitable[_T], prompt_param: str) -> _T:
+    """Awaits, renaming a validator's field names to OpenAI's parameter names."""
+    try:
+        return await awaitable
+    except ValidationError as error:
+        raise _rename(error, prompt_param) from None
+
+
+async def _openai_errors_iter(
+    items: AsyncIterator[_T], prompt_param: str
+) -> AsyncGenerator[_T, None]:
+    try:
+        async for item in items:
+            yield item
+    except ValidationError as error:
+        raise _rename(error, prompt_param) from None
