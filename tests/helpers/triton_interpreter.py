@@ -20,6 +20,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 from packaging.version import Version
 
 from tests.helpers.tools import needs
@@ -40,7 +41,10 @@ _REASON = _unavailable_reason()
 # Skips a test where the interpreter cannot run (fails it under CI=true); INTERPRETER_MARKS for a
 # module's pytestmark.
 requires_interpreter = needs(not _REASON, _REASON)
-INTERPRETER_MARKS = [requires_interpreter]
+# One interpreted check costs 30-140 s of CPU; on a loaded 2-core CI machine its wall time can be
+# several times that (pyproject.toml's default pytest timeout is 300 s).
+INTERPRETER_TIMEOUT_S = 900
+INTERPRETER_MARKS = [requires_interpreter, pytest.mark.timeout(INTERPRETER_TIMEOUT_S)]
 
 # Prepended to checks that run bf16 tl.dot: triton 3.6's interpreter multiplies bf16 operands as
 # raw 16-bit integers; widening them to fp32 first is exact.
@@ -67,7 +71,7 @@ BF16_DOT_PRELUDE = textwrap.dedent(
 )
 
 
-def run_interpreted(source: str, timeout_s: float = 280.0) -> None:
+def run_interpreted(source: str, timeout_s: float = INTERPRETER_TIMEOUT_S - 30) -> None:
     """Executes `source` in a fresh interpreter-mode Python process (repo root as the working
     directory, no GPU visible); fails the test with the process's stderr if it exits non-zero."""
     assert not _REASON, _REASON

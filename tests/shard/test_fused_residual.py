@@ -66,7 +66,9 @@ def _rank_main(rank: int, port: int, model_dir: str, out: mp.Queue) -> None:
         )
         shard = Shard(ShardConfig(model_id=model_dir, kv_cache_memory_mb=1), dist)
         plain, fused = both_forwards(shard)
-        out.put((rank, linear_ok, plain, fused))
+        # numpy copies travel by value: a torch tensor would travel as a shared-memory fd that
+        # dies with this process if it exits before the parent has read the queue.
+        out.put((rank, linear_ok, plain.numpy(), fused.numpy()))
     finally:
         shutdown_distributed()
 
@@ -86,7 +88,7 @@ def test_fused_residual_forward_two_ranks(tiny_models):
     try:
         for _ in range(2):
             rank, linear_ok, plain, fused = out.get(timeout=120)
-            results[rank] = (linear_ok, plain, fused)
+            results[rank] = (linear_ok, torch.from_numpy(plain), torch.from_numpy(fused))
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -99,4 +101,3 @@ def test_fused_residual_forward_two_ranks(tiny_models):
         assert torch.equal(plain, fused), f"rank {rank}"
         torch.testing.assert_close(plain, reference, atol=1e-4, rtol=1e-4)
     assert torch.equal(results[0][1], results[1][1])  # ranks agree
-

@@ -33,7 +33,11 @@ from shard.quantization.kv_cache import KvScales, calibrate_scale, dequantize_kv
 from shard.quantization.methods import Fp8ScaleLayout
 from tests.helpers.numerics import rel_err
 from tests.helpers.tools import needs
-from tests.helpers.triton_interpreter import requires_interpreter, run_interpreted
+from tests.helpers.triton_interpreter import (
+    INTERPRETER_TIMEOUT_S,
+    requires_interpreter,
+    run_interpreted,
+)
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 HAS_CUDA = torch.cuda.is_available()
@@ -292,9 +296,10 @@ _INTERPRETER_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.timeout(INTERPRETER_TIMEOUT_S)
 @requires_interpreter
 def test_fp8_gemv_kernel_in_triton_interpreter():
-    run_interpreted(_INTERPRETER_CHECK, timeout_s=240)
+    run_interpreted(_INTERPRETER_CHECK)
 
 
 
