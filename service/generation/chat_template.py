@@ -2,8 +2,8 @@
 `apply_chat_template` (the model's own Jinja template, or the one of --chat-template FILE), on a
 worker thread so that the event loop never renders.
 
-The transformers tokenizer is loaded on the worker thread as the router starts (importing
-transformers takes seconds; the event loop never waits for it). The prompt's token ids come from the
+The transformers tokenizer is loaded on the worker thread as the router starts when the model
+has a template (importing transformers takes seconds; the event loop never waits for it). The prompt's token ids come from the
 same call, tokenized without adding special tokens again, exactly as `apply_chat_template(...,
 tokenize=True)` gives them to `generate()`.
 """
@@ -38,6 +38,14 @@ class Message(Protocol):
     def tool_call_id(self) -> str | None: ...
 
 
+def has_chat_template(tokenizer_dir: Path) -> bool:
+    """Whether the model directory ships a chat template (transformers' two places for it)."""
+    if (tokenizer_dir / "chat_template.jinja").is_file():
+        return True
+    config = tokenizer_dir / "tokenizer_config.json"
+    return config.is_file() and '"chat_template"' in config.read_text(errors="replace")
+
+
 class ChatTemplate:
     """Renders conversations for one model directory."""
 
@@ -48,9 +56,11 @@ class ChatTemplate:
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chat-template")
-        # Load in the background now, so the first chat request does not wait for it (a
-        # failure here is raised again, and reported, by that request's own load).
-        self._executor.submit(self._load)
+        # Load in the background now when there is a template to serve, so the first chat
+        # request does not wait for it (a failure here is raised again, and reported, by that
+        # request's own load). Routers of template-less models never import transformers.
+        if self._override is not None or has_chat_template(tokenizer_dir):
+            self._executor.submit(self._load)
 
     def _load(self) -> PreTrainedTokenizerBase:
         with self._lock:

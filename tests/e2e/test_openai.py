@@ -55,7 +55,7 @@ def deployment(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         "--model-id", str(model_dir),
         "--dtype", "float32",
         "--kv-cache-memory-mb", "256",
-        "--max-total-tokens", "1024",
+        "--max-total-tokens", "512",
         "--max-concurrent-requests", str(MAX_CONCURRENT),
         "--max-best-of", "2",
         api_key=API_KEY,
