@@ -54,6 +54,19 @@ open('{counter}', 'w').write(str(c.total()))
 print(c.done, c.failed, c.errors[:3], flush=True)
 """], env=ENV, cwd="/work/wt/leak")
     me = psutil.Process()
+    def mallocstats(tag):
+        import re
+        fd = os.open(f"/tmp/leak/mstats-{tag}.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        saved = os.dup(2); os.dup2(fd, 2)
+        try: sys._debugmallocstats()
+        finally: os.dup2(saved, 2); os.close(fd); os.close(saved)
+        txt = open(f"/tmp/leak/mstats-{tag}.txt").read()
+        keys = ["# arenas allocated current", "# bytes in allocated blocks", "# bytes in available blocks", "# bytes in free pools", "Total"]
+        out = {}
+        for k in keys:
+            m = re.search(re.escape(k) + r"\s*=\s*([\d,]+)", txt)
+            if m: out[k] = int(m.group(1).replace(",", ""))
+        print("MALLOCSTATS", tag, json.dumps(out), flush=True)
     t0 = time.monotonic(); snaps = {}
     if TRACE: tracemalloc.start(FRAMES)
     while clients.poll() is None:
@@ -66,6 +79,8 @@ print(c.done, c.failed, c.errors[:3], flush=True)
         if os.environ.get('TRIM'):
             import ctypes; ctypes.CDLL('libc.so.6').malloc_trim(0)
         print(json.dumps({"t": round(t), "requests": n, "rss_mib": round(me.memory_info().rss / 2**20, 2), "file_mib": round(me.memory_info().shared / 2**20, 2), "anon_mib": round((me.memory_info().rss - me.memory_info().shared) / 2**20, 2), "rss_pre_trim_mib": round(rss_before_trim / 2**20, 2), "traced_mib": round(traced / 2**20, 3), "objects": len(gc.get_objects())}), flush=True)
+        if os.environ.get('MSTATS') and int(t) // 10 in (6, 12, 18, 24):
+            mallocstats(str(int(t)))
         if TRACE and "a" not in snaps and t >= WARM:
             gc.collect(); snaps["a"] = (n, tracemalloc.take_snapshot())
     if TRACE:
