@@ -149,6 +149,17 @@ def markdown(rows: list[Row], tokens: int) -> str:
     return "\n".join(lines)
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else platform.processor()."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=None,
@@ -194,8 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({
             "date": datetime.date.today().isoformat(),
-            "machine": f"{platform.machine()} {platform.processor() or ''} "
-                       f"{os.cpu_count()} CPUs".strip(),
+            "machine": f"{platform.machine()} {cpu_model()}, {os.cpu_count()} CPUs",
             "torch": torch.__version__,
             "device": args.device,
             "model_dir": str(model_dir),

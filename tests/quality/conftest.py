@@ -13,7 +13,7 @@ from tests.helpers.processes import Deployment, start_deployment
 from tests.helpers.smollm2 import snapshot
 
 # The longest prompt the perplexity test sends (one window of its text), plus room to generate.
-MAX_INPUT_TOKENS = 2048
+MAX_INPUT_TOKENS = 1024
 
 
 @pytest.fixture(scope="session")
