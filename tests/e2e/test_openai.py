@@ -298,7 +298,7 @@ def test_overload_raises_rate_limit_and_closed_streams_free_their_blocks(
     # MAX_CONCURRENT streams that would run long, each read up to its first token and held.
     streams = [
         client.chat.completions.create(
-            model="tgi", messages=FRANCE, max_tokens=500, stream=True, temperature=1.0, seed=i
+            model="tgi", messages=FRANCE, max_tokens=450, stream=True, temperature=1.0, seed=i
         )
         for i in range(MAX_CONCURRENT)
     ]

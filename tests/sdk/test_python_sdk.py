@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import sys
 import tomllib
@@ -188,8 +189,12 @@ def test_readme_examples_print_what_the_server_answers(
     info = raw.info()
     hello = raw.generate("Hello", max_new_tokens=4)["text"]
     assert observed["readme_example_2"] == (f"{info.model_id} {info.max_total_tokens}\n{hello}\n")
+    # The chat example prints the reply and its token count, then the same reply streamed (greedy:
+    # equal), then a completion.
+    chat = re.fullmatch(r"(.*) (\d+)\n\1(.*)\n", str(observed["readme_example_3"]), re.DOTALL)
+    assert chat is not None and int(chat[2]) > 0, observed["readme_example_3"]
     rejected = raw.validation_message("Hi", top_p=1.5)
-    assert observed["readme_example_3"] == f"rejected: {rejected}\ntoo slow\nhealthy: True\n"
+    assert observed["readme_example_4"] == f"rejected: {rejected}\ntoo slow\nhealthy: True\n"
 
 
 def test_sdk_unit_tests_pass_in_the_fresh_venv(venv_python: Path, tmp_path: Path) -> None:

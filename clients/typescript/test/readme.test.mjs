@@ -28,6 +28,11 @@ const checks = [
     assert.ok(expected.hello_texts.join("").startsWith(hello), JSON.stringify(hello));
   },
   (stdout) => {
+    // The chat reply and its token count, the same reply streamed (greedy: equal), a completion.
+    const chat = /^([\s\S]*) (\d+)\n\1([\s\S]*)\n$/.exec(stdout);
+    assert.ok(chat !== null && Number(chat[2]) > 0, JSON.stringify(stdout));
+  },
+  (stdout) => {
     const healthy = format(expected.model_id, expected.max_total_tokens, "healthy:", true);
     assert.equal(stdout, `rejected: ${expected.top_p_message}\ntoo slow\n${healthy}\n`);
   },
