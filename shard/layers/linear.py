@@ -150,7 +150,9 @@ def _merge_rows(parts: list[ColumnParallelLinear]) -> _MergedWeight | None:
             at += rows
         return _MergedWeight(lambda x: decode_linear.linear(x, merged),
                              lambda x: decode_linear.gate_up_silu(x, merged))
-    if all(isinstance(m.quantized, Fp8Linear) and m.quantized.bias is None for m in parts):
+    # fp8 parts merge on CUDA only: the merged fp8 entry points are the Triton GEMV / _scaled_mm.
+    if all(isinstance(m.quantized, Fp8Linear) and m.quantized.bias is None
+           and m.quantized.weight.is_cuda for m in parts):
         fp8 = Fp8Linear.merge_rows(*(m.quantized for m in parts))
         return _MergedWeight(fp8, fp8.forward_silu_mul)
     return None
@@ -161,9 +163,9 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
 
     The checkpoint stores the parts side by side (`{parent}.q_proj.weight`, ...): the layer's
     loader reads each part under its own name (as a ColumnParallelLinear, quantized alike) from
-    the layer's parent prefix. With `merge` (CUDA), the parts' weights then become row blocks of
-    one merged weight where they can (no bias; 16-bit or fp8 weights), and CUDA inputs take one
-    GEMM / GEMV for all parts."""
+    the layer's parent prefix. With `merge`, the parts' weights then become row blocks of one
+    merged weight where they can (no bias; 16-bit weights, or fp8 weights on CUDA), and inputs
+    take one GEMM / GEMV for all parts (on CPU too: fewer, larger matmuls per decode step)."""
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool, dist: Dist,
                  merge: bool, row_blocks: dict[str, tuple[int, int]] | None = None):
@@ -188,18 +190,18 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [n, in] -> each part's output [n, out_local]."""
-        if self.merged is not None and x.is_cuda:  # one GEMM for all parts
+        if self.merged is not None:  # one GEMM / GEMV for all parts
             return list(self.merged.linear(x).split(self.sizes, dim=-1))
         return [part(x) for part in self.parts.values()]
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """For two parts (gate, up): silu(gate(x)) * up(x), [n, in] -> [n, out_local]; one
         kernel for the SiLU-and-mul on CUDA, one pass over the merged weight where merged."""
+        if self.merged is not None:
+            return self.merged.silu_mul(x)
         gate, up = self.parts.values()
         if x.is_cuda:
             from shard.kernels.elementwise import silu_mul
 
-            if self.merged is not None:
-                return self.merged.silu_mul(x)
             return silu_mul(gate(x), up(x))
         return F.silu(gate(x)) * up(x)

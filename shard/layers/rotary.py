@@ -59,6 +59,10 @@ class RotaryEmbedding(torch.nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos().to(device), persistent=False)
         self.register_buffer("sin", emb.sin().to(device), persistent=False)
+        # (positions tensor, its version, dtype, cos, signed sin) of the last lookup; see _lookup.
+        self._last_lookup: tuple[torch.Tensor, int, torch.dtype, torch.Tensor, torch.Tensor] | None = (
+            None
+        )
 
     def forward(
         self,
@@ -70,11 +74,34 @@ class RotaryEmbedding(torch.nn.Module):
             from shard.kernels.elementwise import rotary
 
             return rotary(positions, q, k, self.cos, self.sin)
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos, signed_sin = self._lookup(positions, q.dtype)
+        return _rotate(q, cos, signed_sin), _rotate(k, cos, signed_sin)
+
+    def _lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # each [num_tokens, 1, head_dim] in dtype
+        """cos and sign-folded sin rows of these positions. Every layer of a step passes the same
+        positions tensor, so the lookup is done once per step and reused by the other layers
+        (on CPU the per-layer gathers and casts were a measurable share of a decode step)."""
+        key = (positions, positions._version, dtype)  # _version: bumped by in-place writes
+        cached = self._last_lookup
+        if cached is not None and cached[0] is positions and cached[1:3] == key[1:]:
+            return cached[3], cached[4]
+        half = self.cos.shape[-1] // 2
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1)
+        # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: the sign folded into the
+        # table (exact: negating before or after the product rounds alike).
+        signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(dtype)
+        self._last_lookup = (*key, cos, signed)
+        return cos, signed
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rotate(
+    x: torch.Tensor,  # [num_tokens, heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+    signed_sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x_hi, x_lo) written as a roll
+    of x times the sign-folded sin: 4 ops instead of 7."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

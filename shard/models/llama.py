@@ -39,7 +39,7 @@ class LlamaAttention(nn.Module):
         parts = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim,
                  "v_proj": kv_heads * head_dim}
         self.qkv_proj = MergedColumnParallelLinear(
-            hidden, parts, bias, ctx.dist, merge=ctx.device.type == "cuda",
+            hidden, parts, bias, ctx.dist, merge=True,
             row_blocks={"k_proj": kv_block, "v_proj": kv_block},
         )
         self.o_proj = RowParallelLinear(
@@ -74,7 +74,7 @@ class LlamaMLP(nn.Module):
         bias = ctx.config.get("mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, {"gate_proj": inter, "up_proj": inter}, bias, ctx.dist,
-            merge=ctx.device.type == "cuda",
+            merge=True,
         )
         self.down_proj = RowParallelLinear(inter, hidden, bias, ctx.dist)
 

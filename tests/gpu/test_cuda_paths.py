@@ -138,7 +138,11 @@ def test_fused_ops_match_torch_forms():
     import torch.nn.functional as F
 
     from shard.kernels import elementwise
-    from shard.layers.rotary import RotaryEmbedding, _rotate_half
+    from shard.layers.rotary import RotaryEmbedding
+
+    def rotate_half(t):  # the textbook form: cat(-t_hi, t_lo)
+        half = t.shape[-1] // 2
+        return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
 
     def rel(a, b):
         return ((a.float() - b.float()).norm() / b.float().norm()).item()
@@ -163,8 +167,8 @@ def test_fused_ops_match_torch_forms():
     cos = rot.cos[pos].unsqueeze(1).to(q.dtype)
     sin = rot.sin[pos].unsqueeze(1).to(q.dtype)
     got_q, got_k = elementwise.rotary(pos, q, k, rot.cos, rot.sin)
-    assert rel(got_q, q * cos + _rotate_half(q) * sin) < 1e-2
-    assert rel(got_k, k * cos + _rotate_half(k) * sin) < 1e-2
+    assert rel(got_q, q * cos + rotate_half(q) * sin) < 1e-2
+    assert rel(got_k, k * cos + rotate_half(k) * sin) < 1e-2
 
     g = torch.randn(33, 14336, device="cuda", dtype=torch.bfloat16)
     u = torch.randn(33, 14336, device="cuda", dtype=torch.bfloat16)
