@@ -228,10 +228,12 @@ class OpenAIEndpoints:
     # --- requests -> GenerateInput ---------------------------------------------------------
 
     def _check(self, params: SamplingRequest) -> None:
-        if params.model not in (self.model_id, TGI_MODEL_ALIAS):
+        adapters = [a.name for a in self.service.adapters()]
+        if params.model not in (self.model_id, TGI_MODEL_ALIAS, *adapters):
+            listed = f"; LoRA adapters: {', '.join(adapters)}" if adapters else ""
             raise ModelNotFoundError(
                 f"The model '{params.model}' does not exist: this server serves "
-                f"'{self.model_id}' (also reachable as '{TGI_MODEL_ALIAS}')",
+                f"'{self.model_id}' (also reachable as '{TGI_MODEL_ALIAS}'){listed}",
             )
         if params.temperature is not None:
             low, high = TEMPERATURE_RANGE
@@ -269,6 +271,8 @@ class OpenAIEndpoints:
             details=True,
             seed=params.seed,
             top_n_tokens=params.top_logprobs if params.logprobs else None,
+            # A model name other than the served id (or "tgi") is a LoRA adapter's.
+            adapter_id=None if params.model in (self.model_id, TGI_MODEL_ALIAS) else params.model,
         )
 
     async def _chat_input(self, request: ChatRequest) -> GenerateInput:

@@ -1,0 +1,148 @@
+"""LoRA adapters in one shard (convert + engine, no gRPC): adapters written by `peft` for a tiny
+model give the same greedy tokens as transformers + PeftModel (unmerged), alone and mixed with
+the base model and each other in one batch, through LRU swaps when there are fewer device slots
+than adapters; bad adapters fail to load with a message naming the problem and leave nothing
+registered."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from reference import prompts
+from shard_driver import RouterSim, engine_call
+
+from shard.lora import AdapterLoadError, AdapterSource
+from tests.helpers.lora import load_base, peft_greedy, write_adapter
+from tests.helpers.shards import make_shard
+
+N = 12
+# name -> write_adapter options: every target at rank 4; q/v only at rank 8 (the limit); the
+# MLP only with rsLoRA scaling at rank 2.
+ADAPTERS = {
+    "all4": dict(r=4, alpha=8.0, seed=1),
+    "qv8": dict(r=8, alpha=16.0, targets=("q_proj", "v_proj"), seed=2, std=0.3),
+    "mlp2": dict(r=2, alpha=4.0, targets=("gate_proj", "up_proj", "down_proj"), seed=3,
+                 use_rslora=True, std=0.3),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models) -> Path:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    base = load_base(model_dir)
+    return {name: write_adapter(model_dir, root / name, base=base, **kw)
+            for name, kw in ADAPTERS.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, adapters) -> dict[str, list[int]]:
+    """transformers + peft greedy tokens per adapter ("" = base) for the test prompt."""
+    prompt = prompts(model_dir, [11])[0]
+    out = {"": peft_greedy(model_dir, None, prompt, N)}
+    for name, path in adapters.items():
+        out[name] = peft_greedy(model_dir, path, prompt, N)
+    return out
+
+
+def _load(shard, name: str, path: Path) -> None:
+    shard.register_adapter(shard.read_adapter(AdapterSource(name, str(path))))
+
+
+def _run(shard, model_dir, names: list[str]) -> dict[str, list[int]]:
+    """One batch of requests (one per name, "" = base) with the same prompt, run to the end."""
+    sim = RouterSim(engine_call(shard), shard.runner.num_blocks, shard.runner.block_size)
+    prompt = prompts(model_dir, [11])[0]
+    for i, name in enumerate(names):
+        sim.add(i + 1, prompt, N, adapter=name)
+    sim.prefill([(i + 1, 0) for i in range(len(names))])
+    sim.run_to_completion()
+    return {name: sim.done[i + 1].generated for i, name in enumerate(names)}
+
+
+def test_adapters_change_the_output(reference):
+    # The test can fail: every adapter's greedy tokens differ from the base model's.
+    for name in ADAPTERS:
+        assert reference[name] != reference[""], name
+
+
+def test_mixed_batch_equals_peft(model_dir, adapters, reference):
+    shard = make_shard(model_dir, max_loras=4, max_lora_rank=8)
+    for name, path in adapters.items():
+        _load(shard, name, path)
+    names = ["", "all4", "qv8", "mlp2"]
+    mixed = _run(shard, model_dir, names)
+    assert mixed == {n: reference[n] for n in names}
+    for name in names:  # each alone equals its share of the mixed batch
+        assert _run(shard, model_dir, [name])[name] == reference[name]
+    facts = {f.name: f for f in shard.adapters()}
+    assert facts["qv8"].rank == 8 and facts["qv8"].target_modules == ("q_proj", "v_proj")
+
+
+def test_lru_swaps_with_fewer_slots_than_adapters(model_dir, adapters, reference):
+    shard = make_shard(model_dir, max_loras=2, max_lora_rank=8)
+    for name, path in adapters.items():
+        _load(shard, name, path)
+    order = ["all4", "qv8", "mlp2", "all4", "", "qv8"]
+    for name in order:
+        assert _run(shard, model_dir, [name])[name] == reference[name], name
+    assert shard.lora is not None and shard.lora.swap_ins >= 4
+    assert len(shard.lora.resident) == 2
+    # Two adapters at once in two slots; unloading frees a slot for the third.
+    assert _run(shard, model_dir, ["mlp2", "all4"]) == {
+        "mlp2": reference["mlp2"], "all4": reference["all4"]}
+    shard.unload_adapter("mlp2")
+    assert "mlp2" not in shard.lora.adapters and "mlp2" not in shard.lora.resident
+
+
+def _expect_error(shard, path: Path | str, *needles: str, name: str = "bad") -> None:
+    with pytest.raises(AdapterLoadError) as info:
+        shard.register_adapter(shard.read_adapter(AdapterSource(name, str(path))))
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, message
+    assert shard.adapters() == [] or all(f.name != name for f in shard.adapters())
+
+
+def test_bad_adapters_fail_clearly(model_dir, adapters, tmp_path):
+    shard = make_shard(model_dir, max_loras=2, max_lora_rank=4)
+    # Rank above --max-lora-rank.
+    _expect_error(shard, adapters["qv8"], "rank 8 exceeds --max-lora-rank 4")
+    # Wrong base: an adapter written with peft for a model of another MLP width.
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(model_dir))
+    config.intermediate_size = 96
+    other_base = transformers.AutoModelForCausalLM.from_config(config)
+    wrong = write_adapter(model_dir, tmp_path / "wrong", r=2, base=other_base)
+    _expect_error(shard, wrong, "has shape [2, 96]", "the base model needs [2, 128]", "down_proj")
+    # Missing files.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _expect_error(shard, empty, "no adapter_config.json")
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(adapters["all4"] / "adapter_config.json", no_weights)
+    _expect_error(shard, no_weights, "no adapter_model.safetensors")
+    _expect_error(shard, str(tmp_path / "nowhere"), "not found")
+    # Unsupported target modules (peft adapts lm_head too).
+    head = write_adapter(model_dir, tmp_path / "head", r=2, targets=("q_proj", "lm_head"))
+    _expect_error(shard, head, "target module 'lm_head'", "not supported")
+    # DoRA is another method.
+    dora = tmp_path / "dora"
+    shutil.copytree(adapters["all4"], dora)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    cfg["use_dora"] = True
+    (dora / "adapter_config.json").write_text(json.dumps(cfg))
+    _expect_error(shard, dora, "use_dora", "not supported")
+    # Nothing was registered, and a good adapter still loads and serves.
+    assert shard.adapters() == []
+    _load(shard, "all4", adapters["all4"])
+    assert [f.name for f in shard.adapters()] == ["all4"]
