@@ -266,7 +266,7 @@ def test_rest_through_envoy(deployment, adapters, reference):
 
 def test_metrics_and_log_name_the_adapter(deployment, stub):
     stub.Generate(_request("start", 3), timeout=60)
-    metrics = scrape(deployment.metrics_url)
+    metrics = scrape(deployment.metrics_port)
     assert metrics.value("tokenwire_adapter_requests_total", adapter="start", status="ok") >= 1
     assert metrics.value("tokenwire_adapter_generated_tokens_total", adapter="start") >= 3
     assert 'adapter=start' in deployment.log()
