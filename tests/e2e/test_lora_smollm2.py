@@ -13,7 +13,7 @@ import pytest
 from tokenwire.v1 import generate_pb2 as pb
 from tokenwire.v1 import generate_pb2_grpc
 
-from tests.helpers.lora import peft_greedy, write_adapter
+from tests.helpers.lora import load_base, peft_greedy, write_adapter
 from tests.helpers.processes import Deployment, start_deployment
 from tests.helpers.smollm2 import snapshot
 
@@ -59,8 +59,9 @@ def test_smollm2_adapter_matches_peft(deployment, model_dir, adapter):
             reply = stub.Generate(pb.GenerateRequest(inputs=PROMPT, parameters=params),
                                   timeout=120)
             got[name] = [t.id for t in reply.details.tokens]
-    want_base = peft_greedy(model_dir, None, ids, N)
-    want = peft_greedy(model_dir, adapter, ids, N)
+    base = load_base(model_dir)
+    want_base = peft_greedy(model_dir, None, ids, N, base=base)
+    want = peft_greedy(model_dir, adapter, ids, N, base=base)
     assert want != want_base  # the adapter changes the greedy output
     assert got[None] == want_base[: len(got[None])]
     assert got["smol"] == want[: len(got["smol"])] and len(got["smol"]) >= 4

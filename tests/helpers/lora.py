@@ -52,11 +52,14 @@ def write_adapter(
 
 
 @torch.inference_mode()
-def peft_greedy(model_dir: Path, adapter_dir: Path | None, prompt: list[int], n: int) -> list[int]:
-    """Greedy generation of n tokens (EOS off) by transformers + PeftModel (unmerged)."""
+def peft_greedy(
+    model_dir: Path, adapter_dir: Path | None, prompt: list[int], n: int, base=None
+) -> list[int]:
+    """Greedy generation of n tokens (EOS off) by transformers + PeftModel (unmerged). `base`:
+    an already loaded base model to wrap (left as it was afterwards)."""
     import transformers
 
-    model = load_base(model_dir)
+    model = base if base is not None else load_base(model_dir)
     if adapter_dir is not None:
         import peft
 
@@ -64,8 +67,13 @@ def peft_greedy(model_dir: Path, adapter_dir: Path | None, prompt: list[int], n:
     config = transformers.GenerationConfig(
         max_new_tokens=n, min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=0
     )
-    out = model.generate(
-        input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        generation_config=config,
-    )
+    try:
+        out = model.generate(
+            input_ids=torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            generation_config=config,
+        )
+    finally:
+        if adapter_dir is not None:
+            model.unload()  # the base's own layers back in place
     return out[0, len(prompt) :].tolist()

@@ -16,6 +16,7 @@ from shard_driver import RouterSim, engine_call
 
 from shard.lora import AdapterLoadError, AdapterSource
 from tests.helpers.lora import load_base, peft_greedy, write_adapter
+from tests.helpers.models import tiny_model
 from tests.helpers.shards import make_shard
 
 N = 12
@@ -30,8 +31,8 @@ ADAPTERS = {
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_models) -> Path:
-    return tiny_models["llama"]
+def model_dir(tmp_path_factory) -> Path:
+    return tiny_model(tmp_path_factory, "llama")
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +47,10 @@ def adapters(model_dir, tmp_path_factory) -> dict[str, Path]:
 def reference(model_dir, adapters) -> dict[str, list[int]]:
     """transformers + peft greedy tokens per adapter ("" = base) for the test prompt."""
     prompt = prompts(model_dir, [11])[0]
-    out = {"": peft_greedy(model_dir, None, prompt, N)}
+    base = load_base(model_dir)
+    out = {"": peft_greedy(model_dir, None, prompt, N, base=base)}
     for name, path in adapters.items():
-        out[name] = peft_greedy(model_dir, path, prompt, N)
+        out[name] = peft_greedy(model_dir, path, prompt, N, base=base)
     return out
 
 
@@ -146,3 +148,78 @@ def test_bad_adapters_fail_clearly(model_dir, adapters, tmp_path):
     assert shard.adapters() == []
     _load(shard, "all4", adapters["all4"])
     assert [f.name for f in shard.adapters()] == ["all4"]
+
+
+@pytest.mark.slow
+def test_two_ranks_load_their_slices(model_dir, adapters, reference, tmp_path):
+    """`tokenwire shard --world-size 2` (two processes, gloo): each rank loads its slice of every
+    adapter (column-parallel B rows, row-parallel A columns; one at start-up, two over the
+    LoadAdapter RPC), both ranks answer alike and a mixed batch equals transformers + peft."""
+    import os
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    from tokenwire.shard.v1 import shard_pb2 as pb
+    from tokenwire.shard.v1 import shard_pb2_grpc
+
+    from tests.helpers.ports import free_port
+
+    repo = Path(__file__).resolve().parents[2]
+    prefix, port = str(tmp_path / "shard"), free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(repo), str(repo / "gen" / "python"), os.environ.get("PYTHONPATH", "")]))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "service.app.cli", "shard", "--model-id", str(model_dir),
+             "--device", "cpu", "--rank", str(r), "--world-size", "2", "--uds-path", prefix,
+             "--master-port", str(port), "--kv-cache-memory-mb", "1", "--log-level", "WARNING",
+             "--max-loras", "3", "--max-lora-rank", "8",
+             "--lora-adapters", f"all4={adapters['all4']}"],
+            cwd=repo, env=env,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    channels = [grpc.insecure_channel(f"unix://{prefix}-{r}") for r in range(2)]
+    pool = ThreadPoolExecutor(2)
+    try:
+        for ch in channels:
+            grpc.channel_ready_future(ch).result(timeout=120)
+        stubs = [shard_pb2_grpc.ShardServiceStub(ch) for ch in channels]
+
+        def call(method, request):
+            futures = [pool.submit(getattr(s, method), request, timeout=120) for s in stubs]
+            answers = [f.result() for f in futures]
+            if method in ("Prefill", "Decode"):
+                for a in answers:
+                    a.ClearField("timings")
+            if method != "Warmup":
+                assert all(a == answers[0] for a in answers[1:]), method
+            return answers[0]
+
+        info = call("Info", pb.InfoRequest())
+        assert [a.name for a in info.adapters] == ["all4"] and info.max_loras == 3
+        for name in ("qv8", "mlp2"):
+            call("LoadAdapter", pb.LoadAdapterRequest(name=name, path=str(adapters[name])))
+        warm = call("Warmup", pb.WarmupRequest(
+            max_input_tokens=128, max_total_tokens=256, max_batch_prefill_tokens=256,
+            max_batch_size=8, max_batch_total_tokens=2048))  # fmt: skip
+        sim = RouterSim(call, warm.num_blocks, warm.block_size)
+        prompt = prompts(model_dir, [11])[0]
+        names = ["", "all4", "qv8", "mlp2"]
+        for i, name in enumerate(names):
+            sim.add(i + 1, prompt, N, adapter=name)
+        sim.prefill([(i + 1, 0) for i in range(len(names))])
+        sim.run_to_completion()
+        for i, name in enumerate(names):
+            assert sim.done[i + 1].generated == reference[name], name
+        call("UnloadAdapter", pb.UnloadAdapterRequest(name="qv8"))
+        assert [a.name for a in call("Info", pb.InfoRequest()).adapters] == ["all4", "mlp2"]
+    finally:
+        for ch in channels:
+            ch.close()
+        for p in procs:
+            p.terminate()
+        codes = [p.wait(timeout=30) for p in procs]
+    assert codes == [0, 0]

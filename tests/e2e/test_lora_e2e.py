@@ -77,9 +77,10 @@ def prompt_ids(model_dir) -> list[int]:
 @pytest.fixture(scope="module")
 def reference(model_dir, adapters, prompt_ids) -> dict[str, list[int]]:
     """transformers + peft greedy tokens per adapter ("" = base)."""
-    out = {"": peft_greedy(model_dir, None, prompt_ids, N)}
+    base = load_base(model_dir)
+    out = {"": peft_greedy(model_dir, None, prompt_ids, N, base=base)}
     for name in ADAPTERS:
-        out[name] = peft_greedy(model_dir, adapters[name], prompt_ids, N)
+        out[name] = peft_greedy(model_dir, adapters[name], prompt_ids, N, base=base)
         assert out[name] != out[""], f"adapter {name} does not change the greedy output"
     return out
 
