@@ -23,6 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# CPU steps of at most this many token rows over several adapters gather each row's A and B
+# (rows x rank x features floats each) instead of one matmul pair per adapter.
+GATHER_MAX_ROWS = 64
+
 
 @dataclass
 class LoraBatch:
@@ -33,37 +37,44 @@ class LoraBatch:
     active: bool = False
     # [num_tokens] int32 slot of each token row (-1: base model); on the model's device.
     token_slots: torch.Tensor | None = None
-    # CPU path: (slot, row indices [rows] int64 or None for "every row") per slot present.
+    # CPU path, large steps (prefill): (slot, row indices [rows] int64 or None for "every
+    # row") per slot present: one pair of matmuls per adapter.
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    # CPU path, small steps (decode): [num_tokens] int64 slot per row, base rows on the zero
+    # slot: every row gathers its own A and B and one bmm pair serves all adapters at once.
+    gather: torch.Tensor | None = None
 
     def set_rows(self, token_slots: list[int], device: torch.device) -> None:
         """The step's slot per token row (host list), or all -1."""
         present = sorted({s for s in token_slots if s >= 0})
         self.active = bool(present)
+        self.groups, self.gather = [], None
         if not self.active:
             self.token_slots = None
-            self.groups = []
             return
         slots = torch.tensor(token_slots, dtype=torch.int32)
         self.token_slots = slots.to(device, non_blocking=True)
         if device.type == "cuda":
-            self.groups = []
             return
         if len(present) == 1 and all(s == present[0] for s in token_slots):
             self.groups = [(present[0], None)]
-            return
-        self.groups = [(s, torch.nonzero(slots == s).flatten()) for s in present]
+        elif len(token_slots) <= GATHER_MAX_ROWS:
+            self.gather = torch.where(slots < 0, self.num_slots, slots).long()
+        else:
+            self.groups = [(s, torch.nonzero(slots == s).flatten()) for s in present]
 
     def set_device_rows(self, token_slots: torch.Tensor) -> None:
         """CUDA graphs: the slots live in a static buffer the graph reads ([rows] int32)."""
         self.active = True
         self.token_slots = token_slots
         self.groups = []
+        self.gather = None
 
     def clear(self) -> None:
         self.active = False
         self.token_slots = None
         self.groups = []
+        self.gather = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,12 @@ class LoraWeights:
             assert slots is not None
             h = lora_shrink(x, self.a, slots)  # [n, parts * R] float32
             lora_expand_(y, h, self.b, slots)
+            return
+        if batch.gather is not None:
+            a = self.a.index_select(0, batch.gather)  # [n, parts * R, in]
+            b = self.b.index_select(0, batch.gather)  # [n, out, parts * R]
+            h = torch.bmm(a, x.unsqueeze(2))  # [n, parts * R, 1]
+            y += torch.bmm(b, h).squeeze(2)
             return
         for slot, rows in batch.groups:
             a, b = self.a[slot], self.b[slot]  # [parts * R, in], [out, parts * R]

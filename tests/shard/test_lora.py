@@ -223,3 +223,31 @@ def test_two_ranks_load_their_slices(model_dir, adapters, reference, tmp_path):
             p.terminate()
         codes = [p.wait(timeout=30) for p in procs]
     assert codes == [0, 0]
+
+
+def test_cpu_paths_agree():
+    """The CPU application's two shapes (per-row gather + bmm for small steps, one matmul pair
+    per adapter for large ones) equal a row-by-row reference; base rows are untouched."""
+    import torch
+
+    from shard.layers.lora import GATHER_MAX_ROWS, LoraBatch, LoraPart, LoraWeights
+
+    gen = torch.Generator().manual_seed(0)
+    batch = LoraBatch(3)
+    w = LoraWeights([LoraPart("p", 32, 24, (0, 32), (0, 24), 0)], batch, 8,
+                    torch.device("cpu"), torch.float32)
+    w.a[:3] = torch.randn(3, 8, 32, generator=gen)
+    w.b[:3] = torch.randn(3, 24, 8, generator=gen)
+    for n in (5, GATHER_MAX_ROWS + 36):
+        slots = [(i % 4) - 1 for i in range(n)]
+        x, y0 = torch.randn(n, 32, generator=gen), torch.randn(n, 24, generator=gen)
+        ref = y0.clone()
+        for i, s in enumerate(slots):
+            if s >= 0:
+                ref[i] += w.b[s] @ (w.a[s] @ x[i])
+        batch.set_rows(slots, torch.device("cpu"))
+        assert (batch.gather is not None) == (n <= GATHER_MAX_ROWS)
+        y = y0.clone()
+        w.apply_(x, y)
+        assert torch.allclose(y, ref, atol=1e-4, rtol=1e-4), n
+        assert torch.equal(y[::4], y0[::4])  # slot -1 rows
