@@ -28,7 +28,6 @@ import json
 import math
 import platform
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -98,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "tokenwire-lora")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/twb"),
+                    help="checkpoint and adapters (the harness's default: its checkpoint is reused)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
 
@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from shard.testing.checkpoint import write_checkpoint
 
-        model_dir = args.workdir / f"llama3-8b-{args.num_layers}l"
+        # The harness's directory name: a checkpoint it wrote on this machine is reused.
+        model_dir = args.workdir / f"llama3-8b-shape-{args.num_layers}l"
         write_checkpoint(model_dir, args.num_layers)
         dtype = "bfloat16"
     config = json.loads((model_dir / "config.json").read_text())
