@@ -40,6 +40,8 @@ COMPLETIONS = "completions"
 COMPLETIONS_STREAM = "completions_stream"
 # A LoRA adapter's name: what requests and DELETE /info/loras/{name} carry (no '/').
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# The metrics' adapter label of requests naming no loaded adapter (not a valid adapter name).
+UNKNOWN_ADAPTER = "<unknown>"
 
 
 @dataclass(frozen=True)
@@ -472,7 +474,12 @@ class GenerationService:
             message = str(error) or type(error).__name__
             level = logging.INFO if reason == "validation" else logging.WARNING
         self.metrics.observe_failure(method, reason)
-        self.metrics.observe_adapter(adapter, reason)
+        # Only loaded adapters become label values: names clients make up must not grow the
+        # metric's label sets.
+        label = adapter
+        if adapter and adapter not in {a.name for a in self.engine.list_adapters()}:
+            label = UNKNOWN_ADAPTER
+        self.metrics.observe_adapter(label, reason)
         log_request(
             self._log,
             "request failed",

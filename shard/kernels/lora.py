@@ -26,7 +26,9 @@ SHRINK_K_PER_PROGRAM = 512  # K range of one shrink program (split-K over the gr
 EXPAND_BLOCK_N = 64
 
 
-@triton.jit
+# num_rows unspecialized: one compiled variant serves every CUDA-graph bucket (a capture cannot
+# compile or load a new one).
+@triton.jit(do_not_specialize=["num_rows"])
 def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, num_rows, K, R, num_slots,
                         stride_xm, stride_as, stride_ar, stride_om, k_per_program,
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -54,7 +56,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, num_rows, K, R, num_sl
                           mask=sel[:, None] & (rr[None, :] < R))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _lora_expand_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, num_rows, N, R, num_slots,
                         stride_sm, stride_bs, stride_bn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,

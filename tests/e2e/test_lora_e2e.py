@@ -270,4 +270,7 @@ def test_metrics_and_log_name_the_adapter(deployment, stub):
     metrics = scrape(deployment.metrics_port)
     assert metrics.value("tokenwire_adapter_requests_total", adapter="start", status="ok") >= 1
     assert metrics.value("tokenwire_adapter_generated_tokens_total", adapter="start") >= 3
+    # Names of no loaded adapter (test_rest_through_envoy's "nope") share one label value.
+    assert metrics.total("tokenwire_adapter_requests_total", adapter="<unknown>") >= 1
+    assert metrics.total("tokenwire_adapter_requests_total", adapter="nope") == 0
     assert 'adapter=start' in deployment.log()
