@@ -9,6 +9,7 @@ from google.protobuf import json_format
 from tokenwire.v1 import generate_pb2 as pb
 
 from service.api.status import ErrorKind
+from service.engine.adapters import AdapterInfo, AdapterSource
 from service.engine.contracts import TokenInfo
 from service.generation.service import (
     GeneratedSequence,
@@ -50,6 +51,7 @@ def generate_input(request: pb.GenerateRequest) -> GenerateInput:
         seed=_opt(p, "seed"),  # type: ignore[arg-type]
         top_n_tokens=_opt(p, "top_n_tokens"),  # type: ignore[arg-type]
         grammar=grammar,
+        adapter_id=_opt(p, "adapter_id"),  # type: ignore[arg-type]
     )
 
 
@@ -149,7 +151,19 @@ def stream_error(index: int, kind: ErrorKind, message: str) -> pb.GenerateStream
     return pb.GenerateStreamResponse(index=index, error=message, error_type=kind.error_type)
 
 
-def info_response(info: ServerInfo) -> pb.InfoResponse:
+def adapter(info: AdapterInfo) -> pb.Adapter:
+    return pb.Adapter(name=info.name, path=info.path, rank=info.rank, alpha=info.alpha,
+                      target_modules=list(info.target_modules))
+
+
+def adapter_sources(request: pb.LoadAdapterRequest) -> list[AdapterSource]:
+    return [
+        AdapterSource(a.name, a.path, a.revision if a.HasField("revision") else None)
+        for a in request.adapters
+    ]
+
+
+def info_response(info: ServerInfo, adapters: list[AdapterInfo] | None = None) -> pb.InfoResponse:
     response = pb.InfoResponse(
         model_id=info.model_id,
         model_dtype=info.model_dtype,
@@ -168,6 +182,9 @@ def info_response(info: ServerInfo) -> pb.InfoResponse:
         block_size=info.block_size,
         num_kv_blocks=info.num_kv_blocks,
         num_shard=info.num_shard,
+        adapters=[adapter(a) for a in adapters or []],
+        max_loras=info.max_loras,
+        max_lora_rank=info.max_lora_rank,
     )
     for name in ("model_sha", "model_pipeline_tag", "sha", "docker_label"):
         value = getattr(info, name)

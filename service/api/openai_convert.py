@@ -165,8 +165,15 @@ def completion_chunk(header: ResponseHeader, event: StreamEvent) -> pb.Completio
     return chunk
 
 
-def models_response(model_id: str, created: int) -> pb.ListModelsResponse:
+def models_response(model_id: str, created: int, adapters: list[str] | None = None
+                    ) -> pb.ListModelsResponse:
+    """The base model, then each LoRA adapter (with the base as its parent)."""
     return pb.ListModelsResponse(
         object="list",
-        data=[pb.Model(id=model_id, object="model", created=created, owned_by="tokenwire")],
+        data=[pb.Model(id=model_id, object="model", created=created, owned_by="tokenwire")]
+        + [
+            pb.Model(id=name, object="model", created=created, owned_by="tokenwire",
+                     parent=model_id)
+            for name in adapters or []
+        ],
     )

@@ -134,7 +134,9 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServiceServicer):
         self, request: pb.ListModelsRequest, context: aio.ServicerContext
     ) -> pb.ListModelsResponse:
         endpoints = self._endpoints
-        return openai_convert.models_response(endpoints.model_id, endpoints.created)
+        return openai_convert.models_response(
+            endpoints.model_id, endpoints.created, [a.name for a in endpoints.service.adapters()]
+        )
 
     async def Chat(self, request: pb.ChatRequest, context: aio.ServicerContext) -> pb.ChatResponse:
         completed = await self._endpoints.chat(

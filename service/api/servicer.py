@@ -187,7 +187,26 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         return HttpBody(content_type="application/json", data=json.dumps(tokens).encode())
 
     async def Info(self, request: pb.InfoRequest, context: aio.ServicerContext) -> pb.InfoResponse:
-        return convert.info_response(self._info())
+        return convert.info_response(self._info(), self._service.adapters())
+
+    async def LoadAdapter(
+        self, request: pb.LoadAdapterRequest, context: aio.ServicerContext
+    ) -> pb.LoadAdapterResponse:
+        loaded = await self._service.load_adapters(convert.adapter_sources(request))
+        return pb.LoadAdapterResponse(adapters=[convert.adapter(a) for a in loaded])
+
+    async def UnloadAdapter(
+        self, request: pb.UnloadAdapterRequest, context: aio.ServicerContext
+    ) -> pb.UnloadAdapterResponse:
+        await self._service.unload_adapter(request.name)
+        return pb.UnloadAdapterResponse()
+
+    async def ListAdapters(
+        self, request: pb.ListAdaptersRequest, context: aio.ServicerContext
+    ) -> pb.ListAdaptersResponse:
+        return pb.ListAdaptersResponse(
+            adapters=[convert.adapter(a) for a in self._service.adapters()]
+        )
 
     async def Health(
         self, request: pb.HealthRequest, context: aio.ServicerContext

@@ -7,6 +7,12 @@ from dataclasses import dataclass
 
 import grpc
 
+from service.engine.adapters import (
+    AdapterExistsError,
+    AdapterLoadError,
+    AdapterNotFoundError,
+    AdaptersDisabledError,
+)
 from service.engine.contracts import (
     DeadlineExceededError,
     DrainingError,
@@ -38,6 +44,10 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (UnsupportedError, grpc.StatusCode.UNIMPLEMENTED),
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
     (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (AdapterNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (AdapterLoadError, grpc.StatusCode.INVALID_ARGUMENT),
+    (AdapterExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (AdaptersDisabledError, grpc.StatusCode.FAILED_PRECONDITION),
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DrainingError, grpc.StatusCode.UNAVAILABLE),
     (ShardUnavailableError, grpc.StatusCode.UNAVAILABLE),

@@ -170,6 +170,22 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
         "--kv-cache-dtype", str, ("KV_CACHE_DTYPE",), "auto | fp8_e4m3fn | fp8_e5m2", "shard"
     ),
     PassThrough(
+        "--lora-adapters",
+        str,
+        ("LORA_ADAPTERS",),
+        "LoRA adapters to load at start-up: name=path,... (PEFT directories or hub ids)",
+        "shard",
+    ),
+    PassThrough(
+        "--max-loras",
+        int,
+        ("MAX_LORAS",),
+        "LoRA adapters resident on the device at once (default: 4 with --lora-adapters, else 0 "
+        "= off)",
+        "shard",
+    ),
+    PassThrough("--max-lora-rank", int, ("MAX_LORA_RANK",), "largest LoRA rank (16)", "shard"),
+    PassThrough(
         "--all-reduce",
         str,
         ("ALL_REDUCE",),

@@ -19,6 +19,7 @@ from typing import Any
 from service.app.engine_link import ACK, frame, read_frame, tune_gc
 from service.app.engine_source import ShardConnection
 from service.app.serve import serve
+from service.engine.adapters import AdapterInfo, AdaptersDisabledError, AdapterSource
 from service.engine.backend import ShardRpcError
 from service.engine.contracts import (
     DrainingError,
@@ -87,6 +88,7 @@ class RemoteEngine:
         self.unhealthy_reason: str | None = None
         self.draining = False
         self.on_unhealthy: Any = None
+        self.startup_adapters: tuple[AdapterInfo, ...] = ()  # from the shards' Info (hello)
         self._pending = 0  # events received and not yet read by their stream
         self._ack_owed = 0  # step frames to acknowledge once _pending <= _ack_below
         self._ack_below = 0
@@ -118,6 +120,22 @@ class RemoteEngine:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    # LoRA adapters: the ones loaded at start-up (--lora-adapters) are served; loading and
+    # unloading at run time go to the scheduler process's engine, not reachable from here yet.
+    def list_adapters(self) -> list[AdapterInfo]:
+        return list(self.startup_adapters)
+
+    async def load_adapters(self, sources: list[AdapterSource]) -> list[AdapterInfo]:
+        raise AdaptersDisabledError(
+            "loading LoRA adapters at run time is not available with --frontends >= 2; load "
+            "them at start-up with --lora-adapters"
+        )
+
+    async def unload_adapter(self, name: str) -> None:
+        raise AdaptersDisabledError(
+            "unloading LoRA adapters is not available with --frontends >= 2"
+        )
 
     def _ack(self) -> None:
         if self._ack_owed:
@@ -241,6 +259,7 @@ class RemoteEngineSource:
         reader, writer = await asyncio.open_unix_connection(self.socket_path)
         engine = RemoteEngine(reader, writer, self.backlog_steps)
         warm, shard, limits = await engine.hello()
+        engine.startup_adapters = shard.adapters
         tune_gc()
         return ShardConnection(_RemoteClient(engine), warm, shard, limits)
 

@@ -156,6 +156,8 @@ async def serve(
             block_size=warm.block_size,
             num_kv_blocks=warm.num_blocks,
             num_shard=shard.world_size,
+            max_loras=shard.max_loras,
+            max_lora_rank=shard.max_lora_rank,
         )
         servicer.attach(service, info, tokenizer)
         openai_servicer.attach(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from service.engine.adapters import AdapterInfo, AdapterSource
 from service.scheduler.contracts import StepOutput, StepPlan
 
 
@@ -46,6 +47,16 @@ class ShardBackend(Protocol):
     async def filter(self, keep_ids: list[int]) -> None:
         """Makes the shard forget every request of its running batch not in `keep_ids` (all of
         them when empty) and free their state."""
+        ...
+
+    async def load_adapter(self, source: AdapterSource) -> AdapterInfo:
+        """Loads a LoRA adapter on every rank, or on none (ShardRpcError: INVALID_ARGUMENT or
+        FAILED_PRECONDITION when the shards refuse it, naming the problem)."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unloads a LoRA adapter on every rank (ShardRpcError FAILED_PRECONDITION while
+        requests on a rank still use it; NOT_FOUND on a rank is ignored)."""
         ...
 
 
@@ -86,3 +97,6 @@ class ShardDescription:
     sliding_window: int | None
     attention_backend: str
     model_sha: str | None
+    max_loras: int = 0  # LoRA adapter device slots (0: LoRA off)
+    max_lora_rank: int = 0
+    adapters: tuple[AdapterInfo, ...] = ()  # loaded when Info was read (start-up adapters)

@@ -52,6 +52,7 @@ class ValidatedRequest:
     top_n_tokens: int = 0
     prefill_logprobs: bool = False  # decoder_input_details
     deadline: float | None = None  # time.monotonic() instant after which it is dropped
+    adapter: str = ""  # LoRA adapter name; "" for the base model
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,26 @@ class EngineStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class AdapterSource:
+    """A LoRA adapter to load: its name and where the shards read it (directory or hub id)."""
+
+    name: str
+    path: str
+    revision: str | None = None
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """A loaded LoRA adapter (as the shards reported it)."""
+
+    name: str
+    path: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+
+
 class Engine(Protocol):
     """The generation engine as the servicer sees it: `LocalEngine` (service.engine.engine) runs
     it in this process, `RemoteEngine` (service.app.remote_engine) reaches one in another."""
@@ -134,3 +155,15 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        """The LoRA adapters requests may name now."""
+        ...
+
+    async def load_adapters(self, sources: list[AdapterSource]) -> list[AdapterInfo]:
+        """Loads LoRA adapters on the shards, all or none (see service.engine.adapters)."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unloads a LoRA adapter after the requests admitted with it finish."""
+        ...

@@ -26,6 +26,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from service.engine.adapters import (
+    AdapterInfo,
+    AdapterLoadError,
+    AdapterRegistry,
+    AdapterSource,
+)
 from service.engine.backend import ShardBackend, ShardDescription, ShardRpcError, WarmupInfo
 from service.engine.contracts import (
     DeadlineExceededError,
@@ -57,6 +63,8 @@ class EngineConfig:
     waiting_served_ratio: float = 0.3
     max_waiting_tokens: int = 20
     enable_prefix_cache: bool = True
+    max_loras: int = 0  # the shards' LoRA device slots (their Info; build_engine sets it)
+    max_lora_rank: int = 0
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -64,6 +72,7 @@ class EngineConfig:
             max_batch_size=self.max_batch_size,
             waiting_served_ratio=self.waiting_served_ratio,
             max_waiting_tokens=self.max_waiting_tokens,
+            max_adapters=self.max_loras,
         )
 
 
@@ -157,6 +166,8 @@ class LocalEngine:
         self.on_unhealthy = on_unhealthy
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
+        self.adapters = AdapterRegistry(config.max_loras, config.max_lora_rank)
+        self._adapters_loading: set[str] = set()
         self.healthy = True
         self.unhealthy_reason: str | None = None
         self.draining = False
@@ -240,6 +251,7 @@ class LocalEngine:
                 f"input + max_new_tokens = {need} exceeds the KV cache capacity "
                 f"{self._capacity_tokens} tokens"
             )
+        salt = self.adapters.cache_salt(request.adapter) if request.adapter else b""
         seq_id = next(self._ids)
         stream = (
             _Stream(self, seq_id, request)
@@ -254,6 +266,8 @@ class LocalEngine:
                 arrival=next(self._arrivals),
                 prefill_logprobs=request.prefill_logprobs,
                 payload=request,
+                adapter=request.adapter,
+                cache_salt=salt,
             )
         )
         self._streams[seq_id] = stream
@@ -296,6 +310,72 @@ class LocalEngine:
                 "prefix_cache_blocks": float(len(self.blocks.cache)),
             },
         )
+
+    # --- LoRA adapters --------------------------------------------------------------------------
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.adapters.list()
+
+    async def load_adapters(self, sources: list[AdapterSource]) -> list[AdapterInfo]:
+        """Loads every adapter on every shard, or none of them (those this call loaded are
+        unloaded again when a later one fails); usable by requests once this returns."""
+        if not self.healthy:
+            raise ShardUnavailableError(f"shard unavailable: {self.unhealthy_reason}")
+        names = [s.name for s in sources]
+        if not sources:
+            raise AdapterLoadError("adapters: give at least one {name, path}")
+        if len(set(names)) != len(names):
+            raise AdapterLoadError(f"adapters: a name appears twice: {names}")
+        for source in sources:
+            if source.name in self._adapters_loading:
+                raise AdapterLoadError(f"adapter '{source.name}' is being loaded by another call")
+            self.adapters.check_new(source)
+        self._adapters_loading.update(names)
+        loaded: list[AdapterInfo] = []
+        try:
+            for source in sources:
+                try:
+                    loaded.append(await self.shard.load_adapter(source))
+                except ShardRpcError as error:
+                    if error.status in ("INVALID_ARGUMENT", "FAILED_PRECONDITION"):
+                        raise AdapterLoadError(error.details or str(error)) from None
+                    raise ShardUnavailableError(f"loading adapter '{source.name}': {error}"
+                                                ) from None
+        except BaseException:
+            for info in loaded:
+                with contextlib.suppress(ShardRpcError):
+                    await self.shard.unload_adapter(info.name)
+            raise
+        finally:
+            self._adapters_loading.difference_update(names)
+        for info in loaded:
+            self.adapters.add(info)
+            log.info("adapter %s loaded from %s (rank %d)", info.name, info.path, info.rank)
+        return loaded
+
+    async def unload_adapter(self, name: str, poll_s: float = 0.02) -> None:
+        """Unloads an adapter: new requests for it fail with AdapterNotFoundError at once; the
+        ones already admitted finish first (this waits for them), then the shards drop it."""
+        self.adapters.begin_unload(name)
+        try:
+            while any(st.request.adapter == name for st in self._streams.values()):
+                await asyncio.sleep(poll_s)
+            while True:
+                try:
+                    await self.shard.unload_adapter(name)
+                    break
+                except ShardRpcError as error:
+                    # A request removed at the last step boundary is forgotten by the shard at
+                    # the next one (FilterBatch): retry until then.
+                    if error.status != "FAILED_PRECONDITION":
+                        raise ShardUnavailableError(f"unloading adapter '{name}': {error}"
+                                                    ) from None
+                    self._wake.set()
+                    await asyncio.sleep(poll_s)
+        except BaseException:
+            self.adapters.cancel_unload(name)
+            raise
+        self.adapters.remove(name)
+        log.info("adapter %s unloaded", name)
 
     def _cancel(self, seq_id: int, error: EngineError | None = None) -> None:
         self._cancelled.append((seq_id, error))
@@ -469,10 +549,16 @@ def build_engine(
 ) -> LocalEngine:
     """The engine for a warmed-up shard: KV geometry from `warmup` unless set in `config`.
     Call `await engine.start()` before submitting."""
-    del shard  # reserved (e.g. sliding windows); the KV facts come from warmup
     config = replace(
         config,
         num_blocks=config.num_blocks or warmup.num_blocks,
         block_size=config.block_size or warmup.block_size,
     )
-    return LocalEngine(config, client, on_unhealthy=on_unhealthy)
+    if shard is not None:  # LoRA slots and the adapters the shards loaded at start-up
+        config = replace(config, max_loras=shard.max_loras, max_lora_rank=shard.max_lora_rank)
+    engine = LocalEngine(config, client, on_unhealthy=on_unhealthy)
+    if shard is not None:
+        engine.adapters.base_model_id = shard.model_id
+        for info in shard.adapters:
+            engine.adapters.add(info)
+    return engine

@@ -7,6 +7,12 @@ gRPC status code, and only `service.api.interceptors` turns them into a status.
 
 from __future__ import annotations
 
+from service.engine.adapters import (
+    AdapterExistsError,
+    AdapterLoadError,
+    AdapterNotFoundError,
+    AdaptersDisabledError,
+)
 from service.engine.contracts import (
     DeadlineExceededError,
     DrainingError,
@@ -47,6 +53,10 @@ _ERROR_TYPES: tuple[tuple[type[BaseException], str], ...] = (
     (UnsupportedError, "validation"),
     (UnauthenticatedError, "unauthenticated"),
     (ModelNotFoundError, "not_found"),
+    (AdapterNotFoundError, "not_found"),
+    (AdapterLoadError, "validation"),
+    (AdapterExistsError, "validation"),
+    (AdaptersDisabledError, "validation"),
     (OverloadedError, "overloaded"),
     (DrainingError, "unavailable"),
     (ShardUnavailableError, "unavailable"),

@@ -228,10 +228,12 @@ class OpenAIEndpoints:
     # --- requests -> GenerateInput ---------------------------------------------------------
 
     def _check(self, params: SamplingRequest) -> None:
-        if params.model not in (self.model_id, TGI_MODEL_ALIAS):
+        adapters = [a.name for a in self.service.adapters()]
+        if params.model not in (self.model_id, TGI_MODEL_ALIAS, *adapters):
+            listed = f"; LoRA adapters: {', '.join(adapters)}" if adapters else ""
             raise ModelNotFoundError(
                 f"The model '{params.model}' does not exist: this server serves "
-                f"'{self.model_id}' (also reachable as '{TGI_MODEL_ALIAS}')",
+                f"'{self.model_id}' (also reachable as '{TGI_MODEL_ALIAS}'){listed}",
             )
         if params.temperature is not None:
             low, high = TEMPERATURE_RANGE
@@ -269,6 +271,8 @@ class OpenAIEndpoints:
             details=True,
             seed=params.seed,
             top_n_tokens=params.top_logprobs if params.logprobs else None,
+            # A model name other than the served id (or "tgi") is a LoRA adapter's.
+            adapter_id=None if params.model in (self.model_id, TGI_MODEL_ALIAS) else params.model,
         )
 
     async def _chat_input(self, request: ChatRequest) -> GenerateInput:
@@ -290,9 +294,12 @@ class OpenAIEndpoints:
             raise ValidationError("prompt", "prompt must not be empty")
         return self._input(request.params, request.prompt, None)
 
-    def _header(self, prefix: str, request_id: str) -> ResponseHeader:
+    def _header(self, prefix: str, request_id: str, adapter: str | None = None
+                ) -> ResponseHeader:
+        """`model` in the response: the LoRA adapter's name when the request named one."""
         return ResponseHeader(
-            f"{prefix}-{request_id}", int(time.time()), self.model_id, self.system_fingerprint
+            f"{prefix}-{request_id}", int(time.time()), adapter or self.model_id,
+            self.system_fingerprint,
         )
 
     # --- unary -----------------------------------------------------------------------------
@@ -326,7 +333,7 @@ class OpenAIEndpoints:
         request_id: str,
         deadline: float | None,
     ) -> Completed:
-        header = self._header(prefix, request_id)
+        header = self._header(prefix, request_id, generate.adapter_id)
         prompt_param = "messages" if prefix == "chatcmpl" else "prompt"
         # n choices are n sequences run side by side (each admitted as a request of its own).
         calls = [
@@ -376,7 +383,7 @@ class OpenAIEndpoints:
         """Validates and renders the request (errors raise here, before any chunk), then
         returns the stream's header and its events."""
         generate = await _openai_errors(self._chat_input(request), "messages")
-        header = self._header("chatcmpl", request_id)
+        header = self._header("chatcmpl", request_id, generate.adapter_id)
         events = self._stream(
             generate, request.params, CHAT_COMPLETIONS_STREAM, request_id, deadline
         )
@@ -386,7 +393,7 @@ class OpenAIEndpoints:
         self, request: CompletionRequest, *, request_id: str, deadline: float | None
     ) -> tuple[ResponseHeader, AsyncIterator[StreamEvent]]:
         generate = self._completion_input(request)
-        header = self._header("cmpl", request_id)
+        header = self._header("cmpl", request_id, generate.adapter_id)
         echo = request.prompt if request.echo else ""
         events = self._stream(
             generate, request.params, COMPLETIONS_STREAM, request_id, deadline, echo

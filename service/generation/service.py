@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from service.engine.adapters import AdapterInfo, AdapterSource
 from service.engine.contracts import (
     DrainingError,
     Engine,
@@ -25,7 +27,7 @@ from service.engine.contracts import (
     TokenInfo,
     ValidatedRequest,
 )
-from service.generation.errors import error_type
+from service.generation.errors import ValidationError, error_type
 from service.generation.validation import GenerateInput, ResponseOptions, Validator
 from service.observability.logs import REQUEST_LOGGER, log_request
 from service.observability.metrics import RequestRecord, ServerMetrics
@@ -36,6 +38,10 @@ CHAT_COMPLETIONS = "chat_completions"
 CHAT_COMPLETIONS_STREAM = "chat_completions_stream"
 COMPLETIONS = "completions"
 COMPLETIONS_STREAM = "completions_stream"
+# A LoRA adapter's name: what requests and DELETE /info/loras/{name} carry (no '/').
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# The metrics' adapter label of requests naming no loaded adapter (not a valid adapter name).
+UNKNOWN_ADAPTER = "<unknown>"
 
 
 @dataclass(frozen=True)
@@ -197,6 +203,40 @@ class GenerationService:
             self._shard_failed()
             raise
 
+    # --- LoRA adapters --------------------------------------------------------------------------
+    def adapters(self) -> list[AdapterInfo]:
+        """The loaded adapters, in load order."""
+        return self.engine.list_adapters()
+
+    async def load_adapters(self, sources: list[AdapterSource]) -> list[AdapterInfo]:
+        """Loads adapters on every shard, all or none; ValidationError for malformed entries."""
+        if not sources:
+            raise ValidationError("adapters", "adapters must name at least one {name, path}")
+        for i, source in enumerate(sources):
+            if not ADAPTER_NAME.match(source.name):
+                raise ValidationError(
+                    f"adapters[{i}].name",
+                    f"adapters[{i}].name must be 1-128 of [A-Za-z0-9._-] starting with a letter "
+                    f"or digit; got {source.name!r}",
+                )
+            if not source.path:
+                raise ValidationError(f"adapters[{i}].path", f"adapters[{i}].path must not be "
+                                      "empty (a PEFT adapter directory or a hub id)")
+        t0 = time.monotonic()
+        loaded = await self.engine.load_adapters(sources)
+        self._log.info("adapters loaded", extra={"fields": {
+            "adapters": ",".join(a.name for a in loaded),
+            "load_ms": round((time.monotonic() - t0) * 1e3, 3)}})  # fmt: skip
+        return loaded
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unloads an adapter once the requests already admitted with it have finished."""
+        t0 = time.monotonic()
+        await self.engine.unload_adapter(name)
+        self.metrics.forget_adapter(name)
+        self._log.info("adapter unloaded", extra={"fields": {
+            "adapter": name, "unload_ms": round((time.monotonic() - t0) * 1e3, 3)}})  # fmt: skip
+
     def _shard_failed(self) -> None:
         if self._on_shard_failure is not None:
             self._on_shard_failure()
@@ -269,7 +309,8 @@ class GenerationService:
             )
             return outcome
         except BaseException as error:  # noqa: BLE001 - recorded, then re-raised
-            self._record_failure(method, request_id, timer, options, _unwrap(error))
+            self._record_failure(method, request_id, timer, options, _unwrap(error),
+                                 adapter=request.adapter_id or "")
             raise _unwrap(error) from None
         finally:
             self._release()
@@ -284,6 +325,7 @@ class GenerationService:
                     ),
                     finish_reason=outcome.best.finish_reason,
                     max_new_tokens=max_new_tokens,
+                    adapter=request.adapter_id or "",
                 )
 
     async def stream(
@@ -349,7 +391,8 @@ class GenerationService:
             if gaps:
                 self.metrics.observe_inter_token_latencies(gaps)
             timer.last_token = last or None
-            self._record_failure(method, request_id, timer, options, error, index)
+            self._record_failure(method, request_id, timer, options, error, index,
+                                 adapter=request.adapter_id or "")
             raise
         finally:
             self._release()
@@ -366,6 +409,7 @@ class GenerationService:
             generated_tokens=finished.generated_tokens,
             finish_reason=finished.finish_reason,
             max_new_tokens=validated.requests[0].stopping.max_new_tokens,
+            adapter=request.adapter_id or "",
         )
 
     def _record_success(
@@ -378,6 +422,7 @@ class GenerationService:
         generated_tokens: int,
         finish_reason: FinishReason,
         max_new_tokens: int,
+        adapter: str = "",
     ) -> None:
         end = time.monotonic()
         validated = timer.validated or end
@@ -392,6 +437,7 @@ class GenerationService:
             max_new_tokens=max_new_tokens,
         )
         self.metrics.observe_success(record)
+        self.metrics.observe_adapter(adapter, "ok", record.input_tokens, generated_tokens)
         log_request(
             self._log,
             "request finished",
@@ -399,6 +445,7 @@ class GenerationService:
             request_id=request_id,
             method=method,
             status="ok",
+            **({"adapter": adapter} if adapter else {}),
             input_tokens=record.input_tokens,
             generated_tokens=generated_tokens,
             finish_reason=finish_reason.value,
@@ -418,6 +465,7 @@ class GenerationService:
         options: ResponseOptions | None,
         error: BaseException,
         events_sent: int = 0,
+        adapter: str = "",
     ) -> None:
         if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
             reason, message, level = "cancelled", "client cancelled", logging.INFO
@@ -426,6 +474,12 @@ class GenerationService:
             message = str(error) or type(error).__name__
             level = logging.INFO if reason == "validation" else logging.WARNING
         self.metrics.observe_failure(method, reason)
+        # Only loaded adapters become label values: names clients make up must not grow the
+        # metric's label sets.
+        label = adapter
+        if adapter and adapter not in {a.name for a in self.engine.list_adapters()}:
+            label = UNKNOWN_ADAPTER
+        self.metrics.observe_adapter(label, reason)
         log_request(
             self._log,
             "request failed",
@@ -433,6 +487,7 @@ class GenerationService:
             request_id=request_id,
             method=method,
             status=reason,
+            **({"adapter": adapter} if adapter else {}),
             error=message,
             input_tokens=options.input_length if options else None,
             events_sent=events_sent,
@@ -482,5 +537,7 @@ class ServerInfo:
     num_kv_blocks: int
     num_shard: int
     router: str = "tokenwire-router"
+    max_loras: int = 0  # LoRA adapter device slots of the shards (0: LoRA off)
+    max_lora_rank: int = 0
     sha: str | None = None
     docker_label: str | None = None

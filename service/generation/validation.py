@@ -77,6 +77,8 @@ class GenerateInput:
     grammar: GrammarInput | None = None
     # The prompt's token ids when the caller tokenized it (chat templates); None: tokenize inputs.
     prompt_ids: tuple[int, ...] | None = None
+    # LoRA adapter name (TGI's parameters.adapter_id, OpenAI's model); None/"": base model.
+    adapter_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -377,6 +379,7 @@ class Validator:
                 top_n_tokens=params.top_n_tokens,
                 prefill_logprobs=request.decoder_input_details,
                 deadline=deadline,
+                adapter=request.adapter_id or "",
             )
             for i, seed in enumerate(params.seeds)
         )

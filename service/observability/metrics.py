@@ -152,6 +152,19 @@ class ServerMetrics:
         self.input_tokens = tokens("request_input_length", "Prompt tokens per request")
         self.generated_tokens = tokens("request_generated_tokens", "Generated tokens per request")
         self.max_new_tokens = tokens("request_max_new_tokens", "max_new_tokens per request")
+        # Per LoRA adapter ("" = the base model); an adapter's children go when it is unloaded.
+        self.adapter_requests = Counter(
+            f"{PREFIX}_adapter_requests", "Client requests by LoRA adapter (\"\": base model) "
+            "and status (ok, or the failure reason)", ["adapter", "status"], registry=r,
+        )  # fmt: skip
+        self.adapter_input_tokens = Counter(
+            f"{PREFIX}_adapter_input_tokens", "Prompt tokens of finished requests by LoRA adapter",
+            ["adapter"], registry=r,
+        )  # fmt: skip
+        self.adapter_generated_tokens = Counter(
+            f"{PREFIX}_adapter_generated_tokens",
+            "Generated tokens of finished requests by LoRA adapter", ["adapter"], registry=r,
+        )  # fmt: skip
         if stats is not None:
             r.register(EngineCollector(stats))
 
@@ -164,6 +177,25 @@ class ServerMetrics:
         self.input_tokens.observe(record.input_tokens)
         self.generated_tokens.observe(record.generated_tokens)
         self.max_new_tokens.observe(record.max_new_tokens)
+
+    def observe_adapter(self, adapter: str, status: str, input_tokens: int = 0,
+                        generated_tokens: int = 0) -> None:
+        self.adapter_requests.labels(adapter, status).inc()
+        if status == "ok":
+            self.adapter_input_tokens.labels(adapter).inc(input_tokens)
+            self.adapter_generated_tokens.labels(adapter).inc(generated_tokens)
+
+    def forget_adapter(self, adapter: str) -> None:
+        """Drops an unloaded adapter's label children (the label sets stay bounded by the
+        adapters loaded at once)."""
+        for counter in (self.adapter_input_tokens, self.adapter_generated_tokens):
+            try:
+                counter.remove(adapter)
+            except KeyError:
+                pass
+        for labels in list(self.adapter_requests._metrics):  # noqa: SLF001 - no public lister
+            if labels[0] == adapter:
+                self.adapter_requests.remove(*labels)
 
     def observe_inter_token_latencies(self, gaps: list[float]) -> None:
         """Observes many inter-token gaps at once (one stream's, at its end)."""

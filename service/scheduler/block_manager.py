@@ -84,16 +84,19 @@ class BlockManager:
         return self._refcount[block]
 
     # --- prefix cache -----------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
+    def match_prefix(
+        self, token_ids: list[int], root: bytes = ROOT
+    ) -> tuple[list[int], list[bytes]]:
         """Takes a reference on the longest run of cached full blocks that prefix `token_ids`,
-        leaving at least one token to compute (the step that samples needs a computed token)."""
+        leaving at least one token to compute (the step that samples needs a computed token).
+        `root`: the chain's start (a LoRA adapter's salt: its K/V differ from the base's)."""
         if not self.enable_prefix_cache:
             return [], []
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
         blocks: list[int] = []
         keys: list[bytes] = []
-        parent = ROOT
+        parent = root
         cache = self.cache
         refcount = self._refcount
         for i in range(max_blocks):
@@ -110,7 +113,8 @@ class BlockManager:
         return blocks, keys
 
     def register_full_blocks(
-        self, token_ids: list[int], blocks: list[int], keys: list[bytes], computed: int
+        self, token_ids: list[int], blocks: list[int], keys: list[bytes], computed: int,
+        root: bytes = ROOT,
     ) -> None:
         """Records the keys of blocks that became full (all tokens computed) in the cache.
         `keys` holds the keys of the leading full blocks already known; it is extended."""
@@ -118,7 +122,7 @@ class BlockManager:
         full = computed // bs
         if len(keys) >= full:
             return
-        parent = keys[-1] if keys else ROOT
+        parent = keys[-1] if keys else root
         cache = self.cache
         for i in range(len(keys), full):
             key = block_digest(parent, token_ids[i * bs : (i + 1) * bs])

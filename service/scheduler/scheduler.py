@@ -36,6 +36,9 @@ class SchedulerConfig:
     max_batch_size: int = 256  # requests per step (prefilling + decoding)
     waiting_served_ratio: float = 0.3  # admit when len(waiting) >= ratio * decoding requests
     max_waiting_tokens: int = 20  # ... or when requests waited this many decode steps
+    # Distinct LoRA adapters running at once (the shards' --max-loras device slots); 0: no
+    # adapters are served.
+    max_adapters: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch_prefill_tokens < 1:
@@ -188,11 +191,19 @@ class Scheduler:
         if self.waiting and budget > 0 and self._may_admit(len(decodes), bool(chunks)):
             admitted = 0
             max_batch = self.config.max_batch_size
+            adapters: set[str] | None = None  # of the running requests, computed when needed
             while self.waiting and budget > 0 and len(running) < max_batch:
                 seq = self.waiting[0]
+                if seq.adapter:
+                    if adapters is None:
+                        adapters = {s.adapter for s in running if s.adapter}
+                    if seq.adapter not in adapters:
+                        if len(adapters) >= self.config.max_adapters:
+                            break  # its adapter needs a device slot: wait for one (FCFS)
+                        adapters.add(seq.adapter)
                 first = not seq.blocks and seq.computed == 0
                 if first and not seq.prefill_logprobs:
-                    hit_blocks, hit_keys = bm.match_prefix(seq.token_ids)
+                    hit_blocks, hit_keys = bm.match_prefix(seq.token_ids, seq.cache_salt)
                     if hit_blocks:
                         seq.blocks = hit_blocks
                         seq.block_hashes = hit_keys
@@ -281,12 +292,16 @@ class Scheduler:
             seq.computed += seq.scheduled
             counters.prefill_tokens_computed += seq.scheduled
             seq.scheduled = 0
-            bm.register_full_blocks(seq.token_ids, seq.blocks, seq.block_hashes, seq.computed)
+            bm.register_full_blocks(
+                seq.token_ids, seq.blocks, seq.block_hashes, seq.computed, seq.cache_salt
+            )
         for seq in self._step_decodes:
             seq.computed += 1
             seq.scheduled = 0
             if seq.computed % bs == 0:
-                bm.register_full_blocks(seq.token_ids, seq.blocks, seq.block_hashes, seq.computed)
+                bm.register_full_blocks(
+                    seq.token_ids, seq.blocks, seq.block_hashes, seq.computed, seq.cache_salt
+                )
         self._step_chunks = []
         self._step_decodes = []
 

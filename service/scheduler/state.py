@@ -48,6 +48,10 @@ class Sequence:
     recompute_generated: int = 0
     prefix_hit_tokens: int = 0  # cached prompt tokens at first admission
     preemptions: int = 0
+    # LoRA adapter ("" for the base model): the shards hold at most max_adapters distinct
+    # adapters at once, and its K/V only ever match prefix-cache blocks of the same salt.
+    adapter: str = ""
+    cache_salt: bytes = b""
 
     @property
     def generated_len(self) -> int:

@@ -17,6 +17,7 @@ import grpc
 from tokenwire.shard.v1 import shard_pb2 as pb
 from tokenwire.shard.v1 import shard_pb2_grpc as pb_grpc
 
+from service.engine.adapters import AdapterInfo, AdapterSource
 from service.engine.backend import ShardDescription, ShardRpcError, WarmupBudgets, WarmupInfo
 from service.scheduler.contracts import StepOutput, StepPlan
 from service.shard_client import convert
@@ -124,6 +125,39 @@ class ShardClient:
             )
             self._batch_id = None
             self._batch_request_ids = []
+
+    async def load_adapter(self, source: AdapterSource) -> AdapterInfo:
+        """Every rank reads its slice; when any rank refuses, the others drop the adapter again
+        (no rank keeps a half-loaded deployment's adapter)."""
+        request = convert.load_adapter_request(source)
+        calls = [s.LoadAdapter(request, timeout=self.warmup_timeout_s) for s in self._stubs]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            if len(errors) < len(results):
+                await self._unload_quietly(source.name)
+            error = errors[0]
+            if isinstance(error, grpc.aio.AioRpcError):
+                raise _rpc_error(error) from error
+            raise error
+        return convert.adapter_info(results[0].adapter)  # type: ignore[union-attr]
+
+    async def unload_adapter(self, name: str) -> None:
+        request = pb.UnloadAdapterRequest(name=name)
+        calls = [s.UnloadAdapter(request, timeout=self.control_timeout_s) for s in self._stubs]
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, grpc.aio.AioRpcError):
+                if result.code() != grpc.StatusCode.NOT_FOUND:
+                    raise _rpc_error(result) from result
+            elif isinstance(result, BaseException):
+                raise result
+
+    async def _unload_quietly(self, name: str) -> None:
+        request = pb.UnloadAdapterRequest(name=name)
+        await asyncio.gather(
+            *(s.UnloadAdapter(request, timeout=self.control_timeout_s) for s in self._stubs),
+            return_exceptions=True,
+        )
 
     async def close(self) -> None:
         for c in self._channels:

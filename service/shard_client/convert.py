@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from tokenwire.shard.v1 import shard_pb2 as pb
 
+from service.engine.adapters import AdapterInfo, AdapterSource
 from service.engine.backend import ShardDescription, WarmupBudgets, WarmupInfo
 from service.engine.contracts import FinishReason, TokenInfo, ValidatedRequest
 from service.scheduler.contracts import FinishInfo, GenerationOut, StepOutput, StepPlan
@@ -52,7 +53,21 @@ def shard_description(r: pb.InfoResponse) -> ShardDescription:
         sliding_window=r.sliding_window if r.HasField("sliding_window") else None,
         attention_backend=r.attention_backend,
         model_sha=r.model_sha if r.HasField("model_sha") else None,
+        max_loras=r.max_loras,
+        max_lora_rank=r.max_lora_rank,
+        adapters=tuple(adapter_info(a) for a in r.adapters),
     )
+
+
+def adapter_info(m: pb.AdapterInfo) -> AdapterInfo:
+    return AdapterInfo(m.name, m.source, m.rank, m.alpha, tuple(m.target_modules))
+
+
+def load_adapter_request(source: AdapterSource) -> pb.LoadAdapterRequest:
+    req = pb.LoadAdapterRequest(name=source.name, path=source.path)
+    if source.revision is not None:
+        req.revision = source.revision
+    return req
 
 
 def sampling_proto(req: ValidatedRequest) -> pb.SamplingParameters:
@@ -106,6 +121,7 @@ def prefill_request(
                 stopping=stopping_proto(vreq),
                 prefill_logprobs=c.prefill_logprobs,
                 top_n_tokens=vreq.top_n_tokens,
+                adapter_id=vreq.adapter,
             )
         )
     req = pb.PrefillRequest(batch=pb.Batch(id=new_batch_id, requests=requests))

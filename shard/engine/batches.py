@@ -35,6 +35,7 @@ from shard.errors import (
     InvalidRequestError,
     NotFoundError,
 )
+from shard.lora import LoraManager
 from shard.runner.model_runner import ModelRunner, StepInputs
 
 
@@ -63,6 +64,7 @@ class ShardRequest:
     # Leading entries of `blocks` already checked against the KV pool (block tables only grow
     # between Prefill chunks, so each id is range-checked once, not on every step).
     blocks_checked: int = 0
+    adapter: str = ""  # LoRA adapter name; "" for the base model
 
 
 @dataclass
@@ -85,8 +87,10 @@ class BatchState:
         tokenizer: tokenizers.Tokenizer,
         eos_token_ids: set[int],
         max_position_embeddings: int,
+        lora: LoraManager | None = None,
     ):
         self.runner = runner
+        self.lora = lora  # the rank's LoRA adapters (--max-loras > 0)
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_positions = max_position_embeddings
@@ -124,6 +128,7 @@ class BatchState:
             prefill_logprobs=spec.prefill_logprobs,
             top_n=spec.top_n_tokens,
             visible_text=visible_text,
+            adapter=spec.adapter_id,
         )
 
     def _forget(self, request_ids: list[int]) -> None:
@@ -195,6 +200,10 @@ class BatchState:
                     f"len(input_ids)={len(spec.input_ids)}]; got {spec.cache_len} + {spec.chunk_len}"
                 )
             self._check_blocks(spec.id, spec.blocks, end)
+            if spec.adapter_id and (self.lora is None or not self.lora.has(spec.adapter_id)):
+                raise InvalidRequestError(
+                    f"request {spec.id}: adapter '{spec.adapter_id}' is not loaded on this shard"
+                )
         work: list[_Work] = []
         new_ids: list[int] = []
         for spec in batch.requests:
@@ -292,7 +301,19 @@ class BatchState:
             seq_lens=[s + 1 for s in starts],
             block_tables=[w.state.blocks for w in work],
             logits_indices=list(range(n)),
+            lora_slots=self._lora_slots(work),
         )
+
+    def _lora_slots(self, work: list[_Work]) -> list[int] | None:
+        """Each sequence's device slot of its adapter (-1: none), swapping adapters in; None
+        when no sequence of the step has one."""
+        if self.lora is None or not any(w.state.adapter for w in work):
+            return None
+        return self.lora.slots_for([w.state.adapter for w in work], self.adapters_in_use)
+
+    def adapters_in_use(self) -> set[str]:
+        """Adapters of the requests this rank holds (never evicted from their slots)."""
+        return {r.adapter for r in self.requests.values() if r.adapter}
 
     def _step(self, work: list[_Work], t0: int) -> tuple[list[Generation], StepTimings]:
         if work and all(w.length == 1 and w.samples for w in work):
@@ -319,6 +340,7 @@ class BatchState:
             if w.samples:
                 sample_rows.append(base + w.length - 1)
         inputs.logits_indices = sample_rows + lp_rows
+        inputs.lora_slots = self._lora_slots(work)
         return self._run_step(work, inputs, len(sample_rows), lp_rows, lp_next, lp_owner, t0)
 
     def _run_step(

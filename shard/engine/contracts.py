@@ -28,6 +28,7 @@ class RequestSpec:
     ignore_eos_token: bool = False
     prefill_logprobs: bool = False
     top_n_tokens: int = 0
+    adapter_id: str = ""  # LoRA adapter name; "" for the base model
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from torch import nn
 from shard.distributed.groups import Dist
 from shard.layers import decode_linear
 from shard.layers.decode_linear import linear, linear_pushed  # F.linear or a faster decode GEMV
+from shard.layers.lora import LoraWeights
 from shard.layers.weights import WeightLoader, Weights
 from shard.quantization.fp8 import Fp8Linear
 from shard.quantization.loading import quantize_loaded_linear
@@ -38,6 +39,7 @@ class ColumnParallelLinear(nn.Module, WeightLoader):
         if out_features % self.part[1]:
             raise ValueError(f"{out_features} output features not divisible by {self.part[1]}")
         self.out_local = out_features // self.part[1]
+        self.in_features = in_features
         self.weight = nn.Parameter(torch.empty(self.out_local, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_local), requires_grad=False) if bias else None
         self.quantized: nn.Module | None = None  # replaces weight/bias under --quantize / fp8
@@ -67,11 +69,14 @@ class RowParallelLinear(nn.Module, WeightLoader):
         if in_features % dist.world_size:
             raise ValueError(f"{in_features} input features not divisible by {dist.world_size}")
         self.dist = dist
+        self.in_features, self.out_features = in_features, out_features  # full, all ranks
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features // dist.world_size), requires_grad=False
         )
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.quantized: nn.Module | None = None  # replaces weight under --quantize / fp8
+        # Resident LoRA adapters (shard/lora attaches them when --max-loras > 0).
+        self.lora: LoraWeights | None = None
 
     def load(self, weights: Weights, prefix: str) -> None:
         self.weight.data = weights.get_sharded(f"{prefix}.weight", dim=1)
@@ -86,6 +91,8 @@ class RowParallelLinear(nn.Module, WeightLoader):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = self.quantized(x) if self.quantized is not None else linear(x, self.weight)
+        if self.lora is not None and self.lora.batch.active:
+            self.lora.apply_(x, partial)  # this rank's share, summed by the all-reduce below
         y = self.dist.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
@@ -96,8 +103,10 @@ class RowParallelLinear(nn.Module, WeightLoader):
         straight into every rank's exchange buffer and a PushedPartial stands for it; the
         caller's next collective must then be its `reduce_add_rms_norm`."""
         fused = self.dist.fused_all_reduce_norm
+        lora = self.lora if self.lora is not None and self.lora.batch.active else None
         if (
             push
+            and lora is None
             and fused is not None
             and fused.accept_pushes
             and self.quantized is None
@@ -107,6 +116,8 @@ class RowParallelLinear(nn.Module, WeightLoader):
         ):
             return PushedPartial(rows=x.shape[0])
         y = self.quantized(x) if self.quantized is not None else linear(x, self.weight)
+        if lora is not None:
+            lora.apply_(x, y)
         if self.bias is not None and self.dist.rank == 0:
             y = y + self.bias
         return y
@@ -180,6 +191,8 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
         self.sizes = [p.out_local for p in self.parts.values()]  # output features per part
         self.merge = merge
         self.merged: _MergedWeight | None = None
+        # Resident LoRA adapters of all parts (shard/lora attaches them when --max-loras > 0).
+        self.lora: LoraWeights | None = None
 
     def load(self, weights: Weights, prefix: str) -> None:
         parent = prefix.rpartition(".")[0]
@@ -190,13 +203,29 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [n, in] -> each part's output [n, out_local]."""
+        lora = self.lora if self.lora is not None and self.lora.batch.active else None
         if self.merged is not None:  # one GEMM / GEMV for all parts
-            return list(self.merged.linear(x).split(self.sizes, dim=-1))
-        return [part(x) for part in self.parts.values()]
+            y = self.merged.linear(x)  # [n, sum(out_local)]
+            if lora is not None:
+                lora.apply_(x, y)
+            return list(y.split(self.sizes, dim=-1))
+        outs = [part(x) for part in self.parts.values()]
+        if lora is not None:  # one shrink + expand for every part: on their concatenation
+            y = torch.cat(outs, dim=-1)
+            lora.apply_(x, y)
+            return list(y.split(self.sizes, dim=-1))
+        return outs
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """For two parts (gate, up): silu(gate(x)) * up(x), [n, in] -> [n, out_local]; one
         kernel for the SiLU-and-mul on CUDA, one pass over the merged weight where merged."""
+        if self.lora is not None and self.lora.batch.active:
+            g, u = self.forward(x)  # the adapters' deltas need the unfused outputs
+            if x.is_cuda:
+                from shard.kernels.elementwise import silu_mul
+
+                return silu_mul(g, u)
+            return F.silu(g) * u
         if self.merged is not None:
             return self.merged.silu_mul(x)
         gate, up = self.parts.values()

@@ -35,6 +35,9 @@ class CausalLM(Protocol):
     max_position_embeddings: int
     sliding_window: int | None
     attention_name: str  # what Info reports: the backend's name, or where attention runs
+    # Its q/k/v/o and gate/up/down projections are tokenwire's tensor-parallel linears, which
+    # apply LoRA adapters (shard/lora attaches them); the transformers fallback's are not.
+    supports_lora: bool
 
     def begin_kv_calibration(self) -> bool:
         """fp8 KV caches: start recording max |K|, |V| per layer and KV head (warmup's worst-case

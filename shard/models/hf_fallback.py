@@ -17,6 +17,7 @@ from shard.quantization.kv_cache import KvScales
 
 class HFFallbackForCausalLM:
     attention_name = "transformers"  # attention runs inside the reference model
+    supports_lora = False  # its linears are transformers' own
 
     def __init__(self, ctx: LoadContext):
         import transformers

@@ -9,7 +9,10 @@
   real cache block;
 - the host fills one pinned staging buffer and issues ONE host-to-device copy; unpacking it into
   the typed static buffers is the first part of the captured graph;
-- prefill and mixed steps, larger batches and wider block tables run eagerly.
+- prefill and mixed steps, larger batches and wider block tables run eagerly;
+- with LoRA slots (--max-loras > 0) each bucket is captured twice: without adapters (the base
+  path, untouched) and with the batched LoRA kernels reading each row's slot from a static
+  buffer (-1 for base rows and padding), so a step mixing adapters replays a graph too.
 
 The graph bakes in the KV cache's addresses: capture after the final KV allocation.
 """
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 from shard.attention.base import AttentionMetadata
+from shard.lora import LoraBatch
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ class CudaGraphDecodeRunner:
         max_batch: int,
         max_blocks_per_seq: int,
         buckets: list[int] | None = None,
+        lora: LoraBatch | None = None,
     ):
         self.forward = forward
         self.device = device
@@ -63,8 +68,10 @@ class CudaGraphDecodeRunner:
         self.max_batch = self.buckets[-1]
         self.width = max(max_blocks_per_seq, 1)
         b, w = self.max_batch, self.width
+        self.lora = lora
         # Staging layout (int64): ids[b] | positions[b] | slots[b] | seq_lens[b] | tables[b*w]
-        self._n_staged = 4 * b + b * w
+        # | lora slots[b] (with LoRA)
+        self._n_staged = 4 * b + b * w + (b if lora is not None else 0)
         self._host = torch.zeros(self._n_staged, dtype=torch.int64, pin_memory=True)
         self._host_np = self._host.numpy()
         self._staged = torch.zeros(self._n_staged, dtype=torch.int64, device=device)
@@ -75,8 +82,12 @@ class CudaGraphDecodeRunner:
         self.block_tables = torch.zeros((b, w), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(b, dtype=torch.int64, device=device)
+        self.lora_slots = torch.full((b,), -1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # The same buckets with the LoRA kernels on (with LoRA slots only).
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.lora_outputs: dict[int, torch.Tensor] = {}
         self.pool: Any = None
 
     # ---- capture ----------------------------------------------------------------------------
@@ -89,6 +100,9 @@ class CudaGraphDecodeRunner:
         self.slot_mapping[:n].copy_(s[2 * b : 2 * b + n])
         self.seq_lens[:n].copy_(s[3 * b : 3 * b + n])
         self.block_tables[:n].copy_(s[4 * b : 4 * b + n * w].view(n, w))
+        if self.lora is not None:
+            at = 4 * b + b * w
+            self.lora_slots[:n].copy_(s[at : at + n])
 
     def _meta(self, n: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -102,8 +116,13 @@ class CudaGraphDecodeRunner:
             seq_lens_host=[1] * n,  # only the count matters to the CUDA backend
         )
 
-    def _run(self, n: int) -> torch.Tensor:
+    def _run(self, n: int, with_lora: bool = False) -> torch.Tensor:
         self._unpack(n)
+        if self.lora is not None:
+            if with_lora:
+                self.lora.set_device_rows(self.lora_slots[:n])
+            else:
+                self.lora.clear()
         return self.forward(
             self.input_ids[:n], self.positions[:n], self._meta(n), self.logits_indices[:n]
         )
@@ -118,25 +137,36 @@ class CudaGraphDecodeRunner:
         self._host_np[:] = 0
         b = self.max_batch
         self._host_np[2 * b : 3 * b] = -1
+        if self.lora is not None:  # every row reads slot 0: the LoRA kernels run in full
+            self._host_np[4 * b + b * self.width :] = 0
         self._staged.copy_(self._host)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: Triton compilation, cuBLAS handles, allocator
-                self._run(self.max_batch)
+                for with_lora in self._variants():
+                    self._run(self.max_batch, with_lora)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.pool = torch.cuda.graph_pool_handle()
         for n in sorted(self.buckets, reverse=True):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[n] = self._run(n)
-            self.graphs[n] = graph
+            for with_lora in self._variants():
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self._run(n, with_lora)
+                (self.lora_outputs if with_lora else self.outputs)[n] = out
+                (self.lora_graphs if with_lora else self.graphs)[n] = graph
+        if self.lora is not None:
+            self.lora.clear()
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
-        log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.graphs),
+        log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s",
+                 len(self.graphs) + len(self.lora_graphs),
                  self.buckets[0], self.max_batch, seconds)
         return seconds
+
+    def _variants(self) -> tuple[bool, ...]:
+        return (False, True) if self.lora is not None else (False,)
 
     # ---- replay -----------------------------------------------------------------------------
 
@@ -158,6 +188,7 @@ class CudaGraphDecodeRunner:
         positions: list[int],
         seq_lens: list[int],
         block_tables: list[list[int]],
+        lora_slots: list[int] | None = None,  # [n] slot per row, -1: base model
     ) -> torch.Tensor:  # [n, vocab] — a view of a static buffer, valid until the next replay
         n = len(token_ids)
         g = self.bucket(n)
@@ -177,7 +208,17 @@ class CudaGraphDecodeRunner:
         tables[:n][np.arange(w) < lens[:, None]] = flat
         pos = h[b : b + n]
         h[2 * b : 2 * b + n] = tables[np.arange(n), pos // bs] * bs + pos % bs  # slots [n]
+        with_lora = (
+            self.lora is not None and lora_slots is not None and any(s >= 0 for s in lora_slots)
+        )
+        if with_lora:
+            at = 4 * b + b * w
+            h[at : at + n] = lora_slots
+            h[at + n : at + g] = -1  # padding rows: no adapter
         # One H2D copy of the used prefix of each section is simplest as one copy of it all.
         self._staged.copy_(self._host, non_blocking=True)
+        if with_lora:
+            self.lora_graphs[g].replay()
+            return self.lora_outputs[g][:n]
         self.graphs[g].replay()
         return self.outputs[g][:n]

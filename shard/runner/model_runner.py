@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from shard.attention.base import AttentionBackend, AttentionMetadata
+from shard.lora import LoraBatch
 from shard.models.base import CausalLM
 
 
@@ -28,6 +29,8 @@ class StepInputs:
     seq_lens: list[int]  # [num_seqs] context length incl. the new tokens
     block_tables: list[list[int]]  # [num_seqs][blocks] router-assigned block ids
     logits_indices: list[int]  # [num_logits] rows of the flat batch whose logits are needed
+    # [num_seqs] LoRA slot of each sequence (-1: base model); None: no adapter in the step.
+    lora_slots: list[int] | None = None
 
 
 @dataclass
@@ -49,6 +52,8 @@ class ModelRunner:
         self.kv_cache: Any = None
         self.num_blocks = 0
         self.graphs: Any = None  # shard.runner.cuda_graphs.CudaGraphDecodeRunner once captured
+        # The model's per-step LoRA slots (shard/lora) when --max-loras > 0; prepare sets it.
+        self.lora: LoraBatch | None = None
 
     def kv_bytes_per_block(self) -> int:
         return self.model.kv_bytes_per_block(self.block_size)
@@ -83,6 +88,14 @@ class ModelRunner:
         if blk.size and not (blk < t_lens[seq_of]).all():
             raise IndexError("a sequence's block table is shorter than its length")
         slots = tables[seq_of, blk].astype(np.int64) * bs + p % bs  # [num_tokens]
+
+        if self.lora is not None:
+            if step.lora_slots is not None and any(s >= 0 for s in step.lora_slots):
+                # [num_tokens]: every token row of a sequence uses its sequence's adapter
+                self.lora.set_rows(np.repeat(np.asarray(step.lora_slots), q_lens).tolist(),
+                                   self.device)
+            else:
+                self.lora.clear()
 
         def dev(values, dtype: torch.dtype) -> torch.Tensor:
             if isinstance(values, np.ndarray):
@@ -129,7 +142,7 @@ class ModelRunner:
 
         graphs = CudaGraphDecodeRunner(
             self.forward, self.device, self.block_size, max_batch,
-            -(-max_seq_len // self.block_size),
+            -(-max_seq_len // self.block_size), lora=self.lora,
         )
         seconds = graphs.capture()
         self.graphs = graphs
@@ -154,6 +167,7 @@ class ModelRunner:
             and g.can_run(step.query_lens, step.block_tables)
             and step.logits_indices == list(range(len(step.query_lens)))
         ):  # decode-only: replay the padded graph ([num_seqs, vocab], valid until next step)
-            return g.run(step.token_ids, step.positions, step.seq_lens, step.block_tables)
+            return g.run(step.token_ids, step.positions, step.seq_lens, step.block_tables,
+                         step.lora_slots)
         d = self.prepare(step)
         return self.forward(d.input_ids, d.positions, d.meta, d.logits_indices)

@@ -87,6 +87,8 @@ def run_warmup(
     if spec.max_batch_prefill_tokens < spec.max_input_tokens:
         raise FailedPreconditionError("--max-batch-prefill-tokens must be >= --max-input-tokens")
     step = worst_case_prefill(spec, bs, runner.model.vocab_size)
+    if runner.lora is not None:  # the LoRA kernels' intermediates count in the peak too
+        step.lora_slots = [0] * len(step.seq_lens)
     device = runner.device
     if device.type == "cuda":
         torch.cuda.empty_cache()

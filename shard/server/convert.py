@@ -16,6 +16,7 @@ from shard.engine.contracts import (
 )
 from shard.engine.sampling import SamplingParams
 from shard.engine.stopping import StopReason
+from shard.lora import AdapterFacts, AdapterSource
 from shard.runner.warmup import WarmupResult, WarmupSpec
 from shard.server.loader import RankInfo
 
@@ -57,6 +58,7 @@ def request_from_proto(m: pb.Request) -> RequestSpec:
         ignore_eos_token=m.stopping.ignore_eos_token,
         prefill_logprobs=m.prefill_logprobs,
         top_n_tokens=m.top_n_tokens,
+        adapter_id=m.adapter_id,
     )
 
 
@@ -171,7 +173,7 @@ def warmup_to_proto(r: WarmupResult) -> pb.WarmupResponse:
     )
 
 
-def info_to_proto(i: RankInfo) -> pb.InfoResponse:
+def info_to_proto(i: RankInfo, adapters: list[AdapterFacts]) -> pb.InfoResponse:
     return pb.InfoResponse(
         dtype=i.dtype,
         device_type=i.device_type,
@@ -185,4 +187,16 @@ def info_to_proto(i: RankInfo) -> pb.InfoResponse:
         attention_backend=i.attention_backend,
         model_sha=i.model_sha,
         model_id=i.model_id,
+        max_loras=i.max_loras,
+        max_lora_rank=i.max_lora_rank,
+        adapters=[adapter_to_proto(a) for a in adapters],
     )
+
+
+def adapter_source_from_proto(m: pb.LoadAdapterRequest) -> AdapterSource:
+    return AdapterSource(m.name, m.path, m.revision if m.HasField("revision") else None)
+
+
+def adapter_to_proto(a: AdapterFacts) -> pb.AdapterInfo:
+    return pb.AdapterInfo(name=a.name, source=a.source, rank=a.rank, alpha=a.alpha,
+                          target_modules=list(a.target_modules))

@@ -13,6 +13,16 @@ import torch
 from shard.attention import get_backend
 from shard.distributed.groups import Dist
 from shard.engine.batches import BatchState
+from shard.errors import FailedPreconditionError
+from shard.lora import (
+    AdapterFacts,
+    AdapterSource,
+    HostAdapter,
+    LoraLimits,
+    LoraManager,
+    attach_lora,
+    parse_adapters_flag,
+)
 from shard.models import LoadContext, load_model
 from shard.quantization import parse_kv_cache_dtype, parse_quantize
 from shard.runner.model_runner import ModelRunner
@@ -36,6 +46,8 @@ class RankInfo:
     attention_backend: str
     model_sha: str | None
     model_id: str
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -55,6 +67,11 @@ class ShardConfig:
     force_fallback: bool = False  # serve through the transformers fallback even if we have code
     quantize: str | None = None  # --quantize: bitsandbytes | bitsandbytes-nf4 | fp8
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype: auto | fp8_e4m3fn | fp8_e5m2
+    # LoRA: device slots (--max-loras; None: 4 with --lora-adapters, else 0 = off), the largest
+    # rank (--max-lora-rank) and the adapters loaded at start-up (--lora-adapters).
+    max_loras: int | None = None
+    max_lora_rank: int = 16
+    lora_adapters: str | None = None
 
 
 def load_tokenizer(model_dir: Path) -> tokenizers.Tokenizer:
@@ -100,9 +117,28 @@ class Shard:
         )
         model = load_model(ctx, force_fallback=cfg.force_fallback)
         self.runner = ModelRunner(model, attention, cfg.block_size, self.device)
+        startup_adapters = parse_adapters_flag(cfg.lora_adapters)
+        max_loras = cfg.max_loras
+        if max_loras is None:
+            max_loras = max(4, len(startup_adapters)) if startup_adapters else 0
+        limits = LoraLimits(max_loras, cfg.max_lora_rank)
+        self.lora: LoraManager | None = None
+        if limits.max_loras > 0:
+            if not model.supports_lora:
+                raise ValueError(
+                    f"--max-loras / --lora-adapters need tokenwire's own model code; model_type "
+                    f"{config.get('model_type', '')!r} is served by the transformers fallback"
+                )
+            # The slots take their device memory now: warmup sizes the KV cache from what is left.
+            self.lora = attach_lora(model, limits, self.device, DTYPES[cfg.dtype])  # type: ignore[arg-type]
+            self.runner.lora = self.lora.batch
         eos = eos_token_ids(model_dir, config)
         tokenizer = load_tokenizer(model_dir)
-        self.engine = BatchState(self.runner, tokenizer, eos, model.max_position_embeddings)
+        self.engine = BatchState(
+            self.runner, tokenizer, eos, model.max_position_embeddings, lora=self.lora
+        )
+        for source in startup_adapters:
+            self.register_adapter(self.read_adapter(source))
         self.info = RankInfo(
             dtype=cfg.dtype,
             device_type=self.device.type,
@@ -116,6 +152,8 @@ class Shard:
             attention_backend=model.attention_name,
             model_sha=model_sha(model_dir),
             model_id=cfg.model_id,
+            max_loras=limits.max_loras,
+            max_lora_rank=limits.max_lora_rank if limits.max_loras else 0,
         )
 
     def warmup(self, spec: WarmupSpec) -> WarmupResult:
@@ -129,6 +167,31 @@ class Shard:
             self.cfg.kv_cache_memory_mb,
             self.cfg.max_batch_total_tokens,
         )
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+
+    def _lora(self) -> LoraManager:
+        if self.lora is None:
+            raise FailedPreconditionError(
+                "LoRA adapters are off on this shard: start it with --max-loras N (adapter slots "
+                "are reserved before the KV cache is sized)"
+            )
+        return self.lora
+
+    def read_adapter(self, source: AdapterSource) -> HostAdapter:
+        """Reads and validates an adapter; any thread (file I/O off the model worker)."""
+        return self._lora().read(source)
+
+    def register_adapter(self, adapter: HostAdapter) -> AdapterFacts:
+        """Makes a read adapter available to requests; model worker thread."""
+        return self._lora().register(adapter)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forgets an adapter no request on this rank uses; model worker thread."""
+        self._lora().unregister(name, self.engine.adapters_in_use())
+
+    def adapters(self) -> list[AdapterFacts]:
+        return self.lora.facts() if self.lora is not None else []
 
     def bind_thread(self) -> None:
         """Makes this shard's GPU the calling thread's current device. CUDA's current device is

@@ -49,6 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         choices=["auto", "fp8_e4m3fn", "fp8_e5m2"],
                         help="KV cache storage; fp8 halves the bytes per token")
+    parser.add_argument("--max-loras", type=int, default=None,
+                        help="LoRA adapters resident on the device at once; their slots are "
+                        "reserved before the KV cache is sized (default: 4 with --lora-adapters, "
+                        "else 0 = LoRA off)")
+    parser.add_argument("--max-lora-rank", type=int, default=16,
+                        help="largest LoRA rank accepted (slot size)")
+    parser.add_argument("--lora-adapters", default=None,
+                        help="adapters to load at start-up: name=path,... (path: a PEFT adapter "
+                        "directory or a hub id)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="not supported; present so that a request for it fails clearly")
     parser.add_argument("--log-level", default="INFO")
@@ -156,6 +165,9 @@ def run(args: argparse.Namespace) -> int:
             attention_backend=args.attention_backend,
             quantize=args.quantize,
             kv_cache_dtype=args.kv_cache_dtype,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            lora_adapters=args.lora_adapters,
         )
         shard = Shard(cfg, dist)
         return asyncio.run(serve(args, shard))

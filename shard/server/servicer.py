@@ -34,6 +34,12 @@ _STATUS: dict[type[ShardError], grpc.StatusCode] = {
 }
 
 
+def _status_class(exc: ShardError) -> type[ShardError]:
+    """The _STATUS key of exc: its class or the nearest listed base (AdapterLoadError is an
+    InvalidRequestError)."""
+    return next(c for c in type(exc).__mro__ if c in _STATUS)  # type: ignore[return-value]
+
+
 class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     def __init__(self, shard: Shard, urls: list[str], on_fatal: Callable[[str], None]):
         self.shard = shard
@@ -52,7 +58,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         try:
             return await loop.run_in_executor(self.worker, fn, *args)
         except ShardError as exc:
-            code, message = _STATUS[type(exc)], str(exc)
+            code, message = _STATUS[_status_class(exc)], str(exc)
             if isinstance(exc, FatalDeviceError):
                 self.fatal = message
                 self.on_fatal(message)
@@ -62,7 +68,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         await context.abort(code, message)
 
     async def Info(self, request, context):
-        return convert.info_to_proto(self.shard.info)
+        return convert.info_to_proto(self.shard.info, self.shard.adapters())
 
     async def ServiceDiscovery(self, request, context):
         return pb.ServiceDiscoveryResponse(urls=self.urls)
@@ -98,6 +104,23 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         batch_id = request.id if request.HasField("id") else None
         await self._run(context, self.shard.engine.clear_cache, batch_id)
         return pb.ClearCacheResponse()
+
+    async def LoadAdapter(self, request, context):
+        source = convert.adapter_source_from_proto(request)
+        try:  # file I/O and validation off the model worker: steps go on meanwhile
+            adapter = await asyncio.to_thread(self.shard.read_adapter, source)
+        except ShardError as exc:
+            await context.abort(_STATUS[_status_class(exc)], str(exc))
+        except Exception as exc:  # noqa: BLE001 - an unreadable adapter is the caller's problem
+            log.exception("reading adapter %s failed", source.name)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"adapter '{source.name}': {type(exc).__name__}: {exc}")
+        facts = await self._run(context, self.shard.register_adapter, adapter)
+        return pb.LoadAdapterResponse(adapter=convert.adapter_to_proto(facts))
+
+    async def UnloadAdapter(self, request, context):
+        await self._run(context, self.shard.unload_adapter, request.name)
+        return pb.UnloadAdapterResponse()
 
     def close(self) -> None:
         self.worker.shutdown(wait=False, cancel_futures=True)

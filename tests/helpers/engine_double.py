@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from service.engine.contracts import (
+    AdapterInfo,
+    AdapterSource,
     EngineError,
     EngineStats,
     Finished,
@@ -121,6 +123,7 @@ class ScriptedEngine:
     cancelled: list[str] = field(default_factory=list)
     running: int = 0
     submit_error: EngineError | None = None
+    adapters: list[AdapterInfo] = field(default_factory=list)  # "loaded" LoRA adapters
 
     def __post_init__(self) -> None:
         self.gate.set()
@@ -146,3 +149,14 @@ class ScriptedEngine:
             preemptions=1,
             extra={"step_ms": 1.5},
         )
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return list(self.adapters)
+
+    async def load_adapters(self, sources: list[AdapterSource]) -> list[AdapterInfo]:
+        loaded = [AdapterInfo(s.name, s.path, 4, 8.0, ("q_proj",)) for s in sources]
+        self.adapters.extend(loaded)
+        return loaded
+
+    async def unload_adapter(self, name: str) -> None:
+        self.adapters[:] = [a for a in self.adapters if a.name != name]

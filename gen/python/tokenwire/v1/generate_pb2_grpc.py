@@ -66,6 +66,21 @@ class TextGenerationStub:
                 request_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/tokenwire.v1.TextGeneration/LoadAdapter',
+                request_serializer=tokenwire_dot_v1_dot_generate__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=tokenwire_dot_v1_dot_generate__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/tokenwire.v1.TextGeneration/UnloadAdapter',
+                request_serializer=tokenwire_dot_v1_dot_generate__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=tokenwire_dot_v1_dot_generate__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/tokenwire.v1.TextGeneration/ListAdapters',
+                request_serializer=tokenwire_dot_v1_dot_generate__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=tokenwire_dot_v1_dot_generate__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -120,6 +135,33 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Loads LoRA adapters at run time (TGI's documented POST /info/loras): each is read,
+        validated against the base model and registered on every shard; requests may name it as
+        soon as the call returns. All or nothing: when one adapter fails (INVALID_ARGUMENT naming
+        it and the problem; ALREADY_EXISTS for a name in use; FAILED_PRECONDITION when the server
+        runs without --max-loras), none of the call's adapters stays loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Unloads a LoRA adapter. New requests naming it fail with NOT_FOUND at once; requests
+        already admitted with it finish first, then the call returns (bounded by the call's
+        deadline). NOT_FOUND when no adapter has that name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """The loaded LoRA adapters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -152,6 +194,21 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.TokenizeHttp,
                     request_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=tokenwire_dot_v1_dot_generate__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=tokenwire_dot_v1_dot_generate__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=tokenwire_dot_v1_dot_generate__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=tokenwire_dot_v1_dot_generate__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=tokenwire_dot_v1_dot_generate__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=tokenwire_dot_v1_dot_generate__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -317,6 +374,87 @@ class TextGeneration:
             '/tokenwire.v1.TextGeneration/TokenizeHttp',
             google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenwire.v1.TextGeneration/LoadAdapter',
+            tokenwire_dot_v1_dot_generate__pb2.LoadAdapterRequest.SerializeToString,
+            tokenwire_dot_v1_dot_generate__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenwire.v1.TextGeneration/UnloadAdapter',
+            tokenwire_dot_v1_dot_generate__pb2.UnloadAdapterRequest.SerializeToString,
+            tokenwire_dot_v1_dot_generate__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenwire.v1.TextGeneration/ListAdapters',
+            tokenwire_dot_v1_dot_generate__pb2.ListAdaptersRequest.SerializeToString,
+            tokenwire_dot_v1_dot_generate__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

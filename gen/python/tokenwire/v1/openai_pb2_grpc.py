@@ -98,7 +98,7 @@ class OpenAIServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListModels(self, request, context):
-        """GET /v1/models: the served model.
+        """GET /v1/models: the served model, then each loaded LoRA adapter (its `parent` is the base).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

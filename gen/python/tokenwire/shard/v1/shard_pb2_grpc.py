@@ -75,6 +75,16 @@ class ShardServiceStub:
                 request_serializer=tokenwire_dot_shard_dot_v1_dot_shard__pb2.ClearCacheRequest.SerializeToString,
                 response_deserializer=tokenwire_dot_shard_dot_v1_dot_shard__pb2.ClearCacheResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/tokenwire.shard.v1.ShardService/LoadAdapter',
+                request_serializer=tokenwire_dot_shard_dot_v1_dot_shard__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=tokenwire_dot_shard_dot_v1_dot_shard__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/tokenwire.shard.v1.ShardService/UnloadAdapter',
+                request_serializer=tokenwire_dot_shard_dot_v1_dot_shard__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=tokenwire_dot_shard_dot_v1_dot_shard__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServiceServicer:
@@ -141,6 +151,24 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Reads, validates and registers a LoRA adapter (this rank's slice, in host memory; it is
+        swapped into a device slot when a step needs it). INVALID_ARGUMENT naming the problem when
+        the adapter cannot be served; FAILED_PRECONDITION when the name is taken or LoRA is off
+        (--max-loras 0). Nothing is registered on failure.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Forgets a LoRA adapter. NOT_FOUND when unknown; FAILED_PRECONDITION while requests on this
+        rank use it (the router finishes them first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -183,6 +211,16 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.ClearCache,
                     request_deserializer=tokenwire_dot_shard_dot_v1_dot_shard__pb2.ClearCacheRequest.FromString,
                     response_serializer=tokenwire_dot_shard_dot_v1_dot_shard__pb2.ClearCacheResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=tokenwire_dot_shard_dot_v1_dot_shard__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=tokenwire_dot_shard_dot_v1_dot_shard__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=tokenwire_dot_shard_dot_v1_dot_shard__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=tokenwire_dot_shard_dot_v1_dot_shard__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -402,6 +440,60 @@ class ShardService:
             '/tokenwire.shard.v1.ShardService/ClearCache',
             tokenwire_dot_shard_dot_v1_dot_shard__pb2.ClearCacheRequest.SerializeToString,
             tokenwire_dot_shard_dot_v1_dot_shard__pb2.ClearCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenwire.shard.v1.ShardService/LoadAdapter',
+            tokenwire_dot_shard_dot_v1_dot_shard__pb2.LoadAdapterRequest.SerializeToString,
+            tokenwire_dot_shard_dot_v1_dot_shard__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenwire.shard.v1.ShardService/UnloadAdapter',
+            tokenwire_dot_shard_dot_v1_dot_shard__pb2.UnloadAdapterRequest.SerializeToString,
+            tokenwire_dot_shard_dot_v1_dot_shard__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,7 +24,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file tokenwire/v1/generate.proto.
  */
 export const file_tokenwire_v1_generate: GenFile = /*@__PURE__*/
-  fileDesc("Cht0b2tlbndpcmUvdjEvZ2VuZXJhdGUucHJvdG8SDHRva2Vud2lyZS52MSJXCg9HZW5lcmF0ZVJlcXVlc3QSDgoGaW5wdXRzGAEgASgJEjQKCnBhcmFtZXRlcnMYAiABKAsyIC50b2tlbndpcmUudjEuR2VuZXJhdGVQYXJhbWV0ZXJzIokFChJHZW5lcmF0ZVBhcmFtZXRlcnMSFAoHYmVzdF9vZhgBIAEoDUgAiAEBEhgKC3RlbXBlcmF0dXJlGAIgASgCSAGIAQESHwoScmVwZXRpdGlvbl9wZW5hbHR5GAMgASgCSAKIAQESHgoRZnJlcXVlbmN5X3BlbmFsdHkYBCABKAJIA4gBARISCgV0b3BfaxgFIAEoBUgEiAEBEhIKBXRvcF9wGAYgASgCSAWIAQESFgoJdHlwaWNhbF9wGAcgASgCSAaIAQESEQoJZG9fc2FtcGxlGAggASgIEhsKDm1heF9uZXdfdG9rZW5zGAkgASgNSAeIAQESGAoQcmV0dXJuX2Z1bGxfdGV4dBgKIAEoCBIMCgRzdG9wGAsgAygJEhUKCHRydW5jYXRlGAwgASgNSAiIAQESEQoJd2F0ZXJtYXJrGA0gASgIEg8KB2RldGFpbHMYDiABKAgSHQoVZGVjb2Rlcl9pbnB1dF9kZXRhaWxzGA8gASgIEhEKBHNlZWQYECABKARICYgBARIZCgx0b3Bfbl90b2tlbnMYESABKA1ICogBARIrCgdncmFtbWFyGBIgASgLMhUudG9rZW53aXJlLnYxLkdyYW1tYXJIC4gBAUIKCghfYmVzdF9vZkIOCgxfdGVtcGVyYXR1cmVCFQoTX3JlcGV0aXRpb25fcGVuYWx0eUIUChJfZnJlcXVlbmN5X3BlbmFsdHlCCAoGX3RvcF9rQggKBl90b3BfcEIMCgpfdHlwaWNhbF9wQhEKD19tYXhfbmV3X3Rva2Vuc0ILCglfdHJ1bmNhdGVCBwoFX3NlZWRCDwoNX3RvcF9uX3Rva2Vuc0IKCghfZ3JhbW1hckoECBMQHiI+CgdHcmFtbWFyEgwKBHR5cGUYASABKAkSJQoFdmFsdWUYAiABKAsyFi5nb29nbGUucHJvdG9idWYuVmFsdWUiQwoFVG9rZW4SCgoCaWQYASABKA0SDAoEdGV4dBgCIAEoCRIPCgdsb2dwcm9iGAMgASgCEg8KB3NwZWNpYWwYBCABKAgiSgoMUHJlZmlsbFRva2VuEgoKAmlkGAEgASgNEgwKBHRleHQYAiABKAkSFAoHbG9ncHJvYhgDIAEoAkgAiAEBQgoKCF9sb2dwcm9iIjAKCVRvcFRva2VucxIjCgZ0b2tlbnMYASADKAsyEy50b2tlbndpcmUudjEuVG9rZW4i9AEKDkJlc3RPZlNlcXVlbmNlEhYKDmdlbmVyYXRlZF90ZXh0GAEgASgJEhUKDWZpbmlzaF9yZWFzb24YAiABKAkSGAoQZ2VuZXJhdGVkX3Rva2VucxgDIAEoDRIRCgRzZWVkGAQgASgESACIAQESKwoHcHJlZmlsbBgFIAMoCzIaLnRva2Vud2lyZS52MS5QcmVmaWxsVG9rZW4SIwoGdG9rZW5zGAYgAygLMhMudG9rZW53aXJlLnYxLlRva2VuEisKCnRvcF90b2tlbnMYByADKAsyFy50b2tlbndpcmUudjEuVG9wVG9rZW5zQgcKBV9zZWVkIo4CCgdEZXRhaWxzEhUKDWZpbmlzaF9yZWFzb24YASABKAkSGAoQZ2VuZXJhdGVkX3Rva2VucxgCIAEoDRIRCgRzZWVkGAMgASgESACIAQESKwoHcHJlZmlsbBgEIAMoCzIaLnRva2Vud2lyZS52MS5QcmVmaWxsVG9rZW4SIwoGdG9rZW5zGAUgAygLMhMudG9rZW53aXJlLnYxLlRva2VuEisKCnRvcF90b2tlbnMYBiADKAsyFy50b2tlbndpcmUudjEuVG9wVG9rZW5zEjcKEWJlc3Rfb2Zfc2VxdWVuY2VzGAcgAygLMhwudG9rZW53aXJlLnYxLkJlc3RPZlNlcXVlbmNlQgcKBV9zZWVkImMKEEdlbmVyYXRlUmVzcG9uc2USFgoOZ2VuZXJhdGVkX3RleHQYASABKAkSKwoHZGV0YWlscxgCIAEoCzIVLnRva2Vud2lyZS52MS5EZXRhaWxzSACIAQFCCgoIX2RldGFpbHMicgoNU3RyZWFtRGV0YWlscxIVCg1maW5pc2hfcmVhc29uGAEgASgJEhgKEGdlbmVyYXRlZF90b2tlbnMYAiABKA0SEQoEc2VlZBgDIAEoBEgAiAEBEhQKDGlucHV0X2xlbmd0aBgEIAEoDUIHCgVfc2VlZCK4AgoWR2VuZXJhdGVTdHJlYW1SZXNwb25zZRINCgVpbmRleBgBIAEoDRInCgV0b2tlbhgCIAEoCzITLnRva2Vud2lyZS52MS5Ub2tlbkgAiAEBEicKCnRvcF90b2tlbnMYAyADKAsyEy50b2tlbndpcmUudjEuVG9rZW4SGwoOZ2VuZXJhdGVkX3RleHQYBCABKAlIAYgBARIxCgdkZXRhaWxzGAUgASgLMhsudG9rZW53aXJlLnYxLlN0cmVhbURldGFpbHNIAogBARISCgVlcnJvchgGIAEoCUgDiAEBEhcKCmVycm9yX3R5cGUYByABKAlIBIgBAUIICgZfdG9rZW5CEQoPX2dlbmVyYXRlZF90ZXh0QgoKCF9kZXRhaWxzQggKBl9lcnJvckINCgtfZXJyb3JfdHlwZSINCgtJbmZvUmVxdWVzdCLOBAoMSW5mb1Jlc3BvbnNlEhAKCG1vZGVsX2lkGAEgASgJEhYKCW1vZGVsX3NoYRgCIAEoCUgAiAEBEhMKC21vZGVsX2R0eXBlGAMgASgJEhkKEW1vZGVsX2RldmljZV90eXBlGAQgASgJEh8KEm1vZGVsX3BpcGVsaW5lX3RhZxgFIAEoCUgBiAEBEh8KF21heF9jb25jdXJyZW50X3JlcXVlc3RzGAYgASgNEhMKC21heF9iZXN0X29mGAcgASgNEhoKEm1heF9zdG9wX3NlcXVlbmNlcxgIIAEoDRIYChBtYXhfaW5wdXRfdG9rZW5zGAkgASgNEhgKEG1heF90b3RhbF90b2tlbnMYCiABKA0SGgoSdmFsaWRhdGlvbl93b3JrZXJzGAsgASgNEh0KFW1heF9jbGllbnRfYmF0Y2hfc2l6ZRgMIAEoDRIOCgZyb3V0ZXIYDSABKAkSDwoHdmVyc2lvbhgOIAEoCRIQCgNzaGEYDyABKAlIAogBARIZCgxkb2NrZXJfbGFiZWwYECABKAlIA4gBARIYChBtYXhfdG9wX25fdG9rZW5zGBEgASgNEh4KFm1heF9iYXRjaF90b3RhbF90b2tlbnMYEiABKAQSEgoKYmxvY2tfc2l6ZRgTIAEoDRIVCg1udW1fa3ZfYmxvY2tzGBQgASgNEhEKCW51bV9zaGFyZBgVIAEoDUIMCgpfbW9kZWxfc2hhQhUKE19tb2RlbF9waXBlbGluZV90YWdCBgoEX3NoYUIPCg1fZG9ja2VyX2xhYmVsIg8KDUhlYWx0aFJlcXVlc3QiEAoOSGVhbHRoUmVzcG9uc2UiWQoPVG9rZW5pemVSZXF1ZXN0Eg4KBmlucHV0cxgBIAEoCRIfChJhZGRfc3BlY2lhbF90b2tlbnMYAiABKAhIAIgBAUIVChNfYWRkX3NwZWNpYWxfdG9rZW5zIkQKC1NpbXBsZVRva2VuEgoKAmlkGAEgASgNEgwKBHRleHQYAiABKAkSDQoFc3RhcnQYAyABKA0SDAoEc3RvcBgEIAEoDSI9ChBUb2tlbml6ZVJlc3BvbnNlEikKBnRva2VucxgBIAMoCzIZLnRva2Vud2lyZS52MS5TaW1wbGVUb2tlbjKoBAoOVGV4dEdlbmVyYXRpb24SXwoIR2VuZXJhdGUSHS50b2tlbndpcmUudjEuR2VuZXJhdGVSZXF1ZXN0Gh4udG9rZW53aXJlLnYxLkdlbmVyYXRlUmVzcG9uc2UiFILT5JMCDjoBKiIJL2dlbmVyYXRlEnQKDkdlbmVyYXRlU3RyZWFtEh0udG9rZW53aXJlLnYxLkdlbmVyYXRlUmVxdWVzdBokLnRva2Vud2lyZS52MS5HZW5lcmF0ZVN0cmVhbVJlc3BvbnNlIhuC0+STAhU6ASoiEC9nZW5lcmF0ZV9zdHJlYW0wARJMCgRJbmZvEhkudG9rZW53aXJlLnYxLkluZm9SZXF1ZXN0GhoudG9rZW53aXJlLnYxLkluZm9SZXNwb25zZSINgtPkkwIHEgUvaW5mbxJUCgZIZWFsdGgSGy50b2tlbndpcmUudjEuSGVhbHRoUmVxdWVzdBocLnRva2Vud2lyZS52MS5IZWFsdGhSZXNwb25zZSIPgtPkkwIJEgcvaGVhbHRoEkkKCFRva2VuaXplEh0udG9rZW53aXJlLnYxLlRva2VuaXplUmVxdWVzdBoeLnRva2Vud2lyZS52MS5Ub2tlbml6ZVJlc3BvbnNlElAKDFRva2VuaXplSHR0cBIULmdvb2dsZS5hcGkuSHR0cEJvZHkaFC5nb29nbGUuYXBpLkh0dHBCb2R5IhSC0+STAg46ASoiCS90b2tlbml6ZWIGcHJvdG8z", [file_google_api_annotations, file_google_api_httpbody, file_google_protobuf_struct]);
+  fileDesc("Cht0b2tlbndpcmUvdjEvZ2VuZXJhdGUucHJvdG8SDHRva2Vud2lyZS52MSJXCg9HZW5lcmF0ZVJlcXVlc3QSDgoGaW5wdXRzGAEgASgJEjQKCnBhcmFtZXRlcnMYAiABKAsyIC50b2tlbndpcmUudjEuR2VuZXJhdGVQYXJhbWV0ZXJzIrEFChJHZW5lcmF0ZVBhcmFtZXRlcnMSFAoHYmVzdF9vZhgBIAEoDUgAiAEBEhgKC3RlbXBlcmF0dXJlGAIgASgCSAGIAQESHwoScmVwZXRpdGlvbl9wZW5hbHR5GAMgASgCSAKIAQESHgoRZnJlcXVlbmN5X3BlbmFsdHkYBCABKAJIA4gBARISCgV0b3BfaxgFIAEoBUgEiAEBEhIKBXRvcF9wGAYgASgCSAWIAQESFgoJdHlwaWNhbF9wGAcgASgCSAaIAQESEQoJZG9fc2FtcGxlGAggASgIEhsKDm1heF9uZXdfdG9rZW5zGAkgASgNSAeIAQESGAoQcmV0dXJuX2Z1bGxfdGV4dBgKIAEoCBIMCgRzdG9wGAsgAygJEhUKCHRydW5jYXRlGAwgASgNSAiIAQESEQoJd2F0ZXJtYXJrGA0gASgIEg8KB2RldGFpbHMYDiABKAgSHQoVZGVjb2Rlcl9pbnB1dF9kZXRhaWxzGA8gASgIEhEKBHNlZWQYECABKARICYgBARIZCgx0b3Bfbl90b2tlbnMYESABKA1ICogBARIrCgdncmFtbWFyGBIgASgLMhUudG9rZW53aXJlLnYxLkdyYW1tYXJIC4gBARIXCgphZGFwdGVyX2lkGFAgASgJSAyIAQFCCgoIX2Jlc3Rfb2ZCDgoMX3RlbXBlcmF0dXJlQhUKE19yZXBldGl0aW9uX3BlbmFsdHlCFAoSX2ZyZXF1ZW5jeV9wZW5hbHR5QggKBl90b3Bfa0IICgZfdG9wX3BCDAoKX3R5cGljYWxfcEIRCg9fbWF4X25ld190b2tlbnNCCwoJX3RydW5jYXRlQgcKBV9zZWVkQg8KDV90b3Bfbl90b2tlbnNCCgoIX2dyYW1tYXJCDQoLX2FkYXB0ZXJfaWRKBAgTEB4iPgoHR3JhbW1hchIMCgR0eXBlGAEgASgJEiUKBXZhbHVlGAIgASgLMhYuZ29vZ2xlLnByb3RvYnVmLlZhbHVlIkMKBVRva2VuEgoKAmlkGAEgASgNEgwKBHRleHQYAiABKAkSDwoHbG9ncHJvYhgDIAEoAhIPCgdzcGVjaWFsGAQgASgIIkoKDFByZWZpbGxUb2tlbhIKCgJpZBgBIAEoDRIMCgR0ZXh0GAIgASgJEhQKB2xvZ3Byb2IYAyABKAJIAIgBAUIKCghfbG9ncHJvYiIwCglUb3BUb2tlbnMSIwoGdG9rZW5zGAEgAygLMhMudG9rZW53aXJlLnYxLlRva2VuIvQBCg5CZXN0T2ZTZXF1ZW5jZRIWCg5nZW5lcmF0ZWRfdGV4dBgBIAEoCRIVCg1maW5pc2hfcmVhc29uGAIgASgJEhgKEGdlbmVyYXRlZF90b2tlbnMYAyABKA0SEQoEc2VlZBgEIAEoBEgAiAEBEisKB3ByZWZpbGwYBSADKAsyGi50b2tlbndpcmUudjEuUHJlZmlsbFRva2VuEiMKBnRva2VucxgGIAMoCzITLnRva2Vud2lyZS52MS5Ub2tlbhIrCgp0b3BfdG9rZW5zGAcgAygLMhcudG9rZW53aXJlLnYxLlRvcFRva2Vuc0IHCgVfc2VlZCKOAgoHRGV0YWlscxIVCg1maW5pc2hfcmVhc29uGAEgASgJEhgKEGdlbmVyYXRlZF90b2tlbnMYAiABKA0SEQoEc2VlZBgDIAEoBEgAiAEBEisKB3ByZWZpbGwYBCADKAsyGi50b2tlbndpcmUudjEuUHJlZmlsbFRva2VuEiMKBnRva2VucxgFIAMoCzITLnRva2Vud2lyZS52MS5Ub2tlbhIrCgp0b3BfdG9rZW5zGAYgAygLMhcudG9rZW53aXJlLnYxLlRvcFRva2VucxI3ChFiZXN0X29mX3NlcXVlbmNlcxgHIAMoCzIcLnRva2Vud2lyZS52MS5CZXN0T2ZTZXF1ZW5jZUIHCgVfc2VlZCJjChBHZW5lcmF0ZVJlc3BvbnNlEhYKDmdlbmVyYXRlZF90ZXh0GAEgASgJEisKB2RldGFpbHMYAiABKAsyFS50b2tlbndpcmUudjEuRGV0YWlsc0gAiAEBQgoKCF9kZXRhaWxzInIKDVN0cmVhbURldGFpbHMSFQoNZmluaXNoX3JlYXNvbhgBIAEoCRIYChBnZW5lcmF0ZWRfdG9rZW5zGAIgASgNEhEKBHNlZWQYAyABKARIAIgBARIUCgxpbnB1dF9sZW5ndGgYBCABKA1CBwoFX3NlZWQiuAIKFkdlbmVyYXRlU3RyZWFtUmVzcG9uc2USDQoFaW5kZXgYASABKA0SJwoFdG9rZW4YAiABKAsyEy50b2tlbndpcmUudjEuVG9rZW5IAIgBARInCgp0b3BfdG9rZW5zGAMgAygLMhMudG9rZW53aXJlLnYxLlRva2VuEhsKDmdlbmVyYXRlZF90ZXh0GAQgASgJSAGIAQESMQoHZGV0YWlscxgFIAEoCzIbLnRva2Vud2lyZS52MS5TdHJlYW1EZXRhaWxzSAKIAQESEgoFZXJyb3IYBiABKAlIA4gBARIXCgplcnJvcl90eXBlGAcgASgJSASIAQFCCAoGX3Rva2VuQhEKD19nZW5lcmF0ZWRfdGV4dEIKCghfZGV0YWlsc0IICgZfZXJyb3JCDQoLX2Vycm9yX3R5cGUiDQoLSW5mb1JlcXVlc3QioQUKDEluZm9SZXNwb25zZRIQCghtb2RlbF9pZBgBIAEoCRIWCgltb2RlbF9zaGEYAiABKAlIAIgBARITCgttb2RlbF9kdHlwZRgDIAEoCRIZChFtb2RlbF9kZXZpY2VfdHlwZRgEIAEoCRIfChJtb2RlbF9waXBlbGluZV90YWcYBSABKAlIAYgBARIfChdtYXhfY29uY3VycmVudF9yZXF1ZXN0cxgGIAEoDRITCgttYXhfYmVzdF9vZhgHIAEoDRIaChJtYXhfc3RvcF9zZXF1ZW5jZXMYCCABKA0SGAoQbWF4X2lucHV0X3Rva2VucxgJIAEoDRIYChBtYXhfdG90YWxfdG9rZW5zGAogASgNEhoKEnZhbGlkYXRpb25fd29ya2VycxgLIAEoDRIdChVtYXhfY2xpZW50X2JhdGNoX3NpemUYDCABKA0SDgoGcm91dGVyGA0gASgJEg8KB3ZlcnNpb24YDiABKAkSEAoDc2hhGA8gASgJSAKIAQESGQoMZG9ja2VyX2xhYmVsGBAgASgJSAOIAQESGAoQbWF4X3RvcF9uX3Rva2VucxgRIAEoDRIeChZtYXhfYmF0Y2hfdG90YWxfdG9rZW5zGBIgASgEEhIKCmJsb2NrX3NpemUYEyABKA0SFQoNbnVtX2t2X2Jsb2NrcxgUIAEoDRIRCgludW1fc2hhcmQYFSABKA0SJwoIYWRhcHRlcnMYUCADKAsyFS50b2tlbndpcmUudjEuQWRhcHRlchIRCgltYXhfbG9yYXMYUSABKA0SFQoNbWF4X2xvcmFfcmFuaxhSIAEoDUIMCgpfbW9kZWxfc2hhQhUKE19tb2RlbF9waXBlbGluZV90YWdCBgoEX3NoYUIPCg1fZG9ja2VyX2xhYmVsIg8KDUhlYWx0aFJlcXVlc3QiEAoOSGVhbHRoUmVzcG9uc2UiWQoPVG9rZW5pemVSZXF1ZXN0Eg4KBmlucHV0cxgBIAEoCRIfChJhZGRfc3BlY2lhbF90b2tlbnMYAiABKAhIAIgBAUIVChNfYWRkX3NwZWNpYWxfdG9rZW5zIkQKC1NpbXBsZVRva2VuEgoKAmlkGAEgASgNEgwKBHRleHQYAiABKAkSDQoFc3RhcnQYAyABKA0SDAoEc3RvcBgEIAEoDSI9ChBUb2tlbml6ZVJlc3BvbnNlEikKBnRva2VucxgBIAMoCzIZLnRva2Vud2lyZS52MS5TaW1wbGVUb2tlbiJPCg1BZGFwdGVyU291cmNlEgwKBG5hbWUYASABKAkSDAoEcGF0aBgCIAEoCRIVCghyZXZpc2lvbhgDIAEoCUgAiAEBQgsKCV9yZXZpc2lvbiJDChJMb2FkQWRhcHRlclJlcXVlc3QSLQoIYWRhcHRlcnMYASADKAsyGy50b2tlbndpcmUudjEuQWRhcHRlclNvdXJjZSJaCgdBZGFwdGVyEgwKBG5hbWUYASABKAkSDAoEcGF0aBgCIAEoCRIMCgRyYW5rGAMgASgNEg0KBWFscGhhGAQgASgCEhYKDnRhcmdldF9tb2R1bGVzGAUgAygJIj4KE0xvYWRBZGFwdGVyUmVzcG9uc2USJwoIYWRhcHRlcnMYASADKAsyFS50b2tlbndpcmUudjEuQWRhcHRlciIkChRVbmxvYWRBZGFwdGVyUmVxdWVzdBIMCgRuYW1lGAEgASgJIhcKFVVubG9hZEFkYXB0ZXJSZXNwb25zZSIVChNMaXN0QWRhcHRlcnNSZXF1ZXN0Ij8KFExpc3RBZGFwdGVyc1Jlc3BvbnNlEicKCGFkYXB0ZXJzGAEgAygLMhUudG9rZW53aXJlLnYxLkFkYXB0ZXIy9gYKDlRleHRHZW5lcmF0aW9uEl8KCEdlbmVyYXRlEh0udG9rZW53aXJlLnYxLkdlbmVyYXRlUmVxdWVzdBoeLnRva2Vud2lyZS52MS5HZW5lcmF0ZVJlc3BvbnNlIhSC0+STAg46ASoiCS9nZW5lcmF0ZRJ0Cg5HZW5lcmF0ZVN0cmVhbRIdLnRva2Vud2lyZS52MS5HZW5lcmF0ZVJlcXVlc3QaJC50b2tlbndpcmUudjEuR2VuZXJhdGVTdHJlYW1SZXNwb25zZSIbgtPkkwIVOgEqIhAvZ2VuZXJhdGVfc3RyZWFtMAESTAoESW5mbxIZLnRva2Vud2lyZS52MS5JbmZvUmVxdWVzdBoaLnRva2Vud2lyZS52MS5JbmZvUmVzcG9uc2UiDYLT5JMCBxIFL2luZm8SVAoGSGVhbHRoEhsudG9rZW53aXJlLnYxLkhlYWx0aFJlcXVlc3QaHC50b2tlbndpcmUudjEuSGVhbHRoUmVzcG9uc2UiD4LT5JMCCRIHL2hlYWx0aBJJCghUb2tlbml6ZRIdLnRva2Vud2lyZS52MS5Ub2tlbml6ZVJlcXVlc3QaHi50b2tlbndpcmUudjEuVG9rZW5pemVSZXNwb25zZRJQCgxUb2tlbml6ZUh0dHASFC5nb29nbGUuYXBpLkh0dHBCb2R5GhQuZ29vZ2xlLmFwaS5IdHRwQm9keSIUgtPkkwIOOgEqIgkvdG9rZW5pemUSagoLTG9hZEFkYXB0ZXISIC50b2tlbndpcmUudjEuTG9hZEFkYXB0ZXJSZXF1ZXN0GiEudG9rZW53aXJlLnYxLkxvYWRBZGFwdGVyUmVzcG9uc2UiFoLT5JMCEDoBKiILL2luZm8vbG9yYXMSdAoNVW5sb2FkQWRhcHRlchIiLnRva2Vud2lyZS52MS5VbmxvYWRBZGFwdGVyUmVxdWVzdBojLnRva2Vud2lyZS52MS5VbmxvYWRBZGFwdGVyUmVzcG9uc2UiGoLT5JMCFCoSL2luZm8vbG9yYXMve25hbWV9EmoKDExpc3RBZGFwdGVycxIhLnRva2Vud2lyZS52MS5MaXN0QWRhcHRlcnNSZXF1ZXN0GiIudG9rZW53aXJlLnYxLkxpc3RBZGFwdGVyc1Jlc3BvbnNlIhOC0+STAg0SCy9pbmZvL2xvcmFzYgZwcm90bzM", [file_google_api_annotations, file_google_api_httpbody, file_google_protobuf_struct]);
 
 /**
  * A generation request: TGI's `{"inputs": "...", "parameters": {...}}`.
@@ -199,6 +199,14 @@ export type GenerateParameters = Message<"tokenwire.v1.GenerateParameters"> & {
    * @generated from field: optional tokenwire.v1.Grammar grammar = 18;
    */
   grammar?: Grammar | undefined;
+
+  /**
+   * Name of a loaded LoRA adapter to generate with (TGI's adapter_id). Default: the base
+   * model. An unknown name is NOT_FOUND.
+   *
+   * @generated from field: optional string adapter_id = 80;
+   */
+  adapterId?: string | undefined;
 };
 
 /**
@@ -767,6 +775,27 @@ export type InfoResponse = Message<"tokenwire.v1.InfoResponse"> & {
    * @generated from field: uint32 num_shard = 21;
    */
   numShard: number;
+
+  /**
+   * Loaded LoRA adapters.
+   *
+   * @generated from field: repeated tokenwire.v1.Adapter adapters = 80;
+   */
+  adapters: Adapter[];
+
+  /**
+   * --max-loras: adapters resident on the device at once (0: LoRA off).
+   *
+   * @generated from field: uint32 max_loras = 81;
+   */
+  maxLoras: number;
+
+  /**
+   * --max-lora-rank: the largest adapter rank the server accepts.
+   *
+   * @generated from field: uint32 max_lora_rank = 82;
+   */
+  maxLoraRank: number;
 };
 
 /**
@@ -898,6 +927,206 @@ export const TokenizeResponseSchema: GenMessage<TokenizeResponse> = /*@__PURE__*
   messageDesc(file_tokenwire_v1_generate, 17);
 
 /**
+ * One LoRA adapter to load (TGI's {"name", "path"}).
+ *
+ * @generated from message tokenwire.v1.AdapterSource
+ */
+export type AdapterSource = Message<"tokenwire.v1.AdapterSource"> & {
+  /**
+   * Name requests use (parameters.adapter_id, OpenAI's model): 1-128 of [A-Za-z0-9._-],
+   * starting with a letter or digit; not the base model's id.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * A directory on the shards' machine holding PEFT's adapter_config.json and
+   * adapter_model.safetensors, or a hub repo id (org/name).
+   *
+   * @generated from field: string path = 2;
+   */
+  path: string;
+
+  /**
+   * Hub branch, tag or commit (hub ids only).
+   *
+   * @generated from field: optional string revision = 3;
+   */
+  revision?: string | undefined;
+};
+
+/**
+ * Describes the message tokenwire.v1.AdapterSource.
+ * Use `create(AdapterSourceSchema)` to create a new message.
+ */
+export const AdapterSourceSchema: GenMessage<AdapterSource> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_generate, 18);
+
+/**
+ * POST /info/loras: {"adapters": [{"name": "...", "path": "..."}]}.
+ *
+ * @generated from message tokenwire.v1.LoadAdapterRequest
+ */
+export type LoadAdapterRequest = Message<"tokenwire.v1.LoadAdapterRequest"> & {
+  /**
+   * Adapters to load, all or none.
+   *
+   * @generated from field: repeated tokenwire.v1.AdapterSource adapters = 1;
+   */
+  adapters: AdapterSource[];
+};
+
+/**
+ * Describes the message tokenwire.v1.LoadAdapterRequest.
+ * Use `create(LoadAdapterRequestSchema)` to create a new message.
+ */
+export const LoadAdapterRequestSchema: GenMessage<LoadAdapterRequest> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_generate, 19);
+
+/**
+ * A loaded LoRA adapter.
+ *
+ * @generated from message tokenwire.v1.Adapter
+ */
+export type Adapter = Message<"tokenwire.v1.Adapter"> & {
+  /**
+   * Its name.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * The path or hub id it was loaded from.
+   *
+   * @generated from field: string path = 2;
+   */
+  path: string;
+
+  /**
+   * LoRA rank r.
+   *
+   * @generated from field: uint32 rank = 3;
+   */
+  rank: number;
+
+  /**
+   * lora_alpha (scaling alpha / r, or alpha / sqrt(r) with rsLoRA).
+   *
+   * @generated from field: float alpha = 4;
+   */
+  alpha: number;
+
+  /**
+   * Projections it adapts ("q_proj", "v_proj", ...).
+   *
+   * @generated from field: repeated string target_modules = 5;
+   */
+  targetModules: string[];
+};
+
+/**
+ * Describes the message tokenwire.v1.Adapter.
+ * Use `create(AdapterSchema)` to create a new message.
+ */
+export const AdapterSchema: GenMessage<Adapter> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_generate, 20);
+
+/**
+ * Answer of LoadAdapter.
+ *
+ * @generated from message tokenwire.v1.LoadAdapterResponse
+ */
+export type LoadAdapterResponse = Message<"tokenwire.v1.LoadAdapterResponse"> & {
+  /**
+   * The adapters loaded by this call.
+   *
+   * @generated from field: repeated tokenwire.v1.Adapter adapters = 1;
+   */
+  adapters: Adapter[];
+};
+
+/**
+ * Describes the message tokenwire.v1.LoadAdapterResponse.
+ * Use `create(LoadAdapterResponseSchema)` to create a new message.
+ */
+export const LoadAdapterResponseSchema: GenMessage<LoadAdapterResponse> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_generate, 21);
+
+/**
+ * DELETE /info/loras/{name}.
+ *
+ * @generated from message tokenwire.v1.UnloadAdapterRequest
+ */
+export type UnloadAdapterRequest = Message<"tokenwire.v1.UnloadAdapterRequest"> & {
+  /**
+   * The adapter's name.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+};
+
+/**
+ * Describes the message tokenwire.v1.UnloadAdapterRequest.
+ * Use `create(UnloadAdapterRequestSchema)` to create a new message.
+ */
+export const UnloadAdapterRequestSchema: GenMessage<UnloadAdapterRequest> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_generate, 22);
+
+/**
+ * Answer of UnloadAdapter; no fields.
+ *
+ * @generated from message tokenwire.v1.UnloadAdapterResponse
+ */
+export type UnloadAdapterResponse = Message<"tokenwire.v1.UnloadAdapterResponse"> & {
+};
+
+/**
+ * Describes the message tokenwire.v1.UnloadAdapterResponse.
+ * Use `create(UnloadAdapterResponseSchema)` to create a new message.
+ */
+export const UnloadAdapterResponseSchema: GenMessage<UnloadAdapterResponse> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_generate, 23);
+
+/**
+ * Request of ListAdapters; no fields.
+ *
+ * @generated from message tokenwire.v1.ListAdaptersRequest
+ */
+export type ListAdaptersRequest = Message<"tokenwire.v1.ListAdaptersRequest"> & {
+};
+
+/**
+ * Describes the message tokenwire.v1.ListAdaptersRequest.
+ * Use `create(ListAdaptersRequestSchema)` to create a new message.
+ */
+export const ListAdaptersRequestSchema: GenMessage<ListAdaptersRequest> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_generate, 24);
+
+/**
+ * Answer of ListAdapters (GET /info/loras).
+ *
+ * @generated from message tokenwire.v1.ListAdaptersResponse
+ */
+export type ListAdaptersResponse = Message<"tokenwire.v1.ListAdaptersResponse"> & {
+  /**
+   * The loaded adapters.
+   *
+   * @generated from field: repeated tokenwire.v1.Adapter adapters = 1;
+   */
+  adapters: Adapter[];
+};
+
+/**
+ * Describes the message tokenwire.v1.ListAdaptersResponse.
+ * Use `create(ListAdaptersResponseSchema)` to create a new message.
+ */
+export const ListAdaptersResponseSchema: GenMessage<ListAdaptersResponse> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_generate, 25);
+
+/**
  * The text-generation service. Reached directly over gRPC or through Envoy as REST + SSE.
  *
  * @generated from service tokenwire.v1.TextGeneration
@@ -968,6 +1197,42 @@ export const TextGeneration: GenService<{
     methodKind: "unary";
     input: typeof HttpBodySchema;
     output: typeof HttpBodySchema;
+  },
+  /**
+   * Loads LoRA adapters at run time (TGI's documented POST /info/loras): each is read,
+   * validated against the base model and registered on every shard; requests may name it as
+   * soon as the call returns. All or nothing: when one adapter fails (INVALID_ARGUMENT naming
+   * it and the problem; ALREADY_EXISTS for a name in use; FAILED_PRECONDITION when the server
+   * runs without --max-loras), none of the call's adapters stays loaded.
+   *
+   * @generated from rpc tokenwire.v1.TextGeneration.LoadAdapter
+   */
+  loadAdapter: {
+    methodKind: "unary";
+    input: typeof LoadAdapterRequestSchema;
+    output: typeof LoadAdapterResponseSchema;
+  },
+  /**
+   * Unloads a LoRA adapter. New requests naming it fail with NOT_FOUND at once; requests
+   * already admitted with it finish first, then the call returns (bounded by the call's
+   * deadline). NOT_FOUND when no adapter has that name.
+   *
+   * @generated from rpc tokenwire.v1.TextGeneration.UnloadAdapter
+   */
+  unloadAdapter: {
+    methodKind: "unary";
+    input: typeof UnloadAdapterRequestSchema;
+    output: typeof UnloadAdapterResponseSchema;
+  },
+  /**
+   * The loaded LoRA adapters.
+   *
+   * @generated from rpc tokenwire.v1.TextGeneration.ListAdapters
+   */
+  listAdapters: {
+    methodKind: "unary";
+    input: typeof ListAdaptersRequestSchema;
+    output: typeof ListAdaptersResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_tokenwire_v1_generate, 0);

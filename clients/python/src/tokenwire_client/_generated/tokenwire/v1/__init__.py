@@ -4,6 +4,8 @@
 # This file has been @generated
 
 __all__ = (
+    "Adapter",
+    "AdapterSource",
     "BestOfSequence",
     "ChatChoice",
     "ChatChunkChoice",
@@ -27,8 +29,12 @@ __all__ = (
     "HealthResponse",
     "InfoRequest",
     "InfoResponse",
+    "ListAdaptersRequest",
+    "ListAdaptersResponse",
     "ListModelsRequest",
     "ListModelsResponse",
+    "LoadAdapterRequest",
+    "LoadAdapterResponse",
     "Model",
     "OpenAiServiceStub",
     "OpenAiServiceSyncStub",
@@ -43,6 +49,8 @@ __all__ = (
     "TokenizeResponse",
     "TopLogprob",
     "TopTokens",
+    "UnloadAdapterRequest",
+    "UnloadAdapterResponse",
     "Usage",
 )
 
@@ -62,6 +70,68 @@ if TYPE_CHECKING:
 
 _COMPILER_VERSION = "0.10.1"
 betterproto2.check_compiler_version(_COMPILER_VERSION)
+
+
+@dataclass(eq=False, repr=False)
+class Adapter(betterproto2.Message):
+    """
+    A loaded LoRA adapter.
+    """
+
+    name: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    Its name.
+    """
+
+    path: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    The path or hub id it was loaded from.
+    """
+
+    rank: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+    """
+    LoRA rank r.
+    """
+
+    alpha: "float" = betterproto2.field(4, betterproto2.TYPE_FLOAT)
+    """
+    lora_alpha (scaling alpha / r, or alpha / sqrt(r) with rsLoRA).
+    """
+
+    target_modules: "list[str]" = betterproto2.field(5, betterproto2.TYPE_STRING, repeated=True)
+    """
+    Projections it adapts ("q_proj", "v_proj", ...).
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "Adapter", Adapter)
+
+
+@dataclass(eq=False, repr=False)
+class AdapterSource(betterproto2.Message):
+    """
+    One LoRA adapter to load (TGI's {"name", "path"}).
+    """
+
+    name: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    Name requests use (parameters.adapter_id, OpenAI's model): 1-128 of [A-Za-z0-9._-],
+    starting with a letter or digit; not the base model's id.
+    """
+
+    path: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    A directory on the shards' machine holding PEFT's adapter_config.json and
+    adapter_model.safetensors, or a hub repo id (org/name).
+    """
+
+    revision: "str | None" = betterproto2.field(3, betterproto2.TYPE_STRING, optional=True)
+    """
+    Hub branch, tag or commit (hub ids only).
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "AdapterSource", AdapterSource)
 
 
 @dataclass(eq=False, repr=False)
@@ -794,6 +864,12 @@ class GenerateParameters(betterproto2.Message):
     Constrain the output to a JSON schema or a regular expression. Default: unconstrained.
     """
 
+    adapter_id: "str | None" = betterproto2.field(80, betterproto2.TYPE_STRING, optional=True)
+    """
+    Name of a loaded LoRA adapter to generate with (TGI's adapter_id). Default: the base
+    model. An unknown name is NOT_FOUND.
+    """
+
 
 default_message_pool.register_message("tokenwire.v1", "GenerateParameters", GenerateParameters)
 
@@ -1063,8 +1139,50 @@ class InfoResponse(betterproto2.Message):
     Number of shard processes (tensor-parallel ranks).
     """
 
+    adapters: "list[Adapter]" = betterproto2.field(80, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Loaded LoRA adapters.
+    """
+
+    max_loras: "int" = betterproto2.field(81, betterproto2.TYPE_UINT32)
+    """
+    --max-loras: adapters resident on the device at once (0: LoRA off).
+    """
+
+    max_lora_rank: "int" = betterproto2.field(82, betterproto2.TYPE_UINT32)
+    """
+    --max-lora-rank: the largest adapter rank the server accepts.
+    """
+
 
 default_message_pool.register_message("tokenwire.v1", "InfoResponse", InfoResponse)
+
+
+@dataclass(eq=False, repr=False)
+class ListAdaptersRequest(betterproto2.Message):
+    """
+    Request of ListAdapters; no fields.
+    """
+
+    pass
+
+
+default_message_pool.register_message("tokenwire.v1", "ListAdaptersRequest", ListAdaptersRequest)
+
+
+@dataclass(eq=False, repr=False)
+class ListAdaptersResponse(betterproto2.Message):
+    """
+    Answer of ListAdapters (GET /info/loras).
+    """
+
+    adapters: "list[Adapter]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    The loaded adapters.
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "ListAdaptersResponse", ListAdaptersResponse)
 
 
 @dataclass(eq=False, repr=False)
@@ -1100,6 +1218,38 @@ default_message_pool.register_message("tokenwire.v1", "ListModelsResponse", List
 
 
 @dataclass(eq=False, repr=False)
+class LoadAdapterRequest(betterproto2.Message):
+    """
+    POST /info/loras: {"adapters": [{"name": "...", "path": "..."}]}.
+    """
+
+    adapters: "list[AdapterSource]" = betterproto2.field(
+        1, betterproto2.TYPE_MESSAGE, repeated=True
+    )
+    """
+    Adapters to load, all or none.
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "LoadAdapterRequest", LoadAdapterRequest)
+
+
+@dataclass(eq=False, repr=False)
+class LoadAdapterResponse(betterproto2.Message):
+    """
+    Answer of LoadAdapter.
+    """
+
+    adapters: "list[Adapter]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    The adapters loaded by this call.
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "LoadAdapterResponse", LoadAdapterResponse)
+
+
+@dataclass(eq=False, repr=False)
 class Model(betterproto2.Message):
     """
     One served model (OpenAI's model object).
@@ -1123,6 +1273,11 @@ class Model(betterproto2.Message):
     owned_by: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
     """
     "tokenwire".
+    """
+
+    parent: "str | None" = betterproto2.field(80, betterproto2.TYPE_STRING, optional=True)
+    """
+    For a LoRA adapter: the base model's id (vLLM's field); absent for the base model.
     """
 
 
@@ -1356,6 +1511,35 @@ default_message_pool.register_message("tokenwire.v1", "TopTokens", TopTokens)
 
 
 @dataclass(eq=False, repr=False)
+class UnloadAdapterRequest(betterproto2.Message):
+    """
+    DELETE /info/loras/{name}.
+    """
+
+    name: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The adapter's name.
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "UnloadAdapterRequest", UnloadAdapterRequest)
+
+
+@dataclass(eq=False, repr=False)
+class UnloadAdapterResponse(betterproto2.Message):
+    """
+    Answer of UnloadAdapter; no fields.
+    """
+
+    pass
+
+
+default_message_pool.register_message(
+    "tokenwire.v1", "UnloadAdapterResponse", UnloadAdapterResponse
+)
+
+
+@dataclass(eq=False, repr=False)
 class Usage(betterproto2.Message):
     """
     Token counts of a request.
@@ -1419,7 +1603,7 @@ class OpenAiServiceSyncStub:
 
     def list_models(self, message: "ListModelsRequest | None" = None) -> "ListModelsResponse":
         """
-        GET /v1/models: the served model.
+        GET /v1/models: the served model, then each loaded LoRA adapter (its `parent` is the base).
         """
 
         if message is None:
@@ -1540,7 +1724,7 @@ class OpenAiServiceStub(betterproto2_grpclib.ServiceStub):
         metadata: "MetadataLike | None" = None,
     ) -> "ListModelsResponse":
         """
-        GET /v1/models: the served model.
+        GET /v1/models: the served model, then each loaded LoRA adapter (its `parent` is the base).
         """
 
         if message is None:
@@ -1729,6 +1913,48 @@ class TextGenerationSyncStub:
             __google__api__.HttpBody.FromString,
         )(message)
 
+    def load_adapter(self, message: "LoadAdapterRequest") -> "LoadAdapterResponse":
+        """
+        Loads LoRA adapters at run time (TGI's documented POST /info/loras): each is read,
+        validated against the base model and registered on every shard; requests may name it as
+        soon as the call returns. All or nothing: when one adapter fails (INVALID_ARGUMENT naming
+        it and the problem; ALREADY_EXISTS for a name in use; FAILED_PRECONDITION when the server
+        runs without --max-loras), none of the call's adapters stays loaded.
+        """
+
+        return self._channel.unary_unary(
+            "/tokenwire.v1.TextGeneration/LoadAdapter",
+            LoadAdapterRequest.SerializeToString,
+            LoadAdapterResponse.FromString,
+        )(message)
+
+    def unload_adapter(self, message: "UnloadAdapterRequest") -> "UnloadAdapterResponse":
+        """
+        Unloads a LoRA adapter. New requests naming it fail with NOT_FOUND at once; requests
+        already admitted with it finish first, then the call returns (bounded by the call's
+        deadline). NOT_FOUND when no adapter has that name.
+        """
+
+        return self._channel.unary_unary(
+            "/tokenwire.v1.TextGeneration/UnloadAdapter",
+            UnloadAdapterRequest.SerializeToString,
+            UnloadAdapterResponse.FromString,
+        )(message)
+
+    def list_adapters(self, message: "ListAdaptersRequest | None" = None) -> "ListAdaptersResponse":
+        """
+        The loaded LoRA adapters.
+        """
+
+        if message is None:
+            message = ListAdaptersRequest()
+
+        return self._channel.unary_unary(
+            "/tokenwire.v1.TextGeneration/ListAdapters",
+            ListAdaptersRequest.SerializeToString,
+            ListAdaptersResponse.FromString,
+        )(message)
+
 
 class TextGenerationStub(betterproto2_grpclib.ServiceStub):
     """
@@ -1869,6 +2095,78 @@ class TextGenerationStub(betterproto2_grpclib.ServiceStub):
             "/tokenwire.v1.TextGeneration/TokenizeHttp",
             message,
             __google__api__.HttpBody,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
+    async def load_adapter(
+        self,
+        message: "LoadAdapterRequest",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "LoadAdapterResponse":
+        """
+        Loads LoRA adapters at run time (TGI's documented POST /info/loras): each is read,
+        validated against the base model and registered on every shard; requests may name it as
+        soon as the call returns. All or nothing: when one adapter fails (INVALID_ARGUMENT naming
+        it and the problem; ALREADY_EXISTS for a name in use; FAILED_PRECONDITION when the server
+        runs without --max-loras), none of the call's adapters stays loaded.
+        """
+
+        return await self._unary_unary(
+            "/tokenwire.v1.TextGeneration/LoadAdapter",
+            message,
+            LoadAdapterResponse,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
+    async def unload_adapter(
+        self,
+        message: "UnloadAdapterRequest",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "UnloadAdapterResponse":
+        """
+        Unloads a LoRA adapter. New requests naming it fail with NOT_FOUND at once; requests
+        already admitted with it finish first, then the call returns (bounded by the call's
+        deadline). NOT_FOUND when no adapter has that name.
+        """
+
+        return await self._unary_unary(
+            "/tokenwire.v1.TextGeneration/UnloadAdapter",
+            message,
+            UnloadAdapterResponse,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
+    async def list_adapters(
+        self,
+        message: "ListAdaptersRequest | None" = None,
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "ListAdaptersResponse":
+        """
+        The loaded LoRA adapters.
+        """
+
+        if message is None:
+            message = ListAdaptersRequest()
+
+        return await self._unary_unary(
+            "/tokenwire.v1.TextGeneration/ListAdapters",
+            message,
+            ListAdaptersResponse,
             timeout=timeout,
             deadline=deadline,
             metadata=metadata,

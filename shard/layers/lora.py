@@ -1,0 +1,151 @@
+"""LoRA on the tensor-parallel linears: stacked per-slot adapter weights and their batched
+application, every row of a step with its own adapter (or none).
+
+One `LoraWeights` hangs on each adapted linear (`MergedColumnParallelLinear` for q/k/v and
+gate/up, `RowParallelLinear` for o and down). Its buffers hold every resident adapter, one slot
+each, at fixed addresses (captured CUDA graphs read them), plus a last all-zero slot:
+    a [slots + 1, parts * R, in_local]    the parts' A matrices stacked along the rank axis
+    b [slots + 1, out_local, parts * R]   block-diagonal: part p's rows read only part p's ranks;
+                                          the scaling (alpha / r, or alpha / sqrt(r)) folded in
+so that one shrink and one expand serve q/k/v (or gate/up) together. Under tensor parallelism a
+column-parallel layer holds B's rows of its output slice; a row-parallel one A's columns of its
+input slice, and its share (x_rank A_rank^T) B^T is summed over ranks by the layer's own
+all-reduce, like the base output.
+
+`LoraBatch` is the step's state, shared by every LoraWeights of a model: which slot each token
+row uses. The runner sets it before each forward (`ModelRunner.prepare`, or the CUDA-graph
+runner's static slot buffer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# CPU steps of at most this many token rows over several adapters gather each row's A and B
+# (rows x rank x features floats each) instead of one matmul pair per adapter.
+GATHER_MAX_ROWS = 64
+
+
+@dataclass
+class LoraBatch:
+    """Per-step adapter slots of the token rows. `active` is False when no row of the step has
+    an adapter (the base path runs untouched)."""
+
+    num_slots: int  # resident adapter slots (--max-loras)
+    active: bool = False
+    # [num_tokens] int32 slot of each token row (-1: base model); on the model's device.
+    token_slots: torch.Tensor | None = None
+    # CPU path, large steps (prefill): (slot, row indices [rows] int64 or None for "every
+    # row") per slot present: one pair of matmuls per adapter.
+    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    # CPU path, small steps (decode): [num_tokens] int64 slot per row, base rows on the zero
+    # slot: every row gathers its own A and B and one bmm pair serves all adapters at once.
+    gather: torch.Tensor | None = None
+
+    def set_rows(self, token_slots: list[int], device: torch.device) -> None:
+        """The step's slot per token row (host list), or all -1."""
+        present = sorted({s for s in token_slots if s >= 0})
+        self.active = bool(present)
+        self.groups, self.gather = [], None
+        if not self.active:
+            self.token_slots = None
+            return
+        slots = torch.tensor(token_slots, dtype=torch.int32)
+        self.token_slots = slots.to(device, non_blocking=True)
+        if device.type == "cuda":
+            return
+        if len(present) == 1 and all(s == present[0] for s in token_slots):
+            self.groups = [(present[0], None)]
+        elif len(token_slots) <= GATHER_MAX_ROWS:
+            self.gather = torch.where(slots < 0, self.num_slots, slots).long()
+        else:
+            self.groups = [(s, torch.nonzero(slots == s).flatten()) for s in present]
+
+    def set_device_rows(self, token_slots: torch.Tensor) -> None:
+        """CUDA graphs: the slots live in a static buffer the graph reads ([rows] int32)."""
+        self.active = True
+        self.token_slots = token_slots
+        self.groups = []
+        self.gather = None
+
+    def clear(self) -> None:
+        self.active = False
+        self.token_slots = None
+        self.groups = []
+        self.gather = None
+
+
+@dataclass(frozen=True)
+class LoraPart:
+    """One adapted projection inside a LoraWeights: its checkpoint module name and full shape
+    (what an adapter's tensors must match), and this rank's slice of it."""
+
+    name: str  # checkpoint module name, e.g. "model.layers.0.self_attn.q_proj"
+    in_features: int  # full (all ranks)
+    out_features: int
+    in_slice: tuple[int, int]  # [start, stop) of A's columns this rank holds
+    out_slice: tuple[int, int]  # [start, stop) of B's rows this rank holds
+    out_offset: int  # first row of this part in the merged local output
+
+
+class LoraWeights:
+    """The stacked adapter weights of one linear layer (one or more parts) and their batched
+    application to that layer's output."""
+
+    def __init__(self, parts: list[LoraPart], batch: LoraBatch, max_rank: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.parts = parts
+        self.batch = batch
+        self.max_rank = max_rank
+        in_local = parts[0].in_slice[1] - parts[0].in_slice[0]
+        out_local = sum(p.out_slice[1] - p.out_slice[0] for p in parts)
+        ranks = len(parts) * max_rank
+        slots = batch.num_slots + 1  # the last one stays zero (CPU gathers of "no adapter")
+        self.a = torch.zeros((slots, ranks, in_local), dtype=dtype, device=device)
+        self.b = torch.zeros((slots, out_local, ranks), dtype=dtype, device=device)
+
+    def nbytes(self) -> int:
+        return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
+
+    def write_slot(self, slot: int, tensors: list[tuple[torch.Tensor, torch.Tensor] | None]
+                   ) -> None:
+        """Fills `slot` from host tensors, per part (A [r, in_local], B [out_local, r] already
+        scaled) or None where the adapter leaves the part alone. Everything else in the slot is
+        zeroed: a smaller rank, or an absent part, contributes nothing."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        r_max = self.max_rank
+        for p, (part, ab) in enumerate(zip(self.parts, tensors)):
+            if ab is None:
+                continue
+            a, b = ab
+            r = a.shape[0]
+            rows = part.out_offset, part.out_offset + b.shape[0]
+            self.a[slot, p * r_max : p * r_max + r].copy_(a, non_blocking=True)
+            self.b[slot, rows[0] : rows[1], p * r_max : p * r_max + r].copy_(b, non_blocking=True)
+
+    def apply_(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y [n, out_local] += the LoRA delta of each row of x [n, in_local], in place."""
+        batch = self.batch
+        if x.is_cuda:
+            from shard.kernels.lora import lora_expand_, lora_shrink
+
+            slots = batch.token_slots
+            assert slots is not None
+            h = lora_shrink(x, self.a, slots)  # [n, parts * R] float32
+            lora_expand_(y, h, self.b, slots)
+            return
+        if batch.gather is not None:
+            a = self.a.index_select(0, batch.gather)  # [n, parts * R, in]
+            b = self.b.index_select(0, batch.gather)  # [n, out, parts * R]
+            h = torch.bmm(a, x.unsqueeze(2))  # [n, parts * R, 1]
+            y += torch.bmm(b, h).squeeze(2)
+            return
+        for slot, rows in batch.groups:
+            a, b = self.a[slot], self.b[slot]  # [parts * R, in], [out, parts * R]
+            if rows is None:
+                y += (x @ a.T) @ b.T
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
