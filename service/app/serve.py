@@ -156,6 +156,7 @@ async def serve(
             block_size=warm.block_size,
             num_kv_blocks=warm.num_blocks,
             num_shard=shard.world_size,
+            speculate=args.speculate,
         )
         servicer.attach(service, info, tokenizer)
         openai_servicer.attach(

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.scheduler.speculation import SpecState
+
 
 class RequestState(enum.Enum):
     """Lifecycle of a sequence inside the scheduler (the one enum every layer uses)."""
@@ -48,6 +50,12 @@ class Sequence:
     recompute_generated: int = 0
     prefix_hit_tokens: int = 0  # cached prompt tokens at first admission
     preemptions: int = 0
+    # Most tokens it may generate (max_new_tokens): drafts never run past it. 0: unknown.
+    max_new_tokens: int = 0
+    # Speculative decoding: the proposer's state (None when the router does not speculate) and
+    # the drafts of the current step (set by schedule, consumed by apply_output).
+    spec: SpecState | None = None
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def generated_len(self) -> int:

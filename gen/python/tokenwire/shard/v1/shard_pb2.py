@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etokenwire/shard/v1/shard.proto\x12\x12tokenwire.shard.v1\"\r\n\x0bInfoRequest\"\xd4\x03\n\x0cInfoResponse\x12\x14\n\x05\x64type\x18\x01 \x01(\tR\x05\x64type\x12\x1f\n\x0b\x64\x65vice_type\x18\x02 \x01(\tR\ndeviceType\x12\x1d\n\nblock_size\x18\x03 \x01(\rR\tblockSize\x12\x36\n\x17max_position_embeddings\x18\x04 \x01(\rR\x15maxPositionEmbeddings\x12\"\n\reos_token_ids\x18\x05 \x03(\rR\x0b\x65osTokenIds\x12\x1d\n\nmodel_type\x18\x06 \x01(\tR\tmodelType\x12\x1d\n\nvocab_size\x18\x07 \x01(\rR\tvocabSize\x12\x1d\n\nworld_size\x18\x08 \x01(\rR\tworldSize\x12*\n\x0esliding_window\x18\t \x01(\rH\x00R\rslidingWindow\x88\x01\x01\x12+\n\x11\x61ttention_backend\x18\n \x01(\tR\x10\x61ttentionBackend\x12 \n\tmodel_sha\x18\x0b \x01(\tH\x01R\x08modelSha\x88\x01\x01\x12\x19\n\x08model_id\x18\x0c \x01(\tR\x07modelIdB\x11\n\x0f_sliding_windowB\x0c\n\n_model_sha\"\x19\n\x17ServiceDiscoveryRequest\".\n\x18ServiceDiscoveryResponse\x12\x12\n\x04urls\x18\x01 \x03(\tR\x04urls\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x97\x02\n\rWarmupRequest\x12(\n\x10max_input_tokens\x18\x01 \x01(\rR\x0emaxInputTokens\x12(\n\x10max_total_tokens\x18\x02 \x01(\rR\x0emaxTotalTokens\x12\x37\n\x18max_batch_prefill_tokens\x18\x03 \x01(\rR\x15maxBatchPrefillTokens\x12$\n\x0emax_batch_size\x18\x04 \x01(\rR\x0cmaxBatchSize\x12\x38\n\x16max_batch_total_tokens\x18\x05 \x01(\x04H\x00R\x13maxBatchTotalTokens\x88\x01\x01\x42\x19\n\x17_max_batch_total_tokens\"\xa8\x01\n\x0eWarmupResponse\x12\x1d\n\nnum_blocks\x18\x01 \x01(\rR\tnumBlocks\x12\x1d\n\nblock_size\x18\x02 \x01(\rR\tblockSize\x12;\n\x1amax_supported_total_tokens\x18\x03 \x01(\x04R\x17maxSupportedTotalTokens\x12\x1b\n\twarmup_ns\x18\x04 \x01(\x04R\x08warmupNs\"\xa8\x02\n\x12SamplingParameters\x12 \n\x0btemperature\x18\x01 \x01(\x02R\x0btemperature\x12\x13\n\x05top_k\x18\x02 \x01(\rR\x04topK\x12\x13\n\x05top_p\x18\x03 \x01(\x02R\x04topP\x12\x1b\n\ttypical_p\x18\x04 \x01(\x02R\x08typicalP\x12\x1b\n\tdo_sample\x18\x05 \x01(\x08R\x08\x64oSample\x12\x12\n\x04seed\x18\x06 \x01(\x04R\x04seed\x12-\n\x12repetition_penalty\x18\x07 \x01(\x02R\x11repetitionPenalty\x12+\n\x11\x66requency_penalty\x18\x08 \x01(\x02R\x10\x66requencyPenalty\x12\x1c\n\twatermark\x18\t \x01(\x08R\twatermark\"\x8b\x01\n\x12StoppingParameters\x12$\n\x0emax_new_tokens\x18\x01 \x01(\rR\x0cmaxNewTokens\x12%\n\x0estop_sequences\x18\x02 \x03(\tR\rstopSequences\x12(\n\x10ignore_eos_token\x18\x03 \x01(\x08R\x0eignoreEosToken\"\x82\x03\n\x07Request\x12\x0e\n\x02id\x18\x01 \x01(\x04R\x02id\x12\x1b\n\tinput_ids\x18\x02 \x03(\rR\x08inputIds\x12\x1b\n\tcache_len\x18\x03 \x01(\rR\x08\x63\x61\x63heLen\x12\x1b\n\tchunk_len\x18\x04 \x01(\rR\x08\x63hunkLen\x12\x16\n\x06\x62locks\x18\x05 \x03(\rR\x06\x62locks\x12#\n\rgenerated_len\x18\x06 \x01(\rR\x0cgeneratedLen\x12\x42\n\x08sampling\x18\x07 \x01(\x0b\x32&.tokenwire.shard.v1.SamplingParametersR\x08sampling\x12\x42\n\x08stopping\x18\x08 \x01(\x0b\x32&.tokenwire.shard.v1.StoppingParametersR\x08stopping\x12)\n\x10prefill_logprobs\x18\t \x01(\x08R\x0fprefillLogprobs\x12 \n\x0ctop_n_tokens\x18\n \x01(\rR\ntopNTokens\"P\n\x05\x42\x61tch\x12\x0e\n\x02id\x18\x01 \x01(\x04R\x02id\x12\x37\n\x08requests\x18\x02 \x03(\x0b\x32\x1b.tokenwire.shard.v1.RequestR\x08requests\">\n\x0b\x43\x61\x63hedBatch\x12\x0e\n\x02id\x18\x01 \x01(\x04R\x02id\x12\x1f\n\x0brequest_ids\x18\x02 \x03(\x04R\nrequestIds\"C\n\nBlockGrant\x12\x1d\n\nrequest_id\x18\x01 \x01(\x04R\trequestId\x12\x16\n\x06\x62locks\x18\x02 \x03(\rR\x06\x62locks\"\xde\x01\n\x0ePrefillRequest\x12/\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x19.tokenwire.shard.v1.BatchR\x05\x62\x61tch\x12G\n\x0c\x63\x61\x63hed_batch\x18\x02 \x01(\x0b\x32\x1f.tokenwire.shard.v1.CachedBatchH\x00R\x0b\x63\x61\x63hedBatch\x88\x01\x01\x12\x41\n\x0c\x62lock_grants\x18\x03 \x03(\x0b\x32\x1e.tokenwire.shard.v1.BlockGrantR\x0b\x62lockGrantsB\x0f\n\r_cached_batch\"\x8d\x01\n\rDecodeRequest\x12\x39\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32\x1f.tokenwire.shard.v1.CachedBatchR\x07\x62\x61tches\x12\x41\n\x0c\x62lock_grants\x18\x02 \x03(\x0b\x32\x1e.tokenwire.shard.v1.BlockGrantR\x0b\x62lockGrants\"k\n\x06Tokens\x12\x10\n\x03ids\x18\x01 \x03(\rR\x03ids\x12\x1a\n\x08logprobs\x18\x02 \x03(\x02R\x08logprobs\x12\x14\n\x05texts\x18\x03 \x03(\tR\x05texts\x12\x1d\n\nis_special\x18\x04 \x03(\x08R\tisSpecial\"\xb7\x01\n\rGeneratedText\x12\x12\n\x04text\x18\x01 \x01(\tR\x04text\x12)\n\x10generated_tokens\x18\x02 \x01(\rR\x0fgeneratedTokens\x12\x45\n\rfinish_reason\x18\x03 \x01(\x0e\x32 .tokenwire.shard.v1.FinishReasonR\x0c\x66inishReason\x12\x17\n\x04seed\x18\x04 \x01(\x04H\x00R\x04seed\x88\x01\x01\x42\x07\n\x05_seed\"\xd7\x02\n\nGeneration\x12\x1d\n\nrequest_id\x18\x01 \x01(\x04R\trequestId\x12\x46\n\x0eprefill_tokens\x18\x02 \x01(\x0b\x32\x1a.tokenwire.shard.v1.TokensH\x00R\rprefillTokens\x88\x01\x01\x12\x32\n\x06tokens\x18\x03 \x01(\x0b\x32\x1a.tokenwire.shard.v1.TokensR\x06tokens\x12\x39\n\ntop_tokens\x18\x04 \x03(\x0b\x32\x1a.tokenwire.shard.v1.TokensR\ttopTokens\x12M\n\x0egenerated_text\x18\x05 \x01(\x0b\x32!.tokenwire.shard.v1.GeneratedTextH\x01R\rgeneratedText\x88\x01\x01\x42\x11\n\x0f_prefill_tokensB\x11\n\x0f_generated_text\"\x7f\n\x07Timings\x12\x1d\n\nprepare_ns\x18\x01 \x01(\x04R\tprepareNs\x12\x1d\n\nforward_ns\x18\x02 \x01(\x04R\tforwardNs\x12\x1b\n\tdecode_ns\x18\x03 \x01(\x04R\x08\x64\x65\x63odeNs\x12\x19\n\x08total_ns\x18\x04 \x01(\x04R\x07totalNs\"\xd0\x01\n\x0fPrefillResponse\x12@\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x1e.tokenwire.shard.v1.GenerationR\x0bgenerations\x12:\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x1f.tokenwire.shard.v1.CachedBatchH\x00R\x05\x62\x61tch\x88\x01\x01\x12\x35\n\x07timings\x18\x03 \x01(\x0b\x32\x1b.tokenwire.shard.v1.TimingsR\x07timingsB\x08\n\x06_batch\"\xcf\x01\n\x0e\x44\x65\x63odeResponse\x12@\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x1e.tokenwire.shard.v1.GenerationR\x0bgenerations\x12:\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x1f.tokenwire.shard.v1.CachedBatchH\x00R\x05\x62\x61tch\x88\x01\x01\x12\x35\n\x07timings\x18\x03 \x01(\x0b\x32\x1b.tokenwire.shard.v1.TimingsR\x07timingsB\x08\n\x06_batch\"P\n\x12\x46ilterBatchRequest\x12\x19\n\x08\x62\x61tch_id\x18\x01 \x01(\x04R\x07\x62\x61tchId\x12\x1f\n\x0brequest_ids\x18\x02 \x03(\x04R\nrequestIds\"L\n\x13\x46ilterBatchResponse\x12\x35\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1f.tokenwire.shard.v1.CachedBatchR\x05\x62\x61tch\"/\n\x11\x43learCacheRequest\x12\x13\n\x02id\x18\x01 \x01(\x04H\x00R\x02id\x88\x01\x01\x42\x05\n\x03_id\"\x14\n\x12\x43learCacheResponse*\x85\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x32\xcc\x05\n\x0cShardService\x12I\n\x04Info\x12\x1f.tokenwire.shard.v1.InfoRequest\x1a .tokenwire.shard.v1.InfoResponse\x12m\n\x10ServiceDiscovery\x12+.tokenwire.shard.v1.ServiceDiscoveryRequest\x1a,.tokenwire.shard.v1.ServiceDiscoveryResponse\x12O\n\x06Health\x12!.tokenwire.shard.v1.HealthRequest\x1a\".tokenwire.shard.v1.HealthResponse\x12O\n\x06Warmup\x12!.tokenwire.shard.v1.WarmupRequest\x1a\".tokenwire.shard.v1.WarmupResponse\x12R\n\x07Prefill\x12\".tokenwire.shard.v1.PrefillRequest\x1a#.tokenwire.shard.v1.PrefillResponse\x12O\n\x06\x44\x65\x63ode\x12!.tokenwire.shard.v1.DecodeRequest\x1a\".tokenwire.shard.v1.DecodeResponse\x12^\n\x0b\x46ilterBatch\x12&.tokenwire.shard.v1.FilterBatchRequest\x1a\'.tokenwire.shard.v1.FilterBatchResponse\x12[\n\nClearCache\x12%.tokenwire.shard.v1.ClearCacheRequest\x1a&.tokenwire.shard.v1.ClearCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etokenwire/shard/v1/shard.proto\x12\x12tokenwire.shard.v1\"\r\n\x0bInfoRequest\"\xd4\x03\n\x0cInfoResponse\x12\x14\n\x05\x64type\x18\x01 \x01(\tR\x05\x64type\x12\x1f\n\x0b\x64\x65vice_type\x18\x02 \x01(\tR\ndeviceType\x12\x1d\n\nblock_size\x18\x03 \x01(\rR\tblockSize\x12\x36\n\x17max_position_embeddings\x18\x04 \x01(\rR\x15maxPositionEmbeddings\x12\"\n\reos_token_ids\x18\x05 \x03(\rR\x0b\x65osTokenIds\x12\x1d\n\nmodel_type\x18\x06 \x01(\tR\tmodelType\x12\x1d\n\nvocab_size\x18\x07 \x01(\rR\tvocabSize\x12\x1d\n\nworld_size\x18\x08 \x01(\rR\tworldSize\x12*\n\x0esliding_window\x18\t \x01(\rH\x00R\rslidingWindow\x88\x01\x01\x12+\n\x11\x61ttention_backend\x18\n \x01(\tR\x10\x61ttentionBackend\x12 \n\tmodel_sha\x18\x0b \x01(\tH\x01R\x08modelSha\x88\x01\x01\x12\x19\n\x08model_id\x18\x0c \x01(\tR\x07modelIdB\x11\n\x0f_sliding_windowB\x0c\n\n_model_sha\"\x19\n\x17ServiceDiscoveryRequest\".\n\x18ServiceDiscoveryResponse\x12\x12\n\x04urls\x18\x01 \x03(\tR\x04urls\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\xfb\x02\n\rWarmupRequest\x12(\n\x10max_input_tokens\x18\x01 \x01(\rR\x0emaxInputTokens\x12(\n\x10max_total_tokens\x18\x02 \x01(\rR\x0emaxTotalTokens\x12\x37\n\x18max_batch_prefill_tokens\x18\x03 \x01(\rR\x15maxBatchPrefillTokens\x12$\n\x0emax_batch_size\x18\x04 \x01(\rR\x0cmaxBatchSize\x12\x38\n\x16max_batch_total_tokens\x18\x05 \x01(\x04H\x00R\x13maxBatchTotalTokens\x88\x01\x01\x12)\n\x10speculate_tokens\x18< \x01(\rR\x0fspeculateTokens\x12\x37\n\x18speculate_max_batch_size\x18= \x01(\rR\x15speculateMaxBatchSizeB\x19\n\x17_max_batch_total_tokens\"\xa8\x01\n\x0eWarmupResponse\x12\x1d\n\nnum_blocks\x18\x01 \x01(\rR\tnumBlocks\x12\x1d\n\nblock_size\x18\x02 \x01(\rR\tblockSize\x12;\n\x1amax_supported_total_tokens\x18\x03 \x01(\x04R\x17maxSupportedTotalTokens\x12\x1b\n\twarmup_ns\x18\x04 \x01(\x04R\x08warmupNs\"\xa8\x02\n\x12SamplingParameters\x12 \n\x0btemperature\x18\x01 \x01(\x02R\x0btemperature\x12\x13\n\x05top_k\x18\x02 \x01(\rR\x04topK\x12\x13\n\x05top_p\x18\x03 \x01(\x02R\x04topP\x12\x1b\n\ttypical_p\x18\x04 \x01(\x02R\x08typicalP\x12\x1b\n\tdo_sample\x18\x05 \x01(\x08R\x08\x64oSample\x12\x12\n\x04seed\x18\x06 \x01(\x04R\x04seed\x12-\n\x12repetition_penalty\x18\x07 \x01(\x02R\x11repetitionPenalty\x12+\n\x11\x66requency_penalty\x18\x08 \x01(\x02R\x10\x66requencyPenalty\x12\x1c\n\twatermark\x18\t \x01(\x08R\twatermark\"\x8b\x01\n\x12StoppingParameters\x12$\n\x0emax_new_tokens\x18\x01 \x01(\rR\x0cmaxNewTokens\x12%\n\x0estop_sequences\x18\x02 \x03(\tR\rstopSequences\x12(\n\x10ignore_eos_token\x18\x03 \x01(\x08R\x0eignoreEosToken\"\x82\x03\n\x07Request\x12\x0e\n\x02id\x18\x01 \x01(\x04R\x02id\x12\x1b\n\tinput_ids\x18\x02 \x03(\rR\x08inputIds\x12\x1b\n\tcache_len\x18\x03 \x01(\rR\x08\x63\x61\x63heLen\x12\x1b\n\tchunk_len\x18\x04 \x01(\rR\x08\x63hunkLen\x12\x16\n\x06\x62locks\x18\x05 \x03(\rR\x06\x62locks\x12#\n\rgenerated_len\x18\x06 \x01(\rR\x0cgeneratedLen\x12\x42\n\x08sampling\x18\x07 \x01(\x0b\x32&.tokenwire.shard.v1.SamplingParametersR\x08sampling\x12\x42\n\x08stopping\x18\x08 \x01(\x0b\x32&.tokenwire.shard.v1.StoppingParametersR\x08stopping\x12)\n\x10prefill_logprobs\x18\t \x01(\x08R\x0fprefillLogprobs\x12 \n\x0ctop_n_tokens\x18\n \x01(\rR\ntopNTokens\"P\n\x05\x42\x61tch\x12\x0e\n\x02id\x18\x01 \x01(\x04R\x02id\x12\x37\n\x08requests\x18\x02 \x03(\x0b\x32\x1b.tokenwire.shard.v1.RequestR\x08requests\">\n\x0b\x43\x61\x63hedBatch\x12\x0e\n\x02id\x18\x01 \x01(\x04R\x02id\x12\x1f\n\x0brequest_ids\x18\x02 \x03(\x04R\nrequestIds\"C\n\nBlockGrant\x12\x1d\n\nrequest_id\x18\x01 \x01(\x04R\trequestId\x12\x16\n\x06\x62locks\x18\x02 \x03(\rR\x06\x62locks\"\x91\x02\n\x0ePrefillRequest\x12/\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x19.tokenwire.shard.v1.BatchR\x05\x62\x61tch\x12G\n\x0c\x63\x61\x63hed_batch\x18\x02 \x01(\x0b\x32\x1f.tokenwire.shard.v1.CachedBatchH\x00R\x0b\x63\x61\x63hedBatch\x88\x01\x01\x12\x41\n\x0c\x62lock_grants\x18\x03 \x03(\x0b\x32\x1e.tokenwire.shard.v1.BlockGrantR\x0b\x62lockGrants\x12\x31\n\x06\x64rafts\x18< \x03(\x0b\x32\x19.tokenwire.shard.v1.DraftR\x06\x64raftsB\x0f\n\r_cached_batch\"\xc0\x01\n\rDecodeRequest\x12\x39\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32\x1f.tokenwire.shard.v1.CachedBatchR\x07\x62\x61tches\x12\x41\n\x0c\x62lock_grants\x18\x02 \x03(\x0b\x32\x1e.tokenwire.shard.v1.BlockGrantR\x0b\x62lockGrants\x12\x31\n\x06\x64rafts\x18< \x03(\x0b\x32\x19.tokenwire.shard.v1.DraftR\x06\x64rafts\"k\n\x06Tokens\x12\x10\n\x03ids\x18\x01 \x03(\rR\x03ids\x12\x1a\n\x08logprobs\x18\x02 \x03(\x02R\x08logprobs\x12\x14\n\x05texts\x18\x03 \x03(\tR\x05texts\x12\x1d\n\nis_special\x18\x04 \x03(\x08R\tisSpecial\"\xb7\x01\n\rGeneratedText\x12\x12\n\x04text\x18\x01 \x01(\tR\x04text\x12)\n\x10generated_tokens\x18\x02 \x01(\rR\x0fgeneratedTokens\x12\x45\n\rfinish_reason\x18\x03 \x01(\x0e\x32 .tokenwire.shard.v1.FinishReasonR\x0c\x66inishReason\x12\x17\n\x04seed\x18\x04 \x01(\x04H\x00R\x04seed\x88\x01\x01\x42\x07\n\x05_seed\"\xd7\x02\n\nGeneration\x12\x1d\n\nrequest_id\x18\x01 \x01(\x04R\trequestId\x12\x46\n\x0eprefill_tokens\x18\x02 \x01(\x0b\x32\x1a.tokenwire.shard.v1.TokensH\x00R\rprefillTokens\x88\x01\x01\x12\x32\n\x06tokens\x18\x03 \x01(\x0b\x32\x1a.tokenwire.shard.v1.TokensR\x06tokens\x12\x39\n\ntop_tokens\x18\x04 \x03(\x0b\x32\x1a.tokenwire.shard.v1.TokensR\ttopTokens\x12M\n\x0egenerated_text\x18\x05 \x01(\x0b\x32!.tokenwire.shard.v1.GeneratedTextH\x01R\rgeneratedText\x88\x01\x01\x42\x11\n\x0f_prefill_tokensB\x11\n\x0f_generated_text\"\x7f\n\x07Timings\x12\x1d\n\nprepare_ns\x18\x01 \x01(\x04R\tprepareNs\x12\x1d\n\nforward_ns\x18\x02 \x01(\x04R\tforwardNs\x12\x1b\n\tdecode_ns\x18\x03 \x01(\x04R\x08\x64\x65\x63odeNs\x12\x19\n\x08total_ns\x18\x04 \x01(\x04R\x07totalNs\"\xd0\x01\n\x0fPrefillResponse\x12@\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x1e.tokenwire.shard.v1.GenerationR\x0bgenerations\x12:\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x1f.tokenwire.shard.v1.CachedBatchH\x00R\x05\x62\x61tch\x88\x01\x01\x12\x35\n\x07timings\x18\x03 \x01(\x0b\x32\x1b.tokenwire.shard.v1.TimingsR\x07timingsB\x08\n\x06_batch\"\xcf\x01\n\x0e\x44\x65\x63odeResponse\x12@\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x1e.tokenwire.shard.v1.GenerationR\x0bgenerations\x12:\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x1f.tokenwire.shard.v1.CachedBatchH\x00R\x05\x62\x61tch\x88\x01\x01\x12\x35\n\x07timings\x18\x03 \x01(\x0b\x32\x1b.tokenwire.shard.v1.TimingsR\x07timingsB\x08\n\x06_batch\"P\n\x12\x46ilterBatchRequest\x12\x19\n\x08\x62\x61tch_id\x18\x01 \x01(\x04R\x07\x62\x61tchId\x12\x1f\n\x0brequest_ids\x18\x02 \x03(\x04R\nrequestIds\"L\n\x13\x46ilterBatchResponse\x12\x35\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1f.tokenwire.shard.v1.CachedBatchR\x05\x62\x61tch\"/\n\x11\x43learCacheRequest\x12\x13\n\x02id\x18\x01 \x01(\x04H\x00R\x02id\x88\x01\x01\x42\x05\n\x03_id\"\x14\n\x12\x43learCacheResponse\">\n\x05\x44raft\x12\x1d\n\nrequest_id\x18\x01 \x01(\x04R\trequestId\x12\x16\n\x06tokens\x18\x02 \x03(\rR\x06tokens*\x85\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x32\xcc\x05\n\x0cShardService\x12I\n\x04Info\x12\x1f.tokenwire.shard.v1.InfoRequest\x1a .tokenwire.shard.v1.InfoResponse\x12m\n\x10ServiceDiscovery\x12+.tokenwire.shard.v1.ServiceDiscoveryRequest\x1a,.tokenwire.shard.v1.ServiceDiscoveryResponse\x12O\n\x06Health\x12!.tokenwire.shard.v1.HealthRequest\x1a\".tokenwire.shard.v1.HealthResponse\x12O\n\x06Warmup\x12!.tokenwire.shard.v1.WarmupRequest\x1a\".tokenwire.shard.v1.WarmupResponse\x12R\n\x07Prefill\x12\".tokenwire.shard.v1.PrefillRequest\x1a#.tokenwire.shard.v1.PrefillResponse\x12O\n\x06\x44\x65\x63ode\x12!.tokenwire.shard.v1.DecodeRequest\x1a\".tokenwire.shard.v1.DecodeResponse\x12^\n\x0b\x46ilterBatch\x12&.tokenwire.shard.v1.FilterBatchRequest\x1a\'.tokenwire.shard.v1.FilterBatchResponse\x12[\n\nClearCache\x12%.tokenwire.shard.v1.ClearCacheRequest\x1a&.tokenwire.shard.v1.ClearCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenwire.shard.v1.shard_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=3940
-  _globals['_FINISHREASON']._serialized_end=4073
+  _globals['_FINISHREASON']._serialized_start=4206
+  _globals['_FINISHREASON']._serialized_end=4339
   _globals['_INFOREQUEST']._serialized_start=54
   _globals['_INFOREQUEST']._serialized_end=67
   _globals['_INFORESPONSE']._serialized_start=70
@@ -46,45 +46,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEALTHRESPONSE']._serialized_start=632
   _globals['_HEALTHRESPONSE']._serialized_end=648
   _globals['_WARMUPREQUEST']._serialized_start=651
-  _globals['_WARMUPREQUEST']._serialized_end=930
-  _globals['_WARMUPRESPONSE']._serialized_start=933
-  _globals['_WARMUPRESPONSE']._serialized_end=1101
-  _globals['_SAMPLINGPARAMETERS']._serialized_start=1104
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=1400
-  _globals['_STOPPINGPARAMETERS']._serialized_start=1403
-  _globals['_STOPPINGPARAMETERS']._serialized_end=1542
-  _globals['_REQUEST']._serialized_start=1545
-  _globals['_REQUEST']._serialized_end=1931
-  _globals['_BATCH']._serialized_start=1933
-  _globals['_BATCH']._serialized_end=2013
-  _globals['_CACHEDBATCH']._serialized_start=2015
-  _globals['_CACHEDBATCH']._serialized_end=2077
-  _globals['_BLOCKGRANT']._serialized_start=2079
-  _globals['_BLOCKGRANT']._serialized_end=2146
-  _globals['_PREFILLREQUEST']._serialized_start=2149
-  _globals['_PREFILLREQUEST']._serialized_end=2371
-  _globals['_DECODEREQUEST']._serialized_start=2374
-  _globals['_DECODEREQUEST']._serialized_end=2515
-  _globals['_TOKENS']._serialized_start=2517
-  _globals['_TOKENS']._serialized_end=2624
-  _globals['_GENERATEDTEXT']._serialized_start=2627
-  _globals['_GENERATEDTEXT']._serialized_end=2810
-  _globals['_GENERATION']._serialized_start=2813
-  _globals['_GENERATION']._serialized_end=3156
-  _globals['_TIMINGS']._serialized_start=3158
-  _globals['_TIMINGS']._serialized_end=3285
-  _globals['_PREFILLRESPONSE']._serialized_start=3288
-  _globals['_PREFILLRESPONSE']._serialized_end=3496
-  _globals['_DECODERESPONSE']._serialized_start=3499
-  _globals['_DECODERESPONSE']._serialized_end=3706
-  _globals['_FILTERBATCHREQUEST']._serialized_start=3708
-  _globals['_FILTERBATCHREQUEST']._serialized_end=3788
-  _globals['_FILTERBATCHRESPONSE']._serialized_start=3790
-  _globals['_FILTERBATCHRESPONSE']._serialized_end=3866
-  _globals['_CLEARCACHEREQUEST']._serialized_start=3868
-  _globals['_CLEARCACHEREQUEST']._serialized_end=3915
-  _globals['_CLEARCACHERESPONSE']._serialized_start=3917
-  _globals['_CLEARCACHERESPONSE']._serialized_end=3937
-  _globals['_SHARDSERVICE']._serialized_start=4076
-  _globals['_SHARDSERVICE']._serialized_end=4792
+  _globals['_WARMUPREQUEST']._serialized_end=1030
+  _globals['_WARMUPRESPONSE']._serialized_start=1033
+  _globals['_WARMUPRESPONSE']._serialized_end=1201
+  _globals['_SAMPLINGPARAMETERS']._serialized_start=1204
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=1500
+  _globals['_STOPPINGPARAMETERS']._serialized_start=1503
+  _globals['_STOPPINGPARAMETERS']._serialized_end=1642
+  _globals['_REQUEST']._serialized_start=1645
+  _globals['_REQUEST']._serialized_end=2031
+  _globals['_BATCH']._serialized_start=2033
+  _globals['_BATCH']._serialized_end=2113
+  _globals['_CACHEDBATCH']._serialized_start=2115
+  _globals['_CACHEDBATCH']._serialized_end=2177
+  _globals['_BLOCKGRANT']._serialized_start=2179
+  _globals['_BLOCKGRANT']._serialized_end=2246
+  _globals['_PREFILLREQUEST']._serialized_start=2249
+  _globals['_PREFILLREQUEST']._serialized_end=2522
+  _globals['_DECODEREQUEST']._serialized_start=2525
+  _globals['_DECODEREQUEST']._serialized_end=2717
+  _globals['_TOKENS']._serialized_start=2719
+  _globals['_TOKENS']._serialized_end=2826
+  _globals['_GENERATEDTEXT']._serialized_start=2829
+  _globals['_GENERATEDTEXT']._serialized_end=3012
+  _globals['_GENERATION']._serialized_start=3015
+  _globals['_GENERATION']._serialized_end=3358
+  _globals['_TIMINGS']._serialized_start=3360
+  _globals['_TIMINGS']._serialized_end=3487
+  _globals['_PREFILLRESPONSE']._serialized_start=3490
+  _globals['_PREFILLRESPONSE']._serialized_end=3698
+  _globals['_DECODERESPONSE']._serialized_start=3701
+  _globals['_DECODERESPONSE']._serialized_end=3908
+  _globals['_FILTERBATCHREQUEST']._serialized_start=3910
+  _globals['_FILTERBATCHREQUEST']._serialized_end=3990
+  _globals['_FILTERBATCHRESPONSE']._serialized_start=3992
+  _globals['_FILTERBATCHRESPONSE']._serialized_end=4068
+  _globals['_CLEARCACHEREQUEST']._serialized_start=4070
+  _globals['_CLEARCACHEREQUEST']._serialized_end=4117
+  _globals['_CLEARCACHERESPONSE']._serialized_start=4119
+  _globals['_CLEARCACHERESPONSE']._serialized_end=4139
+  _globals['_DRAFT']._serialized_start=4141
+  _globals['_DRAFT']._serialized_end=4203
+  _globals['_SHARDSERVICE']._serialized_start=4342
+  _globals['_SHARDSERVICE']._serialized_end=5058
 # @@protoc_insertion_point(module_scope)
