@@ -154,3 +154,35 @@ def test_drafts_never_take_blocks_that_others_need() -> None:
     assert plan.drafts == [] and plan.preempted == []
     s.apply_output(plan, StepOutput([_gen(1, [1]), _gen(2, [2])], 1))
     s.blocks.check_invariants()
+
+
+def test_speculate_flags_reach_engine_warmup_and_launcher(monkeypatch) -> None:
+    import argparse
+    from pathlib import Path
+
+    from service.app import launcher
+    from service.app.cli import build_parser
+    from service.app.router_flags import (
+        add_arguments,
+        engine_config,
+        resolve_limits,
+        warmup_budgets,
+    )
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--speculate", "4", "--speculate-max-batch-size", "8"])
+    limits = resolve_limits(args, 4096)
+    cfg = engine_config(args, limits)
+    assert (cfg.speculate, cfg.speculate_max_batch_size) == (4, 8)
+    sched = cfg.scheduler_config().speculation
+    assert (sched.num_tokens, sched.max_batch_size) == (4, 8)
+    budgets = warmup_budgets(args, limits)
+    assert (budgets.speculate_tokens, budgets.speculate_max_batch_size) == (4, 8)
+    off = engine_config(parser.parse_args([]), limits)
+    assert off.speculate == 0 and not off.scheduler_config().speculation.enabled
+    monkeypatch.setenv("SPECULATE", "3")
+    argv = ["launch"]
+    router = " ".join(launcher.router_command(build_parser(argv).parse_args(argv), "m",
+                                              Path("/m"), "/p"))
+    assert "--speculate 3" in router

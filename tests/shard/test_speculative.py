@@ -170,3 +170,25 @@ def test_verification_is_the_speculative_rejection_rule() -> None:
     keep = residual > 0
     chi2 = float(((rejected[keep] - r_expected[keep]) ** 2 / r_expected[keep]).sum())
     assert chi2 < 18.47  # df 4
+
+
+async def test_public_api_reports_tokens_per_step(server, tiny_models) -> None:
+    """Generate and GenerateStream through the public servicer in front of a speculating
+    engine: every token is streamed, details carry the tokens of each step."""
+    from tokenwire.v1 import generate_pb2 as pb
+
+    from tests.helpers.router_harness import running_router
+
+    params = pb.GenerateParameters(max_new_tokens=24, details=True)
+    inputs = "a b c a b c a b c a b c"
+    async with router_engine(server.url, BUDGETS, 4) as engine:
+        async with running_router(engine, tiny_models["llama"]) as router:
+            reply = await router.stub.Generate(pb.GenerateRequest(inputs=inputs, parameters=params))
+            events = [e async for e in router.stub.GenerateStream(
+                pb.GenerateRequest(inputs=inputs, parameters=params))]  # fmt: skip
+    d = reply.details
+    assert len(d.accepted_tokens_per_step) > 0
+    assert sum(d.accepted_tokens_per_step) == d.generated_tokens == len(d.tokens)
+    assert [e.token.id for e in events] == [t.id for t in d.tokens]
+    assert [e.index for e in events] == list(range(len(events)))
+    assert list(events[-1].details.accepted_tokens_per_step) == list(d.accepted_tokens_per_step)
