@@ -282,12 +282,12 @@ def _sum(runs: list[RunResult]) -> RunResult:
 # ---- gpu -------------------------------------------------------------------------------------
 
 
-def _verify_step_times(shard, context: int, max_k: int) -> list[dict]:
+def _verify_step_times(shard, context: int, max_k: int, vocab: int) -> list[dict]:
     """ms of one step at batch 1: plain decode (k = 0) and verify steps of 1 + k tokens, as
     CUDA graph replays when captured (else eager wall time, e.g. on a CPU check)."""
     import torch
 
-    from benchmarks.harness.timing import cuda_time_ms, wall_time_ms
+    from benchmarks.harness.timing import cuda_time_ms
     from shard.runner.model_runner import StepInputs
 
     runner = shard.runner
@@ -298,12 +298,16 @@ def _verify_step_times(shard, context: int, max_k: int) -> list[dict]:
     for k in range(max_k + 1):
         q = k + 1
         step = StepInputs(
-            token_ids=[(7 * j + 3) % 1000 for j in range(q)],
+            token_ids=[(7 * j + 3) % vocab for j in range(q)],
             positions=list(range(context - 1, context - 1 + q)),
             query_lens=[q], seq_lens=[context - 1 + q], block_tables=[table],
             logits_indices=list(range(q)),
         )
-        runner.execute(step)  # stages it (and compiles on a first eager call)
+        d = runner.prepare(step)  # eager reference (the same K/V lands in the same slots)
+        eager = runner.forward(d.input_ids, d.positions, d.meta, d.logits_indices).float()
+        got = runner.execute(step).float()  # stages the graph's inputs when captured
+        diff = float((got - eager).abs().max())
+        same_argmax = got.argmax(-1).tolist() == eager.argmax(-1).tolist()
         graph = None
         if k == 0 and runner.graphs is not None:
             graph = runner.graphs.graphs[1]
@@ -316,9 +320,13 @@ def _verify_step_times(shard, context: int, max_k: int) -> list[dict]:
             ms = cuda_time_ms(lambda s=step: runner.execute(s), iters=20)
             how = "eager"
         else:
-            ms = wall_time_ms(lambda s=step: runner.execute(s), iters=5)
+            t = time.perf_counter()
+            for _ in range(5):
+                runner.execute(step)
+            ms = (time.perf_counter() - t) / 5 * 1e3
             how = "eager"
-        out.append({"k": k, "tokens": q, "ms": round(ms, 4), "how": how})
+        out.append({"k": k, "tokens": q, "ms": round(ms, 4), "how": how,
+                    "max_abs_diff_vs_eager": diff, "argmax_equal_eager": same_argmax})
         if cuda:
             torch.cuda.synchronize()
     base = out[0]["ms"]
@@ -368,7 +376,7 @@ def run_gpu(args) -> dict:
                  "model": "tiny llama" if args.tiny else f"Llama-3-8B shape, {args.num_layers} "
                  "layers, random bf16", "checkpoint_s": round(written, 1),
                  "load_warmup_s": round(loaded, 1)}
-    res["verify_steps"] = _verify_step_times(shard, args.context, max_k)
+    res["verify_steps"] = _verify_step_times(shard, args.context, max_k, vocab)
     prefill = args.context + 64
     loop = asyncio.new_event_loop()
     rows = []
@@ -404,9 +412,10 @@ def run_gpu(args) -> dict:
     vs = res["verify_steps"]
     md = [f"## GPU: {res['model']} on {res['device']}, context {args.context}\n",
           "Verify step (batch 1, CUDA graph replay) against the plain decode step:\n",
-          "| draft tokens k | tokens computed | ms | vs decode |", "|---|---|---|---|"]
-    md += [f"| {r['k']} | {r['tokens']} | {r['ms']:.3f} ({r['how']}) | {r['vs_decode']:.2f}x |"
-           for r in vs]
+          ("| draft tokens k | tokens computed | ms | vs decode | logits vs eager (max abs diff, "
+           "argmax equal) |"), "|---|---|---|---|---|"]
+    md += [f"| {r['k']} | {r['tokens']} | {r['ms']:.3f} ({r['how']}) | {r['vs_decode']:.2f}x "
+           f"| {r['max_abs_diff_vs_eager']:.2g}, {r['argmax_equal_eager']} |" for r in vs]
     md += ["", (f"Decode throughput (greedy; batch 1: {args.b1_requests} prompts of "
                 f"{args.context} random tokens, {args.new_tokens} new tokens each; batch "
                 f"{args.batch}: {args.batch_tokens} new tokens each):\n"), _table(rows),
