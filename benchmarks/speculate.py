@@ -162,8 +162,7 @@ async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
     )
     engine = LocalEngine(cfg, backend)  # type: ignore[arg-type]
     await engine.start()
-    firsts: list[float] = []
-    lasts: list[float] = []
+    times: list[list[float]] = [[] for _ in prompts]  # arrival of each token
     first_steps: list[int] = []
 
     async def one(i: int, ids: list[int]) -> list[int]:
@@ -172,10 +171,9 @@ async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
         out = []
         async for ev in engine.submit(req):
             if not out:
-                firsts.append(time.perf_counter())
                 first_steps.append(engine.stats().steps)
+            times[i].append(time.perf_counter())
             out.append(ev.token.id)
-        lasts.append(time.perf_counter())
         return out
 
     try:
@@ -183,11 +181,12 @@ async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
         st = engine.stats()
     finally:
         await engine.stop()
-    generated = sum(len(o) for o in outputs)
-    # Decode only: from the last request's first token (all prompts prefilled) to the end.
+    # Decode only: the tokens after the last request's first one (every prompt prefilled).
+    start = max(t[0] for t in times)
+    end = max(t[-1] for t in times)
     return RunResult(
-        outputs=list(outputs), generated=generated - len(outputs),
-        seconds=max(lasts) - max(firsts), decode_steps=st.steps - max(first_steps),
+        outputs=list(outputs), generated=sum(1 for ts in times for t in ts if t > start),
+        seconds=end - start, decode_steps=st.steps - max(first_steps),
         proposed=st.spec_proposed_tokens, accepted=st.spec_accepted_tokens,
     )
 
@@ -335,6 +334,56 @@ def _verify_step_times(shard, context: int, max_k: int, vocab: int) -> list[dict
     return out
 
 
+def _break_even_acceptance(ratio: float, k: int) -> float | None:
+    """Per-draft acceptance a at which a verify step of k drafts, costing `ratio` decode steps,
+    yields as many tokens per second: (1 - a^(k+1)) / (1 - a) = ratio (bisection)."""
+    if ratio <= 1.0:
+        return 0.0
+    if ratio >= k + 1:
+        return None  # never pays
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        if (1 - a ** (k + 1)) / (1 - a) < ratio:
+            lo = a
+        else:
+            hi = a
+    return round(hi, 3)
+
+
+def _batch_sweep(shard, context: int, k: int, batches: list[int], vocab: int) -> list[dict]:
+    """Decode step vs verify step of k drafts per request, by batch size (CUDA graph replays):
+    where verifying stops paying, which sets --speculate-max-batch-size's default."""
+    from benchmarks.harness.timing import cuda_time_ms
+    from shard.runner.cuda_graphs import CudaGraphDecodeRunner
+
+    runner = shard.runner
+    if runner.graphs is None:
+        return []
+    bs = runner.block_size
+    per = math.ceil((context + k + 1) / bs)
+    q = k + 1
+    graphs = CudaGraphDecodeRunner(runner.forward, runner.device, bs, max(batches),
+                                   per + 1, buckets=sorted(batches), query_len=q)
+    graphs.capture(pool=runner.graphs.pool)
+    out = []
+    for b in batches:
+        tables = [list(range(i * per, (i + 1) * per)) for i in range(b)]
+        runner.graphs.run([(5 * i + 1) % vocab for i in range(b)], [context - 1] * b,
+                          [context] * b, tables)
+        dec = cuda_time_ms(runner.graphs.graphs[runner.graphs.bucket(b)].replay, iters=20)
+        graphs.run_ragged([(3 * j + 1) % vocab for j in range(b * q)],
+                          [context - 1 + (j % q) for j in range(b * q)], [q] * b,
+                          [context - 1 + q] * b, tables)
+        ver = cuda_time_ms(graphs.graphs[b].replay, iters=20)
+        ratio = ver / dec
+        out.append({"batch": b, "decode_ms": round(dec, 3), f"verify_k{k}_ms": round(ver, 3),
+                    "ratio": round(ratio, 3),
+                    "break_even_acceptance": _break_even_acceptance(ratio, k)})
+    del graphs
+    return out
+
+
 def _loop_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     """Random prompts (ids below vocab; the random model's greedy continuation loops)."""
     import random
@@ -377,6 +426,7 @@ def run_gpu(args) -> dict:
                  "layers, random bf16", "checkpoint_s": round(written, 1),
                  "load_warmup_s": round(loaded, 1)}
     res["verify_steps"] = _verify_step_times(shard, args.context, max_k, vocab)
+    res["batch_sweep"] = _batch_sweep(shard, args.context, 4, [1, 4, 8, 16, 32, 64], vocab)
     prefill = args.context + 64
     loop = asyncio.new_event_loop()
     rows = []
@@ -393,7 +443,7 @@ def run_gpu(args) -> dict:
             rows.append(_row(f"batch 1, --speculate {k}", r, base1))
         # Batch B: B prompts of 512 (or context) tokens, `batch_tokens` new tokens each.
         pb = _loop_prompts(args.batch, min(512, args.context), vocab, seed=1)
-        budget = max(prefill, min(512, args.context) * args.batch)
+        budget = prefill  # the warmup's prefill budget: chunks over several steps
         baseb = loop.run_until_complete(
             _run(shard, pb, args.batch_tokens, 0, args.spec_max_batch, True, budget))
         rows.append(_row(f"batch {args.batch}, --speculate 0", baseb, None))
@@ -416,6 +466,14 @@ def run_gpu(args) -> dict:
            "argmax equal) |"), "|---|---|---|---|---|"]
     md += [f"| {r['k']} | {r['tokens']} | {r['ms']:.3f} ({r['how']}) | {r['vs_decode']:.2f}x "
            f"| {r['max_abs_diff_vs_eager']:.2g}, {r['argmax_equal_eager']} |" for r in vs]
+    if res["batch_sweep"]:
+        md += ["", ("Verify step of 4 drafts per request against the decode step, by batch size "
+                    "(graph replays; break-even: the per-draft acceptance at which speculation "
+                    "gives the same tokens/s):\n"),
+               "| batch | decode ms | verify (k=4) ms | ratio | break-even acceptance |",
+               "|---|---|---|---|---|"]
+        md += [f"| {r['batch']} | {r['decode_ms']:.3f} | {r['verify_k4_ms']:.3f} | "
+               f"{r['ratio']:.2f}x | {r['break_even_acceptance']} |" for r in res["batch_sweep"]]
     md += ["", (f"Decode throughput (greedy; batch 1: {args.b1_requests} prompts of "
                 f"{args.context} random tokens, {args.new_tokens} new tokens each; batch "
                 f"{args.batch}: {args.batch_tokens} new tokens each):\n"), _table(rows),
