@@ -192,3 +192,20 @@ async def test_public_api_reports_tokens_per_step(server, tiny_models) -> None:
     assert [e.token.id for e in events] == [t.id for t in d.tokens]
     assert [e.index for e in events] == list(range(len(events)))
     assert list(events[-1].details.accepted_tokens_per_step) == list(d.accepted_tokens_per_step)
+
+
+async def test_cancel_while_speculating_frees_everything(server) -> None:
+    from tests.helpers.spec_engine import validated
+
+    async with router_engine(server.url, BUDGETS, 4) as engine:
+        stream = engine.submit(validated(Req(_prompts()[0], max_new_tokens=60), 0))
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 10:
+                stream.cancel()
+                break
+        other = await run_all(engine, [Req(_prompts()[5], max_new_tokens=12)])
+        assert len(other[0]) == 12
+        _check_idle(engine)
+        assert server.shard.engine.requests == {}
