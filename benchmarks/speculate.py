@@ -31,6 +31,7 @@ import functools
 import itertools
 import json
 import math
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -236,9 +237,21 @@ def run_cpu(args) -> dict:
                               kv_cache_memory_mb=256), Dist())
     shard.warmup(WarmupSpec(512, 512 + args.new_tokens, 512, 8, speculate_tokens=args.speculate,
                             speculate_max_batch_size=8))
-    prompts = [chat_prompt_ids(model_dir, t) for t in GROUNDED_TASKS]
-    rows = []
+    tasks = GROUNDED_TASKS[: args.tasks]
+    prompts = [chat_prompt_ids(model_dir, t) for t in tasks]
+    rows: list[dict] = []
     per_task = []
+    res = {"part": "cpu", "model": "SmolLM2-135M-Instruct float32", "threads": args.threads,
+           "new_tokens": args.new_tokens, "speculate": args.speculate, "rows": rows,
+           "prompt_tokens": [len(p) for p in prompts],
+           "machine": platform.processor() or platform.machine(),
+           "load_average_at_start": list(os.getloadavg())}
+
+    def save() -> None:  # after every row: a long run killed midway keeps what it measured
+        md = (f"## CPU: SmolLM2-135M-Instruct, float32, {args.threads} thread(s), greedy, up "
+              f"to {args.new_tokens} new tokens (EOS ends earlier)\n\n" + _table(rows))
+        _write(args.out, "speculate_cpu", res, md, quiet=True)
+
     loop = asyncio.new_event_loop()
     try:
         for i, p in enumerate(prompts):  # batch 1, one task at a time
@@ -249,24 +262,27 @@ def run_cpu(args) -> dict:
             per_task.append((base, spec))
             rows.append(_row(f"task {i + 1}, batch 1, --speculate 0", base, None))
             rows.append(_row(f"task {i + 1}, batch 1, --speculate {args.speculate}", spec, base))
+            save()
         tot = _sum([b for b, _ in per_task]), _sum([s for _, s in per_task])
         rows.append(_row("all tasks, batch 1, --speculate 0", tot[0], None))
         rows.append(_row(f"all tasks, batch 1, --speculate {args.speculate}", tot[1], tot[0]))
-        base = loop.run_until_complete(_run(shard, prompts, args.new_tokens, 0, 8, False, 512))
-        rows.append(_row(f"all {len(prompts)} at once, --speculate 0", base, None))
-        for cap in (1, 8):
-            spec = loop.run_until_complete(
-                _run(shard, prompts, args.new_tokens, args.speculate, cap, False, 512))
-            rows.append(_row(f"all {len(prompts)} at once, --speculate {args.speculate} "
-                             f"--speculate-max-batch-size {cap}", spec, base))
+        save()
+        if args.batch_rows:
+            base = loop.run_until_complete(
+                _run(shard, prompts, args.new_tokens, 0, 8, False, 512))
+            rows.append(_row(f"all {len(prompts)} at once, --speculate 0", base, None))
+            save()
+            for cap in (1, 8):
+                spec = loop.run_until_complete(
+                    _run(shard, prompts, args.new_tokens, args.speculate, cap, False, 512))
+                rows.append(_row(f"all {len(prompts)} at once, --speculate {args.speculate} "
+                                 f"--speculate-max-batch-size {cap}", spec, base))
+                save()
     finally:
         loop.close()
-    res = {"part": "cpu", "model": "SmolLM2-135M-Instruct float32", "threads": args.threads,
-           "new_tokens": args.new_tokens, "speculate": args.speculate, "rows": rows,
-           "machine": platform.processor() or platform.machine()}
-    md = (f"## CPU: SmolLM2-135M-Instruct, float32, {args.threads} thread(s), greedy, up to "
-          f"{args.new_tokens} new tokens (EOS ends earlier)\n\n" + _table(rows))
-    _write(args.out, "speculate_cpu", res, md)
+    res["load_average_at_end"] = list(os.getloadavg())
+    save()
+    print((args.out / "speculate_cpu.md").read_text())
     return res
 
 
@@ -483,11 +499,12 @@ def run_gpu(args) -> dict:
     return res
 
 
-def _write(out: Path, name: str, res: dict, md: str) -> None:
+def _write(out: Path, name: str, res: dict, md: str, quiet: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(res, indent=1))
     (out / f"{name}.md").write_text(md)
-    print(md)
+    if not quiet:
+        print(md)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -498,6 +515,9 @@ def main(argv: list[str] | None = None) -> None:
     cpu.add_argument("--speculate", type=int, default=4)
     cpu.add_argument("--new-tokens", type=int, default=96)
     cpu.add_argument("--threads", type=int, default=2)
+    cpu.add_argument("--tasks", type=int, default=len(GROUNDED_TASKS), help="first N tasks")
+    cpu.add_argument("--no-batch-rows", dest="batch_rows", action="store_false",
+                     help="skip the all-tasks-at-once rows")
     gpu = sub.add_parser("gpu", help="8B shape, random weights, one GPU")
     gpu.add_argument("--out", type=Path, default=Path("benchmarks/raw"))
     gpu.add_argument("--workdir", type=Path, default=Path("/tmp/twb"))
