@@ -140,6 +140,7 @@ class RunResult:
     decode_steps: int  # engine steps after the prompts' prefill
     proposed: int
     accepted: int
+    cpu_seconds: float = 0.0  # this process's CPU time over the whole run (all threads)
 
     @property
     def tok_s(self) -> float:
@@ -163,6 +164,7 @@ async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
     )
     engine = LocalEngine(cfg, backend)  # type: ignore[arg-type]
     await engine.start()
+    cpu0 = time.process_time()
     times: list[list[float]] = [[] for _ in prompts]  # arrival of each token
     first_steps: list[int] = []
 
@@ -179,6 +181,7 @@ async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
 
     try:
         outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        cpu = time.process_time() - cpu0
         st = engine.stats()
     finally:
         await engine.stop()
@@ -188,7 +191,7 @@ async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
     return RunResult(
         outputs=list(outputs), generated=sum(1 for ts in times for t in ts if t > start),
         seconds=end - start, decode_steps=st.steps - max(first_steps),
-        proposed=st.spec_proposed_tokens, accepted=st.spec_accepted_tokens,
+        proposed=st.spec_proposed_tokens, accepted=st.spec_accepted_tokens, cpu_seconds=cpu,
     )
 
 
@@ -204,23 +207,66 @@ def _row(name: str, r: RunResult, base: RunResult | None) -> dict:
         "tok_s": round(r.tok_s, 2),
         "speedup": round(r.tok_s / base.tok_s, 3) if base and base.tok_s else None,
         "equal_to_reference": (r.outputs == base.outputs) if base else None,
+        # Robust to other load on a shared machine: CPU time of the whole run (prefill too).
+        "cpu_seconds": round(r.cpu_seconds, 2),
+        "cpu_speedup": round(base.cpu_seconds / r.cpu_seconds, 3)
+        if base and r.cpu_seconds else None,
     }
 
 
 def _table(rows: list[dict]) -> str:
     head = ("| run | decode tokens | forward passes | tokens / pass | acceptance | tok/s | speedup "
-            "| equal |\n|---|---|---|---|---|---|---|---|\n")
+            "| CPU s (speedup) | equal |\n|---|---|---|---|---|---|---|---|---|\n")
     out = []
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f} %"
         sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         eq = "-" if r["equal_to_reference"] is None else ("yes" if r["equal_to_reference"] else "NO")
+        cpu = f"{r['cpu_seconds']:.1f}"
+        if r["cpu_speedup"] is not None:
+            cpu += f" ({r['cpu_speedup']:.2f}x)"
         out.append(f"| {r['run']} | {r['decode_tokens']} | {r['decode_steps']} | "
-                   f"{r['tokens_per_forward']:.2f} | {acc} | {r['tok_s']:.2f} | {sp} | {eq} |")
+                   f"{r['tokens_per_forward']:.2f} | {acc} | {r['tok_s']:.2f} | {sp} | {cpu} "
+                   f"| {eq} |")
     return head + "\n".join(out) + "\n"
 
 
 # ---- cpu -------------------------------------------------------------------------------------
+
+
+def _cpu_step_costs(shard, context: int, max_k: int, reps: int = 3, iters: int = 5) -> list[dict]:
+    """CPU time of one batch-1 step computing 1 + k tokens at `context`, on ONE thread and
+    measured with thread_time (min over interleaved repetitions): the verify step's cost
+    relative to a decode step, robust to other processes on a shared machine (wall-clock
+    tokens/s is not)."""
+    import torch
+
+    from shard.runner.model_runner import StepInputs
+
+    runner = shard.runner
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    table = list(range(math.ceil((context + max_k + 1) / runner.block_size)))
+    vocab = runner.model.vocab_size
+    ks = [0, 1, 2, 4, max_k] if max_k > 4 else list(range(max_k + 1))
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    try:
+        for _ in range(reps):
+            for k in ks:
+                q = k + 1
+                step = StepInputs([(7 * j + 3) % vocab for j in range(q)],
+                                  list(range(context - 1, context - 1 + q)), [q],
+                                  [context - 1 + q], [table], list(range(q)))
+                runner.execute(step)
+                t = time.thread_time()
+                for _ in range(iters):
+                    runner.execute(step)
+                times[k].append((time.thread_time() - t) / iters * 1e3)
+    finally:
+        torch.set_num_threads(threads)
+    base = min(times[0])
+    return [{"k": k, "tokens": k + 1, "cpu_ms": round(min(v), 2),
+             "vs_decode": round(min(v) / base, 3)} for k, v in times.items()]
 
 
 def run_cpu(args) -> dict:
@@ -237,7 +283,8 @@ def run_cpu(args) -> dict:
                               kv_cache_memory_mb=256), Dist())
     shard.warmup(WarmupSpec(512, 512 + args.new_tokens, 512, 8, speculate_tokens=args.speculate,
                             speculate_max_batch_size=8))
-    tasks = GROUNDED_TASKS[: args.tasks]
+    parts = set(args.parts.split(","))
+    tasks = GROUNDED_TASKS[: args.tasks] if "tasks" in parts else []
     prompts = [chat_prompt_ids(model_dir, t) for t in tasks]
     rows: list[dict] = []
     per_task = []
@@ -246,10 +293,20 @@ def run_cpu(args) -> dict:
            "prompt_tokens": [len(p) for p in prompts],
            "machine": platform.processor() or platform.machine(),
            "load_average_at_start": list(os.getloadavg())}
+    if "costs" in parts:
+        res["step_costs"] = _cpu_step_costs(shard, 200, args.speculate * 2)
 
     def save() -> None:  # after every row: a long run killed midway keeps what it measured
-        md = (f"## CPU: SmolLM2-135M-Instruct, float32, {args.threads} thread(s), greedy, up "
-              f"to {args.new_tokens} new tokens (EOS ends earlier)\n\n" + _table(rows))
+        md = ""
+        if "step_costs" in res:
+            md += ("## CPU: one batch-1 step of 1 + k tokens at context 200 (SmolLM2, float32, "
+                   "one thread, CPU ms per step)\n\n| draft tokens k | CPU ms | vs decode |\n"
+                   "|---|---|---|\n" + "".join(
+                       f"| {r['k']} | {r['cpu_ms']:.1f} | {r['vs_decode']:.2f}x |\n"
+                       for r in res["step_costs"]) + "\n")
+        if rows:
+            md += (f"## CPU: SmolLM2-135M-Instruct, float32, {args.threads} thread(s), greedy, "
+                   f"up to {args.new_tokens} new tokens (EOS ends earlier)\n\n" + _table(rows))
         _write(args.out, "speculate_cpu", res, md, quiet=True)
 
     loop = asyncio.new_event_loop()
@@ -263,11 +320,13 @@ def run_cpu(args) -> dict:
             rows.append(_row(f"task {i + 1}, batch 1, --speculate 0", base, None))
             rows.append(_row(f"task {i + 1}, batch 1, --speculate {args.speculate}", spec, base))
             save()
-        tot = _sum([b for b, _ in per_task]), _sum([s for _, s in per_task])
-        rows.append(_row("all tasks, batch 1, --speculate 0", tot[0], None))
-        rows.append(_row(f"all tasks, batch 1, --speculate {args.speculate}", tot[1], tot[0]))
+        if per_task:
+            tot = _sum([b for b, _ in per_task]), _sum([s for _, s in per_task])
+            rows.append(_row("all tasks, batch 1, --speculate 0", tot[0], None))
+            rows.append(_row(f"all tasks, batch 1, --speculate {args.speculate}", tot[1],
+                             tot[0]))
         save()
-        if args.batch_rows:
+        if "batch" in parts:
             base = loop.run_until_complete(
                 _run(shard, prompts, args.new_tokens, 0, 8, False, 512))
             rows.append(_row(f"all {len(prompts)} at once, --speculate 0", base, None))
@@ -291,6 +350,7 @@ def _sum(runs: list[RunResult]) -> RunResult:
         outputs=[o for r in runs for o in r.outputs], generated=sum(r.generated for r in runs),
         seconds=sum(r.seconds for r in runs), decode_steps=sum(r.decode_steps for r in runs),
         proposed=sum(r.proposed for r in runs), accepted=sum(r.accepted for r in runs),
+        cpu_seconds=sum(r.cpu_seconds for r in runs),
     )
 
 
@@ -516,8 +576,8 @@ def main(argv: list[str] | None = None) -> None:
     cpu.add_argument("--new-tokens", type=int, default=96)
     cpu.add_argument("--threads", type=int, default=2)
     cpu.add_argument("--tasks", type=int, default=len(GROUNDED_TASKS), help="first N tasks")
-    cpu.add_argument("--no-batch-rows", dest="batch_rows", action="store_false",
-                     help="skip the all-tasks-at-once rows")
+    cpu.add_argument("--parts", default="costs,tasks,batch",
+                     help="costs (step CPU cost by k), tasks (batch 1), batch (all at once)")
     gpu = sub.add_parser("gpu", help="8B shape, random weights, one GPU")
     gpu.add_argument("--out", type=Path, default=Path("benchmarks/raw"))
     gpu.add_argument("--workdir", type=Path, default=Path("/tmp/twb"))
