@@ -95,6 +95,7 @@ def _best_of_sequence(seq: GeneratedSequence) -> pb.BestOfSequence:
         prefill=[prefill_token(t) for t in seq.prefill],
         tokens=[token(t) for t in seq.tokens],
         top_tokens=_top_tokens(seq.top_tokens),
+        accepted_tokens_per_step=seq.tokens_per_step,
     )
     if seq.seed is not None:
         message.seed = seq.seed
@@ -115,6 +116,7 @@ def generate_response(outcome: GenerateOutcome) -> pb.GenerateResponse:
             tokens=[token(t) for t in best.tokens],
             top_tokens=_top_tokens(best.top_tokens),
             best_of_sequences=[_best_of_sequence(s) for s in outcome.others],
+            accepted_tokens_per_step=best.tokens_per_step,
         )
         if best.seed is not None:
             details.seed = best.seed
@@ -139,6 +141,7 @@ def stream_response(item: StreamItem) -> pb.GenerateStreamResponse:
             finish_reason=item.finished.finish_reason.value,
             generated_tokens=item.finished.generated_tokens,
             input_length=item.options.input_length,
+            accepted_tokens_per_step=item.finished.tokens_per_step,
         )
         if item.finished.seed is not None:
             details.seed = item.finished.seed
@@ -185,6 +188,7 @@ def info_response(info: ServerInfo, adapters: list[AdapterInfo] | None = None) -
         adapters=[adapter(a) for a in adapters or []],
         max_loras=info.max_loras,
         max_lora_rank=info.max_lora_rank,
+        speculate=info.speculate,
     )
     for name in ("model_sha", "model_pipeline_tag", "sha", "docker_label"):
         value = getattr(info, name)

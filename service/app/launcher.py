@@ -111,6 +111,16 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
     PassThrough("--waiting-served-ratio", float, ("WAITING_SERVED_RATIO",), "see TGI", "router"),
     PassThrough("--max-waiting-tokens", int, ("MAX_WAITING_TOKENS",), "see TGI", "router"),
     PassThrough(
+        "--speculate", int, ("SPECULATE",), "n-gram draft tokens per step (0: off)", "router"
+    ),
+    PassThrough(
+        "--speculate-max-batch-size",
+        int,
+        ("SPECULATE_MAX_BATCH_SIZE",),
+        "no drafts in larger steps",
+        "router",
+    ),
+    PassThrough(
         "--prometheus-port",
         int,
         ("PROMETHEUS_PORT",),

@@ -183,6 +183,20 @@ def _batching_flags(a: _AddArgument) -> None:
         help="decode steps a waiting request may wait before forcing a prefill "
         "[MAX_WAITING_TOKENS] (default 20)",
     )
+    a(
+        "--speculate",
+        type=int,
+        default=int(env_value("SPECULATE") or 0),
+        help="speculative decoding: up to N n-gram (prompt lookup) draft tokens per sequence "
+        "and step, verified in the same forward pass [SPECULATE] (default 0: off)",
+    )
+    a(
+        "--speculate-max-batch-size",
+        type=int,
+        default=int(env_value("SPECULATE_MAX_BATCH_SIZE") or 16),
+        help="no drafts in steps with more running requests (a large batch is compute-bound) "
+        "[SPECULATE_MAX_BATCH_SIZE] (default 16)",
+    )
 
 
 def _observability_flags(a: _AddArgument) -> None:
@@ -300,6 +314,8 @@ def engine_config(args: argparse.Namespace, limits: Limits) -> EngineConfig:
         max_batch_size=limits.max_batch_size,
         waiting_served_ratio=args.waiting_served_ratio,
         max_waiting_tokens=args.max_waiting_tokens,
+        speculate=args.speculate,
+        speculate_max_batch_size=args.speculate_max_batch_size,
     )
 
 
@@ -323,4 +339,6 @@ def warmup_budgets(args: argparse.Namespace, limits: Limits) -> WarmupBudgets:
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
         max_batch_size=limits.max_batch_size,
         max_batch_total_tokens=args.max_batch_total_tokens,
+        speculate_tokens=args.speculate,
+        speculate_max_batch_size=args.speculate_max_batch_size,
     )

@@ -158,6 +158,7 @@ async def serve(
             num_shard=shard.world_size,
             max_loras=shard.max_loras,
             max_lora_rank=shard.max_lora_rank,
+            speculate=args.speculate,
         )
         servicer.attach(service, info, tokenizer)
         openai_servicer.attach(

@@ -69,6 +69,8 @@ class WarmupBudgets:
     max_batch_prefill_tokens: int
     max_batch_size: int
     max_batch_total_tokens: int | None = None
+    speculate_tokens: int = 0  # most draft tokens per request and step
+    speculate_max_batch_size: int = 0  # largest step carrying drafts
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,9 @@ class Finished:
     queue_seconds: float = 0.0  # admission until the first scheduled step
     inference_seconds: float = 0.0  # first scheduled step until finished
     prefix_cache_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # Tokens the sequence received from each step (speculative decoding); empty when the engine
+    # does not speculate.
+    tokens_per_step: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,10 @@ class EngineStats:
     preemptions: int = 0  # requests preempted (freed, recomputed later)
     aborted: int = 0  # requests removed before they finished (cancel, deadline, shard failure)
     extra: dict[str, float] = field(default_factory=dict)
+    spec_proposed_tokens: int = 0  # draft tokens sent to the shards (speculative decoding)
+    spec_accepted_tokens: int = 0  # draft tokens accepted
+    # spec_step_tokens[n]: sequence-steps with drafts that gave their sequence n tokens.
+    spec_step_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

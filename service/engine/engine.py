@@ -45,7 +45,14 @@ from service.engine.contracts import (
     ValidatedRequest,
 )
 from service.engine.event_stream import EventStream
-from service.scheduler import BlockManager, Scheduler, SchedulerConfig, Sequence, StepPlan
+from service.scheduler import (
+    BlockManager,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+    SpeculationConfig,
+    StepPlan,
+)
 
 log = logging.getLogger("tokenwire.engine")
 
@@ -65,6 +72,8 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     max_loras: int = 0  # the shards' LoRA device slots (their Info; build_engine sets it)
     max_lora_rank: int = 0
+    speculate: int = 0  # --speculate: n-gram draft tokens per sequence and step (0: off)
+    speculate_max_batch_size: int = 16  # --speculate-max-batch-size: no drafts in larger steps
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -73,6 +82,9 @@ class EngineConfig:
             waiting_served_ratio=self.waiting_served_ratio,
             max_waiting_tokens=self.max_waiting_tokens,
             max_adapters=self.max_loras,
+            speculation=SpeculationConfig(
+                num_tokens=self.speculate, max_batch_size=self.speculate_max_batch_size
+            ),
         )
 
 
@@ -84,7 +96,7 @@ DEADLINE_HEAP_SLACK = 64
 class _Stream(EventStream):
     """RequestStream of one request in this process."""
 
-    __slots__ = ("_engine", "admitted_at", "request", "scheduled_at", "seq_id")
+    __slots__ = ("_engine", "admitted_at", "request", "scheduled_at", "seq_id", "step_tokens")
 
     def __init__(self, engine: LocalEngine, seq_id: int, request: ValidatedRequest) -> None:
         super().__init__(engine._loop)  # the engine's (submit runs on it): no lookup per wait
@@ -93,6 +105,8 @@ class _Stream(EventStream):
         self.request = request
         self.admitted_at = time.monotonic()
         self.scheduled_at: float | None = None
+        # Tokens per step (Finished.tokens_per_step), recorded when the engine speculates.
+        self.step_tokens: list[int] | None = [] if engine.config.speculate else None
 
     def push(self, event: StepEvent) -> None:
         self._events.append(event)
@@ -268,6 +282,7 @@ class LocalEngine:
                 payload=request,
                 adapter=request.adapter,
                 cache_salt=salt,
+                max_new_tokens=request.stopping.max_new_tokens,
             )
         )
         self._streams[seq_id] = stream
@@ -309,6 +324,9 @@ class LocalEngine:
                 "deadline_entries": float(len(self._deadlines)),
                 "prefix_cache_blocks": float(len(self.blocks.cache)),
             },
+            spec_proposed_tokens=c.spec_proposed_tokens,
+            spec_accepted_tokens=c.spec_accepted_tokens,
+            spec_step_tokens=tuple(c.spec_step_tokens),
         )
 
     # --- LoRA adapters --------------------------------------------------------------------------
@@ -471,9 +489,22 @@ class LocalEngine:
             if stream is None:
                 continue  # cancelled during the step
             fin = gen.finish
-            if fin is None:
+            if stream.step_tokens is not None:
+                stream.step_tokens.append(gen.num_tokens)
+            if gen.more:  # several tokens from this step (speculative decoding): one event each
                 stream.push(StepEvent(gen.token, gen.top_tokens, gen.prefill))
-                continue
+                last = len(gen.more) - 1
+                for j, (token, top) in enumerate(gen.more):
+                    if j < last or fin is None:
+                        stream.push(StepEvent(token, top))
+                if fin is None:
+                    continue
+                final = StepEvent(*gen.more[-1])
+            else:
+                final = StepEvent(gen.token, gen.top_tokens, gen.prefill)
+                if fin is None:
+                    stream.push(final)
+                    continue
             del streams[gen.seq_id]
             scheduled_at = stream.scheduled_at or now
             finished_ev = Finished(
@@ -484,8 +515,9 @@ class LocalEngine:
                 queue_seconds=scheduled_at - stream.admitted_at,
                 inference_seconds=now - scheduled_at,
                 prefix_cache_hit_tokens=hits.get(gen.seq_id, 0),
+                tokens_per_step=tuple(stream.step_tokens or ()),
             )
-            stream.push(StepEvent(gen.token, gen.top_tokens, gen.prefill, finished_ev))
+            stream.push(replace(final, finished=finished_ev))
         if self._dirty_sinks:
             dirty, self._dirty_sinks = self._dirty_sinks, []
             for sink in dirty:

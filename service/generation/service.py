@@ -55,6 +55,8 @@ class GeneratedSequence:
     prefill: tuple[TokenInfo, ...]
     tokens: tuple[TokenInfo, ...]
     top_tokens: tuple[tuple[TokenInfo, ...], ...]
+    # Tokens received per engine step (speculative decoding); empty without --speculate.
+    tokens_per_step: tuple[int, ...] = ()
 
     @property
     def logprob_sum(self) -> float:
@@ -128,6 +130,7 @@ class _Collector:
             prefill=self.prefill,
             tokens=tuple(self.tokens),
             top_tokens=tuple(self.top_tokens),
+            tokens_per_step=finished.tokens_per_step,
         )
 
 
@@ -536,6 +539,7 @@ class ServerInfo:
     block_size: int
     num_kv_blocks: int
     num_shard: int
+    speculate: int = 0  # --speculate (0: off)
     router: str = "tokenwire-router"
     max_loras: int = 0  # LoRA adapter device slots of the shards (0: LoRA off)
     max_lora_rank: int = 0

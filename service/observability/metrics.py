@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from service.engine.contracts import EngineStats
@@ -87,14 +92,44 @@ class EngineCollector(Collector):
                 "Requests removed before they finished (cancel, deadline, shard failure)",
                 s.aborted,
             ),
+            (
+                "speculative_proposed_tokens",
+                "Draft tokens sent to the shards for verification (speculative decoding)",
+                s.spec_proposed_tokens,
+            ),
+            (
+                "speculative_accepted_tokens",
+                "Draft tokens the shards accepted (speculative decoding)",
+                s.spec_accepted_tokens,
+            ),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        if s.spec_step_tokens:
+            yield _step_tokens_histogram(s.spec_step_tokens)
         for key, value in sorted(s.extra.items()):
             name = re.sub(r"[^a-zA-Z0-9_]", "_", key)
             yield GaugeMetricFamily(
                 f"{PREFIX}_engine_{name}", f"Engine statistic {key}", value=value
             )
+
+
+def _step_tokens_histogram(counts: tuple[int, ...]) -> HistogramMetricFamily:
+    """counts[n]: sequence-steps with drafts that gave their sequence n tokens, as a histogram
+    with one bucket per n (1 .. 1 + --speculate)."""
+    buckets = []
+    cumulative = 0
+    for n in range(1, len(counts)):
+        cumulative += counts[n]
+        buckets.append((str(float(n)), cumulative))
+    buckets.append(("+Inf", cumulative))
+    total = sum(n * c for n, c in enumerate(counts))
+    return HistogramMetricFamily(
+        f"{PREFIX}_speculative_accepted_tokens_per_step",
+        "Tokens a sequence received from one step that verified its drafts (1 + drafts accepted)",
+        buckets=buckets,
+        sum_value=total,
+    )
 
 
 class ServerMetrics:

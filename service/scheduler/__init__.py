@@ -14,6 +14,7 @@ from service.scheduler.contracts import (
 )
 from service.scheduler.prefix_cache import PrefixCache, block_digest
 from service.scheduler.scheduler import ProtocolError, Scheduler, SchedulerConfig
+from service.scheduler.speculation import NgramIndex, SpeculationConfig
 from service.scheduler.state import RequestState, Sequence
 
 __all__ = [
@@ -21,12 +22,14 @@ __all__ = [
     "ChunkWork",
     "FinishInfo",
     "GenerationOut",
+    "NgramIndex",
     "PrefixCache",
     "ProtocolError",
     "RequestState",
     "Scheduler",
     "SchedulerConfig",
     "Sequence",
+    "SpeculationConfig",
     "StepOutput",
     "StepPlan",
     "block_digest",

@@ -56,6 +56,9 @@ class StepPlan:
     # Every request on the shard after the removals (the FilterBatch keep list).
     keep_ids: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
+    # Draft tokens to verify for decoding requests (speculative decoding): (request id, tokens).
+    # Their positions' blocks are in `grants`; the request computes 1 + len(tokens) tokens.
+    drafts: list[tuple[int, list[int]]] = field(default_factory=list)
 
     @property
     def is_prefill(self) -> bool:
@@ -82,13 +85,21 @@ class FinishInfo:
 
 @dataclass(slots=True)
 class GenerationOut:
-    """What one request produced in one step (shard Generation)."""
+    """What one request produced in one step (shard Generation): `token`, then, when the step
+    verified drafts, the further accepted tokens in `more` (each with its alternatives)."""
 
     seq_id: int
     token: TokenInfo
     top_tokens: tuple[TokenInfo, ...] = ()
     prefill: tuple[TokenInfo, ...] | None = None
     finish: FinishInfo | None = None
+    # Tokens after `token` from the same step (speculative decoding), in order, with their
+    # top-n alternatives (empty tuples when none were asked for).
+    more: tuple[tuple[TokenInfo, tuple[TokenInfo, ...]], ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return 1 + len(self.more)
 
 
 @dataclass(slots=True)

@@ -15,6 +15,15 @@ request, so new requests are admitted when (a) nothing is decoding, (b) the step
 prefill chunks anyway, (c) the queue holds at least `waiting_served_ratio` x the decoding batch,
 or (d) requests have waited `max_waiting_tokens` decode steps.
 
+Speculative decoding (service/scheduler/speculation.py): in a step with at most
+`speculation.max_batch_size` running requests, a decoding request may carry up to
+`speculation.num_tokens` n-gram draft tokens. Their positions' blocks are granted only from blocks
+that are free beyond what the rest of the step may need (drafts never preempt anyone) and their
+tokens come out of the chunk budget. After the step the request advances by the tokens the shard
+emitted (1 + accepted drafts) and blocks that hold only rejected K/V are released: the shard cuts
+its block table by the same rule (ceil(computed / block_size) blocks). Only blocks whose tokens
+are all computed (accepted) ever reach the prefix cache.
+
 Plain Python: no torch, no gRPC. The engine calls `add`/`abort` between steps, `schedule()` to
 get a StepPlan, runs it on the shard, and feeds the StepOutput to `apply_output`.
 """
@@ -23,10 +32,11 @@ from __future__ import annotations
 
 from bisect import insort
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from service.scheduler.block_manager import BlockManager
-from service.scheduler.contracts import ChunkWork, StepOutput, StepPlan
+from service.scheduler.contracts import ChunkWork, GenerationOut, StepOutput, StepPlan
+from service.scheduler.speculation import SpeculationConfig, new_spec_state
 from service.scheduler.state import RequestState, Sequence
 
 
@@ -39,6 +49,7 @@ class SchedulerConfig:
     # Distinct LoRA adapters running at once (the shards' --max-loras device slots); 0: no
     # adapters are served.
     max_adapters: int = 0
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
     def __post_init__(self) -> None:
         if self.max_batch_prefill_tokens < 1:
@@ -54,6 +65,10 @@ class SchedulerCounters:
     preemptions: int = 0
     steps: int = 0
     aborted: int = 0  # requests removed before they finished (cancel, deadline, shard failure)
+    spec_proposed_tokens: int = 0  # draft tokens sent to the shard
+    spec_accepted_tokens: int = 0  # draft tokens the shard accepted
+    # spec_step_tokens[n]: sequence-steps with drafts that gave the sequence n tokens.
+    spec_step_tokens: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -64,6 +79,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # oldest (smallest arrival) first
         self.seqs: dict[int, Sequence] = {}
         self.counters = SchedulerCounters()
+        self.counters.spec_step_tokens = [0] * (config.speculation.num_tokens + 2)
         self._removed_from_shard: list[int] = []  # aborted on-shard requests not yet filtered
         self._steps_without_admission = 0
         # Current step (between schedule and apply_output).
@@ -88,6 +104,8 @@ class Scheduler:
         if not seq.token_ids:
             raise ValueError("empty input")
         seq.state = RequestState.WAITING
+        if self.config.speculation.enabled and seq.spec is None:
+            seq.spec = new_spec_state(self.config.speculation)
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
@@ -154,6 +172,8 @@ class Scheduler:
         decodes: list[Sequence] = []
         decode_ids = plan.decode_ids
         grants = plan.grants
+        spec = self.config.speculation
+        speculate = spec.enabled and len(running) <= spec.max_batch_size
 
         i = 0
         while i < len(running):
@@ -173,6 +193,8 @@ class Scheduler:
                 seq.scheduled = 1
                 decodes.append(seq)
                 decode_ids.append(seq.seq_id)
+                if speculate and budget > 0:
+                    budget -= self._add_drafts(seq, plan, budget, len(running) - i - 1)
             elif budget > 0 or seq.computed == len(seq.token_ids) - 1:
                 # A prefill one token short of its end always runs, over budget if need be:
                 # a shard may treat a cached request with computed == len - 1 as decoding, and
@@ -251,6 +273,70 @@ class Scheduler:
         self._step_decodes = decodes
         return plan
 
+    def _add_drafts(self, seq: Sequence, plan: StepPlan, budget: int, others: int) -> int:
+        """Proposes drafts for decoding `seq` (at most `budget` tokens), grants their blocks from
+        blocks no one else in the step may need (`others` requests after it might each need
+        one), records them in `plan`; returns the number of draft tokens."""
+        state = seq.spec
+        if state is None:
+            return 0
+        k = min(self.config.speculation.num_tokens, budget)
+        if seq.max_new_tokens:
+            # The step emits up to k + 1 tokens; none past max_new_tokens.
+            k = min(k, seq.max_new_tokens - seq.generated_len - 1)
+        if k <= 0:
+            return 0
+        bm = self.blocks
+        bs = bm.block_size
+        have = len(seq.blocks)
+        spare = bm.num_free - others
+        fits = (have + max(spare, 0)) * bs - seq.computed - 1  # draft positions that fit
+        k = min(k, fits)
+        if k <= 0:
+            return 0
+        drafts = state.propose(seq.token_ids, k)
+        if not drafts:
+            return 0
+        need = bm.blocks_needed(seq.computed + 1 + len(drafts), have)
+        if need:
+            granted = bm.allocate(need)
+            assert granted is not None  # need <= spare <= num_free
+            seq.blocks.extend(granted)
+            grants = plan.grants
+            if grants and grants[-1][0] == seq.seq_id:
+                grants[-1][1].extend(granted)
+            else:
+                grants.append((seq.seq_id, granted))
+        seq.drafts = drafts
+        plan.drafts.append((seq.seq_id, drafts))
+        return len(drafts)
+
+    def _settle_drafts(self, seq: Sequence, gen: GenerationOut) -> None:
+        """After a step that verified seq's drafts (its tokens are appended): advance it by the
+        tokens emitted, release the blocks that hold only rejected K/V, publish full blocks."""
+        proposed = len(seq.drafts)
+        emitted = gen.num_tokens
+        if emitted > proposed + 1:
+            raise ProtocolError(
+                f"request {seq.seq_id}: {emitted} tokens for {proposed} drafts"
+            )
+        seq.drafts = []
+        bm = self.blocks
+        seq.computed += emitted
+        keep = -(-seq.computed // bm.block_size)
+        if len(seq.blocks) > keep:
+            bm.release(seq.blocks[keep:])
+            del seq.blocks[keep:]
+        bm.register_full_blocks(
+            seq.token_ids, seq.blocks, seq.block_hashes, seq.computed, seq.cache_salt
+        )
+        c = self.counters
+        c.spec_proposed_tokens += proposed
+        c.spec_accepted_tokens += emitted - 1
+        c.spec_step_tokens[emitted] += 1
+        if seq.spec is not None:
+            seq.spec.record(proposed, emitted - 1, self.config.speculation)
+
     def _fit_chunk(self, seq: Sequence, budget: int) -> int:
         """Grants blocks for seq's next chunk (at most `budget` tokens, shrunk to the blocks
         available) and sets seq.scheduled; returns the chunk length (0: no block available)."""
@@ -296,8 +382,10 @@ class Scheduler:
                 seq.token_ids, seq.blocks, seq.block_hashes, seq.computed, seq.cache_salt
             )
         for seq in self._step_decodes:
-            seq.computed += 1
             seq.scheduled = 0
+            if seq.drafts:
+                continue  # advanced by its generation (_settle_drafts)
+            seq.computed += 1
             if seq.computed % bs == 0:
                 bm.register_full_blocks(
                     seq.token_ids, seq.blocks, seq.block_hashes, seq.computed, seq.cache_salt
@@ -317,6 +405,12 @@ class Scheduler:
                 seq.prefill_done = True
                 seq.prefill_logprobs = False  # sent once; a recompute does not resend them
             seq.token_ids.append(gen.token.id)
+            if gen.more:
+                seq.token_ids.extend(t.id for t, _ in gen.more)
+            if seq.drafts:
+                self._settle_drafts(seq, gen)
+            elif gen.more:
+                raise ProtocolError(f"request {seq.seq_id}: several tokens without drafts")
             if gen.finish is not None:
                 seq.on_shard = False  # the shard forgot it
                 seq.state = RequestState.FINISHED

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.scheduler.speculation import SpecState
+
 
 class RequestState(enum.Enum):
     """Lifecycle of a sequence inside the scheduler (the one enum every layer uses)."""
@@ -52,6 +54,12 @@ class Sequence:
     # adapters at once, and its K/V only ever match prefix-cache blocks of the same salt.
     adapter: str = ""
     cache_salt: bytes = b""
+    # Most tokens it may generate (max_new_tokens): drafts never run past it. 0: unknown.
+    max_new_tokens: int = 0
+    # Speculative decoding: the proposer's state (None when the router does not speculate) and
+    # the drafts of the current step (set by schedule, consumed by apply_output).
+    spec: SpecState | None = None
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def generated_len(self) -> int:

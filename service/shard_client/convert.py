@@ -32,6 +32,9 @@ def warmup_request(b: WarmupBudgets) -> pb.WarmupRequest:
     )
     if b.max_batch_total_tokens is not None:
         req.max_batch_total_tokens = b.max_batch_total_tokens
+    if b.speculate_tokens:
+        req.speculate_tokens = b.speculate_tokens
+        req.speculate_max_batch_size = b.speculate_max_batch_size
     return req
 
 
@@ -102,6 +105,10 @@ def _grants(plan: StepPlan) -> list[pb.BlockGrant]:
     return [pb.BlockGrant(request_id=rid, blocks=blocks) for rid, blocks in plan.grants]
 
 
+def _drafts(plan: StepPlan) -> list[pb.Draft]:
+    return [pb.Draft(request_id=rid, tokens=tokens) for rid, tokens in plan.drafts]
+
+
 def prefill_request(
     plan: StepPlan, new_batch_id: int, cached_id: int | None, cached_ids: list[int]
 ) -> pb.PrefillRequest:
@@ -129,13 +136,18 @@ def prefill_request(
         req.cached_batch.CopyFrom(_cached_batch(cached_id, cached_ids))
     if plan.grants:
         req.block_grants.extend(_grants(plan))
+    if plan.drafts:
+        req.drafts.extend(_drafts(plan))
     return req
 
 
 def decode_request(plan: StepPlan, cached_id: int, cached_ids: list[int]) -> pb.DecodeRequest:
-    return pb.DecodeRequest(
+    req = pb.DecodeRequest(
         batches=[_cached_batch(cached_id, cached_ids)], block_grants=_grants(plan)
     )
+    if plan.drafts:
+        req.drafts.extend(_drafts(plan))
+    return req
 
 
 def filter_request(batch_id: int, keep_ids: list[int]) -> pb.FilterBatchRequest:
@@ -164,8 +176,8 @@ def _tokens(t: pb.Tokens) -> tuple[TokenInfo, ...]:
 
 
 def step_output(resp: pb.PrefillResponse | pb.DecodeResponse) -> StepOutput:
-    """The shard's answer as the scheduler and the engine consume it. Each Generation carries
-    exactly one token (the protocol's promise); fast path for that shape."""
+    """The shard's answer as the scheduler and the engine consume it. A Generation carries one
+    token, or several when the step verified drafts (speculative decoding); fast path for one."""
     gens: list[GenerationOut] = []
     append = gens.append
     for g in resp.generations:
@@ -174,6 +186,15 @@ def step_output(resp: pb.PrefillResponse | pb.DecodeResponse) -> StepOutput:
         out = GenerationOut(g.request_id, token)
         if g.top_tokens:
             out.top_tokens = _tokens(g.top_tokens[0])
+        if len(t.ids) > 1:
+            tops = g.top_tokens
+            out.more = tuple(
+                (
+                    TokenInfo(t.ids[i], t.texts[i], t.logprobs[i], t.is_special[i]),
+                    _tokens(tops[i]) if i < len(tops) else (),
+                )
+                for i in range(1, len(t.ids))
+            )
         if g.HasField("prefill_tokens"):
             out.prefill = _tokens(g.prefill_tokens)
         if g.HasField("generated_text"):

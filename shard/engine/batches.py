@@ -3,6 +3,18 @@
 
 Requests are keyed by router id; a batch is an ordered list of request ids. The router owns the
 KV blocks: a request's block table is whatever the router sent (Prefill) or granted (BlockGrant).
+
+Speculative decoding: a decoding request may come with draft tokens (the router's n-gram
+guesses). Its row in the step is a chunk of 1 + k tokens (its last token, then the drafts)
+continuing its cached context, and every one of the k + 1 positions is sampled exactly as a
+one-token step would sample it (same processors, same seeded generator of (seed, generated
+position), the drafts before it in the history). The step emits the sampled tokens up to and
+including the first that differs from its draft, so outputs are those of decoding one token per
+step, token for token, seeded samples included. For a point-mass draft this is the standard
+speculative rejection rule: the draft x is accepted with probability p(x), and on rejection the
+emitted token is distributed as p restricted to tokens != x, renormalised. Stopping, logprobs
+and top-n tokens see only emitted tokens; afterwards the request's block table is cut to
+ceil(computed / block_size) blocks (the router frees the rest the same way).
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ from shard.engine.contracts import (
     TokenList,
 )
 from shard.engine.detokenizer import IncrementalDetokenizer
-from shard.engine.sampling import Sampler, SamplingParams, prompt_logprobs
+from shard.engine.sampling import SampleOutput, Sampler, SamplingParams, prompt_logprobs
 from shard.engine.stopping import StoppingCriteria
 from shard.errors import (
     FailedPreconditionError,
@@ -69,12 +81,14 @@ class ShardRequest:
 
 @dataclass
 class _Work:
-    """One sequence of a step: compute token_ids[start:start + length]."""
+    """One sequence of a step: compute token_ids[start:start + length] (with drafts: the last
+    token, then the drafts; length = 1 + len(drafts))."""
 
     state: ShardRequest
     start: int
     length: int
     samples: bool  # the step ends at the sequence's last known token: sample the next one
+    drafts: list[int] | tuple[()] = ()  # draft tokens to verify (speculative decoding)
 
 
 class BatchState:
@@ -186,8 +200,31 @@ class BatchState:
 
     # ---- RPCs -------------------------------------------------------------------------------
 
+    def _decode_work(self, state: ShardRequest, drafts: dict[int, list[int]] | None) -> _Work:
+        """The row of a decoding request: its last token, plus its drafts when it has some."""
+        d = drafts.get(state.id) if drafts else None
+        if not d:
+            return _Work(state, state.computed_len, 1, True)
+        vocab = self.runner.model.vocab_size
+        if any(t >= vocab for t in d):
+            raise InvalidRequestError(
+                f"request {state.id}: draft token id out of range (vocab_size={vocab})"
+            )
+        return _Work(state, state.computed_len, 1 + len(d), True, d)
+
+    def _check_drafts(self, drafts: dict[int, list[int]] | None, work: list[_Work]) -> None:
+        if drafts and len(drafts) != sum(1 for w in work if w.drafts):
+            raise InvalidRequestError(
+                "drafts name requests that do not decode in this step: "
+                f"{sorted(set(drafts) - {w.state.id for w in work if w.drafts})}"
+            )
+
     def prefill(
-        self, batch: BatchSpec, cached: CachedBatchRef | None, grants: list[BlockGrant]
+        self,
+        batch: BatchSpec,
+        cached: CachedBatchRef | None,
+        grants: list[BlockGrant],
+        drafts: dict[int, list[int]] | None = None,
     ) -> StepResult:
         t0 = time.perf_counter_ns()
         if self.runner.kv_cache is None:
@@ -227,14 +264,20 @@ class BatchState:
             state = self._request(rid)
             if state.computed_len != len(state.token_ids) - 1:
                 continue  # still prefilling and no chunk this step: it waits
-            work.append(_Work(state, state.computed_len, 1, True))
+            work.append(self._decode_work(state, drafts))
+        self._check_drafts(drafts, work)
         merged = cached_ids + [rid for rid in new_ids if rid not in set(cached_ids)]
         if cached and cached.id != batch.id:
             self.batches.pop(cached.id, None)
         generations = self._step(work, t0)
         return self._finish_step(batch.id, merged, generations)
 
-    def decode(self, batches: list[CachedBatchRef], grants: list[BlockGrant]) -> StepResult:
+    def decode(
+        self,
+        batches: list[CachedBatchRef],
+        grants: list[BlockGrant],
+        drafts: dict[int, list[int]] | None = None,
+    ) -> StepResult:
         t0 = time.perf_counter_ns()
         if not batches:
             raise InvalidRequestError("Decode needs at least one batch")
@@ -246,8 +289,9 @@ class BatchState:
                 state = self._request(rid)
                 merged.append(rid)
                 if state.computed_len == len(state.token_ids) - 1:
-                    work.append(_Work(state, state.computed_len, 1, True))
+                    work.append(self._decode_work(state, drafts))
                 # else: still prefilling (its next chunk comes with a Prefill); it waits
+        self._check_drafts(drafts, work)
         for ref in batches[1:]:
             self.batches.pop(ref.id, None)
         generations = self._step(work, t0)
@@ -327,7 +371,11 @@ class BatchState:
             seq_len = w.start + w.length
             self._check_state_blocks(w.state, seq_len)
             base = len(inputs.token_ids)
-            inputs.token_ids.extend(w.state.token_ids[w.start : seq_len])
+            if w.drafts:  # the last token, then the drafts
+                inputs.token_ids.append(w.state.token_ids[w.start])
+                inputs.token_ids.extend(w.drafts)
+            else:
+                inputs.token_ids.extend(w.state.token_ids[w.start : seq_len])
             inputs.positions.extend(range(w.start, seq_len))
             inputs.query_lens.append(w.length)
             inputs.seq_lens.append(seq_len)
@@ -337,7 +385,9 @@ class BatchState:
                     lp_rows.append(base + p - w.start)
                     lp_next.append(w.state.token_ids[p + 1])
                     lp_owner.append(w.state)
-            if w.samples:
+            if w.drafts:  # every position samples: the last token's and each draft's
+                sample_rows.extend(range(base, base + w.length))
+            elif w.samples:
                 sample_rows.append(base + w.length - 1)
         inputs.logits_indices = sample_rows + lp_rows
         inputs.lora_slots = self._lora_slots(work)
@@ -364,7 +414,7 @@ class BatchState:
             raise FatalDeviceError(f"forward pass failed: {type(exc).__name__}: {exc}") from exc
         t2 = time.perf_counter_ns()
         timings.forward_ns = t2 - t1
-        for w in work:
+        for w in work:  # rows with drafts advance by what they emit (_emit_verified)
             w.state.computed_len = w.start + w.length
         if lp_rows:
             values = prompt_logprobs(
@@ -380,64 +430,120 @@ class BatchState:
         return generations, timings
 
     def _sample(self, work: list[_Work], logits: torch.Tensor) -> list[Generation]:
+        """logits [rows, vocab]: one row per sampling sequence, 1 + len(drafts) for one with
+        drafts (its positions in order)."""
         if not work:
             return []
-        states = [w.state for w in work]
-        out = self.sampler.sample(
-            logits,
-            [s.sampling for s in states],
-            [s.token_ids for s in states],
-            [s.generated_count for s in states],
-            [s.top_n for s in states],
-        )
-        special = self._special
+        if any(w.drafts for w in work):
+            params: list[SamplingParams] = []
+            histories: list[array] = []
+            counts: list[int] = []
+            top_n: list[int] = []
+            for w in work:
+                s = w.state
+                params.append(s.sampling)
+                histories.append(s.token_ids)
+                counts.append(s.generated_count)
+                top_n.append(s.top_n)
+                for j in range(1, len(w.drafts) + 1):
+                    # Position j samples after drafts[:j], as a one-token step would after them.
+                    params.append(s.sampling)
+                    histories.append(s.token_ids + array("q", w.drafts[:j]))
+                    counts.append(s.generated_count + j)
+                    top_n.append(s.top_n)
+        else:  # the usual step: one row per sequence
+            states = [w.state for w in work]
+            params = [s.sampling for s in states]
+            histories = [s.token_ids for s in states]
+            counts = [s.generated_count for s in states]
+            top_n = [s.top_n for s in states]
+        out = self.sampler.sample(logits, params, histories, counts, top_n)
         generations = []
-        for i, state in enumerate(states):
-            token = out.token_ids[i]
+        row = 0
+        for w in work:
+            state = w.state
+            if w.drafts:
+                generations.append(self._emit_verified(w, out, row))
+                row += w.length
+                continue
+            token = out.token_ids[row]
             # The first sampled token completes the prompt: emit its logprobs once.
             prefill_tokens = self._prefill_tokens(state) if state.prefill_logprobs else None
-            state.token_ids.append(token)
-            state.generated_count += 1
-            text = state.detok.push(token)
-            is_special = token in special
-            if not is_special:
-                state.visible_text.append(text)
-            stopping = state.stopping
-            # Only stop sequences read the text: joining it every step is O(length) per row.
-            so_far = state.detok.text if stopping.stop_sequences else ""
-            reason = stopping.check(token, so_far, state.generated_count)
-            finished = None
-            if reason is not None:
-                held_back = state.detok.flush()
-                text += held_back
-                state.visible_text.append(held_back)
-                finished = FinishedText(
-                    text="".join(state.visible_text),
-                    generated_tokens=state.generated_count,
-                    finish_reason=reason,
-                    seed=state.sampling.seed if state.sampling.do_sample else None,
-                )
-                del self.requests[state.id]
-            top = []
-            if state.top_n:
-                top = [
-                    TokenList(
-                        ids=list(out.top_ids[i]),
-                        logprobs=list(out.top_logprobs[i]),
-                        texts=[self._text(t) for t in out.top_ids[i]],
-                        is_special=[t in special for t in out.top_ids[i]],
-                    )
-                ]
+            text, is_special, finished = self._accept(state, token)
+            top = [self._top(out, row)] if state.top_n else []
             generations.append(
                 Generation(
                     request_id=state.id,
-                    tokens=TokenList([token], [out.logprobs[i]], [text], [is_special]),
+                    tokens=TokenList([token], [out.logprobs[row]], [text], [is_special]),
                     prefill_tokens=prefill_tokens,
                     top_tokens=top,
                     finished=finished,
                 )
             )
+            row += 1
         return generations
+
+    def _accept(self, state: ShardRequest, token: int) -> tuple[str, bool, FinishedText | None]:
+        """Appends a generated token: its text, whether it is special, and the finish when it
+        ends the request (the request is then forgotten)."""
+        state.token_ids.append(token)
+        state.generated_count += 1
+        text = state.detok.push(token)
+        is_special = token in self._special
+        if not is_special:
+            state.visible_text.append(text)
+        stopping = state.stopping
+        # Only stop sequences read the text: joining it every step is O(length) per row.
+        so_far = state.detok.text if stopping.stop_sequences else ""
+        reason = stopping.check(token, so_far, state.generated_count)
+        finished = None
+        if reason is not None:
+            held_back = state.detok.flush()
+            text += held_back
+            state.visible_text.append(held_back)
+            finished = FinishedText(
+                text="".join(state.visible_text),
+                generated_tokens=state.generated_count,
+                finish_reason=reason,
+                seed=state.sampling.seed if state.sampling.do_sample else None,
+            )
+            del self.requests[state.id]
+        return text, is_special, finished
+
+    def _top(self, out: SampleOutput, row: int) -> TokenList:
+        special = self._special
+        return TokenList(
+            ids=list(out.top_ids[row]),
+            logprobs=list(out.top_logprobs[row]),
+            texts=[self._text(t) for t in out.top_ids[row]],
+            is_special=[t in special for t in out.top_ids[row]],
+        )
+
+    def _emit_verified(self, w: _Work, out: SampleOutput, row: int) -> Generation:
+        """Emits a drafted row's samples up to and including the first that differs from its
+        draft (or ends the request); cuts the block table to the computed tokens."""
+        state, drafts = w.state, w.drafts
+        tokens = TokenList()
+        tops: list[TokenList] = []
+        finished = None
+        for j in range(len(drafts) + 1):
+            token = out.token_ids[row + j]
+            text, is_special, finished = self._accept(state, token)
+            tokens.ids.append(token)
+            tokens.logprobs.append(out.logprobs[row + j])
+            tokens.texts.append(text)
+            tokens.is_special.append(is_special)
+            if state.top_n:
+                tops.append(self._top(out, row + j))
+            if finished is not None or j == len(drafts) or token != drafts[j]:
+                break
+        # K/V of the last token and of the accepted drafts are valid; the rest is overwritten
+        # later. Blocks past the computed tokens hold only rejected K/V: the router frees them.
+        state.computed_len = w.start + len(tokens.ids)
+        keep = -(-state.computed_len // self.runner.block_size)
+        del state.blocks[keep:]
+        state.blocks_checked = min(state.blocks_checked, keep)
+        return Generation(request_id=state.id, tokens=tokens, top_tokens=tops, finished=finished)
 
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)

@@ -13,6 +13,12 @@
 - with LoRA slots (--max-loras > 0) each bucket is captured twice: without adapters (the base
   path, untouched) and with the batched LoRA kernels reading each row's slot from a static
   buffer (-1 for base rows and padding), so a step mixing adapters replays a graph too.
+- verify steps of speculative decoding (each request computes its last token plus up to k draft
+  tokens) replay graphs of a fixed `query_len` Q = 1 + k per request: request i's tokens sit at
+  rows [i * Q, i * Q + q_i) of the flat batch, its sequence length is declared as start_i + Q so
+  that the attention kernel places them at their true positions (causal attention keeps the
+  padding tokens after them invisible to them), and padding tokens are written nowhere (slot -1)
+  and read at position 0. The logits of all n * Q rows come back; the caller picks its rows.
 
 The graph bakes in the KV cache's addresses: capture after the final KV allocation.
 """
@@ -60,29 +66,35 @@ class CudaGraphDecodeRunner:
         max_blocks_per_seq: int,
         buckets: list[int] | None = None,
         lora: LoraBatch | None = None,
+        query_len: int = 1,  # tokens per request: 1 for decode, 1 + k for verify steps
     ):
         self.forward = forward
         self.device = device
         self.block_size = block_size
         self.buckets = buckets or default_buckets(max_batch)
         self.max_batch = self.buckets[-1]
+        self.query_len = q = query_len
+        # Verify steps declare sequences up to Q - 1 positions longer than their real length.
         self.width = max(max_blocks_per_seq, 1)
         b, w = self.max_batch, self.width
+        # LoRA slots (decode runners only: verify runners run adapters eagerly, see ModelRunner).
+        assert lora is None or q == 1, "LoRA graphs are captured for decode runners only"
         self.lora = lora
-        # Staging layout (int64): ids[b] | positions[b] | slots[b] | seq_lens[b] | tables[b*w]
-        # | lora slots[b] (with LoRA)
-        self._n_staged = 4 * b + b * w + (b if lora is not None else 0)
+        t = b * q  # token rows
+        # Staging layout (int64): ids[t] | positions[t] | slots[t] | seq_lens[b] | tables[b*w]
+        # | lora slots[t] (with LoRA)
+        self._n_staged = 3 * t + b + b * w + (t if lora is not None else 0)
         self._host = torch.zeros(self._n_staged, dtype=torch.int64, pin_memory=True)
         self._host_np = self._host.numpy()
         self._staged = torch.zeros(self._n_staged, dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(b, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(b, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((b,), -1, dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(b, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((b, w), dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
-        self.logits_indices = torch.arange(b, dtype=torch.int64, device=device)
-        self.lora_slots = torch.full((b,), -1, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device) * q
+        self.logits_indices = torch.arange(t, dtype=torch.int64, device=device)
+        self.lora_slots = torch.full((t,), -1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         # The same buckets with the LoRA kernels on (with LoRA slots only).
@@ -94,25 +106,28 @@ class CudaGraphDecodeRunner:
 
     def _unpack(self, n: int) -> None:
         """Device-side copies from the staging buffer into the typed buffers (first n rows)."""
-        b, w, s = self.max_batch, self.width, self._staged
-        self.input_ids[:n].copy_(s[0:n])
-        self.positions[:n].copy_(s[b : b + n])
-        self.slot_mapping[:n].copy_(s[2 * b : 2 * b + n])
-        self.seq_lens[:n].copy_(s[3 * b : 3 * b + n])
-        self.block_tables[:n].copy_(s[4 * b : 4 * b + n * w].view(n, w))
-        if self.lora is not None:
-            at = 4 * b + b * w
+        b, w, s, q = self.max_batch, self.width, self._staged, self.query_len
+        t, big = n * q, b * q
+        self.input_ids[:t].copy_(s[0:t])
+        self.positions[:t].copy_(s[big : big + t])
+        self.slot_mapping[:t].copy_(s[2 * big : 2 * big + t])
+        self.seq_lens[:n].copy_(s[3 * big : 3 * big + n])
+        tables = 3 * big + b
+        self.block_tables[:n].copy_(s[tables : tables + n * w].view(n, w))
+        if self.lora is not None:  # q == 1: one slot per request
+            at = tables + b * w
             self.lora_slots[:n].copy_(s[at : at + n])
 
     def _meta(self, n: int) -> AttentionMetadata:
+        q = self.query_len
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: n + 1],
             seq_lens=self.seq_lens[:n],
             block_tables=self.block_tables[:n],
-            slot_mapping=self.slot_mapping[:n],
-            max_query_len=1,
+            slot_mapping=self.slot_mapping[: n * q],
+            max_query_len=q,
             max_seq_len=self.width * self.block_size,
-            query_lens_host=[1] * n,
+            query_lens_host=[q] * n,
             seq_lens_host=[1] * n,  # only the count matters to the CUDA backend
         )
 
@@ -123,22 +138,24 @@ class CudaGraphDecodeRunner:
                 self.lora.set_device_rows(self.lora_slots[:n])
             else:
                 self.lora.clear()
+        t = n * self.query_len
         return self.forward(
-            self.input_ids[:n], self.positions[:n], self._meta(n), self.logits_indices[:n]
+            self.input_ids[:t], self.positions[:t], self._meta(n), self.logits_indices[:t]
         )
 
     @torch.inference_mode()
-    def capture(self) -> float:
-        """Captures every bucket, largest first, into one pool; returns seconds taken."""
+    def capture(self, pool: Any = None) -> float:
+        """Captures every bucket, largest first, into one pool (`pool`, e.g. another runner's,
+        or a new one); returns seconds taken."""
         import time
 
         t0 = time.perf_counter()
         # Safe inputs for capture: nothing is written (slot -1), nothing is read (length 0).
         self._host_np[:] = 0
-        b = self.max_batch
-        self._host_np[2 * b : 3 * b] = -1
+        big = self.max_batch * self.query_len
+        self._host_np[2 * big : 3 * big] = -1
         if self.lora is not None:  # every row reads slot 0: the LoRA kernels run in full
-            self._host_np[4 * b + b * self.width :] = 0
+            self._host_np[3 * big + self.max_batch + self.max_batch * self.width :] = 0
         self._staged.copy_(self._host)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -148,7 +165,7 @@ class CudaGraphDecodeRunner:
                     self._run(self.max_batch, with_lora)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         for n in sorted(self.buckets, reverse=True):
             for with_lora in self._variants():
                 graph = torch.cuda.CUDAGraph()
@@ -160,9 +177,9 @@ class CudaGraphDecodeRunner:
             self.lora.clear()
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
-        log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s",
-                 len(self.graphs) + len(self.lora_graphs),
-                 self.buckets[0], self.max_batch, seconds)
+        log.info("captured %d CUDA graphs (batch %d..%d, %d tokens each) in %.1f s",
+                 len(self.graphs) + len(self.lora_graphs), self.buckets[0], self.max_batch,
+                 self.query_len, seconds)
         return seconds
 
     def _variants(self) -> tuple[bool, ...]:
@@ -172,10 +189,11 @@ class CudaGraphDecodeRunner:
 
     def can_run(self, query_lens: list[int], block_tables: list[list[int]]) -> bool:
         n = len(query_lens)
+        q = self.query_len
         return (
             bool(self.graphs)
             and 0 < n <= self.max_batch
-            and all(q == 1 for q in query_lens)
+            and (all(x == 1 for x in query_lens) if q == 1 else max(query_lens) <= q)
             and max(len(t) for t in block_tables) <= self.width
         )
 
@@ -222,3 +240,44 @@ class CudaGraphDecodeRunner:
             return self.lora_outputs[g][:n]
         self.graphs[g].replay()
         return self.outputs[g][:n]
+
+    def run_ragged(
+        self,
+        token_ids: list[int],  # [num_tokens] request i's tokens at query_lens[i] consecutive rows
+        positions: list[int],  # [num_tokens]
+        query_lens: list[int],  # [n] each <= query_len
+        seq_lens: list[int],  # [n] real context lengths incl. the new tokens
+        block_tables: list[list[int]],
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """Replays the verify graph of a step whose requests compute up to query_len tokens.
+        Returns the logits of every padded row ([bucket * query_len, vocab], a view of a static
+        buffer valid until the next replay) and, for each of the step's tokens, its row there."""
+        q = self.query_len
+        n = len(query_lens)
+        g = self.bucket(n)
+        b, w, h, bs = self.max_batch, self.width, self._host_np, self.block_size
+        big, t = b * q, g * q
+        q_lens = np.asarray(query_lens, dtype=np.int64)  # [n]
+        starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=starts[1:])
+        seq_of = np.repeat(np.arange(n), q_lens)  # [num_tokens]
+        rows = seq_of * q + np.arange(int(starts[-1])) - starts[:-1][seq_of]  # padded row
+        h[0:t] = 0
+        h[big : big + t] = 0  # padding tokens at position 0, written nowhere
+        h[2 * big : 2 * big + t] = -1
+        h[rows] = token_ids
+        pos = np.asarray(positions, dtype=np.int64)
+        h[big + rows] = pos
+        seq = np.asarray(seq_lens, dtype=np.int64)
+        h[3 * big : 3 * big + n] = seq - q_lens + q  # start + Q: true positions for the tokens
+        h[3 * big + n : 3 * big + g] = 0  # padding requests: empty
+        tables = h[3 * big + b : 3 * big + b + g * w].reshape(g, w)
+        lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n)  # [n]
+        flat = np.fromiter(
+            itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lens.sum())
+        )
+        tables[:n][np.arange(w) < lens[:, None]] = flat
+        h[2 * big + rows] = tables[seq_of, pos // bs] * bs + pos % bs  # slots of real tokens
+        self._staged.copy_(self._host, non_blocking=True)
+        self.graphs[g].replay()
+        return self.outputs[g], rows

@@ -1,8 +1,9 @@
 """ModelRunner: owns the model, its paged KV cache and the attention backend; turns a host-side
 step description into tensors and runs one forward pass.
 
-The CUDA-graph runner wraps `forward` for decode-only steps; everything it needs (flat input ids,
-positions, AttentionMetadata, logits indices) is built by `prepare`.
+The CUDA-graph runner wraps `forward` for decode-only steps, and (speculative decoding) for verify
+steps in which every request computes at most 1 + k tokens; everything the eager path needs
+(flat input ids, positions, AttentionMetadata, logits indices) is built by `prepare`.
 """
 
 from __future__ import annotations
@@ -54,12 +55,15 @@ class ModelRunner:
         self.graphs: Any = None  # shard.runner.cuda_graphs.CudaGraphDecodeRunner once captured
         # The model's per-step LoRA slots (shard/lora) when --max-loras > 0; prepare sets it.
         self.lora: LoraBatch | None = None
+        # Verify-step graphs by tokens per request (2 .. 1 + k), once captured.
+        self.verify_graphs: dict[int, Any] = {}
 
     def kv_bytes_per_block(self) -> int:
         return self.model.kv_bytes_per_block(self.block_size)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.graphs = None  # captured graphs hold the old pool's addresses
+        self.verify_graphs = {}
         self.kv_cache = None  # drop the old pool first so its memory can be reused
         self.kv_cache = self.model.allocate_kv_cache(num_blocks, self.block_size)
         self.num_blocks = num_blocks
@@ -148,6 +152,25 @@ class ModelRunner:
         self.graphs = graphs
         return seconds
 
+    def capture_verify_graphs(self, max_query_len: int, max_batch: int, max_seq_len: int) -> float:
+        """Captures verify-step graphs (speculative decoding: up to max_query_len tokens per
+        request, batches up to max_batch) in the decode graphs' memory pool; returns seconds.
+        0 without CUDA graphs (CPU, or a backend that cannot run inside one)."""
+        if self.device.type != "cuda" or not self.attention.graph_safe or self.graphs is None:
+            return 0.0
+        from shard.runner.cuda_graphs import CudaGraphDecodeRunner, default_buckets
+
+        seconds = 0.0
+        buckets = [b for b in default_buckets(max_batch) if b <= max_batch]
+        for q in range(max_query_len, 1, -1):
+            graphs = CudaGraphDecodeRunner(
+                self.forward, self.device, self.block_size, max_batch,
+                -(-(max_seq_len + q) // self.block_size), buckets=buckets, query_len=q,
+            )
+            seconds += graphs.capture(pool=self.graphs.pool)
+            self.verify_graphs[q] = graphs
+        return seconds
+
     def execute_calibrating(self, step: StepInputs) -> torch.Tensor:
         """Runs a step eagerly; a model with an fp8 KV cache records each layer's K/V range on
         the way and sets its cache scales from it (warmup's worst-case prefill)."""
@@ -169,5 +192,14 @@ class ModelRunner:
         ):  # decode-only: replay the padded graph ([num_seqs, vocab], valid until next step)
             return g.run(step.token_ids, step.positions, step.seq_lens, step.block_tables,
                          step.lora_slots)
+        # Verify graphs carry no LoRA slots: steps with adapter rows run eagerly.
+        if self.verify_graphs and not any(x >= 0 for x in step.lora_slots or ()):
+            v = self.verify_graphs.get(max(step.query_lens, default=0))
+            if v is not None and v.can_run(step.query_lens, step.block_tables):
+                # Short rows (verify steps): the padded graph, then this step's logits rows.
+                logits, rows = v.run_ragged(step.token_ids, step.positions, step.query_lens,
+                                            step.seq_lens, step.block_tables)
+                pick = torch.from_numpy(rows[np.asarray(step.logits_indices, dtype=np.int64)])
+                return logits.index_select(0, pick.to(self.device, non_blocking=True))
         d = self.prepare(step)
         return self.forward(d.input_ids, d.positions, d.meta, d.logits_indices)

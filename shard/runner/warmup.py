@@ -24,6 +24,8 @@ class WarmupSpec:
     max_batch_prefill_tokens: int
     max_batch_size: int
     max_batch_total_tokens: int | None = None
+    speculate_tokens: int = 0  # most draft tokens per request and step (speculative decoding)
+    speculate_max_batch_size: int = 0  # largest step with drafts
 
 
 @dataclass(frozen=True)
@@ -133,9 +135,14 @@ def run_warmup(
         )
     runner.allocate_kv_cache(num_blocks)
     # Decode CUDA graphs bake in the KV pool's addresses: capture after the final allocation.
-    runner.capture_cuda_graphs(
-        min(max(spec.max_batch_size, 1), CUDA_GRAPH_MAX_BATCH), spec.max_total_tokens
-    )
+    max_batch = min(max(spec.max_batch_size, 1), CUDA_GRAPH_MAX_BATCH)
+    runner.capture_cuda_graphs(max_batch, spec.max_total_tokens)
+    if spec.speculate_tokens > 0:  # verify steps: 1 + k tokens per request, k <= speculate
+        runner.capture_verify_graphs(
+            spec.speculate_tokens + 1,
+            min(max(spec.speculate_max_batch_size, 1), max_batch),
+            spec.max_total_tokens,
+        )
     return WarmupResult(
         num_blocks=num_blocks,
         block_size=bs,

@@ -70,16 +70,29 @@ def grants_from_proto(grants) -> list[BlockGrant]:
     return [BlockGrant(request_id=g.request_id, blocks=list(g.blocks)) for g in grants]
 
 
+def drafts_from_proto(drafts) -> dict[int, list[int]] | None:
+    """{request id: draft tokens} (speculative decoding); None when the step has none."""
+    if not drafts:
+        return None
+    return {d.request_id: list(d.tokens) for d in drafts if d.tokens} or None
+
+
 def prefill_from_proto(
     m: pb.PrefillRequest,
-) -> tuple[BatchSpec, CachedBatchRef | None, list[BlockGrant]]:
+) -> tuple[BatchSpec, CachedBatchRef | None, list[BlockGrant], dict[int, list[int]] | None]:
     batch = BatchSpec(id=m.batch.id, requests=[request_from_proto(r) for r in m.batch.requests])
     cached = cached_batch_from_proto(m.cached_batch) if m.HasField("cached_batch") else None
-    return batch, cached, grants_from_proto(m.block_grants)
+    return batch, cached, grants_from_proto(m.block_grants), drafts_from_proto(m.drafts)
 
 
-def decode_from_proto(m: pb.DecodeRequest) -> tuple[list[CachedBatchRef], list[BlockGrant]]:
-    return [cached_batch_from_proto(b) for b in m.batches], grants_from_proto(m.block_grants)
+def decode_from_proto(
+    m: pb.DecodeRequest,
+) -> tuple[list[CachedBatchRef], list[BlockGrant], dict[int, list[int]] | None]:
+    return (
+        [cached_batch_from_proto(b) for b in m.batches],
+        grants_from_proto(m.block_grants),
+        drafts_from_proto(m.drafts),
+    )
 
 
 def warmup_from_proto(m: pb.WarmupRequest) -> WarmupSpec:
@@ -91,6 +104,8 @@ def warmup_from_proto(m: pb.WarmupRequest) -> WarmupSpec:
         max_batch_total_tokens=(
             m.max_batch_total_tokens if m.HasField("max_batch_total_tokens") else None
         ),
+        speculate_tokens=m.speculate_tokens,
+        speculate_max_batch_size=m.speculate_max_batch_size,
     )
 
 

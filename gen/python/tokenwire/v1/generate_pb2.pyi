@@ -96,7 +96,7 @@ class TopTokens(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
 
 class BestOfSequence(_message.Message):
-    __slots__ = ("generated_text", "finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens")
+    __slots__ = ("generated_text", "finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens", "accepted_tokens_per_step")
     GENERATED_TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class BestOfSequence(_message.Message):
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     generated_text: str
     finish_reason: str
     generated_tokens: int
@@ -111,10 +112,11 @@ class BestOfSequence(_message.Message):
     prefill: _containers.RepeatedCompositeFieldContainer[PrefillToken]
     tokens: _containers.RepeatedCompositeFieldContainer[Token]
     top_tokens: _containers.RepeatedCompositeFieldContainer[TopTokens]
-    def __init__(self, generated_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[PrefillToken, _Mapping]]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., top_tokens: _Optional[_Iterable[_Union[TopTokens, _Mapping]]] = ...) -> None: ...
+    accepted_tokens_per_step: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, generated_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[PrefillToken, _Mapping]]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., top_tokens: _Optional[_Iterable[_Union[TopTokens, _Mapping]]] = ..., accepted_tokens_per_step: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Details(_message.Message):
-    __slots__ = ("finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens", "best_of_sequences")
+    __slots__ = ("finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens", "best_of_sequences", "accepted_tokens_per_step")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +124,7 @@ class Details(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BEST_OF_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     generated_tokens: int
     seed: int
@@ -129,7 +132,8 @@ class Details(_message.Message):
     tokens: _containers.RepeatedCompositeFieldContainer[Token]
     top_tokens: _containers.RepeatedCompositeFieldContainer[TopTokens]
     best_of_sequences: _containers.RepeatedCompositeFieldContainer[BestOfSequence]
-    def __init__(self, finish_reason: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[PrefillToken, _Mapping]]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., top_tokens: _Optional[_Iterable[_Union[TopTokens, _Mapping]]] = ..., best_of_sequences: _Optional[_Iterable[_Union[BestOfSequence, _Mapping]]] = ...) -> None: ...
+    accepted_tokens_per_step: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, finish_reason: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[PrefillToken, _Mapping]]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., top_tokens: _Optional[_Iterable[_Union[TopTokens, _Mapping]]] = ..., best_of_sequences: _Optional[_Iterable[_Union[BestOfSequence, _Mapping]]] = ..., accepted_tokens_per_step: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("generated_text", "details")
@@ -140,16 +144,18 @@ class GenerateResponse(_message.Message):
     def __init__(self, generated_text: _Optional[str] = ..., details: _Optional[_Union[Details, _Mapping]] = ...) -> None: ...
 
 class StreamDetails(_message.Message):
-    __slots__ = ("finish_reason", "generated_tokens", "seed", "input_length")
+    __slots__ = ("finish_reason", "generated_tokens", "seed", "input_length", "accepted_tokens_per_step")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     INPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     generated_tokens: int
     seed: int
     input_length: int
-    def __init__(self, finish_reason: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., input_length: _Optional[int] = ...) -> None: ...
+    accepted_tokens_per_step: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, finish_reason: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., input_length: _Optional[int] = ..., accepted_tokens_per_step: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
     __slots__ = ("index", "token", "top_tokens", "generated_text", "details", "error", "error_type")
@@ -174,7 +180,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "model_sha", "model_dtype", "model_device_type", "model_pipeline_tag", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_input_tokens", "max_total_tokens", "validation_workers", "max_client_batch_size", "router", "version", "sha", "docker_label", "max_top_n_tokens", "max_batch_total_tokens", "block_size", "num_kv_blocks", "num_shard", "adapters", "max_loras", "max_lora_rank")
+    __slots__ = ("model_id", "model_sha", "model_dtype", "model_device_type", "model_pipeline_tag", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_input_tokens", "max_total_tokens", "validation_workers", "max_client_batch_size", "router", "version", "sha", "docker_label", "max_top_n_tokens", "max_batch_total_tokens", "block_size", "num_kv_blocks", "num_shard", "adapters", "max_loras", "max_lora_rank", "speculate")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA_FIELD_NUMBER: _ClassVar[int]
     MODEL_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +205,7 @@ class InfoResponse(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_sha: str
     model_dtype: str
@@ -223,7 +230,8 @@ class InfoResponse(_message.Message):
     adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
     max_loras: int
     max_lora_rank: int
-    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., model_pipeline_tag: _Optional[str] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., validation_workers: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., router: _Optional[str] = ..., version: _Optional[str] = ..., sha: _Optional[str] = ..., docker_label: _Optional[str] = ..., max_top_n_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_shard: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+    speculate: int
+    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., model_pipeline_tag: _Optional[str] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., validation_workers: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., router: _Optional[str] = ..., version: _Optional[str] = ..., sha: _Optional[str] = ..., docker_label: _Optional[str] = ..., max_top_n_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_shard: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., speculate: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

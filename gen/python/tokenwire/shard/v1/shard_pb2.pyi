@@ -75,18 +75,22 @@ class HealthResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WarmupRequest(_message.Message):
-    __slots__ = ("max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_size", "max_batch_total_tokens")
+    __slots__ = ("max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_size", "max_batch_total_tokens", "speculate_tokens", "speculate_max_batch_size")
     MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     max_input_tokens: int
     max_total_tokens: int
     max_batch_prefill_tokens: int
     max_batch_size: int
     max_batch_total_tokens: int
-    def __init__(self, max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ...) -> None: ...
+    speculate_tokens: int
+    speculate_max_batch_size: int
+    def __init__(self, max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., speculate_tokens: _Optional[int] = ..., speculate_max_batch_size: _Optional[int] = ...) -> None: ...
 
 class WarmupResponse(_message.Message):
     __slots__ = ("num_blocks", "block_size", "max_supported_total_tokens", "warmup_ns")
@@ -183,22 +187,26 @@ class BlockGrant(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("batch", "cached_batch", "block_grants")
+    __slots__ = ("batch", "cached_batch", "block_grants", "drafts")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     CACHED_BATCH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_GRANTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
     cached_batch: CachedBatch
     block_grants: _containers.RepeatedCompositeFieldContainer[BlockGrant]
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., cached_batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., block_grants: _Optional[_Iterable[_Union[BlockGrant, _Mapping]]] = ...) -> None: ...
+    drafts: _containers.RepeatedCompositeFieldContainer[Draft]
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., cached_batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., block_grants: _Optional[_Iterable[_Union[BlockGrant, _Mapping]]] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("batches", "block_grants")
+    __slots__ = ("batches", "block_grants", "drafts")
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_GRANTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
     block_grants: _containers.RepeatedCompositeFieldContainer[BlockGrant]
-    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., block_grants: _Optional[_Iterable[_Union[BlockGrant, _Mapping]]] = ...) -> None: ...
+    drafts: _containers.RepeatedCompositeFieldContainer[Draft]
+    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., block_grants: _Optional[_Iterable[_Union[BlockGrant, _Mapping]]] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("ids", "logprobs", "texts", "is_special")
@@ -333,3 +341,11 @@ class UnloadAdapterRequest(_message.Message):
 class UnloadAdapterResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class Draft(_message.Message):
+    __slots__ = ("request_id", "tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...

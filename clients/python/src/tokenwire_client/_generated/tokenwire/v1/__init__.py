@@ -175,6 +175,15 @@ class BestOfSequence(betterproto2.Message):
     Alternatives per generated position, when top_n_tokens > 0.
     """
 
+    accepted_tokens_per_step: "list[int]" = betterproto2.field(
+        60, betterproto2.TYPE_UINT32, repeated=True
+    )
+    """
+    Tokens this sequence received from each engine step, in order (1 without speculative
+    decoding; up to 1 + --speculate when drafts were accepted). Empty when the router runs
+    without --speculate.
+    """
+
 
 default_message_pool.register_message("tokenwire.v1", "BestOfSequence", BestOfSequence)
 
@@ -747,6 +756,15 @@ class Details(betterproto2.Message):
     The other sequences of a best_of request, when best_of > 1.
     """
 
+    accepted_tokens_per_step: "list[int]" = betterproto2.field(
+        60, betterproto2.TYPE_UINT32, repeated=True
+    )
+    """
+    Tokens the sequence received from each engine step, in order (1 without speculative
+    decoding; up to 1 + --speculate when drafts were accepted). Empty when the router runs
+    without --speculate.
+    """
+
 
 default_message_pool.register_message("tokenwire.v1", "Details", Details)
 
@@ -1154,6 +1172,11 @@ class InfoResponse(betterproto2.Message):
     --max-lora-rank: the largest adapter rank the server accepts.
     """
 
+    speculate: "int" = betterproto2.field(60, betterproto2.TYPE_UINT32)
+    """
+    --speculate: most n-gram draft tokens verified per sequence and step (0: off).
+    """
+
 
 default_message_pool.register_message("tokenwire.v1", "InfoResponse", InfoResponse)
 
@@ -1364,6 +1387,14 @@ class StreamDetails(betterproto2.Message):
     input_length: "int" = betterproto2.field(4, betterproto2.TYPE_UINT32)
     """
     Number of prompt tokens (after truncation).
+    """
+
+    accepted_tokens_per_step: "list[int]" = betterproto2.field(
+        60, betterproto2.TYPE_UINT32, repeated=True
+    )
+    """
+    Tokens the sequence received from each engine step (see Details); empty without
+    --speculate.
     """
 
 

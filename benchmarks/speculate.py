@@ -1,0 +1,603 @@
+"""Speculative decoding benchmark (issue 24): n-gram drafts verified in one forward pass.
+
+    python -m benchmarks.speculate cpu [--out benchmarks]      # SmolLM2 on this CPU
+    python -m benchmarks.speculate gpu --out $OUT              # 8B shape, random bf16 weights
+    python -m benchmarks.speculate gpu --tiny --device cpu     # the GPU part's code on a CPU
+
+Both parts load the model through the normal shard path (`shard.server.loader.Shard`, warmup,
+CUDA graphs for decode and verify steps) and drive it with the router's own engine
+(`LocalEngine`: scheduler, n-gram proposer, adaptive rule) through the shard protocol's proto
+conversion on both sides, in one process: the protobuf messages are built and read exactly as
+over gRPC, without the transport (so the figures are the model's and the engine's, not the
+socket's).
+
+cpu: SmolLM2-135M-Instruct (the embedded default, float32) on input-grounded chat prompts
+(summarize / rewrite a given paragraph, edit given code): acceptance rate, tokens per forward pass
+and decode tokens/s with and without --speculate, batch 1 and all prompts at once; outputs must
+be equal token for token.
+
+gpu: a Llama-3-8B-shaped checkpoint of random bf16 weights: (1) the verify step's time for
+k = 1..8 draft tokens at batch 1 against the plain decode step (CUDA graph replays, 1k context);
+(2) decode tokens/s at batch 1 with and without speculation on a workload where the model's own
+greedy output repeats (random weights fall into loops: high acceptance, reported); (3) batch 64
+with the adaptive rule (--speculate-max-batch-size) against no speculation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import itertools
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Input-grounded tasks: the answer copies or edits text given in the prompt.
+_PARAGRAPH = (
+    "The Great Barrier Reef, off the coast of Queensland in Australia, is the largest coral reef "
+    "system in the world. It is made up of nearly three thousand individual reefs and nine "
+    "hundred islands stretching over two thousand three hundred kilometres. The reef can be seen "
+    "from outer space and is the biggest single structure made by living organisms. Rising sea "
+    "temperatures have caused mass coral bleaching events in recent years, and scientists warn "
+    "that the reef could lose much of its coral cover within a few decades."
+)
+_CODE = '''def average(values):
+    total = 0
+    for value in values:
+        total = total + value
+    return total / len(values)
+
+
+def largest(values):
+    best = values[0]
+    for value in values:
+        if value > best:
+            best = value
+    return best
+'''
+GROUNDED_TASKS: list[str] = [
+    f"Summarize the following paragraph in two sentences.\n\n{_PARAGRAPH}",
+    f"Rewrite the following paragraph in simpler words, keeping every fact.\n\n{_PARAGRAPH}",
+    (
+        "Rename the variable `values` to `numbers` everywhere in this Python code and return "
+        f"the whole code.\n\n{_CODE}"
+    ),
+    f"Add a docstring to each function of this Python code and return it.\n\n{_CODE}",
+    f"Repeat the following paragraph exactly, word for word.\n\n{_PARAGRAPH}",
+    (
+        "Make `average` return 0 for an empty list in this Python code and return the whole "
+        f"code.\n\n{_CODE}"
+    ),
+]
+
+
+@functools.lru_cache(maxsize=4)
+def _chat_tokenizer(model_dir: str):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+def chat_prompt_ids(model_dir: Path | str, task: str) -> list[int]:
+    """The task as one user message through the model's chat template, as token ids."""
+    tok = _chat_tokenizer(str(model_dir))
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": task}], tokenize=False, add_generation_prompt=True
+    )
+    return tok(text, add_special_tokens=False).input_ids
+
+
+# ---- the engine over an in-process shard -----------------------------------------------------
+
+
+class InProcessShard:
+    """The engine's ShardBackend over a Shard in this process: every step's request is built
+    by the router's converter, read by the shard's, and the answer goes back the same way."""
+
+    def __init__(self, shard) -> None:
+        self.shard = shard
+        self.cpu_seconds = 0.0
+        self._ids = itertools.count(1)
+        self._batch_id: int | None = None
+        self._batch_ids: list[int] = []
+
+    async def step(self, plan):
+        from service.shard_client import convert as rc
+        from shard.server import convert as sc
+
+        engine = self.shard.engine
+        if plan.chunks:
+            req = rc.prefill_request(plan, next(self._ids), self._batch_id, self._batch_ids)
+            resp = sc.prefill_to_proto(engine.prefill(*sc.prefill_from_proto(req)))
+        else:
+            req = rc.decode_request(plan, self._batch_id, self._batch_ids)
+            resp = sc.decode_to_proto(engine.decode(*sc.decode_from_proto(req)))
+        out = rc.step_output(resp)
+        self._batch_id, self._batch_ids = out.batch_id, out.batch_request_ids
+        return out
+
+    async def filter(self, keep_ids: list[int]) -> None:
+        if self._batch_id is None:
+            return
+        if keep_ids:
+            ref = self.shard.engine.filter_batch(self._batch_id, keep_ids)
+            self._batch_ids = list(ref.request_ids)
+        else:
+            self.shard.engine.clear_cache(self._batch_id)
+            self._batch_id, self._batch_ids = None, []
+
+
+@dataclass
+class RunResult:
+    outputs: list[list[int]]
+    generated: int
+    seconds: float  # first token of the first request to the last token of the last
+    decode_steps: int  # engine steps after the prompts' prefill
+    proposed: int
+    accepted: int
+    cpu_seconds: float = 0.0  # this process's CPU time over the whole run (all threads)
+
+    @property
+    def tok_s(self) -> float:
+        return self.generated / self.seconds if self.seconds else 0.0
+
+
+async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
+               spec_max_batch: int, ignore_eos: bool, prefill_budget: int) -> RunResult:
+    from service.engine.contracts import SamplingConfig, StoppingConfig, ValidatedRequest
+    from service.engine.engine import EngineConfig, LocalEngine
+
+    runner = shard.runner
+    backend = InProcessShard(shard)
+    shard.engine.clear_cache(None)
+    cfg = EngineConfig(
+        num_blocks=runner.num_blocks, block_size=runner.block_size,
+        max_batch_prefill_tokens=prefill_budget, max_batch_size=max(len(prompts), 1),
+        max_concurrent_requests=max(len(prompts), 1), waiting_served_ratio=0.0,
+        speculate=speculate, speculate_max_batch_size=spec_max_batch,
+        enable_prefix_cache=False,  # every configuration computes every prompt
+    )
+    engine = LocalEngine(cfg, backend)  # type: ignore[arg-type]
+    await engine.start()
+    cpu0 = time.process_time()
+    times: list[list[float]] = [[] for _ in prompts]  # arrival of each token
+    first_steps: list[int] = []
+
+    async def one(i: int, ids: list[int]) -> list[int]:
+        req = ValidatedRequest(f"b{i}", tuple(ids), SamplingConfig(),
+                               StoppingConfig(new_tokens, ignore_eos_token=ignore_eos))
+        out = []
+        async for ev in engine.submit(req):
+            if not out:
+                first_steps.append(engine.stats().steps)
+            times[i].append(time.perf_counter())
+            out.append(ev.token.id)
+        return out
+
+    try:
+        outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        cpu = time.process_time() - cpu0
+        st = engine.stats()
+    finally:
+        await engine.stop()
+    # Decode only: the tokens after the last request's first one (every prompt prefilled).
+    start = max(t[0] for t in times)
+    end = max(t[-1] for t in times)
+    return RunResult(
+        outputs=list(outputs), generated=sum(1 for ts in times for t in ts if t > start),
+        seconds=end - start, decode_steps=st.steps - max(first_steps),
+        proposed=st.spec_proposed_tokens, accepted=st.spec_accepted_tokens, cpu_seconds=cpu,
+    )
+
+
+def _row(name: str, r: RunResult, base: RunResult | None) -> dict:
+    return {
+        "run": name,
+        "decode_tokens": r.generated,
+        "decode_steps": r.decode_steps,
+        "tokens_per_forward": round(r.generated / max(r.decode_steps, 1), 3),
+        "acceptance": round(r.accepted / r.proposed, 3) if r.proposed else None,
+        "proposed": r.proposed,
+        "accepted": r.accepted,
+        "tok_s": round(r.tok_s, 2),
+        "speedup": round(r.tok_s / base.tok_s, 3) if base and base.tok_s else None,
+        "equal_to_reference": (r.outputs == base.outputs) if base else None,
+        # Robust to other load on a shared machine: CPU time of the whole run (prefill too).
+        "cpu_seconds": round(r.cpu_seconds, 2),
+        "cpu_speedup": round(base.cpu_seconds / r.cpu_seconds, 3)
+        if base and r.cpu_seconds else None,
+    }
+
+
+def _table(rows: list[dict]) -> str:
+    head = ("| run | decode tokens | forward passes | tokens / pass | acceptance | tok/s | speedup "
+            "| CPU s (speedup) | equal |\n|---|---|---|---|---|---|---|---|---|\n")
+    out = []
+    for r in rows:
+        acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f} %"
+        sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        eq = "-" if r["equal_to_reference"] is None else ("yes" if r["equal_to_reference"] else "NO")
+        cpu = f"{r['cpu_seconds']:.1f}"
+        if r["cpu_speedup"] is not None:
+            cpu += f" ({r['cpu_speedup']:.2f}x)"
+        out.append(f"| {r['run']} | {r['decode_tokens']} | {r['decode_steps']} | "
+                   f"{r['tokens_per_forward']:.2f} | {acc} | {r['tok_s']:.2f} | {sp} | {cpu} "
+                   f"| {eq} |")
+    return head + "\n".join(out) + "\n"
+
+
+# ---- cpu -------------------------------------------------------------------------------------
+
+
+def _cpu_step_costs(shard, context: int, max_k: int, reps: int = 3, iters: int = 5) -> list[dict]:
+    """CPU time of one batch-1 step computing 1 + k tokens at `context`, on ONE thread and
+    measured with thread_time (min over interleaved repetitions): the verify step's cost
+    relative to a decode step, robust to other processes on a shared machine (wall-clock
+    tokens/s is not)."""
+    import torch
+
+    from shard.runner.model_runner import StepInputs
+
+    runner = shard.runner
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    table = list(range(math.ceil((context + max_k + 1) / runner.block_size)))
+    vocab = runner.model.vocab_size
+    ks = [0, 1, 2, 4, max_k] if max_k > 4 else list(range(max_k + 1))
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    try:
+        for _ in range(reps):
+            for k in ks:
+                q = k + 1
+                step = StepInputs([(7 * j + 3) % vocab for j in range(q)],
+                                  list(range(context - 1, context - 1 + q)), [q],
+                                  [context - 1 + q], [table], list(range(q)))
+                runner.execute(step)
+                t = time.thread_time()
+                for _ in range(iters):
+                    runner.execute(step)
+                times[k].append((time.thread_time() - t) / iters * 1e3)
+    finally:
+        torch.set_num_threads(threads)
+    base = min(times[0])
+    return [{"k": k, "tokens": k + 1, "cpu_ms": round(min(v), 2),
+             "vs_decode": round(min(v) / base, 3)} for k, v in times.items()]
+
+
+def run_cpu(args) -> dict:
+    import torch
+
+    from service.app.launcher import cache_dir, ensure_local_model
+    from shard.distributed.groups import Dist
+    from shard.runner.warmup import WarmupSpec
+    from shard.server.loader import Shard, ShardConfig
+
+    torch.set_num_threads(args.threads)
+    _, model_dir = ensure_local_model(None, None, cache_dir())
+    shard = Shard(ShardConfig(model_id=str(model_dir), dtype="float32", device="cpu",
+                              kv_cache_memory_mb=256), Dist())
+    shard.warmup(WarmupSpec(512, 512 + args.new_tokens, 512, 8, speculate_tokens=args.speculate,
+                            speculate_max_batch_size=8))
+    parts = set(args.parts.split(","))
+    tasks = GROUNDED_TASKS[: args.tasks] if "tasks" in parts else []
+    prompts = [chat_prompt_ids(model_dir, t) for t in tasks]
+    rows: list[dict] = []
+    per_task = []
+    res = {"part": "cpu", "model": "SmolLM2-135M-Instruct float32", "threads": args.threads,
+           "new_tokens": args.new_tokens, "speculate": args.speculate, "rows": rows,
+           "prompt_tokens": [len(p) for p in prompts],
+           "machine": platform.processor() or platform.machine(),
+           "load_average_at_start": list(os.getloadavg())}
+    if "costs" in parts:
+        res["step_costs"] = _cpu_step_costs(shard, 200, args.speculate * 2)
+
+    def save() -> None:  # after every row: a long run killed midway keeps what it measured
+        md = ""
+        if "step_costs" in res:
+            md += ("## CPU: one batch-1 step of 1 + k tokens at context 200 (SmolLM2, float32, "
+                   "one thread, CPU ms per step)\n\n| draft tokens k | CPU ms | vs decode |\n"
+                   "|---|---|---|\n" + "".join(
+                       f"| {r['k']} | {r['cpu_ms']:.1f} | {r['vs_decode']:.2f}x |\n"
+                       for r in res["step_costs"]) + "\n")
+        if rows:
+            md += (f"## CPU: SmolLM2-135M-Instruct, float32, {args.threads} thread(s), greedy, "
+                   f"up to {args.new_tokens} new tokens (EOS ends earlier)\n\n" + _table(rows))
+        _write(args.out, "speculate_cpu", res, md, quiet=True)
+
+    loop = asyncio.new_event_loop()
+    try:
+        for i, p in enumerate(prompts):  # batch 1, one task at a time
+            base = loop.run_until_complete(
+                _run(shard, [p], args.new_tokens, 0, 1, False, 512))
+            spec = loop.run_until_complete(
+                _run(shard, [p], args.new_tokens, args.speculate, 1, False, 512))
+            per_task.append((base, spec))
+            rows.append(_row(f"task {i + 1}, batch 1, --speculate 0", base, None))
+            rows.append(_row(f"task {i + 1}, batch 1, --speculate {args.speculate}", spec, base))
+            save()
+        if per_task:
+            tot = _sum([b for b, _ in per_task]), _sum([s for _, s in per_task])
+            rows.append(_row("all tasks, batch 1, --speculate 0", tot[0], None))
+            rows.append(_row(f"all tasks, batch 1, --speculate {args.speculate}", tot[1],
+                             tot[0]))
+        save()
+        if "batch" in parts:
+            base = loop.run_until_complete(
+                _run(shard, prompts, args.new_tokens, 0, 8, False, 512))
+            rows.append(_row(f"all {len(prompts)} at once, --speculate 0", base, None))
+            save()
+            for cap in (1, 8):
+                spec = loop.run_until_complete(
+                    _run(shard, prompts, args.new_tokens, args.speculate, cap, False, 512))
+                rows.append(_row(f"all {len(prompts)} at once, --speculate {args.speculate} "
+                                 f"--speculate-max-batch-size {cap}", spec, base))
+                save()
+    finally:
+        loop.close()
+    res["load_average_at_end"] = list(os.getloadavg())
+    save()
+    print((args.out / "speculate_cpu.md").read_text())
+    return res
+
+
+def _sum(runs: list[RunResult]) -> RunResult:
+    return RunResult(
+        outputs=[o for r in runs for o in r.outputs], generated=sum(r.generated for r in runs),
+        seconds=sum(r.seconds for r in runs), decode_steps=sum(r.decode_steps for r in runs),
+        proposed=sum(r.proposed for r in runs), accepted=sum(r.accepted for r in runs),
+        cpu_seconds=sum(r.cpu_seconds for r in runs),
+    )
+
+
+# ---- gpu -------------------------------------------------------------------------------------
+
+
+def _verify_step_times(shard, context: int, max_k: int, vocab: int) -> list[dict]:
+    """ms of one step at batch 1: plain decode (k = 0) and verify steps of 1 + k tokens, as
+    CUDA graph replays when captured (else eager wall time, e.g. on a CPU check)."""
+    import torch
+
+    from benchmarks.harness.timing import cuda_time_ms
+    from shard.runner.model_runner import StepInputs
+
+    runner = shard.runner
+    bs = runner.block_size
+    table = list(range(math.ceil((context + max_k + 1) / bs)))
+    out = []
+    cuda = runner.device.type == "cuda"
+    for k in range(max_k + 1):
+        q = k + 1
+        step = StepInputs(
+            token_ids=[(7 * j + 3) % vocab for j in range(q)],
+            positions=list(range(context - 1, context - 1 + q)),
+            query_lens=[q], seq_lens=[context - 1 + q], block_tables=[table],
+            logits_indices=list(range(q)),
+        )
+        d = runner.prepare(step)  # eager reference (the same K/V lands in the same slots)
+        eager = runner.forward(d.input_ids, d.positions, d.meta, d.logits_indices).float()
+        got = runner.execute(step).float()  # stages the graph's inputs when captured
+        diff = float((got - eager).abs().max())
+        same_argmax = got.argmax(-1).tolist() == eager.argmax(-1).tolist()
+        graph = None
+        if k == 0 and runner.graphs is not None:
+            graph = runner.graphs.graphs[1]
+        elif k > 0 and q in runner.verify_graphs:
+            graph = runner.verify_graphs[q].graphs[1]
+        if graph is not None:
+            ms = cuda_time_ms(graph.replay, iters=30)
+            how = "graph"
+        elif cuda:
+            ms = cuda_time_ms(lambda s=step: runner.execute(s), iters=20)
+            how = "eager"
+        else:
+            t = time.perf_counter()
+            for _ in range(5):
+                runner.execute(step)
+            ms = (time.perf_counter() - t) / 5 * 1e3
+            how = "eager"
+        out.append({"k": k, "tokens": q, "ms": round(ms, 4), "how": how,
+                    "max_abs_diff_vs_eager": diff, "argmax_equal_eager": same_argmax})
+        if cuda:
+            torch.cuda.synchronize()
+    base = out[0]["ms"]
+    for r in out:
+        r["vs_decode"] = round(r["ms"] / base, 3)
+    return out
+
+
+def _break_even_acceptance(ratio: float, k: int) -> float | None:
+    """Per-draft acceptance a at which a verify step of k drafts, costing `ratio` decode steps,
+    yields as many tokens per second: (1 - a^(k+1)) / (1 - a) = ratio (bisection)."""
+    if ratio <= 1.0:
+        return 0.0
+    if ratio >= k + 1:
+        return None  # never pays
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        if (1 - a ** (k + 1)) / (1 - a) < ratio:
+            lo = a
+        else:
+            hi = a
+    return round(hi, 3)
+
+
+def _batch_sweep(shard, context: int, k: int, batches: list[int], vocab: int) -> list[dict]:
+    """Decode step vs verify step of k drafts per request, by batch size (CUDA graph replays):
+    where verifying stops paying, which sets --speculate-max-batch-size's default."""
+    from benchmarks.harness.timing import cuda_time_ms
+    from shard.runner.cuda_graphs import CudaGraphDecodeRunner
+
+    runner = shard.runner
+    if runner.graphs is None:
+        return []
+    bs = runner.block_size
+    per = math.ceil((context + k + 1) / bs)
+    q = k + 1
+    graphs = CudaGraphDecodeRunner(runner.forward, runner.device, bs, max(batches),
+                                   per + 1, buckets=sorted(batches), query_len=q)
+    graphs.capture(pool=runner.graphs.pool)
+    out = []
+    for b in batches:
+        tables = [list(range(i * per, (i + 1) * per)) for i in range(b)]
+        runner.graphs.run([(5 * i + 1) % vocab for i in range(b)], [context - 1] * b,
+                          [context] * b, tables)
+        dec = cuda_time_ms(runner.graphs.graphs[runner.graphs.bucket(b)].replay, iters=20)
+        graphs.run_ragged([(3 * j + 1) % vocab for j in range(b * q)],
+                          [context - 1 + (j % q) for j in range(b * q)], [q] * b,
+                          [context - 1 + q] * b, tables)
+        ver = cuda_time_ms(graphs.graphs[b].replay, iters=20)
+        ratio = ver / dec
+        out.append({"batch": b, "decode_ms": round(dec, 3), f"verify_k{k}_ms": round(ver, 3),
+                    "ratio": round(ratio, 3),
+                    "break_even_acceptance": _break_even_acceptance(ratio, k)})
+    del graphs
+    return out
+
+
+def _loop_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts (ids below vocab; the random model's greedy continuation loops)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def run_gpu(args) -> dict:
+    import torch
+
+    from shard.distributed.groups import Dist
+    from shard.runner.warmup import WarmupSpec
+    from shard.server.loader import Shard, ShardConfig
+
+    t0 = time.perf_counter()
+    cuda = args.device == "cuda"
+    if args.tiny:
+        from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
+
+        model_dir = make_tiny_model(args.workdir / "tiny-llama", TinyModelSpec("llama"))
+        vocab = 500
+    else:
+        from shard.testing.checkpoint import BOS_ID, write_checkpoint
+
+        model_dir = args.workdir / f"llama3-8b-shape-{args.num_layers}l"
+        write_checkpoint(model_dir, args.num_layers)
+        vocab = BOS_ID
+    written = time.perf_counter() - t0
+    shard = Shard(ShardConfig(model_id=str(model_dir), dtype="bfloat16" if cuda else "float32",
+                              device=args.device, kv_cache_memory_mb=None if cuda else 64),
+                  Dist())
+    max_k = args.max_k
+    shard.warmup(WarmupSpec(args.context + 64, args.context + 512, args.context + 64,
+                            args.batch, speculate_tokens=max_k,
+                            speculate_max_batch_size=args.spec_max_batch))
+    loaded = time.perf_counter() - t0 - written
+    res: dict = {"part": "gpu", "device": torch.cuda.get_device_name() if cuda else "cpu",
+                 "model": "tiny llama" if args.tiny else f"Llama-3-8B shape, {args.num_layers} "
+                 "layers, random bf16", "checkpoint_s": round(written, 1),
+                 "load_warmup_s": round(loaded, 1)}
+    res["verify_steps"] = _verify_step_times(shard, args.context, max_k, vocab)
+    res["batch_sweep"] = _batch_sweep(shard, args.context, 4, [1, 4, 8, 16, 32, 64], vocab)
+    prefill = args.context + 64
+    loop = asyncio.new_event_loop()
+    rows = []
+    try:
+        # Batch 1: one prompt of `context` random tokens, greedy, `new_tokens` tokens.
+        p1 = _loop_prompts(args.b1_requests, args.context, vocab)
+        base1 = _sum([loop.run_until_complete(
+            _run(shard, [p], args.new_tokens, 0, args.spec_max_batch, True, prefill)) for p in p1])
+        rows.append(_row("batch 1, --speculate 0", base1, None))
+        for k in sorted({4, max_k}):
+            r = _sum([loop.run_until_complete(
+                _run(shard, [p], args.new_tokens, k, args.spec_max_batch, True, prefill))
+                for p in p1])
+            rows.append(_row(f"batch 1, --speculate {k}", r, base1))
+        # Batch B: B prompts of 512 (or context) tokens, `batch_tokens` new tokens each.
+        pb = _loop_prompts(args.batch, min(512, args.context), vocab, seed=1)
+        budget = prefill  # the warmup's prefill budget: chunks over several steps
+        baseb = loop.run_until_complete(
+            _run(shard, pb, args.batch_tokens, 0, args.spec_max_batch, True, budget))
+        rows.append(_row(f"batch {args.batch}, --speculate 0", baseb, None))
+        r = loop.run_until_complete(
+            _run(shard, pb, args.batch_tokens, 4, args.spec_max_batch, True, budget))
+        rows.append(_row(f"batch {args.batch}, --speculate 4 (adaptive: --speculate-max-batch-size"
+                         f" {args.spec_max_batch})", r, baseb))
+        r = loop.run_until_complete(
+            _run(shard, pb, args.batch_tokens, 4, args.batch, True, budget))
+        rows.append(_row(f"batch {args.batch}, --speculate 4 forced (--speculate-max-batch-size "
+                         f"{args.batch})", r, baseb))
+    finally:
+        loop.close()
+    res["rows"] = rows
+    res["total_s"] = round(time.perf_counter() - t0, 1)
+    vs = res["verify_steps"]
+    md = [f"## GPU: {res['model']} on {res['device']}, context {args.context}\n",
+          "Verify step (batch 1, CUDA graph replay) against the plain decode step:\n",
+          ("| draft tokens k | tokens computed | ms | vs decode | logits vs eager (max abs diff, "
+           "argmax equal) |"), "|---|---|---|---|---|"]
+    md += [f"| {r['k']} | {r['tokens']} | {r['ms']:.3f} ({r['how']}) | {r['vs_decode']:.2f}x "
+           f"| {r['max_abs_diff_vs_eager']:.2g}, {r['argmax_equal_eager']} |" for r in vs]
+    if res["batch_sweep"]:
+        md += ["", ("Verify step of 4 drafts per request against the decode step, by batch size "
+                    "(graph replays; break-even: the per-draft acceptance at which speculation "
+                    "gives the same tokens/s):\n"),
+               "| batch | decode ms | verify (k=4) ms | ratio | break-even acceptance |",
+               "|---|---|---|---|---|"]
+        md += [f"| {r['batch']} | {r['decode_ms']:.3f} | {r['verify_k4_ms']:.3f} | "
+               f"{r['ratio']:.2f}x | {r['break_even_acceptance']} |" for r in res["batch_sweep"]]
+    md += ["", (f"Decode throughput (greedy; batch 1: {args.b1_requests} prompts of "
+                f"{args.context} random tokens, {args.new_tokens} new tokens each; batch "
+                f"{args.batch}: {args.batch_tokens} new tokens each):\n"), _table(rows),
+           (f"Checkpoint {res['checkpoint_s']} s, load + warmup {res['load_warmup_s']} s, "
+            f"total {res['total_s']} s.")]
+    _write(args.out, "speculate_gpu", res, "\n".join(md) + "\n")
+    return res
+
+
+def _write(out: Path, name: str, res: dict, md: str, quiet: bool = False) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{name}.md").write_text(md)
+    if not quiet:
+        print(md)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="part", required=True)
+    cpu = sub.add_parser("cpu", help="SmolLM2 on this CPU")
+    cpu.add_argument("--out", type=Path, default=Path("benchmarks/raw"))
+    cpu.add_argument("--speculate", type=int, default=4)
+    cpu.add_argument("--new-tokens", type=int, default=96)
+    cpu.add_argument("--threads", type=int, default=2)
+    cpu.add_argument("--tasks", type=int, default=len(GROUNDED_TASKS), help="first N tasks")
+    cpu.add_argument("--parts", default="costs,tasks,batch",
+                     help="costs (step CPU cost by k), tasks (batch 1), batch (all at once)")
+    gpu = sub.add_parser("gpu", help="8B shape, random weights, one GPU")
+    gpu.add_argument("--out", type=Path, default=Path("benchmarks/raw"))
+    gpu.add_argument("--workdir", type=Path, default=Path("/tmp/twb"))
+    gpu.add_argument("--device", default="cuda")
+    gpu.add_argument("--tiny", action="store_true", help="a tiny random llama (CPU check)")
+    gpu.add_argument("--num-layers", type=int, default=32)
+    gpu.add_argument("--context", type=int, default=1024)
+    gpu.add_argument("--max-k", type=int, default=8)
+    gpu.add_argument("--new-tokens", type=int, default=256)
+    gpu.add_argument("--b1-requests", type=int, default=4)
+    gpu.add_argument("--batch", type=int, default=64)
+    gpu.add_argument("--batch-tokens", type=int, default=128)
+    gpu.add_argument("--spec-max-batch", type=int, default=16,
+                     help="--speculate-max-batch-size of the adaptive runs")
+    args = parser.parse_args(argv)
+    if args.part == "cpu":
+        run_cpu(args)
+    else:
+        run_gpu(args)
+
+
+if __name__ == "__main__":
+    main()
