@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shard.engine.grammar import GrammarSpec
 from shard.engine.sampling import SamplingParams
 from shard.engine.stopping import StopReason
 
@@ -28,6 +29,7 @@ class RequestSpec:
     ignore_eos_token: bool = False
     prefill_logprobs: bool = False
     top_n_tokens: int = 0
+    grammar: GrammarSpec | None = None  # constrained decoding; None: unconstrained
 
 
 @dataclass(frozen=True)

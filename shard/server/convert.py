@@ -14,6 +14,7 @@ from shard.engine.contracts import (
     StepTimings,
     TokenList,
 )
+from shard.engine.grammar import GrammarSpec
 from shard.engine.sampling import SamplingParams
 from shard.engine.stopping import StopReason
 from shard.runner.warmup import WarmupResult, WarmupSpec
@@ -57,6 +58,11 @@ def request_from_proto(m: pb.Request) -> RequestSpec:
         ignore_eos_token=m.stopping.ignore_eos_token,
         prefill_logprobs=m.prefill_logprobs,
         top_n_tokens=m.top_n_tokens,
+        grammar=(
+            GrammarSpec(kind=m.grammar.kind, source=m.grammar.source)
+            if m.HasField("grammar")
+            else None
+        ),
     )
 
 

@@ -24,6 +24,7 @@ class SimRequest:
     stop_sequences: tuple[str, ...] = ()
     ignore_eos: bool = True
     generated_len: int = 0  # tail of `prompt` generated before a preemption (recompute)
+    grammar: pb.OutputGrammar | None = None  # constrained decoding
     computed: int = 0  # tokens whose K/V the shard holds
     blocks: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
@@ -100,6 +101,7 @@ class RouterSim:
                     prefill_logprobs=req.prefill_logprobs,
                     top_n_tokens=req.top_n,
                     generated_len=req.generated_len,
+                    grammar=req.grammar,
                 )
             )
             req.computed += chunk
