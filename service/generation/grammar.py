@@ -48,7 +48,8 @@ def json_schema_spec(schema: dict[str, Any], *, strict: bool = True) -> GrammarS
     if isinstance(user, dict):
         options.update(user)
     doc = {**schema, "x-guidance": options}
-    return GrammarSpec("json_schema", json.dumps(doc, sort_keys=True, separators=(",", ":")))
+    # Key order is kept: the grammar writes properties in the schema's order.
+    return GrammarSpec("json_schema", json.dumps(doc, separators=(",", ":")))
 
 
 def regex_spec(pattern: str) -> GrammarSpec:
@@ -89,7 +90,7 @@ def tool_call_spec(
         "start: calls" if required else "start: calls | TEXT",
         f"calls: {calls}",
         f'call: "{TOOL_CALL_OPEN}\\n" function "\\n{TOOL_CALL_CLOSE}"',
-        f"function: %json {json.dumps(schema, sort_keys=True)}",
+        f"function: %json {json.dumps(schema)}",
     ]
     if not required:
         # Free text, but never the start of a call: once `<tool_call>` is written the call
