@@ -40,9 +40,23 @@ TOOL_CALL_RE = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
 FUNCTION_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
+def integral(value: Any) -> Any:
+    """`value` with every integral float made an int: schemas that crossed protobuf's Struct
+    (gRPC, Envoy's JSON transcoding) carry numbers as doubles, and `"maxLength": 8.0` is not a
+    valid schema keyword value."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: integral(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [integral(v) for v in value]
+    return value
+
+
 def json_schema_spec(schema: dict[str, Any], *, strict: bool = True) -> GrammarSpec:
     """A JSON-schema constraint. strict: a keyword the compiler does not implement is an error
     (TGI, OpenAI's strict); otherwise it is ignored (lenient)."""
+    schema = integral(schema)
     options = {**JSON_OPTIONS, "lenient": not strict}
     user = schema.get("x-guidance")
     if isinstance(user, dict):
@@ -69,7 +83,7 @@ class FunctionTool:
 def _call_schema(tool: FunctionTool) -> dict[str, Any]:
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+        "properties": {"name": {"const": tool.name}, "arguments": integral(tool.parameters)},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }

@@ -61,8 +61,7 @@ def _json_chat(client: openai.OpenAI, name: str, what: str, schema: dict) -> tup
         model="tgi",
         messages=[
             {"role": "system", "content": "You answer with JSON only."},
-            {"role": "user", "content": f"Give me {what} as JSON matching this schema: "
-                                        f"{json.dumps(schema)}"},
+            {"role": "user", "content": f"Give me {what} as JSON."},
         ],
         temperature=0,
         max_tokens=120,
@@ -91,7 +90,7 @@ def test_every_schema_of_the_suite_gives_json_that_validates(client: openai.Open
 
 def test_json_object_mode_and_the_stream_agree(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Describe a cat as a JSON object."}]
-    kwargs: dict = dict(model="tgi", messages=messages, temperature=0, max_tokens=80,
+    kwargs: dict = dict(model="tgi", messages=messages, temperature=0, max_tokens=24,
                   response_format={"type": "json_object"})
     reply = client.chat.completions.create(**kwargs)
     text = reply.choices[0].message.content
@@ -189,15 +188,18 @@ def test_ten_tool_calling_conversations_return_calls_that_validate(
     conversations = _tool_conversations()
     assert len(conversations) == 10
 
-    def run(case):
+    def run(case, stream=False):
         messages, choice, tools = case
         return client.chat.completions.create(
             model="tgi", messages=messages, tools=tools, tool_choice=choice, temperature=0,
-            max_tokens=96,
+            max_tokens=96, stream=stream,
         )
 
-    with ThreadPoolExecutor(len(conversations)) as pool:
+    with ThreadPoolExecutor(len(conversations) + 1) as pool:
+        # The first conversation is also streamed, in the same batch.
+        streamed = pool.submit(lambda: list(run(conversations[0], stream=True)))
         replies = list(pool.map(run, conversations))
+        chunks = streamed.result()
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for (messages, choice, tools), reply in zip(conversations, replies, strict=True):
         out = reply.choices[0]
@@ -210,22 +212,17 @@ def test_ten_tool_calling_conversations_return_calls_that_validate(
             assert call.type == "function" and call.id.startswith("call_")
             assert call.function.name in allowed
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-
-
-def test_streamed_tool_calls_equal_the_unary_ones(client: openai.OpenAI) -> None:
-    kwargs = dict(model="tgi", messages=[{"role": "user", "content": "Weather in Lyon?"}],
-                  tools=TOOLS, tool_choice="required", temperature=0, max_tokens=96)
-    unary = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
-    chunks = list(client.chat.completions.create(stream=True, **kwargs))
-    calls: dict[int, dict] = {}
+    # Streamed: each call arrives whole in a delta.tool_calls entry; the same calls as unary.
+    calls: dict[int, tuple[str, str]] = {}
     for chunk in chunks:
-        for delta in chunk.choices[0].delta.tool_calls or []:
-            call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
-            call["name"] += delta.function.name or ""
-            call["arguments"] += delta.function.arguments or ""
+        for delta in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            assert delta.id.startswith("call_") and delta.type == "function"
+            calls[delta.index] = (delta.function.name, delta.function.arguments)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    unary = replies[0].choices[0].message.tool_calls
     assert [(c.function.name, c.function.arguments) for c in unary] == [
-        (calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)
+        calls[i] for i in sorted(calls)
     ]
 
 
@@ -259,31 +256,32 @@ def test_typed_chat_carries_response_format_and_tools(deployment: Deployment) ->
     json_format.ParseDict(TOOLS[1]["function"]["parameters"],
                           tool_request.tools[0].function.parameters)
     tool_request.tool_choice.function = "add"
+    tool_request.parallel_tool_calls = False  # exactly one call
     with grpc.insecure_channel(deployment.target) as channel:
         stub = opb_grpc.OpenAIServiceStub(channel)
-        reply = stub.Chat(request, timeout=120)
+        pending = stub.Chat.future(request, timeout=120)  # both in one batch
         tool_reply = stub.Chat(tool_request, timeout=120)
+        reply = pending.result()
     jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
-    call = tool_reply.choices[0].message.tool_calls[0]
+    (call,) = tool_reply.choices[0].message.tool_calls
     assert tool_reply.choices[0].finish_reason == "tool_calls"
     assert call.function.name == "add"
     jsonschema.validate(json.loads(call.function.arguments), TOOLS[1]["function"]["parameters"])
 
 
 def test_mixed_batch_leaves_unconstrained_greedy_text_unchanged(deployment: Deployment) -> None:
-    prompts = [
-        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
-        "<|im_start|>user\nName a fruit.<|im_end|>\n<|im_start|>assistant\n",
+    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    alone = _tgi(deployment, prompt, None, 16)[2]["generated_text"]
+    constrained = [{"type": "json", "value": s} for _, _, s in SCHEMAS[:4]] + [
+        {"type": "regex", "value": REGEXES[0]}
     ]
-    alone = [_tgi(deployment, p, None, 20)[2]["generated_text"] for p in prompts]
-    constrained = [(p, {"type": "json", "value": s}) for p in prompts for _, _, s in SCHEMAS[:6]]
-    with ThreadPoolExecutor(len(constrained) + len(prompts)) as pool:
-        busy = [pool.submit(_tgi, deployment, p, g, 40) for p, g in constrained]
-        mixed = [pool.submit(_tgi, deployment, p, None, 20) for p in prompts]
+    with ThreadPoolExecutor(len(constrained) + 2) as pool:
+        busy = [pool.submit(_tgi, deployment, prompt, g, 30) for g in constrained]
+        mixed = [pool.submit(_tgi, deployment, prompt, None, 16) for _ in range(2)]
         together = [f.result()[2]["generated_text"] for f in mixed]
         for f in busy:
             assert f.result()[0] == 200
-    assert together == alone
+    assert together == [alone, alone]
 
 
 @pytest.mark.parametrize(
