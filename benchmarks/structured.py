@@ -467,7 +467,7 @@ def part_gpu(args: argparse.Namespace) -> dict[str, Any]:
     shard = Shard(ShardConfig(model_id=str(model_dir), dtype="bfloat16" if device == "cuda"
                               else "float32", device=device), Dist())
     batch, context = args.batch, args.context
-    steps = args.steps if args.steps != 30 else 64  # the gpu part's default: 64 decode steps
+    steps = args.decode_steps
     block_size = shard.runner.block_size
     blocks_per_seq = math.ceil((context + steps + 16) / block_size)
     shard.warmup(WarmupSpec(max_input_tokens=context, max_total_tokens=context + steps + 16,
@@ -512,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     a("--out", type=Path, default=Path("/tmp/structured"))
     a("--cache", type=Path, default=Path.home() / ".cache" / "tokenwire")
     a("--threads", type=int, default=max(1, min(16, (os.cpu_count() or 2) // 2)))
-    a("--steps", type=int, default=30, help="mask steps per batch; gpu: decode steps (64)")
+    a("--steps", type=int, default=30, help="libraries: mask steps per batch")
+    a("--decode-steps", type=int, default=64, help="gpu: decode steps per run")
     a("--stream-tokens", type=int, default=160)
     a("--workdir", type=Path, default=Path("/tmp/tokenwire-bench"))
     a("--num-layers", type=int, default=32)
