@@ -26,6 +26,7 @@ Parts:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -327,51 +328,61 @@ def part_itl(args: argparse.Namespace) -> dict[str, Any]:
             parameters=gpb.GenerateParameters(max_new_tokens=args.stream_tokens),
         )
         arrivals: list[float] = []
-        window: dict[str, float] = {}
+        windows: dict[str, tuple[float, float]] = {}
 
-        def flood() -> None:
-            while len(arrivals) < 20:  # let the stream settle first
-                time.sleep(0.01)
-            window["start"] = time.monotonic()
+        def burst(name: str, grammar: bool) -> None:
+            """20 requests at once, short prompts (little prefill work), one token each; with
+            `grammar`, each brings a schema never seen before (a distinct property name)."""
+            start = time.monotonic()
             threads = []
             for i in range(20):
-                # A new schema each time: a distinct property name defeats every cache.
-                schema = {"type": "object", "properties": {
-                    f"field_{i}_{os.getpid()}": {"type": "string", "maxLength": 8},
-                    "n": {"type": "integer", "minimum": 0, "maximum": i + 5}},
-                    "required": [f"field_{i}_{os.getpid()}"], "additionalProperties": False}
-                req = gpb.GenerateRequest(inputs=prompt, parameters=gpb.GenerateParameters(
+                req = gpb.GenerateRequest(inputs="Hi", parameters=gpb.GenerateParameters(
                     max_new_tokens=1))
-                req.parameters.grammar.type = "json"
-                json_format.ParseDict(schema, req.parameters.grammar.value)
-                t = threading.Thread(target=stub.Generate, args=(req,), kwargs={"timeout": 120})
+                if grammar:
+                    key = f"field_{i}_{os.getpid()}_{time.time_ns()}"
+                    schema = {"type": "object", "properties": {
+                        key: {"type": "string", "maxLength": 8},
+                        "n": {"type": "integer", "minimum": 0, "maximum": i + 5}},
+                        "required": [key], "additionalProperties": False}
+                    req.parameters.grammar.type = "json"
+                    json_format.ParseDict(schema, req.parameters.grammar.value)
+                t = threading.Thread(target=stub.Generate, args=(req,), kwargs={"timeout": 300})
                 t.start()
                 threads.append(t)
             for t in threads:
                 t.join()
-            window["end"] = time.monotonic()
+            windows[name] = (start, time.monotonic())
+
+        def flood() -> None:
+            for name, grammar, after in (("unconstrained", False, 20), ("new_schemas", True, 40)):
+                while len(arrivals) < after:  # the stream runs steadily before each burst
+                    time.sleep(0.01)
+                burst(name, grammar)
 
         flooder = threading.Thread(target=flood)
         flooder.start()
-        for _ in stub.GenerateStream(stream_req, timeout=600):
+        for _ in stub.GenerateStream(stream_req, timeout=900):
             arrivals.append(time.monotonic())
         flooder.join()
         channel.close()
     finally:
         dep.stop()
-    gaps = [(b, (b - a) * 1e3) for a, b in zip(arrivals, arrivals[1:])]
-    start, end = window["start"], window["end"]
-    before = [g for t, g in gaps if t < start][5:]
-    during = [g for t, g in gaps if start <= t <= end + 0.001]
-    return {
-        "stream_tokens": len(arrivals),
-        "window_s": round(end - start, 3),
-        "itl_before_ms": {"p50": round(statistics.median(before), 2),
-                          "p99": round(_pct(before, 0.99), 2), "max": round(max(before), 2)},
-        "itl_during_ms": {"p50": round(statistics.median(during), 2),
-                          "p99": round(_pct(during, 0.99), 2), "max": round(max(during), 2),
-                          "n": len(during)},
-    }
+    gaps = [(b, (b - a) * 1e3) for a, b in itertools.pairwise(arrivals)]
+
+    def stats(values: list[float]) -> dict[str, float]:
+        return {"p50": round(statistics.median(values), 2), "max": round(max(values), 2),
+                "n": len(values)}
+
+    first = windows["unconstrained"][0]
+    out: dict[str, Any] = {"stream_tokens": len(arrivals),
+                           "steady_itl_ms": stats([g for t, g in gaps if t < first][5:])}
+    for name, (start, end) in windows.items():
+        # Gaps that end inside the burst, and the first one after it (it spans its end).
+        inside = [g for t, g in gaps if start <= t <= end]
+        after = [g for t, g in gaps if t > end][:1]
+        out[f"{name}_burst"] = {"window_s": round(end - start, 3),
+                                "itl_ms": stats(inside + after)}
+    return out
 
 
 # ---- GPU: decode at batch 64 on the 8B shape --------------------------------------------------
@@ -514,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     a("--threads", type=int, default=max(1, min(16, (os.cpu_count() or 2) // 2)))
     a("--steps", type=int, default=30, help="libraries: mask steps per batch")
     a("--decode-steps", type=int, default=64, help="gpu: decode steps per run")
-    a("--stream-tokens", type=int, default=160)
+    a("--stream-tokens", type=int, default=120)
     a("--workdir", type=Path, default=Path("/tmp/tokenwire-bench"))
     a("--num-layers", type=int, default=32)
     a("--batch", type=int, default=64)
