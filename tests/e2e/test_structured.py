@@ -288,11 +288,11 @@ def test_mixed_batch_leaves_unconstrained_greedy_text_unchanged(deployment: Depl
     ("grammar", "says"),
     [
         ({"type": "regex", "value": "([a-z]"}, "regular expression"),
-        ({"type": "json", "value": {"type": "strin"}}, "parameters.grammar"),
+        ({"type": "json", "value": {"type": "strin"}}, "Invalid type"),
         ({"type": "json", "value": {"type": "integer", "minimum": 5, "maximum": 1}},
-         "parameters.grammar"),
+         "Unsatisfiable"),
         ({"type": "json", "value": {"allOf": [{"type": "string"}, {"type": "integer"}]}},
-         "parameters.grammar"),
+         "Unsatisfiable"),
     ],
     ids=["invalid_regex", "invalid_schema", "unsatisfiable_bounds", "unsatisfiable_types"],
 )
