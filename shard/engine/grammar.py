@@ -5,8 +5,8 @@ Data flow of one step (shard/engine/batches.py drives it):
 
 1. before the forward pass is launched, `GrammarEngine.start` hands the constrained rows to one
    mask thread; it lets each matcher consume the tokens sampled since its last mask (in
-   parallel, `LLExecutor.consume_token_par`), then fills their rows of a host bitmask
-   (`fill_next_token_bitmask_par`: the library's own thread pool, without the GIL). Rows of
+   parallel, `LLExecutor.consume_token_par`), then fills their rows of a host bitmask (the
+   executor's parallel fill: the library's own thread pool, without the GIL). Rows of
    unconstrained sequences stay all ones;
 2. the model thread meanwhile runs the forward pass (on CUDA it only queues kernels and waits);
 3. `MaskJob.wait` joins the thread and copies the bitmask to the device (pinned, non-blocking);
@@ -199,8 +199,6 @@ class GrammarEngine:
         return buf[:num_rows]
 
     def _fill(self, rows: list[tuple[int, GrammarState]], bitmask: torch.Tensor) -> None:
-        from llguidance.torch import fill_next_token_bitmask_par
-
         _, executor = self._ll()
         if len(rows) < bitmask.shape[0]:
             bitmask.fill_(-1)  # unconstrained rows: every token allowed
@@ -214,7 +212,14 @@ class GrammarEngine:
             state.pending = []
         if singles:
             executor.consume_token_par(singles)
-        fill_next_token_bitmask_par(executor, [(s.matcher, row) for row, s in rows], bitmask)
+        # llguidance.torch.fill_next_token_bitmask_par does exactly this call; importing that
+        # module would import torch.compile's machinery (seconds) for its apply kernel.
+        executor.unsafe_compute_mask_ptr(
+            [(s.matcher, row) for row, s in rows],
+            bitmask.data_ptr(),
+            self.words * 4,  # bytes of one row
+            bitmask.shape[0],
+        )
         eos = self.eos_token_ids
         for row, state in rows:
             matcher = state.matcher
