@@ -173,6 +173,7 @@ async def serve(
                 chat_template=chat_template,
             )
         )
+        await grammars.ready()
         await health_reporter.set_ready()
         _log.info(
             "serving %s: %d KV blocks of %d tokens, max_input_tokens=%d max_total_tokens=%d",

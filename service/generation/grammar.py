@@ -159,8 +159,14 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._tokenizer: Any = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
-        # Build the tokenizer view in the background now, not on the first grammar request.
-        self._executor.submit(self._ll_tokenizer)
+        # Build the tokenizer view in the background now, not on the first grammar request
+        # (it holds the GIL for up to a second on large vocabularies: serve awaits `ready`
+        # before it reports SERVING).
+        self._built = self._executor.submit(self._ll_tokenizer)
+
+    async def ready(self) -> None:
+        """Waits until the tokenizer view is built."""
+        await asyncio.wrap_future(self._built)
 
     def _ll_tokenizer(self) -> Any:
         with self._lock:
