@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -22,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from service.engine.contracts import GrammarSpec
-from service.generation.errors import ValidationError
+from service.generation.errors import UnsupportedError, ValidationError
+
+_log = logging.getLogger("tokenwire.router")
 
 # JSON the way models write it (json.dumps' separators), without free whitespace: a small model
 # given free whitespace can emit newlines until max_new_tokens.
@@ -165,8 +168,12 @@ class GrammarCompiler:
         self._built = self._executor.submit(self._ll_tokenizer)
 
     async def ready(self) -> None:
-        """Waits until the tokenizer view is built."""
-        await asyncio.wrap_future(self._built)
+        """Waits until the tokenizer view is built. A tokenizer llguidance cannot read (e.g. a
+        WordPiece decoder) only disables grammars: such requests get UNIMPLEMENTED."""
+        try:
+            await asyncio.wrap_future(self._built)
+        except Exception as error:  # noqa: BLE001 - the server still serves everything else
+            _log.warning("constrained generation unavailable for this tokenizer: %s", error)
 
     def _ll_tokenizer(self) -> Any:
         with self._lock:
@@ -214,7 +221,13 @@ class GrammarCompiler:
                 )
                 self._pending[key] = future
                 future.add_done_callback(lambda _: self._pending.pop(key, None))
-            error = await asyncio.shield(future)
+            try:
+                error = await asyncio.shield(future)
+            except Exception as failure:  # noqa: BLE001 - the tokenizer, not the grammar
+                raise UnsupportedError(
+                    f"{field}: constrained generation is not available for this model's "
+                    f"tokenizer ({failure})"
+                ) from None
             self._cache[key] = error
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)

@@ -161,7 +161,13 @@ class GrammarEngine:
                 return found
         from llguidance import LLMatcher
 
-        tokenizer, _ = self._ll()
+        try:
+            tokenizer, _ = self._ll()
+        except ValueError as error:  # e.g. a WordPiece decoder: no byte view of the tokens
+            raise InvalidRequestError(
+                f"grammar: this model's tokenizer cannot be used for constrained generation "
+                f"({error})"
+            ) from None
         matcher = LLMatcher(tokenizer, llguidance_grammar(spec), log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"grammar: {matcher.get_error()}")

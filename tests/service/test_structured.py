@@ -159,3 +159,15 @@ def test_templates_without_tool_support_get_tools_as_text() -> None:
     assert out[2]["content"] == "<tool_call>\nX\n</tool_call>"
     assert out[3]["content"] == "<tool_response>\n3\n</tool_response>"
     assert all("tool_calls" not in m and "_blocks" not in m for m in out)
+
+
+async def test_a_tokenizer_llguidance_cannot_read_disables_grammars_only(tmp_path: Path):
+    from service.generation.errors import UnsupportedError
+    from shard.testing.checkpoint import write_tokenizer
+
+    write_tokenizer(tmp_path, 128256)  # word-level with a WordPiece decoder
+    compiler = GrammarCompiler(tmp_path, 128256, 128001)
+    await compiler.ready()  # logs, does not raise
+    with pytest.raises(UnsupportedError, match="parameters.grammar"):
+        await compiler.check(GrammarSpec("regex", "a+"), "parameters.grammar")
+    compiler.close()
