@@ -313,7 +313,7 @@ def part_itl(args: argparse.Namespace) -> dict[str, Any]:
 
     from tests.helpers.processes import launch
 
-    model_dir = smollm2_dir(args.cache)
+    model_dir = smollm2_dir(args.cache) if args.itl_model == "smollm2" else tiny_dir(args.cache)
     work = Path(args.out) / "itl-work"
     work.mkdir(parents=True, exist_ok=True)
     dep = launch(work, "--model-id", str(model_dir), "--dtype", "float32",
@@ -323,6 +323,8 @@ def part_itl(args: argparse.Namespace) -> dict[str, Any]:
         channel = grpc.insecure_channel(dep.target)
         stub = gpb_grpc.TextGenerationStub(channel)
         prompt = "<|im_start|>user\nTell me a long story.<|im_end|>\n<|im_start|>assistant\n"
+        if args.itl_model == "tiny":
+            prompt = "Tell me a long story."
         stream_req = gpb.GenerateRequest(
             inputs=prompt,
             parameters=gpb.GenerateParameters(max_new_tokens=args.stream_tokens),
@@ -374,7 +376,7 @@ def part_itl(args: argparse.Namespace) -> dict[str, Any]:
                 "n": len(values)}
 
     first = windows["unconstrained"][0]
-    out: dict[str, Any] = {"stream_tokens": len(arrivals),
+    out: dict[str, Any] = {"model": args.itl_model, "stream_tokens": len(arrivals),
                            "steady_itl_ms": stats([g for t, g in gaps if t < first][5:])}
     for name, (start, end) in windows.items():
         # Gaps that end inside the burst, and the first one after it (it spans its end).
@@ -526,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     a("--steps", type=int, default=30, help="libraries: mask steps per batch")
     a("--decode-steps", type=int, default=64, help="gpu: decode steps per run")
     a("--stream-tokens", type=int, default=120)
+    a("--itl-model", choices=["smollm2", "tiny"], default="smollm2",
+      help="itl: the served model (tiny: steps of milliseconds, so a compile stall stands out)")
     a("--workdir", type=Path, default=Path("/tmp/tokenwire-bench"))
     a("--num-layers", type=int, default=32)
     a("--batch", type=int, default=64)
