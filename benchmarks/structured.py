@@ -358,14 +358,20 @@ def part_itl(args: argparse.Namespace) -> dict[str, Any]:
         def flood() -> None:
             for name, grammar, after in (("unconstrained", False, 20), ("new_schemas", True, 40)):
                 while len(arrivals) < after:  # the stream runs steadily before each burst
+                    if stream_done.is_set():
+                        return
                     time.sleep(0.01)
                 burst(name, grammar)
 
+        stream_done = threading.Event()
         flooder = threading.Thread(target=flood)
         flooder.start()
         for _ in stub.GenerateStream(stream_req, timeout=900):
             arrivals.append(time.monotonic())
+        stream_done.set()
         flooder.join()
+        if len(windows) < 2:
+            raise RuntimeError(f"the stream ended after {len(arrivals)} tokens, before the bursts")
         channel.close()
     finally:
         dep.stop()
