@@ -92,17 +92,18 @@ def test_json_object_mode_and_the_stream_agree(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Describe a cat as a JSON object."}]
     kwargs: dict = dict(model="tgi", messages=messages, temperature=0, max_tokens=24,
                   response_format={"type": "json_object"})
-    reply = client.chat.completions.create(**kwargs)
+    with ThreadPoolExecutor(2) as pool:  # unary and streamed side by side
+        streaming = pool.submit(
+            lambda: list(client.chat.completions.create(stream=True, **kwargs))
+        )
+        reply = client.chat.completions.create(**kwargs)
+        chunks = streaming.result()
     text = reply.choices[0].message.content
     if reply.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
     else:  # cut by max_tokens: still a prefix of an object
         assert text.startswith("{")
-    streamed = "".join(
-        c.choices[0].delta.content or ""
-        for c in client.chat.completions.create(stream=True, **kwargs)
-        if c.choices
-    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == text
 
 
