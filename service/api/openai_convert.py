@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+from google.protobuf import json_format
 from tokenwire.v1 import openai_pb2 as pb
 
+from service.generation.errors import ValidationError
+from service.generation.grammar import FUNCTION_NAME_RE, FunctionTool
 from service.generation.openai import (
     ChatMessage,
     ChatRequest,
@@ -12,10 +15,13 @@ from service.generation.openai import (
     ChoiceDelta,
     Completed,
     CompletionRequest,
+    ResponseFormat,
     ResponseHeader,
     SamplingRequest,
     StreamEvent,
     TokenLogprob,
+    ToolCall,
+    ToolChoice,
     Usage,
     UsageChunk,
 )
@@ -56,10 +62,76 @@ def chat_request(request: pb.ChatRequest, *, stream: bool) -> ChatRequest:
             content=m.content,
             name=m.name if m.HasField("name") else None,
             tool_call_id=m.tool_call_id if m.HasField("tool_call_id") else None,
+            tool_calls=tuple(
+                ToolCall(c.id, c.function.name, c.function.arguments or "{}")
+                for c in m.tool_calls
+            ),
         )
         for m in request.messages
     )
-    return ChatRequest(messages, params)
+    tools = tuple(_tool(t, i) for i, t in enumerate(request.tools))
+    choice = None
+    if request.HasField("tool_choice"):
+        which = request.tool_choice.WhichOneof("choice")
+        if which == "function":
+            choice = ToolChoice("function", request.tool_choice.function)
+        else:
+            choice = ToolChoice(request.tool_choice.mode or "auto")
+        if choice.mode not in ("auto", "none", "required", "function"):
+            raise ValidationError(
+                "tool_choice", f"tool_choice.mode must be auto, none or required; got {choice.mode!r}"
+            )
+        if choice.mode == "function" and choice.function not in {t.name for t in tools}:
+            raise ValidationError(
+                "tool_choice", f"tool_choice names {choice.function!r}, which is not in tools"
+            )
+        if choice.mode in ("required", "function") and not tools:
+            raise ValidationError("tool_choice", f"tool_choice {choice.mode!r} needs tools")
+    return ChatRequest(
+        messages,
+        params,
+        response_format=_response_format(request),
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=(
+            request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+        ),
+    )
+
+
+def _response_format(request: pb.ChatRequest) -> ResponseFormat | None:
+    if not request.HasField("response_format"):
+        return None
+    rf = request.response_format
+    if rf.type in ("", "text", "json_object"):
+        return ResponseFormat(rf.type or "text")
+    if rf.type != "json_schema":
+        raise ValidationError(
+            "response_format",
+            f"response_format.type must be text, json_object or json_schema; got {rf.type!r}",
+        )
+    schema = json_format.MessageToDict(rf.json_schema.schema)
+    return ResponseFormat("json_schema", schema, rf.json_schema.strict)
+
+
+def _tool(tool: pb.Tool, i: int) -> FunctionTool:
+    f = tool.function
+    if tool.type not in ("", "function"):
+        raise ValidationError(f"tools[{i}]", f"tools[{i}].type must be 'function'")
+    if not FUNCTION_NAME_RE.match(f.name):
+        raise ValidationError(
+            f"tools[{i}].function.name",
+            f"tools[{i}].function.name must be letters, digits, _ and - (at most 64); got "
+            f"{f.name!r}",
+        )
+    parameters = (
+        json_format.MessageToDict(f.parameters)
+        if f.HasField("parameters")
+        else {"type": "object", "properties": {}}
+    )
+    return FunctionTool(
+        f.name, f.description if f.HasField("description") else None, parameters, f.strict
+    )
 
 
 def completion_request(request: pb.CompletionRequest, *, stream: bool) -> CompletionRequest:
@@ -106,7 +178,18 @@ def _head(header: ResponseHeader) -> dict[str, object]:
 def _chat_choice(choice: Choice) -> pb.ChatChoice:
     message = pb.ChatChoice(
         index=choice.index,
-        message=pb.ChatMessage(role="assistant", content=choice.text),
+        message=pb.ChatMessage(
+            role="assistant",
+            content=choice.text,
+            tool_calls=[
+                pb.ToolCall(
+                    id=c.id,
+                    type="function",
+                    function=pb.FunctionCall(name=c.name, arguments=c.arguments),
+                )
+                for c in choice.tool_calls
+            ],
+        ),
         finish_reason=choice.finish_reason,
     )
     if choice.logprobs is not None:
@@ -134,6 +217,13 @@ def chat_chunk(header: ResponseHeader, event: StreamEvent) -> pb.ChatStreamRespo
         choice.delta.role = "assistant"
     if event.first or event.text:
         choice.delta.content = event.text
+    for i, call in event.tool_calls:
+        choice.delta.tool_calls.add(
+            index=i,
+            id=call.id,
+            type="function",
+            function=pb.FunctionCall(name=call.name, arguments=call.arguments),
+        )
     if event.finish_reason is not None:
         choice.finish_reason = event.finish_reason
     if event.logprobs is not None:

@@ -3,8 +3,9 @@ response bodies, SSE chunks and error bodies out, byte for byte as OpenAI writes
 where OpenAI writes null, integers as numbers, `data: [DONE]` at the end of a stream).
 
 Request decoding follows OpenAI: unknown fields are ignored; a field that names a feature this
-server lacks (tools, response_format other than text, logit_bias, non-text content parts) is a
-ValidationError naming it, never silently dropped.
+server lacks (the deprecated functions / function_call, logit_bias, non-text content parts) is a
+ValidationError naming it, never silently dropped. response_format (json_object, json_schema) and
+tools (tool_choice, parallel_tool_calls) constrain the output with a grammar.
 """
 
 from __future__ import annotations
@@ -16,16 +17,20 @@ import grpc
 
 from service.api.status import classify, public_message
 from service.generation.errors import ModelNotFoundError, ValidationError
+from service.generation.grammar import FUNCTION_NAME_RE, FunctionTool
 from service.generation.openai import (
     ChatMessage,
     ChatRequest,
     Choice,
     Completed,
     CompletionRequest,
+    ResponseFormat,
     ResponseHeader,
     SamplingRequest,
     StreamEvent,
     TokenLogprob,
+    ToolCall,
+    ToolChoice,
     Usage,
     UsageChunk,
 )
@@ -37,8 +42,6 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
 # Fields that ask for something this server does not do (OpenAI's names).
 UNSUPPORTED = (
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
     "audio",
@@ -122,12 +125,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
             raise _bad(name, f"{name} is not supported by this server")
     if body.get("logit_bias"):
         raise _bad("logit_bias", "logit_bias is not supported by this server")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise _bad(
-            "response_format",
-            'response_format is not supported by this server (only {"type": "text"})',
-        )
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise _bad("modalities", f"only the text modality is supported; got {modalities!r}")
@@ -198,15 +195,125 @@ def _message(value: Any, i: int) -> ChatMessage:
     role = value.get("role")
     if role not in ROLES:
         raise _bad(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}")
-    if value.get("tool_calls"):
-        raise _bad(f"{where}.tool_calls", "tool calls are not supported by this server")
+    calls = _message_tool_calls(value.get("tool_calls"), where) if role == "assistant" else ()
+    content = value.get("content")
     name, call_id = value.get("name"), value.get("tool_call_id")
     return ChatMessage(
         role="system" if role == "developer" else role,
-        content=_content(value.get("content"), where),
+        content="" if content is None and calls else _content(content, where),
         name=name if isinstance(name, str) else None,
         tool_call_id=call_id if isinstance(call_id, str) else None,
+        tool_calls=calls,
     )
+
+
+def _message_tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise _bad(f"{where}.tool_calls", f"{where}.tool_calls must be a list")
+    calls = []
+    for j, call in enumerate(value):
+        at = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _bad(at, f"{at} must be {{id, type: function, function: {{name, arguments}}}}")
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments)
+        call_id = call.get("id")
+        calls.append(ToolCall(call_id if isinstance(call_id, str) else "", function["name"],
+                              arguments))
+    return tuple(calls)
+
+
+def _response_format(body: dict[str, Any]) -> ResponseFormat | None:
+    value = body.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind in ("text", "json_object"):
+        return ResponseFormat(kind)
+    if kind != "json_schema":
+        raise _bad(
+            "response_format",
+            "response_format.type must be one of text, json_object, json_schema; got "
+            f"{kind!r}",
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _bad("response_format", "response_format.json_schema must be an object")
+    name = spec.get("name")
+    if not isinstance(name, str) or not FUNCTION_NAME_RE.match(name):
+        raise _bad(
+            "response_format",
+            "response_format.json_schema.name must be a string of letters, digits, _ and - "
+            f"(at most 64); got {name!r}",
+        )
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise _bad("response_format", "response_format.json_schema.schema must be an object")
+    strict = spec.get("strict") is True
+    return ResponseFormat("json_schema", schema, strict)
+
+
+def _tools(body: dict[str, Any]) -> tuple[FunctionTool, ...]:
+    value = body.get("tools")
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise _bad("tools", "tools must be a list of {type: function, function: {...}}")
+    tools = []
+    for i, tool in enumerate(value):
+        at = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise _bad(at, f"{at}.type must be 'function'")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise _bad(at, f"{at}.function must be an object")
+        name = function.get("name")
+        if not isinstance(name, str) or not FUNCTION_NAME_RE.match(name):
+            raise _bad(
+                f"{at}.function.name",
+                f"{at}.function.name must be letters, digits, _ and - (at most 64); got "
+                f"{name!r}",
+            )
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise _bad(f"{at}.function.parameters", f"{at}.function.parameters must be an object")
+        description = function.get("description")
+        tools.append(
+            FunctionTool(
+                name,
+                description if isinstance(description, str) else None,
+                parameters,
+                function.get("strict") is True,
+            )
+        )
+    if len({t.name for t in tools}) != len(tools):
+        raise _bad("tools", "tools must have distinct function names")
+    return tuple(tools)
+
+
+def _tool_choice(body: dict[str, Any], tools: tuple[FunctionTool, ...]) -> ToolChoice | None:
+    value = body.get("tool_choice")
+    if value is None:
+        return None
+    if value in ("auto", "none", "required"):
+        choice = ToolChoice(value)
+    elif isinstance(value, dict) and isinstance(value.get("function"), dict):
+        choice = ToolChoice("function", value["function"].get("name"))
+    else:
+        raise _bad(
+            "tool_choice",
+            "tool_choice must be 'auto', 'none', 'required' or {type: function, function: "
+            f"{{name}}}}; got {value!r}",
+        )
+    if choice.mode in ("required", "function") and not tools:
+        raise _bad("tool_choice", f"tool_choice {value!r} needs tools")
+    if choice.mode == "function" and choice.function not in {t.name for t in tools}:
+        raise _bad("tool_choice", f"tool_choice names {choice.function!r}, which is not in tools")
+    return choice
 
 
 def chat_request(data: bytes) -> ChatRequest:
@@ -226,7 +333,18 @@ def chat_request(data: bytes) -> ChatRequest:
     params = SamplingRequest(
         **{**params.__dict__, "logprobs": logprobs, "top_logprobs": top_logprobs or None}
     )
-    return ChatRequest(tuple(_message(m, i) for i, m in enumerate(messages)), params)
+    tools = _tools(body)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _bad("parallel_tool_calls", "parallel_tool_calls must be a boolean")
+    return ChatRequest(
+        tuple(_message(m, i) for i, m in enumerate(messages)),
+        params,
+        response_format=_response_format(body),
+        tools=tools,
+        tool_choice=_tool_choice(body, tools),
+        parallel_tool_calls=parallel is not False,
+    )
 
 
 def completion_request(data: bytes) -> CompletionRequest:
@@ -243,6 +361,9 @@ def completion_request(data: bytes) -> CompletionRequest:
         raise _bad("best_of", "best_of is not supported on /v1/completions (use n)")
     if body.get("suffix"):
         raise _bad("suffix", "suffix is not supported by this server")
+    for name in ("tools", "tool_choice", "response_format"):
+        if body.get(name) is not None:
+            raise _bad(name, f"{name} is a chat completions parameter (/v1/chat/completions)")
     return CompletionRequest(prompt, params, echo=_boolean(body, "echo"))
 
 
@@ -290,10 +411,26 @@ def _head(header: ResponseHeader, kind: str) -> dict[str, Any]:
     }
 
 
+def _tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {} if index is None else {"index": index}
+    body.update(
+        {
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+    )
+    return body
+
+
 def _chat_choice(choice: Choice) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}
+    if choice.tool_calls:
+        message["content"] = None
+        message["tool_calls"] = [_tool_call(c) for c in choice.tool_calls]
     return {
         "index": choice.index,
-        "message": {"role": "assistant", "content": choice.text, "refusal": None},
+        "message": message,
         "logprobs": _logprobs(choice.logprobs),
         "finish_reason": choice.finish_reason,
     }
@@ -333,6 +470,8 @@ def chat_chunk(header: ResponseHeader, event: StreamEvent, include_usage: bool) 
         delta["role"] = "assistant"
     if event.first or event.text:
         delta["content"] = event.text
+    if event.tool_calls:
+        delta["tool_calls"] = [_tool_call(c, i) for i, c in event.tool_calls]
     body["choices"] = [
         {
             "index": event.index,

@@ -24,6 +24,7 @@ from service.app.router_flags import engine_config, validation_limits
 from service.engine.backend import ShardRpcError
 from service.engine.contracts import Engine, EngineStats
 from service.generation.chat_template import ChatTemplate
+from service.generation.grammar import GrammarCompiler
 from service.generation.openai import OpenAIEndpoints
 from service.generation.service import Admission, GenerationService, ServerInfo
 from service.generation.tokenization import TokenizerPool
@@ -100,6 +101,7 @@ async def serve(
     engine = None
     tokenizer = None
     chat_template = None
+    grammars = None
     try:
         connect_task = asyncio.ensure_future(source.connect())
         stop_task = asyncio.ensure_future(stop.wait())
@@ -122,6 +124,11 @@ async def serve(
             tokenizer_path if tokenizer_path.is_dir() else tokenizer_path.parent,
             args.chat_template,
         )
+        grammars = GrammarCompiler(
+            tokenizer_path,
+            shard.vocab_size,
+            min(shard.eos_token_ids) if shard.eos_token_ids else None,
+        )
         engine = source.build_engine(
             connection,
             engine_config(args, limits),
@@ -131,7 +138,7 @@ async def serve(
         await engine.start()
         service = GenerationService(
             engine,
-            Validator(validation_limits(args, limits), tokenizer),
+            Validator(validation_limits(args, limits), tokenizer, grammars),
             metrics,
             max_concurrent_requests=args.max_concurrent_requests,
             on_shard_failure=health_reporter.shard_failed,
@@ -169,6 +176,7 @@ async def serve(
                 chat_template=chat_template,
             )
         )
+        await grammars.ready()
         await health_reporter.set_ready()
         _log.info(
             "serving %s: %d KV blocks of %d tokens, max_input_tokens=%d max_total_tokens=%d",
@@ -199,6 +207,8 @@ async def serve(
             tokenizer.close()
         if chat_template is not None:
             chat_template.close()
+        if grammars is not None:
+            grammars.close()
         if metrics_server is not None:
             metrics_server.close()
 

@@ -41,6 +41,18 @@ class StoppingConfig:
 
 
 @dataclass(frozen=True)
+class GrammarSpec:
+    """A compiled-and-checked output constraint, as the shards receive it (OutputGrammar).
+
+    kind: "json_schema" (source: the schema as JSON text, with llguidance's options under
+    "x-guidance"), "regex" or "lark" (llguidance's Lark dialect: tool calls).
+    """
+
+    kind: str
+    source: str
+
+
+@dataclass(frozen=True)
 class ValidatedRequest:
     """One sequence to generate, after validation and tokenization (best_of is expanded by the
     servicer into several of these with different seeds)."""
@@ -53,6 +65,7 @@ class ValidatedRequest:
     prefill_logprobs: bool = False  # decoder_input_details
     deadline: float | None = None  # time.monotonic() instant after which it is dropped
     adapter: str = ""  # LoRA adapter name; "" for the base model
+    grammar: GrammarSpec | None = None  # constrained decoding; None: unconstrained
 
 
 @dataclass(frozen=True)

@@ -283,6 +283,7 @@ class LocalEngine:
                 adapter=request.adapter,
                 cache_salt=salt,
                 max_new_tokens=request.stopping.max_new_tokens,
+                speculate=request.grammar is None,
             )
         )
         self._streams[seq_id] = stream

@@ -11,6 +11,7 @@ tokenize=True)` gives them to `generate()`.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,6 +37,65 @@ class Message(Protocol):
 
     @property
     def tool_call_id(self) -> str | None: ...
+
+    @property
+    def tool_calls(self) -> tuple[Call, ...]: ...
+
+
+class Call(Protocol):
+    """One tool call of an assistant message."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def arguments(self) -> str: ...
+
+
+class Tool(Protocol):
+    """One declared function."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def description(self) -> str | None: ...
+
+    @property
+    def parameters(self) -> dict[str, Any]: ...
+
+
+# For templates that know nothing of tools: how calls are declared to the model and written
+# back in the conversation (the same `<tool_call>` blocks the tool grammar produces).
+TOOLS_PROMPT = (
+    "You can call functions to help with the request. Their signatures, one JSON object per "
+    "line:\n<tools>\n{tools}\n</tools>\n\nTo call a function, answer with one block per "
+    "call and nothing else:\n<tool_call>\n{{\"name\": <function name>, \"arguments\": "
+    "<arguments object>}}\n</tool_call>"
+)
+
+
+def _tool_json(tool: Tool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    function["parameters"] = tool.parameters
+    return {"type": "function", "function": function}
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _call_block(call: Call) -> str:
+    body = json.dumps({"name": call.name, "arguments": _arguments(call.arguments)})
+    return f"<tool_call>\n{body}\n</tool_call>"
 
 
 def has_chat_template(tokenizer_dir: Path) -> bool:
@@ -70,7 +130,9 @@ class ChatTemplate:
                 self._tokenizer = AutoTokenizer.from_pretrained(str(self._dir))
             return self._tokenizer
 
-    def _render_sync(self, messages: list[dict[str, Any]]) -> tuple[str, tuple[int, ...]]:
+    def _render_sync(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+    ) -> tuple[str, tuple[int, ...]]:
         tokenizer = self._load()
         template = self._override or tokenizer.chat_template
         if not template:
@@ -79,9 +141,17 @@ class ChatTemplate:
                 "this model has no chat template (its tokenizer_config.json has none): start "
                 "the router with --chat-template FILE to serve chat completions",
             )
+        kwargs: dict[str, Any] = {}
+        if _knows_tools(template):
+            messages = [{k: v for k, v in m.items() if k != "_blocks"} for m in messages]
+            if tools:
+                kwargs["tools"] = tools
+        else:
+            messages = _tools_as_text(messages, tools)
         try:
             prompt = tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False, add_generation_prompt=True
+                messages, chat_template=template, tokenize=False, add_generation_prompt=True,
+                **kwargs,
             )
         except Exception as error:  # noqa: BLE001 - jinja raises anything a template throws
             raise ValidationError(
@@ -90,8 +160,12 @@ class ChatTemplate:
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         return str(prompt), tuple(int(i) for i in ids)
 
-    async def render(self, messages: tuple[Message, ...]) -> tuple[str, tuple[int, ...]]:
-        """The prompt text and its token ids, with the assistant's turn opened."""
+    async def render(
+        self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = ()
+    ) -> tuple[str, tuple[int, ...]]:
+        """The prompt text and its token ids, with the assistant's turn opened. `tools`: the
+        functions the model may call (declared through the template's own `tools` support, or
+        in a system message when it has none)."""
         payload: list[dict[str, Any]] = []
         for m in messages:
             item: dict[str, Any] = {"role": m.role, "content": m.content}
@@ -99,9 +173,49 @@ class ChatTemplate:
                 item["name"] = m.name
             if m.tool_call_id is not None:
                 item["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                item["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": _arguments(c.arguments)},
+                    }
+                    for c in m.tool_calls
+                ]
+                item["_blocks"] = "\n".join(_call_block(c) for c in m.tool_calls)
             payload.append(item)
+        declared = [_tool_json(t) for t in tools]
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._render_sync, payload)
+        return await loop.run_in_executor(self._executor, self._render_sync, payload, declared)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _knows_tools(template: str) -> bool:
+    """Whether a template renders tools and tool calls itself (it reads `tools` / `tool_calls`)."""
+    return "tools" in template and "tool_calls" in template
+
+
+def _tools_as_text(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The conversation for a template without tool support: the declarations join the system
+    message, an assistant's calls become its text (`<tool_call>` blocks) and a tool's answer a
+    `<tool_response>` block."""
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")}
+        blocks = m.pop("_blocks", None)
+        if blocks:
+            m["content"] = (m["content"] + "\n" if m["content"] else "") + blocks
+        if m["role"] == "tool":
+            m["content"] = f"<tool_response>\n{m['content']}\n</tool_response>"
+        out.append(m)
+    if tools:
+        prompt = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t["function"]) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out

@@ -10,15 +10,23 @@ here: `service.api.openai_json` and `service.api.openai_convert` encode what thi
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from service.engine.contracts import FinishReason, TokenInfo
 from service.generation.chat_template import ChatTemplate
 from service.generation.errors import ModelNotFoundError, ValidationError
+from service.generation.grammar import (
+    TOOL_CALL_OPEN,
+    TOOL_CALL_RE,
+    FunctionTool,
+    parse_tool_calls,
+    tool_call_spec,
+)
 from service.generation.service import (
     CHAT_COMPLETIONS,
     CHAT_COMPLETIONS_STREAM,
@@ -27,7 +35,7 @@ from service.generation.service import (
     GeneratedSequence,
     GenerationService,
 )
-from service.generation.validation import GenerateInput
+from service.generation.validation import GenerateInput, GrammarInput
 
 # The model name TGI accepts besides the served id, so that its documented example runs as is.
 TGI_MODEL_ALIAS = "tgi"
@@ -48,7 +56,38 @@ _PARAMS: dict[str, str] = {
     "parameters.seed": "seed",
     "parameters.best_of": "n",
     "parameters.top_n_tokens": "top_logprobs",
+    "parameters.grammar": "response_format",
+    "parameters.grammar.value": "response_format",
+    "parameters.grammar.type": "response_format",
 }
+TOOL_CALLS = "tool_calls"  # finish_reason of a choice that ends in tool calls
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call of an assistant message (OpenAI's tool_calls[i])."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """OpenAI's response_format: "text", "json_object" or "json_schema" (with its schema)."""
+
+    type: str
+    schema: dict[str, Any] | None = None
+    strict: bool = False
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """OpenAI's tool_choice: mode "auto" | "none" | "required" | "function" (then `function`
+    names the one to call)."""
+
+    mode: str = "auto"
+    function: str | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +98,7 @@ class ChatMessage:
     content: str
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant message that called tools
 
 
 @dataclass(frozen=True)
@@ -78,12 +118,17 @@ class SamplingRequest:
     include_usage: bool = False
     logprobs: bool = False
     top_logprobs: int | None = None
+    tool_calls: bool = False  # the output is parsed for tool calls (set by chat, not clients)
 
 
 @dataclass(frozen=True)
 class ChatRequest:
     messages: tuple[ChatMessage, ...]
     params: SamplingRequest
+    response_format: ResponseFormat | None = None
+    tools: tuple[FunctionTool, ...] = ()
+    tool_choice: ToolChoice | None = None  # None: "auto" when tools are given
+    parallel_tool_calls: bool = True
 
 
 @dataclass(frozen=True)
@@ -120,6 +165,7 @@ class Choice:
     text: str
     finish_reason: str
     logprobs: tuple[TokenLogprob, ...] | None  # None: not asked for
+    tool_calls: tuple[ToolCall, ...] = ()  # then the message has no content
 
 
 @dataclass(frozen=True)
@@ -151,6 +197,8 @@ class ChoiceDelta:
     first: bool = False
     finish_reason: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # (position among the choice's calls, the call) of calls completed since the last chunk
+    tool_calls: tuple[tuple[int, ToolCall], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -285,8 +333,23 @@ class OpenAIEndpoints:
                 "this server has no chat template: the model's tokenizer_config.json has none "
                 "and the router was started without --chat-template FILE",
             )
-        prompt, ids = await self._template.render(request.messages)
-        return self._input(request.params, prompt, ids)
+        tools = _active_tools(request)
+        prompt, ids = await self._template.render(request.messages, request.tools if tools else ())
+        generate = self._input(request.params, prompt, ids)
+        if tools:
+            choice = request.tool_choice or ToolChoice()
+            spec = tool_call_spec(
+                tools,
+                required=choice.mode in ("required", "function"),
+                parallel=request.parallel_tool_calls,
+            )
+            return replace(generate, grammar_spec=spec, grammar_field="tools")
+        rf = request.response_format
+        if rf is not None and rf.type != "text":
+            kind = "json" if rf.type == "json_schema" else "json_object"
+            grammar = GrammarInput(kind, rf.schema, strict=rf.strict)
+            return replace(generate, grammar=grammar, grammar_field="response_format")
+        return generate
 
     def _completion_input(self, request: CompletionRequest) -> GenerateInput:
         self._check(request.params)
@@ -308,8 +371,9 @@ class OpenAIEndpoints:
         self, request: ChatRequest, *, request_id: str, deadline: float | None
     ) -> Completed:
         generate = await _openai_errors(self._chat_input(request), "messages")
+        params = replace(request.params, tool_calls=bool(_active_tools(request)))
         return await self._complete(
-            generate, request.params, "chatcmpl", CHAT_COMPLETIONS, request_id, deadline
+            generate, params, "chatcmpl", CHAT_COMPLETIONS, request_id, deadline
         )
 
     async def completion(
@@ -373,7 +437,13 @@ class OpenAIEndpoints:
             logprobs = tuple(
                 _logprob(t, top) for t, top in zip(seq.tokens, tops, strict=True) if not t.special
             )
-        return Choice(index, text, FINISH_REASONS[seq.finish_reason], logprobs)
+        reason = FINISH_REASONS[seq.finish_reason]
+        if params.tool_calls and seq.finish_reason is not FinishReason.LENGTH:
+            calls = parse_tool_calls(text)
+            if calls is not None:
+                tool_calls = tuple(ToolCall(_call_id(), c.name, c.arguments) for c in calls)
+                return Choice(index, "", TOOL_CALLS, None, tool_calls)
+        return Choice(index, text, reason, logprobs)
 
     # --- streams ---------------------------------------------------------------------------
 
@@ -384,9 +454,8 @@ class OpenAIEndpoints:
         returns the stream's header and its events."""
         generate = await _openai_errors(self._chat_input(request), "messages")
         header = self._header("chatcmpl", request_id, generate.adapter_id)
-        events = self._stream(
-            generate, request.params, CHAT_COMPLETIONS_STREAM, request_id, deadline
-        )
+        params = replace(request.params, tool_calls=bool(_active_tools(request)))
+        events = self._stream(generate, params, CHAT_COMPLETIONS_STREAM, request_id, deadline)
         return header, events
 
     async def completion_stream(
@@ -445,6 +514,7 @@ class OpenAIEndpoints:
             generate, request_id=request_id, deadline=deadline, method=method
         )
         trimmer = StopTrimmer(params.stop)
+        calls = _ToolCallStream() if params.tool_calls else None
         first = True
         prompt_param = "messages" if method == CHAT_COMPLETIONS_STREAM else "prompt"
         async with aclosing(items):
@@ -455,20 +525,91 @@ class OpenAIEndpoints:
                         yield ChoiceDelta(index, echo, first=True)
                     first = False
                 token = item.token
+                finished = item.finished
                 text = "" if token.special else trimmer.push(token.text)
+                if finished is not None:
+                    text += trimmer.flush()
+                if calls is not None:
+                    text, found = calls.push(text)
+                    if finished is not None:
+                        text += calls.flush()
+                    if found:
+                        yield ChoiceDelta(index, "", tool_calls=found)
                 logprobs = None
-                if params.logprobs and not token.special:
+                if params.logprobs and not token.special and (calls is None or text):
                     logprobs = (_logprob(token, item.top_tokens),)
-                if item.finished is None:
-                    if text or logprobs:
-                        yield ChoiceDelta(index, text, logprobs=logprobs)
-                    continue
-                text += trimmer.flush()
                 if text or logprobs:
                     yield ChoiceDelta(index, text, logprobs=logprobs)
-                reason = FINISH_REASONS[item.finished.finish_reason]
+                if finished is None:
+                    continue
+                reason = FINISH_REASONS[finished.finish_reason]
+                if calls is not None and calls.count and finished.finish_reason is not (
+                    FinishReason.LENGTH
+                ):
+                    reason = TOOL_CALLS
                 yield ChoiceDelta(index, "", finish_reason=reason)
-                yield _ChoiceDone(item.options.input_length, item.finished.generated_tokens)
+                yield _ChoiceDone(item.options.input_length, finished.generated_tokens)
+
+
+def _active_tools(request: ChatRequest) -> tuple[FunctionTool, ...]:
+    """The functions the output may call: none without tools or under tool_choice "none"; the
+    named one under a named tool_choice."""
+    choice = request.tool_choice or ToolChoice()
+    if not request.tools or choice.mode == "none":
+        return ()
+    if choice.mode == "function":
+        return tuple(t for t in request.tools if t.name == choice.function)
+    return request.tools
+
+
+def _call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+class _ToolCallStream:
+    """Splits a streamed output into text and tool calls: text that could still be the start of
+    `<tool_call>` is held back; once the output starts with it, nothing is sent as content and
+    each call is handed out when its closing tag arrives."""
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._calling: bool | None = None  # None: undecided
+        self._parsed = 0  # complete call blocks already handed out
+        self.count = 0
+
+    def push(self, text: str) -> tuple[str, tuple[tuple[int, ToolCall], ...]]:
+        """Returns (content to send, calls completed by this text)."""
+        if self._calling is False:
+            return text, ()
+        self._held += text
+        if self._calling is None:
+            head = self._held.lstrip()
+            if head.startswith(TOOL_CALL_OPEN):
+                self._calling = True
+            elif TOOL_CALL_OPEN.startswith(head):
+                return "", ()
+            else:
+                self._calling = False
+                out, self._held = self._held, ""
+                return out, ()
+        found = []
+        blocks = TOOL_CALL_RE.findall(self._held)
+        for body in blocks[self._parsed :]:
+            parsed = parse_tool_calls(f"{TOOL_CALL_OPEN}\n{body}\n</tool_call>")
+            if parsed:
+                call = parsed[0]
+                found.append((self.count, ToolCall(_call_id(), call.name, call.arguments)))
+                self.count += 1
+        self._parsed = len(blocks)
+        return "", tuple(found)
+
+    def flush(self) -> str:
+        """At the end: held text that never became a call (a cut-off call stays unsent only
+        when some call was complete)."""
+        if self._calling is False or self.count:
+            return ""
+        out, self._held = self._held, ""
+        return out
 
 
 @dataclass(frozen=True)

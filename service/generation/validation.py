@@ -14,14 +14,21 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Any
 
-from service.engine.contracts import SamplingConfig, StoppingConfig, ValidatedRequest
+from service.engine.contracts import (
+    GrammarSpec,
+    SamplingConfig,
+    StoppingConfig,
+    ValidatedRequest,
+)
 from service.generation.errors import UnsupportedError, ValidationError
+from service.generation.grammar import GrammarCompiler, json_schema_spec, regex_spec
 from service.generation.tokenization import Encoder
 
 # TGI caps the default max_new_tokens at 100 when the client gives none.
 DEFAULT_MAX_NEW_TOKENS_CAP = 100
 FREQUENCY_PENALTY_RANGE = (-2.0, 2.0)
-GRAMMAR_TYPES = ("json", "regex")
+GRAMMAR_TYPES = ("json", "json_object", "regex")
+GRAMMAR_FIELD = "parameters.grammar"
 _U64 = 1 << 64
 
 
@@ -50,6 +57,7 @@ class GrammarInput:
 
     type: str
     value: Any
+    strict: bool = True  # an unsupported schema keyword is an error (else it is ignored)
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,10 @@ class GenerateInput:
     prompt_ids: tuple[int, ...] | None = None
     # LoRA adapter name (TGI's parameters.adapter_id, OpenAI's model); None/"": base model.
     adapter_id: str | None = None
+    # A constraint the caller built itself (OpenAI tool calls), checked under `grammar_field`;
+    # set instead of `grammar`.
+    grammar_spec: GrammarSpec | None = None
+    grammar_field: str = GRAMMAR_FIELD
 
 
 @dataclass(frozen=True)
@@ -110,6 +122,7 @@ class _Parameters:
     best_of: int
     seeds: tuple[int, ...]
     top_n_tokens: int
+    grammar: GrammarSpec | None = None
 
 
 def _fail(field: str, message: str) -> ValidationError:
@@ -131,16 +144,22 @@ def _check_unit_interval(field: str, value: float | None) -> float:
     return value
 
 
-def _check_grammar(grammar: GrammarInput | None) -> None:
+def _check_grammar(grammar: GrammarInput | None) -> GrammarSpec | None:
+    """The shards' form of a TGI grammar; raises ValidationError for a malformed one (whether
+    it compiles is checked later, off the event loop)."""
     if grammar is None:
-        return
+        return None
     if grammar.type not in GRAMMAR_TYPES:
         raise _fail(
             "parameters.grammar.type",
             f"must be one of {', '.join(GRAMMAR_TYPES)}; got {grammar.type!r}",
         )
     value = grammar.value
-    if grammar.type == "json":
+    if grammar.type == "json_object":
+        # Any JSON object; a schema, when given, narrows it (OpenAI's json_object has none).
+        if value is None:
+            return json_schema_spec({"type": "object"}, strict=grammar.strict)
+    if grammar.type in ("json", "json_object"):
         if isinstance(value, str):
             try:
                 value = json.loads(value)
@@ -151,26 +170,25 @@ def _check_grammar(grammar: GrammarInput | None) -> None:
         if not isinstance(value, dict):
             raise _fail(
                 "parameters.grammar.value",
-                f"must be a JSON schema object for type json; got {type(value).__name__}",
+                f"must be a JSON schema object for type {grammar.type}; got "
+                f"{type(value).__name__}",
             )
-    else:
-        if not isinstance(value, str) or not value:
-            raise _fail(
-                "parameters.grammar.value",
-                f"must be a non-empty regular expression string for type regex; got {value!r}",
-            )
-        try:
-            re.compile(value)
-        except re.error as err:
-            raise _fail(
-                "parameters.grammar.value",
-                f"is not a valid regular expression ({err}); got {value!r}",
-            ) from None
-    # Well-formed, but the engine has no constrained decoding: say so rather than ignore it.
-    raise UnsupportedError(
-        "parameters.grammar: constrained generation (json/regex grammars) is not supported by "
-        "this server"
-    )
+        if grammar.type == "json_object":
+            value = {**value, "type": "object"}
+        return json_schema_spec(value, strict=grammar.strict)
+    if not isinstance(value, str) or not value:
+        raise _fail(
+            "parameters.grammar.value",
+            f"must be a non-empty regular expression string for type regex; got {value!r}",
+        )
+    try:
+        re.compile(value)
+    except re.error as err:
+        raise _fail(
+            "parameters.grammar.value",
+            f"is not a valid regular expression ({err}); got {value!r}",
+        ) from None
+    return regex_spec(value)
 
 
 def _draw_seed() -> int:
@@ -293,7 +311,7 @@ def check_parameters(
     if request.seed is not None and not 0 <= request.seed < _U64:
         raise _fail("parameters.seed", f"must be in [0, 2^64); got {request.seed}")
 
-    _check_grammar(request.grammar)
+    grammar = request.grammar_spec or _check_grammar(request.grammar)
 
     # Distinct, reproducible seeds per best_of sequence: the client's seed, then seed+1, ...
     if request.seed is not None:
@@ -317,6 +335,7 @@ def check_parameters(
         best_of=best_of,
         seeds=seeds,
         top_n_tokens=top_n_tokens,
+        grammar=grammar,
     )
 
 
@@ -351,9 +370,15 @@ def check_length(
 class Validator:
     """Validates and tokenizes requests against the router's limits."""
 
-    def __init__(self, limits: ValidationLimits, encoder: Encoder) -> None:
+    def __init__(
+        self,
+        limits: ValidationLimits,
+        encoder: Encoder,
+        grammars: GrammarCompiler | None = None,
+    ) -> None:
         self.limits = limits
         self._encoder = encoder
+        self._grammars = grammars
 
     async def validate(
         self,
@@ -365,6 +390,14 @@ class Validator:
     ) -> ValidatedGenerate:
         """Returns the engine requests (one per best_of sequence) or raises ValidationError."""
         params = check_parameters(request, self.limits, stream=stream)
+        if params.grammar is not None:
+            if self._grammars is None:
+                raise UnsupportedError(
+                    f"{request.grammar_field}: constrained generation is not available on this "
+                    "server (no grammar compiler)"
+                )
+            # Compiled before queueing (cached by content), on the compiler's thread.
+            await self._grammars.check(params.grammar, request.grammar_field)
         ids = request.prompt_ids
         if ids is None:
             ids = await self._encoder.encode(request.inputs)
@@ -380,6 +413,7 @@ class Validator:
                 prefill_logprobs=request.decoder_input_details,
                 deadline=deadline,
                 adapter=request.adapter_id or "",
+                grammar=params.grammar,
             )
             for i, seed in enumerate(params.seeds)
         )

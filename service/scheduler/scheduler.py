@@ -104,7 +104,7 @@ class Scheduler:
         if not seq.token_ids:
             raise ValueError("empty input")
         seq.state = RequestState.WAITING
-        if self.config.speculation.enabled and seq.spec is None:
+        if self.config.speculation.enabled and seq.speculate and seq.spec is None:
             seq.spec = new_spec_state(self.config.speculation)
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)

@@ -54,6 +54,9 @@ class Sequence:
     # adapters at once, and its K/V only ever match prefix-cache blocks of the same salt.
     adapter: str = ""
     cache_salt: bytes = b""
+    # Whether drafts may be proposed for it (False for grammar-constrained requests: every draft
+    # position would need its own token mask).
+    speculate: bool = True
     # Most tokens it may generate (max_new_tokens): drafts never run past it. 0: unknown.
     max_new_tokens: int = 0
     # Speculative decoding: the proposer's state (None when the router does not speculate) and

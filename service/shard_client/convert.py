@@ -129,6 +129,11 @@ def prefill_request(
                 prefill_logprobs=c.prefill_logprobs,
                 top_n_tokens=vreq.top_n_tokens,
                 adapter_id=vreq.adapter,
+                grammar=(
+                    pb.OutputGrammar(kind=vreq.grammar.kind, source=vreq.grammar.source)
+                    if vreq.grammar is not None
+                    else None
+                ),
             )
         )
     req = pb.PrefillRequest(batch=pb.Batch(id=new_batch_id, requests=requests))

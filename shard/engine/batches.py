@@ -39,8 +39,9 @@ from shard.engine.contracts import (
     TokenList,
 )
 from shard.engine.detokenizer import IncrementalDetokenizer
+from shard.engine.grammar import GrammarEngine, GrammarState, MaskJob, apply_token_bitmask
 from shard.engine.sampling import SampleOutput, Sampler, SamplingParams, prompt_logprobs
-from shard.engine.stopping import StoppingCriteria
+from shard.engine.stopping import StoppingCriteria, StopReason
 from shard.errors import (
     FailedPreconditionError,
     FatalDeviceError,
@@ -77,6 +78,7 @@ class ShardRequest:
     # between Prefill chunks, so each id is range-checked once, not on every step).
     blocks_checked: int = 0
     adapter: str = ""  # LoRA adapter name; "" for the base model
+    grammar: GrammarState | None = None  # the request's matcher when it is constrained
 
 
 @dataclass
@@ -109,6 +111,10 @@ class BatchState:
         self.eos_token_ids = eos_token_ids
         self.max_positions = max_position_embeddings
         self.sampler = Sampler(runner.device)
+        self.grammars = GrammarEngine(
+            tokenizer, runner.model.vocab_size, eos_token_ids,
+            pin_memory=runner.device.type == "cuda",
+        )
         self.requests: dict[int, ShardRequest] = {}
         self.batches: dict[int, list[int]] = {}
         special = tokenizer.get_added_tokens_decoder()
@@ -143,6 +149,11 @@ class BatchState:
             top_n=spec.top_n_tokens,
             visible_text=visible_text,
             adapter=spec.adapter_id,
+            grammar=(
+                self.grammars.new_state(spec.grammar, list(spec.input_ids[prompt_len:]))
+                if spec.grammar is not None
+                else None
+            ),
         )
 
     def _forget(self, request_ids: list[int]) -> None:
@@ -241,6 +252,8 @@ class BatchState:
                 raise InvalidRequestError(
                     f"request {spec.id}: adapter '{spec.adapter_id}' is not loaded on this shard"
                 )
+            if spec.grammar is not None and (spec.cache_len == 0 or spec.id not in self.requests):
+                self.grammars.check(spec.grammar)  # compiled (and cached) before any change
         work: list[_Work] = []
         new_ids: list[int] = []
         for spec in batch.requests:
@@ -406,11 +419,22 @@ class BatchState:
         timings = StepTimings()
         t1 = time.perf_counter_ns()
         timings.prepare_ns = t1 - t0
+        sampling = [w for w in work if w.samples]
+        # The bitmask of the constrained rows is filled on the mask thread while the forward runs.
+        masks = self._start_masks(sampling)
         try:
             logits = self.runner.execute(inputs)  # [num_logits, vocab]
+        except Exception as exc:  # the KV cache may be half-written: the shard cannot go on
+            if masks is not None:
+                masks.join()  # never leave the fill running past a dead step
+            raise FatalDeviceError(f"forward pass failed: {type(exc).__name__}: {exc}") from exc
+        if masks is not None:
+            # [num_samples, vocab]: disallowed tokens -> -inf on the device, before sampling
+            apply_token_bitmask(logits[:num_samples], masks.wait(logits.device))
+        try:
             if logits.device.type == "cuda":
                 torch.cuda.synchronize(logits.device)
-        except Exception as exc:  # the KV cache may be half-written: the shard cannot go on
+        except Exception as exc:
             raise FatalDeviceError(f"forward pass failed: {type(exc).__name__}: {exc}") from exc
         t2 = time.perf_counter_ns()
         timings.forward_ns = t2 - t1
@@ -422,12 +446,29 @@ class BatchState:
             )
             for state, value in zip(lp_owner, values):
                 state.prompt_lps.append(value)
-        sampling = [w for w in work if w.samples]
         generations = self._sample(sampling, logits[:num_samples])
         t3 = time.perf_counter_ns()
         timings.decode_ns = t3 - t2
         timings.total_ns = t3 - t0
         return generations, timings
+
+    def _start_masks(self, sampling: list[_Work]) -> MaskJob | None:
+        """Starts the bitmask fill of the step's sampled logits rows: 1 + len(drafts) per work
+        item, in order. Constrained requests carry no drafts (the router never drafts for them:
+        each draft position would need its own mask)."""
+        rows: list[tuple[int, GrammarState]] = []
+        at = 0
+        for w in sampling:
+            if w.state.grammar is not None:
+                if w.drafts:
+                    raise InvalidRequestError(
+                        f"request {w.state.id}: draft tokens for a grammar-constrained request"
+                    )
+                rows.append((at, w.state.grammar))
+            at += 1 + len(w.drafts)
+        if not rows:
+            return None
+        return self.grammars.start(rows, at)
 
     def _sample(self, work: list[_Work], logits: torch.Tensor) -> list[Generation]:
         """logits [rows, vocab]: one row per sampling sequence, 1 + len(drafts) for one with
@@ -496,6 +537,10 @@ class BatchState:
         # Only stop sequences read the text: joining it every step is O(length) per row.
         so_far = state.detok.text if stopping.stop_sequences else ""
         reason = stopping.check(token, so_far, state.generated_count)
+        if state.grammar is not None:
+            state.grammar.pending.append(token)  # consumed by the next step's mask job
+            if reason is None and token in self.eos_token_ids:
+                reason = StopReason.EOS_TOKEN  # a finished grammar allows nothing after EOS
         finished = None
         if reason is not None:
             held_back = state.detok.flush()

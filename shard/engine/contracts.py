@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shard.engine.grammar import GrammarSpec
 from shard.engine.sampling import SamplingParams
 from shard.engine.stopping import StopReason
 
@@ -29,6 +30,7 @@ class RequestSpec:
     prefill_logprobs: bool = False
     top_n_tokens: int = 0
     adapter_id: str = ""  # LoRA adapter name; "" for the base model
+    grammar: GrammarSpec | None = None  # constrained decoding; None: unconstrained
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from shard.engine.contracts import (
     StepTimings,
     TokenList,
 )
+from shard.engine.grammar import GrammarSpec
 from shard.engine.sampling import SamplingParams
 from shard.engine.stopping import StopReason
 from shard.lora import AdapterFacts, AdapterSource
@@ -59,6 +60,11 @@ def request_from_proto(m: pb.Request) -> RequestSpec:
         prefill_logprobs=m.prefill_logprobs,
         top_n_tokens=m.top_n_tokens,
         adapter_id=m.adapter_id,
+        grammar=(
+            GrammarSpec(kind=m.grammar.kind, source=m.grammar.source)
+            if m.HasField("grammar")
+            else None
+        ),
     )
 
 

@@ -158,6 +158,7 @@ class Shard:
 
     def warmup(self, spec: WarmupSpec) -> WarmupResult:
         self.engine.clear_cache(None)
+        self.engine.grammars.prepare()
         return run_warmup(
             self.runner,
             spec,

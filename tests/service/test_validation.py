@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import math
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import pytest
 from google.protobuf import struct_pb2
 from tokenwire.v1 import generate_pb2 as pb
 
-from service.generation.errors import UnsupportedError, ValidationError
+from service.generation.errors import ValidationError
 from service.generation.validation import (
     GenerateInput,
     GrammarInput,
@@ -179,7 +181,7 @@ INVALID = [
         {"grammar": _grammar("xml", "a")},
         False,
         "parameters.grammar.type",
-        ["json, regex", "'xml'"],
+        ["json, json_object, regex", "'xml'"],
     ),
     (
         "grammar-bad-json",
@@ -301,9 +303,15 @@ def test_max_new_tokens_fills_the_total_budget_exactly() -> None:
         check_length(GenerateInput(inputs="x", max_new_tokens=87), DEFAULT_LIMITS, tuple(range(10)))
 
 
-def test_valid_grammar_raises_unsupported() -> None:
-    with pytest.raises(UnsupportedError):
-        _params(grammar=GrammarInput("regex", "[a-z]+"))
+def test_valid_grammars_become_shard_grammars() -> None:
+    regex = _params(grammar=GrammarInput("regex", "[a-z]+")).grammar
+    assert (regex.kind, regex.source) == ("regex", "[a-z]+")
+    schema = _params(grammar=GrammarInput("json", {"type": "object"})).grammar
+    assert schema.kind == "json_schema"
+    doc = json.loads(schema.source)
+    assert doc["type"] == "object" and doc["x-guidance"]["whitespace_flexible"] is False
+    anything = _params(grammar=GrammarInput("json_object", None)).grammar
+    assert json.loads(anything.source)["type"] == "object"
 
 
 async def test_long_input_passes_with_truncate_and_reaches_engine(tokenizer_dir: Path) -> None:

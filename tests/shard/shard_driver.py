@@ -25,6 +25,7 @@ class SimRequest:
     ignore_eos: bool = True
     generated_len: int = 0  # tail of `prompt` generated before a preemption (recompute)
     adapter: str = ""  # LoRA adapter name ("" base model)
+    grammar: pb.OutputGrammar | None = None  # constrained decoding
     computed: int = 0  # tokens whose K/V the shard holds
     blocks: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
@@ -102,6 +103,7 @@ class RouterSim:
                     top_n_tokens=req.top_n,
                     generated_len=req.generated_len,
                     adapter_id=req.adapter,
+                    grammar=req.grammar,
                 )
             )
             req.computed += chunk

@@ -29,7 +29,7 @@ from tokenwire_client._generated.tokenwire.v1 import (
     InfoResponse,
     Token,
 )
-from tokenwire_client._request import build_request
+from tokenwire_client._request import build_chat_request, build_request
 
 API_KEY = "s3cret"
 
@@ -140,6 +140,34 @@ def test_parameters_become_the_request_message() -> None:
     assert request.parameters.grammar.type == "json"
     assert request.parameters.grammar.value.to_dict() == {"type": "object"}
     assert GenerateRequest.parse(bytes(request)) == request
+
+
+def test_openai_shaped_structured_output_fields_become_messages() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    request = build_chat_request(
+        "tgi",
+        [
+            {"role": "user", "content": "add"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "add", "arguments": "{\"a\": 1}"}}]},
+            {"role": "tool", "content": "1", "tool_call_id": "c1"},
+        ],
+        {
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "n", "schema": schema, "strict": True}},
+            "tools": [{"type": "function", "function": {"name": "add", "parameters": schema}}],
+            "tool_choice": {"type": "function", "function": {"name": "add"}},
+            "parallel_tool_calls": False,
+        },
+    )
+    assert request.response_format.json_schema.schema.to_dict() == schema
+    assert request.response_format.json_schema.strict is True
+    assert request.tools[0].function.name == "add"
+    assert request.tools[0].function.parameters.to_dict() == schema
+    assert request.tool_choice.function == "add" and request.parallel_tool_calls is False
+    assert request.messages[1].tool_calls[0].function.arguments == '{"a": 1}'
+    assert build_chat_request("tgi", [], {"tool_choice": "required"}).tool_choice.mode == "required"
 
 
 def test_unknown_parameters_and_bad_inputs_are_type_errors() -> None:

@@ -9,14 +9,21 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._generated.google.protobuf import Value
+from ._generated.google.protobuf import Struct, Value
 from ._generated.tokenwire.v1 import (
     ChatMessage,
     ChatRequest,
     CompletionRequest,
+    FunctionCall,
+    FunctionDefinition,
     GenerateParameters,
     GenerateRequest,
     Grammar,
+    JsonSchemaFormat,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+    ToolChoice,
 )
 
 PARAMETER_NAMES: frozenset[str] = frozenset(f.name for f in dataclasses.fields(GenerateParameters))
@@ -86,7 +93,50 @@ def _message(message: ChatMessage | Mapping[str, Any]) -> ChatMessage:
         return message
     if not isinstance(message, Mapping):
         raise TypeError("messages must be ChatMessage objects or {'role', 'content'} mappings")
-    return ChatMessage(**dict(message))
+    fields = {k: v for k, v in message.items() if v is not None}
+    if "tool_calls" in fields:  # OpenAI's shape: {id, type, function: {name, arguments}}
+        fields["tool_calls"] = [
+            c if isinstance(c, ToolCall) else ToolCall(
+                id=c.get("id", ""), type=c.get("type", "function"),
+                function=FunctionCall(**c.get("function", {})),
+            )
+            for c in fields["tool_calls"]
+        ]
+    return ChatMessage(**fields)
+
+
+def _openai_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI-shaped response_format / tools / tool_choice mappings as the request's messages
+    (generated messages pass through)."""
+    rf = fields.get("response_format")
+    if isinstance(rf, Mapping):
+        schema = rf.get("json_schema")
+        fields["response_format"] = ResponseFormat(
+            type=rf.get("type", "text"),
+            json_schema=None if schema is None else JsonSchemaFormat(
+                name=schema.get("name", ""), description=schema.get("description"),
+                schema=Struct.from_dict(schema.get("schema", {})),
+                strict=bool(schema.get("strict", False)),
+            ),
+        )
+    if fields.get("tools") is not None:
+        tools = []
+        for tool in fields["tools"]:
+            if isinstance(tool, Mapping):
+                f = tool.get("function", {})
+                tool = Tool(type=tool.get("type", "function"), function=FunctionDefinition(
+                    name=f.get("name", ""), description=f.get("description"),
+                    parameters=Struct.from_dict(f.get("parameters", {"type": "object"})),
+                    strict=bool(f.get("strict", False)),
+                ))
+            tools.append(tool)
+        fields["tools"] = tools
+    choice = fields.get("tool_choice")
+    if isinstance(choice, str):
+        fields["tool_choice"] = ToolChoice(mode=choice)
+    elif isinstance(choice, Mapping):
+        fields["tool_choice"] = ToolChoice(function=choice.get("function", {}).get("name", ""))
+    return fields
 
 
 def build_chat_request(
@@ -94,7 +144,7 @@ def build_chat_request(
 ) -> ChatRequest:
     """The ChatRequest for OpenAI-style messages ({"role", "content"} mappings or ChatMessage)
     and parameters (max_tokens, temperature, top_p, seed, stop, n, logprobs, ...)."""
-    fields = _check_names(parameters, CHAT_PARAMETER_NAMES)
+    fields = _openai_fields(_check_names(parameters, CHAT_PARAMETER_NAMES))
     return ChatRequest(model=model, messages=[_message(m) for m in messages], **fields)
 
 

@@ -137,7 +137,7 @@ class StoppingParameters(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos_token: _Optional[bool] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "input_ids", "cache_len", "chunk_len", "blocks", "generated_len", "sampling", "stopping", "prefill_logprobs", "top_n_tokens", "adapter_id")
+    __slots__ = ("id", "input_ids", "cache_len", "chunk_len", "blocks", "generated_len", "sampling", "stopping", "prefill_logprobs", "top_n_tokens", "grammar", "adapter_id")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class Request(_message.Message):
     STOPPING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_N_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     id: int
     input_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -159,8 +160,9 @@ class Request(_message.Message):
     stopping: StoppingParameters
     prefill_logprobs: bool
     top_n_tokens: int
+    grammar: OutputGrammar
     adapter_id: str
-    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., generated_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., adapter_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., generated_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., grammar: _Optional[_Union[OutputGrammar, _Mapping]] = ..., adapter_id: _Optional[str] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("id", "requests")
@@ -349,3 +351,11 @@ class Draft(_message.Message):
     request_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, request_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OutputGrammar(_message.Message):
+    __slots__ = ("kind", "source")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    source: str
+    def __init__(self, kind: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...

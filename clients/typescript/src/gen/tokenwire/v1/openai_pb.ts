@@ -20,13 +20,14 @@ import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2
 import { file_google_api_annotations } from "../../google/api/annotations_pb.js";
 import type { HttpBodySchema } from "../../google/api/httpbody_pb.js";
 import { file_google_api_httpbody } from "../../google/api/httpbody_pb.js";
-import type { Message } from "@bufbuild/protobuf";
+import { file_google_protobuf_struct } from "@bufbuild/protobuf/wkt";
+import type { JsonObject, Message } from "@bufbuild/protobuf";
 
 /**
  * Describes the file tokenwire/v1/openai.proto.
  */
 export const file_tokenwire_v1_openai: GenFile = /*@__PURE__*/
-  fileDesc("Chl0b2tlbndpcmUvdjEvb3BlbmFpLnByb3RvEgx0b2tlbndpcmUudjEidAoLQ2hhdE1lc3NhZ2USDAoEcm9sZRgBIAEoCRIPCgdjb250ZW50GAIgASgJEhEKBG5hbWUYAyABKAlIAIgBARIZCgx0b29sX2NhbGxfaWQYBCABKAlIAYgBAUIHCgVfbmFtZUIPCg1fdG9vbF9jYWxsX2lkIsYDCgtDaGF0UmVxdWVzdBINCgVtb2RlbBgBIAEoCRIrCghtZXNzYWdlcxgCIAMoCzIZLnRva2Vud2lyZS52MS5DaGF0TWVzc2FnZRIXCgptYXhfdG9rZW5zGAMgASgNSACIAQESGAoLdGVtcGVyYXR1cmUYBCABKAJIAYgBARISCgV0b3BfcBgFIAEoAkgCiAEBEhEKBHNlZWQYBiABKARIA4gBARIMCgRzdG9wGAcgAygJEh4KEWZyZXF1ZW5jeV9wZW5hbHR5GAggASgCSASIAQESHQoQcHJlc2VuY2VfcGVuYWx0eRgJIAEoAkgFiAEBEhAKCGxvZ3Byb2JzGAogASgIEhkKDHRvcF9sb2dwcm9icxgLIAEoDUgGiAEBEg4KAW4YDCABKA1IB4gBARIVCg1pbmNsdWRlX3VzYWdlGA0gASgIEgwKBHVzZXIYDiABKAlCDQoLX21heF90b2tlbnNCDgoMX3RlbXBlcmF0dXJlQggKBl90b3BfcEIHCgVfc2VlZEIUChJfZnJlcXVlbmN5X3BlbmFsdHlCEwoRX3ByZXNlbmNlX3BlbmFsdHlCDwoNX3RvcF9sb2dwcm9ic0IECgJfbiI7CgpUb3BMb2dwcm9iEg0KBXRva2VuGAEgASgJEg8KB2xvZ3Byb2IYAiABKAISDQoFYnl0ZXMYAyADKA0ibQoMVG9rZW5Mb2dwcm9iEg0KBXRva2VuGAEgASgJEg8KB2xvZ3Byb2IYAiABKAISDQoFYnl0ZXMYAyADKA0SLgoMdG9wX2xvZ3Byb2JzGAQgAygLMhgudG9rZW53aXJlLnYxLlRvcExvZ3Byb2IiPQoOQ2hvaWNlTG9ncHJvYnMSKwoHY29udGVudBgBIAMoCzIaLnRva2Vud2lyZS52MS5Ub2tlbkxvZ3Byb2IiTwoFVXNhZ2USFQoNcHJvbXB0X3Rva2VucxgBIAEoDRIZChFjb21wbGV0aW9uX3Rva2VucxgCIAEoDRIUCgx0b3RhbF90b2tlbnMYAyABKA0ioAEKCkNoYXRDaG9pY2USDQoFaW5kZXgYASABKA0SKgoHbWVzc2FnZRgCIAEoCzIZLnRva2Vud2lyZS52MS5DaGF0TWVzc2FnZRIVCg1maW5pc2hfcmVhc29uGAMgASgJEjMKCGxvZ3Byb2JzGAQgASgLMhwudG9rZW53aXJlLnYxLkNob2ljZUxvZ3Byb2JzSACIAQFCCwoJX2xvZ3Byb2JzIrUBCgxDaGF0UmVzcG9uc2USCgoCaWQYASABKAkSDgoGb2JqZWN0GAIgASgJEg8KB2NyZWF0ZWQYAyABKAMSDQoFbW9kZWwYBCABKAkSGgoSc3lzdGVtX2ZpbmdlcnByaW50GAUgASgJEikKB2Nob2ljZXMYBiADKAsyGC50b2tlbndpcmUudjEuQ2hhdENob2ljZRIiCgV1c2FnZRgHIAEoCzITLnRva2Vud2lyZS52MS5Vc2FnZSJJCglDaGF0RGVsdGESEQoEcm9sZRgBIAEoCUgAiAEBEhQKB2NvbnRlbnQYAiABKAlIAYgBAUIHCgVfcm9sZUIKCghfY29udGVudCK4AQoPQ2hhdENodW5rQ2hvaWNlEg0KBWluZGV4GAEgASgNEiYKBWRlbHRhGAIgASgLMhcudG9rZW53aXJlLnYxLkNoYXREZWx0YRIaCg1maW5pc2hfcmVhc29uGAMgASgJSACIAQESMwoIbG9ncHJvYnMYBCABKAsyHC50b2tlbndpcmUudjEuQ2hvaWNlTG9ncHJvYnNIAYgBAUIQCg5fZmluaXNoX3JlYXNvbkILCglfbG9ncHJvYnMilQIKEkNoYXRTdHJlYW1SZXNwb25zZRIKCgJpZBgBIAEoCRIOCgZvYmplY3QYAiABKAkSDwoHY3JlYXRlZBgDIAEoAxINCgVtb2RlbBgEIAEoCRIaChJzeXN0ZW1fZmluZ2VycHJpbnQYBSABKAkSLgoHY2hvaWNlcxgGIAMoCzIdLnRva2Vud2lyZS52MS5DaGF0Q2h1bmtDaG9pY2USJwoFdXNhZ2UYByABKAsyEy50b2tlbndpcmUudjEuVXNhZ2VIAIgBARISCgVlcnJvchgIIAEoCUgBiAEBEhcKCmVycm9yX3R5cGUYCSABKAlIAogBAUIICgZfdXNhZ2VCCAoGX2Vycm9yQg0KC19lcnJvcl90eXBlIv8CChFDb21wbGV0aW9uUmVxdWVzdBINCgVtb2RlbBgBIAEoCRIOCgZwcm9tcHQYAiABKAkSFwoKbWF4X3Rva2VucxgDIAEoDUgAiAEBEhgKC3RlbXBlcmF0dXJlGAQgASgCSAGIAQESEgoFdG9wX3AYBSABKAJIAogBARIRCgRzZWVkGAYgASgESAOIAQESDAoEc3RvcBgHIAMoCRIeChFmcmVxdWVuY3lfcGVuYWx0eRgIIAEoAkgEiAEBEh0KEHByZXNlbmNlX3BlbmFsdHkYCSABKAJIBYgBARIOCgFuGAogASgNSAaIAQESFQoNaW5jbHVkZV91c2FnZRgLIAEoCBIMCgRlY2hvGAwgASgIEgwKBHVzZXIYDSABKAlCDQoLX21heF90b2tlbnNCDgoMX3RlbXBlcmF0dXJlQggKBl90b3BfcEIHCgVfc2VlZEIUChJfZnJlcXVlbmN5X3BlbmFsdHlCEwoRX3ByZXNlbmNlX3BlbmFsdHlCBAoCX24iXQoQQ29tcGxldGlvbkNob2ljZRINCgVpbmRleBgBIAEoDRIMCgR0ZXh0GAIgASgJEhoKDWZpbmlzaF9yZWFzb24YAyABKAlIAIgBAUIQCg5fZmluaXNoX3JlYXNvbiLBAQoSQ29tcGxldGlvblJlc3BvbnNlEgoKAmlkGAEgASgJEg4KBm9iamVjdBgCIAEoCRIPCgdjcmVhdGVkGAMgASgDEg0KBW1vZGVsGAQgASgJEhoKEnN5c3RlbV9maW5nZXJwcmludBgFIAEoCRIvCgdjaG9pY2VzGAYgAygLMh4udG9rZW53aXJlLnYxLkNvbXBsZXRpb25DaG9pY2USIgoFdXNhZ2UYByABKAsyEy50b2tlbndpcmUudjEuVXNhZ2UinAIKGENvbXBsZXRpb25TdHJlYW1SZXNwb25zZRIKCgJpZBgBIAEoCRIOCgZvYmplY3QYAiABKAkSDwoHY3JlYXRlZBgDIAEoAxINCgVtb2RlbBgEIAEoCRIaChJzeXN0ZW1fZmluZ2VycHJpbnQYBSABKAkSLwoHY2hvaWNlcxgGIAMoCzIeLnRva2Vud2lyZS52MS5Db21wbGV0aW9uQ2hvaWNlEicKBXVzYWdlGAcgASgLMhMudG9rZW53aXJlLnYxLlVzYWdlSACIAQESEgoFZXJyb3IYCCABKAlIAYgBARIXCgplcnJvcl90eXBlGAkgASgJSAKIAQFCCAoGX3VzYWdlQggKBl9lcnJvckINCgtfZXJyb3JfdHlwZSITChFMaXN0TW9kZWxzUmVxdWVzdCJmCgVNb2RlbBIKCgJpZBgBIAEoCRIOCgZvYmplY3QYAiABKAkSDwoHY3JlYXRlZBgDIAEoDRIQCghvd25lZF9ieRgEIAEoCRITCgZwYXJlbnQYUCABKAlIAIgBAUIJCgdfcGFyZW50IkcKEkxpc3RNb2RlbHNSZXNwb25zZRIOCgZvYmplY3QYASABKAkSIQoEZGF0YRgCIAMoCzITLnRva2Vud2lyZS52MS5Nb2RlbDLrBAoNT3BlbkFJU2VydmljZRJgCg9DaGF0Q29tcGxldGlvbnMSFC5nb29nbGUuYXBpLkh0dHBCb2R5GhQuZ29vZ2xlLmFwaS5IdHRwQm9keSIfgtPkkwIZOgEqIhQvdjEvY2hhdC9jb21wbGV0aW9uczABElcKC0NvbXBsZXRpb25zEhQuZ29vZ2xlLmFwaS5IdHRwQm9keRoULmdvb2dsZS5hcGkuSHR0cEJvZHkiGoLT5JMCFDoBKiIPL3YxL2NvbXBsZXRpb25zMAESYwoKTGlzdE1vZGVscxIfLnRva2Vud2lyZS52MS5MaXN0TW9kZWxzUmVxdWVzdBogLnRva2Vud2lyZS52MS5MaXN0TW9kZWxzUmVzcG9uc2UiEoLT5JMCDBIKL3YxL21vZGVscxI9CgRDaGF0EhkudG9rZW53aXJlLnYxLkNoYXRSZXF1ZXN0GhoudG9rZW53aXJlLnYxLkNoYXRSZXNwb25zZRJLCgpDaGF0U3RyZWFtEhkudG9rZW53aXJlLnYxLkNoYXRSZXF1ZXN0GiAudG9rZW53aXJlLnYxLkNoYXRTdHJlYW1SZXNwb25zZTABEk8KCkNvbXBsZXRpb24SHy50b2tlbndpcmUudjEuQ29tcGxldGlvblJlcXVlc3QaIC50b2tlbndpcmUudjEuQ29tcGxldGlvblJlc3BvbnNlEl0KEENvbXBsZXRpb25TdHJlYW0SHy50b2tlbndpcmUudjEuQ29tcGxldGlvblJlcXVlc3QaJi50b2tlbndpcmUudjEuQ29tcGxldGlvblN0cmVhbVJlc3BvbnNlMAFiBnByb3RvMw", [file_google_api_annotations, file_google_api_httpbody]);
+  fileDesc("Chl0b2tlbndpcmUvdjEvb3BlbmFpLnByb3RvEgx0b2tlbndpcmUudjEioAEKC0NoYXRNZXNzYWdlEgwKBHJvbGUYASABKAkSDwoHY29udGVudBgCIAEoCRIRCgRuYW1lGAMgASgJSACIAQESGQoMdG9vbF9jYWxsX2lkGAQgASgJSAGIAQESKgoKdG9vbF9jYWxscxgoIAMoCzIWLnRva2Vud2lyZS52MS5Ub29sQ2FsbEIHCgVfbmFtZUIPCg1fdG9vbF9jYWxsX2lkIrcFCgtDaGF0UmVxdWVzdBINCgVtb2RlbBgBIAEoCRIrCghtZXNzYWdlcxgCIAMoCzIZLnRva2Vud2lyZS52MS5DaGF0TWVzc2FnZRIXCgptYXhfdG9rZW5zGAMgASgNSACIAQESGAoLdGVtcGVyYXR1cmUYBCABKAJIAYgBARISCgV0b3BfcBgFIAEoAkgCiAEBEhEKBHNlZWQYBiABKARIA4gBARIMCgRzdG9wGAcgAygJEh4KEWZyZXF1ZW5jeV9wZW5hbHR5GAggASgCSASIAQESHQoQcHJlc2VuY2VfcGVuYWx0eRgJIAEoAkgFiAEBEhAKCGxvZ3Byb2JzGAogASgIEhkKDHRvcF9sb2dwcm9icxgLIAEoDUgGiAEBEg4KAW4YDCABKA1IB4gBARIVCg1pbmNsdWRlX3VzYWdlGA0gASgIEgwKBHVzZXIYDiABKAkSOgoPcmVzcG9uc2VfZm9ybWF0GCggASgLMhwudG9rZW53aXJlLnYxLlJlc3BvbnNlRm9ybWF0SAiIAQESIQoFdG9vbHMYKSADKAsyEi50b2tlbndpcmUudjEuVG9vbBIyCgt0b29sX2Nob2ljZRgqIAEoCzIYLnRva2Vud2lyZS52MS5Ub29sQ2hvaWNlSAmIAQESIAoTcGFyYWxsZWxfdG9vbF9jYWxscxgrIAEoCEgKiAEBQg0KC19tYXhfdG9rZW5zQg4KDF90ZW1wZXJhdHVyZUIICgZfdG9wX3BCBwoFX3NlZWRCFAoSX2ZyZXF1ZW5jeV9wZW5hbHR5QhMKEV9wcmVzZW5jZV9wZW5hbHR5Qg8KDV90b3BfbG9ncHJvYnNCBAoCX25CEgoQX3Jlc3BvbnNlX2Zvcm1hdEIOCgxfdG9vbF9jaG9pY2VCFgoUX3BhcmFsbGVsX3Rvb2xfY2FsbHMiOwoKVG9wTG9ncHJvYhINCgV0b2tlbhgBIAEoCRIPCgdsb2dwcm9iGAIgASgCEg0KBWJ5dGVzGAMgAygNIm0KDFRva2VuTG9ncHJvYhINCgV0b2tlbhgBIAEoCRIPCgdsb2dwcm9iGAIgASgCEg0KBWJ5dGVzGAMgAygNEi4KDHRvcF9sb2dwcm9icxgEIAMoCzIYLnRva2Vud2lyZS52MS5Ub3BMb2dwcm9iIj0KDkNob2ljZUxvZ3Byb2JzEisKB2NvbnRlbnQYASADKAsyGi50b2tlbndpcmUudjEuVG9rZW5Mb2dwcm9iIk8KBVVzYWdlEhUKDXByb21wdF90b2tlbnMYASABKA0SGQoRY29tcGxldGlvbl90b2tlbnMYAiABKA0SFAoMdG90YWxfdG9rZW5zGAMgASgNIqABCgpDaGF0Q2hvaWNlEg0KBWluZGV4GAEgASgNEioKB21lc3NhZ2UYAiABKAsyGS50b2tlbndpcmUudjEuQ2hhdE1lc3NhZ2USFQoNZmluaXNoX3JlYXNvbhgDIAEoCRIzCghsb2dwcm9icxgEIAEoCzIcLnRva2Vud2lyZS52MS5DaG9pY2VMb2dwcm9ic0gAiAEBQgsKCV9sb2dwcm9icyK1AQoMQ2hhdFJlc3BvbnNlEgoKAmlkGAEgASgJEg4KBm9iamVjdBgCIAEoCRIPCgdjcmVhdGVkGAMgASgDEg0KBW1vZGVsGAQgASgJEhoKEnN5c3RlbV9maW5nZXJwcmludBgFIAEoCRIpCgdjaG9pY2VzGAYgAygLMhgudG9rZW53aXJlLnYxLkNoYXRDaG9pY2USIgoFdXNhZ2UYByABKAsyEy50b2tlbndpcmUudjEuVXNhZ2UiegoJQ2hhdERlbHRhEhEKBHJvbGUYASABKAlIAIgBARIUCgdjb250ZW50GAIgASgJSAGIAQESLwoKdG9vbF9jYWxscxgoIAMoCzIbLnRva2Vud2lyZS52MS5Ub29sQ2FsbERlbHRhQgcKBV9yb2xlQgoKCF9jb250ZW50IrgBCg9DaGF0Q2h1bmtDaG9pY2USDQoFaW5kZXgYASABKA0SJgoFZGVsdGEYAiABKAsyFy50b2tlbndpcmUudjEuQ2hhdERlbHRhEhoKDWZpbmlzaF9yZWFzb24YAyABKAlIAIgBARIzCghsb2dwcm9icxgEIAEoCzIcLnRva2Vud2lyZS52MS5DaG9pY2VMb2dwcm9ic0gBiAEBQhAKDl9maW5pc2hfcmVhc29uQgsKCV9sb2dwcm9icyKVAgoSQ2hhdFN0cmVhbVJlc3BvbnNlEgoKAmlkGAEgASgJEg4KBm9iamVjdBgCIAEoCRIPCgdjcmVhdGVkGAMgASgDEg0KBW1vZGVsGAQgASgJEhoKEnN5c3RlbV9maW5nZXJwcmludBgFIAEoCRIuCgdjaG9pY2VzGAYgAygLMh0udG9rZW53aXJlLnYxLkNoYXRDaHVua0Nob2ljZRInCgV1c2FnZRgHIAEoCzITLnRva2Vud2lyZS52MS5Vc2FnZUgAiAEBEhIKBWVycm9yGAggASgJSAGIAQESFwoKZXJyb3JfdHlwZRgJIAEoCUgCiAEBQggKBl91c2FnZUIICgZfZXJyb3JCDQoLX2Vycm9yX3R5cGUi/wIKEUNvbXBsZXRpb25SZXF1ZXN0Eg0KBW1vZGVsGAEgASgJEg4KBnByb21wdBgCIAEoCRIXCgptYXhfdG9rZW5zGAMgASgNSACIAQESGAoLdGVtcGVyYXR1cmUYBCABKAJIAYgBARISCgV0b3BfcBgFIAEoAkgCiAEBEhEKBHNlZWQYBiABKARIA4gBARIMCgRzdG9wGAcgAygJEh4KEWZyZXF1ZW5jeV9wZW5hbHR5GAggASgCSASIAQESHQoQcHJlc2VuY2VfcGVuYWx0eRgJIAEoAkgFiAEBEg4KAW4YCiABKA1IBogBARIVCg1pbmNsdWRlX3VzYWdlGAsgASgIEgwKBGVjaG8YDCABKAgSDAoEdXNlchgNIAEoCUINCgtfbWF4X3Rva2Vuc0IOCgxfdGVtcGVyYXR1cmVCCAoGX3RvcF9wQgcKBV9zZWVkQhQKEl9mcmVxdWVuY3lfcGVuYWx0eUITChFfcHJlc2VuY2VfcGVuYWx0eUIECgJfbiJdChBDb21wbGV0aW9uQ2hvaWNlEg0KBWluZGV4GAEgASgNEgwKBHRleHQYAiABKAkSGgoNZmluaXNoX3JlYXNvbhgDIAEoCUgAiAEBQhAKDl9maW5pc2hfcmVhc29uIsEBChJDb21wbGV0aW9uUmVzcG9uc2USCgoCaWQYASABKAkSDgoGb2JqZWN0GAIgASgJEg8KB2NyZWF0ZWQYAyABKAMSDQoFbW9kZWwYBCABKAkSGgoSc3lzdGVtX2ZpbmdlcnByaW50GAUgASgJEi8KB2Nob2ljZXMYBiADKAsyHi50b2tlbndpcmUudjEuQ29tcGxldGlvbkNob2ljZRIiCgV1c2FnZRgHIAEoCzITLnRva2Vud2lyZS52MS5Vc2FnZSKcAgoYQ29tcGxldGlvblN0cmVhbVJlc3BvbnNlEgoKAmlkGAEgASgJEg4KBm9iamVjdBgCIAEoCRIPCgdjcmVhdGVkGAMgASgDEg0KBW1vZGVsGAQgASgJEhoKEnN5c3RlbV9maW5nZXJwcmludBgFIAEoCRIvCgdjaG9pY2VzGAYgAygLMh4udG9rZW53aXJlLnYxLkNvbXBsZXRpb25DaG9pY2USJwoFdXNhZ2UYByABKAsyEy50b2tlbndpcmUudjEuVXNhZ2VIAIgBARISCgVlcnJvchgIIAEoCUgBiAEBEhcKCmVycm9yX3R5cGUYCSABKAlIAogBAUIICgZfdXNhZ2VCCAoGX2Vycm9yQg0KC19lcnJvcl90eXBlIhMKEUxpc3RNb2RlbHNSZXF1ZXN0ImYKBU1vZGVsEgoKAmlkGAEgASgJEg4KBm9iamVjdBgCIAEoCRIPCgdjcmVhdGVkGAMgASgNEhAKCG93bmVkX2J5GAQgASgJEhMKBnBhcmVudBhQIAEoCUgAiAEBQgkKB19wYXJlbnQiRwoSTGlzdE1vZGVsc1Jlc3BvbnNlEg4KBm9iamVjdBgBIAEoCRIhCgRkYXRhGAIgAygLMhMudG9rZW53aXJlLnYxLk1vZGVsImgKDlJlc3BvbnNlRm9ybWF0EgwKBHR5cGUYASABKAkSOAoLanNvbl9zY2hlbWEYAiABKAsyHi50b2tlbndpcmUudjEuSnNvblNjaGVtYUZvcm1hdEgAiAEBQg4KDF9qc29uX3NjaGVtYSKDAQoQSnNvblNjaGVtYUZvcm1hdBIMCgRuYW1lGAEgASgJEhgKC2Rlc2NyaXB0aW9uGAIgASgJSACIAQESJwoGc2NoZW1hGAMgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdBIOCgZzdHJpY3QYBCABKAhCDgoMX2Rlc2NyaXB0aW9uIkgKBFRvb2wSDAoEdHlwZRgBIAEoCRIyCghmdW5jdGlvbhgCIAEoCzIgLnRva2Vud2lyZS52MS5GdW5jdGlvbkRlZmluaXRpb24iiQEKEkZ1bmN0aW9uRGVmaW5pdGlvbhIMCgRuYW1lGAEgASgJEhgKC2Rlc2NyaXB0aW9uGAIgASgJSACIAQESKwoKcGFyYW1ldGVycxgDIAEoCzIXLmdvb2dsZS5wcm90b2J1Zi5TdHJ1Y3QSDgoGc3RyaWN0GAQgASgIQg4KDF9kZXNjcmlwdGlvbiI6CgpUb29sQ2hvaWNlEg4KBG1vZGUYASABKAlIABISCghmdW5jdGlvbhgCIAEoCUgAQggKBmNob2ljZSIvCgxGdW5jdGlvbkNhbGwSDAoEbmFtZRgBIAEoCRIRCglhcmd1bWVudHMYAiABKAkiUgoIVG9vbENhbGwSCgoCaWQYASABKAkSDAoEdHlwZRgCIAEoCRIsCghmdW5jdGlvbhgDIAEoCzIaLnRva2Vud2lyZS52MS5GdW5jdGlvbkNhbGwiZgoNVG9vbENhbGxEZWx0YRINCgVpbmRleBgBIAEoDRIKCgJpZBgCIAEoCRIMCgR0eXBlGAMgASgJEiwKCGZ1bmN0aW9uGAQgASgLMhoudG9rZW53aXJlLnYxLkZ1bmN0aW9uQ2FsbDLrBAoNT3BlbkFJU2VydmljZRJgCg9DaGF0Q29tcGxldGlvbnMSFC5nb29nbGUuYXBpLkh0dHBCb2R5GhQuZ29vZ2xlLmFwaS5IdHRwQm9keSIfgtPkkwIZOgEqIhQvdjEvY2hhdC9jb21wbGV0aW9uczABElcKC0NvbXBsZXRpb25zEhQuZ29vZ2xlLmFwaS5IdHRwQm9keRoULmdvb2dsZS5hcGkuSHR0cEJvZHkiGoLT5JMCFDoBKiIPL3YxL2NvbXBsZXRpb25zMAESYwoKTGlzdE1vZGVscxIfLnRva2Vud2lyZS52MS5MaXN0TW9kZWxzUmVxdWVzdBogLnRva2Vud2lyZS52MS5MaXN0TW9kZWxzUmVzcG9uc2UiEoLT5JMCDBIKL3YxL21vZGVscxI9CgRDaGF0EhkudG9rZW53aXJlLnYxLkNoYXRSZXF1ZXN0GhoudG9rZW53aXJlLnYxLkNoYXRSZXNwb25zZRJLCgpDaGF0U3RyZWFtEhkudG9rZW53aXJlLnYxLkNoYXRSZXF1ZXN0GiAudG9rZW53aXJlLnYxLkNoYXRTdHJlYW1SZXNwb25zZTABEk8KCkNvbXBsZXRpb24SHy50b2tlbndpcmUudjEuQ29tcGxldGlvblJlcXVlc3QaIC50b2tlbndpcmUudjEuQ29tcGxldGlvblJlc3BvbnNlEl0KEENvbXBsZXRpb25TdHJlYW0SHy50b2tlbndpcmUudjEuQ29tcGxldGlvblJlcXVlc3QaJi50b2tlbndpcmUudjEuQ29tcGxldGlvblN0cmVhbVJlc3BvbnNlMAFiBnByb3RvMw", [file_google_api_annotations, file_google_api_httpbody, file_google_protobuf_struct]);
 
 /**
  * One message of a conversation.
@@ -61,6 +62,13 @@ export type ChatMessage = Message<"tokenwire.v1.ChatMessage"> & {
    * @generated from field: optional string tool_call_id = 4;
    */
   toolCallId?: string | undefined;
+
+  /**
+   * For role "assistant": the functions it called (then `content` may be empty).
+   *
+   * @generated from field: repeated tokenwire.v1.ToolCall tool_calls = 40;
+   */
+  toolCalls: ToolCall[];
 };
 
 /**
@@ -175,6 +183,36 @@ export type ChatRequest = Message<"tokenwire.v1.ChatRequest"> & {
    * @generated from field: string user = 14;
    */
   user: string;
+
+  /**
+   * Constrain the reply to JSON: type "json_object" (any object) or "json_schema" (a schema).
+   * Unset or "text": free text.
+   *
+   * @generated from field: optional tokenwire.v1.ResponseFormat response_format = 40;
+   */
+  responseFormat?: ResponseFormat | undefined;
+
+  /**
+   * Functions the model may call; calls come back in `message.tool_calls` (finish_reason
+   * "tool_calls").
+   *
+   * @generated from field: repeated tokenwire.v1.Tool tools = 41;
+   */
+  tools: Tool[];
+
+  /**
+   * "auto" (default with tools: text or calls), "none", "required", or one named function.
+   *
+   * @generated from field: optional tokenwire.v1.ToolChoice tool_choice = 42;
+   */
+  toolChoice?: ToolChoice | undefined;
+
+  /**
+   * Allow several calls in one reply. Default true.
+   *
+   * @generated from field: optional bool parallel_tool_calls = 43;
+   */
+  parallelToolCalls?: boolean | undefined;
 };
 
 /**
@@ -338,7 +376,7 @@ export type ChatChoice = Message<"tokenwire.v1.ChatChoice"> & {
   message?: ChatMessage | undefined;
 
   /**
-   * "stop" (end of turn or a stop string) | "length" (max_tokens reached).
+   * "stop" (end of turn or a stop string) | "length" (max_tokens reached) | "tool_calls".
    *
    * @generated from field: string finish_reason = 3;
    */
@@ -441,6 +479,13 @@ export type ChatDelta = Message<"tokenwire.v1.ChatDelta"> & {
    * @generated from field: optional string content = 2;
    */
   content?: string | undefined;
+
+  /**
+   * Tool calls completed since the previous chunk (each whole: id, name and arguments).
+   *
+   * @generated from field: repeated tokenwire.v1.ToolCallDelta tool_calls = 40;
+   */
+  toolCalls: ToolCallDelta[];
 };
 
 /**
@@ -941,6 +986,286 @@ export type ListModelsResponse = Message<"tokenwire.v1.ListModelsResponse"> & {
  */
 export const ListModelsResponseSchema: GenMessage<ListModelsResponse> = /*@__PURE__*/
   messageDesc(file_tokenwire_v1_openai, 17);
+
+/**
+ * OpenAI's response_format.
+ *
+ * @generated from message tokenwire.v1.ResponseFormat
+ */
+export type ResponseFormat = Message<"tokenwire.v1.ResponseFormat"> & {
+  /**
+   * "text" | "json_object" | "json_schema".
+   *
+   * @generated from field: string type = 1;
+   */
+  type: string;
+
+  /**
+   * For "json_schema": the schema and its name.
+   *
+   * @generated from field: optional tokenwire.v1.JsonSchemaFormat json_schema = 2;
+   */
+  jsonSchema?: JsonSchemaFormat | undefined;
+};
+
+/**
+ * Describes the message tokenwire.v1.ResponseFormat.
+ * Use `create(ResponseFormatSchema)` to create a new message.
+ */
+export const ResponseFormatSchema: GenMessage<ResponseFormat> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_openai, 18);
+
+/**
+ * A named JSON schema (OpenAI's response_format.json_schema).
+ *
+ * @generated from message tokenwire.v1.JsonSchemaFormat
+ */
+export type JsonSchemaFormat = Message<"tokenwire.v1.JsonSchemaFormat"> & {
+  /**
+   * Letters, digits, _ and -; at most 64 characters.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * Optional description.
+   *
+   * @generated from field: optional string description = 2;
+   */
+  description?: string | undefined;
+
+  /**
+   * The JSON schema the reply must match.
+   *
+   * @generated from field: google.protobuf.Struct schema = 3;
+   */
+  schema?: JsonObject | undefined;
+
+  /**
+   * Reject schema keywords the grammar compiler does not implement (else they are ignored).
+   *
+   * @generated from field: bool strict = 4;
+   */
+  strict: boolean;
+};
+
+/**
+ * Describes the message tokenwire.v1.JsonSchemaFormat.
+ * Use `create(JsonSchemaFormatSchema)` to create a new message.
+ */
+export const JsonSchemaFormatSchema: GenMessage<JsonSchemaFormat> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_openai, 19);
+
+/**
+ * A function the model may call (OpenAI's tools[i] with type "function").
+ *
+ * @generated from message tokenwire.v1.Tool
+ */
+export type Tool = Message<"tokenwire.v1.Tool"> & {
+  /**
+   * "function".
+   *
+   * @generated from field: string type = 1;
+   */
+  type: string;
+
+  /**
+   * The function.
+   *
+   * @generated from field: tokenwire.v1.FunctionDefinition function = 2;
+   */
+  function?: FunctionDefinition | undefined;
+};
+
+/**
+ * Describes the message tokenwire.v1.Tool.
+ * Use `create(ToolSchema)` to create a new message.
+ */
+export const ToolSchema: GenMessage<Tool> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_openai, 20);
+
+/**
+ * A declared function.
+ *
+ * @generated from message tokenwire.v1.FunctionDefinition
+ */
+export type FunctionDefinition = Message<"tokenwire.v1.FunctionDefinition"> & {
+  /**
+   * Letters, digits, _ and -; at most 64 characters.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * What it does, shown to the model.
+   *
+   * @generated from field: optional string description = 2;
+   */
+  description?: string | undefined;
+
+  /**
+   * JSON schema of the arguments object.
+   *
+   * @generated from field: google.protobuf.Struct parameters = 3;
+   */
+  parameters?: JsonObject | undefined;
+
+  /**
+   * Reject schema keywords the grammar compiler does not implement.
+   *
+   * @generated from field: bool strict = 4;
+   */
+  strict: boolean;
+};
+
+/**
+ * Describes the message tokenwire.v1.FunctionDefinition.
+ * Use `create(FunctionDefinitionSchema)` to create a new message.
+ */
+export const FunctionDefinitionSchema: GenMessage<FunctionDefinition> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_openai, 21);
+
+/**
+ * OpenAI's tool_choice.
+ *
+ * @generated from message tokenwire.v1.ToolChoice
+ */
+export type ToolChoice = Message<"tokenwire.v1.ToolChoice"> & {
+  /**
+   * @generated from oneof tokenwire.v1.ToolChoice.choice
+   */
+  choice: {
+    /**
+     * "auto" | "none" | "required".
+     *
+     * @generated from field: string mode = 1;
+     */
+    value: string;
+    case: "mode";
+  } | {
+    /**
+     * Call this function.
+     *
+     * @generated from field: string function = 2;
+     */
+    value: string;
+    case: "function";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message tokenwire.v1.ToolChoice.
+ * Use `create(ToolChoiceSchema)` to create a new message.
+ */
+export const ToolChoiceSchema: GenMessage<ToolChoice> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_openai, 22);
+
+/**
+ * A function call.
+ *
+ * @generated from message tokenwire.v1.FunctionCall
+ */
+export type FunctionCall = Message<"tokenwire.v1.FunctionCall"> & {
+  /**
+   * The function's name.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * Its arguments, as JSON text.
+   *
+   * @generated from field: string arguments = 2;
+   */
+  arguments: string;
+};
+
+/**
+ * Describes the message tokenwire.v1.FunctionCall.
+ * Use `create(FunctionCallSchema)` to create a new message.
+ */
+export const FunctionCallSchema: GenMessage<FunctionCall> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_openai, 23);
+
+/**
+ * One tool call of an assistant message.
+ *
+ * @generated from message tokenwire.v1.ToolCall
+ */
+export type ToolCall = Message<"tokenwire.v1.ToolCall"> & {
+  /**
+   * Call id ("call_..."), echoed by the tool message that answers it.
+   *
+   * @generated from field: string id = 1;
+   */
+  id: string;
+
+  /**
+   * "function".
+   *
+   * @generated from field: string type = 2;
+   */
+  type: string;
+
+  /**
+   * The call.
+   *
+   * @generated from field: tokenwire.v1.FunctionCall function = 3;
+   */
+  function?: FunctionCall | undefined;
+};
+
+/**
+ * Describes the message tokenwire.v1.ToolCall.
+ * Use `create(ToolCallSchema)` to create a new message.
+ */
+export const ToolCallSchema: GenMessage<ToolCall> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_openai, 24);
+
+/**
+ * A tool call in a streamed chunk.
+ *
+ * @generated from message tokenwire.v1.ToolCallDelta
+ */
+export type ToolCallDelta = Message<"tokenwire.v1.ToolCallDelta"> & {
+  /**
+   * Position of the call among the choice's calls.
+   *
+   * @generated from field: uint32 index = 1;
+   */
+  index: number;
+
+  /**
+   * Call id.
+   *
+   * @generated from field: string id = 2;
+   */
+  id: string;
+
+  /**
+   * "function".
+   *
+   * @generated from field: string type = 3;
+   */
+  type: string;
+
+  /**
+   * The call.
+   *
+   * @generated from field: tokenwire.v1.FunctionCall function = 4;
+   */
+  function?: FunctionCall | undefined;
+};
+
+/**
+ * Describes the message tokenwire.v1.ToolCallDelta.
+ * Use `create(ToolCallDeltaSchema)` to create a new message.
+ */
+export const ToolCallDeltaSchema: GenMessage<ToolCallDelta> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_openai, 25);
 
 /**
  * OpenAI's API. Errors of the HttpBody RPCs come as OpenAI error bodies

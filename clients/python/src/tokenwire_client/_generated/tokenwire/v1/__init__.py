@@ -20,6 +20,8 @@ __all__ = (
     "CompletionResponse",
     "CompletionStreamResponse",
     "Details",
+    "FunctionCall",
+    "FunctionDefinition",
     "GenerateParameters",
     "GenerateRequest",
     "GenerateResponse",
@@ -29,6 +31,7 @@ __all__ = (
     "HealthResponse",
     "InfoRequest",
     "InfoResponse",
+    "JsonSchemaFormat",
     "ListAdaptersRequest",
     "ListAdaptersResponse",
     "ListModelsRequest",
@@ -39,6 +42,7 @@ __all__ = (
     "OpenAiServiceStub",
     "OpenAiServiceSyncStub",
     "PrefillToken",
+    "ResponseFormat",
     "SimpleToken",
     "StreamDetails",
     "TextGenerationStub",
@@ -47,6 +51,10 @@ __all__ = (
     "TokenLogprob",
     "TokenizeRequest",
     "TokenizeResponse",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolChoice",
     "TopLogprob",
     "TopTokens",
     "UnloadAdapterRequest",
@@ -206,7 +214,7 @@ class ChatChoice(betterproto2.Message):
 
     finish_reason: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
     """
-    "stop" (end of turn or a stop string) | "length" (max_tokens reached).
+    "stop" (end of turn or a stop string) | "length" (max_tokens reached) | "tool_calls".
     """
 
     logprobs: "ChoiceLogprobs | None" = betterproto2.field(
@@ -268,6 +276,13 @@ class ChatDelta(betterproto2.Message):
     Text generated since the previous chunk.
     """
 
+    tool_calls: "list[ToolCallDelta]" = betterproto2.field(
+        40, betterproto2.TYPE_MESSAGE, repeated=True
+    )
+    """
+    Tool calls completed since the previous chunk (each whole: id, name and arguments).
+    """
+
 
 default_message_pool.register_message("tokenwire.v1", "ChatDelta", ChatDelta)
 
@@ -296,6 +311,11 @@ class ChatMessage(betterproto2.Message):
     tool_call_id: "str | None" = betterproto2.field(4, betterproto2.TYPE_STRING, optional=True)
     """
     For role "tool": the id of the call this message answers, passed to the chat template.
+    """
+
+    tool_calls: "list[ToolCall]" = betterproto2.field(40, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    For role "assistant": the functions it called (then `content` may be empty).
     """
 
 
@@ -380,6 +400,34 @@ class ChatRequest(betterproto2.Message):
     user: "str" = betterproto2.field(14, betterproto2.TYPE_STRING)
     """
     Accepted and ignored (OpenAI's end-user id).
+    """
+
+    response_format: "ResponseFormat | None" = betterproto2.field(
+        40, betterproto2.TYPE_MESSAGE, optional=True
+    )
+    """
+    Constrain the reply to JSON: type "json_object" (any object) or "json_schema" (a schema).
+    Unset or "text": free text.
+    """
+
+    tools: "list[Tool]" = betterproto2.field(41, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Functions the model may call; calls come back in `message.tool_calls` (finish_reason
+    "tool_calls").
+    """
+
+    tool_choice: "ToolChoice | None" = betterproto2.field(
+        42, betterproto2.TYPE_MESSAGE, optional=True
+    )
+    """
+    "auto" (default with tools: text or calls), "none", "required", or one named function.
+    """
+
+    parallel_tool_calls: "bool | None" = betterproto2.field(
+        43, betterproto2.TYPE_BOOL, optional=True
+    )
+    """
+    Allow several calls in one reply. Default true.
     """
 
 
@@ -767,6 +815,58 @@ class Details(betterproto2.Message):
 
 
 default_message_pool.register_message("tokenwire.v1", "Details", Details)
+
+
+@dataclass(eq=False, repr=False)
+class FunctionCall(betterproto2.Message):
+    """
+    A function call.
+    """
+
+    name: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The function's name.
+    """
+
+    arguments: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    Its arguments, as JSON text.
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "FunctionCall", FunctionCall)
+
+
+@dataclass(eq=False, repr=False)
+class FunctionDefinition(betterproto2.Message):
+    """
+    A declared function.
+    """
+
+    name: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    Letters, digits, _ and -; at most 64 characters.
+    """
+
+    description: "str | None" = betterproto2.field(2, betterproto2.TYPE_STRING, optional=True)
+    """
+    What it does, shown to the model.
+    """
+
+    parameters: "__google__protobuf__.Struct | None" = betterproto2.field(
+        3, betterproto2.TYPE_MESSAGE, optional=True
+    )
+    """
+    JSON schema of the arguments object.
+    """
+
+    strict: "bool" = betterproto2.field(4, betterproto2.TYPE_BOOL)
+    """
+    Reject schema keywords the grammar compiler does not implement.
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "FunctionDefinition", FunctionDefinition)
 
 
 @dataclass(eq=False, repr=False)
@@ -1182,6 +1282,38 @@ default_message_pool.register_message("tokenwire.v1", "InfoResponse", InfoRespon
 
 
 @dataclass(eq=False, repr=False)
+class JsonSchemaFormat(betterproto2.Message):
+    """
+    A named JSON schema (OpenAI's response_format.json_schema).
+    """
+
+    name: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    Letters, digits, _ and -; at most 64 characters.
+    """
+
+    description: "str | None" = betterproto2.field(2, betterproto2.TYPE_STRING, optional=True)
+    """
+    Optional description.
+    """
+
+    schema: "__google__protobuf__.Struct | None" = betterproto2.field(
+        3, betterproto2.TYPE_MESSAGE, optional=True
+    )
+    """
+    The JSON schema the reply must match.
+    """
+
+    strict: "bool" = betterproto2.field(4, betterproto2.TYPE_BOOL)
+    """
+    Reject schema keywords the grammar compiler does not implement (else they are ignored).
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "JsonSchemaFormat", JsonSchemaFormat)
+
+
+@dataclass(eq=False, repr=False)
 class ListAdaptersRequest(betterproto2.Message):
     """
     Request of ListAdapters; no fields.
@@ -1331,6 +1463,28 @@ class PrefillToken(betterproto2.Message):
 
 
 default_message_pool.register_message("tokenwire.v1", "PrefillToken", PrefillToken)
+
+
+@dataclass(eq=False, repr=False)
+class ResponseFormat(betterproto2.Message):
+    """
+    OpenAI's response_format.
+    """
+
+    type: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    "text" | "json_object" | "json_schema".
+    """
+
+    json_schema: "JsonSchemaFormat | None" = betterproto2.field(
+        2, betterproto2.TYPE_MESSAGE, optional=True
+    )
+    """
+    For "json_schema": the schema and its name.
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "ResponseFormat", ResponseFormat)
 
 
 @dataclass(eq=False, repr=False)
@@ -1499,6 +1653,114 @@ class TokenLogprob(betterproto2.Message):
 
 
 default_message_pool.register_message("tokenwire.v1", "TokenLogprob", TokenLogprob)
+
+
+@dataclass(eq=False, repr=False)
+class Tool(betterproto2.Message):
+    """
+    A function the model may call (OpenAI's tools[i] with type "function").
+    """
+
+    type: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    "function".
+    """
+
+    function: "FunctionDefinition | None" = betterproto2.field(
+        2, betterproto2.TYPE_MESSAGE, optional=True
+    )
+    """
+    The function.
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "Tool", Tool)
+
+
+@dataclass(eq=False, repr=False)
+class ToolCall(betterproto2.Message):
+    """
+    One tool call of an assistant message.
+    """
+
+    id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    Call id ("call_..."), echoed by the tool message that answers it.
+    """
+
+    type: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    "function".
+    """
+
+    function: "FunctionCall | None" = betterproto2.field(
+        3, betterproto2.TYPE_MESSAGE, optional=True
+    )
+    """
+    The call.
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "ToolCall", ToolCall)
+
+
+@dataclass(eq=False, repr=False)
+class ToolCallDelta(betterproto2.Message):
+    """
+    A tool call in a streamed chunk.
+    """
+
+    index: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
+    """
+    Position of the call among the choice's calls.
+    """
+
+    id: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    Call id.
+    """
+
+    type: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    "function".
+    """
+
+    function: "FunctionCall | None" = betterproto2.field(
+        4, betterproto2.TYPE_MESSAGE, optional=True
+    )
+    """
+    The call.
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "ToolCallDelta", ToolCallDelta)
+
+
+@dataclass(eq=False, repr=False)
+class ToolChoice(betterproto2.Message):
+    """
+    OpenAI's tool_choice.
+
+    Oneofs:
+        - choice:
+    """
+
+    mode: "str | None" = betterproto2.field(
+        1, betterproto2.TYPE_STRING, optional=True, group="choice"
+    )
+    """
+    "auto" | "none" | "required".
+    """
+
+    function: "str | None" = betterproto2.field(
+        2, betterproto2.TYPE_STRING, optional=True, group="choice"
+    )
+    """
+    Call this function.
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "ToolChoice", ToolChoice)
 
 
 @dataclass(eq=False, repr=False)
