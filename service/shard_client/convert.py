@@ -106,6 +106,7 @@ def prefill_request(
                 stopping=stopping_proto(vreq),
                 prefill_logprobs=c.prefill_logprobs,
                 top_n_tokens=vreq.top_n_tokens,
+                traceparent=vreq.traceparent or "",
             )
         )
     req = pb.PrefillRequest(batch=pb.Batch(id=new_batch_id, requests=requests))

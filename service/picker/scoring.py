@@ -1,0 +1,58 @@
+"""How the picker ranks replicas for one request: prefix affinity balanced against load.
+
+Each ready replica gets a score (higher is better), in the spirit of GIE's scorers:
+
+    score = prefix_weight * matched_fraction      (prompt chunks probably cached there, 0..1)
+          + queue_weight  * (1 - load / (max_load + 1))   (load: waiting + running requests)
+          + kv_weight     * (1 - kv_cache_usage)
+
+and one guard: a replica whose load exceeds the least-loaded replica's by more than
+`balance_slack` requests gets no affinity credit, so one hot prefix cannot pile every request on
+one replica (SGLang's cache-aware router has the same escape). Ties go to the lower load, then to
+the replica picked least often. The result is every ready replica, best first: the first is the
+destination, the rest are the fallbacks Envoy retries in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Weights of the score's terms and the imbalance guard."""
+
+    prefix: float = 3.0
+    queue: float = 1.0
+    kv: float = 1.0
+    balance_slack: float = 8.0  # requests
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One ready replica as the scorer sees it."""
+
+    address: str  # ip:port, as Envoy names the endpoint
+    load: float  # waiting + running requests, plus picks not yet visible in its metrics
+    kv_usage: float  # fraction of KV blocks held by requests, 0..1
+    matched_fraction: float  # share of the request's prompt chunks it probably caches, 0..1
+    picks: int = 0  # requests sent there so far (last tie-break)
+
+
+def rank(candidates: list[Candidate], weights: Weights) -> list[str]:
+    """Addresses of `candidates`, best first."""
+    if not candidates:
+        return []
+    min_load = min(c.load for c in candidates)
+    max_load = max(c.load for c in candidates)
+
+    def score(c: Candidate) -> float:
+        affinity = c.matched_fraction if c.load - min_load <= weights.balance_slack else 0.0
+        return (
+            weights.prefix * affinity
+            + weights.queue * (1.0 - c.load / (max_load + 1.0))
+            + weights.kv * (1.0 - min(max(c.kv_usage, 0.0), 1.0))
+        )
+
+    ordered = sorted(candidates, key=lambda c: (-score(c), c.load, c.picks, c.address))
+    return [c.address for c in ordered]
