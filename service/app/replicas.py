@@ -196,7 +196,7 @@ def _wait_gateway(
             conn.request("GET", "/__tokenwire_gateway_probe")
             if conn.getresponse().status == 404:
                 return
-        except OSError:
+        except (OSError, http.client.HTTPException):
             pass
         finally:
             conn.close()

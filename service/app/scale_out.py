@@ -263,7 +263,17 @@ def apply_tracing(config: dict[str, Any], tracing: EnvoyTracing) -> None:
             },
         }
     )
-    _hcm(config)["tracing"] = {
+    hcm = _hcm(config)
+    # Clients may send their own x-request-id (the router honours it); Envoy must not read its
+    # sampling decision out of it (it does for UUIDs, and never samples other ids).
+    hcm["request_id_extension"] = {
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.request_id.uuid.v3.UuidRequestIdConfig",
+            "pack_trace_reason": False,
+            "use_request_id_for_trace_sampling": False,
+        }
+    }
+    hcm["tracing"] = {
         "provider": {
             "name": "envoy.tracers.opentelemetry",
             "typed_config": {

@@ -132,9 +132,16 @@ class Replica:
     backend: Backend
     endpoint: str  # ip:port as Envoy's endpoint address
     load: ReplicaLoad | None = None
-    reachable: bool = False
+    failures: int = 0  # consecutive failed scrapes
     picks: int = 0
     picks_since_scrape: int = 0
+    # A busy replica's metrics endpoint may miss a scrape: it stays ready (on its last reading)
+    # until this many fail in a row. Envoy's health checks eject dead replicas independently.
+    max_failures: int = 3
+
+    @property
+    def reachable(self) -> bool:
+        return self.load is not None and self.failures < self.max_failures
 
     @property
     def ready(self) -> bool:
@@ -158,7 +165,7 @@ class ReplicaSet:
         names: MetricNames,
         *,
         fetch: Fetch | None = None,
-        timeout: float = 1.0,
+        timeout: float = 2.0,
         on_reset: Callable[[str], None] | None = None,
     ) -> None:
         self.names = names
@@ -178,15 +185,15 @@ class ReplicaSet:
                 self._fetch(replica.backend.metrics_url), self.timeout + 0.5
             )
             load = parse_load(text, self.names)
-        except Exception as error:  # noqa: BLE001 - any failure: not ready until it answers
-            if replica.reachable:
+        except Exception as error:  # noqa: BLE001 - any failure counts; see Replica.max_failures
+            replica.failures += 1
+            if replica.failures == replica.max_failures:
                 _log.warning("replica %s: metrics unreachable (%s)", replica.endpoint, error)
-            replica.reachable = False
             return
         replica.endpoint = await asyncio.to_thread(
             resolve, replica.backend.host, replica.backend.port
         )
-        replica.load, replica.reachable, replica.picks_since_scrape = load, True, 0
+        replica.load, replica.failures, replica.picks_since_scrape = load, 0, 0
         if not was_ready and replica.ready and self._on_reset is not None:
             self._on_reset(replica.endpoint)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import random
 import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -136,6 +137,26 @@ class Pool:
         raise AssertionError(f"replica {i} has no {role}")
 
 
+def consecutive_free_ports(n: int) -> int:
+    """A port p with p .. p + n - 1 free (replica i listens on p + i)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000)  # below the ephemeral range
+        sockets = []
+        try:
+            for i in range(n):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise AssertionError("no run of free ports")
+
+
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     tmp = tmp_path_factory.mktemp("scale")
@@ -144,7 +165,8 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, collector)
     otlp_port = collector.add_insecure_port("127.0.0.1:0")
     collector.start()
-    admin, port, metrics_port, http_port = free_port(), free_port(), free_port(), free_port()
+    admin, http_port = free_port(), free_port()
+    port, metrics_port = consecutive_free_ports(REPLICAS), consecutive_free_ports(REPLICAS)
     cache = tmp.parent / "tokenwire-cache"
     process = ManagedProcess(
         "launch",
@@ -222,7 +244,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
 def system_prompts(seed: int) -> list[str]:
     rng = random.Random(seed)
     return [
-        f"System {seed}-{i}: " + " ".join(rng.choice(WORDS) for _ in range(130)) + "\n"
+        f"System {seed}-{i}: " + " ".join(rng.choice(WORDS) for _ in range(80)) + "\n"
         for i in range(N_PROMPTS)
     ]
 
@@ -233,9 +255,9 @@ def replica_counters(pool: Pool) -> list[dict[str, float]]:
         s = scrape(pool.deployment.metrics_port + i)
         out.append(
             {
-                "hit": s.total("tokenwire_prefix_cache_hit_tokens"),
-                "computed": s.total("tokenwire_prefill_tokens_computed"),
-                "requests": s.total("tokenwire_request_success"),
+                "hit": s.total("tokenwire_prefix_cache_hit_tokens_total"),
+                "computed": s.total("tokenwire_prefill_tokens_computed_total"),
+                "requests": s.total("tokenwire_request_success_total"),
             }
         )
     return out
