@@ -58,8 +58,7 @@ class EndpointPicker:
         order = rank(candidates, cfg.weights)
         if order:
             chosen = by_endpoint[order[0]]
-            chosen.picks += 1
-            chosen.picks_since_scrape += 1
+            chosen.picked()
             if keys:
                 self.index.record(keys, chosen.endpoint)
         return order

@@ -3,15 +3,18 @@
 Each backend is scraped every `interval` seconds (GIE's model-server protocol: waiting and
 running requests, KV-cache usage as a fraction, block size and count). The metric names are
 parameters, tokenwire's by default, so the picker also reads other model servers. A replica is
-ready while its last scrape answered and says it is serving; picks sent to it since that scrape
-are added to its load, so a burst between two scrapes still spreads.
+ready while its last scrapes answered and the last says it is serving; its recent picks (decayed
+over about one scrape interval) are added to its load, so a burst between two scrapes still
+spreads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
+import time
 import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -134,7 +137,9 @@ class Replica:
     load: ReplicaLoad | None = None
     failures: int = 0  # consecutive failed scrapes
     picks: int = 0
-    picks_since_scrape: int = 0
+    recent_picks: float = 0.0  # picks, decayed with time constant `pick_decay_s`
+    recent_at: float = 0.0  # time.monotonic() of the last update of recent_picks
+    pick_decay_s: float = 0.25
     # A busy replica's metrics endpoint may miss a scrape: it stays ready (on its last reading)
     # until this many fail in a row. Envoy's health checks eject dead replicas independently.
     max_failures: int = 3
@@ -147,9 +152,19 @@ class Replica:
     def ready(self) -> bool:
         return self.reachable and self.load is not None and self.load.serving
 
+    def _decayed(self, now: float) -> float:
+        return self.recent_picks * math.exp(-(now - self.recent_at) / self.pick_decay_s)
+
+    def picked(self) -> None:
+        now = time.monotonic()
+        self.picks += 1
+        self.recent_picks, self.recent_at = self._decayed(now) + 1.0, now
+
     def estimated_load(self) -> float:
+        """Waiting + running requests at the last scrape, plus the picks of the last moments
+        (requests sent there that its metrics may not show yet)."""
         base = self.load.waiting + self.load.running if self.load is not None else 0.0
-        return base + self.picks_since_scrape
+        return base + self._decayed(time.monotonic())
 
 
 Fetch = Callable[[str], Awaitable[str]]
@@ -193,7 +208,7 @@ class ReplicaSet:
         replica.endpoint = await asyncio.to_thread(
             resolve, replica.backend.host, replica.backend.port
         )
-        replica.load, replica.failures, replica.picks_since_scrape = load, 0, 0
+        replica.load, replica.failures = load, 0
         if not was_ready and replica.ready and self._on_reset is not None:
             self._on_reset(replica.endpoint)
 

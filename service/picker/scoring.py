@@ -25,7 +25,7 @@ class Weights:
     prefix: float = 3.0
     queue: float = 1.0
     kv: float = 1.0
-    balance_slack: float = 8.0  # requests
+    balance_slack: float = 32.0  # requests (SGLang's cache-aware router uses 32 too)
 
 
 @dataclass(frozen=True)
