@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 
-import grpc
 from google.protobuf import struct_pb2
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -166,4 +165,4 @@ async def set_ready(health_servicer: health.aio.HealthServicer) -> None:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-__all__ = ["ExternalProcessorServicer", "grpc", "set_ready", "start_server"]
+__all__ = ["ExternalProcessorServicer", "set_ready", "start_server"]
