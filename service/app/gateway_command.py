@@ -66,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests of load above the least-loaded replica beyond which affinity is ignored",
     )
     a(
+        "--max-share",
+        type=float,
+        default=Weights.max_share,
+        help="a replica whose recent share of requests exceeds this many times the mean gets "
+        "no affinity credit (hot prefixes spread)",
+    )
+    a(
         "--chunk-chars",
         type=int,
         default=PickerConfig.chunk_chars,
@@ -147,7 +154,11 @@ async def serve(args: argparse.Namespace) -> int:
             replicas,
             PickerConfig(
                 weights=Weights(
-                    args.prefix_weight, args.queue_weight, args.kv_weight, args.balance_slack
+                    prefix=args.prefix_weight,
+                    queue=args.queue_weight,
+                    kv=args.kv_weight,
+                    balance_slack=args.balance_slack,
+                    max_share=args.max_share,
                 ),
                 chunk_chars=args.chunk_chars,
             ),

@@ -54,7 +54,9 @@ class EndpointPicker:
             self._size_index(r)
             matched = self.index.matched(keys, r.endpoint) / len(keys) if keys else 0.0
             kv = r.load.kv_usage if r.load is not None else 0.0
-            candidates.append(Candidate(r.endpoint, r.estimated_load(), kv, matched, r.picks))
+            candidates.append(
+                Candidate(r.endpoint, r.estimated_load(), kv, matched, r.picks, r.share())
+            )
         order = rank(candidates, cfg.weights)
         if order:
             chosen = by_endpoint[order[0]]

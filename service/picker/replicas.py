@@ -140,6 +140,8 @@ class Replica:
     recent_picks: float = 0.0  # picks, decayed with time constant `pick_decay_s`
     recent_at: float = 0.0  # time.monotonic() of the last update of recent_picks
     pick_decay_s: float = 0.25
+    share_picks: float = 0.0  # picks, decayed with time constant `share_decay_s`
+    share_decay_s: float = 10.0
     # A busy replica's metrics endpoint may miss a scrape: it stays ready (on its last reading)
     # until this many fail in a row. Envoy's health checks eject dead replicas independently.
     max_failures: int = 3
@@ -155,9 +157,15 @@ class Replica:
     def _decayed(self, now: float) -> float:
         return self.recent_picks * math.exp(-(now - self.recent_at) / self.pick_decay_s)
 
+    def share(self, now: float | None = None) -> float:
+        """Recent picks over about `share_decay_s` seconds (the replica's recent share)."""
+        now = time.monotonic() if now is None else now
+        return self.share_picks * math.exp(-(now - self.recent_at) / self.share_decay_s)
+
     def picked(self) -> None:
         now = time.monotonic()
         self.picks += 1
+        self.share_picks = self.share(now) + 1.0
         self.recent_picks, self.recent_at = self._decayed(now) + 1.0, now
 
     def estimated_load(self) -> float:

@@ -216,3 +216,13 @@ async def test_ext_proc_answers_503_without_a_ready_replica() -> None:
         assert (immediate.status.code, immediate.grpc_status.status) == (503, 14)
     finally:
         await server.stop(0)
+
+
+def test_rank_takes_affinity_from_a_replica_with_too_large_a_share() -> None:
+    w = Weights()
+    hot = Candidate("a:1", load=1, kv_usage=0.0, matched_fraction=1.0, share=30.0)
+    others = [Candidate(f"{x}:1", 1, 0.0, 0.0, share=10.0) for x in "bc"]
+    assert rank([hot, *others], w)[0] != "a:1"
+    # Within the allowed share the prefix stays where it is cached.
+    warm = Candidate("a:1", load=1, kv_usage=0.0, matched_fraction=1.0, share=12.0)
+    assert rank([warm, *others], w)[0] == "a:1"
