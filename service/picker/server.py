@@ -8,8 +8,10 @@ start of the prompt, which is all the prefix index needs). The answer sets
 destination, then the fallbacks Envoy's retries walk), and the same value under dynamic
 metadata `envoy.lb` (GIE asks for both). A request without a body is placed at its headers.
 GIE's subset hint (`envoy.lb.subset_hint` / `x-gateway-destination-endpoint-subset` in the
-request's metadata) restricts the choice. No ready replica: an immediate 503 (gRPC UNAVAILABLE).
-Every other step is answered with "continue unchanged".
+request's metadata) restricts the choice; no ready replica in the subset: an immediate 503 (gRPC
+UNAVAILABLE), as GIE asks. With no subset and no replica ready by its metrics, the picker names
+none and Envoy's own balancing and health checks decide (the metrics may only be late: a
+scrape can miss a busy replica). Every other step is answered with "continue unchanged".
 """
 
 from __future__ import annotations
@@ -93,7 +95,11 @@ class ExternalProcessorServicer(xp_grpc.ExternalProcessorServicer):
     ) -> xp.ProcessingResponse:
         endpoints = self.picker.pick(prompt_text(path, body), subset)
         if not endpoints:
-            return no_endpoint()
+            if subset is not None:
+                return no_endpoint()
+            if step == "request_headers":
+                return xp.ProcessingResponse(request_headers=xp.HeadersResponse())
+            return xp.ProcessingResponse(request_body=xp.BodyResponse())
         common, metadata = destination(endpoints)
         _log.debug("%s -> %s", path, endpoints[0])
         if step == "request_headers":

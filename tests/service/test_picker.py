@@ -18,7 +18,12 @@ from service.picker.prefix_index import PrefixIndex, prefix_keys
 from service.picker.prompt import prompt_text
 from service.picker.replicas import MetricNames, ReplicaSet, parse_backends, parse_load
 from service.picker.scoring import Candidate, Weights, rank
-from service.picker.server import DESTINATION_HEADER, start_server
+from service.picker.server import (
+    DESTINATION_HEADER,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+    start_server,
+)
 
 
 def framed(message: bytes) -> bytes:
@@ -198,21 +203,34 @@ async def test_ext_proc_exchange_sets_the_destination_header_and_metadata() -> N
         await server.stop(0)
 
 
-async def test_ext_proc_answers_503_without_a_ready_replica() -> None:
+async def test_ext_proc_without_a_ready_replica() -> None:
+    """No replica ready by its metrics: the picker names none (Envoy's balancing and health
+    checks decide); with GIE's subset hint naming none ready: an immediate 503."""
     urls = {f"http://127.0.0.{i}:9000/metrics": "down" for i in (1, 2, 3)}
     picker = EndpointPicker(await _replica_set(urls))
     server, port, _ = await start_server(picker, "127.0.0.1", 0)
+    headers = xp.HttpHeaders(
+        headers=xp.HeaderMap(headers=[xp.HeaderValue(key=":path", value="/x")]),
+        end_of_stream=True,
+    )
+    hint = xp.Metadata()
+    subset = hint.filter_metadata[SUBSET_NAMESPACE].get_or_create_list(SUBSET_KEY)
+    subset.append("127.0.0.1:5000")
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = xp_grpc.ExternalProcessorStub(channel)
-            headers = xp.ProcessingRequest(
-                request_headers=xp.HttpHeaders(
-                    headers=xp.HeaderMap(headers=[xp.HeaderValue(key=":path", value="/x")]),
-                    end_of_stream=True,
+            plain = [
+                r async for r in stub.Process(iter([xp.ProcessingRequest(request_headers=headers)]))
+            ]
+            hinted = [
+                r
+                async for r in stub.Process(
+                    iter([xp.ProcessingRequest(request_headers=headers, metadata_context=hint)])
                 )
-            )
-            replies = [r async for r in stub.Process(iter([headers]))]
-        immediate = replies[0].immediate_response
+            ]
+        assert plain[0].WhichOneof("response") == "request_headers"
+        assert not plain[0].request_headers.response.header_mutation.set_headers
+        immediate = hinted[0].immediate_response
         assert (immediate.status.code, immediate.grpc_status.status) == (503, 14)
     finally:
         await server.stop(0)
