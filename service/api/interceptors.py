@@ -199,9 +199,10 @@ class RequestIdInterceptor(_WrappingInterceptor):
     """Takes the client's `x-request-id` (printable ASCII, at most 128 characters) or makes one,
     exposes it through `current_request_id()` and echoes it in the response's metadata.
 
-    Streams send it in the initial metadata together with their first event, and always in the
-    trailing metadata: a stream that fails before its first event must stay a trailers-only
-    response, or Envoy has already answered HTTP 200 and cannot map the status (400, 429, ...)."""
+    Unary calls send it in the initial metadata together with their answer, streams together
+    with their first event, and both always in the trailing metadata: a call that fails before
+    its first message must stay a trailers-only response, or Envoy has already answered HTTP 200
+    and can neither map the status (400, 429, ...) nor retry the call on another replica."""
 
     def _begin(self, details: grpc.HandlerCallDetails) -> tuple[str, contextvars.Token[str]]:
         given = _metadata(details, REQUEST_ID_KEY)
@@ -217,8 +218,12 @@ class RequestIdInterceptor(_WrappingInterceptor):
     ) -> Any:
         request_id, token = self._begin(details)
         try:
+            # As for streams: nothing is sent before the answer, so a failure stays a
+            # trailers-only response, which a gateway may still retry on another replica.
+            context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
+            response = await behavior(request, context)
             await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
-            return await behavior(request, context)
+            return response
         finally:
             _request_id.reset(token)
 

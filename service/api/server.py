@@ -10,6 +10,7 @@ from tokenwire.v1 import generate_pb2_grpc, openai_pb2, openai_pb2_grpc
 from service.api.interceptors import server_interceptors
 from service.api.openai_servicer import OpenAIServicer
 from service.api.servicer import SERVICE_NAME, HealthReporter, TextGenerationServicer
+from service.observability.tracing import Tracing
 
 
 def build_server(
@@ -21,13 +22,29 @@ def build_server(
     api_key: str | None,
     reuse_port: bool = False,
     openai: OpenAIServicer | None = None,
+    tracing: Tracing | None = None,
 ) -> tuple[aio.Server, int]:
     """The public gRPC server (not started): TextGeneration, grpc.health.v1 and reflection of
     every service, behind the interceptors (and tokenwire.v1.OpenAIService when `openai` is
     given). Returns it with its bound port. `reuse_port`:
-    several processes listen on the port (SO_REUSEPORT) and the kernel spreads connections."""
+    several processes listen on the port (SO_REUSEPORT) and the kernel spreads connections.
+    `tracing`: OpenTelemetry's server interceptor outermost (it continues the caller's
+    traceparent in a server span; health checks are not traced)."""
+    interceptors = server_interceptors(api_key)
+    if tracing is not None:
+        from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
+
+        interceptors.insert(
+            0,
+            aio_server_interceptor(
+                tracer_provider=tracing.provider,
+                filter_=filters.negate(
+                    filters.any_of(filters.health_check(), filters.service_prefix("grpc."))
+                ),
+            ),
+        )
     server = aio.server(
-        interceptors=server_interceptors(api_key),
+        interceptors=interceptors,
         options=[
             ("grpc.so_reuseport", int(reuse_port)),
             ("grpc.max_receive_message_length", 16 << 20),

@@ -12,8 +12,15 @@ import sys
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "launch": ("service.app.launcher", "start shards, the router and (with --http-port) Envoy"),
+    "launch": (
+        "service.app.launch_command",
+        "start shards, the router and (with --http-port) Envoy; or N replicas behind a gateway",
+    ),
     "router": ("service.app.router", "serve the public gRPC API in front of running shards"),
+    "gateway": (
+        "service.app.gateway_command",
+        "Envoy and the endpoint picker in front of many replicas",
+    ),
     "shard": ("shard.server.main", "serve one tensor-parallel rank of a model"),
     "download": ("shard.tools.download", "fetch a model snapshot from the Hugging Face Hub"),
     "make-tiny-model": ("shard.tools.tiny_model", "write a tiny random-weight model and tokenizer"),

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from service.app.ports import free_port
+from service.app.scale_out import EnvoyTracing, ScaleOut, apply_scale_out, apply_tracing
 
 LISTENER_NAME = "tokenwire_http"
 CLUSTER_NAME = "tokenwire_router"
@@ -78,6 +79,9 @@ class GatewaySettings:
     admin_host: str = "127.0.0.1"
     max_request_bytes: int | None = None  # None: as in envoy.yaml
     envoy_dir: Path = field(default_factory=default_envoy_dir)
+    # Many replicas (`tokenwire gateway`): replaces the router address above.
+    scale_out: ScaleOut | None = None
+    tracing: EnvoyTracing | None = None
 
 
 def render_config(settings: GatewaySettings) -> dict[str, Any]:
@@ -117,6 +121,10 @@ def render_config(settings: GatewaySettings) -> dict[str, Any]:
     if settings.max_request_bytes is not None:
         buffer = _named(hcm["http_filters"], BUFFER_FILTER, "http filter")["typed_config"]
         buffer["max_request_bytes"] = settings.max_request_bytes
+    if settings.scale_out is not None:
+        apply_scale_out(config, settings.scale_out)
+    if settings.tracing is not None:
+        apply_tracing(config, settings.tracing)
     return config
 
 

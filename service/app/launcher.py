@@ -54,7 +54,7 @@ class PassThrough:
     type: Any
     env: tuple[str, ...]
     help: str
-    target: str  # "router" | "shard"
+    target: str  # "router" | "shard" | "all"
     is_bool: bool = False
 
     @property
@@ -153,6 +153,22 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
     ),
     PassThrough(
         "--json-output", None, ("JSON_OUTPUT",), "structured JSON logs", "router", is_bool=True
+    ),
+    # Router and shards (and Envoy, with --http-port).
+    PassThrough(
+        "--otlp-endpoint",
+        str,
+        ("OTLP_ENDPOINT",),
+        "OpenTelemetry collector (OTLP/gRPC): trace every request through Envoy, router and "
+        "shards (default: off)",
+        "all",
+    ),
+    PassThrough(
+        "--otlp-service-name",
+        str,
+        ("OTLP_SERVICE_NAME",),
+        "service name prefix (NAME.gateway, NAME.router, NAME.shard; default tokenwire)",
+        "all",
     ),
     # Shards.
     PassThrough("--dtype", str, ("DTYPE",), "weight dtype (float32, float16, bfloat16)", "shard"),
@@ -288,6 +304,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds to wait for each component to become ready",
     )
     parser.add_argument(
+        "--replicas",
+        type=int,
+        default=int(env_value("REPLICAS") or 1),
+        help="N > 1: start N replicas (shards + router each, on --port + i and "
+        "--prometheus-port + i; one GPU set each with --device cuda) behind one Envoy with the "
+        "endpoint picker on --http-port (service/app/replicas.py) [REPLICAS]",
+    )
+    parser.add_argument(
+        "--no-picker",
+        action="store_true",
+        help="with --replicas: let Envoy balance (least-request) instead of the endpoint picker",
+    )
+    parser.add_argument(
         "--cache-dir",
         type=Path,
         default=None,
@@ -400,7 +429,7 @@ def tokenwire_command(subcommand: str, *args: str) -> list[str]:
 def _flag_args(args: argparse.Namespace, target: str) -> list[str]:
     out: list[str] = []
     for spec in PASS_THROUGH:
-        if spec.target != target:
+        if spec.target not in (target, "all"):
             continue
         value = getattr(args, spec.dest)
         if spec.is_bool:
@@ -560,6 +589,7 @@ class Launcher:
                     router_port=args.port,
                     admin_port=args.envoy_admin_port,
                     max_request_bytes=args.max_request_bytes,
+                    tracing=envoy_tracing(args),
                 ),
                 log_level="warning",
             )
@@ -616,6 +646,17 @@ class Interrupted(Exception):
 
 class StartupError(Exception):
     pass
+
+
+def envoy_tracing(args: argparse.Namespace) -> Any:
+    """Envoy's tracer settings from --otlp-endpoint / --otlp-service-name (None: off)."""
+    if not args.otlp_endpoint:
+        return None
+    from service.app.scale_out import Endpoint, EnvoyTracing
+    from service.observability.tracing import parse_endpoint
+
+    host, port = parse_endpoint(args.otlp_endpoint)
+    return EnvoyTracing(Endpoint(host, port), f"{args.otlp_service_name or 'tokenwire'}.gateway")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -222,6 +222,19 @@ def _observability_flags(a: _AddArgument) -> None:
         help="log one JSON object per line [JSON_OUTPUT]",
     )
     a("--log-level", default=env_value("LOG_LEVEL") or "INFO", help="[LOG_LEVEL] (default INFO)")
+    a(
+        "--otlp-endpoint",
+        default=env_value("OTLP_ENDPOINT"),
+        help="OpenTelemetry collector (OTLP/gRPC, HOST:PORT or http://HOST:PORT): trace every "
+        "request (validate, queue, prefill, decode, stream spans; the caller's W3C traceparent "
+        "is honoured) [OTLP_ENDPOINT] (default: tracing off)",
+    )
+    a(
+        "--otlp-service-name",
+        default=env_value("OTLP_SERVICE_NAME") or "tokenwire",
+        help="service name prefix of the spans: the router reports as NAME.router "
+        "[OTLP_SERVICE_NAME] (default tokenwire)",
+    )
 
 
 def _process_flags(a: _AddArgument) -> None:

@@ -30,6 +30,7 @@ from service.generation.service import Admission, GenerationService, ServerInfo
 from service.generation.tokenization import TokenizerPool
 from service.generation.validation import Validator
 from service.observability.metrics import MetricsServer, ServerMetrics
+from service.observability.tracing import setup_tracing
 
 _log = logging.getLogger("tokenwire.router")
 
@@ -73,6 +74,7 @@ async def serve(
     )
     health_reporter = HealthReporter(metrics)
     await health_reporter.start()
+    tracing = setup_tracing(args.otlp_endpoint, f"{args.otlp_service_name}.router")
     servicer = TextGenerationServicer(None, health_reporter)
     openai_servicer = OpenAIServicer()
     server, port = build_server(
@@ -83,6 +85,7 @@ async def serve(
         api_key=args.api_key,
         reuse_port=reuse_port,
         openai=openai_servicer,
+        tracing=tracing,
     )
     await server.start()
     _log.info("listening on %s:%d (NOT_SERVING until the shards are warm)", args.hostname, port)
@@ -143,6 +146,7 @@ async def serve(
             max_concurrent_requests=args.max_concurrent_requests,
             on_shard_failure=health_reporter.shard_failed,
             admission=admission,
+            tracing=tracing,
         )
         info = ServerInfo(
             model_id=args.model_id or shard.model_id,
@@ -211,6 +215,8 @@ async def serve(
             grammars.close()
         if metrics_server is not None:
             metrics_server.close()
+        if tracing is not None:
+            tracing.shutdown()
 
 
 async def watch_shards(

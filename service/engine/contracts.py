@@ -66,6 +66,8 @@ class ValidatedRequest:
     deadline: float | None = None  # time.monotonic() instant after which it is dropped
     adapter: str = ""  # LoRA adapter name; "" for the base model
     grammar: GrammarSpec | None = None  # constrained decoding; None: unconstrained
+    # W3C traceparent of the request's span when it is traced (the shards' step spans join it).
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,7 @@ class EngineStats:
     running: int = 0  # holding KV blocks
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0  # free or evictable (cached prefix blocks no request uses)
+    block_size: int = 0  # tokens per KV block
     last_batch_size: int = 0  # requests in the last step
     steps: int = 0  # steps run since start
     prefill_tokens_computed: int = 0  # prompt tokens computed (not served by the prefix cache)

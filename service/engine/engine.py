@@ -305,6 +305,7 @@ class LocalEngine:
             running=self.scheduler.num_running,
             kv_blocks_total=self.blocks.num_blocks,
             kv_blocks_free=self.blocks.num_free,
+            block_size=self.config.block_size,
             last_batch_size=self._last_batch_size,
             steps=c.steps,
             prefill_tokens_computed=c.prefill_tokens_computed,

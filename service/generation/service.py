@@ -11,7 +11,7 @@ import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from service.engine.adapters import AdapterInfo, AdapterSource
@@ -28,9 +28,15 @@ from service.engine.contracts import (
     ValidatedRequest,
 )
 from service.generation.errors import ValidationError, error_type
-from service.generation.validation import GenerateInput, ResponseOptions, Validator
+from service.generation.validation import (
+    GenerateInput,
+    ResponseOptions,
+    ValidatedGenerate,
+    Validator,
+)
 from service.observability.logs import REQUEST_LOGGER, log_request
 from service.observability.metrics import RequestRecord, ServerMetrics
+from service.observability.tracing import RequestTrace, Tracing
 
 GENERATE = "generate"
 GENERATE_STREAM = "generate_stream"
@@ -160,6 +166,7 @@ class GenerationService:
         on_shard_failure: Callable[[], None] | None = None,
         logger: logging.Logger | None = None,
         admission: Admission | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.engine = engine
         self.validator = validator
@@ -170,6 +177,7 @@ class GenerationService:
         self._in_flight = 0
         self._draining = False
         self._admission = admission
+        self._tracing = tracing
 
     @property
     def in_flight(self) -> int:
@@ -270,6 +278,8 @@ class GenerationService:
             if collector.finished is None:
                 stream.cancel()
         timer.first_token = timer.first_token or sequence_timer.first_token
+        if sequence_timer.last_token is not None:
+            timer.last_token = max(timer.last_token or 0.0, sequence_timer.last_token)
         return collector
 
     async def generate(
@@ -284,6 +294,7 @@ class GenerationService:
         label in metrics and logs."""
         timer = _Timer()
         self._admit(method)
+        trace = self._tracing.begin(method, request_id) if self._tracing is not None else None
         options: ResponseOptions | None = None
         outcome: GenerateOutcome | None = None
         max_new_tokens = 0
@@ -292,6 +303,8 @@ class GenerationService:
                 request, request_id=request_id, stream=False, deadline=deadline
             )
             timer.validated = time.monotonic()
+            if trace is not None and trace.traceparent is not None:
+                validated = _traced(validated, trace.traceparent)
             options = validated.options
             max_new_tokens = validated.requests[0].stopping.max_new_tokens
             if len(validated.requests) == 1:
@@ -314,10 +327,21 @@ class GenerationService:
         except BaseException as error:  # noqa: BLE001 - recorded, then re-raised
             self._record_failure(method, request_id, timer, options, _unwrap(error),
                                  adapter=request.adapter_id or "")
+            if trace is not None:
+                _finish_trace(trace, timer, options, stream=False, error=_unwrap(error))
             raise _unwrap(error) from None
         finally:
             self._release()
             if outcome is not None:
+                if trace is not None:
+                    _finish_trace(
+                        trace,
+                        timer,
+                        outcome.options,
+                        stream=False,
+                        generated_tokens=outcome.best.generated_tokens,
+                        finish_reason=outcome.best.finish_reason.value,
+                    )
                 self._record_success(
                     method,
                     request_id,
@@ -343,6 +367,7 @@ class GenerationService:
         the first item mean nothing was generated; the caller reports later ones in band."""
         timer = _Timer()
         self._admit(method)
+        trace = self._tracing.begin(method, request_id) if self._tracing is not None else None
         options: ResponseOptions | None = None
         finished: Finished | None = None
         index = 0
@@ -357,6 +382,8 @@ class GenerationService:
                 request, request_id=request_id, stream=True, deadline=deadline
             )
             timer.validated = time.monotonic()
+            if trace is not None and trace.traceparent is not None:
+                validated = _traced(validated, trace.traceparent)
             options = validated.options
             engine_stream = self._submit(validated.requests[0])
             try:
@@ -396,6 +423,8 @@ class GenerationService:
             timer.last_token = last or None
             self._record_failure(method, request_id, timer, options, error, index,
                                  adapter=request.adapter_id or "")
+            if trace is not None:
+                _finish_trace(trace, timer, options, stream=True, error=error)
             raise
         finally:
             self._release()
@@ -404,6 +433,15 @@ class GenerationService:
         timer.last_token = last
         timer.queue_seconds = finished.queue_seconds
         timer.inference_seconds = finished.inference_seconds
+        if trace is not None:
+            _finish_trace(
+                trace,
+                timer,
+                options,
+                stream=True,
+                generated_tokens=finished.generated_tokens,
+                finish_reason=finished.finish_reason.value,
+            )
         self._record_success(
             method,
             request_id,
@@ -508,6 +546,41 @@ def visible_text(tokens: list[TokenInfo]) -> str:
 
 def _ms(end: float | None, start: float) -> float | None:
     return None if end is None else round((end - start) * 1e3, 3)
+
+
+def _traced(validated: ValidatedGenerate, traceparent: str) -> ValidatedGenerate:
+    """The requests carrying the request span's traceparent to the shards."""
+    return replace(
+        validated, requests=tuple(replace(r, traceparent=traceparent) for r in validated.requests)
+    )
+
+
+def _finish_trace(
+    trace: RequestTrace,
+    timer: _Timer,
+    options: ResponseOptions | None,
+    *,
+    stream: bool,
+    generated_tokens: int | None = None,
+    finish_reason: str | None = None,
+    error: BaseException | None = None,
+) -> None:
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+        error = None  # the client went away: not a failure of the request
+    trace.finish(
+        start=timer.start,
+        validated=timer.validated,
+        queue_seconds=timer.queue_seconds,
+        first_token=timer.first_token,
+        last_token=timer.last_token,
+        stream=stream,
+        attributes={
+            "tokenwire.input_tokens": options.input_length if options else None,
+            "tokenwire.generated_tokens": generated_tokens,
+            "tokenwire.finish_reason": finish_reason,
+        },
+        error=error,
+    )
 
 
 def _unwrap(error: BaseException) -> BaseException:

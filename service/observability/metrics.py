@@ -74,6 +74,22 @@ class EngineCollector(Collector):
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        # The model-server protocol of Kubernetes' inference gateway (GIE): KV-cache usage as a
+        # fraction and the cache geometry as labels (vLLM's kv_cache_usage_perc and
+        # cache_config_info); queue_size and running_requests above are its waiting/running.
+        used = s.kv_blocks_total - s.kv_blocks_free
+        yield GaugeMetricFamily(
+            f"{PREFIX}_kv_cache_usage_ratio",
+            "Fraction of KV cache blocks held by requests (0 to 1)",
+            value=used / s.kv_blocks_total if s.kv_blocks_total else 0.0,
+        )
+        info = GaugeMetricFamily(
+            f"{PREFIX}_cache_config_info",
+            "KV cache geometry in labels: block_size (tokens per block), num_gpu_blocks",
+            labels=["block_size", "num_gpu_blocks"],
+        )
+        info.add_metric([str(s.block_size), str(s.kv_blocks_total)], 1.0)
+        yield info
         counters = (
             ("engine_steps", "Engine steps run", s.steps),
             (

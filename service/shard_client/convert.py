@@ -134,6 +134,7 @@ def prefill_request(
                     if vreq.grammar is not None
                     else None
                 ),
+                traceparent=vreq.traceparent or "",
             )
         )
     req = pb.PrefillRequest(batch=pb.Batch(id=new_batch_id, requests=requests))

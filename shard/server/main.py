@@ -61,6 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="not supported; present so that a request for it fails clearly")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--otlp-endpoint", default=None,
+                        help="OpenTelemetry collector (OTLP/gRPC): rank 0 records Prefill/Decode "
+                        "step spans under the requests the router traces (default: off)")
+    parser.add_argument("--otlp-service-name", default="tokenwire",
+                        help="service name prefix: the shard reports as NAME.shard")
 
 
 def listen_url(args: argparse.Namespace, rank: int) -> str:
@@ -70,7 +75,9 @@ def listen_url(args: argparse.Namespace, rank: int) -> str:
     return f"127.0.0.1:{port + rank}"
 
 
-async def start_server(shard, urls: list[str], rank: int, on_fatal: Callable[[str], None]):
+async def start_server(
+    shard, urls: list[str], rank: int, on_fatal: Callable[[str], None], tracer=None
+):
     """Builds and starts the grpc.aio server of one rank; returns (server, servicer, health)."""
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -85,7 +92,7 @@ async def start_server(shard, urls: list[str], rank: int, on_fatal: Callable[[st
             ("grpc.max_send_message_length", 256 * 2**20),
         ]
     )
-    servicer = ShardServicer(shard, urls, on_fatal)
+    servicer = ShardServicer(shard, urls, on_fatal, tracer)
     shard_pb2_grpc.add_ShardServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -115,7 +122,16 @@ async def serve(args: argparse.Namespace, shard) -> int:
         exit_code = 1
         stop.set()
 
-    server, servicer, health_servicer = await start_server(shard, urls, args.rank, on_fatal)
+    from shard.server.tracing import setup_step_tracer
+
+    tracer = (
+        setup_step_tracer(args.otlp_endpoint, f"{args.otlp_service_name}.shard")
+        if args.rank == 0
+        else None
+    )
+    server, servicer, health_servicer = await start_server(
+        shard, urls, args.rank, on_fatal, tracer
+    )
     log.info("rank %d/%d serving %s on %s", args.rank, args.world_size, args.model_id,
              urls[args.rank])
     loop = asyncio.get_running_loop()
@@ -125,6 +141,8 @@ async def serve(args: argparse.Namespace, shard) -> int:
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=1.0 if exit_code == 0 else 0)
     servicer.close()
+    if tracer is not None:
+        tracer.shutdown()
     return exit_code
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,6 +23,7 @@ from shard.errors import (
 )
 from shard.server import convert
 from shard.server.loader import Shard
+from shard.server.tracing import StepTracer
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +43,15 @@ def _status_class(exc: ShardError) -> type[ShardError]:
 
 
 class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
-    def __init__(self, shard: Shard, urls: list[str], on_fatal: Callable[[str], None]):
+    def __init__(
+        self,
+        shard: Shard,
+        urls: list[str],
+        on_fatal: Callable[[str], None],
+        tracer: StepTracer | None = None,
+    ):
         self.shard = shard
+        self.tracer = tracer  # step spans of traced requests (None: tracing off)
         self.urls = urls
         self.on_fatal = on_fatal
         # One worker: model steps run in RPC order, never concurrently, off the event loop.
@@ -87,22 +96,34 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         return convert.warmup_to_proto(result)
 
     async def Prefill(self, request, context):
+        start = time.time_ns()
         args = convert.prefill_from_proto(request)
-        return convert.prefill_to_proto(await self._run(context, self.shard.engine.prefill, *args))
+        reply = convert.prefill_to_proto(await self._run(context, self.shard.engine.prefill, *args))
+        if self.tracer is not None:
+            self.tracer.prefill(request, reply, start, time.time_ns())
+        return reply
 
     async def Decode(self, request, context):
+        start = time.time_ns()
         args = convert.decode_from_proto(request)
-        return convert.decode_to_proto(await self._run(context, self.shard.engine.decode, *args))
+        reply = convert.decode_to_proto(await self._run(context, self.shard.engine.decode, *args))
+        if self.tracer is not None:
+            self.tracer.decode(request, reply, start, time.time_ns())
+        return reply
 
     async def FilterBatch(self, request, context):
         ref = await self._run(
             context, self.shard.engine.filter_batch, request.batch_id, list(request.request_ids)
         )
+        if self.tracer is not None:
+            self.tracer.filter(list(request.request_ids))
         return pb.FilterBatchResponse(batch=convert.cached_batch_to_proto(ref))
 
     async def ClearCache(self, request, context):
         batch_id = request.id if request.HasField("id") else None
         await self._run(context, self.shard.engine.clear_cache, batch_id)
+        if self.tracer is not None:
+            self.tracer.clear()
         return pb.ClearCacheResponse()
 
     async def LoadAdapter(self, request, context):
