@@ -32,6 +32,7 @@ class HessianAccumulator:
     def __init__(self, in_features: int, device: torch.device | str = "cpu"):
         self.h = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
         self.tokens = 0
+        self.owner: str | None = None  # the one caller that adds, where several share it
 
     def add(self, x: torch.Tensor) -> None:
         """x [..., in]: a batch of the layer's inputs."""

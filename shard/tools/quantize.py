@@ -157,6 +157,40 @@ def _linears(layer: nn.Module) -> dict[str, nn.Linear]:
     return {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
 
 
+def _collect_hessians(
+    layer: nn.Module, linears: dict[str, nn.Linear],
+    inputs: list[tuple[torch.Tensor, dict[str, Any]]], device: torch.device,
+) -> dict[str, HessianAccumulator]:
+    """Runs the layer over the calibration inputs and returns each linear's Hessian. Linears fed
+    the same tensor (q/k/v, gate/up) share one accumulator: X^T X is the costly part."""
+    if not linears:
+        return {}
+    shared: dict[str, HessianAccumulator] = {}
+    seen: dict[int, HessianAccumulator] = {}  # this batch: input tensor address -> accumulator
+
+    def hook(name: str, x: torch.Tensor) -> None:
+        if name not in shared:  # first batch: share with whoever saw this tensor already
+            key = x.data_ptr()
+            if key not in seen:
+                seen[key] = HessianAccumulator(x.shape[-1], device)
+                seen[key].owner = name
+            shared[name] = seen[key]
+        acc = shared[name]
+        if acc.owner == name:
+            acc.add(x)
+
+    handles = [m.register_forward_hook(lambda _m, i, _o, n=n: hook(n, i[0]))
+               for n, m in linears.items()]
+    try:
+        for hidden, kwargs in inputs:
+            layer(hidden, **kwargs)
+            seen.clear()
+    finally:
+        for h in handles:
+            h.remove()
+    return shared
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -275,17 +309,7 @@ def quantize_model(
         for index, layer in enumerate(layers):
             lt = time.perf_counter()
             linears = _linears(layer) if spec.weights != "none" else {}
-            hessians = {n: HessianAccumulator(m.in_features, device) for n, m in linears.items()}
-            handles = [
-                m.register_forward_hook(lambda _m, i, _o, acc=hessians[n]: acc.add(i[0]))
-                for n, m in linears.items()
-            ]
-            try:
-                for hidden, kwargs in inputs if linears else ():
-                    layer(hidden, **kwargs)
-            finally:
-                for h in handles:
-                    h.remove()
+            hessians = _collect_hessians(layer, linears, inputs, device)
             for name, lin in linears.items():
                 full = f"{prefix[id(layer)]}.{name}"
                 w = lin.weight.data.float()
