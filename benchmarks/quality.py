@@ -61,7 +61,7 @@ from shard.tools.quantize import QuantizeSpec, quantize_model  # noqa: E402
 # 32 x 512 calibration tokens; KV scales from 8 x 512 (only a max or an MSE per head to fit).
 CALIBRATED: dict[str, QuantizeSpec] = {
     "fp8-gptq": QuantizeSpec(weights="fp8", kv_scales=True, samples=32),
-    "nf4-gptq": QuantizeSpec(weights="nf4", samples=32),
+    "nf4-gptq": QuantizeSpec(weights="nf4", samples=16),
     "kv-mse": QuantizeSpec(weights="none", kv_scales=True, kv_scale_method="mse",
                            kv_headroom=4.0, samples=8),
     "kv-absmax": QuantizeSpec(weights="none", kv_scales=True, kv_scale_method="absmax",
@@ -255,8 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrated-dir", type=Path, default=None,
                         help="where the calibrated checkpoints live (default: the tokenwire "
                         "cache's quality-calibrated/)")
-    parser.add_argument("--reuse", type=Path, default=None,
-                        help="an earlier run's JSON to take the --reuse-variants rows from")
+    parser.add_argument("--reuse", type=Path, nargs="+", default=[],
+                        help="earlier runs' JSON to take the --reuse-variants rows from")
+    parser.add_argument("--reference", type=Path, default=None,
+                        help="bf16 log-probabilities cache: read if it exists (bf16 is then not "
+                        "scored again), else written; lets variants run in separate processes")
     parser.add_argument("--reuse-variants", default="",
                         help="comma-separated variant keys to take from --reuse")
     args = parser.parse_args(argv)
@@ -267,12 +270,16 @@ def main(argv: list[str] | None = None) -> int:
     if model_dir is None:
         model_dir = ensure_local_model(None, None, cache_dir())[1]
     calibrated_root = args.calibrated_dir or cache_dir() / "quality-calibrated"
-    reused: dict[str, dict] = {}
-    earlier: dict = {}
-    if args.reuse is not None:
-        earlier = json.loads(args.reuse.read_text())
+    reused: dict[str, tuple[Path, dict, dict]] = {}  # key -> (file, its JSON, the row)
+    wanted = [k for k in args.reuse_variants.split(",") if k]
+    for path in args.reuse:
+        earlier = json.loads(path.read_text())
         by_name = {r["variant"]: r for r in earlier["rows"]}
-        reused = {k: by_name[VARIANTS[k].name] for k in args.reuse_variants.split(",") if k}
+        for k in wanted:
+            if VARIANTS[k].name in by_name:
+                reused[k] = (path, earlier, by_name[VARIANTS[k].name])
+    if missing := [k for k in wanted if k not in reused]:
+        raise SystemExit(f"--reuse-variants {','.join(missing)}: not in {args.reuse}")
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -285,11 +292,18 @@ def main(argv: list[str] | None = None) -> int:
     for key in names:
         variant = VARIANTS[key]
         if key in reused:
+            path, earlier, row = reused[key]
             if earlier.get("tokens") != len(ids) or earlier["rows"][0]["perplexity"] != ref_ppl:
-                raise SystemExit(f"--reuse: {args.reuse} scored other tokens or another bf16 "
+                raise SystemExit(f"--reuse: {path} scored other tokens or another bf16 "
                                  f"perplexity ({earlier['rows'][0]['perplexity']} vs {ref_ppl})")
-            rows.append(Row(**reused[key]))
-            print(f"{variant.name}: reused from {args.reuse}", file=sys.stderr, flush=True)
+            rows.append(Row(**row))
+            print(f"{variant.name}: reused from {path}", file=sys.stderr, flush=True)
+            continue
+        if key == "bf16" and args.reference is not None and args.reference.exists():
+            reference = torch.load(args.reference)
+            ref_ppl = math.exp(float(-reference.gather(1, targets[:, None]).mean()))
+            rows.append(compare(variant, reference, reference, targets, ref_ppl, 0.0))
+            print(f"bf16: from {args.reference}, ppl {ref_ppl:.4f}", file=sys.stderr, flush=True)
             continue
         served = model_dir
         if variant.checkpoint is not None:
@@ -300,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         if reference is None:
             reference = logprobs
             ref_ppl = math.exp(float(-logprobs.gather(1, targets[:, None]).mean()))
+            if args.reference is not None:
+                torch.save(reference, args.reference)
         row = compare(variant, logprobs, reference, targets, ref_ppl, seconds)
         rows.append(row)
         print(f"{variant.name}: ppl {row.perplexity:.4f} ({row.delta_pct:+.2f} %), top-1 "
@@ -316,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": args.device,
             "model_dir": str(model_dir),
             "calibrated": {k: quantize_flags(v) for k, v in CALIBRATED.items()},
-            "reused": {k: str(args.reuse) for k in reused},
+            "reused": {k: str(v[0]) for k, v in reused.items()},
             "tokens": len(ids),
             "chunk": args.chunk,
             "rows": [asdict(r) for r in rows],

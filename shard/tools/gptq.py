@@ -22,7 +22,8 @@ from typing import Protocol
 
 import torch
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from shard.quantization.fp8 import FP8_MAX  # the serving side's e4m3 range (448)
+
 _MIN_SCALE = 1e-12
 
 

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shard.quantization.bnb import NF4_BLOCKSIZE  # what --quantize bitsandbytes-nf4 uses
 from shard.tools.gptq import (
     FP8_MAX,
     Fp8RowGrid,
@@ -64,7 +65,6 @@ from shard.tools.gptq import (
 
 WEIGHT_FORMATS = ("fp8", "nf4", "none")
 KV_SCALE_METHODS = ("mse", "absmax")
-NF4_BLOCKSIZE = 64  # bitsandbytes' blocksize in shard/quantization/bnb.py
 
 
 @dataclass(frozen=True)
@@ -281,6 +281,8 @@ def quantize_model(
                          f"{', '.join(KV_SCALE_METHODS)}")
     if spec.weights == "none" and not spec.kv_scales:
         raise ValueError("--weights none without --kv-scales would write an unchanged copy")
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} exists; pass a new --out directory")
     if spec.weights == "nf4" and spec.gptq.act_order:
         log("nf4 with --act-order: block scales are fixed from the unquantized weights")
     import transformers
