@@ -61,7 +61,7 @@ from shard.tools.quantize import QuantizeSpec, quantize_model  # noqa: E402
 # 32 x 512 calibration tokens; KV scales from 8 x 512 (only a max or an MSE per head to fit).
 CALIBRATED: dict[str, QuantizeSpec] = {
     "fp8-gptq": QuantizeSpec(weights="fp8", kv_scales=True, samples=32),
-    "nf4-gptq": QuantizeSpec(weights="nf4", samples=16),
+    "nf4-gptq": QuantizeSpec(weights="nf4", samples=8),
     "kv-mse": QuantizeSpec(weights="none", kv_scales=True, kv_scale_method="mse",
                            kv_headroom=4.0, samples=8),
     "kv-absmax": QuantizeSpec(weights="none", kv_scales=True, kv_scale_method="absmax",

@@ -25,7 +25,7 @@ from shard.tools.gptq import (
     gptq_quantize,
     rtn_quantize,
 )
-from shard.tools.quantize import QuantizeSpec, quantize_model
+from shard.tools.quantize import QuantizeSpec, kv_scale_mse, quantize_model
 from shard.tools.tiny_training import task_prompts
 from tests.helpers.shards import make_shard
 from tests.helpers.tools import needs
@@ -74,6 +74,20 @@ def test_gptq_cuts_the_output_error_of_rtn(grid, act_order):
         blocks = q.view(64, 2, 64)
         ratio = blocks / blocks.abs().amax(-1, keepdim=True)
         assert float((ratio[..., None] - g.code).abs().amin(-1).max()) < 1e-6
+
+
+def test_kv_scale_mse_is_never_worse_than_absmax():
+    x = torch.randn(4096, 3, 64, generator=torch.Generator().manual_seed(2))
+    x = x * torch.tensor([0.05, 1.0, 9.0])[None, :, None]  # [tokens, kv_heads, head_dim]
+    amax = x.abs().amax(dim=(0, 2))
+
+    def err(scale: torch.Tensor) -> torch.Tensor:  # [kv_heads] squared error of the round trip
+        q = (x / scale[:, None]).to(torch.float8_e4m3fn).float() * scale[:, None]
+        return (q - x).pow(2).sum(dim=(0, 2))
+
+    chosen = kv_scale_mse(x, headroom=4.0)
+    assert (chosen >= amax * 4 / 448 * (1 - 1e-6)).all() and (chosen < amax * 8 / 448).all()
+    assert (err(chosen) <= err(amax * 4 / 448)).all()
 
 
 @pytest.fixture(scope="module")
@@ -173,23 +187,33 @@ def test_kv_scales_from_a_checkpoint_are_checked(written, tmp_path):
     assert all(a.kv_scales is None for a in shard.runner.model.attns)
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--samples", "0"], "--samples must be >= 1, got 0"),
-        (["--weights", "none"], "--weights none without --kv-scales"),
-        (["--kv-headroom", "0.5", "--kv-scales"], "--kv-headroom must be >= 1"),
-    ],
-)
-def test_cli_rejects_bad_arguments_in_one_line(written, tmp_path, args, message):
+def test_cli_rejects_bad_arguments_in_one_line(written, tmp_path):
+    """Through the real `tokenwire` entry point: exit 2, one line naming the flag, nothing written."""
     proc = subprocess.run(
         [sys.executable, "-m", "service.app.cli", "quantize", "--model-id", str(written["base"]),
-         "--out", str(tmp_path / "out"), *args],
+         "--out", str(tmp_path / "out"), "--samples", "0"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
-    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "tokenwire quantize: --samples must be >= 1, got 0"
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--weights", "none"], "--weights none without --kv-scales"),
+        (["--kv-headroom", "0.5", "--kv-scales"], "--kv-headroom must be >= 1, got 0.5"),
+        (["--damp", "1.5"], "--damp must be in [0, 1), got 1.5"),
+    ],
+)
+def test_bad_arguments_name_the_flag(written, tmp_path, capsys, args, message):
+    from shard.tools.quantize import main
+
+    out = tmp_path / "out"
+    assert main(["--model-id", str(written["base"]), "--out", str(out), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_existing_output_and_quantized_input_are_refused(written):
