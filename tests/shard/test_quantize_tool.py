@@ -223,3 +223,28 @@ def test_existing_output_and_quantized_input_are_refused(written):
     with pytest.raises(ValueError, match="already quantized"):
         quantize_model(written["fp8"], written["fp8"].parent / "again",
                        QuantizeSpec(weights="fp8", **SPEC), log=lambda _: None)
+
+
+def test_kv_scales_see_the_k_and_v_the_cache_stores(written, tmp_path):
+    """The tool's absmax scales of layer 0 equal the shard's own calibration on the same tokens:
+    K is taken after the same rotary (deeper layers differ a little, since the shard's
+    calibration pass already attends over an fp8 cache)."""
+    from tokenizers import Tokenizer
+
+    from shard.runner.model_runner import StepInputs
+    from shard.tools.quantize import calibration_ids
+
+    spec = QuantizeSpec(weights="none", kv_scales=True, kv_scale_method="absmax",
+                        kv_headroom=4.0, samples=1, seq_len=64, skip_tokens=256)
+    quantize_model(written["base"], tmp_path / "kv", spec, log=lambda _: None)
+    stored = load_file(str(tmp_path / "kv" / "model.safetensors"))
+    ids = calibration_ids(Tokenizer.from_file(str(written["base"] / "tokenizer.json")), spec)[0]
+    shard = make_shard(written["base"], dtype="float32", kv_cache_dtype="fp8_e4m3fn")
+    bs = shard.runner.block_size
+    shard.runner.execute_calibrating(StepInputs(
+        token_ids=ids[0].tolist(), positions=list(range(64)), query_lens=[64], seq_lens=[64],
+        block_tables=[list(range(-(-64 // bs)))], logits_indices=[63],
+    ))  # headroom 4 by default, as the tool's
+    scales = shard.runner.model.attns[0].kv_scales
+    torch.testing.assert_close(scales.k_scale, stored["model.layers.0.self_attn.k_scale"])
+    torch.testing.assert_close(scales.v_scale, stored["model.layers.0.self_attn.v_scale"])
