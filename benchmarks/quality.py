@@ -55,6 +55,7 @@ from shard.runner.warmup import WarmupSpec  # noqa: E402
 from shard.server.loader import Shard, ShardConfig  # noqa: E402
 from shard.runner.model_runner import StepInputs  # noqa: E402
 from shard.tools.perplexity import reference_prefix  # noqa: E402
+from shard.tools.gptq import GptqSettings  # noqa: E402
 from shard.tools.quantize import QuantizeSpec, quantize_model  # noqa: E402
 
 # Checkpoints `tokenwire quantize` writes for the calibrated variants (key -> how). GPTQ on
@@ -62,6 +63,8 @@ from shard.tools.quantize import QuantizeSpec, quantize_model  # noqa: E402
 CALIBRATED: dict[str, QuantizeSpec] = {
     "fp8-gptq": QuantizeSpec(weights="fp8", kv_scales=True, samples=32),
     "nf4-gptq": QuantizeSpec(weights="nf4", samples=8),
+    "nf4-gptq-act-order": QuantizeSpec(weights="nf4", samples=8,
+                                       gptq=GptqSettings(act_order=True)),
     "kv-mse": QuantizeSpec(weights="none", kv_scales=True, kv_scale_method="mse",
                            kv_headroom=4.0, samples=8),
     "kv-absmax": QuantizeSpec(weights="none", kv_scales=True, kv_scale_method="absmax",
@@ -76,6 +79,8 @@ def quantize_flags(spec: QuantizeSpec) -> str:
         parts.append(f"--kv-scales --kv-scale-method {spec.kv_scale_method} "
                      f"--kv-headroom {spec.kv_headroom:g}")
     parts.append(f"--samples {spec.samples} --seq-len {spec.seq_len}")
+    if spec.gptq.act_order:
+        parts.append("--act-order")
     return "tokenwire quantize " + " ".join(parts)
 
 
@@ -122,6 +127,8 @@ VARIANTS = {
                         checkpoint="fp8-gptq"),
     "nf4-gptq": Variant("nf4, GPTQ", "bfloat16", quantize="bitsandbytes-nf4",
                         target_delta_pct=10.0, checkpoint="nf4-gptq"),
+    "nf4-gptq-act-order": Variant("nf4, GPTQ act-order", "bfloat16", quantize="bitsandbytes-nf4",
+                                  target_delta_pct=10.0, checkpoint="nf4-gptq-act-order"),
     "kv-fp8-mse": Variant("fp8 KV cache, calibrated (MSE x4)", "bfloat16",
                           kv_cache_dtype="fp8_e4m3fn", target_delta_pct=1.5, checkpoint="kv-mse"),
     "kv-fp8-absmax1": Variant("fp8 KV cache, calibrated (absmax x1)", "bfloat16",
