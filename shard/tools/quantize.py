@@ -13,7 +13,8 @@ calibration text, and writes a checkpoint the shard serves as it is:
   float weights that bitsandbytes' own load-time rounding maps to exactly the GPTQ codes (see
   gptq.Nf4BlockGrid); serve it with `--quantize bitsandbytes-nf4`. Float weights rather than a
   packed 4-bit checkpoint keep every load path (tensor parallelism, `--dtype`) unchanged; the
-  price is the float checkpoint's size on disk.
+  price is the float checkpoint's size on disk. GPTQ runs with act-order for nf4 unless `--no-act-order`
+  (on SmolLM2-135M: +9.4 % perplexity against +14.3 % without, RTN +29 %).
 - `--weights none`: the weights unchanged (with `--kv-scales`: only the KV-cache scales added).
 - `--kv-scales`: per-layer, per-KV-head fp8 (e4m3) K/V cache scales from the calibration text
   (K after rotary, as the cache stores it), as `{attn}.k_scale` / `{attn}.v_scale`; a shard
@@ -467,7 +468,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration-file", type=Path, default=None,
                         help="calibrate on this text file instead of pydoc_data.topics")
     parser.add_argument("--damp", type=float, default=0.01)
-    parser.add_argument("--act-order", action="store_true")
+    parser.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
+                        help="quantize columns in decreasing input energy (default: on for nf4, "
+                        "where it measured +9.4 %% vs +14.3 %% perplexity on SmolLM2; off for fp8)")
     parser.add_argument("--serve-dtype", choices=("bfloat16", "float16", "float32"),
                         default="bfloat16", help="nf4: the --dtype the checkpoint will be served in")
     parser.add_argument("--device", default="cpu")
@@ -485,7 +488,8 @@ def spec_from_args(args: argparse.Namespace) -> QuantizeSpec:
         weights=args.weights, kv_scales=args.kv_scales, kv_scale_method=args.kv_scale_method,
         kv_headroom=args.kv_headroom, samples=args.samples, seq_len=args.seq_len,
         skip_tokens=args.skip_tokens, calibration_file=args.calibration_file,
-        gptq=GptqSettings(damp=args.damp, act_order=args.act_order),
+        gptq=GptqSettings(damp=args.damp, act_order=(
+            args.weights == "nf4" if args.act_order is None else args.act_order)),
         serve_dtype=getattr(torch, args.serve_dtype), device=args.device,
     )
 
