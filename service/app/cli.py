@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "shard": ("shard.server.main", "serve one tensor-parallel rank of a model"),
     "download": ("shard.tools.download", "fetch a model snapshot from the Hugging Face Hub"),
     "make-tiny-model": ("shard.tools.tiny_model", "write a tiny random-weight model and tokenizer"),
+    "quantize": ("shard.tools.quantize", "calibrated (GPTQ) fp8 / nf4 weights and fp8 KV scales"),
 }
 
 

@@ -15,11 +15,18 @@ from torch import nn
 
 from shard.attention.base import AttentionBackend, AttentionMetadata
 from shard.layers.rotary import RotaryEmbedding
+from shard.layers.weights import WeightLoader, Weights
 from shard.quantization.kv_cache import FP8_MAXES, KvCalibration, KvScales, scales_from_amax
 
 
-class PagedAttention(nn.Module):
-    """Attention of this rank's heads: num_heads query heads over num_kv_heads KV heads (GQA)."""
+class PagedAttention(nn.Module, WeightLoader):
+    """Attention of this rank's heads: num_heads query heads over num_kv_heads KV heads (GQA).
+
+    Its only checkpoint tensors are optional fp8 KV-cache scales, `{parent}.k_scale` and
+    `{parent}.v_scale` beside the projections (e.g. `model.layers.0.self_attn.k_scale`, as
+    `tokenwire quantize` and llm-compressor write them): one float per KV head ([num_kv_heads])
+    or per layer ([] / [1]), stored = x / scale. With an fp8 cache they replace warmup's
+    calibration; with a model-dtype cache they are ignored."""
 
     def __init__(
         self,
@@ -31,6 +38,7 @@ class PagedAttention(nn.Module):
         sliding_window: int | None,
         kv_dtype: torch.dtype,  # the cache's storage dtype
         device: torch.device,
+        kv_part: tuple[int, int] | None = None,  # which of the layer's KV-head parts this is
     ):
         super().__init__()
         self.backend = backend
@@ -46,6 +54,33 @@ class PagedAttention(nn.Module):
             ones = torch.ones(num_kv_heads, dtype=torch.float32, device=device)
             self.kv_scales = KvScales(ones, ones.clone())
         self.kv_calibration: KvCalibration | None = None  # set while warmup observes K/V
+        # (index, count): this rank holds KV-head part `index` of `count` equal parts (None:
+        # (rank, world) of the weights' dist); slices a checkpoint's per-head scales.
+        self.kv_part = kv_part
+        self.kv_scales_from_checkpoint = False  # then warmup leaves the scales alone
+
+    def load(self, weights: Weights, prefix: str) -> None:
+        """Reads the checkpoint's fp8 KV scales, if it has them and the cache is fp8."""
+        parent = prefix.rpartition(".")[0]
+        names = (f"{parent}.k_scale", f"{parent}.v_scale")
+        if self.kv_scales is None or not all(weights.has(n) for n in names):
+            return
+        index, count = self.kv_part or (weights.dist.rank, weights.dist.world_size)
+        for name, target in zip(names, (self.kv_scales.k_scale, self.kv_scales.v_scale)):
+            stored = weights.get(name, raw=True).float().reshape(-1)  # [kv_heads] or [1]
+            if stored.numel() == 1:
+                target.fill_(float(stored))
+                continue
+            if stored.numel() != self.num_kv_heads * count:
+                raise ValueError(
+                    f"{name}: {stored.numel()} scales, expected 1 or one per KV head "
+                    f"({self.num_kv_heads * count})"
+                )
+            local = stored[index * self.num_kv_heads : (index + 1) * self.num_kv_heads]
+            if not bool((local > 0).all()) or not bool(torch.isfinite(local).all()):
+                raise ValueError(f"{name}: scales must be finite and positive, got {local.tolist()}")
+            target.copy_(local.to(target.device))
+        self.kv_scales_from_checkpoint = True
 
     def forward(
         self,
@@ -76,8 +111,9 @@ class PagedAttention(nn.Module):
         return o.reshape(n, self.num_heads * self.head_dim)
 
     def begin_kv_calibration(self) -> bool:
-        """fp8 caches: start recording max |K|, |V| per KV head; False for model-dtype caches."""
-        if self.kv_scales is None:
+        """fp8 caches: start recording max |K|, |V| per KV head; False for model-dtype caches
+        and for scales the checkpoint gave."""
+        if self.kv_scales is None or self.kv_scales_from_checkpoint:
             return False
         self.kv_calibration = KvCalibration(self.num_kv_heads, self.kv_scales.k_scale.device)
         return True

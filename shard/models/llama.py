@@ -47,7 +47,7 @@ class LlamaAttention(nn.Module):
         )
         self.attn = PagedAttention(
             ctx.attention, rotary, split.local_heads, split.local_kv_heads, head_dim, sliding_window,
-            kv_cache_torch_dtype(ctx.kv_cache_dtype, ctx.dtype), ctx.device,
+            kv_cache_torch_dtype(ctx.kv_cache_dtype, ctx.dtype), ctx.device, kv_part=kv_block,
         )
 
     def forward(
@@ -169,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie_to(self.model.embed_tokens)
 
     def begin_kv_calibration(self) -> bool:
-        return all([a.begin_kv_calibration() for a in self.attns])
+        return any([a.begin_kv_calibration() for a in self.attns])
 
     def finish_kv_calibration(self, headroom: float | None = None) -> list[KvScales]:
         return [s for a in self.attns if (s := a.finish_kv_calibration(headroom)) is not None]
