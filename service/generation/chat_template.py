@@ -1,11 +1,8 @@
-"""Chat templates: a conversation rendered into the model's prompt with transformers'
-`apply_chat_template` (the model's own Jinja template, or the one of --chat-template FILE), on a
-worker thread so that the event loop never renders.
-
-The transformers tokenizer is loaded on the worker thread as the router starts when the model
-has a template (importing transformers takes seconds; the event loop never waits for it). The prompt's token ids come from the
-same call, tokenized without adding special tokens again, exactly as `apply_chat_template(...,
-tokenize=True)` gives them to `generate()`.
+"""Chat templates: a conversation rendered into the model's prompt by the model's own Jinja
+template (or the one of --chat-template FILE), on a worker thread so that the event loop never
+renders. service/generation/template_render.py renders it as transformers' `apply_chat_template`
+does, without importing transformers (and torch) into the router; the prompt's token ids come from
+the model's tokenizer.json, without adding special tokens again (the template writes its own).
 """
 
 from __future__ import annotations
@@ -18,9 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from service.generation.errors import ValidationError
+from service.generation.template_render import (
+    ModelTemplates,
+    TemplateRejected,
+    TemplateRenderer,
+)
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from tokenizers import Tokenizer
 
 
 class Message(Protocol):
@@ -113,52 +115,62 @@ class ChatTemplate:
         self._dir = tokenizer_dir
         # Read at startup so that a wrong --chat-template path fails the router at once.
         self._override = template_file.read_text() if template_file is not None else None
-        self._tokenizer: PreTrainedTokenizerBase | None = None
+        self._loaded: tuple[ModelTemplates, Tokenizer] | None = None
+        self._renderers: dict[str, TemplateRenderer] = {}  # template text -> compiled renderer
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chat-template")
         # Load in the background now when there is a template to serve, so the first chat
         # request does not wait for it (a failure here is raised again, and reported, by that
-        # request's own load). Routers of template-less models never import transformers.
+        # request's own load).
         if self._override is not None or has_chat_template(tokenizer_dir):
             self._executor.submit(self._load)
 
-    def _load(self) -> PreTrainedTokenizerBase:
+    def _load(self) -> tuple[ModelTemplates, Tokenizer]:
         with self._lock:
-            if self._tokenizer is None:
-                from transformers import AutoTokenizer
+            if self._loaded is None:
+                from tokenizers import Tokenizer
 
-                self._tokenizer = AutoTokenizer.from_pretrained(str(self._dir))
-            return self._tokenizer
+                self._loaded = (
+                    ModelTemplates.read(self._dir),
+                    Tokenizer.from_file(str(self._dir / "tokenizer.json")),
+                )
+            return self._loaded
+
+    def _renderer(self, template: str, special_tokens: dict[str, str]) -> TemplateRenderer:
+        renderer = self._renderers.get(template)
+        if renderer is None:  # at most two: the model's default and tool_use templates
+            try:
+                renderer = TemplateRenderer(template, special_tokens)
+            except TemplateRejected as error:
+                raise ValidationError("messages", str(error)) from None
+            self._renderers[template] = renderer
+        return renderer
 
     def _render_sync(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
     ) -> tuple[str, tuple[int, ...]]:
-        tokenizer = self._load()
-        template = self._override or tokenizer.chat_template
+        templates, tokenizer = self._load()
+        template = self._override or templates.pick(with_tools=bool(tools))
         if not template:
             raise ValidationError(
                 "messages",
                 "this model has no chat template (its tokenizer_config.json has none): start "
                 "the router with --chat-template FILE to serve chat completions",
             )
-        kwargs: dict[str, Any] = {}
+        declared: list[dict[str, Any]] | None = None
         if _knows_tools(template):
             messages = [{k: v for k, v in m.items() if k != "_blocks"} for m in messages]
-            if tools:
-                kwargs["tools"] = tools
+            declared = tools or None
         else:
             messages = _tools_as_text(messages, tools)
         try:
-            prompt = tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False, add_generation_prompt=True,
-                **kwargs,
-            )
-        except Exception as error:  # noqa: BLE001 - jinja raises anything a template throws
+            prompt = self._renderer(template, templates.special_tokens).render(messages, declared)
+        except TemplateRejected as error:
             raise ValidationError(
                 "messages", f"the chat template rejected the messages: {error}"
             ) from None
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        return str(prompt), tuple(int(i) for i in ids)
+        ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+        return prompt, tuple(ids)
 
     async def render(
         self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = ()
