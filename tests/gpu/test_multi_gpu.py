@@ -69,7 +69,23 @@ def test_fused_all_reduce_add_rms_norm_equals_unfused_over_graph_replays():
         assert row["eager_chain_exact"], row
         assert row["graph_chain_exact"], row
     print({b: (round(r["pushed_step_us"], 1), round(r["unpushed_step_us"], 1),
-               round(r["nccl_step_us"], 1)) for b, r in pushed.items()})
+               round(r["nccl_step_us"], 1), r["dispatched_backend"],
+               r["eager_equals_triton_reference"]) for b, r in pushed.items()})
+
+
+def test_fused_all_reduce_norm_and_pushed_gemv_stress():
+    """The same exactness checks over 200 graph replays with new inputs each (64 dependent
+    fused calls, 32 pushed-GEMV steps per replay): a race in the exchange protocol (a rank
+    reading a slot its peer is still writing) shows up as a wrong number, not as luck."""
+    from benchmarks.harness.tp import bench_rank
+    from shard.testing.ranks import run_ranks
+
+    res = run_ranks(2, {"device": "cuda", "allreduce_batches": [1, 16], "replays": 200},
+                    bench_rank, timeout_s=600)
+    assert res.get("error") is None, res
+    for row in res["fused_norm"] + res["pushed_linear"]:
+        assert row["eager_chain_exact"], row
+        assert row["graph_chain_exact"], row
 
 
 def test_trained_tiny_llama_tp2_greedy_equals_one_gpu(tmp_path):
