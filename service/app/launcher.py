@@ -61,6 +61,13 @@ class PassThrough:
     def dest(self) -> str:
         return self.flag.lstrip("-").replace("-", "_")
 
+    def argv(self, args: argparse.Namespace) -> list[str]:
+        """This flag as a child's command line takes it: [] when unset (or a false switch)."""
+        value = getattr(args, self.dest)
+        if self.is_bool:
+            return [self.flag] if value else []
+        return [] if value is None else [self.flag, str(value)]
+
 
 PASS_THROUGH: tuple[PassThrough, ...] = (
     # Router limits and scheduling (TGI's names).
@@ -429,14 +436,8 @@ def tokenwire_command(subcommand: str, *args: str) -> list[str]:
 def _flag_args(args: argparse.Namespace, target: str) -> list[str]:
     out: list[str] = []
     for spec in PASS_THROUGH:
-        if spec.target not in (target, "all"):
-            continue
-        value = getattr(args, spec.dest)
-        if spec.is_bool:
-            if value:
-                out.append(spec.flag)
-        elif value is not None:
-            out += [spec.flag, str(value)]
+        if spec.target in (target, "all"):
+            out += spec.argv(args)
     return out
 
 

@@ -58,14 +58,8 @@ class ReplicaProcess:
 def _passed_flags(args: argparse.Namespace) -> list[str]:
     out: list[str] = []
     for spec in PASS_THROUGH:
-        if spec.flag in _PER_REPLICA:
-            continue
-        value = getattr(args, spec.dest)
-        if spec.is_bool:
-            if value:
-                out.append(spec.flag)
-        elif value is not None:
-            out += [spec.flag, str(value)]
+        if spec.flag not in _PER_REPLICA:
+            out += spec.argv(args)
     return out
 
 
