@@ -90,6 +90,7 @@ class Variant:
     dtype: str
     quantize: str | None = None
     kv_cache_dtype: str = "auto"
+    kv_cache_rotation: str = "hadamard"  # the shard's default; "none" stores keys unrotated
     target_delta_pct: float | None = None  # |Δ perplexity| target vs bf16, percent
     checkpoint: str | None = None  # a CALIBRATED key: serve that checkpoint instead
     # fp8 KV cache: after warmup, set every scale to this value / multiply every scale by it
@@ -106,6 +107,8 @@ class Variant:
             parts.append(f"--quantize {self.quantize}")
         if self.kv_cache_dtype != "auto":
             parts.append(f"--kv-cache-dtype {self.kv_cache_dtype}")
+            if self.kv_cache_rotation != "hadamard":
+                parts.append(f"--kv-cache-rotation {self.kv_cache_rotation}")
         if self.kv_scale_value is not None:
             parts.append(f"(scales set to {self.kv_scale_value:g})")
         if self.kv_scale_factor is not None:
@@ -123,6 +126,8 @@ VARIANTS = {
                    target_delta_pct=10.0),
     "kv-fp8": Variant("fp8 KV cache", "bfloat16", kv_cache_dtype="fp8_e4m3fn",
                       target_delta_pct=1.5),
+    "kv-fp8-norot": Variant("fp8 KV cache, keys not rotated", "bfloat16",
+                            kv_cache_dtype="fp8_e4m3fn", kv_cache_rotation="none"),
     "fp8-gptq": Variant("fp8 weights, GPTQ", "bfloat16", target_delta_pct=1.5,
                         checkpoint="fp8-gptq"),
     "nf4-gptq": Variant("nf4, GPTQ", "bfloat16", quantize="bitsandbytes-nf4",
@@ -178,6 +183,7 @@ def next_token_logprobs(model_dir: Path, variant: Variant, ids: list[int], chunk
     shard = Shard(
         ShardConfig(model_id=str(model_dir), dtype=variant.dtype, device=device,
                     quantize=variant.quantize, kv_cache_dtype=variant.kv_cache_dtype,
+                    kv_cache_rotation=variant.kv_cache_rotation,
                     kv_cache_memory_mb=1024),
         Dist(),
     )

@@ -66,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="quantize the linear layers (as `tokenwire shard --quantize`)")
     a("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3fn", "fp8_e5m2"],
       help="KV cache storage (as `tokenwire shard --kv-cache-dtype`)")
+    a("--kv-cache-rotation", default="hadamard", choices=["hadamard", "none"],
+      help="fp8 KV caches: keys stored rotated or not (as `tokenwire shard --kv-cache-rotation`)")
     a("--router-frontends", type=int, default=4 if (os.cpu_count() or 1) >= 8 else 1,
       help="e2e: `launch --frontends` (router front-end processes; default 4 with >= 8 CPUs, "
            "else 1)")
@@ -112,7 +114,8 @@ def bench_model(model_dir: Path, args, ceilings: dict, parts: set[str]) -> dict:
 
     t0 = time.perf_counter()
     shard = Shard(ShardConfig(model_id=str(model_dir), dtype="bfloat16", device="cuda",
-                              quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype), Dist())
+                              quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
+                              kv_cache_rotation=args.kv_cache_rotation), Dist())
     load_s = time.perf_counter() - t0
     runner = shard.runner
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -302,6 +305,7 @@ def bench_e2e(model_dir: Path, args, log_path: Path) -> dict:
         "--max-batch-prefill-tokens", "8192",
         "--max-batch-size", str(args.e2e_max_batch_size),
         "--num-shard", str(args.num_shard), "--kv-cache-dtype", args.kv_cache_dtype,
+        "--kv-cache-rotation", args.kv_cache_rotation,
         "--all-reduce", args.all_reduce,
         "--frontends", str(args.router_frontends),
     ] + (["--quantize", args.quantize] if args.quantize else [])
@@ -534,6 +538,7 @@ def run(args: argparse.Namespace) -> int:
         "commit": _commit(args), "torch": torch.__version__, "triton": triton.__version__,
         "host": platform.node(), "num_layers": args.num_layers, "errors": {},
         "quantize": args.quantize, "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_rotation": args.kv_cache_rotation,
         "num_shard": args.num_shard,
     }
     model_dir = args.workdir / f"llama3-8b-shape-{args.num_layers}l"

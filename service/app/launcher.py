@@ -203,6 +203,13 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
         "--kv-cache-dtype", str, ("KV_CACHE_DTYPE",), "auto | fp8_e4m3fn | fp8_e5m2", "shard"
     ),
     PassThrough(
+        "--kv-cache-rotation",
+        str,
+        ("KV_CACHE_ROTATION",),
+        "fp8 KV caches: hadamard (default: keys stored rotated, lower error) | none",
+        "shard",
+    ),
+    PassThrough(
         "--lora-adapters",
         str,
         ("LORA_ADAPTERS",),

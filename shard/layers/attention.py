@@ -17,6 +17,7 @@ from shard.attention.base import AttentionBackend, AttentionMetadata
 from shard.layers.rotary import RotaryEmbedding
 from shard.layers.weights import WeightLoader, Weights
 from shard.quantization.kv_cache import FP8_MAXES, KvCalibration, KvScales, scales_from_amax
+from shard.quantization.kv_rotation import orthogonal_rotation, rotate_heads
 
 
 class PagedAttention(nn.Module, WeightLoader):
@@ -39,6 +40,7 @@ class PagedAttention(nn.Module, WeightLoader):
         kv_dtype: torch.dtype,  # the cache's storage dtype
         device: torch.device,
         kv_part: tuple[int, int] | None = None,  # which of the layer's KV-head parts this is
+        rotate_keys: bool = False,  # fp8 caches: store keys rotated (shard/quantization/kv_rotation.py)
     ):
         super().__init__()
         self.backend = backend
@@ -58,6 +60,12 @@ class PagedAttention(nn.Module, WeightLoader):
         # (rank, world) of the weights' dist); slices a checkpoint's per-head scales.
         self.kv_part = kv_part
         self.kv_scales_from_checkpoint = False  # then warmup leaves the scales alone
+        # fp8 caches with key rotation: R [head_dim, head_dim] (float32 until the first step puts
+        # it in the activation dtype); q and k are multiplied by it after rotary, so the cache
+        # holds rotated keys. None: no rotation.
+        self.key_rotation: torch.Tensor | None = None
+        if rotate_keys and self.kv_scales is not None:
+            self.key_rotation = orthogonal_rotation(head_dim).to(device)
 
     def load(self, weights: Weights, prefix: str) -> None:
         """Reads the checkpoint's fp8 KV scales, if it has them and the cache is fp8."""
@@ -81,6 +89,7 @@ class PagedAttention(nn.Module, WeightLoader):
                 raise ValueError(f"{name}: scales must be finite and positive, got {local.tolist()}")
             target.copy_(local.to(target.device))
         self.kv_scales_from_checkpoint = True
+        self.key_rotation = None  # the checkpoint's scales describe unrotated keys
 
     def forward(
         self,
@@ -93,9 +102,17 @@ class PagedAttention(nn.Module, WeightLoader):
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         n, b = q.shape[0], self.backend
         key_cache, value_cache = cache
-        if self.kv_calibration is not None:  # warmup: observe the rotated K/V before the store
+        if self.kv_calibration is not None or self.key_rotation is not None:
+            # Steps apart: warmup observes K/V as stored; key rotation multiplies q and k by R
+            # after rotary (the fused kernels apply rotary only).
             q, k = self.rotary(positions, q, k)
-            self.kv_calibration.observe(k, v)
+            if self.key_rotation is not None:
+                r = self.key_rotation
+                if r.dtype != q.dtype:  # first step: keep R in the activation dtype from now on
+                    r = self.key_rotation = r.to(q.dtype)
+                q, k = rotate_heads(q, r), rotate_heads(k, r)
+            if self.kv_calibration is not None:
+                self.kv_calibration.observe(k, v)
             b.write_kv(k, v, key_cache, value_cache, meta.slot_mapping, self.kv_scales)
         elif b.fuse_rotary_into_decode and meta.is_decode_only and n == meta.seq_lens.shape[0]:
             o = b.rotate_write_and_attend_decode(  # rotary, cache store, attention: one kernel

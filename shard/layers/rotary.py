@@ -83,9 +83,12 @@ class RotaryEmbedding(torch.nn.Module):
         """cos and sign-folded sin rows of these positions. Every layer of a step passes the same
         positions tensor, so the lookup is done once per step and reused by the other layers
         (on CPU the per-layer gathers and casts were a measurable share of a decode step)."""
-        key = (positions, positions._version, dtype)  # _version: bumped by in-place writes
+        # _version: bumped by in-place writes. Tensors made under torch.inference_mode() keep
+        # no version counter, so their lookups are not cached (-1: never matches).
+        version = -1 if positions.is_inference() else positions._version
+        key = (positions, version, dtype)
         cached = self._last_lookup
-        if cached is not None and cached[0] is positions and cached[1:3] == key[1:]:
+        if cached is not None and version >= 0 and cached[0] is positions and cached[1:3] == key[1:]:
             return cached[3], cached[4]
         half = self.cos.shape[-1] // 2
         cos = self.cos[positions].unsqueeze(1).to(dtype)

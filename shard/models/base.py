@@ -11,7 +11,7 @@ import torch
 from shard.attention.base import AttentionBackend, AttentionMetadata
 from shard.distributed.groups import Dist
 from shard.quantization.kv_cache import KvScales
-from shard.quantization.methods import KvCacheDtype, QuantizeMethod
+from shard.quantization.methods import KvCacheDtype, KvCacheRotation, QuantizeMethod
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class LoadContext:
     attention: AttentionBackend
     quantize: QuantizeMethod | None = None  # --quantize (fp8 checkpoints are detected anyway)
     kv_cache_dtype: KvCacheDtype = KvCacheDtype.AUTO  # --kv-cache-dtype
+    kv_cache_rotation: KvCacheRotation = KvCacheRotation.HADAMARD  # --kv-cache-rotation (fp8 only)
 
 
 class CausalLM(Protocol):

@@ -18,6 +18,7 @@ from shard.models.base import LoadContext
 from shard.models.heads import partition_heads
 from shard.quantization import QuantizeMethod, kv_cache_torch_dtype
 from shard.quantization.kv_cache import KvScales
+from shard.quantization.methods import KvCacheRotation
 from shard.quantization.loading import LinearQuantization
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value) pools
@@ -48,6 +49,7 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(
             ctx.attention, rotary, split.local_heads, split.local_kv_heads, head_dim, sliding_window,
             kv_cache_torch_dtype(ctx.kv_cache_dtype, ctx.dtype), ctx.device, kv_part=kv_block,
+            rotate_keys=ctx.kv_cache_rotation is KvCacheRotation.HADAMARD,
         )
 
     def forward(

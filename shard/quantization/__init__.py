@@ -25,23 +25,28 @@ from shard.quantization.linear import (
 )
 from shard.quantization.methods import (
     KV_CACHE_DTYPE_CHOICES,
+    KV_CACHE_ROTATION_CHOICES,
     QUANTIZE_CHOICES,
     CheckpointQuantization,
     Fp8ScaleLayout,
     KvCacheDtype,
+    KvCacheRotation,
     QuantizeMethod,
     checkpoint_quantization,
     parse_kv_cache_dtype,
+    parse_kv_cache_rotation,
     parse_quantize,
 )
 
 __all__ = [
     "KV_CACHE_DTYPE_CHOICES",
+    "KV_CACHE_ROTATION_CHOICES",
     "QUANTIZE_CHOICES",
     "CheckpointQuantization",
     "DenseLinear",
     "Fp8ScaleLayout",
     "KvCacheDtype",
+    "KvCacheRotation",
     "KvScales",
     "QuantizeMethod",
     "checkpoint_quantization",
@@ -52,6 +57,7 @@ __all__ = [
     "make_fp8_linear_from_checkpoint",
     "make_linear_weights",
     "parse_kv_cache_dtype",
+    "parse_kv_cache_rotation",
     "parse_quantize",
     "read_blocks",
     "write_kv",

@@ -177,3 +177,22 @@ def checkpoint_quantization(config: Mapping[str, Any]) -> CheckpointQuantization
             "the unquantized checkpoint with --quantize bitsandbytes or bitsandbytes-nf4"
         )
     raise ValueError(f"quantization_config: unsupported quant_method {method!r} (supported: fp8)")
+
+
+class KvCacheRotation(enum.Enum):
+    """--kv-cache-rotation: how keys are stored in an fp8 cache (shard/quantization/kv_rotation.py)."""
+
+    HADAMARD = "hadamard"  # rotate q and k (fp8 caches only; model-dtype caches ignore it)
+    NONE = "none"
+
+
+KV_CACHE_ROTATION_CHOICES: tuple[str, ...] = tuple(r.value for r in KvCacheRotation)
+
+
+def parse_kv_cache_rotation(value: str) -> KvCacheRotation:
+    try:
+        return KvCacheRotation(value.strip().lower())
+    except ValueError:
+        raise ValueError(
+            f"--kv-cache-rotation: {value!r}; expected one of {', '.join(KV_CACHE_ROTATION_CHOICES)}"
+        ) from None

@@ -24,7 +24,7 @@ from shard.lora import (
     parse_adapters_flag,
 )
 from shard.models import LoadContext, load_model
-from shard.quantization import parse_kv_cache_dtype, parse_quantize
+from shard.quantization import parse_kv_cache_dtype, parse_kv_cache_rotation, parse_quantize
 from shard.runner.model_runner import ModelRunner
 from shard.runner.warmup import WarmupResult, WarmupSpec, run_warmup
 from shard.tools.download import model_sha, resolve_model
@@ -67,6 +67,7 @@ class ShardConfig:
     force_fallback: bool = False  # serve through the transformers fallback even if we have code
     quantize: str | None = None  # --quantize: bitsandbytes | bitsandbytes-nf4 | fp8
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype: auto | fp8_e4m3fn | fp8_e5m2
+    kv_cache_rotation: str = "hadamard"  # --kv-cache-rotation: hadamard | none (fp8 caches)
     # LoRA: device slots (--max-loras; None: 4 with --lora-adapters, else 0 = off), the largest
     # rank (--max-lora-rank) and the adapters loaded at start-up (--lora-adapters).
     max_loras: int | None = None
@@ -114,6 +115,7 @@ class Shard:
             model_dir, config, self.device, DTYPES[cfg.dtype], dist, attention,
             quantize=parse_quantize(cfg.quantize),
             kv_cache_dtype=parse_kv_cache_dtype(cfg.kv_cache_dtype),
+            kv_cache_rotation=parse_kv_cache_rotation(cfg.kv_cache_rotation),
         )
         model = load_model(ctx, force_fallback=cfg.force_fallback)
         self.runner = ModelRunner(model, attention, cfg.block_size, self.device)
