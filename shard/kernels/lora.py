@@ -27,23 +27,26 @@ over the slots its rows use: 12 launches per layer, 4x the serial work with 4 ad
 - Expand, one launch per adapted linear: grid = (row tile of 64, column tile of 128), the
   column tiles laid out per part so that a tile never straddles q/k/v (or gate/up) and reads
   only its part's R ranks of the block-diagonal B (no traffic for the zero blocks). A program
-  sums the <= 8 partials of its rows (one unrolled round of loads) and adds, for every slot,
-  (rows of that slot's h) @ B[slot]^T with one tensor-core dot each: the slot loop is
-  unrolled (<= 8 slots) with loads that do not depend on which slots are present, so all of
-  them are in flight at once and 4 adapters cost one memory round trip, like 1. B is
-  constant during a step, so under PDL its tiles are fetched before waiting for the shrink.
-  (A bgmv-style per-row gather of B would need a [rows, cols, R] register tile, 16x the
-  registers of the dot for the same work at 64 rows; sorting rows by slot would cost extra
-  launches per step.)
+  sums the partials of its rows (one [splits, rows, R] load) and then computes every row's own
+  adapter product in ONE tensor-core dot for all slots: [rows, slots * R] @ [slots * R, cols],
+  row i's h placed in its slot's block of R columns (zeros elsewhere), against all slots' B
+  tiles stacked along R (<= 128 wide: 8 slots at rank 16). Its loads do not depend on which
+  slots are present, so 4 adapters cost one round of loads and one dot, like 1, whatever the
+  mix inside the tile (more slots x rank than that: a loop over the slots present). Rejected:
+  a bgmv-style per-row gather of B needs a [rows, cols, R] register tile (16x the registers of
+  the dot for the same work at 64 rows); sorting rows by slot costs extra launches per step and
+  a gather / scatter of x and y.
 - gate/up: the expand also does SiLU(gate) * up and writes the MLP activation, replacing the
   separate silu_mul kernel that the base path runs at this batch (cuBLAS GEMM + silu_mul): the
   gate/up LoRA costs one extra launch, the shrink.
 
 So a layer costs 7 launches for LoRA (4 shrinks, 3 expands; the gate/up expand replaces a base
-kernel) instead of 12 (+ silu_mul). Arithmetic: bf16 / fp16 products accumulate in fp32; h stays
-fp32 (its dot with B in tf32); float32 models use exact fp32 ("ieee") dots. Rounded once into
-the output's dtype (y + delta), and for gate/up like the unfused path (gate and up to the dtype,
-silu(gate) to the dtype, then the product).
+kernel) instead of 12 (+ silu_mul). Arithmetic: products accumulate in fp32; for 16-bit models
+h is rounded to the model dtype before its dot with B (as peft's unmerged LoRA does: lora_A's
+output is in the model dtype), which halves the expand's operand registers; float32 models use
+exact fp32 ("ieee") dots throughout. The delta is added to the base output in fp32 and rounded
+once; for gate/up like the unfused path (gate and up to the dtype, silu(gate) to the dtype, then
+the product), so base rows get exactly what silu_mul gives them.
 
 CUDA graphs: every argument that changes with the batch bucket (rows, splits, the partials'
 split stride) is unspecialised, so the one variant compiled by the eager warm-up run serves
@@ -60,8 +63,11 @@ from shard.kernels import pdl
 from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
 
 SHRINK_BLOCK_M = 16
-SHRINK_BLOCK_K = 64
-MAX_SPLITS = 8  # split-K partials the expand sums (unrolled: one round of loads)
+SHRINK_BLOCK_K = 128
+MAX_SPLITS = 8  # split-K partials (a power of two: the expand loads them as one tile)
+# gate/up: the fused expand re-reads the partials for each of its 224 column tiles (Llama-3-8B),
+# so fewer, longer splits there (8 would read ~15 MB of partials from L2 per layer)
+SILU_MAX_SPLITS = 4
 SHRINK_TARGET_PROGRAMS = 128  # per slot: row tiles x rank blocks x splits, ~ the SM count
 SHRINK_MIN_K_PER_SPLIT = 256
 EXPAND_BLOCK_M = 64
@@ -145,7 +151,7 @@ def _delta(part_ptr, b_ptr, slot, rows, row_ok, cols, col_ok, p, part_rank, num_
         b = tl.reshape(b, [WIDE_SLOTS * BLOCK_R, BLOCK_N])  # slot s's ranks at s * BLOCK_R
         hw = tl.where(slot[:, None, None] == s_in[None, :, None], h[:, None, :], 0.0)
         hw = tl.reshape(hw, [BLOCK_M, WIDE_SLOTS * BLOCK_R])
-        acc = tl.dot(hw, b.to(tl.float32), input_precision=PRECISION)
+        acc = tl.dot(hw.to(b.dtype), b, input_precision=PRECISION)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for s in range(0, num_slots):
@@ -153,7 +159,7 @@ def _delta(part_ptr, b_ptr, slot, rows, row_ok, cols, col_ok, p, part_rank, num_
             if tl.max(sel.to(tl.int32), axis=0) > 0:
                 b = tl.load(b_tile + s * stride_bs, mask=b_mask, other=0.0)
                 hs = tl.where(sel[:, None], h, 0.0)
-                acc += tl.dot(hs, b.to(tl.float32), input_precision=PRECISION)
+                acc += tl.dot(hs.to(b.dtype), b, input_precision=PRECISION)
     return acc
 
 
@@ -162,12 +168,11 @@ def _split_sum(part_ptr, rows, row_ok, rr, r_ok, num_splits, stride_ps, stride_p
                BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, MAX_SPLITS: tl.constexpr):
     """Sum of the split-K partials [BLOCK_M, BLOCK_R] (rows of slot -1 hold garbage: the
     caller selects by slot)."""
-    at = part_ptr + rows[:, None].to(tl.int64) * stride_pm + rr[None, :]
-    mask = row_ok[:, None] & r_ok[None, :]
-    h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for sp in tl.static_range(MAX_SPLITS):
-        live = (tl.zeros([BLOCK_R], dtype=tl.int32) + sp) < num_splits  # a tensor mask
-        h += tl.load(at + sp * stride_ps, mask=mask & live[None, :], other=0.0)
+    sp = tl.arange(0, MAX_SPLITS)
+    at = (part_ptr + sp[:, None, None].to(tl.int64) * stride_ps
+          + rows[None, :, None].to(tl.int64) * stride_pm + rr[None, None, :])
+    mask = (sp < num_splits)[:, None, None] & row_ok[None, :, None] & r_ok[None, None, :]
+    h = tl.sum(tl.load(at, mask=mask, other=0.0), axis=0)  # one round of loads
     return h
 
 
@@ -231,16 +236,18 @@ def _lora_expand_silu_kernel(part_ptr, b_ptr, slots_ptr, y_ptr, out_ptr, num_row
     tl.store(out_at, (a * u).to(dtype), mask=mask)
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, part_rank: int
-                ) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, part_rank: int,
+                max_splits: int | None = None) -> torch.Tensor:
     """x [M, K], a [num_slots, parts * part_rank, K], slots [M] int32 (-1: none) -> the split-K
     partials [splits, M, parts * part_rank] float32 of x @ a[slot]^T per row; rows of slot -1
-    are left unwritten (lora_expand_ ignores them)."""
+    are left unwritten (lora_expand_ ignores them). At most `max_splits` splits (default
+    MAX_SPLITS): pass the same to the expand."""
+    max_splits = max_splits or MAX_SPLITS
     m, k = x.shape
     num_slots, r, _ = a.shape
     assert r % part_rank == 0, (r, part_rank)
     assert x.stride(1) == 1 and a.stride(2) == 1
-    splits, k_per_split = _splits(m, k, r // part_rank)
+    splits, k_per_split = _splits(m, k, r // part_rank, max_splits)
     part = torch.empty((splits, m, r), dtype=torch.float32, device=x.device)
     if m == 0:
         return part
@@ -255,14 +262,16 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, part_rank
 
 
 def lora_expand_(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-                 part_sizes: list[int], part_rank: int) -> None:
+                 part_sizes: list[int], part_rank: int, max_splits: int | None = None) -> None:
     """y [M, N] += h @ b[slot]^T per row, in place; h = the sum of lora_shrink's partials
     [splits, M, parts * part_rank]; b [num_slots, N, parts * part_rank] block-diagonal over the
-    parts, whose output sizes `part_sizes` sum to N. Rows with slot -1 are left untouched."""
+    parts, whose output sizes `part_sizes` sum to N. Rows with slot -1 are left untouched.
+    `max_splits`: lora_shrink's (fixed per linear, whatever the batch: one compiled variant)."""
+    max_splits = max_splits or MAX_SPLITS
     m, n = y.shape
     num_slots = b.shape[0]
     assert sum(part_sizes) == n and 1 <= len(part_sizes) <= MAX_PARTS, (part_sizes, n)
-    assert y.stride(1) == 1 and b.stride(2) == 1 and part.shape[0] <= MAX_SPLITS
+    assert y.stride(1) == 1 and b.stride(2) == 1 and part.shape[0] <= max_splits
     if m == 0:
         return
     ends = [sum(part_sizes[: i + 1]) for i in range(len(part_sizes))]
@@ -275,20 +284,23 @@ def lora_expand_(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, slots: to
         part, b, slots, y, m, part_rank, part.shape[0], num_slots, ends[0], ends[1], ends[2],
         t_ends[0], t_ends[1], part.stride(0), part.stride(1), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=_block_r(part_rank),
-        MAX_SPLITS=MAX_SPLITS, WIDE_SLOTS=_wide_slots(num_slots, part_rank),
+        MAX_SPLITS=triton.next_power_of_2(max_splits),
+        WIDE_SLOTS=_wide_slots(num_slots, part_rank),
         PRECISION=_precision(y.dtype), num_warps=8, **pdl.launch_options(y.device),
     )
 
 
 def lora_expand_silu_mul(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor,
-                         slots: torch.Tensor, part_rank: int) -> torch.Tensor:
+                         slots: torch.Tensor, part_rank: int, max_splits: int | None = None
+                         ) -> torch.Tensor:
     """For gate/up: y [M, 2I] (gate | up, the base output) -> silu(gate') * up' [M, I], where
     gate' | up' = y + each row's LoRA delta (as lora_expand_; b [num_slots, 2I, 2 * part_rank]
-    block-diagonal). y is not modified."""
+    block-diagonal). y is not modified. `max_splits`: lora_shrink's (default SILU_MAX_SPLITS)."""
+    max_splits = max_splits or SILU_MAX_SPLITS
     m, n = y.shape
     num_slots = b.shape[0]
     assert n % 2 == 0 and b.shape[2] == 2 * part_rank, (n, b.shape, part_rank)
-    assert y.stride(1) == 1 and b.stride(2) == 1 and part.shape[0] <= MAX_SPLITS
+    assert y.stride(1) == 1 and b.stride(2) == 1 and part.shape[0] <= max_splits
     inter = n // 2
     out = torch.empty((m, inter), dtype=y.dtype, device=y.device)
     if m == 0:
@@ -298,17 +310,18 @@ def lora_expand_silu_mul(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor,
         part, b, slots, y, out, m, inter, part_rank, part.shape[0], num_slots,
         part.stride(0), part.stride(1), b.stride(0), b.stride(1), y.stride(0), out.stride(0),
         BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=SILU_BLOCK_N, BLOCK_R=_block_r(part_rank),
-        MAX_SPLITS=MAX_SPLITS, WIDE_SLOTS=_wide_slots(num_slots, part_rank),
+        MAX_SPLITS=triton.next_power_of_2(max_splits),
+        WIDE_SLOTS=_wide_slots(num_slots, part_rank),
         PRECISION=_precision(y.dtype), num_warps=8, **pdl.launch_options(y.device),
     )
     return out
 
 
-def _splits(m: int, k: int, rank_blocks: int) -> tuple[int, int]:
+def _splits(m: int, k: int, rank_blocks: int, max_splits: int) -> tuple[int, int]:
     """(splits, K per split): enough programs per slot to fill the GPU at decode sizes, at most
-    MAX_SPLITS, each split a multiple of SHRINK_BLOCK_K and at least SHRINK_MIN_K_PER_SPLIT."""
+    max_splits, each split a multiple of SHRINK_BLOCK_K and at least SHRINK_MIN_K_PER_SPLIT."""
     tiles = triton.cdiv(max(m, 1), SHRINK_BLOCK_M) * rank_blocks
-    want = min(MAX_SPLITS, triton.cdiv(SHRINK_TARGET_PROGRAMS, tiles),
+    want = min(max_splits, triton.cdiv(SHRINK_TARGET_PROGRAMS, tiles),
                max(1, k // SHRINK_MIN_K_PER_SPLIT))
     k_per_split = triton.cdiv(triton.cdiv(k, want), SHRINK_BLOCK_K) * SHRINK_BLOCK_K
     return triton.cdiv(k, k_per_split), k_per_split
@@ -326,6 +339,6 @@ def _wide_slots(num_slots: int, part_rank: int) -> int:
 
 
 def _precision(dtype: torch.dtype) -> str:
-    # float32 models get exact fp32 products (tf32 would drift from the torch path); 16-bit
-    # operands are widened to fp32 in the expand, where "ieee" costs nothing measurable.
+    # float32 models get exact fp32 products (tf32 would drift from the torch path); for 16-bit
+    # operands the precision argument does not apply (bf16 / fp16 tensor-core dots).
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -135,12 +135,13 @@ class LoraWeights:
         SiLU-and-mul kernel; y is not modified there (it is on CPU)."""
         assert len(self.parts) == 2 and self.part_sizes[0] == self.part_sizes[1]
         if x.is_cuda:
-            from shard.kernels.lora import lora_expand_silu_mul, lora_shrink
+            from shard.kernels.lora import SILU_MAX_SPLITS, lora_expand_silu_mul, lora_shrink
 
             slots, resident = self.batch.token_slots, self.batch.num_slots
             assert slots is not None
-            part = lora_shrink(x, self.a[:resident], slots, self.max_rank)
-            return lora_expand_silu_mul(y, part, self.b[:resident], slots, self.max_rank)
+            part = lora_shrink(x, self.a[:resident], slots, self.max_rank, SILU_MAX_SPLITS)
+            return lora_expand_silu_mul(y, part, self.b[:resident], slots, self.max_rank,
+                                        SILU_MAX_SPLITS)
         self.apply_(x, y)
         gate, up = y.split(self.part_sizes, dim=-1)
         return torch.nn.functional.silu(gate) * up

@@ -57,7 +57,7 @@ _CHECK = textwrap.dedent(
     slot_list = [(i * 7) % 4 - 1 for i in range(m)]
     slots = torch.tensor(slot_list, dtype=torch.int32)
     y0 = torch.randn(m, sum(sizes))
-    assert K._splits(m, k, 3) == (2, 320)
+    assert K._splits(m, k, 3, K.MAX_SPLITS) == (2, 384)
     assert K._wide_slots(slots_n, rank) == 4
 
     part = lora_shrink(x, a[:slots_n], slots, rank)
@@ -91,9 +91,9 @@ _CHECK = textwrap.dedent(
         x2 = torch.randn(9, 2048)
         s2 = torch.tensor(slot_list, dtype=torch.int32)
         y2 = torch.randn(9, 144)
-        part2 = lora_shrink(x2, a2[:slots_n], s2, rank)
+        part2 = lora_shrink(x2, a2[:slots_n], s2, rank, 8)
         assert part2.shape[0] == 8
-        out = lora_expand_silu_mul(y2, part2, b2[:slots_n], s2, rank)
+        out = lora_expand_silu_mul(y2, part2, b2[:slots_n], s2, rank, 8)
         gu = reference(x2, a2, b2, slot_list, y2)
         ref2 = F.silu(gu[:, :72]) * gu[:, 72:]
         assert torch.allclose(out, ref2, atol=1e-4, rtol=1e-4), (out - ref2).abs().max()
