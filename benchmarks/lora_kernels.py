@@ -53,7 +53,7 @@ SWEEP: list[dict[str, int]] = [
     {"SILU_MAX_SPLITS": 8},
     {"SILU_BLOCK_N": 128},
     {"EXPAND_BLOCK_N": 64},
-    {"SHRINK_TARGET_PROGRAMS": 256},
+    {"EXPAND_BLOCK_M": 32},
 ]
 
 
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             alt[json.dumps(change)] = {"lora_minus_base_us_1_adapter": round(one, 2),
                                        "lora_minus_base_us_4_adapters": round(four, 2)}
             del g
-        except Exception as exc:  # a variant that does not compile is a finding, not a crash
+        except Exception as exc:  # noqa: BLE001 - a variant that fails is a finding, not a crash
             alt[json.dumps(change)] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
         finally:
             for k, v in saved.items():

@@ -154,7 +154,7 @@ def _delta(part_ptr, b_ptr, slot, rows, row_ok, cols, col_ok, p, part_rank, num_
         acc = tl.dot(hw.to(b.dtype), b, input_precision=PRECISION)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for s in range(0, num_slots):
+        for s in range(num_slots):
             sel = slot == s
             if tl.max(sel.to(tl.int32), axis=0) > 0:
                 b = tl.load(b_tile + s * stride_bs, mask=b_mask, other=0.0)
