@@ -75,6 +75,8 @@ EXPAND_BLOCK_N = 128
 SILU_BLOCK_N = 64  # two column tiles (gate's and up's) per program
 WIDE_MAX_K = 128  # the expand's one dot over all slots: slots x R up to this, else a loop
 MAX_PARTS = 3
+SHRINK_NUM_WARPS = 4
+EXPAND_NUM_WARPS = 8  # the expands' [64, 128] tiles; tests/shard/test_lora_kernels_sm90.py
 
 
 @triton.jit(do_not_specialize=["num_rows", "k_per_split", "stride_ps"])
@@ -255,7 +257,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, part_rank
     _lora_shrink_kernel[grid](
         x, a, slots, part, m, k, part_rank, k_per_split, x.stride(0), a.stride(0), a.stride(1),
         part.stride(0), part.stride(1), BLOCK_M=SHRINK_BLOCK_M, BLOCK_R=_block_r(part_rank),
-        BLOCK_K=SHRINK_BLOCK_K, PRECISION=_precision(x.dtype), num_warps=4,
+        BLOCK_K=SHRINK_BLOCK_K, PRECISION=_precision(x.dtype), num_warps=SHRINK_NUM_WARPS,
         **pdl.launch_options(x.device),
     )
     return part
@@ -286,7 +288,7 @@ def lora_expand_(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, slots: to
         BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=_block_r(part_rank),
         MAX_SPLITS=triton.next_power_of_2(max_splits),
         WIDE_SLOTS=_wide_slots(num_slots, part_rank),
-        PRECISION=_precision(y.dtype), num_warps=8, **pdl.launch_options(y.device),
+        PRECISION=_precision(y.dtype), num_warps=EXPAND_NUM_WARPS, **pdl.launch_options(y.device),
     )
 
 
@@ -312,7 +314,7 @@ def lora_expand_silu_mul(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor,
         BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=SILU_BLOCK_N, BLOCK_R=_block_r(part_rank),
         MAX_SPLITS=triton.next_power_of_2(max_splits),
         WIDE_SLOTS=_wide_slots(num_slots, part_rank),
-        PRECISION=_precision(y.dtype), num_warps=8, **pdl.launch_options(y.device),
+        PRECISION=_precision(y.dtype), num_warps=EXPAND_NUM_WARPS, **pdl.launch_options(y.device),
     )
     return out
 

@@ -101,7 +101,8 @@ def test_kernels_bf16_match_torch():
     slots = torch.tensor([(i % 5) - 1 for i in range(m)], dtype=torch.int32, device="cuda")
     x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
     for sizes in ([4096, 1024, 1024], [4096]):
-        a = (torch.randn(slots_n, len(sizes) * r, k, device="cuda", generator=gen) * 0.02).bfloat16()
+        a = torch.randn(slots_n, len(sizes) * r, k, device="cuda", generator=gen) * 0.02
+        a = a.bfloat16()
         b = _blockdiag(slots_n, sizes, r, gen)
         y0 = torch.randn(m, sum(sizes), device="cuda", generator=gen).bfloat16()
         y = y0.clone()
