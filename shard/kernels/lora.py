@@ -68,6 +68,7 @@ MAX_SPLITS = 8  # split-K partials (a power of two: the expand loads them as one
 # gate/up: the fused expand re-reads the partials for each of its 224 column tiles (Llama-3-8B),
 # so fewer, longer splits there (8 would read ~15 MB of partials from L2 per layer)
 SILU_MAX_SPLITS = 4
+SPLIT_RANKS_MAX = 128  # splits x rank block at most (larger ranks: fewer splits)
 SHRINK_TARGET_PROGRAMS = 128  # per slot: row tiles x rank blocks x splits, ~ the SM count
 SHRINK_MIN_K_PER_SPLIT = 256
 EXPAND_BLOCK_M = 64
@@ -244,12 +245,13 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, part_rank
     partials [splits, M, parts * part_rank] float32 of x @ a[slot]^T per row; rows of slot -1
     are left unwritten (lora_expand_ ignores them). At most `max_splits` splits (default
     MAX_SPLITS): pass the same to the expand."""
-    max_splits = max_splits or MAX_SPLITS
     m, k = x.shape
     num_slots, r, _ = a.shape
     assert r % part_rank == 0, (r, part_rank)
+    max_splits = _max_splits(max_splits or MAX_SPLITS, part_rank)
     assert x.stride(1) == 1 and a.stride(2) == 1
-    splits, k_per_split = _splits(m, k, r // part_rank, max_splits)
+    splits, k_per_split = _splits(m, k, r // part_rank, max_splits,
+                                  _wide_rank_scaled(SHRINK_BLOCK_K, part_rank))
     part = torch.empty((splits, m, r), dtype=torch.float32, device=x.device)
     if m == 0:
         return part
@@ -257,7 +259,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, part_rank
     _lora_shrink_kernel[grid](
         x, a, slots, part, m, k, part_rank, k_per_split, x.stride(0), a.stride(0), a.stride(1),
         part.stride(0), part.stride(1), BLOCK_M=SHRINK_BLOCK_M, BLOCK_R=_block_r(part_rank),
-        BLOCK_K=SHRINK_BLOCK_K, PRECISION=_precision(x.dtype), num_warps=SHRINK_NUM_WARPS,
+        BLOCK_K=_wide_rank_scaled(SHRINK_BLOCK_K, part_rank), PRECISION=_precision(x.dtype),
+        num_warps=SHRINK_NUM_WARPS,
         **pdl.launch_options(x.device),
     )
     return part
@@ -269,7 +272,7 @@ def lora_expand_(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, slots: to
     [splits, M, parts * part_rank]; b [num_slots, N, parts * part_rank] block-diagonal over the
     parts, whose output sizes `part_sizes` sum to N. Rows with slot -1 are left untouched.
     `max_splits`: lora_shrink's (fixed per linear, whatever the batch: one compiled variant)."""
-    max_splits = max_splits or MAX_SPLITS
+    max_splits = _max_splits(max_splits or MAX_SPLITS, part_rank)
     m, n = y.shape
     num_slots = b.shape[0]
     assert sum(part_sizes) == n and 1 <= len(part_sizes) <= MAX_PARTS, (part_sizes, n)
@@ -278,14 +281,15 @@ def lora_expand_(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, slots: to
         return
     ends = [sum(part_sizes[: i + 1]) for i in range(len(part_sizes))]
     ends += [n] * (MAX_PARTS - len(ends))
-    tiles = [triton.cdiv(size, EXPAND_BLOCK_N) for size in part_sizes]
+    block_n = _wide_rank_scaled(EXPAND_BLOCK_N, part_rank)
+    tiles = [triton.cdiv(size, block_n) for size in part_sizes]
     t_ends = [sum(tiles[: i + 1]) for i in range(len(tiles))]
     t_ends += [t_ends[-1]] * (MAX_PARTS - len(t_ends))
     grid = (triton.cdiv(m, EXPAND_BLOCK_M), t_ends[-1])
     _lora_expand_kernel[grid](
         part, b, slots, y, m, part_rank, part.shape[0], num_slots, ends[0], ends[1], ends[2],
         t_ends[0], t_ends[1], part.stride(0), part.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=_block_r(part_rank),
+        BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=block_n, BLOCK_R=_block_r(part_rank),
         MAX_SPLITS=triton.next_power_of_2(max_splits),
         WIDE_SLOTS=_wide_slots(num_slots, part_rank),
         PRECISION=_precision(y.dtype), num_warps=EXPAND_NUM_WARPS, **pdl.launch_options(y.device),
@@ -298,7 +302,7 @@ def lora_expand_silu_mul(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor,
     """For gate/up: y [M, 2I] (gate | up, the base output) -> silu(gate') * up' [M, I], where
     gate' | up' = y + each row's LoRA delta (as lora_expand_; b [num_slots, 2I, 2 * part_rank]
     block-diagonal). y is not modified. `max_splits`: lora_shrink's (default SILU_MAX_SPLITS)."""
-    max_splits = max_splits or SILU_MAX_SPLITS
+    max_splits = _max_splits(max_splits or SILU_MAX_SPLITS, part_rank)
     m, n = y.shape
     num_slots = b.shape[0]
     assert n % 2 == 0 and b.shape[2] == 2 * part_rank, (n, b.shape, part_rank)
@@ -307,11 +311,12 @@ def lora_expand_silu_mul(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor,
     out = torch.empty((m, inter), dtype=y.dtype, device=y.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(m, EXPAND_BLOCK_M), triton.cdiv(inter, SILU_BLOCK_N))
+    block_n = _wide_rank_scaled(SILU_BLOCK_N, part_rank)
+    grid = (triton.cdiv(m, EXPAND_BLOCK_M), triton.cdiv(inter, block_n))
     _lora_expand_silu_kernel[grid](
         part, b, slots, y, out, m, inter, part_rank, part.shape[0], num_slots,
         part.stride(0), part.stride(1), b.stride(0), b.stride(1), y.stride(0), out.stride(0),
-        BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=SILU_BLOCK_N, BLOCK_R=_block_r(part_rank),
+        BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=block_n, BLOCK_R=_block_r(part_rank),
         MAX_SPLITS=triton.next_power_of_2(max_splits),
         WIDE_SLOTS=_wide_slots(num_slots, part_rank),
         PRECISION=_precision(y.dtype), num_warps=EXPAND_NUM_WARPS, **pdl.launch_options(y.device),
@@ -319,14 +324,27 @@ def lora_expand_silu_mul(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor,
     return out
 
 
-def _splits(m: int, k: int, rank_blocks: int, max_splits: int) -> tuple[int, int]:
+def _splits(m: int, k: int, rank_blocks: int, max_splits: int, block_k: int
+            ) -> tuple[int, int]:
     """(splits, K per split): enough programs per slot to fill the GPU at decode sizes, at most
-    max_splits, each split a multiple of SHRINK_BLOCK_K and at least SHRINK_MIN_K_PER_SPLIT."""
+    max_splits, each split a multiple of block_k and at least SHRINK_MIN_K_PER_SPLIT."""
     tiles = triton.cdiv(max(m, 1), SHRINK_BLOCK_M) * rank_blocks
     want = min(max_splits, triton.cdiv(SHRINK_TARGET_PROGRAMS, tiles),
                max(1, k // SHRINK_MIN_K_PER_SPLIT))
-    k_per_split = triton.cdiv(triton.cdiv(k, want), SHRINK_BLOCK_K) * SHRINK_BLOCK_K
+    k_per_split = triton.cdiv(triton.cdiv(k, want), block_k) * block_k
     return triton.cdiv(k, k_per_split), k_per_split
+
+
+def _max_splits(requested: int, part_rank: int) -> int:
+    """Splits at most, for a rank: the expand holds [splits, 64 rows, rank] fp32 partials in
+    registers, kept to <= SPLIT_RANKS_MAX (8 splits at rank 16, 1 at rank 128)."""
+    return max(1, min(requested, SPLIT_RANKS_MAX // _block_r(part_rank)))
+
+
+def _wide_rank_scaled(block: int, part_rank: int) -> int:
+    """A K or N block for ranks above 32: halved per doubling (registers; ranks <= 32, the
+    common case, get the block as is), at least 32."""
+    return max(32, block * 32 // max(32, _block_r(part_rank)))
 
 
 def _block_r(part_rank: int) -> int:

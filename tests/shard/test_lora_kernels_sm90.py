@@ -36,27 +36,34 @@ def _compile(fn, types: dict[str, str], constexprs: dict, num_warps: int, tmp: P
     return next(line for line in out.splitlines() if "REG:" in line)
 
 
-def test_kernels_compile_for_sm90_without_spills(tmp_path):
+@pytest.mark.parametrize(("rank", "slots"), [(16, 4), (16, 9), (64, 2), (128, 4)])
+def test_kernels_compile_for_sm90_without_spills(tmp_path, rank, slots):
+    """Rank 16 with 4 slots: the decode target (one dot over all slots); 9 slots: the loop over
+    the slots present; ranks 64 and 128: fewer splits and smaller blocks."""
     from shard.kernels import lora as k
 
     bf = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16",
           "out_ptr": "*bf16", "slots_ptr": "*i32", "part_ptr": "*fp32"}
-    common = {"BLOCK_R": k._block_r(16), "PRECISION": "tf32", "PDL": True}
-    wide = k._wide_slots(4, 16)
-    assert wide == 4
+    common = {"BLOCK_R": k._block_r(rank), "PRECISION": "tf32", "PDL": True,
+              "WIDE_SLOTS": k._wide_slots(slots, rank)}
+    if (rank, slots) == (16, 4):
+        assert common["WIDE_SLOTS"] == 4
+    splits = triton.next_power_of_2(k._max_splits(k.MAX_SPLITS, rank))
+    silu_splits = triton.next_power_of_2(k._max_splits(k.SILU_MAX_SPLITS, rank))
+    shrink = {key: common[key] for key in ("BLOCK_R", "PRECISION", "PDL")}
     usage = {
         "shrink": _compile(k._lora_shrink_kernel, bf, {
-            **common, "BLOCK_M": k.SHRINK_BLOCK_M, "BLOCK_K": k.SHRINK_BLOCK_K},
+            **shrink, "BLOCK_M": k.SHRINK_BLOCK_M,
+            "BLOCK_K": k._wide_rank_scaled(k.SHRINK_BLOCK_K, rank)},
             k.SHRINK_NUM_WARPS, tmp_path),
         "expand": _compile(k._lora_expand_kernel, bf, {
-            **common, "BLOCK_M": k.EXPAND_BLOCK_M, "BLOCK_N": k.EXPAND_BLOCK_N,
-            "MAX_SPLITS": k.MAX_SPLITS, "WIDE_SLOTS": wide}, k.EXPAND_NUM_WARPS, tmp_path),
+            **common, "BLOCK_M": k.EXPAND_BLOCK_M,
+            "BLOCK_N": k._wide_rank_scaled(k.EXPAND_BLOCK_N, rank), "MAX_SPLITS": splits},
+            k.EXPAND_NUM_WARPS, tmp_path),
         "expand_silu": _compile(k._lora_expand_silu_kernel, bf, {
-            **common, "BLOCK_M": k.EXPAND_BLOCK_M, "BLOCK_N": k.SILU_BLOCK_N,
-            "MAX_SPLITS": k.SILU_MAX_SPLITS, "WIDE_SLOTS": wide}, k.EXPAND_NUM_WARPS, tmp_path),
-        "expand_loop": _compile(k._lora_expand_kernel, bf, {
-            **common, "BLOCK_M": k.EXPAND_BLOCK_M, "BLOCK_N": k.EXPAND_BLOCK_N,
-            "MAX_SPLITS": k.MAX_SPLITS, "WIDE_SLOTS": 0}, k.EXPAND_NUM_WARPS, tmp_path),
+            **common, "BLOCK_M": k.EXPAND_BLOCK_M,
+            "BLOCK_N": k._wide_rank_scaled(k.SILU_BLOCK_N, rank), "MAX_SPLITS": silu_splits},
+            k.EXPAND_NUM_WARPS, tmp_path),
     }  # fmt: skip
     for name, line in usage.items():
         fields = dict(f.split(":") for f in line.split() if ":" in f)

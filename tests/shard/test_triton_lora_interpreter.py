@@ -57,7 +57,7 @@ _CHECK = textwrap.dedent(
     slot_list = [(i * 7) % 4 - 1 for i in range(m)]
     slots = torch.tensor(slot_list, dtype=torch.int32)
     y0 = torch.randn(m, sum(sizes))
-    assert K._splits(m, k, 3, K.MAX_SPLITS) == (2, 384)
+    assert K._splits(m, k, 3, K.MAX_SPLITS, K.SHRINK_BLOCK_K) == (2, 384)
     assert K._wide_slots(slots_n, rank) == 4
 
     part = lora_shrink(x, a[:slots_n], slots, rank)
