@@ -54,6 +54,7 @@ SWEEP: list[dict[str, int]] = [  # most telling first (the sweep stops at its ti
     {"SILU_BLOCK_N": 128},
     {"EXPAND_BLOCK_N": 64},
     {"SILU_MAX_SPLITS": 2},
+    {"MAX_SPLITS": 16, "SPLIT_RANKS_MAX": 256},
 ]
 
 

@@ -20,7 +20,9 @@ over the slots its rows use: 12 launches per layer, 4x the serial work with 4 ad
   serves only the rows of its own slot (the others' loads are masked off, so they cost no
   traffic) and exits at once when its tile has none: with 4 adapters the 4 slots' work runs
   in parallel programs, each as short as with 1 adapter, instead of one program looping over
-  4 slots. K is split so that ~128 programs have work at decode sizes (132 SMs). Each split
+  4 slots. K is split up to 8 ways (4 for gate/up, see SILU_MAX_SPLITS), aiming at ~128
+  programs per slot (132 SMs): at batch 64 a slot's rows get 96 programs for q/k/v and 32 for
+  o and down (more splits would make the expand sum more partials). Each split
   writes its own fp32 partial [splits, M, parts * R] (rows of slot -1 are never written): no
   zero-initialised buffer, hence no memset launch, and no atomics, so the result does not
   depend on scheduling (bit-reproducible, batch-invariant per row).
