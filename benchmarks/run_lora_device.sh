@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call for issue 25 (LoRA), ~3-4 min on an H100 (timeouts cap it at ~6): the LoRA
-# GPU tests, the LoRA kernels of one Llama-3-8B layer alone (benchmarks/lora_kernels.py: per-kernel us and the per-layer cost
-# in CUDA graphs at batch 64, 1 / 4 adapters, PDL off, block-constant alternatives), then
-# benchmarks/lora.py end to end (decode at batch 64: base vs 1 / 4 adapters; adapter load time).
+# GPU tests; the LoRA kernels of one Llama-3-8B layer alone (benchmarks/lora_kernels.py:
+# per-kernel us and the per-layer cost in CUDA graphs at batch 64 with 1 / 4 adapters, PDL off,
+# block-constant alternatives); then benchmarks/lora.py end to end (decode at batch 64: base vs
+# 1 / 4 adapters; adapter load time).
 # Usage: bash benchmarks/run_lora_device.sh; outputs under $OUT (gpu_tests_lora.log,
 # lora_kernels.json + .log, lora.json + lora.log).
 set -u
