@@ -120,11 +120,10 @@ def test_kernels_bf16_match_torch():
     ref = F.silu(gu[:, :inter]) * gu[:, inter:]
     err = float((out.float() - ref).abs().max() / ref.abs().max())
     assert err < 2**-6, err
-    base = F.silu(y0[:, :inter]) * y0[:, inter:]  # base rows: exactly the unfused silu_mul
     from shard.kernels.elementwise import silu_mul
 
+    # base rows: exactly what the base path's silu_mul gives them
     assert torch.equal(out[slots < 0], silu_mul(y0[:, :inter], y0[:, inter:])[slots < 0])
-    assert float((out[slots < 0].float() - base[slots < 0].float()).abs().max()) < 0.05
 
 
 def test_kernels_in_cuda_graphs_follow_the_slot_buffer():
