@@ -242,11 +242,13 @@ def _lora_expand_silu_kernel(part_ptr, b_ptr, slots_ptr, y_ptr, out_ptr, num_row
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, part_rank: int,
-                max_splits: int | None = None) -> torch.Tensor:
+                max_splits: int | None = None, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """x [M, K], a [num_slots, parts * part_rank, K], slots [M] int32 (-1: none) -> the split-K
     partials [splits, M, parts * part_rank] float32 of x @ a[slot]^T per row; rows of slot -1
     are left unwritten (lora_expand_ ignores them). At most `max_splits` splits (default
-    MAX_SPLITS): pass the same to the expand."""
+    MAX_SPLITS): pass the same to the expand. `out`: a float32 buffer to write the partials
+    into (its first splits * M * R elements; e.g. one allocated off a side stream)."""
     m, k = x.shape
     num_slots, r, _ = a.shape
     assert r % part_rank == 0, (r, part_rank)
@@ -254,7 +256,11 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, part_rank
     assert x.stride(1) == 1 and a.stride(2) == 1
     splits, k_per_split = _splits(m, k, r // part_rank, max_splits,
                                   _wide_rank_scaled(SHRINK_BLOCK_K, part_rank))
-    part = torch.empty((splits, m, r), dtype=torch.float32, device=x.device)
+    if out is None:
+        part = torch.empty((splits, m, r), dtype=torch.float32, device=x.device)
+    else:
+        assert out.dtype == torch.float32 and out.is_contiguous(), (out.dtype, out.stride())
+        part = out.view(-1)[: splits * m * r].view(splits, m, r)
     if m == 0:
         return part
     grid = (num_slots, triton.cdiv(m, SHRINK_BLOCK_M), splits * (r // part_rank))
