@@ -13,7 +13,7 @@ t0=$(date +%s)
 timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_lora_cuda.py -p no:cacheprovider 2>&1 \
   | tail -40 > $OUT/gpu_tests_lora.log; tail -3 $OUT/gpu_tests_lora.log
 echo "tests: $(( $(date +%s) - t0 )) s"
-timeout 110 python3 -m benchmarks.lora_kernels --sweep-budget-s 30 --out $OUT/lora_kernels.json \
+timeout 110 python3 -m benchmarks.lora_kernels --sweep-budget-s 25 --out $OUT/lora_kernels.json \
   > $OUT/lora_kernels.log 2>&1; tail -40 $OUT/lora_kernels.log | cut -c1-1500
 echo "kernels: $(( $(date +%s) - t0 )) s"
 timeout 120 python3 -m benchmarks.lora --device cuda --out $OUT/lora.json 2>&1 \
