@@ -2,16 +2,57 @@
 shrink then expand), so that requests for different adapters and the base model share one batch.
 
 Adapters live in stacked buffers at fixed addresses (a slot per resident adapter):
-    A [num_slots, R, K]  (shrink: K input features -> R, the adapter's rank padded to the slot's)
-    B [num_slots, N, R]  (expand: R -> N output features, the LoRA scaling folded in)
+    A [num_slots, parts * R, K]  (shrink: K input features -> the parts' ranks, stacked)
+    B [num_slots, N, parts * R]  (expand: block-diagonal, part p's output columns read only part
+                                  p's ranks; the LoRA scaling folded in)
 and each row names its slot in `slots` [num_rows] (int32, -1: no adapter). The slot index is a
 tensor, so a captured CUDA graph replays with whatever slots the step's rows have.
 
-Both kernels tile the rows and, inside a tile, loop over the slots the tile's rows use (a tile
-whose rows use no adapter costs one scalar test per slot): rows of the same adapter share one
-tl.dot over that adapter's weights instead of each row streaming them again. The shrink splits K
-over programs (decode tiles are few) and accumulates in fp32 with atomics; the expand adds the
-product into the base output in place.
+Design, for decode (batch <= 64 rows, K = 4096..14336, R = 16 per part): the whole LoRA delta of
+a layer is ~5-10 MB of memory traffic, i.e. a few microseconds; what costs is launches and
+serial latency inside each program. Measured on an H100 (benchmarks/LORA.md) the previous
+kernels (a zeroed fp32 buffer per linear, a split-K shrink with atomics, each row tile looping
+over the slots its rows use: 12 launches per layer, 4x the serial work with 4 adapters) cost
+~110 us per layer with 4 adapters. Here:
+
+- Shrink, one launch per adapted linear (q/k/v's and gate/up's A are already stacked, so one
+  per input): grid = (slot, row tile of 16, split of K x rank block of one part). A program
+  serves only the rows of its own slot (the others' loads are masked off, so they cost no
+  traffic) and exits at once when its tile has none: with 4 adapters the 4 slots' work runs
+  in parallel programs, each as short as with 1 adapter, instead of one program looping over
+  4 slots. K is split up to 8 ways (4 for gate/up, see SILU_MAX_SPLITS), aiming at ~128
+  programs per slot (132 SMs): at batch 64 a slot's rows get 96 programs for q/k/v and 32 for
+  o and down (more splits would make the expand sum more partials). Each split
+  writes its own fp32 partial [splits, M, parts * R] (rows of slot -1 are never written): no
+  zero-initialised buffer, hence no memset launch, and no atomics, so the result does not
+  depend on scheduling (bit-reproducible, batch-invariant per row).
+- Expand, one launch per adapted linear: grid = (row tile of 64, column tile of 128), the
+  column tiles laid out per part so that a tile never straddles q/k/v (or gate/up) and reads
+  only its part's R ranks of the block-diagonal B (no traffic for the zero blocks). A program
+  sums the partials of its rows (one [splits, rows, R] load) and then computes every row's own
+  adapter product in ONE tensor-core dot for all slots: [rows, slots * R] @ [slots * R, cols],
+  row i's h placed in its slot's block of R columns (zeros elsewhere), against all slots' B
+  tiles stacked along R (<= 128 wide: 8 slots at rank 16). Its loads do not depend on which
+  slots are present, so 4 adapters cost one round of loads and one dot, like 1, whatever the
+  mix inside the tile (more slots x rank than that: a loop over the slots present). Rejected:
+  a bgmv-style per-row gather of B needs a [rows, cols, R] register tile (16x the registers of
+  the dot for the same work at 64 rows); sorting rows by slot costs extra launches per step and
+  a gather / scatter of x and y.
+- gate/up: the expand also does SiLU(gate) * up and writes the MLP activation, replacing the
+  separate silu_mul kernel that the base path runs at this batch (cuBLAS GEMM + silu_mul): the
+  gate/up LoRA costs one extra launch, the shrink.
+
+So a layer costs 7 launches for LoRA (4 shrinks, 3 expands; the gate/up expand replaces a base
+kernel) instead of 12 (+ silu_mul). Arithmetic: products accumulate in fp32; for 16-bit models
+h is rounded to the model dtype before its dot with B (as peft's unmerged LoRA does: lora_A's
+output is in the model dtype), which halves the expand's operand registers; float32 models use
+exact fp32 ("ieee") dots throughout. The delta is added to the base output in fp32 and rounded
+once; for gate/up like the unfused path (gate and up to the dtype, silu(gate) to the dtype, then
+the product), so base rows get exactly what silu_mul gives them.
+
+CUDA graphs: every argument that changes with the batch bucket (rows, splits, the partials'
+split stride) is unspecialised, so the one variant compiled by the eager warm-up run serves
+every captured bucket; nothing syncs with the host and nothing is allocated but the partials.
 """
 
 from __future__ import annotations
@@ -20,106 +61,312 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16
-SHRINK_BLOCK_K = 64
-SHRINK_K_PER_PROGRAM = 512  # K range of one shrink program (split-K over the grid's axis 1)
-EXPAND_BLOCK_N = 64
+from shard.kernels import pdl
+from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
+
+SHRINK_BLOCK_M = 16
+SHRINK_BLOCK_K = 128
+MAX_SPLITS = 8  # split-K partials (a power of two: the expand loads them as one tile)
+# gate/up: the fused expand re-reads the partials for each of its 224 column tiles (Llama-3-8B),
+# so fewer, longer splits there (8 would read ~15 MB of partials from L2 per layer)
+SILU_MAX_SPLITS = 4
+SPLIT_RANKS_MAX = 128  # splits x rank block at most (larger ranks: fewer splits)
+SHRINK_TARGET_PROGRAMS = 128  # per slot: row tiles x rank blocks x splits, ~ the SM count
+SHRINK_MIN_K_PER_SPLIT = 256
+EXPAND_BLOCK_M = 64
+EXPAND_BLOCK_N = 128
+SILU_BLOCK_N = 64  # two column tiles (gate's and up's) per program
+WIDE_MAX_K = 128  # the expand's one dot over all slots: slots x R up to this, else a loop
+MAX_PARTS = 3
+SHRINK_NUM_WARPS = 4
+EXPAND_NUM_WARPS = 8  # the expands' [64, 128] tiles; tests/shard/test_lora_kernels_sm90.py
 
 
-# num_rows unspecialized: one compiled variant serves every CUDA-graph bucket (a capture cannot
-# compile or load a new one).
-@triton.jit(do_not_specialize=["num_rows"])
-def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, num_rows, K, R, num_slots,
-                        stride_xm, stride_as, stride_ar, stride_om, k_per_program,
+@triton.jit(do_not_specialize=["num_rows", "k_per_split", "stride_ps"])
+def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, part_ptr, num_rows, K, part_rank, k_per_split,
+                        stride_xm, stride_as, stride_ar, stride_ps, stride_pm,
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
+                        PRECISION: tl.constexpr, PDL: tl.constexpr):
+    let_dependents_launch(PDL)
+    wait_for_predecessor(PDL)  # x and the slots are written earlier in the step
+    s = tl.program_id(0)  # adapter slot
+    pid_m = tl.program_id(1)  # row tile
+    pid_kr = tl.program_id(2)  # split of K x rank block (one part's ranks)
+    n_rb = tl.num_programs(2) // tl.cdiv(K, k_per_split)
+    split = pid_kr // n_rb
+    rb = pid_kr % n_rb
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < num_rows
-    slot = tl.load(slots_ptr + rows, mask=row_ok, other=-1)
-    rr = tl.arange(0, BLOCK_R)
-    k_start = pid_k * k_per_program
-    for s in range(0, num_slots):
-        sel = slot == s
-        if tl.sum(sel.to(tl.int32), axis=0) > 0:
-            acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-            for k0 in range(k_start, k_start + k_per_program, BLOCK_K):
-                kk = k0 + tl.arange(0, BLOCK_K)
-                k_ok = kk < K
-                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                            mask=sel[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-                a = tl.load(a_ptr + s * stride_as + rr[None, :] * stride_ar + kk[:, None],
-                            mask=(rr[None, :] < R) & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_R]
-                acc += tl.dot(x, a, input_precision=PRECISION)
-            tl.atomic_add(out_ptr + rows[:, None].to(tl.int64) * stride_om + rr[None, :], acc,
-                          mask=sel[:, None] & (rr[None, :] < R))
+    slot = tl.load(slots_ptr + rows, mask=rows < num_rows, other=-1)
+    sel = slot == s  # [BLOCK_M] this program's rows
+    if tl.max(sel.to(tl.int32), axis=0) > 0:
+        r_in = tl.arange(0, BLOCK_R)
+        r_ok = r_in < part_rank
+        rr = rb * part_rank + r_in  # this block's rows of the stacked A
+        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        k_start = split * k_per_split
+        x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+        a_base = a_ptr + s.to(tl.int64) * stride_as + rr[None, :] * stride_ar
+        for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < K
+            # rows of other slots are masked off: no memory traffic for them
+            x = tl.load(x_rows + kk[None, :], mask=sel[:, None] & k_ok[None, :],
+                        other=0.0)  # [BLOCK_M, BLOCK_K]
+            a = tl.load(a_base + kk[:, None], mask=k_ok[:, None] & r_ok[None, :],
+                        other=0.0)  # [BLOCK_K, BLOCK_R]
+            acc += tl.dot(x, a, input_precision=PRECISION)
+        out = part_ptr + split.to(tl.int64) * stride_ps + rows[:, None].to(tl.int64) * stride_pm
+        tl.store(out + rr[None, :], acc, mask=sel[:, None] & r_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def _lora_expand_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, num_rows, N, R, num_slots,
-                        stride_sm, stride_bs, stride_bn, stride_ym,
-                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                        PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < num_rows
-    slot = tl.load(slots_ptr + rows, mask=row_ok, other=-1)
-    if tl.sum((slot >= 0).to(tl.int32), axis=0) > 0:
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        rr = tl.arange(0, BLOCK_R)
-        r_ok = rr < R
+@triton.jit
+def _part_of_tile(pid_n, n_end0, n_end1, n_end2, t_end0, t_end1, BLOCK_N: tl.constexpr):
+    """Column tile pid_n -> (part, first column, end column of the part): tiles are numbered
+    part by part (t_end* = the tile count before the next part), so none straddles two."""
+    p = (pid_n >= t_end0).to(tl.int32) + (pid_n >= t_end1).to(tl.int32)
+    part_start = tl.where(p == 0, 0, tl.where(p == 1, n_end0, n_end1))
+    tile_start = tl.where(p == 0, 0, tl.where(p == 1, t_end0, t_end1))
+    part_end = tl.where(p == 0, n_end0, tl.where(p == 1, n_end1, n_end2))
+    return p, part_start + (pid_n - tile_start) * BLOCK_N, part_end
+
+
+@triton.jit
+def _delta(part_ptr, b_ptr, slot, rows, row_ok, cols, col_ok, p, part_rank, num_splits,
+           num_slots, stride_ps, stride_pm, stride_bs, stride_bn,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+           MAX_SPLITS: tl.constexpr, WIDE_SLOTS: tl.constexpr, PRECISION: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32: each row's h (the sum of its split partials, part p's ranks)
+    @ B[its slot][cols, part p's ranks]^T; 0 for rows of slot -1 (`slot` [BLOCK_M]).
+
+    WIDE_SLOTS > 0 (a power of two >= the slot count): one dot for every slot at once,
+    [rows, WIDE_SLOTS * R] @ [WIDE_SLOTS * R, cols], where row i's h sits in its slot's block
+    of R columns and zeros elsewhere, against all slots' B tiles stacked along R: one round of
+    loads and one dot, whatever the mix of adapters. 0: a loop over the slots present."""
+    r_in = tl.arange(0, BLOCK_R)
+    r_ok = r_in < part_rank
+    rr = p * part_rank + r_in
+    h = _split_sum(part_ptr, rows, row_ok, rr, r_ok, num_splits, stride_ps, stride_pm,
+                   BLOCK_M, BLOCK_R, MAX_SPLITS)  # [BLOCK_M, BLOCK_R]
+    b_tile = b_ptr + cols[None, :].to(tl.int64) * stride_bn + rr[:, None]  # [BLOCK_R, BLOCK_N]
+    b_mask = r_ok[:, None] & col_ok[None, :]
+    if WIDE_SLOTS > 0:
+        s_in = tl.arange(0, WIDE_SLOTS)
+        b = tl.load(b_tile[None, :, :] + s_in[:, None, None].to(tl.int64) * stride_bs,
+                    mask=b_mask[None, :, :] & (s_in < num_slots)[:, None, None], other=0.0)
+        b = tl.reshape(b, [WIDE_SLOTS * BLOCK_R, BLOCK_N])  # slot s's ranks at s * BLOCK_R
+        hw = tl.where(slot[:, None, None] == s_in[None, :, None], h[:, None, :], 0.0)
+        hw = tl.reshape(hw, [BLOCK_M, WIDE_SLOTS * BLOCK_R])
+        acc = tl.dot(hw.to(b.dtype), b, input_precision=PRECISION)
+    else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for s in range(0, num_slots):
+        for s in range(num_slots):
             sel = slot == s
-            if tl.sum(sel.to(tl.int32), axis=0) > 0:
-                h = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_sm + rr[None, :],
-                            mask=sel[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
-                b = tl.load(b_ptr + s * stride_bs + cols[None, :] * stride_bn + rr[:, None],
-                            mask=r_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-                acc += tl.dot(h, b.to(tl.float32), input_precision=PRECISION)
-        y_at = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
-        mask = (row_ok & (slot >= 0))[:, None] & col_ok[None, :]
-        y = tl.load(y_at, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_at, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
+            if tl.max(sel.to(tl.int32), axis=0) > 0:
+                b = tl.load(b_tile + s * stride_bs, mask=b_mask, other=0.0)
+                hs = tl.where(sel[:, None], h, 0.0)
+                acc += tl.dot(hs.to(b.dtype), b, input_precision=PRECISION)
+    return acc
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """x [M, K], a [num_slots, R, K], slots [M] int32 (-1: none) -> [M, R] float32 (zero rows
-    for rows without an adapter)."""
+@triton.jit
+def _split_sum(part_ptr, rows, row_ok, rr, r_ok, num_splits, stride_ps, stride_pm,
+               BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """Sum of the split-K partials [BLOCK_M, BLOCK_R] (rows of slot -1 hold garbage: the
+    caller selects by slot)."""
+    sp = tl.arange(0, MAX_SPLITS)
+    at = (part_ptr + sp[:, None, None].to(tl.int64) * stride_ps
+          + rows[None, :, None].to(tl.int64) * stride_pm + rr[None, None, :])
+    mask = (sp < num_splits)[:, None, None] & row_ok[None, :, None] & r_ok[None, None, :]
+    h = tl.sum(tl.load(at, mask=mask, other=0.0), axis=0)  # one round of loads
+    return h
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_splits", "stride_ps"])
+def _lora_expand_kernel(part_ptr, b_ptr, slots_ptr, y_ptr, num_rows, part_rank, num_splits,
+                        num_slots, n_end0, n_end1, n_end2, t_end0, t_end1,
+                        stride_ps, stride_pm, stride_bs, stride_bn, stride_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                        MAX_SPLITS: tl.constexpr, WIDE_SLOTS: tl.constexpr,
+                        PRECISION: tl.constexpr, PDL: tl.constexpr):
+    let_dependents_launch(PDL)
+    wait_for_predecessor(PDL)  # the partials, y and the slots are written earlier in the step
+    p, col0, part_end = _part_of_tile(tl.program_id(1), n_end0, n_end1, n_end2, t_end0, t_end1,
+                                      BLOCK_N)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < part_end
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_rows
+    slot = tl.load(slots_ptr + rows, mask=row_ok, other=-1)
+    mask = (slot >= 0)[:, None] & col_ok[None, :]
+    y_at = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
+    y = tl.load(y_at, mask=mask, other=0.0).to(tl.float32)
+    delta = _delta(part_ptr, b_ptr, slot, rows, row_ok, cols, col_ok, p, part_rank,
+                   num_splits, num_slots, stride_ps, stride_pm, stride_bs, stride_bn,
+                   BLOCK_M, BLOCK_N, BLOCK_R, MAX_SPLITS, WIDE_SLOTS, PRECISION)
+    tl.store(y_at, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_splits", "stride_ps"])
+def _lora_expand_silu_kernel(part_ptr, b_ptr, slots_ptr, y_ptr, out_ptr, num_rows, inter,
+                             part_rank, num_splits, num_slots,
+                             stride_ps, stride_pm, stride_bs, stride_bn, stride_ym, stride_om,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_R: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                             WIDE_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+                             PDL: tl.constexpr):
+    let_dependents_launch(PDL)
+    wait_for_predecessor(PDL)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_rows
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # gate's; up's are inter + cols
+    col_ok = cols < inter
+    slot = tl.load(slots_ptr + rows, mask=row_ok, other=-1)
+    mask = row_ok[:, None] & col_ok[None, :]
+    y_at = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
+    g = tl.load(y_at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(y_at + inter, mask=mask, other=0.0).to(tl.float32)
+    g += _delta(part_ptr, b_ptr, slot, rows, row_ok, cols, col_ok, 0, part_rank, num_splits,
+                num_slots, stride_ps, stride_pm, stride_bs, stride_bn,
+                BLOCK_M, BLOCK_N, BLOCK_R, MAX_SPLITS, WIDE_SLOTS, PRECISION)
+    u += _delta(part_ptr, b_ptr, slot, rows, row_ok, inter + cols, col_ok, 1, part_rank,
+                num_splits, num_slots, stride_ps, stride_pm, stride_bs, stride_bn,
+                BLOCK_M, BLOCK_N, BLOCK_R, MAX_SPLITS, WIDE_SLOTS, PRECISION)
+    dtype = out_ptr.dtype.element_ty
+    # the unfused path's rounding: gate and up (base + delta) to the dtype, silu(gate) to the
+    # dtype, then the product (shard/kernels/elementwise.py silu_mul)
+    g = g.to(dtype).to(tl.float32)
+    u = u.to(dtype).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    out_at = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out_at, (a * u).to(dtype), mask=mask)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, part_rank: int,
+                max_splits: int | None = None, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """x [M, K], a [num_slots, parts * part_rank, K], slots [M] int32 (-1: none) -> the split-K
+    partials [splits, M, parts * part_rank] float32 of x @ a[slot]^T per row; rows of slot -1
+    are left unwritten (lora_expand_ ignores them). At most `max_splits` splits (default
+    MAX_SPLITS): pass the same to the expand. `out`: a float32 buffer to write the partials
+    into (its first splits * M * R elements; e.g. one allocated off a side stream)."""
     m, k = x.shape
     num_slots, r, _ = a.shape
-    out = torch.zeros((m, r), dtype=torch.float32, device=x.device)
+    assert r % part_rank == 0, (r, part_rank)
+    max_splits = _max_splits(max_splits or MAX_SPLITS, part_rank)
+    assert x.stride(1) == 1 and a.stride(2) == 1
+    splits, k_per_split = _splits(m, k, r // part_rank, max_splits,
+                                  _wide_rank_scaled(SHRINK_BLOCK_K, part_rank))
+    if out is None:
+        part = torch.empty((splits, m, r), dtype=torch.float32, device=x.device)
+    else:
+        assert out.dtype == torch.float32 and out.is_contiguous(), (out.dtype, out.stride())
+        part = out.view(-1)[: splits * m * r].view(splits, m, r)
+    if m == 0:
+        return part
+    grid = (num_slots, triton.cdiv(m, SHRINK_BLOCK_M), splits * (r // part_rank))
+    _lora_shrink_kernel[grid](
+        x, a, slots, part, m, k, part_rank, k_per_split, x.stride(0), a.stride(0), a.stride(1),
+        part.stride(0), part.stride(1), BLOCK_M=SHRINK_BLOCK_M, BLOCK_R=_block_r(part_rank),
+        BLOCK_K=_wide_rank_scaled(SHRINK_BLOCK_K, part_rank), PRECISION=_precision(x.dtype),
+        num_warps=SHRINK_NUM_WARPS,
+        **pdl.launch_options(x.device),
+    )
+    return part
+
+
+def lora_expand_(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                 part_sizes: list[int], part_rank: int, max_splits: int | None = None) -> None:
+    """y [M, N] += h @ b[slot]^T per row, in place; h = the sum of lora_shrink's partials
+    [splits, M, parts * part_rank]; b [num_slots, N, parts * part_rank] block-diagonal over the
+    parts, whose output sizes `part_sizes` sum to N. Rows with slot -1 are left untouched.
+    `max_splits`: lora_shrink's (fixed per linear, whatever the batch: one compiled variant)."""
+    max_splits = _max_splits(max_splits or MAX_SPLITS, part_rank)
+    m, n = y.shape
+    num_slots = b.shape[0]
+    assert sum(part_sizes) == n and 1 <= len(part_sizes) <= MAX_PARTS, (part_sizes, n)
+    assert y.stride(1) == 1 and b.stride(2) == 1 and part.shape[0] <= max_splits
+    if m == 0:
+        return
+    ends = [sum(part_sizes[: i + 1]) for i in range(len(part_sizes))]
+    ends += [n] * (MAX_PARTS - len(ends))
+    block_n = _wide_rank_scaled(EXPAND_BLOCK_N, part_rank)
+    tiles = [triton.cdiv(size, block_n) for size in part_sizes]
+    t_ends = [sum(tiles[: i + 1]) for i in range(len(tiles))]
+    t_ends += [t_ends[-1]] * (MAX_PARTS - len(t_ends))
+    grid = (triton.cdiv(m, EXPAND_BLOCK_M), t_ends[-1])
+    _lora_expand_kernel[grid](
+        part, b, slots, y, m, part_rank, part.shape[0], num_slots, ends[0], ends[1], ends[2],
+        t_ends[0], t_ends[1], part.stride(0), part.stride(1), b.stride(0), b.stride(1), y.stride(0),
+        BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=block_n, BLOCK_R=_block_r(part_rank),
+        MAX_SPLITS=triton.next_power_of_2(max_splits),
+        WIDE_SLOTS=_wide_slots(num_slots, part_rank),
+        PRECISION=_precision(y.dtype), num_warps=EXPAND_NUM_WARPS, **pdl.launch_options(y.device),
+    )
+
+
+def lora_expand_silu_mul(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor,
+                         slots: torch.Tensor, part_rank: int, max_splits: int | None = None
+                         ) -> torch.Tensor:
+    """For gate/up: y [M, 2I] (gate | up, the base output) -> silu(gate') * up' [M, I], where
+    gate' | up' = y + each row's LoRA delta (as lora_expand_; b [num_slots, 2I, 2 * part_rank]
+    block-diagonal). y is not modified. `max_splits`: lora_shrink's (default SILU_MAX_SPLITS)."""
+    max_splits = _max_splits(max_splits or SILU_MAX_SPLITS, part_rank)
+    m, n = y.shape
+    num_slots = b.shape[0]
+    assert n % 2 == 0 and b.shape[2] == 2 * part_rank, (n, b.shape, part_rank)
+    assert y.stride(1) == 1 and b.stride(2) == 1 and part.shape[0] <= max_splits
+    inter = n // 2
+    out = torch.empty((m, inter), dtype=y.dtype, device=y.device)
     if m == 0:
         return out
-    k_per_program = min(SHRINK_K_PER_PROGRAM, triton.cdiv(k, SHRINK_BLOCK_K) * SHRINK_BLOCK_K)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(k, k_per_program))
-    _lora_shrink_kernel[grid](
-        x, a, slots, out, m, k, r, num_slots, x.stride(0), a.stride(0), a.stride(1),
-        out.stride(0), k_per_program, BLOCK_M=BLOCK_M, BLOCK_R=max(16, triton.next_power_of_2(r)),
-        BLOCK_K=SHRINK_BLOCK_K, PRECISION=_precision(x.dtype), num_warps=4,
+    block_n = _wide_rank_scaled(SILU_BLOCK_N, part_rank)
+    grid = (triton.cdiv(m, EXPAND_BLOCK_M), triton.cdiv(inter, block_n))
+    _lora_expand_silu_kernel[grid](
+        part, b, slots, y, out, m, inter, part_rank, part.shape[0], num_slots,
+        part.stride(0), part.stride(1), b.stride(0), b.stride(1), y.stride(0), out.stride(0),
+        BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=block_n, BLOCK_R=_block_r(part_rank),
+        MAX_SPLITS=triton.next_power_of_2(max_splits),
+        WIDE_SLOTS=_wide_slots(num_slots, part_rank),
+        PRECISION=_precision(y.dtype), num_warps=EXPAND_NUM_WARPS, **pdl.launch_options(y.device),
     )
     return out
 
 
-def lora_expand_(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
-    """y [M, N] += h [M, R] (float32) @ b[slot]^T, b [num_slots, N, R]; rows with slot -1 are
-    left untouched. In place."""
-    m, n = y.shape
-    num_slots, _, r = b.shape
-    if m == 0:
-        return
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, EXPAND_BLOCK_N))
-    _lora_expand_kernel[grid](
-        h, b, slots, y, m, n, r, num_slots, h.stride(0), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_N=EXPAND_BLOCK_N,
-        PRECISION=_precision(y.dtype), num_warps=4,
-    )
+def _splits(m: int, k: int, rank_blocks: int, max_splits: int, block_k: int
+            ) -> tuple[int, int]:
+    """(splits, K per split): enough programs per slot to fill the GPU at decode sizes, at most
+    max_splits, each split a multiple of block_k and at least SHRINK_MIN_K_PER_SPLIT."""
+    tiles = triton.cdiv(max(m, 1), SHRINK_BLOCK_M) * rank_blocks
+    want = min(max_splits, triton.cdiv(SHRINK_TARGET_PROGRAMS, tiles),
+               max(1, k // SHRINK_MIN_K_PER_SPLIT))
+    k_per_split = triton.cdiv(triton.cdiv(k, want), block_k) * block_k
+    return triton.cdiv(k, k_per_split), k_per_split
+
+
+def _max_splits(requested: int, part_rank: int) -> int:
+    """Splits at most, for a rank: the expand holds [splits, 64 rows, rank] fp32 partials in
+    registers, kept to <= SPLIT_RANKS_MAX (8 splits at rank 16, 1 at rank 128)."""
+    return max(1, min(requested, SPLIT_RANKS_MAX // _block_r(part_rank)))
+
+
+def _wide_rank_scaled(block: int, part_rank: int) -> int:
+    """A K or N block for ranks above 32: halved per doubling (registers; ranks <= 32, the
+    common case, get the block as is), at least 32."""
+    return max(32, block * 32 // max(32, _block_r(part_rank)))
+
+
+def _block_r(part_rank: int) -> int:
+    return max(16, triton.next_power_of_2(part_rank))  # tl.dot needs >= 16
+
+
+def _wide_slots(num_slots: int, part_rank: int) -> int:
+    """The expand's one-dot width in slots (a power of two), or 0 (loop over the present
+    slots) where all slots' B tiles would not fit one dot's K of WIDE_MAX_K."""
+    wide = triton.next_power_of_2(num_slots)
+    return wide if wide * _block_r(part_rank) <= WIDE_MAX_K else 0
 
 
 def _precision(dtype: torch.dtype) -> str:
-    # float32 models get exact fp32 products (tf32 would drift from the torch path); 16-bit
-    # operands are widened to fp32 in the expand, where "ieee" costs nothing measurable.
+    # float32 models get exact fp32 products (tf32 would drift from the torch path); for 16-bit
+    # operands the precision argument does not apply (bf16 / fp16 tensor-core dots).
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -220,12 +220,13 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
         """For two parts (gate, up): silu(gate(x)) * up(x), [n, in] -> [n, out_local]; one
         kernel for the SiLU-and-mul on CUDA, one pass over the merged weight where merged."""
         if self.lora is not None and self.lora.batch.active:
-            g, u = self.forward(x)  # the adapters' deltas need the unfused outputs
-            if x.is_cuda:
-                from shard.kernels.elementwise import silu_mul
-
-                return silu_mul(g, u)
-            return F.silu(g) * u
+            # the adapters' deltas need the unfused outputs; the LoRA expand then does the
+            # SiLU-and-mul (one kernel on CUDA)
+            if self.merged is not None:
+                y = self.merged.linear(x)  # [n, 2 * out_local]
+            else:
+                y = torch.cat([part(x) for part in self.parts.values()], dim=-1)
+            return self.lora.silu_mul(x, y)
         if self.merged is not None:
             return self.merged.silu_mul(x)
         gate, up = self.parts.values()

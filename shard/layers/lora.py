@@ -102,6 +102,9 @@ class LoraWeights:
         in_local = parts[0].in_slice[1] - parts[0].in_slice[0]
         out_local = sum(p.out_slice[1] - p.out_slice[0] for p in parts)
         ranks = len(parts) * max_rank
+        # output features of each part in the merged local output (the expand's column tiles
+        # stay inside one part and read only its ranks of the block-diagonal B)
+        self.part_sizes = [p.out_slice[1] - p.out_slice[0] for p in parts]
         slots = batch.num_slots + 1  # the last one stays zero (CPU gathers of "no adapter")
         self.a = torch.zeros((slots, ranks, in_local), dtype=dtype, device=device)
         self.b = torch.zeros((slots, out_local, ranks), dtype=dtype, device=device)
@@ -126,16 +129,34 @@ class LoraWeights:
             self.a[slot, p * r_max : p * r_max + r].copy_(a, non_blocking=True)
             self.b[slot, rows[0] : rows[1], p * r_max : p * r_max + r].copy_(b, non_blocking=True)
 
+    def silu_mul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """For gate/up (two parts of equal size): silu(gate) * up [n, I] of y [n, 2I] (the base
+        output) plus each row's LoRA delta. CUDA: one fused expand, which replaces the separate
+        SiLU-and-mul kernel; y is not modified there (it is on CPU)."""
+        assert len(self.parts) == 2 and self.part_sizes[0] == self.part_sizes[1]
+        if x.is_cuda:
+            from shard.kernels.lora import SILU_MAX_SPLITS, lora_expand_silu_mul, lora_shrink
+
+            slots, resident = self.batch.token_slots, self.batch.num_slots
+            assert slots is not None
+            part = lora_shrink(x, self.a[:resident], slots, self.max_rank, SILU_MAX_SPLITS)
+            return lora_expand_silu_mul(y, part, self.b[:resident], slots, self.max_rank,
+                                        SILU_MAX_SPLITS)
+        self.apply_(x, y)
+        gate, up = y.split(self.part_sizes, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
     def apply_(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y [n, out_local] += the LoRA delta of each row of x [n, in_local], in place."""
         batch = self.batch
         if x.is_cuda:
             from shard.kernels.lora import lora_expand_, lora_shrink
 
-            slots = batch.token_slots
+            slots, resident = batch.token_slots, batch.num_slots
             assert slots is not None
-            h = lora_shrink(x, self.a, slots)  # [n, parts * R] float32
-            lora_expand_(y, h, self.b, slots)
+            # [splits, n, parts * R] float32 split-K partials of x @ A[slot]^T
+            part = lora_shrink(x, self.a[:resident], slots, self.max_rank)
+            lora_expand_(y, part, self.b[:resident], slots, self.part_sizes, self.max_rank)
             return
         if batch.gather is not None:
             a = self.a.index_select(0, batch.gather)  # [n, parts * R, in]

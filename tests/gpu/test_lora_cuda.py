@@ -73,24 +73,89 @@ def test_mixed_batch_cuda_equals_cpu(tmp_path):
     assert out["cpu"][1] != out["cpu"][0]  # the adapters change the output
 
 
+def _blockdiag(slots_n: int, sizes: list[int], rank: int, gen) -> torch.Tensor:
+    b = torch.zeros(slots_n, sum(sizes), len(sizes) * rank, device="cuda")
+    at = 0
+    for p, size in enumerate(sizes):
+        b[:, at : at + size, p * rank : (p + 1) * rank] = torch.randn(
+            slots_n, size, rank, device="cuda", generator=gen) * 0.02
+        at += size
+    return b.bfloat16()
+
+
+def _reference(x, a, b, slots, y0):
+    idx = slots.clamp(min=0).long()
+    delta = torch.bmm(b[idx].float(), torch.bmm(a[idx].float(), x.float()[:, :, None])).squeeze(2)
+    return y0.float() + torch.where((slots >= 0)[:, None], delta, 0.0)
+
+
 def test_kernels_bf16_match_torch():
-    from shard.kernels.lora import lora_expand_, lora_shrink
+    """Llama-3-8B shapes at rank 16, 4 slots, rows of 4 adapters and the base model: q/k/v
+    (three parts), o, and gate/up with the fused SiLU-and-mul, against torch in fp32."""
+    import torch.nn.functional as F
+
+    from shard.kernels.lora import SILU_MAX_SPLITS, lora_expand_, lora_expand_silu_mul, lora_shrink
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    slots_n, r, k, n, m = 4, 48, 4096, 6144, 64
-    a = (torch.randn(slots_n + 1, r, k, device="cuda", generator=gen) * 0.02).bfloat16()
-    b = (torch.randn(slots_n + 1, n, r, device="cuda", generator=gen) * 0.02).bfloat16()
-    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    slots_n, r, k, m = 4, 16, 4096, 64
     slots = torch.tensor([(i % 5) - 1 for i in range(m)], dtype=torch.int32, device="cuda")
-    y0 = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
-    y = y0.clone()
-    lora_expand_(y, lora_shrink(x, a, slots), b, slots)
-    idx = slots.clamp(min=0).long()
-    ref = y0.float() + torch.where(
-        (slots >= 0)[:, None],
-        torch.bmm(b[idx].float(), torch.bmm(a[idx].float(), x.float()[:, :, None])).squeeze(2),
-        0.0,
-    )
-    err = float((y.float() - ref).abs().max() / ref.abs().max())
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    for sizes in ([4096, 1024, 1024], [4096]):
+        a = torch.randn(slots_n, len(sizes) * r, k, device="cuda", generator=gen) * 0.02
+        a = a.bfloat16()
+        b = _blockdiag(slots_n, sizes, r, gen)
+        y0 = torch.randn(m, sum(sizes), device="cuda", generator=gen).bfloat16()
+        y = y0.clone()
+        lora_expand_(y, lora_shrink(x, a, slots, r), b, slots, sizes, r)
+        ref = _reference(x, a, b, slots, y0)
+        err = float((y.float() - ref).abs().max() / ref.abs().max())
+        assert err < 2**-6, (sizes, err)
+        assert torch.equal(y[slots < 0], y0[slots < 0])
+    inter = 14336
+    a = (torch.randn(slots_n, 2 * r, k, device="cuda", generator=gen) * 0.02).bfloat16()
+    b = _blockdiag(slots_n, [inter, inter], r, gen)
+    y0 = torch.randn(m, 2 * inter, device="cuda", generator=gen).bfloat16()
+    out = lora_expand_silu_mul(y0, lora_shrink(x, a, slots, r, SILU_MAX_SPLITS), b, slots, r)
+    gu = _reference(x, a, b, slots, y0)
+    ref = F.silu(gu[:, :inter]) * gu[:, inter:]
+    err = float((out.float() - ref).abs().max() / ref.abs().max())
     assert err < 2**-6, err
-    assert torch.equal(y[slots < 0], y0[slots < 0])
+    from shard.kernels.elementwise import silu_mul
+
+    # base rows: exactly what the base path's silu_mul gives them
+    assert torch.equal(out[slots < 0], silu_mul(y0[:, :inter], y0[:, inter:])[slots < 0])
+
+
+def test_kernels_in_cuda_graphs_follow_the_slot_buffer():
+    """Captured once per bucket (after one eager call at the largest), the graphs replay with
+    whatever the static slot buffer holds, bit-identical to eager calls (no atomics)."""
+    from shard.kernels.lora import lora_expand_, lora_shrink
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    slots_n, r, k, sizes = 4, 16, 4096, [4096, 1024, 1024]
+    a = (torch.randn(slots_n, 3 * r, k, device="cuda", generator=gen) * 0.02).bfloat16()
+    b = _blockdiag(slots_n, sizes, r, gen)
+    x = torch.randn(64, k, device="cuda", generator=gen).bfloat16()
+    y0 = torch.randn(64, sum(sizes), device="cuda", generator=gen).bfloat16()
+    slot_buf = torch.zeros(64, dtype=torch.int32, device="cuda")
+
+    def step(m: int) -> torch.Tensor:
+        y = y0[:m].clone()
+        lora_expand_(y, lora_shrink(x[:m], a, slot_buf[:m], r), b, slot_buf[:m], sizes, r)
+        return y
+
+    step(64)  # the warm-up's eager call compiles the one variant
+    torch.cuda.synchronize()
+    graphs, outs = {}, {}
+    for m in (64, 17, 1):
+        graphs[m] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[m]):
+            outs[m] = step(m)
+    for pattern in ([i % 4 for i in range(64)], [-1 if i % 2 else 3 for i in range(64)]):
+        slot_buf.copy_(torch.tensor(pattern, dtype=torch.int32))
+        for m, graph in graphs.items():
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(outs[m], step(m)), (pattern[:4], m)
+            ref = _reference(x[:m], a, b, slot_buf[:m], y0[:m])
+            assert float((outs[m].float() - ref).abs().max() / ref.abs().max()) < 2**-6
