@@ -439,6 +439,13 @@ def host_health(admin_port: int, port: int) -> str:
     return "absent"
 
 
+def envoy_stats(admin_port: int) -> str:
+    """Envoy's counters for the router cluster (retries, overflows, ejections), for post-mortems."""
+    url = f"http://127.0.0.1:{admin_port}/stats?filter=tokenwire_router"
+    with urllib.request.urlopen(url, timeout=2) as r:
+        return r.read().decode()
+
+
 def test_sigkill_of_a_replica_under_load_retries_and_ejects_it(pool: Pool) -> None:
     victim = 0
     assert host_health(pool.admin_port, pool.ports[victim]) == "healthy"
@@ -461,6 +468,10 @@ def test_sigkill_of_a_replica_under_load_retries_and_ejects_it(pool: Pool) -> No
         t.join(90)
     assert not any(t.is_alive() for t in threads), "a client hung"
     (pool.tmp / "ejection.json").write_text(json.dumps({"ejected_after_s": ejected_after}))
+    (pool.tmp / "envoy_stats_kill.txt").write_text(envoy_stats(pool.admin_port))
+    (pool.tmp / "outcomes_kill.txt").write_text(
+        "\n".join(f"{o.started - killed_at:+.3f} {o.ended - killed_at:+.3f} {o}" for o in outcomes)
+    )
     print(f"ejected after {ejected_after} s; {len(outcomes)} streams")
     assert ejected_after is not None and ejected_after <= 5.0, ejected_after
     failed = [o for o in outcomes if not o.finished]
@@ -473,6 +484,19 @@ def test_sigkill_of_a_replica_under_load_retries_and_ejects_it(pool: Pool) -> No
     assert len(outcomes) > len(failed)
 
 
+def not_serving_after(port: int, since: float, deadline: float) -> float | None:
+    """Seconds from `since` until the replica's own metrics say it is not serving (it refuses
+    new requests from then on); None if its metrics server went away first or the deadline."""
+    while time.monotonic() < deadline:
+        try:
+            if scrape(port).total("tokenwire_serving") == 0.0:
+                return time.monotonic() - since
+        except OSError:
+            return None
+        time.sleep(0.02)
+    return None
+
+
 def test_sigterm_drains_a_replica(pool: Pool) -> None:
     victim = 1
     replica = pool.replica_launcher(victim)
@@ -483,16 +507,44 @@ def test_sigterm_drains_a_replica(pool: Pool) -> None:
     time.sleep(1.5)
     termed_at = time.monotonic()
     replica.send_signal(signal.SIGTERM)
+    refusing_after = not_serving_after(
+        pool.deployment.metrics_port + victim, termed_at, termed_at + 5.0
+    )
+    # Envoy takes it out of the rotation on its health check's NOT_SERVING.
+    ejected_after = None
+    while time.monotonic() - termed_at < 5.0:
+        if host_health(pool.admin_port, pool.ports[victim]) != "healthy":
+            ejected_after = time.monotonic() - termed_at
+            break
+        time.sleep(0.02)
     router.wait(40)
+    exited_after = time.monotonic() - termed_at
+    # Keep the load on a while after the victim is gone: everything goes to the others.
     time.sleep(1.0)
     stop.set()
     for t in threads:
         t.join(60)
     assert not any(t.is_alive() for t in threads), "a client hung"
+    (pool.tmp / "drain.json").write_text(
+        json.dumps(
+            {
+                "not_serving_after_s": refusing_after,
+                "ejected_after_s": ejected_after,
+                "router_exited_after_s": exited_after,
+                "streams": len(outcomes),
+            }
+        )
+    )
+    print(
+        f"drain: NOT_SERVING after {refusing_after} s, ejected after {ejected_after} s, "
+        f"router exited after {exited_after:.2f} s; {len(outcomes)} streams"
+    )
+    assert refusing_after is not None and refusing_after < 1.0, refusing_after
+    assert ejected_after is not None, "the draining replica was never taken out of rotation"
+    # Every stream finished: those running on the victim drained, new ones went elsewhere.
     assert [o for o in outcomes if not o.finished] == []
     assert any(o.started < termed_at < o.ended for o in outcomes)
-    assert any(o.started > termed_at for o in outcomes)
-    assert host_health(pool.admin_port, pool.ports[victim]) != "healthy"
+    assert sum(o.started > termed_at + exited_after for o in outcomes) >= 6
     # The replica drained and stopped cleanly; the deployment goes on with the one left.
     replica.wait(60)
     line = f"replica {victim} exited with code 0"
