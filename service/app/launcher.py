@@ -70,6 +70,13 @@ class PassThrough:
 
 
 PASS_THROUGH: tuple[PassThrough, ...] = (
+    PassThrough(
+        "--shutdown-delay",
+        float,
+        ("SHUTDOWN_DELAY",),
+        "after SIGTERM, seconds the router stays up answering NOT_SERVING (see tokenwire router)",
+        "router",
+    ),
     # Router limits and scheduling (TGI's names).
     PassThrough(
         "--max-concurrent-requests",

@@ -83,8 +83,6 @@ def rank(candidates: list[Candidate], weights: Weights, chunks: int = 0) -> list
 
     ordered = sorted(
         candidates,
-        key=lambda c: (
-            -score(c), overloaded(c, candidates, weights), c.load, c.picks, c.address
-        ),
+        key=lambda c: (-score(c), overloaded(c, candidates, weights), c.load, c.picks, c.address),
     )
     return [c.address for c in ordered]

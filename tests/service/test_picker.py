@@ -30,8 +30,7 @@ from service.picker.server import (
     start_server,
 )
 
-
-WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
+WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india")
 
 
 def framed(message: bytes) -> bytes:
