@@ -13,6 +13,7 @@ from tokenwire.v1 import generate_pb2 as pb
 
 from service.observability.logs import JsonFormatter, TextFormatter
 from service.observability.metrics import MetricsServer
+from service.picker.replicas import MetricNames, fetch_text, parse_load
 from service.testing import FakeShardConfig
 from tests.helpers.engine_double import ScriptedEngine
 from tests.helpers.engine_harness import engine_on_fake_shard
@@ -63,6 +64,7 @@ async def test_metrics_endpoint_exposes_request_and_engine_metrics(tokenizer_dir
                     what="the cancelled stream aborted",
                 )
                 m = scrape(server.port)
+                text = fetch_text(f"http://127.0.0.1:{server.port}/metrics", 5)
             finally:
                 server.close()
             stats = h.engine.stats()
@@ -97,6 +99,12 @@ async def test_metrics_endpoint_exposes_request_and_engine_metrics(tokenizer_dir
     assert m["tokenwire_engine_healthy"] == 1
     assert m["tokenwire_serving"] == 1
     assert m["tokenwire_requests_in_flight"] == 0
+    # GIE's model-server protocol, read the way the endpoint picker reads it (its default names
+    # are tokenwire's): waiting, running, KV usage as a fraction, block size and count, serving.
+    gie = parse_load(text, MetricNames())
+    assert (gie.waiting, gie.running, gie.kv_usage, gie.serving) == (0, 0, 0.0, True)
+    assert (gie.block_size, gie.num_blocks) == (4, 256)
+    assert m.value("tokenwire_cache_config_info", block_size="4", num_gpu_blocks="256") == 1
 
 
 def router_ids_of_cancelled(tokenizer_dir: Path) -> list[int]:
