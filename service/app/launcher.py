@@ -142,6 +142,13 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
         "router",
     ),
     PassThrough(
+        "--prometheus-hostname",
+        str,
+        ("PROMETHEUS_HOSTNAME",),
+        "address of the router's metrics endpoint (default 0.0.0.0)",
+        "router",
+    ),
+    PassThrough(
         "--frontends",
         int,
         ("FRONTENDS",),
