@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from service.app.launcher import add_arguments
+from service.observability import adapter_load
 from service.picker.replicas import MetricNames
 
 MANIFEST = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes" / "tokenwire.yaml"
@@ -64,6 +65,7 @@ def test_endpoint_picker_reads_the_metric_names_the_router_exposes() -> None:
     assert epp["total-running-requests-metric"] == names.running
     assert epp["kv-cache-usage-percentage-metric"] == names.kv_usage
     assert epp["cache-info-metric"] == names.cache_info
+    assert epp["lora-info-metric"] == adapter_load.METRIC
     pod = flags(container(docs[("Deployment", "tokenwire")])["args"])
     assert epp["model-server-metrics-port"] == pod["prometheus-port"]
     pool = docs[("InferencePool", "tokenwire")]["spec"]

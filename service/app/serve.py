@@ -139,6 +139,7 @@ async def serve(
             lambda reason: health_reporter.shard_failed(),
         )
         holder["engine"] = engine
+        metrics.adapter_load.max_lora = shard.max_loras
         await engine.start()
         service = GenerationService(
             engine,
