@@ -225,7 +225,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
         deployment.stop(signal.SIGKILL)
         collector.stop(0)
         raise
-    rr_port = free_port()
+    rr_port, rr_admin = free_port(), free_port()
     backends = ",".join(
         f"127.0.0.1:{deployment.port + i}/{deployment.metrics_port + i}" for i in range(REPLICAS)
     )
@@ -242,12 +242,24 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
             str(rr_port),
             "--http-hostname",
             "127.0.0.1",
+            "--admin-port",
+            str(rr_admin),
         ),
         tmp / "gateway-rr.log",
     ).start()
     pool = Pool(deployment, rr, rr_port, admin, receiver, tmp)
     try:
         wait_ready(lambda: "tokenwire gateway: ready" in rr.log(), [rr], 60, "gateway ready")
+        # Both gateways route to every replica from the first request on: Envoy sends nothing
+        # to a replica before its first health check passed.
+        wait_ready(
+            lambda: all(
+                host_health(a, p) == "healthy" for a in (admin, rr_admin) for p in pool.ports
+            ),
+            [process, rr],
+            20,
+            "every replica healthy in both gateways",
+        )
         yield pool
     finally:
         rr.stop()
@@ -388,6 +400,51 @@ def test_one_connected_trace_per_request_from_envoy_router_and_shard(pool: Pool)
             if svc == "tokenwire.shard"
         ]
         assert all(a["tokenwire.batch_size"] >= 1 for a in shard_attrs)
+
+
+def test_without_the_picker_envoy_balances_by_least_request(pool: Pool) -> None:
+    """`tokenwire gateway --no-picker` (Envoy's least-request, the default policy) over the same
+    replicas: every request succeeds and every replica takes a part."""
+    port, admin = free_port(), free_port()
+    backends = ",".join(
+        f"127.0.0.1:{pool.deployment.port + i}/{pool.deployment.metrics_port + i}"
+        for i in range(REPLICAS)
+    )
+    gateway = ManagedProcess(
+        "gateway-lr",
+        tokenwire_argv(
+            "gateway", "--backends", backends, "--no-picker", "--http-port", str(port),
+            "--http-hostname", "127.0.0.1", "--admin-port", str(admin),
+        ),
+        pool.tmp / "gateway-lr.log",
+    ).start()  # fmt: skip
+    try:
+        wait_ready(lambda: "tokenwire gateway: ready" in gateway.log(), [gateway], 60, "ready")
+        # Envoy sends nothing to a replica before its first health check passed.
+        wait_ready(
+            lambda: all(host_health(admin, p) == "healthy" for p in pool.ports),
+            [gateway],
+            20,
+            "every replica healthy in Envoy",
+        )
+        before = replica_counters(pool)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.TextGenerationStub(channel)
+            request = pb.GenerateRequest(
+                inputs="least request " * 10, parameters=pb.GenerateParameters(max_new_tokens=8)
+            )
+            with futures.ThreadPoolExecutor(6) as executor:
+                list(executor.map(lambda _: stub.Generate(request, timeout=30), range(30)))
+        after = replica_counters(pool)
+        served = [a["requests"] - b["requests"] for a, b in zip(after, before, strict=True)]
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin}/clusters", timeout=2) as r:
+            hosts = [
+                line for line in r.read().decode().splitlines() if "tokenwire_router::" in line
+            ]
+        (pool.tmp / "least_request_hosts.txt").write_text("\n".join(hosts))
+        assert sum(served) == 30 and min(served) > 0, (served, hosts)
+    finally:
+        gateway.stop()
 
 
 # --- failures ------------------------------------------------------------------------------------
@@ -575,24 +632,33 @@ def test_sigterm_drains_a_replica(pool: Pool) -> None:
 
 
 def test_gateway_config_is_accepted_by_envoy(tmp_path: Path) -> None:
-    """`tokenwire gateway --print-config` (picker, tracing) passes Envoy's own validation."""
-    out = run_checked(
-        tokenwire_argv(
-            "gateway",
-            "--backends",
-            "127.0.0.1:50051/9000,127.0.0.1:50052/9001",
-            "--otlp-endpoint",
-            "127.0.0.1:4317",
-            "--print-config",
-        ),
-    )
-    config = tmp_path / "envoy.json"
-    config.write_text(out.stdout)
-    cluster = next(
-        c for c in json.loads(out.stdout)["static_resources"]["clusters"]
-        if c["name"] == "tokenwire_router"
-    )  # fmt: skip
-    # A dying replica's queued requests all fail at once: each may be retried elsewhere.
-    (threshold,) = cluster["circuit_breakers"]["thresholds"]
-    assert threshold["max_retries"] == threshold["max_requests"] >= 1024
-    run_checked([envoy_binary(), "--mode", "validate", "-c", config, "--disable-hot-restart"])
+    """`tokenwire gateway --print-config` passes Envoy's own validation, with the picker and
+    tracing, and without the picker (Envoy's least-request, no ext_proc)."""
+    ips, names = "127.0.0.1:50051/9000,127.0.0.1:50052/9001", "localhost:50051/9000"
+    for name, backends, extra in (
+        ("picker", ips, ["--otlp-endpoint", "127.0.0.1:4317"]),
+        ("no-picker", ips, ["--no-picker"]),
+        ("host names", names, []),
+    ):
+        out = run_checked(
+            tokenwire_argv("gateway", "--backends", backends, *extra, "--print-config")
+        )
+        config = tmp_path / f"envoy-{name.replace(' ', '-')}.json"
+        config.write_text(out.stdout)
+        rendered = json.loads(out.stdout)
+        cluster = next(
+            c for c in rendered["static_resources"]["clusters"] if c["name"] == "tokenwire_router"
+        )
+        # A dying replica's queued requests all fail at once: each may be retried elsewhere.
+        (threshold,) = cluster["circuit_breakers"]["thresholds"]
+        assert threshold["max_retries"] == threshold["max_requests"] >= 1024
+        # Addresses: a STATIC cluster (each replica routable once healthy); names: resolved.
+        assert cluster["type"] == ("STRICT_DNS" if name == "host names" else "STATIC")
+        policy = json.dumps(cluster["load_balancing_policy"])
+        filters = json.dumps(rendered["static_resources"]["listeners"])
+        if name == "no-picker":
+            assert "override_host" not in policy and "least_request" in policy
+            assert "ext_proc" not in filters
+        else:
+            assert "override_host" in policy and "ext_proc" in filters
+        run_checked([envoy_binary(), "--mode", "validate", "-c", config, "--disable-hot-restart"])
