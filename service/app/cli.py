@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand -> (module, one-line help)
@@ -44,6 +45,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if next((a for a in argv if not a.startswith("-")), None) == "launch":
+        # The launcher starts its children through fork + a pre-exec hook (own session, parent-
+        # death signal) after it has used gRPC (health checks). gRPC's fork handlers restart its
+        # pollers in the child before the exec, and about 2 % of children died there ("Check
+        # failed: wakeup_fd_->Wakeup().ok()", exit -6; grpc/grpc#43055). The children exec at
+        # once and never use gRPC across the fork, so the launcher needs no fork support. Set
+        # before the subcommand's module imports grpc.
+        os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     args = build_parser(argv).parse_args(argv)
     return int(args.run(args) or 0)
 

@@ -70,6 +70,13 @@ class PassThrough:
 
 
 PASS_THROUGH: tuple[PassThrough, ...] = (
+    PassThrough(
+        "--shutdown-delay",
+        float,
+        ("SHUTDOWN_DELAY",),
+        "after SIGTERM, seconds the router stays up answering NOT_SERVING (see tokenwire router)",
+        "router",
+    ),
     # Router limits and scheduling (TGI's names).
     PassThrough(
         "--max-concurrent-requests",
@@ -132,6 +139,13 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
         int,
         ("PROMETHEUS_PORT",),
         "router metrics port (with --frontends N: PORT scheduler, PORT+i front end i)",
+        "router",
+    ),
+    PassThrough(
+        "--prometheus-hostname",
+        str,
+        ("PROMETHEUS_HOSTNAME",),
+        "address of the router's metrics endpoint (default 0.0.0.0)",
         "router",
     ),
     PassThrough(

@@ -35,6 +35,8 @@ from service.app.launcher import (
 )
 from service.app.ports import free_port
 
+# --shutdown-delay of each replica unless given: two of the gateway's health-check intervals.
+REPLICA_SHUTDOWN_DELAY_S = 2.0
 # Flags a replica gets from this launcher itself, not copied from the command line.
 _PER_REPLICA = {"--prometheus-port"}
 
@@ -84,6 +86,10 @@ def replica_command(
         "--startup-timeout",
         str(args.startup_timeout),
     ]
+    if args.shutdown_delay is None:
+        # The gateway checks health every second and ejects after two failed checks: a
+        # replica that drains faster still answers NOT_SERVING to both.
+        cmd += ["--shutdown-delay", str(REPLICA_SHUTDOWN_DELAY_S)]
     return tokenwire_command("launch", *cmd, *_passed_flags(args))
 
 

@@ -245,6 +245,16 @@ def _process_flags(a: _AddArgument) -> None:
         help="seconds to finish in-flight requests after SIGTERM [GRACEFUL_TIMEOUT] (default 30)",
     )
     a(
+        "--shutdown-delay",
+        type=float,
+        default=float(env_value("SHUTDOWN_DELAY") or 0.0),
+        help="after SIGTERM, stay up at least this many seconds (at most --graceful-timeout) "
+        "answering health checks with NOT_SERVING and new requests with UNAVAILABLE, even when "
+        "in-flight requests finish sooner, so that a load balancer polling health (Envoy's "
+        "gRPC checks in `tokenwire gateway`: 2 checks 1 s apart) sees the drain instead of a "
+        "closed port [SHUTDOWN_DELAY] (default 0; `launch --replicas` gives its replicas 2)",
+    )
+    a(
         "--frontends",
         type=int,
         default=int(env_value("FRONTENDS") or 1),

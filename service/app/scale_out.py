@@ -10,6 +10,9 @@
   connection refused, refused stream, reset before the response started, gRPC UNAVAILABLE
   (draining, shard failure), and the OpenAI routes' 503 (their errors are HttpBody answers whose
   status travels in `x-tokenwire-http-status`). Once a response started nothing is retried.
+  Retries outstanding may be as many as requests (envoy.yaml's single-router config allows 3,
+  Envoy's default): a replica that fails with many requests queued fails them all at once, and
+  each must go to another replica rather than end with UNAVAILABLE as a retry "overflow".
 - Balancing: Envoy's least-request (or round-robin), or with a picker the `override_host` load
   balancing policy reading `x-gateway-destination-endpoint` / dynamic metadata `envoy.lb`
   (GIE's endpoint-picker protocol), with least-request as its fallback, and the ext_proc filter
@@ -21,6 +24,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +68,14 @@ class EnvoyTracing:
 
     collector: Endpoint
     service_name: str
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _socket(e: Endpoint) -> dict[str, Any]:
@@ -143,6 +155,11 @@ def apply_scale_out(config: dict[str, Any], scale: ScaleOut) -> None:
     cluster["load_assignment"]["endpoints"] = [
         {"lb_endpoints": [{"endpoint": _socket(b)} for b in scale.backends]}
     ]
+    if all(_is_ip(b.host) for b in scale.backends):
+        # Addresses need no resolving. With STRICT_DNS (envoy.yaml's, for host names) Envoy
+        # routed to only two of three loopback replicas for the first seconds after all three
+        # passed their health checks; a STATIC cluster routes to each as soon as it passes.
+        cluster["type"] = "STATIC"
     interval = f"{scale.health_interval_s:g}s"
     cluster["health_checks"] = [
         {
@@ -161,6 +178,11 @@ def apply_scale_out(config: dict[str, Any], scale: ScaleOut) -> None:
         "base_ejection_time": "10s",
         "max_ejection_percent": 50,
     }
+    # A retry holds a max_retries slot from the failure until the next attempt's answer starts
+    # (back-off, then a prefill elsewhere): with 3, a dying replica failing 7 queued requests at
+    # once sent 4 of them back to their clients as UNAVAILABLE. num_retries bounds each request.
+    for threshold in cluster.setdefault("circuit_breakers", {}).setdefault("thresholds", [{}]):
+        threshold["max_retries"] = threshold.get("max_requests", 1024)
     # No panic routing: an unhealthy replica gets nothing, even when most are unhealthy.
     cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0.0}}
     cluster.pop("lb_policy", None)

@@ -2,8 +2,9 @@
 
 Startup: serve `grpc.health.v1.Health` (NOT_SERVING) and reflection at once, connect to the
 shards through the `EngineSource` (Info, Warmup), build the engine, then serve
-`tokenwire.v1.TextGeneration` (SERVING). SIGTERM/SIGINT (or `stop`): NOT_SERVING, refuse new
-requests, drain up to --graceful-timeout, stop.
+`tokenwire.v1.TextGeneration` (SERVING). SIGTERM/SIGINT (or `stop`): refuse new requests,
+NOT_SERVING, drain up to --graceful-timeout, stay up until --shutdown-delay has passed (health
+checkers see NOT_SERVING, not a closed port), stop.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ async def serve(
             lambda reason: health_reporter.shard_failed(),
         )
         holder["engine"] = engine
+        metrics.adapter_load.max_lora = shard.max_loras
         await engine.start()
         service = GenerationService(
             engine,
@@ -189,11 +191,17 @@ async def serve(
         )  # fmt: skip
         watch = asyncio.ensure_future(watch_shards(client, engine, health_reporter, stop))
         await stop.wait()
+        stopped_at = loop.time()
         watch.cancel()
         _log.info("draining (up to %.1f s)", args.graceful_timeout)
-        await health_reporter.set_not_serving("draining")
+        # Refuse first, then say so: a client that sees NOT_SERVING is never admitted after.
         service.start_draining()
+        await health_reporter.set_not_serving("draining")
         await _drain(engine, service, args.graceful_timeout)
+        delay = min(args.shutdown_delay, args.graceful_timeout) - (loop.time() - stopped_at)
+        if delay > 0:
+            _log.info("drained; answering NOT_SERVING for %.1f s more (--shutdown-delay)", delay)
+            await asyncio.sleep(delay)
         return 0
     except asyncio.CancelledError:
         raise

@@ -34,6 +34,7 @@ from service.generation.validation import (
     ValidatedGenerate,
     Validator,
 )
+from service.observability.adapter_load import AdapterSlot
 from service.observability.logs import REQUEST_LOGGER, log_request
 from service.observability.metrics import RequestRecord, ServerMetrics
 from service.observability.tracing import RequestTrace, Tracing
@@ -261,12 +262,16 @@ class GenerationService:
             self.metrics.inter_token_latency.observe(now - timer.last_token)
         timer.last_token = now
 
-    async def _run_one(self, request: ValidatedRequest, timer: _Timer) -> _Collector:
+    async def _run_one(
+        self, request: ValidatedRequest, timer: _Timer, adapter: AdapterSlot | None = None
+    ) -> _Collector:
         collector = _Collector()
         stream = self._submit(request)
         sequence_timer = _Timer(start=timer.start)
         try:
             async for event in stream:
+                if adapter is not None:
+                    adapter.start()
                 self._observe_token(sequence_timer)
                 collector.add(event)
                 if event.finished is not None:
@@ -294,6 +299,7 @@ class GenerationService:
         label in metrics and logs."""
         timer = _Timer()
         self._admit(method)
+        adapter = self.metrics.adapter_load.enter(request.adapter_id or "")
         trace = self._tracing.begin(method, request_id) if self._tracing is not None else None
         options: ResponseOptions | None = None
         outcome: GenerateOutcome | None = None
@@ -308,10 +314,13 @@ class GenerationService:
             options = validated.options
             max_new_tokens = validated.requests[0].stopping.max_new_tokens
             if len(validated.requests) == 1:
-                collectors = [await self._run_one(validated.requests[0], timer)]
+                collectors = [await self._run_one(validated.requests[0], timer, adapter)]
             else:
                 async with asyncio.TaskGroup() as group:
-                    tasks = [group.create_task(self._run_one(r, timer)) for r in validated.requests]
+                    tasks = [
+                        group.create_task(self._run_one(r, timer, adapter))
+                        for r in validated.requests
+                    ]
                 collectors = [t.result() for t in tasks]
             sequences = sorted(
                 (c.sequence(options) for c in collectors), key=lambda s: s.logprob_sum, reverse=True
@@ -332,6 +341,7 @@ class GenerationService:
             raise _unwrap(error) from None
         finally:
             self._release()
+            adapter.leave()
             if outcome is not None:
                 if trace is not None:
                     _finish_trace(
@@ -367,6 +377,7 @@ class GenerationService:
         the first item mean nothing was generated; the caller reports later ones in band."""
         timer = _Timer()
         self._admit(method)
+        adapter = self.metrics.adapter_load.enter(request.adapter_id or "")
         trace = self._tracing.begin(method, request_id) if self._tracing is not None else None
         options: ResponseOptions | None = None
         finished: Finished | None = None
@@ -394,6 +405,7 @@ class GenerationService:
                     else:
                         timer.first_token = now
                         self.metrics.time_to_first_token.observe(now - timer.start)
+                        adapter.start()
                     last = now
                     token = event.token
                     if not token.special:
@@ -428,6 +440,7 @@ class GenerationService:
             raise
         finally:
             self._release()
+            adapter.leave()
         if gaps:
             self.metrics.observe_inter_token_latencies(gaps)
         timer.last_token = last

@@ -23,6 +23,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from service.engine.contracts import EngineStats
+from service.observability.adapter_load import AdapterLoad, AdapterLoadCollector
 
 PREFIX = "tokenwire"
 # Seconds: from sub-millisecond (validation, inter-token on a GPU) to minutes (long requests).
@@ -218,6 +219,9 @@ class ServerMetrics:
         )  # fmt: skip
         if stats is not None:
             r.register(EngineCollector(stats))
+        # GIE's lora_requests_info; serve() sets max_lora once the shards report their slots.
+        self.adapter_load = AdapterLoad()
+        r.register(AdapterLoadCollector(self.adapter_load))
 
     def observe_success(self, record: RequestRecord) -> None:
         self.request_success.labels(record.method).inc()
@@ -244,7 +248,7 @@ class ServerMetrics:
                 counter.remove(adapter)
             except KeyError:
                 pass
-        for labels in list(self.adapter_requests._metrics):  # noqa: SLF001 - no public lister
+        for labels in list(self.adapter_requests._metrics):
             if labels[0] == adapter:
                 self.adapter_requests.remove(*labels)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from service.picker.prefix_index import PrefixIndex, prefix_keys
 from service.picker.replicas import Replica, ReplicaSet
-from service.picker.scoring import Candidate, Weights, rank
+from service.picker.scoring import Candidate, Weights, overloaded, rank
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,11 @@ class EndpointPicker:
 
     def pick(self, prompt: str | None, subset: set[str] | None = None) -> list[str]:
         """Ready replicas (within `subset` when given), best first; [] when none is ready.
-        The first is counted as picked and its prefix recorded."""
+
+        The first is counted as picked. Its prefix is recorded there unless the request was
+        spilled away from a replica caching more of it (an overloaded home): the prefix keeps
+        one home, and later requests go back to it once the imbalance is gone, instead of
+        alternating between two caches that both have to hold it."""
         cfg = self.config
         keys = prefix_keys(prompt, cfg.chunk_chars, cfg.max_chunks) if prompt else []
         ready = [
@@ -55,12 +59,26 @@ class EndpointPicker:
             matched = self.index.matched(keys, r.endpoint) / len(keys) if keys else 0.0
             kv = r.load.kv_usage if r.load is not None else 0.0
             candidates.append(
-                Candidate(r.endpoint, r.estimated_load(), kv, matched, r.picks, r.share())
+                Candidate(
+                    r.endpoint,
+                    r.estimated_load(),
+                    kv,
+                    matched,
+                    r.picks,
+                    r.share(),
+                    self.index.size(r.endpoint),
+                )
             )
-        order = rank(candidates, cfg.weights)
+        order = rank(candidates, cfg.weights, len(keys))
         if order:
             chosen = by_endpoint[order[0]]
             chosen.picked()
-            if keys:
+            first = next(c for c in candidates if c.address == order[0])
+            best = max(c.matched_fraction for c in candidates)
+            spilled = first.matched_fraction < best and any(
+                c.matched_fraction == best and overloaded(c, candidates, cfg.weights)
+                for c in candidates
+            )
+            if keys and not spilled:
                 self.index.record(keys, chosen.endpoint)
         return order

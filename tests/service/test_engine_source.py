@@ -124,3 +124,49 @@ def test_shared_admission_is_one_limit_across_holders() -> None:
     a.leave()
     assert b.try_enter() and not a.try_enter()
     assert counter.value == 3
+
+
+async def test_sigterm_refuses_reports_not_serving_and_stays_up_for_the_shutdown_delay(
+    tokenizer_dir: Path,
+) -> None:
+    """On stop: new requests get UNAVAILABLE and health says NOT_SERVING at once, and with
+    --shutdown-delay the server keeps answering health checks that long though nothing is in
+    flight (a gateway polling health sees the drain, not a closed port)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    shard_server, _, shard_url = await start_fake_shard(FakeShardConfig(num_blocks=64))
+    args = _args(shard_url, tokenizer_dir)
+    args.shutdown_delay, args.graceful_timeout = 1.0, 5.0
+    stop = asyncio.Event()
+    ports: asyncio.Queue[int] = asyncio.Queue()
+    task = asyncio.ensure_future(serve(args, on_listening=ports.put_nowait, stop=stop))
+    try:
+        port = await asyncio.wait_for(ports.get(), 10)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            check = health_pb2.HealthCheckRequest()
+            for _ in range(200):  # until warm
+                if (await health.Check(check, timeout=5)).status == 1:
+                    break
+                await asyncio.sleep(0.05)
+            loop = asyncio.get_running_loop()
+            stop.set()
+            stopped_at = loop.time()
+            await asyncio.sleep(0.1)
+            assert (await health.Check(check, timeout=5)).status == 2  # NOT_SERVING
+            stub = generate_pb2_grpc.TextGenerationStub(channel)
+            try:
+                await stub.Generate(pb.GenerateRequest(inputs="hello"), timeout=5)
+                raise AssertionError("expected UNAVAILABLE")
+            except grpc.aio.AioRpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+            await asyncio.sleep(0.6)
+            assert not task.done()
+            assert (await health.Check(check, timeout=5)).status == 2
+            assert await asyncio.wait_for(task, 10) == 0
+            assert loop.time() - stopped_at >= 1.0
+    finally:
+        stop.set()
+        if not task.done():
+            await asyncio.wait_for(task, 20)
+        await shard_server.stop(None)

@@ -11,8 +11,10 @@ import pytest
 from tokenizers import Tokenizer
 from tokenwire.v1 import generate_pb2 as pb
 
+from service.engine.adapters import AdapterInfo
 from service.observability.logs import JsonFormatter, TextFormatter
 from service.observability.metrics import MetricsServer
+from service.picker.replicas import MetricNames, fetch_text, parse_load
 from service.testing import FakeShardConfig
 from tests.helpers.engine_double import ScriptedEngine
 from tests.helpers.engine_harness import engine_on_fake_shard
@@ -63,6 +65,7 @@ async def test_metrics_endpoint_exposes_request_and_engine_metrics(tokenizer_dir
                     what="the cancelled stream aborted",
                 )
                 m = scrape(server.port)
+                text = fetch_text(f"http://127.0.0.1:{server.port}/metrics", 5)
             finally:
                 server.close()
             stats = h.engine.stats()
@@ -97,6 +100,12 @@ async def test_metrics_endpoint_exposes_request_and_engine_metrics(tokenizer_dir
     assert m["tokenwire_engine_healthy"] == 1
     assert m["tokenwire_serving"] == 1
     assert m["tokenwire_requests_in_flight"] == 0
+    # GIE's model-server protocol, read the way the endpoint picker reads it (its default names
+    # are tokenwire's): waiting, running, KV usage as a fraction, block size and count, serving.
+    gie = parse_load(text, MetricNames())
+    assert (gie.waiting, gie.running, gie.kv_usage, gie.serving) == (0, 0, 0.0, True)
+    assert (gie.block_size, gie.num_blocks) == (4, 256)
+    assert m.value("tokenwire_cache_config_info", block_size="4", num_gpu_blocks="256") == 1
 
 
 def router_ids_of_cancelled(tokenizer_dir: Path) -> list[int]:
@@ -125,3 +134,47 @@ async def test_one_log_line_per_request_with_its_id(
     as_json = json.loads(JsonFormatter().format(ok))
     assert as_json["request_id"] == "log-me-1" and as_json["message"] == "request finished"
     assert "request_id=log-me-1" in TextFormatter().format(ok)
+
+
+async def test_lora_requests_info_says_which_adapters_run_and_wait(tokenizer_dir: Path) -> None:
+    """GIE's lora_requests_info (vLLM's format): adapters of requests past their first token
+    are running, those before it waiting, with the shards' adapter slots; base-model requests
+    are not listed, and finished requests leave."""
+    engine = ScriptedEngine(token_delay=0.05)
+    engine.adapters += [AdapterInfo(n, f"/adapters/{n}", 4, 8.0, ("q_proj",)) for n in "ab"]
+
+    def info(port: int) -> tuple[str, str, str]:
+        samples = [
+            labels
+            for (name, labels), _ in scrape(port).samples.items()
+            if name == "tokenwire_lora_requests_info"
+        ]
+        assert len(samples) == 1, samples
+        d = dict(samples[0])
+        return d["running_lora_adapters"], d["waiting_lora_adapters"], d["max_lora"]
+
+    def request(adapter: str | None, tokens: int) -> pb.GenerateRequest:
+        params = pb.GenerateParameters(max_new_tokens=tokens, adapter_id=adapter)
+        return pb.GenerateRequest(inputs="hello", parameters=params)
+
+    async with running_router(engine, tokenizer_dir) as router:
+        server = MetricsServer(router.metrics.registry, 0, "127.0.0.1")
+        try:
+            assert not [n for n, _ in scrape(server.port).samples if "lora" in n]  # LoRA off
+            router.metrics.adapter_load.max_lora = 4
+            assert info(server.port) == ("", "", "4")
+            running = router.stub.GenerateStream(request("a", 40))
+            await running.read()  # past its first token
+            base = router.stub.GenerateStream(request(None, 40))
+            await base.read()
+            engine.gate.clear()  # later requests wait before their first token
+            waiting = router.stub.GenerateStream(request("b", 2))
+            await until(lambda: len(engine.submitted) == 3, timeout=5, what="b admitted")
+            assert info(server.port) == ("a", "b", "4")
+            engine.gate.set()
+            _ = [e async for e in waiting]
+            running.cancel()
+            base.cancel()
+            await until(lambda: info(server.port) == ("", "", "4"), timeout=5, what="all left")
+        finally:
+            server.close()

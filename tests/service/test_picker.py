@@ -4,7 +4,11 @@ scoring, metric reading, and the ext_proc exchange over a real gRPC channel."""
 from __future__ import annotations
 
 import json
+import random
 import struct
+from collections import Counter
+from dataclasses import replace
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -13,6 +17,7 @@ from tokenwire.third_party import ext_proc_pb2 as xp
 from tokenwire.third_party import ext_proc_pb2_grpc as xp_grpc
 from tokenwire.v1 import generate_pb2, openai_pb2
 
+import service.picker.replicas as replicas_module
 from service.picker.picker import EndpointPicker, PickerConfig
 from service.picker.prefix_index import PrefixIndex, prefix_keys
 from service.picker.prompt import prompt_text
@@ -24,6 +29,8 @@ from service.picker.server import (
     SUBSET_NAMESPACE,
     start_server,
 )
+
+WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india")
 
 
 def framed(message: bytes) -> bytes:
@@ -237,10 +244,84 @@ async def test_ext_proc_without_a_ready_replica() -> None:
 
 
 def test_rank_takes_affinity_from_a_replica_with_too_large_a_share() -> None:
-    w = Weights()
-    hot = Candidate("a:1", load=1, kv_usage=0.0, matched_fraction=1.0, share=30.0)
-    others = [Candidate(f"{x}:1", 1, 0.0, 0.0, share=10.0) for x in "bc"]
+    w = Weights()  # max_share 1.5, counted once the mean share is 50 picks or more
+    hot = Candidate("a:1", load=1, kv_usage=0.0, matched_fraction=1.0, share=120.0)
+    others = [Candidate(f"{x}:1", 1, 0.0, 0.0, share=40.0) for x in "bc"]
     assert rank([hot, *others], w)[0] != "a:1"
     # Within the allowed share the prefix stays where it is cached.
-    warm = Candidate("a:1", load=1, kv_usage=0.0, matched_fraction=1.0, share=12.0)
+    warm = Candidate("a:1", load=1, kv_usage=0.0, matched_fraction=1.0, share=80.0)
     assert rank([warm, *others], w)[0] == "a:1"
+    # Few picks say nothing: a share of 3x the mean over 30 picks is noise, not a hot spot.
+    few = [Candidate("a:1", 1, 0.0, 1.0, share=18.0)] + [
+        Candidate(f"{x}:1", 1, 0.0, 0.0, share=6.0) for x in "bc"
+    ]
+    assert rank(few, w)[0] == "a:1"
+
+
+def test_rank_outvotes_load_and_kv_noise_with_a_cached_prefix() -> None:
+    """A fully cached prompt goes home even when that replica looks the busiest and the fullest
+    by every other term (queue, KV, cache contents) while within the guards."""
+    home = Candidate("a:1", load=9, kv_usage=1.0, matched_fraction=1.0, share=10.0, cached=90)
+    idle = Candidate("b:1", load=0, kv_usage=0.0, matched_fraction=0.0, share=10.0, cached=0)
+    assert rank([idle, home], Weights(), chunks=8)[0] == "a:1"
+
+
+def test_new_prefixes_go_to_the_emptier_cache_despite_instantaneous_noise() -> None:
+    """A new prompt goes where the prefix index holds the least prompt text, even if that
+    replica happens to be the busier one right now."""
+    full = Candidate("a:1", load=1, kv_usage=0.0, matched_fraction=0.0, cached=24)
+    emptier = Candidate("b:1", load=3, kv_usage=0.3, matched_fraction=0.0, cached=16)
+    assert rank([full, emptier], Weights(), chunks=8)[0] == "b:1"
+    # Caches holding about as much: the queue decides.
+    assert rank([replace(full, cached=16), emptier], Weights(), chunks=8)[0] == "a:1"
+
+
+async def test_shared_system_prompts_get_one_home_each_spread_evenly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The acceptance workload without processes: 400 requests over 8 long shared system prompts
+    and 3 idle replicas, one every 10 ms (as fast as the e2e test sends them). Every prompt keeps
+    one replica from its first request on, the replicas get 3, 3 and 2 prompts, and none gets
+    more than 1.5x its share of the requests."""
+    clock = [0.0]
+    monkeypatch.setattr(replicas_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    idle = METRICS.replace("3.0", "0.0").replace("5.0", "0.0")
+    urls = {f"http://127.0.0.{i}:9000/metrics": idle for i in (1, 2, 3)}
+    for seed in range(5):
+        picker = EndpointPicker(await _replica_set(urls))
+        rng = random.Random(seed)
+        prompts = [
+            f"System {i}: " + " ".join(rng.choice(WORDS) for _ in range(80)) + "\n"
+            for i in range(8)
+        ]
+        homes: dict[int, set[str]] = {i: set() for i in range(8)}
+        shares: Counter[str] = Counter()
+        for k in range(400):
+            clock[0] += 0.01
+            i = rng.randrange(8)
+            where = picker.pick(prompts[i] + f"Question {k}: {rng.choice(WORDS)}?")[0]
+            homes[i].add(where)
+            shares[where] += 1
+        assert all(len(h) == 1 for h in homes.values()), (seed, homes)
+        per_replica = Counter(next(iter(h)) for h in homes.values())
+        assert sorted(per_replica.values()) == [2, 3, 3], (seed, per_replica)
+        assert max(shares.values()) <= 1.5 * 400 / 3, (seed, shares)
+
+
+async def test_a_spilled_request_leaves_its_prefix_at_home() -> None:
+    """While a prompt's replica is clearly overloaded its requests go elsewhere, but the prefix
+    keeps its home: once the imbalance is gone the prompt goes back there."""
+    idle = METRICS.replace("3.0", "0.0").replace("5.0", "0.0")
+    urls = {f"http://127.0.0.{i}:9000/metrics": idle for i in (1, 2, 3)}
+    replicas = await _replica_set(urls)
+    picker = EndpointPicker(replicas, PickerConfig(weights=Weights(balance_slack=4.0)))
+    prompt = "a shared system prompt " * 20
+    home = picker.pick(prompt + "first")[0]
+    busy = next(r for r in replicas.replicas if r.endpoint == home)
+    loaded = busy.load
+    busy.load = replace(loaded, waiting=20.0)  # its next scrape: a long queue
+    spilled = picker.pick(prompt + "second")[0]
+    assert spilled != home
+    busy.load = loaded
+    assert picker.pick(prompt + "third")[0] == home
+    assert picker.index.matched(prefix_keys(prompt, 64, 512), spilled) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -68,3 +69,26 @@ def test_shard_address_wins() -> None:
         router_main.shard_target(parse(["--shard-address", "127.0.0.1:5001"])) == "127.0.0.1:5001"
     )
     assert router_main.shard_target(parse([])) == "unix:///tmp/tokenwire-shard-0"
+
+
+def test_launch_turns_off_grpc_fork_support_before_importing_grpc(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tokenwire launch` forks children with a pre-exec hook after using gRPC; with gRPC's fork
+    handlers on, ~2 % of them died before their exec (exit -6). The CLI turns them off for
+    `launch` (a user's own setting wins) and leaves other subcommands alone."""
+    from service.app import cli
+
+    monkeypatch.setenv("GRPC_ENABLE_FORK_SUPPORT", "unset-marker")
+    monkeypatch.delenv("GRPC_ENABLE_FORK_SUPPORT")
+    with pytest.raises(SystemExit):
+        cli.main(["gateway", "--help"])
+    assert "GRPC_ENABLE_FORK_SUPPORT" not in os.environ
+    with pytest.raises(SystemExit):
+        cli.main(["launch", "--help"])
+    assert os.environ["GRPC_ENABLE_FORK_SUPPORT"] == "false"
+    monkeypatch.setenv("GRPC_ENABLE_FORK_SUPPORT", "true")
+    with pytest.raises(SystemExit):
+        cli.main(["launch", "--help"])
+    assert os.environ["GRPC_ENABLE_FORK_SUPPORT"] == "true"
+    capsys.readouterr()
