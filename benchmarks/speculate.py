@@ -34,7 +34,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # Input-grounded tasks: the answer copies or edits text given in the prompt.
@@ -95,6 +95,21 @@ def chat_prompt_ids(model_dir: Path | str, task: str) -> list[int]:
 # ---- the engine over an in-process shard -----------------------------------------------------
 
 
+@dataclass
+class StepRecord:
+    """Host-side facts of one engine step (the `host` part and the GPU batch rows)."""
+
+    rows: int  # sequences in the step (plan.batch_size)
+    decoding_only: bool  # no prefill chunk in the step
+    drafted: int  # draft tokens the step carried
+    path: str  # how the runner ran it: decode_graph, verify_graph, eager (ModelRunner.last_path)
+    decode_shaped: bool  # every row computes one token (a plain decode step's runner inputs)
+    convert_s: float  # thread time of both sides' proto conversion
+    prepare_s: float  # the shard's host work before the forward pass (StepTimings.prepare_ns)
+    sample_s: float  # the shard's work after it: sampling, stopping, emitting (decode_ns)
+    router_s: float = 0.0  # the router's thread time for the step (LocalEngine.step_cpu_s)
+
+
 class InProcessShard:
     """The engine's ShardBackend over a Shard in this process: every step's request is built
     by the router's converter, read by the shard's, and the answer goes back the same way."""
@@ -105,21 +120,52 @@ class InProcessShard:
         self._ids = itertools.count(1)
         self._batch_id: int | None = None
         self._batch_ids: list[int] = []
+        self.records: list[StepRecord] = []
+        self.engine = None  # the LocalEngine driving it: its router CPU time per step
+        self._router_seen = 0.0
 
     async def step(self, plan):
         from service.shard_client import convert as rc
         from shard.server import convert as sc
 
         engine = self.shard.engine
+        runner = self.shard.runner
+        if self.engine is not None:  # the previous step's router time is booked by now
+            now = self.engine.step_cpu_s
+            if self.records:
+                self.records[-1].router_s = now - self._router_seen
+            self._router_seen = now
+        runner.last_path = ""
+        t0 = time.thread_time()
         if plan.chunks:
             req = rc.prefill_request(plan, next(self._ids), self._batch_id, self._batch_ids)
-            resp = sc.prefill_to_proto(engine.prefill(*sc.prefill_from_proto(req)))
+            args = sc.prefill_from_proto(req)
+            t1 = time.thread_time()
+            result = engine.prefill(*args)
         else:
             req = rc.decode_request(plan, self._batch_id, self._batch_ids)
-            resp = sc.decode_to_proto(engine.decode(*sc.decode_from_proto(req)))
+            args = sc.decode_from_proto(req)
+            t1 = time.thread_time()
+            result = engine.decode(*args)
+        t2 = time.thread_time()
+        resp = (sc.prefill_to_proto if plan.chunks else sc.decode_to_proto)(result)
         out = rc.step_output(resp)
+        t3 = time.thread_time()
+        tm = result.timings
+        drafted = sum(len(d) for _, d in plan.drafts)
+        self.records.append(StepRecord(
+            rows=plan.batch_size, decoding_only=not plan.chunks, drafted=drafted,
+            path=runner.last_path, decode_shaped=not plan.chunks and not drafted,
+            convert_s=(t1 - t0) + (t3 - t2), prepare_s=tm.prepare_ns * 1e-9,
+            sample_s=tm.decode_ns * 1e-9,
+        ))
         self._batch_id, self._batch_ids = out.batch_id, out.batch_request_ids
         return out
+
+    def close_records(self) -> None:
+        """Books the last step's router time (after the engine stopped)."""
+        if self.engine is not None and self.records:
+            self.records[-1].router_s = self.engine.step_cpu_s - self._router_seen
 
     async def filter(self, keep_ids: list[int]) -> None:
         if self._batch_id is None:
@@ -141,6 +187,7 @@ class RunResult:
     proposed: int
     accepted: int
     cpu_seconds: float = 0.0  # this process's CPU time over the whole run (all threads)
+    records: list[StepRecord] = field(default_factory=list)  # every engine step, in order
 
     @property
     def tok_s(self) -> float:
@@ -163,6 +210,7 @@ async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
         enable_prefix_cache=False,  # every configuration computes every prompt
     )
     engine = LocalEngine(cfg, backend)  # type: ignore[arg-type]
+    backend.engine = engine
     await engine.start()
     cpu0 = time.process_time()
     times: list[list[float]] = [[] for _ in prompts]  # arrival of each token
@@ -185,6 +233,7 @@ async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
         st = engine.stats()
     finally:
         await engine.stop()
+        backend.close_records()
     # Decode only: the tokens after the last request's first one (every prompt prefilled).
     start = max(t[0] for t in times)
     end = max(t[-1] for t in times)
@@ -192,6 +241,7 @@ async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
         outputs=list(outputs), generated=sum(1 for ts in times for t in ts if t > start),
         seconds=end - start, decode_steps=st.steps - max(first_steps),
         proposed=st.spec_proposed_tokens, accepted=st.spec_accepted_tokens, cpu_seconds=cpu,
+        records=backend.records,
     )
 
 
@@ -229,6 +279,122 @@ def _table(rows: list[dict]) -> str:
                    f"{r['tokens_per_forward']:.2f} | {acc} | {r['tok_s']:.2f} | {sp} | {cpu} "
                    f"| {eq} |")
     return head + "\n".join(out) + "\n"
+
+
+def host_summary(records: list[StepRecord], above: int) -> dict:
+    """Per-step host costs over the decode-only steps with more than `above` rows (the steps the
+    adaptive rule leaves undrafted): medians in microseconds, and how the runner ran them."""
+    import statistics
+
+    steps = [r for r in records if r.decoding_only and r.rows > above]
+    if not steps:
+        return {"steps": 0}
+
+    def med(values) -> float:
+        return round(statistics.median(values) * 1e6, 1)
+
+    paths: dict[str, int] = {}
+    for r in steps:
+        paths[r.path] = paths.get(r.path, 0) + 1
+    return {
+        "steps": len(steps),
+        "drafted_steps": sum(1 for r in steps if r.drafted),
+        "decode_shaped_steps": sum(1 for r in steps if r.decode_shaped),
+        "paths": paths,
+        "router_us": med([r.router_s for r in steps]),
+        "convert_us": med([r.convert_s for r in steps]),
+        "prepare_us": med([r.prepare_s for r in steps]),
+        "sample_us": med([r.sample_s for r in steps]),
+        "host_us": med([r.router_s + r.convert_s + r.prepare_s + r.sample_s for r in steps]),
+    }
+
+
+def _host_table(rows: list[dict]) -> str:
+    out = ["| run | steps | drafted steps | runner path | router µs | proto µs | shard prepare µs "
+           "| shard sample µs | host µs / step |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        h = r["host"]
+        if not h["steps"]:
+            out.append(f"| {r['run']} | 0 | - | - | - | - | - | - | - |")
+            continue
+        paths = ", ".join(f"{k or '?'} {v}" for k, v in sorted(h["paths"].items()))
+        out.append(f"| {r['run']} | {h['steps']} | {h['drafted_steps']} | {paths} | "
+                   f"{h['router_us']:.0f} | {h['convert_us']:.0f} | {h['prepare_us']:.0f} | "
+                   f"{h['sample_us']:.0f} | {h['host_us']:.0f} |")
+    return "\n".join(out) + "\n"
+
+
+# ---- host ------------------------------------------------------------------------------------
+
+
+def run_host(args) -> dict:
+    """Per-step host cost at batch `--batch` with speculation off against `--speculate` with the
+    adaptive rule off at this batch (`--speculate-max-batch-size` below it): a tiny model on this
+    CPU, one torch thread, the configurations interleaved `--reps` times. The medians are over
+    the decode-only steps with more running requests than the rule's limit."""
+    import random
+    import statistics
+
+    import torch
+
+    from shard.distributed.groups import Dist
+    from shard.runner.warmup import WarmupSpec
+    from shard.server.loader import Shard, ShardConfig
+    from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
+
+    torch.set_num_threads(1)
+    model_dir = make_tiny_model(args.workdir / "tiny-llama", TinyModelSpec("llama"))
+    shard = Shard(ShardConfig(model_id=str(model_dir), dtype="float32", device="cpu",
+                              kv_cache_memory_mb=64), Dist())
+    total = args.prompt_tokens + args.new_tokens
+    shard.warmup(WarmupSpec(args.prompt_tokens, total, args.batch * args.prompt_tokens,
+                            args.batch, speculate_tokens=args.speculate,
+                            speculate_max_batch_size=args.spec_max_batch))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(args.prompt_tokens)]
+               for _ in range(args.batch)]
+    budget = args.batch * args.prompt_tokens  # every prompt in the first step
+    configs = [("--speculate 0", 0), (f"--speculate {args.speculate} --speculate-max-batch-size "
+                                      f"{args.spec_max_batch}", args.speculate)]
+    runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
+    loop = asyncio.new_event_loop()
+    try:
+        for rep in range(args.reps):
+            order = configs if rep % 2 == 0 else configs[::-1]  # ABBA: drift cancels
+            for name, k in order:
+                r = loop.run_until_complete(_run(shard, prompts, args.new_tokens, k,
+                                                 args.spec_max_batch, True, budget))
+                runs[name].append(host_summary(r.records, args.spec_max_batch) | {
+                    "outputs": r.outputs})
+    finally:
+        loop.close()
+    ref = runs[configs[0][0]][0]["outputs"]
+    rows = []
+    for name, _ in configs:
+        reps = runs[name]
+        keys = ("router_us", "convert_us", "prepare_us", "sample_us", "host_us")
+        host = dict(reps[0], **{k: round(statistics.median(x[k] for x in reps), 1)
+                                for k in keys})
+        host.pop("outputs")
+        rows.append({"run": name, "host": host,
+                     "host_us_per_rep": [x["host_us"] for x in reps],
+                     "equal_to_reference": all(x["outputs"] == ref for x in reps)})
+    base, spec = rows[0]["host"]["host_us"], rows[1]["host"]["host_us"]
+    res = {"part": "host", "model": "tiny llama (vocab 500), float32, one thread",
+           "batch": args.batch, "prompt_tokens": args.prompt_tokens,
+           "new_tokens": args.new_tokens, "reps": args.reps, "rows": rows,
+           "ratio": round(spec / base, 3), "load_average": list(os.getloadavg())}
+    md = (f"## Host cost per decode step at batch {args.batch}: speculation off vs adaptive rule "
+          f"off at this batch\n\nTiny llama on this CPU (one torch thread), {args.batch} requests "
+          f"of {args.prompt_tokens} prompt tokens, {args.new_tokens} new tokens, {args.reps} "
+          f"interleaved repetitions (ABBA); medians over the decode-only steps with more than "
+          f"{args.spec_max_batch} requests (µs per step):\n\n" + _host_table(rows) +
+          "\nPer repetition (host µs / step): " + "; ".join(
+              f"{r['run']}: {r['host_us_per_rep']}" for r in rows) +
+          f"\n\nAdaptive / off: {res['ratio']:.3f}. Outputs equal: "
+          f"{all(r['equal_to_reference'] for r in rows)}.\n")
+    _write(args.out, "speculate_host", res, md)
+    return res
 
 
 # ---- cpu -------------------------------------------------------------------------------------
@@ -578,6 +744,15 @@ def main(argv: list[str] | None = None) -> None:
     cpu.add_argument("--tasks", type=int, default=len(GROUNDED_TASKS), help="first N tasks")
     cpu.add_argument("--parts", default="costs,tasks,batch",
                      help="costs (step CPU cost by k), tasks (batch 1), batch (all at once)")
+    host = sub.add_parser("host", help="per-step host cost: off vs adaptive-off (tiny, CPU)")
+    host.add_argument("--out", type=Path, default=Path("benchmarks/raw"))
+    host.add_argument("--workdir", type=Path, default=Path("/tmp/twb"))
+    host.add_argument("--speculate", type=int, default=4)
+    host.add_argument("--spec-max-batch", type=int, default=16)
+    host.add_argument("--batch", type=int, default=64)
+    host.add_argument("--prompt-tokens", type=int, default=32)
+    host.add_argument("--new-tokens", type=int, default=64)
+    host.add_argument("--reps", type=int, default=4)
     gpu = sub.add_parser("gpu", help="8B shape, random weights, one GPU")
     gpu.add_argument("--out", type=Path, default=Path("benchmarks/raw"))
     gpu.add_argument("--workdir", type=Path, default=Path("/tmp/twb"))
@@ -595,6 +770,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.part == "cpu":
         run_cpu(args)
+    elif args.part == "host":
+        run_host(args)
     else:
         run_gpu(args)
 

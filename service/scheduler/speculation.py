@@ -95,6 +95,7 @@ class SpecState:
     accepted: int = 0
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k drafts; none while backed off (each call counts one step of the cooldown)."""
         if self.cooldown > 0:
             self.cooldown -= 1
             return []
