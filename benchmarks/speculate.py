@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import itertools
 import json
 import math
@@ -117,6 +118,9 @@ class StepRecord:
     convert_s: float  # thread time of both sides' proto conversion
     prepare_s: float  # the shard's host work before the forward pass (StepTimings.prepare_ns)
     sample_s: float  # the shard's work after it: sampling, stopping, emitting (decode_ns)
+    # Thread time of the shard's step minus that of runner.execute: its host work, robust to
+    # other load on a CPU with one torch thread (on a GPU it also holds the wait for the device).
+    shard_cpu_s: float
     router_s: float = 0.0  # the router's thread time for the step (LocalEngine.step_cpu_s)
 
 
@@ -133,6 +137,22 @@ class InProcessShard:
         self.records: list[StepRecord] = []
         self.engine = None  # the LocalEngine driving it: its router CPU time per step
         self._router_seen = 0.0
+        self._execute_s = 0.0  # thread time in runner.execute during the current step
+        runner = shard.runner
+        execute = type(runner).execute
+
+        def timed_execute(step):  # an instance attribute: the class's method, timed
+            t = time.thread_time()
+            try:
+                return execute(runner, step)
+            finally:
+                self._execute_s += time.thread_time() - t
+
+        runner.execute = timed_execute
+
+    def close(self) -> None:
+        """Gives the runner its own execute back."""
+        self.shard.runner.__dict__.pop("execute", None)
 
     async def step(self, plan):
         from service.shard_client import convert as rc
@@ -146,6 +166,7 @@ class InProcessShard:
                 self.records[-1].router_s = now - self._router_seen
             self._router_seen = now
         runner.last_path = ""
+        self._execute_s = 0.0
         t0 = time.thread_time()
         if plan.chunks:
             req = rc.prefill_request(plan, next(self._ids), self._batch_id, self._batch_ids)
@@ -167,7 +188,7 @@ class InProcessShard:
             rows=plan.batch_size, decoding_only=not plan.chunks, drafted=drafted,
             path=runner.last_path, decode_shaped=not plan.chunks and not drafted,
             convert_s=(t1 - t0) + (t3 - t2), prepare_s=tm.prepare_ns * 1e-9,
-            sample_s=tm.decode_ns * 1e-9,
+            sample_s=tm.decode_ns * 1e-9, shard_cpu_s=(t2 - t1) - self._execute_s,
         ))
         self._batch_id, self._batch_ids = out.batch_id, out.batch_request_ids
         return out
@@ -198,10 +219,28 @@ class RunResult:
     accepted: int
     cpu_seconds: float = 0.0  # this process's CPU time over the whole run (all threads)
     records: list[StepRecord] = field(default_factory=list)  # every engine step, in order
+    gc_seconds: float = 0.0  # time in the garbage collector during the run
+    gc_full: int = 0  # full (generation 2) collections during the run
 
     @property
     def tok_s(self) -> float:
         return self.generated / self.seconds if self.seconds else 0.0
+
+
+class _GcTimer:
+    """gc.callbacks entry: time spent in collections, and how many were full ones."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full = 0
+        self._t = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t
+            self.full += info["generation"] == 2
 
 
 async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
@@ -212,6 +251,13 @@ async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
     runner = shard.runner
     backend = InProcessShard(shard)
     shard.engine.clear_cache(None)
+    # Every run starts with the collector in the same state, as the router's scheduler process
+    # does after startup (service/app/engine_link.tune_gc: collect, then freeze what is left);
+    # the collector's passes during the run are timed (a full pass can take ~100 ms here).
+    gc.collect()
+    gc.freeze()
+    gc_time = _GcTimer()
+    gc.callbacks.append(gc_time)
     cfg = EngineConfig(
         num_blocks=runner.num_blocks, block_size=runner.block_size,
         max_batch_prefill_tokens=prefill_budget, max_batch_size=max(len(prompts), 1),
@@ -244,6 +290,8 @@ async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
     finally:
         await engine.stop()
         backend.close_records()
+        backend.close()
+        gc.callbacks.remove(gc_time)
     # Decode only: the tokens after the last request's first one (every prompt prefilled).
     start = max(t[0] for t in times)
     end = max(t[-1] for t in times)
@@ -251,7 +299,7 @@ async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
         outputs=list(outputs), generated=sum(1 for ts in times for t in ts if t > start),
         seconds=end - start, decode_steps=st.steps - max(first_steps),
         proposed=st.spec_proposed_tokens, accepted=st.spec_accepted_tokens, cpu_seconds=cpu,
-        records=backend.records,
+        records=backend.records, gc_seconds=gc_time.seconds, gc_full=gc_time.full,
     )
 
 
@@ -271,12 +319,14 @@ def _row(name: str, r: RunResult, base: RunResult | None) -> dict:
         "cpu_seconds": round(r.cpu_seconds, 2),
         "cpu_speedup": round(base.cpu_seconds / r.cpu_seconds, 3)
         if base and r.cpu_seconds else None,
+        "gc_ms": round(r.gc_seconds * 1e3, 1),
+        "gc_full": r.gc_full,
     }
 
 
 def _table(rows: list[dict]) -> str:
     head = ("| run | decode tokens | forward passes | tokens / pass | acceptance | tok/s | speedup "
-            "| CPU s (speedup) | equal |\n|---|---|---|---|---|---|---|---|---|\n")
+            "| CPU s (speedup) | GC ms (full) | equal |\n|---|---|---|---|---|---|---|---|---|---|\n")
     out = []
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f} %"
@@ -287,13 +337,15 @@ def _table(rows: list[dict]) -> str:
             cpu += f" ({r['cpu_speedup']:.2f}x)"
         out.append(f"| {r['run']} | {r['decode_tokens']} | {r['decode_steps']} | "
                    f"{r['tokens_per_forward']:.2f} | {acc} | {r['tok_s']:.2f} | {sp} | {cpu} "
-                   f"| {eq} |")
+                   f"| {r.get('gc_ms', 0):.0f} ({r.get('gc_full', 0)}) | {eq} |")
     return head + "\n".join(out) + "\n"
 
 
-def host_summary(records: list[StepRecord], above: int) -> dict:
+def host_summary(records: list[StepRecord], above: int, thread_times: bool = False) -> dict:
     """Per-step host costs over the decode-only steps with more than `above` rows (the steps the
-    adaptive rule leaves undrafted): medians in microseconds, and how the runner ran them."""
+    adaptive rule leaves undrafted): medians in microseconds, and how the runner ran them. The
+    shard's share is its thread time outside the forward pass (`thread_times`: a CPU with one
+    torch thread) or its prepare + sampling wall time (a GPU, where the thread also waits)."""
     import statistics
 
     steps = [r for r in records if r.decoding_only and r.rows > above]
@@ -315,22 +367,25 @@ def host_summary(records: list[StepRecord], above: int) -> dict:
         "convert_us": med([r.convert_s for r in steps]),
         "prepare_us": med([r.prepare_s for r in steps]),
         "sample_us": med([r.sample_s for r in steps]),
-        "host_us": med([r.router_s + r.convert_s + r.prepare_s + r.sample_s for r in steps]),
+        "shard_cpu_us": med([r.shard_cpu_s for r in steps]),
+        "host_us": med([r.router_s + r.convert_s + (
+            r.shard_cpu_s if thread_times else r.prepare_s + r.sample_s) for r in steps]),
     }
 
 
 def _host_table(rows: list[dict]) -> str:
     out = ["| run | steps | drafted steps | runner path | router µs | proto µs | shard prepare µs "
-           "| shard sample µs | host µs / step |", "|---|---|---|---|---|---|---|---|---|"]
+           "| shard sample µs | shard thread µs | host µs / step |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         h = r["host"]
         if not h["steps"]:
-            out.append(f"| {r['run']} | 0 | - | - | - | - | - | - | - |")
+            out.append(f"| {r['run']} | 0 | - | - | - | - | - | - | - | - |")
             continue
         paths = ", ".join(f"{k or '?'} {v}" for k, v in sorted(h["paths"].items()))
         out.append(f"| {r['run']} | {h['steps']} | {h['drafted_steps']} | {paths} | "
                    f"{h['router_us']:.0f} | {h['convert_us']:.0f} | {h['prepare_us']:.0f} | "
-                   f"{h['sample_us']:.0f} | {h['host_us']:.0f} |")
+                   f"{h['sample_us']:.0f} | {h['shard_cpu_us']:.0f} | {h['host_us']:.0f} |")
     return "\n".join(out) + "\n"
 
 
@@ -374,20 +429,22 @@ def run_host(args) -> dict:
             for name, k in order:
                 r = loop.run_until_complete(_run(shard, prompts, args.new_tokens, k,
                                                  args.spec_max_batch, True, budget))
-                runs[name].append(host_summary(r.records, args.spec_max_batch) | {
-                    "outputs": r.outputs})
+                runs[name].append(host_summary(r.records, args.spec_max_batch, True) | {
+                    "outputs": r.outputs, "gc_ms": r.gc_seconds * 1e3})
     finally:
         loop.close()
     ref = runs[configs[0][0]][0]["outputs"]
     rows = []
     for name, _ in configs:
         reps = runs[name]
-        keys = ("router_us", "convert_us", "prepare_us", "sample_us", "host_us")
+        keys = ("router_us", "convert_us", "prepare_us", "sample_us", "shard_cpu_us", "host_us")
         host = dict(reps[0], **{k: round(statistics.median(x[k] for x in reps), 1)
                                 for k in keys})
         host.pop("outputs")
+        host.pop("gc_ms")
         rows.append({"run": name, "host": host,
                      "host_us_per_rep": [x["host_us"] for x in reps],
+                     "gc_ms_per_rep": [round(x["gc_ms"], 1) for x in reps],
                      "equal_to_reference": all(x["outputs"] == ref for x in reps)})
     base, spec = rows[0]["host"]["host_us"], rows[1]["host"]["host_us"]
     res = {"part": "host", "model": "tiny llama (vocab 500), float32, one thread",
@@ -398,9 +455,13 @@ def run_host(args) -> dict:
           f"off at this batch\n\nTiny llama on this CPU (one torch thread), {args.batch} requests "
           f"of {args.prompt_tokens} prompt tokens, {args.new_tokens} new tokens, {args.reps} "
           f"interleaved repetitions (ABBA); medians over the decode-only steps with more than "
-          f"{args.spec_max_batch} requests (µs per step):\n\n" + _host_table(rows) +
+          f"{args.spec_max_batch} requests (µs per step; thread times except the shard's "
+          f"prepare and sample columns, which are wall time; host = router + proto + shard "
+          f"thread, the shard's thread time outside the forward pass):\n\n" + _host_table(rows) +
           "\nPer repetition (host µs / step): " + "; ".join(
               f"{r['run']}: {r['host_us_per_rep']}" for r in rows) +
+          "\n\nTime in the garbage collector per repetition (ms): " + "; ".join(
+              f"{r['run']}: {r['gc_ms_per_rep']}" for r in rows) +
           f"\n\nAdaptive / off: {res['ratio']:.3f}. Outputs equal: "
           f"{all(r['equal_to_reference'] for r in rows)}.\n")
     _write(args.out, "speculate_host", res, md)
@@ -527,6 +588,8 @@ def _sum(runs: list[RunResult]) -> RunResult:
         seconds=sum(r.seconds for r in runs), decode_steps=sum(r.decode_steps for r in runs),
         proposed=sum(r.proposed for r in runs), accepted=sum(r.accepted for r in runs),
         cpu_seconds=sum(r.cpu_seconds for r in runs),
+        records=[x for r in runs for x in r.records],
+        gc_seconds=sum(r.gc_seconds for r in runs), gc_full=sum(r.gc_full for r in runs),
     )
 
 
@@ -962,8 +1025,8 @@ def main(argv: list[str] | None = None) -> None:
     host.add_argument("--spec-max-batch", type=int, default=16)
     host.add_argument("--batch", type=int, default=64)
     host.add_argument("--prompt-tokens", type=int, default=32)
-    host.add_argument("--new-tokens", type=int, default=64)
-    host.add_argument("--reps", type=int, default=4)
+    host.add_argument("--new-tokens", type=int, default=128)
+    host.add_argument("--reps", type=int, default=8)
     gpu = sub.add_parser("gpu", help="8B shape, random weights, one GPU")
     gpu.add_argument("--out", type=Path, default=Path("benchmarks/raw"))
     gpu.add_argument("--workdir", type=Path, default=Path("/tmp/twb"))
