@@ -374,8 +374,8 @@ def host_summary(records: list[StepRecord], above: int, thread_times: bool = Fal
 
 
 def _host_table(rows: list[dict]) -> str:
-    out = ["| run | steps | drafted steps | runner path | router µs | proto µs | shard prepare µs "
-           "| shard sample µs | shard thread µs | host µs / step |",
+    out = [("| run | steps | drafted steps | runner path | router µs | proto µs "
+            "| shard prepare µs | shard sample µs | shard thread µs | host µs / step |"),
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         h = r["host"]
@@ -419,8 +419,8 @@ def run_host(args) -> dict:
     prompts = [[rng.randrange(3, 500) for _ in range(args.prompt_tokens)]
                for _ in range(args.batch)]
     budget = args.batch * args.prompt_tokens  # every prompt in the first step
-    configs = [("--speculate 0", 0), (f"--speculate {args.speculate} --speculate-max-batch-size "
-                                      f"{args.spec_max_batch}", args.speculate)]
+    adaptive = f"--speculate {args.speculate} --speculate-max-batch-size {args.spec_max_batch}"
+    configs = [("--speculate 0", 0), (adaptive, args.speculate)]
     runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
     loop = asyncio.new_event_loop()
     try:
@@ -869,7 +869,7 @@ def run_gpu(args) -> dict:
     res: dict = {"part": "gpu", "device": torch.cuda.get_device_name() if cuda else "cpu"}
     try:  # first, while the device is empty (the 8B shard takes what memory is left)
         res["trained_tiny"] = _trained_tiny_equality(args, args.device)
-    except Exception as exc:  # reported, never fatal: the 8B figures come next
+    except Exception as exc:  # noqa: BLE001 - reported in the output; the 8B figures come next
         res["trained_tiny"] = {"error": f"{type(exc).__name__}: {exc}"}
     t_tiny = time.perf_counter()
     if args.tiny:
@@ -937,11 +937,10 @@ def run_gpu(args) -> dict:
 
 def _gpu_md(res: dict, args) -> str:
     vs = res["verify_steps"]
-    b1 = {r["run"]: r for r in res["loop_rows"]}
     md = [f"## GPU: {res['model']} on {res['device']}, context {args.context}\n"]
     # The headline: batch-1 tokens/s with and without speculation, with the acceptance.
-    md += ["Batch 1, tokens/s (greedy, " f"{args.b1_requests} requests one at a time, "
-           f"{args.new_tokens} new tokens each):\n",
+    md += [(f"Batch 1, tokens/s (greedy, {args.b1_requests} requests one at a time, "
+            f"{args.new_tokens} new tokens each):\n"),
            "| workload | --speculate | tok/s | speedup | acceptance | tokens / pass | equal |",
            "|---|---|---|---|---|---|---|"]
     for r in res["rows"] + res["loop_rows"]:
@@ -951,18 +950,18 @@ def _gpu_md(res: dict, args) -> str:
         eq = "-" if r["equal_to_reference"] is None else ("yes" if r["equal_to_reference"] else "NO")
         md.append(f"| {work} | {r['run'].rsplit(' ', 1)[-1]} | {r['tok_s']:.1f} | {sp} | {acc} "
                   f"| {r['tokens_per_forward']:.2f} | {eq} |")
-    lo = res.get("loop_outputs", [])
-    md += ["", "Looping workload: each prompt is one random token repeated "
-           f"{args.context} times; the reference outputs (--speculate 0) loop from token "
-           + ", ".join(f"{o['loop_from']} with period {o['period']}" for o in lo) + ".", ""]
+    loops = ", ".join(f"{o['loop_from']} with period {o['period']}"
+                      for o in res.get("loop_outputs", []))
+    md += ["", (f"Looping workload: each prompt is one random token repeated {args.context} "
+                f"times; the reference outputs (--speculate 0) loop from token {loops}."), ""]
     # Batch 64: adaptive rule against no speculation.
     br = res["batch_rows"]
     both = next(r for r in br if "both runs" in r["run"])
-    md += [f"Batch {args.batch} (greedy, {args.batch_tokens} new tokens each): adaptive rule / "
-           f"no speculation = **{both['speedup']:.3f}x** tokens/s (runs interleaved A B B A; "
-           "target: within 3 %).\n", _table(br), "Per-step host costs of the steps with more "
-           f"than {args.spec_max_batch} requests (medians, µs; the runner's path for each step):"
-           "\n", _host_table(br)]
+    md += [(f"Batch {args.batch} (greedy, {args.batch_tokens} new tokens each): adaptive rule / "
+            f"no speculation = **{both['speedup']:.3f}x** tokens/s (runs interleaved A B B A; "
+            "target: within 3 %).\n"), _table(br),
+           (f"Per-step host costs of the steps with more than {args.spec_max_batch} requests "
+            "(medians, µs; the runner's path for each step):\n"), _host_table(br)]
     md += ["Verify step (batch 1, CUDA graph replay) against the plain decode step:\n",
            ("| draft tokens k | tokens computed | ms | vs decode | logits vs eager (max abs diff, "
             "argmax equal) |"), "|---|---|---|---|---|"]
@@ -976,24 +975,25 @@ def _gpu_md(res: dict, args) -> str:
                "|---|---|---|---|---|"]
         md += [f"| {r['batch']} | {r['decode_ms']:.3f} | {r['verify_k4_ms']:.3f} | "
                f"{r['ratio']:.2f}x | {r['break_even_acceptance']} |" for r in res["batch_sweep"]]
-    md += ["", "Greedy equality: one request's next-token logits computed four ways, against a "
-           "batch-1 decode step (paths as taken):\n"]
+    md += ["", ("Greedy equality: one request's next-token logits computed four ways, against a "
+                "batch-1 decode step (paths as taken):\n")]
     tt = res["trained_tiny"]
     for name, d in ((f"{res['model']}, context {args.context}", res["row0"]),
                     ("trained tiny llama, context 40", tt.get("row0"))):
         if not d:
             continue
-        md += [f"{name} (top-2 margin of the decode logits {d['top2_margin']:.3g}, logits std "
-               f"{d['logit_std']:.3g}):\n", "| computed as | path | max abs diff | logits differing "
-               "| argmax equal |", "|---|---|---|---|---|"]
+        md += [(f"{name} (top-2 margin of the decode logits {d['top2_margin']:.3g}, logits std "
+                f"{d['logit_std']:.3g}):\n"),
+               "| computed as | path | max abs diff | logits differing | argmax equal |",
+               "|---|---|---|---|---|"]
         md += [f"| {r['compare']} | {r['path']} | {r['max_abs_diff']:.3g} | "
                f"{r['rows_differing']} | {r['argmax_equal']} |" for r in d["rows"]]
         md.append("")
     if "error" in tt:
         md.append(f"Trained tiny llama part failed: {tt['error']}\n")
     else:
-        md += ["Trained tiny llama (progression task, no near-ties), 8 prompts, 64 new tokens, "
-               "greedy, with and without speculation:\n", _table(tt["rows"])]
+        md += [("Trained tiny llama (progression task, no near-ties), 8 prompts, 64 new tokens, "
+                "greedy, with and without speculation:\n"), _table(tt["rows"])]
     md.append(f"Trained tiny part {res['trained_tiny_s']} s, checkpoint {res['checkpoint_s']} s, "
               f"load + warmup {res['load_warmup_s']} s, total {res['total_s']} s.")
     return "\n".join(md) + "\n"

@@ -89,6 +89,8 @@ class EngineConfig:
 
 
 _END = object()
+# Stale entries the deadline heap may hold beyond twice the requests in flight (see _submit).
+DEADLINE_HEAP_SLACK = 64
 
 
 def _tokens_per_step(multi: list[tuple[int, int]] | None, total: int) -> tuple[int, ...]:
@@ -104,8 +106,6 @@ def _tokens_per_step(multi: list[tuple[int, int]] | None, total: int) -> tuple[i
         at = before + n
     out.extend([1] * (total - at))
     return tuple(out)
-# Stale entries the deadline heap may hold beyond twice the requests in flight (see _submit).
-DEADLINE_HEAP_SLACK = 64
 
 
 class _Stream(EventStream):

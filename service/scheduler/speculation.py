@@ -52,7 +52,7 @@ class NgramIndex:
     index below the list's current last position (so the continuation tokens[i] exists).
 
     Keys are ints, not tuples: the n-gram's tokens (ids < 2**32, as the shard protocol's uint32)
-    packed 32 bits each, the last token lowest (`_key`). Ints and dicts holding only ints are
+    packed 32 bits each, the last token in the lowest bits. Ints and dicts holding only ints are
     not tracked by the garbage collector, so indexing a long prompt (3 entries per token) adds
     nothing for the collector to scan, and no tuple is built per entry."""
 
