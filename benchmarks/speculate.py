@@ -721,6 +721,17 @@ def _constant_prompts(n: int, length: int, vocab: int, seed: int = 2) -> list[li
     return [[rng.randrange(10, vocab)] * length for _ in range(n)]
 
 
+def _runs(tokens: list[int]) -> list[list[int]]:
+    """`tokens` as [token, run length] pairs (a random model's loops are mostly runs of one)."""
+    out: list[list[int]] = []
+    for t in tokens:
+        if out and out[-1][0] == t:
+            out[-1][1] += 1
+        else:
+            out.append([t, 1])
+    return out
+
+
 def _period(tokens: list[int], max_period: int = 64) -> tuple[int | None, int | None]:
     """(start, period): the earliest position from which `tokens` repeats with a period
     <= max_period to its end (covering at least two periods), the shortest such period;
@@ -888,7 +899,9 @@ def run_gpu(args) -> dict:
                               device=args.device, kv_cache_memory_mb=None if cuda else 64),
                   Dist())
     max_k = args.max_k
-    shard.warmup(WarmupSpec(args.context + 64, args.context + 512, args.context + 64,
+    longest = max([args.context, *args.loop_contexts])
+    # (The engine's prefill budget stays context + 64 below: longer prompts are chunked.)
+    shard.warmup(WarmupSpec(longest + 64, longest + 512, longest + 64,
                             args.batch, speculate_tokens=max_k,
                             speculate_max_batch_size=args.spec_max_batch))
     loaded = time.perf_counter() - t_tiny - written
@@ -913,18 +926,24 @@ def run_gpu(args) -> dict:
                 _run(shard, [p], args.new_tokens, k, args.spec_max_batch, True, prefill))
                 for p in p1])
             rows.append(_row(f"batch 1, random prompts, --speculate {k}", r, base1))
-        # Batch 1, one token repeated: the model's own greedy output loops (high acceptance).
-        pl = _constant_prompts(args.b1_requests, args.context, vocab)
-        runs = {}
-        for k in sorted({0, 4, max_k}):
-            runs[k] = [loop.run_until_complete(
-                _run(shard, [p], args.new_tokens, k, args.spec_max_batch, True, prefill))
-                for p in pl]
-            loop_rows.append(_row(f"batch 1, looping output, --speculate {k}", _sum(runs[k]),
-                                  _sum(runs[0]) if k else None))
-        res["loop_outputs"] = [
-            dict(zip(("loop_from", "period"), _period(o)), first=o[:8], distinct=len(set(o)))
-            for r in runs[0] for o in r.outputs]
+        # Batch 1, one token repeated: the model's own greedy output loops (high acceptance);
+        # the longer the prompt, the longer the loops last (the generated tokens shift the
+        # context average less), hence two context lengths.
+        res["loop_outputs"] = []
+        for ctx in args.loop_contexts:
+            pl = _constant_prompts(args.b1_requests, ctx, vocab)
+            runs = {}
+            for k in sorted({0, 4, max_k}):
+                runs[k] = [loop.run_until_complete(
+                    _run(shard, [p], args.new_tokens, k, args.spec_max_batch, True, prefill))
+                    for p in pl]
+                loop_rows.append(_row(f"batch 1, looping output, context {ctx}, --speculate {k}",
+                                      _sum(runs[k]), _sum(runs[0]) if k else None))
+            for o in (o for r in runs[0] for o in r.outputs):
+                start, period = _period(o)
+                res["loop_outputs"].append({
+                    "context": ctx, "loop_from": start, "period": period,
+                    "distinct": len(set(o)), "runs": len(_runs(o)), "first": o[:8]})
     finally:
         loop.close()
     res["batch_rows"] = _batch_ab(shard, args, vocab, prefill)
@@ -944,16 +963,19 @@ def _gpu_md(res: dict, args) -> str:
            "| workload | --speculate | tok/s | speedup | acceptance | tokens / pass | equal |",
            "|---|---|---|---|---|---|---|"]
     for r in res["rows"] + res["loop_rows"]:
-        work = "looping output" if "looping" in r["run"] else "random prompts"
+        work = (f"looping output, context {r['run'].split('context ')[1].split(',')[0]}"
+                if "looping" in r["run"] else f"random prompts, context {args.context}")
         acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f} %"
         sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         eq = "-" if r["equal_to_reference"] is None else ("yes" if r["equal_to_reference"] else "NO")
         md.append(f"| {work} | {r['run'].rsplit(' ', 1)[-1]} | {r['tok_s']:.1f} | {sp} | {acc} "
                   f"| {r['tokens_per_forward']:.2f} | {eq} |")
-    loops = ", ".join(f"{o['loop_from']} with period {o['period']}"
-                      for o in res.get("loop_outputs", []))
-    md += ["", (f"Looping workload: each prompt is one random token repeated {args.context} "
-                f"times; the reference outputs (--speculate 0) loop from token {loops}."), ""]
+    loops = "; ".join(
+        f"context {o['context']}: {o['distinct']} distinct tokens in {o['runs']} runs"
+        + (f", periodic from token {o['loop_from']} (period {o['period']})"
+           if o["period"] else "") for o in res.get("loop_outputs", []))
+    md += ["", ("Looping workload: each prompt is one random token repeated (context tokens); "
+                f"the reference outputs (--speculate 0): {loops}."), ""]
     # Batch 64: adaptive rule against no speculation.
     br = res["batch_rows"]
     both = next(r for r in br if "both runs" in r["run"])
@@ -1036,6 +1058,8 @@ def main(argv: list[str] | None = None) -> None:
     gpu.add_argument("--context", type=int, default=1024)
     gpu.add_argument("--max-k", type=int, default=8)
     gpu.add_argument("--new-tokens", type=int, default=256)
+    gpu.add_argument("--loop-contexts", type=lambda v: [int(x) for x in v.split(",")],
+                     default=[1024, 4096], help="prompt lengths of the looping workload")
     gpu.add_argument("--b1-requests", type=int, default=4)
     gpu.add_argument("--batch", type=int, default=64)
     gpu.add_argument("--batch-tokens", type=int, default=128)

@@ -45,7 +45,7 @@ def main(argv: list[str]) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from benchmarks.speculate import _period
+    from benchmarks.speculate import _period, _runs
     from shard.testing.checkpoint import EOS_IDS, LLAMA3_8B
 
     layers, context, new = int(argv[0]), int(argv[1]), int(argv[2])
@@ -88,7 +88,7 @@ def main(argv: list[str]) -> None:
             "tokens_in_prompt": sum(1 for x in out if x in set(prompt)),
             "tokens_per_pass": round(len(out) / steps, 2),
             "acceptance": round(accepted / proposed, 3) if proposed else None,
-            "seconds": round(time.time() - t, 1), "first": out[:8],
+            "seconds": round(time.time() - t, 1), "runs": _runs(out),
         }), flush=True)
 
 
