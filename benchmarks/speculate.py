@@ -390,6 +390,49 @@ def _host_table(rows: list[dict]) -> str:
 
 
 # ---- host ------------------------------------------------------------------------------------
+async def _call_counts(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
+                       spec_max_batch: int, budget: int) -> tuple[dict[str, int], int]:
+    """Calls of every Python function during one run under cProfile (both sides of the
+    protocol, the engine, the scheduler), and the run's engine steps."""
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        r = await _run(shard, prompts, new_tokens, speculate, spec_max_batch, True, budget)
+    finally:
+        prof.disable()
+    counts: dict[str, int] = {}
+    for entry in prof.getstats():
+        code = entry.code
+        name = code if isinstance(code, str) else (
+            f"{Path(code.co_filename).name}:{code.co_firstlineno} {code.co_name}")
+        counts[name] = counts.get(name, 0) + entry.callcount
+    return counts, len(r.records)
+
+
+def _count_diff(a: tuple[dict[str, int], int], b: tuple[dict[str, int], int]) -> dict:
+    """Functions called a different number of times in run b than in run a (excluding the
+    benchmark's own and the profiler's bookkeeping)."""
+    (ca, steps_a), (cb, steps_b) = a, b
+    skip = ("speculate.py", "cProfile", "_lsprof")
+    diff = {k: [ca.get(k, 0), cb.get(k, 0)] for k in sorted(set(ca) | set(cb))
+            if ca.get(k, 0) != cb.get(k, 0) and not any(x in k for x in skip)}
+    return {"steps": [steps_a, steps_b], "functions": len(set(ca) | set(cb)),
+            "calls": [sum(ca.values()), sum(cb.values())], "differing": diff}
+
+
+def _calls_md(calls: dict, configs: list) -> str:
+    head = (f"Function calls over one whole run under cProfile ({configs[0][0]} / "
+            f"{configs[1][0]}): {calls['calls'][0]} / {calls['calls'][1]} calls of "
+            f"{calls['functions']} functions in {calls['steps'][0]} / {calls['steps'][1]} engine "
+            "steps. Functions called a different number of times (all calls of the run, "
+            "admission and finish included):\n")
+    out = [head, "| function | calls (off) | calls (adaptive) |", "|---|---|---|"]
+    out += [f"| `{k}` | {a} | {b} |" for k, (a, b) in calls["differing"].items()]
+    return "\n".join(out) + "\n"
+
+
 
 
 def run_host(args) -> dict:
@@ -431,8 +474,13 @@ def run_host(args) -> dict:
                                                  args.spec_max_batch, True, budget))
                 runs[name].append(host_summary(r.records, args.spec_max_batch, True) | {
                     "outputs": r.outputs, "gc_ms": r.gc_seconds * 1e3})
+        # The same runs once more under cProfile: which functions each configuration calls,
+        # and how often. Deterministic, unlike the timings on a shared machine.
+        counts = [loop.run_until_complete(_call_counts(
+            shard, prompts, args.new_tokens, k, args.spec_max_batch, budget)) for _, k in configs]
     finally:
         loop.close()
+    calls = _count_diff(counts[0], counts[1])
     ref = runs[configs[0][0]][0]["outputs"]
     rows = []
     for name, _ in configs:
@@ -450,7 +498,8 @@ def run_host(args) -> dict:
     res = {"part": "host", "model": "tiny llama (vocab 500), float32, one thread",
            "batch": args.batch, "prompt_tokens": args.prompt_tokens,
            "new_tokens": args.new_tokens, "reps": args.reps, "rows": rows,
-           "ratio": round(spec / base, 3), "load_average": list(os.getloadavg())}
+           "ratio": round(spec / base, 3), "load_average": list(os.getloadavg()),
+           "calls": calls}
     md = (f"## Host cost per decode step at batch {args.batch}: speculation off vs adaptive rule "
           f"off at this batch\n\nTiny llama on this CPU (one torch thread), {args.batch} requests "
           f"of {args.prompt_tokens} prompt tokens, {args.new_tokens} new tokens, {args.reps} "
@@ -463,7 +512,7 @@ def run_host(args) -> dict:
           "\n\nTime in the garbage collector per repetition (ms): " + "; ".join(
               f"{r['run']}: {r['gc_ms_per_rep']}" for r in rows) +
           f"\n\nAdaptive / off: {res['ratio']:.3f}. Outputs equal: "
-          f"{all(r['equal_to_reference'] for r in rows)}.\n")
+          f"{all(r['equal_to_reference'] for r in rows)}.\n\n" + _calls_md(calls, configs))
     _write(args.out, "speculate_host", res, md)
     return res
 

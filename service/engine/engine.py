@@ -98,6 +98,8 @@ def _tokens_per_step(multi: list[tuple[int, int]] | None, total: int) -> tuple[i
     steps (tokens before the step, tokens it gave); () when the engine does not speculate."""
     if multi is None:
         return ()
+    if not multi:
+        return (1,) * total
     out: list[int] = []
     at = 0
     for before, n in multi:
