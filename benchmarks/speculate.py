@@ -931,6 +931,7 @@ def run_gpu(args) -> dict:
         res["trained_tiny"] = _trained_tiny_equality(args, args.device)
     except Exception as exc:  # noqa: BLE001 - reported in the output; the 8B figures come next
         res["trained_tiny"] = {"error": f"{type(exc).__name__}: {exc}"}
+    _partial(args.out, res)
     t_tiny = time.perf_counter()
     if args.tiny:
         from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
@@ -960,6 +961,7 @@ def run_gpu(args) -> dict:
     res["verify_steps"] = _verify_step_times(shard, args.context, max_k, vocab)
     res["batch_sweep"] = _batch_sweep(shard, args.context, 4, [1, 4, 8, 16, 32, 64], vocab)
     res["row0"] = _row0_diffs(shard, args.context, 4, vocab)
+    _partial(args.out, res)
     prefill = args.context + 64
     loop = asyncio.new_event_loop()
     rows: list[dict] = []
@@ -975,6 +977,8 @@ def run_gpu(args) -> dict:
                 _run(shard, [p], args.new_tokens, k, args.spec_max_batch, True, prefill))
                 for p in p1])
             rows.append(_row(f"batch 1, random prompts, --speculate {k}", r, base1))
+        res["rows"] = rows
+        _partial(args.out, res)
         # Batch 1, one token repeated: the model's own greedy output loops (high acceptance);
         # the longer the prompt, the longer the loops last (the generated tokens shift the
         # context average less), hence two context lengths.
@@ -993,6 +997,8 @@ def run_gpu(args) -> dict:
                 res["loop_outputs"].append({
                     "context": ctx, "loop_from": start, "period": period,
                     "distinct": len(set(o)), "runs": len(_runs(o)), "first": o[:8]})
+            res["loop_rows"] = loop_rows
+            _partial(args.out, res)
     finally:
         loop.close()
     res["batch_rows"] = _batch_ab(shard, args, vocab, prefill)
@@ -1068,6 +1074,12 @@ def _gpu_md(res: dict, args) -> str:
     md.append(f"Trained tiny part {res['trained_tiny_s']} s, checkpoint {res['checkpoint_s']} s, "
               f"load + warmup {res['load_warmup_s']} s, total {res['total_s']} s.")
     return "\n".join(md) + "\n"
+
+
+def _partial(out: Path, res: dict) -> None:
+    """What the GPU part has measured so far (a run stopped by a time limit keeps it)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speculate_gpu_partial.json").write_text(json.dumps(res, indent=1))
 
 
 def _write(out: Path, name: str, res: dict, md: str, quiet: bool = False) -> None:
