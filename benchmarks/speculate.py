@@ -795,32 +795,38 @@ def _period(tokens: list[int], max_period: int = 64) -> tuple[int | None, int | 
     return best if best is not None else (None, None)
 
 
-def _row0_diffs(shard, context: int, k: int, vocab: int) -> dict:
-    """Why greedy outputs can differ with speculation on a GPU: the logits of one request's next
-    token computed (a) by a batch-1 decode step, twice (run-to-run determinism), (b) as its row
-    of a batch-2 decode step (plain decoding at another batch size), (c) as row 0 of a verify
-    step of 1 + k tokens (what a speculative step emits when it rejects the first draft), each
-    through the path the server takes (graph replays when captured). Also the top-2 margin of
-    (a): how near the random model's greedy choice is to a tie."""
+def _row0_diffs(shard, prefix: list[int], k: int) -> dict:
+    """Why greedy outputs can differ with speculation on a GPU: the logits of the token after
+    `prefix` (its K/V but the last token's written first, by a prefill) computed (a) by a
+    batch-1 decode step, twice (run-to-run determinism), (b) as its row of a batch-2 decode
+    step (plain decoding at another batch size; the other row has the same context in other
+    blocks), (c) as row 0 of a verify step of 1 + k tokens (what a speculative step emits when
+    it rejects the first draft; the drafts do not reach row 0), each through the path the
+    server takes (graph replays when captured). Also the top-2 margin of (a): how near the
+    greedy choice is to a tie."""
     from shard.runner.model_runner import StepInputs
 
     runner = shard.runner
+    context = len(prefix)
     per = math.ceil((context + k + 1) / runner.block_size)
     ta, tb = list(range(per)), list(range(per, 2 * per))
-    toks = [(7 * j + 3) % vocab for j in range(k + 1)]
-    last = context - 1
+    n = context - 1  # prefilled tokens; the step computes token n (the last of the prefix)
+    for table in (ta, tb):
+        runner.execute(StepInputs(prefix[:n], list(range(n)), [n], [n], [table], [n - 1]))
+    last = prefix[-1]
+    drafts = [(7 * j + 3) % runner.model.vocab_size for j in range(k)]
 
     def run(step: StepInputs, row: int):
         out = runner.execute(step)[row].float().clone()
         return out, runner.last_path
 
-    dec = StepInputs([toks[0]], [last], [1], [context], [ta], [0])
+    dec = StepInputs([last], [n], [1], [context], [ta], [0])
     a, pa = run(dec, 0)
     a2, _ = run(dec, 0)
-    b, pb = run(StepInputs([toks[0], 5], [last, last], [1, 1], [context, context], [ta, tb],
+    b, pb = run(StepInputs([last, last], [n, n], [1, 1], [context, context], [ta, tb],
                            [0, 1]), 0)
-    c, pc = run(StepInputs(toks, list(range(last, last + k + 1)), [k + 1], [context + k], [ta],
-                           list(range(k + 1))), 0)
+    c, pc = run(StepInputs([last, *drafts], list(range(n, n + k + 1)), [k + 1], [context + k],
+                           [ta], list(range(k + 1))), 0)
     top2 = a.topk(2).values
 
     def cmp(x, name: str, path: str) -> dict:
@@ -828,7 +834,7 @@ def _row0_diffs(shard, context: int, k: int, vocab: int) -> dict:
                 "rows_differing": int((x != a).sum()), "argmax_equal": bool(x.argmax() == a.argmax())}
 
     return {
-        "decode_path": pa, "top2_margin": float(top2[0] - top2[1]),
+        "context": context, "decode_path": pa, "top2_margin": float(top2[0] - top2[1]),
         "logit_std": float(a.std()),
         "rows": [cmp(a2, "batch-1 decode, again", pa),
                  cmp(b, "its row of a batch-2 decode step", pb),
@@ -871,7 +877,7 @@ def _trained_tiny_equality(args, device: str) -> dict:
             rows.append(_row(f"trained tiny llama, batch {batch}, --speculate 4", spec, base))
     finally:
         loop.close()
-    diag = _row0_diffs(shard, 40, 4, 512)
+    diag = _row0_diffs(shard, task_prompt(40, 3, 5), 4)  # in distribution: a clear choice
     del shard
     if cuda:
         torch.cuda.empty_cache()
@@ -960,7 +966,7 @@ def run_gpu(args) -> dict:
                 "checkpoint_s": round(written, 1), "load_warmup_s": round(loaded, 1)})
     res["verify_steps"] = _verify_step_times(shard, args.context, max_k, vocab)
     res["batch_sweep"] = _batch_sweep(shard, args.context, 4, [1, 4, 8, 16, 32, 64], vocab)
-    res["row0"] = _row0_diffs(shard, args.context, 4, vocab)
+    res["row0"] = _row0_diffs(shard, _random_prompts(1, args.context, vocab, seed=3)[0], 4)
     _partial(args.out, res)
     prefill = args.context + 64
     loop = asyncio.new_event_loop()
@@ -1055,12 +1061,12 @@ def _gpu_md(res: dict, args) -> str:
     md += ["", ("Greedy equality: one request's next-token logits computed four ways, against a "
                 "batch-1 decode step (paths as taken):\n")]
     tt = res["trained_tiny"]
-    for name, d in ((f"{res['model']}, context {args.context}", res["row0"]),
-                    ("trained tiny llama, context 40", tt.get("row0"))):
+    for name, d in ((f"{res['model']}, a random prompt", res["row0"]),
+                    ("trained tiny llama, a task prompt", tt.get("row0"))):
         if not d:
             continue
-        md += [(f"{name} (top-2 margin of the decode logits {d['top2_margin']:.3g}, logits std "
-                f"{d['logit_std']:.3g}):\n"),
+        md += [(f"{name} of {d['context']} tokens (top-2 margin of the decode logits "
+                f"{d['top2_margin']:.3g}, logits std {d['logit_std']:.3g}):\n"),
                "| computed as | path | max abs diff | logits differing | argmax equal |",
                "|---|---|---|---|---|"]
         md += [f"| {r['compare']} | {r['path']} | {r['max_abs_diff']:.3g} | "
