@@ -7,7 +7,7 @@
 set -u
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
-timeout 90 python3 -m pytest -q -m gpu tests/gpu/test_verify_graphs.py -p no:cacheprovider 2>&1 \
+timeout 60 python3 -m pytest -q -m gpu tests/gpu/test_verify_graphs.py -p no:cacheprovider 2>&1 \
   | tail -25 > $OUT/gpu_tests_speculate.log; tail -3 $OUT/gpu_tests_speculate.log
-timeout 220 python3 -m benchmarks.speculate gpu --out $OUT --workdir /tmp/twb 2>&1 \
+timeout 230 python3 -m benchmarks.speculate gpu --out $OUT --workdir /tmp/twb 2>&1 \
   | grep -v "Loading weights\|Writing model shards\|nanobind\|leaked\|^ - " | tee $OUT/speculate_gpu.log

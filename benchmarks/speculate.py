@@ -985,9 +985,12 @@ def run_gpu(args) -> dict:
             rows.append(_row(f"batch 1, random prompts, --speculate {k}", r, base1))
         res["rows"] = rows
         _partial(args.out, res)
+        # Batch 64 before the looping rows: the second target comes first.
+        res["batch_rows"] = _batch_ab(shard, args, vocab, prefill)
+        _partial(args.out, res)
         # Batch 1, one token repeated: the model's own greedy output loops (high acceptance);
         # the longer the prompt, the longer the loops last (the generated tokens shift the
-        # context average less), hence two context lengths.
+        # context average less), hence several context lengths, longest last.
         res["loop_outputs"] = []
         for ctx in args.loop_contexts:
             pl = _constant_prompts(args.b1_requests, ctx, vocab)
@@ -1007,7 +1010,6 @@ def run_gpu(args) -> dict:
             _partial(args.out, res)
     finally:
         loop.close()
-    res["batch_rows"] = _batch_ab(shard, args, vocab, prefill)
     res["rows"] = rows
     res["loop_rows"] = loop_rows
     res["total_s"] = round(time.perf_counter() - t0, 1)
@@ -1126,7 +1128,7 @@ def main(argv: list[str] | None = None) -> None:
     gpu.add_argument("--max-k", type=int, default=8)
     gpu.add_argument("--new-tokens", type=int, default=256)
     gpu.add_argument("--loop-contexts", type=lambda v: [int(x) for x in v.split(",")],
-                     default=[1024, 4096], help="prompt lengths of the looping workload")
+                     default=[1024, 4096, 7168], help="prompt lengths of the looping workload")
     gpu.add_argument("--b1-requests", type=int, default=4)
     gpu.add_argument("--batch", type=int, default=64)
     gpu.add_argument("--batch-tokens", type=int, default=128)
