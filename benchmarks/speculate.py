@@ -1,26 +1,36 @@
 """Speculative decoding benchmark (issue 24): n-gram drafts verified in one forward pass.
 
     python -m benchmarks.speculate cpu [--out benchmarks]      # SmolLM2 on this CPU
+    python -m benchmarks.speculate host [--out benchmarks]     # per-step host cost, tiny, CPU
     python -m benchmarks.speculate gpu --out $OUT              # 8B shape, random bf16 weights
     python -m benchmarks.speculate gpu --tiny --device cpu     # the GPU part's code on a CPU
 
-Both parts load the model through the normal shard path (`shard.server.loader.Shard`, warmup,
+All parts load the model through the normal shard path (`shard.server.loader.Shard`, warmup,
 CUDA graphs for decode and verify steps) and drive it with the router's own engine
 (`LocalEngine`: scheduler, n-gram proposer, adaptive rule) through the shard protocol's proto
 conversion on both sides, in one process: the protobuf messages are built and read exactly as
 over gRPC, without the transport (so the figures are the model's and the engine's, not the
-socket's).
+socket's). Every step records its host costs and how the runner ran it (StepRecord).
 
 cpu: SmolLM2-135M-Instruct (the embedded default, float32) on input-grounded chat prompts
 (summarize / rewrite a given paragraph, edit given code): acceptance rate, tokens per forward pass
 and decode tokens/s with and without --speculate, batch 1 and all prompts at once; outputs must
 be equal token for token.
 
-gpu: a Llama-3-8B-shaped checkpoint of random bf16 weights: (1) the verify step's time for
-k = 1..8 draft tokens at batch 1 against the plain decode step (CUDA graph replays, 1k context);
-(2) decode tokens/s at batch 1 with and without speculation on a workload where the model's own
-greedy output repeats (random weights fall into loops: high acceptance, reported); (3) batch 64
-with the adaptive rule (--speculate-max-batch-size) against no speculation.
+host: the per-step host cost (router, proto conversion, the shard's preparation and sampling) of
+a batch-64 decode step with speculation off against --speculate 4 with the adaptive rule off at
+that batch: a step that drafts nothing must cost what a --speculate 0 step costs.
+
+gpu, one command: (0) greedy equality with and without speculation on a trained tiny llama (no
+near-ties) in bf16 on the device; then a Llama-3-8B-shaped checkpoint of random bf16 weights:
+(1) the verify step's time for k = 1..8 draft tokens at batch 1 against the plain decode step
+(CUDA graph replays, 1k context) and by batch size; (2) where a verify step's logits differ from
+a decode step's (row 0 of a verify step, a batch-2 decode row, against a batch-1 decode);
+(3) decode tokens/s at batch 1 with and without speculation on random prompts (the output does
+not repeat: acceptance ~0) and on prompts of one token repeated, where the model's own greedy
+output loops (high acceptance, reported); (4) batch 64 with the adaptive rule
+(--speculate-max-batch-size) against no speculation, interleaved A B B A, with per-step host
+costs and the runner's path for every step.
 """
 
 from __future__ import annotations
@@ -28,13 +38,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import itertools
 import json
 import math
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # Input-grounded tasks: the answer copies or edits text given in the prompt.
@@ -95,6 +106,24 @@ def chat_prompt_ids(model_dir: Path | str, task: str) -> list[int]:
 # ---- the engine over an in-process shard -----------------------------------------------------
 
 
+@dataclass
+class StepRecord:
+    """Host-side facts of one engine step (the `host` part and the GPU batch rows)."""
+
+    rows: int  # sequences in the step (plan.batch_size)
+    decoding_only: bool  # no prefill chunk in the step
+    drafted: int  # draft tokens the step carried
+    path: str  # how the runner ran it: decode_graph, verify_graph, eager (ModelRunner.last_path)
+    decode_shaped: bool  # every row computes one token (a plain decode step's runner inputs)
+    convert_s: float  # thread time of both sides' proto conversion
+    prepare_s: float  # the shard's host work before the forward pass (StepTimings.prepare_ns)
+    sample_s: float  # the shard's work after it: sampling, stopping, emitting (decode_ns)
+    # Thread time of the shard's step minus that of runner.execute: its host work, robust to
+    # other load on a CPU with one torch thread (on a GPU it also holds the wait for the device).
+    shard_cpu_s: float
+    router_s: float = 0.0  # the router's thread time for the step (LocalEngine.step_cpu_s)
+
+
 class InProcessShard:
     """The engine's ShardBackend over a Shard in this process: every step's request is built
     by the router's converter, read by the shard's, and the answer goes back the same way."""
@@ -105,21 +134,69 @@ class InProcessShard:
         self._ids = itertools.count(1)
         self._batch_id: int | None = None
         self._batch_ids: list[int] = []
+        self.records: list[StepRecord] = []
+        self.engine = None  # the LocalEngine driving it: its router CPU time per step
+        self._router_seen = 0.0
+        self._execute_s = 0.0  # thread time in runner.execute during the current step
+        runner = shard.runner
+        execute = type(runner).execute
+
+        def timed_execute(step):  # an instance attribute: the class's method, timed
+            t = time.thread_time()
+            try:
+                return execute(runner, step)
+            finally:
+                self._execute_s += time.thread_time() - t
+
+        runner.execute = timed_execute
+
+    def close(self) -> None:
+        """Gives the runner its own execute back."""
+        self.shard.runner.__dict__.pop("execute", None)
 
     async def step(self, plan):
         from service.shard_client import convert as rc
         from shard.server import convert as sc
 
         engine = self.shard.engine
+        runner = self.shard.runner
+        if self.engine is not None:  # the previous step's router time is booked by now
+            now = self.engine.step_cpu_s
+            if self.records:
+                self.records[-1].router_s = now - self._router_seen
+            self._router_seen = now
+        runner.last_path = ""
+        self._execute_s = 0.0
+        t0 = time.thread_time()
         if plan.chunks:
             req = rc.prefill_request(plan, next(self._ids), self._batch_id, self._batch_ids)
-            resp = sc.prefill_to_proto(engine.prefill(*sc.prefill_from_proto(req)))
+            args = sc.prefill_from_proto(req)
+            t1 = time.thread_time()
+            result = engine.prefill(*args)
         else:
             req = rc.decode_request(plan, self._batch_id, self._batch_ids)
-            resp = sc.decode_to_proto(engine.decode(*sc.decode_from_proto(req)))
+            args = sc.decode_from_proto(req)
+            t1 = time.thread_time()
+            result = engine.decode(*args)
+        t2 = time.thread_time()
+        resp = (sc.prefill_to_proto if plan.chunks else sc.decode_to_proto)(result)
         out = rc.step_output(resp)
+        t3 = time.thread_time()
+        tm = result.timings
+        drafted = sum(len(d) for _, d in plan.drafts)
+        self.records.append(StepRecord(
+            rows=plan.batch_size, decoding_only=not plan.chunks, drafted=drafted,
+            path=runner.last_path, decode_shaped=not plan.chunks and not drafted,
+            convert_s=(t1 - t0) + (t3 - t2), prepare_s=tm.prepare_ns * 1e-9,
+            sample_s=tm.decode_ns * 1e-9, shard_cpu_s=(t2 - t1) - self._execute_s,
+        ))
         self._batch_id, self._batch_ids = out.batch_id, out.batch_request_ids
         return out
+
+    def close_records(self) -> None:
+        """Books the last step's router time (after the engine stopped)."""
+        if self.engine is not None and self.records:
+            self.records[-1].router_s = self.engine.step_cpu_s - self._router_seen
 
     async def filter(self, keep_ids: list[int]) -> None:
         if self._batch_id is None:
@@ -141,10 +218,29 @@ class RunResult:
     proposed: int
     accepted: int
     cpu_seconds: float = 0.0  # this process's CPU time over the whole run (all threads)
+    records: list[StepRecord] = field(default_factory=list)  # every engine step, in order
+    gc_seconds: float = 0.0  # time in the garbage collector during the run
+    gc_full: int = 0  # full (generation 2) collections during the run
 
     @property
     def tok_s(self) -> float:
         return self.generated / self.seconds if self.seconds else 0.0
+
+
+class _GcTimer:
+    """gc.callbacks entry: time spent in collections, and how many were full ones."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full = 0
+        self._t = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t
+            self.full += info["generation"] == 2
 
 
 async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
@@ -155,6 +251,13 @@ async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
     runner = shard.runner
     backend = InProcessShard(shard)
     shard.engine.clear_cache(None)
+    # Every run starts with the collector in the same state, as the router's scheduler process
+    # does after startup (service/app/engine_link.tune_gc: collect, then freeze what is left);
+    # the collector's passes during the run are timed (a full pass can take ~100 ms here).
+    gc.collect()
+    gc.freeze()
+    gc_time = _GcTimer()
+    gc.callbacks.append(gc_time)
     cfg = EngineConfig(
         num_blocks=runner.num_blocks, block_size=runner.block_size,
         max_batch_prefill_tokens=prefill_budget, max_batch_size=max(len(prompts), 1),
@@ -163,6 +266,7 @@ async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
         enable_prefix_cache=False,  # every configuration computes every prompt
     )
     engine = LocalEngine(cfg, backend)  # type: ignore[arg-type]
+    backend.engine = engine
     await engine.start()
     cpu0 = time.process_time()
     times: list[list[float]] = [[] for _ in prompts]  # arrival of each token
@@ -185,6 +289,9 @@ async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
         st = engine.stats()
     finally:
         await engine.stop()
+        backend.close_records()
+        backend.close()
+        gc.callbacks.remove(gc_time)
     # Decode only: the tokens after the last request's first one (every prompt prefilled).
     start = max(t[0] for t in times)
     end = max(t[-1] for t in times)
@@ -192,6 +299,7 @@ async def _run(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
         outputs=list(outputs), generated=sum(1 for ts in times for t in ts if t > start),
         seconds=end - start, decode_steps=st.steps - max(first_steps),
         proposed=st.spec_proposed_tokens, accepted=st.spec_accepted_tokens, cpu_seconds=cpu,
+        records=backend.records, gc_seconds=gc_time.seconds, gc_full=gc_time.full,
     )
 
 
@@ -211,12 +319,14 @@ def _row(name: str, r: RunResult, base: RunResult | None) -> dict:
         "cpu_seconds": round(r.cpu_seconds, 2),
         "cpu_speedup": round(base.cpu_seconds / r.cpu_seconds, 3)
         if base and r.cpu_seconds else None,
+        "gc_ms": round(r.gc_seconds * 1e3, 1),
+        "gc_full": r.gc_full,
     }
 
 
 def _table(rows: list[dict]) -> str:
     head = ("| run | decode tokens | forward passes | tokens / pass | acceptance | tok/s | speedup "
-            "| CPU s (speedup) | equal |\n|---|---|---|---|---|---|---|---|---|\n")
+            "| CPU s (speedup) | GC ms (full) | equal |\n|---|---|---|---|---|---|---|---|---|---|\n")
     out = []
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f} %"
@@ -227,8 +337,184 @@ def _table(rows: list[dict]) -> str:
             cpu += f" ({r['cpu_speedup']:.2f}x)"
         out.append(f"| {r['run']} | {r['decode_tokens']} | {r['decode_steps']} | "
                    f"{r['tokens_per_forward']:.2f} | {acc} | {r['tok_s']:.2f} | {sp} | {cpu} "
-                   f"| {eq} |")
+                   f"| {r.get('gc_ms', 0):.0f} ({r.get('gc_full', 0)}) | {eq} |")
     return head + "\n".join(out) + "\n"
+
+
+def host_summary(records: list[StepRecord], above: int, thread_times: bool = False) -> dict:
+    """Per-step host costs over the decode-only steps with more than `above` rows (the steps the
+    adaptive rule leaves undrafted): medians in microseconds, and how the runner ran them. The
+    shard's share is its thread time outside the forward pass (`thread_times`: a CPU with one
+    torch thread) or its prepare + sampling wall time (a GPU, where the thread also waits)."""
+    import statistics
+
+    steps = [r for r in records if r.decoding_only and r.rows > above]
+    if not steps:
+        return {"steps": 0}
+
+    def med(values) -> float:
+        return round(statistics.median(values) * 1e6, 1)
+
+    paths: dict[str, int] = {}
+    for r in steps:
+        paths[r.path] = paths.get(r.path, 0) + 1
+    return {
+        "steps": len(steps),
+        "drafted_steps": sum(1 for r in steps if r.drafted),
+        "decode_shaped_steps": sum(1 for r in steps if r.decode_shaped),
+        "paths": paths,
+        "router_us": med([r.router_s for r in steps]),
+        "convert_us": med([r.convert_s for r in steps]),
+        "prepare_us": med([r.prepare_s for r in steps]),
+        "sample_us": med([r.sample_s for r in steps]),
+        "shard_cpu_us": med([r.shard_cpu_s for r in steps]),
+        "host_us": med([r.router_s + r.convert_s + (
+            r.shard_cpu_s if thread_times else r.prepare_s + r.sample_s) for r in steps]),
+    }
+
+
+def _host_table(rows: list[dict]) -> str:
+    out = [("| run | steps | drafted steps | runner path | router µs | proto µs "
+            "| shard prepare µs | shard sample µs | shard thread µs | host µs / step |"),
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        h = r["host"]
+        if not h["steps"]:
+            out.append(f"| {r['run']} | 0 | - | - | - | - | - | - | - | - |")
+            continue
+        paths = ", ".join(f"{k or '?'} {v}" for k, v in sorted(h["paths"].items()))
+        out.append(f"| {r['run']} | {h['steps']} | {h['drafted_steps']} | {paths} | "
+                   f"{h['router_us']:.0f} | {h['convert_us']:.0f} | {h['prepare_us']:.0f} | "
+                   f"{h['sample_us']:.0f} | {h['shard_cpu_us']:.0f} | {h['host_us']:.0f} |")
+    return "\n".join(out) + "\n"
+
+
+# ---- host ------------------------------------------------------------------------------------
+async def _call_counts(shard, prompts: list[list[int]], new_tokens: int, speculate: int,
+                       spec_max_batch: int, budget: int) -> tuple[dict[str, int], int]:
+    """Calls of every Python function during one run under cProfile (both sides of the
+    protocol, the engine, the scheduler), and the run's engine steps."""
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        r = await _run(shard, prompts, new_tokens, speculate, spec_max_batch, True, budget)
+    finally:
+        prof.disable()
+    counts: dict[str, int] = {}
+    for entry in prof.getstats():
+        code = entry.code
+        name = code if isinstance(code, str) else (
+            f"{Path(code.co_filename).name}:{code.co_firstlineno} {code.co_name}")
+        counts[name] = counts.get(name, 0) + entry.callcount
+    return counts, len(r.records)
+
+
+def _count_diff(a: tuple[dict[str, int], int], b: tuple[dict[str, int], int]) -> dict:
+    """Functions called a different number of times in run b than in run a (excluding the
+    benchmark's own and the profiler's bookkeeping)."""
+    (ca, steps_a), (cb, steps_b) = a, b
+    skip = ("speculate.py", "cProfile", "_lsprof")
+    diff = {k: [ca.get(k, 0), cb.get(k, 0)] for k in sorted(set(ca) | set(cb))
+            if ca.get(k, 0) != cb.get(k, 0) and not any(x in k for x in skip)}
+    return {"steps": [steps_a, steps_b], "functions": len(set(ca) | set(cb)),
+            "calls": [sum(ca.values()), sum(cb.values())], "differing": diff}
+
+
+def _calls_md(calls: dict, configs: list) -> str:
+    head = (f"Function calls over one whole run under cProfile ({configs[0][0]} / "
+            f"{configs[1][0]}): {calls['calls'][0]} / {calls['calls'][1]} calls of "
+            f"{calls['functions']} functions in {calls['steps'][0]} / {calls['steps'][1]} engine "
+            "steps. Functions called a different number of times (all calls of the run, "
+            "admission and finish included):\n")
+    out = [head, "| function | calls (off) | calls (adaptive) |", "|---|---|---|"]
+    out += [f"| `{k}` | {a} | {b} |" for k, (a, b) in calls["differing"].items()]
+    return "\n".join(out) + "\n"
+
+
+
+
+def run_host(args) -> dict:
+    """Per-step host cost at batch `--batch` with speculation off against `--speculate` with the
+    adaptive rule off at this batch (`--speculate-max-batch-size` below it): a tiny model on this
+    CPU, one torch thread, the configurations interleaved `--reps` times. The medians are over
+    the decode-only steps with more running requests than the rule's limit."""
+    import random
+    import statistics
+
+    import torch
+
+    from shard.distributed.groups import Dist
+    from shard.runner.warmup import WarmupSpec
+    from shard.server.loader import Shard, ShardConfig
+    from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
+
+    torch.set_num_threads(1)
+    model_dir = make_tiny_model(args.workdir / "tiny-llama", TinyModelSpec("llama"))
+    shard = Shard(ShardConfig(model_id=str(model_dir), dtype="float32", device="cpu",
+                              kv_cache_memory_mb=64), Dist())
+    total = args.prompt_tokens + args.new_tokens
+    shard.warmup(WarmupSpec(args.prompt_tokens, total, args.batch * args.prompt_tokens,
+                            args.batch, speculate_tokens=args.speculate,
+                            speculate_max_batch_size=args.spec_max_batch))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(args.prompt_tokens)]
+               for _ in range(args.batch)]
+    budget = args.batch * args.prompt_tokens  # every prompt in the first step
+    adaptive = f"--speculate {args.speculate} --speculate-max-batch-size {args.spec_max_batch}"
+    configs = [("--speculate 0", 0), (adaptive, args.speculate)]
+    runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
+    loop = asyncio.new_event_loop()
+    try:
+        for rep in range(args.reps):
+            order = configs if rep % 2 == 0 else configs[::-1]  # ABBA: drift cancels
+            for name, k in order:
+                r = loop.run_until_complete(_run(shard, prompts, args.new_tokens, k,
+                                                 args.spec_max_batch, True, budget))
+                runs[name].append(host_summary(r.records, args.spec_max_batch, True) | {
+                    "outputs": r.outputs, "gc_ms": r.gc_seconds * 1e3})
+        # The same runs once more under cProfile: which functions each configuration calls,
+        # and how often. Deterministic, unlike the timings on a shared machine.
+        counts = [loop.run_until_complete(_call_counts(
+            shard, prompts, args.new_tokens, k, args.spec_max_batch, budget)) for _, k in configs]
+    finally:
+        loop.close()
+    calls = _count_diff(counts[0], counts[1])
+    ref = runs[configs[0][0]][0]["outputs"]
+    rows = []
+    for name, _ in configs:
+        reps = runs[name]
+        keys = ("router_us", "convert_us", "prepare_us", "sample_us", "shard_cpu_us", "host_us")
+        host = dict(reps[0], **{k: round(statistics.median(x[k] for x in reps), 1)
+                                for k in keys})
+        host.pop("outputs")
+        host.pop("gc_ms")
+        rows.append({"run": name, "host": host,
+                     "host_us_per_rep": [x["host_us"] for x in reps],
+                     "gc_ms_per_rep": [round(x["gc_ms"], 1) for x in reps],
+                     "equal_to_reference": all(x["outputs"] == ref for x in reps)})
+    base, spec = rows[0]["host"]["host_us"], rows[1]["host"]["host_us"]
+    res = {"part": "host", "model": "tiny llama (vocab 500), float32, one thread",
+           "batch": args.batch, "prompt_tokens": args.prompt_tokens,
+           "new_tokens": args.new_tokens, "reps": args.reps, "rows": rows,
+           "ratio": round(spec / base, 3), "load_average": list(os.getloadavg()),
+           "calls": calls}
+    md = (f"## Host cost per decode step at batch {args.batch}: speculation off vs adaptive rule "
+          f"off at this batch\n\nTiny llama on this CPU (one torch thread), {args.batch} requests "
+          f"of {args.prompt_tokens} prompt tokens, {args.new_tokens} new tokens, {args.reps} "
+          f"interleaved repetitions (ABBA); medians over the decode-only steps with more than "
+          f"{args.spec_max_batch} requests (µs per step; thread times except the shard's "
+          f"prepare and sample columns, which are wall time; host = router + proto + shard "
+          f"thread, the shard's thread time outside the forward pass):\n\n" + _host_table(rows) +
+          "\nPer repetition (host µs / step): " + "; ".join(
+              f"{r['run']}: {r['host_us_per_rep']}" for r in rows) +
+          "\n\nTime in the garbage collector per repetition (ms): " + "; ".join(
+              f"{r['run']}: {r['gc_ms_per_rep']}" for r in rows) +
+          f"\n\nAdaptive / off: {res['ratio']:.3f}. Outputs equal: "
+          f"{all(r['equal_to_reference'] for r in rows)}.\n\n" + _calls_md(calls, configs))
+    _write(args.out, "speculate_host", res, md)
+    return res
 
 
 # ---- cpu -------------------------------------------------------------------------------------
@@ -351,6 +637,8 @@ def _sum(runs: list[RunResult]) -> RunResult:
         seconds=sum(r.seconds for r in runs), decode_steps=sum(r.decode_steps for r in runs),
         proposed=sum(r.proposed for r in runs), accepted=sum(r.accepted for r in runs),
         cpu_seconds=sum(r.cpu_seconds for r in runs),
+        records=[x for r in runs for x in r.records],
+        gc_seconds=sum(r.gc_seconds for r in runs), gc_full=sum(r.gc_full for r in runs),
     )
 
 
@@ -460,12 +748,179 @@ def _batch_sweep(shard, context: int, k: int, batches: list[int], vocab: int) ->
     return out
 
 
-def _loop_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    """Random prompts (ids below vocab; the random model's greedy continuation loops)."""
+def _random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts (ids 10..vocab-1): a random model's greedy continuation of such a prompt
+    does not repeat within a few hundred tokens (measured: acceptance ~0)."""
     import random
 
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _constant_prompts(n: int, length: int, vocab: int, seed: int = 2) -> list[list[int]]:
+    """Prompts of one random token repeated: with every context position the same, a random
+    model's attention averages the same values whatever the query, the context term dominates
+    its residual stream (the embeddings are tiny against the layers' outputs), and its greedy
+    output settles into a short loop of its own (not a copy of the prompt's token): the
+    high-acceptance workload. Measured on a CPU with 2 and 4 layers of this init: one token
+    repeated (period 1) from the first generated token on."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab)] * length for _ in range(n)]
+
+
+def _runs(tokens: list[int]) -> list[list[int]]:
+    """`tokens` as [token, run length] pairs (a random model's loops are mostly runs of one)."""
+    out: list[list[int]] = []
+    for t in tokens:
+        if out and out[-1][0] == t:
+            out[-1][1] += 1
+        else:
+            out.append([t, 1])
+    return out
+
+
+def _period(tokens: list[int], max_period: int = 64) -> tuple[int | None, int | None]:
+    """(start, period): the earliest position from which `tokens` repeats with a period
+    <= max_period to its end (covering at least two periods), the shortest such period;
+    (None, None) if it never does."""
+    best: tuple[int, int] | None = None
+    n = len(tokens)
+    for p in range(1, max_period + 1):
+        bad = [j for j in range(p, n) if tokens[j] != tokens[j - p]]
+        start = bad[-1] - p + 1 if bad else 0
+        if n - start >= 2 * p and (best is None or start < best[0]):
+            best = (start, p)
+    return best if best is not None else (None, None)
+
+
+def _row0_diffs(shard, prefix: list[int], k: int) -> dict:
+    """Why greedy outputs can differ with speculation on a GPU: the logits of the token after
+    `prefix` (its K/V but the last token's written first, by a prefill) computed (a) by a
+    batch-1 decode step, twice (run-to-run determinism), (b) as its row of a batch-2 decode
+    step (plain decoding at another batch size; the other row has the same context in other
+    blocks), (c) as row 0 of a verify step of 1 + k tokens (what a speculative step emits when
+    it rejects the first draft; the drafts do not reach row 0), each through the path the
+    server takes (graph replays when captured). Also the top-2 margin of (a): how near the
+    greedy choice is to a tie."""
+    from shard.runner.model_runner import StepInputs
+
+    runner = shard.runner
+    context = len(prefix)
+    per = math.ceil((context + k + 1) / runner.block_size)
+    ta, tb = list(range(per)), list(range(per, 2 * per))
+    n = context - 1  # prefilled tokens; the step computes token n (the last of the prefix)
+    for table in (ta, tb):
+        runner.execute(StepInputs(prefix[:n], list(range(n)), [n], [n], [table], [n - 1]))
+    last = prefix[-1]
+    drafts = [(7 * j + 3) % runner.model.vocab_size for j in range(k)]
+
+    def run(step: StepInputs, row: int):
+        out = runner.execute(step)[row].float().clone()
+        return out, runner.last_path
+
+    dec = StepInputs([last], [n], [1], [context], [ta], [0])
+    a, pa = run(dec, 0)
+    a2, _ = run(dec, 0)
+    b, pb = run(StepInputs([last, last], [n, n], [1, 1], [context, context], [ta, tb],
+                           [0, 1]), 0)
+    c, pc = run(StepInputs([last, *drafts], list(range(n, n + k + 1)), [k + 1], [context + k],
+                           [ta], list(range(k + 1))), 0)
+    top2 = a.topk(2).values
+
+    def cmp(x, name: str, path: str) -> dict:
+        return {"compare": name, "path": path, "max_abs_diff": float((x - a).abs().max()),
+                "rows_differing": int((x != a).sum()), "argmax_equal": bool(x.argmax() == a.argmax())}
+
+    return {
+        "context": context, "decode_path": pa, "top2_margin": float(top2[0] - top2[1]),
+        "logit_std": float(a.std()),
+        "rows": [cmp(a2, "batch-1 decode, again", pa),
+                 cmp(b, "its row of a batch-2 decode step", pb),
+                 cmp(c, f"row 0 of a verify step with {k} drafts", pc)],
+    }
+
+
+def _trained_tiny_equality(args, device: str) -> dict:
+    """Greedy equality with and without speculation where outputs have no near-ties: the tiny
+    llama trained on the progression task (shard/tools/tiny_training.py; top-2 margins > 1
+    logit), on this device in the 8B part's dtype, CUDA graphs for decode and verify steps. Its
+    outputs are periodic (period 32 / gcd(stride, 32)), so drafts are accepted once the output
+    meets the prompt's terms again."""
+    import torch
+
+    from shard.distributed.groups import Dist
+    from shard.runner.warmup import WarmupSpec
+    from shard.server.loader import Shard, ShardConfig
+    from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
+    from shard.tools.tiny_training import RECOMMENDED_STEPS, TASK, task_prompt
+
+    model_dir = make_tiny_model(args.workdir / "tiny-llama-trained",
+                                TinyModelSpec("llama", train_steps=RECOMMENDED_STEPS))
+    cuda = device == "cuda"
+    shard = Shard(ShardConfig(model_id=str(model_dir), dtype="bfloat16" if cuda else "float32",
+                              device=device, kv_cache_memory_mb=64), Dist())
+    shard.warmup(WarmupSpec(32, 96, 128, 8, speculate_tokens=4, speculate_max_batch_size=8))
+    prompts = [task_prompt(9, TASK.strides[i % len(TASK.strides)], (5 * i + 1) % TASK.modulus)
+               for i in range(8)]
+    loop = asyncio.new_event_loop()
+    rows = []
+    try:
+        for batch in (1, 8):
+            groups = [[p] for p in prompts] if batch == 1 else [prompts]
+            base = _sum([loop.run_until_complete(_run(shard, g, 64, 0, 8, True, 128))
+                         for g in groups])
+            spec = _sum([loop.run_until_complete(_run(shard, g, 64, 4, 8, True, 128))
+                         for g in groups])
+            rows.append(_row(f"trained tiny llama, batch {batch}, --speculate 0", base, None))
+            rows.append(_row(f"trained tiny llama, batch {batch}, --speculate 4", spec, base))
+    finally:
+        loop.close()
+    diag = _row0_diffs(shard, task_prompt(40, 3, 5), 4)  # in distribution: a clear choice
+    del shard
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"rows": rows, "row0": diag}
+
+
+def _batch_ab(shard, args, vocab: int, budget: int) -> list[dict]:
+    """Batch `--batch`: --speculate 0 against the adaptive rule (no drafts above
+    --speculate-max-batch-size), interleaved A B B A so that drift (clocks, temperature) cancels,
+    then drafts forced at every batch size once. Each row carries the per-step host costs of
+    its undrafted steps (host_summary) and how the runner ran them."""
+    pb = _random_prompts(args.batch, min(512, args.context), vocab, seed=1)
+    loop = asyncio.new_event_loop()
+    adaptive = (f"--speculate 4 (adaptive: --speculate-max-batch-size {args.spec_max_batch})", 4,
+                args.spec_max_batch)
+    off = ("--speculate 0", 0, args.spec_max_batch)
+    rows: list[dict] = []
+    try:
+        runs: dict[str, list[RunResult]] = {off[0]: [], adaptive[0]: []}
+        for name, k, cap in (off, adaptive, adaptive, off):
+            runs[name].append(loop.run_until_complete(
+                _run(shard, pb, args.batch_tokens, k, cap, True, budget)))
+        forced = loop.run_until_complete(
+            _run(shard, pb, args.batch_tokens, 4, args.batch, True, budget))
+    finally:
+        loop.close()
+    base = runs[off[0]]
+    ref = _sum(base)
+    for name in (off[0], adaptive[0]):
+        for i, r in enumerate(runs[name]):
+            row = _row(f"batch {args.batch}, {name}, run {i + 1}", r, None if name == off[0]
+                       else base[i])
+            row["host"] = host_summary(r.records, args.spec_max_batch)
+            rows.append(row)
+    both = _row(f"batch {args.batch}, {adaptive[0]}, both runs", _sum(runs[adaptive[0]]), ref)
+    both["host"] = host_summary([x for r in runs[adaptive[0]] for x in r.records],
+                                args.spec_max_batch)
+    rows.append(both)
+    row = _row(f"batch {args.batch}, --speculate 4 forced (--speculate-max-batch-size "
+               f"{args.batch})", forced, base[0])
+    row["host"] = host_summary(forced.records, args.spec_max_batch)
+    rows.append(row)
+    return rows
 
 
 def run_gpu(args) -> dict:
@@ -477,6 +932,13 @@ def run_gpu(args) -> dict:
 
     t0 = time.perf_counter()
     cuda = args.device == "cuda"
+    res: dict = {"part": "gpu", "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    try:  # first, while the device is empty (the 8B shard takes what memory is left)
+        res["trained_tiny"] = _trained_tiny_equality(args, args.device)
+    except Exception as exc:  # noqa: BLE001 - reported in the output; the 8B figures come next
+        res["trained_tiny"] = {"error": f"{type(exc).__name__}: {exc}"}
+    _partial(args.out, res)
+    t_tiny = time.perf_counter()
     if args.tiny:
         from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
 
@@ -488,58 +950,106 @@ def run_gpu(args) -> dict:
         model_dir = args.workdir / f"llama3-8b-shape-{args.num_layers}l"
         write_checkpoint(model_dir, args.num_layers)
         vocab = BOS_ID
-    written = time.perf_counter() - t0
+    written = time.perf_counter() - t_tiny
     shard = Shard(ShardConfig(model_id=str(model_dir), dtype="bfloat16" if cuda else "float32",
                               device=args.device, kv_cache_memory_mb=None if cuda else 64),
                   Dist())
     max_k = args.max_k
-    shard.warmup(WarmupSpec(args.context + 64, args.context + 512, args.context + 64,
+    longest = max([args.context, *args.loop_contexts])
+    # (The engine's prefill budget stays context + 64 below: longer prompts are chunked.)
+    shard.warmup(WarmupSpec(longest + 64, longest + 512, longest + 64,
                             args.batch, speculate_tokens=max_k,
                             speculate_max_batch_size=args.spec_max_batch))
-    loaded = time.perf_counter() - t0 - written
-    res: dict = {"part": "gpu", "device": torch.cuda.get_device_name() if cuda else "cpu",
-                 "model": "tiny llama" if args.tiny else f"Llama-3-8B shape, {args.num_layers} "
-                 "layers, random bf16", "checkpoint_s": round(written, 1),
-                 "load_warmup_s": round(loaded, 1)}
+    loaded = time.perf_counter() - t_tiny - written
+    res.update({"model": "tiny llama" if args.tiny else f"Llama-3-8B shape, {args.num_layers} "
+                "layers, random bf16", "trained_tiny_s": round(t_tiny - t0, 1),
+                "checkpoint_s": round(written, 1), "load_warmup_s": round(loaded, 1)})
     res["verify_steps"] = _verify_step_times(shard, args.context, max_k, vocab)
     res["batch_sweep"] = _batch_sweep(shard, args.context, 4, [1, 4, 8, 16, 32, 64], vocab)
+    res["row0"] = _row0_diffs(shard, _random_prompts(1, args.context, vocab, seed=3)[0], 4)
+    _partial(args.out, res)
     prefill = args.context + 64
     loop = asyncio.new_event_loop()
-    rows = []
+    rows: list[dict] = []
+    loop_rows: list[dict] = []
     try:
-        # Batch 1: one prompt of `context` random tokens, greedy, `new_tokens` tokens.
-        p1 = _loop_prompts(args.b1_requests, args.context, vocab)
+        # Batch 1, random prompts of `context` tokens: the output does not repeat (honest zero).
+        p1 = _random_prompts(args.b1_requests, args.context, vocab)
         base1 = _sum([loop.run_until_complete(
             _run(shard, [p], args.new_tokens, 0, args.spec_max_batch, True, prefill)) for p in p1])
-        rows.append(_row("batch 1, --speculate 0", base1, None))
+        rows.append(_row("batch 1, random prompts, --speculate 0", base1, None))
         for k in sorted({4, max_k}):
             r = _sum([loop.run_until_complete(
                 _run(shard, [p], args.new_tokens, k, args.spec_max_batch, True, prefill))
                 for p in p1])
-            rows.append(_row(f"batch 1, --speculate {k}", r, base1))
-        # Batch B: B prompts of 512 (or context) tokens, `batch_tokens` new tokens each.
-        pb = _loop_prompts(args.batch, min(512, args.context), vocab, seed=1)
-        budget = prefill  # the warmup's prefill budget: chunks over several steps
-        baseb = loop.run_until_complete(
-            _run(shard, pb, args.batch_tokens, 0, args.spec_max_batch, True, budget))
-        rows.append(_row(f"batch {args.batch}, --speculate 0", baseb, None))
-        r = loop.run_until_complete(
-            _run(shard, pb, args.batch_tokens, 4, args.spec_max_batch, True, budget))
-        rows.append(_row(f"batch {args.batch}, --speculate 4 (adaptive: --speculate-max-batch-size"
-                         f" {args.spec_max_batch})", r, baseb))
-        r = loop.run_until_complete(
-            _run(shard, pb, args.batch_tokens, 4, args.batch, True, budget))
-        rows.append(_row(f"batch {args.batch}, --speculate 4 forced (--speculate-max-batch-size "
-                         f"{args.batch})", r, baseb))
+            rows.append(_row(f"batch 1, random prompts, --speculate {k}", r, base1))
+        res["rows"] = rows
+        _partial(args.out, res)
+        # Batch 64 before the looping rows: the issue's second target comes first.
+        res["batch_rows"] = _batch_ab(shard, args, vocab, prefill)
+        _partial(args.out, res)
+        # Batch 1, one token repeated: the model's own greedy output loops (high acceptance);
+        # the longer the prompt, the longer the loops last (the generated tokens shift the
+        # context average less), hence several context lengths, longest last.
+        res["loop_outputs"] = []
+        for ctx in args.loop_contexts:
+            pl = _constant_prompts(args.b1_requests, ctx, vocab)
+            runs = {}
+            for k in sorted({0, 4, max_k}):
+                runs[k] = [loop.run_until_complete(
+                    _run(shard, [p], args.new_tokens, k, args.spec_max_batch, True, prefill))
+                    for p in pl]
+                loop_rows.append(_row(f"batch 1, looping output, context {ctx}, --speculate {k}",
+                                      _sum(runs[k]), _sum(runs[0]) if k else None))
+            for o in (o for r in runs[0] for o in r.outputs):
+                start, period = _period(o)
+                res["loop_outputs"].append({
+                    "context": ctx, "loop_from": start, "period": period,
+                    "distinct": len(set(o)), "runs": len(_runs(o)), "first": o[:8]})
+            res["loop_rows"] = loop_rows
+            _partial(args.out, res)
     finally:
         loop.close()
     res["rows"] = rows
+    res["loop_rows"] = loop_rows
     res["total_s"] = round(time.perf_counter() - t0, 1)
+    _write(args.out, "speculate_gpu", res, _gpu_md(res, args))
+    return res
+
+
+def _gpu_md(res: dict, args) -> str:
     vs = res["verify_steps"]
-    md = [f"## GPU: {res['model']} on {res['device']}, context {args.context}\n",
-          "Verify step (batch 1, CUDA graph replay) against the plain decode step:\n",
-          ("| draft tokens k | tokens computed | ms | vs decode | logits vs eager (max abs diff, "
-           "argmax equal) |"), "|---|---|---|---|---|"]
+    md = [f"## GPU: {res['model']} on {res['device']}, context {args.context}\n"]
+    # The headline: batch-1 tokens/s with and without speculation, with the acceptance.
+    md += [(f"Batch 1, tokens/s (greedy, {args.b1_requests} requests one at a time, "
+            f"{args.new_tokens} new tokens each):\n"),
+           "| workload | --speculate | tok/s | speedup | acceptance | tokens / pass | equal |",
+           "|---|---|---|---|---|---|---|"]
+    for r in res["rows"] + res["loop_rows"]:
+        work = (f"looping output, context {r['run'].split('context ')[1].split(',')[0]}"
+                if "looping" in r["run"] else f"random prompts, context {args.context}")
+        acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f} %"
+        sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        eq = "-" if r["equal_to_reference"] is None else ("yes" if r["equal_to_reference"] else "NO")
+        md.append(f"| {work} | {r['run'].rsplit(' ', 1)[-1]} | {r['tok_s']:.1f} | {sp} | {acc} "
+                  f"| {r['tokens_per_forward']:.2f} | {eq} |")
+    loops = "; ".join(
+        f"context {o['context']}: {o['distinct']} distinct tokens in {o['runs']} runs"
+        + (f", periodic from token {o['loop_from']} (period {o['period']})"
+           if o["period"] else "") for o in res.get("loop_outputs", []))
+    md += ["", ("Looping workload: each prompt is one random token repeated (context tokens); "
+                f"the reference outputs (--speculate 0): {loops}."), ""]
+    # Batch 64: adaptive rule against no speculation.
+    br = res["batch_rows"]
+    both = next(r for r in br if "both runs" in r["run"])
+    md += [(f"Batch {args.batch} (greedy, {args.batch_tokens} new tokens each): adaptive rule / "
+            f"no speculation = **{both['speedup']:.3f}x** tokens/s (runs interleaved A B B A; "
+            "target: within 3 %).\n"), _table(br),
+           (f"Per-step host costs of the steps with more than {args.spec_max_batch} requests "
+            "(medians, µs; the runner's path for each step):\n"), _host_table(br)]
+    md += ["Verify step (batch 1, CUDA graph replay) against the plain decode step:\n",
+           ("| draft tokens k | tokens computed | ms | vs decode | logits vs eager (max abs diff, "
+            "argmax equal) |"), "|---|---|---|---|---|"]
     md += [f"| {r['k']} | {r['tokens']} | {r['ms']:.3f} ({r['how']}) | {r['vs_decode']:.2f}x "
            f"| {r['max_abs_diff_vs_eager']:.2g}, {r['argmax_equal_eager']} |" for r in vs]
     if res["batch_sweep"]:
@@ -550,13 +1060,34 @@ def run_gpu(args) -> dict:
                "|---|---|---|---|---|"]
         md += [f"| {r['batch']} | {r['decode_ms']:.3f} | {r['verify_k4_ms']:.3f} | "
                f"{r['ratio']:.2f}x | {r['break_even_acceptance']} |" for r in res["batch_sweep"]]
-    md += ["", (f"Decode throughput (greedy; batch 1: {args.b1_requests} prompts of "
-                f"{args.context} random tokens, {args.new_tokens} new tokens each; batch "
-                f"{args.batch}: {args.batch_tokens} new tokens each):\n"), _table(rows),
-           (f"Checkpoint {res['checkpoint_s']} s, load + warmup {res['load_warmup_s']} s, "
-            f"total {res['total_s']} s.")]
-    _write(args.out, "speculate_gpu", res, "\n".join(md) + "\n")
-    return res
+    md += ["", ("Greedy equality: one request's next-token logits computed four ways, against a "
+                "batch-1 decode step (paths as taken):\n")]
+    tt = res["trained_tiny"]
+    for name, d in ((f"{res['model']}, a random prompt", res["row0"]),
+                    ("trained tiny llama, a task prompt", tt.get("row0"))):
+        if not d:
+            continue
+        md += [(f"{name} of {d['context']} tokens (top-2 margin of the decode logits "
+                f"{d['top2_margin']:.3g}, logits std {d['logit_std']:.3g}):\n"),
+               "| computed as | path | max abs diff | logits differing | argmax equal |",
+               "|---|---|---|---|---|"]
+        md += [f"| {r['compare']} | {r['path']} | {r['max_abs_diff']:.3g} | "
+               f"{r['rows_differing']} | {r['argmax_equal']} |" for r in d["rows"]]
+        md.append("")
+    if "error" in tt:
+        md.append(f"Trained tiny llama part failed: {tt['error']}\n")
+    else:
+        md += [("Trained tiny llama (progression task, no near-ties), 8 prompts, 64 new tokens, "
+                "greedy, with and without speculation:\n"), _table(tt["rows"])]
+    md.append(f"Trained tiny part {res['trained_tiny_s']} s, checkpoint {res['checkpoint_s']} s, "
+              f"load + warmup {res['load_warmup_s']} s, total {res['total_s']} s.")
+    return "\n".join(md) + "\n"
+
+
+def _partial(out: Path, res: dict) -> None:
+    """What the GPU part has measured so far (a run stopped by a time limit keeps it)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speculate_gpu_partial.json").write_text(json.dumps(res, indent=1))
 
 
 def _write(out: Path, name: str, res: dict, md: str, quiet: bool = False) -> None:
@@ -578,6 +1109,15 @@ def main(argv: list[str] | None = None) -> None:
     cpu.add_argument("--tasks", type=int, default=len(GROUNDED_TASKS), help="first N tasks")
     cpu.add_argument("--parts", default="costs,tasks,batch",
                      help="costs (step CPU cost by k), tasks (batch 1), batch (all at once)")
+    host = sub.add_parser("host", help="per-step host cost: off vs adaptive-off (tiny, CPU)")
+    host.add_argument("--out", type=Path, default=Path("benchmarks/raw"))
+    host.add_argument("--workdir", type=Path, default=Path("/tmp/twb"))
+    host.add_argument("--speculate", type=int, default=4)
+    host.add_argument("--spec-max-batch", type=int, default=16)
+    host.add_argument("--batch", type=int, default=64)
+    host.add_argument("--prompt-tokens", type=int, default=32)
+    host.add_argument("--new-tokens", type=int, default=128)
+    host.add_argument("--reps", type=int, default=8)
     gpu = sub.add_parser("gpu", help="8B shape, random weights, one GPU")
     gpu.add_argument("--out", type=Path, default=Path("benchmarks/raw"))
     gpu.add_argument("--workdir", type=Path, default=Path("/tmp/twb"))
@@ -587,6 +1127,8 @@ def main(argv: list[str] | None = None) -> None:
     gpu.add_argument("--context", type=int, default=1024)
     gpu.add_argument("--max-k", type=int, default=8)
     gpu.add_argument("--new-tokens", type=int, default=256)
+    gpu.add_argument("--loop-contexts", type=lambda v: [int(x) for x in v.split(",")],
+                     default=[1024, 4096, 7168], help="prompt lengths of the looping workload")
     gpu.add_argument("--b1-requests", type=int, default=4)
     gpu.add_argument("--batch", type=int, default=64)
     gpu.add_argument("--batch-tokens", type=int, default=128)
@@ -595,6 +1137,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.part == "cpu":
         run_cpu(args)
+    elif args.part == "host":
+        run_host(args)
     else:
         run_gpu(args)
 

@@ -93,6 +93,23 @@ _END = object()
 DEADLINE_HEAP_SLACK = 64
 
 
+def _tokens_per_step(multi: list[tuple[int, int]] | None, total: int) -> tuple[int, ...]:
+    """Tokens of each step of a request that generated `total` tokens, from its multi-token
+    steps (tokens before the step, tokens it gave); () when the engine does not speculate."""
+    if multi is None:
+        return ()
+    if not multi:
+        return (1,) * total
+    out: list[int] = []
+    at = 0
+    for before, n in multi:
+        out.extend([1] * (before - at))
+        out.append(n)
+        at = before + n
+    out.extend([1] * (total - at))
+    return tuple(out)
+
+
 class _Stream(EventStream):
     """RequestStream of one request in this process."""
 
@@ -105,8 +122,11 @@ class _Stream(EventStream):
         self.request = request
         self.admitted_at = time.monotonic()
         self.scheduled_at: float | None = None
-        # Tokens per step (Finished.tokens_per_step), recorded when the engine speculates.
-        self.step_tokens: list[int] | None = [] if engine.config.speculate else None
+        # The steps that gave it several tokens, as (tokens generated before the step, tokens
+        # the step gave), recorded when the engine speculates; every other step gave one token.
+        # Finished.tokens_per_step is rebuilt from these at the end (_tokens_per_step), so a
+        # step that drafts nothing records nothing.
+        self.step_tokens: list[tuple[int, int]] | None = [] if engine.config.speculate else None
 
     def push(self, event: StepEvent) -> None:
         self._events.append(event)
@@ -491,9 +511,12 @@ class LocalEngine:
             if stream is None:
                 continue  # cancelled during the step
             fin = gen.finish
-            if stream.step_tokens is not None:
-                stream.step_tokens.append(gen.num_tokens)
             if gen.more:  # several tokens from this step (speculative decoding): one event each
+                if stream.step_tokens is not None:
+                    # Tokens generated so far, this step's included (the scheduler appended them).
+                    total = fin.generated_tokens if fin is not None else (
+                        sched.seqs[gen.seq_id].generated_len)
+                    stream.step_tokens.append((total - gen.num_tokens, gen.num_tokens))
                 stream.push(StepEvent(gen.token, gen.top_tokens, gen.prefill))
                 last = len(gen.more) - 1
                 for j, (token, top) in enumerate(gen.more):
@@ -517,7 +540,7 @@ class LocalEngine:
                 queue_seconds=scheduled_at - stream.admitted_at,
                 inference_seconds=now - scheduled_at,
                 prefix_cache_hit_tokens=hits.get(gen.seq_id, 0),
-                tokens_per_step=tuple(stream.step_tokens or ()),
+                tokens_per_step=_tokens_per_step(stream.step_tokens, fin.generated_tokens),
             )
             stream.push(replace(final, finished=finished_ev))
         if self._dirty_sinks:

@@ -104,8 +104,6 @@ class Scheduler:
         if not seq.token_ids:
             raise ValueError("empty input")
         seq.state = RequestState.WAITING
-        if self.config.speculation.enabled and seq.speculate and seq.spec is None:
-            seq.spec = new_spec_state(self.config.speculation)
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
@@ -279,6 +277,13 @@ class Scheduler:
         one), records them in `plan`; returns the number of draft tokens."""
         state = seq.spec
         if state is None:
+            if not seq.speculate:
+                return 0
+            # Created at the first step that may draft for it: a request that only ever runs in
+            # large steps (no drafts) never builds a proposer.
+            state = seq.spec = new_spec_state(self.config.speculation)
+        elif state.cooldown > 0:  # backed off: nothing else to do for it this step
+            state.cooldown -= 1
             return 0
         k = min(self.config.speculation.num_tokens, budget)
         if seq.max_new_tokens:

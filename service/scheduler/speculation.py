@@ -48,25 +48,32 @@ class SpeculationConfig:
 class NgramIndex:
     """Latest continuation start of every n-gram (min_n..max_n) of one growing token list.
 
-    `_starts[n][gram] = i` means tokens[i - n:i] == gram, with i the largest such index below the
-    list's current last position (so the continuation tokens[i] exists)."""
+    `_starts[n][key] = i` means tokens[i - n:i] is the n-gram of `key`, with i the largest such
+    index below the list's current last position (so the continuation tokens[i] exists).
+
+    Keys are ints, not tuples: the n-gram's tokens (ids < 2**32, as the shard protocol's uint32)
+    packed 32 bits each, the last token in the lowest bits. Ints and dicts holding only ints are
+    not tracked by the garbage collector, so indexing a long prompt (3 entries per token) adds
+    nothing for the collector to scan, and no tuple is built per entry."""
 
     __slots__ = ("_indexed", "_max_n", "_min_n", "_starts")
 
     def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
         self._max_n = max_n
         self._min_n = min_n
-        self._starts: dict[int, dict[tuple[int, ...], int]] = {
-            n: {} for n in range(min_n, max_n + 1)
-        }
+        self._starts: dict[int, dict[int, int]] = {n: {} for n in range(min_n, max_n + 1)}
         self._indexed = 0  # continuation starts 1.._indexed are in the index
 
     def _extend(self, tokens: list[int]) -> None:
         last = len(tokens) - 1  # a continuation must start before the last token's position + 1
         starts = self._starts
+        min_n, max_n = self._min_n, self._max_n
         for i in range(self._indexed + 1, last + 1):
-            for n in range(self._min_n, min(self._max_n, i) + 1):
-                starts[n][tuple(tokens[i - n : i])] = i
+            key = 0
+            for n in range(1, min(max_n, i) + 1):  # key of tokens[i - n:i], growing leftwards
+                key |= tokens[i - n] << (32 * (n - 1))
+                if n >= min_n:
+                    starts[n][key] = i
         self._indexed = max(self._indexed, last)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
@@ -75,8 +82,12 @@ class NgramIndex:
             return []
         self._extend(tokens)
         length = len(tokens)
-        for n in range(min(self._max_n, length), self._min_n - 1, -1):
-            i = self._starts[n].get(tuple(tokens[length - n :]))
+        top = min(self._max_n, length)
+        keys = [0] * (top + 1)  # keys[n]: key of the last n tokens
+        for n in range(1, top + 1):
+            keys[n] = keys[n - 1] | tokens[length - n] << (32 * (n - 1))
+        for n in range(top, self._min_n - 1, -1):
+            i = self._starts[n].get(keys[n])
             if i is None:
                 continue
             period = length - i  # >= 1: i <= length - 1
@@ -95,6 +106,7 @@ class SpecState:
     accepted: int = 0
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k drafts; none while backed off (each call counts one step of the cooldown)."""
         if self.cooldown > 0:
             self.cooldown -= 1
             return []

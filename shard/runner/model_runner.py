@@ -57,6 +57,9 @@ class ModelRunner:
         self.lora: LoraBatch | None = None
         # Verify-step graphs by tokens per request (2 .. 1 + k), once captured.
         self.verify_graphs: dict[int, Any] = {}
+        # How `execute` ran the last step: "decode_graph", "verify_graph" or "eager" (read by
+        # benchmarks and tests: a step without drafts must replay the plain decode graph).
+        self.last_path = ""
 
     def kv_bytes_per_block(self) -> int:
         return self.model.kv_bytes_per_block(self.block_size)
@@ -190,6 +193,7 @@ class ModelRunner:
             and g.can_run(step.query_lens, step.block_tables)
             and step.logits_indices == list(range(len(step.query_lens)))
         ):  # decode-only: replay the padded graph ([num_seqs, vocab], valid until next step)
+            self.last_path = "decode_graph"
             return g.run(step.token_ids, step.positions, step.seq_lens, step.block_tables,
                          step.lora_slots)
         # Verify graphs carry no LoRA slots: steps with adapter rows run eagerly.
@@ -197,9 +201,11 @@ class ModelRunner:
             v = self.verify_graphs.get(max(step.query_lens, default=0))
             if v is not None and v.can_run(step.query_lens, step.block_tables):
                 # Short rows (verify steps): the padded graph, then this step's logits rows.
+                self.last_path = "verify_graph"
                 logits, rows = v.run_ragged(step.token_ids, step.positions, step.query_lens,
                                             step.seq_lens, step.block_tables)
                 pick = torch.from_numpy(rows[np.asarray(step.logits_indices, dtype=np.int64)])
                 return logits.index_select(0, pick.to(self.device, non_blocking=True))
+        self.last_path = "eager"
         d = self.prepare(step)
         return self.forward(d.input_ids, d.positions, d.meta, d.logits_indices)

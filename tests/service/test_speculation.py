@@ -38,6 +38,34 @@ def test_proposer_falls_back_to_shorter_ngrams_and_gives_up() -> None:
     assert NgramIndex(3, 1).propose([1, 2, 3, 1], 2) == [2, 3]  # unigram "1"
 
 
+def _latest_match(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
+    """The proposer's rule by brute force: the longest n-gram ending the list whose latest
+    earlier occurrence has a continuation, continued periodically."""
+    length = len(tokens)
+    for n in range(min(max_n, length), min_n - 1, -1):
+        for i in range(length - 1, n - 1, -1):
+            if tokens[i - n : i] == tokens[length - n :]:
+                return [tokens[i + j % (length - i)] for j in range(k)]
+    return []
+
+
+def test_proposer_matches_brute_force_and_leaves_the_collector_alone() -> None:
+    import gc
+    import random
+
+    rng = random.Random(1)
+    for trial in range(100):
+        idx, tokens = NgramIndex(), []
+        # Few distinct ids (many matches), or ids near 2**32 (the packed keys' widest case).
+        for _ in range(50):
+            tokens.append(rng.randrange(6) if trial % 2 else rng.randrange(2**32 - 8, 2**32))
+            assert idx.propose(tokens, 4) == _latest_match(tokens, 4)
+    idx = NgramIndex()
+    idx.propose([rng.randrange(128_000) for _ in range(500)], 4)
+    # Indexing a long prompt creates nothing the garbage collector tracks.
+    assert not any(gc.is_tracked(d) for d in idx._starts.values())
+
+
 def test_proposer_extends_a_periodic_match() -> None:
     # The text loops with period 3: the continuation runs into the end and keeps cycling.
     tokens = [8, 1, 2, 3, 1, 2, 3, 1, 2]

@@ -143,6 +143,49 @@ async def test_speculation_metrics(server) -> None:
     assert 'tokenwire_speculative_accepted_tokens_per_step_bucket{le="5.0"}' in text
 
 
+async def test_steps_above_the_adaptive_limit_are_plain_decode_steps(server) -> None:
+    """With more running requests than --speculate-max-batch-size the router drafts nothing, and
+    the shard gets exactly the steps of --speculate 0: one token per row and logits rows
+    0..n-1 (the runner's condition for replaying its plain decode CUDA graph); outputs equal."""
+    prompts = [[11, 12, 13, 14, 15] * 4, [3, 4, 5] * 6 + [6, 7], [7, 8] * 10]  # 60 tokens: 1 step
+    reqs = [Req(p, max_new_tokens=10) for p in prompts]
+    runner = server.shard.runner
+    steps: dict[int, list[tuple[list[int], list[int]]]] = {0: [], 4: []}
+    execute = runner.execute
+    try:
+        for speculate in (0, 4):
+            def record(step, seen=steps[speculate]):
+                seen.append((list(step.query_lens), list(step.logits_indices)))
+                return execute(step)
+
+            runner.execute = record
+            async with router_engine(server.url, BUDGETS, speculate,
+                                     speculate_max_batch_size=2) as engine:
+                events = await run_all(engine, reqs)
+                if speculate == 0:
+                    ref = events
+            st = engine.stats()
+    finally:
+        del runner.execute  # back to the class's method
+    assert [token_ids(e) for e in events] == [token_ids(e) for e in ref]
+    assert st.spec_proposed_tokens == 0
+    assert steps[4] == steps[0]
+    decodes = steps[4][1:]  # after the one prefill step
+    assert len(decodes) == 9
+    assert all(q == [1, 1, 1] and rows == [0, 1, 2] for q, rows in decodes)
+    assert [e[-1].finished.tokens_per_step for e in events] == [(1,) * 10] * 3
+
+
+def test_tokens_per_step_rebuilt_from_the_multi_token_steps() -> None:
+    from service.engine.engine import _tokens_per_step
+
+    assert _tokens_per_step(None, 5) == ()
+    assert _tokens_per_step([], 3) == (1, 1, 1)
+    # 2 single steps, a step of 3 (tokens 2..4), one single, a step of 2 that ends it.
+    assert _tokens_per_step([(2, 3), (6, 2)], 8) == (1, 1, 3, 1, 2)
+    assert _tokens_per_step([(0, 4)], 4) == (4,)
+
+
 def test_verification_is_the_speculative_rejection_rule() -> None:
     """Draft x, model distribution p: accepting x iff the position's seeded sample equals x
     accepts with probability p(x) and, on rejection, emits p without x renormalised; the
