@@ -860,7 +860,8 @@ def _trained_tiny_equality(args, device: str) -> dict:
                                 TinyModelSpec("llama", train_steps=RECOMMENDED_STEPS))
     cuda = device == "cuda"
     shard = Shard(ShardConfig(model_id=str(model_dir), dtype="bfloat16" if cuda else "float32",
-                              device=device, kv_cache_memory_mb=64), Dist())
+                              device=device, kv_cache_memory_mb=64,
+                              max_batch_total_tokens=8192), Dist())  # CUDA: not 90 % of the GPU
     shard.warmup(WarmupSpec(32, 96, 128, 8, speculate_tokens=4, speculate_max_batch_size=8))
     prompts = [task_prompt(9, TASK.strides[i % len(TASK.strides)], (5 * i + 1) % TASK.modulus)
                for i in range(8)]
@@ -879,6 +880,7 @@ def _trained_tiny_equality(args, device: str) -> dict:
         loop.close()
     diag = _row0_diffs(shard, task_prompt(40, 3, 5), 4)  # in distribution: a clear choice
     del shard
+    gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return {"rows": rows, "row0": diag}
