@@ -86,6 +86,10 @@ def test_mixed_batch_equals_peft(model_dir, adapters, reference):
         assert _run(shard, model_dir, [name])[name] == reference[name]
     facts = {f.name: f for f in shard.adapters()}
     assert facts["qv8"].rank == 8 and facts["qv8"].target_modules == ("q_proj", "v_proj")
+    # every adapted linear of this (float32, unquantized) model carries its slots' A as extra
+    # rows of its weight: the path above was the folded one
+    assert shard.lora is not None
+    assert all(w.folded is not None for w in shard.lora.layers), "not folded"
 
 
 def test_lru_swaps_with_fewer_slots_than_adapters(model_dir, adapters, reference):
