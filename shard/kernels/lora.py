@@ -431,8 +431,11 @@ def _folded_delta(y_ptr, b_ptr, b_wide, slot, rows, row_ok, cols, col_ok, p, h_c
     if WIDE_SLOTS > 0:
         j = tl.arange(0, WIDE_SLOTS * BLOCK_R)
         s_of, r_of = j // BLOCK_R, j % BLOCK_R
-        mask = row_ok[:, None] & (slot[:, None] == s_of[None, :]) & (r_of < part_rank)[None, :]
+        # every slot's h of the rows (a few KB), selected by slot after the load: the load does
+        # not wait for the slots' (nor the y tile's), all three are in flight at once
+        mask = row_ok[:, None] & ((s_of < num_slots) & (r_of < part_rank))[None, :]
         h = tl.load(y_rows + (s_of * slot_stride + r_of)[None, :], mask=mask, other=0.0)
+        h = tl.where(slot[:, None] == s_of[None, :], h, 0.0)
         acc = tl.dot(h.to(b_wide.dtype), b_wide, input_precision=PRECISION)
     else:
         r_in = tl.arange(0, BLOCK_R)
