@@ -1,6 +1,15 @@
 """Batched LoRA for the CUDA path: every row of a step applies its own adapter (punica-style
 shrink then expand), so that requests for different adapters and the base model share one batch.
 
+Two forms. The FOLDED one (the bottom of this module; what the shard runs wherever the base
+linear has a plain 16-bit or fp32 weight) has no shrink kernel: every slot's A rides as extra rows
+of the base weight, the base GEMM writes every slot's x @ A^T next to the base output, and one
+expand per linear reads each row's own slot's part of it (measured on an H100 at batch 64, a
+linear's shrink + expand pair below cost 14-28 us, 77-92 us per layer for the four: launches
+and serial latency, not bytes; benchmarks/LORA.md). The shrink + expand kernels
+right below remain for quantized base linears (fp8 / int8 / nf4 weights cannot carry 16-bit A
+rows).
+
 Adapters live in stacked buffers at fixed addresses (a slot per resident adapter):
     A [num_slots, parts * R, K]  (shrink: K input features -> the parts' ranks, stacked)
     B [num_slots, N, parts * R]  (expand: block-diagonal, part p's output columns read only part
