@@ -405,9 +405,15 @@ def _precision(dtype: torch.dtype) -> str:
 # adapter slots are written between steps, never by a kernel of the step), so they load during
 # the base GEMM's tail.
 
+# Block sizes at batch 64 on 132 SMs (registers from ptxas for sm_90, bf16, 4 slots of rank 16):
+# the expand's [64, 128] tile takes 142 registers x 256 threads (one program per SM): 32
+# programs for o / down, 48 for q/k/v, one wave; the SiLU expand's [64, 128] gate + up tiles
+# take 200 registers (no spills): 112 programs for Llama-3-8B's 14336 columns, one wave, where
+# [64, 64] tiles (150 registers, still one per SM) would need 224 programs, two waves.
+# benchmarks/lora_kernels.py sweeps the alternatives on a GPU.
 FOLD_BLOCK_M = 64
 FOLD_BLOCK_N = 128
-FOLD_SILU_BLOCK_N = 64
+FOLD_SILU_BLOCK_N = 128
 FOLD_NUM_WARPS = 8
 
 
