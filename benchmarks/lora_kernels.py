@@ -3,22 +3,29 @@ per-layer cost inside CUDA graphs at batch 64, with 1 adapter, 4 adapters and ha
 
     python -m benchmarks.lora_kernels --out benchmarks/raw/lora_kernels_h100.json
 
-Builds the four adapted linears of a Llama-3-8B layer exactly as the shard holds them
-(shard.layers.lora.LoraWeights: q/k/v and gate/up stacked, B block-diagonal, 4 slots of rank
-16, random adapters) and the layer's base weights, for `--layers` distinct layers (their
-weights are far beyond L2, as in a real step), then captures CUDA graphs of all layers:
-  base       the four linears as the base model runs them at batch 64 (cuBLAS GEMMs, and
-             F.linear + silu_mul for gate/up: decode_linear's path above GEMV_MAX_M rows)
-  lora       the same with the LoRA kernels (what a LoRA decode graph runs per layer; the
-             gate/up expand does the SiLU-and-mul)
-  lora_only  only the LoRA kernels, on preallocated outputs
-  op:<name>  one projection group's LoRA kernels only (qkv, o, gate_up, down)
+Builds the four adapted linears of a Llama-3-8B layer exactly as the shard holds them with LoRA on
+(shard.layers.lora.LoraWeights: q/k/v and gate/up stacked, B block-diagonal, 4 slots of rank 16,
+random adapters, every slot's A FOLDED into extra rows of the base weight: LoraWeights.fold_into)
+for `--layers` distinct layers (their weights are far beyond L2, as in a real step), then
+captures CUDA graphs of all layers:
+  base        the four linears as the base model runs them at batch 64 (cuBLAS GEMMs on the base
+              rows of the weights, and F.linear + silu_mul for gate/up: decode_linear's path
+              above GEMV_MAX_M rows)
+  wide_gemms  the same on the widened weights (base + every slot's A): the GEMMs' growth alone
+  lora        what a LoRA decode graph runs per layer now: the wide GEMMs, each followed by its
+              folded expand (the gate/up one does the SiLU-and-mul, replacing silu_mul)
+  op:<name>   one projection's wide GEMM + expand, and the same projection's base op: the
+              difference is that projection's LoRA cost (qkv, o, gate_up, down)
+  expand:<name>  the expand kernel alone on a preallocated wide output
 and times their replays (CUDA events, median), divided by the layer count: us per layer, and
 (lora - base) x 32 layers as the step's LoRA cost against the issue's budget (4 adapters at most
 15 % over a 9.611 ms base step: ~1.44 ms, ~45 us per layer). torch.profiler (CUPTI records
-kernels replayed from graphs) gives each op's kernels' device us. Then, in the same process,
-PDL off, and a few alternatives of the kernels' block constants (module constants patched in
-this process only) timed on the lora graph, so that one device call also says which way to tune.
+kernels replayed from graphs) gives the layer graphs' kernels' device us (with PDL a kernel's
+span starts while its predecessor still runs: read the per-kernel us of PDL kernels as upper
+bounds). Then, in the same process: PDL off, the previous design (a shrink kernel per linear
+after the base GEMM, then the split-partials expand: `shrink_design`), and alternatives of the
+folded expands' block constants (module constants patched in this process only), so that one
+device call also says which way to tune.
 """
 
 from __future__ import annotations
@@ -47,30 +54,36 @@ TARGET = 0.15
 
 # Alternatives timed after the defaults (module constants of shard/kernels/lora.py).
 SWEEP: list[dict[str, int]] = [  # most telling first (the sweep stops at its time budget)
-    {"EXPAND_BLOCK_M": 32},
-    {"MAX_SPLITS": 4},
-    {"SILU_MAX_SPLITS": 8},
-    {"SHRINK_BLOCK_K": 64},
-    {"SILU_BLOCK_N": 128},
-    {"EXPAND_BLOCK_N": 64},
-    {"SILU_MAX_SPLITS": 2},
-    {"MAX_SPLITS": 16, "SPLIT_RANKS_MAX": 256},
+    {"FOLD_BLOCK_N": 64},  # o / down: 64 programs, 97 registers (two per SM)
+    {"FOLD_SILU_BLOCK_N": 64},  # gate/up: 224 programs, two waves
+    {"FOLD_BLOCK_M": 32},
+    {"FOLD_BLOCK_N": 256},
+    {"FOLD_BLOCK_N": 32},
+    {"FOLD_BLOCK_M": 32, "FOLD_SILU_BLOCK_N": 64},
 ]
+FOLD_CONSTANTS = ("FOLD_BLOCK_M", "FOLD_BLOCK_N", "FOLD_SILU_BLOCK_N", "FOLD_NUM_WARPS")
+OPS = ("qkv", "o", "gate_up", "down")
 
 
 @dataclass
 class Layer:
-    w_qkv: object  # [6144, 4096] bf16
+    w_qkv: object  # [6144, 4096] bf16: the base rows of wide_qkv
     w_o: object  # [4096, 4096]
     w_gu: object  # [28672, 4096]
     w_down: object  # [4096, 14336]
-    qkv: object  # LoraWeights
+    wide_qkv: object  # [6144 + 4 slots x 48, 4096]: base rows + every slot's A
+    wide_o: object  # [4096 + 64, 4096]
+    wide_gu: object  # [28672 + 128, 4096]
+    wide_down: object  # [4096 + 64, 14336]
+    qkv: object  # LoraWeights (folded)
     o: object
     gu: object
     down: object
 
 
-def _lora(specs, batch, rank, device, dtype, gen):
+def _lora(specs, batch, rank, base, device, dtype, gen):
+    """A LoraWeights folded into `base` [out, in] with random adapters in every slot:
+    (lora, wide weight, base view)."""
     import torch
 
     from shard.layers.lora import LoraPart, LoraWeights
@@ -80,12 +93,14 @@ def _lora(specs, batch, rank, device, dtype, gen):
         parts.append(LoraPart(name, fan_in, fan_out, (0, fan_in), (0, fan_out), at))
         at += fan_out
     w = LoraWeights(parts, batch, rank, device, dtype)
+    wide = w.fold_into(base)
+    assert wide is not None
     for slot in range(batch.num_slots):
         w.write_slot(slot, [
             ((torch.randn(rank, fi, device=device, generator=gen) * 0.01).to(dtype),
              (torch.randn(fo, rank, device=device, generator=gen) * 0.01).to(dtype))
             for _, fi, fo in specs])  # fmt: skip
-    return w
+    return w, wide, wide[:at]
 
 
 def build(sh: Shape, layers: int, slots: int, rank: int, device, gen
@@ -102,22 +117,24 @@ def build(sh: Shape, layers: int, slots: int, rank: int, device, gen
 
     out = []
     for _ in range(layers):
-        out.append(Layer(
-            w(sh.q_out + 2 * sh.kv_out, sh.hidden), w(sh.hidden, sh.q_out),
-            w(2 * sh.inter, sh.hidden), w(sh.hidden, sh.inter),
-            _lora([("q", sh.hidden, sh.q_out), ("k", sh.hidden, sh.kv_out),
-                   ("v", sh.hidden, sh.kv_out)], batch, rank, device, dtype, gen),
-            _lora([("o", sh.q_out, sh.hidden)], batch, rank, device, dtype, gen),
-            _lora([("gate", sh.hidden, sh.inter), ("up", sh.hidden, sh.inter)], batch, rank,
-                  device, dtype, gen),
-            _lora([("down", sh.inter, sh.hidden)], batch, rank, device, dtype, gen),
-        ))  # fmt: skip
+        qkv, wide_qkv, w_qkv = _lora([("q", sh.hidden, sh.q_out), ("k", sh.hidden, sh.kv_out),
+                                      ("v", sh.hidden, sh.kv_out)], batch, rank,
+                                     w(sh.q_out + 2 * sh.kv_out, sh.hidden), device, dtype, gen)
+        o, wide_o, w_o = _lora([("o", sh.q_out, sh.hidden)], batch, rank, w(sh.hidden, sh.q_out),
+                               device, dtype, gen)
+        gu, wide_gu, w_gu = _lora([("gate", sh.hidden, sh.inter), ("up", sh.hidden, sh.inter)],
+                                  batch, rank, w(2 * sh.inter, sh.hidden), device, dtype, gen)
+        down, wide_down, w_down = _lora([("down", sh.inter, sh.hidden)], batch, rank,
+                                        w(sh.hidden, sh.inter), device, dtype, gen)
+        out.append(Layer(w_qkv, w_o, w_gu, w_down, wide_qkv, wide_o, wide_gu, wide_down,
+                         qkv, o, gu, down))
     return out, batch
 
 
 class Bench:
     def __init__(self, sh: Shape, layers: list[Layer], batch, rows: int, device, gen):
         import torch
+        import torch.nn.functional as F
 
         self.sh, self.layers, self.batch, self.device = sh, layers, batch, device
 
@@ -126,99 +143,84 @@ class Bench:
 
         self.x = randn(rows, sh.hidden)
         self.act = randn(rows, sh.inter)
-        # lora_only outputs (the deltas accumulate over replays: fine for timing)
-        self.y_qkv = randn(rows, sh.q_out + 2 * sh.kv_out)
-        self.y_o = randn(rows, sh.hidden)
-        self.y_gu = randn(rows, 2 * sh.inter)
-        self.y_down = randn(rows, sh.hidden)
+        # expand-only inputs: the wide outputs of the first layer's GEMMs
+        first = layers[0]
+        self.y_wide = {"qkv": F.linear(self.x, first.wide_qkv), "o": F.linear(self.x, first.wide_o),
+                       "gate_up": F.linear(self.x, first.wide_gu),
+                       "down": F.linear(self.act, first.wide_down)}
         self.slot_buf = torch.zeros(rows, dtype=torch.int32, device=device)
         batch.set_device_rows(self.slot_buf)
-        # lora_overlapped: a side stream and one partials buffer per projection group
-        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.bufs = [torch.empty(16 * rows * 64, dtype=torch.float32, device=device)
-                     for _ in range(4)]
 
     def base(self) -> None:
+        for name in OPS:
+            self.base_op(name)
+
+    def base_op(self, name: str, wide: bool = False) -> None:
+        """The base model's op (wide: on the widened weight, its extra columns unused)."""
         import torch.nn.functional as F
 
         from shard.kernels.elementwise import silu_mul
 
         x, inter = self.x, self.sh.inter
         for layer in self.layers:
-            F.linear(x, layer.w_qkv)
-            F.linear(x, layer.w_o)
-            gu = F.linear(x, layer.w_gu)
-            act = silu_mul(gu[:, :inter], gu[:, inter:])
-            F.linear(act, layer.w_down)
+            if name == "qkv":
+                F.linear(x, layer.wide_qkv if wide else layer.w_qkv)
+            elif name == "o":
+                F.linear(x, layer.wide_o if wide else layer.w_o)
+            elif name == "gate_up":
+                gu = F.linear(x, layer.wide_gu if wide else layer.w_gu)
+                silu_mul(gu[:, :inter], gu[:, inter : 2 * inter])
+            else:
+                F.linear(self.act, layer.wide_down if wide else layer.w_down)
+
+    def wide_gemms(self) -> None:
+        for name in OPS:
+            self.base_op(name, wide=True)
 
     def lora(self) -> None:
+        """A LoRA decode layer's linears, as the shard runs them (the folded path)."""
         import torch.nn.functional as F
 
         x = self.x
         for layer in self.layers:
-            qkv = F.linear(x, layer.w_qkv)
-            layer.qkv.apply_(x, qkv)
-            o = F.linear(x, layer.w_o)  # (the attention output's stand-in: x)
-            layer.o.apply_(x, o)
-            gu = F.linear(x, layer.w_gu)
-            act = layer.gu.silu_mul(x, gu)
-            down = F.linear(act, layer.w_down)
-            layer.down.apply_(act, down)
+            layer.qkv.expand_folded(F.linear(x, layer.wide_qkv))
+            layer.o.expand_folded(F.linear(x, layer.wide_o))  # (attention output's stand-in: x)
+            act = layer.gu.silu_mul_folded(F.linear(x, layer.wide_gu))
+            layer.down.expand_folded(F.linear(act, layer.wide_down))
 
-    def lora_overlapped(self) -> None:
-        """An experiment, not the shard's path: each shrink on a side stream, concurrent with
-        its base GEMM (it reads only the GEMM's input), joined before the expand."""
-        import torch
+    def lora_op(self, name: str) -> None:
         import torch.nn.functional as F
 
-        from shard.kernels.lora import (
-            SILU_MAX_SPLITS,
-            lora_expand_,
-            lora_expand_silu_mul,
-            lora_shrink,
-        )
-
-        main, side = torch.cuda.current_stream(self.device), self.side
-        slots, ns = self.slot_buf, self.batch.num_slots
-
-        def fork(w, inp, max_splits, buf):
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                return lora_shrink(inp, w.a[:ns], slots, w.max_rank, max_splits, out=buf)
-
-        def expand(w, y, part):
-            main.wait_stream(side)
-            lora_expand_(y, part, w.b[:ns], slots, w.part_sizes, w.max_rank)
-
-        x = self.x
-        for layer in self.layers:
-            part = fork(layer.qkv, x, None, self.bufs[0])
-            expand(layer.qkv, F.linear(x, layer.w_qkv), part)
-            part = fork(layer.o, x, None, self.bufs[1])
-            expand(layer.o, F.linear(x, layer.w_o), part)
-            part = fork(layer.gu, x, SILU_MAX_SPLITS, self.bufs[2])
-            gu = F.linear(x, layer.w_gu)
-            main.wait_stream(side)
-            act = lora_expand_silu_mul(gu, part, layer.gu.b[:ns], slots, layer.gu.max_rank,
-                                       SILU_MAX_SPLITS)
-            part = fork(layer.down, act, None, self.bufs[3])
-            expand(layer.down, F.linear(act, layer.w_down), part)
-
-    def op(self, name: str) -> None:
         x = self.x
         for layer in self.layers:
             if name == "qkv":
-                layer.qkv.apply_(x, self.y_qkv)
+                layer.qkv.expand_folded(F.linear(x, layer.wide_qkv))
             elif name == "o":
-                layer.o.apply_(x, self.y_o)
+                layer.o.expand_folded(F.linear(x, layer.wide_o))
             elif name == "gate_up":
-                layer.gu.silu_mul(x, self.y_gu)
+                layer.gu.silu_mul_folded(F.linear(x, layer.wide_gu))
             else:
-                layer.down.apply_(self.act, self.y_down)
+                layer.down.expand_folded(F.linear(self.act, layer.wide_down))
 
-    def lora_only(self) -> None:
-        for name in ("qkv", "o", "gate_up", "down"):
-            self.op(name)
+    def expand_only(self, name: str) -> None:
+        y = self.y_wide[name]
+        for layer in self.layers:
+            if name == "gate_up":
+                layer.gu.silu_mul_folded(y)
+            else:
+                getattr(layer, name).expand_folded(y)
+
+    def shrink_design(self) -> None:
+        """The previous design, for comparison: the base GEMM, then a shrink kernel and the
+        split-partials expand per linear (LoraWeights.apply_ / silu_mul on CUDA)."""
+        import torch.nn.functional as F
+
+        x = self.x
+        for layer in self.layers:
+            layer.qkv.apply_(x, F.linear(x, layer.w_qkv))
+            layer.o.apply_(x, F.linear(x, layer.w_o))
+            act = layer.gu.silu_mul(x, F.linear(x, layer.w_gu))
+            layer.down.apply_(act, F.linear(act, layer.w_down))
 
     def graph(self, fn):
         import torch
@@ -306,8 +308,11 @@ def check(args: argparse.Namespace) -> int:
         bench.slot_buf.copy_(torch.tensor(p, dtype=torch.int32))
         batch.set_rows(p, device)  # the CPU path's gathers
         bench.base()
+        bench.wide_gemms()
         bench.lora()
-        bench.lora_only()
+        for name in OPS:
+            bench.lora_op(name)
+            bench.expand_only(name)
     print(json.dumps({"check": "ok", "shape": str(TINY)}))
     return 0
 
@@ -346,11 +351,13 @@ def main(argv: list[str] | None = None) -> int:
 
     set_slots(pats["1_adapter"])  # every kernel runs in full for the eager calls
     g_base = bench.graph(bench.base)
+    g_wide = bench.graph(bench.wide_gemms)
     g_lora = bench.graph(bench.lora)
-    g_only = bench.graph(bench.lora_only)
-    g_ops = {name: bench.graph(lambda name=name: bench.op(name))
-             for name in ("qkv", "o", "gate_up", "down")}
+    g_ops = {name: (bench.graph(lambda name=name: bench.lora_op(name)),
+                    bench.graph(lambda name=name: bench.base_op(name))) for name in OPS}
+    g_expand = {name: bench.graph(lambda name=name: bench.expand_only(name)) for name in OPS}
     base_us = replay_us(g_base, n)
+    wide_us = replay_us(g_wide, n)
     cases: dict[str, dict] = {}
     for pname, p in pats.items():
         set_slots(p)
@@ -359,28 +366,26 @@ def main(argv: list[str] | None = None) -> int:
         cases[pname] = {
             "layer_us": {"base": round(base_us, 2), "lora": round(lora_us, 2),
                          "lora_minus_base": round(extra, 2),
-                         "lora_only": round(replay_us(g_only, n), 2)},
-            "op_us": {name: round(replay_us(g, n), 2) for name, g in g_ops.items()},
+                         "wide_gemms_minus_base": round(wide_us - base_us, 2)},
+            "op_lora_minus_base_us": {
+                name: round(replay_us(g, n) - replay_us(gb, n), 2)
+                for name, (g, gb) in g_ops.items()},
+            "expand_only_us": {name: round(replay_us(g, n), 2) for name, g in g_expand.items()},
             "step_extra_ms_x32": round(extra * LAYERS_PER_STEP / 1e3, 3),
             "projected_slowdown": round(extra * LAYERS_PER_STEP / 1e3 / BASE_STEP_MS, 4),
-            "kernels_per_op": {name: kernel_us(g, n) for name, g in g_ops.items()},
         }
-        if pname != "1_adapter":
-            continue
-        cases[pname]["kernels_lora_layer"] = kernel_us(g_lora, n)
-        cases[pname]["kernels_base_layer"] = kernel_us(g_base, n)
-    set_slots(pats[f"{args.slots}_adapters"])
-    cases[f"{args.slots}_adapters"]["kernels_lora_layer"] = kernel_us(g_lora, n)
-    del g_lora, g_only, g_ops
+        if pname == "1_adapter":
+            cases[pname]["kernels_base_layer"] = kernel_us(g_base, n)
+        if pname != "mixed_half_base":
+            cases[pname]["kernels_lora_layer"] = kernel_us(g_lora, n)
+    del g_lora, g_ops, g_expand, g_wide
 
-    defaults = {k: getattr(kernels, k) for k in (
-        "SHRINK_BLOCK_M", "SHRINK_BLOCK_K", "MAX_SPLITS", "SILU_MAX_SPLITS",
-        "SHRINK_TARGET_PROGRAMS", "SHRINK_MIN_K_PER_SPLIT", "EXPAND_BLOCK_M", "EXPAND_BLOCK_N",
-        "SILU_BLOCK_N", "WIDE_MAX_K")}  # fmt: skip
+    defaults = {k: getattr(kernels, k) for k in FOLD_CONSTANTS}
     alt: dict[str, object] = {}
     out = {
         "device": torch.cuda.get_device_name(device),
         "shape": "Llama-3-8B layer (q/k/v 4096/1024/1024, o, gate/up 2x14336, down), bf16",
+        "design": "folded: every slot's A in extra rows of the base weight; one expand each",
         "rows": args.rows, "rank": args.rank, "slots": args.slots, "layers_in_graph": n,
         "pdl": pdl.enabled(device), "kernel_constants": defaults,
         "budget_us_per_layer": round(BASE_STEP_MS * TARGET * 1e3 / LAYERS_PER_STEP, 1),
@@ -388,27 +393,25 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     _report(out, cases, args.out, t0)  # written now too: the sweep may run out of time
 
-    # PDL off (Hopper launches these kernels as programmatic dependents by default).
     p4 = pats[f"{args.slots}_adapters"]
-    with pdl.override(False):
-        set_slots(pats["1_adapter"])
-        g = bench.graph(bench.lora)
-        set_slots(p4)
-        alt["pdl_off"] = {"lora_minus_base_us_4_adapters": round(replay_us(g, n) - base_us, 2)}
-        del g
-    print("alternative pdl_off:", alt["pdl_off"], flush=True)
-    try:  # the shrinks on a side stream, overlapping the base GEMMs
-        set_slots(pats["1_adapter"])
-        g = bench.graph(bench.lora_overlapped)
-        one = replay_us(g, n) - base_us
-        set_slots(p4)
-        alt["overlap_shrinks_with_gemms"] = {"lora_minus_base_us_1_adapter": round(one, 2),
-                                             "lora_minus_base_us_4_adapters": round(
-                                                 replay_us(g, n) - base_us, 2)}
-        del g
-    except Exception as exc:  # noqa: BLE001 - an experiment
-        alt["overlap_shrinks_with_gemms"] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
-    print("alternative overlap:", alt["overlap_shrinks_with_gemms"], flush=True)
+
+    def measure(key: str, fn) -> None:
+        """lora_minus_base of graph(fn) with 1 and with 4 adapters, into alt[key]."""
+        try:
+            set_slots(pats["1_adapter"])
+            g = bench.graph(fn)
+            one = replay_us(g, n) - base_us
+            set_slots(p4)
+            alt[key] = {"lora_minus_base_us_1_adapter": round(one, 2),
+                        "lora_minus_base_us_4_adapters": round(replay_us(g, n) - base_us, 2)}
+            del g
+        except Exception as exc:  # noqa: BLE001 - a variant that fails is a finding, not a crash
+            alt[key] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+        print("alternative", key, alt[key], flush=True)
+
+    with pdl.override(False):  # Hopper launches these kernels as programmatic dependents
+        measure("pdl_off", bench.lora)
+    measure("shrink_design", bench.shrink_design)  # the previous design, same process
     t_sweep = time.perf_counter()
     for change in SWEEP:
         key = json.dumps(change)
@@ -419,20 +422,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for k, v in change.items():
                 setattr(kernels, k, v)
-            set_slots(pats["1_adapter"])
-            g = bench.graph(bench.lora)
-            one = replay_us(g, n) - base_us
-            set_slots(p4)
-            four = replay_us(g, n) - base_us
-            alt[key] = {"lora_minus_base_us_1_adapter": round(one, 2),
-                        "lora_minus_base_us_4_adapters": round(four, 2)}
-            del g
-        except Exception as exc:  # noqa: BLE001 - a variant that fails is a finding, not a crash
-            alt[key] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            measure(key, bench.lora)
         finally:
             for k, v in saved.items():
                 setattr(kernels, k, v)
-        print("alternative", key, alt[key], flush=True)
     _report(out, cases, args.out, t0)
     return 0
 
@@ -446,13 +439,18 @@ def _report(out: dict, cases: dict, path: Path | None, t0: float) -> None:
     print(f"{out['device']}: {out['rows']} rows, rank {out['rank']}, {out['slots']} slots, "
           f"budget {out['budget_us_per_layer']} us/layer, pdl={out['pdl']}, {out['seconds']} s")
     for name, case in cases.items():
-        print(f"  {name}: layer us {case['layer_us']}  ops us {case['op_us']}  "
-              f"projected slowdown {case['projected_slowdown']:+.1%}")
+        print(f"  {name}: layer us {case['layer_us']}  projected slowdown "
+              f"{case['projected_slowdown']:+.1%}")
+        print(f"    per op (wide GEMM + expand - base op) us {case['op_lora_minus_base_us']}")
+        print(f"    expand alone us {case['expand_only_us']}")
     for name, case in cases.items():
-        for op, kernels in case["kernels_per_op"].items():
-            short = {k[:40]: v[0] for k, v in kernels.items()} if "error" not in kernels \
+        for what in ("kernels_lora_layer", "kernels_base_layer"):
+            kernels = case.get(what)
+            if kernels is None:
+                continue
+            short = {k[:40]: v for k, v in kernels.items()} if "error" not in kernels \
                 else kernels
-            print(f"  kernels {name} {op}: {short}")
+            print(f"  {what} {name} (us, launches per layer): {short}")
     print("  alternatives:", json.dumps(out["alternatives_lora_minus_base_us"]), flush=True)
 
 

@@ -1,6 +1,15 @@
 """Batched LoRA for the CUDA path: every row of a step applies its own adapter (punica-style
 shrink then expand), so that requests for different adapters and the base model share one batch.
 
+Two forms. The FOLDED one (the bottom of this module; what the shard runs wherever the base
+linear has a plain 16-bit or fp32 weight) has no shrink kernel: every slot's A rides as extra rows
+of the base weight, the base GEMM writes every slot's x @ A^T next to the base output, and one
+expand per linear reads each row's own slot's part of it (measured on an H100 at batch 64, a
+linear's shrink + expand pair below cost 14-28 us, 77-92 us per layer for the four: launches
+and serial latency, not bytes; benchmarks/LORA.md). The shrink + expand kernels
+right below remain for quantized base linears (fp8 / int8 / nf4 weights cannot carry 16-bit A
+rows).
+
 Adapters live in stacked buffers at fixed addresses (a slot per resident adapter):
     A [num_slots, parts * R, K]  (shrink: K input features -> the parts' ranks, stacked)
     B [num_slots, N, parts * R]  (expand: block-diagonal, part p's output columns read only part
@@ -355,6 +364,12 @@ def _wide_rank_scaled(block: int, part_rank: int) -> int:
     return max(32, block * 32 // max(32, _block_r(part_rank)))
 
 
+def _fold_block_m(part_rank: int) -> int:
+    """The folded expands' row tile: halved for ranks above 64 (the [rows, R] h tiles of the
+    slot loop; the SiLU variant holds two)."""
+    return FOLD_BLOCK_M if _block_r(part_rank) <= 64 else FOLD_BLOCK_M // 2
+
+
 def _block_r(part_rank: int) -> int:
     return max(16, triton.next_power_of_2(part_rank))  # tl.dot needs >= 16
 
@@ -370,3 +385,211 @@ def _precision(dtype: torch.dtype) -> str:
     # float32 models get exact fp32 products (tf32 would drift from the torch path); for 16-bit
     # operands the precision argument does not apply (bf16 / fp16 tensor-core dots).
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---- Folded shrink: every slot's A rides in the base GEMM --------------------------------------
+#
+# With LoRA on, a 16-bit (or fp32) base linear's weight carries every slot's A as extra rows
+# after its N output rows (shard/layers/lora.py LoraWeights.fold_into): [N + slots * parts * R
+# (+ pad), K]. The base GEMM then also writes every slot's h = x @ A[slot]^T, rounded to the model
+# dtype like peft's lora_A output, into the columns after N of its wide output
+#     y_wide [M, N + E]:  y_wide[:, :N] the base output,
+#                         y_wide[:, N + s * parts * R + p * R + r] slot s's rank r of part p
+# so a LoRA linear needs no shrink launch at all (4 fewer kernels per layer; the GEMM grows by
+# E / N: +3 % for q/k/v, +1.6 % o and down, +0.4 % gate/up at 4 slots of rank 16 on
+# Llama-3-8B). The expand below reads each row's own slot's R columns of y_wide (zeros for the
+# other slots' columns), one dot over all slots as in _delta, and writes base + delta to a NEW
+# contiguous [M, N] tensor: the consumers (q/k/v split and views, all-reduce, residual norm) see
+# the same tensor as without LoRA. Per program: the y tile, the [rows, slots * R] h tile (bf16,
+# no fp32 partials, no split sum) and the B tiles; the B tiles are read before the PDL wait (the
+# adapter slots are written between steps, never by a kernel of the step), so they load during
+# the base GEMM's tail.
+
+# Block sizes at batch 64 on 132 SMs (registers from ptxas for sm_90, bf16, 4 slots of rank 16):
+# the expand's [64, 128] tile takes 142 registers x 256 threads (one program per SM): 32
+# programs for o / down, 48 for q/k/v, one wave; the SiLU expand's [64, 128] gate + up tiles
+# take 200 registers (no spills): 112 programs for Llama-3-8B's 14336 columns, one wave, where
+# [64, 64] tiles (150 registers, still one per SM) would need 224 programs, two waves.
+# benchmarks/lora_kernels.py sweeps the alternatives on a GPU.
+FOLD_BLOCK_M = 64
+FOLD_BLOCK_N = 128
+FOLD_SILU_BLOCK_N = 128
+FOLD_NUM_WARPS = 8
+
+
+@triton.jit
+def _folded_b(b_ptr, cols, col_ok, p, part_rank, num_slots, stride_bs, stride_bn,
+              BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, WIDE_SLOTS: tl.constexpr):
+    """All slots' B tiles of part p's ranks, stacked along R: [WIDE_SLOTS * BLOCK_R, BLOCK_N]
+    (zeros past num_slots and past the rank)."""
+    r_in = tl.arange(0, BLOCK_R)
+    rr = p * part_rank + r_in
+    s_in = tl.arange(0, WIDE_SLOTS)
+    at = (b_ptr + s_in[:, None, None].to(tl.int64) * stride_bs
+          + cols[None, None, :].to(tl.int64) * stride_bn + rr[None, :, None])
+    mask = ((s_in < num_slots)[:, None, None] & (r_in < part_rank)[None, :, None]
+            & col_ok[None, None, :])
+    b = tl.load(at, mask=mask, other=0.0)
+    return tl.reshape(b, [WIDE_SLOTS * BLOCK_R, BLOCK_N])
+
+
+@triton.jit
+def _folded_delta(y_ptr, b_ptr, b_wide, slot, rows, row_ok, cols, col_ok, p, h_col0,
+                  slot_stride, part_rank, num_slots, stride_ym, stride_bs, stride_bn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                  WIDE_SLOTS: tl.constexpr, PRECISION: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32: each row's h (part p's ranks of its slot, read from y_wide's
+    columns h_col0 + slot * slot_stride + p * part_rank + r) @ its slot's B tile; 0 for rows of
+    slot -1. WIDE_SLOTS > 0: one dot against `b_wide` (_folded_b); 0: a loop over the slots
+    present (b_wide unused)."""
+    y_rows = y_ptr + rows[:, None].to(tl.int64) * stride_ym + h_col0 + p * part_rank
+    if WIDE_SLOTS > 0:
+        j = tl.arange(0, WIDE_SLOTS * BLOCK_R)
+        s_of, r_of = j // BLOCK_R, j % BLOCK_R
+        # every slot's h of the rows (a few KB), selected by slot after the load: the load does
+        # not wait for the slots' (nor the y tile's), all three are in flight at once
+        mask = row_ok[:, None] & ((s_of < num_slots) & (r_of < part_rank))[None, :]
+        h = tl.load(y_rows + (s_of * slot_stride + r_of)[None, :], mask=mask, other=0.0)
+        h = tl.where(slot[:, None] == s_of[None, :], h, 0.0)
+        acc = tl.dot(h.to(b_wide.dtype), b_wide, input_precision=PRECISION)
+    else:
+        r_in = tl.arange(0, BLOCK_R)
+        r_ok = r_in < part_rank
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        b_tile = (b_ptr + cols[None, :].to(tl.int64) * stride_bn
+                  + (p * part_rank + r_in)[:, None])  # [BLOCK_R, BLOCK_N]
+        for s in range(num_slots):
+            sel = row_ok & (slot == s)
+            if tl.max(sel.to(tl.int32), axis=0) > 0:
+                b = tl.load(b_tile + s * stride_bs, mask=r_ok[:, None] & col_ok[None, :],
+                            other=0.0)
+                h = tl.load(y_rows + s * slot_stride + r_in[None, :],
+                            mask=sel[:, None] & r_ok[None, :], other=0.0)
+                acc += tl.dot(h.to(b.dtype), b, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _lora_expand_folded_kernel(y_ptr, b_ptr, slots_ptr, out_ptr, num_rows, h_col0, slot_stride,
+                               part_rank, num_slots, n_end0, n_end1, n_end2, t_end0, t_end1,
+                               stride_ym, stride_bs, stride_bn, stride_om,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_R: tl.constexpr, WIDE_SLOTS: tl.constexpr,
+                               PRECISION: tl.constexpr, PDL: tl.constexpr):
+    let_dependents_launch(PDL)
+    p, col0, part_end = _part_of_tile(tl.program_id(1), n_end0, n_end1, n_end2, t_end0, t_end1,
+                                      BLOCK_N)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < part_end
+    b_wide = tl.zeros([16, BLOCK_N], dtype=tl.float32)  # (unused in the slot loop)
+    if WIDE_SLOTS > 0:  # adapter weights: never written by the step's kernels
+        b_wide = _folded_b(b_ptr, cols, col_ok, p, part_rank, num_slots, stride_bs, stride_bn,
+                           BLOCK_N, BLOCK_R, WIDE_SLOTS)
+    wait_for_predecessor(PDL)  # y_wide (the base GEMM) and the slots
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_rows
+    slot = tl.load(slots_ptr + rows, mask=row_ok, other=-1)
+    mask = row_ok[:, None] & col_ok[None, :]
+    y = tl.load(y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    y += _folded_delta(y_ptr, b_ptr, b_wide, slot, rows, row_ok, cols, col_ok, p, h_col0,
+                       slot_stride, part_rank, num_slots, stride_ym, stride_bs, stride_bn,
+                       BLOCK_M, BLOCK_N, BLOCK_R, WIDE_SLOTS, PRECISION)
+    out_at = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out_at, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _lora_expand_folded_silu_kernel(y_ptr, b_ptr, slots_ptr, out_ptr, num_rows, inter,
+                                    h_col0, slot_stride, part_rank, num_slots,
+                                    stride_ym, stride_bs, stride_bn, stride_om,
+                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                    BLOCK_R: tl.constexpr, WIDE_SLOTS: tl.constexpr,
+                                    PRECISION: tl.constexpr, PDL: tl.constexpr):
+    let_dependents_launch(PDL)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # gate's; up's are inter + cols
+    col_ok = cols < inter
+    bg = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    bu = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    if WIDE_SLOTS > 0:
+        bg = _folded_b(b_ptr, cols, col_ok, 0, part_rank, num_slots, stride_bs, stride_bn,
+                       BLOCK_N, BLOCK_R, WIDE_SLOTS)
+        bu = _folded_b(b_ptr, inter + cols, col_ok, 1, part_rank, num_slots, stride_bs,
+                       stride_bn, BLOCK_N, BLOCK_R, WIDE_SLOTS)
+    wait_for_predecessor(PDL)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_rows
+    slot = tl.load(slots_ptr + rows, mask=row_ok, other=-1)
+    mask = row_ok[:, None] & col_ok[None, :]
+    y_at = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
+    g = tl.load(y_at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(y_at + inter, mask=mask, other=0.0).to(tl.float32)
+    g += _folded_delta(y_ptr, b_ptr, bg, slot, rows, row_ok, cols, col_ok, 0, h_col0,
+                       slot_stride, part_rank, num_slots, stride_ym, stride_bs, stride_bn,
+                       BLOCK_M, BLOCK_N, BLOCK_R, WIDE_SLOTS, PRECISION)
+    u += _folded_delta(y_ptr, b_ptr, bu, slot, rows, row_ok, inter + cols, col_ok, 1, h_col0,
+                       slot_stride, part_rank, num_slots, stride_ym, stride_bs, stride_bn,
+                       BLOCK_M, BLOCK_N, BLOCK_R, WIDE_SLOTS, PRECISION)
+    dtype = out_ptr.dtype.element_ty
+    # silu_mul's rounding (as _lora_expand_silu_kernel): base rows get exactly what it gives
+    g = g.to(dtype).to(tl.float32)
+    u = u.to(dtype).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    out_at = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out_at, (a * u).to(dtype), mask=mask)
+
+
+def lora_expand_folded(y_wide: torch.Tensor, n: int, b: torch.Tensor, slots: torch.Tensor,
+                       part_sizes: list[int], part_rank: int) -> torch.Tensor:
+    """y_wide [M, n + E]: a folded base GEMM's output (the base output in [:, :n], every slot's
+    h after it, see above) -> [M, n] contiguous: base + each row's h @ b[slot]^T (b [num_slots,
+    n, parts * part_rank] block-diagonal over the parts of `part_sizes`); rows of slot -1 get
+    the base output unchanged."""
+    m = y_wide.shape[0]
+    num_slots, _, ranks = b.shape
+    assert sum(part_sizes) == n and 1 <= len(part_sizes) <= MAX_PARTS, (part_sizes, n)
+    assert ranks == len(part_sizes) * part_rank and y_wide.shape[1] >= n + num_slots * ranks
+    assert y_wide.stride(1) == 1 and b.stride(2) == 1
+    out = torch.empty((m, n), dtype=y_wide.dtype, device=y_wide.device)
+    if m == 0:
+        return out
+    ends = [sum(part_sizes[: i + 1]) for i in range(len(part_sizes))]
+    ends += [n] * (MAX_PARTS - len(ends))
+    block_n = _wide_rank_scaled(FOLD_BLOCK_N, part_rank)
+    tiles = [triton.cdiv(size, block_n) for size in part_sizes]
+    t_ends = [sum(tiles[: i + 1]) for i in range(len(tiles))]
+    t_ends += [t_ends[-1]] * (MAX_PARTS - len(t_ends))
+    grid = (triton.cdiv(m, _fold_block_m(part_rank)), t_ends[-1])
+    _lora_expand_folded_kernel[grid](
+        y_wide, b, slots, out, m, n, ranks, part_rank, num_slots, ends[0], ends[1], ends[2],
+        t_ends[0], t_ends[1], y_wide.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        BLOCK_M=_fold_block_m(part_rank), BLOCK_N=block_n, BLOCK_R=_block_r(part_rank),
+        WIDE_SLOTS=_wide_slots(num_slots, part_rank), PRECISION=_precision(y_wide.dtype),
+        num_warps=FOLD_NUM_WARPS, **pdl.launch_options(y_wide.device),
+    )
+    return out
+
+
+def lora_expand_folded_silu_mul(y_wide: torch.Tensor, n: int, b: torch.Tensor,
+                                slots: torch.Tensor, part_rank: int) -> torch.Tensor:
+    """For gate/up: y_wide [M, n + E] (gate | up | every slot's h) -> silu(gate') * up' [M, n/2]
+    where gate' | up' = the base output + each row's LoRA delta (b [num_slots, n, 2 * part_rank]
+    block-diagonal)."""
+    m = y_wide.shape[0]
+    num_slots, _, ranks = b.shape
+    assert n % 2 == 0 and ranks == 2 * part_rank and y_wide.shape[1] >= n + num_slots * ranks
+    assert y_wide.stride(1) == 1 and b.stride(2) == 1
+    inter = n // 2
+    out = torch.empty((m, inter), dtype=y_wide.dtype, device=y_wide.device)
+    if m == 0:
+        return out
+    block_n = _wide_rank_scaled(FOLD_SILU_BLOCK_N, part_rank)
+    grid = (triton.cdiv(m, _fold_block_m(part_rank)), triton.cdiv(inter, block_n))
+    _lora_expand_folded_silu_kernel[grid](
+        y_wide, b, slots, out, m, inter, n, ranks, part_rank, num_slots,
+        y_wide.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        BLOCK_M=_fold_block_m(part_rank), BLOCK_N=block_n, BLOCK_R=_block_r(part_rank),
+        WIDE_SLOTS=_wide_slots(num_slots, part_rank), PRECISION=_precision(y_wide.dtype),
+        num_warps=FOLD_NUM_WARPS, **pdl.launch_options(y_wide.device),
+    )
+    return out

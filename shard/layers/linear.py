@@ -77,6 +77,28 @@ class RowParallelLinear(nn.Module, WeightLoader):
         self.quantized: nn.Module | None = None  # replaces weight under --quantize / fp8
         # Resident LoRA adapters (shard/lora attaches them when --max-loras > 0).
         self.lora: LoraWeights | None = None
+        # [out + E, in_local] with LoRA on a plain weight: the weight (rows [:out], which
+        # self.weight views) and every slot's A (LoraWeights.fold_into); one GEMM gives both.
+        self.lora_weight: torch.Tensor | None = None
+
+    def attach_lora(self, lora: LoraWeights) -> None:
+        """Adapters on this linear; folded into the weight where it is a plain one. Under
+        tensor parallelism each rank's x @ A_rank^T is a partial h: its expand adds a partial
+        delta to the rank's partial output, and the all-reduce sums both (linear in h)."""
+        self.lora = lora
+        if self.quantized is None and self.weight is not None:
+            wide = lora.fold_into(self.weight.data)
+            if wide is not None:
+                self.weight.data = wide[: self.weight.shape[0]]
+                self.lora_weight = wide
+
+    def _lora_partial(self, x: torch.Tensor, lora: LoraWeights) -> torch.Tensor:
+        """This rank's share of the output with each row's adapter (bias not added)."""
+        if self.lora_weight is not None:
+            return lora.expand_folded(linear(x, self.lora_weight))
+        y = self.quantized(x) if self.quantized is not None else linear(x, self.weight)
+        lora.apply_(x, y)
+        return y
 
     def load(self, weights: Weights, prefix: str) -> None:
         self.weight.data = weights.get_sharded(f"{prefix}.weight", dim=1)
@@ -90,9 +112,10 @@ class RowParallelLinear(nn.Module, WeightLoader):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = self.quantized(x) if self.quantized is not None else linear(x, self.weight)
         if self.lora is not None and self.lora.batch.active:
-            self.lora.apply_(x, partial)  # this rank's share, summed by the all-reduce below
+            partial = self._lora_partial(x, self.lora)  # summed by the all-reduce below
+        else:
+            partial = self.quantized(x) if self.quantized is not None else linear(x, self.weight)
         y = self.dist.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
@@ -115,9 +138,10 @@ class RowParallelLinear(nn.Module, WeightLoader):
             and linear_pushed(x, self.weight, fused)
         ):
             return PushedPartial(rows=x.shape[0])
-        y = self.quantized(x) if self.quantized is not None else linear(x, self.weight)
         if lora is not None:
-            lora.apply_(x, y)
+            y = self._lora_partial(x, lora)
+        else:
+            y = self.quantized(x) if self.quantized is not None else linear(x, self.weight)
         if self.bias is not None and self.dist.rank == 0:
             y = y + self.bias
         return y
@@ -141,11 +165,26 @@ class _MergedWeight:
         self,
         linear: Callable[[torch.Tensor], torch.Tensor],  # [n, in] -> [n, sum(out)]
         silu_mul: Callable[[torch.Tensor], torch.Tensor],  # [n, in] -> [n, sum(out) / 2]
+        weight: torch.Tensor | None = None,  # the merged weight where it is a plain one
     ):
         self.linear = linear
         # For gate/up: silu(gate) * up of the merged output, in one kernel where the decode
         # GEMV serves the batch.
         self.silu_mul = silu_mul
+        self.weight = weight
+
+
+def _plain_merged(merged: torch.Tensor, parts: list[ColumnParallelLinear]) -> _MergedWeight:
+    """The parts' weights become row blocks (views) of `merged` [>= sum(out), in], whose first
+    sum(out) rows are the merged weight."""
+    at = 0
+    for m in parts:
+        rows = m.weight.shape[0]
+        m.weight.data = merged[at : at + rows]
+        at += rows
+    base = merged[:at]
+    return _MergedWeight(lambda x: decode_linear.linear(x, base),
+                         lambda x: decode_linear.gate_up_silu(x, base), base)
 
 
 def _merge_rows(parts: list[ColumnParallelLinear]) -> _MergedWeight | None:
@@ -153,14 +192,7 @@ def _merge_rows(parts: list[ColumnParallelLinear]) -> _MergedWeight | None:
     views: no extra memory). Plain weights and fp8 weights (each row keeps its scale) merge;
     None when any part has a bias or another quantization."""
     if all(m.quantized is None and m.weight is not None and m.bias is None for m in parts):
-        merged = torch.cat([m.weight.data for m in parts])
-        at = 0
-        for m in parts:
-            rows = m.weight.shape[0]
-            m.weight.data = merged[at : at + rows]
-            at += rows
-        return _MergedWeight(lambda x: decode_linear.linear(x, merged),
-                             lambda x: decode_linear.gate_up_silu(x, merged))
+        return _plain_merged(torch.cat([m.weight.data for m in parts]), parts)
     # fp8 parts merge on CUDA only: the merged fp8 entry points are the Triton GEMV / _scaled_mm.
     if all(isinstance(m.quantized, Fp8Linear) and m.quantized.bias is None
            and m.quantized.weight.is_cuda for m in parts):
@@ -193,6 +225,19 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
         self.merged: _MergedWeight | None = None
         # Resident LoRA adapters of all parts (shard/lora attaches them when --max-loras > 0).
         self.lora: LoraWeights | None = None
+        # [sum(out) + E, in] with LoRA on a plain merged weight: the merged weight (its first
+        # rows, which the parts' weights view) and every slot's A (LoraWeights.fold_into).
+        self.lora_weight: torch.Tensor | None = None
+
+    def attach_lora(self, lora: LoraWeights) -> None:
+        """Adapters on all parts; folded into the merged weight where it is a plain one
+        (column-parallel: each rank's A is whole, its h exact)."""
+        self.lora = lora
+        if self.merged is not None and self.merged.weight is not None:
+            wide = lora.fold_into(self.merged.weight)
+            if wide is not None:
+                self.merged = _plain_merged(wide, list(self.parts.values()))
+                self.lora_weight = wide
 
     def load(self, weights: Weights, prefix: str) -> None:
         parent = prefix.rpartition(".")[0]
@@ -204,6 +249,9 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [n, in] -> each part's output [n, out_local]."""
         lora = self.lora if self.lora is not None and self.lora.batch.active else None
+        if lora is not None and self.lora_weight is not None:  # the base GEMM computes h too
+            y = lora.expand_folded(linear(x, self.lora_weight))  # [n, sum(out_local)]
+            return list(y.split(self.sizes, dim=-1))
         if self.merged is not None:  # one GEMM / GEMV for all parts
             y = self.merged.linear(x)  # [n, sum(out_local)]
             if lora is not None:
@@ -219,6 +267,9 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """For two parts (gate, up): silu(gate(x)) * up(x), [n, in] -> [n, out_local]; one
         kernel for the SiLU-and-mul on CUDA, one pass over the merged weight where merged."""
+        if self.lora is not None and self.lora.batch.active and self.lora_weight is not None:
+            # [n, 2 * out_local + E] -> one kernel: expand, SiLU-and-mul
+            return self.lora.silu_mul_folded(linear(x, self.lora_weight))
         if self.lora is not None and self.lora.batch.active:
             # the adapters' deltas need the unfused outputs; the LoRA expand then does the
             # SiLU-and-mul (one kernel on CUDA)

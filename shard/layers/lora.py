@@ -7,7 +7,11 @@ each, at fixed addresses (captured CUDA graphs read them), plus a last all-zero 
     a [slots + 1, parts * R, in_local]    the parts' A matrices stacked along the rank axis
     b [slots + 1, out_local, parts * R]   block-diagonal: part p's rows read only part p's ranks;
                                           the scaling (alpha / r, or alpha / sqrt(r)) folded in
-so that one shrink and one expand serve q/k/v (or gate/up) together. Under tensor parallelism a
+so that one shrink and one expand serve q/k/v (or gate/up) together. Where the base linear has
+a plain weight of the adapters' dtype (not quantized), `fold_into` moves `a` (minus the zero
+slot) into extra rows of that weight: the base GEMM then computes every slot's x @ A^T with the
+base output and only the expand remains (`expand_folded`, `silu_mul_folded`); quantized bases
+keep the separate shrink (`apply_`, `silu_mul`). Under tensor parallelism a
 column-parallel layer holds B's rows of its output slice; a row-parallel one A's columns of its
 input slice, and its share (x_rank A_rank^T) B^T is summed over ranks by the layer's own
 all-reduce, like the base output.
@@ -108,6 +112,30 @@ class LoraWeights:
         slots = batch.num_slots + 1  # the last one stays zero (CPU gathers of "no adapter")
         self.a = torch.zeros((slots, ranks, in_local), dtype=dtype, device=device)
         self.b = torch.zeros((slots, out_local, ranks), dtype=dtype, device=device)
+        # fold_into: the base output features N; then `a` is [slots, parts * R, in_local], rows
+        # of the base linear's widened weight (no zero slot), and the base GEMM computes h.
+        self.folded: int | None = None
+
+    def fold_into(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """Widens a base linear's weight [N, in_local] (16-bit or fp32, the adapters' dtype)
+        to [N + E, in_local]: rows N + s * parts * R + p * R + r hold slot s's A (part p, rank
+        r; E rounded up to 16 rows, the extra ones zero), so that x @ wide^T yields the base
+        output AND every slot's h = x @ A[s]^T in one GEMM (shard/kernels/lora.py, "Folded
+        shrink"). Returns the wide weight (the caller makes its weight the view wide[:N]), or
+        None where the weight cannot carry them (other dtype / device, not contiguous). `a`
+        becomes the view of the extra rows: write_slot fills them in place."""
+        n, k = weight.shape
+        slots, ranks = self.batch.num_slots, len(self.parts) * self.max_rank
+        if (weight.dtype != self.a.dtype or weight.device != self.a.device
+                or not weight.is_contiguous() or k != self.a.shape[2]
+                or n != sum(self.part_sizes)):
+            return None
+        extra = -(-slots * ranks // 16) * 16
+        wide = torch.zeros((n + extra, k), dtype=weight.dtype, device=weight.device)
+        wide[:n].copy_(weight)
+        self.a = wide[n : n + slots * ranks].view(slots, ranks, k)
+        self.folded = n
+        return wide
 
     def nbytes(self) -> int:
         return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
@@ -128,6 +156,58 @@ class LoraWeights:
             rows = part.out_offset, part.out_offset + b.shape[0]
             self.a[slot, p * r_max : p * r_max + r].copy_(a, non_blocking=True)
             self.b[slot, rows[0] : rows[1], p * r_max : p * r_max + r].copy_(b, non_blocking=True)
+
+    def expand_folded(self, y_wide: torch.Tensor) -> torch.Tensor:
+        """Folded linears (fold_into): y_wide [n, N + E], the widened weight's output -> [n, N]
+        contiguous, the base output plus each row's LoRA delta (a new tensor; y_wide is not
+        modified)."""
+        n = self.folded
+        assert n is not None
+        if y_wide.is_cuda:
+            from shard.kernels.lora import lora_expand_folded
+
+            slots, resident = self.batch.token_slots, self.batch.num_slots
+            assert slots is not None
+            return lora_expand_folded(y_wide, n, self.b[:resident], slots, self.part_sizes,
+                                      self.max_rank)
+        out = y_wide[:, :n].contiguous()
+        self._add_folded_delta(y_wide, out)
+        return out
+
+    def silu_mul_folded(self, y_wide: torch.Tensor) -> torch.Tensor:
+        """For gate/up, folded: silu(gate') * up' [n, N / 2] of y_wide [n, N + E], gate' | up'
+        the base output plus each row's LoRA delta (CUDA: one kernel, which replaces the base
+        path's SiLU-and-mul)."""
+        assert len(self.parts) == 2 and self.part_sizes[0] == self.part_sizes[1]
+        n = self.folded
+        assert n is not None
+        if y_wide.is_cuda:
+            from shard.kernels.lora import lora_expand_folded_silu_mul
+
+            slots, resident = self.batch.token_slots, self.batch.num_slots
+            assert slots is not None
+            return lora_expand_folded_silu_mul(y_wide, n, self.b[:resident], slots,
+                                               self.max_rank)
+        gate, up = self.expand_folded(y_wide).split(self.part_sizes, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    def _add_folded_delta(self, y_wide: torch.Tensor, out: torch.Tensor) -> None:
+        """CPU: out [n, N] += each row's h (from y_wide's extra columns) @ B[slot]^T."""
+        n, batch, slots = self.folded, self.batch, self.batch.num_slots
+        assert n is not None
+        ranks = len(self.parts) * self.max_rank
+        h = y_wide[:, n : n + slots * ranks].unflatten(1, (slots, ranks))  # [rows, slots, PR]
+        if batch.gather is not None:  # base rows: gather index `slots`, B's zero slot
+            rows = torch.arange(h.shape[0])
+            h_row = h[rows, batch.gather.clamp(max=slots - 1)]  # [rows, PR]
+            b = self.b.index_select(0, batch.gather)  # [rows, N, PR]
+            out += torch.bmm(b, h_row.unsqueeze(2)).squeeze(2)
+            return
+        for slot, rows in batch.groups:
+            if rows is None:
+                out += h[:, slot] @ self.b[slot].T
+            else:
+                out.index_add_(0, rows, h[rows, slot] @ self.b[slot].T)
 
     def silu_mul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """For gate/up (two parts of equal size): silu(gate) * up [n, I] of y [n, 2I] (the base

@@ -167,18 +167,22 @@ def attach_lora(model: nn.Module, limits: LoraLimits, device: torch.device, dtyp
                 ))  # fmt: skip
                 offset += col.out_local
             else:
-                module.lora = LoraWeights(parts, batch, limits.max_lora_rank, device, dtype)
-                layers.append(module.lora)
+                w = LoraWeights(parts, batch, limits.max_lora_rank, device, dtype)
+                module.attach_lora(w)  # folds the A matrices into the weight where it can
+                layers.append(w)
         elif isinstance(module, RowParallelLinear) and name.rpartition(".")[2] in SUPPORTED_TARGETS:
             rank, world = module.dist.rank, module.dist.world_size
             local = module.in_features // world
             part = LoraPart(name, module.in_features, module.out_features,
                             (rank * local, (rank + 1) * local), (0, module.out_features), 0)
-            module.lora = LoraWeights([part], batch, limits.max_lora_rank, device, dtype)
-            layers.append(module.lora)
+            w = LoraWeights([part], batch, limits.max_lora_rank, device, dtype)
+            module.attach_lora(w)
+            layers.append(w)
     if not layers:
         raise AdapterLoadError("the model has no projections LoRA adapters can target")
     manager = LoraManager(layers, batch, limits, dtype, pin=device.type == "cuda")
-    log.info("LoRA: %d adapter slots of rank <= %d on %d layers: %.1f MiB on the device",
-             limits.max_loras, limits.max_lora_rank, len(layers), manager.device_bytes() / 2**20)
+    log.info("LoRA: %d adapter slots of rank <= %d on %d layers (A folded into the base "
+             "weight on %d): %.1f MiB on the device", limits.max_loras, limits.max_lora_rank,
+             len(layers), sum(w.folded is not None for w in layers),
+             manager.device_bytes() / 2**20)
     return manager

@@ -159,3 +159,82 @@ def test_kernels_in_cuda_graphs_follow_the_slot_buffer():
             assert torch.equal(outs[m], step(m)), (pattern[:4], m)
             ref = _reference(x[:m], a, b, slot_buf[:m], y0[:m])
             assert float((outs[m].float() - ref).abs().max() / ref.abs().max()) < 2**-6
+
+
+def _folded_linear(sizes: list[int], k: int, slots_n: int, r: int, gen):
+    """A LoraWeights folded into a bf16 base weight [sum(sizes), k] with random adapters in
+    every slot: (lora, wide weight, base weight view)."""
+    from shard.layers.lora import LoraBatch, LoraPart, LoraWeights
+
+    parts, at = [], 0
+    for p, size in enumerate(sizes):
+        parts.append(LoraPart(f"p{p}", k, size, (0, k), (0, size), at))
+        at += size
+    lora = LoraWeights(parts, LoraBatch(slots_n), r, torch.device("cuda"), torch.bfloat16)
+    base = (torch.randn(at, k, device="cuda", generator=gen) * 0.02).bfloat16()
+    wide = lora.fold_into(base)
+    assert wide is not None
+    for s in range(slots_n):
+        lora.write_slot(s, [(
+            (torch.randn(r, k, device="cuda", generator=gen) * 0.02).bfloat16(),
+            (torch.randn(size, r, device="cuda", generator=gen) * 0.02).bfloat16(),
+        ) for size in sizes])  # fmt: skip
+    return lora, wide, wide[:at]
+
+
+def test_folded_kernels_bf16_match_torch_in_graphs():
+    """The folded path (every slot's A in extra rows of the base weight, cuBLAS computing h):
+    q/k/v, o and gate/up + SiLU-and-mul at Llama-3-8B shapes, rank 16, 4 slots, rows of 4
+    adapters and the base model, eager and replayed from CUDA graphs captured per bucket after
+    one eager call (one compiled variant), against torch in fp32; base rows equal the base GEMM
+    output exactly (and silu_mul's result for gate/up)."""
+    import torch.nn.functional as F
+
+    from shard.kernels.elementwise import silu_mul
+    from shard.kernels.lora import lora_expand_folded, lora_expand_folded_silu_mul
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    slots_n, r, k = 4, 16, 4096
+    x = torch.randn(64, k, device="cuda", generator=gen).bfloat16()
+    slot_buf = torch.zeros(64, dtype=torch.int32, device="cuda")
+    for sizes in ([4096, 1024, 1024], [4096], [14336, 14336]):
+        lora, wide, base = _folded_linear(sizes, k, slots_n, r, gen)
+        n = sum(sizes)
+        b = lora.b[:slots_n]
+
+        def step(m: int, lora=lora, wide=wide, n=n, b=b, sizes=sizes) -> torch.Tensor:
+            y_wide = F.linear(x[:m], wide)
+            if len(sizes) == 2:
+                return lora_expand_folded_silu_mul(y_wide, n, b, slot_buf[:m], r)
+            return lora_expand_folded(y_wide, n, b, slot_buf[:m], sizes, r)
+
+        step(64)
+        torch.cuda.synchronize()
+        graphs, outs = {}, {}
+        for m in (64, 17, 1):
+            graphs[m] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[m]):
+                outs[m] = step(m)
+        for pattern in ([(i % 5) - 1 for i in range(64)], [i % 4 for i in range(64)]):
+            slot_buf.copy_(torch.tensor(pattern, dtype=torch.int32))
+            for m, graph in graphs.items():
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(outs[m], step(m)), (sizes, pattern[:4], m)
+            slots = slot_buf
+            a_full = lora.a.float()[slots.clamp(min=0).long()]  # [64, PR, k]
+            b_full = b.float()[slots.clamp(min=0).long()]
+            h = torch.bmm(a_full, x.float()[:, :, None]).bfloat16().float()
+            delta = torch.bmm(b_full, h).squeeze(2)
+            y = F.linear(x, base).float() + torch.where((slots >= 0)[:, None], delta, 0.0)
+            got, base_rows = outs[64].float(), slots < 0
+            if len(sizes) == 2:
+                ref = F.silu(y[:, : sizes[0]]) * y[:, sizes[0] :]
+                plain = silu_mul(*F.linear(x, base).split(sizes, dim=-1))
+            else:
+                ref, plain = y, F.linear(x, base)
+            err = float((got - ref).abs().max() / ref.abs().max())
+            assert err < 2**-6, (sizes, err)
+            if base_rows.any():  # the wide GEMM's base columns may round like the plain one's
+                assert float((outs[64][base_rows].float() - plain[base_rows].float()).abs()
+                             .max() / plain.float().abs().max()) < 2**-7, sizes

@@ -86,6 +86,10 @@ def test_mixed_batch_equals_peft(model_dir, adapters, reference):
         assert _run(shard, model_dir, [name])[name] == reference[name]
     facts = {f.name: f for f in shard.adapters()}
     assert facts["qv8"].rank == 8 and facts["qv8"].target_modules == ("q_proj", "v_proj")
+    # every adapted linear of this (float32, unquantized) model carries its slots' A as extra
+    # rows of its weight: the path above was the folded one
+    assert shard.lora is not None
+    assert all(w.folded is not None for w in shard.lora.layers), "not folded"
 
 
 def test_lru_swaps_with_fewer_slots_than_adapters(model_dir, adapters, reference):
@@ -251,3 +255,16 @@ def test_cpu_paths_agree():
         w.apply_(x, y)
         assert torch.allclose(y, ref, atol=1e-4, rtol=1e-4), n
         assert torch.equal(y[::4], y0[::4])  # slot -1 rows
+
+
+def test_quantized_base_keeps_the_shrink_path(model_dir, adapters):
+    """An fp8 base (weights that cannot carry 16-bit A rows): no linear is folded, the
+    separate shrink + expand path serves, and a mixed batch equals each request run alone."""
+    shard = make_shard(model_dir, max_loras=2, max_lora_rank=8, quantize="fp8")
+    _load(shard, "all4", adapters["all4"])
+    assert shard.lora is not None and shard.lora.layers
+    assert all(w.folded is None for w in shard.lora.layers)
+    mixed = _run(shard, model_dir, ["", "all4"])
+    assert mixed["all4"] != mixed[""]
+    for name in ("", "all4"):
+        assert _run(shard, model_dir, [name])[name] == mixed[name], name

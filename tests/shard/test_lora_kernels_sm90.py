@@ -1,7 +1,8 @@
 """shard/kernels/lora.py's kernels compile for an H100 (sm_90) without a GPU, with the block
 sizes and flags the shard launches them with (bf16, PDL on, 4 slots of rank 16), and keep every
 value in registers: ptxas (bundled with Triton) reports no stack / local memory, i.e. no spills,
-which a change of block constants could otherwise bring in unnoticed until a GPU run."""
+which a change of block constants could otherwise bring in unnoticed until a GPU run. The folded
+expands (h read from the base GEMM's wide output) likewise."""
 
 from __future__ import annotations
 
@@ -64,6 +65,14 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path, rank, slots):
             **common, "BLOCK_M": k.EXPAND_BLOCK_M,
             "BLOCK_N": k._wide_rank_scaled(k.SILU_BLOCK_N, rank), "MAX_SPLITS": silu_splits},
             k.EXPAND_NUM_WARPS, tmp_path),
+        "expand_folded": _compile(k._lora_expand_folded_kernel, bf, {
+            **common, "BLOCK_M": k._fold_block_m(rank),
+            "BLOCK_N": k._wide_rank_scaled(k.FOLD_BLOCK_N, rank)},
+            k.FOLD_NUM_WARPS, tmp_path),
+        "expand_folded_silu": _compile(k._lora_expand_folded_silu_kernel, bf, {
+            **common, "BLOCK_M": k._fold_block_m(rank),
+            "BLOCK_N": k._wide_rank_scaled(k.FOLD_SILU_BLOCK_N, rank)},
+            k.FOLD_NUM_WARPS, tmp_path),
     }  # fmt: skip
     for name, line in usage.items():
         fields = dict(f.split(":") for f in line.split() if ":" in f)

@@ -4,7 +4,8 @@ shard/layers/lora.py: rows of several adapters and base rows (slot -1, left unto
 parts of uneven sizes (q/k/v: column tiles laid out per part, a part's tail), a rank below the
 block (masked ranks), K split over programs with a tail and the partials summed in the expand,
 row tails in both kernels, the one-dot expand over all slots and the per-slot loop (many slots
-at a large rank), and bf16."""
+at a large rank), and bf16. The folded expands (every slot's A in extra rows of the base weight,
+h read from the base GEMM's wide output) likewise, and against LoraWeights' CPU folded path."""
 
 from __future__ import annotations
 
@@ -126,3 +127,104 @@ _CHECK = textwrap.dedent(
 
 def test_lora_kernels_match_reference():
     run_interpreted(BF16_DOT_PRELUDE + _CHECK)
+
+
+_FOLDED_CHECK = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from shard.kernels import lora as K
+    from shard.kernels.lora import lora_expand_folded, lora_expand_folded_silu_mul
+    from shard.layers.lora import LoraBatch, LoraPart, LoraWeights
+
+    def folded(slots_n, rank, k, sizes, seed, dtype=torch.float32):
+        # a LoraWeights folded into a base weight [sum(sizes), k], random adapters in every slot
+        g = torch.Generator().manual_seed(seed)
+        batch = LoraBatch(slots_n)
+        parts, at = [], 0
+        for p, size in enumerate(sizes):
+            parts.append(LoraPart(f"p{p}", k, size, (0, k), (0, size), at))
+            at += size
+        w = LoraWeights(parts, batch, rank, torch.device("cpu"), dtype)
+        base = (torch.randn(at, k, generator=g) * 0.1).to(dtype)
+        wide = w.fold_into(base)
+        assert wide is not None and w.folded == at and torch.equal(wide[:at], base)
+        assert w.a.shape == (slots_n, len(sizes) * rank, k)
+        assert w.a.data_ptr() == wide[at:].data_ptr()  # a view of the extra rows
+        for s in range(slots_n):
+            w.write_slot(s, [((torch.randn(rank, k, generator=g) * 0.1).to(dtype),
+                              (torch.randn(size, rank, generator=g) * 0.1).to(dtype))
+                             for size in sizes])
+        return w, wide, base, batch
+
+    def reference(w, x, base, slot_list):
+        y = (x.float() @ base.float().T)
+        for i, s in enumerate(slot_list):
+            if s >= 0:
+                y[i] += w.b[s].float() @ (w.a[s].float() @ x[i].float())
+        return y
+
+    # q/k/v-like: 3 slots, 3 parts of rank 6 (block 16: masked ranks, extra rows padded to 16),
+    # parts 150 / 40 / 40 (tails, tiles never straddle), 70 rows (two row tiles)
+    slots_n, rank, k, sizes, m = 3, 6, 96, [150, 40, 40], 70
+    w, wide, base, batch = folded(slots_n, rank, k, sizes, 0)
+    assert wide.shape[0] == 230 + 64  # 3 slots x 18 ranks = 54 -> 64 rows
+    x = torch.randn(m, k)
+    slot_list = [(i * 7) % 4 - 1 for i in range(m)]
+    slots = torch.tensor(slot_list, dtype=torch.int32)
+    y_wide = x @ wide.T
+    ref = reference(w, x, base, slot_list)
+    out = lora_expand_folded(y_wide, 230, w.b[:slots_n], slots, sizes, rank)
+    assert out.shape == (m, 230) and out.is_contiguous()
+    assert torch.equal(out[slots < 0], y_wide[slots < 0, :230])  # base rows: the base output
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
+    for small in (True, False):  # the CPU folded path: gather (small steps) and groups
+        rows = slot_list[:40] if small else slot_list
+        xx, rr = (x[:40], ref[:40]) if small else (x, ref)
+        batch.set_rows(rows, torch.device("cpu"))
+        assert (batch.gather is not None) == small
+        cpu = w.expand_folded(xx @ wide.T)
+        assert torch.allclose(cpu, rr, atol=1e-4, rtol=1e-4), (small, (cpu - rr).abs().max())
+
+    # gate/up with SiLU-and-mul: 2 parts of 72, a row tail, base rows = plain silu(gate) * up
+    w2, wide2, base2, batch2 = folded(slots_n, rank, 64, [72, 72], 1)
+    x2 = torch.randn(9, 64)
+    s2l = [(i % 4) - 1 for i in range(9)]
+    s2 = torch.tensor(s2l, dtype=torch.int32)
+    yw2 = x2 @ wide2.T
+    out2 = lora_expand_folded_silu_mul(yw2, 144, w2.b[:slots_n], s2, rank)
+    gu = reference(w2, x2, base2, s2l)
+    ref2 = F.silu(gu[:, :72]) * gu[:, 72:]
+    assert torch.allclose(out2, ref2, atol=1e-4, rtol=1e-4), (out2 - ref2).abs().max()
+    batch2.set_rows(s2l, torch.device("cpu"))
+    assert torch.allclose(w2.silu_mul_folded(yw2), ref2, atol=1e-4, rtol=1e-4)
+
+    # many slots at rank 32: the loop over the slots present
+    w3, wide3, base3, _ = folded(9, 32, 64, [96], 2)
+    assert K._wide_slots(9, 32) == 0
+    x3 = torch.randn(20, 64)
+    s3l = [(i * 5) % 10 - 1 for i in range(20)]
+    s3 = torch.tensor(s3l, dtype=torch.int32)
+    out3 = lora_expand_folded(x3 @ wide3.T, 96, w3.b[:9], s3, [96], 32)
+    ref3 = reference(w3, x3, base3, s3l)
+    assert torch.allclose(out3, ref3, atol=1e-4, rtol=1e-4), (out3 - ref3).abs().max()
+
+    # bf16 (the GPU dtype): h rounded to bf16 by the GEMM, fp32 accumulation
+    w4, wide4, base4, _ = folded(4, 16, 128, [256, 64, 64], 3, torch.bfloat16)
+    x4 = torch.randn(64, 128).bfloat16()
+    s4l = [(i % 5) - 1 for i in range(64)]
+    s4 = torch.tensor(s4l, dtype=torch.int32)
+    yw4 = (x4.float() @ wide4.float().T).bfloat16()
+    out4 = lora_expand_folded(yw4, 384, w4.b[:4], s4, [256, 64, 64], 16)
+    ref4 = reference(w4, x4, base4, s4l)
+    assert torch.equal(out4[s4 < 0], yw4[s4 < 0, :384])
+    err = float((out4.float() - ref4).abs().max() / ref4.abs().max())
+    assert err < 2**-6, err
+    print("ok")
+    """
+)
+
+
+def test_folded_lora_kernels_match_reference():
+    run_interpreted(BF16_DOT_PRELUDE + _FOLDED_CHECK)
