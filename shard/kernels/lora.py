@@ -215,6 +215,19 @@ def _lora_expand_kernel(part_ptr, b_ptr, slots_ptr, y_ptr, num_rows, part_rank, 
     tl.store(y_at, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _store_silu_mul(g, u, out_ptr, rows, cols, stride_om, mask):
+    """Stores silu(g) * u for the [BLOCK_M, BLOCK_N] tile (g, u fp32: base + delta) with the
+    unfused path's rounding: gate and up to the dtype, silu(gate) to the dtype, then the product
+    (shard/kernels/elementwise.py silu_mul), so base rows get exactly what silu_mul gives."""
+    dtype = out_ptr.dtype.element_ty
+    g = g.to(dtype).to(tl.float32)
+    u = u.to(dtype).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    out_at = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out_at, (a * u).to(dtype), mask=mask)
+
+
 @triton.jit(do_not_specialize=["num_rows", "num_splits", "stride_ps"])
 def _lora_expand_silu_kernel(part_ptr, b_ptr, slots_ptr, y_ptr, out_ptr, num_rows, inter,
                              part_rank, num_splits, num_slots,
@@ -240,14 +253,7 @@ def _lora_expand_silu_kernel(part_ptr, b_ptr, slots_ptr, y_ptr, out_ptr, num_row
     u += _delta(part_ptr, b_ptr, slot, rows, row_ok, inter + cols, col_ok, 1, part_rank,
                 num_splits, num_slots, stride_ps, stride_pm, stride_bs, stride_bn,
                 BLOCK_M, BLOCK_N, BLOCK_R, MAX_SPLITS, WIDE_SLOTS, PRECISION)
-    dtype = out_ptr.dtype.element_ty
-    # the unfused path's rounding: gate and up (base + delta) to the dtype, silu(gate) to the
-    # dtype, then the product (shard/kernels/elementwise.py silu_mul)
-    g = g.to(dtype).to(tl.float32)
-    u = u.to(dtype).to(tl.float32)
-    a = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    out_at = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-    tl.store(out_at, (a * u).to(dtype), mask=mask)
+    _store_silu_mul(g, u, out_ptr, rows, cols, stride_om, mask)
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, part_rank: int,
@@ -530,13 +536,7 @@ def _lora_expand_folded_silu_kernel(y_ptr, b_ptr, slots_ptr, out_ptr, num_rows, 
     u += _folded_delta(y_ptr, b_ptr, bu, slot, rows, row_ok, inter + cols, col_ok, 1, h_col0,
                        slot_stride, part_rank, num_slots, stride_ym, stride_bs, stride_bn,
                        BLOCK_M, BLOCK_N, BLOCK_R, WIDE_SLOTS, PRECISION)
-    dtype = out_ptr.dtype.element_ty
-    # silu_mul's rounding (as _lora_expand_silu_kernel): base rows get exactly what it gives
-    g = g.to(dtype).to(tl.float32)
-    u = u.to(dtype).to(tl.float32)
-    a = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    out_at = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-    tl.store(out_at, (a * u).to(dtype), mask=mask)
+    _store_silu_mul(g, u, out_ptr, rows, cols, stride_om, mask)
 
 
 def lora_expand_folded(y_wide: torch.Tensor, n: int, b: torch.Tensor, slots: torch.Tensor,
