@@ -17,6 +17,7 @@ shard.engine.step_timer), i.e. the run's wall time if the host cost nothing.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from service.scheduler import BlockManager, Scheduler, SchedulerConfig, Sequence, StepPlan
@@ -69,6 +70,9 @@ class EngineBoundResult:
     mean_batch: float
     tokens: dict[int, list[int]]  # request index -> generated ids
     finish: dict[int, str]  # request index -> finish reason
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0
+    overlapped_steps: int = 0  # steps the shard launched before finishing the previous one
 
     @property
     def requests_per_s(self) -> float:
@@ -89,6 +93,8 @@ class EngineBoundResult:
             "gpu_bound_requests_per_s": self.requests / gpu_s if gpu_s else float("nan"),
             "gpu_bound_output_tokens_per_s": self.output_tokens / gpu_s if gpu_s else float("nan"),
             "gpu_busy_fraction": gpu_s / self.wall_seconds,
+            "preemptions": self.preemptions, "prefix_hit_tokens": self.prefix_hit_tokens,
+            "overlapped_steps": self.overlapped_steps,
         }
 
 
@@ -187,8 +193,10 @@ def drive(
     num_blocks: int,
     block_size: int,
     overlap: bool,
+    on_step: Callable[[int], None] | None = None,
 ) -> EngineBoundResult:
-    """Runs every request of `workload` (all arriving at once) to completion."""
+    """Runs every request of `workload` (all arriving at once) to completion. on_step(n) is
+    called before the n-th step is launched (n = 0, 1, ...; e.g. to start a profiler)."""
     sched = Scheduler(
         SchedulerConfig(max_batch_prefill_tokens=config.max_batch_prefill_tokens,
                         max_batch_size=config.max_batch_size),
@@ -219,6 +227,7 @@ def drive(
         sched.add(Sequence(seq_id=i + 1, token_ids=list(w.input_ids), prompt_len=len(w.input_ids),
                            arrival=i, payload=w, max_new_tokens=w.max_new_tokens))
     inflight: tuple[StepPlan, LaunchedStep] | None = None
+    overlapped = engine.overlapped_steps
     try:
         while sched.has_work() or inflight is not None:
             if inflight is not None and (not overlap or sched.wants_drafts()
@@ -235,6 +244,8 @@ def drive(
                 apply(*inflight)
                 inflight = None
                 continue
+            if on_step is not None:
+                on_step(steps)
             steps += 1
             batch_total += plan.batch_size
             step = shard.launch(plan)
@@ -249,5 +260,7 @@ def drive(
         requests=len(workload), wall_seconds=wall,
         output_tokens=sum(len(t) for t in tokens.values()), steps=steps,
         gpu_ms=timer.total_ms(), mean_batch=batch_total / max(steps, 1), tokens=tokens,
-        finish=finish,
+        finish=finish, preemptions=sched.counters.preemptions,
+        prefix_hit_tokens=sched.counters.prefix_cache_hit_tokens,
+        overlapped_steps=engine.overlapped_steps - overlapped,
     )

@@ -129,9 +129,12 @@ class LaunchedStep:
 
     def wait_device(self) -> None:
         """Blocks until this step's results are on the host (no Python state is touched:
-        callable from any thread)."""
+        callable from any thread). A device failure is left for `finish` to report."""
         if self.done is not None:
-            self.done.synchronize()
+            try:
+                self.done.synchronize()
+            except Exception:  # noqa: BLE001 - finish raises it as a FatalDeviceError
+                pass
 
 
 class BatchState:

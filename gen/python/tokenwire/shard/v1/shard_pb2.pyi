@@ -191,26 +191,30 @@ class BlockGrant(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("batch", "cached_batch", "block_grants", "drafts")
+    __slots__ = ("batch", "cached_batch", "block_grants", "drafts", "step_index")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     CACHED_BATCH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_GRANTS_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
     cached_batch: CachedBatch
     block_grants: _containers.RepeatedCompositeFieldContainer[BlockGrant]
     drafts: _containers.RepeatedCompositeFieldContainer[Draft]
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., cached_batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., block_grants: _Optional[_Iterable[_Union[BlockGrant, _Mapping]]] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ...) -> None: ...
+    step_index: int
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., cached_batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., block_grants: _Optional[_Iterable[_Union[BlockGrant, _Mapping]]] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ..., step_index: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("batches", "block_grants", "drafts")
+    __slots__ = ("batches", "block_grants", "drafts", "step_index")
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_GRANTS_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
     batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
     block_grants: _containers.RepeatedCompositeFieldContainer[BlockGrant]
     drafts: _containers.RepeatedCompositeFieldContainer[Draft]
-    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., block_grants: _Optional[_Iterable[_Union[BlockGrant, _Mapping]]] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ...) -> None: ...
+    step_index: int
+    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., block_grants: _Optional[_Iterable[_Union[BlockGrant, _Mapping]]] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ..., step_index: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("ids", "logprobs", "texts", "is_special")
