@@ -53,6 +53,7 @@ from service.scheduler import (
     SpeculationConfig,
     StepPlan,
 )
+from service.scheduler.contracts import StepOutput
 
 log = logging.getLogger("tokenwire.engine")
 

@@ -19,6 +19,7 @@ ceil(computed / block_size) blocks (the router frees the rest the same way).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from array import array
@@ -46,6 +47,7 @@ from shard.engine.sampling import (
     SampleOutput,
     Sampler,
     SamplingParams,
+    host_to_device,
     prompt_logprobs,
     read_host,
 )
@@ -131,10 +133,8 @@ class LaunchedStep:
         """Blocks until this step's results are on the host (no Python state is touched:
         callable from any thread). A device failure is left for `finish` to report."""
         if self.done is not None:
-            try:
+            with contextlib.suppress(Exception):  # finish raises it as a FatalDeviceError
                 self.done.synchronize()
-            except Exception:  # noqa: BLE001 - finish raises it as a FatalDeviceError
-                pass
 
 
 class BatchState:
@@ -659,9 +659,10 @@ class BatchState:
         placeholders = None
         if dst:
             assert prev is not None and prev.sampled is not None
-            rows = torch.tensor(src, dtype=torch.long).to(device, non_blocking=True)
+            # Pinned sources: a copy from pageable memory may wait for the running step.
+            rows = host_to_device(torch.tensor(src, dtype=torch.long), device)
             placeholders = (
-                torch.tensor(dst, dtype=torch.long).to(device, non_blocking=True),
+                host_to_device(torch.tensor(dst, dtype=torch.long), device),
                 prev.sampled.next_ids.index_select(0, rows),
             )
         timer = self.gpu_timer

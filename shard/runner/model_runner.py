@@ -110,6 +110,10 @@ class ModelRunner:
                 t = torch.from_numpy(values).to(dtype)
             else:
                 t = torch.tensor(values, dtype=dtype)
+            if self.device.type == "cuda":
+                # From pinned memory the copy is queued; from pageable memory it may wait for
+                # the step still running on the device (overlapped steps).
+                t = t.pin_memory()
             return t.to(self.device, non_blocking=True)
 
         meta = AttentionMetadata(
