@@ -108,7 +108,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             )
         else:
             result = await self._run(context, engine.prefill, *args)
-        reply = convert.prefill_to_proto(result)
+        reply = convert.prefill_to_proto(result, request.packed_generations)
         if self.tracer is not None:
             self.tracer.prefill(request, reply, start, time.time_ns())
         return reply
@@ -123,7 +123,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             )
         else:
             result = await self._run(context, engine.decode, *args)
-        reply = convert.decode_to_proto(result)
+        reply = convert.decode_to_proto(result, request.packed_generations)
         if self.tracer is not None:
             self.tracer.decode(request, reply, start, time.time_ns())
         return reply

@@ -151,3 +151,42 @@ def test_engine_only_driver_is_exact_with_overlap(tiny_models) -> None:
     s = on.summary()
     assert s["requests_per_s"] > 0 and 0 < s["gpu_seconds"] <= s["wall_seconds"]
     assert s["output_tokens"] == sum(len(t) for t in on.tokens.values())
+
+
+def test_packed_generations_read_as_the_per_request_messages() -> None:
+    """Item 3: a step's plain generations travel as one PackedTokens; the router's StepOutput
+    is the same as from one Generation message per request."""
+    from service.shard_client import convert as router_convert
+    from shard.engine.contracts import (
+        CachedBatchRef,
+        FinishedText,
+        Generation,
+        StepResult,
+        StepTimings,
+        TokenList,
+    )
+    from shard.engine.stopping import StopReason
+    from shard.server import convert as shard_convert
+
+    def tl(ids: list[int]) -> TokenList:
+        return TokenList(ids, [-0.25 * (i + 1) for i in range(len(ids))],
+                         [f"w{i}" for i in ids], [i == 2 for i in ids])
+
+    gens = [Generation(i, tl([10 + i])) for i in range(1, 40)]
+    gens += [
+        Generation(50, tl([2]), finished=FinishedText("w2", 7, StopReason.EOS_TOKEN, None)),
+        Generation(51, tl([5]), top_tokens=[tl([5, 6])]),
+        Generation(52, tl([7]), prefill_tokens=tl([1, 2, 3])),
+        Generation(53, tl([8, 9, 4])),  # accepted drafts
+    ]
+    result = StepResult(gens, CachedBatchRef(3, list(range(1, 40)) + [51, 52, 53]),
+                        StepTimings(1, 2, 3, 6))
+    for to_proto in (shard_convert.decode_to_proto, shard_convert.prefill_to_proto):
+        plain = router_convert.step_output(to_proto(result))
+        msg = to_proto(result, True)
+        assert len(msg.packed.request_ids) == 39 and len(msg.generations) == 4
+        packed = router_convert.step_output(type(msg).FromString(msg.SerializeToString()))
+        by_id = {g.seq_id: g for g in plain.generations}
+        assert {g.seq_id: g for g in packed.generations} == by_id
+        assert (packed.batch_id, packed.batch_request_ids) == (plain.batch_id,
+                                                               plain.batch_request_ids)
