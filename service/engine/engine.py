@@ -75,9 +75,10 @@ class EngineConfig:
     max_lora_rank: int = 0
     speculate: int = 0  # --speculate: n-gram draft tokens per sequence and step (0: off)
     speculate_max_batch_size: int = 16  # --speculate-max-batch-size: no drafts in larger steps
-    # --overlap: schedule and send step N+1 before reading step N's answer, so the shard
-    # launches it while step N computes (outputs are the same; see service/scheduler).
-    overlap: bool = True
+    # --overlap (the router's default): schedule and send step N+1 before reading step N's
+    # answer, so the shard launches it while step N computes (outputs are the same; see
+    # service/scheduler). Off here: an engine built directly steps one at a time unless asked.
+    overlap: bool = False
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
