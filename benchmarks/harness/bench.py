@@ -451,7 +451,9 @@ def _engine_section(res: dict, L: list[str]) -> None:
                  f"{e['wall_seconds']:.1f} | ~{busy:.0%} (est.) | {e['itl_p50_ms']:.1f} / "
                  f"{e['itl_p99_ms']:.1f} | - |\n")
     L.append(f"\nOutputs of the engine runs with and without overlap equal: "
-             f"{eng['outputs_equal']}. GPU busy: engine rows from a torch.profiler trace of "
+             f"{eng['outputs_equal']} ({eng.get('requests_with_equal_outputs')} of "
+             f"{eng['requests']} requests token for token). GPU busy: engine rows from a "
+             "torch.profiler trace of "
              f"steps {on.get('profiled_steps')} (union of CUDA kernel intervals over their span); "
              "served rows estimated as the engine run's summed step device time over the served "
              f"wall time. Mean device time per step (engine, overlap on): {gpu_ms:.2f} ms.\n")

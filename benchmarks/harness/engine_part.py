@@ -124,6 +124,11 @@ def bench_engine(model_dir: Path, args, device: str = "cuda") -> dict:
         tokens[mode] = (res.tokens, res.finish)
         print(f"engine-only bound, overlap {mode}: {summary}", flush=True)
     out["outputs_equal"] = tokens["off"] == tokens["on"]
+    # Per request: with random bf16 weights the greedy choice is often a near-tie, and a row's
+    # logits in a batch of another size (the runs' batches differ a little) can flip it.
+    out["requests_with_equal_outputs"] = sum(
+        tokens["off"][0][i] == tokens["on"][0][i] for i in tokens["off"][0]
+    )
     print(f"engine-only bound: outputs with and without overlap equal: {out['outputs_equal']}",
           flush=True)
     runner = shard.runner

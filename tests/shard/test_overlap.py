@@ -190,3 +190,23 @@ def test_packed_generations_read_as_the_per_request_messages() -> None:
         assert {g.seq_id: g for g in packed.generations} == by_id
         assert (packed.batch_id, packed.batch_request_ids) == (plain.batch_id,
                                                                plain.batch_request_ids)
+
+
+def test_benchmark_engine_part_runs_on_cpu(tmp_path) -> None:
+    """`--parts engine` end to end on a tiny model: both runs, the same outputs, the bounds."""
+    import argparse
+
+    from benchmarks.harness.engine_part import bench_engine
+    from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "llama", TinyModelSpec("llama",
+                                                                  max_position_embeddings=4096))
+    args = argparse.Namespace(quantize=None, kv_cache_dtype="auto", e2e_max_batch_size=8,
+                              requests=8, engine_profile_start=5, engine_profile_stop=20)
+    out = bench_engine(model_dir, args, device="cpu")
+    assert out["outputs_equal"] and out["requests_with_equal_outputs"] == 8
+    off, on = out["runs"]["off"], out["runs"]["on"]
+    assert off["overlapped_steps"] == 0 and on["overlapped_steps"] > on["steps"] // 2
+    for r in (off, on):
+        assert r["requests"] == 8 and r["output_tokens"] > 0
+        assert 0 < r["gpu_seconds"] <= r["wall_seconds"] and r["mean_gpu_step_ms"] > 0
