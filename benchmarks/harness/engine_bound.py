@@ -38,6 +38,7 @@ from shard.engine.contracts import (
 )
 from shard.engine.sampling import SamplingParams
 from shard.engine.step_timer import GpuStepTimer
+from shard.errors import NotFoundError
 
 
 @dataclass(frozen=True)
@@ -131,10 +132,12 @@ class InProcessShard:
         self._next_batch = 1
         self._batch_id: int | None = None
         self._request_ids: list[int] = []
-        self._unfinished = 0  # launched steps not finished yet
 
     def launch(self, plan: StepPlan) -> LaunchedStep:
         grants = [BlockGrant(rid, list(blocks)) for rid, blocks in plan.grants]
+        if plan.finishing:  # finish in the step in flight: left out of this one's batch
+            gone = set(plan.finishing)
+            self._request_ids = [r for r in self._request_ids if r not in gone]
         drafts = {rid: list(tokens) for rid, tokens in plan.drafts} or None
         if plan.chunks:
             specs = []
@@ -160,26 +163,28 @@ class InProcessShard:
             assert self._batch_id is not None
             ref = CachedBatchRef(self._batch_id, list(self._request_ids))
             step = self.engine.launch_decode([ref], grants, drafts, overlap=self.overlap)
-        self._unfinished += 1
         return step
 
     def finish(self, step: LaunchedStep) -> StepOutput:
         out = step_output(self.engine.finish(step))
-        self._unfinished -= 1
-        if self._unfinished == 0:  # the latest step: its answer is the shard's batch
-            if out.batch_id is not None:
-                self._batch_id = out.batch_id
-            self._request_ids = out.batch_request_ids
-        else:  # a later step is running: drop what finished here
+        if self.overlap:  # the batch as sent, minus what finished (and what filters removed)
             done = {g.seq_id for g in out.generations if g.finish is not None}
             self._request_ids = [r for r in self._request_ids if r not in done]
+        else:  # the answer is the shard's batch
+            self._batch_id = out.batch_id
+            self._request_ids = out.batch_request_ids
         return out
 
     def filter(self, keep_ids: list[int]) -> None:
         if self._batch_id is None:
             return
         if keep_ids:
-            self._request_ids = self.engine.filter_batch(self._batch_id, keep_ids).request_ids
+            try:
+                self._request_ids = self.engine.filter_batch(self._batch_id, keep_ids).request_ids
+            except NotFoundError:  # overlap: all of it finished at the step in flight
+                if not self.overlap:
+                    raise
+                self._request_ids = []
         else:
             self.engine.clear_cache(self._batch_id)
             self._batch_id = None
@@ -231,7 +236,7 @@ def drive(
     try:
         while sched.has_work() or inflight is not None:
             if inflight is not None and (not overlap or sched.wants_drafts()
-                                         or not sched.has_work()):
+                                         or not sched.has_work() or not sched.can_plan_ahead()):
                 apply(*inflight)
                 inflight = None
                 continue

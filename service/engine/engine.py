@@ -421,8 +421,12 @@ class LocalEngine:
                     await self.step_gate()
                 self._apply_cancellations()
                 if self._inflight is not None and (
-                    not self.config.overlap or sched.wants_drafts() or not sched.has_work()
-                ):  # read the step sent last before planning (drafts need its tokens)
+                    not self.config.overlap
+                    or sched.wants_drafts()
+                    or not sched.has_work()
+                    or not sched.can_plan_ahead()
+                ):  # read the step sent last before planning (drafts need its tokens; its
+                    # finished requests' blocks may spare a preemption)
                     await self._complete_inflight()
                     await asyncio.sleep(0)
                     continue

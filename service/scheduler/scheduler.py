@@ -32,7 +32,8 @@ is applied. Each plan advances its requests' `computed` when it is made (a decod
 chunk by its length; one that completes the input decodes in the next plan), so the next plan
 continues where the outstanding one will leave off; the tokens it samples are `pending` until
 their output arrives. Outputs are applied in plan order. A request that finishes in the
-outstanding plan is scheduled once more (its row is wasted; the shard drops it). The next plan
+outstanding plan is scheduled once more (its row is wasted; the shard drops it), unless it is
+known to finish there (max_new_tokens: it is left out, `StepPlan.finishing`). The next plan
 carries no drafts (they need the latest tokens: the engine applies the output first when it
 wants them, see `wants_drafts`), and a preempted request is not readmitted while a token of it
 is pending. Blocks enter the prefix cache when a plan's output is applied.
@@ -111,6 +112,23 @@ class Scheduler:
     def outstanding(self) -> int:
         """Plans whose output is not applied yet."""
         return len(self._outstanding)
+
+    def can_plan_ahead(self) -> bool:
+        """Whether the next plan surely needs no preemption: blocks for every decode that
+        crosses into a new block, and one for every running prefill. The engine applies the
+        step in flight first otherwise (its finished requests' blocks come back then), so that
+        scheduling ahead never preempts more than stepping one at a time would. Costs one pass
+        over the running requests."""
+        bs = self.blocks.block_size
+        need = 0
+        for seq in self.running:
+            if not seq.prefill_done:
+                need += 1
+            elif seq.pending and 0 < seq.max_new_tokens <= seq.generated_len + seq.pending:
+                continue  # finishes in the step in flight
+            elif seq.computed >= len(seq.blocks) * bs:
+                need += 1
+        return need <= self.blocks.num_free
 
     def wants_drafts(self) -> bool:
         """True when the next plan would propose drafts if no plan were outstanding."""
@@ -198,6 +216,11 @@ class Scheduler:
         while i < len(running):
             seq = running[i]
             if seq.prefill_done:
+                if seq.pending and 0 < seq.max_new_tokens <= seq.generated_len + seq.pending:
+                    # Its last token is being sampled by the step in flight: nothing to compute.
+                    plan.finishing.append(seq.seq_id)
+                    i += 1
+                    continue
                 # Decode: the step writes K/V at position `computed`.
                 if seq.computed >= len(seq.blocks) * bs:
                     block = bm.allocate_one()

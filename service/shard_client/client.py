@@ -99,22 +99,26 @@ class ShardClient:
         """Runs one step. With `overlap`, the request is built and sent before the first
         await, so the engine may start the next step's call before this one's answer."""
         t0 = time.thread_time()
+        cached_ids = self._batch_request_ids
+        if plan.finishing:  # finish in the step in flight: left out of this one's batch
+            gone = set(plan.finishing)
+            cached_ids = [r for r in cached_ids if r not in gone]
         if plan.chunks:
             new_id = next(self._batch_ids)
-            request = convert.prefill_request(
-                plan, new_id, self._batch_id, self._batch_request_ids
-            )
+            request = convert.prefill_request(plan, new_id, self._batch_id, cached_ids)
             method = "Prefill"
             if self.overlap:  # the shard merges the chunks into the new batch
-                known = set(self._batch_request_ids)
-                self._batch_request_ids = self._batch_request_ids + [
+                known = set(cached_ids)
+                self._batch_request_ids = cached_ids + [
                     c.seq_id for c in plan.chunks if c.seq_id not in known
                 ]
                 self._batch_id = new_id
         else:
             assert self._batch_id is not None
-            request = convert.decode_request(plan, self._batch_id, self._batch_request_ids)
+            request = convert.decode_request(plan, self._batch_id, cached_ids)
             method = "Decode"
+            if self.overlap:
+                self._batch_request_ids = cached_ids
         if self.overlap:
             self._step_index += 1
             request.step_index = self._step_index
