@@ -169,6 +169,7 @@ class Scheduler:
         for seq in out:
             self.abort(seq.seq_id)
         self._removed_from_shard.clear()
+        self._outstanding.clear()  # their outputs will never be applied
         return out
 
     # --- the one place blocks go back -------------------------------------------------------
@@ -327,7 +328,8 @@ class Scheduler:
             seq.pending += 1
             if not seq.drafts:
                 seq.computed += 1  # with drafts: by the tokens emitted (_settle_drafts)
-        self._outstanding.append((chunks, decodes))
+        if chunks or decodes:  # an empty plan is never run, so never applied
+            self._outstanding.append((chunks, decodes))
         return plan
 
     def _add_drafts(self, seq: Sequence, plan: StepPlan, budget: int, others: int) -> int:
