@@ -434,7 +434,8 @@ class Scheduler:
         bs = bm.block_size
         counters = self.counters
         counters.steps += 1
-        chunks, decodes = self._outstanding.popleft()
+        # An empty plan recorded nothing (see schedule); applying one is a no-op step.
+        chunks, decodes = self._outstanding.popleft() if not plan.empty else ([], [])
         running = RequestState.RUNNING
         for group in (chunks, decodes):
             for seq in group:
