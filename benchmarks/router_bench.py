@@ -156,7 +156,7 @@ def run_grpc(args: argparse.Namespace) -> dict[str, float]:
             "--max-batch-prefill-tokens", "8192",
             "--waiting-served-ratio", str(args.waiting_served_ratio),
             "--log-level", "WARNING",
-        ],
+        ] + (["--no-overlap"] if args.no_overlap else []),
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'gen' / 'python'}"},
     )  # fmt: skip
@@ -479,6 +479,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, float]:
                 max_batch_size=args.streams,
                 max_batch_prefill_tokens=8192,
                 waiting_served_ratio=args.waiting_served_ratio,
+                overlap=not args.no_overlap,
             ),
         )
         await engine.start()
@@ -539,6 +540,8 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=8192)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--waiting-served-ratio", type=float, default=0.3)
+    p.add_argument("--no-overlap", action="store_true",
+                   help="the router's --no-overlap (one step at a time) for A/B")
     p.add_argument(
         "--client",
         choices=["python", "h2load"],

@@ -50,14 +50,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--workdir", type=Path, default=Path("/tmp/tokenwire-bench"),
       help="where the random checkpoint is written (local disk)")
     a("--out", type=Path, default=Path("benchmarks"), help="RESULTS.md and results.json go here")
-    a("--parts", default="ceilings,decode,prefill,e2e,hf",
-      help="comma-separated subset of ceilings,decode,prefill,e2e,hf")
+    a("--parts", default="ceilings,decode,prefill,engine,e2e,hf",
+      help="comma-separated subset of ceilings,decode,prefill,engine,e2e,hf (engine: the "
+           "engine-only bound of the e2e workload, benchmarks/harness/engine_part.py)")
     a("--num-layers", type=int, default=32, help="layers of the random model (32 = Llama-3-8B)")
     a("--decode-batches", default="1,8,32,64,128,256")
     a("--context", type=int, default=1024, help="context length of decode benchmarks")
     a("--requests", type=int, default=1000, help="end-to-end requests")
     a("--clients", type=int, default=4, help="load-client processes")
     a("--e2e-timeout", type=float, default=300.0)
+    a("--e2e-overlap", choices=["on", "off", "both"], default="both",
+      help="e2e with the router's --overlap, --no-overlap, or both (A/B, one after the other)")
+    a("--engine-profile-start", type=int, default=200,
+      help="engine part: first step of the torch.profiler window (GPU-busy fraction)")
+    a("--engine-profile-stop", type=int, default=400, help="engine part: its last step")
     a("--e2e-max-batch-size", type=int, default=512,
       help="router --max-batch-size for the end-to-end run (decode graphs cover up to 512)")
     a("--commit", default=None, help="commit to record (default: git rev-parse)")
@@ -231,17 +237,23 @@ def sharegpt_like(n: int, seed: int = 0) -> list[tuple[int, int]]:
     return out
 
 
+def prompt_text(idx: int, n_in: int) -> str:
+    """The prompt of request `idx`: n_in random words of the word-level tokenizer."""
+    import random
+
+    rng = random.Random(idx)
+    return " ".join(f"t{rng.randrange(BOS_ID)}" for _ in range(n_in))
+
+
 def _client_proc(port: int, jobs: list[tuple[int, int, int]], start_at: float, queue) -> None:
     """One load-client process: all its requests at once over grpc.aio GenerateStream."""
     import asyncio
-    import random
 
     import grpc
     from tokenwire.v1 import generate_pb2, generate_pb2_grpc
 
     async def one(stub, idx: int, n_in: int, n_out: int):
-        rng = random.Random(idx)
-        prompt = " ".join(f"t{rng.randrange(BOS_ID)}" for _ in range(n_in))
+        prompt = prompt_text(idx, n_in)
         req = generate_pb2.GenerateRequest(
             inputs=prompt,
             parameters=generate_pb2.GenerateParameters(max_new_tokens=n_out, details=True),
@@ -293,7 +305,7 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError("router did not become healthy")
 
 
-def bench_e2e(model_dir: Path, args, log_path: Path) -> dict:
+def bench_e2e(model_dir: Path, args, log_path: Path, overlap: bool = True) -> dict:
     import multiprocessing as mp
 
     port = args.port or free_port()
@@ -308,7 +320,8 @@ def bench_e2e(model_dir: Path, args, log_path: Path) -> dict:
         "--kv-cache-rotation", args.kv_cache_rotation,
         "--all-reduce", args.all_reduce,
         "--frontends", str(args.router_frontends),
-    ] + (["--quantize", args.quantize] if args.quantize else [])
+    ] + (["--quantize", args.quantize] if args.quantize else []) + (
+        [] if overlap else ["--no-overlap"])
     env = dict(os.environ)
     t0 = time.perf_counter()
     with open(log_path, "w") as logf:
@@ -412,6 +425,51 @@ def _commit(args) -> str:
         return "unknown"
 
 
+def _engine_section(res: dict, L: list[str]) -> None:
+    """Engine-only bound, pure-GPU bound and served e2e of the same workload, side by side."""
+    eng = res.get("engine")
+    if not eng:
+        return
+    L.append(f"\n## Engine-only bound vs served ({eng['requests']} requests at once, same call)\n"
+             "| path | overlap | req/s | output tok/s | wall s | GPU busy | ITL p50 / p99 ms | "
+             "steps, mean batch |\n|---|---|---|---|---|---|---|---|\n")
+    gpu_ms = float("nan")
+    for mode, r in eng["runs"].items():
+        busy = r.get("profiled_gpu_busy_fraction", r["gpu_busy_fraction"])
+        L.append(f"| engine only (scheduler + shard in one process) | {mode} | "
+                 f"{r['requests_per_s']:.1f} | {r['output_tokens_per_s']:.0f} | "
+                 f"{r['wall_seconds']:.1f} | {busy:.0%} | - | {r['steps']}, "
+                 f"{r['mean_batch']:.0f} |\n")
+        gpu_ms = r["mean_gpu_step_ms"]
+    on = eng["runs"].get("on") or next(iter(eng["runs"].values()))
+    L.append(f"| pure GPU (sum of the steps' device time) | - | "
+             f"{on['gpu_bound_requests_per_s']:.1f} | {on['gpu_bound_output_tokens_per_s']:.0f} | "
+             f"{on['gpu_seconds']:.1f} | 100% | - | {on['steps']}, {on['mean_batch']:.0f} |\n")
+    for key, mode in (("e2e", "on"), ("e2e_no_overlap", "off")):
+        e = res.get(key)
+        if not e:
+            continue
+        busy = on["gpu_seconds"] / e["wall_seconds"]
+        L.append(f"| served (router + shard over gRPC, streaming) | {mode} | "
+                 f"{e['requests_per_s']:.1f} | {e['output_tokens_per_s']:.0f} | "
+                 f"{e['wall_seconds']:.1f} | ~{busy:.0%} (est.) | {e['itl_p50_ms']:.1f} / "
+                 f"{e['itl_p99_ms']:.1f} | - |\n")
+    L.append(f"\nOutputs of the engine runs with and without overlap equal: "
+             f"{eng['outputs_equal']} ({eng.get('requests_with_equal_outputs')} of "
+             f"{eng['requests']} requests token for token). GPU busy: engine rows from a "
+             "torch.profiler trace of "
+             f"steps {on.get('profiled_steps')} (union of CUDA kernel intervals over their span); "
+             "served rows estimated as the engine run's summed step device time over the served "
+             f"wall time. Mean device time per step (engine, overlap on): {gpu_ms:.2f} ms.\n")
+    for key in ("e2e", "e2e_no_overlap"):
+        e = res.get(key)
+        if e:
+            bound = on["requests_per_s"]
+            L.append(f"- {key}: {e['requests_per_s'] / bound:.0%} of the engine-only bound "
+                     f"(overlap on); ITL p50 / mean GPU step = "
+                     f"{e['itl_p50_ms'] / gpu_ms:.2f}\n")
+
+
 def write_report(res: dict, path: Path) -> None:
     L = []
     c = res.get("ceilings", {})
@@ -445,6 +503,7 @@ def write_report(res: dict, path: Path) -> None:
         for p in m["prefill"]:
             L.append(f"| {p['seqs']}×{p['length']} | {p['ms']:.1f} | {p['tokens_per_s']:.0f} | "
                      f"{p['roofline_ms']:.1f} | {p['pct_of_roofline']:.0f}% |\n")
+    _engine_section(res, L)
     e = res.get("e2e")
     if e:
         L.append(f"\n## End to end (router + shard over gRPC, {e['requests']} requests at once)\n"
@@ -578,9 +637,18 @@ def run(args: argparse.Namespace) -> int:
         single = res.get("model", {}).get("decode", [])
         attempt("tp", lambda: bench_tp(model_dir, tiny, args, single))
         print(json.dumps(res.get("tp"), indent=1), flush=True)
+    if "engine" in parts:
+        from benchmarks.harness.engine_part import bench_engine
+
+        attempt("engine", lambda: bench_engine(model_dir, args))
     if "e2e" in parts:
-        attempt("e2e", lambda: bench_e2e(model_dir, args, args.out / "e2e_server.log"))
-        print(json.dumps(res.get("e2e")), flush=True)
+        if args.e2e_overlap in ("on", "both"):
+            attempt("e2e", lambda: bench_e2e(model_dir, args, args.out / "e2e_server.log"))
+            print(json.dumps(res.get("e2e")), flush=True)
+        if args.e2e_overlap in ("off", "both"):
+            attempt("e2e_no_overlap", lambda: bench_e2e(
+                model_dir, args, args.out / "e2e_server_no_overlap.log", overlap=False))
+            print(json.dumps(res.get("e2e_no_overlap")), flush=True)
     if "hf" in parts:
         attempt("hf", lambda: bench_hf(model_dir))
     save()

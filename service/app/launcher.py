@@ -135,6 +135,14 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
         "router",
     ),
     PassThrough(
+        "--no-overlap",
+        bool,
+        ("NO_OVERLAP",),
+        "one step at a time (the router's --no-overlap, for A/B)",
+        "router",
+        is_bool=True,
+    ),
+    PassThrough(
         "--prometheus-port",
         int,
         ("PROMETHEUS_PORT",),

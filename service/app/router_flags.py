@@ -197,6 +197,14 @@ def _batching_flags(a: _AddArgument) -> None:
         help="no drafts in steps with more running requests (a large batch is compute-bound) "
         "[SPECULATE_MAX_BATCH_SIZE] (default 16)",
     )
+    a(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=(env_value("OVERLAP") or "on").lower() not in ("0", "false", "no", "off"),
+        help="schedule and send step N+1 before step N's answer is read, so the shard prepares "
+        "and launches it while the GPU computes step N and finishes step N while it computes "
+        "N+1 (same outputs; --no-overlap: one step at a time, for A/B) [OVERLAP] (default on)",
+    )
 
 
 def _observability_flags(a: _AddArgument) -> None:
@@ -339,6 +347,7 @@ def engine_config(args: argparse.Namespace, limits: Limits) -> EngineConfig:
         max_waiting_tokens=args.max_waiting_tokens,
         speculate=args.speculate,
         speculate_max_batch_size=args.speculate_max_batch_size,
+        overlap=args.overlap,
     )
 
 

@@ -38,6 +38,10 @@ class ShardBackend(Protocol):
     # Router-side CPU seconds spent so far building requests and reading answers (not waiting
     # for the shard): the engine counts it as step work in its stats.
     cpu_seconds: float
+    # Overlapped steps (the engine sets it with EngineConfig.overlap): `step` may be called
+    # again before the previous call returned; the backend keeps the steps in call order and
+    # tracks the running batch from what it sent.
+    overlap: bool
 
     async def step(self, plan: StepPlan) -> StepOutput:
         """Runs one step: the plan's prefill chunks fused with the decode of the running batch

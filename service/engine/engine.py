@@ -53,6 +53,7 @@ from service.scheduler import (
     SpeculationConfig,
     StepPlan,
 )
+from service.scheduler.contracts import StepOutput
 
 log = logging.getLogger("tokenwire.engine")
 
@@ -74,6 +75,10 @@ class EngineConfig:
     max_lora_rank: int = 0
     speculate: int = 0  # --speculate: n-gram draft tokens per sequence and step (0: off)
     speculate_max_batch_size: int = 16  # --speculate-max-batch-size: no drafts in larger steps
+    # --overlap (the router's default): schedule and send step N+1 before reading step N's
+    # answer, so the shard launches it while step N computes (outputs are the same; see
+    # service/scheduler). Off here: an engine built directly steps one at a time unless asked.
+    overlap: bool = False
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -221,6 +226,10 @@ class LocalEngine:
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
+        # Overlap: the step sent and not yet applied (its plan, its call, CPU-time marks).
+        self._inflight: tuple[StepPlan, asyncio.Task[StepOutput]] | None = None
+        if config.overlap:
+            shard.overlap = True
         self._idle = asyncio.Event()
         self._idle.set()
         self._capacity_tokens = config.num_blocks * config.block_size
@@ -229,6 +238,7 @@ class LocalEngine:
         self.sched_cpu_s = 0.0  # schedule() + apply_output()
         self.step_cpu_s = 0.0  # all router-side work of a step (scheduling, protos, events)
         self.max_sched_cpu_s = 0.0
+        self._shard_cpu_s = 0.0  # the backend's cpu_seconds counted so far
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -244,6 +254,7 @@ class LocalEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task  # _run never raises anything else (it marks unhealthy)
             self._task = None
+        self._drop_inflight()
         self._fail_all(DrainingError("the server is shutting down"))
 
     async def close(self) -> None:
@@ -429,6 +440,16 @@ class LocalEngine:
                 if self.step_gate is not None:
                     await self.step_gate()
                 self._apply_cancellations()
+                if self._inflight is not None and (
+                    not self.config.overlap
+                    or sched.wants_drafts()
+                    or not sched.has_work()
+                    or not sched.can_plan_ahead()
+                ):  # read the step sent last before planning (drafts need its tokens; its
+                    # finished requests' blocks may spare a preemption)
+                    await self._complete_inflight()
+                    await asyncio.sleep(0)
+                    continue
                 if not sched.has_work():
                     self._wake.clear()
                     if self._cancelled:
@@ -448,7 +469,19 @@ class LocalEngine:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure (RPC, timeout, protocol) ends the loop
+            self._drop_inflight()
             self._mark_unhealthy(e)
+
+    def _drop_inflight(self) -> None:
+        if self._inflight is not None:
+            self._inflight[1].cancel()
+            self._inflight = None
+
+    async def _complete_inflight(self) -> None:
+        plan, task = self._inflight  # type: ignore[misc]
+        self._inflight = None
+        out = await task
+        self._apply(plan, out)
 
     def _apply_cancellations(self) -> None:
         now = time.monotonic()
@@ -483,8 +516,14 @@ class LocalEngine:
         t_sched = time.thread_time() - t0
 
         if plan.removed_from_shard:
+            if self._inflight is not None:
+                # The filter must reach the shard after the step sent last: read that first.
+                await self._complete_inflight()
             await self.shard.filter(plan.keep_ids)
         if plan.empty:
+            if self._inflight is not None:  # nothing new until its answer: read it
+                await self._complete_inflight()
+                return True
             self._fail_unfittable(plan)
             return bool(plan.removed_from_shard or plan.preempted)
         now = time.monotonic()
@@ -493,15 +532,29 @@ class LocalEngine:
             st = streams.get(c.seq_id)
             if st is not None and st.scheduled_at is None:
                 st.scheduled_at = now
-        shard_cpu_s = self.shard.cpu_seconds
-        t_rpc = time.thread_time()
-        out = await self.shard.step(plan)
-        t1 = time.thread_time()
-        shard_cpu_s = self.shard.cpu_seconds - shard_cpu_s  # building and reading the RPC
-        t2 = time.thread_time()
-        finished = sched.apply_output(plan, out)
-        t_sched += time.thread_time() - t2
+        self.sched_cpu_s += t_sched
+        self.max_sched_cpu_s = max(self.max_sched_cpu_s, t_sched)
+        self.step_cpu_s += time.thread_time() - t0
         self._last_batch_size = plan.batch_size
+        if not self.config.overlap:
+            self._apply(plan, await self.shard.step(plan))
+            return True
+        # Overlap: send this step (its call builds and sends the request at once), then read
+        # and apply the one before it while the shard computes.
+        task = asyncio.get_running_loop().create_task(self.shard.step(plan))
+        prev, self._inflight = self._inflight, (plan, task)
+        await asyncio.sleep(0)  # let the call go out before anything changes the plan's lists
+        if prev is not None:
+            self._apply(prev[0], await prev[1])
+        return True
+
+    def _apply(self, plan: StepPlan, out: StepOutput) -> None:
+        """Applies a step's answer: scheduler state, then the requests' events."""
+        t1 = time.thread_time()
+        sched = self.scheduler
+        finished = sched.apply_output(plan, out)
+        t_sched = time.thread_time() - t1
+        streams = self._streams
 
         # Events.
         hits = {s.seq_id: s.prefix_hit_tokens for s in finished if s.prefix_hit_tokens}
@@ -551,8 +604,9 @@ class LocalEngine:
             self._idle.set()
         self.sched_cpu_s += t_sched
         self.max_sched_cpu_s = max(self.max_sched_cpu_s, t_sched)
-        self.step_cpu_s += (t_rpc - t0) + (time.thread_time() - t1) + shard_cpu_s
-        return True
+        shard_cpu_s = self.shard.cpu_seconds  # building and reading the RPCs
+        self.step_cpu_s += time.thread_time() - t1 + shard_cpu_s - self._shard_cpu_s
+        self._shard_cpu_s = shard_cpu_s
 
     def _fail_unfittable(self, plan: StepPlan) -> None:
         """A lone request preempted itself: it can never fit the KV cache."""

@@ -59,6 +59,9 @@ class StepPlan:
     # Draft tokens to verify for decoding requests (speculative decoding): (request id, tokens).
     # Their positions' blocks are in `grants`; the request computes 1 + len(tokens) tokens.
     drafts: list[tuple[int, list[int]]] = field(default_factory=list)
+    # Requests on the shard that reach max_new_tokens in the step still in flight (a plan made
+    # one step ahead): they compute nothing more and are left out of the step's batch.
+    finishing: list[int] = field(default_factory=list)
 
     @property
     def is_prefill(self) -> bool:

@@ -26,6 +26,17 @@ are all computed (accepted) ever reach the prefix cache.
 
 Plain Python: no torch, no gRPC. The engine calls `add`/`abort` between steps, `schedule()` to
 get a StepPlan, runs it on the shard, and feeds the StepOutput to `apply_output`.
+
+Scheduling one step ahead (overlap): `schedule()` may run again before the previous plan's output
+is applied. Each plan advances its requests' `computed` when it is made (a decode by one token, a
+chunk by its length; one that completes the input decodes in the next plan), so the next plan
+continues where the outstanding one will leave off; the tokens it samples are `pending` until
+their output arrives. Outputs are applied in plan order. A request that finishes in the
+outstanding plan is scheduled once more (its row is wasted; the shard drops it), unless it is
+known to finish there (max_new_tokens: it is left out, `StepPlan.finishing`). The next plan
+carries no drafts (they need the latest tokens: the engine applies the output first when it
+wants them, see `wants_drafts`), and a preempted request is not readmitted while a token of it
+is pending. Blocks enter the prefix cache when a plan's output is applied.
 """
 
 from __future__ import annotations
@@ -82,9 +93,8 @@ class Scheduler:
         self.counters.spec_step_tokens = [0] * (config.speculation.num_tokens + 2)
         self._removed_from_shard: list[int] = []  # aborted on-shard requests not yet filtered
         self._steps_without_admission = 0
-        # Current step (between schedule and apply_output).
-        self._step_chunks: list[Sequence] = []
-        self._step_decodes: list[Sequence] = []
+        # Plans made and not yet applied, oldest first: (chunk requests, decode requests).
+        self._outstanding: deque[tuple[list[Sequence], list[Sequence]]] = deque()
 
     # --- queue --------------------------------------------------------------------------------
     @property
@@ -97,6 +107,33 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._removed_from_shard)
+
+    @property
+    def outstanding(self) -> int:
+        """Plans whose output is not applied yet."""
+        return len(self._outstanding)
+
+    def can_plan_ahead(self) -> bool:
+        """Whether the next plan surely needs no preemption: blocks for every decode that
+        crosses into a new block, and one for every running prefill. The engine applies the
+        step in flight first otherwise (its finished requests' blocks come back then), so that
+        scheduling ahead never preempts more than stepping one at a time would. Costs one pass
+        over the running requests."""
+        bs = self.blocks.block_size
+        need = 0
+        for seq in self.running:
+            if not seq.prefill_done:
+                need += 1
+            elif seq.pending and 0 < seq.max_new_tokens <= seq.generated_len + seq.pending:
+                continue  # finishes in the step in flight
+            elif seq.computed >= len(seq.blocks) * bs:
+                need += 1
+        return need <= self.blocks.num_free
+
+    def wants_drafts(self) -> bool:
+        """True when the next plan would propose drafts if no plan were outstanding."""
+        spec = self.config.speculation
+        return spec.enabled and 0 < len(self.running) <= spec.max_batch_size
 
     def add(self, seq: Sequence) -> None:
         if seq.seq_id in self.seqs:
@@ -130,6 +167,7 @@ class Scheduler:
         for seq in out:
             self.abort(seq.seq_id)
         self._removed_from_shard.clear()
+        self._outstanding.clear()  # their outputs will never be applied
         return out
 
     # --- the one place blocks go back -------------------------------------------------------
@@ -171,12 +209,17 @@ class Scheduler:
         decode_ids = plan.decode_ids
         grants = plan.grants
         spec = self.config.speculation
-        speculate = spec.enabled and len(running) <= spec.max_batch_size
+        speculate = spec.enabled and len(running) <= spec.max_batch_size and not self._outstanding
 
         i = 0
         while i < len(running):
             seq = running[i]
             if seq.prefill_done:
+                if seq.pending and 0 < seq.max_new_tokens <= seq.generated_len + seq.pending:
+                    # Its last token is being sampled by the step in flight: nothing to compute.
+                    plan.finishing.append(seq.seq_id)
+                    i += 1
+                    continue
                 # Decode: the step writes K/V at position `computed`.
                 if seq.computed >= len(seq.blocks) * bs:
                     block = bm.allocate_one()
@@ -214,6 +257,8 @@ class Scheduler:
             adapters: set[str] | None = None  # of the running requests, computed when needed
             while self.waiting and budget > 0 and len(running) < max_batch:
                 seq = self.waiting[0]
+                if seq.pending:
+                    break  # preempted with a token still coming: its input is not known yet
                 if seq.adapter:
                     if adapters is None:
                         adapters = {s.adapter for s in running if s.adapter}
@@ -267,8 +312,22 @@ class Scheduler:
                     payload=seq.payload,
                 )
             )
-        self._step_chunks = chunks
-        self._step_decodes = decodes
+        # Advance now: a plan made before this one's output arrives continues from here.
+        counters = self.counters
+        for seq in chunks:
+            seq.computed += seq.scheduled
+            counters.prefill_tokens_computed += seq.scheduled
+            seq.scheduled = 0
+            if seq.computed == len(seq.token_ids):  # the chunk completes the input: it samples
+                seq.prefill_done = True
+                seq.pending += 1
+        for seq in decodes:
+            seq.scheduled = 0
+            seq.pending += 1
+            if not seq.drafts:
+                seq.computed += 1  # with drafts: by the tokens emitted (_settle_drafts)
+        if chunks or decodes:  # an empty plan is never run, so never applied
+            self._outstanding.append((chunks, decodes))
         return plan
 
     def _add_drafts(self, seq: Sequence, plan: StepPlan, budget: int, others: int) -> int:
@@ -374,29 +433,26 @@ class Scheduler:
         return len(self.waiting) >= self.config.waiting_served_ratio * num_decoding
 
     def apply_output(self, plan: StepPlan, output: StepOutput) -> list[Sequence]:
-        """Advances the step's requests; returns the ones that finished (blocks freed)."""
+        """Applies the oldest outstanding plan's output (`plan`): records full blocks, appends
+        the tokens; returns the requests that finished (blocks freed)."""
         bm = self.blocks
         bs = bm.block_size
         counters = self.counters
         counters.steps += 1
-        for seq in self._step_chunks:
-            seq.computed += seq.scheduled
-            counters.prefill_tokens_computed += seq.scheduled
-            seq.scheduled = 0
-            bm.register_full_blocks(
-                seq.token_ids, seq.blocks, seq.block_hashes, seq.computed, seq.cache_salt
-            )
-        for seq in self._step_decodes:
-            seq.scheduled = 0
-            if seq.drafts:
-                continue  # advanced by its generation (_settle_drafts)
-            seq.computed += 1
-            if seq.computed % bs == 0:
-                bm.register_full_blocks(
-                    seq.token_ids, seq.blocks, seq.block_hashes, seq.computed, seq.cache_salt
-                )
-        self._step_chunks = []
-        self._step_decodes = []
+        # An empty plan recorded nothing (see schedule); applying one is a no-op step.
+        chunks, decodes = self._outstanding.popleft() if not plan.empty else ([], [])
+        running = RequestState.RUNNING
+        for group in (chunks, decodes):
+            for seq in group:
+                if seq.state is not running or seq.drafts:
+                    continue  # preempted or gone; drafts: settled with their generation
+                # K/V of every known token is computed once this plan has run (a plan made
+                # after it may have advanced `computed` further).
+                computed = min(seq.computed, len(seq.token_ids))
+                if len(seq.block_hashes) < computed // bs:
+                    bm.register_full_blocks(
+                        seq.token_ids, seq.blocks, seq.block_hashes, computed, seq.cache_salt
+                    )
 
         finished: list[Sequence] = []
         seqs = self.seqs
@@ -404,14 +460,22 @@ class Scheduler:
             seq = seqs.get(gen.seq_id)
             if seq is None:
                 continue  # aborted while the step ran: filtered at the next boundary
-            if not seq.prefill_done:
-                if seq.computed < len(seq.token_ids):
-                    raise ProtocolError(f"request {seq.seq_id}: token before its prefill ended")
-                seq.prefill_done = True
-                seq.prefill_logprobs = False  # sent once; a recompute does not resend them
+            if seq.pending <= 0:
+                raise ProtocolError(f"request {seq.seq_id}: token before its prefill ended")
+            seq.pending -= 1
+            seq.prefill_logprobs = False  # sent once; a recompute does not resend them
             seq.token_ids.append(gen.token.id)
             if gen.more:
                 seq.token_ids.extend(t.id for t, _ in gen.more)
+            if seq.state is RequestState.WAITING:  # preempted after this plan was made
+                if gen.more:
+                    raise ProtocolError(f"request {seq.seq_id}: several tokens without drafts")
+                if gen.finish is not None:
+                    self.waiting.remove(seq)
+                    seq.state = RequestState.FINISHED
+                    del seqs[seq.seq_id]
+                    finished.append(seq)
+                continue
             if seq.drafts:
                 self._settle_drafts(seq, gen)
             elif gen.more:

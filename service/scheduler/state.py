@@ -46,6 +46,8 @@ class Sequence:
     prefill_done: bool = False
     # Tokens the current step computes for it (set by schedule, consumed by apply_output).
     scheduled: int = 0
+    # Tokens sampled for it by plans whose output has not arrived yet (overlap: 0 or 1 ahead).
+    pending: int = 0
     # generated_len of the current (re)compute: tokens generated before the last preemption.
     recompute_generated: int = 0
     prefix_hit_tokens: int = 0  # cached prompt tokens at first admission

@@ -55,6 +55,11 @@ class ShardClient:
         self._batch_id: int | None = None
         self._batch_request_ids: list[int] = []
         self.cpu_seconds = 0.0  # ShardBackend: request building and answer reading
+        # Overlapped steps (the engine's --overlap): each step carries step_index and may be
+        # sent before the previous answer is read; the running batch is then tracked from what
+        # was sent (new chunks join it), minus what answers finished and filters removed.
+        self.overlap = False
+        self._step_index = 0
 
     async def _all(self, method: str, request: object, timeout: float) -> Any:
         try:
@@ -87,25 +92,47 @@ class ShardClient:
         await self._all("ClearCache", convert.clear_cache_request(None), self.control_timeout_s)
         self._batch_id = None
         self._batch_request_ids = []
+        self._step_index = 0
 
     # --- ShardBackend --------------------------------------------------------------------------
     async def step(self, plan: StepPlan) -> StepOutput:
+        """Runs one step. With `overlap`, the request is built and sent before the first
+        await, so the engine may start the next step's call before this one's answer."""
         t0 = time.thread_time()
+        cached_ids = self._batch_request_ids
+        if plan.finishing:  # finish in the step in flight: left out of this one's batch
+            gone = set(plan.finishing)
+            cached_ids = [r for r in cached_ids if r not in gone]
         if plan.chunks:
-            request = convert.prefill_request(
-                plan, next(self._batch_ids), self._batch_id, self._batch_request_ids
-            )
+            new_id = next(self._batch_ids)
+            request = convert.prefill_request(plan, new_id, self._batch_id, cached_ids)
             method = "Prefill"
+            if self.overlap:  # the shard merges the chunks into the new batch
+                known = set(cached_ids)
+                self._batch_request_ids = cached_ids + [
+                    c.seq_id for c in plan.chunks if c.seq_id not in known
+                ]
+                self._batch_id = new_id
         else:
             assert self._batch_id is not None
-            request = convert.decode_request(plan, self._batch_id, self._batch_request_ids)
+            request = convert.decode_request(plan, self._batch_id, cached_ids)
             method = "Decode"
+            if self.overlap:
+                self._batch_request_ids = cached_ids
+        if self.overlap:
+            self._step_index += 1
+            request.step_index = self._step_index
         t1 = time.thread_time()
         reply = await self._all(method, request, self.step_timeout_s)
         t2 = time.thread_time()
         out = convert.step_output(reply)
-        self._batch_id = out.batch_id
-        self._batch_request_ids = out.batch_request_ids
+        if self.overlap:
+            done = {g.seq_id for g in out.generations if g.finish is not None}
+            if done:
+                self._batch_request_ids = [r for r in self._batch_request_ids if r not in done]
+        else:
+            self._batch_id = out.batch_id
+            self._batch_request_ids = out.batch_request_ids
         self.cpu_seconds += (t1 - t0) + (time.thread_time() - t2)
         return out
 
@@ -113,11 +140,19 @@ class ShardClient:
         if self._batch_id is None:
             return
         if keep_ids:
-            reply = await self._all(
-                "FilterBatch",
-                convert.filter_request(self._batch_id, keep_ids),
-                self.control_timeout_s,
-            )
+            try:
+                reply = await self._all(
+                    "FilterBatch",
+                    convert.filter_request(self._batch_id, keep_ids),
+                    self.control_timeout_s,
+                )
+            except ShardRpcError as error:
+                # Overlap: every request of the batch finished at a step whose answer is not
+                # read yet, and the shard dropped the batch.
+                if not (self.overlap and error.status == "NOT_FOUND"):
+                    raise
+                self._batch_request_ids = []
+                return
             self._batch_request_ids = list(reply.batch.request_ids)
         else:
             await self._all(

@@ -137,7 +137,9 @@ def prefill_request(
                 traceparent=vreq.traceparent or "",
             )
         )
-    req = pb.PrefillRequest(batch=pb.Batch(id=new_batch_id, requests=requests))
+    req = pb.PrefillRequest(
+        batch=pb.Batch(id=new_batch_id, requests=requests), packed_generations=True
+    )
     if cached_id is not None:
         req.cached_batch.CopyFrom(_cached_batch(cached_id, cached_ids))
     if plan.grants:
@@ -149,7 +151,8 @@ def prefill_request(
 
 def decode_request(plan: StepPlan, cached_id: int, cached_ids: list[int]) -> pb.DecodeRequest:
     req = pb.DecodeRequest(
-        batches=[_cached_batch(cached_id, cached_ids)], block_grants=_grants(plan)
+        batches=[_cached_batch(cached_id, cached_ids)], block_grants=_grants(plan),
+        packed_generations=True,
     )
     if plan.drafts:
         req.drafts.extend(_drafts(plan))
@@ -186,6 +189,13 @@ def step_output(resp: pb.PrefillResponse | pb.DecodeResponse) -> StepOutput:
     token, or several when the step verified drafts (speculative decoding); fast path for one."""
     gens: list[GenerationOut] = []
     append = gens.append
+    packed = resp.packed
+    if packed.request_ids:  # plain generations: one token each, as arrays
+        texts = list(packed.texts)
+        lps = list(packed.logprobs)
+        special = list(packed.is_special)
+        for i, (rid, tid) in enumerate(zip(packed.request_ids, packed.ids)):
+            append(GenerationOut(rid, TokenInfo(tid, texts[i], lps[i], special[i])))
     for g in resp.generations:
         t = g.tokens
         token = TokenInfo(t.ids[0], t.texts[0], t.logprobs[0], t.is_special[0])

@@ -84,6 +84,12 @@ class FakeShard(pb_grpc.ShardServiceServicer):
         self.filter_calls = 0
         self.prefill_tokens = 0
         self.generated_tokens = 0  # tokens generated for all requests (cancelled ones included)
+        # Overlapped steps (step_index > 0): run in index order; a step (or a filter) may name
+        # requests that finished at a step whose answer the router had not read yet.
+        self.overlapped_steps = 0
+        self._launched = 0
+        self._turn = asyncio.Condition()
+        self._finished_recent: set[int] = set()
 
     def _ref(self, blocks) -> None:
         users = self.block_users
@@ -142,6 +148,10 @@ class FakeShard(pb_grpc.ShardServiceServicer):
             self.batches.clear()
             self.reqs.clear()
             self.block_users.clear()
+            self._finished_recent.clear()
+            async with self._turn:
+                self._launched = 0
+                self._turn.notify_all()
         return pb.ClearCacheResponse()
 
     async def FilterBatch(self, request, context):
@@ -150,6 +160,8 @@ class FakeShard(pb_grpc.ShardServiceServicer):
         if ids is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"batch {request.batch_id} not found")
         keep = set(request.request_ids)
+        if self.overlapped_steps:
+            keep -= self._finished_recent
         unknown = keep.difference(ids)
         if unknown:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown ids {unknown}")
@@ -169,7 +181,14 @@ class FakeShard(pb_grpc.ShardServiceServicer):
         if c.step_delay_s:
             await asyncio.sleep(c.step_delay_s)
 
-    def _take_batch(self, cached: pb.CachedBatch) -> list[int]:
+    def _take_batch(self, cached: pb.CachedBatch, unseen: set[int] | None = None) -> list[int]:
+        """unseen (overlapped steps): requests that finished unknown to the router."""
+        if unseen is not None:
+            ids = self.batches.pop(cached.id, [])  # gone when all of it finished
+            named = [rid for rid in cached.request_ids if rid not in unseen]
+            if named != ids:
+                raise _Violation(f"cached batch {cached.id}: ids {named} != {ids}")
+            return ids
         ids = self.batches.pop(cached.id, None)
         if ids is None:
             raise _Violation(f"cached batch {cached.id} not found")
@@ -177,9 +196,11 @@ class FakeShard(pb_grpc.ShardServiceServicer):
             raise _Violation(f"cached batch {cached.id}: ids {list(cached.request_ids)} != {ids}")
         return ids
 
-    def _grant(self, grants) -> None:
+    def _grant(self, grants, unseen: set[int] | None = None) -> None:
         for g in grants:
             r = self.reqs.get(g.request_id)
+            if r is None and unseen is not None and g.request_id in unseen:
+                continue  # finished at the step before (overlap)
             if r is None:
                 raise _Violation(f"grant for unknown request {g.request_id}")
             r.blocks.extend(g.blocks)
@@ -257,6 +278,7 @@ class FakeShard(pb_grpc.ShardServiceServicer):
                 pb.GeneratedText(text=text, generated_tokens=n, finish_reason=reason, seed=r.seed)
             )
             self._forget(r.rid)
+            self._finished_recent.add(r.rid)
         return g
 
     def _decode_one(self, r: _Req) -> pb.Generation:
@@ -268,12 +290,19 @@ class FakeShard(pb_grpc.ShardServiceServicer):
         r.computed = pos + 1
         return self._generate(r)
 
+    def _unseen(self, step_index: int) -> set[int] | None:
+        if not step_index:
+            return None
+        unseen, self._finished_recent = self._finished_recent, set()
+        return unseen
+
     def _prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
         self.prefill_calls += 1
+        unseen = self._unseen(request.step_index)
         cached_ids: list[int] = []
         if request.HasField("cached_batch"):
-            cached_ids = self._take_batch(request.cached_batch)
-        self._grant(request.block_grants)
+            cached_ids = self._take_batch(request.cached_batch, unseen)
+        self._grant(request.block_grants, unseen)
         in_batch = {q.id for q in request.batch.requests}
         gens: list[pb.Generation] = []
         order = list(cached_ids)
@@ -343,16 +372,20 @@ class FakeShard(pb_grpc.ShardServiceServicer):
             if r.computed == len(r.tokens) - 1:
                 r.prefill_done = True
                 gens.append(self._decode_one(r))
-        return self._answer(pb.PrefillResponse, gens, order, cached_batch_id(request))
+        # Overlapped steps: the merged batch takes the new Batch's id (the router sends the
+        # next step before it reads this answer; shard.proto, step_index).
+        batch_id = request.batch.id if unseen is not None else cached_batch_id(request)
+        return self._answer(pb.PrefillResponse, gens, order, batch_id)
 
     def _decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
         self.decode_calls += 1
         if not request.batches:
             raise _Violation("decode without batches")
+        unseen = self._unseen(request.step_index)
         order: list[int] = []
         for b in request.batches:
-            order.extend(self._take_batch(b))
-        self._grant(request.block_grants)
+            order.extend(self._take_batch(b, unseen))
+        self._grant(request.block_grants, unseen)
         gens = []
         for rid in order:
             r = self.reqs[rid]
@@ -371,19 +404,29 @@ class FakeShard(pb_grpc.ShardServiceServicer):
         resp.timings.total_ns = time.perf_counter_ns() - t0
         return resp
 
-    async def Prefill(self, request, context):
-        await self._before_step(context)
+    async def _in_turn(self, index: int, run, request, context):
+        """Runs a step; overlapped ones (index > 0) in index order."""
+        if index:
+            self.overlapped_steps += 1
+            async with self._turn:
+                await self._turn.wait_for(lambda: self._launched >= index - 1)
         try:
-            return self._prefill(request)
-        except _Violation as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            await self._before_step(context)
+            try:
+                return run(request)
+            except _Violation as e:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        finally:
+            if index:
+                async with self._turn:
+                    self._launched = max(self._launched, index)
+                    self._turn.notify_all()
+
+    async def Prefill(self, request, context):
+        return await self._in_turn(request.step_index, self._prefill, request, context)
 
     async def Decode(self, request, context):
-        await self._before_step(context)
-        try:
-            return self._decode(request)
-        except _Violation as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return await self._in_turn(request.step_index, self._decode, request, context)
 
 
 def cached_batch_id(request: pb.PrefillRequest) -> int:

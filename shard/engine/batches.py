@@ -19,9 +19,11 @@ ceil(computed / block_size) blocks (the router frees the rest the same way).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from array import array
+from collections import deque
 from dataclasses import dataclass, field
 
 import tokenizers
@@ -40,7 +42,16 @@ from shard.engine.contracts import (
 )
 from shard.engine.detokenizer import IncrementalDetokenizer
 from shard.engine.grammar import GrammarEngine, GrammarState, MaskJob, apply_token_bitmask
-from shard.engine.sampling import SampleOutput, Sampler, SamplingParams, prompt_logprobs
+from shard.engine.sampling import (
+    DeviceSample,
+    SampleOutput,
+    Sampler,
+    SamplingParams,
+    host_to_device,
+    prompt_logprobs,
+    read_host,
+)
+from shard.engine.step_timer import GpuStepTimer
 from shard.engine.stopping import StoppingCriteria, StopReason
 from shard.errors import (
     FailedPreconditionError,
@@ -79,6 +90,15 @@ class ShardRequest:
     blocks_checked: int = 0
     adapter: str = ""  # LoRA adapter name; "" for the base model
     grammar: GrammarState | None = None  # the request's matcher when it is constrained
+    # The launched, unfinished step that samples this request's next token (overlap): the
+    # token is on the device only, at row `pending_row` of that step's sampled ids.
+    pending: LaunchedStep | None = None
+    pending_row: int = 0
+
+    @property
+    def known_len(self) -> int:
+        """Tokens known so far, the one still on the device included."""
+        return len(self.token_ids) + (self.pending is not None)
 
 
 @dataclass
@@ -93,9 +113,45 @@ class _Work:
     drafts: list[int] | tuple[()] = ()  # draft tokens to verify (speculative decoding)
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued (launch_prefill / launch_decode) and whose outputs
+    are not read yet: `finish` turns it into its StepResult. While it runs on the device, the
+    next step may be launched with this step's sampled ids as its input placeholders."""
+
+    work: list[_Work]  # the sampling sequences, in row order
+    batch_id: int
+    merged: list[int]
+    timings: StepTimings
+    sampled: DeviceSample | None = None  # None: nothing sampled (no sampling rows)
+    host: torch.Tensor | None = None  # sampled.packed's host copy (pinned on CUDA)
+    done: torch.cuda.Event | None = None  # the copy into `host` has completed
+    drafts: bool = False  # rows with drafts: a request emits an unknown number of tokens
+    result: StepResult | None = None
+
+    def wait_device(self) -> None:
+        """Blocks until this step's results are on the host (no Python state is touched:
+        callable from any thread). A device failure is left for `finish` to report."""
+        if self.done is not None:
+            with contextlib.suppress(Exception):  # finish raises it as a FatalDeviceError
+                self.done.synchronize()
+
+
 class BatchState:
     """The requests and batches of one rank, keyed by router ids; each call (prefill, decode,
-    filter_batch, clear_cache) runs on the single model worker thread."""
+    filter_batch, clear_cache) runs on the single model worker thread.
+
+    Overlap: `launch_prefill` / `launch_decode` queue a step's device work and return at once;
+    `finish` reads its sampled tokens (one asynchronous device-to-host copy per step, on a side
+    stream) and does the host work (detokenization, stopping, Generations). A step launched
+    while the previous one is unfinished takes that step's sampled ids as its input tokens on
+    the device (placeholders), so the host prepares and launches step N+1 while the device
+    computes step N, then finishes step N while the device computes step N+1. Steps whose rows
+    need the previous token on the host (penalties, watermark, grammar masks, drafts, LoRA
+    slots, prompt logprobs) first finish the previous step (no overlap for them). A request
+    that finishes at step N is still computed at step N+1 (one wasted row) and dropped there.
+    `prefill` / `decode` are launch + finish: the steps of the synchronous protocol.
+"""
 
     def __init__(
         self,
@@ -117,6 +173,19 @@ class BatchState:
         )
         self.requests: dict[int, ShardRequest] = {}
         self.batches: dict[int, list[int]] = {}
+        # Launched, unfinished steps, oldest first (at most two with the overlapping protocol).
+        self._inflight: deque[LaunchedStep] = deque()
+        # Batch ids merged away by a launch while an earlier step that names them was running.
+        self._retired: set[int] = set()
+        # Requests finished by a step finished since the last launch: the router may name them
+        # in the next step before it has read that step's answer (overlap); they are skipped.
+        self._finished_unseen: set[int] = set()
+        self.overlapped_steps = 0  # steps launched while the previous one was unfinished
+        # Device time of each step's forward + sampling (benchmarks; None: not measured).
+        self.gpu_timer: GpuStepTimer | None = None
+        self._copy_stream = (
+            torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
+        )
         special = tokenizer.get_added_tokens_decoder()
         self._special = {i for i, tok in special.items() if tok.special}
 
@@ -166,9 +235,11 @@ class BatchState:
             raise InvalidRequestError(f"unknown request id {rid}")
         return state
 
-    def _apply_grants(self, grants: list[BlockGrant]) -> None:
+    def _apply_grants(self, grants: list[BlockGrant], unseen: set[int] = frozenset()) -> None:
         for grant in grants:
-            self._request(grant.request_id).blocks.extend(grant.blocks)
+            state = self._known(grant.request_id, unseen)
+            if state is not None:
+                state.blocks.extend(grant.blocks)
 
     def _check_blocks(self, rid: int, blocks: list[int], seq_len: int) -> None:
         bs = self.runner.block_size
@@ -237,6 +308,40 @@ class BatchState:
         grants: list[BlockGrant],
         drafts: dict[int, list[int]] | None = None,
     ) -> StepResult:
+        return self.finish(self.launch_prefill(batch, cached, grants, drafts))
+
+    def decode(
+        self,
+        batches: list[CachedBatchRef],
+        grants: list[BlockGrant],
+        drafts: dict[int, list[int]] | None = None,
+    ) -> StepResult:
+        return self.finish(self.launch_decode(batches, grants, drafts))
+
+    def _take_unseen(self, overlap: bool) -> set[int]:
+        """Ids this step may name although they finished (overlap only)."""
+        unseen, self._finished_unseen = self._finished_unseen, set()
+        return unseen if overlap else set()
+
+    def _known(self, rid: int, unseen: set[int]) -> ShardRequest | None:
+        """A request the router names in a step; None when it finished at a step whose answer
+        the router had not read when it sent this one (overlap)."""
+        state = self.requests.get(rid)
+        if state is None and rid not in unseen:
+            raise InvalidRequestError(f"unknown request id {rid}")
+        return state
+
+    def launch_prefill(
+        self,
+        batch: BatchSpec,
+        cached: CachedBatchRef | None,
+        grants: list[BlockGrant],
+        drafts: dict[int, list[int]] | None = None,
+        overlap: bool = False,
+    ) -> LaunchedStep:
+        """Queues a Prefill step (finish reads it). overlap: the router sends steps before it
+        has read the answers of the earlier ones, so this step may run while the previous one
+        is unfinished and may name requests that finished there (they are skipped)."""
         t0 = time.perf_counter_ns()
         if self.runner.kv_cache is None:
             raise FailedPreconditionError("Warmup must run before Prefill")
@@ -268,49 +373,61 @@ class BatchState:
                 state.computed_len = spec.cache_len
             work.append(_Work(state, spec.cache_len, spec.chunk_len, end == len(state.token_ids)))
             new_ids.append(spec.id)
-        self._apply_grants(grants)
+        unseen = self._take_unseen(overlap)
+        self._apply_grants(grants, unseen)
         chunked = set(new_ids)
         cached_ids = list(cached.request_ids) if cached else []
         for rid in cached_ids:
             if rid in chunked:
                 continue
-            state = self._request(rid)
-            if state.computed_len != len(state.token_ids) - 1:
+            state = self._known(rid, unseen)
+            if state is None or state.computed_len != state.known_len - 1:
                 continue  # still prefilling and no chunk this step: it waits
             work.append(self._decode_work(state, drafts))
         self._check_drafts(drafts, work)
         merged = cached_ids + [rid for rid in new_ids if rid not in set(cached_ids)]
         if cached and cached.id != batch.id:
-            self.batches.pop(cached.id, None)
-        generations = self._step(work, t0)
-        return self._finish_step(batch.id, merged, generations)
+            self._retire(cached.id)
+        return self._launch(work, t0, batch.id, merged, overlap)
 
-    def decode(
+    def launch_decode(
         self,
         batches: list[CachedBatchRef],
         grants: list[BlockGrant],
         drafts: dict[int, list[int]] | None = None,
-    ) -> StepResult:
+        overlap: bool = False,
+    ) -> LaunchedStep:
+        """Queues a Decode step (finish reads it); overlap as in launch_prefill."""
         t0 = time.perf_counter_ns()
         if not batches:
             raise InvalidRequestError("Decode needs at least one batch")
-        self._apply_grants(grants)
+        unseen = self._take_unseen(overlap)
+        self._apply_grants(grants, unseen)
         merged: list[int] = []
         work: list[_Work] = []
         for ref in batches:
             for rid in ref.request_ids:
-                state = self._request(rid)
+                state = self._known(rid, unseen)
+                if state is None:
+                    continue
                 merged.append(rid)
-                if state.computed_len == len(state.token_ids) - 1:
+                if state.computed_len == state.known_len - 1:
                     work.append(self._decode_work(state, drafts))
                 # else: still prefilling (its next chunk comes with a Prefill); it waits
         self._check_drafts(drafts, work)
         for ref in batches[1:]:
-            self.batches.pop(ref.id, None)
-        generations = self._step(work, t0)
-        return self._finish_step(batches[0].id, merged, generations)
+            self._retire(ref.id)
+        return self._launch(work, t0, batches[0].id, merged, overlap)
+
+    def _retire(self, batch_id: int) -> None:
+        """Forgets a batch merged into another; a running step that names it will not bring
+        it back when it finishes."""
+        self.batches.pop(batch_id, None)
+        if self._inflight:
+            self._retired.add(batch_id)
 
     def filter_batch(self, batch_id: int, keep: list[int]) -> CachedBatchRef:
+        self.settle()
         if batch_id not in self.batches:
             raise NotFoundError(f"unknown batch id {batch_id}")
         keep_set = set(keep)
@@ -324,18 +441,26 @@ class BatchState:
         return CachedBatchRef(batch_id, kept)
 
     def clear_cache(self, batch_id: int | None) -> None:
+        self.settle()
         if batch_id is None:
             self.requests.clear()
             self.batches.clear()
+            self._retired.clear()
+            self._finished_unseen.clear()
             return
         self._forget(self.batches.pop(batch_id, []))
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def _finish_step(self, batch_id: int, merged: list[int], step: tuple) -> StepResult:
-        generations, timings = step
+    def _finish_step(
+        self, batch_id: int, merged: list[int], generations: list[Generation],
+        timings: StepTimings,
+    ) -> StepResult:  # fmt: skip
         alive = [rid for rid in merged if rid in self.requests]
-        if alive:
+        if batch_id in self._retired:  # merged into a later step's batch meanwhile
+            self._retired.discard(batch_id)
+            ref = CachedBatchRef(batch_id, alive) if alive else None
+        elif alive:
             self.batches[batch_id] = alive
             ref = CachedBatchRef(batch_id, alive)
         else:
@@ -343,16 +468,108 @@ class BatchState:
             ref = None
         return StepResult(generations, ref, timings)
 
-    def _decode_inputs(self, work: list[_Work]) -> StepInputs:
+    # ---- launching and finishing steps ----------------------------------------------------------
+
+    def _launch(
+        self, work: list[_Work], t0: int, batch_id: int, merged: list[int], overlap: bool
+    ) -> LaunchedStep:
+        """Queues the step's device work; the step before it may still run (overlap)."""
+        while len(self._inflight) > 1:
+            self._finish_one()
+        prev = self._inflight[-1] if self._inflight else None
+        if prev is not None and not (overlap and self._can_overlap(prev, work)):
+            self.settle()
+            prev = None
+            # A request that finished at the step just finished is not computed.
+            work = [w for w in work if self.requests.get(w.state.id) is w.state]
+        step = LaunchedStep(work=[], batch_id=batch_id, merged=merged, timings=StepTimings())
+        if prev is not None:
+            self.overlapped_steps += 1
+        self._run_step(step, work, t0, prev)
+        self._inflight.append(step)
+        return step
+
+    def _can_overlap(self, prev: LaunchedStep, work: list[_Work]) -> bool:
+        """Whether the step can run with `prev` unfinished: no row needs a token that is still
+        on the device on the host (penalties, watermark, grammar masks), and no row uses what
+        the overlapped path does not cover (drafts, LoRA slots, prompt logprobs)."""
+        if prev.drafts:
+            return False
+        for w in work:
+            st = w.state
+            if w.drafts or st.grammar is not None or st.adapter or st.prefill_logprobs:
+                return False
+            if st.pending is prev:
+                p = st.sampling
+                if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.watermark:
+                    return False
+        return True
+
+    def settle(self) -> None:
+        """Finishes every launched step (their results wait for their `finish` calls)."""
+        while self._inflight:
+            self._finish_one()
+
+    def finish(self, step: LaunchedStep) -> StepResult:
+        """The step's outputs (finishing the steps launched before it first)."""
+        while step.result is None:
+            self._finish_one()
+        return step.result
+
+    def _finish_one(self) -> None:
+        step = self._inflight[0]
+        t2 = time.perf_counter_ns()
+        work = step.work
+        for w in work:
+            if w.state.pending is step:
+                w.state.pending = None
+        generations: list[Generation] = []
+        try:
+            if step.sampled is not None:
+                try:
+                    if step.done is not None:
+                        step.done.synchronize()
+                    out = read_host(step.sampled, step.host)
+                except Exception as exc:
+                    raise FatalDeviceError(
+                        f"forward pass failed: {type(exc).__name__}: {exc}"
+                    ) from exc
+                generations = self._emit(work, out)
+        finally:
+            self._inflight.popleft()
+        t3 = time.perf_counter_ns()
+        timings = step.timings
+        timings.decode_ns = t3 - t2
+        timings.total_ns += t3 - t2
+        step.result = self._finish_step(step.batch_id, step.merged, generations, timings)
+
+    def _decode_inputs(
+        self, work: list[_Work], prev: LaunchedStep | None
+    ) -> tuple[StepInputs, list[int], list[int]]:
         """StepInputs of a step whose sequences all compute one token and sample (the usual
         decode step): built with one comprehension per field instead of per-row appends. A
-        one-token step never reaches a prompt-logprob row (its start is >= prompt_len - 1)."""
+        one-token step never reaches a prompt-logprob row (its start is >= prompt_len - 1).
+        Also the placeholder rows: (flat rows, rows of prev's sampled ids)."""
         for w in work:
             self._check_state_blocks(w.state, w.start + 1)
         starts = [w.start for w in work]
         n = len(work)
-        return StepInputs(
-            token_ids=[w.state.token_ids[w.start] for w in work],
+        dst: list[int] = []
+        src: list[int] = []
+        if prev is None:
+            token_ids = [w.state.token_ids[w.start] for w in work]
+        else:
+            token_ids = []
+            for i, w in enumerate(work):
+                st = w.state
+                if st.pending is prev:
+                    token_ids.append(0)  # on the device: prev's sampled ids, row pending_row
+                    dst.append(i)
+                    src.append(st.pending_row)
+                else:
+                    token_ids.append(st.token_ids[w.start])
+        inputs = StepInputs(
+            token_ids=token_ids,
             positions=starts,
             query_lens=[1] * n,
             seq_lens=[s + 1 for s in starts],
@@ -360,6 +577,7 @@ class BatchState:
             logits_indices=list(range(n)),
             lora_slots=self._lora_slots(work),
         )
+        return inputs, dst, src
 
     def _lora_slots(self, work: list[_Work]) -> list[int] | None:
         """Each sequence's device slot of its adapter (-1: none), swapping adapters in; None
@@ -372,14 +590,19 @@ class BatchState:
         """Adapters of the requests this rank holds (never evicted from their slots)."""
         return {r.adapter for r in self.requests.values() if r.adapter}
 
-    def _step(self, work: list[_Work], t0: int) -> tuple[list[Generation], StepTimings]:
-        if work and all(w.length == 1 and w.samples for w in work):
-            return self._run_step(work, self._decode_inputs(work), len(work), [], [], [], t0)
+    def _step_inputs(
+        self, work: list[_Work], prev: LaunchedStep | None
+    ) -> tuple[StepInputs, int, list[int], list[int], list[ShardRequest], list[int], list[int]]:
+        """The flat ragged inputs of a general step: inputs, number of sampled rows, the
+        prompt-logprob rows (rows, next ids, owners) and the placeholder rows (flat rows, rows
+        of prev's sampled ids)."""
         inputs = StepInputs([], [], [], [], [], [])
         sample_rows: list[int] = []
         lp_rows: list[int] = []  # rows whose logits give a prompt token's logprob
         lp_next: list[int] = []
         lp_owner: list[ShardRequest] = []
+        dst: list[int] = []
+        src: list[int] = []
         for w in work:
             seq_len = w.start + w.length
             self._check_state_blocks(w.state, seq_len)
@@ -387,6 +610,10 @@ class BatchState:
             if w.drafts:  # the last token, then the drafts
                 inputs.token_ids.append(w.state.token_ids[w.start])
                 inputs.token_ids.extend(w.drafts)
+            elif prev is not None and w.state.pending is prev:  # one token, on the device
+                inputs.token_ids.append(0)
+                dst.append(base)
+                src.append(w.state.pending_row)
             else:
                 inputs.token_ids.extend(w.state.token_ids[w.start : seq_len])
             inputs.positions.extend(range(w.start, seq_len))
@@ -404,26 +631,51 @@ class BatchState:
                 sample_rows.append(base + w.length - 1)
         inputs.logits_indices = sample_rows + lp_rows
         inputs.lora_slots = self._lora_slots(work)
-        return self._run_step(work, inputs, len(sample_rows), lp_rows, lp_next, lp_owner, t0)
+        return inputs, len(sample_rows), lp_rows, lp_next, lp_owner, dst, src
 
     def _run_step(
-        self,
-        work: list[_Work],
-        inputs: StepInputs,
-        num_samples: int,  # the first num_samples logits rows sample; prompt-logprob rows follow
-        lp_rows: list[int],
-        lp_next: list[int],
-        lp_owner: list[ShardRequest],
-        t0: int,
-    ) -> tuple[list[Generation], StepTimings]:
-        timings = StepTimings()
+        self, step: LaunchedStep, work: list[_Work], t0: int, prev: LaunchedStep | None
+    ) -> None:
+        """Builds the step's inputs and queues its forward pass and sampling on the device,
+        then the one device-to-host copy of the sampled results (on the copy stream)."""
+        if not work:
+            step.timings.total_ns = time.perf_counter_ns() - t0
+            return
+        lp_rows: list[int] = []
+        lp_next: list[int] = []
+        lp_owner: list[ShardRequest] = []
+        if all(w.length == 1 and w.samples for w in work):
+            inputs, dst, src = self._decode_inputs(work, prev)
+            num_samples = len(work)
+        else:
+            inputs, num_samples, lp_rows, lp_next, lp_owner, dst, src = self._step_inputs(
+                work, prev
+            )
+        timings = step.timings
         t1 = time.perf_counter_ns()
         timings.prepare_ns = t1 - t0
         sampling = [w for w in work if w.samples]
+        device = self.runner.device
+        placeholders = None
+        if dst:
+            assert prev is not None and prev.sampled is not None
+            # Pinned sources: a copy from pageable memory may wait for the running step.
+            rows = host_to_device(torch.tensor(src, dtype=torch.long), device)
+            placeholders = (
+                host_to_device(torch.tensor(dst, dtype=torch.long), device),
+                prev.sampled.next_ids.index_select(0, rows),
+            )
+        timer = self.gpu_timer
+        if timer is not None:
+            timer.begin()
         # The bitmask of the constrained rows is filled on the mask thread while the forward runs.
         masks = self._start_masks(sampling)
         try:
-            logits = self.runner.execute(inputs)  # [num_logits, vocab]
+            logits = (  # [num_logits, vocab]
+                self.runner.execute(inputs)
+                if placeholders is None
+                else self.runner.execute(inputs, placeholders)
+            )
         except Exception as exc:  # the KV cache may be half-written: the shard cannot go on
             if masks is not None:
                 masks.join()  # never leave the fill running past a dead step
@@ -431,26 +683,51 @@ class BatchState:
         if masks is not None:
             # [num_samples, vocab]: disallowed tokens -> -inf on the device, before sampling
             apply_token_bitmask(logits[:num_samples], masks.wait(logits.device))
-        try:
-            if logits.device.type == "cuda":
-                torch.cuda.synchronize(logits.device)
-        except Exception as exc:
-            raise FatalDeviceError(f"forward pass failed: {type(exc).__name__}: {exc}") from exc
-        t2 = time.perf_counter_ns()
-        timings.forward_ns = t2 - t1
         for w in work:  # rows with drafts advance by what they emit (_emit_verified)
             w.state.computed_len = w.start + w.length
-        if lp_rows:
+        if lp_rows:  # (a blocking copy: steps with prompt logprobs never overlap)
             values = prompt_logprobs(
                 logits[num_samples:], torch.tensor(lp_next, device=logits.device)
             )
             for state, value in zip(lp_owner, values):
                 state.prompt_lps.append(value)
-        generations = self._sample(sampling, logits[:num_samples])
-        t3 = time.perf_counter_ns()
-        timings.decode_ns = t3 - t2
-        timings.total_ns = t3 - t0
-        return generations, timings
+        if sampling:
+            step.sampled = self._sample_device(sampling, logits[:num_samples])
+            step.work = sampling
+            step.drafts = any(w.drafts for w in sampling)
+            row = 0
+            for w in sampling:
+                w.state.pending = step
+                w.state.pending_row = row
+                row += 1 + len(w.drafts)
+        if timer is not None:
+            timer.end()
+        if step.sampled is not None:
+            self._copy_to_host(step)
+        t2 = time.perf_counter_ns()
+        timings.forward_ns = t2 - t1
+        timings.total_ns = t2 - t0
+
+    def _copy_to_host(self, step: LaunchedStep) -> None:
+        """The step's one device-to-host copy: on a side stream into pinned memory, after the
+        sampling kernels; `step.done` marks its end. On the CPU the results are already there."""
+        assert step.sampled is not None
+        packed = step.sampled.packed
+        stream = self._copy_stream
+        if stream is None:
+            step.host = packed
+            return
+        ready = torch.cuda.Event()
+        ready.record()
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            host.copy_(packed, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        packed.record_stream(stream)  # its memory is not reused before the copy has run
+        step.host = host
+        step.done = done
 
     def _start_masks(self, sampling: list[_Work]) -> MaskJob | None:
         """Starts the bitmask fill of the step's sampled logits rows: 1 + len(drafts) per work
@@ -470,11 +747,10 @@ class BatchState:
             return None
         return self.grammars.start(rows, at)
 
-    def _sample(self, work: list[_Work], logits: torch.Tensor) -> list[Generation]:
+    def _sample_device(self, work: list[_Work], logits: torch.Tensor) -> DeviceSample:
         """logits [rows, vocab]: one row per sampling sequence, 1 + len(drafts) for one with
-        drafts (its positions in order)."""
-        if not work:
-            return []
+        drafts (its positions in order). A token still on the device (overlap) counts as
+        generated: it is the seeded position's predecessor."""
         if any(w.drafts for w in work):
             params: list[SamplingParams] = []
             histories: list[array] = []
@@ -496,13 +772,21 @@ class BatchState:
             states = [w.state for w in work]
             params = [s.sampling for s in states]
             histories = [s.token_ids for s in states]
-            counts = [s.generated_count for s in states]
+            counts = [s.generated_count + (s.pending is not None) for s in states]
             top_n = [s.top_n for s in states]
-        out = self.sampler.sample(logits, params, histories, counts, top_n)
+        return self.sampler.sample_device(logits, params, histories, counts, top_n)
+
+    def _emit(self, work: list[_Work], out: SampleOutput) -> list[Generation]:
+        """Generations of a finished step's sampled rows; a request that finished at an earlier
+        step (computed once more by an overlapped step) is skipped."""
         generations = []
         row = 0
+        requests = self.requests
         for w in work:
             state = w.state
+            if requests.get(state.id) is not state:
+                row += 1 + len(w.drafts)
+                continue
             if w.drafts:
                 generations.append(self._emit_verified(w, out, row))
                 row += w.length
@@ -553,6 +837,7 @@ class BatchState:
                 seed=state.sampling.seed if state.sampling.do_sample else None,
             )
             del self.requests[state.id]
+            self._finished_unseen.add(state.id)
         return text, is_special, finished
 
     def _top(self, out: SampleOutput, row: int) -> TokenList:

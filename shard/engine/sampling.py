@@ -105,15 +105,15 @@ class Sampler:
         self.device = torch.device(device)
         self.watermark = Watermark(gamma=watermark_gamma, delta=watermark_delta)
 
-    def sample(
+    def sample_device(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
         token_histories: list[list[int]],
         generated_counts: list[int],
         top_n: list[int],
-    ) -> SampleOutput:
-        """Selects one token per row.
+    ) -> DeviceSample:
+        """Selects one token per row, on the device (nothing is read back; see read_host).
 
         logits: [num_seqs, vocab] float32 scores of the next token (on the model's device).
         params: per-row sampling parameters.
@@ -131,9 +131,10 @@ class Sampler:
             )
         if num_seqs != len(params):
             raise ValueError(f"logits has {num_seqs} rows but {len(params)} params were given")
-        if num_seqs == 0:
-            return SampleOutput([], [], [], [])
         device = logits.device
+        if num_seqs == 0:
+            empty = torch.zeros(0, dtype=torch.long, device=device)
+            return DeviceSample(empty, empty.double(), 0, 0, [])
         scores = logits.float()  # [num_seqs, vocab]
 
         scores = self._apply_penalties(scores, params, token_histories, generated_counts)
@@ -163,8 +164,8 @@ class Sampler:
             top_lp = logprobs_all.new_empty(num_seqs, 0)
             top_idx = next_ids.new_empty(num_seqs, 0)
 
-        # One device->host copy: float64 holds int ids exactly (vocab << 2**53) and float32
-        # logprobs without loss.
+        # One device->host copy (read_host): float64 holds int ids exactly (vocab << 2**53) and
+        # float32 logprobs without loss.
         packed = torch.cat(
             [
                 next_ids.double(),
@@ -172,24 +173,21 @@ class Sampler:
                 top_idx.double().flatten(),
                 top_lp.double().flatten(),
             ]
-        ).cpu()
-        ids_h = packed[:num_seqs].long().tolist()  # host-side conversion, no per-row int()
-        lps_h = packed[num_seqs : 2 * num_seqs].tolist()
-        if max_n == 0:  # the common case: no alternatives asked for
-            top_ids: list[list[int]] = [[] for _ in range(num_seqs)]
-            top_lps: list[list[float]] = [[] for _ in range(num_seqs)]
-            return SampleOutput(ids_h, lps_h, top_ids, top_lps)
-        off = 2 * num_seqs
-        tops_i = packed[off : off + num_seqs * max_n].long().tolist()
-        tops_l = packed[off + num_seqs * max_n :].tolist()
-        top_ids = []
-        top_lps = []
-        for row, n in enumerate(top_n):
-            n = min(n, max_n)
-            start = row * max_n
-            top_ids.append(tops_i[start : start + n])
-            top_lps.append(tops_l[start : start + n])
-        return SampleOutput(ids_h, lps_h, top_ids, top_lps)
+        )
+        return DeviceSample(next_ids, packed, num_seqs, max_n, list(top_n))
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        token_histories: list[list[int]],
+        generated_counts: list[int],
+        top_n: list[int],
+    ) -> SampleOutput:
+        """Selects one token per row and reads the results to the host (sample_device, then
+        read_host with a blocking copy)."""
+        dev = self.sample_device(logits, params, token_histories, generated_counts, top_n)
+        return read_host(dev, dev.packed.cpu())
 
     def _apply_penalties(
         self,
@@ -226,6 +224,43 @@ class Sampler:
             penalty = _tensor(freq, scores.dtype, device)[:, None]  # [n, 1]
             scores = scores - penalty * counts
         return scores
+
+
+@dataclass
+class DeviceSample:
+    """What sample_device left on the device: the chosen ids (for the next step's inputs) and
+    the packed results of the whole batch, read to the host with one copy."""
+
+    next_ids: torch.Tensor  # [num_seqs] int64 on the device
+    # [2 * num_seqs + 2 * num_seqs * max_n] float64: ids, logprobs, top ids, top logprobs
+    packed: torch.Tensor
+    num_seqs: int
+    max_n: int
+    top_n: list[int]
+
+
+def read_host(dev: DeviceSample, packed: torch.Tensor) -> SampleOutput:
+    """SampleOutput of a DeviceSample, given its packed results copied to the host."""
+    num_seqs, max_n, top_n = dev.num_seqs, dev.max_n, dev.top_n
+    if num_seqs == 0:
+        return SampleOutput([], [], [], [])
+    ids_h = packed[:num_seqs].long().tolist()  # host-side conversion, no per-row int()
+    lps_h = packed[num_seqs : 2 * num_seqs].tolist()
+    if max_n == 0:  # the common case: no alternatives asked for
+        top_ids: list[list[int]] = [[] for _ in range(num_seqs)]
+        top_lps: list[list[float]] = [[] for _ in range(num_seqs)]
+        return SampleOutput(ids_h, lps_h, top_ids, top_lps)
+    off = 2 * num_seqs
+    tops_i = packed[off : off + num_seqs * max_n].long().tolist()
+    tops_l = packed[off + num_seqs * max_n :].tolist()
+    top_ids = []
+    top_lps = []
+    for row, n in enumerate(top_n):
+        n = min(n, max_n)
+        start = row * max_n
+        top_ids.append(tops_i[start : start + n])
+        top_lps.append(tops_l[start : start + n])
+    return SampleOutput(ids_h, lps_h, top_ids, top_lps)
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -84,7 +84,14 @@ class CudaGraphDecodeRunner:
         # Staging layout (int64): ids[t] | positions[t] | slots[t] | seq_lens[b] | tables[b*w]
         # | lora slots[t] (with LoRA)
         self._n_staged = 3 * t + b + b * w + (t if lora is not None else 0)
-        self._host = torch.zeros(self._n_staged, dtype=torch.int64, pin_memory=True)
+        # Two pinned staging buffers, used in turn: with overlapping steps the host fills the
+        # next step's buffer while the previous step's copy may not have run yet.
+        self._hosts = [
+            torch.zeros(self._n_staged, dtype=torch.int64, pin_memory=True) for _ in range(2)
+        ]
+        self._copied: list[Any] = [None, None]  # event after the last copy out of each buffer
+        self._turn = 0
+        self._host = self._hosts[0]
         self._host_np = self._host.numpy()
         self._staged = torch.zeros(self._n_staged, dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
@@ -197,6 +204,21 @@ class CudaGraphDecodeRunner:
             and max(len(t) for t in block_tables) <= self.width
         )
 
+    def _next_host(self) -> None:
+        """Switches to the other staging buffer, once the copy that last read it has run."""
+        self._turn ^= 1
+        copied = self._copied[self._turn]
+        if copied is not None:
+            copied.synchronize()
+        self._host = self._hosts[self._turn]
+        self._host_np = self._host.numpy()
+
+    def _copy_queued(self) -> None:
+        if self._staged.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[self._turn] = event
+
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
@@ -207,7 +229,9 @@ class CudaGraphDecodeRunner:
         seq_lens: list[int],
         block_tables: list[list[int]],
         lora_slots: list[int] | None = None,  # [n] slot per row, -1: base model
+        placeholders: tuple[torch.Tensor, torch.Tensor] | None = None,  # (rows, ids) [p]
     ) -> torch.Tensor:  # [n, vocab] — a view of a static buffer, valid until the next replay
+        self._next_host()
         n = len(token_ids)
         g = self.bucket(n)
         b, w, h, bs = self.max_batch, self.width, self._host_np, self.block_size
@@ -235,6 +259,9 @@ class CudaGraphDecodeRunner:
             h[at + n : at + g] = -1  # padding rows: no adapter
         # One H2D copy of the used prefix of each section is simplest as one copy of it all.
         self._staged.copy_(self._host, non_blocking=True)
+        self._copy_queued()
+        if placeholders is not None:  # token ids at the head of the staging buffer
+            self._staged.index_copy_(0, placeholders[0], placeholders[1])
         if with_lora:
             self.lora_graphs[g].replay()
             return self.lora_outputs[g][:n]

@@ -34,6 +34,10 @@ class StepInputs:
     lora_slots: list[int] | None = None
 
 
+# (rows [p] int64, token ids [p] int64) on the device: inputs known only to the device.
+Placeholders = tuple[torch.Tensor, torch.Tensor]
+
+
 @dataclass
 class DeviceStep:
     input_ids: torch.Tensor  # [num_tokens] int64
@@ -109,6 +113,10 @@ class ModelRunner:
                 t = torch.from_numpy(values).to(dtype)
             else:
                 t = torch.tensor(values, dtype=dtype)
+            if self.device.type == "cuda":
+                # From pinned memory the copy is queued; from pageable memory it may wait for
+                # the step still running on the device (overlapped steps).
+                t = t.pin_memory()
             return t.to(self.device, non_blocking=True)
 
         meta = AttentionMetadata(
@@ -186,7 +194,12 @@ class ModelRunner:
                 self.model.finish_kv_calibration()
         return out
 
-    def execute(self, step: StepInputs) -> torch.Tensor:
+    def execute(
+        self, step: StepInputs, placeholders: Placeholders | None = None
+    ) -> torch.Tensor:
+        """Runs the step: [num_logits, vocab]. placeholders: (rows, ids), device tensors [p]:
+        input token rows whose ids are only on the device (the previous step's samples, when
+        steps overlap); step.token_ids holds anything at those rows."""
         g = self.graphs
         if (
             g is not None
@@ -195,9 +208,13 @@ class ModelRunner:
         ):  # decode-only: replay the padded graph ([num_seqs, vocab], valid until next step)
             self.last_path = "decode_graph"
             return g.run(step.token_ids, step.positions, step.seq_lens, step.block_tables,
-                         step.lora_slots)
+                         step.lora_slots, placeholders)
         # Verify graphs carry no LoRA slots: steps with adapter rows run eagerly.
-        if self.verify_graphs and not any(x >= 0 for x in step.lora_slots or ()):
+        if (
+            self.verify_graphs
+            and placeholders is None
+            and not any(x >= 0 for x in step.lora_slots or ())
+        ):
             v = self.verify_graphs.get(max(step.query_lens, default=0))
             if v is not None and v.can_run(step.query_lens, step.block_tables):
                 # Short rows (verify steps): the padded graph, then this step's logits rows.
@@ -208,4 +225,6 @@ class ModelRunner:
                 return logits.index_select(0, pick.to(self.device, non_blocking=True))
         self.last_path = "eager"
         d = self.prepare(step)
+        if placeholders is not None:
+            d.input_ids.index_copy_(0, placeholders[0], placeholders[1])
         return self.forward(d.input_ids, d.positions, d.meta, d.logits_indices)

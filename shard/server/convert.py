@@ -167,22 +167,48 @@ def timings_to_proto(t: StepTimings) -> pb.Timings:
     )
 
 
-def _fill_step(m: pb.PrefillResponse | pb.DecodeResponse, r: StepResult):
+def _fill_step(m: pb.PrefillResponse | pb.DecodeResponse, r: StepResult, packed: bool = False):
     generations = m.generations
-    for g in r.generations:
-        _fill_generation(generations.add(), g)
+    if packed:  # plain generations (one token, nothing else) as arrays: no message per request
+        rids: list[int] = []
+        ids: list[int] = []
+        lps: list[float] = []
+        texts: list[str] = []
+        special: list[bool] = []
+        for g in r.generations:
+            t = g.tokens
+            if (len(t.ids) != 1 or g.top_tokens or g.prefill_tokens is not None
+                    or g.finished is not None):
+                _fill_generation(generations.add(), g)
+                continue
+            rids.append(g.request_id)
+            ids.append(t.ids[0])
+            lps.append(t.logprobs[0])
+            texts.append(t.texts[0])
+            special.append(t.is_special[0])
+        if rids:
+            pk = m.packed
+            pk.request_ids.extend(rids)
+            pk.ids.extend(ids)
+            pk.logprobs.extend(lps)
+            pk.texts.extend(texts)
+            pk.is_special.extend(special)
+    else:
+        for g in r.generations:
+            _fill_generation(generations.add(), g)
     m.timings.CopyFrom(timings_to_proto(r.timings))
     if r.batch is not None:
         m.batch.CopyFrom(cached_batch_to_proto(r.batch))
     return m
 
 
-def prefill_to_proto(r: StepResult) -> pb.PrefillResponse:
-    return _fill_step(pb.PrefillResponse(), r)
+def prefill_to_proto(r: StepResult, packed: bool = False) -> pb.PrefillResponse:
+    """packed: the request's packed_generations (plain generations go to `packed`)."""
+    return _fill_step(pb.PrefillResponse(), r, packed)
 
 
-def decode_to_proto(r: StepResult) -> pb.DecodeResponse:
-    return _fill_step(pb.DecodeResponse(), r)
+def decode_to_proto(r: StepResult, packed: bool = False) -> pb.DecodeResponse:
+    return _fill_step(pb.DecodeResponse(), r, packed)
 
 
 def warmup_to_proto(r: WarmupResult) -> pb.WarmupResponse:

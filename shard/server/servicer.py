@@ -59,6 +59,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             max_workers=1, thread_name_prefix="shard-model", initializer=shard.bind_thread
         )
         self.fatal: str | None = None
+        # Overlapped steps (step_index > 0) launch in index order: the highest launched so far.
+        self._launched = 0
+        self._turn = asyncio.Condition()
 
     async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args) -> Any:
         if self.fatal is not None:
@@ -98,7 +101,14 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     async def Prefill(self, request, context):
         start = time.time_ns()
         args = convert.prefill_from_proto(request)
-        reply = convert.prefill_to_proto(await self._run(context, self.shard.engine.prefill, *args))
+        engine = self.shard.engine
+        if request.step_index:
+            result = await self._overlapped(
+                context, request.step_index, engine.launch_prefill, *args
+            )
+        else:
+            result = await self._run(context, engine.prefill, *args)
+        reply = convert.prefill_to_proto(result, request.packed_generations)
         if self.tracer is not None:
             self.tracer.prefill(request, reply, start, time.time_ns())
         return reply
@@ -106,10 +116,34 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     async def Decode(self, request, context):
         start = time.time_ns()
         args = convert.decode_from_proto(request)
-        reply = convert.decode_to_proto(await self._run(context, self.shard.engine.decode, *args))
+        engine = self.shard.engine
+        if request.step_index:
+            result = await self._overlapped(
+                context, request.step_index, engine.launch_decode, *args
+            )
+        else:
+            result = await self._run(context, engine.decode, *args)
+        reply = convert.decode_to_proto(result, request.packed_generations)
         if self.tracer is not None:
             self.tracer.decode(request, reply, start, time.time_ns())
         return reply
+
+    async def _overlapped(
+        self, context: grpc.aio.ServicerContext, index: int, launch: Callable[..., Any], *args
+    ) -> Any:
+        """An overlapped step: launched on the model worker after step index - 1 (so the next
+        step can be launched while this one computes), waited for off the worker, then
+        finished on the worker (detokenization, stopping, Generations)."""
+        async with self._turn:
+            await self._turn.wait_for(lambda: self._launched >= index - 1)
+        try:
+            step = await self._run(context, launch, *args, True)
+        finally:
+            async with self._turn:
+                self._launched = max(self._launched, index)
+                self._turn.notify_all()
+        await asyncio.to_thread(step.wait_device)
+        return await self._run(context, self.shard.engine.finish, step)
 
     async def FilterBatch(self, request, context):
         ref = await self._run(
@@ -122,6 +156,10 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     async def ClearCache(self, request, context):
         batch_id = request.id if request.HasField("id") else None
         await self._run(context, self.shard.engine.clear_cache, batch_id)
+        if batch_id is None:  # a new router: its overlapped steps count from 1
+            async with self._turn:
+                self._launched = 0
+                self._turn.notify_all()
         if self.tracer is not None:
             self.tracer.clear()
         return pb.ClearCacheResponse()

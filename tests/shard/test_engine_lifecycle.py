@@ -148,14 +148,16 @@ def test_special_tokens_are_excluded_from_the_finished_text(mistral, monkeypatch
     bos, eos = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
     word = tokenizer.encode("fox", add_special_tokens=False).ids
     forced = iter(word + [bos] + word + [eos])
-    real_sample = shard.engine.sampler.sample
+    from shard.engine import batches
 
-    def scripted(logits, *args, **kwargs):
-        out = real_sample(logits, *args, **kwargs)
+    real_read = batches.read_host
+
+    def scripted(*args, **kwargs):  # the sampled tokens as the host reads them
+        out = real_read(*args, **kwargs)
         out.token_ids = [next(forced) for _ in out.token_ids]
         return out
 
-    monkeypatch.setattr(shard.engine.sampler, "sample", scripted)
+    monkeypatch.setattr(batches, "read_host", scripted)
     sim = fresh(shard)
     sim.add(1, prompts(model_dir, [8])[0], 32, ignore_eos=False)
     sim.prefill([(1, 0)])

@@ -191,26 +191,34 @@ class BlockGrant(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("batch", "cached_batch", "block_grants", "drafts")
+    __slots__ = ("batch", "cached_batch", "block_grants", "drafts", "step_index", "packed_generations")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     CACHED_BATCH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_GRANTS_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PACKED_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
     cached_batch: CachedBatch
     block_grants: _containers.RepeatedCompositeFieldContainer[BlockGrant]
     drafts: _containers.RepeatedCompositeFieldContainer[Draft]
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., cached_batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., block_grants: _Optional[_Iterable[_Union[BlockGrant, _Mapping]]] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ...) -> None: ...
+    step_index: int
+    packed_generations: bool
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., cached_batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., block_grants: _Optional[_Iterable[_Union[BlockGrant, _Mapping]]] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ..., step_index: _Optional[int] = ..., packed_generations: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("batches", "block_grants", "drafts")
+    __slots__ = ("batches", "block_grants", "drafts", "step_index", "packed_generations")
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_GRANTS_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PACKED_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
     block_grants: _containers.RepeatedCompositeFieldContainer[BlockGrant]
     drafts: _containers.RepeatedCompositeFieldContainer[Draft]
-    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., block_grants: _Optional[_Iterable[_Union[BlockGrant, _Mapping]]] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ...) -> None: ...
+    step_index: int
+    packed_generations: bool
+    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., block_grants: _Optional[_Iterable[_Union[BlockGrant, _Mapping]]] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ..., step_index: _Optional[int] = ..., packed_generations: _Optional[bool] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("ids", "logprobs", "texts", "is_special")
@@ -263,24 +271,28 @@ class Timings(_message.Message):
     def __init__(self, prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("generations", "batch", "timings")
+    __slots__ = ("generations", "batch", "timings", "packed")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     batch: CachedBatch
     timings: Timings
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    packed: PackedTokens
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., packed: _Optional[_Union[PackedTokens, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("generations", "batch", "timings")
+    __slots__ = ("generations", "batch", "timings", "packed")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     batch: CachedBatch
     timings: Timings
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    packed: PackedTokens
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., packed: _Optional[_Union[PackedTokens, _Mapping]] = ...) -> None: ...
 
 class FilterBatchRequest(_message.Message):
     __slots__ = ("batch_id", "request_ids")
@@ -361,3 +373,17 @@ class OutputGrammar(_message.Message):
     kind: str
     source: str
     def __init__(self, kind: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+
+class PackedTokens(_message.Message):
+    __slots__ = ("request_ids", "ids", "logprobs", "texts", "is_special")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    IS_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    is_special: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, request_ids: _Optional[_Iterable[int]] = ..., ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., texts: _Optional[_Iterable[str]] = ..., is_special: _Optional[_Iterable[bool]] = ...) -> None: ...

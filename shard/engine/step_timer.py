@@ -1,0 +1,52 @@
+"""Device time of the steps a shard runs (benchmarks: the pure-GPU bound of a workload).
+
+`begin()` before a step's forward pass is queued and `end()` after its sampling kernels: on
+CUDA a pair of events on the current stream, read only when `total_ms()` is asked (so timing
+never makes the host wait for the device); on the CPU, where a step runs synchronously, wall
+time between the two calls.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class GpuStepTimer:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._open: torch.cuda.Event | None = None
+        self._cpu_ns = 0
+        self._cpu_t0 = 0
+        self.steps = 0
+
+    def begin(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._open = ev
+        else:
+            self._cpu_t0 = time.perf_counter_ns()
+
+    def end(self) -> None:
+        self.steps += 1
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            assert self._open is not None
+            self._pairs.append((self._open, ev))
+            self._open = None
+        else:
+            self._cpu_ns += time.perf_counter_ns() - self._cpu_t0
+
+    def total_ms(self) -> float:
+        """Sum over the timed steps of their device time (waits for the last one)."""
+        if not self.cuda:
+            return self._cpu_ns / 1e6
+        total = 0.0
+        for start, end in self._pairs:
+            end.synchronize()
+            total += start.elapsed_time(end)
+        return total
