@@ -5,7 +5,9 @@ Which kernels run is the backend's business; the order of the three steps, and w
 fused, is this layer's: a decode-only step takes the backend's one-kernel
 rotate_write_and_attend_decode where it fuses rotary into decode, other steps its
 rotate_and_write_kv then attend. While warmup calibrates an fp8 KV cache the steps run apart, so
-that the rotated K and V can be observed before they are stored.
+that the rotated K and V can be observed before they are stored; an fp8 cache with key rotation
+(shard/quantization/kv_rotation.py) always runs them apart, multiplying q and k by R between
+rotary and the store.
 """
 
 from __future__ import annotations
