@@ -64,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--engine-profile-start", type=int, default=200,
       help="engine part: first step of the torch.profiler window (GPU-busy fraction)")
     a("--engine-profile-stop", type=int, default=400, help="engine part: its last step")
+    a("--engine-trace-dir", type=Path, default=None,
+      help="engine part, overlap run: write a CPU+CUDA Chrome trace and the synchronizing "
+           "operations (torch sync debug mode) of --engine-trace-steps here")
+    a("--engine-trace-steps", type=lambda v: tuple(int(x) for x in v.split(":")),
+      default=(300, 312), help="engine part: steps A:B of the Chrome trace (default 300:312)")
     a("--e2e-max-batch-size", type=int, default=512,
       help="router --max-batch-size for the end-to-end run (decode graphs cover up to 512)")
     a("--commit", default=None, help="commit to record (default: git rev-parse)")

@@ -62,6 +62,19 @@ class EngineBoundConfig:
 
 
 @dataclass
+class StepRecord:
+    """Host-side timeline of one step of `drive` (perf_counter seconds from the run's start)."""
+
+    batch: int  # rows of the plan
+    chunk_tokens: int  # prompt tokens of its prefill chunks (0: a pure decode step)
+    launch_start: float
+    launch_end: float
+    synced: bool  # the step in flight was applied before this step was planned
+    apply_start: float = float("nan")  # its output read and applied (after the next launch
+    apply_end: float = float("nan")  # when overlapped)
+
+
+@dataclass
 class EngineBoundResult:
     requests: int
     wall_seconds: float
@@ -74,6 +87,9 @@ class EngineBoundResult:
     preemptions: int = 0
     prefix_hit_tokens: int = 0
     overlapped_steps: int = 0  # steps the shard launched before finishing the previous one
+    step_log: list[StepRecord] = field(default_factory=list)
+    step_gpu_ms: list[float] = field(default_factory=list)  # device time of each step (CUDA)
+    step_gaps_ms: list[float] = field(default_factory=list)  # device idle between steps (CUDA)
 
     @property
     def requests_per_s(self) -> float:
@@ -231,14 +247,22 @@ def drive(
     for i, w in enumerate(workload):
         sched.add(Sequence(seq_id=i + 1, token_ids=list(w.input_ids), prompt_len=len(w.input_ids),
                            arrival=i, payload=w, max_new_tokens=w.max_new_tokens))
-    inflight: tuple[StepPlan, LaunchedStep] | None = None
+    inflight: tuple[StepPlan, LaunchedStep, StepRecord] | None = None
     overlapped = engine.overlapped_steps
+    log: list[StepRecord] = []
+    synced = False
+
+    def apply_timed(plan: StepPlan, step: LaunchedStep, rec: StepRecord) -> None:
+        rec.apply_start = time.perf_counter() - t0
+        apply(plan, step)
+        rec.apply_end = time.perf_counter() - t0
     try:
         while sched.has_work() or inflight is not None:
             if inflight is not None and (not overlap or sched.wants_drafts()
                                          or not sched.has_work() or not sched.can_plan_ahead()):
-                apply(*inflight)
+                apply_timed(*inflight)
                 inflight = None
+                synced = True
                 continue
             plan = sched.schedule()
             if plan.removed_from_shard:
@@ -246,17 +270,23 @@ def drive(
             if plan.empty:
                 if inflight is None:
                     raise RuntimeError("nothing can run: a request does not fit the KV cache")
-                apply(*inflight)
+                apply_timed(*inflight)
                 inflight = None
+                synced = True
                 continue
             if on_step is not None:
                 on_step(steps)
             steps += 1
             batch_total += plan.batch_size
+            launch_start = time.perf_counter() - t0
             step = shard.launch(plan)
+            rec = StepRecord(plan.batch_size, sum(c.chunk_len for c in plan.chunks),
+                             launch_start, time.perf_counter() - t0, synced)
+            log.append(rec)
+            synced = False
             if inflight is not None:
-                apply(*inflight)
-            inflight = (plan, step)
+                apply_timed(*inflight)
+            inflight = (plan, step, rec)
     finally:
         engine.settle()
         engine.gpu_timer = None
@@ -267,5 +297,6 @@ def drive(
         gpu_ms=timer.total_ms(), mean_batch=batch_total / max(steps, 1), tokens=tokens,
         finish=finish, preemptions=sched.counters.preemptions,
         prefix_hit_tokens=sched.counters.prefix_cache_hit_tokens,
-        overlapped_steps=engine.overlapped_steps - overlapped,
+        overlapped_steps=engine.overlapped_steps - overlapped, step_log=log,
+        step_gpu_ms=timer.step_ms(), step_gaps_ms=timer.gaps_ms(),
     )

@@ -67,6 +67,96 @@ class KernelWindow:
         self.busy = busy_fraction(spans)
 
 
+class TraceWindow:
+    """on_step callback: a CPU + CUDA torch.profiler trace of steps [start, stop), exported as
+    a gzipped Chrome trace (chrome://tracing, ui.perfetto.dev), and, over the same steps,
+    torch's sync debug mode: every operation that makes the host wait for the device is
+    written with its Python stack to `syncs_path` (a launch path must have none)."""
+
+    def __init__(self, start: int, stop: int, trace_path: Path, syncs_path: Path) -> None:
+        self.start, self.stop = start, stop
+        self.trace_path, self.syncs_path = trace_path, syncs_path
+        self._prof = None
+        self._syncs: list[str] = []
+        self._old_showwarning = None
+
+    def __call__(self, step: int) -> None:
+        import torch
+
+        if step == self.start:
+            import traceback
+            import warnings
+
+            self._old_showwarning = warnings.showwarning
+
+            def show(message, category, filename, lineno, file=None, line=None):
+                self._syncs.append(f"{message}\n{''.join(traceback.format_stack(limit=14))}")
+
+            warnings.showwarning = show
+            warnings.simplefilter("always")
+            self._prof = torch.profiler.profile(activities=[
+                torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            self._prof.__enter__()
+            torch.cuda.set_sync_debug_mode("warn")
+        elif step == self.stop:
+            self.close()
+
+    def close(self) -> None:
+        import gzip
+        import shutil
+        import warnings
+
+        import torch
+
+        prof, self._prof = self._prof, None
+        if prof is None:
+            return
+        torch.cuda.set_sync_debug_mode("default")
+        if self._old_showwarning is not None:
+            warnings.showwarning = self._old_showwarning
+        torch.cuda.synchronize()
+        prof.__exit__(None, None, None)
+        raw = self.trace_path.with_suffix("")
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(self.trace_path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
+        self.syncs_path.write_text(f"{len(self._syncs)} synchronizing operations in steps "
+                                   f"[{self.start}, {self.stop})\n\n" + "\n".join(self._syncs))
+
+
+def step_analysis(res) -> dict:
+    """Where the device waited: the gaps between consecutive steps' device work (CUDA events),
+    split by the kind of the step that follows (pure decode / with prefill chunks) and by
+    whether it was planned after a synchronous apply; plus the host's time per step."""
+    import statistics
+
+    gaps, log = res.step_gaps_ms, res.step_log
+    if not gaps or len(log) != len(gaps) + 1:
+        return {}
+    out: dict = {}
+    for name, keep in (("decode", lambda r: r.chunk_tokens == 0 and not r.synced),
+                       ("mixed", lambda r: r.chunk_tokens > 0 and not r.synced),
+                       ("after_sync", lambda r: r.synced)):
+        sel = [(g, log[k + 1], res.step_gpu_ms[k + 1]) for k, g in enumerate(gaps)
+               if keep(log[k + 1])]
+        if not sel:
+            continue
+        g = [x[0] for x in sel]
+        out[name] = {
+            "steps": len(sel), "gap_ms_sum": sum(g), "gap_ms_p50": statistics.median(g),
+            "gap_ms_p90": sorted(g)[int(0.9 * (len(g) - 1))], "gap_ms_max": max(g),
+            "gpu_ms_mean": statistics.fmean(x[2] for x in sel),
+            "batch_mean": statistics.fmean(x[1].batch for x in sel),
+            "launch_ms_p50": statistics.median(1e3 * (x[1].launch_end - x[1].launch_start)
+                                               for x in sel),
+            "apply_ms_p50": statistics.median(
+                1e3 * (x[1].apply_end - x[1].apply_start) for x in sel
+                if x[1].apply_end == x[1].apply_end),
+        }
+    return out
+
+
 def sharegpt_workload(
     tokenizer, n: int, max_input: int = 2048, max_total: int = 4096
 ) -> list[WorkRequest]:
@@ -108,14 +198,29 @@ def bench_engine(model_dir: Path, args, device: str = "cuda") -> dict:
     tokens = {}
     for mode in ("off", "on"):
         window = KernelWindow(args.engine_profile_start, args.engine_profile_stop) if cuda else None
+        trace = None
+        trace_dir = args.engine_trace_dir
+        if cuda and trace_dir is not None and mode == "on":
+            a, b = args.engine_trace_steps
+            trace = TraceWindow(a, b, trace_dir / "engine_trace.json.gz",
+                                trace_dir / "engine_syncs.txt")
+
+        def on_step(n: int) -> None:
+            window(n)
+            if trace is not None:
+                trace(n)
+
         try:
             res = drive(engine, workload, cfg, warm.num_blocks, warm.block_size,
-                        overlap=mode == "on", on_step=window)
+                        overlap=mode == "on", on_step=on_step if window is not None else None)
         finally:
             if window is not None:
                 window.close()
+            if trace is not None:
+                trace.close()
         summary = res.summary()
         summary["mean_gpu_step_ms"] = res.gpu_ms / max(res.steps, 1)
+        summary["step_analysis"] = step_analysis(res)
         if window is not None:
             summary["profiled_steps"] = [window.start, window.stop]
             summary["profiled_kernels"] = window.kernels

@@ -41,12 +41,28 @@ class GpuStepTimer:
         else:
             self._cpu_ns += time.perf_counter_ns() - self._cpu_t0
 
+    def step_ms(self) -> list[float]:
+        """Each timed step's device time, in order (waits for the last one); CPU: empty."""
+        if not self.cuda:
+            return []
+        out = []
+        for start, end in self._pairs:
+            end.synchronize()
+            out.append(start.elapsed_time(end))
+        return out
+
+    def gaps_ms(self) -> list[float]:
+        """Device time between one step's end and the next step's begin: the input copies and
+        placeholder kernels queued before a forward pass, plus any time the GPU waited for the
+        host to queue it (entry k: between steps k and k+1); CPU: empty."""
+        if not self.cuda:
+            return []
+        for _, end in self._pairs[-1:]:
+            end.synchronize()
+        return [a[1].elapsed_time(b[0]) for a, b in zip(self._pairs, self._pairs[1:])]
+
     def total_ms(self) -> float:
         """Sum over the timed steps of their device time (waits for the last one)."""
         if not self.cuda:
             return self._cpu_ns / 1e6
-        total = 0.0
-        for start, end in self._pairs:
-            end.synchronize()
-            total += start.elapsed_time(end)
-        return total
+        return sum(self.step_ms())

@@ -202,7 +202,8 @@ def test_benchmark_engine_part_runs_on_cpu(tmp_path) -> None:
     model_dir = make_tiny_model(tmp_path / "llama", TinyModelSpec("llama",
                                                                   max_position_embeddings=4096))
     args = argparse.Namespace(quantize=None, kv_cache_dtype="auto", e2e_max_batch_size=8,
-                              requests=8, engine_profile_start=5, engine_profile_stop=20)
+                              requests=8, engine_profile_start=5, engine_profile_stop=20,
+                              engine_trace_dir=None, engine_trace_steps=(0, 0))
     out = bench_engine(model_dir, args, device="cpu")
     assert out["outputs_equal"] and out["requests_with_equal_outputs"] == 8
     off, on = out["runs"]["off"], out["runs"]["on"]
