@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="engine part, overlap run: write a CPU+CUDA Chrome trace and the synchronizing "
            "operations (torch sync debug mode) of --engine-trace-steps here")
     a("--engine-trace-steps", type=lambda v: tuple(int(x) for x in v.split(":")),
-      default=(300, 312), help="engine part: steps A:B of the Chrome trace (default 300:312)")
+      default=(450, 462), help="engine part: steps A:B of the Chrome trace, after the "
+           "GPU-busy window (default 450:462)")
     a("--e2e-max-batch-size", type=int, default=512,
       help="router --max-batch-size for the end-to-end run (decode graphs cover up to 512)")
     a("--commit", default=None, help="commit to record (default: git rev-parse)")
