@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--engine-trace-steps", type=lambda v: tuple(int(x) for x in v.split(":")),
       default=(450, 462), help="engine part: steps A:B of the Chrome trace, after the "
            "GPU-busy window (default 450:462)")
+    a("--e2e-profile-from-step", type=lambda v: None if v == "none" else int(v), default=200,
+      help="e2e: the shard records its device timeline from this step to shutdown (profiler "
+           "trace: GPU-busy fraction; step times: gaps); 'none': off")
     a("--e2e-max-batch-size", type=int, default=512,
       help="router --max-batch-size for the end-to-end run (decode graphs cover up to 512)")
     a("--commit", default=None, help="commit to record (default: git rev-parse)")
@@ -311,6 +314,25 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError("router did not become healthy")
 
 
+def served_profile(rank_dir: Path) -> dict:
+    """The serving shard's device timeline (`--profile-from-step`): the GPU-busy fraction from
+    its profiler trace and the step-gap analysis from its step times."""
+    from benchmarks.harness.engine_part import busy_fraction, gap_analysis
+
+    trace, steps = rank_dir / "trace.json.gz", rank_dir / "steps.json"
+    if not trace.is_file() or not steps.is_file():
+        return {}
+    import gzip
+
+    events = json.loads(gzip.open(trace).read())["traceEvents"]
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events
+             if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    s = json.loads(steps.read_text())
+    return {"trace_gpu_busy_fraction": busy_fraction(spans), "trace_device_events": len(spans),
+            "first_step": s["first_step"], "steps": s["steps"],
+            "gaps": gap_analysis(s["kinds"], s["step_ms"], s["gaps_ms"])}
+
+
 def bench_e2e(model_dir: Path, args, log_path: Path, overlap: bool = True) -> dict:
     import multiprocessing as mp
 
@@ -328,6 +350,10 @@ def bench_e2e(model_dir: Path, args, log_path: Path, overlap: bool = True) -> di
         "--frontends", str(args.router_frontends),
     ] + (["--quantize", args.quantize] if args.quantize else []) + (
         [] if overlap else ["--no-overlap"])
+    trace_dir = log_path.with_name(log_path.stem + "_profile")
+    if args.e2e_profile_from_step is not None:
+        cmd += ["--profile-from-step", str(args.e2e_profile_from_step),
+                "--profile-dir", str(trace_dir)]
     env = dict(os.environ)
     t0 = time.perf_counter()
     with open(log_path, "w") as logf:
@@ -384,6 +410,7 @@ def bench_e2e(model_dir: Path, args, log_path: Path, overlap: bool = True) -> di
         "exact_lengths": sum(r["count"] == r["out"] for r in results),
         "ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p99_ms": pct(ttft, 99) * 1e3,
         "itl_p50_ms": pct(itl, 50) * 1e3, "itl_p99_ms": pct(itl, 99) * 1e3,
+        "shard_profile": served_profile(trace_dir / "rank0"),
     }
 
 
@@ -455,25 +482,59 @@ def _engine_section(res: dict, L: list[str]) -> None:
         e = res.get(key)
         if not e:
             continue
-        busy = on["gpu_seconds"] / e["wall_seconds"]
+        prof = e.get("shard_profile") or {}
+        if "trace_gpu_busy_fraction" in prof:
+            busy_txt = f"{prof['trace_gpu_busy_fraction']:.0%} (trace)"
+        else:
+            busy_txt = f"~{on['gpu_seconds'] / e['wall_seconds']:.0%} (est.)"
         L.append(f"| served (router + shard over gRPC, streaming) | {mode} | "
                  f"{e['requests_per_s']:.1f} | {e['output_tokens_per_s']:.0f} | "
-                 f"{e['wall_seconds']:.1f} | ~{busy:.0%} (est.) | {e['itl_p50_ms']:.1f} / "
+                 f"{e['wall_seconds']:.1f} | {busy_txt} | {e['itl_p50_ms']:.1f} / "
                  f"{e['itl_p99_ms']:.1f} | - |\n")
     L.append(f"\nOutputs of the engine runs with and without overlap equal: "
              f"{eng['outputs_equal']} ({eng.get('requests_with_equal_outputs')} of "
              f"{eng['requests']} requests token for token). GPU busy: engine rows from a "
              "torch.profiler trace of "
-             f"steps {on.get('profiled_steps')} (union of CUDA kernel intervals over their span); "
-             "served rows estimated as the engine run's summed step device time over the served "
-             f"wall time. Mean device time per step (engine, overlap on): {gpu_ms:.2f} ms.\n")
+             f"steps {on.get('profiled_steps')} (union of CUDA kernel intervals over their span; "
+             "the profiler's own pauses are left out of the engine runs' wall time); served "
+             "rows from the shard's profiler trace from step "
+             f"{res.get('e2e', {}).get('shard_profile', {}).get('first_step')} to the end "
+             "(`--profile-from-step`). Mean device time per step (engine, overlap on): "
+             f"{gpu_ms:.2f} ms.\n")
+    sa = on.get("step_analysis") or {}
+    dec = sa.get("decode") or {}
+    decode_ms = sa.get("decode_step_ms_token_weighted", float("nan"))
+    if dec:
+        L.append(f"\nPure decode steps of the engine run (overlap on): {dec['steps']} steps, "
+                 f"mean batch {dec['batch_mean']:.0f}, mean device time "
+                 f"{dec['gpu_ms_mean']:.2f} ms; per token (batch-weighted: batch "
+                 f"{sa.get('decode_batch_token_weighted', float('nan')):.0f}) "
+                 f"{decode_ms:.2f} ms. Steps with prompt chunks: "
+                 f"{(sa.get('prefill') or {}).get('steps', 0)}, mean device time "
+                 f"{(sa.get('prefill') or {}).get('gpu_ms_mean', float('nan')):.2f} ms.\n")
     for key in ("e2e", "e2e_no_overlap"):
         e = res.get(key)
         if e:
             bound = on["requests_per_s"]
             L.append(f"- {key}: {e['requests_per_s'] / bound:.0%} of the engine-only bound "
                      f"(overlap on); ITL p50 / mean GPU step = "
-                     f"{e['itl_p50_ms'] / gpu_ms:.2f}\n")
+                     f"{e['itl_p50_ms'] / gpu_ms:.2f}; ITL p50 / decode step per token = "
+                     f"{e['itl_p50_ms'] / decode_ms:.2f}\n")
+            gaps = (e.get("shard_profile") or {}).get("gaps")
+            if gaps:
+                L.append(f"  - shard device timeline: busy {gaps['busy_fraction']:.1%} of "
+                         f"steps {e['shard_profile']['first_step']}..end; "
+                         + "; ".join(f"{k}: {v['steps']} steps, gaps sum "
+                                     f"{v['gap_ms_sum'] / 1e3:.2f} s (p50 {v['gap_ms_p50']:.2f}"
+                                     f", p90 {v['gap_ms_p90']:.2f} ms)"
+                                     for k, v in gaps.items() if isinstance(v, dict)) + "\n")
+    gaps = {k: v for k, v in sa.items() if isinstance(v, dict)}
+    if gaps:
+        L.append("  - engine run (overlap on) device timeline: busy "
+                 f"{sa['busy_fraction']:.1%}; " + "; ".join(
+                     f"{k}: {v['steps']} steps, gaps sum {v['gap_ms_sum'] / 1e3:.2f} s, host "
+                     f"launch p50 {v.get('launch_ms_p50', float('nan')):.2f} ms"
+                     for k, v in gaps.items()) + "\n")
 
 
 def write_report(res: dict, path: Path) -> None:

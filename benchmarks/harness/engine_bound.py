@@ -87,6 +87,7 @@ class EngineBoundResult:
     preemptions: int = 0
     prefix_hit_tokens: int = 0
     overlapped_steps: int = 0  # steps the shard launched before finishing the previous one
+    paused_seconds: float = 0.0  # spent in on_step (profiler start/stop), left out of the wall
     step_log: list[StepRecord] = field(default_factory=list)
     step_gpu_ms: list[float] = field(default_factory=list)  # device time of each step (CUDA)
     step_gaps_ms: list[float] = field(default_factory=list)  # device idle between steps (CUDA)
@@ -112,6 +113,7 @@ class EngineBoundResult:
             "gpu_busy_fraction": gpu_s / self.wall_seconds,
             "preemptions": self.preemptions, "prefix_hit_tokens": self.prefix_hit_tokens,
             "overlapped_steps": self.overlapped_steps,
+            "paused_seconds": self.paused_seconds,
         }
 
 
@@ -217,7 +219,9 @@ def drive(
     on_step: Callable[[int], None] | None = None,
 ) -> EngineBoundResult:
     """Runs every request of `workload` (all arriving at once) to completion. on_step(n) is
-    called before the n-th step is launched (n = 0, 1, ...; e.g. to start a profiler)."""
+    called before the n-th step is launched (n = 0, 1, ...; e.g. to start a profiler); the
+    time spent in it is left out of the wall time (the device may finish the step in flight
+    meanwhile: at most one step's time is credited that way per call that pauses)."""
     sched = Scheduler(
         SchedulerConfig(max_batch_prefill_tokens=config.max_batch_prefill_tokens,
                         max_batch_size=config.max_batch_size),
@@ -251,6 +255,7 @@ def drive(
     overlapped = engine.overlapped_steps
     log: list[StepRecord] = []
     synced = False
+    paused = 0.0
 
     def apply_timed(plan: StepPlan, step: LaunchedStep, rec: StepRecord) -> None:
         rec.apply_start = time.perf_counter() - t0
@@ -274,8 +279,10 @@ def drive(
                 inflight = None
                 synced = True
                 continue
-            if on_step is not None:
+            if on_step is not None:  # a profiler's start/stop: its pause is not the engine's
+                pause_start = time.perf_counter()
                 on_step(steps)
+                paused += time.perf_counter() - pause_start
             steps += 1
             batch_total += plan.batch_size
             launch_start = time.perf_counter() - t0
@@ -290,7 +297,7 @@ def drive(
     finally:
         engine.settle()
         engine.gpu_timer = None
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t0 - paused
     return EngineBoundResult(
         requests=len(workload), wall_seconds=wall,
         output_tokens=sum(len(t) for t in tokens.values()), steps=steps,
@@ -298,5 +305,6 @@ def drive(
         finish=finish, preemptions=sched.counters.preemptions,
         prefix_hit_tokens=sched.counters.prefix_cache_hit_tokens,
         overlapped_steps=engine.overlapped_steps - overlapped, step_log=log,
+        paused_seconds=paused,
         step_gpu_ms=timer.step_ms(), step_gaps_ms=timer.gaps_ms(),
     )

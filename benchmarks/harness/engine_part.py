@@ -125,35 +125,60 @@ class TraceWindow:
                                    f"[{self.start}, {self.stop})\n\n" + "\n".join(self._syncs))
 
 
-def step_analysis(res) -> dict:
-    """Where the device waited: the gaps between consecutive steps' device work (CUDA events),
-    split by the kind of the step that follows (pure decode / with prefill chunks) and by
-    whether it was planned after a synchronous apply; plus the host's time per step."""
+def gap_analysis(kinds: list[str], step_ms: list[float], gaps_ms: list[float]) -> dict:
+    """Where the device waited between steps: gaps_ms[k] is the device time between the end
+    of step k and the start of step k+1 (input copies, placeholder kernels, and any wait for
+    the host to queue it), grouped by the kind of step k+1; plus the window's busy share
+    (step time over step time + gaps)."""
     import statistics
 
-    gaps, log = res.step_gaps_ms, res.step_log
-    if not gaps or len(log) != len(gaps) + 1:
+    n = min(len(kinds), len(step_ms), len(gaps_ms) + 1)
+    if n < 2:
         return {}
-    out: dict = {}
-    for name, keep in (("decode", lambda r: r.chunk_tokens == 0 and not r.synced),
-                       ("mixed", lambda r: r.chunk_tokens > 0 and not r.synced),
-                       ("after_sync", lambda r: r.synced)):
-        sel = [(g, log[k + 1], res.step_gpu_ms[k + 1]) for k, g in enumerate(gaps)
-               if keep(log[k + 1])]
-        if not sel:
-            continue
-        g = [x[0] for x in sel]
-        out[name] = {
-            "steps": len(sel), "gap_ms_sum": sum(g), "gap_ms_p50": statistics.median(g),
-            "gap_ms_p90": sorted(g)[int(0.9 * (len(g) - 1))], "gap_ms_max": max(g),
-            "gpu_ms_mean": statistics.fmean(x[2] for x in sel),
-            "batch_mean": statistics.fmean(x[1].batch for x in sel),
-            "launch_ms_p50": statistics.median(1e3 * (x[1].launch_end - x[1].launch_start)
-                                               for x in sel),
-            "apply_ms_p50": statistics.median(
-                1e3 * (x[1].apply_end - x[1].apply_start) for x in sel
-                if x[1].apply_end == x[1].apply_end),
+    out: dict = {"steps": n, "busy_fraction": sum(step_ms[:n]) / (sum(step_ms[:n])
+                                                                  + sum(gaps_ms[: n - 1]))}
+    for kind in sorted(set(kinds[1:n])):
+        idx = [k for k in range(n - 1) if kinds[k + 1] == kind]
+        g = sorted(gaps_ms[k] for k in idx)
+        out[kind] = {
+            "steps": len(idx), "gap_ms_sum": sum(g), "gap_ms_p50": statistics.median(g),
+            "gap_ms_p90": g[int(0.9 * (len(g) - 1))], "gap_ms_max": g[-1],
+            "gpu_ms_mean": statistics.fmean(step_ms[k + 1] for k in idx),
         }
+    return out
+
+
+def step_analysis(res) -> dict:
+    """gap_analysis of an engine run, its steps split into decode / prefill (with prompt
+    chunks) / after_sync (planned after the step in flight was applied), with the host's
+    launch and apply times and the mean batch of each kind."""
+    import statistics
+
+    log = res.step_log
+
+    def kind(r) -> str:
+        return "after_sync" if r.synced else ("prefill" if r.chunk_tokens else "decode")
+
+    kinds = [kind(r) for r in log]
+    out = gap_analysis(kinds, res.step_gpu_ms, res.step_gaps_ms)
+    for name in ("decode", "prefill", "after_sync"):
+        recs = [r for r in log[1:] if kind(r) == name]
+        if name not in out or not recs:
+            continue
+        applied = [1e3 * (r.apply_end - r.apply_start) for r in recs
+                   if r.apply_end == r.apply_end]  # not NaN
+        out[name].update({
+            "batch_mean": statistics.fmean(r.batch for r in recs),
+            "launch_ms_p50": statistics.median(1e3 * (r.launch_end - r.launch_start)
+                                               for r in recs),
+            "apply_ms_p50": statistics.median(applied) if applied else float("nan"),
+        })
+    decode = [(r.batch, ms) for r, ms in zip(log, res.step_gpu_ms) if kind(r) == "decode"]
+    if decode:  # what a token waits in a pure decode step (batch-weighted: per token)
+        out["decode_step_ms_token_weighted"] = (sum(b * ms for b, ms in decode)
+                                                / sum(b for b, _ in decode))
+        out["decode_batch_token_weighted"] = (sum(b * b for b, _ in decode)
+                                              / sum(b for b, _ in decode))
     return out
 
 

@@ -248,6 +248,15 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
     ),
     PassThrough("--max-lora-rank", int, ("MAX_LORA_RANK",), "largest LoRA rank (16)", "shard"),
     PassThrough(
+        "--profile-from-step",
+        int,
+        ("PROFILE_FROM_STEP",),
+        "record the device timeline (profiler trace + step times) from this step to shutdown",
+        "shard",
+    ),
+    PassThrough("--profile-dir", str, ("PROFILE_DIR",), "where --profile-from-step writes",
+                "shard"),
+    PassThrough(
         "--all-reduce",
         str,
         ("ALL_REDUCE",),

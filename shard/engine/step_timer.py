@@ -18,7 +18,7 @@ class GpuStepTimer:
         self.cuda = device.type == "cuda"
         self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._open: torch.cuda.Event | None = None
-        self._cpu_ns = 0
+        self._cpu_spans: list[tuple[int, int]] = []  # (begin, end) perf_counter_ns
         self._cpu_t0 = 0
         self.steps = 0
 
@@ -39,12 +39,12 @@ class GpuStepTimer:
             self._pairs.append((self._open, ev))
             self._open = None
         else:
-            self._cpu_ns += time.perf_counter_ns() - self._cpu_t0
+            self._cpu_spans.append((self._cpu_t0, time.perf_counter_ns()))
 
     def step_ms(self) -> list[float]:
-        """Each timed step's device time, in order (waits for the last one); CPU: empty."""
+        """Each timed step's device time, in order (waits for the last one)."""
         if not self.cuda:
-            return []
+            return [(e - b) / 1e6 for b, e in self._cpu_spans]
         out = []
         for start, end in self._pairs:
             end.synchronize()
@@ -54,15 +54,15 @@ class GpuStepTimer:
     def gaps_ms(self) -> list[float]:
         """Device time between one step's end and the next step's begin: the input copies and
         placeholder kernels queued before a forward pass, plus any time the GPU waited for the
-        host to queue it (entry k: between steps k and k+1); CPU: empty."""
+        host to queue it (entry k: between steps k and k+1). On the CPU: host time between
+        the steps."""
         if not self.cuda:
-            return []
+            spans = self._cpu_spans
+            return [(b[0] - a[1]) / 1e6 for a, b in zip(spans, spans[1:])]
         for _, end in self._pairs[-1:]:
             end.synchronize()
         return [a[1].elapsed_time(b[0]) for a, b in zip(self._pairs, self._pairs[1:])]
 
     def total_ms(self) -> float:
         """Sum over the timed steps of their device time (waits for the last one)."""
-        if not self.cuda:
-            return self._cpu_ns / 1e6
         return sum(self.step_ms())

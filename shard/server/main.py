@@ -64,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "directory or a hub id)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="not supported; present so that a request for it fails clearly")
+    parser.add_argument("--profile-from-step", type=int, default=None,
+                        help="record the device's timeline (torch.profiler trace of CUDA "
+                        "activity + each step's device time) from this step (counted from 0 "
+                        "after warm-up) to shutdown; written to --profile-dir at shutdown "
+                        "(shard.server.step_profile)")
+    parser.add_argument("--profile-dir", type=Path, default=None,
+                        help="where --profile-from-step writes (rank r: DIR/rank<r>)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--otlp-endpoint", default=None,
                         help="OpenTelemetry collector (OTLP/gRPC): rank 0 records Prefill/Decode "
@@ -80,7 +87,8 @@ def listen_url(args: argparse.Namespace, rank: int) -> str:
 
 
 async def start_server(
-    shard, urls: list[str], rank: int, on_fatal: Callable[[str], None], tracer=None
+    shard, urls: list[str], rank: int, on_fatal: Callable[[str], None], tracer=None,
+    profiler=None,
 ):
     """Builds and starts the grpc.aio server of one rank; returns (server, servicer, health)."""
     import grpc
@@ -96,7 +104,7 @@ async def start_server(
             ("grpc.max_send_message_length", 256 * 2**20),
         ]
     )
-    servicer = ShardServicer(shard, urls, on_fatal, tracer)
+    servicer = ShardServicer(shard, urls, on_fatal, tracer, profiler)
     shard_pb2_grpc.add_ShardServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -133,8 +141,14 @@ async def serve(args: argparse.Namespace, shard) -> int:
         if args.rank == 0
         else None
     )
+    profiler = None
+    if args.profile_from_step is not None:
+        from shard.server.step_profile import ProfileWindow, StepProfiler
+
+        window = ProfileWindow(args.profile_from_step, args.profile_dir / f"rank{args.rank}")
+        profiler = StepProfiler(window, shard.engine, shard.runner.device)
     server, servicer, health_servicer = await start_server(
-        shard, urls, args.rank, on_fatal, tracer
+        shard, urls, args.rank, on_fatal, tracer, profiler
     )
     log.info("rank %d/%d serving %s on %s", args.rank, args.world_size, args.model_id,
              urls[args.rank])
@@ -144,6 +158,7 @@ async def serve(args: argparse.Namespace, shard) -> int:
     await stop.wait()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=1.0 if exit_code == 0 else 0)
+    await servicer.close_profiler()
     servicer.close()
     if tracer is not None:
         tracer.shutdown()
@@ -151,6 +166,8 @@ async def serve(args: argparse.Namespace, shard) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.profile_from_step is None) != (args.profile_dir is None):
+        raise SystemExit("--profile-from-step and --profile-dir go together")
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s rank{args.rank} %(levelname)s %(name)s: %(message)s",

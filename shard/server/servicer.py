@@ -23,6 +23,7 @@ from shard.errors import (
 )
 from shard.server import convert
 from shard.server.loader import Shard
+from shard.server.step_profile import StepProfiler
 from shard.server.tracing import StepTracer
 
 log = logging.getLogger(__name__)
@@ -49,9 +50,11 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         urls: list[str],
         on_fatal: Callable[[str], None],
         tracer: StepTracer | None = None,
+        profiler: StepProfiler | None = None,
     ):
         self.shard = shard
         self.tracer = tracer  # step spans of traced requests (None: tracing off)
+        self.profiler = profiler  # device timeline of a window of steps (None: off)
         self.urls = urls
         self.on_fatal = on_fatal
         # One worker: model steps run in RPC order, never concurrently, off the event loop.
@@ -104,10 +107,11 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         engine = self.shard.engine
         if request.step_index:
             result = await self._overlapped(
-                context, request.step_index, engine.launch_prefill, *args
+                context, request.step_index, self._counted(engine.launch_prefill, "prefill"),
+                *args,
             )
         else:
-            result = await self._run(context, engine.prefill, *args)
+            result = await self._run(context, self._counted(engine.prefill, "prefill"), *args)
         reply = convert.prefill_to_proto(result, request.packed_generations)
         if self.tracer is not None:
             self.tracer.prefill(request, reply, start, time.time_ns())
@@ -119,14 +123,26 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         engine = self.shard.engine
         if request.step_index:
             result = await self._overlapped(
-                context, request.step_index, engine.launch_decode, *args
+                context, request.step_index, self._counted(engine.launch_decode, "decode"), *args
             )
         else:
-            result = await self._run(context, engine.decode, *args)
+            result = await self._run(context, self._counted(engine.decode, "decode"), *args)
         reply = convert.decode_to_proto(result, request.packed_generations)
         if self.tracer is not None:
             self.tracer.decode(request, reply, start, time.time_ns())
         return reply
+
+    def _counted(self, step_fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
+        """step_fn, telling the profiler (if any) on the worker that a step is launched."""
+        profiler = self.profiler
+        if profiler is None:
+            return step_fn
+
+        def launch(*args: Any) -> Any:
+            profiler.before_launch(kind)
+            return step_fn(*args)
+
+        return launch
 
     async def _overlapped(
         self, context: grpc.aio.ServicerContext, index: int, launch: Callable[..., Any], *args
@@ -180,6 +196,12 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     async def UnloadAdapter(self, request, context):
         await self._run(context, self.shard.unload_adapter, request.name)
         return pb.UnloadAdapterResponse()
+
+    async def close_profiler(self) -> None:
+        """Writes the profile (if any) on the model worker: the profiler started there, and
+        stops on the thread that started it."""
+        if self.profiler is not None:
+            await asyncio.get_running_loop().run_in_executor(self.worker, self.profiler.close)
 
     def close(self) -> None:
         self.worker.shutdown(wait=False, cancel_futures=True)

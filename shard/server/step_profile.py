@@ -1,0 +1,102 @@
+"""A serving shard's GPU timeline, for measuring how busy the device is under real traffic.
+
+    tokenwire shard ... --profile-from-step 200 --profile-dir /tmp/prof
+
+From the step numbered `first_step` (steps counted from 0 in launch order, warm-up excluded) to
+the shard's shutdown, two records are kept and written to DIR when the server stops:
+
+- `trace.json.gz`: a torch.profiler trace of the device's activity (CUDA kernels and copies;
+  no CPU ops), saved by the profiler's own exporter. Stopping the profiler parses every event
+  (seconds for a few hundred thousand kernels), so it happens at shutdown, after the traffic,
+  never in a step;
+- `steps.json`: each step's device time and the device time between consecutive steps (CUDA
+  events around each step's forward pass and sampling, `shard.engine.step_timer`; read only at
+  shutdown, so timing never makes the host wait) and each step's kind (prefill: the step has
+  prompt chunks; decode).
+
+Off by default; for benchmarks and performance investigations (benchmarks/OVERLAP.md).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shard.engine.step_timer import GpuStepTimer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProfileWindow:
+    first_step: int  # steps before this one run unprofiled (warm-up of the traffic)
+    out_dir: Path
+
+
+class StepProfiler:
+    """Counts the steps a shard launches and records the device from `first_step` on. Every
+    method runs on the model worker thread (the profiler stops on the thread it started on)."""
+
+    def __init__(self, window: ProfileWindow, engine: Any, device: torch.device) -> None:
+        self.window = window
+        self.engine = engine  # shard.engine.batches.BatchState: its gpu_timer is set here
+        self.device = device
+        self.steps = 0
+        self.kinds: list[str] = []
+        self._prof: torch.profiler.profile | None = None
+        self._timer: GpuStepTimer | None = None
+
+    def before_launch(self, kind: str) -> None:
+        """Called before each step is launched (kind: "prefill" or "decode")."""
+        if self.steps == self.window.first_step:
+            self._start()
+        self.steps += 1
+        if self._timer is not None:
+            self.kinds.append(kind)
+
+    def _start(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities = [torch.profiler.ProfilerActivity.CUDA]
+        self._prof = torch.profiler.profile(activities=activities)
+        self._prof.__enter__()
+        self._timer = GpuStepTimer(self.device)
+        self.engine.gpu_timer = self._timer
+        log.info("profiling from step %d", self.steps)
+
+    def close(self) -> None:
+        """Stops recording and writes trace.json.gz and steps.json (nothing when the window
+        was never reached)."""
+        prof, timer = self._prof, self._timer
+        self._prof = self._timer = None
+        if prof is None or timer is None:
+            log.info("profiling: step %d never reached (%d steps)", self.window.first_step,
+                     self.steps)
+            return
+        self.engine.gpu_timer = None
+        out = self.window.out_dir
+        out.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        prof.__exit__(None, None, None)
+        raw = out / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(out / "trace.json.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
+        (out / "steps.json").write_text(json.dumps({
+            "first_step": self.window.first_step, "steps": self.steps,
+            "kinds": self.kinds[: timer.steps], "step_ms": timer.step_ms(),
+            "gaps_ms": timer.gaps_ms(),
+        }))
+        log.info("profile of steps %d..%d written to %s in %.1f s", self.window.first_step,
+                 self.steps - 1, out, time.perf_counter() - t0)

@@ -1,0 +1,93 @@
+"""`tokenwire shard --profile-from-step N --profile-dir DIR`: a serving shard records its
+device timeline (profiler trace + each step's time and the gaps between steps) from step N to
+shutdown, over real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import threading
+
+import grpc
+import pytest
+from reference import prompts
+from shard_driver import RouterSim
+from test_engine_greedy import joining_and_leaving
+from tokenwire.shard.v1 import shard_pb2 as pb
+from tokenwire.shard.v1 import shard_pb2_grpc
+
+from shard.distributed.groups import Dist
+from shard.server import main as shard_main
+from shard.server.loader import Shard, ShardConfig
+from shard.server.main import start_server
+from shard.server.step_profile import ProfileWindow, StepProfiler
+
+FIRST = 3
+
+
+def _serve_and_drive(shard: Shard, url: str, profiler: StepProfiler, model_dir) -> list[str]:
+    """Serves the shard with the profiler, drives a joining/leaving workload through it and
+    stops it; returns the kinds of the steps sent (a Prefill or Decode call each), in order."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    server, servicer, _ = asyncio.run_coroutine_threadsafe(
+        start_server(shard, [url], 0, lambda _m: None, None, profiler), loop
+    ).result(60)
+    channel = grpc.insecure_channel(url)
+    stub = shard_pb2_grpc.ShardServiceStub(channel)
+    try:
+        warm = stub.Warmup(pb.WarmupRequest(
+            max_input_tokens=128, max_total_tokens=256, max_batch_prefill_tokens=256,
+            max_batch_size=8, max_batch_total_tokens=2048))
+        sent = []
+
+        def call(method: str, request):
+            sent.append(method)
+            return getattr(stub, method)(request, timeout=60)
+
+        joining_and_leaving(RouterSim(call, warm.num_blocks, warm.block_size),
+                            prompts(model_dir, [17, 5, 45, 30]))
+    finally:
+        channel.close()
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
+        asyncio.run_coroutine_threadsafe(servicer.close_profiler(), loop).result(60)
+        servicer.close()
+        loop.call_soon_threadsafe(loop.stop)
+    return [m.lower() for m in sent if m in ("Prefill", "Decode")]
+
+
+def test_profile_window_written_at_shutdown(tiny_models, tmp_path):
+    model_dir = tiny_models["llama"]
+    shard = Shard(ShardConfig(model_id=str(model_dir), kv_cache_memory_mb=1), Dist())
+    profiler = StepProfiler(ProfileWindow(FIRST, tmp_path / "prof"), shard.engine,
+                            shard.runner.device)
+    sent = _serve_and_drive(shard, f"unix://{tmp_path}/s-0", profiler, model_dir)
+    assert shard.engine.gpu_timer is None  # the timer is detached at close
+    steps = json.loads((tmp_path / "prof" / "steps.json").read_text())
+    # Every Prefill and Decode the router sent is one launched step; warm-up is not counted.
+    assert steps["steps"] == len(sent) > FIRST + 5
+    assert steps["kinds"] == sent[FIRST:]  # the steps from FIRST on, in order
+    assert set(sent[FIRST:]) == {"prefill", "decode"}
+    assert len(steps["step_ms"]) == len(sent) - FIRST
+    assert len(steps["gaps_ms"]) == len(sent) - FIRST - 1
+    assert all(ms > 0 for ms in steps["step_ms"])
+    trace = json.loads(gzip.open(tmp_path / "prof" / "trace.json.gz").read())
+    assert trace["traceEvents"]  # the profiler's CPU activity (CUDA activity on a GPU)
+
+
+def test_window_never_reached_writes_nothing(tiny_models, tmp_path):
+    model_dir = tiny_models["llama"]
+    shard = Shard(ShardConfig(model_id=str(model_dir), kv_cache_memory_mb=1), Dist())
+    profiler = StepProfiler(ProfileWindow(10_000, tmp_path / "prof"), shard.engine,
+                            shard.runner.device)
+    _serve_and_drive(shard, f"unix://{tmp_path}/s-0", profiler, model_dir)
+    assert not (tmp_path / "prof").exists()
+
+
+def test_profile_flags_go_together(tmp_path):
+    parser = __import__("argparse").ArgumentParser()
+    shard_main.add_arguments(parser)
+    args = parser.parse_args(["--model-id", "x", "--profile-from-step", "5"])
+    with pytest.raises(SystemExit, match="--profile-dir"):
+        shard_main.run(args)
