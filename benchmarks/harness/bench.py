@@ -70,9 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--engine-trace-steps", type=lambda v: tuple(int(x) for x in v.split(":")),
       default=(450, 462), help="engine part: steps A:B of the Chrome trace, after the "
            "GPU-busy window (default 450:462)")
-    a("--e2e-profile-from-step", type=lambda v: None if v == "none" else int(v), default=200,
+    a("--e2e-profile-from-step", type=lambda v: None if v == "none" else int(v), default=0,
       help="e2e: the shard records its device timeline from this step to shutdown (profiler "
            "trace: GPU-busy fraction; step times: gaps); 'none': off")
+    a("--e2e-warmup-requests", type=int, default=64,
+      help="e2e: requests (at most 16 new tokens each) sent and finished before the timed run, "
+           "as the engine-only runs are preceded by a warm-up run")
     a("--e2e-max-batch-size", type=int, default=512,
       help="router --max-batch-size for the end-to-end run (decode graphs cover up to 512)")
     a("--commit", default=None, help="commit to record (default: git rev-parse)")
@@ -320,17 +323,29 @@ def served_profile(rank_dir: Path) -> dict:
     from benchmarks.harness.engine_part import busy_fraction, gap_analysis
 
     trace, steps = rank_dir / "trace.json.gz", rank_dir / "steps.json"
-    if not trace.is_file() or not steps.is_file():
+    if not steps.is_file():
         return {}
     import gzip
 
-    events = json.loads(gzip.open(trace).read())["traceEvents"]
-    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events
-             if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     s = json.loads(steps.read_text())
-    return {"trace_gpu_busy_fraction": busy_fraction(spans), "trace_device_events": len(spans),
-            "first_step": s["first_step"], "steps": s["steps"],
-            "gaps": gap_analysis(s["kinds"], s["step_ms"], s["gaps_ms"])}
+    # The timed run starts after the warm-up requests and an idle second or more: analyse the
+    # steps after the last such gap (the trace: the kernels after the last such idle time).
+    idle_ms = 1000.0
+    first = max((k + 1 for k, g in enumerate(s["gaps_ms"]) if g > idle_ms), default=0)
+    out = {"first_step": s["first_step"] + first, "steps": s["steps"],
+           "gaps": gap_analysis(s["kinds"][first:], s["step_ms"][first:], s["gaps_ms"][first:])}
+    if trace.is_file():
+        events = json.loads(gzip.open(trace).read())["traceEvents"]
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X"
+                       and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+        start, last_end = 0, spans[0][1] if spans else 0.0
+        for k in range(1, len(spans)):  # trace times are microseconds
+            if spans[k][0] - last_end > idle_ms * 1e3:
+                start = k
+            last_end = max(last_end, spans[k][1])
+        out.update(trace_gpu_busy_fraction=busy_fraction(spans[start:]),
+                   trace_device_events=len(spans) - start)
+    return out
 
 
 def bench_e2e(model_dir: Path, args, log_path: Path, overlap: bool = True) -> dict:
@@ -350,7 +365,7 @@ def bench_e2e(model_dir: Path, args, log_path: Path, overlap: bool = True) -> di
         "--frontends", str(args.router_frontends),
     ] + (["--quantize", args.quantize] if args.quantize else []) + (
         [] if overlap else ["--no-overlap"])
-    trace_dir = log_path.with_name(log_path.stem + "_profile")
+    trace_dir = args.workdir / "profiles" / log_path.stem
     if args.e2e_profile_from_step is not None:
         cmd += ["--profile-from-step", str(args.e2e_profile_from_step),
                 "--profile-dir", str(trace_dir)]
@@ -366,6 +381,15 @@ def bench_e2e(model_dir: Path, args, log_path: Path, overlap: bool = True) -> di
             jobs = [(i, n_in, n_out) for i, (n_in, n_out) in enumerate(lengths)]
             ctx = mp.get_context("spawn")
             queue = ctx.Queue()
+            if args.e2e_warmup_requests:  # as the engine-only runs: kernels warm, then time
+                warm = [(i, n_in, min(n_out, 16)) for i, n_in, n_out in
+                        jobs[: args.e2e_warmup_requests]]
+                wp = ctx.Process(target=_client_proc, args=(port, warm, time.time(), queue))
+                wp.start()
+                warm_results = queue.get(timeout=args.e2e_timeout)
+                wp.join(timeout=10)
+                if any(r["error"] for r in warm_results):
+                    raise RuntimeError(f"warm-up failed: {warm_results[0]['error']}")
             start_at = time.time() + 3.0
             procs = [ctx.Process(target=_client_proc,
                                  args=(port, jobs[c :: args.clients], start_at, queue))
@@ -382,7 +406,7 @@ def bench_e2e(model_dir: Path, args, log_path: Path, overlap: bool = True) -> di
 
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=30)
+                proc.wait(timeout=60)  # a shard writing its profile takes ~10 s
             except ProcessLookupError:  # already gone (e.g. it failed to start): keep its error
                 pass
             except subprocess.TimeoutExpired:

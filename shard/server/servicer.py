@@ -133,14 +133,19 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         return reply
 
     def _counted(self, step_fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
-        """step_fn, telling the profiler (if any) on the worker that a step is launched."""
+        """step_fn, telling the profiler (if any) on the worker when a step's RPC arrived
+        (now) and when its launch began and ended."""
         profiler = self.profiler
         if profiler is None:
             return step_fn
+        arrived = time.perf_counter()
 
         def launch(*args: Any) -> Any:
             profiler.before_launch(kind)
-            return step_fn(*args)
+            start = time.perf_counter()
+            result = step_fn(*args)
+            profiler.launched(arrived, start, time.perf_counter())
+            return result
 
         return launch
 

@@ -11,8 +11,10 @@ the shard's shutdown, two records are kept and written to DIR when the server st
   never in a step;
 - `steps.json`: each step's device time and the device time between consecutive steps (CUDA
   events around each step's forward pass and sampling, `shard.engine.step_timer`; read only at
-  shutdown, so timing never makes the host wait) and each step's kind (prefill: the step has
-  prompt chunks; decode).
+  shutdown, so timing never makes the host wait), each step's kind (prefill: the step has
+  prompt chunks; decode) and its host timeline in ms from the first profiled step: when its
+  RPC reached the servicer, when its launch began and ended on the model worker. Written
+  before the trace, which may take longer than a supervisor waits.
 
 Off by default; for benchmarks and performance investigations (benchmarks/OVERLAP.md).
 """
@@ -51,6 +53,9 @@ class StepProfiler:
         self.device = device
         self.steps = 0
         self.kinds: list[str] = []
+        # Host timeline of each profiled step, perf_counter seconds: when its RPC reached the
+        # servicer, when its launch started and ended on the model worker.
+        self.host: list[tuple[float, float, float]] = []
         self._prof: torch.profiler.profile | None = None
         self._timer: GpuStepTimer | None = None
 
@@ -61,6 +66,11 @@ class StepProfiler:
         self.steps += 1
         if self._timer is not None:
             self.kinds.append(kind)
+
+    def launched(self, arrived: float, launch_start: float, launch_end: float) -> None:
+        """Called after each step's launch with its host timestamps (perf_counter)."""
+        if self._timer is not None:
+            self.host.append((arrived, launch_start, launch_end))
 
     def _start(self) -> None:
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -87,16 +97,18 @@ class StepProfiler:
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        origin = self.host[0][0] if self.host else 0.0
+        (out / "steps.json").write_text(json.dumps({  # first: the trace may take long
+            "first_step": self.window.first_step, "steps": self.steps,
+            "kinds": self.kinds[: timer.steps], "step_ms": timer.step_ms(),
+            "gaps_ms": timer.gaps_ms(),
+            "host_ms": [[round((t - origin) * 1e3, 3) for t in h] for h in self.host],
+        }))
         prof.__exit__(None, None, None)
         raw = out / "trace.json"
         prof.export_chrome_trace(str(raw))
         with open(raw, "rb") as src, gzip.open(out / "trace.json.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
         raw.unlink()
-        (out / "steps.json").write_text(json.dumps({
-            "first_step": self.window.first_step, "steps": self.steps,
-            "kinds": self.kinds[: timer.steps], "step_ms": timer.step_ms(),
-            "gaps_ms": timer.gaps_ms(),
-        }))
         log.info("profile of steps %d..%d written to %s in %.1f s", self.window.first_step,
                  self.steps - 1, out, time.perf_counter() - t0)

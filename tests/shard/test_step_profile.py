@@ -72,6 +72,10 @@ def test_profile_window_written_at_shutdown(tiny_models, tmp_path):
     assert len(steps["step_ms"]) == len(sent) - FIRST
     assert len(steps["gaps_ms"]) == len(sent) - FIRST - 1
     assert all(ms > 0 for ms in steps["step_ms"])
+    host = steps["host_ms"]  # [arrived, launch start, launch end] per profiled step, in order
+    assert len(host) == len(sent) - FIRST and host[0][0] == 0.0
+    assert all(a <= b <= c for a, b, c in host)
+    assert all(h1[1] >= h0[2] for h0, h1 in zip(host, host[1:]))  # one worker: no overlap
     trace = json.loads(gzip.open(tmp_path / "prof" / "trace.json.gz").read())
     assert trace["traceEvents"]  # the profiler's CPU activity (CUDA activity on a GPU)
 
