@@ -102,15 +102,15 @@ async def _run(
         target = engine.stats().steps + i
         while engine.stats().steps < target and engine.stats().running:
             await asyncio.sleep(0.001)
-        if text is None:
-            stream = engine.submit(r)
-        else:
-            ids_only = replace(r, ids_only=True)
-            stream = text.wrap(ids_only, engine.submit(ids_only))
+        inner = engine.submit(r if text is None else replace(r, ids_only=True))
+        stream = inner if text is None else text.wrap(replace(r, ids_only=True), inner)
         events = []
         async for ev in stream:
             events.append(ev)
             if ev.finished is not None:
+                # Finished for the client only once the engine let it go (a stopped request
+                # too: its blocks are free then, not after it ran on to max_new_tokens).
+                assert inner.seq_id not in engine.scheduler.seqs, r.request_id
                 break
         return events
 
