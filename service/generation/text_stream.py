@@ -130,38 +130,45 @@ class TextStream:
         detok = self._detok
         text = detok.push(token.id)
         self._count += 1
+        if not token.special:
+            self._visible.append(text)
         finished = event.finished
         stops = self._stops
         # The shard's priority: EOS (its finish on this very token; with ignore_eos_token only a
         # finished grammar ends on EOS, after the stop check) before the stop sequence.
         stopped = (
-            bool(stops.stop_sequences)
-            and not (
-                finished is not None
-                and finished.finish_reason is FinishReason.EOS_TOKEN
-                and not self._request.stopping.ignore_eos_token
+            stops.stop_sequences
+            and (
+                finished is None
+                or finished.finish_reason is not FinishReason.EOS_TOKEN
+                or self._request.stopping.ignore_eos_token
             )
             and stops.find(detok.text)
         )
-        if not token.special:
-            self._visible.append(text)
-        if stopped or finished is not None:
-            held_back = detok.flush()
-            text += held_back
-            self._visible.append(held_back)
-        top = self._text.pieces(event.top_tokens) if event.top_tokens else ()
-        prefill = self._text.pieces(event.prefill) if event.prefill is not None else None
-        out = StepEvent(TokenInfo(token.id, text, token.logprob, token.special), top, prefill)
+        if not stopped and finished is None:  # the usual token: nothing else to do
+            if event.top_tokens or event.prefill is not None:
+                return StepEvent(
+                    TokenInfo(token.id, text, token.logprob, token.special),
+                    self._text.pieces(event.top_tokens),
+                    None if event.prefill is None else self._text.pieces(event.prefill),
+                )
+            return StepEvent(TokenInfo(token.id, text, token.logprob, token.special))
+        held_back = detok.flush()
+        text += held_back
+        self._visible.append(held_back)
+        out = StepEvent(
+            TokenInfo(token.id, text, token.logprob, token.special),
+            self._text.pieces(event.top_tokens),
+            None if event.prefill is None else self._text.pieces(event.prefill),
+        )
         if stopped:
             if finished is None:  # the engine goes on until it stops the request
                 self._pending = out
                 self._inner.stop()
                 return None
             finished = replace(finished, finish_reason=FinishReason.STOP_SEQUENCE)
-        if finished is not None:
-            self._done = True
-            return replace(out, finished=replace(finished, generated_text="".join(self._visible)))
-        return out
+        self._done = True
+        return replace(out, finished=replace(finished, generated_text="".join(self._visible)))
 
     def _end_stopped(self, accounting: Finished | None) -> StepEvent:
         """The stop token's event, finished: the engine's accounting cut at this token."""
