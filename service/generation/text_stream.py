@@ -196,6 +196,12 @@ class TextStream:
             finish_reason=FinishReason.STOP_SEQUENCE,
         ))  # fmt: skip
 
+    def ready(self) -> int:
+        """Events the engine's stream holds for this one (RequestStream.ready of the coalescing
+        front ends): each gives one event here, except after a stop sequence matched (the
+        rest are dropped; the last event waits for the engine's accounting)."""
+        return 0 if self._done or self._pending is not None else self._inner.ready()
+
     def cancel(self) -> None:
         self._done = True
         self._inner.cancel()
