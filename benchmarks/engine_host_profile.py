@@ -88,12 +88,12 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from shard.server import convert
     from shard.distributed.groups import Dist
     from shard.engine.contracts import BatchSpec, RequestSpec
-    from shard.runner.warmup import WarmupSpec
-    from shard.server.loader import Shard, ShardConfig
     from shard.engine.sampling import SamplingParams
+    from shard.runner.warmup import WarmupSpec
+    from shard.server import convert
+    from shard.server.loader import Shard, ShardConfig
     from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="tw_hostprof_"))

@@ -23,9 +23,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from shard.text.detokenizer import IncrementalDetokenizer
-from shard.text.stop_strings import StopStringMatcher
-
 from service.engine.contracts import (
     EngineError,
     Finished,
@@ -35,6 +32,8 @@ from service.engine.contracts import (
     TokenInfo,
     ValidatedRequest,
 )
+from shard.text.detokenizer import IncrementalDetokenizer
+from shard.text.stop_strings import StopStringMatcher
 
 if TYPE_CHECKING:
     import tokenizers

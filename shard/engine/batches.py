@@ -40,7 +40,6 @@ from shard.engine.contracts import (
     StepTimings,
     TokenList,
 )
-from shard.text.detokenizer import IncrementalDetokenizer
 from shard.engine.grammar import GrammarEngine, GrammarState, MaskJob, apply_token_bitmask
 from shard.engine.sampling import (
     DeviceSample,
@@ -61,6 +60,7 @@ from shard.errors import (
 )
 from shard.lora import LoraManager
 from shard.runner.model_runner import ModelRunner, StepInputs
+from shard.text.detokenizer import IncrementalDetokenizer
 
 
 @dataclass
