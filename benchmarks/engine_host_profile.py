@@ -2,6 +2,7 @@
 
     python benchmarks/engine_host_profile.py [--batch 256] [--context 1024] [--steps 30]
         [--mode eager|graphs] [--penalties] [--profile]
+        [--tokenizer DIR_OR_JSON] [--stop STR ...] [--ids-only]
 
 A tiny llama (shard.tools.tiny_model) is loaded through the normal shard path, but the model's forward
 is replaced by a stub that returns precomputed logits: what is left is exactly the Python the
@@ -10,6 +11,11 @@ or the CUDA-graph runner's staging-buffer fill with `--mode graphs`, using the r
 CudaGraphDecodeRunner.run with a no-op replay), sampling bookkeeping, detokenization, stopping,
 Generation objects and the DecodeResponse proto (shard/server/convert.py). Contexts are ~`context`
 tokens, so block tables are ~context/16 entries per request.
+
+`--tokenizer` puts a real tokenizer (e.g. SmolLM2's tokenizer.json) in place of the tiny one (the
+tiny model's vocabulary is widened to it); `--stop` gives every request stop sequences (that never
+match); `--ids-only` marks the requests as the router marks them by default (issue 23 item 3: the
+router detokenizes and matches stop sequences; the shard's finish does no text work).
 
 Prints the median per-step milliseconds of: the engine's prepare / forward(stub+staging) /
 sample+detok, the proto conversion, and the whole.
@@ -73,20 +79,39 @@ def main() -> int:
     ap.add_argument("--penalties", action="store_true",
                     help="repetition_penalty 1.1 + frequency_penalty 0.1 on every row")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--tokenizer", default=None,
+                    help="a tokenizer.json (or its directory) to detokenize with")
+    ap.add_argument("--stop", action="append", default=[],
+                    help="a stop sequence of every request (repeatable)")
+    ap.add_argument("--ids-only", action="store_true",
+                    help="ids-only requests: no detokenization or stop matching on the shard")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from shard.server import convert
     from shard.distributed.groups import Dist
     from shard.engine.contracts import BatchSpec, RequestSpec
-    from shard.runner.warmup import WarmupSpec
-    from shard.server.loader import Shard, ShardConfig
     from shard.engine.sampling import SamplingParams
+    from shard.runner.warmup import WarmupSpec
+    from shard.server import convert
+    from shard.server.loader import Shard, ShardConfig
     from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="tw_hostprof_"))
-    model_dir = make_tiny_model(tmp / "llama", TinyModelSpec(arch="llama",
-                                                             max_position_embeddings=4096))
+    tok_json = None
+    vocab_size = 512
+    if args.tokenizer:
+        from tokenizers import Tokenizer
+
+        tok_json = Path(args.tokenizer)
+        if tok_json.is_dir():
+            tok_json = tok_json / "tokenizer.json"
+        vocab_size = Tokenizer.from_file(str(tok_json)).get_vocab_size()
+    model_dir = make_tiny_model(tmp / "llama", TinyModelSpec(
+        arch="llama", max_position_embeddings=4096, vocab_size=vocab_size))
+    if tok_json is not None:
+        import shutil
+
+        shutil.copy(tok_json, model_dir / "tokenizer.json")
     bs = 16
     per = -(-(args.context + args.steps + 40) // bs)
     total_blocks = per * args.batch + 1
@@ -130,7 +155,8 @@ def main() -> int:
             reqs.append(RequestSpec(id=i, input_ids=ids, cache_len=0, chunk_len=len(ids),
                                     blocks=list(range(i * per, (i + 1) * per)),
                                     max_new_tokens=10_000, ignore_eos_token=True,
-                                    sampling=sampling))
+                                    sampling=sampling, stop_sequences=list(args.stop),
+                                    ids_only=args.ids_only))
         res = engine.prefill(BatchSpec(id=start + 1, requests=reqs), None, [])
         refs.append(res.batch)
     res = engine.decode(refs, [])
@@ -163,7 +189,8 @@ def main() -> int:
 
     summary = {
         "batch": args.batch, "context": args.context, "mode": args.mode,
-        "penalties": args.penalties, "steps": args.steps,
+        "penalties": args.penalties, "steps": args.steps, "ids_only": args.ids_only,
+        "stops": len(args.stop), "tokenizer": str(args.tokenizer),
         "prepare_ms": med([t.prepare_ns for t in timings]),
         "forward_stub_ms": med([t.forward_ns for t in timings]),
         "sample_detok_ms": med([t.decode_ns for t in timings]),

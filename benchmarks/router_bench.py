@@ -13,7 +13,9 @@ event dispatch), and the whole router process (gRPC streaming included).
 `--mode floor` replaces the router by a bare grpc.aio server streaming pre-built events: the
 floor cost of a streamed message in one Python process, whatever the router does.
 `--mode engine` runs the engine in this process with 256 consumer tasks reading the streams
-directly (the fake shard still over gRPC in its own process): the router minus its front end.
+directly (the fake shard still over gRPC in its own process): the router minus its front end,
+plus the router's text work (ids-only requests through service.generation.text_stream, as the
+router runs them by default; needs `--tokenizer`) unless `--no-router-detokenize`.
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ def run_grpc(args: argparse.Namespace) -> dict[str, float]:
     from tests.helpers.models import write_tokenizer_dir
 
     tmp = Path(tempfile.mkdtemp(prefix="router-bench-"))
-    tok = write_tokenizer_dir(tmp / "tok")
+    tok = Path(args.tokenizer) if args.tokenizer else write_tokenizer_dir(tmp / "tok")
     shard_port, router_port, prom_port = _free_port(), _free_port(), _free_port()
     ctx = mp.get_context("spawn")
     shard = ctx.Process(target=_shard_main, args=(shard_port, args.num_blocks, args.block_size))
@@ -156,7 +158,8 @@ def run_grpc(args: argparse.Namespace) -> dict[str, float]:
             "--max-batch-prefill-tokens", "8192",
             "--waiting-served-ratio", str(args.waiting_served_ratio),
             "--log-level", "WARNING",
-        ] + (["--no-overlap"] if args.no_overlap else []),
+        ] + (["--no-overlap"] if args.no_overlap else [])
+        + (["--no-router-detokenize"] if args.no_router_detokenize else []),
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'gen' / 'python'}"},
     )  # fmt: skip
@@ -483,6 +486,20 @@ def run_engine(args: argparse.Namespace) -> dict[str, float]:
             ),
         )
         await engine.start()
+        # The router's text work (as GenerationService does it by default): ids-only requests,
+        # detokenized and stop-matched by each consumer's TextStream.
+        text = None
+        if not args.no_router_detokenize:
+            from tokenizers import Tokenizer
+
+            from service.generation.text_stream import RouterText
+
+            tok = Path(args.tokenizer) if args.tokenizer else None
+            if tok is None:
+                raise SystemExit("--mode engine: --tokenizer is needed (or --no-router-detokenize)")
+            if tok.is_dir():
+                tok = tok / "tokenizer.json"
+            text = RouterText(Tokenizer.from_file(str(tok)))
         t_start = time.monotonic() + args.warmup
         t_end = t_start + args.duration
         count = [0]
@@ -494,9 +511,14 @@ def run_engine(args: argparse.Namespace) -> dict[str, float]:
                 n += 1
                 req = ValidatedRequest(
                     request_id=str(i), input_ids=prompt, sampling=SamplingConfig(),
-                    stopping=StoppingConfig(max_new_tokens=args.max_new_tokens),
+                    stopping=StoppingConfig(max_new_tokens=args.max_new_tokens,
+                                            stop_sequences=tuple(args.stop)),
+                    ids_only=text is not None,
                 )  # fmt: skip
-                async for _ in engine.submit(req):
+                stream = engine.submit(req)
+                if text is not None:
+                    stream = text.wrap(req, stream)
+                async for _ in stream:
                     if t_start <= time.monotonic() < t_end:
                         count[0] += 1
 
@@ -542,6 +564,16 @@ def main() -> None:
     p.add_argument("--waiting-served-ratio", type=float, default=0.3)
     p.add_argument("--no-overlap", action="store_true",
                    help="the router's --no-overlap (one step at a time) for A/B")
+    p.add_argument("--no-router-detokenize", action="store_true",
+                   help="the shard makes the text (the router's --no-router-detokenize), for A/B; "
+                   "--mode engine: the consumers read the engine's events as they are")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json or its directory for the router (default: the tiny "
+                   "test tokenizer; a vocabulary of >= 32000 gives every fake token a text, "
+                   "e.g. SmolLM2's)")
+    p.add_argument("--stop", action="append", default=[],
+                   help="a stop sequence of every request (repeatable; never matching keeps "
+                   "max_new_tokens streams)")
     p.add_argument(
         "--client",
         choices=["python", "h2load"],

@@ -50,6 +50,10 @@ class WorkRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_sequences: tuple[str, ...] = ()
     ignore_eos_token: bool = False
+    # The shard makes no text (as for the served router's default --router-detokenize, which
+    # then detokenizes in its front ends); this driver matches no stop sequences itself, so
+    # give none with it.
+    ids_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -166,7 +170,7 @@ class InProcessShard:
                     chunk_len=c.chunk_len, blocks=list(c.blocks), generated_len=c.generated_len,
                     sampling=w.sampling, max_new_tokens=w.max_new_tokens,
                     stop_sequences=list(w.stop_sequences), ignore_eos_token=w.ignore_eos_token,
-                    prefill_logprobs=c.prefill_logprobs,
+                    prefill_logprobs=c.prefill_logprobs, ids_only=w.ids_only,
                 ))
             batch_id = self._next_batch
             self._next_batch += 1

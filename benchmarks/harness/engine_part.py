@@ -193,7 +193,8 @@ def sharegpt_workload(
     out = []
     for i, (n_in, n_out) in enumerate(sharegpt_like(n)):
         ids = tokenizer.encode(prompt_text(i, n_in)).ids[-max_input:]
-        out.append(WorkRequest(ids, min(n_out, max_total - len(ids))))
+        # ids only: the shard's work as served (the router detokenizes, issue 23 item 3)
+        out.append(WorkRequest(ids, min(n_out, max_total - len(ids)), ids_only=True))
     return out
 
 

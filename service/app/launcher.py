@@ -148,6 +148,15 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
         is_bool=True,
     ),
     PassThrough(
+        "--no-router-detokenize",
+        bool,
+        ("NO_ROUTER_DETOKENIZE",),
+        "the shard makes the text and matches stop sequences (the router's "
+        "--no-router-detokenize, for A/B)",
+        "router",
+        is_bool=True,
+    ),
+    PassThrough(
         "--prometheus-port",
         int,
         ("PROMETHEUS_PORT",),

@@ -65,6 +65,9 @@ class _RemoteStream(EventStream):
     def _cancelled(self) -> None:
         self._engine._cancel(self.key)
 
+    def _stopped(self) -> None:  # a stop sequence matched here: the engine sends the last event
+        self._engine._stop(self.key)
+
 
 class RemoteEngine:
     """service.engine.contracts.Engine over the scheduler process's engine (one unix socket)."""
@@ -148,6 +151,10 @@ class RemoteEngine:
             self._writer.write(frame(("cancel", key)))
         if not self._streams:
             self._idle.set()
+
+    def _stop(self, key: int) -> None:
+        if key in self._streams and not self._writer.is_closing():
+            self._writer.write(frame(("stop", key)))
 
     async def _receive(self) -> None:
         streams = self._streams

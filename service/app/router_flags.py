@@ -205,6 +205,15 @@ def _batching_flags(a: _AddArgument) -> None:
         "and launches it while the GPU computes step N and finishes step N while it computes "
         "N+1 (same outputs; --no-overlap: one step at a time, for A/B) [OVERLAP] (default on)",
     )
+    a(
+        "--router-detokenize",
+        action=argparse.BooleanOptionalAction,
+        default=(env_value("ROUTER_DETOKENIZE") or "on").lower() not in ("0", "false", "no", "off"),
+        help="turn tokens into text and match stop sequences in the router (its front ends) "
+        "instead of on the shard's step path; the shard returns token ids only (same outputs; "
+        "--no-router-detokenize: the shard makes the text, for A/B) [ROUTER_DETOKENIZE] "
+        "(default on)",
+    )
 
 
 def _observability_flags(a: _AddArgument) -> None:

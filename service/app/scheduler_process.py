@@ -113,6 +113,10 @@ class _FrontEndConnection:
                     stream = self.streams.pop(msg[1], None)
                     if stream is not None:
                         stream.cancel()
+                elif kind == "stop":  # a stop sequence matched in the front end
+                    stream = self.streams.get(msg[1])
+                    if stream is not None:
+                        stream.stop()
                 elif kind == "hello":
                     self.send(("hello", *hello))
         except (asyncio.IncompleteReadError, ConnectionError):

@@ -28,6 +28,7 @@ from service.generation.chat_template import ChatTemplate
 from service.generation.grammar import GrammarCompiler
 from service.generation.openai import OpenAIEndpoints
 from service.generation.service import Admission, GenerationService, ServerInfo
+from service.generation.text_stream import RouterText
 from service.generation.tokenization import TokenizerPool
 from service.generation.validation import Validator
 from service.observability.metrics import MetricsServer, ServerMetrics
@@ -149,6 +150,7 @@ async def serve(
             on_shard_failure=health_reporter.shard_failed,
             admission=admission,
             tracing=tracing,
+            text=RouterText(tokenizer.tokenizer) if args.router_detokenize else None,
         )
         info = ServerInfo(
             model_id=args.model_id or shard.model_id,

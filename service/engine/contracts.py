@@ -68,6 +68,10 @@ class ValidatedRequest:
     grammar: GrammarSpec | None = None  # constrained decoding; None: unconstrained
     # W3C traceparent of the request's span when it is traced (the shards' step spans join it).
     traceparent: str | None = None
+    # The caller turns the tokens into text and matches stop sequences itself (the router's
+    # front ends: service.generation.text_stream): the shards return ids only, the events'
+    # texts are empty and stop sequences never finish the request in the engine.
+    ids_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,14 @@ class RequestStream(Protocol):
     def __aiter__(self) -> AsyncIterator[StepEvent]: ...
 
     def cancel(self) -> None: ...
+
+    def stop(self) -> None:
+        """Ends the request as finished by a stop sequence the caller matched (ids-only
+        requests, whose text the caller makes): removed at the next step boundary like
+        `cancel` (KV blocks freed), then one last event with `finished` ends the stream: its
+        token is a placeholder (id -1) to drop, its `finished` the engine's accounting
+        (timings, prefix-cache hits, tokens per step) of every token generated until then."""
+        ...
 
 
 @dataclass

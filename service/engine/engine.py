@@ -53,7 +53,7 @@ from service.scheduler import (
     SpeculationConfig,
     StepPlan,
 )
-from service.scheduler.contracts import StepOutput
+from service.scheduler.contracts import FinishReason, StepOutput, TokenInfo
 
 log = logging.getLogger("tokenwire.engine")
 
@@ -94,6 +94,11 @@ class EngineConfig:
 
 
 _END = object()
+# The "error" of a request its reader stopped (a stop sequence matched in the front end): it is
+# removed like a cancelled one, then finished with the engine's accounting (RequestStream.stop).
+STOPPED = EngineError("stopped by the reader")
+# The token of that last event: a placeholder the reader drops.
+STOP_PLACEHOLDER = TokenInfo(-1, "", float("nan"))
 # Stale entries the deadline heap may hold beyond twice the requests in flight (see _submit).
 DEADLINE_HEAP_SLACK = 64
 
@@ -142,6 +147,9 @@ class _Stream(EventStream):
 
     def _cancelled(self) -> None:
         self._engine._cancel(self.seq_id)
+
+    def _stopped(self) -> None:
+        self._engine._cancel(self.seq_id, STOPPED)
 
 
 class EventSink(Protocol):
@@ -502,11 +510,39 @@ class LocalEngine:
             stream = self._streams.pop(seq_id, None)
             if stream is None:
                 continue
+            if error is STOPPED:
+                self._finish_stopped(stream, self.scheduler.abort(seq_id, finished=True))
+                continue
             self.scheduler.abort(seq_id)
             if error is not None:
                 stream.fail(error)
+        if self._dirty_sinks:
+            self._flush_sinks()
         if not self._streams:
             self._idle.set()
+
+    def _finish_stopped(self, stream: _Stream, seq: Sequence | None) -> None:
+        """The last event of a request its reader stopped: the engine's accounting of the
+        tokens generated so far (the reader cuts it at the stop sequence's token)."""
+        total = seq.generated_len if seq is not None else 0
+        now = time.monotonic()
+        scheduled_at = stream.scheduled_at or now
+        sampling = stream.request.sampling
+        stream.push(StepEvent(STOP_PLACEHOLDER, finished=Finished(
+            generated_text="",
+            generated_tokens=total,
+            finish_reason=FinishReason.STOP_SEQUENCE,
+            seed=sampling.seed if sampling.do_sample else None,
+            queue_seconds=scheduled_at - stream.admitted_at,
+            inference_seconds=now - scheduled_at,
+            prefix_cache_hit_tokens=seq.prefix_hit_tokens if seq is not None else 0,
+            tokens_per_step=_tokens_per_step(stream.step_tokens, total),
+        )))  # fmt: skip
+
+    def _flush_sinks(self) -> None:
+        dirty, self._dirty_sinks = self._dirty_sinks, []
+        for sink in dirty:
+            sink.flush()
 
     async def _step(self) -> bool:
         """Runs one step; False when the plan was empty."""
@@ -597,9 +633,7 @@ class LocalEngine:
             )
             stream.push(replace(final, finished=finished_ev))
         if self._dirty_sinks:
-            dirty, self._dirty_sinks = self._dirty_sinks, []
-            for sink in dirty:
-                sink.flush()
+            self._flush_sinks()
         if not streams:
             self._idle.set()
         self.sched_cpu_s += t_sched

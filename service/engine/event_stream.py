@@ -83,5 +83,15 @@ class EventStream:
             self._cancelled()
             self._wake()
 
+    def stop(self) -> None:
+        """Ends the request as finished by a stop sequence (RequestStream.stop); the stream
+        stays open for the engine's last event."""
+        if not self._closed:
+            self._stopped()
+
+    def _stopped(self) -> None:
+        """Called when the reader stops the request (ids-only requests); by default a cancel."""
+        self.cancel()
+
     async def aclose(self) -> None:
         self.cancel()

@@ -28,6 +28,7 @@ from service.engine.contracts import (
     ValidatedRequest,
 )
 from service.generation.errors import ValidationError, error_type
+from service.generation.text_stream import RouterText
 from service.generation.validation import (
     GenerateInput,
     ResponseOptions,
@@ -168,6 +169,7 @@ class GenerationService:
         logger: logging.Logger | None = None,
         admission: Admission | None = None,
         tracing: Tracing | None = None,
+        text: RouterText | None = None,
     ) -> None:
         self.engine = engine
         self.validator = validator
@@ -179,6 +181,8 @@ class GenerationService:
         self._draining = False
         self._admission = admission
         self._tracing = tracing
+        # Set: requests run ids-only and their text is made here (--router-detokenize).
+        self._text = text
 
     @property
     def in_flight(self) -> int:
@@ -209,11 +213,15 @@ class GenerationService:
         self.metrics.in_flight.set(self._in_flight)
 
     def _submit(self, request: ValidatedRequest) -> RequestStream:
+        text = self._text
+        if text is not None:
+            request = replace(request, ids_only=True)
         try:
-            return self.engine.submit(request)
+            stream = self.engine.submit(request)
         except ShardUnavailableError:
             self._shard_failed()
             raise
+        return stream if text is None else text.wrap(request, stream)
 
     # --- LoRA adapters --------------------------------------------------------------------------
     def adapters(self) -> list[AdapterInfo]:

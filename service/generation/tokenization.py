@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Encoder(Protocol):
@@ -75,6 +75,12 @@ class TokenizerPool:
         return await loop.run_in_executor(
             self._executor, self._tokenize_sync, text, add_special_tokens
         )
+
+    @property
+    def tokenizer(self) -> Any:
+        """The `tokenizers.Tokenizer` itself (the router's detokenization: decoding is
+        synchronous and cheap per token)."""
+        return self._tokenizer
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (synchronous; for tests and tools)."""

@@ -144,8 +144,10 @@ class Scheduler:
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
-    def abort(self, seq_id: int) -> Sequence | None:
-        """Removes a request (cancel, deadline). Call between steps only."""
+    def abort(self, seq_id: int, finished: bool = False) -> Sequence | None:
+        """Removes a request (cancel, deadline). Call between steps only. finished: the caller
+        ended it as finished (a stop sequence matched in the router's front end): its blocks
+        go back the same way, but it does not count as aborted."""
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             return None
@@ -158,7 +160,8 @@ class Scheduler:
                 seq.on_shard = False
             self._free_blocks(seq)
         seq.state = RequestState.ABORTED
-        self.counters.aborted += 1
+        if not finished:
+            self.counters.aborted += 1
         return seq
 
     def abort_all(self) -> list[Sequence]:

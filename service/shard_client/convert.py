@@ -135,6 +135,7 @@ def prefill_request(
                     else None
                 ),
                 traceparent=vreq.traceparent or "",
+                ids_only=vreq.ids_only,
             )
         )
     req = pb.PrefillRequest(

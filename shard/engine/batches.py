@@ -40,7 +40,6 @@ from shard.engine.contracts import (
     StepTimings,
     TokenList,
 )
-from shard.engine.detokenizer import IncrementalDetokenizer
 from shard.engine.grammar import GrammarEngine, GrammarState, MaskJob, apply_token_bitmask
 from shard.engine.sampling import (
     DeviceSample,
@@ -61,6 +60,7 @@ from shard.errors import (
 )
 from shard.lora import LoraManager
 from shard.runner.model_runner import ModelRunner, StepInputs
+from shard.text.detokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -78,7 +78,8 @@ class ShardRequest:
     blocks: list[int]
     sampling: SamplingParams
     stopping: StoppingCriteria
-    detok: IncrementalDetokenizer
+    # None for an ids-only request (the router detokenizes it): no text work here at all.
+    detok: IncrementalDetokenizer | None
     generated_count: int
     prefill_logprobs: bool
     top_n: int
@@ -195,13 +196,14 @@ class BatchState:
         if spec.generated_len > len(spec.input_ids):
             raise InvalidRequestError(f"request {spec.id}: generated_len exceeds input_ids")
         prompt_len = len(spec.input_ids) - spec.generated_len
-        prompt = list(spec.input_ids[:prompt_len])
-        detok = IncrementalDetokenizer(self.tokenizer, prompt)
+        detok = None
         visible_text = []
-        for token in spec.input_ids[prompt_len:]:  # replay generations from before a preemption
-            text = detok.push(token)
-            if token not in self._special:
-                visible_text.append(text)
+        if not spec.ids_only:
+            detok = IncrementalDetokenizer(self.tokenizer, list(spec.input_ids[:prompt_len]))
+            for token in spec.input_ids[prompt_len:]:  # replay generations before a preemption
+                text = detok.push(token)
+                if token not in self._special:
+                    visible_text.append(text)
         return ShardRequest(
             id=spec.id,
             token_ids=array("q", spec.input_ids),
@@ -210,7 +212,10 @@ class BatchState:
             blocks=list(spec.blocks),
             sampling=spec.sampling,
             stopping=StoppingCriteria(
-                self.eos_token_ids, spec.max_new_tokens, spec.stop_sequences, spec.ignore_eos_token
+                self.eos_token_ids,
+                spec.max_new_tokens,
+                [] if spec.ids_only else spec.stop_sequences,  # the router matches them
+                spec.ignore_eos_token,
             ),
             detok=detok,
             generated_count=spec.generated_len,
@@ -795,7 +800,7 @@ class BatchState:
             # The first sampled token completes the prompt: emit its logprobs once.
             prefill_tokens = self._prefill_tokens(state) if state.prefill_logprobs else None
             text, is_special, finished = self._accept(state, token)
-            top = [self._top(out, row)] if state.top_n else []
+            top = [self._top(out, row, state)] if state.top_n else []
             generations.append(
                 Generation(
                     request_id=state.id,
@@ -813,23 +818,28 @@ class BatchState:
         ends the request (the request is then forgotten)."""
         state.token_ids.append(token)
         state.generated_count += 1
-        text = state.detok.push(token)
+        detok = state.detok
         is_special = token in self._special
-        if not is_special:
-            state.visible_text.append(text)
-        stopping = state.stopping
-        # Only stop sequences read the text: joining it every step is O(length) per row.
-        so_far = state.detok.text if stopping.stop_sequences else ""
-        reason = stopping.check(token, so_far, state.generated_count)
+        if detok is None:  # ids only: the router detokenizes and matches stop sequences
+            text = ""
+            so_far = ""
+        else:
+            text = detok.push(token)
+            if not is_special:
+                state.visible_text.append(text)
+            # Only stop sequences read the text: joining it every step is O(length) per row.
+            so_far = detok.text if state.stopping.stop_sequences else ""
+        reason = state.stopping.check(token, so_far, state.generated_count)
         if state.grammar is not None:
             state.grammar.pending.append(token)  # consumed by the next step's mask job
             if reason is None and token in self.eos_token_ids:
                 reason = StopReason.EOS_TOKEN  # a finished grammar allows nothing after EOS
         finished = None
         if reason is not None:
-            held_back = state.detok.flush()
-            text += held_back
-            state.visible_text.append(held_back)
+            if detok is not None:
+                held_back = detok.flush()
+                text += held_back
+                state.visible_text.append(held_back)
             finished = FinishedText(
                 text="".join(state.visible_text),
                 generated_tokens=state.generated_count,
@@ -840,13 +850,14 @@ class BatchState:
             self._finished_unseen.add(state.id)
         return text, is_special, finished
 
-    def _top(self, out: SampleOutput, row: int) -> TokenList:
+    def _top(self, out: SampleOutput, row: int, state: ShardRequest) -> TokenList:
         special = self._special
+        ids = list(out.top_ids[row])
         return TokenList(
-            ids=list(out.top_ids[row]),
+            ids=ids,
             logprobs=list(out.top_logprobs[row]),
-            texts=[self._text(t) for t in out.top_ids[row]],
-            is_special=[t in special for t in out.top_ids[row]],
+            texts=[""] * len(ids) if state.detok is None else [self._text(t) for t in ids],
+            is_special=[t in special for t in ids],
         )
 
     def _emit_verified(self, w: _Work, out: SampleOutput, row: int) -> Generation:
@@ -864,7 +875,7 @@ class BatchState:
             tokens.texts.append(text)
             tokens.is_special.append(is_special)
             if state.top_n:
-                tops.append(self._top(out, row + j))
+                tops.append(self._top(out, row + j, state))
             if finished is not None or j == len(drafts) or token != drafts[j]:
                 break
         # K/V of the last token and of the accepted drafts are valid; the rest is overwritten
@@ -884,6 +895,6 @@ class BatchState:
         return TokenList(
             ids=list(ids),
             logprobs=[math.nan] + state.prompt_lps[: len(ids) - 1],
-            texts=[self._text(t) for t in ids],
+            texts=[""] * len(ids) if state.detok is None else [self._text(t) for t in ids],
             is_special=[t in self._special for t in ids],
         )

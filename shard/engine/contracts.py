@@ -31,6 +31,9 @@ class RequestSpec:
     top_n_tokens: int = 0
     adapter_id: str = ""  # LoRA adapter name; "" for the base model
     grammar: GrammarSpec | None = None  # constrained decoding; None: unconstrained
+    # The router detokenizes and matches stop sequences itself: Generations carry empty texts,
+    # stop_sequences are ignored here (EOS and max_new_tokens still finish the request).
+    ids_only: bool = False
 
 
 @dataclass(frozen=True)

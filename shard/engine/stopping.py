@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import enum
 
+from shard.text.stop_strings import StopStringMatcher
+
 
 class StopReason(enum.Enum):
     """Why a request finished; the values are the public API's finish_reason strings."""
@@ -22,10 +24,8 @@ class StoppingCriteria:
     """Decides after each generated token whether the request is finished.
 
     One instance per request; :meth:`check` is called once per generated token, in order, with the
-    whole generated text so far. The instance remembers how much text it has already scanned, so
-    a stop sequence is searched only in the tail that could contain a new occurrence: text added
-    since the previous call, plus ``len(stop) - 1`` characters before it for occurrences that span
-    tokens. A stop sequence inside a token's text (not only at the very end) is found too.
+    whole generated text so far. Stop sequences are found by shard.text's StopStringMatcher (the
+    router's front ends use the same one for the requests they detokenize themselves).
     """
 
     def __init__(
@@ -37,12 +37,14 @@ class StoppingCriteria:
     ) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_new_tokens = max_new_tokens
-        # Empty strings would match everywhere; the router rejects them, skip them defensively.
-        self.stop_sequences = [s for s in stop_sequences if s]
+        self._stops = StopStringMatcher(stop_sequences)
+        self.stop_sequences = self._stops.stop_sequences
         self.ignore_eos_token = ignore_eos_token
-        self._longest_stop = max((len(s) for s in self.stop_sequences), default=0)
-        self._scanned = 0  # characters of generated_text already searched
-        self.matched_stop: str | None = None  # the stop sequence that ended the request, if any
+
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop sequence that ended the request, if any."""
+        return self._stops.matched_stop
 
     def check(self, token_id: int, generated_text: str, generated_count: int) -> StopReason | None:
         """Returns why the request stops after this token, or None to continue.
@@ -53,23 +55,8 @@ class StoppingCriteria:
         """
         if not self.ignore_eos_token and token_id in self.eos_token_ids:
             return StopReason.EOS_TOKEN
-        if self._find_stop(generated_text):
+        if self._stops.find(generated_text):
             return StopReason.STOP_SEQUENCE
         if generated_count >= self.max_new_tokens:
             return StopReason.LENGTH
         return None
-
-    def _find_stop(self, text: str) -> bool:
-        if not self.stop_sequences:
-            return False
-        if len(text) < self._scanned:
-            # The text shrank (a caller rebuilt it): nothing safe to assume, rescan from the start.
-            self._scanned = 0
-        start = max(0, self._scanned - self._longest_stop + 1)
-        tail = text[start:]
-        self._scanned = len(text)
-        for stop in self.stop_sequences:
-            if stop in tail:
-                self.matched_stop = stop
-                return True
-        return False

@@ -65,6 +65,7 @@ def request_from_proto(m: pb.Request) -> RequestSpec:
             if m.HasField("grammar")
             else None
         ),
+        ids_only=m.ids_only,
     )
 
 

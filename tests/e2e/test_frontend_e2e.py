@@ -192,3 +192,52 @@ async def test_max_concurrent_requests_is_global(tokenizer_dir: Path) -> None:
 def _cancelled_count(frontend_port: int) -> float:
     """Client cancellations one front end counted (tokenwire_request_failure{reason=cancelled})."""
     return scrape(frontend_port).total("tokenwire_request_failure_total", reason="cancelled")
+
+
+@pytest.fixture(scope="module")
+def wide_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A word-level tokenizer covering the fake shard's whole vocabulary (token i reads " wi"),
+    so the router's own detokenization gives every fake token a text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from service.testing.fake_shard import VOCAB
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path_factory.mktemp("wide-tokenizer")
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+async def test_stop_sequences_end_streams_in_the_front_ends(wide_tokenizer_dir: Path) -> None:
+    """Issue 23 item 3: the front ends detokenize and match stop sequences (the fake shard knows
+    none); a match ends the stream with the text up to the stop, stops the request in the
+    scheduler process and gives its KV blocks back."""
+    async with _deploy(wide_tokenizer_dir, max_concurrent=64) as (stubs, fake, prom, _):
+        stub = stubs[0]
+        total = scrape(prom)["tokenwire_kv_blocks_total"]
+        aborted = scrape(prom)["tokenwire_requests_aborted_total"]
+        full = await stub.Generate(_req("w1 w2 w3", 60, details=True, seed=7))
+        texts = [t.text for t in full.details.tokens]
+        assert all(texts) and full.generated_text == "".join(texts)
+        stop = texts[9][-2:] + texts[10][:3]  # spans two tokens
+        end = full.generated_text.find(stop) + len(stop)
+        k = next(k for k in range(60) if len("".join(texts[: k + 1])) >= end)
+        want = "".join(texts[: k + 1])
+        generated_before = fake.generated_tokens
+        req = _req("w1 w2 w3", 60, details=True, seed=7, stop=[stop, "never"])
+        events = [e async for e in stub.GenerateStream(req)]
+        unary = await stub.Generate(req)
+        assert [e.token.text for e in events] == texts[: k + 1]
+        assert events[-1].generated_text == unary.generated_text == want
+        for details in (events[-1].details, unary.details):
+            assert details.finish_reason == "stop_sequence" and details.generated_tokens == k + 1
+        await until(
+            lambda: not fake.reqs and scrape(prom)["tokenwire_kv_blocks_free"] == total,
+            timeout=30.0,
+            what="the stopped requests left the shard and every KV block is free",
+        )
+        # Stopped, not run on to max_new_tokens (a step or two of overshoot at most), and not
+        # counted as aborted.
+        assert fake.generated_tokens - generated_before < 2 * (k + 1 + 8)
+        assert scrape(prom)["tokenwire_requests_aborted_total"] == aborted

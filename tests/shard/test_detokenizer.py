@@ -1,4 +1,4 @@
-"""Unit tests of shard.engine.detokenizer over real `tokenizers` tokenizers (byte-level BPE and
+"""Unit tests of shard.text.detokenizer over real `tokenizers` tokenizers (byte-level BPE and
 SentencePiece-style Metaspace)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from shard.engine.detokenizer import IncrementalDetokenizer
+from shard.text.detokenizer import IncrementalDetokenizer
 from shard.tools.tiny_model import CORPUS, build_tokenizer
 
 TEXTS = [
