@@ -126,6 +126,11 @@ class RequestStream(Protocol):
 
     def cancel(self) -> None: ...
 
+    def ready(self) -> int:
+        """Events received and not yet taken: the iterator yields that many without waiting
+        (a stream's writer that fell behind coalesces them into one message)."""
+        ...
+
 
 @dataclass
 class EngineStats:

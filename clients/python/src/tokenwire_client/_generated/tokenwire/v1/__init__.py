@@ -988,6 +988,16 @@ class GenerateParameters(betterproto2.Message):
     model. An unknown name is NOT_FOUND.
     """
 
+    coalesce_tokens: "bool" = betterproto2.field(140, betterproto2.TYPE_BOOL)
+    """
+    GenerateStream only (ignored elsewhere): allow one event to carry several tokens. When the
+    client reads more slowly than tokens are generated (or a speculative step accepts several
+    tokens at once), the tokens already waiting for this stream go out as ONE event instead of
+    one event each: fewer messages for a client that fell behind. Every event then lists its
+    tokens in `GenerateStreamResponse.tokens`. Default false: exactly one token per event, as
+    TGI's clients expect.
+    """
+
 
 default_message_pool.register_message("tokenwire.v1", "GenerateParameters", GenerateParameters)
 
@@ -1078,6 +1088,23 @@ class GenerateStreamResponse(betterproto2.Message):
     """
     Kind of the in-band error: "generation" (the model server failed), "overloaded",
     "unavailable", "validation" or "deadline".
+    """
+
+    tokens: "list[Token]" = betterproto2.field(140, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    With `parameters.coalesce_tokens` only (else empty): every token this event carries, in
+    order (one or more). `token` and `top_tokens` are then those of the last of them, and
+    `index` is the position of that last token, so this event covers positions
+    index - len(tokens) + 1 .. index and the next event's first token is at index + 1.
+    Concatenating `text` over all `tokens` of all events gives what one-token events give.
+    """
+
+    tokens_top_tokens: "list[TopTokens]" = betterproto2.field(
+        141, betterproto2.TYPE_MESSAGE, repeated=True
+    )
+    """
+    With `parameters.coalesce_tokens` and top_n_tokens > 0: the alternatives of each token in
+    `tokens`, index-aligned with it.
     """
 
 
