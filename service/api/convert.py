@@ -150,15 +150,17 @@ def stream_response(item: StreamItem) -> pb.GenerateStreamResponse:
 
 
 def stream_response_coalesced(items: list[StreamItem]) -> pb.GenerateStreamResponse:
-    """Encodes consecutive stream events as ONE event (parameters.coalesce_tokens): `tokens`
+    """Encodes consecutive stream events as ONE event (parameters.coalesce_tokens): `coalesced`
     lists them all; `token`, `top_tokens`, `index` and the last event's fields are the last's."""
     response = stream_response(items[-1])
-    response.tokens.extend(
+    coalesced = response.coalesced
+    coalesced.SetInParent()
+    coalesced.tokens.extend(
         pb.Token(id=t.id, text=t.text, logprob=t.logprob, special=t.special)
         for t in (item.token for item in items)
     )
     if any(item.top_tokens for item in items):
-        response.tokens_top_tokens.extend(
+        coalesced.top_tokens.extend(
             pb.TopTokens(tokens=[token(x) for x in item.top_tokens]) for item in items
         )
     return response

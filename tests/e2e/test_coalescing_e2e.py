@@ -3,8 +3,8 @@
 client whose HTTP/2 window is small (so the server's writes wait for it and tokens queue up).
 
 - GenerateStream with `parameters.coalesce_tokens`: fewer events than tokens; the tokens listed
-  in the events, their ids and concatenated text, equal a fast reader's one-token events
-  exactly; `index` is the last token's position.
+  in the events (`coalesced`), their ids and concatenated text, equal a fast reader's one-token
+  events exactly; `index` is the last token's position.
 - GenerateStream without it: one event per token, however slow the reader.
 - ChatStream / CompletionStream (coalescing by default): fewer chunks than tokens; the
   concatenated content (and, for chat, the logprobs entries) equal a fast reader's.
@@ -121,30 +121,32 @@ async def _check_generate_stream(server: Server) -> None:
     fast = generate_pb2_grpc.TextGenerationStub(server.fast)
     slow = generate_pb2_grpc.TextGenerationStub(server.slow)
     reference = await _read(fast.GenerateStream(_generate(False, 7)), slow=False)
-    assert len(reference) == N and all(not e.tokens for e in reference)
+    assert len(reference) == N and all(not e.HasField("coalesced") for e in reference)
     want_ids = [e.token.id for e in reference]
     want_text = "".join(e.token.text for e in reference)
 
     # Opted in, slow reader: several tokens per event, the same tokens and text.
     events = await _read(slow.GenerateStream(_generate(True, 7)), slow=True)
     assert len(events) < N * 0.75, f"{len(events)} events for {N} tokens: nothing coalesced"
-    assert [t.id for e in events for t in e.tokens] == want_ids
-    assert "".join(t.text for e in events for t in e.tokens) == want_text
-    assert [len(e.tokens_top_tokens) for e in events] == [len(e.tokens) for e in events]
-    assert [x.tokens[0].id for e in events for x in e.tokens_top_tokens] == [
+    assert [t.id for e in events for t in e.coalesced.tokens] == want_ids
+    assert "".join(t.text for e in events for t in e.coalesced.tokens) == want_text
+    assert [len(e.coalesced.top_tokens) for e in events] == [
+        len(e.coalesced.tokens) for e in events
+    ]
+    assert [x.tokens[0].id for e in events for x in e.coalesced.top_tokens] == [
         e.top_tokens[0].id for e in reference
     ]
     position = -1
     for e in events:  # index: the position of the event's last token (= `token`)
-        position += len(e.tokens)
-        assert e.index == position and e.token == e.tokens[-1]
+        position += len(e.coalesced.tokens)
+        assert e.index == position and e.token == e.coalesced.tokens[-1]
     assert position == N - 1
     assert events[-1].generated_text == reference[-1].generated_text
     assert events[-1].details.generated_tokens == N
 
     # Not opted in, the same slow reader: one token per event (TGI's clients expect it).
     events = await _read(slow.GenerateStream(_generate(False, 7)), slow=True)
-    assert len(events) == N and all(not e.tokens for e in events)
+    assert len(events) == N and all(not e.HasField("coalesced") for e in events)
     assert [e.token.id for e in events] == want_ids
     assert [e.index for e in events] == list(range(N))
 

@@ -160,7 +160,7 @@ class StreamDetails(_message.Message):
     def __init__(self, finish_reason: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., input_length: _Optional[int] = ..., accepted_tokens_per_step: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("index", "token", "top_tokens", "generated_text", "details", "error", "error_type", "tokens", "tokens_top_tokens")
+    __slots__ = ("index", "token", "top_tokens", "generated_text", "details", "error", "error_type", "coalesced")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -168,8 +168,7 @@ class GenerateStreamResponse(_message.Message):
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COALESCED_FIELD_NUMBER: _ClassVar[int]
     index: int
     token: Token
     top_tokens: _containers.RepeatedCompositeFieldContainer[Token]
@@ -177,9 +176,8 @@ class GenerateStreamResponse(_message.Message):
     details: StreamDetails
     error: str
     error_type: str
-    tokens: _containers.RepeatedCompositeFieldContainer[Token]
-    tokens_top_tokens: _containers.RepeatedCompositeFieldContainer[TopTokens]
-    def __init__(self, index: _Optional[int] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., generated_text: _Optional[str] = ..., details: _Optional[_Union[StreamDetails, _Mapping]] = ..., error: _Optional[str] = ..., error_type: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., tokens_top_tokens: _Optional[_Iterable[_Union[TopTokens, _Mapping]]] = ...) -> None: ...
+    coalesced: CoalescedTokens
+    def __init__(self, index: _Optional[int] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., generated_text: _Optional[str] = ..., details: _Optional[_Union[StreamDetails, _Mapping]] = ..., error: _Optional[str] = ..., error_type: _Optional[str] = ..., coalesced: _Optional[_Union[CoalescedTokens, _Mapping]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -328,3 +326,11 @@ class ListAdaptersResponse(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
     def __init__(self, adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ...) -> None: ...
+
+class CoalescedTokens(_message.Message):
+    __slots__ = ("tokens", "top_tokens")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[Token]
+    top_tokens: _containers.RepeatedCompositeFieldContainer[TopTokens]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., top_tokens: _Optional[_Iterable[_Union[TopTokens, _Mapping]]] = ...) -> None: ...
