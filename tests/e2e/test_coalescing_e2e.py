@@ -169,9 +169,7 @@ async def _check_openai_streams(server: Server) -> None:
     )
     logprobs = [(e.token, e.logprob) for c in chunks if c.choices
                 for e in c.choices[0].logprobs.content]  # fmt: skip
-    assert logprobs == [
-        (e.token, e.logprob) for c in want for e in c.choices[0].logprobs.content
-    ]
+    assert logprobs == [(e.token, e.logprob) for c in want for e in c.choices[0].logprobs.content]
     assert len(logprobs) == N
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 

@@ -15,8 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from tokenwire.v1 import generate_pb2 as pb
-from tokenwire.v1 import generate_pb2_grpc
-from tokenwire.v1 import openai_pb2, openai_pb2_grpc
+from tokenwire.v1 import generate_pb2_grpc, openai_pb2, openai_pb2_grpc
 
 from tests.helpers.lora import load_base, write_adapter
 from tests.helpers.metrics import scrape
@@ -75,7 +74,9 @@ def _generate(chan: grpc.Channel, adapter: str | None) -> list[int]:
     return [t.id for t in reply.details.tokens]
 
 
-def _everywhere_listed(channels: list[grpc.Channel]) -> list[tuple[list[str], list[str], list[str]]]:
+def _everywhere_listed(
+    channels: list[grpc.Channel],
+) -> list[tuple[list[str], list[str], list[str]]]:
     """(Info adapters, ListAdapters, OpenAI model ids) as each connection's front end sees them."""
     seen = []
     for chan in channels:
