@@ -22,8 +22,10 @@ Limits and metrics across processes: `--max-concurrent-requests` is global — t
 share one counter of client requests in flight (`SharedAdmission`, checked at once before
 validation, as one process does), and the scheduler's engine keeps its own global limit on
 sequences (max-concurrent-requests x max-best-of) and the KV-capacity checks.
-`--prometheus-port PORT` serves the scheduler's engine metrics (and `tokenwire_serving`) on PORT
-and front end i's request metrics on PORT+i (i = 1..N).
+`--prometheus-port PORT` serves front end i's request metrics on PORT+i (i = 1..N), and on PORT
+the scheduler's engine metrics, `tokenwire_serving` and the front ends' request metrics summed
+(service.observability.merged_metrics): one scrape of PORT sees the whole router, as with one
+process.
 
 LoRA admin (LoadAdapter / UnloadAdapter, REST /info/loras) reaching any front end is forwarded
 over its socket and run on the engine here; the resulting adapter set goes to every front end,
@@ -44,6 +46,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Gauge
+
 from service.app.engine_link import frame, read_frame, tune_gc
 from service.app.engine_source import ShardEngineSource
 from service.app.ports import free_port
@@ -52,7 +56,8 @@ from service.app.router_flags import engine_config
 from service.app.serve import watch_shards
 from service.engine.contracts import EngineError, ShardUnavailableError, StepEvent
 from service.observability.logs import setup_logging
-from service.observability.metrics import MetricsServer, ServerMetrics
+from service.observability.merged_metrics import MergedMetrics
+from service.observability.metrics import PREFIX, EngineCollector, MetricsServer
 
 _log = logging.getLogger("tokenwire.frontend")
 _STATS_PERIOD_S = 0.25
@@ -231,6 +236,31 @@ def _frontend_args(args: argparse.Namespace, index: int, port: int) -> argparse.
     return child
 
 
+def _scheduler_registry(args: argparse.Namespace, engine: Any) -> tuple[CollectorRegistry, Gauge]:
+    """What PORT serves: the engine's metrics, `serving`, and the front ends' request metrics
+    summed (read from PORT+1 .. PORT+N at each scrape), so one scrape sees every request."""
+    registry = CollectorRegistry()
+    engine_metrics = EngineCollector(engine.stats)
+    registry.register(engine_metrics)
+    serving = Gauge(f"{PREFIX}_serving", "1 while health is SERVING, 0 otherwise",
+                    registry=registry)  # fmt: skip
+    host = args.prometheus_hostname
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    urls = [
+        f"http://{host}:{args.prometheus_port + i}/metrics" for i in range(1, args.frontends + 1)
+    ]
+    own = {f"{PREFIX}_serving"}
+    registry.register(
+        MergedMetrics(urls, lambda: own | {m.name for m in engine_metrics.collect()})
+    )
+    return registry, serving
+
+
 async def _scheduler_main(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -280,17 +310,15 @@ async def _scheduler_main(args: argparse.Namespace) -> int:
     server = await asyncio.start_unix_server(on_connect, sock_path)
 
     metrics_server = None
-    metrics: ServerMetrics | None = None
+    serving: Gauge | None = None
     if args.prometheus_port:
-        metrics = ServerMetrics(stats=engine.stats)
-        metrics_server = MetricsServer(
-            metrics.registry, args.prometheus_port, args.prometheus_hostname
-        )
+        registry, serving = _scheduler_registry(args, engine)
+        metrics_server = MetricsServer(registry, args.prometheus_port, args.prometheus_hostname)
 
     async def push_stats() -> None:
         while True:
-            if metrics is not None:  # what an endpoint picker scraping PORT reads
-                metrics.serving.set(1.0 if engine.healthy and not stop.is_set() else 0.0)
+            if serving is not None:  # what an endpoint picker scraping PORT reads
+                serving.set(1.0 if engine.healthy and not stop.is_set() else 0.0)
             await asyncio.sleep(_STATS_PERIOD_S)
             if conns:
                 stats = engine.stats()

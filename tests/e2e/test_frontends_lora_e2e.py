@@ -5,7 +5,7 @@ new adapter set (Info, ListAdapters, OpenAI ListModels and `model` validation, r
 the adapter); errors keep their codes and messages. Clients use 8 separate connections, which
 SO_REUSEPORT spreads over both front ends (each front end's metrics port shows its calls); the
 scheduler process's metrics port says the replica is serving (what `launch --replicas`'s endpoint
-picker reads)."""
+picker reads), with the front ends' request metrics summed."""
 
 from __future__ import annotations
 
@@ -153,6 +153,14 @@ def test_admin_calls_reach_every_front_end(
         scrape(deployment.metrics_port + i).total("tokenwire_request_count_total") for i in (1, 2)
     ]
     assert all(c > 0 for c in counts), counts
-    # The scheduler process's port reports the replica serving (an endpoint picker reads it).
-    assert scrape(deployment.metrics_port)["tokenwire_serving"] == 1.0
+    # The scheduler process's port reports the replica serving (an endpoint picker reads it)
+    # and the front ends' request metrics summed: one scrape sees the whole router.
+    merged = scrape(deployment.metrics_port)
+    assert merged["tokenwire_serving"] == 1.0
+    assert merged.total("tokenwire_request_count_total") == sum(counts)
+    assert merged.total("tokenwire_adapter_requests_total", adapter="hot") == sum(
+        scrape(deployment.metrics_port + i).total("tokenwire_adapter_requests_total",
+                                                  adapter="hot") for i in (1, 2)
+    ) > 0  # fmt: skip
+    assert merged["tokenwire_kv_blocks_total"] > 0  # the engine's, once
     assert "front ends: 2 (--frontends 2" in deployment.router.log()
