@@ -214,10 +214,11 @@ def _observability_flags(a: _AddArgument) -> None:
         type=int,
         default=int(env_value("PROMETHEUS_PORT") or 0),
         help="serve Prometheus metrics at http://HOSTNAME:PORT/metrics; 0 = off. With "
-        "--frontends N: PORT serves the scheduler process (engine metrics: KV blocks, queue, "
-        "batch, scheduler CPU) and PORT+1 .. PORT+N serve front end 1 .. N (request metrics: "
-        "counts, latencies, tokens, in flight; their engine gauges are copies of the "
-        "scheduler's, refreshed every 0.25 s) [PROMETHEUS_PORT] (default 0)",
+        "--frontends N >= 2: PORT serves the scheduler process (engine metrics: KV blocks, "
+        "queue, batch, scheduler CPU) and the front ends' request metrics summed at each "
+        "scrape, and PORT+1 .. PORT+N serve front end 1 .. N alone (request metrics: counts, "
+        "latencies, tokens, in flight; their engine gauges are copies of the scheduler's, "
+        "refreshed every 0.25 s) [PROMETHEUS_PORT] (default 0)",
     )
     a(
         "--prometheus-hostname",
