@@ -147,7 +147,8 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
         "--prometheus-port",
         int,
         ("PROMETHEUS_PORT",),
-        "router metrics port (with --frontends N: PORT scheduler, PORT+i front end i)",
+        "router metrics port (with --frontends N >= 2: PORT all, front ends summed; PORT+i front "
+        "end i alone)",
         "router",
     ),
     PassThrough(
