@@ -86,9 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="KV cache storage (as `tokenwire shard --kv-cache-dtype`)")
     a("--kv-cache-rotation", default="hadamard", choices=["hadamard", "none"],
       help="fp8 KV caches: keys stored rotated or not (as `tokenwire shard --kv-cache-rotation`)")
-    a("--router-frontends", type=int, default=4 if (os.cpu_count() or 1) >= 8 else 1,
-      help="e2e: `launch --frontends` (router front-end processes; default 4 with >= 8 CPUs, "
-           "else 1)")
+    a("--router-frontends", default="auto",
+      help="e2e: `launch --frontends` (router front-end processes, N or auto; default auto, the "
+           "router's own default: 1 below 8 usable CPUs, else min(4, CPUs // 4), e.g. 4 on a "
+           "16-core host)")
     a("--num-shard", type=int, default=1,
       help="tensor-parallel ranks: > 1 adds the `tp` part (one process per GPU over NCCL: tiny "
            "greedy vs one GPU, 8B logits vs one GPU, decode speedup) and is used by e2e")

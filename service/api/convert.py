@@ -149,6 +149,23 @@ def stream_response(item: StreamItem) -> pb.GenerateStreamResponse:
     return response
 
 
+def stream_response_coalesced(items: list[StreamItem]) -> pb.GenerateStreamResponse:
+    """Encodes consecutive stream events as ONE event (parameters.coalesce_tokens): `coalesced`
+    lists them all; `token`, `top_tokens`, `index` and the last event's fields are the last's."""
+    response = stream_response(items[-1])
+    coalesced = response.coalesced
+    coalesced.SetInParent()
+    coalesced.tokens.extend(
+        pb.Token(id=t.id, text=t.text, logprob=t.logprob, special=t.special)
+        for t in (item.token for item in items)
+    )
+    if any(item.top_tokens for item in items):
+        coalesced.top_tokens.extend(
+            pb.TopTokens(tokens=[token(x) for x in item.top_tokens]) for item in items
+        )
+    return response
+
+
 def stream_error(index: int, kind: ErrorKind, message: str) -> pb.GenerateStreamResponse:
     """The in-band error event that ends a stream which already sent events."""
     return pb.GenerateStreamResponse(index=index, error=message, error_type=kind.error_type)

@@ -143,11 +143,21 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
             request_id=current_request_id(),
             deadline=convert.deadline(context.time_remaining()),
         )
-        sent = 0
+        sent = 0  # tokens sent: the in-band error event's index
         encode = convert.stream_response
+        coalesce = request.parameters.coalesce_tokens
         async with aclosing(items):
             try:
                 async for item in items:
+                    if coalesce:
+                        # Tokens that queued up while the client read: one event for them all.
+                        batch = [item]
+                        while item.backlog and item.finished is None:
+                            item = await anext(items)
+                            batch.append(item)
+                        yield convert.stream_response_coalesced(batch)
+                        sent += len(batch)
+                        continue
                     yield encode(item)
                     sent += 1
             except Exception as error:

@@ -3,9 +3,12 @@ frames (a 4-byte big-endian length, then the pickle), and the garbage-collector 
 sides apply once started.
 
 Messages (tuples, first item the kind): front end -> scheduler: ("hello",), ("sub", key,
-ValidatedRequest), ("cancel", key), ("ack",); scheduler -> front end: ("hello", WarmupInfo,
-ShardDescription, Limits), ("ev", rows), ("fail", key, EngineError), ("stats", EngineStats),
-("unhealthy", reason).
+ValidatedRequest), ("cancel", key), ("ack",), ("adm", call, "load", [AdapterSource]) /
+("adm", call, "unload", name) (LoRA admin calls), ("adapters_ack", version); scheduler -> front
+end: ("hello", WarmupInfo, ShardDescription, Limits), ("ev", rows), ("fail", key, EngineError),
+("stats", EngineStats), ("unhealthy", reason), ("adapters", version, [AdapterInfo]) (the
+adapter set requests may name, sent to every front end after each change), ("admr", call,
+result, error) (an admin call's answer, sent once every front end acknowledged the new set).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from typing import Any
 
 from service.app.env_flags import env_bool, env_value
 from service.app.ports import free_port
+from service.app.router_flags import frontends_value
 from service.shard_client.client import shard_answers_health
 
 TINY_MODEL_NAME = "tiny-llama-v1"
@@ -160,7 +161,8 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
         "--prometheus-port",
         int,
         ("PROMETHEUS_PORT",),
-        "router metrics port (with --frontends N: PORT scheduler, PORT+i front end i)",
+        "router metrics port (with --frontends N >= 2: PORT all, front ends summed; PORT+i front "
+        "end i alone)",
         "router",
     ),
     PassThrough(
@@ -172,10 +174,11 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
     ),
     PassThrough(
         "--frontends",
-        int,
+        frontends_value,
         ("FRONTENDS",),
-        "router processes streaming the public API: N >= 2 runs a scheduler process and N "
-        "front ends sharing --port (default 1: one process)",
+        "router processes streaming the public API, N or auto: N >= 2 runs a scheduler process "
+        "and N front ends sharing --port, 1 one process (default auto: 1 below 8 usable CPUs, "
+        "else min(4, CPUs // 4))",
         "router",
     ),
     PassThrough(

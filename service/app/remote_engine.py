@@ -19,7 +19,7 @@ from typing import Any
 from service.app.engine_link import ACK, frame, read_frame, tune_gc
 from service.app.engine_source import ShardConnection
 from service.app.serve import serve
-from service.engine.adapters import AdapterInfo, AdaptersDisabledError, AdapterSource
+from service.engine.adapters import AdapterInfo, AdapterSource
 from service.engine.backend import ShardRpcError
 from service.engine.contracts import (
     DrainingError,
@@ -91,7 +91,11 @@ class RemoteEngine:
         self.unhealthy_reason: str | None = None
         self.draining = False
         self.on_unhealthy: Any = None
-        self.startup_adapters: tuple[AdapterInfo, ...] = ()  # from the shards' Info (hello)
+        # The LoRA adapters requests may name: the scheduler process sends the set at hello and
+        # after every change, and answers an admin call only once each front end has it.
+        self._adapters: list[AdapterInfo] = []
+        self._admin_calls: dict[int, asyncio.Future[tuple[Any, BaseException | None]]] = {}
+        self._admin_ids = itertools.count(1)
         self._pending = 0  # events received and not yet read by their stream
         self._ack_owed = 0  # step frames to acknowledge once _pending <= _ack_below
         self._ack_below = 0
@@ -124,21 +128,31 @@ class RemoteEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    # LoRA adapters: the ones loaded at start-up (--lora-adapters) are served; loading and
-    # unloading at run time go to the scheduler process's engine, not reachable from here yet.
+    # LoRA adapters: run by the scheduler process's engine (service.app.scheduler_process).
     def list_adapters(self) -> list[AdapterInfo]:
-        return list(self.startup_adapters)
+        return list(self._adapters)
 
     async def load_adapters(self, sources: list[AdapterSource]) -> list[AdapterInfo]:
-        raise AdaptersDisabledError(
-            "loading LoRA adapters at run time is not available with --frontends >= 2; load "
-            "them at start-up with --lora-adapters"
-        )
+        loaded: list[AdapterInfo] = await self._admin("load", sources)
+        return loaded
 
     async def unload_adapter(self, name: str) -> None:
-        raise AdaptersDisabledError(
-            "unloading LoRA adapters is not available with --frontends >= 2"
-        )
+        await self._admin("unload", name)
+
+    async def _admin(self, op: str, arg: object) -> Any:
+        if not self.healthy:
+            raise ShardUnavailableError(f"shard unavailable: {self.unhealthy_reason}")
+        call = next(self._admin_ids)
+        answer = self._loop.create_future()
+        self._admin_calls[call] = answer
+        self._writer.write(frame(("adm", call, op, arg)))
+        try:
+            result, error = await answer
+        finally:
+            self._admin_calls.pop(call, None)
+        if error is not None:
+            raise error
+        return result
 
     def _ack(self) -> None:
         if self._ack_owed:
@@ -195,6 +209,13 @@ class RemoteEngine:
                         self._idle.set()
                 elif kind == "stats":
                     self._stats = msg[1]
+                elif kind == "adapters":
+                    self._adapters = list(msg[2])
+                    self._writer.write(frame(("adapters_ack", msg[1])))
+                elif kind == "admr":
+                    answer = self._admin_calls.get(msg[1])
+                    if answer is not None and not answer.done():
+                        answer.set_result((msg[2], msg[3]))
                 elif kind == "unhealthy":
                     self._mark_unhealthy(msg[1])
         except (asyncio.IncompleteReadError, ConnectionError) as e:
@@ -206,6 +227,9 @@ class RemoteEngine:
         self.healthy = False
         self.unhealthy_reason = reason
         self._fail_all(ShardUnavailableError(f"shard unavailable: {reason}"))
+        for answer in self._admin_calls.values():
+            if not answer.done():
+                answer.set_result((None, ShardUnavailableError(f"shard unavailable: {reason}")))
         if self.on_unhealthy is not None:
             self.on_unhealthy(reason)
 
@@ -266,7 +290,7 @@ class RemoteEngineSource:
         reader, writer = await asyncio.open_unix_connection(self.socket_path)
         engine = RemoteEngine(reader, writer, self.backlog_steps)
         warm, shard, limits = await engine.hello()
-        engine.startup_adapters = shard.adapters
+        engine._adapters = list(shard.adapters)  # until the scheduler's set arrives
         tune_gc()
         return ShardConnection(_RemoteClient(engine), warm, shard, limits)
 

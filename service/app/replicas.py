@@ -34,6 +34,7 @@ from service.app.launcher import (
     tokenwire_command,
 )
 from service.app.ports import free_port
+from service.app.router_flags import AUTO, resolve_frontends
 
 # --shutdown-delay of each replica unless given: two of the gateway's health-check intervals.
 REPLICA_SHUTDOWN_DELAY_S = 2.0
@@ -141,9 +142,15 @@ def run_replicas(args: argparse.Namespace) -> int:
         )
         _log(f"model {model_id} from {model_dir}: {args.replicas} replicas")
         host = "127.0.0.1" if args.hostname in ("0.0.0.0", "") else args.hostname
+        # Every replica gets the same front-end count, resolved here; with N >= 2 a router
+        # serves metrics on PORT .. PORT+N, so the replicas' metrics ports are N+1 apart.
+        args.frontends = resolve_frontends(args.frontends or AUTO)
+        stride = args.frontends + 1 if args.frontends > 1 else 1
         for i in range(args.replicas):
             port = args.port + i
-            metrics_port = args.prometheus_port + i if args.prometheus_port else free_port(host)
+            metrics_port = (
+                args.prometheus_port + i * stride if args.prometheus_port else free_port(host)
+            )
             process = subprocess.Popen(
                 replica_command(args, model_dir, port, metrics_port),
                 env=_replica_env(args, i),

@@ -8,32 +8,46 @@ stop. Flags fall back to the environment variables TGI users know (PORT, MAX_INP
 Pieces: the flags and the settings resolved from them (service.app.router_flags), where the
 engine comes from (service.app.engine_source), serving and draining (service.app.serve).
 `--frontends N` (N >= 2) runs the same public router in N front-end processes sharing the port
-(SO_REUSEPORT) beside one scheduler process that owns the engine (service.app.scheduler_process).
+(SO_REUSEPORT) beside one scheduler process that owns the engine (service.app.scheduler_process);
+the default, `--frontends auto`, picks N from the CPUs this process may use
+(router_flags.resolve_frontends: 1 below 8 CPUs).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 
-from service.app.router_flags import add_arguments
+from service.app.router_flags import add_arguments, resolve_frontends, usable_cpus
 from service.app.scheduler_process import run_multiprocess
 from service.app.serve import serve
 from service.observability.logs import setup_logging
 
 __all__ = ["add_arguments", "run"]
 
+_log = logging.getLogger("tokenwire.router")
+
 
 def run(args: argparse.Namespace) -> int:
+    requested = args.frontends
+    args.frontends = resolve_frontends(requested)
     if args.frontends < 1:
         raise SystemExit(f"--frontends must be >= 1 (got {args.frontends})")
     if args.frontend_backlog_steps <= 0:
         raise SystemExit(
             f"--frontend-backlog-steps must be > 0 (got {args.frontend_backlog_steps})"
         )
+    setup_logging(json_output=args.json_output, level=args.log_level)
+    _log.info(
+        "front ends: %d (--frontends %s, %d usable CPUs)%s",
+        args.frontends,
+        requested,
+        usable_cpus(),
+        "" if args.frontends > 1 else ": one process serves the API and runs the engine",
+    )
     if args.frontends > 1:
         return run_multiprocess(args)
-    setup_logging(json_output=args.json_output, level=args.log_level)
     try:
         return asyncio.run(serve(args))
     except KeyboardInterrupt:

@@ -6,6 +6,7 @@ shard address). Defaults read the environment variables TGI users know (PORT, MA
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,10 +223,11 @@ def _observability_flags(a: _AddArgument) -> None:
         type=int,
         default=int(env_value("PROMETHEUS_PORT") or 0),
         help="serve Prometheus metrics at http://HOSTNAME:PORT/metrics; 0 = off. With "
-        "--frontends N: PORT serves the scheduler process (engine metrics: KV blocks, queue, "
-        "batch, scheduler CPU) and PORT+1 .. PORT+N serve front end 1 .. N (request metrics: "
-        "counts, latencies, tokens, in flight; their engine gauges are copies of the "
-        "scheduler's, refreshed every 0.25 s) [PROMETHEUS_PORT] (default 0)",
+        "--frontends N >= 2: PORT serves the scheduler process (engine metrics: KV blocks, "
+        "queue, batch, scheduler CPU) and the front ends' request metrics summed at each "
+        "scrape, and PORT+1 .. PORT+N serve front end 1 .. N alone (request metrics: counts, "
+        "latencies, tokens, in flight; their engine gauges are copies of the scheduler's, "
+        "refreshed every 0.25 s) [PROMETHEUS_PORT] (default 0)",
     )
     a(
         "--prometheus-hostname",
@@ -273,12 +275,13 @@ def _process_flags(a: _AddArgument) -> None:
     )
     a(
         "--frontends",
-        type=int,
-        default=int(env_value("FRONTENDS") or 1),
-        help="public gRPC processes. 1: one process runs everything. N >= 2: one scheduler "
-        "process runs the engine and N front-end processes (validation, tokenization, "
-        "streaming) share --port through SO_REUSEPORT; streaming many tokens/s then uses more "
-        "than one core (benchmarks/ROUTER.md) [FRONTENDS] (default 1)",
+        type=frontends_value,
+        default=env_value("FRONTENDS") or AUTO,  # a string: argparse converts (and checks) it
+        help="public gRPC processes, N or 'auto'. 1: one process runs everything. N >= 2: one "
+        "scheduler process runs the engine and N front-end processes (validation, "
+        "tokenization, streaming) share --port through SO_REUSEPORT; streaming many tokens/s "
+        "then uses more than one core (benchmarks/ROUTER.md). auto: 1 when this process may "
+        "use fewer than 8 CPUs, else min(4, CPUs // 4) [FRONTENDS] (default auto)",
     )
     a(
         "--frontend-backlog-steps",
@@ -290,6 +293,49 @@ def _process_flags(a: _AddArgument) -> None:
         "engine before their tokens are written (smaller batches) and tokens wait longer. "
         "Fewer: tighter pacing, more CPU per token [FRONTEND_BACKLOG_STEPS] (default 8)",
     )
+
+
+AUTO = "auto"
+# `--frontends auto`: front ends only where the host has cores to spare for them (a front end
+# streams on one core; the scheduler process and the shards need theirs), at most 4 (what
+# benchmarks/RESULTS.md measured on a 16-core GPU host).
+AUTO_FRONTENDS_MIN_CPUS = 8
+AUTO_FRONTENDS_MAX = 4
+
+
+def frontends_value(text: str) -> int | str:
+    """--frontends / FRONTENDS: a count >= 1, or 'auto' (resolved by resolve_frontends)."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--frontends must be an integer >= 1 or 'auto' (got {text!r})"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--frontends must be >= 1 or 'auto' (got {value})")
+    return value
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: taskset, cgroup cpusets)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def resolve_frontends(value: int | str, cpus: int | None = None) -> int:
+    """The number of front-end processes: `value` itself when it is a count; for 'auto', 1
+    under AUTO_FRONTENDS_MIN_CPUS usable CPUs, else min(AUTO_FRONTENDS_MAX, cpus // 4)."""
+    if value != AUTO:
+        return int(value)
+    if cpus is None:
+        cpus = usable_cpus()
+    if cpus < AUTO_FRONTENDS_MIN_CPUS:
+        return 1
+    return min(AUTO_FRONTENDS_MAX, cpus // 4)
 
 
 def _opt_int(*names: str) -> int | None:

@@ -22,8 +22,15 @@ Limits and metrics across processes: `--max-concurrent-requests` is global — t
 share one counter of client requests in flight (`SharedAdmission`, checked at once before
 validation, as one process does), and the scheduler's engine keeps its own global limit on
 sequences (max-concurrent-requests x max-best-of) and the KV-capacity checks.
-`--prometheus-port PORT` serves the scheduler's engine metrics on PORT and front end i's request
-metrics on PORT+i (i = 1..N).
+`--prometheus-port PORT` serves front end i's request metrics on PORT+i (i = 1..N), and on PORT
+the scheduler's engine metrics, `tokenwire_serving` and the front ends' request metrics summed
+(service.observability.merged_metrics): one scrape of PORT sees the whole router, as with one
+process.
+
+LoRA admin (LoadAdapter / UnloadAdapter, REST /info/loras) reaching any front end is forwarded
+over its socket and run on the engine here; the resulting adapter set goes to every front end,
+and the call is answered once each has acknowledged it (`_AdapterSets`), so right after it
+returns every front end lists and admits the same adapters.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Gauge
+
 from service.app.engine_link import frame, read_frame, tune_gc
 from service.app.engine_source import ShardEngineSource
 from service.app.ports import free_port
@@ -47,7 +56,8 @@ from service.app.router_flags import engine_config
 from service.app.serve import watch_shards
 from service.engine.contracts import EngineError, ShardUnavailableError, StepEvent
 from service.observability.logs import setup_logging
-from service.observability.metrics import MetricsServer, ServerMetrics
+from service.observability.merged_metrics import MergedMetrics
+from service.observability.metrics import PREFIX, EngineCollector, MetricsServer
 
 _log = logging.getLogger("tokenwire.frontend")
 _STATS_PERIOD_S = 0.25
@@ -59,16 +69,57 @@ _FRAMES_IN_FLIGHT = 2
 _GATE_TIMEOUT_S = 1.0  # a stuck front end does not stall the others for longer than this
 
 
+_ADAPTERS_ACK_TIMEOUT_S = 5.0  # a stuck front end does not hold an admin call longer
+
+
+class _AdapterSets:
+    """Publishes the engine's LoRA adapter set to every front end after an admin call, and waits
+    until each acknowledged it: once a LoadAdapter / UnloadAdapter call returns, every front end
+    validates requests and lists models against the new set."""
+
+    def __init__(self, engine: Any, conns: list[_FrontEndConnection]) -> None:
+        self.engine = engine
+        self.conns = conns
+        self.version = 0
+
+    def send_to(self, conn: _FrontEndConnection) -> None:
+        conn.send(("adapters", self.version, self.engine.list_adapters()))
+
+    async def publish(self, wait: bool = True) -> None:
+        self.version += 1
+        version = self.version
+        for c in self.conns:
+            self.send_to(c)
+        if not wait:
+            return
+        deadline = asyncio.get_running_loop().time() + _ADAPTERS_ACK_TIMEOUT_S
+        for c in list(self.conns):
+            while c.adapters_version < version and c in self.conns:
+                c.adapters_acked.clear()
+                remaining = deadline - asyncio.get_running_loop().time()
+                if remaining <= 0:
+                    _log.warning("a front end did not acknowledge adapter set %d", version)
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(c.adapters_acked.wait(), remaining)
+
+
 class _FrontEndConnection:
     """One front end as the engine sees it: an EventSink batching its rows per step."""
 
-    def __init__(self, engine: Any, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self, engine: Any, writer: asyncio.StreamWriter, adapter_sets: _AdapterSets | None = None
+    ) -> None:
         self.engine = engine
         self.writer = writer
         self.rows: list[object] = []
         self.streams: dict[int, Any] = {}
         self.unacked = 0  # step frames sent and not yet acknowledged
         self.acked = asyncio.Event()
+        self.adapter_sets = adapter_sets
+        self.adapters_version = 0  # the last adapter set this front end acknowledged
+        self.adapters_acked = asyncio.Event()
+        self._admin_tasks: set[asyncio.Task[None]] = set()
 
     # EventSink
     def add(self, key: int, event: StepEvent) -> None:
@@ -119,14 +170,50 @@ class _FrontEndConnection:
                         stream.stop()
                 elif kind == "hello":
                     self.send(("hello", *hello))
+                    if self.adapter_sets is not None:
+                        self.adapter_sets.send_to(self)  # the set as it is now
+                elif kind == "adapters_ack":
+                    self.adapters_version = max(self.adapters_version, msg[1])
+                    self.adapters_acked.set()
+                elif kind == "adm":
+                    task = asyncio.ensure_future(self._admin(msg[1], msg[2], msg[3]))
+                    self._admin_tasks.add(task)
+                    task.add_done_callback(self._admin_tasks.discard)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:  # the front end went away: its requests free their blocks
             self.unacked = 0
             self.acked.set()
+            self.adapters_acked.set()
             for stream in self.streams.values():
                 stream.cancel()
             self.streams.clear()
+
+
+    async def _admin(self, call: int, op: str, arg: Any) -> None:
+        """A LoRA admin call forwarded by this front end, run on the engine here; every front
+        end has the resulting adapter set before the answer goes back."""
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            if op == "load":
+                result = await self.engine.load_adapters(arg)
+            elif op == "unload":
+                task = asyncio.ensure_future(self.engine.unload_adapter(arg))
+                await asyncio.sleep(0)  # the name stops being admitted at once ...
+                if not task.done() and self.adapter_sets is not None:
+                    await self.adapter_sets.publish(wait=False)  # ... on every front end
+                await task
+            else:
+                error = EngineError(f"unknown admin call {op!r}")
+        except Exception as e:  # noqa: BLE001 - handed to the calling front end, which raises it
+            error = e
+        if self.adapter_sets is not None:
+            await self.adapter_sets.publish()
+        try:
+            self.send(("admr", call, result, error))
+        except Exception as e:  # noqa: BLE001 - an error that does not pickle
+            self.send(("admr", call, None, EngineError(f"{type(e).__name__}: {error}")))
 
 
 class _EngineHealth:
@@ -151,6 +238,31 @@ def _frontend_args(args: argparse.Namespace, index: int, port: int) -> argparse.
     if args.prometheus_port:
         child.prometheus_port = args.prometheus_port + index
     return child
+
+
+def _scheduler_registry(args: argparse.Namespace, engine: Any) -> tuple[CollectorRegistry, Gauge]:
+    """What PORT serves: the engine's metrics, `serving`, and the front ends' request metrics
+    summed (read from PORT+1 .. PORT+N at each scrape), so one scrape sees every request."""
+    registry = CollectorRegistry()
+    engine_metrics = EngineCollector(engine.stats)
+    registry.register(engine_metrics)
+    serving = Gauge(f"{PREFIX}_serving", "1 while health is SERVING, 0 otherwise",
+                    registry=registry)  # fmt: skip
+    host = args.prometheus_hostname
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    urls = [
+        f"http://{host}:{args.prometheus_port + i}/metrics" for i in range(1, args.frontends + 1)
+    ]
+    own = {f"{PREFIX}_serving"}
+    registry.register(
+        MergedMetrics(urls, lambda: own | {m.name for m in engine_metrics.collect()})
+    )
+    return registry, serving
 
 
 async def _scheduler_main(args: argparse.Namespace) -> int:
@@ -186,8 +298,10 @@ async def _scheduler_main(args: argparse.Namespace) -> int:
     await engine.start()
     hello = (connection.warmup, connection.shard, connection.limits)
 
+    adapter_sets = _AdapterSets(engine, conns)
+
     async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = _FrontEndConnection(engine, writer)
+        conn = _FrontEndConnection(engine, writer, adapter_sets)
         conns.append(conn)
         try:
             await conn.serve(reader, hello)
@@ -199,8 +313,16 @@ async def _scheduler_main(args: argparse.Namespace) -> int:
     sock_path = str(sock_dir / "engine.sock")
     server = await asyncio.start_unix_server(on_connect, sock_path)
 
+    metrics_server = None
+    serving: Gauge | None = None
+    if args.prometheus_port:
+        registry, serving = _scheduler_registry(args, engine)
+        metrics_server = MetricsServer(registry, args.prometheus_port, args.prometheus_hostname)
+
     async def push_stats() -> None:
         while True:
+            if serving is not None:  # what an endpoint picker scraping PORT reads
+                serving.set(1.0 if engine.healthy and not stop.is_set() else 0.0)
             await asyncio.sleep(_STATS_PERIOD_S)
             if conns:
                 stats = engine.stats()
@@ -211,12 +333,6 @@ async def _scheduler_main(args: argparse.Namespace) -> int:
     watch = asyncio.ensure_future(
         watch_shards(client, engine, _EngineHealth(engine), stop)
     )
-    metrics_server = None
-    if args.prometheus_port:
-        metrics = ServerMetrics(stats=engine.stats)
-        metrics_server = MetricsServer(
-            metrics.registry, args.prometheus_port, args.prometheus_hostname
-        )
     port = args.port or free_port(args.hostname)
     ctx = multiprocessing.get_context("spawn")
     in_flight = ctx.Value("i", 0)  # client requests admitted by all front ends

@@ -138,6 +138,11 @@ class RequestStream(Protocol):
         (timings, prefix-cache hits, tokens per step) of every token generated until then."""
         ...
 
+    def ready(self) -> int:
+        """Events received and not yet taken: the iterator yields that many without waiting
+        (a stream's writer that fell behind coalesces them into one message)."""
+        ...
+
 
 @dataclass
 class EngineStats:

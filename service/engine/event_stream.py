@@ -58,6 +58,10 @@ class EventStream:
     def _cancelled(self) -> None:
         """Called once when the reader cancels before the stream closed."""
 
+    def ready(self) -> int:
+        """Events queued for the reader (taken without waiting)."""
+        return len(self._events)
+
     def __aiter__(self) -> EventStream:
         return self
 

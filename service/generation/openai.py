@@ -518,28 +518,43 @@ class OpenAIEndpoints:
         first = True
         prompt_param = "messages" if method == CHAT_COMPLETIONS_STREAM else "prompt"
         async with aclosing(items):
-            async for item in _openai_errors_iter(items, prompt_param):
+            events = _openai_errors_iter(items, prompt_param)
+            async for item in events:
                 if first:
                     # Chat announces the role in a first chunk; completions only echo there.
                     if method == CHAT_COMPLETIONS_STREAM or echo:
                         yield ChoiceDelta(index, echo, first=True)
                     first = False
-                token = item.token
-                finished = item.finished
-                text = "" if token.special else trimmer.push(token.text)
-                if finished is not None:
-                    text += trimmer.flush()
-                if calls is not None:
-                    text, found = calls.push(text)
+                # Tokens that queued up while the client read (or a speculative step's
+                # several tokens) go out as ONE chunk: their texts concatenated, their
+                # logprobs listed in order.
+                texts: list[str] = []
+                logprobs: list[TokenLogprob] = []
+                while True:
+                    token = item.token
+                    finished = item.finished
+                    text = "" if token.special else trimmer.push(token.text)
                     if finished is not None:
-                        text += calls.flush()
-                    if found:
-                        yield ChoiceDelta(index, "", tool_calls=found)
-                logprobs = None
-                if params.logprobs and not token.special and (calls is None or text):
-                    logprobs = (_logprob(token, item.top_tokens),)
-                if text or logprobs:
-                    yield ChoiceDelta(index, text, logprobs=logprobs)
+                        text += trimmer.flush()
+                    if calls is not None:
+                        text, found = calls.push(text)
+                        if finished is not None:
+                            text += calls.flush()
+                        if found:
+                            if texts or logprobs:  # what came before the calls, first
+                                yield ChoiceDelta(index, "".join(texts),
+                                                  logprobs=tuple(logprobs) or None)  # fmt: skip
+                                texts, logprobs = [], []
+                            yield ChoiceDelta(index, "", tool_calls=found)
+                    if params.logprobs and not token.special and (calls is None or text):
+                        logprobs.append(_logprob(token, item.top_tokens))
+                    if text:
+                        texts.append(text)
+                    if finished is not None or not item.backlog:
+                        break
+                    item = await anext(events)
+                if texts or logprobs:
+                    yield ChoiceDelta(index, "".join(texts), logprobs=tuple(logprobs) or None)
                 if finished is None:
                     continue
                 reason = FINISH_REASONS[finished.finish_reason]

@@ -91,6 +91,9 @@ class StreamItem:
     options: ResponseOptions
     generated_text: str | None = None
     finished: Finished | None = None
+    # Events already queued behind this one (the stream's iterator yields them without
+    # waiting): a writer that fell behind may take them now and send them in one message.
+    backlog: int = 0
 
 
 @dataclass
@@ -420,7 +423,8 @@ class GenerationService:
                         texts.append(token.text)
                     finished = event.finished
                     if finished is None:
-                        yield StreamItem(index, token, event.top_tokens, options)
+                        yield StreamItem(index, token, event.top_tokens, options, None, None,
+                                         engine_stream.ready())  # fmt: skip
                         index += 1
                         continue
                     text = "".join(texts)

@@ -131,6 +131,26 @@ def test_sse_equals_grpc_stream(deployment: Deployment) -> None:
     )
 
 
+def test_sse_coalesce_tokens_option(deployment: Deployment) -> None:
+    """`parameters.coalesce_tokens` through Envoy: every SSE event lists its tokens under
+    `coalesced` (index = its last token's position); without the option no event has the key."""
+    params = {"max_new_tokens": 24, "details": True}
+    plain = [
+        e for _, e in sse_events(deployment.http_port, {"inputs": "Once", "parameters": params})
+    ]
+    assert all("coalesced" not in e for e in plain)
+    body = {"inputs": "Once", "parameters": {**params, "coalesce_tokens": True}}
+    events = [e for _, e in sse_events(deployment.http_port, body)]
+    tokens = [t for e in events for t in e["coalesced"]["tokens"]]
+    assert [t["id"] for t in tokens] == [e["token"]["id"] for e in plain]
+    position = -1
+    for e in events:
+        position += len(e["coalesced"]["tokens"])
+        assert e["index"] == position and e["token"] == e["coalesced"]["tokens"][-1]
+    text = "".join(t["text"] for t in tokens if not t["special"])
+    assert text == events[-1]["generated_text"] == plain[-1]["generated_text"]
+
+
 def test_sse_events_arrive_spread_over_the_generation(deployment: Deployment) -> None:
     body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 160}}
     start = time.monotonic()

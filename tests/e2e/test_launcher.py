@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenwire.v1 import generate_pb2 as pb
 from tokenwire.v1 import generate_pb2_grpc as pb_grpc
 
-from service.app import launcher
+from service.app import launcher, router_flags
 from service.app.cli import build_parser
 from tests.helpers.http_api import expect_error_status, http_json, sse_events
 from tests.helpers.metrics import scrape
@@ -90,7 +90,8 @@ def test_unset_flags_keep_component_defaults(monkeypatch: pytest.MonkeyPatch) ->
 def test_frontends_flag_reaches_the_router(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FRONTENDS", raising=False)
     monkeypatch.delenv("FRONTEND_BACKLOG_STEPS", raising=False)
-    assert parse(["router"]).frontends == 1  # one process unless asked
+    assert parse(["router"]).frontends == "auto"  # resolved from the CPUs at start-up
+    assert "--frontends" not in launcher.router_command(parse(["launch"]), "m", Path("/m"), "/p")
     assert parse(["router"]).frontend_backlog_steps == 8.0
     args = parse(["launch", "--frontends", "3", "--frontend-backlog-steps", "4"])
     joined = " ".join(launcher.router_command(args, "m", Path("/m"), "/p"))
@@ -102,6 +103,32 @@ def test_frontends_flag_reaches_the_router(monkeypatch: pytest.MonkeyPatch) -> N
     assert "--frontends 2" in " ".join(
         launcher.router_command(parse(["launch"]), "m", Path("/m"), "/p")
     )
+    monkeypatch.setenv("FRONTENDS", "auto")
+    assert parse(["router"]).frontends == "auto"
+    assert "--frontends auto" in " ".join(
+        launcher.router_command(parse(["launch"]), "m", Path("/m"), "/p")
+    )
+    assert parse(["launch", "--frontends", "AUTO"]).frontends == "auto"
+    for bad in ("0", "two", "-1"):
+        with pytest.raises(SystemExit):
+            parse(["router", "--frontends", bad])
+        with pytest.raises(SystemExit):
+            parse(["launch", "--frontends", bad])
+
+
+@pytest.mark.parametrize(
+    ("value", "cpus", "expected"),
+    [("auto", 1, 1), ("auto", 2, 1), ("auto", 7, 1), ("auto", 8, 2), ("auto", 12, 3),
+     ("auto", 16, 4), ("auto", 64, 4), (1, 64, 1), (3, 2, 3)],
+)  # fmt: skip
+def test_frontends_auto_resolves_from_usable_cpus(value: object, cpus: int, expected: int) -> None:
+    assert router_flags.resolve_frontends(value, cpus=cpus) == expected  # type: ignore[arg-type]
+
+
+def test_frontends_auto_reads_the_affinity_mask() -> None:
+    cpus = len(os.sched_getaffinity(0))
+    assert router_flags.usable_cpus() == cpus
+    assert router_flags.resolve_frontends("auto") == router_flags.resolve_frontends("auto", cpus)
 
 
 @pytest.fixture(scope="module")

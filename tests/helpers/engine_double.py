@@ -58,6 +58,9 @@ class _Stream:
             self.cancelled = True
             self.engine.cancelled.append(self.request.request_id)
 
+    def ready(self) -> int:
+        return 0  # scripted events are produced as they are read
+
     def __aiter__(self) -> AsyncIterator[StepEvent]:
         return self._events()
 

@@ -38,6 +38,9 @@ def quiet_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         PYTHONUNBUFFERED="1",
     )
     env.update(extra or {})
+    # The router's default `--frontends auto` depends on the host's CPUs (1 below 8): the same
+    # process layout on every host unless a test asks (--frontends, or FRONTENDS set outside).
+    env.setdefault("FRONTENDS", "1")
     return env
 
 

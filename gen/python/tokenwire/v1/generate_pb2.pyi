@@ -18,7 +18,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, inputs: _Optional[str] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ...) -> None: ...
 
 class GenerateParameters(_message.Message):
-    __slots__ = ("best_of", "temperature", "repetition_penalty", "frequency_penalty", "top_k", "top_p", "typical_p", "do_sample", "max_new_tokens", "return_full_text", "stop", "truncate", "watermark", "details", "decoder_input_details", "seed", "top_n_tokens", "grammar", "adapter_id")
+    __slots__ = ("best_of", "temperature", "repetition_penalty", "frequency_penalty", "top_k", "top_p", "typical_p", "do_sample", "max_new_tokens", "return_full_text", "stop", "truncate", "watermark", "details", "decoder_input_details", "seed", "top_n_tokens", "grammar", "adapter_id", "coalesce_tokens")
     BEST_OF_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class GenerateParameters(_message.Message):
     TOP_N_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    COALESCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     best_of: int
     temperature: float
     repetition_penalty: float
@@ -57,7 +58,8 @@ class GenerateParameters(_message.Message):
     top_n_tokens: int
     grammar: Grammar
     adapter_id: str
-    def __init__(self, best_of: _Optional[int] = ..., temperature: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., do_sample: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., return_full_text: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., truncate: _Optional[int] = ..., watermark: _Optional[bool] = ..., details: _Optional[bool] = ..., decoder_input_details: _Optional[bool] = ..., seed: _Optional[int] = ..., top_n_tokens: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., adapter_id: _Optional[str] = ...) -> None: ...
+    coalesce_tokens: bool
+    def __init__(self, best_of: _Optional[int] = ..., temperature: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., do_sample: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., return_full_text: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., truncate: _Optional[int] = ..., watermark: _Optional[bool] = ..., details: _Optional[bool] = ..., decoder_input_details: _Optional[bool] = ..., seed: _Optional[int] = ..., top_n_tokens: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., adapter_id: _Optional[str] = ..., coalesce_tokens: _Optional[bool] = ...) -> None: ...
 
 class Grammar(_message.Message):
     __slots__ = ("type", "value")
@@ -158,7 +160,7 @@ class StreamDetails(_message.Message):
     def __init__(self, finish_reason: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., input_length: _Optional[int] = ..., accepted_tokens_per_step: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("index", "token", "top_tokens", "generated_text", "details", "error", "error_type")
+    __slots__ = ("index", "token", "top_tokens", "generated_text", "details", "error", "error_type", "coalesced")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +168,7 @@ class GenerateStreamResponse(_message.Message):
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
+    COALESCED_FIELD_NUMBER: _ClassVar[int]
     index: int
     token: Token
     top_tokens: _containers.RepeatedCompositeFieldContainer[Token]
@@ -173,7 +176,8 @@ class GenerateStreamResponse(_message.Message):
     details: StreamDetails
     error: str
     error_type: str
-    def __init__(self, index: _Optional[int] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., generated_text: _Optional[str] = ..., details: _Optional[_Union[StreamDetails, _Mapping]] = ..., error: _Optional[str] = ..., error_type: _Optional[str] = ...) -> None: ...
+    coalesced: CoalescedTokens
+    def __init__(self, index: _Optional[int] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., generated_text: _Optional[str] = ..., details: _Optional[_Union[StreamDetails, _Mapping]] = ..., error: _Optional[str] = ..., error_type: _Optional[str] = ..., coalesced: _Optional[_Union[CoalescedTokens, _Mapping]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -322,3 +326,11 @@ class ListAdaptersResponse(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
     def __init__(self, adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ...) -> None: ...
+
+class CoalescedTokens(_message.Message):
+    __slots__ = ("tokens", "top_tokens")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[Token]
+    top_tokens: _containers.RepeatedCompositeFieldContainer[TopTokens]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., top_tokens: _Optional[_Iterable[_Union[TopTokens, _Mapping]]] = ...) -> None: ...

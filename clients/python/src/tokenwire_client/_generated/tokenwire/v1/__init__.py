@@ -15,6 +15,7 @@ __all__ = (
     "ChatResponse",
     "ChatStreamResponse",
     "ChoiceLogprobs",
+    "CoalescedTokens",
     "CompletionChoice",
     "CompletionRequest",
     "CompletionResponse",
@@ -553,6 +554,27 @@ default_message_pool.register_message("tokenwire.v1", "ChoiceLogprobs", ChoiceLo
 
 
 @dataclass(eq=False, repr=False)
+class CoalescedTokens(betterproto2.Message):
+    """
+    The tokens of one GenerateStream event under `parameters.coalesce_tokens`. Concatenating
+    `text` over the `tokens` of all events gives what one-token events give.
+    """
+
+    tokens: "list[Token]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Every token of the event, in order.
+    """
+
+    top_tokens: "list[TopTokens]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    When top_n_tokens > 0: the alternatives of each token in `tokens`, index-aligned with it.
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "CoalescedTokens", CoalescedTokens)
+
+
+@dataclass(eq=False, repr=False)
 class CompletionChoice(betterproto2.Message):
     """
     One choice of a completion, or its part of a chunk.
@@ -988,6 +1010,16 @@ class GenerateParameters(betterproto2.Message):
     model. An unknown name is NOT_FOUND.
     """
 
+    coalesce_tokens: "bool" = betterproto2.field(140, betterproto2.TYPE_BOOL)
+    """
+    GenerateStream only (ignored elsewhere): allow one event to carry several tokens. When the
+    client reads more slowly than tokens are generated (or a speculative step accepts several
+    tokens at once), the tokens already waiting for this stream go out as ONE event instead of
+    one event each: fewer messages for a client that fell behind. Every event then lists its
+    tokens in `GenerateStreamResponse.coalesced`. Default false: exactly one token per event, as
+    TGI's clients expect.
+    """
+
 
 default_message_pool.register_message("tokenwire.v1", "GenerateParameters", GenerateParameters)
 
@@ -1078,6 +1110,17 @@ class GenerateStreamResponse(betterproto2.Message):
     """
     Kind of the in-band error: "generation" (the model server failed), "overloaded",
     "unavailable", "validation" or "deadline".
+    """
+
+    coalesced: "CoalescedTokens | None" = betterproto2.field(
+        140, betterproto2.TYPE_MESSAGE, optional=True
+    )
+    """
+    With `parameters.coalesce_tokens` only (else unset, and absent from the JSON of TGI's SSE
+    events): the tokens this event carries (one or more). `token` and `top_tokens` are then
+    those of the last of them, and `index` is the position of that last token, so this event
+    covers positions index - len(coalesced.tokens) + 1 .. index and the next event's first token
+    is at index + 1.
     """
 
 
