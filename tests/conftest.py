@@ -28,6 +28,21 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def wide_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A word-level tokenizer covering the fake shard's whole vocabulary (token i reads " wi"),
+    so the router's own detokenization (--router-detokenize) gives every fake token a text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from service.testing.fake_shard import VOCAB
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path_factory.mktemp("wide-tokenizer")
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight llama model laid out like a hub snapshot (built once per session)."""
     return tiny_model(tmp_path_factory, "llama")

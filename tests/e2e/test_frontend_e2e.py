@@ -194,21 +194,6 @@ def _cancelled_count(frontend_port: int) -> float:
     return scrape(frontend_port).total("tokenwire_request_failure_total", reason="cancelled")
 
 
-@pytest.fixture(scope="module")
-def wide_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A word-level tokenizer covering the fake shard's whole vocabulary (token i reads " wi"),
-    so the router's own detokenization gives every fake token a text."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from service.testing.fake_shard import VOCAB
-
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    path = tmp_path_factory.mktemp("wide-tokenizer")
-    tok.save(str(path / "tokenizer.json"))
-    return path
-
-
 async def test_stop_sequences_end_streams_in_the_front_ends(wide_tokenizer_dir: Path) -> None:
     """Issue 23 item 3: the front ends detokenize and match stop sequences (the fake shard knows
     none); a match ends the stream with the text up to the stop, stops the request in the
