@@ -19,7 +19,12 @@ import argparse
 import asyncio
 import logging
 
-from service.app.router_flags import add_arguments, resolve_frontends, usable_cpus
+from service.app.router_flags import (
+    add_arguments,
+    resolve_frontends,
+    resolve_router_detokenize,
+    usable_cpus,
+)
 from service.app.scheduler_process import run_multiprocess
 from service.app.serve import serve
 from service.observability.logs import setup_logging
@@ -38,13 +43,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"--frontend-backlog-steps must be > 0 (got {args.frontend_backlog_steps})"
         )
+    args.router_detokenize = resolve_router_detokenize(args.router_detokenize, args.frontends)
     setup_logging(json_output=args.json_output, level=args.log_level)
     _log.info(
-        "front ends: %d (--frontends %s, %d usable CPUs)%s",
+        "front ends: %d (--frontends %s, %d usable CPUs)%s; text made by the %s",
         args.frontends,
         requested,
         usable_cpus(),
         "" if args.frontends > 1 else ": one process serves the API and runs the engine",
+        "router" if args.router_detokenize else "shard",
     )
     if args.frontends > 1:
         return run_multiprocess(args)

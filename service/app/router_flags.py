@@ -209,11 +209,13 @@ def _batching_flags(a: _AddArgument) -> None:
     a(
         "--router-detokenize",
         action=argparse.BooleanOptionalAction,
-        default=(env_value("ROUTER_DETOKENIZE") or "on").lower() not in ("0", "false", "no", "off"),
-        help="turn tokens into text and match stop sequences in the router (its front ends) "
-        "instead of on the shard's step path; the shard returns token ids only (same outputs; "
-        "--no-router-detokenize: the shard makes the text, for A/B) [ROUTER_DETOKENIZE] "
-        "(default on)",
+        default=_auto_bool(env_value("ROUTER_DETOKENIZE")),
+        help="turn tokens into text and match stop sequences in the router's front-end "
+        "processes instead of on the shard's step path; the shard returns token ids only "
+        "(same outputs). Default (unset or 'auto'): on with --frontends >= 2, where N "
+        "processes share that work beside the scheduler; off with one process, where it would "
+        "take the scheduler's core (benchmarks/OVERLAP.md, 'Text off the shard'). "
+        "--no-router-detokenize: the shard makes the text [ROUTER_DETOKENIZE=auto|on|off]",
     )
 
 
@@ -336,6 +338,18 @@ def resolve_frontends(value: int | str, cpus: int | None = None) -> int:
     if cpus < AUTO_FRONTENDS_MIN_CPUS:
         return 1
     return min(AUTO_FRONTENDS_MAX, cpus // 4)
+
+
+def _auto_bool(value: str | None) -> bool | None:
+    """An on/off environment value; None for unset or 'auto' (decided once the rest is known)."""
+    if value is None or value.lower() == AUTO:
+        return None
+    return value.lower() not in ("0", "false", "no", "off")
+
+
+def resolve_router_detokenize(value: bool | None, frontends: int) -> bool:
+    """--router-detokenize: as given, or for 'auto' on exactly when there are front ends."""
+    return frontends > 1 if value is None else value
 
 
 def _opt_int(*names: str) -> int | None:

@@ -131,6 +131,29 @@ def test_frontends_auto_reads_the_affinity_mask() -> None:
     assert router_flags.resolve_frontends("auto") == router_flags.resolve_frontends("auto", cpus)
 
 
+@pytest.mark.parametrize(
+    ("env", "flags", "frontends", "expected"),
+    [(None, [], 1, False), (None, [], 4, True), ("auto", [], 2, True), ("on", [], 1, True),
+     ("off", [], 4, False), (None, ["--router-detokenize"], 1, True),
+     ("on", ["--no-router-detokenize"], 4, False)],
+)  # fmt: skip
+def test_router_detokenize_auto_follows_the_front_ends(
+    monkeypatch: pytest.MonkeyPatch, env: str | None, flags: list[str], frontends: int,
+    expected: bool,
+) -> None:
+    """Text in the router by default only where front-end processes share it."""
+    import argparse
+
+    if env is None:
+        monkeypatch.delenv("ROUTER_DETOKENIZE", raising=False)
+    else:
+        monkeypatch.setenv("ROUTER_DETOKENIZE", env)
+    parser = argparse.ArgumentParser()
+    router_flags.add_arguments(parser)
+    value = parser.parse_args(flags).router_detokenize
+    assert router_flags.resolve_router_detokenize(value, frontends) is expected
+
+
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory):
     # The API key through the environment, as TGI users set it.
