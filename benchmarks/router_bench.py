@@ -14,8 +14,9 @@ event dispatch), and the whole router process (gRPC streaming included).
 floor cost of a streamed message in one Python process, whatever the router does.
 `--mode engine` runs the engine in this process with 256 consumer tasks reading the streams
 directly (the fake shard still over gRPC in its own process): the router minus its front end,
-plus the router's text work (ids-only requests through service.generation.text_stream, as the
-router runs them by default; needs `--tokenizer`) unless `--no-router-detokenize`.
+plus, with `--router-detokenize on`, the router's text work (ids-only requests through
+service.generation.text_stream, as a router with front ends runs them; needs `--tokenizer`).
+The default, `auto`, is the router's own: no text work in this one process.
 """
 
 from __future__ import annotations
@@ -159,7 +160,8 @@ def run_grpc(args: argparse.Namespace) -> dict[str, float]:
             "--waiting-served-ratio", str(args.waiting_served_ratio),
             "--log-level", "WARNING",
         ] + (["--no-overlap"] if args.no_overlap else [])
-        + (["--no-router-detokenize"] if args.no_router_detokenize else []),
+        + {"on": ["--router-detokenize"], "off": ["--no-router-detokenize"],
+           "auto": []}[args.router_detokenize],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'gen' / 'python'}"},
     )  # fmt: skip
@@ -486,17 +488,18 @@ def run_engine(args: argparse.Namespace) -> dict[str, float]:
             ),
         )
         await engine.start()
-        # The router's text work (as GenerationService does it by default): ids-only requests,
-        # detokenized and stop-matched by each consumer's TextStream.
+        # The router's text work (as GenerationService does it with front ends): ids-only
+        # requests, detokenized and stop-matched by each consumer's TextStream. `auto` is the
+        # one-process router's default: the shard makes the text.
         text = None
-        if not args.no_router_detokenize:
+        if args.router_detokenize == "on":
             from tokenizers import Tokenizer
 
             from service.generation.text_stream import RouterText
 
             tok = Path(args.tokenizer) if args.tokenizer else None
             if tok is None:
-                raise SystemExit("--mode engine: --tokenizer is needed (or --no-router-detokenize)")
+                raise SystemExit("--mode engine --router-detokenize on: --tokenizer is needed")
             if tok.is_dir():
                 tok = tok / "tokenizer.json"
             text = RouterText(Tokenizer.from_file(str(tok)))
@@ -564,9 +567,11 @@ def main() -> None:
     p.add_argument("--waiting-served-ratio", type=float, default=0.3)
     p.add_argument("--no-overlap", action="store_true",
                    help="the router's --no-overlap (one step at a time) for A/B")
-    p.add_argument("--no-router-detokenize", action="store_true",
-                   help="the shard makes the text (the router's --no-router-detokenize), for A/B; "
-                   "--mode engine: the consumers read the engine's events as they are")
+    p.add_argument("--router-detokenize", choices=["auto", "on", "off"], default="auto",
+                   help="who makes the text: the router's --router-detokenize / "
+                   "--no-router-detokenize, or its default (auto: the router with front ends, "
+                   "else the shard); --mode engine: on = each consumer runs the router's text "
+                   "work, auto/off = the consumers read the engine's events as they are")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json or its directory for the router (default: the tiny "
                    "test tokenizer; a vocabulary of >= 32000 gives every fake token a text, "
