@@ -336,7 +336,8 @@ def served_profile(rank_dir: Path) -> dict:
     out = {"first_step": s["first_step"] + first, "steps": s["steps"],
            "gaps": gap_analysis(s["kinds"][first:], s["step_ms"][first:], s["gaps_ms"][first:])}
     if trace.is_file():
-        events = json.loads(gzip.open(trace).read())["traceEvents"]
+        with gzip.open(trace) as f:
+            events = json.loads(f.read())["traceEvents"]
         spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X"
                        and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
         start, last_end = 0, spans[0][1] if spans else 0.0

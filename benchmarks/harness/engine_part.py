@@ -231,7 +231,7 @@ def bench_engine(model_dir: Path, args, device: str = "cuda") -> dict:
             trace = TraceWindow(a, b, trace_dir / "engine_trace.json.gz",
                                 trace_dir / "engine_syncs.txt")
 
-        def on_step(n: int) -> None:
+        def on_step(n: int, window=window, trace=trace) -> None:
             window(n)
             if trace is not None:
                 trace(n)

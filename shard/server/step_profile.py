@@ -88,8 +88,9 @@ class StepProfiler:
         prof, timer = self._prof, self._timer
         self._prof = self._timer = None
         if prof is None or timer is None:
-            log.info("profiling: step %d never reached (%d steps)", self.window.first_step,
-                     self.steps)
+            log.info(
+                "profiling: step %d never reached (%d steps)", self.window.first_step, self.steps
+            )
             return
         self.engine.gpu_timer = None
         out = self.window.out_dir
@@ -98,17 +99,28 @@ class StepProfiler:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         origin = self.host[0][0] if self.host else 0.0
-        (out / "steps.json").write_text(json.dumps({  # first: the trace may take long
-            "first_step": self.window.first_step, "steps": self.steps,
-            "kinds": self.kinds[: timer.steps], "step_ms": timer.step_ms(),
-            "gaps_ms": timer.gaps_ms(),
-            "host_ms": [[round((t - origin) * 1e3, 3) for t in h] for h in self.host],
-        }))
+        (out / "steps.json").write_text(
+            json.dumps(
+                {  # first: the trace may take long
+                    "first_step": self.window.first_step,
+                    "steps": self.steps,
+                    "kinds": self.kinds[: timer.steps],
+                    "step_ms": timer.step_ms(),
+                    "gaps_ms": timer.gaps_ms(),
+                    "host_ms": [[round((t - origin) * 1e3, 3) for t in h] for h in self.host],
+                }
+            )
+        )
         prof.__exit__(None, None, None)
         raw = out / "trace.json"
         prof.export_chrome_trace(str(raw))
         with open(raw, "rb") as src, gzip.open(out / "trace.json.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
         raw.unlink()
-        log.info("profile of steps %d..%d written to %s in %.1f s", self.window.first_step,
-                 self.steps - 1, out, time.perf_counter() - t0)
+        log.info(
+            "profile of steps %d..%d written to %s in %.1f s",
+            self.window.first_step,
+            self.steps - 1,
+            out,
+            time.perf_counter() - t0,
+        )

@@ -29,6 +29,7 @@ from tokenwire.v1 import generate_pb2_grpc, openai_pb2, openai_pb2_grpc
 
 from service.testing import FakeShardConfig, start_fake_shard
 from tests.helpers.ports import free_port
+from tests.helpers.processes import terminate_popen
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,11 +80,7 @@ async def _deploy(tokenizer_dir: Path, template: Path, frontends: int) -> AsyncI
     finally:
         await fast.close()
         await slow.close()
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        terminate_popen(proc)
         await shard_server.stop(None)
 
 

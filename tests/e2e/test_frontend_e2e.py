@@ -23,6 +23,7 @@ from tokenwire.v1 import generate_pb2_grpc
 from service.testing import FakeShard, FakeShardConfig, start_fake_shard
 from tests.helpers.metrics import scrape
 from tests.helpers.ports import free_port
+from tests.helpers.processes import terminate_popen
 from tests.helpers.waiting import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -66,11 +67,7 @@ async def _deploy(
     finally:
         for c in chans:
             await c.close()
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        terminate_popen(proc)
         await shard_server.stop(None)
 
 

@@ -22,6 +22,16 @@ from tests.helpers.ports import free_port, short_socket_prefix
 REPO = Path(__file__).resolve().parents[2]
 
 
+def terminate_popen(popen: subprocess.Popen, timeout: float = 20.0) -> int:
+    """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
+    popen.terminate()
+    try:
+        return popen.wait(timeout)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        return popen.wait(10)
+
+
 def tokenwire_argv(subcommand: str, *args: str) -> list[str]:
     """The command line of `tokenwire SUBCOMMAND ARGS` with this interpreter."""
     return [sys.executable, "-m", "service.app.cli", subcommand, *args]

@@ -25,6 +25,13 @@ from shard.distributed.groups import Dist
 from shard.server.loader import Shard, ShardConfig
 from shard.server.main import start_server
 
+# A small KV cache (24 blocks of 16 tokens) against up to 8 requests of up to ~110 tokens: the
+# scheduler must preempt (tests of the step loop's corner cases).
+PREEMPTING_BUDGETS = WarmupBudgets(
+    max_input_tokens=64, max_total_tokens=160, max_batch_prefill_tokens=64, max_batch_size=8,
+    max_batch_total_tokens=24 * 16,
+)  # fmt: skip
+
 
 class ShardServer:
     """A shard's grpc.aio server on its own event-loop thread (unix socket)."""

@@ -14,21 +14,21 @@ import random
 import pytest
 
 from benchmarks.harness.engine_bound import EngineBoundConfig, WorkRequest, drive
-from service.engine.backend import WarmupBudgets
 from service.engine.contracts import SamplingConfig, StepEvent
 from shard.engine.sampling import SamplingParams
 from tests.helpers.shards import make_shard
-from tests.helpers.spec_engine import Req, ShardServer, router_engine, run_all, validated
+from tests.helpers.spec_engine import (
+    PREEMPTING_BUDGETS,
+    Req,
+    ShardServer,
+    router_engine,
+    run_all,
+    validated,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
 VOCAB = 512
-# A small KV cache (24 blocks of 16 tokens) against up to 8 requests of up to ~110 tokens:
-# the scheduler must preempt.
-BUDGETS = WarmupBudgets(
-    max_input_tokens=64, max_total_tokens=160, max_batch_prefill_tokens=64, max_batch_size=8,
-    max_batch_total_tokens=24 * 16,
-)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +44,27 @@ def _requests() -> list[Req]:
     reqs = []
     for i in range(14):
         n = rng.randint(4, 60)
-        prompt = shared[: rng.randint(17, 40)] + [rng.randrange(3, VOCAB)] if i % 4 == 0 else [
-            rng.randrange(3, VOCAB) for _ in range(n)
-        ]
+        prompt = (
+            shared[: rng.randint(17, 40)] + [rng.randrange(3, VOCAB)]
+            if i % 4 == 0
+            else [rng.randrange(3, VOCAB) for _ in range(n)]
+        )
         sampling = SamplingConfig()
         if i % 3 == 1:
             sampling = SamplingConfig(do_sample=True, temperature=0.9, top_k=40, seed=100 + i)
         if i == 5:  # its rows need the previous token on the host: no overlap for them
             sampling = SamplingConfig(repetition_penalty=1.3, frequency_penalty=0.2)
         stop = ("e",) if i % 5 == 2 else ()
-        reqs.append(Req(prompt, max_new_tokens=rng.randint(1, 50), sampling=sampling, stop=stop,
-                        top_n=2 if i % 6 == 3 else 0, ignore_eos=i % 2 == 0))
+        reqs.append(
+            Req(
+                prompt,
+                max_new_tokens=rng.randint(1, 50),
+                sampling=sampling,
+                stop=stop,
+                top_n=2 if i % 6 == 3 else 0,
+                ignore_eos=i % 2 == 0,
+            )
+        )
     return reqs
 
 
@@ -82,7 +92,7 @@ async def test_served_outputs_equal_with_and_without_overlap(server) -> None:
     views, stats, lps = {}, {}, {}
     for overlap in (False, True):
         before = server.shard.engine.overlapped_steps
-        async with router_engine(server.url, BUDGETS, 0, overlap=overlap) as engine:
+        async with router_engine(server.url, PREEMPTING_BUDGETS, 0, overlap=overlap) as engine:
             events = await run_all(engine, reqs, stagger_steps=1)
             stats[overlap] = engine.stats()
             assert engine.healthy and stats[overlap].running == 0
@@ -103,9 +113,9 @@ async def test_served_outputs_equal_with_and_without_overlap(server) -> None:
 
 async def test_cancel_while_overlapping_leaves_the_rest_exact(server) -> None:
     reqs = [Req([(11 * j + i) % VOCAB for j in range(20)], max_new_tokens=40) for i in range(6)]
-    async with router_engine(server.url, BUDGETS, 0, overlap=False) as engine:
+    async with router_engine(server.url, PREEMPTING_BUDGETS, 0, overlap=False) as engine:
         reference = [_view(ev) for ev in await run_all(engine, reqs)]
-    async with router_engine(server.url, BUDGETS, 0, overlap=True) as engine:
+    async with router_engine(server.url, PREEMPTING_BUDGETS, 0, overlap=True) as engine:
         victim = engine.submit(validated(Req([5, 6, 7, 8], max_new_tokens=150), 99))
         streams = [engine.submit(validated(r, i)) for i, r in enumerate(reqs)]
         got = 0
@@ -133,13 +143,25 @@ def test_engine_only_driver_is_exact_with_overlap(tiny_models) -> None:
     shared = [rng.randrange(3, VOCAB) for _ in range(48)]
     workload = []
     for i in range(24):
-        prompt = (shared[: rng.randint(20, 48)] if i % 3 == 0 else
-                  [rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 70))])
-        sampling = (SamplingParams(do_sample=True, temperature=0.8, top_k=30, seed=i)
-                    if i % 2 else SamplingParams())
-        workload.append(WorkRequest(prompt, rng.randint(1, 60), sampling,
-                                    stop_sequences=("a",) if i % 7 == 3 else (),
-                                    ignore_eos_token=i % 4 != 1))
+        prompt = (
+            shared[: rng.randint(20, 48)]
+            if i % 3 == 0
+            else [rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 70))]
+        )
+        sampling = (
+            SamplingParams(do_sample=True, temperature=0.8, top_k=30, seed=i)
+            if i % 2
+            else SamplingParams()
+        )
+        workload.append(
+            WorkRequest(
+                prompt,
+                rng.randint(1, 60),
+                sampling,
+                stop_sequences=("a",) if i % 7 == 3 else (),
+                ignore_eos_token=i % 4 != 1,
+            )
+        )
     cfg = EngineBoundConfig(max_batch_prefill_tokens=64, max_batch_size=8)
     num_blocks = 20  # 320 tokens for 8 running requests: preemption
     off = drive(engine, workload, cfg, num_blocks, shard.runner.block_size, overlap=False)
@@ -169,8 +191,12 @@ def test_packed_generations_read_as_the_per_request_messages() -> None:
     from shard.server import convert as shard_convert
 
     def tl(ids: list[int]) -> TokenList:
-        return TokenList(ids, [-0.25 * (i + 1) for i in range(len(ids))],
-                         [f"w{i}" for i in ids], [i == 2 for i in ids])
+        return TokenList(
+            ids,
+            [-0.25 * (i + 1) for i in range(len(ids))],
+            [f"w{i}" for i in ids],
+            [i == 2 for i in ids],
+        )
 
     gens = [Generation(i, tl([10 + i])) for i in range(1, 40)]
     gens += [
@@ -179,8 +205,9 @@ def test_packed_generations_read_as_the_per_request_messages() -> None:
         Generation(52, tl([7]), prefill_tokens=tl([1, 2, 3])),
         Generation(53, tl([8, 9, 4])),  # accepted drafts
     ]
-    result = StepResult(gens, CachedBatchRef(3, list(range(1, 40)) + [51, 52, 53]),
-                        StepTimings(1, 2, 3, 6))
+    result = StepResult(
+        gens, CachedBatchRef(3, list(range(1, 40)) + [51, 52, 53]), StepTimings(1, 2, 3, 6)
+    )
     for to_proto in (shard_convert.decode_to_proto, shard_convert.prefill_to_proto):
         plain = router_convert.step_output(to_proto(result))
         msg = to_proto(result, True)
@@ -188,8 +215,10 @@ def test_packed_generations_read_as_the_per_request_messages() -> None:
         packed = router_convert.step_output(type(msg).FromString(msg.SerializeToString()))
         by_id = {g.seq_id: g for g in plain.generations}
         assert {g.seq_id: g for g in packed.generations} == by_id
-        assert (packed.batch_id, packed.batch_request_ids) == (plain.batch_id,
-                                                               plain.batch_request_ids)
+        assert (packed.batch_id, packed.batch_request_ids) == (
+            plain.batch_id,
+            plain.batch_request_ids,
+        )
 
 
 def test_benchmark_engine_part_runs_on_cpu(tmp_path) -> None:
@@ -199,11 +228,19 @@ def test_benchmark_engine_part_runs_on_cpu(tmp_path) -> None:
     from benchmarks.harness.engine_part import bench_engine
     from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
 
-    model_dir = make_tiny_model(tmp_path / "llama", TinyModelSpec("llama",
-                                                                  max_position_embeddings=4096))
-    args = argparse.Namespace(quantize=None, kv_cache_dtype="auto", e2e_max_batch_size=8,
-                              requests=8, engine_profile_start=5, engine_profile_stop=20,
-                              engine_trace_dir=None, engine_trace_steps=(0, 0))
+    model_dir = make_tiny_model(
+        tmp_path / "llama", TinyModelSpec("llama", max_position_embeddings=4096)
+    )
+    args = argparse.Namespace(
+        quantize=None,
+        kv_cache_dtype="auto",
+        e2e_max_batch_size=8,
+        requests=8,
+        engine_profile_start=5,
+        engine_profile_stop=20,
+        engine_trace_dir=None,
+        engine_trace_steps=(0, 0),
+    )
     out = bench_engine(model_dir, args, device="cpu")
     assert out["outputs_equal"] and out["requests_with_equal_outputs"] == 8
     off, on = out["runs"]["off"], out["runs"]["on"]

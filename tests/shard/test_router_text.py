@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from service.engine.backend import WarmupBudgets
 from service.engine.contracts import (
     SamplingConfig,
     StepEvent,
@@ -29,15 +28,11 @@ from shard.engine import batches
 from shard.engine.contracts import BatchSpec, RequestSpec
 from shard.engine.sampling import SamplingParams
 from tests.helpers.shards import make_shard
-from tests.helpers.spec_engine import ShardServer, router_engine
+from tests.helpers.spec_engine import PREEMPTING_BUDGETS, ShardServer, router_engine
 
 pytestmark = pytest.mark.timeout(600)
 
 VOCAB = 512
-BUDGETS = WarmupBudgets(
-    max_input_tokens=64, max_total_tokens=160, max_batch_prefill_tokens=64, max_batch_size=8,
-    max_batch_total_tokens=24 * 16,
-)  # fmt: skip
 
 
 class CountingDetokenizer(batches.IncrementalDetokenizer):
@@ -114,7 +109,9 @@ async def _run(
                 break
         return events
 
-    return list(await asyncio.wait_for(asyncio.gather(*(one(i, r) for i, r in enumerate(reqs))), 600))
+    return list(
+        await asyncio.wait_for(asyncio.gather(*(one(i, r) for i, r in enumerate(reqs))), 600)
+    )
 
 
 def _view(events: list[StepEvent]) -> tuple:
@@ -157,7 +154,7 @@ async def test_router_text_equals_the_shards_text(
     speculate: int,
 ) -> None:  # fmt: skip
     monkeypatch.setattr(batches, "IncrementalDetokenizer", CountingDetokenizer)
-    async with router_engine(server.url, BUDGETS, speculate, overlap=overlap) as engine:
+    async with router_engine(server.url, PREEMPTING_BUDGETS, speculate, overlap=overlap) as engine:
         reference = await _run(engine, _requests(), None)
     stops = _spanning_stops(reference)
     assert len(stops) >= 4
@@ -165,7 +162,9 @@ async def test_router_text_equals_the_shards_text(
     views = {}
     for mode in ("shard", "router"):
         CountingDetokenizer.pushes = 0
-        async with router_engine(server.url, BUDGETS, speculate, overlap=overlap) as engine:
+        async with router_engine(
+            server.url, PREEMPTING_BUDGETS, speculate, overlap=overlap
+        ) as engine:
             events = await _run(engine, reqs, text if mode == "router" else None)
             await _idle(engine)
             st = engine.stats()
@@ -174,8 +173,11 @@ async def test_router_text_equals_the_shards_text(
             assert st.kv_blocks_free == st.kv_blocks_total and st.aborted == 0
         views[mode] = [_view(ev) for ev in events]
         # The shard decoded text only when it was asked for it.
-        assert (CountingDetokenizer.pushes > 0) if mode == "shard" else (
-            CountingDetokenizer.pushes == 0)
+        assert (
+            (CountingDetokenizer.pushes > 0)
+            if mode == "shard"
+            else (CountingDetokenizer.pushes == 0)
+        )
     for i, (a, b) in enumerate(zip(views["shard"], views["router"], strict=True)):
         assert a == b, f"request {i} differs when the router makes the text"
     stopped = [i for i, v in enumerate(views["router"]) if v[4].value == "stop_sequence"]
@@ -278,9 +280,16 @@ async def test_a_stop_in_the_middle_of_a_step_drops_the_rest_and_cuts_the_accoun
     pieces = [text.tokenizer.decode(ids[: k + 1]) for k in range(len(ids))]
     k = next(k for k in range(1, len(ids)) if "sat" in pieces[k] and "sat" not in pieces[k - 1])
     events = [StepEvent(TokenInfo(t, "", -0.5)) for t in ids]  # ids only: no text
-    accounting = Finished("", len(ids), FinishReason.STOP_SEQUENCE, None, queue_seconds=0.25,
-                          inference_seconds=1.5, prefix_cache_hit_tokens=16,
-                          tokens_per_step=(1,) * (k - 1) + (3,) + (1,) * (len(ids) - k - 2))
+    accounting = Finished(
+        "",
+        len(ids),
+        FinishReason.STOP_SEQUENCE,
+        None,
+        queue_seconds=0.25,
+        inference_seconds=1.5,
+        prefix_cache_hit_tokens=16,
+        tokens_per_step=(1,) * (k - 1) + (3,) + (1,) * (len(ids) - k - 2),
+    )
     inner = _Inner([*events, StepEvent(STOP_PLACEHOLDER, finished=accounting)])
     out = await _collect(text.wrap(_request(("sat",)), inner))
     assert inner.stopped == 1 and inner.cancelled == 0
@@ -291,7 +300,10 @@ async def test_a_stop_in_the_middle_of_a_step_drops_the_rest_and_cuts_the_accoun
     assert fin.generated_tokens == k + 1
     assert fin.tokens_per_step == (1,) * (k - 1) + (2,)  # the 3-token step ends at the stop
     assert (fin.queue_seconds, fin.inference_seconds, fin.prefix_cache_hit_tokens) == (
-        0.25, 1.5, 16)
+        0.25,
+        1.5,
+        16,
+    )
 
 
 async def test_the_shards_finish_on_the_stop_token_keeps_the_shards_priority(

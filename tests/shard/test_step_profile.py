@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import itertools
 import json
 import threading
 
@@ -37,17 +38,24 @@ def _serve_and_drive(shard: Shard, url: str, profiler: StepProfiler, model_dir) 
     channel = grpc.insecure_channel(url)
     stub = shard_pb2_grpc.ShardServiceStub(channel)
     try:
-        warm = stub.Warmup(pb.WarmupRequest(
-            max_input_tokens=128, max_total_tokens=256, max_batch_prefill_tokens=256,
-            max_batch_size=8, max_batch_total_tokens=2048))
+        warm = stub.Warmup(
+            pb.WarmupRequest(
+                max_input_tokens=128,
+                max_total_tokens=256,
+                max_batch_prefill_tokens=256,
+                max_batch_size=8,
+                max_batch_total_tokens=2048,
+            )
+        )
         sent = []
 
         def call(method: str, request):
             sent.append(method)
             return getattr(stub, method)(request, timeout=60)
 
-        joining_and_leaving(RouterSim(call, warm.num_blocks, warm.block_size),
-                            prompts(model_dir, [17, 5, 45, 30]))
+        joining_and_leaving(
+            RouterSim(call, warm.num_blocks, warm.block_size), prompts(model_dir, [17, 5, 45, 30])
+        )
     finally:
         channel.close()
         asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
@@ -60,8 +68,9 @@ def _serve_and_drive(shard: Shard, url: str, profiler: StepProfiler, model_dir) 
 def test_profile_window_written_at_shutdown(tiny_models, tmp_path):
     model_dir = tiny_models["llama"]
     shard = Shard(ShardConfig(model_id=str(model_dir), kv_cache_memory_mb=1), Dist())
-    profiler = StepProfiler(ProfileWindow(FIRST, tmp_path / "prof"), shard.engine,
-                            shard.runner.device)
+    profiler = StepProfiler(
+        ProfileWindow(FIRST, tmp_path / "prof"), shard.engine, shard.runner.device
+    )
     sent = _serve_and_drive(shard, f"unix://{tmp_path}/s-0", profiler, model_dir)
     assert shard.engine.gpu_timer is None  # the timer is detached at close
     steps = json.loads((tmp_path / "prof" / "steps.json").read_text())
@@ -75,16 +84,18 @@ def test_profile_window_written_at_shutdown(tiny_models, tmp_path):
     host = steps["host_ms"]  # [arrived, launch start, launch end] per profiled step, in order
     assert len(host) == len(sent) - FIRST and host[0][0] == 0.0
     assert all(a <= b <= c for a, b, c in host)
-    assert all(h1[1] >= h0[2] for h0, h1 in zip(host, host[1:]))  # one worker: no overlap
-    trace = json.loads(gzip.open(tmp_path / "prof" / "trace.json.gz").read())
+    assert all(h1[1] >= h0[2] for h0, h1 in itertools.pairwise(host))  # one worker, in order
+    with gzip.open(tmp_path / "prof" / "trace.json.gz") as f:
+        trace = json.loads(f.read())
     assert trace["traceEvents"]  # the profiler's CPU activity (CUDA activity on a GPU)
 
 
 def test_window_never_reached_writes_nothing(tiny_models, tmp_path):
     model_dir = tiny_models["llama"]
     shard = Shard(ShardConfig(model_id=str(model_dir), kv_cache_memory_mb=1), Dist())
-    profiler = StepProfiler(ProfileWindow(10_000, tmp_path / "prof"), shard.engine,
-                            shard.runner.device)
+    profiler = StepProfiler(
+        ProfileWindow(10_000, tmp_path / "prof"), shard.engine, shard.runner.device
+    )
     _serve_and_drive(shard, f"unix://{tmp_path}/s-0", profiler, model_dir)
     assert not (tmp_path / "prof").exists()
 
