@@ -10,6 +10,7 @@ import gc
 from pathlib import Path
 
 from benchmarks.harness.engine_bound import EngineBoundConfig, WorkRequest, drive
+from service.engine.gc_pacing import GcPacer
 
 
 def busy_fraction(intervals: list[tuple[float, float]]) -> float:
@@ -221,39 +222,50 @@ def bench_engine(model_dir: Path, args, device: str = "cuda") -> dict:
     # Warm-up: compiles the prefill shapes' kernels outside the timed runs.
     drive(engine, workload[: min(64, len(workload))], cfg, warm.num_blocks, warm.block_size,
           overlap=True)
+    # The served router's GC policy (service.engine.gc_pacing): no full collection inside a run.
+    thresholds = gc.get_threshold()
+    pacer = GcPacer()
+    pacer.install()
     tokens = {}
-    for mode in ("off", "on"):
-        window = KernelWindow(args.engine_profile_start, args.engine_profile_stop) if cuda else None
-        trace = None
-        trace_dir = args.engine_trace_dir
-        if cuda and trace_dir is not None and mode == "on":
-            a, b = args.engine_trace_steps
-            trace = TraceWindow(a, b, trace_dir / "engine_trace.json.gz",
-                                trace_dir / "engine_syncs.txt")
+    try:
+        for mode in ("off", "on"):
+            pacer.idle()  # between runs, as a served engine between bursts
+            collections = pacer.full_collections
+            window = KernelWindow(args.engine_profile_start, args.engine_profile_stop) if cuda else None
+            trace = None
+            trace_dir = args.engine_trace_dir
+            if cuda and trace_dir is not None and mode == "on":
+                a, b = args.engine_trace_steps
+                trace = TraceWindow(a, b, trace_dir / "engine_trace.json.gz",
+                                    trace_dir / "engine_syncs.txt")
 
-        def on_step(n: int, window=window, trace=trace) -> None:
-            window(n)
-            if trace is not None:
-                trace(n)
+            def on_step(n: int, window=window, trace=trace) -> None:
+                window(n)
+                if trace is not None:
+                    trace(n)
 
-        try:
-            res = drive(engine, workload, cfg, warm.num_blocks, warm.block_size,
-                        overlap=mode == "on", on_step=on_step if window is not None else None)
-        finally:
+            try:
+                res = drive(engine, workload, cfg, warm.num_blocks, warm.block_size,
+                            overlap=mode == "on", on_step=on_step if window is not None else None)
+            finally:
+                if window is not None:
+                    window.close()
+                if trace is not None:
+                    trace.close()
+            summary = res.summary()
+            summary["mean_gpu_step_ms"] = res.gpu_ms / max(res.steps, 1)
+            summary["step_analysis"] = step_analysis(res)
+            summary["full_gc_collections"] = pacer.full_collections - collections
             if window is not None:
-                window.close()
-            if trace is not None:
-                trace.close()
-        summary = res.summary()
-        summary["mean_gpu_step_ms"] = res.gpu_ms / max(res.steps, 1)
-        summary["step_analysis"] = step_analysis(res)
-        if window is not None:
-            summary["profiled_steps"] = [window.start, window.stop]
-            summary["profiled_kernels"] = window.kernels
-            summary["profiled_gpu_busy_fraction"] = window.busy
-        out["runs"][mode] = summary
-        tokens[mode] = (res.tokens, res.finish)
-        print(f"engine-only bound, overlap {mode}: {summary}", flush=True)
+                summary["profiled_steps"] = [window.start, window.stop]
+                summary["profiled_kernels"] = window.kernels
+                summary["profiled_gpu_busy_fraction"] = window.busy
+            out["runs"][mode] = summary
+            tokens[mode] = (res.tokens, res.finish)
+            print(f"engine-only bound, overlap {mode}: {summary}", flush=True)
+    finally:  # this process's own GC settings back (the CPU test runs in pytest's)
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
     out["outputs_equal"] = tokens["off"] == tokens["on"]
     # Per request: with random bf16 weights the greedy choice is often a near-tie, and a row's
     # logits in a batch of another size (the runs' batches differ a little) can flip it.

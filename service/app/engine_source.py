@@ -17,6 +17,7 @@ from service.app.router_flags import Limits, resolve_limits, shard_target, warmu
 from service.engine.backend import ShardDescription, ShardRpcError, WarmupInfo
 from service.engine.contracts import Engine
 from service.engine.engine import EngineConfig, LocalEngine, build_engine
+from service.engine.gc_pacing import GcPacer
 from service.shard_client.client import ShardClient, connect_and_warmup
 
 
@@ -61,9 +62,13 @@ class EngineSource(Protocol):
 
 @dataclass(frozen=True)
 class ShardEngineSource:
-    """The default EngineSource: the shards themselves and an in-process LocalEngine."""
+    """The default EngineSource: the shards themselves and an in-process LocalEngine.
+    `pace_gc`: this process exists to run the engine (a router's entry point, not a test's
+    process): its full garbage collections are paced by the engine (service.engine.gc_pacing),
+    a process-wide setting."""
 
     args: argparse.Namespace
+    pace_gc: bool = False
 
     async def connect(self) -> ShardConnection:
         return await connect_shards(self.args, shard_target(self.args))
@@ -75,13 +80,17 @@ class ShardEngineSource:
         on_unhealthy: Callable[[str], None],
     ) -> LocalEngine:
         assert isinstance(connection.client, ShardClient)
-        return build_engine(
+        engine = build_engine(
             client=connection.client,
             warmup=connection.warmup,
             shard=connection.shard,
             config=config,
             on_unhealthy=on_unhealthy,
         )
+        if self.pace_gc:
+            engine.gc_pacer = GcPacer()
+            engine.gc_pacer.install()
+        return engine
 
 
 async def connect_shards(args: argparse.Namespace, target: str) -> ShardConnection:

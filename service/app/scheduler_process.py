@@ -48,7 +48,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from service.app.engine_link import frame, read_frame, tune_gc
+from service.app.engine_link import frame, read_frame
 from service.app.engine_source import ShardEngineSource
 from service.app.ports import free_port
 from service.app.remote_engine import frontend_process
@@ -270,7 +270,7 @@ async def _scheduler_main(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    source = ShardEngineSource(args)
+    source = ShardEngineSource(args, pace_gc=True)
     connection = await source.connect()
     client = connection.client
     conns: list[_FrontEndConnection] = []
@@ -347,7 +347,6 @@ async def _scheduler_main(args: argparse.Namespace) -> int:
     for child in children:
         child.start()
     _log.info("scheduler process: %d front ends on %s:%d", args.frontends, args.hostname, port)
-    tune_gc()
     code = 0
     try:
         while not stop.is_set():

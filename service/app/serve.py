@@ -57,11 +57,12 @@ async def serve(
 ) -> int:
     """Runs the router until SIGTERM/SIGINT (or `stop`); returns the exit code.
 
-    `engine_source`: where the engine comes from (default `ShardEngineSource(args)`);
+    `engine_source`: where the engine comes from (default `ShardEngineSource(args)`, with the
+    process's full garbage collections paced by the engine);
     `reuse_port`: share the port with other processes (SO_REUSEPORT); `admission`: a counter of
     client requests in flight shared with other processes, checked beside the local limit."""
     stop = stop or asyncio.Event()
-    source = engine_source if engine_source is not None else ShardEngineSource(args)
+    source = engine_source if engine_source is not None else ShardEngineSource(args, pace_gc=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:

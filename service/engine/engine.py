@@ -45,6 +45,7 @@ from service.engine.contracts import (
     ValidatedRequest,
 )
 from service.engine.event_stream import EventStream
+from service.engine.gc_pacing import GcPacer
 from service.scheduler import (
     BlockManager,
     Scheduler,
@@ -226,6 +227,8 @@ class LocalEngine:
         # Awaited before each step when set: lets out-of-process front ends pace the engine
         # (service/app/scheduler_process.py), so that an instant shard cannot run far ahead of the streams.
         self.step_gate: Callable[[], Awaitable[None]] | None = None
+        # Full garbage collections between bursts of work (the process owner installs it).
+        self.gc_pacer: GcPacer | None = None
         # (deadline, seq_id) min-heap. A request that ends before its deadline leaves its entry
         # behind (lazy deletion); _submit compacts the heap once stale entries outnumber live
         # ones, so it holds at most 2 x in-flight + DEADLINE_HEAP_SLACK entries instead of one
@@ -462,6 +465,8 @@ class LocalEngine:
                     self._wake.clear()
                     if self._cancelled:
                         continue
+                    if self.gc_pacer is not None:
+                        self.gc_pacer.idle()
                     await self._wake.wait()
                     continue
                 if not await self._step():
@@ -472,6 +477,8 @@ class LocalEngine:
                     except TimeoutError:
                         pass
                     continue
+                if self.gc_pacer is not None:
+                    self.gc_pacer.step()
                 # Let submitters, readers and cancellations run between steps.
                 await asyncio.sleep(0)
         except asyncio.CancelledError:
