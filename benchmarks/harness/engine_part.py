@@ -10,7 +10,7 @@ import gc
 from pathlib import Path
 
 from benchmarks.harness.engine_bound import EngineBoundConfig, WorkRequest, drive
-from service.engine.gc_pacing import GcPacer
+from shard.runtime.gc_pacing import GcPacer
 
 
 def busy_fraction(intervals: list[tuple[float, float]]) -> float:
@@ -222,7 +222,7 @@ def bench_engine(model_dir: Path, args, device: str = "cuda") -> dict:
     # Warm-up: compiles the prefill shapes' kernels outside the timed runs.
     drive(engine, workload[: min(64, len(workload))], cfg, warm.num_blocks, warm.block_size,
           overlap=True)
-    # The served router's GC policy (service.engine.gc_pacing): no full collection inside a run.
+    # The served router's GC policy (shard.runtime.gc_pacing): no full collection inside a run.
     thresholds = gc.get_threshold()
     pacer = GcPacer()
     pacer.install()

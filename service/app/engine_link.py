@@ -1,6 +1,6 @@
 """The unix-socket link between the scheduler process and its front ends: length-prefixed pickled
 frames (a 4-byte big-endian length, then the pickle), and the garbage-collector tuning the front
-ends apply once started (the scheduler process's engine paces its own: service.engine.gc_pacing).
+ends apply once started (the scheduler process's engine paces its own: shard.runtime.gc_pacing).
 
 Messages (tuples, first item the kind): front end -> scheduler: ("hello",), ("sub", key,
 ValidatedRequest), ("cancel", key), ("ack",), ("adm", call, "load", [AdapterSource]) /

@@ -17,7 +17,7 @@ from service.app.router_flags import Limits, resolve_limits, shard_target, warmu
 from service.engine.backend import ShardDescription, ShardRpcError, WarmupInfo
 from service.engine.contracts import Engine
 from service.engine.engine import EngineConfig, LocalEngine, build_engine
-from service.engine.gc_pacing import GcPacer
+from shard.runtime.gc_pacing import GcPacer
 from service.shard_client.client import ShardClient, connect_and_warmup
 
 
@@ -64,7 +64,7 @@ class EngineSource(Protocol):
 class ShardEngineSource:
     """The default EngineSource: the shards themselves and an in-process LocalEngine.
     `pace_gc`: this process exists to run the engine (a router's entry point, not a test's
-    process): its full garbage collections are paced by the engine (service.engine.gc_pacing),
+    process): its full garbage collections are paced by the engine (shard.runtime.gc_pacing),
     a process-wide setting."""
 
     args: argparse.Namespace

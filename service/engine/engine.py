@@ -45,7 +45,6 @@ from service.engine.contracts import (
     ValidatedRequest,
 )
 from service.engine.event_stream import EventStream
-from service.engine.gc_pacing import GcPacer
 from service.scheduler import (
     BlockManager,
     Scheduler,
@@ -55,6 +54,7 @@ from service.scheduler import (
     StepPlan,
 )
 from service.scheduler.contracts import FinishReason, StepOutput, TokenInfo
+from shard.runtime.gc_pacing import GcPacer
 
 log = logging.getLogger("tokenwire.engine")
 

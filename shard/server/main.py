@@ -88,7 +88,7 @@ def listen_url(args: argparse.Namespace, rank: int) -> str:
 
 async def start_server(
     shard, urls: list[str], rank: int, on_fatal: Callable[[str], None], tracer=None,
-    profiler=None,
+    profiler=None, gc_pacer=None,
 ):
     """Builds and starts the grpc.aio server of one rank; returns (server, servicer, health)."""
     import grpc
@@ -104,7 +104,7 @@ async def start_server(
             ("grpc.max_send_message_length", 256 * 2**20),
         ]
     )
-    servicer = ShardServicer(shard, urls, on_fatal, tracer, profiler)
+    servicer = ShardServicer(shard, urls, on_fatal, tracer, profiler, gc_pacer)
     shard_pb2_grpc.add_ShardServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -147,8 +147,12 @@ async def serve(args: argparse.Namespace, shard) -> int:
 
         window = ProfileWindow(args.profile_from_step, args.profile_dir / f"rank{args.rank}")
         profiler = StepProfiler(window, shard.engine, shard.runner.device)
+    from shard.runtime import GcPacer
+
+    gc_pacer = GcPacer()  # this process serves the model: no full collection inside a step
+    gc_pacer.install()
     server, servicer, health_servicer = await start_server(
-        shard, urls, args.rank, on_fatal, tracer, profiler
+        shard, urls, args.rank, on_fatal, tracer, profiler, gc_pacer
     )
     log.info("rank %d/%d serving %s on %s", args.rank, args.world_size, args.model_id,
              urls[args.rank])

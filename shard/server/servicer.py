@@ -4,9 +4,10 @@ model worker thread, encode the reply. Domain errors become status codes in `_ST
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,12 +22,16 @@ from shard.errors import (
     NotFoundError,
     ShardError,
 )
+from shard.runtime import GcPacer
 from shard.server import convert
 from shard.server.loader import Shard
 from shard.server.step_profile import StepProfiler
 from shard.server.tracing import StepTracer
 
 log = logging.getLogger(__name__)
+# A router between two steps sends the next one within milliseconds; this long without a step
+# means it is idle.
+_IDLE_GC_DELAY_S = 0.1
 
 # domain error class -> gRPC status code (the one mapping)
 _STATUS: dict[type[ShardError], grpc.StatusCode] = {
@@ -51,10 +56,16 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         on_fatal: Callable[[str], None],
         tracer: StepTracer | None = None,
         profiler: StepProfiler | None = None,
+        gc_pacer: GcPacer | None = None,
     ):
         self.shard = shard
         self.tracer = tracer  # step spans of traced requests (None: tracing off)
         self.profiler = profiler  # device timeline of a window of steps (None: off)
+        # Full garbage collections when no step is in flight (None: CPython's own schedule).
+        self.gc_pacer = gc_pacer
+        self._steps_in_flight = 0
+        self._last_step_end = 0.0  # time.monotonic() when the last step RPC ended
+        self._idle_after = -1.0  # _last_step_end when the pacer's idle() last ran
         self.urls = urls
         self.on_fatal = on_fatal
         # One worker: model steps run in RPC order, never concurrently, off the event loop.
@@ -102,6 +113,43 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         return convert.warmup_to_proto(result)
 
     async def Prefill(self, request, context):
+        with self._step_in_flight():
+            return await self._prefill(request, context)
+
+    async def Decode(self, request, context):
+        with self._step_in_flight():
+            return await self._decode(request, context)
+
+    @contextlib.contextmanager
+    def _step_in_flight(self) -> Iterator[None]:
+        """Counts the step RPCs being served; once none is left (and none arrived within
+        _IDLE_GC_DELAY_S), the GC pacer may run a full collection: it pauses no step."""
+        self._steps_in_flight += 1
+        try:
+            yield
+        finally:
+            self._steps_in_flight -= 1
+            self._last_step_end = time.monotonic()
+            if self.gc_pacer is not None:
+                self.gc_pacer.step()
+                if self._steps_in_flight == 0:
+                    asyncio.get_running_loop().call_later(_IDLE_GC_DELAY_S, self._idle_gc)
+
+    def _idle_gc(self) -> None:
+        """A full collection if no step RPC is in flight and none ended in the last
+        _IDLE_GC_DELAY_S (a later step's own timer checks again)."""
+        if self._steps_in_flight or self.gc_pacer is None:
+            return
+        if self._idle_after == self._last_step_end:  # this quiet period had its collection
+            return
+        wait = _IDLE_GC_DELAY_S - (time.monotonic() - self._last_step_end)
+        if wait > 0.001:  # a step ended meanwhile: its quiet period is not over
+            asyncio.get_running_loop().call_later(wait, self._idle_gc)
+        else:
+            self._idle_after = self._last_step_end
+            self.gc_pacer.idle()
+
+    async def _prefill(self, request, context):
         start = time.time_ns()
         args = convert.prefill_from_proto(request)
         engine = self.shard.engine
@@ -117,7 +165,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             self.tracer.prefill(request, reply, start, time.time_ns())
         return reply
 
-    async def Decode(self, request, context):
+    async def _decode(self, request, context):
         start = time.time_ns()
         args = convert.decode_from_proto(request)
         engine = self.shard.engine
@@ -191,7 +239,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             adapter = await asyncio.to_thread(self.shard.read_adapter, source)
         except ShardError as exc:
             await context.abort(_STATUS[_status_class(exc)], str(exc))
-        except Exception as exc:  # noqa: BLE001 - an unreadable adapter is the caller's problem
+        except Exception as exc:
             log.exception("reading adapter %s failed", source.name)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"adapter '{source.name}': {type(exc).__name__}: {exc}")

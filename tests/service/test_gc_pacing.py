@@ -1,4 +1,4 @@
-"""Full garbage collections paced by the engine (service.engine.gc_pacing): none while steps
+"""Full garbage collections paced by the engine (shard.runtime.gc_pacing): none while steps
 run, one when the engine goes idle, and one per max_interval_s on a server that never idles."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from service.engine.backend import WarmupBudgets
 from service.engine.engine import EngineConfig, build_engine
-from service.engine.gc_pacing import GcPacer
+from shard.runtime.gc_pacing import GcPacer
 from service.shard_client.client import connect_and_warmup
 from service.testing import FakeShardConfig, start_fake_shard
 from tests.helpers.spec_engine import Req, validated

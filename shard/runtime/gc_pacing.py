@@ -1,18 +1,20 @@
-"""Full garbage collections paced by the engine: between bursts of work, not inside them.
+"""Full garbage collections paced by the serving loop: between bursts of work, not inside them.
 
-CPython's generation-2 (full) collection walks every tracked object. In a router holding a
-thousand requests it takes 80-200 ms, and it runs whenever enough objects survived younger
-collections: in the middle of a step, while every stream and the GPU wait for the next step to
-be planned (benchmarks/OVERLAP.md measured six such 150-200 ms stalls in one 22 s H100 run).
-The engine's objects are nearly all freed by reference counting (requests, events, protos are
-acyclic), so full collections are only needed for the rare cycle; they can wait.
+CPython's generation-2 (full) collection walks every tracked object. In a shard (a model's
+module tree, a thousand requests' state) or a router engine it takes 80-200 ms, and it runs
+whenever enough objects survived younger collections: in the middle of a step, while every
+stream and the GPU wait (benchmarks/OVERLAP.md measured six or seven such 150-230 ms stalls in
+one 22 s H100 run). The step loops' objects are nearly all freed by reference counting
+(requests, events, protos, tensors are acyclic), so full collections are only needed for the
+rare cycle; they can wait.
 
 `GcPacer.install()` freezes what start-up allocated (never collected again: it lives as long
 as the process) and turns automatic full collections off; young generations keep being
-collected automatically (cheap: they hold what was allocated since the last one). The engine
-calls `idle()` when it has nothing to run (a full collection then costs no step anything) and
-`step()` after each step, which collects anyway once `max_interval_s` passed without an idle
-one, so a server that is never idle still frees its cycles.
+collected automatically (cheap: they hold what was allocated since the last one). The loop
+calls `idle()` when it has nothing to run (a full collection then costs no step anything: the
+router's engine when it has no request, the shard's servicer once no step RPC came for a
+moment) and `step()` after each step, which collects anyway once `max_interval_s` passed
+without an idle one, so a server that is never idle still frees its cycles.
 """
 
 from __future__ import annotations
