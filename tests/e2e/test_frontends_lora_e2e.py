@@ -60,6 +60,8 @@ def channels(deployment: Deployment) -> Iterator[list[grpc.Channel]]:
     # A local subchannel pool per channel: one TCP connection each, spread by the kernel.
     opts = [("grpc.use_local_subchannel_pool", 1)]
     chans = [grpc.insecure_channel(deployment.target, options=opts) for _ in range(CONNECTIONS)]
+    for chan in chans:  # each connection made (to whichever front end listens) before the test
+        grpc.channel_ready_future(chan).result(timeout=60)
     yield chans
     for c in chans:
         c.close()

@@ -188,9 +188,17 @@ async def test_mixed_requests_leave_nothing_behind(tokenizer_dir: Path) -> None:
             gc.collect()
             before = tracemalloc.take_snapshot()
             second = await _round(router, REQUESTS + REQUESTS // 2, REQUESTS // 2)
-            await _idle(router, engine)
-            gc.collect()
-            after = tracemalloc.take_snapshot()
+            # What is still in flight at a snapshot (grpc calls finishing, loop handles, a
+            # weak set's table) shrinks with waiting; a per-request leak does not: the test
+            # fails only when three snapshots a second apart all exceed the bound.
+            for _ in range(3):
+                await _idle(router, engine)
+                gc.collect()
+                after = tracemalloc.take_snapshot()
+                growth, top = _router_growth(before, after)
+                if growth < GROWTH_BOUND_BYTES:
+                    break
+                await asyncio.sleep(1.0)
         finally:
             tracemalloc.stop()
         for code, n in second.items():
@@ -205,7 +213,6 @@ async def test_mixed_requests_leave_nothing_behind(tokenizer_dir: Path) -> None:
         ):
             assert outcomes.get(code, 0) > 0, (code, outcomes, warm)
         assert sum(outcomes.values()) == REQUESTS
-        growth, top = _router_growth(before, after)
         print(f"router heap growth over the last {HALF} requests: {growth} B; {outcomes}")
         assert growth < GROWTH_BOUND_BYTES, (
             f"router heap grew {growth} B over {HALF} requests (bound {GROWTH_BOUND_BYTES}); "
