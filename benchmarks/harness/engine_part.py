@@ -11,6 +11,7 @@ from pathlib import Path
 
 from benchmarks.harness.engine_bound import EngineBoundConfig, WorkRequest, drive
 from shard.runtime.gc_pacing import GcPacer
+from shard.server.step_profile import export_trace_gz
 
 
 def busy_fraction(intervals: list[tuple[float, float]]) -> float:
@@ -103,8 +104,6 @@ class TraceWindow:
             self.close()
 
     def close(self) -> None:
-        import gzip
-        import shutil
         import warnings
 
         import torch
@@ -117,11 +116,7 @@ class TraceWindow:
             warnings.showwarning = self._old_showwarning
         torch.cuda.synchronize()
         prof.__exit__(None, None, None)
-        raw = self.trace_path.with_suffix("")
-        prof.export_chrome_trace(str(raw))
-        with open(raw, "rb") as src, gzip.open(self.trace_path, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        raw.unlink()
+        export_trace_gz(prof, self.trace_path)
         self.syncs_path.write_text(f"{len(self._syncs)} synchronizing operations in steps "
                                    f"[{self.start}, {self.stop})\n\n" + "\n".join(self._syncs))
 

@@ -37,6 +37,15 @@ from shard.engine.step_timer import GpuStepTimer
 log = logging.getLogger(__name__)
 
 
+def export_trace_gz(prof: torch.profiler.profile, path: Path) -> None:
+    """A stopped profiler's Chrome trace, gzipped (path ends in .json.gz)."""
+    raw = path.with_suffix("")  # the uncompressed .json beside it, removed after
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+
+
 @dataclass(frozen=True)
 class ProfileWindow:
     first_step: int  # steps before this one run unprofiled (warm-up of the traffic)
@@ -112,11 +121,7 @@ class StepProfiler:
             )
         )
         prof.__exit__(None, None, None)
-        raw = out / "trace.json"
-        prof.export_chrome_trace(str(raw))
-        with open(raw, "rb") as src, gzip.open(out / "trace.json.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        raw.unlink()
+        export_trace_gz(prof, out / "trace.json.gz")
         log.info(
             "profile of steps %d..%d written to %s in %.1f s",
             self.window.first_step,
