@@ -7,6 +7,7 @@ so that every failure (auth included) is mapped and every answer carries its req
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import hmac
 import logging
@@ -256,6 +257,12 @@ class ErrorInterceptor(_WrappingInterceptor):
             _log.exception(
                 "unexpected error serving request %s", current_request_id(), exc_info=error
             )
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            # The caller's deadline has passed: its side has ended the call with
+            # DEADLINE_EXCEEDED, and a status sent now may find the call closed, which grpc
+            # logs as an ExecuteBatchError traceback at ERROR for a routine timeout.
+            raise asyncio.CancelledError
         await context.abort(kind.code, public_message(error))
 
     async def around_unary(

@@ -308,6 +308,34 @@ async def test_engine_deadline_is_deadline_exceeded(tokenizer_dir: Path) -> None
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class _ContextAt:
+    """What `ErrorInterceptor` asks of a call's context: its time left, and abort."""
+
+    def __init__(self, remaining_s: float) -> None:
+        self.remaining_s = remaining_s
+        self.aborted: list[grpc.StatusCode] = []
+
+    def time_remaining(self) -> float:
+        return self.remaining_s
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.aborted.append(code)
+
+
+async def test_no_status_is_sent_after_the_callers_deadline() -> None:
+    """Past the deadline the caller already has DEADLINE_EXCEEDED from its side; aborting then
+    races grpc closing the call, which logs an ERROR traceback (seen on a loaded CI run)."""
+    from service.api.interceptors import ErrorInterceptor
+    from service.engine.contracts import DeadlineExceededError
+
+    error = DeadlineExceededError("the request deadline passed before it finished")
+    late, in_time = _ContextAt(-0.01), _ContextAt(2.0)
+    with pytest.raises(asyncio.CancelledError):
+        await ErrorInterceptor()._abort(late, error)  # type: ignore[arg-type]
+    await ErrorInterceptor()._abort(in_time, error)  # type: ignore[arg-type]
+    assert late.aborted == [] and in_time.aborted == [grpc.StatusCode.DEADLINE_EXCEEDED]
+
+
 async def test_engine_overload_and_shard_down_at_submit(tokenizer_dir: Path) -> None:
     from service.engine.contracts import OverloadedError
 
