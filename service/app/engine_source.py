@@ -17,8 +17,8 @@ from service.app.router_flags import Limits, resolve_limits, shard_target, warmu
 from service.engine.backend import ShardDescription, ShardRpcError, WarmupInfo
 from service.engine.contracts import Engine
 from service.engine.engine import EngineConfig, LocalEngine, build_engine
-from shard.runtime.gc_pacing import GcPacer
 from service.shard_client.client import ShardClient, connect_and_warmup
+from shard.runtime.gc_pacing import GcPacer
 
 
 class ShardLink(Protocol):
@@ -103,7 +103,10 @@ async def connect_shards(args: argparse.Namespace, target: str) -> ShardConnecti
         await probe.close()
     limits = resolve_limits(args, shard.max_position_embeddings)
     client, warm, shard = await connect_and_warmup(
-        target, warmup_budgets(args, limits), connect_timeout_s=args.startup_timeout
+        target,
+        warmup_budgets(args, limits),
+        connect_timeout_s=args.startup_timeout,
+        step_timeout_s=args.shard_step_timeout,
     )
     return ShardConnection(client, warm, shard, limits)
 

@@ -128,6 +128,13 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
         "router",
     ),
     PassThrough("--max-batch-size", int, ("MAX_BATCH_SIZE",), "requests per step", "router"),
+    PassThrough(
+        "--shard-step-timeout",
+        float,
+        ("SHARD_STEP_TIMEOUT",),
+        "seconds a step may take before the shards are taken for down (default 120)",
+        "router",
+    ),
     PassThrough("--waiting-served-ratio", float, ("WAITING_SERVED_RATIO",), "see TGI", "router"),
     PassThrough("--max-waiting-tokens", int, ("MAX_WAITING_TOKENS",), "see TGI", "router"),
     PassThrough(

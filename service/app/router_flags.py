@@ -15,6 +15,7 @@ from service.app.env_flags import env_bool, env_value
 from service.engine.backend import WarmupBudgets
 from service.engine.engine import EngineConfig
 from service.generation.validation import ValidationLimits
+from service.shard_client.client import DEFAULT_STEP_TIMEOUT_S
 
 DEFAULT_SHARD_UDS_PATH = "/tmp/tokenwire-shard"
 # TGI's defaults: max_total_tokens = min(max_position_embeddings, 4096), max_input = total - 1.
@@ -81,6 +82,14 @@ def _shard_flags(a: _AddArgument) -> None:
     )
     a("--startup-timeout", type=float, default=float(env_value("STARTUP_TIMEOUT") or 600.0),
       help="seconds to wait for the shards to answer and warm up (default 600)")  # fmt: skip
+    a(
+        "--shard-step-timeout",
+        type=positive_seconds("--shard-step-timeout"),
+        default=env_value("SHARD_STEP_TIMEOUT") or DEFAULT_STEP_TIMEOUT_S,
+        help="seconds one batch step may take on the shards before the router declares them "
+        "down (health NOT_SERVING, requests UNAVAILABLE): raise it for very long prefills on "
+        f"slow hardware [SHARD_STEP_TIMEOUT] (default {DEFAULT_STEP_TIMEOUT_S:.0f})",
+    )
 
 
 def _request_limit_flags(a: _AddArgument) -> None:
@@ -303,6 +312,23 @@ AUTO = "auto"
 # benchmarks/RESULTS.md measured on a 16-core GPU host).
 AUTO_FRONTENDS_MIN_CPUS = 8
 AUTO_FRONTENDS_MAX = 4
+
+
+def positive_seconds(flag: str) -> Callable[[str], float]:
+    """An argparse type: a duration in seconds > 0, the error naming `flag`."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{flag} must be a number of seconds (got {text!r})"
+            ) from None
+        if not value > 0:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"{flag} must be > 0 seconds (got {text})")
+        return value
+
+    return parse
 
 
 def frontends_value(text: str) -> int | str:

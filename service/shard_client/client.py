@@ -28,6 +28,12 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+# How long one batch step may take on the shards before they are taken for down: far above
+# any real step (a full 8,192-token prefill of an 8B model is ~0.5 s on an H100), short of
+# hanging clients forever on a wedged shard. The router's --shard-step-timeout.
+DEFAULT_STEP_TIMEOUT_S = 120.0
+
+
 def _rpc_error(error: grpc.aio.AioRpcError) -> ShardRpcError:
     return ShardRpcError(error.code().name, error.details())
 
@@ -38,7 +44,7 @@ class ShardClient:
     def __init__(
         self,
         urls: list[str],
-        step_timeout_s: float = 120.0,
+        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
         control_timeout_s: float = 30.0,
         warmup_timeout_s: float = 1800.0,
     ) -> None:
@@ -219,7 +225,7 @@ async def connect_and_warmup(
     shard_target: str,
     budgets: WarmupBudgets,
     connect_timeout_s: float = 60.0,
-    step_timeout_s: float = 120.0,
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
 ) -> tuple[ShardClient, WarmupInfo, ShardDescription]:
     """Connects to rank 0 at `shard_target`, discovers every rank, clears old state and warms
     them all up with `budgets`. Returns the client with the KV cache facts and the model info."""

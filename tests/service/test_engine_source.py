@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 from tokenwire.v1 import generate_pb2 as pb
 from tokenwire.v1 import generate_pb2_grpc
 
@@ -170,3 +171,54 @@ async def test_sigterm_refuses_reports_not_serving_and_stays_up_for_the_shutdown
         if not task.done():
             await asyncio.wait_for(task, 20)
         await shard_server.stop(None)
+
+
+async def test_a_step_over_shard_step_timeout_takes_the_shards_for_down(
+    tokenizer_dir: Path,
+) -> None:
+    """A wedged shard answers no step: past --shard-step-timeout the request gets UNAVAILABLE
+    and health turns NOT_SERVING, instead of the client waiting out the default 120 s."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    shard_server, _, shard_url = await start_fake_shard(
+        FakeShardConfig(num_blocks=64, step_delay_s=30.0)
+    )
+    args = _args(shard_url, tokenizer_dir)
+    args.shard_step_timeout = 0.5
+    stop = asyncio.Event()
+    ports: asyncio.Queue[int] = asyncio.Queue()
+    task = asyncio.ensure_future(serve(args, on_listening=ports.put_nowait, stop=stop))
+    try:
+        port = await asyncio.wait_for(ports.get(), 10)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            check = health_pb2.HealthCheckRequest()
+            for _ in range(200):  # until warm
+                if (await health.Check(check, timeout=5)).status == 1:
+                    break
+                await asyncio.sleep(0.05)
+            stub = generate_pb2_grpc.TextGenerationStub(channel)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            try:
+                await stub.Generate(pb.GenerateRequest(inputs="hello"), timeout=20)
+                raise AssertionError("expected UNAVAILABLE")
+            except grpc.aio.AioRpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+            assert loop.time() - started < 5.0
+            assert (await health.Check(check, timeout=5)).status == 2  # NOT_SERVING
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+        await shard_server.stop(None)
+
+
+def test_shard_step_timeout_must_be_positive_seconds(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).shard_step_timeout == 120.0
+    assert parser.parse_args(["--shard-step-timeout", "600"]).shard_step_timeout == 600.0
+    for bad in ("0", "-1", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--shard-step-timeout", bad])
+        assert "--shard-step-timeout must be" in capsys.readouterr().err
