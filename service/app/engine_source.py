@@ -54,9 +54,12 @@ class EngineSource(Protocol):
         connection: ShardConnection,
         config: EngineConfig,
         on_unhealthy: Callable[[str], None],
+        on_adapter_removed: Callable[[str], None] | None = None,
     ) -> Engine:
         """The engine to serve with (`start()`, `drain()`, `close()` are called by serve);
-        `on_unhealthy(reason)` is called when its backend fails."""
+        `on_unhealthy(reason)` is called when its backend fails, `on_adapter_removed(name)`
+        when another process unloaded a LoRA adapter (this process's own unloads go through
+        its GenerationService)."""
         ...
 
 
@@ -78,7 +81,9 @@ class ShardEngineSource:
         connection: ShardConnection,
         config: EngineConfig,
         on_unhealthy: Callable[[str], None],
+        on_adapter_removed: Callable[[str], None] | None = None,
     ) -> LocalEngine:
+        del on_adapter_removed  # the engine is this process's: unloads go through its service
         assert isinstance(connection.client, ShardClient)
         engine = build_engine(
             client=connection.client,

@@ -13,6 +13,7 @@ import itertools
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,9 @@ class RemoteEngine:
         self.unhealthy_reason: str | None = None
         self.draining = False
         self.on_unhealthy: Any = None
+        # Called with each adapter name a new set no longer holds (an unload, whichever front
+        # end it came through): this front end drops that adapter's metric series.
+        self.on_adapter_removed: Callable[[str], None] | None = None
         # The LoRA adapters requests may name: the scheduler process sends the set at hello and
         # after every change, and answers an admin call only once each front end has it.
         self._adapters: list[AdapterInfo] = []
@@ -210,7 +214,7 @@ class RemoteEngine:
                 elif kind == "stats":
                     self._stats = msg[1]
                 elif kind == "adapters":
-                    self._adapters = list(msg[2])
+                    self._set_adapters(msg[2])
                     self._writer.write(frame(("adapters_ack", msg[1])))
                 elif kind == "admr":
                     answer = self._admin_calls.get(msg[1])
@@ -220,6 +224,14 @@ class RemoteEngine:
                     self._mark_unhealthy(msg[1])
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             self._mark_unhealthy(f"scheduler process connection lost: {e!r}")
+
+    def _set_adapters(self, adapters: list[AdapterInfo]) -> None:
+        kept = {a.name for a in adapters}
+        removed = [a.name for a in self._adapters if a.name not in kept]
+        self._adapters = list(adapters)
+        if self.on_adapter_removed is not None:
+            for name in removed:
+                self.on_adapter_removed(name)
 
     def _mark_unhealthy(self, reason: str) -> None:
         if not self.healthy:
@@ -294,10 +306,17 @@ class RemoteEngineSource:
         tune_gc()
         return ShardConnection(_RemoteClient(engine), warm, shard, limits)
 
-    def build_engine(self, connection: Any, config: Any, on_unhealthy: Any) -> RemoteEngine:
+    def build_engine(
+        self,
+        connection: Any,
+        config: Any,
+        on_unhealthy: Any,
+        on_adapter_removed: Callable[[str], None] | None = None,
+    ) -> RemoteEngine:
         del config  # the scheduler process's engine has its own
         engine: RemoteEngine = connection.client.engine
         engine.on_unhealthy = on_unhealthy
+        engine.on_adapter_removed = on_adapter_removed
         return engine
 
 

@@ -139,6 +139,7 @@ async def serve(
             connection,
             engine_config(args, limits),
             lambda reason: health_reporter.shard_failed(),
+            metrics.forget_adapter,
         )
         holder["engine"] = engine
         metrics.adapter_load.max_lora = shard.max_loras

@@ -503,7 +503,9 @@ class GenerationService:
             max_new_tokens=max_new_tokens,
         )
         self.metrics.observe_success(record)
-        self.metrics.observe_adapter(adapter, "ok", record.input_tokens, generated_tokens)
+        self.metrics.observe_adapter(
+            self._adapter_label(adapter), "ok", record.input_tokens, generated_tokens
+        )
         log_request(
             self._log,
             "request finished",
@@ -523,6 +525,15 @@ class GenerationService:
             time_to_first_token_ms=_ms(timer.first_token, timer.start),
         )
 
+    def _adapter_label(self, adapter: str) -> str:
+        """The adapter label a finished request is counted under. Only adapters loaded now
+        become label values: names clients make up must not grow the metric's label sets, and
+        a request finishing while its adapter unloads must not bring back the series the unload
+        dropped (forget_adapter)."""
+        if adapter and adapter not in {a.name for a in self.engine.list_adapters()}:
+            return UNKNOWN_ADAPTER
+        return adapter
+
     def _record_failure(
         self,
         method: str,
@@ -540,12 +551,7 @@ class GenerationService:
             message = str(error) or type(error).__name__
             level = logging.INFO if reason == "validation" else logging.WARNING
         self.metrics.observe_failure(method, reason)
-        # Only loaded adapters become label values: names clients make up must not grow the
-        # metric's label sets.
-        label = adapter
-        if adapter and adapter not in {a.name for a in self.engine.list_adapters()}:
-            label = UNKNOWN_ADAPTER
-        self.metrics.observe_adapter(label, reason)
+        self.metrics.observe_adapter(self._adapter_label(adapter), reason)
         log_request(
             self._log,
             "request failed",

@@ -136,6 +136,14 @@ def test_admin_calls_reach_every_front_end(
         stub0.UnloadAdapter(pb.UnloadAdapterRequest(name="nope"), timeout=60)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
 
+    # Both front ends counted "hot" requests; the scheduler process's port sums them.
+    ports = [deployment.metrics_port + i for i in (1, 2)]
+    per_front_end = [scrape(port).total("tokenwire_adapter_requests_total", adapter="hot")
+                     for port in ports]  # fmt: skip
+    assert all(n > 0 for n in per_front_end), per_front_end
+    merged = scrape(deployment.metrics_port)
+    assert merged.total("tokenwire_adapter_requests_total", adapter="hot") == sum(per_front_end)
+
     # Unloaded through the last connection: on return, no front end lists or admits it.
     generate_pb2_grpc.TextGenerationStub(channels[-1]).UnloadAdapter(
         pb.UnloadAdapterRequest(name="hot"), timeout=60
@@ -150,19 +158,20 @@ def test_admin_calls_reach_every_front_end(
             _completion(chan, "hot")
         assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
 
+    # Every front end dropped the unloaded adapter's series, not only the one the unload came
+    # through; the requests naming it since are counted under "<unknown>".
+    for scraped in [scrape(port) for port in ports] + [scrape(deployment.metrics_port)]:
+        hot = [key for key in scraped.samples if ("adapter", "hot") in key[1]]
+        assert hot == [], hot
+        assert scraped.total("tokenwire_adapter_requests_total", adapter="<unknown>") > 0
+
     # Both front ends answered some of these calls (SO_REUSEPORT spread the 8 connections).
-    counts = [
-        scrape(deployment.metrics_port + i).total("tokenwire_request_count_total") for i in (1, 2)
-    ]
+    counts = [scrape(port).total("tokenwire_request_count_total") for port in ports]
     assert all(c > 0 for c in counts), counts
     # The scheduler process's port reports the replica serving (an endpoint picker reads it)
     # and the front ends' request metrics summed: one scrape sees the whole router.
     merged = scrape(deployment.metrics_port)
     assert merged["tokenwire_serving"] == 1.0
     assert merged.total("tokenwire_request_count_total") == sum(counts)
-    assert merged.total("tokenwire_adapter_requests_total", adapter="hot") == sum(
-        scrape(deployment.metrics_port + i).total("tokenwire_adapter_requests_total",
-                                                  adapter="hot") for i in (1, 2)
-    ) > 0  # fmt: skip
     assert merged["tokenwire_kv_blocks_total"] > 0  # the engine's, once
     assert "front ends: 2 (--frontends 2" in deployment.router.log()

@@ -33,9 +33,11 @@ class _CountingSource:
         self.calls.append("connect")
         return await self.inner.connect()
 
-    def build_engine(self, connection: Any, config: Any, on_unhealthy: Any) -> Any:
+    def build_engine(
+        self, connection: Any, config: Any, on_unhealthy: Any, on_adapter_removed: Any = None
+    ) -> Any:
         self.calls.append(f"build max_concurrent={config.max_concurrent_requests}")
-        return self.inner.build_engine(connection, config, on_unhealthy)
+        return self.inner.build_engine(connection, config, on_unhealthy, on_adapter_removed)
 
 
 class _OneSlot:
