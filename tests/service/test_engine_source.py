@@ -7,6 +7,9 @@ import argparse
 import asyncio
 import multiprocessing
 import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -129,49 +132,73 @@ def test_shared_admission_is_one_limit_across_holders() -> None:
     assert counter.value == 3
 
 
-async def test_sigterm_refuses_reports_not_serving_and_stays_up_for_the_shutdown_delay(
-    tokenizer_dir: Path,
-) -> None:
-    """On stop: new requests get UNAVAILABLE and health says NOT_SERVING at once, and with
-    --shutdown-delay the server keeps answering health checks that long though nothing is in
-    flight (a gateway polling health sees the drain, not a closed port)."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+@dataclass
+class _Served:
+    """A router `serve` runs in this loop, warm (health SERVING), and a channel to it."""
 
-    shard_server, _, shard_url = await start_fake_shard(FakeShardConfig(num_blocks=64))
-    args = _args(shard_url, tokenizer_dir)
-    args.shutdown_delay, args.graceful_timeout = 1.0, 5.0
+    channel: grpc.aio.Channel
+    stop: asyncio.Event
+    task: asyncio.Future[int]
+
+    async def health(self) -> int:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        return (await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status
+
+    async def generate_error(self, timeout: float) -> grpc.aio.AioRpcError:
+        stub = generate_pb2_grpc.TextGenerationStub(self.channel)
+        try:
+            await stub.Generate(pb.GenerateRequest(inputs="hello"), timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            return err
+        raise AssertionError("expected the call to fail")
+
+
+@asynccontextmanager
+async def _warm_router(args: Any) -> AsyncIterator[_Served]:
     stop = asyncio.Event()
     ports: asyncio.Queue[int] = asyncio.Queue()
     task = asyncio.ensure_future(serve(args, on_listening=ports.put_nowait, stop=stop))
     try:
         port = await asyncio.wait_for(ports.get(), 10)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            check = health_pb2.HealthCheckRequest()
+            served = _Served(channel, stop, task)
             for _ in range(200):  # until warm
-                if (await health.Check(check, timeout=5)).status == 1:
+                if await served.health() == 1:
                     break
                 await asyncio.sleep(0.05)
-            loop = asyncio.get_running_loop()
-            stop.set()
-            stopped_at = loop.time()
-            await asyncio.sleep(0.1)
-            assert (await health.Check(check, timeout=5)).status == 2  # NOT_SERVING
-            stub = generate_pb2_grpc.TextGenerationStub(channel)
-            try:
-                await stub.Generate(pb.GenerateRequest(inputs="hello"), timeout=5)
-                raise AssertionError("expected UNAVAILABLE")
-            except grpc.aio.AioRpcError as err:
-                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
-            await asyncio.sleep(0.6)
-            assert not task.done()
-            assert (await health.Check(check, timeout=5)).status == 2
-            assert await asyncio.wait_for(task, 10) == 0
-            assert loop.time() - stopped_at >= 1.0
+            yield served
     finally:
         stop.set()
         if not task.done():
             await asyncio.wait_for(task, 20)
+
+
+async def test_sigterm_refuses_reports_not_serving_and_stays_up_for_the_shutdown_delay(
+    tokenizer_dir: Path,
+) -> None:
+    """On stop: new requests get UNAVAILABLE and health says NOT_SERVING at once, and with
+    --shutdown-delay the server keeps answering health checks that long though nothing is in
+    flight (a gateway polling health sees the drain, not a closed port)."""
+    shard_server, _, shard_url = await start_fake_shard(FakeShardConfig(num_blocks=64))
+    args = _args(shard_url, tokenizer_dir)
+    args.shutdown_delay, args.graceful_timeout = 1.0, 5.0
+    try:
+        async with _warm_router(args) as served:
+            loop = asyncio.get_running_loop()
+            served.stop.set()
+            stopped_at = loop.time()
+            await asyncio.sleep(0.1)
+            assert await served.health() == 2  # NOT_SERVING
+            err = await served.generate_error(timeout=5)
+            assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+            await asyncio.sleep(0.6)
+            assert not served.task.done()
+            assert await served.health() == 2
+            assert await asyncio.wait_for(served.task, 10) == 0
+            assert loop.time() - stopped_at >= 1.0
+    finally:
         await shard_server.stop(None)
 
 
@@ -180,38 +207,20 @@ async def test_a_step_over_shard_step_timeout_takes_the_shards_for_down(
 ) -> None:
     """A wedged shard answers no step: past --shard-step-timeout the request gets UNAVAILABLE
     and health turns NOT_SERVING, instead of the client waiting out the default 120 s."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     shard_server, _, shard_url = await start_fake_shard(
         FakeShardConfig(num_blocks=64, step_delay_s=30.0)
     )
     args = _args(shard_url, tokenizer_dir)
     args.shard_step_timeout = 0.5
-    stop = asyncio.Event()
-    ports: asyncio.Queue[int] = asyncio.Queue()
-    task = asyncio.ensure_future(serve(args, on_listening=ports.put_nowait, stop=stop))
     try:
-        port = await asyncio.wait_for(ports.get(), 10)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            check = health_pb2.HealthCheckRequest()
-            for _ in range(200):  # until warm
-                if (await health.Check(check, timeout=5)).status == 1:
-                    break
-                await asyncio.sleep(0.05)
-            stub = generate_pb2_grpc.TextGenerationStub(channel)
+        async with _warm_router(args) as served:
             loop = asyncio.get_running_loop()
             started = loop.time()
-            try:
-                await stub.Generate(pb.GenerateRequest(inputs="hello"), timeout=20)
-                raise AssertionError("expected UNAVAILABLE")
-            except grpc.aio.AioRpcError as err:
-                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+            err = await served.generate_error(timeout=20)
+            assert err.code() == grpc.StatusCode.UNAVAILABLE, err
             assert loop.time() - started < 5.0
-            assert (await health.Check(check, timeout=5)).status == 2  # NOT_SERVING
+            assert await served.health() == 2  # NOT_SERVING
     finally:
-        stop.set()
-        await asyncio.wait_for(task, 20)
         await shard_server.stop(None)
 
 
