@@ -29,8 +29,9 @@ _CHANNEL_OPTIONS = [
 
 
 # How long one batch step may take on the shards before they are taken for down: far above
-# any real step (a full 8,192-token prefill of an 8B model is ~0.5 s on an H100), short of
-# hanging clients forever on a wedged shard. The router's --shard-step-timeout.
+# any real step (an 8,192-token prefill step of the Llama-3-8B shape took 77 ms on an H100,
+# benchmarks/OVERLAP.md), short of hanging clients forever on a wedged shard. The router's
+# --shard-step-timeout.
 DEFAULT_STEP_TIMEOUT_S = 120.0
 
 
