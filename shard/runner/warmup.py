@@ -147,10 +147,11 @@ def run_warmup(
             min(max(spec.speculate_max_batch_size, 1), max_batch),
             spec.max_total_tokens,
         )
+    graphs = (f"decode graphs up to batch {max_batch} captured in {graphs_s:.1f} s"
+              if runner.graphs is not None else "decode runs eagerly (no CUDA graphs)")
     log.info("warmup: worst-case prefill of %d tokens (with kernel tuning) %.1f s; KV cache %d "
-             "blocks (%d tokens, %.2f GiB); decode graphs up to batch %d captured in %.1f s",
-             spec.max_batch_prefill_tokens, prefill_s, num_blocks, num_blocks * bs,
-             num_blocks * bytes_per_block / 2**30, max_batch, graphs_s)
+             "blocks (%d tokens, %.2f GiB); %s", spec.max_batch_prefill_tokens, prefill_s,
+             num_blocks, num_blocks * bs, num_blocks * bytes_per_block / 2**30, graphs)
     return WarmupResult(
         num_blocks=num_blocks,
         block_size=bs,
