@@ -139,8 +139,13 @@ def load_module_weights(root: nn.Module, weights: Weights, skip: frozenset[str] 
                 last = time.monotonic()
                 log.info("weights: %d/%d layers' loaders done (%s) in %.0f s", done, total,
                          name, last - t0)
-    log.info("weights: loaded in %.1f s (%.2f GiB of parameters on %s)", time.monotonic() - t0,
-             parameter_bytes(root) / 2**30, weights.device)
+    log.info("weights: loaded in %.1f s (%s of parameters on %s)", time.monotonic() - t0,
+             size_text(parameter_bytes(root)), weights.device)
+
+
+def size_text(n: int) -> str:
+    """Bytes as GiB from 1 GiB up, else MiB (log lines)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def parameter_bytes(root: nn.Module) -> int:
