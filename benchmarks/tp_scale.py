@@ -98,13 +98,17 @@ STARTUP_LINE = re.compile(r"rank(\d+) \w+ [\w.]+: ((start-up|weights|warmup):.*)
 
 
 def startup_lines(log_path: Path) -> dict[str, list[str]]:
-    """Each rank's start-up log lines (join, weights, model ready, warmup) from the launch log."""
+    """Each rank's start-up log lines (join, weights, model ready, warmup) and the launcher's
+    phase lines from the launch log."""
     out: dict[str, list[str]] = {}
     if log_path.is_file():
         for line in log_path.read_text(errors="replace").splitlines():
             m = STARTUP_LINE.search(line)
             if m:
                 out.setdefault(f"rank{m.group(1)}", []).append(m.group(2))
+            elif line.startswith("tokenwire launch: "):
+                # the launcher's phases: shards loaded in N s, router warm-up, ready in N s
+                out.setdefault("launcher", []).append(line.removeprefix("tokenwire launch: "))
     return out
 
 
