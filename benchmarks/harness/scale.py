@@ -476,7 +476,7 @@ class ShardMemorySampler:
     def __init__(self, model_dir: Path, interval_s: float = 0.5):
         self.interval_s = interval_s
         # Only the shards serving this model (other deployments may share the host).
-        self.model_arg = str(model_dir).encode()
+        self.model_arg = str(Path(model_dir).resolve()).encode()
         # (time, host used bytes, {pid: (anon, file, shmem)})
         self.samples: list[tuple[float, int, dict[int, tuple[int, int, int]]]] = []
         self._stop = threading.Event()
