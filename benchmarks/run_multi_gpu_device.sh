@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 43, part 1: tests/gpu/test_multi_gpu.py exact on 2 GPUs, in ONE device call (< 9 min) on
 # an nvidia-h100-x4 (or any host with 2N GPUs). Every run uses 2 GPUs; the GPU pairs of the host
-# ("0,1 2,3") work side by side through one queue of jobs:
+# ("0,1 2,3"; PAIRS overrides) work side by side through one queue of jobs:
 #   FILE_RUNS (5) runs of the whole file (--durations=0 and a junit xml each), queued first;
 #   FUSED_RUNS (30) runs of the fused all-reduce + norm exactness test alone (each a fresh pytest,
 #   fresh ranks, fresh NCCL and symmetric-memory set-up: what a race would need to show up).
@@ -22,7 +22,12 @@ FUSED_RUNS=${FUSED_RUNS:-30}
 BUDGET_S=${BUDGET_S:-480}
 FILE_S=${FILE_S:-150}     # expected seconds of a whole-file run until one has been measured
 FUSED_S=${FUSED_S:-30}
-PAIRS=${PAIRS:-"0,1 2,3"}
+if [ -z "${PAIRS:-}" ]; then  # every pair of GPUs of the host: "0,1 2,3" on 4 GPUs
+  n=4; [ "${FAKE:-0}" = 0 ] && n=$(nvidia-smi -L | grep -c "^GPU")
+  PAIRS=""; for ((g = 0; g + 1 < n; g += 2)); do PAIRS+="$g,$((g + 1)) "; done
+fi
+[ -n "$PAIRS" ] || { echo "needs 2 GPUs"; exit 2; }
+echo "GPU pairs: $PAIRS"
 work=${WORK:-/tmp/multi_gpu_runs}
 rm -rf "$work"; mkdir -p "$work/logs" "$work/junit"
 echo 0 > "$work/next"

@@ -190,6 +190,9 @@ def write_report(res: dict, path: Path) -> None:
                          f"{r['nccl_in_graph_us']:.1f} | {'-' if f is None else f'{f:.1f}'} | "
                          f"{'-' if g is None else f'{g:.1f}'} |\n")
         for m in tp.get("models") or []:
+            if m.get("error"):
+                L.append(f"\n{key}, {m['layers']} layers: error {m['error']}\n")
+                continue
             L.append(f"\n{key}, {m['layers']} layers: per rank (join s / load s / host anon peak "
                      "while loading GiB / first eager step s / graph capture s / weights GiB):"
                      "\n")

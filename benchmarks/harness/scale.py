@@ -356,17 +356,13 @@ def _gather_cost(dist, hidden_vocab: int, batches: list[int]) -> dict[int, float
 
 
 def scale_rank(dist, device: str, job: dict, res: dict) -> None:
-    """One rank (shard.testing.ranks.run_ranks's rank_fn): job["models"] [[layers, dir], ...]
-    measured in turn, then (CUDA) the collectives' costs at job["hidden"]."""
+    """One rank (shard.testing.ranks.run_ranks's rank_fn): on CUDA first the collectives' costs at
+    job["hidden"] (a clean GPU, and a model that fails to fit cannot lose them), then
+    job["models"] [[layers, dir], ...] in turn (a model that fails is recorded with its error
+    and the next one still runs)."""
+    import torch
+
     init_s = res.get("init_distributed_s", float("nan"))
-    res["models"] = []
-    for _, path in job["models"]:
-        res["models"].append(_measure_model(Path(path), job, dist, device, init_s))
-        if dist.rank == 0:
-            m = res["models"][-1]
-            print(f"TP={dist.world_size} {m['layers']} layers: " + ", ".join(
-                f"b={d['batch']} {d.get('graph_replay_ms', d.get('eager_wall_ms')):.2f} ms"
-                for d in m["decode"]) + f"; load {m['ranks'][0]['load_s']:.1f} s", flush=True)
     if device.startswith("cuda"):
         from benchmarks.harness.tp import _allreduce_cost, _fused_norm_cost
 
@@ -376,6 +372,26 @@ def scale_rank(dist, device: str, job: dict, res: dict) -> None:
         res["fused_norm"] = (_fused_norm_cost(dist, hidden, small, sweep_warps=False)
                              if small and dist.fused_all_reduce_norm is not None else [])
         res["gather_us"] = _gather_cost(dist, math.ceil(job["vocab"] / dist.world_size), batches)
+        gc.collect()
+        torch.cuda.empty_cache()
+    res["models"] = []
+    for layers, path in job["models"]:
+        try:
+            m = _measure_model(Path(path), job, dist, device, init_s)
+        except Exception as exc:  # noqa: BLE001 - recorded; the next model may still fit
+            import traceback
+
+            traceback.print_exc()
+            res["models"].append({"layers": layers, "error": f"{type(exc).__name__}: {exc}"})
+            gc.collect()
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            continue
+        res["models"].append(m)
+        if dist.rank == 0:
+            print(f"TP={dist.world_size} {m['layers']} layers: " + ", ".join(
+                f"b={d['batch']} {step_ms(d):.2f} ms" for d in m["decode"])
+                + f"; load {m['ranks'][0]['load_s']:.1f} s", flush=True)
 
 
 # ---- analysis -------------------------------------------------------------------------------
@@ -435,7 +451,7 @@ def analyse(res: dict, target_layers: int) -> dict:
         rows = []
         by_batch: dict[int, list[tuple[int, float]]] = {}
         for m in tp["models"]:
-            for d in m["decode"]:
+            for d in m.get("decode", []):
                 b = d["batch"]
                 by_batch.setdefault(b, []).append((m["layers"], step_ms(d)))
                 row = {"layers": m["layers"], "batch": b, "step_ms": step_ms(d)}
@@ -451,9 +467,9 @@ def analyse(res: dict, target_layers: int) -> dict:
                      for b, f in fits[world].items()}}
     speedup: dict[str, Any] = {}
     t4 = {(m["layers"], d["batch"]): step_ms(d) for m in (res.get("tp4") or {}).get("models", [])
-          for d in m["decode"]}
+          for d in m.get("decode", [])}
     t2 = {(m["layers"], d["batch"]): step_ms(d) for m in (res.get("tp2") or {}).get("models", [])
-          for d in m["decode"]}
+          for d in m.get("decode", [])}
     for (layers, b), ms2 in sorted(t2.items()):
         if (layers, b) in t4:
             speedup[f"{layers} layers, batch {b}"] = ms2 / t4[(layers, b)]
