@@ -166,6 +166,7 @@ class Choice:
     finish_reason: str
     logprobs: tuple[TokenLogprob, ...] | None  # None: not asked for
     tool_calls: tuple[ToolCall, ...] = ()  # then the message has no content
+    stop_sequence: str | None = None  # the stop string that ended it (Anthropic reports it)
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,8 @@ class ResponseHeader:
     created: int
     model: str
     system_fingerprint: str
+    # Tokens of the rendered prompt, known before the first chunk (chat streams only).
+    prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,7 @@ class ChoiceDelta:
     logprobs: tuple[TokenLogprob, ...] | None = None
     # (position among the choice's calls, the call) of calls completed since the last chunk
     tool_calls: tuple[tuple[int, ToolCall], ...] = ()
+    stop_sequence: str | None = None  # on the finish chunk: the stop string that ended it
 
 
 @dataclass(frozen=True)
@@ -220,6 +224,7 @@ class StopTrimmer:
         self._stops = stops
         self._pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string found
 
     def push(self, text: str) -> str:
         """Appends generated text; returns what can be sent now."""
@@ -231,6 +236,7 @@ class StopTrimmer:
         cut = cut_at_stop(pending, self._stops)
         if cut is not None:
             self.stopped, self._pending = True, ""
+            self.matched = stop_at(pending, self._stops)
             return pending[:cut]
         keep = max(
             (k for s in self._stops for k in range(min(len(s) - 1, len(pending)), 0, -1)
@@ -250,6 +256,12 @@ def cut_at_stop(text: str, stops: tuple[str, ...]) -> int | None:
     """Index of the earliest stop string in `text`, None when there is none."""
     found = [i for s in stops if (i := text.find(s)) >= 0]
     return min(found) if found else None
+
+
+def stop_at(text: str, stops: tuple[str, ...]) -> str | None:
+    """The stop string found earliest in `text` (None when there is none)."""
+    found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    return min(found)[1] if found else None
 
 
 def _logprob(token: TokenInfo, top: tuple[TokenInfo, ...]) -> TokenLogprob:
@@ -368,13 +380,22 @@ class OpenAIEndpoints:
     # --- unary -----------------------------------------------------------------------------
 
     async def chat(
-        self, request: ChatRequest, *, request_id: str, deadline: float | None
+        self,
+        request: ChatRequest,
+        *,
+        request_id: str,
+        deadline: float | None,
+        method: str = CHAT_COMPLETIONS,
     ) -> Completed:
+        """`method`: the route's metrics label (the Responses and Messages routes run here)."""
         generate = await _openai_errors(self._chat_input(request), "messages")
         params = replace(request.params, tool_calls=bool(_active_tools(request)))
-        return await self._complete(
-            generate, params, "chatcmpl", CHAT_COMPLETIONS, request_id, deadline
-        )
+        return await self._complete(generate, params, "chatcmpl", method, request_id, deadline)
+
+    async def count_prompt_tokens(self, request: ChatRequest) -> int:
+        """Tokens of the request's rendered prompt (validated as `chat` would, not run)."""
+        generate = await _openai_errors(self._chat_input(request), "messages")
+        return len(generate.prompt_ids or ())
 
     async def completion(
         self, request: CompletionRequest, *, request_id: str, deadline: float | None
@@ -428,8 +449,9 @@ class OpenAIEndpoints:
 
     def _choice(self, index: int, seq: GeneratedSequence, params: SamplingRequest) -> Choice:
         text = seq.generated_text
+        stop = None
         if seq.finish_reason is FinishReason.STOP_SEQUENCE:
-            cut = cut_at_stop(text, params.stop)
+            cut, stop = cut_at_stop(text, params.stop), stop_at(text, params.stop)
             text = text if cut is None else text[:cut]
         logprobs = None
         if params.logprobs:
@@ -443,19 +465,27 @@ class OpenAIEndpoints:
             if calls is not None:
                 tool_calls = tuple(ToolCall(_call_id(), c.name, c.arguments) for c in calls)
                 return Choice(index, "", TOOL_CALLS, None, tool_calls)
-        return Choice(index, text, reason, logprobs)
+        return Choice(index, text, reason, logprobs, stop_sequence=stop)
 
     # --- streams ---------------------------------------------------------------------------
 
     async def chat_stream(
-        self, request: ChatRequest, *, request_id: str, deadline: float | None
+        self,
+        request: ChatRequest,
+        *,
+        request_id: str,
+        deadline: float | None,
+        method: str = CHAT_COMPLETIONS_STREAM,
     ) -> tuple[ResponseHeader, AsyncIterator[StreamEvent]]:
         """Validates and renders the request (errors raise here, before any chunk), then
-        returns the stream's header and its events."""
+        returns the stream's header (with the prompt's token count) and its events."""
         generate = await _openai_errors(self._chat_input(request), "messages")
-        header = self._header("chatcmpl", request_id, generate.adapter_id)
+        header = replace(
+            self._header("chatcmpl", request_id, generate.adapter_id),
+            prompt_tokens=len(generate.prompt_ids or ()),
+        )
         params = replace(request.params, tool_calls=bool(_active_tools(request)))
-        events = self._stream(generate, params, CHAT_COMPLETIONS_STREAM, request_id, deadline)
+        events = self._stream(generate, params, method, request_id, deadline, chat=True)
         return header, events
 
     async def completion_stream(
@@ -477,13 +507,14 @@ class OpenAIEndpoints:
         request_id: str,
         deadline: float | None,
         echo: str = "",
+        chat: bool = False,
     ) -> AsyncGenerator[StreamEvent, None]:
         """The chunks of all choices (n sequences streamed side by side), then usage when asked.
         Validation errors surface on the first iteration, before anything is sent."""
         choices = [
             self._choice_stream(
                 i, _nth(generate, i, params.n), params, method, _nth_id(request_id, i, params.n),
-                deadline, echo,
+                deadline, echo, chat,
             )
             for i in range(params.n)
         ]  # fmt: skip
@@ -507,6 +538,7 @@ class OpenAIEndpoints:
         request_id: str,
         deadline: float | None,
         echo: str,
+        chat: bool,
     ) -> AsyncGenerator[ChoiceDelta | _ChoiceDone, None]:
         """One choice's chunks: the first (chat: the role; an echoed prompt), one per token with
         text (or logprobs), the finish; then its token counts for the usage chunk."""
@@ -516,13 +548,13 @@ class OpenAIEndpoints:
         trimmer = StopTrimmer(params.stop)
         calls = _ToolCallStream() if params.tool_calls else None
         first = True
-        prompt_param = "messages" if method == CHAT_COMPLETIONS_STREAM else "prompt"
+        prompt_param = "messages" if chat else "prompt"
         async with aclosing(items):
             events = _openai_errors_iter(items, prompt_param)
             async for item in events:
                 if first:
                     # Chat announces the role in a first chunk; completions only echo there.
-                    if method == CHAT_COMPLETIONS_STREAM or echo:
+                    if chat or echo:
                         yield ChoiceDelta(index, echo, first=True)
                     first = False
                 # Tokens that queued up while the client read (or a speculative step's
@@ -562,7 +594,7 @@ class OpenAIEndpoints:
                     FinishReason.LENGTH
                 ):
                     reason = TOOL_CALLS
-                yield ChoiceDelta(index, "", finish_reason=reason)
+                yield ChoiceDelta(index, "", finish_reason=reason, stop_sequence=trimmer.matched)
                 yield _ChoiceDone(item.options.input_length, finished.generated_tokens)
 
 
