@@ -26,6 +26,7 @@ from service.generation.openai import (
     Choice,
     ChoiceDelta,
     Completed,
+    ResponseFormat,
     SamplingRequest,
     StreamEvent,
     ToolCall,
@@ -175,6 +176,25 @@ def _tool_choice(value: Any, tools: tuple[FunctionTool, ...]) -> tuple[ToolChoic
     return choice, parallel
 
 
+def _output_format(value: Any) -> ResponseFormat | None:
+    """output_config.format (Anthropic's structured outputs): {type: json_schema, schema}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _bad("output_config", "output_config must be an object {format, effort}")
+    spec = value.get("format")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or spec.get("type") != "json_schema":
+        raise _bad("output_config.format.type", "output_config.format must be {type: "
+                                                "json_schema, schema}")  # fmt: skip
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise _bad("output_config.format.schema",
+                   "output_config.format.schema must be a JSON schema object")  # fmt: skip
+    return ResponseFormat("json_schema", schema, False)
+
+
 def _common(body: dict[str, Any]) -> tuple[str, list[ChatMessage], tuple[FunctionTool, ...],
                                            ToolChoice | None, bool]:  # fmt: skip
     model = body.get("model")
@@ -224,7 +244,8 @@ def messages_request(data: bytes) -> Decoded:
         include_usage=stream is True,
     )
     chat = ChatRequest(tuple(messages), params, tools=tools, tool_choice=choice,
-                       parallel_tool_calls=parallel)  # fmt: skip
+                       parallel_tool_calls=parallel,
+                       response_format=_output_format(body.get("output_config")))  # fmt: skip
     return Decoded(chat, stream is True)
 
 
