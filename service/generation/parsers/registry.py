@@ -7,6 +7,10 @@ from collections.abc import Callable
 
 from service.generation.parsers.contracts import ReasoningParser, ToolCallParser
 from service.generation.parsers.hermes import HermesParser
+from service.generation.parsers.llama3_json import Llama3JsonParser
+from service.generation.parsers.mistral import MistralParser
+from service.generation.parsers.pythonic import PythonicParser
+from service.generation.parsers.qwen3_coder import Qwen3CoderParser
 from service.generation.parsers.reasoning import NoReasoning, ThinkReasoning
 
 REASONING_PARSERS: dict[str, Callable[[], ReasoningParser]] = {
@@ -15,6 +19,10 @@ REASONING_PARSERS: dict[str, Callable[[], ReasoningParser]] = {
 }
 TOOL_CALL_PARSERS: dict[str, Callable[[], ToolCallParser]] = {
     "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
+    "qwen3_coder": Qwen3CoderParser,
+    "pythonic": PythonicParser,
 }
 AUTO = "auto"
 DEFAULT_TOOL_CALL_PARSER = "hermes"
