@@ -12,7 +12,6 @@ recorded calls and reject a broken one."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,59 +46,132 @@ TOOLS = (WEATHER, TIME)
 Calls = list[tuple[str, dict[str, Any]]]
 CASES: list[tuple[str, str, str, Calls]] = [
     # --- hermes (Qwen2.5 / Qwen3 / Hermes 3) ---
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
-     "\n</tool_call>", "", [("get_weather", {"city": "Paris", "days": 2})]),
-    ("hermes", "I'll check both.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
-     '{"city": "Caf\u00e9 {x}\\"y"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", '
-     '"arguments": {}}\n</tool_call>', "I'll check both.\n",
-     [("get_weather", {"city": 'Caf\u00e9 {x}"y'}), ("get_time", {})]),
-    ("hermes", '<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}\n'
-     "</tool_call>", "", [("get_weather", {"city": "Oslo"})]),
-    ("hermes", "The weather is fine, no <tool_call needed.", "The weather is fine, no "
-     "<tool_call needed.", []),
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
-     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', []),
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n',
-     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n', []),
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
+        "",
+        [("get_weather", {"city": "Paris", "days": 2})],
+    ),
+    (
+        "hermes",
+        (
+            'I\'ll check both.\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Caf\u00e9 {x}\\"y"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", '
+            '"arguments": {}}\n</tool_call>'
+        ),
+        "I'll check both.\n",
+        [("get_weather", {"city": 'Caf\u00e9 {x}"y'}), ("get_time", {})],
+    ),
+    (
+        "hermes",
+        '<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}\n</tool_call>',
+        "",
+        [("get_weather", {"city": "Oslo"})],
+    ),
+    (
+        "hermes",
+        "The weather is fine, no <tool_call needed.",
+        "The weather is fine, no <tool_call needed.",
+        [],
+    ),
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+        [],
+    ),
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n',
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n',
+        [],
+    ),
     # --- llama3_json (Llama 3.1 / 3.2 / 3.3) ---
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "metric": true}}',
-     "", [("get_weather", {"city": "Paris", "metric": True})]),
-    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima"}}; '
-     '{"name": "get_time", "parameters": {}}', "",
-     [("get_weather", {"city": "Lima"}), ("get_time", {})]),
+    (
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Paris", "metric": true}}',
+        "",
+        [("get_weather", {"city": "Paris", "metric": True})],
+    ),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima"}}; '
+        '{"name": "get_time", "parameters": {}}',
+        "",
+        [("get_weather", {"city": "Lima"}), ("get_time", {})],
+    ),
     ("llama3_json", "It is sunny in {Paris} today.", "It is sunny in {Paris} today.", []),
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Pa',
-     '{"name": "get_weather", "parameters": {"city": "Pa', []),
+    (
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Pa',
+        '{"name": "get_weather", "parameters": {"city": "Pa',
+        [],
+    ),
     # --- mistral, tokenizer < v11 and v11+ ---
-    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
-     '{"name": "get_time", "arguments": {}}]', "",
-     [("get_weather", {"city": "Paris"}), ("get_time", {})]),
-    ("mistral", 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Nice", "days": 3}'
-     "[TOOL_CALLS]get_time[ARGS]{}", "Sure.",
-     [("get_weather", {"city": "Nice", "days": 3}), ("get_time", {})]),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {}}]',
+        "",
+        [("get_weather", {"city": "Paris"}), ("get_time", {})],
+    ),
+    (
+        "mistral",
+        'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Nice", "days": 3}[TOOL_CALLS]get_time[ARGS]{}',
+        "Sure.",
+        [("get_weather", {"city": "Nice", "days": 3}), ("get_time", {})],
+    ),
     ("mistral", "No tools [TOOLS] needed.", "No tools [TOOLS] needed.", []),
-    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Par',
-     '[TOOL_CALLS]get_weather[ARGS]{"city": "Par', []),
+    (
+        "mistral",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Par',
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Par',
+        [],
+    ),
     ("mistral", "[TOOL_CALLS]get_weather", "[TOOL_CALLS]get_weather", []),
     # --- qwen3_coder ---
-    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n"
-     "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\nfalse\n"
-     "</parameter>\n</function>\n</tool_call>", "",
-     [("get_weather", {"city": "San Francisco", "days": 3, "metric": False})]),
-    ("qwen3_coder", "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
-     'a <b> "c"\nd\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n'
-     "<function=get_time>\n</function>\n</tool_call>", "Checking.\n",
-     [("get_weather", {"city": 'a <b> "c"\nd'}), ("get_time", {})]),
-    ("qwen3_coder", "<tool_call><function=get_weather><parameter=city>Oslo</parameter>"
-     "<parameter=days>4</parameter></function></tool_call>", "",
-     [("get_weather", {"city": "Oslo", "days": 4})]),
-    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
-     "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", []),
+    (
+        "qwen3_coder",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n"
+        "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\nfalse\n"
+        "</parameter>\n</function>\n</tool_call>",
+        "",
+        [("get_weather", {"city": "San Francisco", "days": 3, "metric": False})],
+    ),
+    (
+        "qwen3_coder",
+        "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+        'a <b> "c"\nd\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n'
+        "<function=get_time>\n</function>\n</tool_call>",
+        "Checking.\n",
+        [("get_weather", {"city": 'a <b> "c"\nd'}), ("get_time", {})],
+    ),
+    (
+        "qwen3_coder",
+        "<tool_call><function=get_weather><parameter=city>Oslo</parameter>"
+        "<parameter=days>4</parameter></function></tool_call>",
+        "",
+        [("get_weather", {"city": "Oslo", "days": 4})],
+    ),
+    (
+        "qwen3_coder",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+        [],
+    ),
     # --- pythonic (Llama 3.2 / Llama 4) ---
-    ("pythonic", '[get_weather(city="Paris", days=2, metric=True)]', "",
-     [("get_weather", {"city": "Paris", "days": 2, "metric": True})]),
-    ("pythonic", "<|python_start|>[get_weather(city='Quito, EC'), get_time()]<|python_end|>",
-     "", [("get_weather", {"city": "Quito, EC"}), ("get_time", {})]),
+    (
+        "pythonic",
+        '[get_weather(city="Paris", days=2, metric=True)]',
+        "",
+        [("get_weather", {"city": "Paris", "days": 2, "metric": True})],
+    ),
+    (
+        "pythonic",
+        "<|python_start|>[get_weather(city='Quito, EC'), get_time()]<|python_end|>",
+        "",
+        [("get_weather", {"city": "Quito, EC"}), ("get_time", {})],
+    ),
     ("pythonic", "[1] says it will rain.", "[1] says it will rain.", []),
     ("pythonic", '[get_weather(city="Par', '[get_weather(city="Par', []),
 ]
@@ -177,14 +249,26 @@ def test_an_unclosed_call_streams_then_ends_incomplete_with_its_source() -> None
 
 REASONING_CASES: list[tuple[str, str, str | None, str]] = [
     # DeepSeek-R1: the template opens <think> in the prompt.
-    ("<|Assistant|><think>\n", "Two plus two.\n</think>\n\nIt is 4.", "Two plus two.\n",
-     "It is 4."),
+    (
+        "<|Assistant|><think>\n",
+        "Two plus two.\n</think>\n\nIt is 4.",
+        "Two plus two.\n",
+        "It is 4.",
+    ),
     # Qwen3 / SmolLM3 thinking: the model opens it.
-    ("<|im_start|>assistant\n", "<think>\nHmm </thin k>.\n</think>\n\nHi!", "\nHmm </thin k>.\n",
-     "Hi!"),
+    (
+        "<|im_start|>assistant\n",
+        "<think>\nHmm </thin k>.\n</think>\n\nHi!",
+        "\nHmm </thin k>.\n",
+        "Hi!",
+    ),
     # Qwen3 with thinking off: the template closes an empty block; the output is all answer.
-    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "Hi <think> there", None,
-     "Hi <think> there"),
+    (
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+        "Hi <think> there",
+        None,
+        "Hi <think> there",
+    ),
     ("<|im_start|>assistant\n", "Plain answer.", None, "Plain answer."),
     # Cut by max_tokens while reasoning: all reasoning, no answer.
     ("<think>\n", "Still thinking about </thi", "Still thinking about </thi", ""),
@@ -214,6 +298,7 @@ def test_reasoning_then_tool_calls() -> None:
 
 # --- registry ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(("template", "name"), [
     ("{% for tool in tools %}<tools>{{ tool }}</tools>{% endfor %}<tool_call>", "hermes"),
     ("<tool_call>\n<function=example_function_name>\n<parameter=x>", "qwen3_coder"),
@@ -237,6 +322,7 @@ def test_unknown_names_say_the_choices() -> None:
 
 
 # --- grammars ----------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def matcher_for(tmp_path_factory: pytest.TempPathFactory):
@@ -262,20 +348,23 @@ def matcher_for(tmp_path_factory: pytest.TempPathFactory):
 
 
 GRAMMAR_CASES = [
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-     "</tool_call>"),
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    ),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
-    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis <b>\n"
-     "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"),
+    (
+        "qwen3_coder",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis <b>\n"
+        "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
+    ),
     ("pythonic", '[get_weather(city="Paris", days=2)]'),
 ]
 
 
 @pytest.mark.parametrize(("tool", "call"), GRAMMAR_CASES, ids=[c[0] for c in GRAMMAR_CASES])
-def test_each_format_grammar_accepts_its_calls_and_applies_after_reasoning(
-    matcher_for, tool, call
-):
+def test_each_format_grammar_accepts_its_calls_and_applies_after_reasoning(matcher_for, tool, call):
     parser = tool_call_parser(tool)
     required = parser.grammar(TOOLS, required=True, parallel=True, special_ids={})
     auto = parser.grammar(TOOLS, required=False, parallel=True, special_ids={})

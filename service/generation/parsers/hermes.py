@@ -58,9 +58,7 @@ def special_or_literal(marker: str, special_ids: Mapping[str, int]) -> str:
 def free_text_rule(starts: tuple[str, ...]) -> str:
     """`TEXT`: any text that does not start (after blank space) with one of `starts`."""
     banned = " | ".join(f"/[ \\n]*{_regex_literal(s)}(?s:.*)/" for s in starts)
-    return f"TEXT: /(?s:.+)/ & ~({banned})" if len(starts) > 1 else (
-        f"TEXT: /(?s:.+)/ & ~{banned}"
-    )
+    return f"TEXT: /(?s:.+)/ & ~({banned})" if len(starts) > 1 else (f"TEXT: /(?s:.+)/ & ~{banned}")
 
 
 def _regex_literal(text: str) -> str:
@@ -85,7 +83,9 @@ class HermesParser:
         parallel: bool,
         special_ids: Mapping[str, int],
     ) -> GrammarSpec:
-        open_, close = (special_or_literal(m, special_ids) for m in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE))
+        open_, close = (
+            special_or_literal(m, special_ids) for m in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
+        )
         lines = [
             "start: calls" if required else "start: calls | TEXT",
             'calls: call ("\\n" call)*' if parallel else "calls: call",

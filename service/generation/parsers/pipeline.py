@@ -68,7 +68,9 @@ def _merged(deltas: list[OutputDelta]) -> list[OutputDelta]:
             and last.index == d.index
         ):
             out[-1] = ToolCallArgumentsDelta(d.index, last.text + d.text)
-        elif not (isinstance(d, ContentDelta | ReasoningDelta | ToolCallArgumentsDelta) and not d.text):
+        elif not (
+            isinstance(d, ContentDelta | ReasoningDelta | ToolCallArgumentsDelta) and not d.text
+        ):
             out.append(d)
     return out
 

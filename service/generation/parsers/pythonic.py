@@ -251,7 +251,9 @@ class PythonicStream:
             self._valid = False
         else:
             sep = "{" if not self._arguments else ", "
-            self._emit(out, f"{sep}{json.dumps(self._key)}: {json.dumps(value, ensure_ascii=False)}")
+            self._emit(
+                out, f"{sep}{json.dumps(self._key)}: {json.dumps(value, ensure_ascii=False)}"
+            )
         self._state = "kwarg"
 
     def _on_between(self, out: list[OutputDelta]) -> None:

@@ -89,13 +89,17 @@ class Qwen3CoderParser:
         lines = [
             "start: calls" if required else "start: calls | TEXT",
             'calls: call ("\\n" call)*' if parallel else "calls: call",
-            f'call: {lark_literal(TOOL_CALL_OPEN + chr(10))} function '
-            f'{lark_literal(TOOL_CALL_CLOSE)}',
+            (
+                f"call: {lark_literal(TOOL_CALL_OPEN + chr(10))} function "
+                f"{lark_literal(TOOL_CALL_CLOSE)}"
+            ),
             "function: " + " | ".join(f"function_{i}" for i in range(len(tools))),
             # A string value: any text up to the first close marker (one lexeme, so the mask
             # stays open inside it).
-            'STR_VALUE: /(?s:.*)\\n<\\/parameter>\\n/'
-            ' & ~/(?s:.*)<\\/parameter>(?s:.*)<\\/parameter>(?s:.*)/',
+            (
+                "STR_VALUE: /(?s:.*)\\n<\\/parameter>\\n/"
+                " & ~/(?s:.*)<\\/parameter>(?s:.*)<\\/parameter>(?s:.*)/"
+            ),
         ]
         for i, tool in enumerate(tools):
             lines += _function_rules(i, tool)
@@ -119,7 +123,9 @@ def _function_rules(i: int, tool: FunctionTool) -> list[str]:
         rules.append(f"param_{i}_{j}: {head} {value}")
         body.append(f"param_{i}_{j}" if name in required else f"param_{i}_{j}?")
     opening = lark_literal(f"<function={tool.name}>\n")
-    rules.insert(0, f"function_{i}: {opening} {' '.join(body)} {lark_literal(FUNCTION_CLOSE + chr(10))}")
+    rules.insert(
+        0, f"function_{i}: {opening} {' '.join(body)} {lark_literal(FUNCTION_CLOSE + chr(10))}"
+    )
     return rules
 
 
@@ -225,8 +231,7 @@ class Qwen3CoderStream:
             piece = self._take(len(self._held) - keep)
         else:
             piece = self._take(at)
-            if piece.endswith("\n"):  # the newline before the close tag is layout
-                piece = piece[:-1]
+            piece = piece.removesuffix("\n")  # the newline before the close tag is layout
         if piece:
             self._value += piece
             if self._streaming:
@@ -239,7 +244,9 @@ class Qwen3CoderStream:
         else:
             value = typed_value(self._value, self._props.get(self._key))
             sep = "{" if not self._arguments else ", "
-            self._emit(out, f"{sep}{json.dumps(self._key)}: {json.dumps(value, ensure_ascii=False)}")
+            self._emit(
+                out, f"{sep}{json.dumps(self._key)}: {json.dumps(value, ensure_ascii=False)}"
+            )
         self._state = "params"
 
     def _on_close(self, out: list[OutputDelta]) -> None:

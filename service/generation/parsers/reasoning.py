@@ -69,7 +69,7 @@ class ThinkReasoning:
         body = f"(?s:.*){close}[ \\n]*"
         once = f"~/(?s:.*){close}(?s:.*){close}(?s:.*)/"
         if self.starts_inside(prompt):
-            head = [f"start: THOUGHT answer", f"THOUGHT: /{body}/ & {once}"]
+            head = ["start: THOUGHT answer", f"THOUGHT: /{body}/ & {once}"]
         else:
             head = [
                 "start: THOUGHT answer | answer",

@@ -4,6 +4,7 @@ tool-call format a chat template's own text reveals."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from service.generation.parsers.contracts import ReasoningParser, ToolCallParser
 from service.generation.parsers.hermes import HermesParser
@@ -12,6 +13,9 @@ from service.generation.parsers.mistral import MistralParser
 from service.generation.parsers.pythonic import PythonicParser
 from service.generation.parsers.qwen3_coder import Qwen3CoderParser
 from service.generation.parsers.reasoning import NoReasoning, ThinkReasoning
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 REASONING_PARSERS: dict[str, Callable[[], ReasoningParser]] = {
     "none": NoReasoning,
@@ -64,3 +68,9 @@ def tool_call_parser(name: str, chat_template: str | None = None) -> ToolCallPar
     except KeyError:
         raise KeyError(f"unknown tool-call parser {name!r}; choose one of "
                        f"{', '.join([*TOOL_CALL_PARSERS, AUTO])}") from None  # fmt: skip
+
+
+def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """The tokenizer's special tokens, text -> id (a format's grammar writes its markers as
+    these tokens; the chat path keeps their text for the parser)."""
+    return {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
