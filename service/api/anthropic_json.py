@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -264,8 +264,8 @@ def message_id(request_id: str) -> str:
     return "msg_" + secrets.token_hex(12)
 
 
-def _tool_id(call: ToolCall) -> str:
-    return "toolu_" + call.id.removeprefix("call_")
+def _tool_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
 
 
 def _input(call: ToolCall) -> Any:
@@ -283,9 +283,11 @@ def message_body(message: str, completed: Completed) -> bytes:
     """The message object of a finished (unary) request."""
     choice: Choice = completed.choices[0]
     content: list[dict[str, Any]] = []
+    if choice.reasoning is not None:
+        content.append({"type": "thinking", "thinking": choice.reasoning, "signature": ""})
     if choice.text or not choice.tool_calls:
         content.append({"type": "text", "text": choice.text})
-    content += [{"type": "tool_use", "id": _tool_id(c), "name": c.name, "input": _input(c)}
+    content += [{"type": "tool_use", "id": _tool_id(c.id), "name": c.name, "input": _input(c)}
                 for c in choice.tool_calls]  # fmt: skip
     return _dumps({
         "id": message,
@@ -311,17 +313,17 @@ def _event(kind: str, data: dict[str, Any]) -> bytes:
 @dataclass
 class EventWriter:
     """Anthropic's event sequence of one streamed message: message_start; per content block
-    content_block_start, its deltas (text_delta / input_json_delta), content_block_stop; then
+    (thinking, text, tool_use) content_block_start, its deltas (thinking_delta / text_delta /
+    input_json_delta, the call's arguments as generated), content_block_stop; then
     message_delta (stop_reason, usage) and message_stop."""
 
     message: str
     model: str
     input_tokens: int
     _index: int = -1
-    _text_open: bool = False
+    _open: str | None = None  # kind of the open block: "thinking" | "text" | "tool_use"
     _stop: tuple[str, str | None] | None = None  # (stop_reason, stop_sequence)
     finished: bool = False
-    texts: list[str] = field(default_factory=list)
 
     def start(self) -> bytes:
         return _event("message_start", {"message": {
@@ -331,35 +333,43 @@ class EventWriter:
         }})  # fmt: skip
 
     def _close(self) -> bytes:
-        if not self._text_open:
+        kind, self._open = self._open, None
+        if kind is None:
             return b""
-        self._text_open = False
-        return _event("content_block_stop", {"index": self._index})
+        out = b""
+        if kind == "thinking":  # no signature: the thinking was not signed by this server
+            out = self._delta({"type": "signature_delta", "signature": ""})
+        return out + _event("content_block_stop", {"index": self._index})
 
-    def _open_text(self) -> bytes:
+    def _begin(self, kind: str, block: dict[str, Any]) -> bytes:
+        out = self._close()
         self._index += 1
-        self._text_open = True
-        return _event("content_block_start", {"index": self._index,
-                                              "content_block": {"type": "text", "text": ""}})
+        self._open = kind
+        return out + _event("content_block_start", {"index": self._index, "content_block": block})
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return _event("content_block_delta", {"index": self._index, "delta": delta})
 
     def push(self, event: StreamEvent) -> bytes:
         if isinstance(event, UsageChunk):
             return self._finish(event.usage)
         assert isinstance(event, ChoiceDelta)
         out = b""
+        if event.reasoning:
+            if self._open != "thinking":
+                out += self._begin("thinking", {"type": "thinking", "thinking": "",
+                                                "signature": ""})  # fmt: skip
+            out += self._delta({"type": "thinking_delta", "thinking": event.reasoning})
         if event.text:
-            if not self._text_open:
-                out += self._open_text()
-            out += _event("content_block_delta", {
-                "index": self._index, "delta": {"type": "text_delta", "text": event.text}})
-        for _, call in event.tool_calls:
-            out += self._close()
-            self._index += 1
-            out += _event("content_block_start", {"index": self._index, "content_block": {
-                "type": "tool_use", "id": _tool_id(call), "name": call.name, "input": {}}})
-            out += _event("content_block_delta", {"index": self._index, "delta": {
-                "type": "input_json_delta", "partial_json": call.arguments}})
-            out += _event("content_block_stop", {"index": self._index})
+            if self._open != "text":
+                out += self._begin("text", {"type": "text", "text": ""})
+            out += self._delta({"type": "text_delta", "text": event.text})
+        for chunk in event.tool_calls:
+            if chunk.id is not None:  # a new call: id and name first, then its arguments
+                out += self._begin("tool_use", {"type": "tool_use", "id": _tool_id(chunk.id),
+                                                "name": chunk.name or "", "input": {}})
+            if chunk.arguments and self._open == "tool_use":
+                out += self._delta({"type": "input_json_delta", "partial_json": chunk.arguments})
         if event.finish_reason is not None:
             self._stop = (_stop_reason(event.finish_reason, event.stop_sequence),
                           event.stop_sequence)  # fmt: skip
@@ -368,7 +378,7 @@ class EventWriter:
     def _finish(self, usage: Usage) -> bytes:
         out = b""
         if self._index < 0:  # nothing generated: one empty text block
-            out += self._open_text()
+            out += self._begin("text", {"type": "text", "text": ""})
         out += self._close()
         reason, sequence = self._stop or ("end_turn", None)
         self.finished = True

@@ -288,6 +288,12 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict[st
             "content": content if status == "completed" else []}  # fmt: skip
 
 
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}]
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [],
+            "content": content if status == "completed" else []}  # fmt: skip
+
+
 def _call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
     return {
         "id": "fc_" + call.id.removeprefix("call_"),
@@ -328,8 +334,10 @@ def _response(
 
 
 def output_items(choice: Choice) -> list[dict[str, Any]]:
-    """The output items of a finished choice: its message, then its function calls."""
+    """The output items of a finished choice: its reasoning, its message, then its calls."""
     items = []
+    if choice.reasoning is not None:
+        items.append(_reasoning_item(_hex_id("rs_"), choice.reasoning))
     if choice.text or not choice.tool_calls:
         items.append(_message_item(_hex_id("msg_"), choice.text))
     items += [_call_item(c) for c in choice.tool_calls]
@@ -366,11 +374,24 @@ def not_found_body(response_id: str) -> tuple[int, bytes]:
 
 
 @dataclass
+class _OpenItem:
+    """The output item being streamed: its position, id, kind ("reasoning", "message" or
+    "function_call") and what it has so far (text, or a call's name, call_id and arguments)."""
+
+    index: int
+    item_id: str
+    kind: str
+    text: list[str] = field(default_factory=list)
+    call: ToolCall | None = None
+
+
+@dataclass
 class EventWriter:
     """The semantic event sequence of one streamed response: response.created,
-    response.in_progress, then per output item output_item.added, its deltas, its .done
-    events and output_item.done; finally response.completed (or .incomplete / .failed).
-    Every event carries `sequence_number` from 0."""
+    response.in_progress, then per output item (reasoning, message, function_call) its
+    output_item.added, its deltas (reasoning_text / output_text / function_call_arguments), its
+    .done events and output_item.done; finally response.completed (or .incomplete / .failed).
+    Every event carries `sequence_number` from 0. Tool-call arguments go out as generated."""
 
     response_id: str
     model: str
@@ -378,10 +399,10 @@ class EventWriter:
     created_at: int = field(default_factory=lambda: int(time.time()))
     output: list[dict[str, Any]] = field(default_factory=list)
     text: str = ""  # all output text, for the stored conversation
-    calls: list[ToolCall] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)  # finished calls, in order
     final: dict[str, Any] | None = None  # the response object, once finished
     _sequence: int = 0
-    _open_text: tuple[int, str, list[str]] | None = None  # (output index, item id, deltas)
+    _open: _OpenItem | None = None
     _finish_reason: str | None = None
 
     def _event(self, kind: str, **fields: Any) -> bytes:
@@ -399,50 +420,67 @@ class EventWriter:
             "response.in_progress", response=snapshot
         )
 
-    def _open(self) -> bytes:
-        index, item_id = len(self.output), _hex_id("msg_")
-        self._open_text = (index, item_id, [])
-        self.output.append(_message_item(item_id, "", "in_progress"))
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return self._event(
-            "response.output_item.added", output_index=index, item=self.output[index]
-        ) + self._event("response.content_part.added", item_id=item_id, output_index=index,
-                        content_index=0, part=part)  # fmt: skip
-
-    def _close_text(self) -> bytes:
-        if self._open_text is None:
-            return b""
-        index, item_id, deltas = self._open_text
-        self._open_text = None
-        text = "".join(deltas)
-        item = _message_item(item_id, text)
-        self.output[index] = item
-        part = item["content"][0]
-        return (
-            self._event("response.output_text.done", item_id=item_id, output_index=index,
-                        content_index=0, text=text, logprobs=[])
-            + self._event("response.content_part.done", item_id=item_id, output_index=index,
-                          content_index=0, part=part)
-            + self._event("response.output_item.done", output_index=index, item=item)
-        )  # fmt: skip
-
-    def _call(self, call: ToolCall) -> bytes:
-        out = self._close_text()
+    def _begin(self, kind: str, call: ToolCall | None = None) -> bytes:
+        """Closes the open item and opens a new one of `kind`."""
+        out = self._close()
         index = len(self.output)
-        self.output.append(_call_item(call, "in_progress"))
-        item_id = self.output[index]["id"]
-        done = _call_item(call)
-        self.output[index] = done
-        self.calls.append(call)
-        return out + (
-            self._event("response.output_item.added", output_index=index,
-                        item=_call_item(call, "in_progress"))
-            + self._event("response.function_call_arguments.delta", item_id=item_id,
-                          output_index=index, delta=call.arguments)
-            + self._event("response.function_call_arguments.done", item_id=item_id,
-                          output_index=index, name=call.name, arguments=call.arguments)
-            + self._event("response.output_item.done", output_index=index, item=done)
+        if kind == "function_call":
+            assert call is not None
+            item = _call_item(call, "in_progress")
+            self._open = _OpenItem(index, item["id"], kind, call=call)
+            self.output.append(item)
+            return out + self._event("response.output_item.added", output_index=index, item=item)
+        prefix, part = ("rs_", "reasoning_text") if kind == "reasoning" else ("msg_", "output_text")
+        self._open = _OpenItem(index, _hex_id(prefix), kind)
+        item = (_reasoning_item(self._open.item_id, "", "in_progress") if kind == "reasoning"
+                else _message_item(self._open.item_id, "", "in_progress"))  # fmt: skip
+        self.output.append(item)
+        empty = {"type": part, "text": ""} | ({"annotations": [], "logprobs": []}
+                                               if part == "output_text" else {})  # fmt: skip
+        return out + self._event(
+            "response.output_item.added", output_index=index, item=item
+        ) + self._event("response.content_part.added", item_id=self._open.item_id,
+                        output_index=index, content_index=0, part=empty)  # fmt: skip
+
+    def _close(self) -> bytes:
+        item, self._open = self._open, None
+        if item is None:
+            return b""
+        at = {"item_id": item.item_id, "output_index": item.index}
+        if item.kind == "function_call":
+            assert item.call is not None
+            call = replace(item.call, arguments="".join(item.text))
+            self.calls.append(call)
+            done = _call_item(call)
+            self.output[item.index] = done
+            return self._event("response.function_call_arguments.done", name=call.name,
+                               arguments=call.arguments, **at) + self._event(
+                "response.output_item.done", output_index=item.index, item=done)  # fmt: skip
+        text = "".join(item.text)
+        if item.kind == "reasoning":
+            done = _reasoning_item(item.item_id, text)
+            kind, extra = "response.reasoning_text.done", {}
+        else:
+            done = _message_item(item.item_id, text)
+            kind, extra = "response.output_text.done", {"logprobs": []}
+        self.output[item.index] = done
+        return (
+            self._event(kind, content_index=0, text=text, **extra, **at)
+            + self._event("response.content_part.done", content_index=0,
+                          part=done["content"][0], **at)
+            + self._event("response.output_item.done", output_index=item.index, item=done)
         )  # fmt: skip
+
+    def _text(self, kind: str, text: str) -> bytes:
+        out = b"" if self._open is not None and self._open.kind == kind else self._begin(kind)
+        item = self._open
+        assert item is not None
+        item.text.append(text)
+        event = "response.reasoning_text.delta" if kind == "reasoning" else (
+            "response.output_text.delta")  # fmt: skip
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return out + self._event(event, item_id=item.item_id, output_index=item.index,
+                                 content_index=0, delta=text, **extra)  # fmt: skip
 
     def push(self, event: StreamEvent) -> bytes:
         """The events for one engine event (empty bytes when it adds nothing)."""
@@ -450,17 +488,20 @@ class EventWriter:
             return self._finish(event.usage)
         assert isinstance(event, ChoiceDelta)
         out = b""
+        if event.reasoning:
+            out += self._text("reasoning", event.reasoning)
         if event.text:
-            if self._open_text is None:
-                out += self._open()
-            index, item_id, deltas = self._open_text  # type: ignore[misc]
-            deltas.append(event.text)
             self.text += event.text
-            out += self._event("response.output_text.delta", item_id=item_id,
-                               output_index=index, content_index=0, delta=event.text,
-                               logprobs=[])  # fmt: skip
-        for _, call in event.tool_calls:
-            out += self._call(call)
+            out += self._text("message", event.text)
+        for chunk in event.tool_calls:
+            if chunk.id is not None:  # a new call: id and name first
+                out += self._begin("function_call", ToolCall(chunk.id, chunk.name or "", ""))
+            item = self._open
+            if chunk.arguments and item is not None and item.kind == "function_call":
+                item.text.append(chunk.arguments)
+                out += self._event("response.function_call_arguments.delta",
+                                   item_id=item.item_id, output_index=item.index,
+                                   delta=chunk.arguments)  # fmt: skip
         if event.finish_reason is not None:
             self._finish_reason = event.finish_reason
         return out
@@ -468,8 +509,8 @@ class EventWriter:
     def _finish(self, usage: Usage) -> bytes:
         out = b""
         if not self.output:  # nothing generated: an empty message, as OpenAI answers
-            out += self._open()
-        out += self._close_text()
+            out += self._begin("message")
+        out += self._close()
         final = self._snapshot("completed", usage=usage, finish_reason=self._finish_reason)
         self.final = final
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"

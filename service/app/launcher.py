@@ -205,6 +205,21 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
         "router",
     ),
     PassThrough(
+        "--reasoning-parser",
+        str,
+        ("REASONING_PARSER",),
+        "think | none: split <think> reasoning into reasoning_content (default none)",
+        "router",
+    ),
+    PassThrough(
+        "--tool-call-parser",
+        str,
+        ("TOOL_CALL_PARSER",),
+        "hermes | llama3_json | mistral | qwen3_coder | pythonic | auto (default auto: from "
+        "the chat template, else hermes)",
+        "router",
+    ),
+    PassThrough(
         "--json-output", None, ("JSON_OUTPUT",), "structured JSON logs", "router", is_bool=True
     ),
     # Router and shards (and Envoy, with --http-port).

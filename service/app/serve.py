@@ -15,7 +15,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from service.api.anthropic_servicer import AnthropicServicer
 from service.api.openai_servicer import OpenAIServicer
@@ -28,7 +28,12 @@ from service.engine.backend import ShardRpcError
 from service.engine.contracts import Engine, EngineStats
 from service.generation.chat_template import ChatTemplate
 from service.generation.grammar import GrammarCompiler
-from service.generation.openai import OpenAIEndpoints
+from service.generation.openai import OpenAIEndpoints, OutputParsers
+from service.generation.parsers.registry import (
+    reasoning_parser,
+    special_token_ids,
+    tool_call_parser,
+)
 from service.generation.response_store import ResponseStore
 from service.generation.responses import ResponsesEndpoints
 from service.generation.service import Admission, GenerationService, ServerInfo
@@ -37,6 +42,9 @@ from service.generation.tokenization import TokenizerPool
 from service.generation.validation import Validator
 from service.observability.metrics import MetricsServer, ServerMetrics
 from service.observability.tracing import setup_tracing
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 _log = logging.getLogger("tokenwire.router")
 
@@ -191,6 +199,7 @@ async def serve(
             model_id=info.model_id,
             system_fingerprint=f"tokenwire-{info.version}",
             chat_template=chat_template,
+            parsers=output_parsers(args, chat_template, tokenizer.tokenizer),
         )
         openai_servicer.attach(chat_endpoints)
         anthropic_servicer.attach(chat_endpoints)
@@ -293,3 +302,14 @@ def _tokenizer_path(args: argparse.Namespace, shard_model_id: str) -> Path:
     from shard.tools.download import resolve_model
 
     return resolve_model(args.model_id or shard_model_id)
+
+
+def output_parsers(
+    args: argparse.Namespace, chat_template: ChatTemplate, tokenizer: Tokenizer
+) -> OutputParsers:
+    """The reasoning and tool-call parsers of --reasoning-parser / --tool-call-parser ("auto"
+    reads the chat template)."""
+    tools = tool_call_parser(args.tool_call_parser, chat_template.source())
+    _log.info("reasoning parser %s, tool-call parser %s", args.reasoning_parser, tools.name)
+    return OutputParsers(reasoning_parser(args.reasoning_parser), tools,
+                         special_token_ids(tokenizer))  # fmt: skip

@@ -15,6 +15,7 @@ from service.generation.openai import (
     ChoiceDelta,
     OpenAIEndpoints,
     ToolCall,
+    ToolCallChunk,
     Usage,
     UsageChunk,
 )
@@ -127,9 +128,11 @@ def test_responses_event_writer_sequence() -> None:
     writer = responses_json.EventWriter("resp_1", "m", {"store": True}, 0)
     data = writer.start()
     data += writer.push(ChoiceDelta(0, "", first=True))
+    data += writer.push(ChoiceDelta(0, "", reasoning="think"))
     data += writer.push(ChoiceDelta(0, "Hel"))
     data += writer.push(ChoiceDelta(0, "lo"))
-    data += writer.push(ChoiceDelta(0, "", tool_calls=((0, ToolCall("call_9", "f", '{"a":1}')),)))
+    data += writer.push(ChoiceDelta(0, "", tool_calls=(ToolCallChunk(0, "call_9", "f", '{"a"'),)))
+    data += writer.push(ChoiceDelta(0, "", tool_calls=(ToolCallChunk(0, None, None, ':1}'),)))
     data += writer.push(ChoiceDelta(0, "", finish_reason="tool_calls"))
     data += writer.push(UsageChunk(Usage(3, 4)))
     events = _events(data)
@@ -137,35 +140,62 @@ def test_responses_event_writer_sequence() -> None:
     assert kinds == [
         "response.created", "response.in_progress",
         "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
         "response.output_text.delta", "response.output_text.delta",
         "response.output_text.done", "response.content_part.done", "response.output_item.done",
         "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
         "response.function_call_arguments.done", "response.output_item.done",
         "response.completed",
     ]  # fmt: skip
     assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
     assert all(e["type"] == k for k, e in events)
     final = events[-1][1]["response"]
-    assert [i["type"] for i in final["output"]] == ["message", "function_call"]
-    assert final["output"][0]["content"][0]["text"] == "Hello"
-    assert final["output"][1]["arguments"] == '{"a":1}' and final["usage"]["total_tokens"] == 7
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message", "function_call"]
+    assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "think"}]
+    assert final["output"][1]["content"][0]["text"] == "Hello"
+    assert final["output"][2]["arguments"] == '{"a":1}' and final["usage"]["total_tokens"] == 7
     assert writer.final == final and writer.text == "Hello"
+    assert writer.calls == [ToolCall("call_9", "f", '{"a":1}')]
 
 
 def test_messages_event_writer_sequence_and_stop_reason() -> None:
     writer = anthropic_json.EventWriter("msg_1", "m", 5)
     data = writer.start() + writer.push(ChoiceDelta(0, "", first=True))
+    data += writer.push(ChoiceDelta(0, "", reasoning="hm"))
     data += writer.push(ChoiceDelta(0, "ok"))
     data += writer.push(ChoiceDelta(0, "", finish_reason="stop", stop_sequence="END"))
     data += writer.push(UsageChunk(Usage(5, 2)))
     events = _events(data)
     assert [k for k, _ in events] == [
-        "message_start", "content_block_start", "content_block_delta", "content_block_stop",
+        "message_start", "content_block_start", "content_block_delta", "content_block_delta",
+        "content_block_stop", "content_block_start", "content_block_delta", "content_block_stop",
         "message_delta", "message_stop",
     ]  # fmt: skip
     assert events[0][1]["message"]["usage"]["input_tokens"] == 5
-    assert events[4][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
-    assert events[4][1]["usage"] == {"output_tokens": 2}
+    assert events[1][1]["content_block"]["type"] == "thinking"
+    assert events[2][1]["delta"] == {"type": "thinking_delta", "thinking": "hm"}
+    assert events[6][1] == {"type": "content_block_delta", "index": 1,
+                            "delta": {"type": "text_delta", "text": "ok"}}  # fmt: skip
+    assert events[8][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    assert events[8][1]["usage"] == {"output_tokens": 2}
+
+
+def test_messages_event_writer_streams_tool_arguments() -> None:
+    writer = anthropic_json.EventWriter("msg_1", "m", 5)
+    data = writer.push(ChoiceDelta(0, "", tool_calls=(ToolCallChunk(0, "call_1", "f", ""),)))
+    data += writer.push(ChoiceDelta(0, "", tool_calls=(ToolCallChunk(0, None, None, '{"a":'),)))
+    data += writer.push(ChoiceDelta(0, "", tool_calls=(ToolCallChunk(0, None, None, "1}"),)))
+    data += writer.push(ChoiceDelta(0, "", finish_reason="tool_calls"))
+    data += writer.push(UsageChunk(Usage(5, 3)))
+    events = _events(data)
+    assert events[0][1]["content_block"] == {"type": "tool_use", "id": "toolu_1", "name": "f",
+                                             "input": {}}  # fmt: skip
+    pieces = [e["delta"]["partial_json"] for k, e in events if k == "content_block_delta"]
+    assert pieces == ['{"a":', "1}"]
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
 
 
 def test_store_evicts_least_recently_used_then_expires() -> None:

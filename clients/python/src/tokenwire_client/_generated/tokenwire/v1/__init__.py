@@ -287,7 +287,15 @@ class ChatDelta(betterproto2.Message):
         40, betterproto2.TYPE_MESSAGE, repeated=True
     )
     """
-    Tool calls completed since the previous chunk (each whole: id, name and arguments).
+    Tool-call pieces generated since the previous chunk: a call's first piece carries its id,
+    type and name; the next ones only more of its arguments' JSON text.
+    """
+
+    reasoning_content: "str | None" = betterproto2.field(
+        41, betterproto2.TYPE_STRING, optional=True
+    )
+    """
+    Reasoning text generated since the previous chunk (--reasoning-parser).
     """
 
 
@@ -323,6 +331,13 @@ class ChatMessage(betterproto2.Message):
     tool_calls: "list[ToolCall]" = betterproto2.field(40, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     For role "assistant": the functions it called (then `content` may be empty).
+    """
+
+    reasoning_content: "str | None" = betterproto2.field(
+        41, betterproto2.TYPE_STRING, optional=True
+    )
+    """
+    For role "assistant" in a reply: the reasoning split off the answer (--reasoning-parser).
     """
 
 
