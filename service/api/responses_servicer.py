@@ -23,6 +23,7 @@ from service.api.openai_json import error_body
 from service.api.openai_servicer import HTTP_STATUS_HEADER
 from service.api.status import is_domain_error
 from service.engine.contracts import ShardUnavailableError
+from service.generation.errors import ValidationError
 from service.generation.openai import ChatMessage
 from service.generation.responses import ResponsesEndpoints, new_response_id, output_message
 
@@ -85,7 +86,7 @@ class ResponsesServicer(responses_pb2_grpc.ResponsesServiceServicer):
             if writer is not None:
                 yield HttpBody(content_type=responses_json.EVENT_STREAM, data=writer.failed(error))
                 return
-            status, body = error_body(error)
+            status, body = error_body(_as_input(error))
             set_response_header(HTTP_STATUS_HEADER, str(status))
             yield HttpBody(content_type=responses_json.JSON, data=body)
 
@@ -111,3 +112,10 @@ class ResponsesServicer(responses_pb2_grpc.ResponsesServiceServicer):
         yield HttpBody(
             content_type=responses_json.JSON, data=responses_json.deleted_body(request.response_id)
         )
+
+
+def _as_input(error: Exception) -> Exception:
+    """The chat path names the conversation `messages`; here it is `input`."""
+    if isinstance(error, ValidationError) and error.field == "messages":
+        return ValidationError("input", str(error).replace("messages", "input"))
+    return error

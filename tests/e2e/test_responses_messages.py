@@ -146,7 +146,7 @@ def test_responses_two_turn_tool_conversation(oai: openai.OpenAI) -> None:
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
         max_output_tokens=4, **GREEDY,
     ) as stream:  # fmt: skip
-        second = [e.response for e in stream if e.type == "response.incomplete"][0]
+        second = next(e.response for e in stream if e.type == "response.incomplete")
     assert second.previous_response_id == first.id
     assert [item.type for item in second.output] == ["message"]
     # The second prompt holds the question, the call and the tool's answer: more than the

@@ -10,6 +10,7 @@ from typing import Any, Self
 from grpclib.client import Channel
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
+from ._agents import json_reply_async, request_body, sse_events_async
 from ._errors import (
     DeadlineExceededError,
     TokenwireError,
@@ -17,20 +18,19 @@ from ._errors import (
     error_for_event,
     error_for_status,
 )
-from ._agents import json_reply_async, request_body, sse_events_async
 from ._generated.tokenwire.v1 import (
     AnthropicServiceStub,
-    DeleteResponseRequest,
-    GetResponseRequest,
-    ResponsesServiceStub,
     ChatMessage,
     ChatResponse,
     CompletionResponse,
+    DeleteResponseRequest,
     GenerateRequest,
     GenerateResponse,
     GenerateStreamResponse,
+    GetResponseRequest,
     InfoResponse,
     OpenAiServiceStub,
+    ResponsesServiceStub,
     TextGenerationStub,
 )
 from ._request import (
