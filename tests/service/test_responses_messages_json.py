@@ -235,3 +235,22 @@ def test_previous_response_id_prepends_the_stored_conversation() -> None:
     with pytest.raises(ValidationError) as caught:
         endpoints.conversation(missing.request)
     assert caught.value.field == "previous_response_id"
+
+
+def test_unary_bodies_carry_reasoning_and_calls() -> None:
+    from service.generation.openai import Choice, Completed, ResponseHeader
+
+    call = ToolCall("call_7", "f", '{"a": 1}')
+    choice = Choice(0, "", "tool_calls", None, (call,), reasoning="why")
+    completed = Completed(ResponseHeader("chatcmpl-1", 0, "m", "fp"), (choice,), Usage(4, 6))
+    body = responses_json.response_body("resp_1", {"store": True}, completed)
+    assert [i["type"] for i in body["output"]] == ["reasoning", "function_call"]
+    assert body["output"][0]["content"] == [{"type": "reasoning_text", "text": "why"}]
+    assert body["output"][1]["call_id"] == "call_7" and body["status"] == "completed"
+    message = json.loads(anthropic_json.message_body("msg_1", completed))
+    assert message["content"] == [
+        {"type": "thinking", "thinking": "why", "signature": ""},
+        {"type": "tool_use", "id": "toolu_7", "name": "f", "input": {"a": 1}},
+    ]
+    assert message["stop_reason"] == "tool_use"
+    assert message["usage"] == {"input_tokens": 4, "output_tokens": 6}
