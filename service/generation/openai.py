@@ -123,6 +123,7 @@ class SamplingRequest:
     include_usage: bool = False
     logprobs: bool = False
     top_logprobs: int | None = None
+    tool_calls: bool = False  # the output is parsed for tool calls (set by chat, not clients)
 
 
 @dataclass(frozen=True)
@@ -436,8 +437,9 @@ class OpenAIEndpoints:
         self, request: ChatRequest, *, request_id: str, deadline: float | None
     ) -> Completed:
         generate = await _openai_errors(self._chat_input(request), "messages")
+        params = replace(request.params, tool_calls=bool(_active_tools(request)))
         return await self._complete(
-            generate, request.params, "chatcmpl", CHAT_COMPLETIONS, request_id, deadline,
+            generate, params, "chatcmpl", CHAT_COMPLETIONS, request_id, deadline,
             self._parsing(request, generate),
         )
 
@@ -530,7 +532,8 @@ class OpenAIEndpoints:
         returns the stream's header and its events."""
         generate = await _openai_errors(self._chat_input(request), "messages")
         header = self._header("chatcmpl", request_id, generate.adapter_id)
-        events = self._stream(generate, request.params, CHAT_COMPLETIONS_STREAM, request_id, deadline,
+        params = replace(request.params, tool_calls=bool(_active_tools(request)))
+        events = self._stream(generate, params, CHAT_COMPLETIONS_STREAM, request_id, deadline,
                               parsing=self._parsing(request, generate))  # fmt: skip
         return header, events
 
