@@ -213,12 +213,16 @@ def test_ten_tool_calling_conversations_return_calls_that_validate(
             assert call.type == "function" and call.id.startswith("call_")
             assert call.function.name in allowed
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-    # Streamed: each call arrives whole in a delta.tool_calls entry; the same calls as unary.
+    # Streamed: a call's first piece carries its id and name, the next ones more of its
+    # arguments; joined, the same calls as unary.
     calls: dict[int, tuple[str, str]] = {}
     for chunk in chunks:
         for delta in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
-            assert delta.id.startswith("call_") and delta.type == "function"
-            calls[delta.index] = (delta.function.name, delta.function.arguments)
+            if delta.index not in calls:
+                assert delta.id.startswith("call_") and delta.type == "function"
+                calls[delta.index] = (delta.function.name, "")
+            name, arguments = calls[delta.index]
+            calls[delta.index] = (name, arguments + (delta.function.arguments or ""))
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     unary = replies[0].choices[0].message.tool_calls

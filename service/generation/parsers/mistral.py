@@ -92,9 +92,13 @@ class MistralStream:
     def feed(self, text: str) -> list[OutputDelta]:
         self._held += text
         out: list[OutputDelta] = []
+        steps = {
+            "text": self._on_text, "opened": self._on_opened, "list": self._on_list,
+            "name": self._on_name, "args": self._on_args,
+        }  # fmt: skip
         while self._held:
             before = (self._state, len(self._held))
-            getattr(self, f"_on_{self._state}")(out)
+            steps[self._state](out)
             if (self._state, len(self._held)) == before:
                 break  # waiting for more text
         return [d for d in out if not isinstance(d, ContentDelta) or d.text]

@@ -117,6 +117,10 @@ def _function_rules(i: int, tool: FunctionTool) -> list[str]:
         head = lark_literal(f"<parameter={name}>\n")
         if _is_string(schema) and set(schema) <= _STRING_ONLY and "enum" not in schema:
             value = "STR_VALUE"
+        elif _is_string(schema) and isinstance(schema.get("enum"), list):
+            # One of the listed strings, written raw as every string value is.
+            choices = " | ".join(lark_literal(str(v)) for v in schema["enum"])
+            value = f'({choices}) "\\n</parameter>\\n"'
         else:
             doc = {**schema, "x-guidance": JSON_OPTIONS}
             value = f'%json {json.dumps(doc)} "\\n</parameter>\\n"'
