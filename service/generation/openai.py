@@ -242,10 +242,16 @@ class _Parsing:
     def tool_parser(self) -> ToolCallParser | None:
         return self.parsers.tools if self.tools else None
 
+    @property
+    def markers(self) -> frozenset[str]:
+        """Texts of the special tokens the parsers read (other special tokens are dropped)."""
+        parser = self.tool_parser
+        tools = parser.markers if parser is not None else frozenset()
+        return self.parsers.reasoning.markers | tools
+
     def keeps(self, token: TokenInfo) -> bool:
         """Whether a special token's text is part of what the parsers read."""
-        parser = self.tool_parser
-        return parser is not None and token.text in parser.markers
+        return token.text in self.markers
 
     def stream(self) -> OutputStream:
         return OutputStream(self.parsers.reasoning, self.tool_parser, prompt=self.prompt,
@@ -499,8 +505,8 @@ class OpenAIEndpoints:
         parsing: _Parsing | None = None,
     ) -> Choice:
         text = seq.generated_text
-        if parsing is not None and parsing.tool_parser is not None and parsing.tool_parser.markers:
-            # The format's marker tokens are special tokens: read them too.
+        if parsing is not None and parsing.markers:
+            # A format's marker tokens may be special tokens: read them too.
             text = "".join(t.text for t in seq.tokens if not t.special or parsing.keeps(t))
         if seq.finish_reason is FinishReason.STOP_SEQUENCE:
             cut = cut_at_stop(text, params.stop)

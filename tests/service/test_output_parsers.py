@@ -12,6 +12,7 @@ recorded calls and reject a broken one."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -393,3 +394,40 @@ def test_json_schema_applies_after_the_reasoning_ends(matcher_for):
     outside = think.constrain(spec, "<|im_start|>assistant\n")
     assert matcher_for(outside, '{"x": 1}') and matcher_for(outside, '<think>a</think>{"x": 1}')
     assert reasoning_parser("none").constrain(spec, "<think>") == spec
+
+
+def test_markers_that_are_special_tokens_are_written_as_those_tokens(tmp_path: Path) -> None:
+    """Mistral v11 (`[TOOL_CALLS]` and `[ARGS]` special tokens): the grammar asks for the
+    tokens themselves, not their spelling in ordinary tokens."""
+    import tokenizers
+    from llguidance import LLMatcher, LLTokenizer
+
+    from service.generation.parsers.registry import special_token_ids
+    from tests.helpers.models import write_tokenizer_dir
+
+    path = write_tokenizer_dir(tmp_path) / "tokenizer.json"
+    tokenizer = tokenizers.Tokenizer.from_file(str(path))
+    tokenizer.add_special_tokens(["[TOOL_CALLS]", "[ARGS]"])
+    special = special_token_ids(tokenizer)
+    calls, args = special["[TOOL_CALLS]"], special["[ARGS]"]
+    ll = LLTokenizer(tokenizer.to_str(), n_vocab=tokenizer.get_vocab_size(), eos_token=0)
+    spec = tool_call_parser("mistral").grammar(TOOLS, required=True, parallel=False,
+                                               special_ids=special)  # fmt: skip
+    assert f"<[{calls}]>" in spec.source and f"<[{args}]>" in spec.source
+
+    def accepts(ids: list[int]) -> bool:
+        matcher = LLMatcher(ll, LLMatcher.grammar_from_lark(spec.source), log_level=0)
+        return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+    def text(s: str) -> list[int]:
+        return tokenizer.encode(s, add_special_tokens=False).ids
+
+    good = [calls, *text("get_weather"), args, *text('{"city": "Paris"}')]
+    assert accepts(good)
+    spelled = [*text("["), *text("TOOL_CALLS"), *text("]"), *good[1:]]  # ordinary tokens
+    assert calls not in spelled and not accepts(spelled)
+    # The chat path keeps the markers' text, so the parser reads the call back.
+    decoded = "".join(tokenizer.decode([i], skip_special_tokens=False) for i in good)
+    (call,) = parse_output(decoded, reasoning_parser("none"), tool_call_parser("mistral"),
+                           prompt="", tools=TOOLS).tool_calls  # fmt: skip
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
