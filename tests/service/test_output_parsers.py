@@ -96,8 +96,8 @@ CASES: list[tuple[str, str, str, Calls]] = [
     ),
     (
         "llama3_json",
-        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima"}}; '
-        '{"name": "get_time", "parameters": {}}',
+        ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima"}}; '
+        '{"name": "get_time", "parameters": {}}'),
         "",
         [("get_weather", {"city": "Lima"}), ("get_time", {})],
     ),
@@ -111,8 +111,8 @@ CASES: list[tuple[str, str, str, Calls]] = [
     # --- mistral, tokenizer < v11 and v11+ ---
     (
         "mistral",
-        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
-        '{"name": "get_time", "arguments": {}}]',
+        ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {}}]'),
         "",
         [("get_weather", {"city": "Paris"}), ("get_time", {})],
     ),
@@ -133,24 +133,24 @@ CASES: list[tuple[str, str, str, Calls]] = [
     # --- qwen3_coder ---
     (
         "qwen3_coder",
-        "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n"
+        ("<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n"
         "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\nfalse\n"
-        "</parameter>\n</function>\n</tool_call>",
+        "</parameter>\n</function>\n</tool_call>"),
         "",
         [("get_weather", {"city": "San Francisco", "days": 3, "metric": False})],
     ),
     (
         "qwen3_coder",
-        "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+        ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
         'a <b> "c"\nd\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n'
-        "<function=get_time>\n</function>\n</tool_call>",
+        "<function=get_time>\n</function>\n</tool_call>"),
         "Checking.\n",
         [("get_weather", {"city": 'a <b> "c"\nd'}), ("get_time", {})],
     ),
     (
         "qwen3_coder",
-        "<tool_call><function=get_weather><parameter=city>Oslo</parameter>"
-        "<parameter=days>4</parameter></function></tool_call>",
+        ("<tool_call><function=get_weather><parameter=city>Oslo</parameter>"
+        "<parameter=days>4</parameter></function></tool_call>"),
         "",
         [("get_weather", {"city": "Oslo", "days": 4})],
     ),
@@ -357,8 +357,8 @@ GRAMMAR_CASES = [
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
     (
         "qwen3_coder",
-        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis <b>\n"
-        "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
+        ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis <b>\n"
+        "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"),
     ),
     ("pythonic", '[get_weather(city="Paris", days=2)]'),
 ]
