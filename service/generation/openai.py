@@ -26,6 +26,7 @@ from service.generation.parsers.contracts import (
     ReasoningDelta,
     ReasoningParser,
     ToolCallArgumentsDelta,
+    ToolCallEnd,
     ToolCallParser,
     ToolCallStart,
 )
@@ -602,7 +603,7 @@ class OpenAIEndpoints:
         )
         trimmer = StopTrimmer(params.stop)
         parser = parsing.stream() if parsing is not None else None
-        called = False  # some tool call started
+        called = False  # some tool call completed
         first = True
         prompt_param = "messages" if method == CHAT_COMPLETIONS_STREAM else "prompt"
         async with aclosing(items):
@@ -670,8 +671,9 @@ class _ChunkText:
         self.logprobs: list[TokenLogprob] = []
 
     def add(self, deltas: list[OutputDelta]) -> bool:
-        """Takes parser deltas; True when a tool call started among them."""
-        started = False
+        """Takes parser deltas; True when a tool call completed among them (the choice then
+        finishes "tool_calls", as its unary answer would)."""
+        completed = False
         for d in deltas:
             if isinstance(d, ContentDelta):
                 self.texts.append(d.text)
@@ -679,15 +681,16 @@ class _ChunkText:
                 self.reasoning.append(d.text)
             elif isinstance(d, ToolCallStart):
                 self.calls.append(ToolCallChunk(d.index, d.id, d.name, ""))
-                started = True
             elif isinstance(d, ToolCallArgumentsDelta):
                 last = self.calls[-1] if self.calls else None
                 if last is not None and last.index == d.index:
                     self.calls[-1] = replace(last, arguments=last.arguments + d.text)
                 else:
                     self.calls.append(ToolCallChunk(d.index, None, None, d.text))
-            # ToolCallEnd: nothing more to send (an incomplete call's pieces are already out)
-        return started
+            elif isinstance(d, ToolCallEnd):
+                # Nothing more to send (an incomplete call's pieces are already out).
+                completed |= d.complete
+        return completed
 
     @property
     def empty(self) -> bool:
