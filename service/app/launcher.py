@@ -253,6 +253,20 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
         "shard",
     ),
     PassThrough(
+        "--responses-store-size",
+        int,
+        ("RESPONSES_STORE_SIZE",),
+        "OpenAI Responses kept for previous_response_id (1024; 0: none)",
+        "router",
+    ),
+    PassThrough(
+        "--responses-store-ttl",
+        float,
+        ("RESPONSES_STORE_TTL",),
+        "seconds a stored Response is kept (3600)",
+        "router",
+    ),
+    PassThrough(
         "--kv-cache-memory-mb",
         int,
         ("KV_CACHE_MEMORY_MB",),

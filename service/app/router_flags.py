@@ -94,7 +94,36 @@ def _shard_flags(a: _AddArgument) -> None:
     )
 
 
+def _responses_store_size(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--responses-store-size must be >= 0 (got {value})")
+    return value
+
+
+def _responses_store_ttl(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--responses-store-ttl must be > 0 (got {value})")
+    return value
+
+
 def _request_limit_flags(a: _AddArgument) -> None:
+    a(
+        "--responses-store-size",
+        type=_responses_store_size,
+        default=_responses_store_size(env_value("RESPONSES_STORE_SIZE") or "1024"),
+        help="OpenAI Responses kept in memory for previous_response_id and GET "
+        "/v1/responses/{id}, per router process; the least recently used goes first when full "
+        "(counted in tokenwire_responses_store_evictions{reason=\"size\"}); 0 stores none "
+        "[RESPONSES_STORE_SIZE] (default 1024)",
+    )
+    a(
+        "--responses-store-ttl",
+        type=_responses_store_ttl,
+        default=_responses_store_ttl(env_value("RESPONSES_STORE_TTL") or "3600"),
+        help="seconds a stored Response is kept [RESPONSES_STORE_TTL] (default 3600)",
+    )
     a(
         "--max-concurrent-requests",
         type=int,

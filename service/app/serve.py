@@ -17,7 +17,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from service.api.anthropic_servicer import AnthropicServicer
 from service.api.openai_servicer import OpenAIServicer
+from service.api.responses_servicer import ResponsesServicer
 from service.api.server import build_server
 from service.api.servicer import HealthReporter, TextGenerationServicer
 from service.app.engine_source import EngineSource, ShardEngineSource, ShardLink
@@ -32,6 +34,8 @@ from service.generation.parsers.registry import (
     special_token_ids,
     tool_call_parser,
 )
+from service.generation.response_store import ResponseStore
+from service.generation.responses import ResponsesEndpoints
 from service.generation.service import Admission, GenerationService, ServerInfo
 from service.generation.text_stream import RouterText
 from service.generation.tokenization import TokenizerPool
@@ -88,6 +92,8 @@ async def serve(
     tracing = setup_tracing(args.otlp_endpoint, f"{args.otlp_service_name}.router")
     servicer = TextGenerationServicer(None, health_reporter)
     openai_servicer = OpenAIServicer()
+    responses_servicer = ResponsesServicer()
+    anthropic_servicer = AnthropicServicer()
     server, port = build_server(
         servicer,
         health_reporter,
@@ -96,6 +102,8 @@ async def serve(
         api_key=args.api_key,
         reuse_port=reuse_port,
         openai=openai_servicer,
+        responses=responses_servicer,
+        anthropic=anthropic_servicer,
         tracing=tracing,
     )
     await server.start()
@@ -186,15 +194,22 @@ async def serve(
             speculate=args.speculate,
         )
         servicer.attach(service, info, tokenizer)
-        openai_servicer.attach(
-            OpenAIEndpoints(
-                service,
-                model_id=info.model_id,
-                system_fingerprint=f"tokenwire-{info.version}",
-                chat_template=chat_template,
-                parsers=output_parsers(args, chat_template, tokenizer.tokenizer),
-            )
+        chat_endpoints = OpenAIEndpoints(
+            service,
+            model_id=info.model_id,
+            system_fingerprint=f"tokenwire-{info.version}",
+            chat_template=chat_template,
+            parsers=output_parsers(args, chat_template, tokenizer.tokenizer),
         )
+        openai_servicer.attach(chat_endpoints)
+        anthropic_servicer.attach(chat_endpoints)
+        store = ResponseStore(
+            args.responses_store_size,
+            args.responses_store_ttl,
+            on_evict=metrics.observe_response_eviction,
+        )
+        metrics.responses_stored.set_function(lambda: len(store))
+        responses_servicer.attach(ResponsesEndpoints(chat_endpoints, store))
         await grammars.ready()
         await health_reporter.set_ready()
         _log.info(

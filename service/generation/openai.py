@@ -173,6 +173,7 @@ class Choice:
     logprobs: tuple[TokenLogprob, ...] | None  # None: not asked for
     tool_calls: tuple[ToolCall, ...] = ()  # with no text, the message's content is null
     reasoning: str | None = None  # the reasoning split off the answer (--reasoning-parser)
+    stop_sequence: str | None = None  # the stop string that ended it (Anthropic reports it)
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,8 @@ class ResponseHeader:
     created: int
     model: str
     system_fingerprint: str
+    # Tokens of the rendered prompt, known before the first chunk (chat streams only).
+    prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,7 @@ class ChoiceDelta:
     logprobs: tuple[TokenLogprob, ...] | None = None
     tool_calls: tuple[ToolCallChunk, ...] = ()  # tool-call pieces generated since the last chunk
     reasoning: str = ""  # reasoning text generated since the last chunk
+    stop_sequence: str | None = None  # on the finish chunk: the stop string that ended it
 
 
 @dataclass(frozen=True)
@@ -278,6 +282,7 @@ class StopTrimmer:
         self._stops = stops
         self._pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string found
 
     def push(self, text: str) -> str:
         """Appends generated text; returns what can be sent now."""
@@ -289,6 +294,7 @@ class StopTrimmer:
         cut = cut_at_stop(pending, self._stops)
         if cut is not None:
             self.stopped, self._pending = True, ""
+            self.matched = stop_at(pending, self._stops)
             return pending[:cut]
         keep = max(
             (k for s in self._stops for k in range(min(len(s) - 1, len(pending)), 0, -1)
@@ -308,6 +314,12 @@ def cut_at_stop(text: str, stops: tuple[str, ...]) -> int | None:
     """Index of the earliest stop string in `text`, None when there is none."""
     found = [i for s in stops if (i := text.find(s)) >= 0]
     return min(found) if found else None
+
+
+def stop_at(text: str, stops: tuple[str, ...]) -> str | None:
+    """The stop string found earliest in `text` (None when there is none)."""
+    found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    return min(found)[1] if found else None
 
 
 def _logprob(token: TokenInfo, top: tuple[TokenInfo, ...]) -> TokenLogprob:
@@ -441,14 +453,25 @@ class OpenAIEndpoints:
     # --- unary -----------------------------------------------------------------------------
 
     async def chat(
-        self, request: ChatRequest, *, request_id: str, deadline: float | None
+        self,
+        request: ChatRequest,
+        *,
+        request_id: str,
+        deadline: float | None,
+        method: str = CHAT_COMPLETIONS,
     ) -> Completed:
+        """`method`: the route's metrics label (the Responses and Messages routes run here)."""
         generate = await _openai_errors(self._chat_input(request), "messages")
         params = replace(request.params, tool_calls=bool(_active_tools(request)))
         return await self._complete(
-            generate, params, "chatcmpl", CHAT_COMPLETIONS, request_id, deadline,
+            generate, params, "chatcmpl", method, request_id, deadline,
             self._parsing(request, generate),
         )
+
+    async def count_prompt_tokens(self, request: ChatRequest) -> int:
+        """Tokens of the request's rendered prompt (validated as `chat` would, not run)."""
+        generate = await _openai_errors(self._chat_input(request), "messages")
+        return len(generate.prompt_ids or ())
 
     async def completion(
         self, request: CompletionRequest, *, request_id: str, deadline: float | None
@@ -506,11 +529,12 @@ class OpenAIEndpoints:
         parsing: _Parsing | None = None,
     ) -> Choice:
         text = seq.generated_text
+        stop = None
         if parsing is not None and parsing.markers:
             # A format's marker tokens may be special tokens: read them too.
             text = "".join(t.text for t in seq.tokens if not t.special or parsing.keeps(t))
         if seq.finish_reason is FinishReason.STOP_SEQUENCE:
-            cut = cut_at_stop(text, params.stop)
+            cut, stop = cut_at_stop(text, params.stop), stop_at(text, params.stop)
             text = text if cut is None else text[:cut]
         logprobs = None
         if params.logprobs:
@@ -520,27 +544,36 @@ class OpenAIEndpoints:
             )
         reason = FINISH_REASONS[seq.finish_reason]
         if parsing is None:
-            return Choice(index, text, reason, logprobs)
+            return Choice(index, text, reason, logprobs, stop_sequence=stop)
         out = parse_output(text, parsing.parsers.reasoning, parsing.tool_parser,
                            prompt=parsing.prompt, tools=parsing.tools)  # fmt: skip
         if out.tool_calls:
             calls = tuple(ToolCall(c.id, c.name, c.arguments) for c in out.tool_calls)
             if seq.finish_reason is not FinishReason.LENGTH:
                 reason = TOOL_CALLS
-            return Choice(index, out.content, reason, None, calls, out.reasoning)
-        return Choice(index, out.content, reason, logprobs, reasoning=out.reasoning)
+            return Choice(index, out.content, reason, None, calls, out.reasoning, stop)
+        return Choice(index, out.content, reason, logprobs, reasoning=out.reasoning,
+                      stop_sequence=stop)
 
     # --- streams ---------------------------------------------------------------------------
 
     async def chat_stream(
-        self, request: ChatRequest, *, request_id: str, deadline: float | None
+        self,
+        request: ChatRequest,
+        *,
+        request_id: str,
+        deadline: float | None,
+        method: str = CHAT_COMPLETIONS_STREAM,
     ) -> tuple[ResponseHeader, AsyncIterator[StreamEvent]]:
         """Validates and renders the request (errors raise here, before any chunk), then
-        returns the stream's header and its events."""
+        returns the stream's header (with the prompt's token count) and its events."""
         generate = await _openai_errors(self._chat_input(request), "messages")
-        header = self._header("chatcmpl", request_id, generate.adapter_id)
+        header = replace(
+            self._header("chatcmpl", request_id, generate.adapter_id),
+            prompt_tokens=len(generate.prompt_ids or ()),
+        )
         params = replace(request.params, tool_calls=bool(_active_tools(request)))
-        events = self._stream(generate, params, CHAT_COMPLETIONS_STREAM, request_id, deadline,
+        events = self._stream(generate, params, method, request_id, deadline,
                               parsing=self._parsing(request, generate))  # fmt: skip
         return header, events
 
@@ -605,13 +638,14 @@ class OpenAIEndpoints:
         parser = parsing.stream() if parsing is not None else None
         called = False  # some tool call completed
         first = True
-        prompt_param = "messages" if method == CHAT_COMPLETIONS_STREAM else "prompt"
+        chat = parsing is not None  # chat completions (and the routes on them) parse outputs
+        prompt_param = "messages" if chat else "prompt"
         async with aclosing(items):
             events = _openai_errors_iter(items, prompt_param)
             async for item in events:
                 if first:
                     # Chat announces the role in a first chunk; completions only echo there.
-                    if method == CHAT_COMPLETIONS_STREAM or echo:
+                    if chat or echo:
                         yield ChoiceDelta(index, echo, first=True)
                     first = False
                 # Tokens that queued up while the client read (or a speculative step's
@@ -645,7 +679,7 @@ class OpenAIEndpoints:
                 reason = FINISH_REASONS[finished.finish_reason]
                 if called and finished.finish_reason is not FinishReason.LENGTH:
                     reason = TOOL_CALLS
-                yield ChoiceDelta(index, "", finish_reason=reason)
+                yield ChoiceDelta(index, "", finish_reason=reason, stop_sequence=trimmer.matched)
                 yield _ChoiceDone(item.options.input_length, finished.generated_tokens)
 
 
