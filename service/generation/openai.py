@@ -26,6 +26,7 @@ from service.generation.parsers.contracts import (
     ReasoningDelta,
     ReasoningParser,
     ToolCallArgumentsDelta,
+    ToolCallEnd,
     ToolCallParser,
     ToolCallStart,
 )
@@ -246,10 +247,16 @@ class _Parsing:
     def tool_parser(self) -> ToolCallParser | None:
         return self.parsers.tools if self.tools else None
 
+    @property
+    def markers(self) -> frozenset[str]:
+        """Texts of the special tokens the parsers read (other special tokens are dropped)."""
+        parser = self.tool_parser
+        tools = parser.markers if parser is not None else frozenset()
+        return self.parsers.reasoning.markers | tools
+
     def keeps(self, token: TokenInfo) -> bool:
         """Whether a special token's text is part of what the parsers read."""
-        parser = self.tool_parser
-        return parser is not None and token.text in parser.markers
+        return token.text in self.markers
 
     def stream(self) -> OutputStream:
         return OutputStream(self.parsers.reasoning, self.tool_parser, prompt=self.prompt,
@@ -523,8 +530,8 @@ class OpenAIEndpoints:
     ) -> Choice:
         text = seq.generated_text
         stop = None
-        if parsing is not None and parsing.tool_parser is not None and parsing.tool_parser.markers:
-            # The format's marker tokens are special tokens: read them too.
+        if parsing is not None and parsing.markers:
+            # A format's marker tokens may be special tokens: read them too.
             text = "".join(t.text for t in seq.tokens if not t.special or parsing.keeps(t))
         if seq.finish_reason is FinishReason.STOP_SEQUENCE:
             cut, stop = cut_at_stop(text, params.stop), stop_at(text, params.stop)
@@ -629,7 +636,7 @@ class OpenAIEndpoints:
         )
         trimmer = StopTrimmer(params.stop)
         parser = parsing.stream() if parsing is not None else None
-        called = False  # some tool call started
+        called = False  # some tool call completed
         first = True
         chat = parsing is not None  # chat completions (and the routes on them) parse outputs
         prompt_param = "messages" if chat else "prompt"
@@ -698,8 +705,9 @@ class _ChunkText:
         self.logprobs: list[TokenLogprob] = []
 
     def add(self, deltas: list[OutputDelta]) -> bool:
-        """Takes parser deltas; True when a tool call started among them."""
-        started = False
+        """Takes parser deltas; True when a tool call completed among them (the choice then
+        finishes "tool_calls", as its unary answer would)."""
+        completed = False
         for d in deltas:
             if isinstance(d, ContentDelta):
                 self.texts.append(d.text)
@@ -707,15 +715,16 @@ class _ChunkText:
                 self.reasoning.append(d.text)
             elif isinstance(d, ToolCallStart):
                 self.calls.append(ToolCallChunk(d.index, d.id, d.name, ""))
-                started = True
             elif isinstance(d, ToolCallArgumentsDelta):
                 last = self.calls[-1] if self.calls else None
                 if last is not None and last.index == d.index:
                     self.calls[-1] = replace(last, arguments=last.arguments + d.text)
                 else:
                     self.calls.append(ToolCallChunk(d.index, None, None, d.text))
-            # ToolCallEnd: nothing more to send (an incomplete call's pieces are already out)
-        return started
+            elif isinstance(d, ToolCallEnd):
+                # Nothing more to send (an incomplete call's pieces are already out).
+                completed |= d.complete
+        return completed
 
     @property
     def empty(self) -> bool:

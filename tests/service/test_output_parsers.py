@@ -12,6 +12,7 @@ recorded calls and reject a broken one."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -95,8 +96,8 @@ CASES: list[tuple[str, str, str, Calls]] = [
     ),
     (
         "llama3_json",
-        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima"}}; '
-        '{"name": "get_time", "parameters": {}}',
+        ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima"}}; '
+        '{"name": "get_time", "parameters": {}}'),
         "",
         [("get_weather", {"city": "Lima"}), ("get_time", {})],
     ),
@@ -110,8 +111,8 @@ CASES: list[tuple[str, str, str, Calls]] = [
     # --- mistral, tokenizer < v11 and v11+ ---
     (
         "mistral",
-        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
-        '{"name": "get_time", "arguments": {}}]',
+        ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {}}]'),
         "",
         [("get_weather", {"city": "Paris"}), ("get_time", {})],
     ),
@@ -132,24 +133,24 @@ CASES: list[tuple[str, str, str, Calls]] = [
     # --- qwen3_coder ---
     (
         "qwen3_coder",
-        "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n"
+        ("<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n"
         "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\nfalse\n"
-        "</parameter>\n</function>\n</tool_call>",
+        "</parameter>\n</function>\n</tool_call>"),
         "",
         [("get_weather", {"city": "San Francisco", "days": 3, "metric": False})],
     ),
     (
         "qwen3_coder",
-        "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+        ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
         'a <b> "c"\nd\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n'
-        "<function=get_time>\n</function>\n</tool_call>",
+        "<function=get_time>\n</function>\n</tool_call>"),
         "Checking.\n",
         [("get_weather", {"city": 'a <b> "c"\nd'}), ("get_time", {})],
     ),
     (
         "qwen3_coder",
-        "<tool_call><function=get_weather><parameter=city>Oslo</parameter>"
-        "<parameter=days>4</parameter></function></tool_call>",
+        ("<tool_call><function=get_weather><parameter=city>Oslo</parameter>"
+        "<parameter=days>4</parameter></function></tool_call>"),
         "",
         [("get_weather", {"city": "Oslo", "days": 4})],
     ),
@@ -356,8 +357,8 @@ GRAMMAR_CASES = [
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
     (
         "qwen3_coder",
-        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis <b>\n"
-        "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
+        ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis <b>\n"
+        "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"),
     ),
     ("pythonic", '[get_weather(city="Paris", days=2)]'),
 ]
@@ -393,3 +394,40 @@ def test_json_schema_applies_after_the_reasoning_ends(matcher_for):
     outside = think.constrain(spec, "<|im_start|>assistant\n")
     assert matcher_for(outside, '{"x": 1}') and matcher_for(outside, '<think>a</think>{"x": 1}')
     assert reasoning_parser("none").constrain(spec, "<think>") == spec
+
+
+def test_markers_that_are_special_tokens_are_written_as_those_tokens(tmp_path: Path) -> None:
+    """Mistral v11 (`[TOOL_CALLS]` and `[ARGS]` special tokens): the grammar asks for the
+    tokens themselves, not their spelling in ordinary tokens."""
+    import tokenizers
+    from llguidance import LLMatcher, LLTokenizer
+
+    from service.generation.parsers.registry import special_token_ids
+    from tests.helpers.models import write_tokenizer_dir
+
+    path = write_tokenizer_dir(tmp_path) / "tokenizer.json"
+    tokenizer = tokenizers.Tokenizer.from_file(str(path))
+    tokenizer.add_special_tokens(["[TOOL_CALLS]", "[ARGS]"])
+    special = special_token_ids(tokenizer)
+    calls, args = special["[TOOL_CALLS]"], special["[ARGS]"]
+    ll = LLTokenizer(tokenizer.to_str(), n_vocab=tokenizer.get_vocab_size(), eos_token=0)
+    spec = tool_call_parser("mistral").grammar(TOOLS, required=True, parallel=False,
+                                               special_ids=special)  # fmt: skip
+    assert f"<[{calls}]>" in spec.source and f"<[{args}]>" in spec.source
+
+    def accepts(ids: list[int]) -> bool:
+        matcher = LLMatcher(ll, LLMatcher.grammar_from_lark(spec.source), log_level=0)
+        return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+    def text(s: str) -> list[int]:
+        return tokenizer.encode(s, add_special_tokens=False).ids
+
+    good = [calls, *text("get_weather"), args, *text('{"city": "Paris"}')]
+    assert accepts(good)
+    spelled = [*text("["), *text("TOOL_CALLS"), *text("]"), *good[1:]]  # ordinary tokens
+    assert calls not in spelled and not accepts(spelled)
+    # The chat path keeps the markers' text, so the parser reads the call back.
+    decoded = "".join(tokenizer.decode([i], skip_special_tokens=False) for i in good)
+    (call,) = parse_output(decoded, reasoning_parser("none"), tool_call_parser("mistral"),
+                           prompt="", tools=TOOLS).tool_calls  # fmt: skip
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})

@@ -107,6 +107,9 @@ class ReasoningParser(Protocol):
     makes the state of one output."""
 
     name: str
+    # Texts of its markers: a caller keeps them in the text it feeds even where the tokenizer
+    # marks them special (it drops other special tokens).
+    markers: frozenset[str]
 
     def start(self, prompt: str) -> DeltaStream:
         """A stream over the output of `prompt` (the rendered prompt tells whether the output

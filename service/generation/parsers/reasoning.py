@@ -28,6 +28,7 @@ class NoReasoning:
     """The "none" parser: everything is content, grammars apply from the first token."""
 
     name = "none"
+    markers: frozenset[str] = frozenset()
 
     def start(self, prompt: str) -> _Passthrough:
         return _Passthrough()
@@ -52,6 +53,7 @@ class ThinkReasoning:
     def __init__(self, open_marker: str = THINK_OPEN, close_marker: str = THINK_CLOSE) -> None:
         self.open_marker = open_marker
         self.close_marker = close_marker
+        self.markers = frozenset({open_marker, close_marker})
 
     def starts_inside(self, prompt: str) -> bool:
         """The prompt ends inside a reasoning block (its last open marker is not closed)."""
