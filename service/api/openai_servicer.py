@@ -49,6 +49,11 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServiceServicer):
         self._endpoints_or_none = endpoints
 
     @property
+    def endpoints(self) -> OpenAIEndpoints:
+        """The domain object; ShardUnavailableError until attached."""
+        return self._endpoints
+
+    @property
     def _endpoints(self) -> OpenAIEndpoints:
         if self._endpoints_or_none is None:
             raise ShardUnavailableError("not serving yet: starting")

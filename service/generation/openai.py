@@ -351,6 +351,11 @@ class OpenAIEndpoints:
             return replace(generate, grammar=grammar, grammar_field="response_format")
         return generate
 
+    async def chat_prompt(self, request: ChatRequest) -> str:
+        """The prompt a chat request renders to (TGI's POST /chat_tokenize), checked as
+        generation checks it."""
+        return (await self._chat_input(request)).inputs
+
     def _completion_input(self, request: CompletionRequest) -> GenerateInput:
         self._check(request.params)
         if not request.prompt:
