@@ -86,6 +86,7 @@ def closed_objects(schema: Any, *, in_all_of: bool = False) -> Any:
     if (
         isinstance(schema.get("properties"), dict)
         and not in_all_of
+        and "allOf" not in schema
         and not any(k in schema for k in open_keys)
     ):
         out["additionalProperties"] = False
