@@ -139,7 +139,7 @@ def main() -> None:
         finally:
             dep.stop()
     lines = [
-        f"| schema | valid before | tokens before | valid after | tokens after |",
+        "| schema | valid before | tokens before | valid after | tokens after |",
         "| --- | --- | --- | --- | --- |",
         *(f"| {w} | {vb} | {tb} | {va} | {ta} |" for w, vb, tb, va, ta in rows),
     ]

@@ -325,11 +325,11 @@ def info(info: ServerInfo, adapters: list[AdapterInfo]) -> dict[str, Any]:
         "version": info.version,
         "sha": info.sha,
         "docker_label": info.docker_label,
-        # TGI v2's router fields, which its v3 clients still read: the scheduler's batch limits.
+        # TGI v2's router fields (the scheduler's batch limits), which clients written for it read.
         "max_batch_total_tokens": info.max_batch_total_tokens,
-        "max_batch_size": info.max_concurrent_requests,
-        "waiting_served_ratio": 0.0,  # no waiting/served ratio: prefill chunks join every step
-        "max_waiting_tokens": 0,
+        "max_batch_size": info.max_batch_size,
+        "waiting_served_ratio": info.waiting_served_ratio,
+        "max_waiting_tokens": info.max_waiting_tokens,
         "model_dtype": info.model_dtype,
         "model_device_type": info.model_device_type,
         "max_top_n_tokens": info.max_top_n_tokens,

@@ -190,6 +190,9 @@ async def serve(
             max_loras=shard.max_loras,
             max_lora_rank=shard.max_lora_rank,
             speculate=args.speculate,
+            max_batch_size=limits.max_batch_size,
+            waiting_served_ratio=args.waiting_served_ratio,
+            max_waiting_tokens=args.max_waiting_tokens,
         )
         servicer.attach(service, info, tokenizer)
         openai_servicer.attach(

@@ -667,3 +667,7 @@ class ServerInfo:
     max_lora_rank: int = 0
     sha: str | None = None
     docker_label: str | None = None
+    # The scheduler's batch limits (TGI's /info fields of the same names).
+    max_batch_size: int | None = None
+    waiting_served_ratio: float = 0.0
+    max_waiting_tokens: int = 0

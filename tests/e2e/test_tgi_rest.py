@@ -23,6 +23,8 @@ from typing import Any
 
 import jsonschema
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from service.app.gateway import Gateway, GatewaySettings
 from tests.helpers.http_api import http_json
@@ -291,6 +293,45 @@ def test_openapi_document_describes_the_live_server(deployment, openapi) -> None
             assert status < 500, (path, status, reply)
 
 
+_SCALARS = st.none() | st.booleans() | st.integers(-5, 2**65) | st.floats() | st.text(max_size=8)
+_PARAMS = st.dictionaries(
+    st.sampled_from(["best_of", "temperature", "top_k", "top_p", "typical_p", "do_sample",
+                     "max_new_tokens", "stop", "seed", "details", "decoder_input_details",
+                     "top_n_tokens", "grammar", "truncate", "repetition_penalty",
+                     "frequency_penalty", "return_full_text", "watermark", "adapter_id"]),
+    _SCALARS | st.lists(_SCALARS, max_size=3) | st.fixed_dictionaries(
+        {"type": st.sampled_from(["json", "regex", "json_schema", "nope"]),
+         "value": _SCALARS | st.dictionaries(st.text(max_size=4), _SCALARS, max_size=2)}),
+    max_size=5,
+)  # fmt: skip
+_BODIES = st.one_of(
+    _SCALARS,
+    st.fixed_dictionaries({"inputs": st.text(max_size=20) | _SCALARS},
+                          optional={"parameters": _PARAMS | _SCALARS, "stream": _SCALARS,
+                                    "messages": _SCALARS | st.lists(_SCALARS, max_size=2)}),
+)  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=_BODIES, path=st.sampled_from(["/generate", "/generate_stream", "/", "/invocations",
+                                           "/tokenize", "/chat_tokenize"]))  # fmt: skip
+def test_fuzzed_bodies_never_5xx_and_4xx_is_tgi_shape(deployment, openapi, body, path) -> None:
+    """Random JSON bodies on every body-taking route: never a 5xx; every 4xx is TGI's
+    ErrorResponse; a 200 stream's events are each a StreamResponse or an ErrorResponse."""
+    if isinstance(body, dict) and isinstance(body.get("parameters"), dict):
+        # Keep generations short on the shared CPU: an over-long one is still validated.
+        body["parameters"].setdefault("max_new_tokens", 4)
+    status, headers, reply = call(deployment, "POST", path, raw=json.dumps(body).encode())
+    assert status < 500, (path, body, status, reply)
+    if status >= 400:
+        check(openapi, {"$ref": "#/components/schemas/ErrorResponse"}, reply)
+    elif headers["content-type"].startswith("text/event-stream"):
+        event = {"$ref": "#/components/schemas/StreamEvent"}
+        for chunk in str(reply).split("\n\n"):
+            if chunk.strip() and path != "/invocations":
+                check(openapi, event, json.loads(chunk[len("data:"):]))
+
+
 def test_router_down_is_503_in_tgi_shape(tmp_path: Path) -> None:
     gateway = Gateway(
         GatewaySettings(http_port=free_port(), http_host="127.0.0.1", router_port=free_port())
@@ -329,8 +370,7 @@ def test_text_generation_client(deployment) -> None:
 
 
 def test_huggingface_hub_inference_client(deployment) -> None:
-    from huggingface_hub import InferenceClient
-    from huggingface_hub import errors
+    from huggingface_hub import InferenceClient, errors
 
     client = InferenceClient(base_url=f"http://127.0.0.1:{deployment.http_port}", api_key=KEY)
     out = client.text_generation("The quick brown fox", max_new_tokens=5, details=True)
