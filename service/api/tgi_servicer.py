@@ -96,13 +96,18 @@ class TgiHttpServicer(tgi_pb2_grpc.TgiHttpServiceServicer):
             async for reply in _json_route(_raise(error)):
                 yield reply
             return
-        if self._openai is not None and ("messages" in body or "prompt" in body):
-            body.setdefault("model", TGI_MODEL_ALIAS)
+        chat = body.get("messages") is not None
+        if self._openai is not None and (chat or body.get("prompt") is not None):
+            body.setdefault("model", TGI_MODEL_ALIAS)  # optional in TGI's ChatRequest
             forwarded = HttpBody(content_type=tgi_json.JSON, data=tgi_json.dumps(body))
-            route = (
-                self._openai.ChatCompletions if "messages" in body else self._openai.Completions
+            replies = self._openai.with_errors(
+                forwarded,
+                context,
+                chat=chat,
+                error_body=tgi_json.error_body,
+                error_event=tgi_json.error_event,
             )
-            async for reply in route(forwarded, context):
+            async for reply in replies:
                 yield reply
             return
         async for reply in self._compat(request.data, context):

@@ -180,6 +180,11 @@ def test_sagemaker_chat_body(deployment, openapi) -> None:
     got = call(deployment, "POST", "/invocations", chat)
     reply = expect(openapi, "/invocations", "post", got, 200)
     assert reply["object"] == "chat.completion"
+    got = call(deployment, "POST", "/invocations", {"prompt": "Once", "max_tokens": 2})
+    assert expect(openapi, "/invocations", "post", got, 200)["object"] == "text_completion"
+    # SageMaker clients parse TGI's errors, whatever the body's kind.
+    got = call(deployment, "POST", "/invocations", {**chat, "max_tokens": -1})
+    assert "max_tokens" in expect(openapi, "/invocations", "post", got, 422, "validation")["error"]
 
 
 @pytest.mark.parametrize(
