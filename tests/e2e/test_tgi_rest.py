@@ -263,7 +263,9 @@ def test_info_health_ping_metrics_tokenize(deployment, openapi) -> None:
         assert status == 200 and body == "", (path, body)
     status, headers, text = call(deployment, "GET", "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain")
-    assert "tokenwire_request_count" in text
+    # The whole router's text, as --prometheus-port serves it (with front ends: merged, engine
+    # metrics included, which only the scheduler process has).
+    assert "tokenwire_request_count" in text and "tokenwire_kv_blocks_used" in text
     got = call(deployment, "POST", "/tokenize", {"inputs": "Hello world"})
     tokens = expect(openapi, "/tokenize", "post", got, 200)
     assert "".join(t["text"] for t in tokens).strip() != ""
