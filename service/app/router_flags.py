@@ -393,6 +393,13 @@ class Limits:
     max_batch_size: int
 
 
+class FlagError(ValueError):
+    """A flag value, or a combination with what the model allows, that cannot be served. Raised
+    where the check needs the shards (after start-up began); the router's entry point prints the
+    message, which names the flag and the limit, as one line and exits 2 (argparse's code for a
+    usage error)."""
+
+
 def resolve_limits(args: argparse.Namespace, max_position_embeddings: int) -> Limits:
     """Fills the token limits the user left unset (TGI's rules) and checks them."""
     total = args.max_total_tokens
@@ -407,11 +414,11 @@ def resolve_limits(args: argparse.Namespace, max_position_embeddings: int) -> Li
     if inputs is None:
         inputs = total - 1
     if not 0 < inputs < total:
-        raise SystemExit(
+        raise FlagError(
             f"--max-input-tokens ({inputs}) must be > 0 and < --max-total-tokens ({total})"
         )
     if total > max_position_embeddings:
-        raise SystemExit(
+        raise FlagError(
             f"--max-total-tokens ({total}) must be <= the model's max_position_embeddings "
             f"({max_position_embeddings})"
         )

@@ -25,7 +25,7 @@ from service.api.server import build_server
 from service.api.servicer import HealthReporter, TextGenerationServicer
 from service.api.tgi_servicer import TgiHttpOptions, TgiHttpServicer
 from service.app.engine_source import EngineSource, ShardEngineSource, ShardLink
-from service.app.router_flags import engine_config, validation_limits
+from service.app.router_flags import FlagError, engine_config, validation_limits
 from service.engine.backend import ShardRpcError
 from service.engine.contracts import Engine, EngineStats
 from service.generation.chat_template import ChatTemplate
@@ -224,8 +224,8 @@ async def serve(
             _log.info("drained; answering NOT_SERVING for %.1f s more (--shutdown-delay)", delay)
             await asyncio.sleep(delay)
         return 0
-    except asyncio.CancelledError:
-        raise
+    except (asyncio.CancelledError, FlagError):
+        raise  # a flag the model cannot serve: the entry point says so in one line
     except Exception:  # noqa: BLE001 - log and exit non-zero, whatever broke
         _log.exception("router failed")
         await health_reporter.set_not_serving("startup failure")
