@@ -380,7 +380,7 @@ def test_router_down_is_503_in_tgi_shape(tmp_path: Path) -> None:
 
 
 def test_text_generation_client(deployment) -> None:
-    text_generation = pytest.importorskip("text_generation")
+    import text_generation  # installed by `make setup` (--no-deps; see the Makefile)
     from text_generation import errors
 
     base = f"http://127.0.0.1:{deployment.http_port}"
@@ -418,7 +418,7 @@ def test_clients_raise_overloaded(deployment) -> None:
     from huggingface_hub import InferenceClient
     from huggingface_hub import errors as hf_errors
 
-    text_generation = pytest.importorskip("text_generation")
+    import text_generation
     from text_generation import errors as tg_errors
 
     base = f"http://127.0.0.1:{deployment.http_port}"
