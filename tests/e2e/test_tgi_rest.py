@@ -415,10 +415,9 @@ def test_huggingface_hub_inference_client(deployment) -> None:
 
 
 def test_clients_raise_overloaded(deployment) -> None:
+    import text_generation
     from huggingface_hub import InferenceClient
     from huggingface_hub import errors as hf_errors
-
-    import text_generation
     from text_generation import errors as tg_errors
 
     base = f"http://127.0.0.1:{deployment.http_port}"
