@@ -208,6 +208,21 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
         "router",
     ),
     PassThrough(
+        "--reasoning-parser",
+        str,
+        ("REASONING_PARSER",),
+        "think | none: split <think> reasoning into reasoning_content (default none)",
+        "router",
+    ),
+    PassThrough(
+        "--tool-call-parser",
+        str,
+        ("TOOL_CALL_PARSER",),
+        "hermes | llama3_json | mistral | qwen3_coder | pythonic | auto (default auto: from "
+        "the chat template, else hermes)",
+        "router",
+    ),
+    PassThrough(
         "--json-output", None, ("JSON_OUTPUT",), "structured JSON logs", "router", is_bool=True
     ),
     # Router and shards (and Envoy, with --http-port).
@@ -236,6 +251,20 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
         ("CUDA_MEMORY_FRACTION",),
         "GPU memory share for the KV cache",
         "shard",
+    ),
+    PassThrough(
+        "--responses-store-size",
+        int,
+        ("RESPONSES_STORE_SIZE",),
+        "OpenAI Responses kept for previous_response_id (1024; 0: none)",
+        "router",
+    ),
+    PassThrough(
+        "--responses-store-ttl",
+        float,
+        ("RESPONSES_STORE_TTL",),
+        "seconds a stored Response is kept (3600)",
+        "router",
     ),
     PassThrough(
         "--kv-cache-memory-mb",
