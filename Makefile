@@ -39,6 +39,10 @@ setup: $(VENV)/.installed node_modules/.installed
 $(VENV)/.installed: $(VENV)/.runtime pyproject.toml
 	$(call say,"installing the dev set ([dev]: pytest, grpcio-tools, triton, SDK test clients, ...)")
 	$(PIP) -q -e ".[http,dev]"
+	$(call say,"installing TGI's Python client for the REST tests (text-generation, --no-deps)")
+	# --no-deps: every text-generation release pins huggingface-hub<1.0, which transformers 5
+	# excludes; it works with huggingface-hub 2.x, and its imports are in [dev] (aiohttp) or the runtime set (pydantic).
+	$(PIP) -q --no-deps text-generation==0.7.0
 	touch $@
 
 node_modules/.installed: package.json package-lock.json

@@ -30,6 +30,15 @@ OPEN_METHOD_PREFIXES: tuple[str, ...] = (
     "/grpc.health.v1.Health/",
     "/grpc.reflection.",
     "/tokenwire.v1.TextGeneration/Health",
+    # TGI's routes that need no key (router/src/server.rs puts only the generation routes and
+    # /tokenize behind its auth layer): GET /health, /ping, /info, /metrics, POST
+    # /chat_tokenize, and the OpenAPI document.
+    "/tokenwire.v1.TgiHttpService/Health",
+    "/tokenwire.v1.TgiHttpService/Ping",
+    "/tokenwire.v1.TgiHttpService/Info",
+    "/tokenwire.v1.TgiHttpService/Metrics",
+    "/tokenwire.v1.TgiHttpService/ChatTokenize",
+    "/tokenwire.v1.TgiHttpService/OpenApi",
 )
 _VALID_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 

@@ -49,6 +49,11 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServiceServicer):
         self._endpoints_or_none = endpoints
 
     @property
+    def endpoints(self) -> OpenAIEndpoints:
+        """The domain object; ShardUnavailableError until attached."""
+        return self._endpoints
+
+    @property
     def _endpoints(self) -> OpenAIEndpoints:
         if self._endpoints_or_none is None:
             raise ShardUnavailableError("not serving yet: starting")
@@ -84,6 +89,28 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServiceServicer):
         ):
             yield body
 
+    async def with_errors(
+        self,
+        request: HttpBody,
+        context: aio.ServicerContext,
+        *,
+        chat: bool,
+        error_body: Callable[[BaseException], tuple[int, bytes]],
+        error_event: Callable[[BaseException], bytes],
+    ) -> AsyncIterator[HttpBody]:
+        """ChatCompletions (`chat`) or Completions answering errors in another API's shape
+        (TGI's POST /invocations, whose clients parse TGI's error bodies)."""
+        if chat:
+            route = (openai_json.chat_request, lambda e: e.chat, lambda e: e.chat_stream,
+                     openai_json.chat_completion, openai_json.chat_chunk)  # fmt: skip
+        else:
+            route = (openai_json.completion_request, lambda e: e.completion,  # type: ignore[assignment]
+                     lambda e: e.completion_stream, openai_json.text_completion,
+                     openai_json.completion_chunk)  # fmt: skip
+        async for body in self._http(request, context, *route,  # type: ignore[arg-type]
+                                     error_body=error_body, error_event=error_event):  # fmt: skip
+            yield body
+
     async def _http(
         self,
         request: HttpBody,
@@ -96,6 +123,9 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServiceServicer):
         ],
         encode: Callable[[Completed], bytes],
         encode_chunk: Callable[[ResponseHeader, StreamEvent, bool], bytes],
+        *,
+        error_body: Callable[[BaseException], tuple[int, bytes]] = openai_json.error_body,
+        error_event: Callable[[BaseException], bytes] = openai_json.error_event,
     ) -> AsyncIterator[HttpBody]:
         sent = False
         try:
@@ -121,10 +151,10 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServiceServicer):
             if not is_domain_error(error):
                 _log.exception("unexpected error serving %s", current_request_id())
             if sent:
-                data = openai_json.error_event(error) + openai_json.DONE
+                data = error_event(error) + openai_json.DONE
                 yield HttpBody(content_type=openai_json.EVENT_STREAM, data=data)
                 return
-            status, body = openai_json.error_body(error)
+            status, body = error_body(error)
             set_response_header(HTTP_STATUS_HEADER, str(status))
             yield HttpBody(content_type=openai_json.JSON, data=body)
 

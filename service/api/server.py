@@ -13,6 +13,8 @@ from tokenwire.v1 import (
     openai_pb2_grpc,
     responses_pb2,
     responses_pb2_grpc,
+    tgi_pb2,
+    tgi_pb2_grpc,
 )
 
 from service.api.anthropic_servicer import AnthropicServicer
@@ -20,6 +22,7 @@ from service.api.interceptors import server_interceptors
 from service.api.openai_servicer import OpenAIServicer
 from service.api.responses_servicer import ResponsesServicer
 from service.api.servicer import SERVICE_NAME, HealthReporter, TextGenerationServicer
+from service.api.tgi_servicer import TgiHttpServicer
 from service.observability.tracing import Tracing
 
 
@@ -35,10 +38,13 @@ def build_server(
     responses: ResponsesServicer | None = None,
     anthropic: AnthropicServicer | None = None,
     tracing: Tracing | None = None,
+    tgi: TgiHttpServicer | None = None,
 ) -> tuple[aio.Server, int]:
     """The public gRPC server (not started): TextGeneration, grpc.health.v1 and reflection of
     every service, behind the interceptors (and tokenwire.v1.OpenAIService, ResponsesService,
-    AnthropicService when `openai`, `responses`, `anthropic` are given). Returns it with its bound port. `reuse_port`:
+    AnthropicService when `openai`, `responses`, `anthropic` are given, and
+    tokenwire.v1.TgiHttpService, TGI's REST face, when `tgi` is). Returns it with its bound
+    port. `reuse_port`:
     several processes listen on the port (SO_REUSEPORT) and the kernel spreads connections.
     `tracing`: OpenTelemetry's server interceptor outermost (it continues the caller's
     traceparent in a server span; health checks are not traced)."""
@@ -79,6 +85,9 @@ def build_server(
     if anthropic is not None:
         anthropic_pb2_grpc.add_AnthropicServiceServicer_to_server(anthropic, server)
         services += (anthropic_pb2.DESCRIPTOR.services_by_name["AnthropicService"].full_name,)
+    if tgi is not None:
+        tgi_pb2_grpc.add_TgiHttpServiceServicer_to_server(tgi, server)
+        services += (tgi_pb2.DESCRIPTOR.services_by_name["TgiHttpService"].full_name,)
     reflection.enable_server_reflection(services, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

@@ -120,6 +120,29 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
             raise ShardUnavailableError(f"not serving yet: {self._health.reason or 'starting'}")
         return self._service_or_none
 
+    # What the REST face (service.api.tgi_servicer) shares with the typed RPCs.
+    @property
+    def generation(self) -> GenerationService:
+        """The domain object; ShardUnavailableError until attached."""
+        return self._service
+
+    @property
+    def health(self) -> HealthReporter:
+        return self._health
+
+    @property
+    def server_info_or_none(self) -> ServerInfo | None:
+        return self._info_or_none
+
+    def server_info(self) -> ServerInfo:
+        return self._info()
+
+    @property
+    def tokenizer(self) -> Tokenizing:
+        if self._tokenizer is None:
+            raise ShardUnavailableError(f"not serving yet: {self._health.reason or 'starting'}")
+        return self._tokenizer
+
     def _info(self) -> ServerInfo:
         if self._info_or_none is None:
             raise ShardUnavailableError(f"not serving yet: {self._health.reason or 'starting'}")

@@ -237,7 +237,19 @@ def _frontend_args(args: argparse.Namespace, index: int, port: int) -> argparse.
     child.port = port
     if args.prometheus_port:
         child.prometheus_port = args.prometheus_port + index
+        # GET /metrics through Envoy answers the merged text this process serves on PORT.
+        child.merged_metrics_url = f"http://{_metrics_host(args)}:{args.prometheus_port}/metrics"
     return child
+
+
+def _metrics_host(args: argparse.Namespace) -> str:
+    """Where this host's --prometheus-hostname listener is reached (a wildcard: loopback)."""
+    host = args.prometheus_hostname
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"[{host}]" if ":" in host else host
 
 
 def _scheduler_registry(args: argparse.Namespace, engine: Any) -> tuple[CollectorRegistry, Gauge]:
@@ -248,13 +260,7 @@ def _scheduler_registry(args: argparse.Namespace, engine: Any) -> tuple[Collecto
     registry.register(engine_metrics)
     serving = Gauge(f"{PREFIX}_serving", "1 while health is SERVING, 0 otherwise",
                     registry=registry)  # fmt: skip
-    host = args.prometheus_hostname
-    if host in ("", "0.0.0.0"):
-        host = "127.0.0.1"
-    elif host == "::":
-        host = "::1"
-    if ":" in host:
-        host = f"[{host}]"
+    host = _metrics_host(args)
     urls = [
         f"http://{host}:{args.prometheus_port + i}/metrics" for i in range(1, args.frontends + 1)
     ]

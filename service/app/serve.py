@@ -13,15 +13,19 @@ import argparse
 import asyncio
 import logging
 import signal
+import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
+
+from prometheus_client import CollectorRegistry, generate_latest
 
 from service.api.anthropic_servicer import AnthropicServicer
 from service.api.openai_servicer import OpenAIServicer
 from service.api.responses_servicer import ResponsesServicer
 from service.api.server import build_server
 from service.api.servicer import HealthReporter, TextGenerationServicer
+from service.api.tgi_servicer import TgiHttpOptions, TgiHttpServicer
 from service.app.engine_source import EngineSource, ShardEngineSource, ShardLink
 from service.app.router_flags import FlagError, engine_config, validation_limits
 from service.engine.backend import ShardRpcError
@@ -47,6 +51,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 _log = logging.getLogger("tokenwire.router")
+_METRICS_FETCH_TIMEOUT_S = 2.0
 
 
 class ShardHealthReporter(Protocol):
@@ -92,6 +97,14 @@ async def serve(
     tracing = setup_tracing(args.otlp_endpoint, f"{args.otlp_service_name}.router")
     servicer = TextGenerationServicer(None, health_reporter)
     openai_servicer = OpenAIServicer()
+    tgi_servicer = TgiHttpServicer(
+        servicer,
+        openai_servicer,
+        TgiHttpOptions(
+            # A front end of --frontends N serves the scheduler process's merged metrics.
+            metrics_text=_metrics_text(getattr(args, "merged_metrics_url", None), metrics.registry),
+        ),
+    )
     responses_servicer = ResponsesServicer()
     anthropic_servicer = AnthropicServicer()
     server, port = build_server(
@@ -105,6 +118,7 @@ async def serve(
         responses=responses_servicer,
         anthropic=anthropic_servicer,
         tracing=tracing,
+        tgi=tgi_servicer,
     )
     await server.start()
     _log.info("listening on %s:%d (NOT_SERVING until the shards are warm)", args.hostname, port)
@@ -192,6 +206,9 @@ async def serve(
             max_loras=shard.max_loras,
             max_lora_rank=shard.max_lora_rank,
             speculate=args.speculate,
+            max_batch_size=limits.max_batch_size,
+            waiting_served_ratio=args.waiting_served_ratio,
+            max_waiting_tokens=args.max_waiting_tokens,
         )
         servicer.attach(service, info, tokenizer)
         chat_endpoints = OpenAIEndpoints(
@@ -285,6 +302,29 @@ async def _drain(engine: Engine, service: GenerationService, timeout_s: float) -
     deadline = loop.time() + 2.0
     while service.in_flight and loop.time() < deadline:
         await asyncio.sleep(0.02)
+
+
+def _metrics_text(
+    merged_url: str | None, registry: CollectorRegistry
+) -> Callable[[], Awaitable[bytes]]:
+    """GET /metrics through Envoy (TGI serves it on its HTTP port): this process's Prometheus
+    text, or, in a front end of `--frontends N`, the scheduler process's merged text (every front
+    end's requests and the engine), read from `merged_url` (its --prometheus-port)."""
+
+    def fetch(url: str) -> bytes:
+        with urllib.request.urlopen(url, timeout=_METRICS_FETCH_TIMEOUT_S) as reply:
+            data: bytes = reply.read()
+            return data
+
+    async def render() -> bytes:
+        if merged_url is not None:
+            try:
+                return await asyncio.to_thread(fetch, merged_url)
+            except OSError as error:
+                _log.warning("merged metrics unavailable (%s); serving this process's", error)
+        return generate_latest(registry)
+
+    return render
 
 
 def _version() -> str:

@@ -53,10 +53,48 @@ def integral(value: Any) -> Any:
     return value
 
 
+# Keywords whose value maps names to subschemas (not a schema itself), and keywords whose value
+# is data, never a schema.
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_DATA_KEYWORDS = ("enum", "const", "default", "examples", "required", "x-guidance")
+
+
+def closed_objects(schema: Any, *, in_all_of: bool = False) -> Any:
+    """`schema` with every object schema that declares `properties` but says nothing of other
+    keys (`additionalProperties`, `patternProperties`, `unevaluatedProperties`) closed with
+    `additionalProperties: false`: the output holds only the declared properties, as TGI's
+    outlines and vLLM's xgrammar generate them (llguidance alone would allow extra keys, and a
+    small model then invents keys until max_new_tokens). An explicit `additionalProperties`
+    keeps its meaning; objects without `properties` stay open (any object); the branches of an
+    `allOf` stay open, since each names only part of the object's keys."""
+    if isinstance(schema, list):
+        return [closed_objects(s, in_all_of=in_all_of) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        else:
+            out[key] = closed_objects(value, in_all_of=key == "allOf")
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if (
+        isinstance(schema.get("properties"), dict)
+        and not in_all_of
+        and "allOf" not in schema
+        and not any(k in schema for k in open_keys)
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
 def json_schema_spec(schema: dict[str, Any], *, strict: bool = True) -> GrammarSpec:
-    """A JSON-schema constraint. strict: a keyword the compiler does not implement is an error
-    (TGI, OpenAI's strict); otherwise it is ignored (lenient)."""
-    schema = integral(schema)
+    """A JSON-schema constraint; objects are closed as `closed_objects` says. strict: a keyword
+    the compiler does not implement is an error (TGI, OpenAI's strict); otherwise it is ignored
+    (lenient)."""
+    schema = closed_objects(integral(schema))
     options = {**JSON_OPTIONS, "lenient": not strict}
     user = schema.get("x-guidance")
     if isinstance(user, dict):

@@ -433,6 +433,11 @@ class OpenAIEndpoints:
             return replace(generate, grammar=grammar, grammar_field="response_format")
         return generate
 
+    async def chat_prompt(self, request: ChatRequest) -> str:
+        """The prompt a chat request renders to (TGI's POST /chat_tokenize), checked as
+        generation checks it."""
+        return (await self._chat_input(request)).inputs
+
     def _parsing(self, request: ChatRequest, generate: GenerateInput) -> _Parsing:
         return _Parsing(self.parsers, generate.inputs, _active_tools(request))
 

@@ -73,12 +73,23 @@ class GeneratedSequence:
 
 
 @dataclass(frozen=True)
+class RequestTimings:
+    """Where a finished request's time went, in seconds (TGI's x-*-time headers)."""
+
+    total_seconds: float  # arrival until the answer
+    validation_seconds: float  # arrival until validated (tokenized, grammar compiled)
+    queue_seconds: float  # validated until first scheduled
+    inference_seconds: float  # first scheduled until finished
+
+
+@dataclass(frozen=True)
 class GenerateOutcome:
     """Result of a unary Generate: the best sequence and, for best_of > 1, the others."""
 
     best: GeneratedSequence
     others: tuple[GeneratedSequence, ...]
     options: ResponseOptions
+    timings: RequestTimings | None = None
 
 
 @dataclass(slots=True)
@@ -340,8 +351,15 @@ class GenerationService:
                 assert c.finished is not None
                 timer.queue_seconds = max(timer.queue_seconds, c.finished.queue_seconds)
                 timer.inference_seconds = max(timer.inference_seconds, c.finished.inference_seconds)
+            now = time.monotonic()
+            timings = RequestTimings(
+                total_seconds=now - timer.start,
+                validation_seconds=(timer.validated or now) - timer.start,
+                queue_seconds=timer.queue_seconds,
+                inference_seconds=timer.inference_seconds,
+            )
             outcome = GenerateOutcome(
-                best=sequences[0], others=tuple(sequences[1:]), options=options
+                best=sequences[0], others=tuple(sequences[1:]), options=options, timings=timings
             )
             return outcome
         except BaseException as error:  # noqa: BLE001 - recorded, then re-raised
@@ -649,3 +667,7 @@ class ServerInfo:
     max_lora_rank: int = 0
     sha: str | None = None
     docker_label: str | None = None
+    # The scheduler's batch limits (TGI's /info fields of the same names).
+    max_batch_size: int | None = None
+    waiting_served_ratio: float = 0.0
+    max_waiting_tokens: int = 0

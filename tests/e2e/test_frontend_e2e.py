@@ -18,7 +18,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenwire.v1 import generate_pb2 as pb
-from tokenwire.v1 import generate_pb2_grpc
+from google.api.httpbody_pb2 import HttpBody
+from prometheus_client.parser import text_string_to_metric_families
+from tokenwire.v1 import generate_pb2_grpc, tgi_pb2_grpc
 
 from service.testing import FakeShard, FakeShardConfig, start_fake_shard
 from tests.helpers.metrics import scrape
@@ -63,12 +65,17 @@ async def _deploy(
                     pass
                 await asyncio.sleep(0.1)
         stubs = [generate_pb2_grpc.TextGenerationStub(c) for c in chans]
+        _channels[id(stubs[0])] = chans[0]
         yield stubs, fake, prom, shard_server
     finally:
         for c in chans:
             await c.close()
         terminate_popen(proc)
         await shard_server.stop(None)
+
+
+# The first channel of each deployment, by its first stub (TGI's REST face over the same port).
+_channels: dict[int, grpc.aio.Channel] = {}
 
 
 @pytest.fixture
@@ -184,6 +191,18 @@ async def test_max_concurrent_requests_is_global(tokenizer_dir: Path) -> None:
         # Each front end serves its request metrics on PORT+i; together they saw every call.
         counts = [scrape(prom + i).total("tokenwire_request_count_total") for i in (1, 2)]
         assert sum(counts) == 4 * limit and all(c > 0 for c in counts), counts
+        # TGI's GET /metrics (what Envoy's route calls), answered by whichever front end holds
+        # the connection: the merged text of PORT, every front end's requests and the engine's.
+        reply = await tgi_pb2_grpc.TgiHttpServiceStub(_channels[id(stubs[0])]).Metrics(
+            HttpBody()
+        ).read()
+        families = {
+            f.name: f for f in text_string_to_metric_families(reply.data.decode())
+        }
+        assert "tokenwire_kv_blocks_total" in families
+        total = sum(s.value for s in families["tokenwire_request_count"].samples
+                    if s.name == "tokenwire_request_count_total")  # fmt: skip
+        assert total == 4 * limit, total
 
 
 def _cancelled_count(frontend_port: int) -> float:

@@ -183,7 +183,7 @@ def test_wrong_api_key_is_401(deployment: Deployment) -> None:
         status, _, reply = http_json(
             deployment.http_port, "POST", "/generate", body, headers=headers
         )
-        assert status == 401 and reply["code"] == 16, reply
+        assert status == 401 and reply["error_type"] == "unauthorized", reply
     status, _, reply = http_json(
         deployment.http_port, "POST", "/generate", body, headers=deployment.headers
     )
@@ -203,7 +203,7 @@ def test_wrong_api_key_is_401(deployment: Deployment) -> None:
         body,
         headers={"authorization": "Bearer wrong"},
     )
-    assert reply["code"] == 16, reply
+    assert reply["error_type"] == "unauthorized", reply
     expect_error_status("/generate_stream", status, reply, 401)
 
 

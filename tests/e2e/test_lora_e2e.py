@@ -249,13 +249,13 @@ def test_rest_through_envoy(deployment, adapters, reference):
     assert status == 200 and body["model"] == "rest1", body
     status, _, body = http_json(port, "POST", "/generate", {
         "inputs": PROMPT, "parameters": {"adapter_id": "nope"}})
-    assert status == 404 and "adapter 'nope' is not loaded" in body["message"], body
+    assert status == 404 and "adapter 'nope' is not loaded" in body["error"], body
     status, _, body = http_json(port, "POST", "/v1/completions", {
         "model": "nope", "prompt": PROMPT, "max_tokens": 3})
     assert status == 404 and "nope" in json.dumps(body), body
     status, _, body = http_json(port, "POST", "/info/loras", {
         "adapters": [{"name": "bad", "path": str(adapters["rank16"])}]})
-    assert status == 400 and "exceeds --max-lora-rank" in body["message"], body
+    assert status == 422 and "exceeds --max-lora-rank" in body["error"], body
     status, _, body = http_json(port, "DELETE", "/info/loras/rest1")
     assert status == 200, body
     status, _, body = http_json(port, "DELETE", "/info/loras/rest1")

@@ -303,8 +303,8 @@ def test_mixed_batch_leaves_unconstrained_greedy_text_unchanged(deployment: Depl
 )
 def test_bad_grammars_are_400_naming_the_field(deployment, grammar, says) -> None:
     status, _, body = _tgi(deployment, "Hello", grammar)
-    assert status == 400, body
-    assert "parameters.grammar" in body["message"] and says in body["message"], body
+    assert status == 422 and body["error_type"] == "validation", body
+    assert "parameters.grammar" in body["error"] and says in body["error"], body
     status, _, _ = http_json(deployment.http_port, "GET", "/health")
     assert status == 200
 

@@ -27,7 +27,8 @@ if _version_not_supported:
 
 
 class TextGenerationStub:
-    """The text-generation service. Reached directly over gRPC or through Envoy as REST + SSE.
+    """The text-generation service over gRPC (directly or through Envoy). Its REST + SSE face is
+    TgiHttpService (tgi.proto), which writes TGI's exact JSON from the same implementation.
     """
 
     def __init__(self, channel):
@@ -84,11 +85,14 @@ class TextGenerationStub:
 
 
 class TextGenerationServicer:
-    """The text-generation service. Reached directly over gRPC or through Envoy as REST + SSE.
+    """The text-generation service over gRPC (directly or through Envoy). Its REST + SSE face is
+    TgiHttpService (tgi.proto), which writes TGI's exact JSON from the same implementation.
     """
 
     def Generate(self, request, context):
         """Generates a completion for one prompt and returns it when it is finished.
+        REST clients reach the same generation through TgiHttpService's POST /generate (tgi.proto),
+        which writes TGI's exact JSON.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,6 +103,7 @@ class TextGenerationServicer:
         token is produced. The last event carries `generated_text` and `details`. A failure after the
         first event is also reported in band (`error`, `error_type`), because HTTP/1.1 SSE clients
         behind Envoy never see gRPC trailers.
+        REST: TgiHttpService's POST /generate_stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -106,6 +111,7 @@ class TextGenerationServicer:
 
     def Info(self, request, context):
         """Describes the served model and the router's limits (TGI's GET /info).
+        REST: TgiHttpService's GET /info.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,6 +120,7 @@ class TextGenerationServicer:
     def Health(self, request, context):
         """Succeeds when the server can generate (shards warmed up and healthy); fails with UNAVAILABLE
         otherwise (TGI's GET /health).
+        REST: TgiHttpService's GET /health.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -219,7 +226,8 @@ def add_TextGenerationServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class TextGeneration:
-    """The text-generation service. Reached directly over gRPC or through Envoy as REST + SSE.
+    """The text-generation service over gRPC (directly or through Envoy). Its REST + SSE face is
+    TgiHttpService (tgi.proto), which writes TGI's exact JSON from the same implementation.
     """
 
     @staticmethod
