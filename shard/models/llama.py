@@ -139,6 +139,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Serves model_type llama, mistral and qwen2."""
 
+    model_impl = "native"
     supports_lora = True  # shard/lora adapts qkv_proj, o_proj, gate_up_proj and down_proj
 
     def __init__(self, ctx: LoadContext):
