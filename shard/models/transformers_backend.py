@@ -33,6 +33,7 @@ from shard.models.transformers_support import (
     attention_modules,
     causal_lm_class,
     declared_graph_safe,
+    tp_plan,
 )
 from shard.models.transformers_tp import StateWeights, swap_linears
 from shard.quantization.kv_cache import KvScales
@@ -58,8 +59,8 @@ class TransformersCausalLM:
                 f"{ctx.config.get('model_type', '')!r} has no native fp8-cache path"
             )
         config = transformers.AutoConfig.from_pretrained(str(ctx.model_dir))
-        cls = causal_lm_class(config)  # ValueError naming the model type and why
         register()
+        cls = causal_lm_class(config, ATTN_IMPLEMENTATION)  # ValueError: the type and why
         hf = cls.from_pretrained(
             str(ctx.model_dir), config=config, dtype=ctx.dtype,
             attn_implementation=ATTN_IMPLEMENTATION,
@@ -73,7 +74,7 @@ class TransformersCausalLM:
         self.num_kv_heads = split.local_kv_heads
         quant = LinearQuantization.resolve(ctx.quantize, ctx.config)
         weights = StateWeights(dict(hf.state_dict()), ctx.device, ctx.dtype, ctx.dist, quant)
-        plan = dict(getattr(text, "base_model_tp_plan", None) or {})
+        plan = tp_plan(config)
         if ctx.dist.world_size > 1 and not plan:
             raise ValueError(
                 f"model_type {config.model_type!r}: its transformers config has no "
@@ -81,6 +82,12 @@ class TransformersCausalLM:
                 f"{ctx.dist.world_size} ranks; run it on one shard"
             )
         swapped = swap_linears(hf, hf.base_model_prefix, plan, weights, split)
+        if quant is not None and swapped == 0:
+            raise ValueError(
+                f"--quantize: model_type {config.model_type!r} has no base_model_tp_plan naming "
+                "its projections, so the transformers backend has no tokenwire linears to "
+                "quantize"
+            )
         del weights
         hf.to(ctx.device)
         self.hf = hf

@@ -23,14 +23,37 @@ INTERFACE_WITHOUT_FLAG = frozenset({"stablelm"})
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
+_LLAMA_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+
+
+def tp_plan(config: Any) -> dict[str, str]:
+    """The config's base_model_tp_plan; for StableLM (none upstream, Llama's module names) the
+    Llama plan, with q/k/v replicated when its per-head q/k layer norms need every head."""
+    text = config.get_text_config()
+    plan = dict(getattr(text, "base_model_tp_plan", None) or {})
+    if not plan and config.model_type == "stablelm":
+        plan = dict(_LLAMA_PLAN)
+        if getattr(text, "qk_layernorm", False):
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                plan[f"layers.*.self_attn.{proj}"] = "colwise_gather_output"
+            plan["layers.*.self_attn.o_proj"] = "rowwise_split_input"
+    return plan
+
+
 def unsupported(model_type: str, why: str) -> ValueError:
     return ValueError(f"model_type {model_type!r} cannot be served by the transformers backend: "
                       f"{why}")
 
 
-def causal_lm_class(config: Any) -> type:
+def causal_lm_class(config: Any, attn_implementation: str) -> type:
     """transformers' causal-LM class for the config; ValueError naming the model type and why
-    it cannot be served."""
+    it cannot be served (checked on a weightless instance before any weight is read)."""
+    import torch
     import transformers
 
     model_type = config.model_type
@@ -44,6 +67,9 @@ def causal_lm_class(config: Any) -> type:
     if not (cls.is_backend_compatible() or model_type in INTERFACE_WITHOUT_FLAG):
         raise unsupported(model_type, f"{cls.__name__} does not route attention through "
                           "transformers' attention interface (no _supports_attention_backend)")
+    with torch.device("meta"):  # structure only: no memory, no weights
+        skeleton = cls._from_config(config, attn_implementation=attn_implementation)
+    attention_modules(skeleton, model_type)
     return cls
 
 
