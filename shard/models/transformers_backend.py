@@ -35,7 +35,12 @@ from shard.models.transformers_support import (
     declared_graph_safe,
     tp_plan,
 )
-from shard.models.transformers_tp import StateWeights, swap_linears
+from shard.models.transformers_tp import (
+    StateWeights,
+    attention_split,
+    localize_heads,
+    swap_linears,
+)
 from shard.quantization.kv_cache import KvScales
 from shard.quantization.loading import LinearQuantization
 
@@ -70,11 +75,14 @@ class TransformersCausalLM:
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         self.head_dim: int = getattr(text, "head_dim", None) or text.hidden_size // heads
-        split = partition_heads(heads, kv_heads, ctx.dist.rank, ctx.dist.world_size)
+        plan = tp_plan(config)
+        # Heads split over ranks only where the plan splits the attention projections (Phi-3's
+        # packed qkv and OLMo 2's q/k norms keep every head on every rank).
+        world = ctx.dist.world_size if attention_split(plan) else 1
+        split = partition_heads(heads, kv_heads, ctx.dist.rank % world, world)
         self.num_kv_heads = split.local_kv_heads
         quant = LinearQuantization.resolve(ctx.quantize, ctx.config)
         weights = StateWeights(dict(hf.state_dict()), ctx.device, ctx.dtype, ctx.dist, quant)
-        plan = tp_plan(config)
         if ctx.dist.world_size > 1 and not plan:
             raise ValueError(
                 f"model_type {config.model_type!r}: its transformers config has no "
@@ -95,6 +103,8 @@ class TransformersCausalLM:
         self.num_layers = 0
         for module in attention_modules(hf, config.model_type):
             setattr(module, PAGED_LAYER, PagedLayer(self.num_layers, ctx.attention, self.step))
+            if world > 1:
+                localize_heads(module, heads, kv_heads, split)
             self.num_layers += 1
         self.vocab_size: int = hf.get_output_embeddings().weight.shape[0]
         self.max_position_embeddings: int = (

@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from shard.models.transformers_tp import PACKED
 from shard.quantization.loading import LinearQuantization
 from shard.quantization.methods import QuantizeMethod
 
@@ -42,7 +43,22 @@ def tp_plan(config: Any) -> dict[str, str]:
             for proj in ("q_proj", "k_proj", "v_proj"):
                 plan[f"layers.*.self_attn.{proj}"] = "colwise_gather_output"
             plan["layers.*.self_attn.o_proj"] = "rowwise_split_input"
-    return plan
+    return _packed_pairs(plan)
+
+
+def _packed_pairs(plan: dict[str, str]) -> dict[str, str]:
+    """A packed gate/up projection that the plan replicates only because the model chunks it
+    in two (Phi-3: `gate_up_proj` colwise_gather_output, `down_proj` rowwise_split_input) is
+    split as two packed halves instead (PACKED: each rank keeps its share of gate and
+    of up, so the chunk still pairs them), its down projection row-wise."""
+    out = dict(plan)
+    for pattern, style in plan.items():
+        parent, _, leaf = pattern.rpartition(".")
+        down = f"{parent}.down_proj"
+        if (leaf == "gate_up_proj" and style == "colwise_gather_output"
+                and plan.get(down) == "rowwise_split_input"):
+            out[pattern], out[down] = PACKED, "rowwise"
+    return out
 
 
 def unsupported(model_type: str, why: str) -> ValueError:

@@ -10,6 +10,8 @@ already renamed and fused legacy checkpoint layouts, e.g. per-expert MoE weights
 - rowwise: a row-parallel layer (input columns split, one all-reduce, bias once);
 - colwise_gather_output / rowwise_split_input (the model slices or norms the full projection,
   e.g. Phi-3's packed qkv, OLMo 2's q/k norms): replicated tokenwire linears;
+- packed_colwise_halves (a packed gate/up projection the model chunks in two, see
+  transformers_support.tp_plan): each half split column-wise, this rank's halves side by side;
 - packed_colwise + rowwise on MoE experts (3-D `gate_up_proj` [E, 2I, H] and `down_proj`
   [E, H, I] of a `moe_tp_experts` module): each rank keeps its share of every expert's
   intermediate features (gate and up halves each split) and the experts' output is all-reduced.
@@ -34,6 +36,7 @@ from shard.quantization.loading import LinearQuantization
 COLWISE = {"colwise"}
 ROWWISE = {"rowwise"}
 REPLICATED = {"colwise_gather_output", "rowwise_split_input"}
+PACKED = "packed_colwise_halves"
 IGNORED = {"replicated_with_grad_allreduce", "embedding_rowwise", "packed_colwise",
            "moe_tp_experts"}
 KV_PROJECTIONS = ("k_proj", "v_proj")
@@ -50,6 +53,10 @@ class StateWeights(Weights):
 
     def has(self, name: str) -> bool:
         return name in self._state
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Another tensor to read by name (e.g. one half of a packed projection)."""
+        self._state[name] = tensor
 
     def names(self) -> list[str]:
         return list(self._state)
@@ -85,6 +92,25 @@ def plan_style(plan: dict[str, str], name: str) -> str | None:
     return None
 
 
+def attention_split(plan: dict[str, str]) -> bool:
+    """Whether the plan splits the attention projections' heads over ranks (colwise q/k/v)."""
+    return any(style in COLWISE for pattern, style in plan.items()
+               if "attn" in pattern or "attention" in pattern)
+
+
+def localize_heads(attention: nn.Module, heads: int, kv_heads: int, split: HeadPartition) -> None:
+    """Head counts an attention module keeps as attributes (StableLM reshapes by them, where
+    most models reshape by -1) become this rank's."""
+    for attr, whole, local in (("num_heads", heads, split.local_heads),
+                               ("num_attention_heads", heads, split.local_heads),
+                               ("num_key_value_heads", kv_heads, split.local_kv_heads),
+                               ("num_kv_heads", kv_heads, split.local_kv_heads)):
+        if getattr(attention, attr, None) == whole:
+            setattr(attention, attr, local)
+    if isinstance(getattr(attention, "num_key_value_groups", None), int):
+        attention.num_key_value_groups = split.local_heads // split.local_kv_heads
+
+
 class ColumnLinear(MergedColumnParallelLinear):
     """A column-parallel linear standing in for one nn.Linear: a one-part merged layer (the
     part named as the module, so LoRA adapters target it by its checkpoint name); returns one
@@ -92,7 +118,9 @@ class ColumnLinear(MergedColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out_local]
         shape = x.shape[:-1]
-        return super().forward(x.reshape(-1, x.shape[-1]))[0].view(*shape, -1)
+        outs = super().forward(x.reshape(-1, x.shape[-1]))
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # packed halves
+        return y.view(*shape, -1)
 
 
 class RowLinear(RowParallelLinear):
@@ -131,6 +159,14 @@ def swap_linears(
                                           dist, merge=False, row_blocks={leaf: part})
         elif style in ROWWISE:
             new = RowLinear(module.in_features, module.out_features, bias, dist)
+        elif style == PACKED:
+            half = module.out_features // 2
+            for k in range(2):  # the halves under names of their own, split like any column
+                for kind in ("weight", "bias") if bias else ("weight",):
+                    whole = weights.get(f"{name}.{kind}", raw=True)
+                    weights.add(f"{name}_{k}.{kind}", whole[k * half : (k + 1) * half])
+            new = ColumnLinear(module.in_features, {f"{leaf}_{k}": half for k in range(2)}, bias,
+                               dist, merge=True)
         elif style in REPLICATED:
             new = ColumnLinear(module.in_features, {leaf: module.out_features}, bias, dist,
                                merge=False, row_blocks={leaf: (0, 1)})

@@ -28,6 +28,9 @@ def greedy_rank(dist: Dist, device: str, job: dict[str, Any], res: dict[str, Any
     """shard.testing.ranks RankFn: per model of job["dirs"] {name: dir}, the greedy tokens
     (res["tokens"][name]) and how many weights this rank holds (res["params"][name]: fewer
     than one shard's when the model was split, not replicated)."""
+    import torch
+
+    torch.set_num_threads(1)  # two ranks on a shared host: no oversubscribed OpenMP spinning
     for name, model_dir in job["dirs"].items():
         shard = backend_shard(Path(model_dir), dist)
         res.setdefault("tokens", {})[name] = greedy_tokens(shard, STEPS)
