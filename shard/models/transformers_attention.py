@@ -95,23 +95,25 @@ def softcapped_attention(
     """Attention with scores softcap * tanh(scores / softcap), one sequence at a time (host
     lengths: never inside a CUDA graph; models with soft-capping declare themselves eager)."""
     block_size, out = key_cache.shape[1], torch.empty_like(query)
-    group = query.shape[1] // key_cache.shape[2]
+    kv_heads = key_cache.shape[2]
+    group = query.shape[1] // kv_heads
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
-        blocks = meta.block_tables[i, : -(-seq_len // block_size)].long()
-        k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].to(query.dtype)
-        v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].to(query.dtype)
-        k = k.repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
-        v = v.repeat_interleave(group, dim=1)
-        q = query[start : start + q_len]  # [q_len, num_heads, head_dim]
-        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
-        scores = torch.tanh(scores / softcap) * softcap  # [num_heads, q_len, seq_len]
+        first = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
+        blocks = meta.block_tables[i, first // block_size : -(-seq_len // block_size)].long()
+        lo = first - first % block_size  # position of the first gathered slot
+        k = key_cache.index_select(0, blocks).flatten(0, 1)[: seq_len - lo]  # [s, kv, d]
+        v = value_cache.index_select(0, blocks).flatten(0, 1)[: seq_len - lo]
+        q = query[start : start + q_len].unflatten(1, (kv_heads, group))  # [q, kv, g, d]
+        scores = torch.einsum("qkgd,skd->kgqs", q.float(), k.float()) * scale
+        scores = torch.tanh(scores / softcap) * softcap  # [kv, g, q_len, s]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
-        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-        mask = k_pos <= q_pos  # [q_len, seq_len]
+        k_pos = torch.arange(lo, seq_len, device=q.device).unsqueeze(0)
+        mask = k_pos <= q_pos  # [q_len, s]
         if sliding_window is not None:
             mask &= q_pos - k_pos < sliding_window
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
-        out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, v)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        o = torch.einsum("kgqs,skd->qkgd", probs, v.float())  # [q_len, kv, g, d]
+        out[start : start + q_len] = o.flatten(1, 2).to(out.dtype)
         start += q_len
     return out
