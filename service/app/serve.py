@@ -176,6 +176,8 @@ async def serve(
             max_loras=shard.max_loras,
             max_lora_rank=shard.max_lora_rank,
             speculate=args.speculate,
+            model_impl=shard.model_impl,
+            cuda_graphs=shard.cuda_graphs,
         )
         servicer.attach(service, info, tokenizer)
         openai_servicer.attach(

@@ -4,10 +4,10 @@ engine and the static Info."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import tokenizers
 import torch
 
 from shard.attention import get_backend
@@ -28,6 +28,9 @@ from shard.quantization import parse_kv_cache_dtype, parse_kv_cache_rotation, pa
 from shard.runner.model_runner import ModelRunner
 from shard.runner.warmup import WarmupResult, WarmupSpec, run_warmup
 from shard.tools.download import model_sha, resolve_model
+from shard.tools.tokenizer_files import load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class RankInfo:
     model_sha: str | None
     # "native" | "transformers": which code serves the model
     model_impl: str
+    cuda_graphs: bool  # decode steps replay CUDA graphs (else eager)
     model_id: str
     max_loras: int = 0
     max_lora_rank: int = 0
@@ -77,15 +81,6 @@ class ShardConfig:
     max_loras: int | None = None
     max_lora_rank: int = 16
     lora_adapters: str | None = None
-
-
-def load_tokenizer(model_dir: Path) -> tokenizers.Tokenizer:
-    path = model_dir / "tokenizer.json"
-    if path.is_file():
-        return tokenizers.Tokenizer.from_file(str(path))
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(model_dir)).backend_tokenizer
 
 
 def eos_token_ids(model_dir: Path, config: dict) -> set[int]:
@@ -123,6 +118,11 @@ class Shard:
         )
         model = load_model(ctx, parse_model_impl(cfg.model_impl))
         self.runner = ModelRunner(model, attention, cfg.block_size, self.device)
+        log.info("model_type %r served by %s code (attention %s), decode %s",
+                 config.get("model_type", ""),
+                 "the transformers backend's" if model.model_impl == "transformers" else "native",
+                 model.attention_name,
+                 "with CUDA graphs" if self.runner.uses_cuda_graphs else "eager")
         startup_adapters = parse_adapters_flag(cfg.lora_adapters)
         max_loras = cfg.max_loras
         if max_loras is None:
@@ -158,6 +158,7 @@ class Shard:
             attention_backend=model.attention_name,
             model_sha=model_sha(model_dir),
             model_impl=model.model_impl,
+            cuda_graphs=self.runner.uses_cuda_graphs,
             model_id=cfg.model_id,
             max_loras=limits.max_loras,
             max_lora_rank=limits.max_lora_rank if limits.max_loras else 0,
