@@ -29,6 +29,7 @@ from shard.models.transformers_attention import (
     StepState,
     register,
 )
+from shard.models.transformers_norms import swap_rms_norms
 from shard.models.transformers_support import (
     attention_modules,
     causal_lm_class,
@@ -97,6 +98,7 @@ class TransformersCausalLM:
                 "quantize"
             )
         del weights
+        norms = swap_rms_norms(hf)
         hf.to(ctx.device)
         self.hf = hf
         self.step = StepState()
@@ -117,9 +119,10 @@ class TransformersCausalLM:
         self.cuda_graph_safe = ctx.attention.graph_safe and declared_graph_safe(config, quant)
         self._device, self._dtype = ctx.device, ctx.dtype
         log.info(
-            "model_type %r: transformers backend (%s), %d attention layers, %d linears "
-            "swapped for tokenwire's, decode %s", config.model_type, cls.__name__,
-            self.num_layers, swapped, "CUDA graphs" if self.cuda_graph_safe else "eager",
+            "model_type %r: transformers backend (%s), %d attention layers, %d linears and %d "
+            "RMSNorms swapped for tokenwire's, decode %s", config.model_type, cls.__name__,
+            self.num_layers, swapped, norms,
+            "CUDA graphs" if self.cuda_graph_safe else "eager",
         )
 
     def named_modules(self, *args: Any, **kwargs: Any):

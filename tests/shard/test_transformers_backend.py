@@ -169,3 +169,24 @@ def _prefill_logits(shard: Shard, prompt: list[int]) -> torch.Tensor:
                       [list(range(-(-len(prompt) // 16)))], [len(prompt) - 1])
     return shard.runner.execute(step)
 
+
+
+def test_swapped_rms_norms_still_compute_what_llamas_does():
+    """The RMSNorm classes the backend replaces by tokenwire's (shard/models/transformers_norms.py)
+    have Llama's forward to the letter in the installed transformers."""
+    import importlib
+    import inspect
+
+    from shard.models.transformers_norms import LLAMA_STYLE_RMS_NORMS
+
+    def forward_source(cls_name: str) -> str:
+        for module in ("llama", "mistral", "qwen2", "qwen3", "granite", "mixtral", "qwen2_moe",
+                       "qwen3_moe"):
+            mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+            if hasattr(mod, cls_name):
+                return inspect.getsource(getattr(mod, cls_name).forward)
+        raise AssertionError(f"{cls_name} not found")
+
+    llama = forward_source("LlamaRMSNorm")
+    assert {n: forward_source(n) == llama for n in LLAMA_STYLE_RMS_NORMS} == dict.fromkeys(
+        LLAMA_STYLE_RMS_NORMS, True)
