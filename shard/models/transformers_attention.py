@@ -71,8 +71,9 @@ def paged_attention(
         raise RuntimeError("paged attention called outside a tokenwire step")
     key_cache, value_cache = caches[layer.index]
     q = query[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
-    k = key[0].transpose(0, 1).to(key_cache.dtype)  # [num_tokens, num_kv_heads, head_dim]
-    v = value[0].transpose(0, 1).to(value_cache.dtype)
+    # [num_tokens, num_kv_heads, head_dim], contiguous as the cache-store kernels expect
+    k = key[0].transpose(0, 1).to(key_cache.dtype).contiguous()
+    v = value[0].transpose(0, 1).to(value_cache.dtype).contiguous()
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     b = layer.backend
     b.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)

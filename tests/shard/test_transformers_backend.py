@@ -190,3 +190,27 @@ def test_swapped_rms_norms_still_compute_what_llamas_does():
     llama = forward_source("LlamaRMSNorm")
     assert {n: forward_source(n) == llama for n in LLAMA_STYLE_RMS_NORMS} == dict.fromkeys(
         LLAMA_STYLE_RMS_NORMS, True)
+
+
+def test_lora_adapters_apply_to_the_backends_linears(models, tmp_path):
+    """A PEFT adapter on every projection of a model only the backend serves (qwen3) gives
+    what transformers + PeftModel gives, beside base-model requests."""
+    from tests.helpers.lora import load_base, peft_greedy, write_adapter
+
+    from shard.lora import AdapterSource
+
+    model_dir = models["qwen3"]
+    base = load_base(model_dir)
+    adapter = write_adapter(model_dir, tmp_path / "all4", r=4, alpha=8.0, seed=1, base=base)
+    shard = backend_shard(model_dir, max_loras=2, max_lora_rank=4)
+    shard.register_adapter(shard.read_adapter(AdapterSource("all4", str(adapter))))
+    prompt = prompts(model_dir, [11])[0]
+    sim = RouterSim(engine_call(shard), shard.runner.num_blocks, shard.runner.block_size)
+    sim.add(1, prompt, N, adapter="all4")
+    sim.add(2, prompt, N)
+    sim.prefill([(1, 0), (2, 0)])
+    sim.run_to_completion()
+    with_adapter = peft_greedy(model_dir, adapter, prompt, N, base=base)
+    assert sim.done[1].generated == with_adapter
+    assert sim.done[2].generated == peft_greedy(model_dir, None, prompt, N, base=base)
+    assert with_adapter != sim.done[2].generated  # the adapter changes the output
