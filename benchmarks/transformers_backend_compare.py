@@ -26,9 +26,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     nat, tf = (json.loads(f.read_text()) for f in (args.native, args.backend))
+    impls = (f"model_impl: {nat.get('model', {}).get('model_impl')} vs "
+             f"{tf.get('model', {}).get('model_impl')}")
     lines = [f"# transformers backend vs native ({tf.get('device')}, commit {tf.get('commit')})",
-             "", f"model_impl: {nat.get('model', {}).get('model_impl')} vs "
-             f"{tf.get('model', {}).get('model_impl')}", "",
+             "", impls, "",
              "| figure | native | transformers backend | ratio | bar | ok |",
              "| --- | --- | --- | --- | --- | --- |"]
     ok = True

@@ -18,8 +18,8 @@ from shard.models.base import LoadContext
 from shard.models.heads import partition_heads
 from shard.quantization import QuantizeMethod, kv_cache_torch_dtype
 from shard.quantization.kv_cache import KvScales
-from shard.quantization.methods import KvCacheRotation
 from shard.quantization.loading import LinearQuantization
+from shard.quantization.methods import KvCacheRotation
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value) pools
 

@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 import torch
+
 from shard.attention.base import AttentionMetadata
 from shard.models.base import LoadContext
 from shard.models.heads import partition_heads
