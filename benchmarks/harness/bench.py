@@ -361,9 +361,11 @@ def bench_e2e(model_dir: Path, args, log_path: Path, overlap: bool = True) -> di
     import multiprocessing as mp
 
     port = args.port or free_port()
+    device = getattr(args, "e2e_device", "cuda")  # cpu: dry runs of the scripts without a GPU
     cmd = [
         sys.executable, "-m", "service.app.cli", "launch", "--model-id", str(model_dir),
-        "--dtype", "bfloat16", "--device", "cuda", "--port", str(port),
+        "--dtype", "bfloat16" if device == "cuda" else "float32", "--device", device,
+        "--port", str(port),
         "--max-concurrent-requests", str(args.requests + 64),
         "--max-input-tokens", "2048", "--max-total-tokens", "4096",
         "--max-batch-prefill-tokens", "8192",

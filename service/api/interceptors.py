@@ -286,20 +286,29 @@ class ErrorInterceptor(_WrappingInterceptor):
 
 
 class AuthInterceptor(_WrappingInterceptor):
-    """Requires `authorization: Bearer <key>` on every method but health and reflection."""
+    """Requires `authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on every
+    method but health and reflection."""
 
     def __init__(self, api_key: str) -> None:
         if not api_key:
             raise ValueError("AuthInterceptor needs a non-empty API key")
         self._expected = f"Bearer {api_key}".encode()
+        self._expected_key = api_key.encode()
 
     def applies(self, method: str) -> bool:
         return super().applies(method) and not method.startswith(OPEN_METHOD_PREFIXES)
 
     def _check(self, details: grpc.HandlerCallDetails) -> None:
         given = _metadata(details, "authorization")
-        if given is None:
-            error = UnauthenticatedError("missing 'authorization: Bearer <api key>' metadata")
+        api_key = _metadata(details, "x-api-key") if given is None else None
+        if given is None and api_key is None:
+            error = UnauthenticatedError(
+                "missing 'authorization: Bearer <api key>' (or 'x-api-key') metadata"
+            )
+        elif api_key is not None:
+            if hmac.compare_digest(api_key.encode("latin-1", "replace"), self._expected_key):
+                return
+            error = UnauthenticatedError("invalid API key in 'x-api-key' metadata")
         elif not hmac.compare_digest(given.encode("latin-1", "replace"), self._expected):
             error = UnauthenticatedError("invalid API key in 'authorization' metadata")
         else:

@@ -181,6 +181,7 @@ def _chat_choice(choice: Choice) -> pb.ChatChoice:
         message=pb.ChatMessage(
             role="assistant",
             content=choice.text,
+            reasoning_content=choice.reasoning,
             tool_calls=[
                 pb.ToolCall(
                     id=c.id,
@@ -217,12 +218,15 @@ def chat_chunk(header: ResponseHeader, event: StreamEvent) -> pb.ChatStreamRespo
         choice.delta.role = "assistant"
     if event.first or event.text:
         choice.delta.content = event.text
-    for i, call in event.tool_calls:
+    if event.reasoning:
+        choice.delta.reasoning_content = event.reasoning
+    for call in event.tool_calls:
+        # A call's first piece carries id, type and name; later pieces only arguments.
         choice.delta.tool_calls.add(
-            index=i,
-            id=call.id,
-            type="function",
-            function=pb.FunctionCall(name=call.name, arguments=call.arguments),
+            index=call.index,
+            id=call.id or "",
+            type="function" if call.id is not None else "",
+            function=pb.FunctionCall(name=call.name or "", arguments=call.arguments),
         )
     if event.finish_reason is not None:
         choice.finish_reason = event.finish_reason

@@ -30,6 +30,7 @@ from service.generation.openai import (
     StreamEvent,
     TokenLogprob,
     ToolCall,
+    ToolCallChunk,
     ToolChoice,
     Usage,
     UsageChunk,
@@ -423,10 +424,26 @@ def _tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     return body
 
 
+def _tool_call_chunk(chunk: ToolCallChunk) -> dict[str, Any]:
+    """A streamed piece of a call: id, type and name on its first piece only (the SDKs'
+    accumulators join the arguments of the pieces that share an index)."""
+    body: dict[str, Any] = {"index": chunk.index}
+    function: dict[str, Any] = {}
+    if chunk.id is not None:
+        body.update(id=chunk.id, type="function")
+    if chunk.name is not None:
+        function["name"] = chunk.name
+    function["arguments"] = chunk.arguments
+    body["function"] = function
+    return body
+
+
 def _chat_choice(choice: Choice) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}
+    if choice.reasoning is not None:
+        message["reasoning_content"] = choice.reasoning
     if choice.tool_calls:
-        message["content"] = None
+        message["content"] = choice.text or None
         message["tool_calls"] = [_tool_call(c) for c in choice.tool_calls]
     return {
         "index": choice.index,
@@ -470,8 +487,10 @@ def chat_chunk(header: ResponseHeader, event: StreamEvent, include_usage: bool) 
         delta["role"] = "assistant"
     if event.first or event.text:
         delta["content"] = event.text
+    if event.reasoning:
+        delta["reasoning_content"] = event.reasoning
     if event.tool_calls:
-        delta["tool_calls"] = [_tool_call(c, i) for i, c in event.tool_calls]
+        delta["tool_calls"] = [_tool_call_chunk(c) for c in event.tool_calls]
     body["choices"] = [
         {
             "index": event.index,

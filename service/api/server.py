@@ -5,10 +5,20 @@ from __future__ import annotations
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from tokenwire.v1 import generate_pb2_grpc, openai_pb2, openai_pb2_grpc
+from tokenwire.v1 import (
+    anthropic_pb2,
+    anthropic_pb2_grpc,
+    generate_pb2_grpc,
+    openai_pb2,
+    openai_pb2_grpc,
+    responses_pb2,
+    responses_pb2_grpc,
+)
 
+from service.api.anthropic_servicer import AnthropicServicer
 from service.api.interceptors import server_interceptors
 from service.api.openai_servicer import OpenAIServicer
+from service.api.responses_servicer import ResponsesServicer
 from service.api.servicer import SERVICE_NAME, HealthReporter, TextGenerationServicer
 from service.observability.tracing import Tracing
 
@@ -22,11 +32,13 @@ def build_server(
     api_key: str | None,
     reuse_port: bool = False,
     openai: OpenAIServicer | None = None,
+    responses: ResponsesServicer | None = None,
+    anthropic: AnthropicServicer | None = None,
     tracing: Tracing | None = None,
 ) -> tuple[aio.Server, int]:
     """The public gRPC server (not started): TextGeneration, grpc.health.v1 and reflection of
-    every service, behind the interceptors (and tokenwire.v1.OpenAIService when `openai` is
-    given). Returns it with its bound port. `reuse_port`:
+    every service, behind the interceptors (and tokenwire.v1.OpenAIService, ResponsesService,
+    AnthropicService when `openai`, `responses`, `anthropic` are given). Returns it with its bound port. `reuse_port`:
     several processes listen on the port (SO_REUSEPORT) and the kernel spreads connections.
     `tracing`: OpenTelemetry's server interceptor outermost (it continues the caller's
     traceparent in a server span; health checks are not traced)."""
@@ -61,6 +73,12 @@ def build_server(
     if openai is not None:
         openai_pb2_grpc.add_OpenAIServiceServicer_to_server(openai, server)
         services += (openai_pb2.DESCRIPTOR.services_by_name["OpenAIService"].full_name,)
+    if responses is not None:
+        responses_pb2_grpc.add_ResponsesServiceServicer_to_server(responses, server)
+        services += (responses_pb2.DESCRIPTOR.services_by_name["ResponsesService"].full_name,)
+    if anthropic is not None:
+        anthropic_pb2_grpc.add_AnthropicServiceServicer_to_server(anthropic, server)
+        services += (anthropic_pb2.DESCRIPTOR.services_by_name["AnthropicService"].full_name,)
     reflection.enable_server_reflection(services, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

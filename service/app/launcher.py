@@ -35,6 +35,7 @@ from typing import Any
 
 from service.app.env_flags import env_bool, env_value
 from service.app.ports import free_port
+from service.app.router import FLAG_ERROR_EXIT_CODE
 from service.app.router_flags import frontends_value
 from service.shard_client.client import shard_answers_health
 
@@ -50,6 +51,8 @@ PR_SET_PDEATHSIG = 1
 # A shard stops in about a second; one writing a --profile-from-step trace of a long run takes
 # longer (about 10 s for 300k device events), so it gets this long before it is killed.
 _SHARD_STOP_S = 30.0
+# Children of a deployment that never became ready: nothing to drain or save.
+_STARTUP_STOP_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -205,6 +208,21 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
         "router",
     ),
     PassThrough(
+        "--reasoning-parser",
+        str,
+        ("REASONING_PARSER",),
+        "think | none: split <think> reasoning into reasoning_content (default none)",
+        "router",
+    ),
+    PassThrough(
+        "--tool-call-parser",
+        str,
+        ("TOOL_CALL_PARSER",),
+        "hermes | llama3_json | mistral | qwen3_coder | pythonic | auto (default auto: from "
+        "the chat template, else hermes)",
+        "router",
+    ),
+    PassThrough(
         "--json-output", None, ("JSON_OUTPUT",), "structured JSON logs", "router", is_bool=True
     ),
     # Router and shards (and Envoy, with --http-port).
@@ -233,6 +251,20 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
         ("CUDA_MEMORY_FRACTION",),
         "GPU memory share for the KV cache",
         "shard",
+    ),
+    PassThrough(
+        "--responses-store-size",
+        int,
+        ("RESPONSES_STORE_SIZE",),
+        "OpenAI Responses kept for previous_response_id (1024; 0: none)",
+        "router",
+    ),
+    PassThrough(
+        "--responses-store-ttl",
+        float,
+        ("RESPONSES_STORE_TTL",),
+        "seconds a stored Response is kept (3600)",
+        "router",
     ),
     PassThrough(
         "--kv-cache-memory-mb",
@@ -574,6 +606,12 @@ class Launcher:
         self.children: list[Child] = []
         self.stop_requested = threading.Event()
         self.signal_received: int | None = None
+        # True while start() runs in the main thread: a signal then raises Interrupted there, so
+        # the launcher's own start-up work (a GGUF conversion of tens of seconds) stops at once
+        # rather than when it finishes (the conversion builds aside and cleans up on errors).
+        self.starting = False
+        # Set once the deployment answered: only then may children take their full stop time.
+        self.ready = False
         self.gateway: Any = None
         self._run_dir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -583,6 +621,9 @@ class Launcher:
     def on_signal(self, signum: int, _frame: Any) -> None:
         self.signal_received = signum
         self.stop_requested.set()
+        if self.starting:
+            self.starting = False  # once: a second signal must not interrupt the shutdown
+            raise Interrupted()
 
     def spawn(self, name: str, command: list[str]) -> Child:
         process = subprocess.Popen(command, preexec_fn=_child_setup)  # noqa: PLW1509
@@ -612,7 +653,15 @@ class Launcher:
             self.stop_requested.wait(0.1)
 
     def start(self) -> None:
+        self.starting = True
+        try:
+            self._start()
+        finally:
+            self.starting = False
+
+    def _start(self) -> None:
         args = self.args
+        began = time.monotonic()
         model_id, model_dir = ensure_local_model(
             args.model_id, args.revision, cache_dir(args.cache_dir), args.gguf_file
         )
@@ -623,6 +672,8 @@ class Launcher:
             self._run_dir = tempfile.TemporaryDirectory(prefix="tokenwire-")
             uds_prefix = str(Path(self._run_dir.name) / "shard")
         master_port = args.master_port or free_port(args.master_addr)
+        self.log(f"loading the model into {args.num_shard} shard(s)")
+        step = time.monotonic()
         for rank in range(args.num_shard):
             self.spawn(
                 f"shard {rank}", shard_command(args, model_dir, rank, uds_prefix, master_port)
@@ -634,8 +685,13 @@ class Launcher:
                 lambda t=target: health_status(t) == "SERVING",
                 args.startup_timeout,
             )
-        self.log(f"{args.num_shard} shard(s) answering on {uds_prefix}-*")
+        self.log(
+            f"{args.num_shard} shard(s) answering on {uds_prefix}-* "
+            f"(loaded in {time.monotonic() - step:.1f}s)"
+        )
 
+        self.log("starting the router: it sizes the KV cache and warms the shards up")
+        step = time.monotonic()
         self.spawn("router", router_command(args, model_id, model_dir, uds_prefix))
         host = "127.0.0.1" if args.hostname in ("0.0.0.0", "") else args.hostname
         host = "[::1]" if host == "::" else host
@@ -644,8 +700,12 @@ class Launcher:
             lambda: health_status(f"{host}:{args.port}") == "SERVING",
             args.startup_timeout,
         )
-        self.log(f"router serving gRPC on {args.hostname}:{args.port}")
+        self.log(
+            f"router serving gRPC on {args.hostname}:{args.port} "
+            f"(warm-up done in {time.monotonic() - step:.1f}s)"
+        )
 
+        urls = [f"gRPC {host}:{args.port}"]
         if args.http_port is not None:
             from service.app.gateway import Gateway, GatewaySettings
 
@@ -665,7 +725,12 @@ class Launcher:
             self.children.append(Child("envoy", process))
             self.wait_until("envoy", self.gateway.answers, 30.0)
             self.log(f"envoy serving REST/SSE and gRPC on {args.http_hostname}:{args.http_port}")
-        self.log("ready")
+            http_host = "127.0.0.1" if args.http_hostname in ("0.0.0.0", "") else args.http_hostname
+            http_host = f"[{http_host}]" if ":" in http_host else http_host
+            base = f"http://{http_host}:{args.http_port}"
+            urls += [f"REST {base}/generate, {base}/generate_stream, {base}/v1/chat/completions"]
+        self.ready = True
+        self.log(f"ready in {time.monotonic() - began:.1f}s: {'; '.join(urls)}")
 
     def supervise(self) -> int:
         while not self.stop_requested.wait(0.2):
@@ -689,13 +754,18 @@ class Launcher:
 
     def shutdown(self, graceful: bool) -> None:
         """Router first (it drains in-flight requests while Envoy still carries them), then
-        Envoy, then the shards."""
+        Envoy, then the shards. Before the deployment was ready there is nothing to drain and no
+        trace to write, while a shard busy loading or in a warm-up step only sees SIGTERM when
+        that step ends: every child then gets _STARTUP_STOP_S before it is killed."""
         routers = [c for c in self.children if c.name == "router"]
         others = [c for c in self.children if c.name == "envoy"]
         shards = [c for c in self.children if c.name.startswith("shard")]
-        self._terminate(routers, self.args.graceful_timeout + 5.0 if graceful else 5.0)
-        self._terminate(others, 5.0)
-        self._terminate(shards, _SHARD_STOP_S)
+        if not self.ready:
+            self._terminate(routers + others + shards, _STARTUP_STOP_S)
+        else:
+            self._terminate(routers, self.args.graceful_timeout + 5.0 if graceful else 5.0)
+            self._terminate(others, 5.0)
+            self._terminate(shards, _SHARD_STOP_S)
         if self.gateway is not None:
             self.gateway.stop()
         if self._run_dir is not None:
@@ -744,8 +814,12 @@ def run(args: argparse.Namespace) -> int:
     except Interrupted:
         launcher.log("interrupted during startup: stopping")
     except ChildExited as exc:
-        launcher.log(f"{exc}: stopping everything")
-        code, graceful = 1, False
+        if exc.child.name == "router" and exc.child.exit_code() == FLAG_ERROR_EXIT_CODE:
+            code = FLAG_ERROR_EXIT_CODE  # the router printed the one line that says why
+        else:
+            launcher.log(f"{exc}: stopping everything")
+            code = 1
+        graceful = False
     except Exception as exc:  # noqa: BLE001 - any startup failure: stop what was started, say why
         launcher.log(f"error: {exc}: stopping everything")
         code, graceful = 1, False

@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 
 from service.app.router_flags import (
+    FlagError,
     add_arguments,
     resolve_frontends,
     resolve_router_detokenize,
@@ -29,7 +31,11 @@ from service.app.scheduler_process import run_multiprocess
 from service.app.serve import serve
 from service.observability.logs import setup_logging
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["FLAG_ERROR_EXIT_CODE", "add_arguments", "run"]
+
+# The exit code of a flag the model cannot serve (as argparse's usage errors): the launcher
+# recognises it and adds nothing to the router's one-line message.
+FLAG_ERROR_EXIT_CODE = 2
 
 _log = logging.getLogger("tokenwire.router")
 
@@ -53,9 +59,12 @@ def run(args: argparse.Namespace) -> int:
         "" if args.frontends > 1 else ": one process serves the API and runs the engine",
         "router" if args.router_detokenize else "shard",
     )
-    if args.frontends > 1:
-        return run_multiprocess(args)
     try:
+        if args.frontends > 1:
+            return run_multiprocess(args)
         return asyncio.run(serve(args))
     except KeyboardInterrupt:
         return 130
+    except FlagError as error:
+        print(f"tokenwire router: error: {error}", file=sys.stderr, flush=True)
+        return FLAG_ERROR_EXIT_CODE

@@ -14,6 +14,8 @@ from pathlib import Path
 from service.app.env_flags import env_bool, env_value
 from service.engine.backend import WarmupBudgets
 from service.engine.engine import EngineConfig
+from service.generation.parsers.registry import AUTO as AUTO_TOOLS
+from service.generation.parsers.registry import REASONING_PARSERS, TOOL_CALL_PARSERS
 from service.generation.validation import ValidationLimits
 from service.shard_client.client import DEFAULT_STEP_TIMEOUT_S
 
@@ -92,7 +94,36 @@ def _shard_flags(a: _AddArgument) -> None:
     )
 
 
+def _responses_store_size(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--responses-store-size must be >= 0 (got {value})")
+    return value
+
+
+def _responses_store_ttl(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--responses-store-ttl must be > 0 (got {value})")
+    return value
+
+
 def _request_limit_flags(a: _AddArgument) -> None:
+    a(
+        "--responses-store-size",
+        type=_responses_store_size,
+        default=_responses_store_size(env_value("RESPONSES_STORE_SIZE") or "1024"),
+        help="OpenAI Responses kept in memory for previous_response_id and GET "
+        "/v1/responses/{id}, per router process; the least recently used goes first when full "
+        "(counted in tokenwire_responses_store_evictions{reason=\"size\"}); 0 stores none "
+        "[RESPONSES_STORE_SIZE] (default 1024)",
+    )
+    a(
+        "--responses-store-ttl",
+        type=_responses_store_ttl,
+        default=_responses_store_ttl(env_value("RESPONSES_STORE_TTL") or "3600"),
+        help="seconds a stored Response is kept [RESPONSES_STORE_TTL] (default 3600)",
+    )
     a(
         "--max-concurrent-requests",
         type=int,
@@ -148,6 +179,23 @@ def _request_limit_flags(a: _AddArgument) -> None:
         default=env_value("CHAT_TEMPLATE"),
         help="Jinja chat template file for /v1/chat/completions and Chat, instead of the one in "
         "the model's tokenizer_config.json [CHAT_TEMPLATE]",
+    )
+    a(
+        "--reasoning-parser",
+        choices=list(REASONING_PARSERS),
+        default=env_value("REASONING_PARSER") or "none",
+        help="split a thinking model's reasoning from its answer: think (<think>...</think> of "
+        "Qwen3, DeepSeek-R1, SmolLM3) puts it in reasoning_content, and grammars (tools, "
+        "response_format) apply after it; none leaves it in the content [REASONING_PARSER] "
+        "(default none)",
+    )
+    a(
+        "--tool-call-parser",
+        choices=[*TOOL_CALL_PARSERS, AUTO_TOOLS],
+        default=env_value("TOOL_CALL_PARSER") or AUTO_TOOLS,
+        help="the model family's tool-call format, for parsing calls and for the grammar of "
+        "tool_choice required / named; auto reads it from the chat template, else hermes "
+        "[TOOL_CALL_PARSER] (default auto)",
     )
     a(
         "--validation-workers",
@@ -393,6 +441,13 @@ class Limits:
     max_batch_size: int
 
 
+class FlagError(ValueError):
+    """A flag value, or a combination with what the model allows, that cannot be served. Raised
+    where the check needs the shards (after start-up began); the router's entry point prints the
+    message, which names the flag and the limit, as one line and exits 2 (argparse's code for a
+    usage error)."""
+
+
 def resolve_limits(args: argparse.Namespace, max_position_embeddings: int) -> Limits:
     """Fills the token limits the user left unset (TGI's rules) and checks them."""
     total = args.max_total_tokens
@@ -407,11 +462,11 @@ def resolve_limits(args: argparse.Namespace, max_position_embeddings: int) -> Li
     if inputs is None:
         inputs = total - 1
     if not 0 < inputs < total:
-        raise SystemExit(
+        raise FlagError(
             f"--max-input-tokens ({inputs}) must be > 0 and < --max-total-tokens ({total})"
         )
     if total > max_position_embeddings:
-        raise SystemExit(
+        raise FlagError(
             f"--max-total-tokens ({total}) must be <= the model's max_position_embeddings "
             f"({max_position_embeddings})"
         )

@@ -15,24 +15,36 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from service.api.anthropic_servicer import AnthropicServicer
 from service.api.openai_servicer import OpenAIServicer
+from service.api.responses_servicer import ResponsesServicer
 from service.api.server import build_server
 from service.api.servicer import HealthReporter, TextGenerationServicer
 from service.app.engine_source import EngineSource, ShardEngineSource, ShardLink
-from service.app.router_flags import engine_config, validation_limits
+from service.app.router_flags import FlagError, engine_config, validation_limits
 from service.engine.backend import ShardRpcError
 from service.engine.contracts import Engine, EngineStats
 from service.generation.chat_template import ChatTemplate
 from service.generation.grammar import GrammarCompiler
-from service.generation.openai import OpenAIEndpoints
+from service.generation.openai import OpenAIEndpoints, OutputParsers
+from service.generation.parsers.registry import (
+    reasoning_parser,
+    special_token_ids,
+    tool_call_parser,
+)
+from service.generation.response_store import ResponseStore
+from service.generation.responses import ResponsesEndpoints
 from service.generation.service import Admission, GenerationService, ServerInfo
 from service.generation.text_stream import RouterText
 from service.generation.tokenization import TokenizerPool
 from service.generation.validation import Validator
 from service.observability.metrics import MetricsServer, ServerMetrics
 from service.observability.tracing import setup_tracing
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 _log = logging.getLogger("tokenwire.router")
 
@@ -80,6 +92,8 @@ async def serve(
     tracing = setup_tracing(args.otlp_endpoint, f"{args.otlp_service_name}.router")
     servicer = TextGenerationServicer(None, health_reporter)
     openai_servicer = OpenAIServicer()
+    responses_servicer = ResponsesServicer()
+    anthropic_servicer = AnthropicServicer()
     server, port = build_server(
         servicer,
         health_reporter,
@@ -88,6 +102,8 @@ async def serve(
         api_key=args.api_key,
         reuse_port=reuse_port,
         openai=openai_servicer,
+        responses=responses_servicer,
+        anthropic=anthropic_servicer,
         tracing=tracing,
     )
     await server.start()
@@ -180,14 +196,22 @@ async def serve(
             cuda_graphs=shard.cuda_graphs,
         )
         servicer.attach(service, info, tokenizer)
-        openai_servicer.attach(
-            OpenAIEndpoints(
-                service,
-                model_id=info.model_id,
-                system_fingerprint=f"tokenwire-{info.version}",
-                chat_template=chat_template,
-            )
+        chat_endpoints = OpenAIEndpoints(
+            service,
+            model_id=info.model_id,
+            system_fingerprint=f"tokenwire-{info.version}",
+            chat_template=chat_template,
+            parsers=output_parsers(args, chat_template, tokenizer.tokenizer),
         )
+        openai_servicer.attach(chat_endpoints)
+        anthropic_servicer.attach(chat_endpoints)
+        store = ResponseStore(
+            args.responses_store_size,
+            args.responses_store_ttl,
+            on_evict=metrics.observe_response_eviction,
+        )
+        metrics.responses_stored.set_function(lambda: len(store))
+        responses_servicer.attach(ResponsesEndpoints(chat_endpoints, store))
         await grammars.ready()
         await health_reporter.set_ready()
         _log.info(
@@ -209,8 +233,8 @@ async def serve(
             _log.info("drained; answering NOT_SERVING for %.1f s more (--shutdown-delay)", delay)
             await asyncio.sleep(delay)
         return 0
-    except asyncio.CancelledError:
-        raise
+    except (asyncio.CancelledError, FlagError):
+        raise  # a flag the model cannot serve: the entry point says so in one line
     except Exception:  # noqa: BLE001 - log and exit non-zero, whatever broke
         _log.exception("router failed")
         await health_reporter.set_not_serving("startup failure")
@@ -280,3 +304,14 @@ def _tokenizer_path(args: argparse.Namespace, shard_model_id: str) -> Path:
     from shard.tools.download import resolve_model
 
     return resolve_model(args.model_id or shard_model_id)
+
+
+def output_parsers(
+    args: argparse.Namespace, chat_template: ChatTemplate, tokenizer: Tokenizer
+) -> OutputParsers:
+    """The reasoning and tool-call parsers of --reasoning-parser / --tool-call-parser ("auto"
+    reads the chat template)."""
+    tools = tool_call_parser(args.tool_call_parser, chat_template.source())
+    _log.info("reasoning parser %s, tool-call parser %s", args.reasoning_parser, tools.name)
+    return OutputParsers(reasoning_parser(args.reasoning_parser), tools,
+                         special_token_ids(tokenizer))  # fmt: skip

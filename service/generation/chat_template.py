@@ -136,6 +136,11 @@ class ChatTemplate:
                 )
             return self._loaded
 
+    def source(self) -> str | None:
+        """The template that tool-using chats render with (its text tells which tool-call
+        format the model was taught: --tool-call-parser auto)."""
+        return self._override or ModelTemplates.read(self._dir).pick(with_tools=True)
+
     def _renderer(self, template: str, special_tokens: dict[str, str]) -> TemplateRenderer:
         renderer = self._renderers.get(template)
         if renderer is None:  # at most two: the model's default and tool_use templates

@@ -1,5 +1,6 @@
 """Output grammars: TGI's `parameters.grammar`, OpenAI's `response_format` and tool calls become
-`GrammarSpec`s (the form the shards receive), and each distinct grammar is compiled once with
+`GrammarSpec`s (the form the shards receive; each tool-call format builds its own, in
+`service.generation.parsers`), and each distinct grammar is compiled once with
 llguidance against the model's tokenizer before its request is queued.
 
 A grammar that does not compile, or that no output can satisfy, is a ValidationError naming the
@@ -36,10 +37,6 @@ JSON_OPTIONS: dict[str, Any] = {
 }
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 DEFAULT_CACHE_SIZE = 1024
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
-# One call as the grammar writes it (Hermes / Qwen2.5 style): a JSON object on its own line.
-TOOL_CALL_RE = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
 FUNCTION_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -81,63 +78,6 @@ class FunctionTool:
     description: str | None
     parameters: dict[str, Any]  # JSON schema of the arguments object
     strict: bool = False
-
-
-def _call_schema(tool: FunctionTool) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": integral(tool.parameters)},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
-
-
-def tool_call_spec(
-    tools: tuple[FunctionTool, ...], *, required: bool, parallel: bool
-) -> GrammarSpec:
-    """A Lark grammar for tool calls: one (or, with `parallel`, several) blocks
-    `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, each a valid call of one of
-    `tools`. Without `required` the output may instead be free text that does not start with
-    `<tool_call>` (OpenAI's tool_choice "auto")."""
-    schemas = [_call_schema(t) for t in tools]
-    schema: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    schema["x-guidance"] = {**JSON_OPTIONS, "lenient": not all(t.strict for t in tools)}
-    calls = 'call ("\\n" call)*' if parallel else "call"
-    lines = [
-        "start: calls" if required else "start: calls | TEXT",
-        f"calls: {calls}",
-        f'call: "{TOOL_CALL_OPEN}\\n" function "\\n{TOOL_CALL_CLOSE}"',
-        f"function: %json {json.dumps(schema)}",
-    ]
-    if not required:
-        # Free text, but never the start of a call: once `<tool_call>` is written the call
-        # grammar takes over.
-        lines.append("TEXT: /(?s:.+)/ & ~/<tool_call>(?s:.*)/")
-    return GrammarSpec("lark", "\n".join(lines) + "\n")
-
-
-@dataclass(frozen=True)
-class ParsedCall:
-    name: str
-    arguments: str  # the arguments object as JSON text (OpenAI's function.arguments)
-
-
-def parse_tool_calls(text: str) -> list[ParsedCall] | None:
-    """The calls of an output that starts with a tool call, None when it is not (or does not
-    parse: a call cut by max_tokens)."""
-    if not text.lstrip().startswith(TOOL_CALL_OPEN):
-        return None
-    calls = []
-    for body in TOOL_CALL_RE.findall(text):
-        try:
-            value = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            return None
-        arguments = value.get("arguments", {})
-        calls.append(ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False)))
-    return calls or None
 
 
 class GrammarCompiler:

@@ -10,23 +10,28 @@ here: `service.api.openai_json` and `service.api.openai_convert` encode what thi
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from service.engine.contracts import FinishReason, TokenInfo
 from service.generation.chat_template import ChatTemplate
 from service.generation.errors import ModelNotFoundError, ValidationError
-from service.generation.grammar import (
-    TOOL_CALL_OPEN,
-    TOOL_CALL_RE,
-    FunctionTool,
-    parse_tool_calls,
-    tool_call_spec,
+from service.generation.grammar import FunctionTool, json_schema_spec
+from service.generation.parsers.contracts import (
+    ContentDelta,
+    OutputDelta,
+    ReasoningDelta,
+    ReasoningParser,
+    ToolCallArgumentsDelta,
+    ToolCallParser,
+    ToolCallStart,
 )
+from service.generation.parsers.hermes import HermesParser
+from service.generation.parsers.pipeline import OutputStream, parse_output
+from service.generation.parsers.reasoning import NoReasoning
 from service.generation.service import (
     CHAT_COMPLETIONS,
     CHAT_COMPLETIONS_STREAM,
@@ -165,7 +170,9 @@ class Choice:
     text: str
     finish_reason: str
     logprobs: tuple[TokenLogprob, ...] | None  # None: not asked for
-    tool_calls: tuple[ToolCall, ...] = ()  # then the message has no content
+    tool_calls: tuple[ToolCall, ...] = ()  # with no text, the message's content is null
+    reasoning: str | None = None  # the reasoning split off the answer (--reasoning-parser)
+    stop_sequence: str | None = None  # the stop string that ended it (Anthropic reports it)
 
 
 @dataclass(frozen=True)
@@ -176,6 +183,8 @@ class ResponseHeader:
     created: int
     model: str
     system_fingerprint: str
+    # Tokens of the rendered prompt, known before the first chunk (chat streams only).
+    prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -197,8 +206,54 @@ class ChoiceDelta:
     first: bool = False
     finish_reason: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
-    # (position among the choice's calls, the call) of calls completed since the last chunk
-    tool_calls: tuple[tuple[int, ToolCall], ...] = ()
+    tool_calls: tuple[ToolCallChunk, ...] = ()  # tool-call pieces generated since the last chunk
+    reasoning: str = ""  # reasoning text generated since the last chunk
+    stop_sequence: str | None = None  # on the finish chunk: the stop string that ended it
+
+
+@dataclass(frozen=True)
+class ToolCallChunk:
+    """A piece of call `index` in a stream: its first piece carries the id and the function's
+    name, the next ones only more of the arguments' JSON text (joined, they are the arguments)."""
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+
+@dataclass(frozen=True)
+class OutputParsers:
+    """How chat outputs are split: the reasoning format, the tool-call format, and the
+    tokenizer's special tokens (text -> id; a format's markers that are special tokens are
+    written as those tokens by its grammar and kept in the text its parser reads)."""
+
+    reasoning: ReasoningParser = field(default_factory=NoReasoning)
+    tools: ToolCallParser = field(default_factory=HermesParser)
+    special_ids: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Parsing:
+    """One chat request's output parsing: the parsers, its prompt, its active tools (none:
+    tool calls are not parsed)."""
+
+    parsers: OutputParsers
+    prompt: str
+    tools: tuple[FunctionTool, ...]
+
+    @property
+    def tool_parser(self) -> ToolCallParser | None:
+        return self.parsers.tools if self.tools else None
+
+    def keeps(self, token: TokenInfo) -> bool:
+        """Whether a special token's text is part of what the parsers read."""
+        parser = self.tool_parser
+        return parser is not None and token.text in parser.markers
+
+    def stream(self) -> OutputStream:
+        return OutputStream(self.parsers.reasoning, self.tool_parser, prompt=self.prompt,
+                            tools=self.tools)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -220,6 +275,7 @@ class StopTrimmer:
         self._stops = stops
         self._pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string found
 
     def push(self, text: str) -> str:
         """Appends generated text; returns what can be sent now."""
@@ -231,6 +287,7 @@ class StopTrimmer:
         cut = cut_at_stop(pending, self._stops)
         if cut is not None:
             self.stopped, self._pending = True, ""
+            self.matched = stop_at(pending, self._stops)
             return pending[:cut]
         keep = max(
             (k for s in self._stops for k in range(min(len(s) - 1, len(pending)), 0, -1)
@@ -252,6 +309,12 @@ def cut_at_stop(text: str, stops: tuple[str, ...]) -> int | None:
     return min(found) if found else None
 
 
+def stop_at(text: str, stops: tuple[str, ...]) -> str | None:
+    """The stop string found earliest in `text` (None when there is none)."""
+    found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    return min(found)[1] if found else None
+
+
 def _logprob(token: TokenInfo, top: tuple[TokenInfo, ...]) -> TokenLogprob:
     return TokenLogprob(token.text, token.logprob, tuple((t.text, t.logprob) for t in top))
 
@@ -266,8 +329,10 @@ class OpenAIEndpoints:
         model_id: str,
         system_fingerprint: str,
         chat_template: ChatTemplate | None,
+        parsers: OutputParsers | None = None,
     ) -> None:
         self.service = service
+        self.parsers = parsers or OutputParsers()
         self.model_id = model_id
         self.system_fingerprint = system_fingerprint
         self.created = int(time.time())
@@ -336,20 +401,33 @@ class OpenAIEndpoints:
         tools = _active_tools(request)
         prompt, ids = await self._template.render(request.messages, request.tools if tools else ())
         generate = self._input(request.params, prompt, ids)
+        reasoning = self.parsers.reasoning
         if tools:
             choice = request.tool_choice or ToolChoice()
-            spec = tool_call_spec(
+            spec = self.parsers.tools.grammar(
                 tools,
                 required=choice.mode in ("required", "function"),
                 parallel=request.parallel_tool_calls,
+                special_ids=self.parsers.special_ids,
             )
+            # The calls' grammar starts where the reasoning ends (the mask is off inside it).
+            spec = reasoning.constrain(spec, prompt)
             return replace(generate, grammar_spec=spec, grammar_field="tools")
         rf = request.response_format
         if rf is not None and rf.type != "text":
+            if not isinstance(reasoning, NoReasoning):
+                schema = rf.schema if rf.type == "json_schema" and rf.schema else {}
+                spec = json_schema_spec({**schema, "type": "object"} if rf.type != "json_schema"
+                                        else schema, strict=rf.strict)  # fmt: skip
+                return replace(generate, grammar_spec=reasoning.constrain(spec, prompt),
+                               grammar_field="response_format")  # fmt: skip
             kind = "json" if rf.type == "json_schema" else "json_object"
             grammar = GrammarInput(kind, rf.schema, strict=rf.strict)
             return replace(generate, grammar=grammar, grammar_field="response_format")
         return generate
+
+    def _parsing(self, request: ChatRequest, generate: GenerateInput) -> _Parsing:
+        return _Parsing(self.parsers, generate.inputs, _active_tools(request))
 
     def _completion_input(self, request: CompletionRequest) -> GenerateInput:
         self._check(request.params)
@@ -368,13 +446,25 @@ class OpenAIEndpoints:
     # --- unary -----------------------------------------------------------------------------
 
     async def chat(
-        self, request: ChatRequest, *, request_id: str, deadline: float | None
+        self,
+        request: ChatRequest,
+        *,
+        request_id: str,
+        deadline: float | None,
+        method: str = CHAT_COMPLETIONS,
     ) -> Completed:
+        """`method`: the route's metrics label (the Responses and Messages routes run here)."""
         generate = await _openai_errors(self._chat_input(request), "messages")
         params = replace(request.params, tool_calls=bool(_active_tools(request)))
         return await self._complete(
-            generate, params, "chatcmpl", CHAT_COMPLETIONS, request_id, deadline
+            generate, params, "chatcmpl", method, request_id, deadline,
+            self._parsing(request, generate),
         )
+
+    async def count_prompt_tokens(self, request: ChatRequest) -> int:
+        """Tokens of the request's rendered prompt (validated as `chat` would, not run)."""
+        generate = await _openai_errors(self._chat_input(request), "messages")
+        return len(generate.prompt_ids or ())
 
     async def completion(
         self, request: CompletionRequest, *, request_id: str, deadline: float | None
@@ -396,6 +486,7 @@ class OpenAIEndpoints:
         method: str,
         request_id: str,
         deadline: float | None,
+        parsing: _Parsing | None = None,
     ) -> Completed:
         header = self._header(prefix, request_id, generate.adapter_id)
         prompt_param = "messages" if prefix == "chatcmpl" else "prompt"
@@ -422,14 +513,21 @@ class OpenAIEndpoints:
                 raise group_error.exceptions[0] from None
             outcomes = [t.result() for t in tasks]
         sequences = [o.best for o in outcomes]
-        choices = tuple(self._choice(i, s, params) for i, s in enumerate(sequences))
+        choices = tuple(self._choice(i, s, params, parsing) for i, s in enumerate(sequences))
         usage = Usage(outcomes[0].options.input_length, sum(s.generated_tokens for s in sequences))
         return Completed(header, choices, usage)
 
-    def _choice(self, index: int, seq: GeneratedSequence, params: SamplingRequest) -> Choice:
+    def _choice(
+        self, index: int, seq: GeneratedSequence, params: SamplingRequest,
+        parsing: _Parsing | None = None,
+    ) -> Choice:
         text = seq.generated_text
+        stop = None
+        if parsing is not None and parsing.tool_parser is not None and parsing.tool_parser.markers:
+            # The format's marker tokens are special tokens: read them too.
+            text = "".join(t.text for t in seq.tokens if not t.special or parsing.keeps(t))
         if seq.finish_reason is FinishReason.STOP_SEQUENCE:
-            cut = cut_at_stop(text, params.stop)
+            cut, stop = cut_at_stop(text, params.stop), stop_at(text, params.stop)
             text = text if cut is None else text[:cut]
         logprobs = None
         if params.logprobs:
@@ -438,24 +536,38 @@ class OpenAIEndpoints:
                 _logprob(t, top) for t, top in zip(seq.tokens, tops, strict=True) if not t.special
             )
         reason = FINISH_REASONS[seq.finish_reason]
-        if params.tool_calls and seq.finish_reason is not FinishReason.LENGTH:
-            calls = parse_tool_calls(text)
-            if calls is not None:
-                tool_calls = tuple(ToolCall(_call_id(), c.name, c.arguments) for c in calls)
-                return Choice(index, "", TOOL_CALLS, None, tool_calls)
-        return Choice(index, text, reason, logprobs)
+        if parsing is None:
+            return Choice(index, text, reason, logprobs, stop_sequence=stop)
+        out = parse_output(text, parsing.parsers.reasoning, parsing.tool_parser,
+                           prompt=parsing.prompt, tools=parsing.tools)  # fmt: skip
+        if out.tool_calls:
+            calls = tuple(ToolCall(c.id, c.name, c.arguments) for c in out.tool_calls)
+            if seq.finish_reason is not FinishReason.LENGTH:
+                reason = TOOL_CALLS
+            return Choice(index, out.content, reason, None, calls, out.reasoning, stop)
+        return Choice(index, out.content, reason, logprobs, reasoning=out.reasoning,
+                      stop_sequence=stop)
 
     # --- streams ---------------------------------------------------------------------------
 
     async def chat_stream(
-        self, request: ChatRequest, *, request_id: str, deadline: float | None
+        self,
+        request: ChatRequest,
+        *,
+        request_id: str,
+        deadline: float | None,
+        method: str = CHAT_COMPLETIONS_STREAM,
     ) -> tuple[ResponseHeader, AsyncIterator[StreamEvent]]:
         """Validates and renders the request (errors raise here, before any chunk), then
-        returns the stream's header and its events."""
+        returns the stream's header (with the prompt's token count) and its events."""
         generate = await _openai_errors(self._chat_input(request), "messages")
-        header = self._header("chatcmpl", request_id, generate.adapter_id)
+        header = replace(
+            self._header("chatcmpl", request_id, generate.adapter_id),
+            prompt_tokens=len(generate.prompt_ids or ()),
+        )
         params = replace(request.params, tool_calls=bool(_active_tools(request)))
-        events = self._stream(generate, params, CHAT_COMPLETIONS_STREAM, request_id, deadline)
+        events = self._stream(generate, params, method, request_id, deadline,
+                              parsing=self._parsing(request, generate))  # fmt: skip
         return header, events
 
     async def completion_stream(
@@ -477,13 +589,14 @@ class OpenAIEndpoints:
         request_id: str,
         deadline: float | None,
         echo: str = "",
+        parsing: _Parsing | None = None,
     ) -> AsyncGenerator[StreamEvent, None]:
         """The chunks of all choices (n sequences streamed side by side), then usage when asked.
         Validation errors surface on the first iteration, before anything is sent."""
         choices = [
             self._choice_stream(
                 i, _nth(generate, i, params.n), params, method, _nth_id(request_id, i, params.n),
-                deadline, echo,
+                deadline, echo, parsing,
             )
             for i in range(params.n)
         ]  # fmt: skip
@@ -507,6 +620,7 @@ class OpenAIEndpoints:
         request_id: str,
         deadline: float | None,
         echo: str,
+        parsing: _Parsing | None,
     ) -> AsyncGenerator[ChoiceDelta | _ChoiceDone, None]:
         """One choice's chunks: the first (chat: the role; an echoed prompt), one per token with
         text (or logprobs), the finish; then its token counts for the usage chunk."""
@@ -514,55 +628,51 @@ class OpenAIEndpoints:
             generate, request_id=request_id, deadline=deadline, method=method
         )
         trimmer = StopTrimmer(params.stop)
-        calls = _ToolCallStream() if params.tool_calls else None
+        parser = parsing.stream() if parsing is not None else None
+        called = False  # some tool call started
         first = True
-        prompt_param = "messages" if method == CHAT_COMPLETIONS_STREAM else "prompt"
+        chat = parsing is not None  # chat completions (and the routes on them) parse outputs
+        prompt_param = "messages" if chat else "prompt"
         async with aclosing(items):
             events = _openai_errors_iter(items, prompt_param)
             async for item in events:
                 if first:
                     # Chat announces the role in a first chunk; completions only echo there.
-                    if method == CHAT_COMPLETIONS_STREAM or echo:
+                    if chat or echo:
                         yield ChoiceDelta(index, echo, first=True)
                     first = False
                 # Tokens that queued up while the client read (or a speculative step's
                 # several tokens) go out as ONE chunk: their texts concatenated, their
                 # logprobs listed in order.
-                texts: list[str] = []
-                logprobs: list[TokenLogprob] = []
+                chunk = _ChunkText()
                 while True:
                     token = item.token
                     finished = item.finished
-                    text = "" if token.special else trimmer.push(token.text)
+                    kept = not token.special or (parsing is not None and parsing.keeps(token))
+                    text = trimmer.push(token.text) if kept else ""
                     if finished is not None:
                         text += trimmer.flush()
-                    if calls is not None:
-                        text, found = calls.push(text)
+                    if parser is not None:
+                        deltas = parser.feed(text)
                         if finished is not None:
-                            text += calls.flush()
-                        if found:
-                            if texts or logprobs:  # what came before the calls, first
-                                yield ChoiceDelta(index, "".join(texts),
-                                                  logprobs=tuple(logprobs) or None)  # fmt: skip
-                                texts, logprobs = [], []
-                            yield ChoiceDelta(index, "", tool_calls=found)
-                    if params.logprobs and not token.special and (calls is None or text):
-                        logprobs.append(_logprob(token, item.top_tokens))
-                    if text:
-                        texts.append(text)
+                            deltas += parser.finish()
+                        called |= chunk.add(deltas)
+                        text = "".join(d.text for d in deltas if isinstance(d, ContentDelta))
+                    else:
+                        chunk.texts.append(text)
+                    if params.logprobs and not token.special and (parser is None or text):
+                        chunk.logprobs.append(_logprob(token, item.top_tokens))
                     if finished is not None or not item.backlog:
                         break
                     item = await anext(events)
-                if texts or logprobs:
-                    yield ChoiceDelta(index, "".join(texts), logprobs=tuple(logprobs) or None)
+                if not chunk.empty:
+                    yield chunk.delta(index)
                 if finished is None:
                     continue
                 reason = FINISH_REASONS[finished.finish_reason]
-                if calls is not None and calls.count and finished.finish_reason is not (
-                    FinishReason.LENGTH
-                ):
+                if called and finished.finish_reason is not FinishReason.LENGTH:
                     reason = TOOL_CALLS
-                yield ChoiceDelta(index, "", finish_reason=reason)
+                yield ChoiceDelta(index, "", finish_reason=reason, stop_sequence=trimmer.matched)
                 yield _ChoiceDone(item.options.input_length, finished.generated_tokens)
 
 
@@ -577,54 +687,45 @@ def _active_tools(request: ChatRequest) -> tuple[FunctionTool, ...]:
     return request.tools
 
 
-def _call_id() -> str:
-    return "call_" + secrets.token_hex(12)
-
-
-class _ToolCallStream:
-    """Splits a streamed output into text and tool calls: text that could still be the start of
-    `<tool_call>` is held back; once the output starts with it, nothing is sent as content and
-    each call is handed out when its closing tag arrives."""
+class _ChunkText:
+    """What one chunk of a choice carries: tokens that queued up while the client read (or a
+    speculative step's several tokens) go out as ONE chunk."""
 
     def __init__(self) -> None:
-        self._held = ""
-        self._calling: bool | None = None  # None: undecided
-        self._parsed = 0  # complete call blocks already handed out
-        self.count = 0
+        self.texts: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[ToolCallChunk] = []
+        self.logprobs: list[TokenLogprob] = []
 
-    def push(self, text: str) -> tuple[str, tuple[tuple[int, ToolCall], ...]]:
-        """Returns (content to send, calls completed by this text)."""
-        if self._calling is False:
-            return text, ()
-        self._held += text
-        if self._calling is None:
-            head = self._held.lstrip()
-            if head.startswith(TOOL_CALL_OPEN):
-                self._calling = True
-            elif TOOL_CALL_OPEN.startswith(head):
-                return "", ()
-            else:
-                self._calling = False
-                out, self._held = self._held, ""
-                return out, ()
-        found = []
-        blocks = TOOL_CALL_RE.findall(self._held)
-        for body in blocks[self._parsed :]:
-            parsed = parse_tool_calls(f"{TOOL_CALL_OPEN}\n{body}\n</tool_call>")
-            if parsed:
-                call = parsed[0]
-                found.append((self.count, ToolCall(_call_id(), call.name, call.arguments)))
-                self.count += 1
-        self._parsed = len(blocks)
-        return "", tuple(found)
+    def add(self, deltas: list[OutputDelta]) -> bool:
+        """Takes parser deltas; True when a tool call started among them."""
+        started = False
+        for d in deltas:
+            if isinstance(d, ContentDelta):
+                self.texts.append(d.text)
+            elif isinstance(d, ReasoningDelta):
+                self.reasoning.append(d.text)
+            elif isinstance(d, ToolCallStart):
+                self.calls.append(ToolCallChunk(d.index, d.id, d.name, ""))
+                started = True
+            elif isinstance(d, ToolCallArgumentsDelta):
+                last = self.calls[-1] if self.calls else None
+                if last is not None and last.index == d.index:
+                    self.calls[-1] = replace(last, arguments=last.arguments + d.text)
+                else:
+                    self.calls.append(ToolCallChunk(d.index, None, None, d.text))
+            # ToolCallEnd: nothing more to send (an incomplete call's pieces are already out)
+        return started
 
-    def flush(self) -> str:
-        """At the end: held text that never became a call (a cut-off call stays unsent only
-        when some call was complete)."""
-        if self._calling is False or self.count:
-            return ""
-        out, self._held = self._held, ""
-        return out
+    @property
+    def empty(self) -> bool:
+        return not (any(self.texts) or any(self.reasoning) or self.calls or self.logprobs)
+
+    def delta(self, index: int) -> ChoiceDelta:
+        return ChoiceDelta(
+            index, "".join(self.texts), logprobs=tuple(self.logprobs) or None,
+            tool_calls=tuple(self.calls), reasoning="".join(self.reasoning),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -217,6 +217,16 @@ class ServerMetrics:
             f"{PREFIX}_adapter_generated_tokens",
             "Generated tokens of finished requests by LoRA adapter", ["adapter"], registry=r,
         )  # fmt: skip
+        # OpenAI Responses' store (previous_response_id, GET /v1/responses/{id}).
+        self.responses_store_evictions = Counter(
+            f"{PREFIX}_responses_store_evictions",
+            "Stored responses dropped before deletion, by reason (size: pushed out by a newer "
+            "one at --responses-store-size; ttl: older than --responses-store-ttl)",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.responses_stored = Gauge(
+            f"{PREFIX}_responses_stored", "Responses held in the Responses store", registry=r
+        )
         if stats is not None:
             r.register(EngineCollector(stats))
         # GIE's lora_requests_info; serve() sets max_lora once the shards report their slots.
@@ -255,6 +265,9 @@ class ServerMetrics:
     def observe_inter_token_latencies(self, gaps: list[float]) -> None:
         """Observes many inter-token gaps at once (one stream's, at its end)."""
         observe_many(self.inter_token_latency, gaps)
+
+    def observe_response_eviction(self, reason: str) -> None:
+        self.responses_store_evictions.labels(reason).inc()
 
     def observe_failure(self, method: str, reason: str) -> None:
         self.request_failure.labels(method, reason).inc()

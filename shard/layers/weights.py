@@ -9,6 +9,8 @@ from __future__ import annotations
 import abc
 import copy
 import json
+import logging
+import time
 from pathlib import Path
 
 import torch
@@ -17,6 +19,10 @@ from torch import nn
 
 from shard.distributed.groups import Dist
 from shard.quantization.loading import LinearQuantization
+
+log = logging.getLogger(__name__)
+# Seconds between "weights: i/n" progress lines while a model loads (a 70B rank takes minutes).
+PROGRESS_EVERY_S = 10.0
 
 
 class Weights:
@@ -56,9 +62,11 @@ class Weights:
         return self._handles[self._where[name]].get_slice(name)
 
     def _finish(self, t: torch.Tensor) -> torch.Tensor:
-        if t.is_floating_point():
-            t = t.to(self.dtype)
-        return t.to(self.device)
+        """The slice read from the file (host memory, freed on return) on the device, in the
+        serving dtype. Device first: a dtype change (an fp32 or fp16 checkpoint served in bf16)
+        then runs on the GPU instead of one host core, and the host holds one copy, not two."""
+        t = t.to(self.device)
+        return t.to(self.dtype) if t.is_floating_point() else t
 
     def get(self, name: str, raw: bool = False) -> torch.Tensor:
         """The whole tensor (replicated weights: norms, biases of row-parallel layers); raw keeps
@@ -115,10 +123,41 @@ def load_module_weights(root: nn.Module, weights: Weights, skip: frozenset[str] 
     names equal the checkpoint's tensor prefixes); the modules named in `skip` and everything
     under a loader are left to their owner."""
     owned: list[str] = []  # prefixes of loaders already called: their subtrees are theirs
-    for name, module in list(root.named_modules()):  # loaders add modules (quantized parts)
+    modules = list(root.named_modules())  # loaders add modules (quantized parts)
+    total = sum(isinstance(m, WeightLoader) for _, m in modules)
+    t0 = last = time.monotonic()
+    done = 0
+    for name, module in modules:
         if module is root or any(name.startswith(p + ".") for p in owned):
             continue
         if isinstance(module, WeightLoader):
             owned.append(name)
             if name not in skip:
                 module.load(weights, name)
+            done += 1
+            if time.monotonic() - last >= PROGRESS_EVERY_S:
+                last = time.monotonic()
+                log.info("weights: %d/%d layers' loaders done (%s) in %.0f s", done, total,
+                         name, last - t0)
+    log.info("weights: loaded in %.1f s (%s of parameters on %s)", time.monotonic() - t0,
+             size_text(parameter_bytes(root)), weights.device)
+
+
+def size_text(n: int) -> str:
+    """Bytes as GiB from 1 GiB up, else MiB (log lines)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def parameter_bytes(root: nn.Module) -> int:
+    """Bytes of root's parameters and buffers, each storage counted once (tied and merged
+    weights are views)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*root.parameters(), *root.buffers()]:
+        if t is None or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total

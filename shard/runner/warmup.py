@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -38,6 +39,8 @@ class WarmupResult:
     warmup_ns: int
 
 
+
+log = logging.getLogger(__name__)
 
 CUDA_GRAPH_MAX_BATCH = 512  # larger decode batches run eagerly
 
@@ -133,16 +136,22 @@ def run_warmup(
             f"--max-total-tokens (or --max-batch-prefill-tokens), or raise {knob} / "
             f"--max-batch-total-tokens"
         )
+    prefill_s = (time.perf_counter_ns() - t0) / 1e9
     runner.allocate_kv_cache(num_blocks)
     # Decode CUDA graphs bake in the KV pool's addresses: capture after the final allocation.
     max_batch = min(max(spec.max_batch_size, 1), CUDA_GRAPH_MAX_BATCH)
-    runner.capture_cuda_graphs(max_batch, spec.max_total_tokens)
+    graphs_s = runner.capture_cuda_graphs(max_batch, spec.max_total_tokens)
     if spec.speculate_tokens > 0:  # verify steps: 1 + k tokens per request, k <= speculate
-        runner.capture_verify_graphs(
+        graphs_s += runner.capture_verify_graphs(
             spec.speculate_tokens + 1,
             min(max(spec.speculate_max_batch_size, 1), max_batch),
             spec.max_total_tokens,
         )
+    graphs = (f"decode graphs up to batch {max_batch} captured in {graphs_s:.1f} s"
+              if runner.graphs is not None else "decode runs eagerly (no CUDA graphs)")
+    log.info("warmup: worst-case prefill of %d tokens (with kernel tuning) %.1f s; KV cache %d "
+             "blocks (%d tokens, %.2f GiB); %s", spec.max_batch_prefill_tokens, prefill_s,
+             num_blocks, num_blocks * bs, num_blocks * bytes_per_block / 2**30, graphs)
     return WarmupResult(
         num_blocks=num_blocks,
         block_size=bs,

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -173,6 +174,13 @@ async def serve(args: argparse.Namespace, shard) -> int:
     return exit_code
 
 
+def _host_memory_line() -> str:
+    from shard.server.host_memory import read_host_memory
+
+    memory = read_host_memory()
+    return memory.describe() if memory is not None else "host memory not readable"
+
+
 def run(args: argparse.Namespace) -> int:
     if (args.profile_from_step is None) != (args.profile_dir is None):
         raise SystemExit("--profile-from-step and --profile-dir go together")
@@ -195,10 +203,16 @@ def run(args: argparse.Namespace) -> int:
     dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ and args.world_size > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+    t0 = time.monotonic()
     dist = init_distributed(
         args.rank, args.world_size, args.master_addr, args.master_port, torch.device(device),
         all_reduce=args.all_reduce,
     )
+    if args.world_size > 1:
+        # Every rank waits here for the slowest to start: a long join is a peer's start-up.
+        log.info("start-up: process group of %d joined in %.1f s (one-shot all-reduce: %s, fused "
+                 "all-reduce + norm: %s)", args.world_size, time.monotonic() - t0,
+                 dist.small_all_reduce is not None, dist.fused_all_reduce_norm is not None)
     try:
         cfg = ShardConfig(
             model_id=args.model_id,
@@ -218,7 +232,10 @@ def run(args: argparse.Namespace) -> int:
             max_lora_rank=args.max_lora_rank,
             lora_adapters=args.lora_adapters,
         )
+        t1 = time.monotonic()
         shard = Shard(cfg, dist)
+        log.info("start-up: model ready in %.1f s (%.1f s since launch of this rank); %s",
+                 time.monotonic() - t1, time.monotonic() - t0, _host_memory_line())
         return asyncio.run(serve(args, shard))
     finally:
         if args.world_size > 1:

@@ -48,9 +48,11 @@ def _rank_main(rank: int, world: int, port: int, rank_fn: RankFn, job: dict[str,
     if cuda:
         torch.cuda.set_device(rank)
     device = f"cuda:{rank}" if cuda else "cpu"
+    t0 = time.perf_counter()
     dist = init_distributed(rank, world, "127.0.0.1", port, torch.device(device),
                             all_reduce=job.get("all_reduce", "auto"))
-    res: dict[str, Any] = {}
+    # The group join (NCCL, symmetric-memory rendezvous and the collectives' self-checks).
+    res: dict[str, Any] = {"init_distributed_s": time.perf_counter() - t0}
     try:
         rank_fn(dist, device, job, res)
     except Exception as exc:  # noqa: BLE001 - report, do not hang the other rank silently

@@ -3,6 +3,7 @@ SIGTERM, and tear-down naming the component when a child dies."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -310,3 +311,64 @@ def test_unknown_model_fails_fast_with_a_reason(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     assert "tokenwire launch: error:" in result.stderr, result.stderr
+
+
+def test_a_limit_the_model_cannot_serve_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """A flag checked against the model (here --max-total-tokens above max_position_embeddings)
+    after the shards started: the router's one line naming the flag and the limit, exit 2, and no
+    traceback, no "Task exception was never retrieved", no library noise at exit."""
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    model = launcher.ensure_tiny_model(cache)
+    limit = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    for frontends in ("1", "2"):  # one process, and the scheduler process beside front ends
+        result = subprocess.run(
+            [sys.executable, "-m", "service.app.cli", "launch", "--model-id", str(model),
+             "--port", "0", "--frontends", frontends, "--max-total-tokens", str(limit * 2)],
+            capture_output=True, text=True, check=False, timeout=120,
+            env={**os.environ, "TOKENWIRE_CACHE": str(cache)},
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+        assert errors == [
+            f"tokenwire router: error: --max-total-tokens ({limit * 2}) must be <= the model's "
+            f"max_position_embeddings ({limit})"
+        ], result.stderr
+        for noise in ("Traceback", "never retrieved", "leaked", "stopping everything"):
+            assert noise not in result.stderr, result.stderr
+
+
+def test_a_child_that_ignores_sigterm_during_startup_is_killed_within_seconds() -> None:
+    """Stopping before the deployment was ready (Ctrl-C while shards load or warm up): a shard
+    busy in a load or warm-up step only handles SIGTERM when that step ends, so the launcher gives
+    every child a few seconds, not the 30 s a serving shard gets to write its profile."""
+    import subprocess
+    import sys
+    import time
+
+    stuck = subprocess.Popen(
+        [sys.executable, "-c",
+         "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True);"
+         " time.sleep(120)"],
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    assert stuck.stdout is not None and stuck.stdout.readline()  # its handler is installed
+    starting = launcher.Launcher(parse(["launch"]))
+    starting.children.append(launcher.Child("shard 0", stuck))
+    began = time.monotonic()
+    starting.shutdown(graceful=True)
+    assert stuck.poll() == -signal.SIGKILL
+    assert time.monotonic() - began < launcher._STARTUP_STOP_S + 5
+
+
+def test_a_signal_interrupts_the_launchers_own_startup_work() -> None:
+    """SIGTERM while the launcher itself works (a GGUF conversion of tens of seconds) raises
+    Interrupted in that work at once; after start-up it only requests the stop."""
+    starting = launcher.Launcher(parse(["launch"]))
+    starting.starting = True
+    with pytest.raises(launcher.Interrupted):
+        starting.on_signal(signal.SIGTERM, None)
+    assert starting.stop_requested.is_set() and not starting.starting
+    starting.on_signal(signal.SIGTERM, None)  # a second signal does not interrupt the shutdown

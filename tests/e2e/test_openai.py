@@ -477,3 +477,26 @@ def test_buf_curl_calls_the_typed_chat_rpc(client: openai.OpenAI, deployment: De
     assert done.returncode == 0, done.stderr
     reply = json.loads(done.stdout)
     assert reply["choices"][0]["message"]["content"] == rest
+
+
+def test_responses_and_messages_answer_as_chat_does(
+    client: openai.OpenAI, deployment: Deployment
+) -> None:
+    # The Responses and Messages routes on the trained default model: the same greedy answer as
+    # chat completions, through each API's official client.
+    import anthropic
+
+    response = client.responses.create(
+        model="tgi", input=FRANCE, max_output_tokens=12, temperature=0
+    )  # type: ignore[arg-type]
+    assert response.status == "completed"
+    assert response.output_text == "The capital of France is Paris."
+    claude = anthropic.Anthropic(
+        base_url=f"http://{deployment.envoy_target}", api_key=API_KEY, max_retries=0
+    )
+    with claude.messages.stream(
+        model="tgi", max_tokens=12, messages=FRANCE, extra_body={"temperature": 0}
+    ) as stream:  # type: ignore[arg-type]
+        message = stream.get_final_message()
+    assert message.stop_reason == "end_turn"
+    assert message.content[0].text == "The capital of France is Paris."  # type: ignore[union-attr]

@@ -258,6 +258,63 @@ async def async_chat(target: str) -> None:
         check(done.usage.completion_tokens <= 3, f"{done.usage}")
 
 
+RESPONSE = {"model": "tgi", "input": PROMPT, "max_output_tokens": 4, "temperature": 0}
+MESSAGE = {"model": "tgi", "max_tokens": 4, "temperature": 0,
+           "messages": [{"role": "user", "content": PROMPT}]}  # fmt: skip
+
+
+def _output_text(response: dict) -> str:
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                   for part in item["content"])  # fmt: skip
+
+
+def sync_agents(target: str) -> None:
+    with tw.Client(target, timeout=60) as client:
+        response = client.responses_create(RESPONSE)
+        check(response["object"] == "response" and response["id"].startswith("resp_"), "object")
+        events = list(client.responses_stream(RESPONSE))
+        check(events[0]["type"] == "response.created", events[0]["type"])
+        deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        check(deltas == _output_text(response), f"stream {deltas!r} != unary")
+        check(client.responses_retrieve(response["id"])["id"] == response["id"], "retrieve")
+        check(client.responses_delete(response["id"])["deleted"] is True, "delete")
+        try:
+            client.responses_retrieve(response["id"])
+        except tw.NotFoundError:
+            pass
+        else:
+            raise AssertionError("a deleted response was found")
+        message = client.messages_create(MESSAGE)
+        check(message["type"] == "message", message["type"])
+        streamed = list(client.messages_stream(MESSAGE))
+        check([streamed[0]["type"], streamed[-1]["type"]] == ["message_start", "message_stop"],
+              "message events")  # fmt: skip
+        text = "".join(e["delta"]["text"] for e in streamed if e["type"] == "content_block_delta")
+        check(text == message["content"][0]["text"], f"{text!r}")
+        counted = client.messages_count_tokens({k: MESSAGE[k] for k in ("model", "messages")})
+        check(counted["input_tokens"] == message["usage"]["input_tokens"], f"{counted}")
+        try:
+            client.messages_create({**MESSAGE, "max_tokens": 0})
+        except tw.ValidationError as error:
+            check("max_tokens" in str(error), str(error))
+        else:
+            raise AssertionError("max_tokens 0 was accepted")
+
+
+async def async_agents(target: str) -> None:
+    async with tw.AsyncClient(target, timeout=60) as client:
+        response = await client.responses_create(RESPONSE)
+        deltas = "".join([e["delta"] async for e in client.responses_stream(RESPONSE)
+                          if e["type"] == "response.output_text.delta"])  # fmt: skip
+        check(deltas == _output_text(response), f"{deltas!r}")
+        check((await client.responses_retrieve(response["id"]))["id"] == response["id"], "get")
+        message = await client.messages_create(MESSAGE)
+        kinds = [e["type"] async for e in client.messages_stream(MESSAGE)]
+        check(kinds[-1] == "message_stop", f"{kinds}")
+        counted = await client.messages_count_tokens({"model": "tgi", "messages": MESSAGE["messages"]})
+        check(counted["input_tokens"] == message["usage"]["input_tokens"], f"{counted}")
+
+
 def packaging(target: str) -> None:
     import importlib.util
 
@@ -280,6 +337,7 @@ SYNC_CASES: dict[str, Callable[[str], None]] = {
         sync_info,
         sync_health,
         sync_chat,
+        sync_agents,
         packaging,
     )
 }
@@ -293,6 +351,7 @@ ASYNC_CASES: dict[str, Callable[[str], Awaitable[None]]] = {
         async_info,
         async_health,
         async_chat,
+        async_agents,
     )
 }
 

@@ -34,6 +34,7 @@ CASES = [
     "sync_info",
     "sync_health",
     "sync_chat",
+    "sync_agents",
     "async_generate",
     "async_stream_cancel",
     "async_validation_error",
@@ -41,6 +42,7 @@ CASES = [
     "async_info",
     "async_health",
     "async_chat",
+    "async_agents",
     "packaging",
 ]
 

@@ -56,11 +56,11 @@ def test_default_limits_follow_the_model() -> None:
 
 
 def test_inconsistent_limits_are_refused() -> None:
-    with pytest.raises(SystemExit, match="--max-input-tokens"):
+    with pytest.raises(router_main.FlagError, match="--max-input-tokens"):
         router_main.resolve_limits(
             parse(["--max-input-tokens", "300", "--max-total-tokens", "300"]), 1024
         )
-    with pytest.raises(SystemExit, match="max_position_embeddings"):
+    with pytest.raises(router_main.FlagError, match="max_position_embeddings"):
         router_main.resolve_limits(parse(["--max-total-tokens", "2048"]), 1024)
 
 

@@ -20,8 +20,6 @@ from service.generation.grammar import (
     FunctionTool,
     GrammarCompiler,
     json_schema_spec,
-    parse_tool_calls,
-    tool_call_spec,
 )
 from service.generation.openai import (
     Choice,
@@ -29,9 +27,10 @@ from service.generation.openai import (
     Completed,
     ResponseHeader,
     ToolCall,
+    ToolCallChunk,
     Usage,
-    _ToolCallStream,
 )
+from service.generation.parsers.hermes import HermesParser
 
 HEADER = ResponseHeader("chatcmpl-1", 1700000000, "m", "fp")
 ADD = FunctionTool("add", "adds", {"type": "object", "properties": {
@@ -82,7 +81,8 @@ async def test_good_grammars_compile_once_off_the_event_loop(compiler, monkeypat
     await asyncio.gather(*(compiler.check(spec, "f") for _ in range(5)))
     await compiler.check(spec, "f")
     await compiler.check(GrammarSpec("regex", "[a-z]+"), "f")
-    await compiler.check(tool_call_spec((ADD,), required=False, parallel=True), "tools")
+    hermes = HermesParser().grammar((ADD,), required=False, parallel=True, special_ids={})
+    await compiler.check(hermes, "tools")
     assert len(calls) == 3  # the repeated schema compiled once
     assert all(name.startswith("grammar-compile") for name in calls)
 
@@ -122,28 +122,25 @@ def test_tool_calls_encode_as_openai_writes_them() -> None:
     assert message["content"] is None and body["choices"][0]["finish_reason"] == "tool_calls"
     assert message["tool_calls"] == [{"id": "call_1", "type": "function",
                                       "function": {"name": "add", "arguments": '{"a": 1}'}}]
-    chunk = openai_json.chat_chunk(HEADER, ChoiceDelta(0, "", tool_calls=((0, call),)), False)
-    delta = json.loads(chunk[len(b"data: "):])["choices"][0]["delta"]
-    assert delta["tool_calls"][0]["index"] == 0
-    assert delta["tool_calls"][0]["function"]["name"] == "add"
-
-
-def test_tool_call_parsing_and_the_stream_splitter() -> None:
-    text = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-    (call,) = parse_tool_calls(text)
-    assert (call.name, json.loads(call.arguments)) == ("add", {"a": 1, "b": 2})
-    assert parse_tool_calls("hello") is None
-    assert parse_tool_calls('<tool_call>\n{"name": "add", "argu') is None
-    splitter = _ToolCallStream()
-    out, found = [], []
-    for piece in ["<tool", "_call>\n", text[12:40], text[40:], "\n" + text]:
-        sent, calls = splitter.push(piece)
-        out.append(sent)
-        found += calls
-    assert "".join(out) == "" and [i for i, _ in found] == [0, 1]
-    plain = _ToolCallStream()
-    assert plain.push("<to") == ("", ()) and plain.push("o late") == ("<too late", ())
-    assert plain.push("!") == ("!", ())
+    # Streamed: the first piece names the call, the next ones only add arguments.
+    first = ToolCallChunk(0, "call_1", "add", '{"a"')
+    more = ToolCallChunk(0, None, None, ": 1}")
+    deltas = [
+        json.loads(openai_json.chat_chunk(HEADER, ChoiceDelta(0, "", tool_calls=(c,)), False)[
+            len(b"data: "):])["choices"][0]["delta"]["tool_calls"][0]
+        for c in (first, more)
+    ]  # fmt: skip
+    assert deltas[0] == {"index": 0, "id": "call_1", "type": "function",
+                         "function": {"name": "add", "arguments": '{"a"'}}  # fmt: skip
+    assert deltas[1] == {"index": 0, "function": {"arguments": ": 1}"}}
+    # Reasoning: message.reasoning_content and delta.reasoning_content; text beside calls stays.
+    body = json.loads(openai_json.chat_completion(Completed(
+        HEADER, (Choice(0, "Checking.", "tool_calls", None, (call,), "think"),), Usage(3, 4))))
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"] == "think" and message["content"] == "Checking."
+    chunk = openai_json.chat_chunk(HEADER, ChoiceDelta(0, "", reasoning="hmm"), False)
+    assert json.loads(chunk[len(b"data: "):])["choices"][0]["delta"] == {
+        "reasoning_content": "hmm"}
 
 
 def test_templates_without_tool_support_get_tools_as_text() -> None:

@@ -1,10 +1,13 @@
 // The hand-written layer over the generated service descriptor: createClient(baseUrl, options).
 import { create, fromJson, type JsonValue, type MessageInitShape } from "@bufbuild/protobuf";
 import { ValueSchema } from "@bufbuild/protobuf/wkt";
+import type { HttpBody } from "./gen/google/api/httpbody_pb.js";
 import { Code, ConnectError, createClient as createConnectClient, type Interceptor } from "@connectrpc/connect";
 import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
 
+import { jsonReply, requestBody, sseEvents, type JsonObject } from "./agents.js";
 import { inBandError, translateError } from "./errors.js";
+import { AnthropicService } from "./gen/tokenwire/v1/anthropic_pb.js";
 import {
   GenerateParametersSchema,
   GenerateRequestSchema,
@@ -24,6 +27,7 @@ import {
   type CompletionResponse,
   type CompletionStreamResponse,
 } from "./gen/tokenwire/v1/openai_pb.js";
+import { ResponsesService } from "./gen/tokenwire/v1/responses_pb.js";
 
 /** The model name every tokenwire server accepts for the model it serves. */
 export const SERVED_MODEL = "tgi";
@@ -108,6 +112,27 @@ export interface TokenwireClient {
     parameters?: CompletionParameters,
     options?: CallOptions,
   ): AsyncIterable<CompletionStreamResponse>;
+  /**
+   * POST /v1/responses (tokenwire.v1.ResponsesService/CreateResponse): `body` is OpenAI's
+   * request ({model, input, instructions, tools, text, max_output_tokens, previous_response_id,
+   * store, ...}); resolves to the response object.
+   */
+  responsesCreate(body: JsonObject, options?: CallOptions): Promise<JsonObject>;
+  /** The same request streamed: OpenAI's semantic events (response.created, ...). */
+  responsesStream(body: JsonObject, options?: CallOptions): AsyncIterable<JsonObject>;
+  /** GET /v1/responses/{id}: a stored response (NotFoundError when it is not stored). */
+  responsesRetrieve(responseId: string, options?: CallOptions): Promise<JsonObject>;
+  /** DELETE /v1/responses/{id}. */
+  responsesDelete(responseId: string, options?: CallOptions): Promise<JsonObject>;
+  /**
+   * POST /v1/messages (tokenwire.v1.AnthropicService/Messages): `body` is Anthropic's request
+   * ({model, max_tokens, messages, system, tools, ...}); resolves to the message object.
+   */
+  messagesCreate(body: JsonObject, options?: CallOptions): Promise<JsonObject>;
+  /** The same request streamed: Anthropic's events (message_start, ..., message_stop). */
+  messagesStream(body: JsonObject, options?: CallOptions): AsyncIterable<JsonObject>;
+  /** POST /v1/messages/count_tokens: {input_tokens}. */
+  messagesCountTokens(body: JsonObject, options?: CallOptions): Promise<JsonObject>;
   /** Describes the served model and the server's limits. */
   info(options?: CallOptions): Promise<InfoResponse>;
   /** True when the server can generate; false when it answers UNAVAILABLE (or is unreachable). */
@@ -188,6 +213,17 @@ async function* cancellableStreamWith<T extends { error?: string; errorType?: st
   }
 }
 
+/** The events of a Responses / Messages stream, with the deadline and cancellation of
+ * cancellableStreamWith (an HttpBody stream carries no in-band error fields: sseEvents raises). */
+function agentStream(
+  start: (signal: AbortSignal, headers: Record<string, string>) => AsyncIterable<HttpBody>,
+  call: CallOptions | undefined,
+  defaultTimeoutMs: number | undefined,
+): AsyncIterable<JsonObject> {
+  return sseEvents(cancellableStreamWith<HttpBody & { error?: string; errorType?: string }>(
+    start, call, defaultTimeoutMs));
+}
+
 /**
  * Creates a client for the tokenwire server at `baseUrl` ("http://host:port" of the router, or
  * of Envoy's port, which passes gRPC through). Speaks gRPC over HTTP/2 (cleartext for http://,
@@ -206,6 +242,8 @@ export function createClient(baseUrl: string, options: ClientOptions = {}): Toke
   const transport = createGrpcTransport({ baseUrl, interceptors, sessionManager });
   const service = createConnectClient(TextGeneration, transport);
   const openai = createConnectClient(OpenAIService, transport);
+  const responses = createConnectClient(ResponsesService, transport);
+  const anthropic = createConnectClient(AnthropicService, transport);
   const cancellableStream = <T extends { error?: string; errorType?: string }>(
     start: (signal: AbortSignal, headers: Record<string, string>) => AsyncIterable<T>,
     call: CallOptions | undefined,
@@ -286,6 +324,56 @@ export function createClient(baseUrl: string, options: ClientOptions = {}): Toke
         clearTimeout(timer);
         call?.signal?.removeEventListener("abort", onAbort);
         controller.abort();
+      }
+    },
+
+    async responsesCreate(body, call) {
+      try {
+        return await jsonReply(responses.createResponse(requestBody(body, false), callOptions(call)));
+      } catch (error) {
+        throw translateError(error);
+      }
+    },
+
+    responsesStream(body, call) {
+      return agentStream((signal, headers) =>
+        responses.createResponse(requestBody(body, true), { signal, headers }), call, options.timeoutMs);
+    },
+
+    async responsesRetrieve(responseId, call) {
+      try {
+        return await jsonReply(responses.getResponse({ responseId }, callOptions(call)));
+      } catch (error) {
+        throw translateError(error);
+      }
+    },
+
+    async responsesDelete(responseId, call) {
+      try {
+        return await jsonReply(responses.deleteResponse({ responseId }, callOptions(call)));
+      } catch (error) {
+        throw translateError(error);
+      }
+    },
+
+    async messagesCreate(body, call) {
+      try {
+        return await jsonReply(anthropic.messages(requestBody(body, false), callOptions(call)));
+      } catch (error) {
+        throw translateError(error);
+      }
+    },
+
+    messagesStream(body, call) {
+      return agentStream((signal, headers) =>
+        anthropic.messages(requestBody(body, true), { signal, headers }), call, options.timeoutMs);
+    },
+
+    async messagesCountTokens(body, call) {
+      try {
+        return await jsonReply(anthropic.countTokens(requestBody(body), callOptions(call)));
+      } catch (error) {
+        throw translateError(error);
       }
     },
 

@@ -25,6 +25,8 @@ export class UnsupportedError extends ValidationError {}
 export class OverloadedError extends TokenwireError {}
 /** Missing or wrong API key (UNAUTHENTICATED). */
 export class UnauthenticatedError extends TokenwireError {}
+/** The named thing is not there, e.g. a stored Response (NOT_FOUND). */
+export class NotFoundError extends TokenwireError {}
 /** The API key may not make this call (PERMISSION_DENIED). */
 export class PermissionDeniedError extends TokenwireError {}
 /** Server unreachable, not ready, or a shard is down (UNAVAILABLE). */
@@ -47,6 +49,7 @@ const BY_CODE: ReadonlyMap<Code, [string, ErrorClass]> = new Map<Code, [string, 
   [Code.ResourceExhausted, ["RESOURCE_EXHAUSTED", OverloadedError]],
   [Code.Unauthenticated, ["UNAUTHENTICATED", UnauthenticatedError]],
   [Code.PermissionDenied, ["PERMISSION_DENIED", PermissionDeniedError]],
+  [Code.NotFound, ["NOT_FOUND", NotFoundError]],
   [Code.Unavailable, ["UNAVAILABLE", UnavailableError]],
   [Code.DeadlineExceeded, ["DEADLINE_EXCEEDED", DeadlineExceededError]],
   [Code.Canceled, ["CANCELLED", CancelledError]],

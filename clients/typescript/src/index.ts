@@ -10,10 +10,12 @@ export type {
   GrammarInit,
   TokenwireClient,
 } from "./client.js";
+export type { JsonObject } from "./agents.js";
 export {
   CancelledError,
   DeadlineExceededError,
   GenerationError,
+  NotFoundError,
   OverloadedError,
   PermissionDeniedError,
   TokenwireError,
@@ -25,6 +27,8 @@ export {
 // Generated message types and schemas, for users who want the raw Connect-ES client.
 export * from "./gen/tokenwire/v1/generate_pb.js";
 export * from "./gen/tokenwire/v1/openai_pb.js";
+export * from "./gen/tokenwire/v1/responses_pb.js";
+export * from "./gen/tokenwire/v1/anthropic_pb.js";
 
 /** Version of this package; it goes with the tokenwire server of the same version. */
 export const VERSION = "0.1.0";

@@ -9,6 +9,7 @@ import {
   createClient,
   DeadlineExceededError,
   CancelledError,
+  NotFoundError,
   TokenwireError,
   ValidationError,
   VERSION,
@@ -75,6 +76,35 @@ describe(`@tokenwire/client against ${url}`, { skip: url === undefined && "TOKEN
     }
     assert.equal(streamed, done.choices[0].text);
     await assert.rejects(client.chat(messages, { model: "gpt-4o", maxTokens: 2 }), TokenwireError);
+  });
+
+  test("OpenAI Responses and Anthropic Messages (exact JSON over gRPC)", async () => {
+    const request = { model: "tgi", input: PROMPT, max_output_tokens: 4, temperature: 0 };
+    const response = await client.responsesCreate(request);
+    assert.equal(response.object, "response");
+    const outputText = response.output.filter((i) => i.type === "message").map((i) => i.content[0].text).join("");
+    let deltas = "";
+    const kinds = [];
+    for await (const event of client.responsesStream(request)) {
+      kinds.push(event.type);
+      if (event.type === "response.output_text.delta") deltas += event.delta;
+    }
+    assert.equal(kinds[0], "response.created");
+    assert.equal(deltas, outputText);
+    assert.equal((await client.responsesRetrieve(response.id)).id, response.id);
+    assert.equal((await client.responsesDelete(response.id)).deleted, true);
+    await assert.rejects(client.responsesRetrieve(response.id), NotFoundError);
+    const body = { model: "tgi", max_tokens: 4, temperature: 0, messages: [{ role: "user", content: PROMPT }] };
+    const message = await client.messagesCreate(body);
+    assert.equal(message.type, "message");
+    let text = "";
+    for await (const event of client.messagesStream(body)) {
+      if (event.type === "content_block_delta") text += event.delta.text;
+    }
+    assert.equal(text, message.content[0].text);
+    const counted = await client.messagesCountTokens({ model: "tgi", messages: body.messages });
+    assert.equal(counted.input_tokens, message.usage.input_tokens);
+    await assert.rejects(client.messagesCreate({ ...body, max_tokens: 0 }), ValidationError);
   });
 
   test("generateStream, stopped early by break", async () => {

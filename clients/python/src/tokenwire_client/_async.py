@@ -10,6 +10,7 @@ from typing import Any, Self
 from grpclib.client import Channel
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
+from ._agents import json_reply_async, request_body, sse_events_async
 from ._errors import (
     DeadlineExceededError,
     TokenwireError,
@@ -18,14 +19,18 @@ from ._errors import (
     error_for_status,
 )
 from ._generated.tokenwire.v1 import (
+    AnthropicServiceStub,
     ChatMessage,
     ChatResponse,
     CompletionResponse,
+    DeleteResponseRequest,
     GenerateRequest,
     GenerateResponse,
     GenerateStreamResponse,
+    GetResponseRequest,
     InfoResponse,
     OpenAiServiceStub,
+    ResponsesServiceStub,
     TextGenerationStub,
 )
 from ._request import (
@@ -243,6 +248,82 @@ class AsyncClient:
         """A streamed completion: an `AsyncStream` of CompletionStreamResponse chunks."""
         request = build_completion_request(model, prompt, parameters)
         return AsyncStream(self._openai.completion_stream(request, timeout=timeout))  # type: ignore[arg-type]
+
+    # --- OpenAI Responses and Anthropic Messages (each API's JSON as dicts) ---------------
+
+    def _responses(self) -> ResponsesServiceStub:
+        self._stub  # noqa: B018 - opens the channel in the running loop
+        return ResponsesServiceStub(self._channel, timeout=self.timeout,  # type: ignore[arg-type]
+                                    metadata=self._metadata)  # fmt: skip
+
+    def _anthropic(self) -> AnthropicServiceStub:
+        self._stub  # noqa: B018 - opens the channel in the running loop
+        return AnthropicServiceStub(self._channel, timeout=self.timeout,  # type: ignore[arg-type]
+                                    metadata=self._metadata)  # fmt: skip
+
+    async def _json(self, chunks: AsyncIterator[Any]) -> dict[str, Any]:
+        try:
+            return await json_reply_async(chunks)
+        except _CALL_ERRORS as error:
+            raise _translate(error) from None
+
+    async def _events(self, chunks: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for event in sse_events_async(chunks):
+                yield event
+        except _CALL_ERRORS as error:
+            raise _translate(error) from None
+
+    async def responses_create(
+        self, body: Mapping[str, Any], *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """POST /v1/responses as a dict (see `Client.responses_create`)."""
+        stub = self._responses()
+        return await self._json(
+            stub.create_response(request_body(body, stream=False), timeout=timeout)
+        )
+
+    def responses_stream(
+        self, body: Mapping[str, Any], *, timeout: float | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """OpenAI's semantic events of a streamed response, as dicts."""
+        stub = self._responses()
+        return self._events(stub.create_response(request_body(body, stream=True), timeout=timeout))
+
+    async def responses_retrieve(
+        self, response_id: str, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """A stored response (NotFoundError when it is not stored)."""
+        request = GetResponseRequest(response_id=response_id)
+        return await self._json(self._responses().get_response(request, timeout=timeout))
+
+    async def responses_delete(
+        self, response_id: str, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Deletes a stored response."""
+        request = DeleteResponseRequest(response_id=response_id)
+        return await self._json(self._responses().delete_response(request, timeout=timeout))
+
+    async def messages_create(
+        self, body: Mapping[str, Any], *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """POST /v1/messages as a dict (see `Client.messages_create`)."""
+        stub = self._anthropic()
+        return await self._json(stub.messages(request_body(body, stream=False), timeout=timeout))
+
+    def messages_stream(
+        self, body: Mapping[str, Any], *, timeout: float | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Anthropic's events of a streamed message, as dicts."""
+        stub = self._anthropic()
+        return self._events(stub.messages(request_body(body, stream=True), timeout=timeout))
+
+    async def messages_count_tokens(
+        self, body: Mapping[str, Any], *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """{"input_tokens": N} of the rendered prompt."""
+        stub = self._anthropic()
+        return await self._json(stub.count_tokens(request_body(body), timeout=timeout))
 
     async def info(self, *, timeout: float | None = None) -> InfoResponse:
         """Describes the served model and the server's limits."""

@@ -49,6 +49,12 @@ class UnauthenticatedError(TokenwireError):
     code = "UNAUTHENTICATED"
 
 
+class NotFoundError(TokenwireError, LookupError):
+    """The named thing is not there (a stored Response, a model; gRPC NOT_FOUND)."""
+
+    code = "NOT_FOUND"
+
+
 class PermissionDeniedError(TokenwireError):
     """The API key is not allowed to make this call (PERMISSION_DENIED)."""
 
@@ -88,6 +94,7 @@ _BY_STATUS: dict[str, type[TokenwireError]] = {
     "RESOURCE_EXHAUSTED": OverloadedError,
     "UNAUTHENTICATED": UnauthenticatedError,
     "PERMISSION_DENIED": PermissionDeniedError,
+    "NOT_FOUND": NotFoundError,
     "UNAVAILABLE": UnavailableError,
     "DEADLINE_EXCEEDED": DeadlineExceededError,
     "CANCELLED": CancelledError,

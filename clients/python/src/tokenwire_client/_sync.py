@@ -8,15 +8,20 @@ from typing import Any, NamedTuple, Self
 
 import grpc
 
+from ._agents import json_reply, request_body, sse_events
 from ._errors import TokenwireError, UnavailableError, error_for_event, error_for_status
 from ._generated.tokenwire.v1 import (
+    AnthropicServiceSyncStub,
     ChatMessage,
     ChatResponse,
     CompletionResponse,
+    DeleteResponseRequest,
     GenerateResponse,
     GenerateStreamResponse,
+    GetResponseRequest,
     InfoResponse,
     OpenAiServiceSyncStub,
+    ResponsesServiceSyncStub,
     TextGenerationSyncStub,
 )
 from ._request import (
@@ -254,6 +259,87 @@ class Client:
         stub, options = self._openai(timeout)
         request = build_completion_request(model, prompt, parameters)
         return Stream(stub.completion_stream(request), options)  # type: ignore[arg-type]
+
+    # --- OpenAI Responses and Anthropic Messages (each API's JSON as dicts) ---------------
+
+    def _options(self, timeout: float | None) -> tuple[grpc.Channel, _CallOptions]:
+        options = _CallOptions(self.timeout if timeout is None else timeout, self._metadata)
+        return grpc.intercept_channel(self._channel, options), options
+
+    def _json(self, chunks: Iterator[Any]) -> dict[str, Any]:
+        try:
+            return json_reply(chunks)
+        except grpc.RpcError as error:
+            raise _translate(error) from None
+
+    def _events(self, chunks: Iterator[Any]) -> Iterator[dict[str, Any]]:
+        try:
+            yield from sse_events(chunks)
+        except grpc.RpcError as error:
+            raise _translate(error) from None
+
+    def responses_create(
+        self, body: Mapping[str, Any], *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """POST /v1/responses (tokenwire.v1.ResponsesService/CreateResponse): `body` is OpenAI's
+        request ({"model", "input", "instructions", "tools", "text", "max_output_tokens",
+        "previous_response_id", "store", ...}); returns the response object as a dict."""
+        channel, _ = self._options(timeout)
+        stub = ResponsesServiceSyncStub(channel)
+        return self._json(stub.create_response(request_body(body, stream=False)))
+
+    def responses_stream(
+        self, body: Mapping[str, Any], *, timeout: float | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """The same request streamed: OpenAI's semantic events as dicts (`type`:
+        response.created, response.output_text.delta, ..., response.completed). Closing the
+        iterator early cancels the request."""
+        channel, _ = self._options(timeout)
+        stub = ResponsesServiceSyncStub(channel)
+        return self._events(stub.create_response(request_body(body, stream=True)))
+
+    def responses_retrieve(
+        self, response_id: str, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """GET /v1/responses/{id}: a stored response (NotFoundError when it is not stored)."""
+        channel, _ = self._options(timeout)
+        stub = ResponsesServiceSyncStub(channel)
+        return self._json(stub.get_response(GetResponseRequest(response_id=response_id)))
+
+    def responses_delete(
+        self, response_id: str, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """DELETE /v1/responses/{id}: {"id", "object": "response.deleted", "deleted": true}."""
+        channel, _ = self._options(timeout)
+        stub = ResponsesServiceSyncStub(channel)
+        return self._json(stub.delete_response(DeleteResponseRequest(response_id=response_id)))
+
+    def messages_create(
+        self, body: Mapping[str, Any], *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """POST /v1/messages (tokenwire.v1.AnthropicService/Messages): `body` is Anthropic's
+        request ({"model", "max_tokens", "messages", "system", "tools", ...}); returns the
+        message object as a dict."""
+        channel, _ = self._options(timeout)
+        stub = AnthropicServiceSyncStub(channel)
+        return self._json(stub.messages(request_body(body, stream=False)))
+
+    def messages_stream(
+        self, body: Mapping[str, Any], *, timeout: float | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """The same request streamed: Anthropic's events as dicts (message_start,
+        content_block_delta, ..., message_stop)."""
+        channel, _ = self._options(timeout)
+        stub = AnthropicServiceSyncStub(channel)
+        return self._events(stub.messages(request_body(body, stream=True)))
+
+    def messages_count_tokens(
+        self, body: Mapping[str, Any], *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """POST /v1/messages/count_tokens: {"input_tokens": N} of the rendered prompt."""
+        channel, _ = self._options(timeout)
+        stub = AnthropicServiceSyncStub(channel)
+        return self._json(stub.count_tokens(request_body(body)))
 
     def info(self, *, timeout: float | None = None) -> InfoResponse:
         """Describes the served model and the server's limits."""
