@@ -90,6 +90,11 @@ def main() -> int:
                                       TinyModelSpec("llama", max_position_embeddings=4096)),
              "native"),
         ]
+        # Native Llama with 4 KV heads: the KV width of the MHA models (gpt_neox), whose
+        # attention (the shared torch backend: block gather + SDPA) is twice the GQA models'.
+        rows.append(("llama-mha", make_tiny_model(
+            Path(tmp) / "llama-mha",
+            TinyModelSpec("llama", num_kv_heads=4, max_position_embeddings=4096)), "native"))
         rows += [(t, write_tiny_any(Path(tmp) / t, t), "transformers")
                  for t in args.model_types.split(",")]
         rows.insert(1, ("llama", rows[0][1], "transformers"))
