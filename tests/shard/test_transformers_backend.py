@@ -127,6 +127,9 @@ def _config_only(tmp_path, model_type: str, **kw) -> str:
     [
         ("t5", "encoder-decoder models are not served"),
         ("bert", "its attention is not causal"),
+        ("bloom", ("BloomForCausalLM does not route attention through transformers' attention "
+                   "interface")),
+        ("mamba", "MambaForCausalLM does not route attention"),
     ],
 )
 def test_unsupported_models_fail_at_start_up_naming_the_type(tmp_path, model_type, why):
