@@ -218,3 +218,19 @@ def test_importing_the_product_imports_no_benchmark_or_test_module() -> None:
 def test_the_rule_checker_catches_a_wrong_import(module: str, bad_import: str) -> None:
     """The checker itself can fail: a planted wrong import is reported."""
     assert violations_of(module, {bad_import}, package_table())
+
+
+# transformers' modeling code serves models only through the transformers backend (shard.models);
+# the model tools (shard.tools: GGUF conversion, tiny models, offline quantization, tokenizer
+# files) read checkpoints with it. Nothing above them imports it.
+TRANSFORMERS_IMPORTERS = ("shard.models", "shard.tools")
+
+
+def test_only_model_code_and_model_tools_import_transformers() -> None:
+    offenders = [
+        module
+        for module, path in product_modules().items()
+        if any(_matches(name, "transformers") for name in imported_names(module, path))
+        and not any(_matches(module, allowed) for allowed in TRANSFORMERS_IMPORTERS)
+    ]
+    assert offenders == []

@@ -93,6 +93,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--num-shard", type=int, default=1,
       help="tensor-parallel ranks: > 1 adds the `tp` part (one process per GPU over NCCL: tiny "
            "greedy vs one GPU, 8B logits vs one GPU, decode speedup) and is used by e2e")
+    a("--skip-ab", action="store_true",
+      help="decode: skip the A/B timings with one optimization off at a time")
+    a("--model-impl", choices=["auto", "native", "transformers"], default="auto",
+      help="which code serves the model (as `tokenwire shard --model-impl`): transformers "
+           "forces the transformers backend, for comparison with the native path")
     a("--all-reduce", choices=["auto", "nccl"], default="auto",
       help="TP all-reduce (as `tokenwire shard --all-reduce`)")
 
@@ -134,7 +139,8 @@ def bench_model(model_dir: Path, args, ceilings: dict, parts: set[str]) -> dict:
     t0 = time.perf_counter()
     shard = Shard(ShardConfig(model_id=str(model_dir), dtype="bfloat16", device="cuda",
                               quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
-                              kv_cache_rotation=args.kv_cache_rotation), Dist())
+                              kv_cache_rotation=args.kv_cache_rotation,
+                              model_impl=args.model_impl), Dist())
     load_s = time.perf_counter() - t0
     runner = shard.runner
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -152,6 +158,7 @@ def bench_model(model_dir: Path, args, ceilings: dict, parts: set[str]) -> dict:
             else:
                 cache.normal_()
     out: dict = {"load_seconds": load_s, "attention_backend": shard.info.attention_backend,
+                 "model_impl": shard.info.model_impl,
                  "block_size": bs, "num_blocks": num_blocks, "decode": [], "prefill": []}
     bw, rate = ceilings["copy_bytes_per_s"], ceilings["bf16_flops_per_s"]
     if "decode" in parts:
@@ -199,7 +206,7 @@ def bench_model(model_dir: Path, args, ceilings: dict, parts: set[str]) -> dict:
         gc.collect()
         torch.cuda.empty_cache()
         # A/B in this process: the same step with one optimization switched off at a time.
-        for name, setting in ab_variants(runner).items():
+        for name, setting in ({} if args.skip_ab else ab_variants(runner)).items():
             times = replay_ms_under(runner, setting, batches, ctx, bs, per)
             for entry in out["decode"]:
                 entry[f"graph_replay_ms_{name}"] = times[entry["batch"]]
@@ -367,6 +374,7 @@ def bench_e2e(model_dir: Path, args, log_path: Path, overlap: bool = True) -> di
         "--kv-cache-rotation", args.kv_cache_rotation,
         "--all-reduce", args.all_reduce,
         "--frontends", str(args.router_frontends),
+        "--model-impl", args.model_impl,
     ] + (["--quantize", args.quantize] if args.quantize else []) + (
         [] if overlap else ["--no-overlap"])
     trace_dir = args.workdir / "profiles" / log_path.stem
@@ -693,7 +701,7 @@ def run(args: argparse.Namespace) -> int:
         "host": platform.node(), "num_layers": args.num_layers, "errors": {},
         "quantize": args.quantize, "kv_cache_dtype": args.kv_cache_dtype,
         "kv_cache_rotation": args.kv_cache_rotation,
-        "num_shard": args.num_shard,
+        "num_shard": args.num_shard, "model_impl": args.model_impl,
     }
     model_dir = args.workdir / f"llama3-8b-shape-{args.num_layers}l"
     t0 = time.perf_counter()

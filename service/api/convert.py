@@ -206,6 +206,8 @@ def info_response(info: ServerInfo, adapters: list[AdapterInfo] | None = None) -
         max_loras=info.max_loras,
         max_lora_rank=info.max_lora_rank,
         speculate=info.speculate,
+        model_impl=info.model_impl,
+        cuda_graphs=info.cuda_graphs,
     )
     for name in ("model_sha", "model_pipeline_tag", "sha", "docker_label"):
         value = getattr(info, name)

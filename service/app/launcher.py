@@ -276,6 +276,11 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
     PassThrough(
         "--attention-backend", str, ("ATTENTION_BACKEND",), "auto | torch | triton", "shard"
     ),
+    PassThrough(
+        "--model-impl", str, ("MODEL_IMPL",),
+        "auto (native code where it exists, else the transformers backend) | native | "
+        "transformers", "shard",
+    ),
     PassThrough("--quantize", str, ("QUANTIZE",), "bitsandbytes | bitsandbytes-nf4 | fp8", "shard"),
     PassThrough(
         "--kv-cache-dtype", str, ("KV_CACHE_DTYPE",), "auto | fp8_e4m3fn | fp8_e5m2", "shard"

@@ -209,6 +209,8 @@ async def serve(
             max_batch_size=limits.max_batch_size,
             waiting_served_ratio=args.waiting_served_ratio,
             max_waiting_tokens=args.max_waiting_tokens,
+            model_impl=shard.model_impl,
+            cuda_graphs=shard.cuda_graphs,
         )
         servicer.attach(service, info, tokenizer)
         chat_endpoints = OpenAIEndpoints(

@@ -105,4 +105,6 @@ class ShardDescription:
     model_sha: str | None
     max_loras: int = 0  # LoRA adapter device slots (0: LoRA off)
     max_lora_rank: int = 0
-    adapters: tuple[AdapterInfo, ...] = ()  # loaded when Info was read (start-up adapters)
+    adapters: tuple[AdapterInfo, ...] = ()
+    model_impl: str = "native"  # "native" | "transformers" (the transformers backend)
+    cuda_graphs: bool = False  # decode steps replay CUDA graphs  # loaded when Info was read (start-up adapters)

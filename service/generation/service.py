@@ -662,6 +662,8 @@ class ServerInfo:
     num_kv_blocks: int
     num_shard: int
     speculate: int = 0  # --speculate (0: off)
+    model_impl: str = ""  # "native" | "transformers": which code serves the model
+    cuda_graphs: bool = False  # decode steps replay CUDA graphs
     router: str = "tokenwire-router"
     max_loras: int = 0  # LoRA adapter device slots of the shards (0: LoRA off)
     max_lora_rank: int = 0

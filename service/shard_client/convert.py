@@ -55,6 +55,8 @@ def shard_description(r: pb.InfoResponse) -> ShardDescription:
         world_size=r.world_size,
         sliding_window=r.sliding_window if r.HasField("sliding_window") else None,
         attention_backend=r.attention_backend,
+        model_impl=r.model_impl,
+        cuda_graphs=r.cuda_graphs,
         model_sha=r.model_sha if r.HasField("model_sha") else None,
         max_loras=r.max_loras,
         max_lora_rank=r.max_lora_rank,

@@ -1,7 +1,10 @@
-"""Model code: a registry from config.json `model_type` to the class that serves it."""
+"""Model code: a registry from config.json `model_type` to tokenwire's own implementation, and
+the transformers backend (shard/models/transformers_backend.py) for every other decoder-only
+architecture that transformers implements with its attention interface."""
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable
 
@@ -10,16 +13,32 @@ from shard.models.base import CausalLM, LoadContext
 log = logging.getLogger(__name__)
 
 
+class ModelImpl(enum.Enum):
+    """--model-impl: which code serves the model."""
+
+    AUTO = "auto"  # native where tokenwire has code for the model type, else the backend
+    NATIVE = "native"  # tokenwire's own code only (fails for other model types)
+    TRANSFORMERS = "transformers"  # the transformers backend, even where native code exists
+
+
+def parse_model_impl(value: str) -> ModelImpl:
+    try:
+        return ModelImpl(value)
+    except ValueError:
+        names = " | ".join(m.value for m in ModelImpl)
+        raise ValueError(f"--model-impl must be one of {names}; got {value!r}") from None
+
+
 def _llama(ctx: LoadContext) -> CausalLM:
     from shard.models.llama import LlamaForCausalLM
 
     return LlamaForCausalLM(ctx)
 
 
-def _fallback(ctx: LoadContext) -> CausalLM:
-    from shard.models.hf_fallback import HFFallbackForCausalLM
+def _transformers(ctx: LoadContext) -> CausalLM:
+    from shard.models.transformers_backend import TransformersCausalLM
 
-    return HFFallbackForCausalLM(ctx)
+    return TransformersCausalLM(ctx)
 
 
 def model_registry() -> dict[str, Callable[[LoadContext], CausalLM]]:
@@ -27,20 +46,23 @@ def model_registry() -> dict[str, Callable[[LoadContext], CausalLM]]:
     return {"llama": _llama, "mistral": _llama, "qwen2": _llama}
 
 
-def load_model(ctx: LoadContext, force_fallback: bool = False) -> CausalLM:
-    """Our implementation for the config's model_type, else the transformers fallback."""
+def load_model(ctx: LoadContext, impl: ModelImpl = ModelImpl.AUTO) -> CausalLM:
+    """The model for the config's model_type by --model-impl: native code first (auto), the
+    transformers backend where tokenwire has none; the start-up log says which."""
     model_type = ctx.config.get("model_type", "")
-    factory = None if force_fallback else model_registry().get(model_type)
-    if factory is None:
-        if ctx.quantize is not None or ctx.kv_cache_dtype.is_fp8:
-            raise ValueError(
-                f"--quantize / --kv-cache-dtype need tokenwire's own model code; model_type "
-                f"{model_type!r} is served by the transformers fallback, which supports neither"
-            )
-        if ctx.dist.world_size > 1:
-            log.warning("model_type %r uses the fallback: replicated on every rank", model_type)
-        return _fallback(ctx)
-    return factory(ctx)
+    native = model_registry().get(model_type)
+    if impl is ModelImpl.NATIVE and native is None:
+        known = ", ".join(sorted(model_registry()))
+        raise ValueError(f"--model-impl native: tokenwire has no native code for model_type "
+                         f"{model_type!r} (native: {known}); use --model-impl auto")
+    if native is not None and impl is not ModelImpl.TRANSFORMERS:
+        log.info("model_type %r: native tokenwire model code", model_type)
+        return native(ctx)
+    if native is not None:
+        log.warning("model_type %r: transformers backend forced by --model-impl transformers "
+                    "(native code exists)", model_type)
+    return _transformers(ctx)
 
 
-__all__ = ["CausalLM", "LoadContext", "load_model", "model_registry"]
+__all__ = ["CausalLM", "LoadContext", "ModelImpl", "load_model", "model_registry",
+           "parse_model_impl"]

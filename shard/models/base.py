@@ -35,10 +35,17 @@ class CausalLM(Protocol):
     vocab_size: int
     max_position_embeddings: int
     sliding_window: int | None
-    attention_name: str  # what Info reports: the backend's name, or where attention runs
-    # Its q/k/v/o and gate/up/down projections are tokenwire's tensor-parallel linears, which
-    # apply LoRA adapters (shard/lora attaches them); the transformers fallback's are not.
+    attention_name: str  # what Info reports: the attention backend's name
+    # Which code serves it (Info and the start-up log): "native" (shard/models/<family>.py) or
+    # "transformers" (the transformers backend, shard/models/transformers_backend.py).
+    model_impl: str
+    # Its projections are tokenwire's tensor-parallel linears, which apply LoRA adapters
+    # (shard/lora attaches them by checkpoint name).
     supports_lora: bool
+    # Decode steps may be captured in CUDA graphs (declared from the model and its
+    # quantization, never probed): no host syncs, no host-side lengths. The runner captures
+    # only where this and the attention backend's graph_safe both hold.
+    cuda_graph_safe: bool
 
     def begin_kv_calibration(self) -> bool:
         """fp8 KV caches: start recording max |K|, |V| per layer and KV head (warmup's worst-case

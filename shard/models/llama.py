@@ -18,8 +18,8 @@ from shard.models.base import LoadContext
 from shard.models.heads import partition_heads
 from shard.quantization import QuantizeMethod, kv_cache_torch_dtype
 from shard.quantization.kv_cache import KvScales
-from shard.quantization.methods import KvCacheRotation
 from shard.quantization.loading import LinearQuantization
+from shard.quantization.methods import KvCacheRotation
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value) pools
 
@@ -139,6 +139,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Serves model_type llama, mistral and qwen2."""
 
+    model_impl = "native"
     supports_lora = True  # shard/lora adapts qkv_proj, o_proj, gate_up_proj and down_proj
 
     def __init__(self, ctx: LoadContext):

@@ -65,6 +65,13 @@ class ModelRunner:
         # benchmarks and tests: a step without drafts must replay the plain decode graph).
         self.last_path = ""
 
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs (after warmup captured them): a CUDA device,
+        a graph-safe attention backend and a model that declares itself graph-safe."""
+        return (self.device.type == "cuda" and self.attention.graph_safe
+                and self.model.cuda_graph_safe)
+
     def kv_bytes_per_block(self) -> int:
         return self.model.kv_bytes_per_block(self.block_size)
 
@@ -150,8 +157,9 @@ class ModelRunner:
     def capture_cuda_graphs(self, max_batch: int, max_seq_len: int) -> float:
         """Captures decode CUDA graphs (shard/runner/cuda_graphs.py) for batches up to max_batch and
         contexts up to max_seq_len; call after the final KV allocation. Returns seconds taken;
-        0 when the attention backend cannot run inside a graph (it needs host-side lengths)."""
-        if self.device.type != "cuda" or not self.attention.graph_safe:
+        0 when the attention backend cannot run inside a graph (it needs host-side lengths) or
+        the model declares itself eager (host syncs: MoE loops, bitsandbytes)."""
+        if not self.uses_cuda_graphs:
             return 0.0
         from shard.runner.cuda_graphs import CudaGraphDecodeRunner
 
@@ -167,7 +175,7 @@ class ModelRunner:
         """Captures verify-step graphs (speculative decoding: up to max_query_len tokens per
         request, batches up to max_batch) in the decode graphs' memory pool; returns seconds.
         0 without CUDA graphs (CPU, or a backend that cannot run inside one)."""
-        if self.device.type != "cuda" or not self.attention.graph_safe or self.graphs is None:
+        if not self.uses_cuda_graphs or self.graphs is None:
             return 0.0
         from shard.runner.cuda_graphs import CudaGraphDecodeRunner, default_buckets
 

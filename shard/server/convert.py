@@ -234,6 +234,8 @@ def info_to_proto(i: RankInfo, adapters: list[AdapterFacts]) -> pb.InfoResponse:
         sliding_window=i.sliding_window,
         attention_backend=i.attention_backend,
         model_sha=i.model_sha,
+        model_impl=i.model_impl,
+        cuda_graphs=i.cuda_graphs,
         model_id=i.model_id,
         max_loras=i.max_loras,
         max_lora_rank=i.max_lora_rank,

@@ -4,10 +4,10 @@ engine and the static Info."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import tokenizers
 import torch
 
 from shard.attention import get_backend
@@ -23,11 +23,14 @@ from shard.lora import (
     attach_lora,
     parse_adapters_flag,
 )
-from shard.models import LoadContext, load_model
+from shard.models import LoadContext, load_model, parse_model_impl
 from shard.quantization import parse_kv_cache_dtype, parse_kv_cache_rotation, parse_quantize
 from shard.runner.model_runner import ModelRunner
 from shard.runner.warmup import WarmupResult, WarmupSpec, run_warmup
 from shard.tools.download import model_sha, resolve_model
+from shard.tools.tokenizer_files import load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,9 @@ class RankInfo:
     sliding_window: int | None
     attention_backend: str
     model_sha: str | None
+    # "native" | "transformers": which code serves the model
+    model_impl: str
+    cuda_graphs: bool  # decode steps replay CUDA graphs (else eager)
     model_id: str
     max_loras: int = 0
     max_lora_rank: int = 0
@@ -64,7 +70,9 @@ class ShardConfig:
     kv_cache_memory_mb: int | None = None
     max_batch_total_tokens: int | None = None
     attention_backend: str = "auto"
-    force_fallback: bool = False  # serve through the transformers fallback even if we have code
+    # --model-impl: auto (native code where tokenwire has it, else the transformers backend) |
+    # native | transformers (forced, e.g. to compare with the native path)
+    model_impl: str = "auto"
     quantize: str | None = None  # --quantize: bitsandbytes | bitsandbytes-nf4 | fp8
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype: auto | fp8_e4m3fn | fp8_e5m2
     kv_cache_rotation: str = "hadamard"  # --kv-cache-rotation: hadamard | none (fp8 caches)
@@ -73,15 +81,6 @@ class ShardConfig:
     max_loras: int | None = None
     max_lora_rank: int = 16
     lora_adapters: str | None = None
-
-
-def load_tokenizer(model_dir: Path) -> tokenizers.Tokenizer:
-    path = model_dir / "tokenizer.json"
-    if path.is_file():
-        return tokenizers.Tokenizer.from_file(str(path))
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(model_dir)).backend_tokenizer
 
 
 def eos_token_ids(model_dir: Path, config: dict) -> set[int]:
@@ -117,8 +116,13 @@ class Shard:
             kv_cache_dtype=parse_kv_cache_dtype(cfg.kv_cache_dtype),
             kv_cache_rotation=parse_kv_cache_rotation(cfg.kv_cache_rotation),
         )
-        model = load_model(ctx, force_fallback=cfg.force_fallback)
+        model = load_model(ctx, parse_model_impl(cfg.model_impl))
         self.runner = ModelRunner(model, attention, cfg.block_size, self.device)
+        log.info("model_type %r served by %s code (attention %s), decode %s",
+                 config.get("model_type", ""),
+                 "the transformers backend's" if model.model_impl == "transformers" else "native",
+                 model.attention_name,
+                 "with CUDA graphs" if self.runner.uses_cuda_graphs else "eager")
         startup_adapters = parse_adapters_flag(cfg.lora_adapters)
         max_loras = cfg.max_loras
         if max_loras is None:
@@ -128,8 +132,8 @@ class Shard:
         if limits.max_loras > 0:
             if not model.supports_lora:
                 raise ValueError(
-                    f"--max-loras / --lora-adapters need tokenwire's own model code; model_type "
-                    f"{config.get('model_type', '')!r} is served by the transformers fallback"
+                    f"--max-loras / --lora-adapters: model_type {config.get('model_type', '')!r} "
+                    f"({model.model_impl}) has no tokenwire linears for adapters to target"
                 )
             # The slots take their device memory now: warmup sizes the KV cache from what is left.
             self.lora = attach_lora(model, limits, self.device, DTYPES[cfg.dtype])  # type: ignore[arg-type]
@@ -153,6 +157,8 @@ class Shard:
             sliding_window=model.sliding_window,
             attention_backend=model.attention_name,
             model_sha=model_sha(model_dir),
+            model_impl=model.model_impl,
+            cuda_graphs=self.runner.uses_cuda_graphs,
             model_id=cfg.model_id,
             max_loras=limits.max_loras,
             max_lora_rank=limits.max_lora_rank if limits.max_loras else 0,

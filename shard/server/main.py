@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-total-tokens", type=int, default=None,
                         help="cap on the KV cache size in tokens")
     parser.add_argument("--attention-backend", default="auto", help="auto | torch | triton")
+    parser.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"],
+                        help="which code serves the model: auto = tokenwire's native code where "
+                        "it exists for the model type, else the transformers backend; "
+                        "transformers forces the backend (for comparison)")
     parser.add_argument("--quantize", default=None,
                         choices=["bitsandbytes", "bitsandbytes-nf4", "fp8"],
                         help="quantize the linear layers at load time (fp8 checkpoints are "
@@ -220,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_memory_mb=args.kv_cache_memory_mb,
             max_batch_total_tokens=args.max_batch_total_tokens,
             attention_backend=args.attention_backend,
+            model_impl=args.model_impl,
             quantize=args.quantize,
             kv_cache_dtype=args.kv_cache_dtype,
             kv_cache_rotation=args.kv_cache_rotation,

@@ -22,10 +22,16 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     config = transformers.GenerationConfig(
         max_new_tokens=n, min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=0
     )
-    out = model.generate(
-        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        generation_config=config,
-    )
+    # transformers 5.x fills unset fields of `config` from the model's own generation config,
+    # whose eos_token_id would then stop generation early: unset there too, for this call.
+    saved, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
+    try:
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            generation_config=config,
+        )
+    finally:
+        model.generation_config.eos_token_id = saved
     return out[0, len(prompt) :].tolist()
 
 

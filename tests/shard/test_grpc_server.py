@@ -59,6 +59,7 @@ def test_info_discovery_health_reflection(served):
     assert info.block_size == 16 and info.vocab_size == 512 and info.world_size == 1
     assert list(info.eos_token_ids) == [2] and info.max_position_embeddings == 1024
     assert not info.HasField("sliding_window") and info.attention_backend == "torch"
+    assert info.model_impl == "native" and not info.cuda_graphs  # qwen2: native code; CPU
     assert list(stub.ServiceDiscovery(pb.ServiceDiscoveryRequest()).urls) == [url]
     stub.Health(pb.HealthRequest())
     check = health_pb2_grpc.HealthStub(channel).Check(

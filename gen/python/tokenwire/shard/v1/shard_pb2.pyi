@@ -23,7 +23,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("dtype", "device_type", "block_size", "max_position_embeddings", "eos_token_ids", "model_type", "vocab_size", "world_size", "sliding_window", "attention_backend", "model_sha", "model_id", "max_loras", "max_lora_rank", "adapters")
+    __slots__ = ("dtype", "device_type", "block_size", "max_position_embeddings", "eos_token_ids", "model_type", "vocab_size", "world_size", "sliding_window", "attention_backend", "model_sha", "model_id", "model_impl", "cuda_graphs", "max_loras", "max_lora_rank", "adapters")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,8 @@ class InfoResponse(_message.Message):
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_IMPL_FIELD_NUMBER: _ClassVar[int]
+    CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
@@ -51,10 +53,12 @@ class InfoResponse(_message.Message):
     attention_backend: str
     model_sha: str
     model_id: str
+    model_impl: str
+    cuda_graphs: bool
     max_loras: int
     max_lora_rank: int
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
-    def __init__(self, dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., world_size: _Optional[int] = ..., sliding_window: _Optional[int] = ..., attention_backend: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_id: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+    def __init__(self, dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., world_size: _Optional[int] = ..., sliding_window: _Optional[int] = ..., attention_backend: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_id: _Optional[str] = ..., model_impl: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
 
 class ServiceDiscoveryRequest(_message.Message):
     __slots__ = ()

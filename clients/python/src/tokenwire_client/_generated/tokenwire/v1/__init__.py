@@ -1355,6 +1355,17 @@ class InfoResponse(betterproto2.Message):
     Number of shard processes (tensor-parallel ranks).
     """
 
+    model_impl: "str" = betterproto2.field(22, betterproto2.TYPE_STRING)
+    """
+    Which code serves the model: "native" (tokenwire's own model file) or "transformers" (the
+    transformers backend: transformers' modeling code on tokenwire's paged KV cache).
+    """
+
+    cuda_graphs: "bool" = betterproto2.field(23, betterproto2.TYPE_BOOL)
+    """
+    Whether decode steps replay CUDA graphs (false: eager).
+    """
+
     adapters: "list[Adapter]" = betterproto2.field(80, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     Loaded LoRA adapters.

@@ -1,0 +1,169 @@
+"""The transformers backend: any decoder-only transformers model on tokenwire's engine.
+
+The model is transformers' own modeling code (the installed 5.x), loaded with
+`attn_implementation` set to tokenwire's paged attention (shard/models/transformers_attention.py),
+its planned projections swapped for tokenwire's tensor-parallel linears
+(shard/models/transformers_tp.py). A step is the same flat ragged batch as on the native path:
+the new tokens of every sequence as ONE packed sequence [1, num_tokens] with each token's own
+position id, the paged KV cache and AttentionMetadata telling attention where each sequence's
+context lives. Nothing is recomputed across steps. The model's own head runs on the rows that
+need logits (`logits_to_keep`), so final soft-capping and logit scales stay the model's.
+
+Which models: transformers' causal-LM class of the config, decoder-only, whose attention goes
+through the attention interface (shard/models/transformers_support.py says why not otherwise).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from shard.attention.base import AttentionMetadata
+from shard.models.base import LoadContext
+from shard.models.heads import partition_heads
+from shard.models.transformers_attention import (
+    ATTN_IMPLEMENTATION,
+    PAGED_LAYER,
+    PagedLayer,
+    StepState,
+    register,
+)
+from shard.models.transformers_norms import swap_rms_norms
+from shard.models.transformers_support import (
+    attention_modules,
+    causal_lm_class,
+    declared_graph_safe,
+    tp_plan,
+)
+from shard.models.transformers_tp import (
+    StateWeights,
+    attention_split,
+    localize_heads,
+    swap_linears,
+)
+from shard.quantization.kv_cache import KvScales
+from shard.quantization.loading import LinearQuantization
+
+log = logging.getLogger(__name__)
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per attention layer (key, value) pools
+
+
+class TransformersCausalLM:
+    """CausalLM (shard/models/base.py) over a transformers model of one tensor-parallel rank."""
+
+    model_impl = "transformers"
+
+    def __init__(self, ctx: LoadContext):
+        import transformers
+
+        if ctx.kv_cache_dtype.is_fp8:
+            raise ValueError(
+                f"--kv-cache-dtype {ctx.kv_cache_dtype.value}: the transformers backend keeps "
+                "its KV cache in the model dtype; model_type "
+                f"{ctx.config.get('model_type', '')!r} has no native fp8-cache path"
+            )
+        config = transformers.AutoConfig.from_pretrained(str(ctx.model_dir))
+        register()
+        cls = causal_lm_class(config, ATTN_IMPLEMENTATION)  # ValueError: the type and why
+        hf = cls.from_pretrained(
+            str(ctx.model_dir), config=config, dtype=ctx.dtype,
+            attn_implementation=ATTN_IMPLEMENTATION,
+        )
+        hf.eval().requires_grad_(False)
+        text = config.get_text_config()
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        self.head_dim: int = getattr(text, "head_dim", None) or text.hidden_size // heads
+        plan = tp_plan(config)
+        # Heads split over ranks only where the plan splits the attention projections (Phi-3's
+        # packed qkv and OLMo 2's q/k norms keep every head on every rank).
+        world = ctx.dist.world_size if attention_split(plan) else 1
+        split = partition_heads(heads, kv_heads, ctx.dist.rank % world, world)
+        self.num_kv_heads = split.local_kv_heads
+        quant = LinearQuantization.resolve(ctx.quantize, ctx.config)
+        weights = StateWeights(dict(hf.state_dict()), ctx.device, ctx.dtype, ctx.dist, quant)
+        if ctx.dist.world_size > 1 and not plan:
+            raise ValueError(
+                f"model_type {config.model_type!r}: its transformers config has no "
+                "base_model_tp_plan, so the transformers backend cannot split it over "
+                f"{ctx.dist.world_size} ranks; run it on one shard"
+            )
+        swapped = swap_linears(hf, hf.base_model_prefix, plan, weights, split)
+        if quant is not None and swapped == 0:
+            raise ValueError(
+                f"--quantize: model_type {config.model_type!r} has no base_model_tp_plan naming "
+                "its projections, so the transformers backend has no tokenwire linears to "
+                "quantize"
+            )
+        del weights
+        norms = swap_rms_norms(hf)
+        hf.to(ctx.device)
+        self.hf = hf
+        self.step = StepState()
+        self.num_layers = 0
+        for module in attention_modules(hf, config.model_type):
+            setattr(module, PAGED_LAYER, PagedLayer(self.num_layers, ctx.attention, self.step))
+            if world > 1:
+                localize_heads(module, heads, kv_heads, split)
+            self.num_layers += 1
+        self.vocab_size: int = hf.get_output_embeddings().weight.shape[0]
+        self.max_position_embeddings: int = (
+            getattr(text, "max_position_embeddings", None) or ctx.config.get("n_positions") or 2048
+        )
+        window = getattr(text, "sliding_window", None)
+        self.sliding_window: int | None = window if isinstance(window, int) else None
+        self.attention_name = ctx.attention.name
+        self.supports_lora = swapped > 0
+        self.cuda_graph_safe = ctx.attention.graph_safe and declared_graph_safe(config, quant)
+        self._device, self._dtype = ctx.device, ctx.dtype
+        log.info(
+            "model_type %r: transformers backend (%s), %d attention layers, %d linears and %d "
+            "RMSNorms swapped for tokenwire's, decode %s", config.model_type, cls.__name__,
+            self.num_layers, swapped, norms,
+            "CUDA graphs" if self.cuda_graph_safe else "eager",
+        )
+
+    def named_modules(self, *args: Any, **kwargs: Any):
+        """The transformers model's modules under their checkpoint names (LoRA attaches to
+        them by name, as on the native path)."""
+        return self.hf.named_modules(*args, **kwargs)
+
+    def begin_kv_calibration(self) -> bool:
+        return False  # model-dtype caches only
+
+    def finish_kv_calibration(self, headroom: float | None = None) -> list[KvScales]:
+        return []
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        elem = torch.empty((), dtype=self._dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        kw: dict[str, Any] = {"dtype": self._dtype, "device": self._device}
+        return [(torch.zeros(shape, **kw), torch.zeros(shape, **kw))
+                for _ in range(self.num_layers)]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [num_logits]
+    ) -> torch.Tensor:  # [num_logits, vocab] float32
+        self.step.meta, self.step.kv_cache = meta, kv_cache
+        try:
+            out = self.hf(
+                input_ids=input_ids.unsqueeze(0),  # one packed sequence [1, num_tokens]
+                position_ids=positions.unsqueeze(0),
+                use_cache=False,
+                logits_to_keep=logits_indices,
+            )
+        finally:
+            self.step.meta = self.step.kv_cache = None
+        return out.logits[0].float()  # [num_logits, vocab]
