@@ -167,14 +167,19 @@ def _collect_hessians(
     if not linears:
         return {}
     shared: dict[str, HessianAccumulator] = {}
-    seen: dict[int, HessianAccumulator] = {}  # this batch: input tensor address -> accumulator
+    # This batch: (input tensor address, shape) -> accumulator. `alive` holds the inputs seen so
+    # far: an address identifies a tensor only while it lives, and a freed q/k/v input's memory
+    # can be handed to a later linear's input (down_proj's, of another width) in the same batch.
+    seen: dict[tuple[int, tuple[int, ...]], HessianAccumulator] = {}
+    alive: list[torch.Tensor] = []
 
     def hook(name: str, x: torch.Tensor) -> None:
         if name not in shared:  # first batch: share with whoever saw this tensor already
-            key = x.data_ptr()
+            key = (x.data_ptr(), tuple(x.shape))
             if key not in seen:
                 seen[key] = HessianAccumulator(x.shape[-1], device)
                 seen[key].owner = name
+                alive.append(x)
             shared[name] = seen[key]
         acc = shared[name]
         if acc.owner == name:
@@ -186,6 +191,7 @@ def _collect_hessians(
         for hidden, kwargs in inputs:
             layer(hidden, **kwargs)
             seen.clear()
+            alive.clear()
     finally:
         for h in handles:
             h.remove()

@@ -18,7 +18,7 @@ from tokenwire.v1 import generate_pb2 as pb
 from tokenwire.v1 import generate_pb2_grpc, openai_pb2, openai_pb2_grpc
 
 from tests.helpers.lora import load_base, write_adapter
-from tests.helpers.metrics import scrape
+from tests.helpers.metrics import scrape, scrape_when_up
 from tests.helpers.models import tiny_model
 from tests.helpers.processes import Deployment, start_deployment
 
@@ -90,9 +90,9 @@ def channels(deployment: Deployment) -> Iterator[list[grpc.Channel]]:
 def _front_end_of(chan: grpc.Channel, ports: list[int]) -> int:
     """Which front end serves `chan`: the one whose admitted-request count a call raises (counted
     at admission, before the reply is sent)."""
-    before = [scrape(port).total("tokenwire_request_count_total") for port in ports]
+    before = [scrape_when_up(port).total("tokenwire_request_count_total") for port in ports]
     _generate(chan, None)
-    after = [scrape(port).total("tokenwire_request_count_total") for port in ports]
+    after = [scrape_when_up(port).total("tokenwire_request_count_total") for port in ports]
     raised = [i for i, (b, a) in enumerate(zip(before, after, strict=True)) if a > b]
     assert len(raised) == 1, (before, after)
     return raised[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
@@ -29,6 +31,19 @@ class Scrape:
         for a labelled counter that has not been incremented)."""
         want = set(labels.items())
         return sum(v for (n, ls), v in self.samples.items() if n == name and want <= set(ls))
+
+
+def scrape_when_up(port: int, timeout: float = 60.0, host: str = "127.0.0.1") -> Scrape:
+    """scrape(), retried while the metrics server refuses or resets the connection (a front end
+    whose metrics server is still starting, or slow to accept on a loaded machine)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return scrape(port, host)
+        except (urllib.error.URLError, ConnectionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def scrape(port: int, host: str = "127.0.0.1") -> Scrape:

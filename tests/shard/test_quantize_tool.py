@@ -253,3 +253,29 @@ def test_kv_scales_see_the_k_and_v_the_cache_stores(written, tmp_path):
     scales = shard.runner.model.attns[0].kv_scales
     torch.testing.assert_close(scales.k_scale, stored["model.layers.0.self_attn.k_scale"])
     torch.testing.assert_close(scales.v_scale, stored["model.layers.0.self_attn.v_scale"])
+
+
+def test_hessians_are_shared_only_by_linears_fed_the_same_tensor() -> None:
+    """q/k/v (one input) share one Hessian, computed once. A later linear whose input sits at
+    the same address with another width (here a view; in a real layer, a freed input's memory
+    reused for down_proj's) gets its own: keyed by address alone it took the wrong-width one and
+    the quantizer failed with a mask of 64 against 128 columns (seen in one full CI run)."""
+    from torch import nn
+
+    from shard.tools.quantize import _collect_hessians
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k = nn.Linear(64, 8), nn.Linear(64, 8)
+            self.down = nn.Linear(128, 8)
+
+        def forward(self, x: torch.Tensor) -> None:  # x [4, 64]
+            self.q(x), self.k(x)
+            self.down(x.view(2, 128))  # the same storage, another width
+
+    layer = Layer()
+    linears = {"q": layer.q, "k": layer.k, "down": layer.down}
+    hessians = _collect_hessians(layer, linears, [(torch.randn(4, 64), {})], torch.device("cpu"))
+    assert hessians["q"] is hessians["k"] and hessians["q"].h.shape == (64, 64)
+    assert hessians["down"].h.shape == (128, 128)
