@@ -66,6 +66,7 @@ async def _deploy(
                 await asyncio.sleep(0.1)
         stubs = [generate_pb2_grpc.TextGenerationStub(c) for c in chans]
         _channels[id(stubs[0])] = chans[0]
+        _ports[id(stubs[0])] = port
         yield stubs, fake, prom, shard_server
     finally:
         for c in chans:
@@ -74,8 +75,10 @@ async def _deploy(
         await shard_server.stop(None)
 
 
-# The first channel of each deployment, by its first stub (TGI's REST face over the same port).
+# The first channel of each deployment, by its first stub (TGI's REST face over the same port),
+# and the router's port (for connections a test opens itself).
 _channels: dict[int, grpc.aio.Channel] = {}
+_ports: dict[int, int] = {}
 
 
 @pytest.fixture
@@ -166,31 +169,53 @@ async def test_cancel_half_frees_blocks_and_shard_death_is_unavailable(deploymen
 
 
 async def test_max_concurrent_requests_is_global(tokenizer_dir: Path) -> None:
+    """--max-concurrent-requests counts the requests of every front end: with `limit` streams
+    held in flight through front end A, every call through front end B is refused
+    (RESOURCE_EXHAUSTED naming the flag), and so is one more through A's own connection.
+
+    Nothing here depends on timing or on the kernel's spread of connections: each connection's
+    front end is identified (the front-end metrics port whose request count its probe call
+    raises), the held streams are seen streaming before the excess calls are made, and a held
+    stream lasts >= 7.5 s (150 steps of 50 ms) while the refusals take milliseconds."""
     limit = 8
-    async with _deploy(tokenizer_dir, max_concurrent=limit, channels=16) as (stubs, _, prom, _):
-
-        async def one(stub: object, i: int) -> str:
-            try:
-                n = 0
-                async for _ in stub.GenerateStream(_req(f"busy {i}", 150)):  # type: ignore[attr-defined]
-                    n += 1
-                assert n == 150
-                return "ok"
-            except grpc.aio.AioRpcError as err:
-                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
-                assert "--max-concurrent-requests" in (err.details() or "")
-                return "refused"
-
-        # 2x the limit at once, one call per connection (both front ends get some): the excess
-        # is refused, the rest complete.
-        results = await asyncio.gather(*(one(stubs[i], i) for i in range(2 * limit)))
-        assert sorted(results) == ["ok"] * limit + ["refused"] * limit
-        # Over ONE connection (one front end) the whole global limit is usable.
-        results = await asyncio.gather(*(one(stubs[0], i) for i in range(2 * limit)))
-        assert sorted(results) == ["ok"] * limit + ["refused"] * limit
-        # Each front end serves its request metrics on PORT+i; together they saw every call.
-        counts = [scrape(prom + i).total("tokenwire_request_count_total") for i in (1, 2)]
-        assert sum(counts) == 4 * limit and all(c > 0 for c in counts), counts
+    async with _deploy(
+        tokenizer_dir, max_concurrent=limit, channels=16, step_delay_s=0.05
+    ) as (stubs, _, prom, _):
+        ports = [prom + i for i in (1, 2)]
+        by_front_end: list[list[object]] = [[], []]
+        probes = 0
+        for stub in stubs:
+            by_front_end[await _front_end_of(stub, ports)].append(stub)
+            probes += 1
+        # Connections made while only one front end listened all stay on it: open new ones
+        # until both front ends hold one (64 at most).
+        opts = [("grpc.use_local_subchannel_pool", 1)]
+        extra = []
+        while not all(by_front_end) and len(extra) < 64:
+            extra.append(grpc.aio.insecure_channel(f"127.0.0.1:{_ports[id(stubs[0])]}", options=opts))
+            stub = generate_pb2_grpc.TextGenerationStub(extra[-1])
+            by_front_end[await _front_end_of(stub, ports)].append(stub)
+            probes += 1
+        assert all(by_front_end), [len(s) for s in by_front_end]
+        on_a, on_b = by_front_end
+        held = [on_a[i % len(on_a)].GenerateStream(_req(f"busy {i}", 150)) for i in range(limit)]  # type: ignore[attr-defined]
+        for stream in held:
+            await stream.read()  # its first token: admitted and in flight
+        excess = [on_b[i % len(on_b)] for i in range(limit)] + [on_a[0]]
+        for i, stub in enumerate(excess):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Generate(_req(f"excess {i}", 1))  # type: ignore[attr-defined]
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+            assert "--max-concurrent-requests" in (err.value.details() or "")
+        for stream in held:
+            stream.cancel()
+        for chan in extra:
+            await chan.close()
+        # Each front end serves its request metrics on PORT+i; together they saw every call:
+        # the probes, `limit` held streams and limit + 1 refusals.
+        calls = probes + 2 * limit + 1
+        counts = [scrape(port).total("tokenwire_request_count_total") for port in ports]
+        assert sum(counts) == calls, counts
         # TGI's GET /metrics (what Envoy's route calls), answered by whichever front end holds
         # the connection: the merged text of PORT, every front end's requests and the engine's.
         reply = await tgi_pb2_grpc.TgiHttpServiceStub(_channels[id(stubs[0])]).Metrics(
@@ -202,7 +227,18 @@ async def test_max_concurrent_requests_is_global(tokenizer_dir: Path) -> None:
         assert "tokenwire_kv_blocks_total" in families
         total = sum(s.value for s in families["tokenwire_request_count"].samples
                     if s.name == "tokenwire_request_count_total")  # fmt: skip
-        assert total == 4 * limit, total
+        assert total == calls, total
+
+
+async def _front_end_of(stub: object, ports: list[int]) -> int:
+    """Which front end serves `stub`'s connection: the one whose admitted-request count a
+    one-token call raises (counted at admission, before the reply is sent)."""
+    before = [scrape(port).total("tokenwire_request_count_total") for port in ports]
+    await stub.Generate(_req("probe", 1))  # type: ignore[attr-defined]
+    after = [scrape(port).total("tokenwire_request_count_total") for port in ports]
+    raised = [i for i, (b, a) in enumerate(zip(before, after, strict=True)) if a > b]
+    assert len(raised) == 1, (before, after)
+    return raised[0]
 
 
 def _cancelled_count(frontend_port: int) -> float:
