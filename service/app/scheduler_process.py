@@ -43,6 +43,7 @@ import multiprocessing
 import os
 import signal
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +146,16 @@ class _FrontEndConnection:
         if not self.writer.is_closing():
             self.writer.write(frame(message))
 
-    async def serve(self, reader: asyncio.StreamReader, hello: tuple[Any, ...]) -> None:
+    async def serve(
+        self,
+        reader: asyncio.StreamReader,
+        hello: tuple[Any, ...],
+        on_hello: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Serves one front end's frames until it goes away. `on_hello` runs right after the
+        hello answer is written: the caller registers the connection for broadcasts (stats,
+        adapter sets, health) only then, so nothing reaches a front end before its hello (a
+        loaded CI run saw a stats frame arrive first and the front end exit)."""
         engine = self.engine
         try:
             while True:
@@ -170,6 +180,7 @@ class _FrontEndConnection:
                         stream.stop()
                 elif kind == "hello":
                     self.send(("hello", *hello))
+                    on_hello()
                     if self.adapter_sets is not None:
                         self.adapter_sets.send_to(self)  # the set as it is now
                 elif kind == "adapters_ack":
@@ -308,11 +319,11 @@ async def _scheduler_main(args: argparse.Namespace) -> int:
 
     async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _FrontEndConnection(engine, writer, adapter_sets)
-        conns.append(conn)
         try:
-            await conn.serve(reader, hello)
+            await conn.serve(reader, hello, on_hello=lambda: conns.append(conn))
         finally:
-            conns.remove(conn)
+            if conn in conns:
+                conns.remove(conn)
             writer.close()
 
     sock_dir = Path(tempfile.mkdtemp(prefix="tokenwire-engine-"))
