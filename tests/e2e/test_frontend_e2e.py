@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenwire.v1 import generate_pb2_grpc, tgi_pb2_grpc
 
 from service.testing import FakeShard, FakeShardConfig, start_fake_shard
-from tests.helpers.metrics import scrape
+from tests.helpers.metrics import scrape, scrape_when_up
 from tests.helpers.ports import free_port
 from tests.helpers.processes import terminate_popen
 from tests.helpers.waiting import until
@@ -126,7 +126,11 @@ async def test_streams_match_unary_and_errors_map(deployment) -> None:  # type: 
 
 async def test_cancel_half_frees_blocks_and_shard_death_is_unavailable(deployment) -> None:  # type: ignore[no-untyped-def]
     stub, fake, prom, shard_server = deployment
-    before = scrape(prom)
+    # The metrics ports may still be coming up when the gRPC port answers SERVING (one full run
+    # was refused here): wait for them rather than assume.
+    before = scrape_when_up(prom)
+    for i in (1, 2):
+        scrape_when_up(prom + i)
     total = before["tokenwire_kv_blocks_total"]
     cancelled_before = sum(_cancelled_count(prom + i) for i in (1, 2))
     # The cancelled half asks for 200 tokens (1 s of 5 ms steps), the survivors for 30: only a
@@ -233,7 +237,7 @@ async def test_max_concurrent_requests_is_global(tokenizer_dir: Path) -> None:
 async def _front_end_of(stub: object, ports: list[int]) -> int:
     """Which front end serves `stub`'s connection: the one whose admitted-request count a
     one-token call raises (counted at admission, before the reply is sent)."""
-    before = [scrape(port).total("tokenwire_request_count_total") for port in ports]
+    before = [scrape_when_up(port).total("tokenwire_request_count_total") for port in ports]
     await stub.Generate(_req("probe", 1))  # type: ignore[attr-defined]
     after = [scrape(port).total("tokenwire_request_count_total") for port in ports]
     raised = [i for i, (b, a) in enumerate(zip(before, after, strict=True)) if a > b]
