@@ -35,6 +35,18 @@ def _llama(ctx: LoadContext) -> CausalLM:
     return LlamaForCausalLM(ctx)
 
 
+def _mixtral(ctx: LoadContext) -> CausalLM:
+    from shard.models.mixtral import MixtralForCausalLM
+
+    return MixtralForCausalLM(ctx)
+
+
+def _qwen2_moe(ctx: LoadContext) -> CausalLM:
+    from shard.models.qwen2_moe import Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM(ctx)
+
+
 def _transformers(ctx: LoadContext) -> CausalLM:
     from shard.models.transformers_backend import TransformersCausalLM
 
@@ -43,7 +55,8 @@ def _transformers(ctx: LoadContext) -> CausalLM:
 
 def model_registry() -> dict[str, Callable[[LoadContext], CausalLM]]:
     """model_type -> constructor of our own implementations."""
-    return {"llama": _llama, "mistral": _llama, "qwen2": _llama}
+    return {"llama": _llama, "mistral": _llama, "qwen2": _llama, "mixtral": _mixtral,
+            "qwen2_moe": _qwen2_moe}
 
 
 def load_model(ctx: LoadContext, impl: ModelImpl = ModelImpl.AUTO) -> CausalLM:

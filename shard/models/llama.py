@@ -4,6 +4,8 @@ checkpoint tensor names, and each tensor-parallel layer loads its own slice."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -22,6 +24,9 @@ from shard.quantization.loading import LinearQuantization
 from shard.quantization.methods import KvCacheRotation
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value) pools
+# (ctx, layer index) -> the layer's MLP: called as mlp(x, reduce=..., push=...) (LlamaMLP's call);
+# MoE families pass their sparse blocks (shard/models/mixtral.py).
+MlpFactory = Callable[[LoadContext, int], nn.Module]
 
 
 class LlamaAttention(nn.Module):
@@ -35,8 +40,9 @@ class LlamaAttention(nn.Module):
         # Fewer KV heads than ranks: each rank loads the one KV head its query heads read.
         split = partition_heads(heads, kv_heads, ctx.dist.rank, world)
         kv_block = (split.kv_part, split.kv_parts)
-        # Qwen2 always has q/k/v biases; Llama only with attention_bias.
-        bias = cfg.get("attention_bias", False) or cfg["model_type"] == "qwen2"
+        # Qwen2 always has q/k/v biases, Qwen2-MoE by qkv_bias; Llama only with attention_bias.
+        bias = (cfg.get("attention_bias", False) or cfg["model_type"] == "qwen2"
+                or cfg.get("qkv_bias", cfg["model_type"] == "qwen2_moe"))
         parts = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim,
                  "v_proj": kv_heads * head_dim}
         self.qkv_proj = MergedColumnParallelLinear(
@@ -90,12 +96,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, ctx: LoadContext, rotary: RotaryEmbedding, sliding_window: int | None):
+    def __init__(self, ctx: LoadContext, rotary: RotaryEmbedding, sliding_window: int | None,
+                 mlp: nn.Module | None = None, mlp_name: str = "mlp"):
         super().__init__()
         eps = ctx.config.get("rms_norm_eps", 1e-6)
         self.dist = ctx.dist
         self.self_attn = LlamaAttention(ctx, rotary, sliding_window)
-        self.mlp = LlamaMLP(ctx)
+        # The MLP under its checkpoint name (Mixtral: block_sparse_moe); self.mlp is the same.
+        setattr(self, mlp_name, mlp if mlp is not None else LlamaMLP(ctx))
+        self.mlp = getattr(self, mlp_name)
         self.input_layernorm = RMSNorm(ctx.config["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(ctx.config["hidden_size"], eps)
 
@@ -121,7 +130,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, ctx: LoadContext, sliding_window: int | None):
+    def __init__(self, ctx: LoadContext, sliding_window: int | None,
+                 mlp: MlpFactory | None = None, mlp_name: str = "mlp"):
         super().__init__()
         cfg = ctx.config
         heads = cfg["num_attention_heads"]
@@ -131,7 +141,8 @@ class LlamaModel(nn.Module):
         )
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], ctx.dist)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(ctx, rotary, sliding_window) for _ in range(cfg["num_hidden_layers"])
+            LlamaDecoderLayer(ctx, rotary, sliding_window, mlp(ctx, i) if mlp else None, mlp_name)
+            for i in range(cfg["num_hidden_layers"])
         )
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
 
@@ -142,7 +153,8 @@ class LlamaForCausalLM(nn.Module):
     model_impl = "native"
     supports_lora = True  # shard/lora adapts qkv_proj, o_proj, gate_up_proj and down_proj
 
-    def __init__(self, ctx: LoadContext):
+    def __init__(self, ctx: LoadContext, mlp: MlpFactory | None = None, mlp_name: str = "mlp"):
+        """mlp: each layer's MLP (default LlamaMLP), registered under mlp_name."""
         super().__init__()
         cfg = ctx.config
         self.vocab_size = cfg["vocab_size"]
@@ -150,10 +162,10 @@ class LlamaForCausalLM(nn.Module):
         self.attention_name = ctx.attention.name
         # Qwen2 configs carry a sliding_window that only applies with use_sliding_window.
         window = cfg.get("sliding_window")
-        if cfg["model_type"] == "qwen2" and not cfg.get("use_sliding_window", False):
+        if cfg["model_type"] in ("qwen2", "qwen2_moe") and not cfg.get("use_sliding_window", False):
             window = None
         self.sliding_window: int | None = window
-        self.model = LlamaModel(ctx, window)
+        self.model = LlamaModel(ctx, window, mlp, mlp_name)
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], ctx.dist)
         self.attns = [layer.self_attn.attn for layer in self.model.layers]
         self._device = ctx.device

@@ -1,0 +1,233 @@
+"""Mixture-of-experts layers: one `FusedMoE` (stacked experts, one loader, one fused kernel) that
+every MoE family reuses, and the sparse block around it (router, optional gated shared expert).
+
+Routing variants are options (`MoeRouting`: softmax before or after top-k, renormalized or
+not); checkpoint names are options (`ExpertNames`: Mixtral's w1/w3/w2, Qwen's
+gate_proj/up_proj/down_proj). Experts are stored stacked:
+
+    w13 [E_local, 2 * I_local, H]  rows 0..I_local-1: gate, I_local..: up
+    w2  [E_local, H, I_local]
+
+Tensor parallelism: every expert's intermediate dimension is split over the ranks (gate/up rows,
+down columns), so each rank's output is a partial sum that the layer's caller reduces with the
+MLP's usual all-reduce (or the fused all-reduce + norm). Expert parallelism would instead give
+each rank a range of experts (`expert_range`): routed ids outside it are dropped by the layout
+(shard/kernels/moe_align.py) and their slots contribute zero here, so the same all-reduce would
+sum the ranks' outputs; only the loader reads by range today (TP shards every expert).
+
+fp8 (--quantize fp8): each expert's gate/up and down weights are quantized per output channel
+at load time (one expert in host/device float at a time) and run through the same kernel.
+
+Routing statistics: each layer adds its step's routed-token counts per expert into a device
+buffer of a shared `RoutingStats` (no host sync; inside CUDA graphs too); the shard reads the
+sums at a step's existing sync point (shard/engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shard.distributed.groups import Dist
+from shard.kernels.moe_align import MoeRouting, align_by_expert, grouped_moe_torch, route
+from shard.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from shard.layers.weights import WeightLoader, Weights
+from shard.quantization.fp8 import FP8_DTYPE, quantize_fp8_per_channel
+from shard.quantization.methods import QuantizeMethod
+
+# Rows per block of the CPU path's batched matmuls (the CUDA kernel picks its own).
+_CPU_BLOCK_M = 8
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Checkpoint names of one expert's projections: `{prefix}.{e}.{gate}.weight`, ..."""
+
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+MIXTRAL_EXPERT_NAMES = ExpertNames("w1", "w3", "w2")
+QWEN_EXPERT_NAMES = ExpertNames()
+
+
+class RoutingStats:
+    """Routed tokens per (MoE layer, expert), summed on the device since the last read.
+
+    `begin_step(valid)` gives the step's real rows (CUDA-graph padding rows excluded); each
+    layer's `record` adds its counts; `take()` reads and clears them (one small device-to-host
+    copy, made by the shard where it already waits for the step's tokens)."""
+
+    def __init__(self, num_layers: int, num_experts: int, device: torch.device):
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
+        self._valid: torch.Tensor | None = None  # [num_tokens] int64, 1 for real rows
+
+    def begin_step(self, valid: torch.Tensor) -> None:
+        self._valid = valid.to(torch.int64)
+
+    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """topk_ids [n, k]: add 1 per real row to each chosen expert of `layer`."""
+        k = topk_ids.shape[1]
+        ones = (self._valid[:, None].expand(-1, k) if self._valid is not None
+                and self._valid.shape[0] == topk_ids.shape[0] else torch.ones_like(topk_ids))
+        self.counts[layer].scatter_add_(0, topk_ids.reshape(-1), ones.reshape(-1))
+
+    def take(self) -> list[list[int]]:
+        """[layer][expert] counts since the last take; clears them."""
+        out = self.counts.tolist()
+        self.counts.zero_()
+        return out
+
+
+class ReplicatedLinear(nn.Module, WeightLoader):
+    """y = x @ W.T with the whole W on every rank (routers, the shared expert's gate: a few
+    rows)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+    def load(self, weights: Weights, prefix: str) -> None:
+        self.weight.data = weights.get(f"{prefix}.weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class FusedMoE(nn.Module, WeightLoader):
+    """The routed experts of one layer: x [n, H] and router logits [n, E] -> this rank's share
+    of sum_j w_j * expert_{e_j}(x) [n, H] (not reduced over ranks)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, routing: MoeRouting,
+                 dist: Dist, names: ExpertNames = QWEN_EXPERT_NAMES,
+                 expert_range: tuple[int, int] | None = None):
+        super().__init__()
+        if intermediate % dist.world_size:
+            raise ValueError(f"moe_intermediate_size {intermediate} not divisible by "
+                             f"{dist.world_size} ranks")
+        self.num_experts, self.hidden, self.routing, self.names = (
+            num_experts, hidden, routing, names)
+        self.inter_local = intermediate // dist.world_size
+        self.dist = dist
+        # Experts this rank holds: all of them under tensor parallelism.
+        self.expert_range = expert_range or (0, num_experts)
+        local = self.expert_range[1] - self.expert_range[0]
+        self.w13 = nn.Parameter(torch.empty(local, 2 * self.inter_local, hidden),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(local, hidden, self.inter_local), requires_grad=False)
+        # fp8: per expert and output channel, float32 ([E, 2I], [E, H]); None for 16-bit weights
+        self.scale13: torch.Tensor | None = None
+        self.scale2: torch.Tensor | None = None
+        self.stats: RoutingStats | None = None
+        self.layer_index = 0
+        self._warm = False
+
+    def attach_stats(self, stats: RoutingStats, layer_index: int) -> None:
+        self.stats, self.layer_index = stats, layer_index
+
+    def load(self, weights: Weights, prefix: str) -> None:
+        """Reads `{prefix}.{e}.{gate,up,down}.weight` expert by expert into the stacked weights:
+        one expert's slices exist outside them at a time (never a host copy of the layer)."""
+        fp8 = self._fp8(weights)
+        lo, hi = self.expert_range
+        i, h = self.inter_local, self.hidden
+        kw = {"device": weights.device}
+        w13 = torch.empty(hi - lo, 2 * i, h, dtype=FP8_DTYPE if fp8 else weights.dtype, **kw)
+        w2 = torch.empty(hi - lo, h, i, dtype=w13.dtype, **kw)
+        s13 = torch.empty(hi - lo, 2 * i, dtype=torch.float32, **kw) if fp8 else None
+        s2 = torch.empty(hi - lo, h, dtype=torch.float32, **kw) if fp8 else None
+        n = self.names
+        for local, e in enumerate(range(lo, hi)):
+            gate_up = torch.cat([weights.get_sharded(f"{prefix}.{e}.{n.gate}.weight", dim=0),
+                                 weights.get_sharded(f"{prefix}.{e}.{n.up}.weight", dim=0)])
+            down = weights.get_sharded(f"{prefix}.{e}.{n.down}.weight", dim=1)  # [H, I_local]
+            if fp8:
+                w13[local], s13[local] = quantize_fp8_per_channel(gate_up)
+                w2[local], s2[local] = quantize_fp8_per_channel(down)
+            else:
+                w13[local], w2[local] = gate_up, down
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
+        self.scale13, self.scale2 = s13, s2
+
+    @staticmethod
+    def _fp8(weights: Weights) -> bool:
+        quant = weights.quant
+        if quant is None:
+            return False
+        if quant.checkpoint is not None:
+            raise NotImplementedError("pre-quantized checkpoints are not supported for MoE "
+                                      "experts by the native code; use --model-impl transformers")
+        if quant.flag is not QuantizeMethod.FP8:
+            raise NotImplementedError(f"--quantize {quant.flag.value}: MoE experts support "
+                                      "--quantize fp8 only")
+        return True
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x [n, H], router_logits [n, E] -> [n, H], this rank's partial sum."""
+        topk_weights, topk_ids = route(router_logits, self.routing)  # [n, k] each
+        if self.stats is not None:
+            self.stats.record(self.layer_index, topk_ids)
+        lo = self.expert_range[0]
+        if lo:
+            topk_ids = topk_ids - lo  # ids below the range become negative: dropped below
+            topk_ids = torch.where(topk_ids < 0, self.w13.shape[0], topk_ids)
+        if x.is_cuda:
+            return self._forward_cuda(x, topk_weights, topk_ids)
+        layout = align_by_expert(topk_ids, self.w13.shape[0], _CPU_BLOCK_M)
+        return grouped_moe_torch(x, self.w13, self.w2, topk_weights, layout,
+                                 self.routing.top_k, self.scale13, self.scale2)
+
+    def _forward_cuda(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+        from shard.kernels import fused_moe
+
+        if not self._warm and not torch.cuda.is_current_stream_capturing():
+            # Every config compiled before a capture can need one (see the kernel's docstring).
+            fused_moe.warm_up(x, self.w13, self.w2, self.routing.top_k, self.scale13,
+                              self.scale2)
+            self._warm = True
+        return fused_moe.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids,
+                                   self.scale13, self.scale2)
+
+
+class GatedMLP(nn.Module):
+    """silu(gate(x)) * up(x) -> down, tensor parallel (the shared expert): this rank's partial."""
+
+    def __init__(self, hidden: int, intermediate: int, dist: Dist):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, {"gate_proj": intermediate, "up_proj": intermediate}, False, dist, merge=True)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, dist)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H] partial
+        return self.down_proj.partial(self.gate_up_proj.forward_silu_mul(x))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router -> FusedMoE, plus a shared expert scaled by sigmoid(shared_expert_gate(x))
+    (Qwen2-MoE) where shared_intermediate is set. Module names equal the checkpoint's (`gate`,
+    `experts`, `shared_expert`, `shared_expert_gate`); same call as the dense MLPs."""
+
+    def __init__(self, hidden: int, num_experts: int, intermediate: int, routing: MoeRouting,
+                 dist: Dist, names: ExpertNames, shared_intermediate: int = 0):
+        super().__init__()
+        self.dist = dist
+        self.gate = ReplicatedLinear(hidden, num_experts)
+        self.experts = FusedMoE(num_experts, hidden, intermediate, routing, dist, names)
+        self.shared_expert = GatedMLP(hidden, shared_intermediate, dist) if shared_intermediate \
+            else None
+        self.shared_expert_gate = ReplicatedLinear(hidden, 1) if shared_intermediate else None
+
+    def forward(self, x: torch.Tensor, reduce: bool = True, push: bool = False) -> torch.Tensor:
+        """x [n, H] -> [n, H]; with reduce=False this rank's un-reduced share (push: ignored,
+        the experts' output is not a GEMV's)."""
+        y = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            # sigmoid(g) * partial sums to sigmoid(g) * the whole shared expert over the ranks
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.dist.all_reduce(y) if reduce else y
