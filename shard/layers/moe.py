@@ -33,6 +33,8 @@ from torch import nn
 
 from shard.distributed.groups import Dist
 from shard.kernels.moe_align import MoeRouting, align_by_expert, grouped_moe_torch, route
+
+__all__ = ["ExpertNames", "FusedMoE", "MoeRouting", "RoutingStats", "SparseMoeBlock"]
 from shard.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from shard.layers.weights import WeightLoader, Weights
 from shard.quantization.fp8 import FP8_DTYPE, quantize_fp8_per_channel

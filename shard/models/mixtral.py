@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from shard.kernels.moe_align import MoeRouting
-from shard.layers.moe import MIXTRAL_EXPERT_NAMES, SparseMoeBlock
+from shard.layers.moe import MIXTRAL_EXPERT_NAMES, MoeRouting, SparseMoeBlock
 from shard.models.base import LoadContext
 from shard.models.moe import MoeCausalLM
 

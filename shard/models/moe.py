@@ -40,6 +40,12 @@ class MoeCausalLM(LlamaForCausalLM):
         return super().forward(input_ids, positions, kv_cache, meta, logits_indices)
 
 
+def config_num_experts(cfg: dict) -> int:
+    """Routed experts per layer: Qwen's config.json says num_experts; transformers 5 writes
+    num_local_experts for some families (its attribute map)."""
+    return cfg.get("num_experts") or cfg["num_local_experts"]
+
+
 def dense_or_sparse(sparse: MlpFactory, dense: MlpFactory) -> MlpFactory:
     """Qwen's layer choice: sparse unless listed in mlp_only_layers or off decoder_sparse_step."""
 

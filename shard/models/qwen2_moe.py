@@ -6,17 +6,16 @@ from __future__ import annotations
 
 from torch import nn
 
-from shard.kernels.moe_align import MoeRouting
-from shard.layers.moe import QWEN_EXPERT_NAMES, SparseMoeBlock
+from shard.layers.moe import QWEN_EXPERT_NAMES, MoeRouting, SparseMoeBlock
 from shard.models.base import LoadContext
 from shard.models.llama import LlamaMLP
-from shard.models.moe import MoeCausalLM, dense_or_sparse
+from shard.models.moe import MoeCausalLM, config_num_experts, dense_or_sparse
 
 
 def _block(ctx: LoadContext, _layer: int) -> nn.Module:
     cfg = ctx.config
     routing = MoeRouting(cfg["num_experts_per_tok"], cfg.get("norm_topk_prob", False))
-    return SparseMoeBlock(cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"],
+    return SparseMoeBlock(cfg["hidden_size"], config_num_experts(cfg), cfg["moe_intermediate_size"],
                           routing, ctx.dist, QWEN_EXPERT_NAMES,
                           shared_intermediate=cfg.get("shared_expert_intermediate_size") or 0)
 

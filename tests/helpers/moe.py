@@ -10,7 +10,7 @@ from shard.distributed.groups import Dist
 from shard.runner.warmup import WarmupSpec
 from shard.server.loader import Shard, ShardConfig
 
-MOE_ARCHS = ["mixtral", "qwen2_moe"]
+MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 STEPS = 8  # greedy decode steps of the two-rank check
 
 

@@ -221,6 +221,6 @@ def test_tp_loader_reads_only_this_ranks_rows(moe_models):
     moe.load(Weights(d, torch.device("cpu"), torch.float32, Dist(rank=1, world_size=2)),
              "model.layers.1.mlp.experts")
     f = safe_open(str(d / "model.safetensors"), "pt")
-    t = lambda n: f.get_tensor(f"model.layers.1.mlp.experts.3.{n}.weight")  # noqa: E731
+    t = lambda n: f.get_tensor(f"model.layers.1.mlp.experts.3.{n}.weight")
     assert torch.equal(moe.w13[3], torch.cat([t("gate_proj")[16:], t("up_proj")[16:]]))
     assert torch.equal(moe.w2[3], t("down_proj")[:, 16:])
