@@ -179,13 +179,18 @@ def fused_moe(
     scale13: torch.Tensor | None = None,  # [E, 2I] float32 with fp8 weights
     scale2: torch.Tensor | None = None,  # [E, H] float32 with fp8 weights
     config: MoeConfig | None = None,
+    layout: ExpertLayout | None = None,
 ) -> torch.Tensor:
-    """sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j] -> [n, H] x.dtype."""
+    """sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j] -> [n, H] x.dtype.
+    layout: the routed slots already aligned in blocks of config.block_m rows (e.g. by
+    shard/kernels/moe_route.align); else align_by_expert's torch form builds it."""
     n, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, inter2, _ = w13.shape
     cfg = config or config_for(n * top_k, num_experts)
-    layout = align_by_expert(topk_ids, num_experts, cfg.block_m)
+    if layout is None:
+        layout = align_by_expert(topk_ids, num_experts, cfg.block_m)
+    assert layout.block_m == cfg.block_m
     x = x.contiguous()
     inter = torch.empty(n * top_k, inter2 // 2, dtype=x.dtype, device=x.device)
     _launch(x, w13, inter, scale13, None, layout, top_k, True, cfg)

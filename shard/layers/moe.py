@@ -71,12 +71,19 @@ class RoutingStats:
     def begin_step(self, valid: torch.Tensor) -> None:
         self._valid = valid.to(torch.int64)
 
+    def valid_rows(self, n: int) -> torch.Tensor | None:
+        """[n] int64, 1 for the step's real rows; None when unknown (every row counts)."""
+        if self._valid is not None and self._valid.shape[0] == n:
+            return self._valid
+        return None
+
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         """topk_ids [n, k]: add 1 per real row to each chosen expert of `layer`."""
-        k = topk_ids.shape[1]
-        ones = (self._valid[:, None].expand(-1, k) if self._valid is not None
-                and self._valid.shape[0] == topk_ids.shape[0] else torch.ones_like(topk_ids))
-        self.counts[layer].scatter_add_(0, topk_ids.reshape(-1), ones.reshape(-1))
+        n, k = topk_ids.shape
+        valid = self.valid_rows(n)
+        ones = valid[:, None].expand(-1, k) if valid is not None else torch.ones(
+            n, k, dtype=torch.int64, device=topk_ids.device)
+        self.counts[layer].scatter_add_(0, topk_ids.reshape(-1).long(), ones.reshape(-1))
 
     def take(self) -> list[list[int]]:
         """[layer][expert] counts since the last take; clears them."""
@@ -171,30 +178,53 @@ class FusedMoE(nn.Module, WeightLoader):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [n, H], router_logits [n, E] -> [n, H], this rank's partial sum."""
+        if x.is_cuda:
+            return self._forward_cuda(x, router_logits)
         topk_weights, topk_ids = route(router_logits, self.routing)  # [n, k] each
         if self.stats is not None:
             self.stats.record(self.layer_index, topk_ids)
-        lo = self.expert_range[0]
-        if lo:
-            topk_ids = topk_ids - lo  # ids below the range become negative: dropped below
-            topk_ids = torch.where(topk_ids < 0, self.w13.shape[0], topk_ids)
-        if x.is_cuda:
-            return self._forward_cuda(x, topk_weights, topk_ids)
+        topk_ids = self._local_ids(topk_ids)
         layout = align_by_expert(topk_ids, self.w13.shape[0], _CPU_BLOCK_M)
         return grouped_moe_torch(x, self.w13, self.w2, topk_weights, layout,
                                  self.routing.top_k, self.scale13, self.scale2)
 
-    def _forward_cuda(self, x: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor) -> torch.Tensor:
-        from shard.kernels import fused_moe
+    def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> this rank's stacked rows; other ranks' experts become ids past
+        the end, which the layout drops."""
+        lo, local = self.expert_range[0], self.w13.shape[0]
+        if lo == 0 and local == self.num_experts:
+            return topk_ids
+        ids = topk_ids - lo
+        return torch.where((ids < 0) | (ids >= local), local, ids)
 
-        if not self._warm and not torch.cuda.is_current_stream_capturing():
+    def _forward_cuda(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """Routing (1 launch), layout (1 launch for decode-sized steps, with the statistics),
+        the two grouped GEMMs and the sum over each token's k slots: no host sync."""
+        from shard.kernels import fused_moe, moe_route
+
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not self._warm and not capturing:  # (CPU tensors: the kernels' interpreter tests)
             # Every config compiled before a capture can need one (see the kernel's docstring).
             fused_moe.warm_up(x, self.w13, self.w2, self.routing.top_k, self.scale13,
                               self.scale2)
             self._warm = True
-        return fused_moe.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids,
-                                   self.scale13, self.scale2)
+        topk_weights, topk_ids = moe_route.route(router_logits, self.routing)  # [n, k] each
+        local = self.w13.shape[0]
+        cfg = fused_moe.config_for(topk_ids.numel(), local)
+        whole = self.expert_range == (0, self.num_experts)
+        if topk_ids.numel() <= moe_route.ALIGN_MAX_SLOTS and whole:
+            stats = self.stats
+            layout = moe_route.align(
+                topk_ids, local, cfg.block_m,
+                count_into=stats.counts[self.layer_index] if stats is not None else None,
+                valid=stats.valid_rows(x.shape[0]) if stats is not None else None)
+        else:
+            if self.stats is not None:
+                self.stats.record(self.layer_index, topk_ids)
+            topk_ids = self._local_ids(topk_ids)
+            layout = align_by_expert(topk_ids, local, cfg.block_m)
+        return fused_moe.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.scale13,
+                                   self.scale2, cfg, layout)
 
 
 class GatedMLP(nn.Module):

@@ -1,5 +1,5 @@
-"""shard/kernels/fused_moe.py's grouped-GEMM kernel under Triton's interpreter on CPU tensors (no
-GPU): both launches (gate/up with the SiLU-and-mul epilogue, down with the routing weight)
+"""shard/kernels/fused_moe.py's grouped-GEMM kernel and shard/kernels/moe_route.py's routing and
+layout kernels under Triton's interpreter on CPU tensors (no GPU). The GEMM: both launches (gate/up with the SiLU-and-mul epilogue, down with the routing weight)
 against the per-expert loop, for top-k 1, 2 and 8, a batch that leaves experts empty, ids of
 experts the rank does not hold, fp8 weights with per-expert, per-channel scales, and each row
 block size of the config table. One fresh interpreter process (Triton reads TRITON_INTERPRET
@@ -61,8 +61,60 @@ _CHECK = BF16_DOT_PRELUDE + textwrap.dedent(
     """
 )
 
+# shard/kernels/moe_route.py: routing and the one-program layout equal the torch forms exactly
+# (ids, weights, every row of the layout, the statistics of real rows), over several chunks of
+# slots and with dropped ids; then FusedMoE's CUDA path (route, align with statistics, the two
+# GEMMs) run on CPU tensors equals its CPU path.
+_ROUTE_CHECK = textwrap.dedent(
+    """
+    import torch
+    from shard.distributed.groups import Dist
+    from shard.kernels import moe_route
+    from shard.kernels.moe_align import MoeRouting, align_by_expert, route
+    from shard.layers.moe import FusedMoE, RoutingStats
+
+    torch.manual_seed(0)
+    for E, n, k in ((8, 5, 2), (16, 20, 8), (128, 2, 8)):
+        logits = torch.randn(n, E)
+        for r in (MoeRouting(k, True), MoeRouting(k, False), MoeRouting(k, False, False)):
+            w, i = moe_route.route(logits, r)
+            w0, i0 = route(logits, r)
+            assert torch.equal(i.long(), i0) and torch.allclose(w, w0, atol=1e-6), (E, n, k, r)
+        ids = i0.clone()
+        ids[-1, 0] = E  # another rank's expert: dropped
+        valid = torch.ones(n, dtype=torch.int64)
+        valid[0] = 0  # a CUDA-graph padding row: not counted
+        for bm in (1, 16):
+            got, want = moe_route.align(ids.int(), E, bm), align_by_expert(ids, E, bm)
+            for f in ("sorted_ids", "block_expert", "num_padded"):
+                assert torch.equal(getattr(got, f), getattr(want, f)), (E, n, k, bm, f)
+            counts = torch.zeros(E, dtype=torch.int64)
+            moe_route.align(ids.int(), E, bm, counts, valid)
+            real = ids[1:][ids[1:] < E]
+            assert torch.equal(counts, torch.bincount(real, minlength=E)), (E, n, k, bm)
+
+    E, H, I = 8, 32, 24
+    moe = FusedMoE(E, H, I, MoeRouting(2, True), Dist())
+    moe.w13.data = torch.randn(E, 2 * I, H) * 0.2
+    moe.w2.data = torch.randn(E, H, I) * 0.2
+    x, logits = torch.randn(6, H), torch.randn(6, E)
+    stats = RoutingStats(1, E, torch.device("cpu"))
+    moe.attach_stats(stats, 0)
+    stats.begin_step(torch.tensor([1, 1, 1, 1, 1, 0]))
+    fused = moe._forward_cuda(x, logits)
+    through_triton = stats.take()
+    stats.begin_step(torch.tensor([1, 1, 1, 1, 1, 0]))
+    torch.testing.assert_close(fused, moe.forward(x, logits), rtol=1e-5, atol=1e-5)
+    assert through_triton == stats.take() and sum(through_triton[0]) == 5 * 2
+    """
+)
+
 pytestmark = INTERPRETER_MARKS
 
 
 def test_fused_moe_kernel_in_interpreter():
     run_interpreted(_CHECK)
+
+
+def test_routing_and_layout_kernels_in_interpreter():
+    run_interpreted(_ROUTE_CHECK)

@@ -1,0 +1,160 @@
+"""Routing and expert layout of a decode step in two Triton launches (CUDA): the torch forms in
+shard/kernels/moe_align.py take ~35 small kernels per MoE layer (softmax, top-k, a histogram, two
+prefix sums, a sort, a scatter, a search...), which at decode batch sizes cost more than the
+experts' weight streaming itself (48 layers x 35 launches of 2-3 us against a ~2 ms step).
+
+- `route`: one program per token: softmax (float32) and the top-k by repeated arg-max, the
+  family's renormalization; writes weights [n, k] float32 and ids [n, k] int32. Same math as
+  moe_align.route (ties go to the lower expert id).
+- `align`: ONE program for the whole step: the per-expert histogram, padded to whole blocks, its
+  prefix sum, each block's expert, and every routed slot scattered to its place (slots of one
+  expert in token order, like moe_align.align_by_expert's stable sort: a slot's place is its
+  expert's running offset plus the count of equal ids before it in its chunk). Optionally adds
+  the real rows' routed counts into a statistics row (shard/layers/moe.py's RoutingStats).
+  Sequential over chunks of CHUNK slots, so it serves decode-sized steps (the layer uses the
+  torch form above ALIGN_MAX_SLOTS, where a prefill's GEMMs dwarf it anyway).
+Both keep every shape static (no host sync): CUDA-graph safe. Imported only on CUDA; both also
+run under TRITON_INTERPRET=1 (tests/shard/test_triton_moe_interpreter.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from shard.kernels.moe_align import ExpertLayout, MoeRouting, max_padded_rows
+
+ALIGN_MAX_SLOTS = 8192  # n * k up to which `align` is used (decode and small prefills)
+_CHUNK = 64
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l,
+                  TOP_K: tl.constexpr, K_POW2: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < E
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=valid, other=-float("inf")).to(tl.float32)
+    if SOFTMAX_FIRST:
+        p = tl.exp(x - tl.max(x, 0))
+        p = tl.where(valid, p, 0.0)
+        vals = tl.where(valid, p / tl.sum(p, 0), -1.0)
+    else:
+        vals = x
+    ks = tl.arange(0, K_POW2)
+    top_v = tl.zeros([K_POW2], dtype=tl.float32)
+    top_i = tl.zeros([K_POW2], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(vals, 0)
+        idx = tl.argmax(vals, 0, tie_break_left=True)
+        top_v = tl.where(ks == j, best, top_v)
+        top_i = tl.where(ks == j, idx, top_i)
+        vals = tl.where(offs == idx, -float("inf"), vals)
+    kmask = ks < TOP_K
+    if SOFTMAX_FIRST:
+        if RENORMALIZE:
+            top_v = top_v / tl.sum(tl.where(kmask, top_v, 0.0), 0)
+    else:
+        e = tl.where(kmask, tl.exp(top_v - tl.max(tl.where(kmask, top_v, -float("inf")), 0)), 0.0)
+        top_v = e / tl.sum(e, 0)
+    tl.store(w_ptr + t * TOP_K + ks, top_v, mask=kmask)
+    tl.store(ids_ptr + t * TOP_K + ks, top_i, mask=kmask)
+
+
+def route(logits: torch.Tensor, routing: MoeRouting) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, E] -> (weights [n, k] float32, ids [n, k] int32)."""
+    n, num_experts = logits.shape
+    k = routing.top_k
+    weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(n, k, dtype=torch.int32, device=logits.device)
+    if n:
+        _route_kernel[(n,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=k,
+                            K_POW2=triton.next_power_of_2(k), SOFTMAX_FIRST=routing.softmax_first,
+                            RENORMALIZE=routing.renormalize,
+                            BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4)
+    return weights, ids
+
+
+@triton.jit(do_not_specialize=["num_slots", "max_padded", "num_blocks"])
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, offsets_ptr,
+                  counts_ptr, valid_ptr, num_slots, E, max_padded, num_blocks,
+                  TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BINS: tl.constexpr,
+                  CHUNK: tl.constexpr, COUNT: tl.constexpr):
+    bins = tl.arange(0, BINS)
+    lanes = tl.arange(0, CHUNK)
+    # 1. routed slots per expert (ids outside [0, E): another rank's experts, dropped)
+    hist = tl.zeros([BINS], dtype=tl.int32)
+    for c0 in range(0, num_slots, CHUNK):
+        offs = c0 + lanes
+        e = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1).to(tl.int32)
+        keep = (offs < num_slots) & (e >= 0) & (e < E)
+        hist += tl.histogram(tl.where(keep, e, 0), BINS, mask=keep)
+        if COUNT:  # statistics: real rows only (CUDA-graph padding rows have valid 0)
+            v = tl.load(valid_ptr + offs // TOP_K, mask=offs < num_slots, other=0) != 0
+            counted = tl.histogram(tl.where(keep & v, e, 0), BINS, mask=keep & v)
+            tl.atomic_add(counts_ptr + bins, counted.to(tl.int64), mask=bins < E)
+    # 2. whole blocks per expert and their prefix sum
+    padded = (hist + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)  # [BINS]
+    start = end - padded
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    # 3. each block's expert: how many experts end at or before the block's first row (E for
+    # the unused blocks at the end)
+    for b0 in range(0, num_blocks, CHUNK):
+        blocks = b0 + lanes
+        first_row = blocks * BLOCK_M
+        before = (end[None, :] <= first_row[:, None]) & (bins[None, :] < E)
+        tl.store(block_expert_ptr + blocks, tl.sum(before.to(tl.int32), 1), mask=blocks < num_blocks)
+    # 4. every row a padding row (the sentinel) first, then the routed slots at their places
+    for p0 in range(0, max_padded, CHUNK):
+        rows = p0 + lanes
+        tl.store(sorted_ptr + rows, tl.zeros([CHUNK], dtype=tl.int32) + num_slots,
+                 mask=rows < max_padded)
+    run = start
+    tl.store(offsets_ptr + bins, run)
+    tl.debug_barrier()
+    for c0 in range(0, num_slots, CHUNK):
+        offs = c0 + lanes
+        e = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1).to(tl.int32)
+        keep = (offs < num_slots) & (e >= 0) & (e < E)
+        e = tl.where(keep, e, -1)
+        # equal ids earlier in the chunk: the slot's rank among its expert's slots of the chunk
+        earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])
+        rank = tl.sum(earlier.to(tl.int32), 1)
+        base = tl.load(offsets_ptr + e, mask=keep, other=0)
+        tl.store(sorted_ptr + base + rank, offs, mask=keep)
+        run += tl.histogram(tl.where(keep, e, 0), BINS, mask=keep)
+        tl.debug_barrier()  # every lane read its base before the offsets move on
+        tl.store(offsets_ptr + bins, run)
+        tl.debug_barrier()
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+          count_into: torch.Tensor | None = None, valid: torch.Tensor | None = None
+          ) -> ExpertLayout:
+    """moe_align.align_by_expert in one launch; with count_into ([E] int64), adds the routed
+    slots of rows with valid[t] != 0 (all rows when valid is None) per expert."""
+    slots = topk_ids.numel()
+    device = topk_ids.device
+    max_padded = max_padded_rows(slots, num_experts, block_m)
+    max_padded = (max_padded + block_m - 1) // block_m * block_m
+    num_blocks = max_padded // block_m
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    bins = triton.next_power_of_2(num_experts + 1)
+    offsets = torch.empty(bins, dtype=torch.int32, device=device)
+    count = count_into is not None
+    if count and valid is None:
+        valid = torch.ones(max(slots // max(topk_ids.shape[-1], 1), 1), dtype=torch.int32,
+                           device=device)
+    _align_kernel[(1,)](
+        topk_ids.reshape(-1), sorted_ids, block_expert, num_padded, offsets,
+        count_into if count else offsets, valid if count else offsets,
+        slots, num_experts, max_padded, num_blocks,
+        TOP_K=topk_ids.shape[-1], BLOCK_M=block_m, BINS=bins, CHUNK=_CHUNK, COUNT=count,
+        num_warps=4,
+    )
+    return ExpertLayout(sorted_ids, block_expert, num_padded, block_m, slots)
