@@ -97,6 +97,7 @@ def _moe_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for float32 activations (the exact CPU-parity path)
 ):
     pid = tl.program_id(0)
     # Row blocks fastest: consecutive programs read the same column tile of (mostly) the same
@@ -123,10 +124,10 @@ def _moe_gemm_kernel(
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, b.to(a.dtype), acc)
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
         if SILU_MUL:
             bu = tl.load(b_ptrs + up_off, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc_up = tl.dot(a, bu.to(a.dtype), acc_up)
+            acc_up = tl.dot(a, bu.to(a.dtype), acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     out_ty = c_ptr.dtype.element_ty
@@ -166,6 +167,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scale: torch.Tens
         A_DIV=a_div, SILU_MUL=silu_mul, HAS_SCALE=scale is not None,
         MUL_WEIGHT=weights is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

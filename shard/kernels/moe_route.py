@@ -147,8 +147,8 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     bins = triton.next_power_of_2(num_experts + 1)
     offsets = torch.empty(bins, dtype=torch.int32, device=device)
     count = count_into is not None
-    if count and valid is None:
-        valid = torch.ones(max(slots // max(topk_ids.shape[-1], 1), 1), dtype=torch.int32,
+    if count and valid is None:  # int64 as RoutingStats' rows (one compiled variant)
+        valid = torch.ones(max(slots // max(topk_ids.shape[-1], 1), 1), dtype=torch.int64,
                            device=device)
     _align_kernel[(1,)](
         topk_ids.reshape(-1), sorted_ids, block_expert, num_padded, offsets,

@@ -204,10 +204,7 @@ class FusedMoE(nn.Module, WeightLoader):
 
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if not self._warm and not capturing:  # (CPU tensors: the kernels' interpreter tests)
-            # Every config compiled before a capture can need one (see the kernel's docstring).
-            fused_moe.warm_up(x, self.w13, self.w2, self.routing.top_k, self.scale13,
-                              self.scale2)
-            self._warm = True
+            self._warm_up(x, router_logits)
         topk_weights, topk_ids = moe_route.route(router_logits, self.routing)  # [n, k] each
         local = self.w13.shape[0]
         cfg = fused_moe.config_for(topk_ids.numel(), local)
@@ -225,6 +222,25 @@ class FusedMoE(nn.Module, WeightLoader):
             layout = align_by_expert(topk_ids, local, cfg.block_m)
         return fused_moe.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.scale13,
                                    self.scale2, cfg, layout)
+
+
+    def _warm_up(self, x: torch.Tensor, router_logits: torch.Tensor) -> None:
+        """Compiles every kernel variant a later CUDA-graph capture can launch (a capture cannot
+        compile): each GEMM config of the table, the layout kernel for each of their row block
+        sizes (with statistics as this layer keeps them), the routing kernel."""
+        from shard.kernels import fused_moe, moe_route
+
+        fused_moe.warm_up(x, self.w13, self.w2, self.routing.top_k, self.scale13, self.scale2)
+        moe_route.route(router_logits[:1], self.routing)
+        ids = torch.zeros(1, self.routing.top_k, dtype=torch.int32, device=x.device)
+        counts = torch.zeros(self.w13.shape[0], dtype=torch.int64, device=x.device)
+        valid = torch.ones(1, dtype=torch.int64, device=x.device)
+        for block_m in sorted({cfg.block_m for _, cfg in fused_moe.CONFIGS}):
+            if self.stats is not None:
+                moe_route.align(ids, self.w13.shape[0], block_m, counts, valid)
+            else:
+                moe_route.align(ids, self.w13.shape[0], block_m)
+        self._warm = True
 
 
 class GatedMLP(nn.Module):

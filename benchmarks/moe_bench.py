@@ -1,0 +1,570 @@
+"""Issue 39: the fused MoE path on a Qwen3-30B-A3B-shaped model (random bf16, one GPU).
+
+`python -m benchmarks.moe_bench --out DIR` (benchmarks/run_moe_device.sh calls it) writes
+DIR/moe.json and DIR/MOE.md, each part recorded as it finishes (a part that fails records its
+error and the next one runs):
+
+1. ceilings: device-to-device copy bandwidth and the bf16 matmul rate (8192^3).
+2. layer: LAYERS distinct MoE layers of the real shape (128 experts, top-8, hidden 2048,
+   moe_intermediate 768), random router logits, replayed back to back in one CUDA graph (no L2
+   reuse between layers): per-layer time at batch 1 / 64 / 256, the experts the step actually
+   touched and their bytes over the copy bandwidth (the layer's roofline), the per-expert torch
+   loop (transformers' form: a nonzero() per expert, eager) as the naive baseline, fp8 experts
+   (per-expert, per-channel scales) against bf16, a sweep of kernel tilings, and a 4,096-token
+   prefill against the bf16 matmul rate.
+3. model: random Qwen3-MoE checkpoints of a few layer counts (the full 48 layers are ~61 GB, more
+   than the machine's disk takes in the time), each loaded by the shard's own loader (host memory
+   sampled: the experts are stacked without a host copy of the model), decode in CUDA graphs at
+   batch 1 / 64 / 256 (context CONTEXT), with the roofline of the bytes each step reads: attention,
+   norms and routers of every layer, the experts the step touched (counted by the layers' own
+   routing statistics), the LM head, the K/V; then per-layer fits extrapolated to 48 layers. The
+   largest model again with --quantize fp8 (fp8 experts and linears: batch-1 step vs bf16), and a
+   4,096-token prefill against the bf16 matmul rate.
+4. e2e (time allowing): the harness's end-to-end workload through `tokenwire launch` on the
+   largest checkpoint.
+
+`--tiny` runs parts 3 and 4's code path on CPU with a small shape (how the script is checked
+without a GPU): eager steps, no graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+QWEN3_30B_A3B = {
+    "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+    "intermediate_size": 6144, "vocab_size": 151936, "num_hidden_layers": 48,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+}
+TINY = dict(QWEN3_30B_A3B, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            vocab_size=128256 + 64)
+BATCHES = [1, 64, 256]
+CONTEXT = 512
+PREFILL = 4096
+FULL_LAYERS = 48
+
+
+# ---- 2. one layer ----------------------------------------------------------------------------
+
+
+def _expert_bytes(shape: dict, fp8: bool) -> int:
+    h, i = shape["hidden_size"], shape["moe_intermediate_size"]
+    return 3 * h * i * (1 if fp8 else 2) + ((2 * i + h) * 4 if fp8 else 0)
+
+
+def _make_layers(shape: dict, count: int, fp8: bool) -> list[Any]:
+    import torch
+
+    from shard.distributed.groups import Dist
+    from shard.kernels.moe_align import MoeRouting
+    from shard.layers.moe import FusedMoE
+    from shard.quantization.fp8 import quantize_fp8_per_channel
+
+    e, h, i = shape["num_experts"], shape["hidden_size"], shape["moe_intermediate_size"]
+    routing = MoeRouting(shape["num_experts_per_tok"], renormalize=True)
+    layers = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(count):
+        moe = FusedMoE(e, h, i, routing, Dist())
+        w13 = torch.randn(e, 2 * i, h, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+        w2 = torch.randn(e, h, i, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+        if fp8:
+            q13, s13 = zip(*(quantize_fp8_per_channel(w) for w in w13), strict=True)
+            q2, s2 = zip(*(quantize_fp8_per_channel(w) for w in w2), strict=True)
+            moe.w13.data, moe.w2.data = torch.stack(q13), torch.stack(q2)
+            moe.scale13, moe.scale2 = torch.stack(s13), torch.stack(s2)
+            del q13, q2
+        else:
+            moe.w13.data, moe.w2.data = w13, w2
+        del w13, w2
+        layers.append(moe)
+    torch.cuda.empty_cache()
+    return layers
+
+
+def _graph_ms(fn, iters: int = 20) -> float:
+    """ms per replay of fn captured in a CUDA graph (fn ran eagerly first)."""
+    import torch
+
+    from benchmarks.harness.timing import cuda_time_ms
+
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    ms = cuda_time_ms(g.replay, iters=iters)
+    del g
+    return ms
+
+
+def bench_layer(shape: dict, ceilings: dict, layers_count: int, res: dict) -> None:
+    """Fills res["layer"]: fused vs naive vs fp8 per layer, tiling sweep, prefill."""
+    import torch
+
+    from benchmarks.harness.timing import wall_time_ms
+    from shard.kernels import fused_moe as fm
+    from shard.kernels.moe_align import per_expert_loop, route
+
+    bw, peak = ceilings["copy_bytes_per_s"], ceilings["bf16_flops_per_s"]
+    e, h, k = shape["num_experts"], shape["hidden_size"], shape["num_experts_per_tok"]
+    i = shape["moe_intermediate_size"]
+    out: dict[str, Any] = {"layers_in_graph": layers_count, "decode": [], "sweep": {}}
+    res["layer"] = out
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for fp8 in (False, True):
+        layers = _make_layers(shape, layers_count, fp8)
+        for b in BATCHES + [PREFILL]:
+            xs = [torch.randn(b, h, device="cuda", generator=gen, dtype=torch.bfloat16)
+                  for _ in layers]
+            logits = [torch.randn(b, e, device="cuda", generator=gen, dtype=torch.bfloat16)
+                      for _ in layers]
+            touched = sum(int(torch.unique(route(lg, layers[0].routing)[1]).numel())
+                          for lg in logits) / len(layers)
+
+            def step(layers=layers, xs=xs, logits=logits):
+                for moe, x, lg in zip(layers, xs, logits, strict=True):
+                    moe(x, lg)
+
+            if b == PREFILL:
+                ms = wall_time_ms(step, iters=5) / len(layers)  # eager, as prefill runs
+            else:
+                ms = _graph_ms(step) / len(layers)
+            row: dict[str, Any] = {"batch": b, "fp8": fp8, "fused_ms": ms,
+                                   "experts_touched": touched}
+            nbytes = touched * _expert_bytes(shape, fp8) + b * h * 2 * 2 + b * e * 2
+            row["bytes_read"] = nbytes
+            row["roofline_ms"] = nbytes / bw * 1e3
+            row["pct_of_roofline"] = row["roofline_ms"] / ms * 100
+            flops = 2 * b * k * 3 * h * i
+            row["tflops"] = flops / (ms / 1e3) / 1e12
+            row["pct_of_bf16_peak"] = flops / (ms / 1e3) / peak * 100
+            if not fp8:
+                moe = layers[0]
+                w, ids = route(logits[0], moe.routing)
+                row["naive_loop_ms"] = wall_time_ms(
+                    lambda moe=moe, w=w, ids=ids, x=xs[0]: per_expert_loop(
+                        x, moe.w13, moe.w2, w, ids), iters=3 if b == PREFILL else 10)
+                row["speedup_vs_naive"] = row["naive_loop_ms"] / ms
+                # Tiling sweep (kernels only, layout precomputed) for the table's choice.
+                sweep = {}
+                from shard.kernels import moe_route
+
+                for cfg in _sweep_configs(b):
+                    try:
+                        ids32 = ids.int()
+                        lay = moe_route.align(ids32, e, cfg.block_m) if b * k <= \
+                            moe_route.ALIGN_MAX_SLOTS else None
+
+                        def kern(cfg=cfg, lay=lay, w=w, ids32=ids32, moe=moe, x=xs[0]):
+                            fm.fused_moe(x, moe.w13, moe.w2, w, ids32, config=cfg, layout=lay)
+
+                        sweep[_cfg_name(cfg)] = (wall_time_ms(kern, iters=3) if b == PREFILL
+                                                 else _graph_ms(kern))
+                    except Exception as exc:  # noqa: BLE001 - a tiling that does not compile
+                        sweep[_cfg_name(cfg)] = f"{type(exc).__name__}: {exc}"[:200]
+                out["sweep"][str(b)] = sweep
+                row["table_config"] = _cfg_name(fm.config_for(b * k, e))
+            out["decode"].append(row)
+            print(f"layer b={b} fp8={fp8}: {ms * 1e3:.1f} us/layer, "
+                  f"{row['pct_of_roofline']:.0f}% of roofline ({touched:.0f} experts), "
+                  f"naive {row.get('naive_loop_ms', float('nan')):.2f} ms", flush=True)
+            del xs, logits
+        del layers
+        gc.collect()
+        torch.cuda.empty_cache()
+    for b in BATCHES:
+        rows = {r["fp8"]: r for r in out["decode"] if r["batch"] == b}
+        if len(rows) == 2:
+            out.setdefault("fp8_speedup", {})[str(b)] = rows[False]["fused_ms"] / rows[True][
+                "fused_ms"]
+
+
+def _cfg_name(cfg: Any) -> str:
+    return f"m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}"
+
+
+def _sweep_configs(batch: int) -> list[Any]:
+    from shard.kernels.fused_moe import MoeConfig
+
+    if batch >= 1024:
+        return [MoeConfig(64, 128, 64, 8, 3), MoeConfig(64, 64, 64, 4, 4),
+                MoeConfig(128, 128, 64, 8, 3), MoeConfig(64, 128, 32, 4, 4)]
+    return [MoeConfig(16, 32, 128, 4, 4), MoeConfig(16, 64, 128, 4, 4),
+            MoeConfig(16, 32, 256, 4, 3), MoeConfig(16, 64, 64, 4, 5),
+            MoeConfig(16, 128, 128, 8, 3), MoeConfig(32, 64, 64, 4, 4)]
+
+
+# ---- 3. the model --------------------------------------------------------------------------
+
+
+def write_checkpoint(model_dir: Path, shape: dict, layers: int, device: str) -> dict:
+    """Random bf16 Qwen3-MoE checkpoint of `layers` layers (one safetensors file per layer,
+    generated on `device`), config and a word-level tokenizer; files already there are kept."""
+    import torch
+    from safetensors.torch import save_file
+
+    from shard.testing.checkpoint import BOS_ID, EOS_IDS, write_tokenizer
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    h, v, e = shape["hidden_size"], shape["vocab_size"], shape["num_experts"]
+    heads, kvh, hd = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    inter = shape["moe_intermediate_size"]
+    gen = torch.Generator(device=device).manual_seed(7)
+    t0 = time.perf_counter()
+    written = 0
+
+    def rnd(*s: int) -> torch.Tensor:
+        t = torch.empty(s, dtype=torch.bfloat16, device=device)
+        return t.normal_(0.0, 0.02, generator=gen).cpu()
+
+    def save(name: str, make) -> None:
+        nonlocal written
+        path = model_dir / name
+        if path.is_file():
+            return
+        tensors = make()
+        save_file(tensors, str(path.with_suffix(".tmp")), metadata={"format": "pt"})
+        path.with_suffix(".tmp").rename(path)
+        written += sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def head() -> dict:
+        lm = rnd(v, h)
+        lm[[i for i in EOS_IDS if i < v]] = 0  # greedy never picks EOS: fixed lengths
+        return {"model.embed_tokens.weight": rnd(v, h), "lm_head.weight": lm,
+                "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+
+    save("embed-head.safetensors", head)
+    for li in range(layers):
+        def layer(li=li) -> dict:
+            p = f"model.layers.{li}."
+            t = {p + "self_attn.q_proj.weight": rnd(heads * hd, h),
+                 p + "self_attn.k_proj.weight": rnd(kvh * hd, h),
+                 p + "self_attn.v_proj.weight": rnd(kvh * hd, h),
+                 p + "self_attn.o_proj.weight": rnd(h, heads * hd),
+                 p + "self_attn.q_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
+                 p + "self_attn.k_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
+                 p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                 p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                 p + "mlp.gate.weight": rnd(e, h)}
+            for x in range(e):
+                q = f"{p}mlp.experts.{x}."
+                t[q + "gate_proj.weight"] = rnd(inter, h)
+                t[q + "up_proj.weight"] = rnd(inter, h)
+                t[q + "down_proj.weight"] = rnd(h, inter)
+            return t
+
+        save(f"layer-{li:03d}.safetensors", layer)
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+              "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False,
+              "tie_word_embeddings": False, "bos_token_id": BOS_ID,
+              "eos_token_id": list(EOS_IDS), **dict(shape, num_hidden_layers=layers)}
+    (model_dir / "config.json").write_text(json.dumps(config, indent=1))
+    if not (model_dir / "tokenizer.json").is_file():
+        write_tokenizer(model_dir, v)
+    return {"layers": layers, "seconds": time.perf_counter() - t0, "bytes_written": written}
+
+
+def link_model(store: Path, out: Path, layers: int) -> Path:
+    """A model directory of the store's first `layers` layers (links, no copies)."""
+    out.mkdir(parents=True, exist_ok=True)
+    names = ["embed-head.safetensors", *(f"layer-{i:03d}.safetensors" for i in range(layers))]
+    for name in names + ["tokenizer.json", "tokenizer_config.json"]:
+        if (store / name).exists() and not (out / name).exists():
+            (out / name).symlink_to(store / name)
+    config = json.loads((store / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+def _step_bytes(model: Any, touched_per_layer: list[int], expert_bytes: int, batch: int,
+                context: int, kv_bytes_per_token: int, hidden: int) -> dict[str, int]:
+    """What one decode step reads: every weight but the embedding table and the experts, the
+    experts the step touched, the K/V of each sequence, the embedding rows."""
+    from shard.layers.moe import FusedMoE
+    from shard.layers.rotary import RotaryEmbedding
+    from shard.layers.weights import parameter_bytes
+
+    experts_all = sum(parameter_bytes(m) for m in model.modules() if isinstance(m, FusedMoE))
+    embed = parameter_bytes(model.model.embed_tokens)
+    # the rotary tables (cos/sin of every position) are buffers but a step reads a few rows
+    rotary = sum(parameter_bytes(m) for m in {id(m): m for m in model.modules()
+                                               if isinstance(m, RotaryEmbedding)}.values())
+    dense = parameter_bytes(model) - embed - experts_all - rotary
+    head = parameter_bytes(model.lm_head)
+    return {"dense_weights_and_norms": dense - head, "lm_head": head,
+            "experts_touched": sum(touched_per_layer) * expert_bytes,
+            "kv": batch * context * kv_bytes_per_token, "embedding_rows": batch * hidden * 2}
+
+
+def bench_model(model_dir: Path, shape: dict, ceilings: dict, cuda: bool, quantize: str | None,
+                prefill: bool) -> dict:
+    import torch
+
+    from benchmarks.harness.scale import AnonPeak, _decode_timings
+    from benchmarks.harness.timing import decode_step, prefill_step, wall_time_ms
+    from shard.distributed.groups import Dist
+    from shard.layers.weights import parameter_bytes
+    from shard.server.loader import Shard, ShardConfig
+
+    device = "cuda" if cuda else "cpu"
+    t0 = time.perf_counter()
+    with AnonPeak() as anon:
+        shard = Shard(ShardConfig(model_id=str(model_dir), dtype="bfloat16" if cuda else "float32",
+                                  device=device, quantize=quantize), Dist())
+    runner, model = shard.runner, shard.runner.model
+    layers = len(model.model.layers)
+    out: dict[str, Any] = {"layers": layers, "quantize": quantize,
+                           "load_s": time.perf_counter() - t0,
+                           "host_anon_peak_gib_while_loading": anon.peak / 2**30,
+                           "weights_gib": parameter_bytes(model) / 2**30}
+    batches = BATCHES if cuda else [1, 4]
+    context = CONTEXT if cuda else 32
+    per = math.ceil(max(context, PREFILL if prefill else 0) / runner.block_size)
+    runner.allocate_kv_cache(max(batches) * math.ceil(context / runner.block_size) + per + 1)
+    for k_cache, v_cache in runner.kv_cache:  # random K/V: never time on zeros
+        for cache in (k_cache, v_cache):
+            cache.copy_(torch.randn(cache.shape, device=device).to(cache.dtype))
+    from benchmarks.harness.tp import prefill_logits_8b
+
+    prefill_logits_8b(runner, length=64, keep=4)  # first eager step: tunes GEMVs, warms MoE
+    out.update(_decode_timings(runner, batches, context, cuda))
+    # The experts each batch's step touches, by the layers' own routing statistics.
+    fp8 = quantize == "fp8"
+    expert_bytes = _expert_bytes(shape, fp8)
+    kv_per_token = runner.kv_bytes_per_block() // runner.block_size
+    for row in out["decode"]:
+        b = row["batch"]
+        model.routing_stats.take()
+        runner.execute(decode_step(b, context, runner.block_size))
+        counts = model.routing_stats.take()
+        touched = [sum(1 for c in layer if c) for layer in counts]
+        parts = _step_bytes(model, touched, expert_bytes, b, context, kv_per_token,
+                            shape["hidden_size"])
+        row["bytes"] = parts
+        row["experts_touched_per_layer"] = sum(touched) / max(len(touched), 1)
+        ms = row.get("graph_replay_ms", row.get("eager_wall_ms"))
+        if cuda:
+            total = sum(parts.values())
+            row["roofline_ms"] = total / ceilings["copy_bytes_per_s"] * 1e3
+            row["pct_of_roofline"] = row["roofline_ms"] / ms * 100
+        print(f"model {layers}L q={quantize} b={b}: {ms:.3f} ms/step "
+              f"({row.get('pct_of_roofline', float('nan')):.0f}% of roofline, "
+              f"{row['experts_touched_per_layer']:.0f} experts/layer)", flush=True)
+    if prefill:
+        n = PREFILL if cuda else 64
+        step = prefill_step(1, n, runner.block_size)
+        execute = runner.execute
+        ms = wall_time_ms(lambda: execute(step), iters=3, warmup=1) if cuda else float("nan")
+        h, k = shape["hidden_size"], shape["num_experts_per_tok"]
+        heads, kvh, hd = shape["num_attention_heads"], shape["num_key_value_heads"], \
+            shape["head_dim"]
+        per_token = 2 * (h * (heads + 2 * kvh) * hd + heads * hd * h
+                         + k * 3 * h * shape["moe_intermediate_size"] + h * shape["num_experts"])
+        attn = 4 * heads * hd * n * n / 2  # causal QK^T and PV
+        flops = layers * (n * per_token + attn) + 2 * n * h * shape["vocab_size"] / n  # 1 logit
+        out["prefill"] = {"tokens": n, "ms": ms, "flops": flops}
+        if cuda:
+            out["prefill"]["pct_of_bf16_peak"] = flops / (ms / 1e3) / ceilings[
+                "bf16_flops_per_s"] * 100
+            print(f"model {layers}L prefill {n}: {ms:.1f} ms, "
+                  f"{out['prefill']['pct_of_bf16_peak']:.0f}% of bf16 peak", flush=True)
+    runner.kv_cache = None
+    runner.graphs = None
+    del shard, runner, model
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def extrapolate(models: list[dict], target: int) -> dict:
+    """Per batch: least-squares (fixed ms, ms per layer) over the bf16 models, the step at
+    `target` layers, and its roofline the same way."""
+    from benchmarks.harness.scale import fit_layers
+
+    out: dict[str, Any] = {}
+    bf16 = [m for m in models if not m.get("quantize") and "decode" in m]
+    for b in {r["batch"] for m in bf16 for r in m["decode"]}:
+        pts = [(m["layers"], r.get("graph_replay_ms", r.get("eager_wall_ms"))) for m in bf16
+               for r in m["decode"] if r["batch"] == b]
+        roof = [(m["layers"], r["roofline_ms"]) for m in bf16 for r in m["decode"]
+                if r["batch"] == b and "roofline_ms" in r]
+        fit, rfit = fit_layers(pts), fit_layers(roof)
+        if fit and rfit:
+            step = fit[0] + fit[1] * target
+            roofline = rfit[0] + rfit[1] * target
+            out[str(b)] = {"fixed_ms": fit[0], "ms_per_layer": fit[1], "step_ms": step,
+                           "roofline_ms": roofline, "pct_of_roofline": roofline / step * 100}
+    return out
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def write_report(res: dict, out: Path) -> None:
+    (out / "moe.json").write_text(json.dumps(res, indent=1, default=str))
+    lines = ["# Fused MoE on a Qwen3-30B-A3B shape", ""]
+    c = res.get("ceilings") or {}
+    if c:
+        lines.append(f"Device: {res.get('device')}; copy {c['copy_bytes_per_s'] / 1e9:.0f} GB/s, "
+                     f"bf16 matmul {c['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s.")
+    lay = res.get("layer") or {}
+    if lay.get("decode"):
+        lines += ["", f"## One MoE layer ({lay['layers_in_graph']} distinct layers per graph)", "",
+                  ("| tokens | weights | fused us | experts touched | bytes read | roofline us | "
+                  "% roofline | TFLOP/s | naive loop ms | speed-up |"), "|" + "---|" * 10]
+        for r in lay["decode"]:
+            lines.append(
+                f"| {r['batch']} | {'fp8' if r['fp8'] else 'bf16'} | {r['fused_ms'] * 1e3:.1f} | "
+                f"{r['experts_touched']:.1f} | {r['bytes_read'] / 1e6:.1f} MB | "
+                f"{r['roofline_ms'] * 1e3:.1f} | {r['pct_of_roofline']:.0f} | {r['tflops']:.0f} | "
+                f"{r.get('naive_loop_ms', float('nan')):.2f} | "
+                f"{r.get('speedup_vs_naive', float('nan')):.1f}x |")
+        if lay.get("fp8_speedup"):
+            lines += ["", "fp8 / bf16 layer speed-up: " + ", ".join(
+                f"b={b}: {s:.2f}x" for b, s in lay["fp8_speedup"].items())]
+    for m in res.get("models") or []:
+        if "error" in m:
+            lines += ["", f"model {m.get('layers')} layers: ERROR {m['error']}"]
+            continue
+        lines += ["", (f"## Model, {m['layers']} layers, quantize={m['quantize']} "
+                  f"(load {m['load_s']:.0f} s, host anon peak "
+                  f"{m['host_anon_peak_gib_while_loading']:.1f} GiB, weights "
+                  f"{m['weights_gib']:.1f} GiB)"), "",
+                  ("| batch | step ms | roofline ms | % | experts/layer | bytes (dense+norms, "
+                  "LM head, experts, KV) |"), "|---|---|---|---|---|---|"]
+        for r in m["decode"]:
+            p = r["bytes"]
+            lines.append(
+                f"| {r['batch']} | {r.get('graph_replay_ms', r.get('eager_wall_ms')):.3f} | "
+                f"{r.get('roofline_ms', float('nan')):.3f} | "
+                f"{r.get('pct_of_roofline', float('nan')):.0f} | "
+                f"{r['experts_touched_per_layer']:.1f} | {p['dense_weights_and_norms'] / 1e6:.0f} "
+                f"+ {p['lm_head'] / 1e6:.0f} + {p['experts_touched'] / 1e6:.0f} + "
+                f"{p['kv'] / 1e6:.0f} MB |")
+        if m.get("prefill"):
+            p = m["prefill"]
+            lines.append(f"\nprefill {p['tokens']} tokens: {p['ms']:.1f} ms, "
+                         f"{p.get('pct_of_bf16_peak', float('nan')):.0f}% of the bf16 matmul rate")
+    if res.get("fp8_model_speedup_b1"):
+        lines += ["", (f"fp8 model batch-1 step speed-up over bf16: "
+                  f"{res['fp8_model_speedup_b1']:.2f}x (target >= 1.6x)")]
+    if res.get("extrapolated"):
+        lines += ["", (f"## Extrapolated to {FULL_LAYERS} layers (least squares over the layer "
+                  "counts)"), "", "| batch | ms/layer | fixed ms | step ms | roofline ms | % |",
+                  "|---|---|---|---|---|---|"]
+        for b, r in sorted(res["extrapolated"].items(), key=lambda kv: int(kv[0])):
+            lines.append(f"| {b} | {r['ms_per_layer']:.3f} | {r['fixed_ms']:.3f} | "
+                         f"{r['step_ms']:.2f} | {r['roofline_ms']:.2f} | "
+                         f"{r['pct_of_roofline']:.0f} |")
+    if res.get("e2e"):
+        e = res["e2e"]
+        lines += ["", f"e2e ({e.get('layers')} layers): " + ", ".join(
+            f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in e.items()
+            if k in ("ok", "requests", "requests_per_s", "output_tokens_per_s", "ttft_p50_ms",
+                     "itl_p50_ms", "errors"))]
+    for part, err in (res.get("errors") or {}).items():
+        lines += ["", f"{part}: ERROR {err}"]
+    (out / "MOE.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.moe_bench")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/moe-bench"))
+    p.add_argument("--layers", default="6,12", help="model layer counts (comma-separated)")
+    p.add_argument("--layer-graph-layers", type=int, default=8)
+    p.add_argument("--parts", default="layer,model,fp8,e2e")
+    p.add_argument("--budget-s", type=float, default=440.0,
+                   help="parts not started by then are skipped (e2e needs ~90 s)")
+    p.add_argument("--e2e-requests", type=int, default=400)
+    p.add_argument("--tiny", action="store_true", help="CPU dry run on a small shape")
+    args = p.parse_args(argv)
+    t_start = time.time()
+    args.out.mkdir(parents=True, exist_ok=True)
+    parts = set(args.parts.split(","))
+    shape = TINY if args.tiny else QWEN3_30B_A3B
+    cuda = not args.tiny
+    res: dict[str, Any] = {"shape": shape, "errors": {}, "models": []}
+
+    def attempt(name: str, fn) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - recorded; the next part still runs
+            traceback.print_exc()
+            res["errors"][name] = f"{type(exc).__name__}: {exc}"[:500]
+        write_report(res, args.out)
+
+    if cuda:
+        import torch
+
+        from benchmarks.harness.timing import measure_ceilings
+
+        res["device"] = torch.cuda.get_device_name()
+        res["ceilings"] = measure_ceilings()
+        if "layer" in parts:
+            attempt("layer", lambda: bench_layer(shape, res["ceilings"], args.layer_graph_layers,
+                                                 res))
+    counts = sorted(int(x) for x in args.layers.split(","))
+    store = args.workdir / "store"
+    if "model" in parts:
+        def write() -> None:
+            res["checkpoint"] = write_checkpoint(store, shape, max(counts),
+                                                 "cuda" if cuda else "cpu")
+        attempt("checkpoint", write)
+        for n in counts:
+            d = link_model(store, args.workdir / f"qwen3-moe-{n}l", n)
+            attempt(f"model_{n}", lambda d=d, n=n: res["models"].append(
+                bench_model(d, shape, res.get("ceilings", {}), cuda, None,
+                            prefill=n == max(counts))))
+        res["extrapolated"] = extrapolate(res["models"], FULL_LAYERS) if cuda else {}
+    if "fp8" in parts and time.time() - t_start < args.budget_s:
+        d = args.workdir / f"qwen3-moe-{max(counts)}l"
+
+        def fp8() -> None:
+            m = bench_model(d, shape, res.get("ceilings", {}), cuda, "fp8", prefill=False)
+            res["models"].append(m)
+            base = next((x for x in res["models"] if x["layers"] == m["layers"]
+                         and not x.get("quantize") and "decode" in x), None)
+            if base:
+                def b1(x):
+                    r = next(r for r in x["decode"] if r["batch"] == 1)
+                    return r.get("graph_replay_ms", r.get("eager_wall_ms"))
+                res["fp8_model_speedup_b1"] = b1(base) / b1(m)
+        attempt("fp8", fp8)
+    if "e2e" in parts and time.time() - t_start < args.budget_s:
+        def e2e() -> None:
+            from benchmarks.harness import bench
+
+            hp = argparse.ArgumentParser()
+            bench.add_arguments(hp)
+            hargs = hp.parse_args(["--out", str(args.out), "--workdir", str(args.workdir),
+                                   "--requests", str(args.e2e_requests)])
+            hargs.e2e_device = "cpu" if args.tiny else "cuda"
+            if args.tiny:
+                hargs.requests, hargs.clients, hargs.e2e_warmup_requests = 4, 2, 0
+                hargs.e2e_profile_from_step = None
+            d = args.workdir / f"qwen3-moe-{max(counts)}l"
+            res["e2e"] = dict(bench.bench_e2e(d, hargs, args.out / "e2e_server.log"),
+                              layers=max(counts))
+        attempt("e2e", e2e)
+    res["wall_s"] = time.time() - t_start
+    write_report(res, args.out)
+    print((args.out / "MOE.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
