@@ -6,6 +6,7 @@ turns the `StepEvent`s it receives into proto responses. Plain dataclasses: no g
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -144,6 +145,34 @@ class RequestStream(Protocol):
         ...
 
 
+# Upper bounds of tokenwire_moe_expert_load_ratio's buckets: an expert's share of a window's routed
+# tokens times the number of experts (1.0: exactly its fair share; 0: never chosen).
+EXPERT_LOAD_BOUNDS = (0.0, 0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0)
+
+
+@dataclass
+class ExpertLoadHistogram:
+    """Load imbalance of a mixture-of-experts model: one observation per expert and window of
+    shard steps (its share of the window's routed tokens x the number of experts), in buckets
+    of EXPERT_LOAD_BOUNDS (counts[i]: observations <= bound i and above bound i - 1; the last
+    entry: above every bound)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(EXPERT_LOAD_BOUNDS) + 1))
+    total: float = 0.0  # sum of the observed ratios
+    windows: int = 0
+
+    def observe(self, tokens_per_expert: tuple[int, ...]) -> None:
+        routed = sum(tokens_per_expert)
+        if not routed:
+            return
+        n = len(tokens_per_expert)
+        for t in tokens_per_expert:
+            ratio = t * n / routed
+            self.counts[bisect.bisect_left(EXPERT_LOAD_BOUNDS, ratio)] += 1
+            self.total += ratio
+        self.windows += 1
+
+
 @dataclass
 class EngineStats:
     """Live counters the servicer exposes (metrics, Info)."""
@@ -164,6 +193,8 @@ class EngineStats:
     spec_accepted_tokens: int = 0  # draft tokens accepted
     # spec_step_tokens[n]: sequence-steps with drafts that gave their sequence n tokens.
     spec_step_tokens: tuple[int, ...] = ()
+    # MoE models: per-expert load of each routing window the shards reported (a copy)
+    expert_load: ExpertLoadHistogram | None = None
 
 
 @dataclass(frozen=True)

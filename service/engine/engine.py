@@ -38,6 +38,7 @@ from service.engine.contracts import (
     DrainingError,
     EngineError,
     EngineStats,
+    ExpertLoadHistogram,
     Finished,
     OverloadedError,
     ShardUnavailableError,
@@ -249,6 +250,8 @@ class LocalEngine:
         self.sched_cpu_s = 0.0  # schedule() + apply_output()
         self.step_cpu_s = 0.0  # all router-side work of a step (scheduling, protos, events)
         self.max_sched_cpu_s = 0.0
+        # MoE models: the shards' routing windows (tokenwire_moe_expert_load_ratio)
+        self.expert_load = ExpertLoadHistogram()
         self._shard_cpu_s = 0.0  # the backend's cpu_seconds counted so far
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -371,6 +374,9 @@ class LocalEngine:
             spec_proposed_tokens=c.spec_proposed_tokens,
             spec_accepted_tokens=c.spec_accepted_tokens,
             spec_step_tokens=tuple(c.spec_step_tokens),
+            expert_load=(ExpertLoadHistogram(list(self.expert_load.counts), self.expert_load.total,
+                                             self.expert_load.windows)
+                         if self.expert_load.windows else None),
         )
 
     # --- LoRA adapters --------------------------------------------------------------------------
@@ -598,6 +604,8 @@ class LocalEngine:
         finished = sched.apply_output(plan, out)
         t_sched = time.thread_time() - t1
         streams = self._streams
+        if out.expert_load is not None:
+            self.expert_load.observe(out.expert_load)
 
         # Events.
         hits = {s.seq_id: s.prefix_hit_tokens for s in finished if s.prefix_hit_tokens}

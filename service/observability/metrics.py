@@ -22,7 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from service.engine.contracts import EngineStats
+from service.engine.contracts import EXPERT_LOAD_BOUNDS, EngineStats, ExpertLoadHistogram
 from service.observability.adapter_load import AdapterLoad, AdapterLoadCollector
 
 PREFIX = "tokenwire"
@@ -124,11 +124,30 @@ class EngineCollector(Collector):
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
         if s.spec_step_tokens:
             yield _step_tokens_histogram(s.spec_step_tokens)
+        if s.expert_load is not None:
+            yield _expert_load_histogram(s.expert_load)
         for key, value in sorted(s.extra.items()):
             name = re.sub(r"[^a-zA-Z0-9_]", "_", key)
             yield GaugeMetricFamily(
                 f"{PREFIX}_engine_{name}", f"Engine statistic {key}", value=value
             )
+
+
+def _expert_load_histogram(h: ExpertLoadHistogram) -> HistogramMetricFamily:
+    """One observation per expert and routing window of the shard (MoE models)."""
+    buckets = []
+    cumulative = 0
+    for bound, count in zip(EXPERT_LOAD_BOUNDS, h.counts, strict=False):
+        cumulative += count
+        buckets.append((str(float(bound)), cumulative))
+    buckets.append(("+Inf", cumulative + h.counts[-1]))
+    return HistogramMetricFamily(
+        f"{PREFIX}_moe_expert_load_ratio",
+        "Mixture-of-experts load: per expert and window of shard steps, its share of the routed "
+        "(token, layer) pairs times the number of experts (1 = its fair share, 0 = unused)",
+        buckets=buckets,
+        sum_value=h.total,
+    )
 
 
 def _step_tokens_histogram(counts: tuple[int, ...]) -> HistogramMetricFamily:

@@ -113,3 +113,6 @@ class StepOutput:
     batch_id: int | None  # the shard's merged cached batch; None when it is empty
     batch_request_ids: list[int] = field(default_factory=list)  # its requests
     forward_ns: int = 0
+    # MoE models, on the step that closes the shard's routing window: routed (token, layer)
+    # pairs per expert over the window (index: expert id); None otherwise.
+    expert_load: tuple[int, ...] | None = None

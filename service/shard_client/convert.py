@@ -225,8 +225,9 @@ def step_output(resp: pb.PrefillResponse | pb.DecodeResponse) -> StepOutput:
                 seed=gt.seed if gt.HasField("seed") else None,
             )
         append(out)
+    load = tuple(resp.expert_load.tokens_per_expert) if resp.HasField("expert_load") else None
     if resp.HasField("batch"):
         return StepOutput(
-            gens, resp.batch.id, list(resp.batch.request_ids), resp.timings.forward_ns
+            gens, resp.batch.id, list(resp.batch.request_ids), resp.timings.forward_ns, load
         )
-    return StepOutput(gens, None, [], resp.timings.forward_ns)
+    return StepOutput(gens, None, [], resp.timings.forward_ns, load)

@@ -33,6 +33,7 @@ from shard.engine.contracts import (
     BatchSpec,
     BlockGrant,
     CachedBatchRef,
+    ExpertLoad,
     FinishedText,
     Generation,
     RequestSpec,
@@ -61,6 +62,10 @@ from shard.errors import (
 from shard.lora import LoraManager
 from shard.runner.model_runner import ModelRunner, StepInputs
 from shard.text.detokenizer import IncrementalDetokenizer
+
+# Sampling steps per MoE routing-statistics window (tokenwire_moe_expert_load_ratio): one
+# [num_experts] copy rides a step's sampled-token copy every this many steps.
+EXPERT_LOAD_WINDOW = 32
 
 
 @dataclass
@@ -129,6 +134,10 @@ class LaunchedStep:
     done: torch.cuda.Event | None = None  # the copy into `host` has completed
     drafts: bool = False  # rows with drafts: a request emits an unknown number of tokens
     result: StepResult | None = None
+    # MoE routing counts [num_experts] of the window this step closes: on the device, then
+    # copied with the sampled results (pinned host on CUDA); the window's step count
+    expert_counts: torch.Tensor | None = None
+    expert_steps: int = 0
 
     def wait_device(self) -> None:
         """Blocks until this step's results are on the host (no Python state is touched:
@@ -161,8 +170,13 @@ class BatchState:
         eos_token_ids: set[int],
         max_position_embeddings: int,
         lora: LoraManager | None = None,
+        expert_load_window: int = EXPERT_LOAD_WINDOW,
     ):
         self.runner = runner
+        # MoE models: every `expert_load_window` sampling steps, the routing counts ride the
+        # step's device-to-host copy into its StepResult (0: never read).
+        self.expert_load_window = expert_load_window
+        self._expert_steps = 0
         self.lora = lora  # the rank's LoRA adapters (--max-loras > 0)
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -547,6 +561,8 @@ class BatchState:
         timings.decode_ns = t3 - t2
         timings.total_ns += t3 - t2
         step.result = self._finish_step(step.batch_id, step.merged, generations, timings)
+        if step.expert_counts is not None:  # on the host now (the copy above completed)
+            step.result.expert_load = ExpertLoad(step.expert_counts.tolist(), step.expert_steps)
 
     def _decode_inputs(
         self, work: list[_Work], prev: LaunchedStep | None
@@ -708,26 +724,48 @@ class BatchState:
         if timer is not None:
             timer.end()
         if step.sampled is not None:
+            self._close_expert_window(step)
             self._copy_to_host(step)
         t2 = time.perf_counter_ns()
         timings.forward_ns = t2 - t1
         timings.total_ns = t2 - t0
 
+    def _close_expert_window(self, step: LaunchedStep) -> None:
+        """Counts the step into the MoE routing window; the step that closes it takes the
+        counts (a device snapshot, read with the step's sampled results: no extra sync)."""
+        if not self.expert_load_window:
+            return
+        self._expert_steps += 1
+        if self._expert_steps < self.expert_load_window:
+            return
+        counts = self.runner.model.take_expert_counts()  # [num_experts] int64 or None (dense)
+        if counts is not None:
+            step.expert_counts, step.expert_steps = counts, self._expert_steps
+        self._expert_steps = 0
+
     def _copy_to_host(self, step: LaunchedStep) -> None:
         """The step's one device-to-host copy: on a side stream into pinned memory, after the
-        sampling kernels; `step.done` marks its end. On the CPU the results are already there."""
+        sampling kernels (with the MoE routing counts of a window the step closes); `step.done`
+        marks its end. On the CPU the results are already there."""
         assert step.sampled is not None
         packed = step.sampled.packed
         stream = self._copy_stream
         if stream is None:
             step.host = packed
             return
+        counts = step.expert_counts
+        if counts is not None:
+            pinned = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
         ready = torch.cuda.Event()
         ready.record()
         host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
             host.copy_(packed, non_blocking=True)
+            if counts is not None:
+                pinned.copy_(counts, non_blocking=True)
+                counts.record_stream(stream)
+                step.expert_counts = pinned
             done = torch.cuda.Event()
             done.record(stream)
         packed.record_stream(stream)  # its memory is not reused before the copy has run

@@ -89,8 +89,18 @@ class StepTimings:
     total_ns: int = 0
 
 
+@dataclass(frozen=True)
+class ExpertLoad:
+    """Mixture-of-experts routing over a window of steps: routed (token, layer) pairs per
+    expert, all MoE layers summed, and how many steps the window spans."""
+
+    tokens_per_expert: list[int]
+    steps: int
+
+
 @dataclass
 class StepResult:
     generations: list[Generation]
     batch: CachedBatchRef | None
     timings: StepTimings
+    expert_load: ExpertLoad | None = None  # on the step that closes a window (MoE models)

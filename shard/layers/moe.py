@@ -85,6 +85,13 @@ class RoutingStats:
             n, k, dtype=torch.int64, device=topk_ids.device)
         self.counts[layer].scatter_add_(0, topk_ids.reshape(-1).long(), ones.reshape(-1))
 
+    def take_device(self) -> torch.Tensor:
+        """[num_experts] int64, the counts of all layers summed since the last take, as a new
+        device tensor; clears them (stream-ordered: no host sync)."""
+        out = self.counts.sum(dim=0)
+        self.counts.zero_()
+        return out
+
     def take(self) -> list[list[int]]:
         """[layer][expert] counts since the last take; clears them."""
         out = self.counts.tolist()

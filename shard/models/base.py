@@ -62,6 +62,12 @@ class CausalLM(Protocol):
         graphs keep their addresses); returns them."""
         ...
 
+    def take_expert_counts(self) -> torch.Tensor | None:
+        """Mixture-of-experts models: routed (token, layer) pairs per expert since the last
+        call, all MoE layers summed, as a device tensor [num_experts] int64 (the counters are
+        cleared; no host sync); None for dense models."""
+        ...
+
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes one KV block takes on this rank, all layers together."""
         ...

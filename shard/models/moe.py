@@ -28,9 +28,13 @@ class MoeCausalLM(LlamaForCausalLM):
             m.attach_stats(self.routing_stats, i)
 
     def take_expert_load(self) -> list[int]:
-        """Routed (token, layer) pairs per expert since the last call, all MoE layers summed
-        (one small device-to-host copy); clears the counts."""
-        return [sum(col) for col in zip(*self.routing_stats.take(), strict=True)]
+        """take_expert_counts on the host (one small device-to-host copy)."""
+        return self.take_expert_counts().tolist()
+
+    def take_expert_counts(self) -> torch.Tensor:
+        """[num_experts] int64 on the device: routed (token, layer) pairs per expert since the
+        last call, all MoE layers summed; the counters restart from zero (no host sync)."""
+        return self.routing_stats.take_device()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,

@@ -131,6 +131,9 @@ class TransformersCausalLM:
         them by name, as on the native path)."""
         return self.hf.named_modules(*args, **kwargs)
 
+    def take_expert_counts(self) -> torch.Tensor | None:
+        return None  # transformers' MoE blocks keep no routing statistics
+
     def begin_kv_calibration(self) -> bool:
         return False  # model-dtype caches only
 

@@ -198,6 +198,9 @@ def _fill_step(m: pb.PrefillResponse | pb.DecodeResponse, r: StepResult, packed:
         for g in r.generations:
             _fill_generation(generations.add(), g)
     m.timings.CopyFrom(timings_to_proto(r.timings))
+    if r.expert_load is not None:
+        m.expert_load.tokens_per_expert.extend(r.expert_load.tokens_per_expert)
+        m.expert_load.steps = r.expert_load.steps
     if r.batch is not None:
         m.batch.CopyFrom(cached_batch_to_proto(r.batch))
     return m

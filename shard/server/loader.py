@@ -167,7 +167,7 @@ class Shard:
     def warmup(self, spec: WarmupSpec) -> WarmupResult:
         self.engine.clear_cache(None)
         self.engine.grammars.prepare()
-        return run_warmup(
+        result = run_warmup(
             self.runner,
             spec,
             self.dist,
@@ -176,6 +176,8 @@ class Shard:
             self.cfg.kv_cache_memory_mb,
             self.cfg.max_batch_total_tokens,
         )
+        self.runner.model.take_expert_counts()  # warmup's routing is not served traffic
+        return result
 
     # ---- LoRA adapters ------------------------------------------------------------------------
 

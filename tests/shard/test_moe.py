@@ -19,6 +19,7 @@ import torch
 from reference import hf_greedy, load_hf, prompts
 from shard_driver import RouterSim, engine_call
 
+from service.shard_client.convert import step_output
 from shard.distributed.groups import Dist
 from shard.kernels.moe_align import (
     MoeRouting,
@@ -150,10 +151,18 @@ def moe_models(tmp_path_factory) -> dict[str, Path]:
     return {arch: hf_model(tmp_path_factory, arch) for arch in MOE_ARCHS}
 
 
-def _scenario(shard, p: list[list[int]]) -> dict[int, list[int]]:
+def _scenario(shard, p: list[list[int]], responses: list | None = None) -> dict[int, list[int]]:
     """A (17) and B (5) prefill together, decode; C (30) prefills in chunks of 16 while A and B
-    decode; everything runs to completion."""
-    sim = RouterSim(engine_call(shard), shard.runner.num_blocks, shard.runner.block_size)
+    decode; everything runs to completion (each step's response appended to `responses`)."""
+    inner = engine_call(shard)
+
+    def call(method, request):
+        resp = inner(method, request)
+        if responses is not None and method in ("Prefill", "Decode"):
+            responses.append(resp)
+        return resp
+
+    sim = RouterSim(call, shard.runner.num_blocks, shard.runner.block_size)
     for i, prompt in enumerate(p):
         sim.add(i + 1, prompt, N)
     sim.prefill([(1, 0), (2, 0)])
@@ -174,14 +183,21 @@ def test_greedy_matches_transformers_on_one_shard(moe_models, arch):
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert len(experts) == 2 and experts[0].w13.shape == (4, 2 * experts[0].inter_local, 64)
     p = prompts(model_dir, [17, 5, 30])
-    model.take_expert_load()  # warmup's routing
-    got = _scenario(shard, p)
+    assert sum(model.take_expert_load()) == 0  # warmup's routing was discarded
+    shard.engine.expert_load_window = 3
+    responses: list = []
+    got = _scenario(shard, p, responses)
     hf = load_hf(model_dir)
     for rid in (1, 2, 3):
         assert got[rid] == hf_greedy(hf, p[rid - 1], N), f"{arch} request {rid}"
-    # Every routed (token, layer) pair was counted once per chosen expert: 2 layers, top-2.
+    # Routing statistics: every third sampling step's response carries its window's counts
+    # (through the router's converter), and with what is still counting, every routed
+    # (token, layer) pair once per chosen expert: 2 layers, top-2.
+    windows = [step_output(r).expert_load for r in responses if r.HasField("expert_load")]
+    assert windows and all(len(w) == 4 for w in windows)
+    assert all(r.expert_load.steps == 3 for r in responses if r.HasField("expert_load"))
     tokens = sum(len(x) for x in p) + 3 * N - 3
-    assert sum(model.take_expert_load()) == tokens * 2 * 2
+    assert sum(map(sum, windows)) + sum(model.take_expert_load()) == tokens * 2 * 2
 
 
 @pytest.mark.timeout(600)

@@ -276,29 +276,41 @@ class Timings(_message.Message):
     total_ns: int
     def __init__(self, prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
 
+class ExpertLoad(_message.Message):
+    __slots__ = ("tokens_per_expert", "steps")
+    TOKENS_PER_EXPERT_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    tokens_per_expert: _containers.RepeatedScalarFieldContainer[int]
+    steps: int
+    def __init__(self, tokens_per_expert: _Optional[_Iterable[int]] = ..., steps: _Optional[int] = ...) -> None: ...
+
 class PrefillResponse(_message.Message):
-    __slots__ = ("generations", "batch", "timings", "packed")
+    __slots__ = ("generations", "batch", "timings", "packed", "expert_load")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     batch: CachedBatch
     timings: Timings
     packed: PackedTokens
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., packed: _Optional[_Union[PackedTokens, _Mapping]] = ...) -> None: ...
+    expert_load: ExpertLoad
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., packed: _Optional[_Union[PackedTokens, _Mapping]] = ..., expert_load: _Optional[_Union[ExpertLoad, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("generations", "batch", "timings", "packed")
+    __slots__ = ("generations", "batch", "timings", "packed", "expert_load")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     batch: CachedBatch
     timings: Timings
     packed: PackedTokens
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., packed: _Optional[_Union[PackedTokens, _Mapping]] = ...) -> None: ...
+    expert_load: ExpertLoad
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., packed: _Optional[_Union[PackedTokens, _Mapping]] = ..., expert_load: _Optional[_Union[ExpertLoad, _Mapping]] = ...) -> None: ...
 
 class FilterBatchRequest(_message.Message):
     __slots__ = ("batch_id", "request_ids")
