@@ -167,7 +167,8 @@ def bench_layer(shape: dict, ceilings: dict, layers_count: int, res: dict) -> No
                             moe_route.ALIGN_MAX_SLOTS else None
 
                         def kern(cfg=cfg, lay=lay, w=w, ids32=ids32, moe=moe, x=xs[0]):
-                            fm.fused_moe(x, moe.w13, moe.w2, w, ids32, config=cfg, layout=lay)
+                            fm.fused_moe(x, moe.w13, moe.w2, w, ids32, config=cfg, layout=lay,
+                                         all_local=True)
 
                         sweep[_cfg_name(cfg)] = (wall_time_ms(kern, iters=3) if b == PREFILL
                                                  else _graph_ms(kern))
@@ -200,8 +201,9 @@ def _sweep_configs(batch: int) -> list[Any]:
     if batch >= 1024:
         return [MoeConfig(64, 128, 64, 8, 3), MoeConfig(64, 64, 64, 4, 4),
                 MoeConfig(128, 128, 64, 8, 3), MoeConfig(64, 128, 32, 4, 4)]
-    return [MoeConfig(16, 32, 128, 4, 4), MoeConfig(16, 64, 128, 4, 4),
-            MoeConfig(16, 32, 256, 4, 3), MoeConfig(16, 64, 64, 4, 5),
+    return [MoeConfig(16, 16, 128, 4, 4), MoeConfig(16, 16, 256, 4, 4),
+            MoeConfig(16, 32, 128, 4, 4), MoeConfig(16, 32, 256, 4, 3),
+            MoeConfig(16, 64, 128, 4, 4), MoeConfig(16, 64, 64, 4, 5),
             MoeConfig(16, 128, 128, 8, 3), MoeConfig(32, 64, 64, 4, 4)]
 
 

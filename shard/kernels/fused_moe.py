@@ -182,10 +182,13 @@ def fused_moe(
     scale2: torch.Tensor | None = None,  # [E, H] float32 with fp8 weights
     config: MoeConfig | None = None,
     layout: ExpertLayout | None = None,
+    all_local: bool = False,
 ) -> torch.Tensor:
     """sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j] -> [n, H] x.dtype.
     layout: the routed slots already aligned in blocks of config.block_m rows (e.g. by
-    shard/kernels/moe_route.align); else align_by_expert's torch form builds it."""
+    shard/kernels/moe_route.align); else align_by_expert's torch form builds it.
+    all_local: every id is below E (tensor parallelism: every rank holds every expert), so
+    every slot's output row is written and needs no zeroing (one kernel less)."""
     n, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, inter2, _ = w13.shape
@@ -196,8 +199,10 @@ def fused_moe(
     x = x.contiguous()
     inter = torch.empty(n * top_k, inter2 // 2, dtype=x.dtype, device=x.device)
     _launch(x, w13, inter, scale13, None, layout, top_k, True, cfg)
-    # Zeros: a slot whose expert this rank does not hold is written by neither launch.
-    out = torch.zeros(n * top_k, hidden, dtype=x.dtype, device=x.device)
+    # Zeros unless all_local: a slot whose expert this rank does not hold is written by
+    # neither launch.
+    alloc = torch.empty if all_local else torch.zeros
+    out = alloc(n * top_k, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _launch(inter, w2, out, scale2, weights, layout, 1, False, cfg)
     return out.view(n, top_k, hidden).sum(dim=1)

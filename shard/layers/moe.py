@@ -228,7 +228,7 @@ class FusedMoE(nn.Module, WeightLoader):
             topk_ids = self._local_ids(topk_ids)
             layout = align_by_expert(topk_ids, local, cfg.block_m)
         return fused_moe.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.scale13,
-                                   self.scale2, cfg, layout)
+                                   self.scale2, cfg, layout, all_local=whole)
 
 
     def _warm_up(self, x: torch.Tensor, router_logits: torch.Tensor) -> None:
