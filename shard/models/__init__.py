@@ -41,6 +41,18 @@ def _qwen3(ctx: LoadContext) -> CausalLM:
     return Qwen3ForCausalLM(ctx)
 
 
+def _olmo2(ctx: LoadContext) -> CausalLM:
+    from shard.models.olmo2 import Olmo2ForCausalLM
+
+    return Olmo2ForCausalLM(ctx)
+
+
+def _phi3(ctx: LoadContext) -> CausalLM:
+    from shard.models.phi3 import Phi3ForCausalLM
+
+    return Phi3ForCausalLM(ctx)
+
+
 def _transformers(ctx: LoadContext) -> CausalLM:
     from shard.models.transformers_backend import TransformersCausalLM
 
@@ -49,7 +61,8 @@ def _transformers(ctx: LoadContext) -> CausalLM:
 
 def model_registry() -> dict[str, Callable[[LoadContext], CausalLM]]:
     """model_type -> constructor of our own implementations."""
-    return {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _qwen3}
+    return {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _qwen3,
+            "olmo2": _olmo2, "phi3": _phi3}
 
 
 def load_model(ctx: LoadContext, impl: ModelImpl = ModelImpl.AUTO) -> CausalLM:

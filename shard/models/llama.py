@@ -162,6 +162,7 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(
             head_dim, cfg["max_position_embeddings"], rope_parameters(cfg), ctx.device
         )
+        self.rotary = rotary  # shared by every layer's attention
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], ctx.dist)
         self.layers = nn.ModuleList(
             layer(ctx, rotary, sliding_window, opts) for _ in range(cfg["num_hidden_layers"])
@@ -236,6 +237,7 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [num_logits]
     ) -> torch.Tensor:  # [num_logits, vocab] float32
         embed, layers = self.model.embed_tokens, self.model.layers
+        positions = self.model.rotary.table_rows(positions, meta)  # LongRoPE: per sequence
         if not self.fuses_residuals or not (input_ids.is_cuda or self.fused_residual):
             x = embed(input_ids)  # [num_tokens, hidden]
             for layer, cache in zip(layers, kv_cache):
