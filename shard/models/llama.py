@@ -2,9 +2,10 @@
 tied embeddings, optional q/k/v bias. Only assembles layers (shard/layers/): module names equal
 checkpoint tensor names, and each tensor-parallel layer loads its own slice.
 
-Families that differ from Llama only by layer options (LayerOptions: q/k norms, checkpoint-fused
-projections) or by their decoder layer subclass LlamaForCausalLM in their own file (qwen3.py,
-phi3.py, olmo2.py)."""
+Families that differ from Llama only in layer options (LayerOptions: q/k norms, checkpoint-fused
+projections) or in their decoder layer (OLMo-2's post-norms) subclass LlamaForCausalLM in files
+of their own (qwen3.py, phi3.py, olmo2.py), setting `options`, `decoder_layer` and
+`fuses_residuals`."""
 
 from __future__ import annotations
 
@@ -176,6 +177,8 @@ class LlamaForCausalLM(nn.Module):
     model_impl = "native"
     supports_lora = True  # shard/lora adapts qkv_proj, o_proj, gate_up_proj and down_proj
     options = LayerOptions()  # the family's layer options
+    # Built as decoder_layer(ctx, rotary, sliding_window, options); has forward(x, positions,
+    # cache, meta) -> x, and forward_fused (LlamaDecoderLayer's) where fuses_residuals.
     decoder_layer: type[nn.Module] = LlamaDecoderLayer
     # Whether the decoder layer has forward_fused (residual adds and all-reduces fused into the
     # next norm: pre-norm layers); post-norm layers run their plain forward on every device.
