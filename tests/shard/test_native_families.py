@@ -118,3 +118,16 @@ def test_qwen3_fp8_kv_cache_keeps_clear_choices(models):
     clear = (top2[:, 0] - top2[:, 1]) > 0.3
     assert clear.float().mean() > 0.2
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+def test_variants_the_native_code_does_not_assemble_go_to_the_backend(tmp_path):
+    """Phi-4-mini's partial rotary: auto serves it through the backend, native refuses it naming
+    the field."""
+    from shard.distributed.groups import Dist
+    from shard.server.loader import Shard, ShardConfig
+
+    model_dir = write_tiny_any(tmp_path / "phi3", "phi3", partial_rotary_factor=0.75)
+    assert native_shard(model_dir, model_impl="auto").info.model_impl == "transformers"
+    with pytest.raises(ValueError, match="--model-impl native: the native phi3 code does not "
+                                         "serve partial_rotary_factor 0.75"):
+        Shard(ShardConfig(model_id=str(model_dir), model_impl="native"), Dist())
