@@ -7,6 +7,7 @@
 #   fresh ranks, fresh NCCL and symmetric-memory set-up: what a race would need to show up).
 # A job starts only if it can end inside BUDGET_S (its expected time: the longest of its kind so
 # far, else FILE_S / FUSED_S); jobs left over are reported as not run, never as passed.
+# All runs share one GEMV tuning cache ($TUNING_CACHE_DIR, under WORK): only the first runs measure.
 # Outputs under $OUT (the device returns at most 8 files): summary.txt (also printed last),
 # durations.md (per-test seconds of every file run, setup and call apart), junit_multi_gpu.xml
 # (all runs, one <testsuite> each), logs.tar.gz (every run's log and junit file).
@@ -30,6 +31,11 @@ fi
 echo "GPU pairs: $PAIRS"
 work=${WORK:-/tmp/multi_gpu_runs}
 rm -rf "$work"; mkdir -p "$work/logs" "$work/junit"
+# One GEMV tuning cache for every run of this call (the test file and the shards it launches read
+# $TUNING_CACHE_DIR): the first runs measure each shape once (the two pairs' ranks share it through
+# the cache's per-shape lock), every later run reads. Triton's compiled kernels are shared through
+# its default on-disk cache (~/.triton/cache) already.
+export TUNING_CACHE_DIR="$work/gemv_tuning"
 echo 0 > "$work/next"
 total=$((FILE_RUNS + FUSED_RUNS))
 start=$SECONDS
@@ -153,6 +159,8 @@ ET.ElementTree(suites).write(out / "junit_multi_gpu.xml", encoding="utf-8", xml_
 lines += ["", *md]
 (out / "summary.txt").write_text("\n".join(lines) + "\n")
 EOF
+ls "$TUNING_CACHE_DIR"/*.json 2>/dev/null | wc -l | sed 's/^/tuning cache entries at the end: /' \
+  | tee -a "$OUT/summary.txt"
 tar czf "$OUT/logs.tar.gz" -C "$work" logs junit results gpus.txt
 echo "total wall: $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
 cat "$OUT/summary.txt"
