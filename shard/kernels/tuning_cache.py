@@ -96,8 +96,8 @@ class TuningCache:
         try:
             stored = json.loads(text)
             if not isinstance(stored, dict) or not isinstance(stored.get("value"), dict):
-                raise ValueError("not a {key, value} object")
-        except ValueError as exc:
+                raise TypeError("not a {key, value} object")
+        except (ValueError, TypeError) as exc:
             log.warning("tuning cache: ignoring corrupt %s (%s); tuning again", path, exc)
             return None
         if stored.get("key") != _canonical(key):

@@ -52,11 +52,10 @@ import importlib.util
 import logging
 import threading
 from collections.abc import Iterator, Mapping
-from pathlib import Path
-from typing import Any
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
