@@ -36,6 +36,8 @@ rm -rf "$work"; mkdir -p "$work/logs" "$work/junit"
 # the cache's per-shape lock), every later run reads. Triton's compiled kernels are shared through
 # its default on-disk cache (~/.triton/cache) already.
 export TUNING_CACHE_DIR="$work/gemv_tuning"
+# The trained tiny model (seeded, ~17 s of training) is made by the first run and reused.
+export TRAINED_TINY_DIR="$work/trained-llama"
 echo 0 > "$work/next"
 total=$((FILE_RUNS + FUSED_RUNS))
 start=$SECONDS

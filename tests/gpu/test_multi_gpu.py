@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -56,12 +57,26 @@ GREEDY_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def trained_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The trained tiny llama (clear greedy choices), made once for the module."""
+    """The trained tiny llama (clear greedy choices), made once for the module; with
+    $TRAINED_TINY_DIR set (benchmarks/run_multi_gpu_device.sh), made once for every run naming
+    that directory (a seeded build, ~17 s of training): written beside it and renamed into
+    place, so a run side by side never reads a half-written model."""
     from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
     from shard.tools.tiny_training import RECOMMENDED_STEPS
 
-    return make_tiny_model(tmp_path_factory.mktemp("tp") / "trained-llama",
-                           TinyModelSpec("llama", train_steps=RECOMMENDED_STEPS))
+    spec = TinyModelSpec("llama", train_steps=RECOMMENDED_STEPS)
+    if not os.environ.get("TRAINED_TINY_DIR"):
+        return make_tiny_model(tmp_path_factory.mktemp("tp") / "trained-llama", spec)
+    target = Path(os.environ["TRAINED_TINY_DIR"])
+    if not (target / "config.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        mine = make_tiny_model(target.parent / f".{target.name}.{os.getpid()}", spec)
+        try:
+            mine.rename(target)
+        except OSError:  # another run's model got there first: use it
+            shutil.rmtree(mine, ignore_errors=True)
+            assert (target / "config.json").is_file(), target
+    return target
 
 
 @pytest.fixture(scope="module")
