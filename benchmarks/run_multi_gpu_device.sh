@@ -7,7 +7,8 @@
 #   fresh ranks, fresh NCCL and symmetric-memory set-up: what a race would need to show up).
 # A job starts only if it can end inside BUDGET_S (its expected time: the longest of its kind so
 # far, else FILE_S / FUSED_S); jobs left over are reported as not run, never as passed.
-# All runs share one GEMV tuning cache ($TUNING_CACHE_DIR, under WORK): only the first runs measure.
+# All runs share one GEMV tuning cache ($TUNING_CACHE_DIR, default /tmp/tokenwire_gemv_tuning: kept
+# across calls on a warm machine) and one trained tiny model: only the first runs measure / train.
 # Outputs under $OUT (the device returns at most 8 files): summary.txt (also printed last),
 # durations.md (per-test seconds of every file run, setup and call apart), junit_multi_gpu.xml
 # (all runs, one <testsuite> each), logs.tar.gz (every run's log and junit file).
@@ -31,13 +32,14 @@ fi
 echo "GPU pairs: $PAIRS"
 work=${WORK:-/tmp/multi_gpu_runs}
 rm -rf "$work"; mkdir -p "$work/logs" "$work/junit"
-# One GEMV tuning cache for every run of this call (the test file and the shards it launches read
+# One GEMV tuning cache for every run (the test file and the shards it launches read
 # $TUNING_CACHE_DIR): the first runs measure each shape once (the two pairs' ranks share it through
-# the cache's per-shape lock), every later run reads. Triton's compiled kernels are shared through
-# its default on-disk cache (~/.triton/cache) already.
-export TUNING_CACHE_DIR="$work/gemv_tuning"
+# the cache's per-shape lock), every later run reads. Outside $work, so that a second call on the
+# same (still warm) machine reads it too, as Triton's own on-disk cache (~/.triton/cache) is kept.
+export TUNING_CACHE_DIR=${TUNING_CACHE_DIR:-/tmp/tokenwire_gemv_tuning}
 # The trained tiny model (seeded, ~17 s of training) is made by the first run and reused.
-export TRAINED_TINY_DIR="$work/trained-llama"
+export TRAINED_TINY_DIR=${TRAINED_TINY_DIR:-/tmp/tokenwire_trained_llama}
+ls "$TUNING_CACHE_DIR"/*.json 2>/dev/null | wc -l | sed 's/^/tuning cache entries at the start: /'
 echo 0 > "$work/next"
 total=$((FILE_RUNS + FUSED_RUNS))
 start=$SECONDS

@@ -37,9 +37,10 @@ if [ "${FAKE:-0}" != 0 ]; then
     --context 64 --requests 8 --workdir /tmp/tw70b_fake "$@"
 fi
 # One GEMV tuning cache for every part (the TP=4 ranks measure a shape once between them; the
-# e2e deployment reads what the TP=4 part measured). Flags after "$@" in the call override it.
+# e2e deployment reads what the TP=4 part measured). Fresh per call (under $work) unless
+# TUNING_CACHE_DIR names one, so the parts' first-step seconds show a cold tuning.
 timeout -k 20 "${TIMEOUT_S:-500}" python3 -m benchmarks.tp_scale --out "$work/out" \
-  --tuning-cache-dir "$work/gemv_tuning" "$@" 2>&1 \
+  --tuning-cache-dir "${TUNING_CACHE_DIR:-$work/gemv_tuning}" "$@" 2>&1 \
   | grep --line-buffered -v -i -E "warn|Loading weights|^\s*$|enable\(" | tee "$work/tp_scale.log"
 echo "driver exit: ${PIPESTATUS[0]} (124: TIMEOUT_S reached; parts saved before it are kept)"
 kill "$sampler" 2>/dev/null
