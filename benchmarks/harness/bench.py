@@ -63,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--requests", type=int, default=1000, help="end-to-end requests")
     a("--clients", type=int, default=4, help="load-client processes")
     a("--e2e-timeout", type=float, default=300.0)
+    a("--tuning-cache-dir", default=None,
+      help="the e2e deployment's --tuning-cache-dir (default: the shard's own default)")
     a("--e2e-overlap", choices=["on", "off", "both"], default="both",
       help="e2e with the router's --overlap, --no-overlap, or both (A/B, one after the other)")
     a("--engine-profile-start", type=int, default=200,
@@ -383,6 +385,8 @@ def bench_e2e(model_dir: Path, args, log_path: Path, overlap: bool = True) -> di
         "--model-impl", args.model_impl,
     ] + (["--quantize", args.quantize] if args.quantize else []) + (
         [] if overlap else ["--no-overlap"])
+    if getattr(args, "tuning_cache_dir", None):
+        cmd += ["--tuning-cache-dir", str(args.tuning_cache_dir)]
     trace_dir = args.workdir / "profiles" / log_path.stem
     if args.e2e_profile_from_step is not None:
         cmd += ["--profile-from-step", str(args.e2e_profile_from_step),
