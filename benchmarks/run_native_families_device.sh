@@ -16,8 +16,9 @@ timeout 75 python3 -m pytest -q -m gpu tests/gpu/test_qk_norm_cuda.py \
   > $OUT/gpu_tests_native_families.log; tail -3 $OUT/gpu_tests_native_families.log
 for shape in qwen3 llama; do
   mkdir -p $OUT/$shape
+  # SIGINT at the limit: the harness's finally blocks stop the e2e deployment before the next run.
   limit=185; [ $shape = qwen3 ] && limit=215  # 36 layers, a larger vocabulary; GEMV tuning at warm-up
-  timeout $limit python3 -m benchmarks.harness --model-type $shape --parts decode,e2e \
+  timeout -s INT -k 15 $limit python3 -m benchmarks.harness --model-type $shape --parts decode,e2e \
     --decode-batches 1,64,256 --skip-ab --e2e-overlap on --out $OUT/$shape --workdir /tmp/twb \
     2>&1 | grep -v "Loading weights\|Writing model shards" > $OUT/$shape/bench.log
   grep -E "^decode b=|requests_per_s|Traceback|Error" $OUT/$shape/bench.log | cut -c1-300 | tail -8
