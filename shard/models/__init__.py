@@ -77,7 +77,8 @@ def load_model(ctx: LoadContext, impl: ModelImpl = ModelImpl.AUTO) -> CausalLM:
     if native is not None and impl is not ModelImpl.TRANSFORMERS:
         try:
             model = native(ctx)
-        except NotServedNatively as exc:
+        # NotImplementedError: a layer option the native layers lack (a rope_type, say)
+        except (NotServedNatively, NotImplementedError) as exc:
             if impl is ModelImpl.NATIVE:
                 raise ValueError(f"--model-impl native: the native {model_type} code does not "
                                  f"serve {exc}; use --model-impl auto") from None

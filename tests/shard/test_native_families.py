@@ -120,14 +120,20 @@ def test_qwen3_fp8_kv_cache_keeps_clear_choices(models):
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
-def test_variants_the_native_code_does_not_assemble_go_to_the_backend(tmp_path):
-    """Phi-4-mini's partial rotary: auto serves it through the backend, native refuses it naming
-    the field."""
+@pytest.mark.parametrize(("family", "extra", "why"), [
+    ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),  # Phi-4-mini
+    ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                "original_max_position_embeddings": 1024}},
+     "rope_type 'yarn' is not supported"),
+])
+def test_variants_the_native_code_does_not_assemble_go_to_the_backend(tmp_path, family, extra,
+                                                                       why):
+    """auto serves them through the backend; native refuses them naming what it lacks."""
     from shard.distributed.groups import Dist
     from shard.server.loader import Shard, ShardConfig
 
-    model_dir = write_tiny_any(tmp_path / "phi3", "phi3", partial_rotary_factor=0.75)
+    model_dir = write_tiny_any(tmp_path / family, family, **extra)
     assert native_shard(model_dir, model_impl="auto").info.model_impl == "transformers"
-    with pytest.raises(ValueError, match="--model-impl native: the native phi3 code does not "
-                                         "serve partial_rotary_factor 0.75"):
+    with pytest.raises(ValueError, match=f"--model-impl native: the native {family} code does "
+                                         f"not serve {why}"):
         Shard(ShardConfig(model_id=str(model_dir), model_impl="native"), Dist())
