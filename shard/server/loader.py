@@ -14,6 +14,7 @@ from shard.attention import get_backend
 from shard.distributed.groups import Dist
 from shard.engine.batches import BatchState
 from shard.errors import FailedPreconditionError
+from shard.kernels import tuning_cache
 from shard.lora import (
     AdapterFacts,
     AdapterSource,
@@ -177,6 +178,8 @@ class Shard:
             self.cfg.max_batch_total_tokens,
         )
         self.runner.model.take_expert_counts()  # warmup's routing is not served traffic
+        # So far in this process (the warm-up's eager prefill tunes every decode-linear shape).
+        log.info("warmup: %s", tuning_cache.stats().describe())
         return result
 
     # ---- LoRA adapters ------------------------------------------------------------------------
