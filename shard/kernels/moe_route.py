@@ -7,12 +7,14 @@ experts' weight streaming itself (48 layers x 35 launches of 2-3 us against a ~2
   family's renormalization; writes weights [n, k] float32 and ids [n, k] int32. Same math as
   moe_align.route (ties go to the lower expert id).
 - `align`: ONE program for the whole step: the per-expert histogram, padded to whole blocks, its
-  prefix sum, each block's expert, and every routed slot scattered to its place (slots of one
-  expert in token order, like moe_align.align_by_expert's stable sort: a slot's place is its
-  expert's running offset plus the count of equal ids before it in its chunk). Optionally adds
-  the real rows' routed counts into a statistics row (shard/layers/moe.py's RoutingStats).
-  Sequential over chunks of CHUNK slots, so it serves decode-sized steps (the layer uses the
-  torch form above ALIGN_MAX_SLOTS, where a prefill's GEMMs dwarf it anyway).
+  prefix sum, each block's expert, and every routed slot scattered to its place (an atomic
+  increment of its expert's running offset: within an expert the slots' order is the order the
+  atomics land, which changes nothing computed, since each row of a block is its own dot
+  products; under the interpreter they land in token order, as moe_align.align_by_expert's
+  stable sort puts them). Optionally adds the real rows' routed counts into a statistics row
+  (shard/layers/moe.py's RoutingStats). Sequential over chunks of CHUNK slots, so it serves
+  decode-sized steps (the layer uses the torch form above ALIGN_MAX_SLOTS, where a prefill's
+  GEMMs dwarf it anyway).
 Both keep every shape static (no host sync): CUDA-graph safe. Imported only on CUDA; both also
 run under TRITON_INTERPRET=1 (tests/shard/test_triton_moe_interpreter.py).
 """
@@ -26,7 +28,8 @@ import triton.language as tl
 from shard.kernels.moe_align import ExpertLayout, MoeRouting, max_padded_rows
 
 ALIGN_MAX_SLOTS = 8192  # n * k up to which `align` is used (decode and small prefills)
-_CHUNK = 64
+_CHUNK = 512  # slots per iteration of the histogram and scatter loops
+_BLOCK_CHUNK = 32  # blocks per iteration of the block-expert loop ([32, bins] comparisons)
 
 
 @triton.jit
@@ -81,9 +84,10 @@ def route(logits: torch.Tensor, routing: MoeRouting) -> tuple[torch.Tensor, torc
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, offsets_ptr,
                   counts_ptr, valid_ptr, num_slots, E, max_padded, num_blocks,
                   TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BINS: tl.constexpr,
-                  CHUNK: tl.constexpr, COUNT: tl.constexpr):
+                  CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr, COUNT: tl.constexpr):
     bins = tl.arange(0, BINS)
     lanes = tl.arange(0, CHUNK)
+    block_lanes = tl.arange(0, BLOCK_CHUNK)
     # 1. routed slots per expert (ids outside [0, E): another rank's experts, dropped)
     hist = tl.zeros([BINS], dtype=tl.int32)
     for c0 in range(0, num_slots, CHUNK):
@@ -102,8 +106,8 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, offsets
     tl.store(num_padded_ptr, tl.sum(padded, 0))
     # 3. each block's expert: how many experts end at or before the block's first row (E for
     # the unused blocks at the end)
-    for b0 in range(0, num_blocks, CHUNK):
-        blocks = b0 + lanes
+    for b0 in range(0, num_blocks, BLOCK_CHUNK):
+        blocks = b0 + block_lanes
         first_row = blocks * BLOCK_M
         before = (end[None, :] <= first_row[:, None]) & (bins[None, :] < E)
         tl.store(block_expert_ptr + blocks, tl.sum(before.to(tl.int32), 1), mask=blocks < num_blocks)
@@ -112,23 +116,14 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, offsets
         rows = p0 + lanes
         tl.store(sorted_ptr + rows, tl.zeros([CHUNK], dtype=tl.int32) + num_slots,
                  mask=rows < max_padded)
-    run = start
-    tl.store(offsets_ptr + bins, run)
-    tl.debug_barrier()
+    tl.store(offsets_ptr + bins, start)
+    tl.debug_barrier()  # the sentinel fill and the offsets land before the scatter
     for c0 in range(0, num_slots, CHUNK):
         offs = c0 + lanes
         e = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1).to(tl.int32)
         keep = (offs < num_slots) & (e >= 0) & (e < E)
-        e = tl.where(keep, e, -1)
-        # equal ids earlier in the chunk: the slot's rank among its expert's slots of the chunk
-        earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])
-        rank = tl.sum(earlier.to(tl.int32), 1)
-        base = tl.load(offsets_ptr + e, mask=keep, other=0)
-        tl.store(sorted_ptr + base + rank, offs, mask=keep)
-        run += tl.histogram(tl.where(keep, e, 0), BINS, mask=keep)
-        tl.debug_barrier()  # every lane read its base before the offsets move on
-        tl.store(offsets_ptr + bins, run)
-        tl.debug_barrier()
+        place = tl.atomic_add(offsets_ptr + tl.where(keep, e, 0), 1, mask=keep)
+        tl.store(sorted_ptr + place, offs, mask=keep)
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
@@ -154,7 +149,8 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         topk_ids.reshape(-1), sorted_ids, block_expert, num_padded, offsets,
         count_into if count else offsets, valid if count else offsets,
         slots, num_experts, max_padded, num_blocks,
-        TOP_K=topk_ids.shape[-1], BLOCK_M=block_m, BINS=bins, CHUNK=_CHUNK, COUNT=count,
+        TOP_K=topk_ids.shape[-1], BLOCK_M=block_m, BINS=bins, CHUNK=_CHUNK,
+        BLOCK_CHUNK=_BLOCK_CHUNK, COUNT=count,
         num_warps=4,
     )
     return ExpertLayout(sorted_ids, block_expert, num_padded, block_m, slots)
