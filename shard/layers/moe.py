@@ -136,8 +136,11 @@ class FusedMoE(nn.Module, WeightLoader):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(local, hidden, self.inter_local), requires_grad=False)
         # fp8: per expert and output channel, float32 ([E, 2I], [E, H]); None for 16-bit weights
-        self.scale13: torch.Tensor | None = None
-        self.scale2: torch.Tensor | None = None
+        # (buffers: memory reports count them)
+        self.scale13: torch.Tensor | None
+        self.scale2: torch.Tensor | None
+        self.register_buffer("scale13", None, persistent=False)
+        self.register_buffer("scale2", None, persistent=False)
         self.stats: RoutingStats | None = None
         self.layer_index = 0
         self._warm = False
