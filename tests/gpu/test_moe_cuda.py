@@ -48,9 +48,13 @@ def _reference(moe, x, logits):
     return per_expert_loop(x.float(), w13, w2, w, ids)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("top_k", [1, 2, 8])
-@pytest.mark.parametrize("n", [1, 7, 64, 300, 1500])
+# (tokens, top_k, fp8): decode sizes (the one-launch layout), a prefill past ALIGN_MAX_SLOTS (the
+# torch layout, 64-row tiles), each top-k; a few cases only: every (top_k, dtype) compiles its
+# own kernel variants.
+@pytest.mark.parametrize(("n", "top_k", "fp8"), [
+    (1, 8, False), (64, 8, False), (1500, 8, False), (7, 1, False), (300, 2, False),
+    (1, 8, True), (300, 8, True),
+])
 def test_fused_layer_matches_the_per_expert_loop(n, top_k, fp8):
     moe = _layer(top_k, fp8)
     gen = torch.Generator(device="cuda").manual_seed(n)
