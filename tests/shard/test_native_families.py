@@ -134,6 +134,6 @@ def test_variants_the_native_code_does_not_assemble_go_to_the_backend(tmp_path, 
 
     model_dir = write_tiny_any(tmp_path / family, family, **extra)
     assert native_shard(model_dir, model_impl="auto").info.model_impl == "transformers"
-    with pytest.raises(ValueError, match=f"--model-impl native: the native {family} code does "
-                                         f"not serve {why}"):
+    with pytest.raises(ValueError, match=f"--model-impl native: the native {family} code "
+                                         f"cannot serve this config: {why}"):
         Shard(ShardConfig(model_id=str(model_dir), model_impl="native"), Dist())
