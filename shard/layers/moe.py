@@ -33,12 +33,12 @@ from torch import nn
 
 from shard.distributed.groups import Dist
 from shard.kernels.moe_align import MoeRouting, align_by_expert, grouped_moe_torch, route
-
-__all__ = ["ExpertNames", "FusedMoE", "MoeRouting", "RoutingStats", "SparseMoeBlock"]
 from shard.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from shard.layers.weights import WeightLoader, Weights
 from shard.quantization.fp8 import FP8_DTYPE, quantize_fp8_per_channel
 from shard.quantization.methods import QuantizeMethod
+
+__all__ = ["ExpertNames", "FusedMoE", "MoeRouting", "RoutingStats", "SparseMoeBlock"]
 
 # Rows per block of the CPU path's batched matmuls (the CUDA kernel picks its own).
 _CPU_BLOCK_M = 8
@@ -61,8 +61,10 @@ class RoutingStats:
     """Routed tokens per (MoE layer, expert), summed on the device since the last read.
 
     `begin_step(valid)` gives the step's real rows (CUDA-graph padding rows excluded); each
-    layer's `record` adds its counts; `take()` reads and clears them (one small device-to-host
-    copy, made by the shard where it already waits for the step's tokens)."""
+    layer adds its counts (`record`, or the CUDA layout kernel itself); `take_device()` hands
+    the sums over as a device tensor and clears them (the shard copies it to the host with a
+    step's sampled tokens: shard/engine/batches.py), `take()` reads them per layer (tests,
+    benchmarks)."""
 
     def __init__(self, num_layers: int, num_experts: int, device: torch.device):
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
