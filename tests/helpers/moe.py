@@ -15,8 +15,9 @@ STEPS = 8  # greedy decode steps of the two-rank check
 
 
 def moe_shard(model_dir: Path, dist: Dist | None = None, **config: Any) -> Shard:
-    """A warmed-up CPU shard of model_dir on tokenwire's native code (float32)."""
-    config.setdefault("model_impl", "native")
+    """A warmed-up CPU shard of model_dir (float32) under --model-impl auto, which serves the
+    MoE families natively (the tests assert it)."""
+    config.setdefault("model_impl", "auto")
     shard = Shard(ShardConfig(model_id=str(model_dir), kv_cache_memory_mb=2, **config),
                   dist or Dist())
     shard.warmup(WarmupSpec(64, 128, 128, 4, max_batch_total_tokens=512))
@@ -35,5 +36,6 @@ def moe_greedy_rank(dist: Dist, device: str, job: dict[str, Any], res: dict[str,
     for name, model_dir in job["dirs"].items():
         shard = moe_shard(Path(model_dir), dist)
         res.setdefault("tokens", {})[name] = greedy_tokens(shard, STEPS)
+        assert shard.info.model_impl == "native", name
         experts = next(m for m in shard.runner.model.modules() if isinstance(m, FusedMoE))
         res.setdefault("inter_local", {})[name] = experts.inter_local
