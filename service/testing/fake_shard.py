@@ -46,6 +46,8 @@ class FakeShardConfig:
     step_delay_s: float = 0.0  # sleep in each Prefill/Decode (to keep requests in flight)
     fail_after_steps: int | None = None  # abort every step after this many with UNAVAILABLE
     eos_token_id: int | None = None  # emit EOS as the 2nd token when set (and not ignored)
+    # a MoE model's routing window (tokens per expert) attached to every step's answer
+    expert_load: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -398,6 +400,9 @@ class FakeShard(pb_grpc.ShardServiceServicer):
         t0 = time.perf_counter_ns()
         alive = [rid for rid in order if rid in self.reqs]
         resp = cls(generations=gens, timings=pb.Timings(forward_ns=1, total_ns=1))
+        if self.config.expert_load is not None:
+            resp.expert_load.tokens_per_expert.extend(self.config.expert_load)
+            resp.expert_load.steps = 1
         if alive:
             self.batches[batch_id] = alive
             resp.batch.CopyFrom(pb.CachedBatch(id=batch_id, request_ids=alive))

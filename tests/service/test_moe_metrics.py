@@ -4,10 +4,22 @@ router's /metrics exposes."""
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 from prometheus_client import generate_latest
 
-from service.engine.contracts import EXPERT_LOAD_BOUNDS, EngineStats, ExpertLoadHistogram
+from service.engine.contracts import (
+    EXPERT_LOAD_BOUNDS,
+    EngineStats,
+    ExpertLoadHistogram,
+    SamplingConfig,
+    StoppingConfig,
+    ValidatedRequest,
+)
 from service.observability.metrics import ServerMetrics
+from service.testing import FakeShardConfig
+from tests.helpers.engine_harness import engine_on_fake_shard
 
 
 def test_each_window_observes_every_experts_share_times_the_expert_count():
@@ -20,6 +32,25 @@ def test_each_window_observes_every_experts_share_times_the_expert_count():
     at = {b: i for i, b in enumerate(EXPERT_LOAD_BOUNDS)}
     assert h.counts[at[0.0]] == 1 and h.counts[at[1.1]] == 6 and h.counts[at[2.0]] == 1
     assert sum(h.counts) == 8
+
+
+@pytest.mark.timeout(30)
+async def test_the_engine_folds_every_reported_window_into_its_stats():
+    """A shard answering every step with a window of (6, 2, 0, 0) routed pairs: each step's
+    window is one observation per expert (ratios 3, 1, 0, 0)."""
+    async for h in engine_on_fake_shard(FakeShardConfig(num_blocks=64, block_size=4,
+                                                        expert_load=(6, 2, 0, 0))):
+        assert h.engine.stats().expert_load is None  # nothing reported yet
+        request = ValidatedRequest(request_id="t", input_ids=(5, 6, 7), sampling=SamplingConfig(),
+                                   stopping=StoppingConfig(max_new_tokens=4))
+        events = [ev async for ev in h.engine.submit(request)]
+        await asyncio.sleep(0)
+        load = h.engine.stats().expert_load
+        assert len(events) == 4 and load is not None and load.windows >= 4
+        assert sum(load.counts) == 4 * load.windows and load.total == 4.0 * load.windows
+        at = {b: i for i, b in enumerate(EXPERT_LOAD_BOUNDS)}
+        assert load.counts[at[0.0]] == 2 * load.windows
+        assert load.counts[at[1.1]] == load.counts[at[3.0]] == load.windows
 
 
 def test_metrics_endpoint_exposes_the_histogram_only_for_moe_models():
