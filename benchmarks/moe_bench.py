@@ -409,6 +409,17 @@ def extrapolate(models: list[dict], target: int) -> dict:
             roofline = rfit[0] + rfit[1] * target
             out[str(b)] = {"fixed_ms": fit[0], "ms_per_layer": fit[1], "step_ms": step,
                            "roofline_ms": roofline, "pct_of_roofline": roofline / step * 100}
+            # fp8 measured at one layer count: its per-layer cost with the bf16 fit's fixed
+            # part (embedding, LM head and final norm stay bf16 under --quantize fp8).
+            for m in models:
+                if m.get("quantize") == "fp8" and "decode" in m:
+                    r = next((r for r in m["decode"] if r["batch"] == b), None)
+                    if r is not None:
+                        ms = r.get("graph_replay_ms", r.get("eager_wall_ms"))
+                        per_layer = (ms - fit[0]) / m["layers"]
+                        fp8_step = fit[0] + per_layer * target
+                        out[str(b)].update(fp8_ms_per_layer=per_layer, fp8_step_ms=fp8_step,
+                                           fp8_speedup=step / fp8_step)
     return out
 
 
@@ -471,6 +482,12 @@ def write_report(res: dict, out: Path) -> None:
             lines.append(f"| {b} | {r['ms_per_layer']:.3f} | {r['fixed_ms']:.3f} | "
                          f"{r['step_ms']:.2f} | {r['roofline_ms']:.2f} | "
                          f"{r['pct_of_roofline']:.0f} |")
+        fp8 = {b: r for b, r in res["extrapolated"].items() if "fp8_step_ms" in r}
+        if fp8:
+            lines += ["", f"fp8 (--quantize fp8) at {FULL_LAYERS} layers, the bf16 fit's fixed part "
+                      "with the measured fp8 per-layer cost: " + ", ".join(
+                          f"b={b}: {r['fp8_step_ms']:.2f} ms ({r['fp8_speedup']:.2f}x bf16)"
+                          for b, r in sorted(fp8.items(), key=lambda kv: int(kv[0])))]
     if res.get("e2e"):
         e = res["e2e"]
         lines += ["", f"e2e ({e.get('layers')} layers): " + ", ".join(
