@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issue 39 (fused MoE), < 8 minutes on one H100 (or H200): the MoE GPU tests
 # (compiled kernels vs the per-expert loop, a CUDA-graph capture of the layer, the tiny Mixtral /
-# Qwen2-MoE / Qwen3-MoE models on CUDA = CPU, eager and from graphs), then benchmarks/moe_bench.py
+# Qwen2-MoE / Qwen3-MoE shards on CUDA = CPU, decode from graphs), then benchmarks/moe_bench.py
 # on the Qwen3-30B-A3B shape: one layer (fused vs naive loop vs fp8, tiling sweep, prefill 4096),
 # random checkpoints of 4 and 8 layers through the shard's loader (decode graphs at batch 1 / 64
 # / 256 with each step's byte roofline, extrapolated to 48 layers; fp8 vs bf16 at batch 1;

@@ -1,8 +1,8 @@
 """The fused MoE path on CUDA (shard/kernels/fused_moe.py, moe_route.py, shard/layers/moe.py):
 the compiled kernels against the per-expert loop (bf16 and fp8 experts, top-k 1 / 2 / 8, decode
 and prefill sizes, empty experts), a CUDA-graph capture of the layer (replays equal eager,
-padding rows not counted), and the tiny Mixtral / Qwen2-MoE / Qwen3-MoE models on CUDA (float32:
-exact dots) generating the CPU path's greedy tokens, eagerly and from CUDA graphs."""
+padding rows not counted), and the tiny Mixtral / Qwen2-MoE / Qwen3-MoE shards on CUDA (float32:
+exact dots) generating the CPU path's greedy tokens from their decode CUDA graphs."""
 
 from __future__ import annotations
 
@@ -108,27 +108,14 @@ def moe_models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
-def test_tiny_moe_models_on_cuda_match_cpu_eager_and_graphs(moe_models, arch):
-    from shard.distributed.groups import Dist
-    from shard.runner.cuda_graphs import CudaGraphDecodeRunner
-    from shard.server.loader import Shard, ShardConfig
-    from tests.gpu.test_cuda_paths import PROMPTS, _greedy
+def test_tiny_moe_models_on_cuda_match_cpu_with_graphs(moe_models, arch):
+    """The shard as served (warm-up, then decode from its CUDA graphs) generates the CPU path's
+    greedy tokens (float32: the kernels' dots are exact fp32 there)."""
+    from shard.testing.tiny import greedy_tokens
+    from tests.helpers.moe import moe_shard
 
-    def load(device: str):
-        return Shard(ShardConfig(model_id=str(moe_models[arch]), dtype="float32", device=device),
-                     Dist())
-
-    cpu = load("cpu")
-    cpu.runner.allocate_kv_cache(64)
-    want, _ = _greedy(cpu.runner, PROMPTS, 12)
-    gpu = load("cuda")
-    assert gpu.info.model_impl == "native"
-    gpu.runner.allocate_kv_cache(64)
-    eager, _ = _greedy(gpu.runner, PROMPTS, 12)
-    assert eager == want
-    gpu.runner.allocate_kv_cache(64)
-    graphs = CudaGraphDecodeRunner(gpu.runner.forward, gpu.runner.device, gpu.runner.block_size,
-                                   max_batch=8, max_blocks_per_seq=16)
-    graphs.capture()
-    got, _ = _greedy(gpu.runner, PROMPTS, 12, graphs=graphs)  # 4 seqs padded to bucket 4/8
-    assert got == want
+    want = greedy_tokens(moe_shard(moe_models[arch]), 12)
+    gpu = moe_shard(moe_models[arch], device="cuda")
+    assert gpu.info.model_impl == "native" and gpu.runner.graphs is not None
+    assert greedy_tokens(gpu, 12) == want
+    assert gpu.runner.last_path == "decode_graph"
