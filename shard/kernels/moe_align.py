@@ -20,6 +20,7 @@ most block_m - 1 padding rows, and at most min(num_experts, n * k) experts are n
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -114,29 +115,30 @@ def grouped_moe_torch(
     scale13: torch.Tensor | None = None,  # [E, 2I] float32 with fp8 weights
     scale2: torch.Tensor | None = None,  # [E, H] float32 with fp8 weights
 ) -> torch.Tensor:
-    """The fused layer's math in torch on the aligned layout (the CPU path, and what the Triton
-    kernel computes): per block of rows one batched matmul with its expert's weights, gate/up ->
-    silu(gate) * up -> down, times the routing weight, summed over each token's k slots.
-    Returns [n, H] in x's dtype."""
+    """The fused layer's math in torch on the aligned layout (the CPU path; the Triton kernel
+    computes the same per block): rows gathered by the layout (padding rows zero), each run of
+    one expert's blocks through its gate/up -> silu(gate) * up -> down (one matmul pair per
+    expert, its weights dequantized one expert at a time), times the routing weight, summed over
+    each token's k slots. Returns [n, H] in x's dtype."""
     n, hidden = x.shape
     slots = layout.num_slots
     used = int(layout.num_padded.item())  # CPU path: a host read is free
-    blocks = used // layout.block_m
+    bm = layout.block_m
     ids = layout.sorted_ids[:used].long()  # [used]
     valid = ids < slots
     token = torch.where(valid, ids // top_k, 0)
-    a = (x[token] * valid[:, None]).view(blocks, layout.block_m, hidden)  # [B, bm, H]
-    experts = layout.block_expert[:blocks].long()  # [B]
-    g13 = w13[experts].to(x.dtype)  # [B, 2I, H]
-    if scale13 is not None:
-        g13 = g13 * scale13[experts][:, :, None].to(x.dtype)
-    h = torch.bmm(a, g13.transpose(1, 2))  # [B, bm, 2I]
-    gate, up = h.chunk(2, dim=-1)
-    h = torch.nn.functional.silu(gate) * up  # [B, bm, I]
-    g2 = w2[experts].to(x.dtype)  # [B, H, I]
-    if scale2 is not None:
-        g2 = g2 * scale2[experts][:, :, None].to(x.dtype)
-    y = torch.bmm(h, g2.transpose(1, 2)).view(used, hidden)  # [used, H]
+    a = x[token] * valid[:, None].to(x.dtype)  # [used, H]
+    y = torch.zeros(used, hidden, dtype=x.dtype, device=x.device)
+    row = 0
+    for e, run in itertools.groupby(layout.block_expert[: used // bm].tolist()):
+        rows = slice(row, row + bm * len(list(run)))
+        row = rows.stop
+        g13, g2 = w13[e].to(x.dtype), w2[e].to(x.dtype)  # [2I, H], [H, I]
+        if scale13 is not None and scale2 is not None:
+            g13 = g13 * scale13[e][:, None].to(x.dtype)
+            g2 = g2 * scale2[e][:, None].to(x.dtype)
+        gate, up = (a[rows] @ g13.t()).chunk(2, dim=-1)
+        y[rows] = (torch.nn.functional.silu(gate) * up) @ g2.t()
     w = topk_weights.reshape(-1)[torch.where(valid, ids, 0)] * valid  # [used] float32
     out = torch.zeros(slots + 1, hidden, dtype=torch.float32, device=x.device)
     out.index_add_(0, torch.where(valid, ids, slots), y.float() * w[:, None])
