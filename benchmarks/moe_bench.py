@@ -582,9 +582,9 @@ def main(argv: list[str] | None = None) -> int:
                                    "--requests", str(args.e2e_requests)])
             hargs.e2e_device = "cpu" if args.tiny else "cuda"
             hargs.e2e_timeout = 150.0
+            hargs.e2e_profile_from_step = None  # no device timeline: time is short
             if args.tiny:
                 hargs.requests, hargs.clients, hargs.e2e_warmup_requests = 4, 2, 0
-                hargs.e2e_profile_from_step = None
             d = args.workdir / f"qwen3-moe-{counts[0]}l"
             res["e2e"] = dict(bench.bench_e2e(d, hargs, args.out / "e2e_server.log"),
                               layers=counts[0])
