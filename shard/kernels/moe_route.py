@@ -94,12 +94,15 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, offsets
         offs = c0 + lanes
         e = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1).to(tl.int32)
         keep = (offs < num_slots) & (e >= 0) & (e < E)
-        hist += tl.histogram(tl.where(keep, e, 0), BINS, mask=keep)
+        # slots not counted go to bin E (BINS > E), dropped below: no histogram mask, which
+        # the device's Triton (3.6) may lack
+        hist += tl.histogram(tl.where(keep, e, E), BINS)
         if COUNT:  # statistics: real rows only (CUDA-graph padding rows have valid 0)
             v = tl.load(valid_ptr + offs // TOP_K, mask=offs < num_slots, other=0) != 0
-            counted = tl.histogram(tl.where(keep & v, e, 0), BINS, mask=keep & v)
+            counted = tl.histogram(tl.where(keep & v, e, E), BINS)
             tl.atomic_add(counts_ptr + bins, counted.to(tl.int64), mask=bins < E)
     # 2. whole blocks per expert and their prefix sum
+    hist = tl.where(bins < E, hist, 0)
     padded = (hist + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     end = tl.cumsum(padded, 0)  # [BINS]
     start = end - padded
