@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from shard.layers.moe import QWEN_EXPERT_NAMES, MoeRouting, SparseMoeBlock
-from shard.models.base import LoadContext
+from shard.models.base import LoadContext, NotServedNatively
 from shard.models.llama import LlamaMLP
 from shard.models.moe import MoeCausalLM, config_num_experts, dense_or_sparse
 
@@ -24,4 +24,8 @@ class Qwen2MoeForCausalLM(MoeCausalLM):
     """Serves model_type qwen2_moe."""
 
     def __init__(self, ctx: LoadContext):
+        cfg = ctx.config
+        if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+            # windows on the layers up to max_window_layers only: per-layer windows
+            raise NotServedNatively("qwen2_moe with use_sliding_window (per-layer windows)")
         super().__init__(ctx, dense_or_sparse(_block, lambda c, _i: LlamaMLP(c)))
