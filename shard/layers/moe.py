@@ -67,7 +67,11 @@ class RoutingStats:
     benchmarks)."""
 
     def __init__(self, num_layers: int, num_experts: int, device: torch.device):
-        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
+        # [layers, experts]; rows 16-byte aligned (an even row stride), as the layout kernel's
+        # compiled variant expects of every layer's row
+        padded = num_experts + num_experts % 2
+        self.counts = torch.zeros(num_layers, padded, dtype=torch.int64,
+                                  device=device)[:, :num_experts]
         self._valid: torch.Tensor | None = None  # [num_tokens] int64, 1 for real rows
 
     def begin_step(self, valid: torch.Tensor) -> None:
