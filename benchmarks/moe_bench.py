@@ -18,8 +18,9 @@ error and the next one runs):
    batch 1 / 64 / 256 (context CONTEXT), with the roofline of the bytes each step reads: attention,
    norms and routers of every layer, the experts the step touched (counted by the layers' own
    routing statistics), the LM head, the K/V; then per-layer fits extrapolated to 48 layers. The
-   largest model again with --quantize fp8 (fp8 experts and linears: batch-1 step vs bf16), and a
-   4,096-token prefill against the bf16 matmul rate.
+   largest model first (with a 4,096-token prefill against the bf16 matmul rate), then again with
+   --quantize fp8 (fp8 experts and linears: batch-1 step vs bf16, also extrapolated), then the
+   smaller ones.
 4. e2e (time allowing): the harness's end-to-end workload through `tokenwire launch` on the
    largest checkpoint.
 
