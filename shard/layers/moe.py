@@ -165,11 +165,8 @@ class FusedMoE(nn.Module, WeightLoader):
         w2 = torch.empty(hi - lo, h, i, dtype=w13.dtype, **kw)
         s13 = torch.empty(hi - lo, 2 * i, dtype=torch.float32, **kw) if fp8 else None
         s2 = torch.empty(hi - lo, h, dtype=torch.float32, **kw) if fp8 else None
-        n = self.names
         for local, e in enumerate(range(lo, hi)):
-            gate_up = torch.cat([weights.get_sharded(f"{prefix}.{e}.{n.gate}.weight", dim=0),
-                                 weights.get_sharded(f"{prefix}.{e}.{n.up}.weight", dim=0)])
-            down = weights.get_sharded(f"{prefix}.{e}.{n.down}.weight", dim=1)  # [H, I_local]
+            gate_up, down = self._read_expert(weights, prefix, e)  # [2I_local, H], [H, I_local]
             if fp8:
                 w13[local], s13[local] = quantize_fp8_per_channel(gate_up)
                 w2[local], s2[local] = quantize_fp8_per_channel(down)
@@ -178,6 +175,24 @@ class FusedMoE(nn.Module, WeightLoader):
         self.w13 = nn.Parameter(w13, requires_grad=False)
         self.w2 = nn.Parameter(w2, requires_grad=False)
         self.scale13, self.scale2 = s13, s2
+
+    def _read_expert(self, weights: Weights, prefix: str, e: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's gate/up rows [2I_local, H] (this rank's gate rows, then its up rows) and
+        down columns [H, I_local], from one tensor per expert and projection (the hub's
+        layout) or from transformers 5's stacked `gate_up_proj` [E, 2I, H] / `down_proj`
+        [E, H, I] (what it saves for some families)."""
+        if weights.has(f"{prefix}.gate_up_proj"):
+            i, r = self.inter_local, self.dist.rank
+            full = i * self.dist.world_size  # I: the up rows start there
+            name = f"{prefix}.gate_up_proj"
+            gate_up = torch.cat([weights.get_part(name, e, 0, r * i, (r + 1) * i),
+                                 weights.get_part(name, e, 0, full + r * i, full + (r + 1) * i)])
+            return gate_up, weights.get_part(f"{prefix}.down_proj", e, 1, r * i, (r + 1) * i)
+        n = self.names
+        gate_up = torch.cat([weights.get_sharded(f"{prefix}.{e}.{n.gate}.weight", dim=0),
+                             weights.get_sharded(f"{prefix}.{e}.{n.up}.weight", dim=0)])
+        return gate_up, weights.get_sharded(f"{prefix}.{e}.{n.down}.weight", dim=1)
 
     @staticmethod
     def _fp8(weights: Weights) -> bool:

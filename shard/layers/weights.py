@@ -98,6 +98,12 @@ class Weights:
         view.dist = Dist(rank=index, world_size=count)
         return view
 
+    def get_part(self, name: str, index: int, dim: int, start: int, stop: int) -> torch.Tensor:
+        """tensor[index] sliced to [start, stop) along dim (0 or 1) of what remains: one expert's
+        rows or columns of a 3-D stacked-experts tensor, nothing else read."""
+        sl = self._slice(name)
+        return self._finish(sl[index, start:stop] if dim == 0 else sl[index, :, start:stop])
+
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) along dim 0 (vocab-parallel embeddings with padding)."""
         return self._finish(self._slice(name)[start:stop])

@@ -226,17 +226,31 @@ def test_fp8_experts_through_the_model(moe_models):
     assert all(len(t) == N for t in got.values())
 
 
-def test_tp_loader_reads_only_this_ranks_rows(moe_models):
-    """Rank 1 of 2 holds rows [I/2, I) of each expert's gate/up and those columns of down."""
+def test_tp_loader_reads_only_this_ranks_rows(moe_models, tmp_path):
+    """Rank 1 of 2 holds rows [I/2, I) of each expert's gate/up and those columns of down, from
+    the hub's one-tensor-per-expert layout and from transformers 5's stacked one alike."""
     from safetensors import safe_open
+    from safetensors.torch import save_file
 
     from shard.layers.weights import Weights
 
-    d = moe_models["qwen2_moe"]
-    moe = FusedMoE(4, 64, 32, MoeRouting(2, False), Dist(rank=1, world_size=2))
-    moe.load(Weights(d, torch.device("cpu"), torch.float32, Dist(rank=1, world_size=2)),
-             "model.layers.1.mlp.experts")
+    d, p, rank1 = moe_models["qwen2_moe"], "model.layers.1.mlp.experts", Dist(1, 2)
+    moe = FusedMoE(4, 64, 32, MoeRouting(2, False), rank1)
+    moe.load(Weights(d, torch.device("cpu"), torch.float32, rank1), p)
     f = safe_open(str(d / "model.safetensors"), "pt")
-    t = lambda n: f.get_tensor(f"model.layers.1.mlp.experts.3.{n}.weight")
-    assert torch.equal(moe.w13[3], torch.cat([t("gate_proj")[16:], t("up_proj")[16:]]))
-    assert torch.equal(moe.w2[3], t("down_proj")[:, 16:])
+
+    def t(e: int, name: str) -> torch.Tensor:
+        return f.get_tensor(f"{p}.{e}.{name}.weight")
+
+    assert torch.equal(moe.w13[3], torch.cat([t(3, "gate_proj")[16:], t(3, "up_proj")[16:]]))
+    assert torch.equal(moe.w2[3], t(3, "down_proj")[:, 16:])
+    stacked = {  # [E, 2I, H] (gate rows, then up rows) and [E, H, I]
+        f"{p}.gate_up_proj": torch.stack(
+            [torch.cat([t(e, "gate_proj"), t(e, "up_proj")]) for e in range(4)]),
+        f"{p}.down_proj": torch.stack([t(e, "down_proj") for e in range(4)]),
+    }
+    (tmp_path / "stacked").mkdir()
+    save_file(stacked, str(tmp_path / "stacked" / "model.safetensors"))
+    again = FusedMoE(4, 64, 32, MoeRouting(2, False), rank1)
+    again.load(Weights(tmp_path / "stacked", torch.device("cpu"), torch.float32, rank1), p)
+    assert torch.equal(again.w13, moe.w13) and torch.equal(again.w2, moe.w2)
