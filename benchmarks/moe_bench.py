@@ -63,7 +63,7 @@ def _expert_bytes(shape: dict, fp8: bool) -> int:
     return 3 * h * i * (1 if fp8 else 2) + ((2 * i + h) * 4 if fp8 else 0)
 
 
-def _make_layers(shape: dict, count: int, fp8: bool) -> list[Any]:
+def _make_layers(shape: dict, count: int, fp8: bool, device: str = "cuda") -> list[Any]:
     import torch
 
     from shard.distributed.groups import Dist
@@ -74,11 +74,12 @@ def _make_layers(shape: dict, count: int, fp8: bool) -> list[Any]:
     e, h, i = shape["num_experts"], shape["hidden_size"], shape["moe_intermediate_size"]
     routing = MoeRouting(shape["num_experts_per_tok"], renormalize=True)
     layers = []
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     for _ in range(count):
         moe = FusedMoE(e, h, i, routing, Dist())
-        w13 = torch.randn(e, 2 * i, h, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
-        w2 = torch.randn(e, h, i, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+        w13 = torch.randn(e, 2 * i, h, device=device, generator=gen, dtype=dtype) * 0.02
+        w2 = torch.randn(e, h, i, device=device, generator=gen, dtype=dtype) * 0.02
         if fp8:
             q13, s13 = zip(*(quantize_fp8_per_channel(w) for w in w13), strict=True)
             q2, s2 = zip(*(quantize_fp8_per_channel(w) for w in w2), strict=True)
@@ -89,7 +90,8 @@ def _make_layers(shape: dict, count: int, fp8: bool) -> list[Any]:
             moe.w13.data, moe.w2.data = w13, w2
         del w13, w2
         layers.append(moe)
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return layers
 
 
@@ -109,26 +111,30 @@ def _graph_ms(fn, iters: int = 20) -> float:
     return ms
 
 
-def bench_layer(shape: dict, ceilings: dict, layers_count: int, res: dict) -> None:
-    """Fills res["layer"]: fused vs naive vs fp8 per layer, tiling sweep, prefill."""
+def bench_layer(shape: dict, ceilings: dict, layers_count: int, res: dict,
+                device: str = "cuda") -> None:
+    """Fills res["layer"]: fused vs naive vs fp8 per layer, tiling sweep, prefill. On the CPU
+    (--tiny: the script's own check) eager wall times, no sweep, no rooflines."""
     import torch
 
     from benchmarks.harness.timing import wall_time_ms
     from shard.kernels import fused_moe as fm
     from shard.kernels.moe_align import per_expert_loop, route
 
-    bw, peak = ceilings["copy_bytes_per_s"], ceilings["bf16_flops_per_s"]
+    cuda = device == "cuda"
+    bw = ceilings.get("copy_bytes_per_s", float("nan"))
+    peak = ceilings.get("bf16_flops_per_s", float("nan"))
+    dtype = torch.bfloat16 if cuda else torch.float32
     e, h, k = shape["num_experts"], shape["hidden_size"], shape["num_experts_per_tok"]
     i = shape["moe_intermediate_size"]
     out: dict[str, Any] = {"layers_in_graph": layers_count, "decode": [], "sweep": {}}
     res["layer"] = out
-    gen = torch.Generator(device="cuda").manual_seed(1)
+    gen = torch.Generator(device=device).manual_seed(1)
     for fp8 in (False, True):
-        layers = _make_layers(shape, layers_count, fp8)
-        for b in BATCHES + [PREFILL]:
-            xs = [torch.randn(b, h, device="cuda", generator=gen, dtype=torch.bfloat16)
-                  for _ in layers]
-            logits = [torch.randn(b, e, device="cuda", generator=gen, dtype=torch.bfloat16)
+        layers = _make_layers(shape, layers_count, fp8, device)
+        for b in (BATCHES + [PREFILL]) if cuda else [1, 4, 64]:
+            xs = [torch.randn(b, h, device=device, generator=gen, dtype=dtype) for _ in layers]
+            logits = [torch.randn(b, e, device=device, generator=gen, dtype=dtype)
                       for _ in layers]
             touched = sum(int(torch.unique(route(lg, layers[0].routing)[1]).numel())
                           for lg in logits) / len(layers)
@@ -137,8 +143,8 @@ def bench_layer(shape: dict, ceilings: dict, layers_count: int, res: dict) -> No
                 for moe, x, lg in zip(layers, xs, logits, strict=True):
                     moe(x, lg)
 
-            if b == PREFILL:
-                ms = wall_time_ms(step, iters=5) / len(layers)  # eager, as prefill runs
+            if b == PREFILL or not cuda:
+                ms = _wall_ms(step, cuda, iters=5) / len(layers)  # eager, as prefill runs
             else:
                 ms = _graph_ms(step) / len(layers)
             row: dict[str, Any] = {"batch": b, "fp8": fp8, "fused_ms": ms,
@@ -153,15 +159,15 @@ def bench_layer(shape: dict, ceilings: dict, layers_count: int, res: dict) -> No
             if not fp8:
                 moe = layers[0]
                 w, ids = route(logits[0], moe.routing)
-                row["naive_loop_ms"] = wall_time_ms(
+                row["naive_loop_ms"] = _wall_ms(
                     lambda moe=moe, w=w, ids=ids, x=xs[0]: per_expert_loop(
-                        x, moe.w13, moe.w2, w, ids), iters=3 if b == PREFILL else 10)
+                        x, moe.w13, moe.w2, w, ids), cuda, iters=3 if b == PREFILL else 10)
                 row["speedup_vs_naive"] = row["naive_loop_ms"] / ms
                 # Tiling sweep (kernels only, layout precomputed) for the table's choice.
                 sweep = {}
                 from shard.kernels import moe_route
 
-                for cfg in _sweep_configs(b):
+                for cfg in _sweep_configs(b) if cuda else []:
                     try:
                         ids32 = ids.int()
                         lay = moe_route.align(ids32, e, cfg.block_m) if b * k <= \
@@ -184,12 +190,30 @@ def bench_layer(shape: dict, ceilings: dict, layers_count: int, res: dict) -> No
             del xs, logits
         del layers
         gc.collect()
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
     for b in BATCHES:
         rows = {r["fp8"]: r for r in out["decode"] if r["batch"] == b}
         if len(rows) == 2:
             out.setdefault("fp8_speedup", {})[str(b)] = rows[False]["fused_ms"] / rows[True][
                 "fused_ms"]
+
+
+def _wall_ms(fn, cuda: bool, iters: int) -> float:
+    """Median wall ms per call (synchronized on CUDA)."""
+    if cuda:
+        from benchmarks.harness.timing import wall_time_ms
+
+        return wall_time_ms(fn, iters=iters)
+    import statistics
+
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def _cfg_name(cfg: Any) -> str:
@@ -539,9 +563,10 @@ def main(argv: list[str] | None = None) -> int:
         tuning_cache.configure(tuning_cache_of(None))
         res["device"] = torch.cuda.get_device_name()
         res["ceilings"] = measure_ceilings()
-        if "layer" in parts:
-            attempt("layer", lambda: bench_layer(shape, res["ceilings"], args.layer_graph_layers,
-                                                 res))
+    if "layer" in parts:
+        attempt("layer", lambda: bench_layer(shape, res.get("ceilings", {}),
+                                             args.layer_graph_layers, res,
+                                             "cuda" if cuda else "cpu"))
     counts = sorted((int(x) for x in args.layers.split(",")), reverse=True)
     store = args.workdir / "store"
 
