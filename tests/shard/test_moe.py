@@ -6,8 +6,10 @@
   equal the loop over their dequantized weights.
 - Mixtral, Qwen2-MoE and Qwen3-MoE (tiny random checkpoints, float32) generate what transformers
   does, greedy, on one shard through the engine and on two gloo ranks (one pair of processes for
-  all three families); the experts are stacked by the layer's loader and split over the ranks.
-- Routing statistics count real rows per expert.
+  all three families); the experts are stacked by the layer's loader (either checkpoint layout)
+  and split over the ranks; Qwen's dense layers and norm_topk_prob as config variants.
+- Routing statistics count real rows per expert, and the shard hands them to the router every
+  window of steps with a step's answer.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from shard.kernels.moe_align import (
 from shard.layers.moe import FusedMoE, RoutingStats
 from shard.quantization.fp8 import dequantize_fp8, quantize_fp8_per_channel
 from shard.testing.ranks import run_ranks
-from shard.testing.tiny import tiny_prompts
+from shard.testing.tiny import greedy_tokens, tiny_prompts
 from tests.helpers.hf_models import hf_model
 from tests.helpers.moe import MOE_ARCHS, STEPS, moe_greedy_rank, moe_shard
 
@@ -254,3 +256,20 @@ def test_tp_loader_reads_only_this_ranks_rows(moe_models, tmp_path):
     again = FusedMoE(4, 64, 32, MoeRouting(2, False), rank1)
     again.load(Weights(tmp_path / "stacked", torch.device("cpu"), torch.float32, rank1), p)
     assert torch.equal(again.w13, moe.w13) and torch.equal(again.w2, moe.w2)
+
+
+@pytest.mark.parametrize(("arch", "variant"), [
+    ("qwen2_moe", {"decoder_sparse_step": 2, "norm_topk_prob": True}),  # layer 0 dense
+    ("qwen3_moe", {"mlp_only_layers": [1], "norm_topk_prob": True}),  # layer 1 dense
+])
+def test_config_variants_dense_layers_and_renormalized_qwen(tmp_path, arch, variant):
+    """Qwen's dense layers (decoder_sparse_step, mlp_only_layers) and norm_topk_prob (as the
+    released Qwen3-MoE checkpoints set it) generate what transformers does."""
+    from shard.tools.tiny_any import write_tiny_any
+
+    model_dir = write_tiny_any(tmp_path / arch, arch, **variant)
+    shard = moe_shard(model_dir)
+    assert len([m for m in shard.runner.model.modules() if isinstance(m, FusedMoE)]) == 1
+    hf = load_hf(model_dir)
+    want = [hf_greedy(hf, q, STEPS) for q in tiny_prompts(hf.config.vocab_size)]
+    assert greedy_tokens(shard, STEPS) == want
