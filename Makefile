@@ -76,7 +76,8 @@ lint: setup
 
 # Set up, check generated code is current, and run every test.
 test: lint
-	# The 25 slowest tests close the log: where the suite's time goes, on every CI run. Modules
-	# marked xdist_group (SmolLM2's) stay on one worker: their snapshot and servers are shared.
+	# The 25 slowest tests close the log: where the suite's time goes, on every CI run. A test
+	# file runs on one worker (--dist loadfile): many share a module-scoped deployment, and some
+	# read what the file's earlier tests left behind (request counts, hot-loaded adapters).
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider \
-	  -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	  -n $(TEST_WORKERS) --dist loadfile --durations=25

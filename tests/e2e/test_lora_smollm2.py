@@ -15,9 +15,9 @@ from tokenwire.v1 import generate_pb2_grpc
 
 from tests.helpers.lora import load_base, peft_greedy, write_adapter
 from tests.helpers.processes import Deployment, start_deployment
-from tests.helpers.smollm2 import ON_ONE_WORKER, snapshot
+from tests.helpers.smollm2 import snapshot
 
-pytestmark = [pytest.mark.slow, ON_ONE_WORKER]
+pytestmark = pytest.mark.slow
 
 N = 8
 PROMPT = "The capital of France is"

@@ -20,9 +20,9 @@ from tokenwire.v1 import openai_pb2_grpc as opb_grpc
 from tests.helpers.http_api import http_json
 from tests.helpers.metrics import scrape
 from tests.helpers.processes import REPO, Deployment, launch
-from tests.helpers.smollm2 import ON_ONE_WORKER, snapshot
+from tests.helpers.smollm2 import snapshot
 
-pytestmark = [pytest.mark.slow, ON_ONE_WORKER]
+pytestmark = pytest.mark.slow
 
 API_KEY = "test-key"
 MAX_CONCURRENT = 3

@@ -24,9 +24,9 @@ from tokenwire.v1 import openai_pb2_grpc as opb_grpc
 from tests.helpers.http_api import http_json
 from tests.helpers.processes import Deployment, launch
 from tests.helpers.schemas import SCHEMAS, TOOLS
-from tests.helpers.smollm2 import ON_ONE_WORKER, snapshot
+from tests.helpers.smollm2 import snapshot
 
-pytestmark = [pytest.mark.slow, ON_ONE_WORKER]
+pytestmark = pytest.mark.slow
 
 CONCURRENT = 32
 

@@ -15,11 +15,6 @@ from pathlib import Path
 
 import pytest
 
-# Every module that serves SmolLM2 carries this mark: under `pytest -n 2 --dist loadgroup`
-# (make test) one worker runs them all, so the snapshot is converted and its deployments warmed
-# once per run rather than once per worker.
-ON_ONE_WORKER = pytest.mark.xdist_group("smollm2")
-
 
 def snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The converted snapshot (config, float32 safetensors, tokenizer with its ChatML template)."""

@@ -18,9 +18,8 @@ from tokenwire.v1 import generate_pb2_grpc
 
 from shard.tools.perplexity import perplexity, reference_windows
 from tests.helpers.processes import Deployment
-from tests.helpers.smollm2 import ON_ONE_WORKER
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), ON_ONE_WORKER]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 PROMPTS = [
     "The capital of France is",

@@ -9,10 +9,9 @@ import pytest
 
 from benchmarks.speculate import GROUNDED_TASKS, chat_prompt_ids
 from service.engine.backend import WarmupBudgets
-from tests.helpers.smollm2 import ON_ONE_WORKER
 from tests.helpers.spec_engine import Req, ShardServer, router_engine, run_all, token_ids
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), ON_ONE_WORKER]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 NEW_TOKENS = 40
 BUDGETS = WarmupBudgets(
