@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shard.kernels.softcap import soft_cap_log2
+
 LOG2E = 1.4426950408889634
 
 
@@ -42,6 +44,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
     SCALED: tl.constexpr,  # fp8 cache with per-KV-head scales (folded: scores, output)
+    SOFTCAP: tl.constexpr = 0.0,  # > 0: attention-logit soft-capping (Gemma 2), 0: none
 ):
     seq = tl.program_id(0)
     tile_m = tl.program_id(1)
@@ -92,6 +95,7 @@ def _prefill_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # fp8: upcast
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = soft_cap_log2(s, SOFTCAP)  # before the mask: tanh(-inf) is finite
         allowed = (pos_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
         if window > 0:
             allowed = allowed & (pos_m[:, None] - pos_n[None, :] < window)
@@ -134,8 +138,10 @@ def paged_prefill_attention(
     num_stages: int = 3,
     k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches with scales
     v_scale: torch.Tensor | None = None,
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of each sequence's new tokens over its cached context plus themselves."""
+    """Causal attention of each sequence's new tokens over its cached context plus themselves
+    (each query's last sliding_window positions only, where given)."""
     num_tokens, num_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     if out is None:
@@ -170,6 +176,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         PAGE=page,
         SCALED=scaled,
+        SOFTCAP=float(softcap or 0.0),
         num_warps=num_warps,
         num_stages=num_stages,
     )

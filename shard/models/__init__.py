@@ -35,6 +35,12 @@ def _llama(ctx: LoadContext) -> CausalLM:
     return LlamaForCausalLM(ctx)
 
 
+def _gemma(ctx: LoadContext) -> CausalLM:
+    from shard.models.gemma import GemmaForCausalLM
+
+    return GemmaForCausalLM(ctx)
+
+
 def _transformers(ctx: LoadContext) -> CausalLM:
     from shard.models.transformers_backend import TransformersCausalLM
 
@@ -43,7 +49,8 @@ def _transformers(ctx: LoadContext) -> CausalLM:
 
 def model_registry() -> dict[str, Callable[[LoadContext], CausalLM]]:
     """model_type -> constructor of our own implementations."""
-    return {"llama": _llama, "mistral": _llama, "qwen2": _llama}
+    return {"llama": _llama, "mistral": _llama, "qwen2": _llama, "gemma2": _gemma,
+            "gemma3_text": _gemma}
 
 
 def load_model(ctx: LoadContext, impl: ModelImpl = ModelImpl.AUTO) -> CausalLM:
