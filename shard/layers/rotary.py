@@ -31,6 +31,39 @@ def _linear(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 
 # rope_type -> inverse-frequency transform
 ROPE_TYPES = {"default": _default, "linear": _linear, "llama3": _llama3_inv_freq}
+# LongRoPE (Phi-3 / Phi-3.5 / Phi-4 "longrope", formerly "su"): per-frequency rescale factors,
+# short below original_max_position_embeddings, long from there on, and cos/sin scaled by an
+# attention factor. Built as whole tables by _longrope_tables.
+LONGROPE_TYPES = ("longrope", "su")
+
+
+def _longrope_tables(
+    head_dim: int, max_positions: int, params: dict
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [max_positions, head_dim] float32
+    """Position p < original_max_position_embeddings rotates with the short factors, later ones
+    with the long factors (transformers switches a whole forward to the long factors once any
+    position reaches that length, which is the same for one token at a time: every decode step,
+    and prefills shorter than it); cos and sin are multiplied by the attention factor, default
+    sqrt(1 + ln(factor) / ln(original)) with factor = max / original positions."""
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor") or params["max_position_embeddings"] / original
+    scale = params.get("attention_factor")
+    if scale is None:
+        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    base = float(params["rope_theta"])
+    rows = []
+    for key, start, stop in (("short_factor", 0, original), ("long_factor", original, None)):
+        ext = torch.tensor(params[key], dtype=torch.float32)  # [head_dim / 2]
+        if ext.numel() != head_dim // 2:
+            raise ValueError(f"rope_scaling.{key} has {ext.numel()} values; the model's "
+                             f"head_dim {head_dim} needs {head_dim // 2}")
+        inv_freq = 1.0 / (ext * base**exps)
+        t = torch.arange(max_positions, dtype=torch.float32)[start:stop]
+        rows.append(torch.outer(t, inv_freq))  # [positions in range, head_dim / 2]
+    freqs = torch.cat(rows)  # [max_positions, head_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+    return emb.cos() * scale, emb.sin() * scale
 
 
 def rope_parameters(config: dict, layer_type: str | None = None) -> dict:
@@ -50,6 +83,9 @@ def rope_parameters(config: dict, layer_type: str | None = None) -> dict:
         params = {k: v for k, v in raw.items() if not isinstance(v, dict)}
         params.update(config.get("rope_scaling") or {})
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    for key in ("original_max_position_embeddings", "max_position_embeddings"):  # LongRoPE
+        if key in config:
+            params.setdefault(key, config[key])
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     return params
 
@@ -60,16 +96,20 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_positions: int, params: dict, device: torch.device):
         super().__init__()
         rope_type = params["rope_type"]
-        if rope_type not in ROPE_TYPES:
+        if rope_type in LONGROPE_TYPES:
+            cos, sin = _longrope_tables(head_dim, max_positions, params)
+        elif rope_type in ROPE_TYPES:
+            base = float(params["rope_theta"])
+            exps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+            inv_freq = ROPE_TYPES[rope_type](1.0 / (base**exps), params)  # [head_dim / 2]
+            t = torch.arange(max_positions, dtype=torch.float32)
+            freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+            cos, sin = emb.cos(), emb.sin()
+        else:
             raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
-        base = float(params["rope_theta"])
-        exps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        inv_freq = ROPE_TYPES[rope_type](1.0 / (base**exps), params)  # [head_dim / 2]
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos().to(device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
         # (positions tensor, its version, dtype, cos, signed sin) of the last lookup; see _lookup.
         self._last_lookup: tuple[torch.Tensor, int, torch.dtype, torch.Tensor, torch.Tensor] | None = (
             None

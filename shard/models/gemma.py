@@ -12,7 +12,8 @@ What differs from Llama, each a layer option:
 - local (sliding window) and global layers (shard/models/layer_types.py), each with its own
   rotary table: Gemma 3's local layers rotate with rope_local_base_freq, its global layers with
   rope_theta and the config's scaling;
-- Gemma 3: per-head RMSNorm of q and k before rotary (weight [head_dim], offset 1).
+- Gemma 3: per-head RMSNorm of q and k before rotary (shard/layers/qk_norm.py's HEAD kind, with
+  the (1 + w) offset).
 
 Every layer's KV cache holds the whole context, local layers included (docs/models.md: why, and
 what keeping only the window would save).
@@ -28,6 +29,7 @@ from shard.layers.attention import PagedAttention
 from shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shard.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from shard.layers.norm import RMSNorm, add_rms_norm
+from shard.layers.qk_norm import HeadRMSNorm, qk_rms_norm
 from shard.layers.rotary import RotaryEmbedding, rope_parameters
 from shard.layers.weights import Weights, load_module_weights
 from shard.models.base import LoadContext
@@ -65,11 +67,13 @@ class GemmaAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * head_dim, hidden, bias, ctx.dist)
         # Gemma 3 has q/k norms; its attention ignores attn_logit_softcapping (transformers
         # passes no softcap there), Gemma 2 caps.
-        self.q_norm: RMSNorm | None = None
-        self.k_norm: RMSNorm | None = None
+        self.q_norm: HeadRMSNorm | None = None
+        self.k_norm: HeadRMSNorm | None = None
         softcap = cfg.get("attn_logit_softcapping")
         if cfg["model_type"] != "gemma2":
-            self.q_norm, self.k_norm = _norm(ctx, head_dim), _norm(ctx, head_dim)
+            eps = cfg.get("rms_norm_eps", 1e-6)
+            self.q_norm = HeadRMSNorm(head_dim, eps, GEMMA_NORM_OFFSET)
+            self.k_norm = HeadRMSNorm(head_dim, eps, GEMMA_NORM_OFFSET)
             softcap = None
         self.attn = PagedAttention(
             ctx.attention, rotary, split.local_heads, split.local_kv_heads, head_dim, sliding_window,
@@ -89,9 +93,8 @@ class GemmaAttention(nn.Module):
         n, a = x.shape[0], self.attn
         q, k, v = self.qkv_proj(x)
         q, k = q.view(n, a.num_heads, a.head_dim), k.view(n, a.num_kv_heads, a.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.reshape(-1, a.head_dim)).view(n, a.num_heads, a.head_dim)
-            k = self.k_norm(k.reshape(-1, a.head_dim)).view(n, a.num_kv_heads, a.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # Gemma 3, before rotary
+            q, k = qk_rms_norm(q, k, self.q_norm, self.k_norm)
         o = a(q, k, v.view(n, a.num_kv_heads, a.head_dim), positions, cache, meta)
         return self.o_proj(o)
 
