@@ -21,33 +21,16 @@ from shard.layers.rotary import rope_parameters
 from shard.models.layer_types import FULL, SLIDING, layer_types
 from shard.runner.model_runner import StepInputs
 from shard.testing.ranks import run_ranks
-from shard.testing.tiny import GREEDY_STEPS, greedy_tokens, tiny_prompts
-from shard.tools.tiny_any import write_tiny_any
+from shard.testing.tiny import GREEDY_STEPS, tiny_prompts
+from tests.helpers.gemma import GEMMA_CONFIGS, gemma_model
 from tests.helpers.shards import make_shard
 
-WINDOW = 6
-# What the tiny models set beyond tiny_any's common shape (2 layers there; 3 here so that Gemma 3
-# has local, global, local).
-GEMMA_CONFIGS = {
-    "gemma2": {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": WINDOW,
-               "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
-               "final_logit_softcapping": 3.0},
-    "gemma3_text": {
-        "head_dim": 16, "num_hidden_layers": 3, "sliding_window": WINDOW,
-        "query_pre_attn_scalar": 24, "final_logit_softcapping": 3.0,
-        "layer_types": [SLIDING, FULL, SLIDING],
-        "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 10.0},
-                            FULL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0}},
-    },
-}
 ARCHS = list(GEMMA_CONFIGS)
 
 
 @pytest.fixture(scope="module")
 def gemma_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gemma")
-    return {arch: write_tiny_any(root / arch, arch, randomize_norms=True, **GEMMA_CONFIGS[arch])
-            for arch in ARCHS}
+    return {arch: gemma_model(tmp_path_factory, arch) for arch in ARCHS}
 
 
 @pytest.fixture(scope="module")
