@@ -1,8 +1,9 @@
 """`python -m benchmarks.harness` (formerly `python -m benchmarks.harness`): the GPU benchmark of issue 7, in one
 process tree, in one go.
 
-1. writes a Llama-3-8B-shaped random bf16 checkpoint (safetensors written tensor by tensor, never a
-   full fp32 model in RAM) and a word-level tokenizer of the same 128,256 entries to local disk;
+1. writes a Llama-3-8B-shaped (--model-shape gemma2-9b: Gemma-2-9B-shaped) random bf16
+   checkpoint (safetensors written tensor by tensor, never a full fp32 model in RAM) and a
+   word-level tokenizer of the vocabulary's entries to local disk;
    lm_head's rows of the EOS tokens are zero, so greedy decoding never picks EOS (logit 0 against
    the positive maximum of 128k random logits) and every request generates exactly
    max_new_tokens: "EOS ignored" without any API extension;
@@ -40,7 +41,7 @@ from benchmarks.harness.timing import (
     replay_ms_under,
     wall_time_ms,
 )
-from shard.testing.checkpoint import BOS_ID, EOS_ID, write_checkpoint
+from shard.testing.checkpoint import BOS_ID, EOS_ID, SHAPES, write_checkpoint
 from shard.testing.ports import free_port
 
 
@@ -53,7 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--parts", default="ceilings,decode,prefill,engine,e2e,hf",
       help="comma-separated subset of ceilings,decode,prefill,engine,e2e,hf (engine: the "
            "engine-only bound of the e2e workload, benchmarks/harness/engine_part.py)")
-    a("--num-layers", type=int, default=32, help="layers of the random model (32 = Llama-3-8B)")
+    a("--model-shape", choices=sorted(SHAPES), default="llama3-8b",
+      help="the random model's shape (shard/testing/checkpoint.py): llama3-8b, or gemma2-9b "
+           "(soft-capped attention and logits, local/global layers, head_dim 256; mind its KV: "
+           "344 KB a token, so --context 512 at batch 256 on an 80 GB card)")
+    a("--num-layers", type=int, default=None,
+      help="layers of the random model (default: the shape's own, 32 = Llama-3-8B, 42 = "
+           "Gemma-2-9B)")
     a("--decode-batches", default="1,8,32,64,128,256")
     a("--context", type=int, default=1024, help="context length of decode benchmarks")
     a("--requests", type=int, default=1000, help="end-to-end requests")
@@ -113,10 +120,12 @@ WEIGHT_BYTES = {None: 2.0, "fp8": 1.0, "bitsandbytes": 1.0, "bitsandbytes-nf4": 
 def model_bytes(cfg: dict, quantize: str | None = None, kv_cache_dtype: str = "auto") -> dict:
     h, inter, v, L = (cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"],
                       cfg["num_hidden_layers"])
-    hd = h // cfg["num_attention_heads"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     kvh = cfg["num_key_value_heads"]
-    linear = L * (h * (h + 2 * kvh * hd) + h * h + 3 * h * inter)
-    others = L * 2 * h + h + v * h  # norms, final norm, LM head: always in bf16
+    q_out = cfg["num_attention_heads"] * hd  # == h for Llama, not for Gemma (16 x 256 vs 3584)
+    linear = L * (h * (q_out + 2 * kvh * hd) + q_out * h + 3 * h * inter)
+    norms = 4 if cfg["model_type"] in ("gemma2", "gemma3_text") else 2  # per layer
+    others = L * norms * h + h + v * h  # norms, final norm, LM head: always in bf16
     kv_elem = 2 if kv_cache_dtype == "auto" else 1
     return {
         "matmul_params_per_token": linear,
@@ -578,7 +587,8 @@ def write_report(res: dict, path: Path) -> None:
     c = res.get("ceilings", {})
     L.append("# tokenwire benchmark results\n")
     L.append(f"- device: {res['device']}\n- date: {res['date']}\n- commit: {res['commit']}\n"
-             f"- torch {res['torch']}, triton {res['triton']}\n- model: Llama-3-8B shape, random "
+             f"- torch {res['torch']}, triton {res['triton']}\n- model: "
+             f"{res.get('model_shape', 'llama3-8b')} shape, random "
              f"bf16, {res.get('num_layers')} layers\n"
              f"- quantize: {res.get('quantize') or 'none'}, KV cache: "
              f"{res.get('kv_cache_dtype', 'auto')}, shards (e2e): {res.get('num_shard', 1)}\n")
@@ -694,6 +704,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     parts = set(args.parts.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.num_layers is None:
+        args.num_layers = SHAPES[args.model_shape][0]["num_hidden_layers"]
     res: dict = {
         "device": torch.cuda.get_device_name(), "date": datetime.datetime.now(
             datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -702,10 +714,11 @@ def run(args: argparse.Namespace) -> int:
         "quantize": args.quantize, "kv_cache_dtype": args.kv_cache_dtype,
         "kv_cache_rotation": args.kv_cache_rotation,
         "num_shard": args.num_shard, "model_impl": args.model_impl,
+        "model_shape": args.model_shape, "context": args.context,
     }
-    model_dir = args.workdir / f"llama3-8b-shape-{args.num_layers}l"
+    model_dir = args.workdir / f"{args.model_shape}-shape-{args.num_layers}l"
     t0 = time.perf_counter()
-    res["checkpoint"] = write_checkpoint(model_dir, args.num_layers)
+    res["checkpoint"] = write_checkpoint(model_dir, args.num_layers, args.model_shape)
     print(f"checkpoint ready in {time.perf_counter() - t0:.0f} s", flush=True)
 
     def save():

@@ -51,7 +51,10 @@ class VocabParallelEmbedding(VocabSlicedWeight):
     def _scaled(self, rows: torch.Tensor) -> torch.Tensor:  # [n, hidden]
         if self.scale is None:
             return rows
-        return rows * torch.tensor(self.scale, dtype=rows.dtype, device=rows.device)
+        # The factor rounded to the model dtype on the host (a device tensor made here would be
+        # a copy inside CUDA-graph capture); a 16-bit tensor times a Python float computes in
+        # fp32 and rounds once, as the product with a 0-dim tensor of the dtype does.
+        return rows * torch.tensor(self.scale, dtype=rows.dtype).item()
 
     def partial(self, ids: torch.Tensor) -> torch.Tensor:  # ids [n] -> [n, hidden]
         """This rank's share of the lookup, not yet summed over ranks: the rows of ids in this
