@@ -61,7 +61,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 @triton.jit
 def _add_rms_norm_kernel(d_ptr, x_ptr, w_ptr, out_ptr, res_ptr, stride_d, stride_x, n_cols, eps,
                          BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                         OFFSET: tl.constexpr = 0.0):
+                         OFFSET: tl.constexpr = 0.0, dw_ptr=None, d_eps=0.0,
+                         NORM_DELTA: tl.constexpr = False):
     let_dependents_launch(PDL)  # latency-bound: the next GEMV may start streaming now
     wait_for_predecessor(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -69,6 +70,10 @@ def _add_rms_norm_kernel(d_ptr, x_ptr, w_ptr, out_ptr, res_ptr, stride_d, stride
     mask = offs < n_cols
     d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if NORM_DELTA:  # sandwich norms (Gemma): d = its own RMSNorm first, rounded to the dtype
+        d_rstd = tl.rsqrt(tl.sum(d * d, 0) / n_cols + d_eps)
+        d = _normed_times_weight(d, d_rstd, dw_ptr, offs, mask, res_ptr.dtype.element_ty,
+                                 OFFSET).to(tl.float32)
     # torch form: x = x + d in the model dtype, then RMSNorm of the rounded sum
     s = (x + d).to(res_ptr.dtype.element_ty)
     tl.store(res_ptr + row * n_cols + offs, s, mask=mask)
@@ -80,10 +85,12 @@ def _add_rms_norm_kernel(d_ptr, x_ptr, w_ptr, out_ptr, res_ptr, stride_d, stride
 
 def add_rms_norm(
     delta: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
-    weight_offset: float = 0.0,
+    weight_offset: float = 0.0, delta_weight: torch.Tensor | None = None, delta_eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + delta), x + delta) for [num_tokens, hidden]: the residual add fused into the
-    next norm (one kernel instead of two); weight_offset as in rms_norm."""
+    next norm (one kernel instead of two); weight_offset as in rms_norm. delta_weight (sandwich
+    norms): delta is first normalized with it (same offset) and rounded, as rms_norm would:
+    (rms_norm(x + rms_norm(delta)), x + rms_norm(delta)) in one kernel instead of two."""
     n, h = x.shape
     out = torch.empty((n, h), dtype=x.dtype, device=x.device)
     res = torch.empty((n, h), dtype=x.dtype, device=x.device)
@@ -93,7 +100,10 @@ def add_rms_norm(
     block = triton.next_power_of_2(h)
     _add_rms_norm_kernel[(n,)](delta, x, weight, out, res, delta.stride(0), x.stride(0), h, eps,
                                BLOCK=block, num_warps=8 if block >= 4096 else 4,
-                               OFFSET=float(weight_offset), **pdl.launch_options(x.device))
+                               OFFSET=float(weight_offset),
+                               dw_ptr=weight if delta_weight is None else delta_weight,
+                               d_eps=float(delta_eps), NORM_DELTA=delta_weight is not None,
+                               **pdl.launch_options(x.device))
     return out, res
 
 

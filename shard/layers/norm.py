@@ -41,15 +41,20 @@ class RMSNorm(nn.Module, WeightLoader):
 
 
 def add_rms_norm(
-    delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm
+    delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm, delta_norm: RMSNorm | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + delta), x + delta) for [num_tokens, hidden], delta already reduced over ranks:
-    one Triton kernel on CUDA, the torch form (same rounding points: the sum rounded to the
-    dtype first) elsewhere."""
-    if x.is_cuda:
+    """(norm(x + delta), x + delta) for [num_tokens, hidden], delta already reduced over ranks;
+    with delta_norm (sandwich norms: a sub-block's output normalized before the residual add)
+    delta_norm(delta) in delta's place. One Triton kernel on CUDA, the torch form (same rounding
+    points: the normalized delta, then the sum, rounded to the dtype first) elsewhere."""
+    if x.is_cuda and (delta_norm is None or delta_norm.weight_offset == norm.weight_offset):
         from shard.kernels.elementwise import add_rms_norm as fused
 
-        return fused(delta, x, norm.weight, norm.eps, norm.weight_offset)
+        return fused(delta, x, norm.weight, norm.eps, norm.weight_offset,
+                     None if delta_norm is None else delta_norm.weight,
+                     0.0 if delta_norm is None else delta_norm.eps)
+    if delta_norm is not None:
+        delta = delta_norm(delta)
     residual = x + delta
     return norm(residual), residual
 

@@ -125,17 +125,18 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = _norm(ctx, hidden)
         self.post_feedforward_layernorm = _norm(ctx, hidden)
 
-    def forward(self, x, delta, positions, cache, meta):
-        """Residual stream x [num_tokens, hidden] and delta, the previous layer's normalized MLP
-        output still to be added (None before the first layer); each residual add is fused into
-        the norm that follows it. Returns the new (x, delta)."""
-        if delta is None:
+    def forward(self, x, pending, positions, cache, meta):
+        """Residual stream x [num_tokens, hidden] and pending, the previous layer's MLP output
+        and post-feedforward norm, still to be normalized and added (None before the first
+        layer). Each sub-block's post-norm, residual add and the next pre-norm are one fused
+        step (add_rms_norm with delta_norm). Returns the new (x, pending)."""
+        if pending is None:
             h = self.input_layernorm(x)
         else:
-            h, x = add_rms_norm(delta, x, self.input_layernorm)
-        a = self.post_attention_layernorm(self.self_attn(h, positions, cache, meta))
-        h, x = add_rms_norm(a, x, self.pre_feedforward_layernorm)
-        return x, self.post_feedforward_layernorm(self.mlp(h))
+            h, x = add_rms_norm(pending[0], x, self.input_layernorm, pending[1])
+        a = self.self_attn(h, positions, cache, meta)
+        h, x = add_rms_norm(a, x, self.pre_feedforward_layernorm, self.post_attention_layernorm)
+        return x, (self.mlp(h), self.post_feedforward_layernorm)
 
 
 class GemmaModel(nn.Module):
@@ -220,9 +221,11 @@ class GemmaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [num_logits]
     ) -> torch.Tensor:  # [num_logits, vocab] float32
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
-        delta = None
+        pending = None
         for layer, cache in zip(self.model.layers, kv_cache):
-            x, delta = layer(x, delta, positions, cache, meta)
+            x, pending = layer(x, pending, positions, cache, meta)
         # Only the rows that need logits: [num_logits, hidden].
-        h, _ = add_rms_norm(delta[logits_indices], x[logits_indices], self.model.norm)
+        mlp_out, post_norm = pending
+        h, _ = add_rms_norm(mlp_out[logits_indices], x[logits_indices], self.model.norm,
+                            post_norm)
         return self.lm_head(h)

@@ -108,6 +108,9 @@ def test_gemma_norms_and_gelu_match_torch():
     assert _rel(norm(x), ref(x)) < 1e-2
     h, s = elementwise.add_rms_norm(d, x, norm.weight, 1e-6, 1.0)
     assert torch.equal(s, x + d) and _rel(h, ref(x + d)) < 1e-2
+    # Sandwich: the delta normalized (same weights here) before the add, in the same kernel.
+    h, s = elementwise.add_rms_norm(d, x, norm.weight, 1e-6, 1.0, norm.weight, 1e-6)
+    assert _rel(s, x + ref(d)) < 1e-2 and _rel(h, ref(x + ref(d))) < 1e-2
     qkv = torch.randn(5, (16 + 2 * 8) * 256, device=dev, dtype=dt)
     q = qkv[:, : 16 * 256].view(5, 16, 256)
     k = qkv[:, 16 * 256 : 24 * 256].view(5, 8, 256)

@@ -107,3 +107,27 @@ def test_layer_types_and_rotary_bases_from_old_and_new_configs():
     assert rope_parameters(new3, SLIDING)["rope_theta"] == 10.0
     with pytest.raises(ValueError, match="layer_types must list 2 entries"):
         layer_types({"num_hidden_layers": 2, "layer_types": [SLIDING]})
+
+
+def test_lora_adapter_matches_peft(gemma_models, tmp_path):
+    """A PEFT adapter on every projection of native Gemma 2 (the GELU gate/up path included)
+    gives what transformers + PeftModel gives, beside a base-model request."""
+    from shard.lora import AdapterSource
+    from tests.helpers.lora import load_base, peft_greedy, write_adapter
+
+    model_dir = gemma_models["gemma2"]
+    base = load_base(model_dir)
+    adapter = write_adapter(model_dir, tmp_path / "all4", r=4, alpha=8.0, seed=1, base=base)
+    shard = make_shard(model_dir, max_loras=2, max_lora_rank=4)
+    assert shard.info.model_impl == "native"
+    shard.register_adapter(shard.read_adapter(AdapterSource("all4", str(adapter))))
+    prompt = prompts(model_dir, [11])[0]
+    sim = RouterSim(engine_call(shard), shard.runner.num_blocks, shard.runner.block_size)
+    sim.add(1, prompt, 12, adapter="all4")
+    sim.add(2, prompt, 12)
+    sim.prefill([(1, 0), (2, 0)])
+    sim.run_to_completion()
+    with_adapter = peft_greedy(model_dir, adapter, prompt, 12, base=base)
+    assert sim.done[1].generated == with_adapter
+    assert sim.done[2].generated == peft_greedy(model_dir, None, prompt, 12, base=base)
+    assert with_adapter != sim.done[2].generated  # the adapter changes the output

@@ -2,7 +2,8 @@
 against the portable torch forms:
 - attention-logit soft-capping and per-layer sliding windows in paged decode (one split and
   several; the fused rotary mode too) and paged prefill (a chunk over a cached prefix);
-- RMSNorm's (1 + w) weight offset (rms_norm, add_rms_norm, the q/k head norm);
+- RMSNorm's (1 + w) weight offset (rms_norm, add_rms_norm with and without the sandwich's
+  normalized delta, the q/k head norm);
 - GELU(tanh)-and-mul.
 One interpreted process for all of them (each costs its imports); shapes kept small.
 tests/gpu/test_gemma_kernels_cuda.py checks the compiled kernels in bf16.
@@ -98,6 +99,11 @@ _CHECK = textwrap.dedent(
     y, s = add_rms_norm(d, x, norm.weight, 1e-6, 1.0)
     close(s, x + d, "add")
     close(y, norm(x + d), "add_rms_norm offset")
+    post = RMSNorm(48, 1e-5, weight_offset=1.0)  # sandwich: delta normalized before the add
+    post.weight.data = torch.randn(48)
+    y, s = add_rms_norm(d, x, norm.weight, 1e-6, 1.0, post.weight, 1e-5)
+    close(s, x + post(d), "add of the normalized delta")
+    close(y, norm(x + post(d)), "add_rms_norm with delta norm")
     qh, kh = torch.randn(3, HEADS, D), torch.randn(3, KV_HEADS, D)
     head = RMSNorm(D, 1e-6, weight_offset=1.0)
     head.weight.data = torch.randn(D)
