@@ -36,7 +36,11 @@ if [ "${FAKE:-0}" != 0 ]; then
   set -- --fake --layers 8 --tp4-layers 4,8 --tp2-layers 4,8 --batches 1,4 --tp2-batches 1 \
     --context 64 --requests 8 --workdir /tmp/tw70b_fake "$@"
 fi
-timeout -k 20 "${TIMEOUT_S:-500}" python3 -m benchmarks.tp_scale --out "$work/out" "$@" 2>&1 \
+# One GEMV tuning cache for every part (the TP=4 ranks measure a shape once between them; the
+# e2e deployment reads what the TP=4 part measured). Fresh per call (under $work) unless
+# TUNING_CACHE_DIR names one, so the parts' first-step seconds show a cold tuning.
+timeout -k 20 "${TIMEOUT_S:-500}" python3 -m benchmarks.tp_scale --out "$work/out" \
+  --tuning-cache-dir "${TUNING_CACHE_DIR:-$work/gemv_tuning}" "$@" 2>&1 \
   | grep --line-buffered -v -i -E "warn|Loading weights|^\s*$|enable\(" | tee "$work/tp_scale.log"
 echo "driver exit: ${PIPESTATUS[0]} (124: TIMEOUT_S reached; parts saved before it are kept)"
 kill "$sampler" 2>/dev/null

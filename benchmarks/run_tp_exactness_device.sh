@@ -6,6 +6,9 @@ set -u
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name --format=csv,noheader
 budget=${BUDGET_S:-400}
+# One GEMV tuning cache for every run (tests/gpu/test_multi_gpu.py reads it): the first run
+# measures the pushed-GEMV shape, the others read it.
+export TUNING_CACHE_DIR=${TUNING_CACHE_DIR:-/tmp/tp_exactness_gemv_tuning}
 start=$SECONDS
 runs=0; passed=0
 while (( SECONDS - start < budget )); do

@@ -9,7 +9,9 @@ Parts, each saved as soon as it ends (results.json, RESULTS.md under --out): cei
 bandwidth, bf16 matmul), checkpoint (written under --write-budget-s), decode at TP=4 per layer
 count, decode at TP=2 (GPUs 0 and 1), end to end (`tokenwire launch --num-shard 4`, the harness's
 workload, with the shards' start-up log lines and host memory). The end-to-end part starts only
-if --e2e-latest-start-s has not passed (what is not run is said, never guessed).
+if --e2e-latest-start-s has not passed (what is not run is said, never guessed). Every part
+shares one GEMV tuning cache (--tuning-cache-dir): the TP=4 ranks measure each shape once
+between them, and the e2e deployment reads what the TP=4 part measured.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--e2e-latest-start-s", type=float, default=300.0,
       help="start the end-to-end part only before this many seconds since start")
     a("--e2e-timeout", type=float, default=240.0)
+    a("--tuning-cache-dir", type=Path, default=None,
+      help="the GEMV tuning cache every part shares (the ranks of a part tune a shape once, "
+      "later parts and the e2e deployment read it; default: OUT/gemv_tuning, fresh per run)")
     a("--skip", default="", help="comma-separated parts to skip: tp4,tp2,e2e")
     a("--fake", action="store_true",
       help="CPU dry run: a small model of the same structure, gloo ranks, eager steps")
@@ -86,7 +91,7 @@ def run_tp(world: int, dirs: list[tuple[int, Path]], batches: list[int], args, c
 
     job = {"device": "cpu" if args.fake else "cuda", "models": [[n, str(d)] for n, d in dirs],
            "batches": batches, "context": args.context, "hidden": cfg["hidden_size"],
-           "vocab": cfg["vocab_size"]}
+           "vocab": cfg["vocab_size"], "tuning_cache_dir": str(args.tuning_cache_dir)}
     t0 = time.time()
     res = run_ranks(world, job, scale.scale_rank, timeout_s=args.rank_timeout_s)
     res["num_shard"] = world
@@ -120,6 +125,7 @@ def run_e2e(model: Path, args, res: dict) -> dict[str, Any]:
     e2e_args = p.parse_args([
         "--num-shard", "4", "--requests", str(args.requests), "--workdir", str(args.out),
         "--e2e-timeout", str(args.e2e_timeout), "--e2e-profile-from-step", "none",
+        "--tuning-cache-dir", str(args.tuning_cache_dir),
         *(["--e2e-warmup-requests", "2", "--clients", "2"] if args.fake else []),
     ])
     e2e_args.e2e_device = "cpu" if args.fake else "cuda"
@@ -234,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    args.tuning_cache_dir = args.tuning_cache_dir or args.out / "gemv_tuning"
     # `timeout` sends SIGTERM: leave through SystemExit so that the e2e part's `finally` stops
     # the launched deployment (its own process session) instead of leaving it on the GPUs.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

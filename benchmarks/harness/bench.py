@@ -1,9 +1,8 @@
 """`python -m benchmarks.harness` (formerly `python -m benchmarks.harness`): the GPU benchmark of issue 7, in one
 process tree, in one go.
 
-1. writes a Llama-3-8B-shaped (--model-shape gemma2-9b: Gemma-2-9B-shaped) random bf16
-   checkpoint (safetensors written tensor by tensor, never a full fp32 model in RAM) and a
-   word-level tokenizer of the vocabulary's entries to local disk;
+1. writes a Llama-3-8B-shaped random bf16 checkpoint (safetensors written tensor by tensor, never a
+   full fp32 model in RAM) and a word-level tokenizer of the same 128,256 entries to local disk;
    lm_head's rows of the EOS tokens are zero, so greedy decoding never picks EOS (logit 0 against
    the positive maximum of 128k random logits) and every request generates exactly
    max_new_tokens: "EOS ignored" without any API extension;
@@ -54,18 +53,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--parts", default="ceilings,decode,prefill,engine,e2e,hf",
       help="comma-separated subset of ceilings,decode,prefill,engine,e2e,hf (engine: the "
            "engine-only bound of the e2e workload, benchmarks/harness/engine_part.py)")
-    a("--model-shape", choices=sorted(SHAPES), default="llama3-8b",
-      help="the random model's shape (shard/testing/checkpoint.py): llama3-8b, or gemma2-9b "
-           "(soft-capped attention and logits, local/global layers, head_dim 256; mind its KV: "
-           "344 KB a token, so --context 512 at batch 256 on an 80 GB card)")
+    a("--model-type", choices=sorted(SHAPES), default="llama",
+      help="shape of the random checkpoint: llama (Llama-3-8B), qwen3 (Qwen3-8B: per-head "
+           "q/k norms, 36 layers, 151,936 vocabulary) or gemma2 (Gemma-2-9B: soft-capped "
+           "attention and logits, local/global layers, head_dim 256; its KV is 344 KB a token, "
+           "so --context 512 at batch 256 on an 80 GB card)")
     a("--num-layers", type=int, default=None,
-      help="layers of the random model (default: the shape's own, 32 = Llama-3-8B, 42 = "
-           "Gemma-2-9B)")
+      help="layers of the random model (default: the shape's, 32 = Llama-3-8B, 36 = Qwen3-8B, "
+           "42 = Gemma-2-9B)")
     a("--decode-batches", default="1,8,32,64,128,256")
     a("--context", type=int, default=1024, help="context length of decode benchmarks")
     a("--requests", type=int, default=1000, help="end-to-end requests")
     a("--clients", type=int, default=4, help="load-client processes")
     a("--e2e-timeout", type=float, default=300.0)
+    a("--tuning-cache-dir", default=None,
+      help="the e2e deployment's --tuning-cache-dir (default: the shard's own default)")
     a("--e2e-overlap", choices=["on", "off", "both"], default="both",
       help="e2e with the router's --overlap, --no-overlap, or both (A/B, one after the other)")
     a("--engine-profile-start", type=int, default=200,
@@ -120,12 +122,13 @@ WEIGHT_BYTES = {None: 2.0, "fp8": 1.0, "bitsandbytes": 1.0, "bitsandbytes-nf4": 
 def model_bytes(cfg: dict, quantize: str | None = None, kv_cache_dtype: str = "auto") -> dict:
     h, inter, v, L = (cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"],
                       cfg["num_hidden_layers"])
-    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    heads = cfg["num_attention_heads"]
+    hd = cfg.get("head_dim") or h // heads
     kvh = cfg["num_key_value_heads"]
-    q_out = cfg["num_attention_heads"] * hd  # == h for Llama, not for Gemma (16 x 256 vs 3584)
-    linear = L * (h * (q_out + 2 * kvh * hd) + q_out * h + 3 * h * inter)
-    norms = 4 if cfg["model_type"] in ("gemma2", "gemma3_text") else 2  # per layer
-    others = L * norms * h + h + v * h  # norms, final norm, LM head: always in bf16
+    linear = L * (h * (heads * hd + 2 * kvh * hd) + heads * hd * h + 3 * h * inter)
+    qk_norms = L * 2 * hd if cfg.get("model_type") == "qwen3" else 0
+    norms = 4 if cfg.get("model_type") in ("gemma2", "gemma3_text") else 2  # per layer: sandwich
+    others = L * norms * h + qk_norms + h + v * h  # norms, final norm, LM head: always in bf16
     kv_elem = 2 if kv_cache_dtype == "auto" else 1
     return {
         "matmul_params_per_token": linear,
@@ -386,6 +389,8 @@ def bench_e2e(model_dir: Path, args, log_path: Path, overlap: bool = True) -> di
         "--model-impl", args.model_impl,
     ] + (["--quantize", args.quantize] if args.quantize else []) + (
         [] if overlap else ["--no-overlap"])
+    if getattr(args, "tuning_cache_dir", None):
+        cmd += ["--tuning-cache-dir", str(args.tuning_cache_dir)]
     trace_dir = args.workdir / "profiles" / log_path.stem
     if args.e2e_profile_from_step is not None:
         cmd += ["--profile-from-step", str(args.e2e_profile_from_step),
@@ -588,7 +593,7 @@ def write_report(res: dict, path: Path) -> None:
     L.append("# tokenwire benchmark results\n")
     L.append(f"- device: {res['device']}\n- date: {res['date']}\n- commit: {res['commit']}\n"
              f"- torch {res['torch']}, triton {res['triton']}\n- model: "
-             f"{res.get('model_shape', 'llama3-8b')} shape, random "
+             f"{SHAPES[res.get('model_type', 'llama')][2]}, random "
              f"bf16, {res.get('num_layers')} layers\n"
              f"- quantize: {res.get('quantize') or 'none'}, KV cache: "
              f"{res.get('kv_cache_dtype', 'auto')}, shards (e2e): {res.get('num_shard', 1)}\n")
@@ -704,8 +709,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     parts = set(args.parts.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.num_layers is None:
-        args.num_layers = SHAPES[args.model_shape][0]["num_hidden_layers"]
     res: dict = {
         "device": torch.cuda.get_device_name(), "date": datetime.datetime.now(
             datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -714,11 +717,14 @@ def run(args: argparse.Namespace) -> int:
         "quantize": args.quantize, "kv_cache_dtype": args.kv_cache_dtype,
         "kv_cache_rotation": args.kv_cache_rotation,
         "num_shard": args.num_shard, "model_impl": args.model_impl,
-        "model_shape": args.model_shape, "context": args.context,
+        "model_type": args.model_type, "context": args.context,
     }
-    model_dir = args.workdir / f"{args.model_shape}-shape-{args.num_layers}l"
+    shape, _, stem = SHAPES[args.model_type]
+    if args.num_layers is None:
+        args.num_layers = res["num_layers"] = shape["num_hidden_layers"]
+    model_dir = args.workdir / f"{stem}-{args.num_layers}l"
     t0 = time.perf_counter()
-    res["checkpoint"] = write_checkpoint(model_dir, args.num_layers, args.model_shape)
+    res["checkpoint"] = write_checkpoint(model_dir, args.num_layers, args.model_type)
     print(f"checkpoint ready in {time.perf_counter() - t0:.0f} s", flush=True)
 
     def save():

@@ -318,6 +318,14 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
     PassThrough("--profile-dir", str, ("PROFILE_DIR",), "where --profile-from-step writes",
                 "shard"),
     PassThrough(
+        "--tuning-cache-dir",
+        str,
+        ("TUNING_CACHE_DIR",),
+        "where measured GEMV tuning choices are kept, shared by the ranks and later runs "
+        "(default: gemv_tuning under tokenwire's cache directory; none: off)",
+        "shard",
+    ),
+    PassThrough(
         "--all-reduce",
         str,
         ("ALL_REDUCE",),

@@ -57,9 +57,13 @@ tests/shard/test_triton_gemv_interpreter.py).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -67,7 +71,7 @@ import triton.language as tl
 import triton.runtime.errors
 from triton.runtime.autotuner import Autotuner
 
-from shard.kernels import pdl
+from shard.kernels import pdl, tuning_cache
 from shard.kernels.all_reduce_norm import ExchangeTarget, push_to_exchange
 from shard.kernels.gemv_buckets import GEMV_MAX_M, M_BUCKETS, m_bucket
 from shard.kernels.graph_timing import time_in_graph_us, weight_views
@@ -374,6 +378,42 @@ def _families(weight_dtype: torch.dtype) -> tuple[tuple[triton.Config, ...], ...
     return _W16_FMA_CONFIGS, _W16_DOT_CONFIGS
 
 
+def config_dict(config: triton.Config) -> dict[str, Any]:
+    """A candidate config as JSON-able data (the tuning cache's files)."""
+    return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps,
+            "num_stages": config.num_stages}
+
+
+def config_from_dict(data: Mapping[str, Any], weight_dtype: torch.dtype) -> triton.Config:
+    """The candidate config of `weight_dtype` that config_dict() wrote as `data`; KeyError if no
+    candidate matches any more (the candidate lists changed: the cached choice is stale)."""
+    for config in (c for family in _families(weight_dtype) for c in family):
+        if config_dict(config) == dict(data):
+            return config
+    raise KeyError(f"no GEMV candidate config {dict(data)} for {weight_dtype}")
+
+
+# Bump to invalidate every tuning-cache entry for a reason kernel_version() cannot see.
+TUNING_VERSION = 1
+# The modules whose source decides a tuning result: the kernel and its candidates (this file), its
+# PDL and push helpers, and the in-graph timing.
+_TUNING_SOURCES = ("gemv.py", "pdl.py", "all_reduce_norm.py", "graph_timing.py")
+
+
+@functools.cache
+def kernel_version() -> str:
+    """A digest of everything in shard/kernels a tuned choice depends on (TUNING_VERSION and the
+    source of _TUNING_SOURCES: the kernel, its candidate configs, the timing settings): part of
+    every tuning-cache key, so that an edited kernel or candidate list is tuned afresh rather
+    than served a stale choice. Coarse on purpose (an edited comment retunes too): a retune
+    costs seconds, a stale choice a slower or failing kernel."""
+    digest = hashlib.sha256(str(TUNING_VERSION).encode())
+    here = Path(__file__).parent
+    for name in _TUNING_SOURCES:
+        digest.update((here / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def configs_for(m: int, weight_dtype: torch.dtype) -> list[triton.Config]:
     """The autotuning candidates for a batch of m rows and a weight dtype (also what the tests
     run one by one). M == 1 also tries one tensor-core config (wide-N shapes can prefer it)."""
@@ -585,13 +625,43 @@ def tune_gemv(
     bias: torch.Tensor | None,
     dtype: torch.dtype,  # the activations' dtype
     silu_mul: bool = False,
+    *,
+    cached: bool = True,
 ) -> dict[int, triton.Config]:
     """Autotunes (and compiles and loads) the kernel for every M bucket of this weight shape,
     bias-ness, epilogue and activation dtype; returns each bucket's config. Batch 1's config is
     then re-chosen by timing the candidates back to back in a CUDA graph, as a decode step runs
     them (shard/kernels/graph_timing.py). Eager only: it benchmarks with host syncs. Keys already
     tuned (other layers of the same shape) cost one launch each, which also loads the kernel on
-    this weight's device."""
+    this weight's device.
+
+    cached (CUDA): the configs come from the process's tuning cache (shard/kernels/tuning_cache.py)
+    when a peer rank or an earlier run stored them, and are stored there after tuning; only their
+    kernels are then loaded. decode_linear passes False: it caches its whole record itself."""
+    if not weight.is_cuda or not cached:
+        return _autotune(weight, scale, bias, dtype, silu_mul)
+    memo = (tuple(weight.shape), weight.dtype, dtype, bias is not None, silu_mul,
+            weight.device.index, pdl.enabled(weight.device))
+    chosen = _CACHED_CONFIGS.get(memo)
+    if chosen is None:
+        chosen = tuning_cache.cached_tuning(
+            tuning_key("gemv_configs", weight, dtype, bias is not None, silu_mul),
+            lambda: _autotune(weight, scale, bias, dtype, silu_mul),
+            lambda configs: {"buckets": {str(b): config_dict(c) for b, c in configs.items()}},
+            functools.partial(decode_bucket_configs, weight_dtype=weight.dtype),
+        )
+        _CACHED_CONFIGS[memo] = chosen
+    load_configs(weight, scale, bias, dtype, silu_mul, chosen)
+    return chosen
+
+
+def _autotune(
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    silu_mul: bool,
+) -> dict[int, triton.Config]:
     k = weight.shape[1]
     x = torch.zeros((GEMV_MAX_M, k), dtype=dtype, device=weight.device)  # [16, K]
     tuner = _tuner(weight.dtype)
@@ -608,6 +678,72 @@ def tune_gemv(
                                              configs_for(1, weight.dtype))[0]
     chosen[1] = _GRAPH_PICKS[key]
     return chosen
+
+
+def load_configs(
+    weight: torch.Tensor,  # [N, K] (silu_mul: [2I, K])
+    scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,  # the activations' dtype
+    silu_mul: bool,
+    configs: Mapping[int, triton.Config],  # {M bucket: config}
+) -> None:
+    """Compiles (from Triton's on-disk cache when it has them) and loads each bucket's config on
+    the weight's device by one eager launch at that bucket's batch (batch 1 with its PDL
+    variant), then syncs so that a failing launch raises here, not in a graph capture: what a
+    cached choice needs before any CUDA graph is captured."""
+    x = torch.zeros((GEMV_MAX_M, weight.shape[1]), dtype=dtype, device=weight.device)  # [16, K]
+    for bucket, config in configs.items():
+        gemv(x[:bucket], weight, scale, bias, silu_mul=silu_mul, config=config,
+             caller="gemv.load_configs")
+    torch.cuda.synchronize(weight.device)
+
+
+def decode_bucket_configs(
+    raw: Mapping[str, Any], weight_dtype: torch.dtype
+) -> dict[int, triton.Config]:
+    """{M bucket: config} from a tuning-cache value {"buckets": {"1": config_dict, ...}};
+    raises (KeyError / ValueError) unless it names a candidate of the right kind for every
+    bucket of M_BUCKETS."""
+    buckets = raw["buckets"]
+    if sorted(int(b) for b in buckets) != sorted(M_BUCKETS):
+        raise ValueError(f"buckets {sorted(buckets)}, expected {list(M_BUCKETS)}")
+    chosen = {}
+    for bucket in M_BUCKETS:
+        config = config_from_dict(buckets[str(bucket)], weight_dtype)
+        if not any(config is c for c in configs_for(bucket, weight_dtype)):
+            raise ValueError(f"config {config} is not a candidate for batch {bucket}")
+        chosen[bucket] = config
+    return chosen
+
+
+def tuning_key(
+    op: str, weight: torch.Tensor, dtype: torch.dtype, has_bias: bool, silu_mul: bool
+) -> dict[str, str | int | bool]:
+    """The tuning-cache key of a GEMV shape's choice on the weight's device: everything the
+    answer depends on (the GPU model and software builds, the kernel's source and candidates,
+    the weight's shape, dtype and row stride, the activation dtype, bias, epilogue, PDL and the
+    batch buckets). `op` names what is stored under it."""
+    return {
+        "op": op,
+        "kernel": kernel_version(),
+        **tuning_cache.device_key(weight.device),
+        "weight_dtype": str(weight.dtype),  # the quantization kind: bf16 / fp16 / fp8 e4m3
+        "dtype": str(dtype),
+        "rows": weight.shape[0],
+        "k": weight.shape[1],
+        "row_stride": weight.stride(0),
+        "bias": has_bias,
+        "silu_mul": silu_mul,
+        "pdl": pdl.enabled(weight.device),
+        "buckets": ",".join(str(b) for b in M_BUCKETS),
+    }
+
+
+# tune_gemv's choices read from (or stored into) the tuning cache in this process, per (weight
+# shape, weight dtype, activation dtype, bias, epilogue, device, PDL): a model's 32 layers of one
+# shape read the cache once.
+_CACHED_CONFIGS: dict[tuple, dict[int, triton.Config]] = {}
 
 
 # Batch-1 configs chosen in-graph by tune_gemv, per (weight shape, weight dtype, activation

@@ -14,7 +14,8 @@ so its candidates are re-ranked in-graph after autotuning.
 How: a graph of >= 16 launches cycling through weight-shaped views of a scratch buffer larger than
 twice the L2 (so every launch streams from DRAM, as with a model's distinct layers; the scratch
 holds whatever bytes it holds: only the timing is used), replayed a few times; the median per-
-launch time decides. Shapes whose weight alone overflows the L2 twice use the weight itself.
+launch time decides. At most 1,024 views: toy-sized weights (< ~100 KB) are timed partly from L2
+(see _MAX_VIEWS). Shapes whose weight alone overflows the L2 twice use the weight itself.
 Eager only, like all tuning (compiles, host syncs).
 """
 
@@ -28,16 +29,23 @@ import torch
 
 _MIN_LAUNCHES = 16
 _REPLAYS = 5
+# At most this many views (launches per graph). Without a cap a toy model's weight (a [64, 64]
+# bf16 tile: 8 KB) needed ~12,800 views to overflow an H100's 50 MB L2 twice, and each timing
+# launched, captured and replayed that many kernels: ~1 s per timing, ~13 timings per shape,
+# most of a 0.3 MiB model's 86 s warm-up (benchmarks/MULTI_GPU.md). With the cap, weights below
+# 2 x L2 / 1024 (~100 KB on an H100, ~120 KB on an H200) are timed partly from L2: only toy
+# models have linears that small, and a real step of such a model finds its weights in L2 too.
+_MAX_VIEWS = 1024
 
 
 def weight_views(weight: torch.Tensor) -> list[torch.Tensor]:
     """Weight-shaped tensors whose bytes together overflow the L2 twice: [weight] when it does
-    alone, else views of one scratch allocation (freed with the list)."""
+    alone, else views of one scratch allocation (freed with the list); at most _MAX_VIEWS."""
     l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
     size = weight.numel() * weight.element_size()
     if size >= 2 * l2:
         return [weight]
-    count = math.ceil(2 * l2 / size)
+    count = min(math.ceil(2 * l2 / size), _MAX_VIEWS)
     flat = torch.empty(count * weight.numel(), dtype=weight.dtype, device=weight.device)
     return [part.view(weight.shape) for part in flat.chunk(count)]
 

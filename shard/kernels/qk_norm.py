@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from shard.kernels import pdl
+from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
+
 
 @triton.jit
 def _norm_heads(src, w_ptr, dst, tok, st_t, st_h, n_heads, eps,
@@ -38,8 +41,12 @@ def _norm_heads(src, w_ptr, dst, tok, st_t, st_h, n_heads, eps,
 @triton.jit
 def _qk_rms_norm_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, sq_t, sq_h, sk_t, sk_h,
                         n_q, n_k, eps, HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                        BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
                         OFFSET: tl.constexpr = 0.0):
+    # Programmatic dependent launch (shard/kernels/pdl.py): launched during the qkv GEMV's tail,
+    # reads q/k only after it completed; the attention kernel after it launches likewise.
+    let_dependents_launch(PDL)
+    wait_for_predecessor(PDL)
     tok = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
         _norm_heads(q_ptr, wq_ptr, qo_ptr, tok, sq_t, sq_h, n_q, eps, HEAD_DIM, BLOCK_HQ, BLOCK_D,
@@ -67,6 +74,6 @@ def qk_rms_norm(
         q, k, q_weight, k_weight, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         n_q, n_k, eps, HEAD_DIM=d, BLOCK_HQ=triton.next_power_of_2(n_q),
         BLOCK_HK=triton.next_power_of_2(n_k), BLOCK_D=triton.next_power_of_2(d),
-        OFFSET=float(weight_offset), num_warps=4,
+        OFFSET=float(weight_offset), num_warps=4, **pdl.launch_options(q.device),
     )
     return q_out, k_out

@@ -19,6 +19,16 @@ do_bench_cudagraph would keep small weights (e.g. 16 MB at TP=2) L2-resident and
 whichever backend streams worse. Both paths' extra kernels (cuBLAS's split-K reduce, silu_mul)
 run inside the timed window. Triton must win by WIN_MARGIN: ties go to cuBLAS.
 
+Persistence: a record is measured once per machine kind and software build, not once per
+process. With a tuning cache configured (shard/kernels/tuning_cache.py: the shard's
+`--tuning-cache-dir`, on by default under tokenwire's cache directory), tune() first reads the
+record from disk (keyed by GPU model, torch / CUDA / Triton builds, a digest of the kernel sources
+and of this dispatcher, weight dtype and shape, activation dtype, bias, epilogue, PDL and the
+buckets), and only then measures, under the key's file lock, storing the record for the next
+reader: the TP ranks of a deployment, which meet the same shapes at once, measure each shape
+once, and a later deployment measures nothing. A record read from disk still has its kernels
+compiled (from Triton's on-disk cache when warm) and loaded before it is used.
+
 When tuning happens: explicitly by tune(), or by the first EAGER call of linear/gate_up_silu for
 an untuned ShapeKey, whatever its batch (the shard's warm-up runs a large batch eagerly before
 capturing small-batch graphs; the whole shape is tuned then). A call made while a CUDA graph is
@@ -37,17 +47,20 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
 import importlib.util
 import logging
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from shard.kernels import tuning_cache
 from shard.kernels.gemv_buckets import GEMV_MAX_M, M_BUCKETS, m_bucket
 
 if TYPE_CHECKING:
@@ -208,7 +221,7 @@ def tune(
     with _LOCK:
         if key not in _TUNED:
             with torch.cuda.device(weight.device):
-                _TUNED[key] = _measure(weight, dtype, bias, silu_mul)
+                _TUNED[key] = _cached_record(weight, dtype, bias, silu_mul)
             log.info("decode_linear: tuned %s: %s", key, _summary(_TUNED[key]))
     return _TUNED[key]
 
@@ -394,6 +407,82 @@ def _unfused_gate_up_silu(
     return _silu_mul(gate, up)
 
 
+@functools.cache
+def _dispatcher_version() -> str:
+    """A digest of this module's source (WIN_MARGIN, how _measure times): an edited dispatcher
+    retunes rather than reading records measured by another."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+def _cache_key(
+    weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None, silu_mul: bool
+) -> dict[str, Any]:
+    from shard.kernels.gemv import tuning_key
+
+    return {**tuning_key("decode_linear", weight, dtype, bias is not None, silu_mul),
+            "dispatcher": _dispatcher_version()}
+
+
+def _encode(record: Mapping[int, BucketChoice]) -> dict[str, Any]:
+    from shard.kernels.gemv import config_dict
+
+    return {"buckets": {str(b): {"backend": c.backend.value, "config": config_dict(c.config),
+                                 "triton_us": c.triton_us, "cublas_us": c.cublas_us}
+                        for b, c in record.items()}}
+
+
+def _decode(raw: Mapping[str, Any], weight_dtype: torch.dtype) -> dict[int, BucketChoice]:
+    """A record from its tuning-cache value; raises (KeyError / ValueError) on a value that does
+    not name a current candidate config and a backend for every bucket."""
+    from shard.kernels.gemv import decode_bucket_configs
+
+    buckets = raw["buckets"]
+    configs = decode_bucket_configs(
+        {"buckets": {b: c["config"] for b, c in buckets.items()}}, weight_dtype)
+    return {b: BucketChoice(Backend(buckets[str(b)]["backend"]), configs[b],
+                            float(buckets[str(b)]["triton_us"]),
+                            float(buckets[str(b)]["cublas_us"]))
+            for b in M_BUCKETS}
+
+
+def _cached_record(
+    weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None, silu_mul: bool
+) -> dict[int, BucketChoice]:
+    """The shape's record: read from the process's tuning cache (its kernels then loaded) or
+    measured (and stored there); with no cache configured, measured."""
+
+    def read(raw: Mapping[str, Any]) -> dict[int, BucketChoice]:
+        record = _decode(raw, weight.dtype)
+        _load_kernels(weight, dtype, bias, silu_mul, record)
+        return record
+
+    return tuning_cache.cached_tuning(
+        _cache_key(weight, dtype, bias, silu_mul),
+        lambda: _measure(weight, dtype, bias, silu_mul),
+        _encode,
+        read,
+    )
+
+
+def _load_kernels(
+    weight: torch.Tensor,
+    dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    silu_mul: bool,
+    record: Mapping[int, BucketChoice],
+) -> None:
+    """What _measure leaves behind besides the record, for a record read from disk: every
+    bucket's Triton config compiled and loaded (a CUDA-graph capture may not load one; forced
+    TRITON runs use the config even where cuBLAS won) and the cuBLAS path run once per bucket."""
+    from shard.kernels.gemv import load_configs
+
+    load_configs(weight, None, bias, dtype, silu_mul, {b: c.config for b, c in record.items()})
+    x = torch.zeros((GEMV_MAX_M, weight.shape[1]), dtype=dtype, device=weight.device)  # [16, K]
+    cublas = _unfused_gate_up_silu if silu_mul else F.linear
+    for bucket in record:
+        cublas(x[:bucket], weight, bias)
+
+
 def _measure(
     weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None, silu_mul: bool
 ) -> dict[int, BucketChoice]:
@@ -404,7 +493,7 @@ def _measure(
     from shard.kernels.gemv import bench_us, tune_gemv
     from shard.kernels.graph_timing import time_in_graph_us, weight_views
 
-    configs = tune_gemv(weight, None, bias, dtype, silu_mul=silu_mul)
+    configs = tune_gemv(weight, None, bias, dtype, silu_mul=silu_mul, cached=False)
     x = torch.randn((GEMV_MAX_M, weight.shape[1]), dtype=dtype, device=weight.device)  # [16, K]
     cublas = _unfused_gate_up_silu if silu_mul else F.linear
     views = weight_views(weight)

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from shard.attention.base import AttentionMetadata
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     """Llama 3.1 frequency-dependent scaling: long wavelengths divided by factor, short kept,
@@ -32,19 +34,19 @@ def _linear(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 # rope_type -> inverse-frequency transform
 ROPE_TYPES = {"default": _default, "linear": _linear, "llama3": _llama3_inv_freq}
 # LongRoPE (Phi-3 / Phi-3.5 / Phi-4 "longrope", formerly "su"): per-frequency rescale factors,
-# short below original_max_position_embeddings, long from there on, and cos/sin scaled by an
-# attention factor. Built as whole tables by _longrope_tables.
+# short for sequences up to original_max_position_embeddings, long for longer ones, and cos/sin
+# scaled by an attention factor. Built as whole tables by _longrope_tables.
 LONGROPE_TYPES = ("longrope", "su")
 
 
 def _longrope_tables(
     head_dim: int, max_positions: int, params: dict
-) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [max_positions, head_dim] float32
-    """Position p < original_max_position_embeddings rotates with the short factors, later ones
-    with the long factors (transformers switches a whole forward to the long factors once any
-    position reaches that length, which is the same for one token at a time: every decode step,
-    and prefills shorter than it); cos and sin are multiplied by the attention factor, default
-    sqrt(1 + ln(factor) / ln(original)) with factor = max / original positions."""
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """cos, sin [original + max_positions, head_dim] float32 and original: rows [0, original)
+    rotate positions 0.. with the short factors, rows [original, original + max_positions)
+    positions 0.. with the long factors (RotaryEmbedding.table_rows picks per sequence). cos
+    and sin are multiplied by the attention factor, default sqrt(1 + ln(factor) / ln(original))
+    with factor = max / original positions."""
     original = int(params["original_max_position_embeddings"])
     factor = params.get("factor") or params["max_position_embeddings"] / original
     scale = params.get("attention_factor")
@@ -53,17 +55,17 @@ def _longrope_tables(
     exps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     base = float(params["rope_theta"])
     rows = []
-    for key, start, stop in (("short_factor", 0, original), ("long_factor", original, None)):
+    for key, count in (("short_factor", original), ("long_factor", max_positions)):
         ext = torch.tensor(params[key], dtype=torch.float32)  # [head_dim / 2]
         if ext.numel() != head_dim // 2:
             raise ValueError(f"rope_scaling.{key} has {ext.numel()} values; the model's "
                              f"head_dim {head_dim} needs {head_dim // 2}")
         inv_freq = 1.0 / (ext * base**exps)
-        t = torch.arange(max_positions, dtype=torch.float32)[start:stop]
-        rows.append(torch.outer(t, inv_freq))  # [positions in range, head_dim / 2]
-    freqs = torch.cat(rows)  # [max_positions, head_dim / 2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-    return emb.cos() * scale, emb.sin() * scale
+        t = torch.arange(count, dtype=torch.float32)
+        rows.append(torch.outer(t, inv_freq))  # [count, head_dim / 2]
+    freqs = torch.cat(rows)  # [original + max_positions, head_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [original + max_positions, head_dim]
+    return emb.cos() * scale, emb.sin() * scale, original
 
 
 def rope_parameters(config: dict, layer_type: str | None = None) -> dict:
@@ -96,8 +98,10 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_positions: int, params: dict, device: torch.device):
         super().__init__()
         rope_type = params["rope_type"]
+        # LongRoPE: the row where the long-factor rows start (see table_rows); None otherwise.
+        self.long_rows: int | None = None
         if rope_type in LONGROPE_TYPES:
-            cos, sin = _longrope_tables(head_dim, max_positions, params)
+            cos, sin, self.long_rows = _longrope_tables(head_dim, max_positions, params)
         elif rope_type in ROPE_TYPES:
             base = float(params["rope_theta"])
             exps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
@@ -115,9 +119,25 @@ class RotaryEmbedding(torch.nn.Module):
             None
         )
 
+    def table_rows(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The cos/sin rows the step's tokens read ([num_tokens] int64; the model passes them to
+        the attention layers in place of the positions): the positions, except under LongRoPE,
+        where a sequence longer than original_max_position_embeddings (its length this step)
+        reads the long-factor rows. transformers decides alike from the sequence length; it
+        also recomputes the cached keys when a sequence grows past that length, which a paged
+        cache does not: keys cached before the switch keep the short factors."""
+        if self.long_rows is None:
+            return positions
+        if meta.is_decode_only and positions.shape[0] == meta.seq_lens.shape[0]:
+            seq_lens = meta.seq_lens  # one token per sequence (decode graphs too)
+        else:  # [num_tokens]: each token's sequence length
+            seq_lens = torch.repeat_interleave(meta.seq_lens, meta.query_start_loc.diff(),
+                                               output_size=positions.shape[0])
+        return positions + self.long_rows * (seq_lens > self.long_rows)
+
     def forward(
         self,
-        positions: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64, rows of the tables (see table_rows)
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:

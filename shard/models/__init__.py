@@ -41,6 +41,18 @@ def _qwen3(ctx: LoadContext) -> CausalLM:
     return Qwen3ForCausalLM(ctx)
 
 
+def _olmo2(ctx: LoadContext) -> CausalLM:
+    from shard.models.olmo2 import Olmo2ForCausalLM
+
+    return Olmo2ForCausalLM(ctx)
+
+
+def _phi3(ctx: LoadContext) -> CausalLM:
+    from shard.models.phi3 import Phi3ForCausalLM
+
+    return Phi3ForCausalLM(ctx)
+
+
 def _gemma(ctx: LoadContext) -> CausalLM:
     from shard.models.gemma import GemmaForCausalLM
 
@@ -56,7 +68,7 @@ def _transformers(ctx: LoadContext) -> CausalLM:
 def model_registry() -> dict[str, Callable[[LoadContext], CausalLM]]:
     """model_type -> constructor of our own implementations."""
     return {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _qwen3,
-            "gemma2": _gemma, "gemma3_text": _gemma}
+            "olmo2": _olmo2, "phi3": _phi3, "gemma2": _gemma, "gemma3_text": _gemma}
 
 
 def load_model(ctx: LoadContext, impl: ModelImpl = ModelImpl.AUTO) -> CausalLM:
@@ -71,7 +83,8 @@ def load_model(ctx: LoadContext, impl: ModelImpl = ModelImpl.AUTO) -> CausalLM:
     if native is not None and impl is not ModelImpl.TRANSFORMERS:
         try:
             model = native(ctx)
-        except NotServedNatively as exc:
+        # NotImplementedError: a layer option the native layers lack (a rope_type, say)
+        except (NotServedNatively, NotImplementedError) as exc:
             if impl is ModelImpl.NATIVE:
                 raise ValueError(f"--model-impl native: the native {model_type} code does not "
                                  f"serve {exc}; use --model-impl auto") from None

@@ -16,7 +16,8 @@ from shard.quantization.methods import KvCacheDtype, KvCacheRotation, QuantizeMe
 
 class NotServedNatively(ValueError):
     """A native model class cannot serve this config (a variant of the family it does not
-    assemble); --model-impl auto then serves it through the transformers backend."""
+    assemble); --model-impl auto then serves it through the transformers backend (as it does
+    on a NotImplementedError from the native layers: an unsupported rope_type, say)."""
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,10 @@
 tied embeddings, optional q/k/v bias. Only assembles layers (shard/layers/): module names equal
 checkpoint tensor names, and each tensor-parallel layer loads its own slice.
 
-Families that differ from Llama only by layer options (LayerOptions: q/k norms, checkpoint-fused
-projections) or by their decoder layer subclass LlamaForCausalLM in their own file (qwen3.py,
-phi3.py, olmo2.py)."""
+Families that differ from Llama only in layer options (LayerOptions: q/k norms, checkpoint-fused
+projections) or in their decoder layer (OLMo-2's post-norms) subclass LlamaForCausalLM in files
+of their own (qwen3.py, phi3.py, olmo2.py), setting `options`, `decoder_layer` and
+`fuses_residuals`."""
 
 from __future__ import annotations
 
@@ -162,6 +163,7 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(
             head_dim, cfg["max_position_embeddings"], rope_parameters(cfg), ctx.device
         )
+        self.rotary = rotary  # shared by every layer's attention
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], ctx.dist)
         self.layers = nn.ModuleList(
             layer(ctx, rotary, sliding_window, opts) for _ in range(cfg["num_hidden_layers"])
@@ -175,6 +177,8 @@ class LlamaForCausalLM(nn.Module):
     model_impl = "native"
     supports_lora = True  # shard/lora adapts qkv_proj, o_proj, gate_up_proj and down_proj
     options = LayerOptions()  # the family's layer options
+    # Built as decoder_layer(ctx, rotary, sliding_window, options); has forward(x, positions,
+    # cache, meta) -> x, and forward_fused (LlamaDecoderLayer's) where fuses_residuals.
     decoder_layer: type[nn.Module] = LlamaDecoderLayer
     # Whether the decoder layer has forward_fused (residual adds and all-reduces fused into the
     # next norm: pre-norm layers); post-norm layers run their plain forward on every device.
@@ -236,6 +240,7 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [num_logits]
     ) -> torch.Tensor:  # [num_logits, vocab] float32
         embed, layers = self.model.embed_tokens, self.model.layers
+        positions = self.model.rotary.table_rows(positions, meta)  # LongRoPE: per sequence
         if not self.fuses_residuals or not (input_ids.is_cuda or self.fused_residual):
             x = embed(input_ids)  # [num_tokens, hidden]
             for layer, cache in zip(layers, kv_cache):

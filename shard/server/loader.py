@@ -14,6 +14,7 @@ from shard.attention import get_backend
 from shard.distributed.groups import Dist
 from shard.engine.batches import BatchState
 from shard.errors import FailedPreconditionError
+from shard.kernels import tuning_cache
 from shard.lora import (
     AdapterFacts,
     AdapterSource,
@@ -167,7 +168,7 @@ class Shard:
     def warmup(self, spec: WarmupSpec) -> WarmupResult:
         self.engine.clear_cache(None)
         self.engine.grammars.prepare()
-        return run_warmup(
+        result = run_warmup(
             self.runner,
             spec,
             self.dist,
@@ -176,6 +177,9 @@ class Shard:
             self.cfg.kv_cache_memory_mb,
             self.cfg.max_batch_total_tokens,
         )
+        # So far in this process (the warm-up's eager prefill tunes every decode-linear shape).
+        log.info("warmup: %s", tuning_cache.stats().describe())
+        return result
 
     # ---- LoRA adapters ------------------------------------------------------------------------
 

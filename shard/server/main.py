@@ -15,6 +15,10 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shard.kernels.tuning_cache import TuningCache
 
 log = logging.getLogger("tokenwire.shard")
 
@@ -76,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(shard.server.step_profile)")
     parser.add_argument("--profile-dir", type=Path, default=None,
                         help="where --profile-from-step writes (rank r: DIR/rank<r>)")
+    parser.add_argument("--tuning-cache-dir", default=None,
+                        help="where measured GEMV tuning choices are kept, shared by the ranks "
+                        "and by later runs on the same GPU model and software (default: "
+                        "gemv_tuning under $TOKENWIRE_CACHE, $XDG_CACHE_HOME/tokenwire or "
+                        "~/.cache/tokenwire; 'none': off, every process tunes)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--otlp-endpoint", default=None,
                         help="OpenTelemetry collector (OTLP/gRPC): rank 0 records Prefill/Decode "
@@ -181,6 +190,16 @@ def _host_memory_line() -> str:
     return memory.describe() if memory is not None else "host memory not readable"
 
 
+def tuning_cache_of(flag: str | None) -> TuningCache | None:
+    """--tuning-cache-dir's cache (None for 'none'); the default resolved at run time."""
+    from shard.kernels.tuning_cache import TuningCache, default_directory
+    from shard.tools.cache import cache_dir
+
+    if flag is not None and flag.strip().lower() == "none":
+        return None
+    return TuningCache(Path(flag) if flag else default_directory(cache_dir()))
+
+
 def run(args: argparse.Namespace) -> int:
     if (args.profile_from_step is None) != (args.profile_dir is None):
         raise SystemExit("--profile-from-step and --profile-dir go together")
@@ -194,7 +213,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from shard.distributed.groups import init_distributed, shutdown_distributed
+    from shard.kernels import tuning_cache
     from shard.server.loader import Shard, ShardConfig
+
+    tuning_cache.configure(tuning_cache_of(args.tuning_cache_dir))
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda":

@@ -1,10 +1,9 @@
-"""Llama-3-8B- (or Gemma-2-9B-) shaped random checkpoints (bf16 safetensors written on the GPU,
-tensor by tensor) with a word-level tokenizer of the vocabulary's size: the benchmark harness's
+"""Llama-3-8B-shaped (or Qwen3-8B- or Gemma-2-9B-shaped) random checkpoints (bf16 safetensors written on the GPU,
+tensor by tensor) with a word-level tokenizer of the same vocabulary size: the benchmark harness's
 model and the GPU tests' large-shape model.
 
-lm_head's rows of the EOS tokens are zero (Gemma: the tied embedding's rows), so greedy decoding
-never picks EOS (logit 0 against the positive maximum of 128k random logits) and every request
-generates exactly max_new_tokens.
+lm_head's rows of the EOS tokens are zero, so greedy decoding never picks EOS (logit 0 against
+the positive maximum of 128k random logits) and every request generates exactly max_new_tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +22,19 @@ LLAMA3_8B = {
     "rope_theta": 500000.0,
     "max_position_embeddings": 8192,
     "rms_norm_eps": 1e-5,
+}
+# Qwen3-8B (model_type qwen3): per-head q/k norms, head_dim 128, 36 layers, a 151,936 vocabulary.
+QWEN3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
 }
 # Gemma-2-9B (google/gemma-2-9b's config): head_dim 256 over 16 query / 8 KV heads (so
 # heads * head_dim != hidden), sandwich norms, GELU-tanh MLP, every other layer local (window
@@ -44,8 +56,10 @@ GEMMA2_9B = {
     "final_logit_softcapping": 30.0,
     "hidden_activation": "gelu_pytorch_tanh",
 }
-# --model-shape of the benchmark harness -> (config fields, model_type)
-SHAPES = {"llama3-8b": (LLAMA3_8B, "llama"), "gemma2-9b": (GEMMA2_9B, "gemma2")}
+# model_type -> (shape, architecture, checkpoint directory stem)
+SHAPES = {"llama": (LLAMA3_8B, "LlamaForCausalLM", "llama3-8b-shape"),
+          "qwen3": (QWEN3_8B, "Qwen3ForCausalLM", "qwen3-8b-shape"),
+          "gemma2": (GEMMA2_9B, "Gemma2ForCausalLM", "gemma2-9b-shape")}
 BOS_ID, EOS_ID = 128000, 128001
 EOS_IDS = (128001, 128008, 128009)
 
@@ -73,14 +87,15 @@ def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
     }))
 
 
-def write_checkpoint(model_dir: Path, num_layers: int, shape: str = "llama3-8b") -> dict:
-    """Random bf16 weights of a SHAPES entry, generated on the GPU and saved shard by shard."""
+def write_checkpoint(model_dir: Path, num_layers: int, model_type: str = "llama") -> dict:
+    """Random bf16 weights of SHAPES[model_type] (Llama-3-8B, Qwen3-8B or Gemma-2-9B) with
+    num_layers layers, generated on the GPU and saved shard by shard. Gemma: tied embeddings
+    (the embedding's EOS rows are zero), norm weights zero (it scales by 1 + w), four per layer."""
     import torch
     from safetensors.torch import save_file
 
-    fields, model_type = SHAPES[shape]
-    gemma = model_type == "gemma2"
-    cfg = dict(fields, num_hidden_layers=num_layers)
+    shape, arch, _ = SHAPES[model_type]
+    cfg = dict(shape, num_hidden_layers=num_layers)
     model_dir.mkdir(parents=True, exist_ok=True)
     marker = model_dir / "complete.json"
     if marker.is_file() and json.loads(marker.read_text()).get("num_layers") == num_layers:
@@ -89,9 +104,10 @@ def write_checkpoint(model_dir: Path, num_layers: int, shape: str = "llama3-8b")
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or h // heads
+    gemma = model_type == "gemma2"
     # Norm weights that scale by 1: ones, or zeros under Gemma's (1 + w).
     norm = torch.zeros if gemma else torch.ones
-    norms = ("input_layernorm", "post_attention_layernorm") + (
+    layer_norms = ("input_layernorm", "post_attention_layernorm") + (
         ("pre_feedforward_layernorm", "post_feedforward_layernorm") if gemma else ())
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -102,7 +118,11 @@ def write_checkpoint(model_dir: Path, num_layers: int, shape: str = "llama3-8b")
 
     def layer(i: int) -> dict:
         p = f"model.layers.{i}."
-        return {
+        norms = {} if model_type != "qwen3" else {  # per-head q/k RMSNorm weights [head_dim]
+            p + "self_attn.q_norm.weight": 1 + rnd(hd, std=0.1),
+            p + "self_attn.k_norm.weight": 1 + rnd(hd, std=0.1),
+        }
+        return {**norms,
             p + "self_attn.q_proj.weight": rnd(heads * hd, h),
             p + "self_attn.k_proj.weight": rnd(kvh * hd, h),
             p + "self_attn.v_proj.weight": rnd(kvh * hd, h),
@@ -110,7 +130,7 @@ def write_checkpoint(model_dir: Path, num_layers: int, shape: str = "llama3-8b")
             p + "mlp.gate_proj.weight": rnd(inter, h),
             p + "mlp.up_proj.weight": rnd(inter, h),
             p + "mlp.down_proj.weight": rnd(h, inter),
-            **{f"{p}{n}.weight": norm(h, dtype=torch.bfloat16) for n in norms},
+            **{f"{p}{n}.weight": norm(h, dtype=torch.bfloat16) for n in layer_norms},
         }
 
     groups: list[dict] = []
@@ -143,11 +163,11 @@ def write_checkpoint(model_dir: Path, num_layers: int, shape: str = "llama3-8b")
     (model_dir / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     config = {
-        "architectures": ["Gemma2ForCausalLM" if gemma else "LlamaForCausalLM"],
-        "model_type": model_type, "torch_dtype": "bfloat16",
+        "architectures": [arch], "model_type": model_type, "torch_dtype": "bfloat16",
         "hidden_act": "gelu_pytorch_tanh" if gemma else "silu", "attention_bias": False,
         "mlp_bias": False, "tie_word_embeddings": gemma, "bos_token_id": BOS_ID,
-        "eos_token_id": list(EOS_IDS), "initializer_range": 0.02, "head_dim": hd, **cfg,
+        "eos_token_id": list(EOS_IDS),
+        "initializer_range": 0.02, "head_dim": hd, **cfg,
     }
     (model_dir / "config.json").write_text(json.dumps(config, indent=1))
     (model_dir / "generation_config.json").write_text(json.dumps(

@@ -44,6 +44,10 @@ def _rank_main(rank: int, world: int, port: int, rank_fn: RankFn, job: dict[str,
 
     from shard.distributed.groups import init_distributed, shutdown_distributed
 
+    if job.get("tuning_cache_dir"):  # the ranks share measured GEMV choices (tuning_cache)
+        from shard.kernels.tuning_cache import TuningCache, configure
+
+        configure(TuningCache(Path(job["tuning_cache_dir"])))
     cuda = job["device"] == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
@@ -66,7 +70,8 @@ def _rank_main(rank: int, world: int, port: int, rank_fn: RankFn, job: dict[str,
 def run_ranks(world: int, job: dict[str, Any], rank_fn: RankFn = greedy_rank,
               timeout_s: float = 900.0) -> dict[str, Any]:
     """Spawns `world` ranks running `rank_fn` on `job` (job["device"]: "cuda" or "cpu",
-    job.get("all_reduce"): `tokenwire shard --all-reduce`); returns rank 0's results, or
+    job.get("all_reduce"): `tokenwire shard --all-reduce`, job.get("tuning_cache_dir"): the
+    ranks' shared tuning cache, as `--tuning-cache-dir`); returns rank 0's results, or
     {"error": ...} when a rank died or none reported within timeout_s."""
     import torch.multiprocessing as mp
 

@@ -231,3 +231,43 @@ def test_batch1_config_is_the_in_graph_fastest_candidate():
     ref = _reference(x, w, None)
     got = gemv_kernel.gemv(x, w, config=picked)
     assert float((got.float() - ref).abs().max() / ref.abs().max()) < 2**-7
+
+
+def test_tuning_cache_round_trip_serves_graph_capture(tmp_path):
+    """A record measured and stored by one process (here: before clear()) is read by the next
+    without measuring, with the same choices, and its kernels are loaded by then: a CUDA graph
+    captured right after the read (Triton forced, so the GEMV runs in it) replays the eager
+    result. The fp8 path's tune_gemv configs take the same route."""
+    from shard.kernels import gemv as gemv_kernel
+    from shard.kernels import tuning_cache
+    from shard.layers import decode_linear as dl
+    from shard.layers.decode_linear import Backend
+
+    w, _ = _weights(4096, 2048, seed=13)
+    tuning_cache.configure(tuning_cache.TuningCache(tmp_path / "tuning"))
+    tuning_cache.reset_stats()
+    try:
+        measured = dict(dl.tune(w, DTYPE))
+        assert (tuning_cache.stats().tuned, tuning_cache.stats().read) == (1, 0)
+        dl.clear()  # as a new process: no record in memory
+        read = dict(dl.tune(w, DTYPE))
+        assert (tuning_cache.stats().tuned, tuning_cache.stats().read) == (1, 1)
+        assert read == measured
+        x = _x(1, 2048, seed=14)
+        graph = torch.cuda.CUDAGraph()
+        with dl.forced_backend(Backend.TRITON):
+            with torch.cuda.graph(graph):
+                y = dl.linear(x, w)
+            new = _x(1, 2048, seed=15)
+            x.copy_(new)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, dl.linear(new, w))
+        gemv_kernel._CACHED_CONFIGS.clear()  # (an earlier test may have tuned this shape)
+        configs = gemv_kernel.tune_gemv(w, None, None, DTYPE)
+        gemv_kernel._CACHED_CONFIGS.clear()
+        assert gemv_kernel.tune_gemv(w, None, None, DTYPE) == configs
+        assert (tuning_cache.stats().tuned, tuning_cache.stats().read) == (2, 2)
+    finally:
+        tuning_cache.configure(None)
+        tuning_cache.reset_stats()

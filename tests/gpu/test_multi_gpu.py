@@ -12,11 +12,22 @@ benchmarks/run_multi_gpu_device.sh) the fused test still gets a small job of its
 stress test selected, every exactness check of the launch runs over its 200 replays (the fused
 test's 3 replays are a subset). The trained tiny model is made once, and the two `launch`
 deployments of the last test start side by side.
+
+Every process of the module (the two ranks, this pytest process, the three shard processes of
+the `launch` test) shares one GEMV tuning cache (shard/kernels/tuning_cache.py): $TUNING_CACHE_DIR
+when set (benchmarks/run_multi_gpu_device.sh shares one across all its runs), else a directory of
+this session. So a shape is measured once per module at most: the rank job measures the TP=2
+shapes, the one-GPU greedy run the TP=1 ones, and the `launch` deployments read both (their
+tuning was most of their start-up: 86 s of warm-up on a 0.3 MiB model, benchmarks/MULTI_GPU.md).
+Triton's compiled kernels are shared through its own on-disk cache (~/.triton/cache) already.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -46,15 +57,46 @@ GREEDY_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def trained_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The trained tiny llama (clear greedy choices), made once for the module."""
+    """The trained tiny llama (clear greedy choices), made once for the module; with
+    $TRAINED_TINY_DIR set (benchmarks/run_multi_gpu_device.sh), made once for every run naming
+    that directory (a seeded build, ~17 s of training): written beside it and renamed into
+    place, so a run side by side never reads a half-written model."""
     from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
     from shard.tools.tiny_training import RECOMMENDED_STEPS
 
-    return make_tiny_model(tmp_path_factory.mktemp("tp") / "trained-llama",
-                           TinyModelSpec("llama", train_steps=RECOMMENDED_STEPS))
+    spec = TinyModelSpec("llama", train_steps=RECOMMENDED_STEPS)
+    if not os.environ.get("TRAINED_TINY_DIR"):
+        return make_tiny_model(tmp_path_factory.mktemp("tp") / "trained-llama", spec)
+    target = Path(os.environ["TRAINED_TINY_DIR"])
+    if not (target / "config.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        mine = make_tiny_model(target.parent / f".{target.name}.{os.getpid()}", spec)
+        try:
+            mine.rename(target)
+        except OSError:  # another run's model got there first: use it
+            shutil.rmtree(mine, ignore_errors=True)
+            assert (target / "config.json").is_file(), target
+    return target
 
 
-def rank_job(selected: set[str], trained: Path | None) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def tuning_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The module's shared GEMV tuning cache, also configured for this pytest process (the
+    one-GPU greedy reference) while the module runs."""
+    from shard.kernels import tuning_cache
+
+    path = (Path(os.environ["TUNING_CACHE_DIR"]) if os.environ.get("TUNING_CACHE_DIR")
+            else tmp_path_factory.mktemp("gemv_tuning"))
+    previous = tuning_cache.active()
+    tuning_cache.configure(tuning_cache.TuningCache(path))
+    try:
+        yield path
+    finally:
+        tuning_cache.configure(previous)
+
+
+def rank_job(selected: set[str], trained: Path | None, tuning: Path | None = None
+             ) -> dict[str, Any]:
     """The one two-rank job that serves the selected rank-level tests (benchmarks/harness/tp.py's
     bench_rank): the all-reduce rows 64 and 256 only for the symmetric-memory test, 200 graph
     replays per exactness check when the stress test runs, the tiny greedy run when the greedy
@@ -67,20 +109,26 @@ def rank_job(selected: set[str], trained: Path | None) -> dict[str, Any]:
                            "sweep_warps": False}
     if GREEDY in selected and trained is not None:
         job["tiny_dirs"] = {"trained": str(trained)}
+    if tuning is not None:
+        job["tuning_cache_dir"] = str(tuning)
     return job
 
 
+def _selected(request: pytest.FixtureRequest) -> set[str]:
+    return {item.originalname for item in request.session.items if item.module is request.module}
+
+
 @pytest.fixture(scope="module")
-def ranks(request: pytest.FixtureRequest) -> dict[str, Any]:
+def ranks(request: pytest.FixtureRequest, tuning_dir: Path) -> dict[str, Any]:
     """Rank 0's results of one two-rank launch serving every selected rank-level test."""
     from benchmarks.harness.tp import bench_rank
     from shard.testing.ranks import run_ranks
 
-    selected = {item.originalname for item in request.session.items
-                if item.module is request.module}
+    selected = _selected(request)
     trained = request.getfixturevalue("trained_model") if GREEDY in selected else None
-    res = run_ranks(2, rank_job(selected, trained), bench_rank, timeout_s=280)
-    res["job"] = rank_job(selected, trained)
+    job = rank_job(selected, trained, tuning_dir)
+    res = run_ranks(2, job, bench_rank, timeout_s=280)
+    res["job"] = job
     return res
 
 
@@ -143,7 +191,7 @@ def test_fused_all_reduce_norm_and_pushed_gemv_stress(ranks):
         assert row["graph_chain_exact"], row
 
 
-def test_trained_tiny_llama_tp2_greedy_equals_one_gpu(ranks, trained_model):
+def test_trained_tiny_llama_tp2_greedy_equals_one_gpu(ranks, trained_model, tuning_dir):
     """TP=2 (NCCL, one-shot all-reduce, warmup + CUDA graphs) vs one GPU, bf16: 32 greedy tokens
     equal on a tiny model whose choices are clear (trained on the progression task; a random
     model's bf16 near-ties would let rounding order decide)."""
@@ -169,10 +217,11 @@ LAUNCH_LIMITS = ("--max-batch-size", "4", "--max-input-tokens", "64", "--max-tot
 
 
 @contextlib.contextmanager
-def _launched(model_dir: Path, num_shard: int, tmp_path: Path, device: str = "cuda",
-              dtype: str = "bfloat16") -> Iterator[tuple[int, Any, Path]]:
-    """`tokenwire launch --num-shard N --device cuda` (real router + shard processes over gRPC);
-    yields (port, process, log path) once started, stops it on exit."""
+def _launched(model_dir: Path, num_shard: int, tmp_path: Path, tuning_dir: Path,
+              device: str = "cuda", dtype: str = "bfloat16") -> Iterator[tuple[int, Any, Path]]:
+    """`tokenwire launch --num-shard N --device cuda` (real router + shard processes over gRPC)
+    on the module's tuning cache; yields (port, process, log path) once started, stops it on
+    exit."""
     from tests.helpers.ports import free_port
     from tests.helpers.processes import REPO
 
@@ -180,7 +229,8 @@ def _launched(model_dir: Path, num_shard: int, tmp_path: Path, device: str = "cu
     log_path = tmp_path / f"launch-{num_shard}.log"
     argv = [sys.executable, "-m", "service.app.cli", "launch", "--model-id", str(model_dir),
             "--device", device, "--dtype", dtype, "--num-shard", str(num_shard),
-            "--port", str(port), "--prometheus-port", str(free_port()), *LAUNCH_LIMITS]
+            "--port", str(port), "--prometheus-port", str(free_port()),
+            "--tuning-cache-dir", str(tuning_dir), *LAUNCH_LIMITS]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -225,10 +275,22 @@ def _generate(port: int, prompts: list[str]) -> list[list[int]]:
     return out
 
 
-def test_launch_num_shard_2_on_gpus_equals_one_shard(trained_model, tmp_path):
+# A shard's warm-up report (shard/server/loader.py): "rank0 ... warmup: kernel tuning: T shapes
+# tuned, R read from the cache ...".
+TUNING_LINE = re.compile(r"rank(\d+) .*warmup: kernel tuning: (\d+) shapes tuned, (\d+) read")
+
+
+def _tuning_counts(log_path: Path) -> dict[int, tuple[int, int]]:
+    """{rank: (shapes tuned, shapes read from the cache)} from a launch log."""
+    return {int(m[1]): (int(m[2]), int(m[3])) for m in TUNING_LINE.finditer(log_path.read_text())}
+
+
+def test_launch_num_shard_2_on_gpus_equals_one_shard(trained_model, tmp_path, tuning_dir, request):
     """The shipped path: `launch --num-shard 2` puts rank r on cuda:r (each shard's model thread
     bound to its GPU), the router drives both ranks; greedy output over the public gRPC API equals
-    `--num-shard 1` on the trained tiny model (both deployments up at once)."""
+    `--num-shard 1` on the trained tiny model (both deployments up at once). Start-up shares the
+    tuning cache: the two ranks measure each shape once between them, and after the rank job and
+    the one-GPU greedy run of this module (same shapes) neither deployment measures any."""
     from transformers import AutoTokenizer
 
     from shard.tools.tiny_training import TASK, task_continuation, task_prompt
@@ -242,9 +304,18 @@ def test_launch_num_shard_2_on_gpus_equals_one_shard(trained_model, tmp_path):
     ids = [next(p for stride in TASK.strides for start in range(TASK.modulus)
                 if round_trips(p := task_prompt(length, stride, start))) for length in (17, 5, 45)]
     prompts = [tokenizer.decode(p[1:]) for p in ids]
-    with _launched(trained_model, 2, tmp_path) as two, _launched(trained_model, 1, tmp_path) as one:
+    with (_launched(trained_model, 2, tmp_path, tuning_dir) as two,
+          _launched(trained_model, 1, tmp_path, tuning_dir) as one):
         _wait_serving([two, one])
         two_tokens = _generate(two[0], prompts)
         one_tokens = _generate(one[0], prompts)
     assert two_tokens == one_tokens
     assert two_tokens == [task_continuation(p, GREEDY_TOKENS) for p in ids]
+    tp2, tp1 = _tuning_counts(two[2]), _tuning_counts(one[2])
+    print({"tp2 (tuned, read) per rank": tp2, "tp1": tp1})
+    assert set(tp2) == {0, 1} and set(tp1) == {0}, (tp2, tp1)
+    shapes = sum(tp2[0])  # every distinct decode-linear shape of a TP=2 rank
+    assert shapes > 0 and sum(tp2[1]) == shapes
+    assert tp2[0][0] + tp2[1][0] <= shapes  # no shape measured by both ranks
+    if GREEDY in _selected(request):  # the rank job and the one-GPU run measured them all
+        assert tp2[0][0] == tp2[1][0] == tp1[0][0] == 0, (tp2, tp1)

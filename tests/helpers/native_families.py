@@ -11,15 +11,26 @@ from shard.runner.warmup import WarmupSpec
 from shard.server.loader import Shard, ShardConfig
 from shard.testing.tiny import greedy_tokens
 
-# Decode steps of the greedy checks: the 45-token prompt then crosses position 64, where Phi-3's
-# LongRoPE switches from the short to the long factors.
-STEPS = 24
+# Decode steps of the greedy checks: the 45-token prompt stays within Phi-3's original context
+# (its LongRoPE short factors; tests/shard/test_native_families.py checks the long ones).
+STEPS = 16
 LONGROPE_ORIGINAL = 64
 
 # What differs from shard/tools/tiny_any.py's common shape (hidden 64, 4 query / 2 KV heads).
 FAMILIES: dict[str, dict[str, Any]] = {
     # head_dim 32 != hidden / heads (16); tied embeddings as on Qwen3-0.6B to 4B.
     "qwen3": {"head_dim": 32, "tie_word_embeddings": True},
+    # One KV head: at two ranks k's projection norm is over a KV head both ranks hold.
+    "olmo2": {"num_key_value_heads": 1},
+    # LongRoPE with distinct short and long factors and the default attention factor.
+    "phi3": {
+        "original_max_position_embeddings": LONGROPE_ORIGINAL,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [1.0 + 0.9 * i for i in range(8)],
+        },
+    },
 }
 
 

@@ -21,6 +21,7 @@ from shard.testing.tiny import greedy_tokens, tiny_prompts
 from shard.tools.tiny_any import write_tiny_any
 from tests.helpers.native_families import (
     FAMILIES,
+    LONGROPE_ORIGINAL,
     STEPS,
     held_weights,
     native_greedy_rank,
@@ -49,9 +50,18 @@ def test_native_greedy_equals_transformers_and_the_backend(models, hf_models, fa
     got = scenario(native, p)
     for rid in (1, 2, 3):
         assert got[rid] == hf_greedy(hf, p[rid - 1], N), f"{family} request {rid}"
-    # Batched prefill then decode steps; the 45-token prompt decodes past position 64.
+    # Batched prefill then decode steps.
     want = [hf_greedy(hf, q, STEPS) for q in tiny_prompts(hf.config.vocab_size)]
     assert greedy_tokens(native, STEPS) == want
+    if family == "phi3":  # a prompt past LongRoPE's original context: the long factors
+        long_prompt = prompts(model_dir, [LONGROPE_ORIGINAL + 6])[0]
+        sim = RouterSim(engine_call(native), native.runner.num_blocks, native.runner.block_size)
+        sim.add(1, long_prompt, N)
+        sim.add(2, p[1], N)  # a short sequence in the same batch keeps the short factors
+        sim.prefill([(1, 0), (2, 0)])
+        sim.run_to_completion()
+        assert sim.done[1].generated == hf_greedy(hf, long_prompt, N)
+        assert sim.done[2].generated == got[2]
     backend = native_shard(model_dir, model_impl="transformers")
     assert backend.info.model_impl == "transformers"
     assert scenario(backend, p) == got
@@ -108,3 +118,22 @@ def test_qwen3_fp8_kv_cache_keeps_clear_choices(models):
     clear = (top2[:, 0] - top2[:, 1]) > 0.3
     assert clear.float().mean() > 0.2
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize(("family", "extra", "why"), [
+    ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),  # Phi-4-mini
+    ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                "original_max_position_embeddings": 1024}},
+     "rope_type 'yarn' is not supported"),
+])
+def test_variants_the_native_code_does_not_assemble_go_to_the_backend(tmp_path, family, extra,
+                                                                       why):
+    """auto serves them through the backend; native refuses them naming what it lacks."""
+    from shard.distributed.groups import Dist
+    from shard.server.loader import Shard, ShardConfig
+
+    model_dir = write_tiny_any(tmp_path / family, family, **extra)
+    assert native_shard(model_dir, model_impl="auto").info.model_impl == "transformers"
+    with pytest.raises(ValueError, match=f"--model-impl native: the native {family} code does "
+                                         f"not serve {why}"):
+        Shard(ShardConfig(model_id=str(model_dir), model_impl="native"), Dist())
