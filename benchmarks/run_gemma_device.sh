@@ -13,7 +13,7 @@ source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
 timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_gemma_cuda.py tests/gpu/test_qk_norm_cuda.py \
   -p no:cacheprovider 2>&1 | tail -30 > $OUT/gpu_tests_gemma.log; tail -3 $OUT/gpu_tests_gemma.log
-timeout 330 python3 -m benchmarks.harness --model-shape gemma2-9b --parts ceilings,decode \
+timeout 330 python3 -m benchmarks.harness --model-type gemma2 --parts ceilings,decode \
   --decode-batches 1,64,256 --context 512 --skip-ab --out /tmp/gemma_bench --workdir /tmp/twb 2>&1 \
   | grep -v "Loading weights\|Writing model shards" > /tmp/gemma_bench.log
 cp /tmp/gemma_bench/results.json /tmp/gemma_bench/RESULTS.md $OUT/ 2>/dev/null

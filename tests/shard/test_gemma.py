@@ -21,8 +21,9 @@ from shard.layers.rotary import rope_parameters
 from shard.models.layer_types import FULL, SLIDING, layer_types
 from shard.runner.model_runner import StepInputs
 from shard.testing.ranks import run_ranks
-from shard.testing.tiny import GREEDY_STEPS, tiny_prompts
+from shard.testing.tiny import tiny_prompts
 from tests.helpers.gemma import GEMMA_CONFIGS, gemma_model
+from tests.helpers.native_families import STEPS, held_weights, native_greedy_rank
 from tests.helpers.shards import make_shard
 
 ARCHS = list(GEMMA_CONFIGS)
@@ -81,14 +82,15 @@ def test_prefill_logits_match_transformers(gemma_models, hf_models, arch):
 @pytest.mark.timeout(600)
 def test_two_ranks_match_transformers(gemma_models, hf_models):
     """Both models split over two gloo ranks (one pair of processes) generate transformers'
-    tokens."""
+    tokens, each rank holding fewer weights than one shard."""
     dirs = {arch: str(d) for arch, d in gemma_models.items()}
-    res = run_ranks(2, {"device": "cpu", "tiny_dirs": dirs}, timeout_s=500)
+    res = run_ranks(2, {"device": "cpu", "dirs": dirs}, native_greedy_rank, timeout_s=500)
     assert "error" not in res, res.get("error")
     for arch in ARCHS:
         hf = hf_models[arch]
-        want = [hf_greedy(hf, p, GREEDY_STEPS) for p in tiny_prompts(hf.config.vocab_size)]
-        assert res["tiny_tokens"][arch] == want, arch
+        want = [hf_greedy(hf, p, STEPS) for p in tiny_prompts(hf.config.vocab_size)]
+        assert res["tokens"][arch] == want, arch
+        assert res["params"][arch] < held_weights(make_shard(gemma_models[arch])), arch
 
 
 def test_layer_types_and_rotary_bases_from_old_and_new_configs():
