@@ -6,8 +6,9 @@ CUDA path (Triton attention, fused norms, CUDA-graph decode) against the CPU pat
   (head_dim 256, 2 query heads per KV head) and head_dim 128, against the torch backend;
 - the (1 + w) RMSNorm kernels (alone, with the residual add, per q/k head) and GELU(tanh)-mul
   against their torch forms in bf16;
-- tiny Gemma 2 / Gemma 3 (tests/helpers/gemma.py) in float32: greedy tokens on CUDA (eager and
-  CUDA-graph decode) equal the CPU torch path's.
+- tiny Gemma 2 / Gemma 3 (tests/helpers/gemma.py) in float32: prefill logits within TF32 noise
+  of the CPU torch path's; greedy tokens of CUDA-graph decode equal eager CUDA decode's and the
+  CPU path's up to the first near-tie.
 """
 
 from __future__ import annotations
@@ -126,10 +127,31 @@ def test_gemma_norms_and_gelu_match_torch():
     assert _rel(elementwise.gelu_tanh_mul(g, u), F.gelu(g, approximate="tanh") * u) < 1e-2
 
 
+def _agree_until_near_tie(got: list[list[int]], want: list[list[int]],
+                          margins: list[list[float]], tie: float = 2e-2) -> None:
+    """Each sequence's tokens equal `want`'s up to (excluding) the first step where the reference's
+    top-two logits were within `tie`: Triton's fp32 dots run as TF32 (about 1e-3 relative), and
+    these random tiny models have near-ties."""
+    for seq, (g, w) in enumerate(zip(got, want, strict=True)):
+        clear = next((i for i, step in enumerate(margins) if step[seq] < tie), len(w))
+        assert g[:clear] == w[:clear], (seq, clear, g, w)
+
+
+def _prefill_logits(shard, prompt: list[int]) -> torch.Tensor:  # [len(prompt), vocab] on CPU
+    from shard.runner.model_runner import StepInputs
+
+    n = len(prompt)
+    step = StepInputs(prompt, list(range(n)), [n], [n], [list(range(-(-n // 16)))],
+                      list(range(n)))
+    return shard.runner.execute(step).float().cpu()
+
+
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
 def test_tiny_gemma_cuda_graph_decode_matches_cpu(tmp_path_factory, arch):
-    """Greedy tokens of the tiny model: CUDA (Triton attention, fused norms; decode eager, then
-    from CUDA graphs) equal the CPU torch path's, float32."""
+    """The tiny model on CUDA (Triton attention with soft-capping and windows, fused norms),
+    float32: every prompt position's logits within TF32 noise of the CPU torch path's; greedy
+    tokens of CUDA-graph decode equal eager CUDA decode's and the CPU path's, each up to the
+    first near-tie."""
     from shard.distributed.groups import Dist
     from shard.runner.warmup import WarmupSpec
     from shard.server.loader import Shard, ShardConfig
@@ -143,11 +165,19 @@ def test_tiny_gemma_cuda_graph_decode_matches_cpu(tmp_path_factory, arch):
         s.warmup(WarmupSpec(128, 256, 256, 8, max_batch_total_tokens=2048))
         return s
 
-    want = greedy_tokens(shard("cpu"), 20)
-    gpu = shard("cuda")
+    cpu, gpu = shard("cpu"), shard("cuda")
     assert "triton" in gpu.info.attention_backend
     assert gpu.runner.graphs is not None  # soft-capped, windowed decode is captured
-    assert greedy_tokens(gpu, 20) == want
+    prompt = [(7 * i + 3) % 500 for i in range(40)]  # crosses the window of 6
+    want_logits = _prefill_logits(cpu, prompt)
+    assert (_prefill_logits(gpu, prompt) - want_logits).abs().max() < 2e-2
+    margins: list[list[float]] = []
+    want = greedy_tokens(cpu, 20, margins)
+    graph_margins: list[list[float]] = []
+    from_graphs = greedy_tokens(gpu, 20, graph_margins)
     graphs, gpu.runner.graphs = gpu.runner.graphs, None
-    assert greedy_tokens(gpu, 20) == want  # eager decode
+    # Eager decode: the same kernels, though the graph's padded batch may pick other GEMV
+    # configs (another fp32 summation order), hence the near-tie rule here too.
+    _agree_until_near_tie(greedy_tokens(gpu, 20), from_graphs, graph_margins, tie=1e-4)
     gpu.runner.graphs = graphs
+    _agree_until_near_tie(from_graphs, want, margins)
