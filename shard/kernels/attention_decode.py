@@ -612,6 +612,13 @@ def q_through_memory() -> Iterator[None]:
         _q_through_memory = previous
 
 
+def decode_tile(head_dim: int) -> int:
+    """K/V positions per tile (BLOCK_N): 64 up to head_dim 128 (measured, benchmarks/NOTES.md);
+    32 beyond (Gemma's 256), so that the pipelined K and V tiles (3 stages of 2 x BLOCK_N x
+    head_dim x 2 bytes) stay well inside a Hopper SM's 227 KB of shared memory."""
+    return 64 if head_dim <= 128 else 32
+
+
 def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> int:
     """Split count from the batch shape alone (so captured graphs stay valid).
 
@@ -646,7 +653,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,  # None: by head_dim (decode_tile)
     num_warps: int = 4,
     num_stages: int = 3,
     k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches with scales
@@ -678,7 +685,7 @@ def rotary_store_decode_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # must not overlap query, key or value
-    block_n: int = 64,
+    block_n: int | None = None,  # None: by head_dim (decode_tile)
     num_warps: int = 4,
     num_stages: int = 3,
     k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches with scales
@@ -710,7 +717,7 @@ def _decode(
     sliding_window: int | None,
     num_splits: int | None,
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim], head_dim contiguous
-    block_n: int,
+    block_n: int | None,
     num_warps: int,
     num_stages: int,
     k_scale: torch.Tensor | None,
@@ -729,6 +736,8 @@ def _decode(
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count
         num_splits = default_num_splits(num_seqs, num_kv_heads, sms)
     block_d = triton.next_power_of_2(head_dim)
+    if block_n is None:
+        block_n = decode_tile(head_dim)
     one = num_splits == 1
     scaled = k_scale is not None and v_scale is not None
     if one:
