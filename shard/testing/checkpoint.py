@@ -1,6 +1,6 @@
-"""Llama-3-8B-shaped (or Qwen3-8B- or Gemma-2-9B-shaped) random checkpoints (bf16 safetensors written on the GPU,
-tensor by tensor) with a word-level tokenizer of the same vocabulary size: the benchmark harness's
-model and the GPU tests' large-shape model.
+"""Llama-3-8B-shaped (or Qwen3-8B- or Gemma-2-9B-shaped) random checkpoints (bf16 safetensors
+written on the GPU, tensor by tensor) with a word-level tokenizer of the same vocabulary size: the
+benchmark harness's model and the GPU tests' large-shape model.
 
 lm_head's rows of the EOS tokens are zero, so greedy decoding never picks EOS (logit 0 against
 the positive maximum of 128k random logits) and every request generates exactly max_new_tokens.
