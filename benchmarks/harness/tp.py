@@ -178,9 +178,19 @@ def _fused_norm_cost(dist, hidden: int, batches: list[int], replays: int = 3,
         x0 = torch.randn(b, hidden, device="cuda", generator=gen).to(torch.bfloat16)
         row = {"batch": b, "fused_path": dist.fused_all_reduce_norm is not None
                and dist.fused_all_reduce_norm.handles(h0)}
+        exchange = dist.fused_all_reduce_norm
+        state_before = exchange.state.tolist() if exchange is not None else None
         want = chain(unfused, h0, x0)
-        row["eager_chain_exact"] = all(torch.equal(g, w)
-                                       for g, w in zip(chain(fused, h0, x0), want))
+        got = chain(fused, h0, x0)
+        row["eager_chain_exact"] = all(torch.equal(g, w) for g, w in zip(got, want))
+        if not row["eager_chain_exact"]:  # where the chains part: for the record
+            first = next(i for i, (g, w) in enumerate(zip(got, want)) if not torch.equal(g, w))
+            g, w = got[first].float(), want[first].float()
+            bad_rows = (g != w).any(dim=1).nonzero().flatten().tolist()
+            row["eager_first_mismatch"] = {
+                "output": first, "call": first // 2, "rows": bad_rows,
+                "max_abs_diff": float((g - w).abs().max()),
+                "state_before": state_before, "state_after": exchange.state.tolist()}
         h_in, x_in = h0.clone(), x0.clone()
         for step in (fused, unfused):
             chain(step, h_in, x_in)  # compile/warm before capture

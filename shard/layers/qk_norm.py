@@ -53,7 +53,7 @@ class ProjectionRMSNorm(nn.Module, WeightLoader):
         the sum of squares over the whole projection."""
         return x.float().pow(2).sum(dim=(-2, -1)) / self.replicas
 
-    def apply(self, x: torch.Tensor, sum_of_squares: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor, sum_of_squares: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, local_heads, head_dim] normalized by the all-ranks sum of squares
         [num_tokens]; the weight multiplies in float32, then one rounding (OLMo-2's form)."""
         rstd = torch.rsqrt(sum_of_squares / self.width + self.eps)  # [num_tokens]
@@ -72,7 +72,7 @@ def qk_rms_norm(
         sums = torch.stack([q_norm.partial_sum_of_squares(q),
                             k_norm.partial_sum_of_squares(k)], dim=-1)  # [num_tokens, 2]
         sums = q_norm.dist.all_reduce(sums)
-        return q_norm.apply(q, sums[:, 0]), k_norm.apply(k, sums[:, 1])
+        return q_norm.normalize(q, sums[:, 0]), k_norm.normalize(k, sums[:, 1])
     assert isinstance(q_norm, HeadRMSNorm) and isinstance(k_norm, HeadRMSNorm)
     if (q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1 and q_norm.eps == k_norm.eps
             and q_norm.weight_offset == k_norm.weight_offset):

@@ -86,10 +86,10 @@ def load_model(ctx: LoadContext, impl: ModelImpl = ModelImpl.AUTO) -> CausalLM:
         # NotImplementedError: a layer option the native layers lack (a rope_type, say)
         except (NotServedNatively, NotImplementedError) as exc:
             if impl is ModelImpl.NATIVE:
-                raise ValueError(f"--model-impl native: the native {model_type} code does not "
-                                 f"serve {exc}; use --model-impl auto") from None
-            log.warning("model_type %r: the native code does not serve %s: transformers backend",
-                        model_type, exc)
+                raise ValueError(f"--model-impl native: the native {model_type} code cannot "
+                                 f"serve this config: {exc}; use --model-impl auto") from None
+            log.warning("model_type %r: the native code cannot serve this config (%s): "
+                        "transformers backend", model_type, exc)
             return _transformers(ctx)
         log.info("model_type %r: native tokenwire model code", model_type)
         return model

@@ -160,7 +160,7 @@ def test_fused_all_reduce_add_rms_norm_equals_unfused_over_graph_replays(ranks):
     assert set(rows) == {1, 16}
     for row in rows.values():
         assert row["fused_path"], row
-        assert row["eager_chain_exact"], row
+        assert row["eager_chain_exact"], str(row.get("eager_first_mismatch", row))
         assert row["graph_chain_exact"], row
     print({b: (round(r["fused_in_graph_us"], 1), round(r["unfused_in_graph_us"], 1))
            for b, r in rows.items()})
@@ -187,7 +187,7 @@ def test_fused_all_reduce_norm_and_pushed_gemv_stress(ranks):
     assert {r["batch"] for r in ranks["fused_norm"]} == {1, 16}
     assert {r["batch"] for r in ranks["pushed_linear"]} == {1, 16}
     for row in ranks["fused_norm"] + ranks["pushed_linear"]:
-        assert row["eager_chain_exact"], row
+        assert row["eager_chain_exact"], str(row.get("eager_first_mismatch", row))
         assert row["graph_chain_exact"], row
 
 

@@ -4,8 +4,9 @@ switched on: per-head q/k norms, head_dim != hidden / heads, tied embeddings; po
 projection-wide q/k norms; checkpoint-fused qkv_proj / gate_up_proj and LongRoPE across its
 switch to the long factors) through the engine with requests joining and leaving and chunked
 prefill; the transformers backend serving the same checkpoint gives the same tokens; two gloo
-ranks give transformers' tokens holding fewer weights each; Qwen3 with a LoRA adapter equals
-transformers + PEFT, and with an fp8 KV cache changes no clear choice."""
+ranks give transformers' tokens holding fewer weights each; Qwen3 and Phi-3 (fused targets)
+with a LoRA adapter equal transformers + PEFT; Qwen3 with an fp8 KV cache changes no clear
+choice."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from tests.helpers.native_families import (
     native_greedy_rank,
     native_shard,
 )
+from tests.helpers.lora import ALL_TARGETS
 from tests.helpers.numerics import rel_err
 
 
@@ -82,14 +84,20 @@ def test_two_ranks_equal_transformers(models, hf_models):
         assert res["params"][family] < single, f"{family} was not split"
 
 
-def test_qwen3_lora_equals_peft(models, hf_models, tmp_path):
-    """A PEFT adapter on every projection (q/k/v feed the q/k norms) gives what transformers +
-    PeftModel gives, beside base-model requests in the same batch."""
+@pytest.mark.parametrize(("family", "targets"), [
+    ("qwen3", ALL_TARGETS),  # q/k/v feed the q/k norms
+    ("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),  # Phi-3's fused names
+])
+def test_lora_equals_peft(models, hf_models, tmp_path, family, targets):
+    """A PEFT adapter on every projection gives what transformers + PeftModel gives, beside
+    base-model requests in the same batch (Phi-3: adapters on the fused projections adapt each
+    part with the shared A and its rows of B)."""
     from shard.lora import AdapterSource
     from tests.helpers.lora import peft_greedy, write_adapter
 
-    model_dir, base = models["qwen3"], hf_models["qwen3"]
-    adapter = write_adapter(model_dir, tmp_path / "all", r=4, alpha=8.0, seed=1, base=base)
+    model_dir, base = models[family], hf_models[family]
+    adapter = write_adapter(model_dir, tmp_path / "all", r=4, alpha=8.0, seed=1, base=base,
+                            targets=targets)
     shard = native_shard(model_dir, max_loras=2, max_lora_rank=4)
     shard.register_adapter(shard.read_adapter(AdapterSource("all", str(adapter))))
     prompt = prompts(model_dir, [11])[0]
@@ -134,6 +142,6 @@ def test_variants_the_native_code_does_not_assemble_go_to_the_backend(tmp_path, 
 
     model_dir = write_tiny_any(tmp_path / family, family, **extra)
     assert native_shard(model_dir, model_impl="auto").info.model_impl == "transformers"
-    with pytest.raises(ValueError, match=f"--model-impl native: the native {family} code does "
-                                         f"not serve {why}"):
+    with pytest.raises(ValueError, match=f"--model-impl native: the native {family} code "
+                                         f"cannot serve this config: {why}"):
         Shard(ShardConfig(model_id=str(model_dir), model_impl="native"), Dist())
