@@ -27,7 +27,11 @@ Slots rotate through 3 so that a reset can never race a push: a peer can be at m
 ahead (it cannot finish call c+1 without our push for c+1), so while we are in call c peers write
 only slots c and c+1, and slot c-1 is ours to clear. The counter (and each slot's row count, so a
 reset clears exactly what was written) lives in device memory: CUDA-graph replays and eager calls
-advance it alike. All ranks must make the same calls in the same order, as with any collective;
+advance it alike. The reset covers the rows and the columns the previous call wrote, whatever
+this call's shape: two models of different widths may share one exchange (a start-up self-check
+at 4096 columns before a narrower model, or the multi-GPU test's tiny model before its 4096-wide
+checks), and clearing only this call's columns once left the wider call's tail words behind as
+"written" data for a later wide call to sum. All ranks must make the same calls in the same order, as with any collective;
 the path is chosen from shapes alone, so they do.
 
 A wait that never ends (a dead peer) is cut off after SPIN_LIMIT polls and recorded in the state
@@ -51,8 +55,9 @@ from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
 EMPTY = tl.constexpr(-32768)
 # Polls of one sender's row before giving up (each poll is a ~1 us volatile read: ~10-20 s).
 SPIN_LIMIT = tl.constexpr(1 << 24)
-# state tensor layout: [call counter, rows written in slot 0, 1, 2, failed flag, programs done]
-STATE_WORDS = 6
+# state tensor layout: [call counter, rows written in slot 0, 1, 2, failed flag, programs done,
+# columns written in slot 0, 1, 2]
+STATE_WORDS = 9
 SLOTS = 3
 
 
@@ -165,16 +170,20 @@ def _all_reduce_add_rms_norm_kernel(
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * hidden + offs, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
-    # 3. reset the previous call's slot (all it held: its row count is in the state; programs
-    # share the rows) and let the last program to finish advance the counter.
+    # 3. reset the previous call's slot (all it held: its row and column counts are in the
+    # state, and may exceed this call's; programs share the rows) and let the last program to
+    # finish advance the counter.
     prev = (call + 2) % 3
     prev_rows = tl.load(state_ptr + 1 + prev)
+    prev_cols = tl.load(state_ptr + 6 + prev)
     prev_base = prev.to(tl.int64) * slot_words
     empty = tl.full([BLOCK], EMPTY, tl.int16)
     for stale in range(row, prev_rows, rows):
-        for sender in tl.static_range(WORLD):
-            tl.store(own + prev_base + (sender * MAX_ROWS + stale) * MAX_HIDDEN + offs, empty,
-                     mask=mask)
+        for col0 in range(0, prev_cols, BLOCK):
+            cols = col0 + offs
+            for sender in tl.static_range(WORLD):
+                tl.store(own + prev_base + (sender * MAX_ROWS + stale) * MAX_HIDDEN + cols,
+                         empty, mask=cols < prev_cols)
     if timed_out > 0:
         tl.store(state_ptr + 4, 1)
     # Every thread has read `call` by now (the reductions above synchronize the block); the
@@ -182,6 +191,7 @@ def _all_reduce_add_rms_norm_kernel(
     tl.debug_barrier()
     if rows == 1:  # the decode batch-1 case: no other program, no atomic needed
         tl.store(state_ptr + 1 + slot, rows)
+        tl.store(state_ptr + 6 + slot, hidden)
         tl.store(state_ptr, call + 1)
     else:
         # A scalar atomic runs once per program. Every program takes its ticket after its last
@@ -190,6 +200,7 @@ def _all_reduce_add_rms_norm_kernel(
         if ticket == rows - 1:
             tl.store(state_ptr + 5, 0)
             tl.store(state_ptr + 1 + slot, rows)
+            tl.store(state_ptr + 6 + slot, hidden)
             tl.store(state_ptr, call + 1)
 
 
