@@ -21,18 +21,20 @@ what keeping only the window would save).
 
 from __future__ import annotations
 
+import json
+
 import torch
 from torch import nn
 
 from shard.attention.base import AttentionMetadata
 from shard.layers.attention import PagedAttention
 from shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from shard.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from shard.layers.linear import GATED_ACTIVATIONS, MergedColumnParallelLinear, RowParallelLinear
 from shard.layers.norm import RMSNorm, add_rms_norm
 from shard.layers.qk_norm import HeadRMSNorm, qk_rms_norm
 from shard.layers.rotary import RotaryEmbedding, rope_parameters
 from shard.layers.weights import Weights, load_module_weights
-from shard.models.base import LoadContext
+from shard.models.base import LoadContext, NotServedNatively
 from shard.models.heads import partition_heads
 from shard.models.layer_types import layer_types, layer_windows
 from shard.quantization import QuantizeMethod, kv_cache_torch_dtype
@@ -105,6 +107,8 @@ class GemmaMLP(nn.Module):
         cfg = ctx.config
         hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
         self.activation = cfg.get("hidden_activation") or cfg.get("hidden_act", "gelu_pytorch_tanh")
+        if self.activation not in GATED_ACTIVATIONS:
+            raise NotServedNatively(f"hidden_activation {self.activation!r}")
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, {"gate_proj": inter, "up_proj": inter}, False, ctx.dist, merge=True,
         )
@@ -145,10 +149,17 @@ class GemmaModel(nn.Module):
         cfg = ctx.config
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or hidden // heads
-        # One rotary table per layer type (Gemma 2: one base for both).
-        rotaries = {t: RotaryEmbedding(head_dim, cfg["max_position_embeddings"],
-                                       rope_parameters(cfg, t), ctx.device)
-                    for t in set(layer_types(cfg))}
+        # One rotary table per distinct parameter set of the layer types (Gemma 2: one for both;
+        # Gemma 3: local and global bases).
+        tables: dict[str, RotaryEmbedding] = {}
+        rotaries: dict[str, RotaryEmbedding] = {}
+        for t in sorted(set(layer_types(cfg))):
+            params = rope_parameters(cfg, t)
+            key = json.dumps(params, sort_keys=True)
+            if key not in tables:
+                tables[key] = RotaryEmbedding(head_dim, cfg["max_position_embeddings"], params,
+                                              ctx.device)
+            rotaries[t] = tables[key]
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], hidden, ctx.dist,
                                                    scale=hidden**0.5)
         self.layers = nn.ModuleList(
@@ -167,9 +178,8 @@ class GemmaForCausalLM(nn.Module):
     def __init__(self, ctx: LoadContext):
         super().__init__()
         cfg = ctx.config
-        if cfg.get("use_bidirectional_attention"):
-            raise ValueError("config use_bidirectional_attention: only causal Gemma models are "
-                             "served (bidirectional attention is for embedding models)")
+        if cfg.get("use_bidirectional_attention"):  # embedding models (EmbeddingGemma)
+            raise NotServedNatively("use_bidirectional_attention (only causal attention)")
         self.vocab_size = cfg["vocab_size"]
         self.max_position_embeddings = cfg["max_position_embeddings"]
         self.attention_name = ctx.attention.name

@@ -133,3 +133,18 @@ def test_lora_adapter_matches_peft(gemma_models, tmp_path):
     assert sim.done[1].generated == with_adapter
     assert sim.done[2].generated == peft_greedy(model_dir, None, prompt, 12, base=base)
     assert with_adapter != sim.done[2].generated  # the adapter changes the output
+
+
+def test_bidirectional_gemma_is_refused_natively_naming_the_field(tmp_path):
+    import transformers
+
+    from shard.distributed.groups import Dist
+    from shard.server.loader import Shard, ShardConfig
+
+    transformers.AutoConfig.for_model(
+        "gemma3_text", num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+        use_bidirectional_attention=True).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="native gemma3_text code cannot serve this config: "
+                                         "use_bidirectional_attention"):
+        Shard(ShardConfig(model_id=str(tmp_path), model_impl="native"), Dist())
