@@ -40,7 +40,7 @@ from benchmarks.harness.timing import (
     replay_ms_under,
     wall_time_ms,
 )
-from shard.testing.checkpoint import BOS_ID, EOS_ID, write_checkpoint
+from shard.testing.checkpoint import BOS_ID, EOS_ID, SHAPES, write_checkpoint
 from shard.testing.ports import free_port
 
 
@@ -53,7 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--parts", default="ceilings,decode,prefill,engine,e2e,hf",
       help="comma-separated subset of ceilings,decode,prefill,engine,e2e,hf (engine: the "
            "engine-only bound of the e2e workload, benchmarks/harness/engine_part.py)")
-    a("--num-layers", type=int, default=32, help="layers of the random model (32 = Llama-3-8B)")
+    a("--model-type", choices=sorted(SHAPES), default="llama",
+      help="shape of the random checkpoint: llama (Llama-3-8B), qwen3 (Qwen3-8B: per-head "
+           "q/k norms, 36 layers, 151,936 vocabulary) or gemma2 (Gemma-2-9B: soft-capped "
+           "attention and logits, local/global layers, head_dim 256; its KV is 344 KB a token, "
+           "so --context 512 at batch 256 on an 80 GB card)")
+    a("--num-layers", type=int, default=None,
+      help="layers of the random model (default: the shape's, 32 = Llama-3-8B, 36 = Qwen3-8B, "
+           "42 = Gemma-2-9B)")
     a("--decode-batches", default="1,8,32,64,128,256")
     a("--context", type=int, default=1024, help="context length of decode benchmarks")
     a("--requests", type=int, default=1000, help="end-to-end requests")
@@ -115,10 +122,13 @@ WEIGHT_BYTES = {None: 2.0, "fp8": 1.0, "bitsandbytes": 1.0, "bitsandbytes-nf4": 
 def model_bytes(cfg: dict, quantize: str | None = None, kv_cache_dtype: str = "auto") -> dict:
     h, inter, v, L = (cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"],
                       cfg["num_hidden_layers"])
-    hd = h // cfg["num_attention_heads"]
+    heads = cfg["num_attention_heads"]
+    hd = cfg.get("head_dim") or h // heads
     kvh = cfg["num_key_value_heads"]
-    linear = L * (h * (h + 2 * kvh * hd) + h * h + 3 * h * inter)
-    others = L * 2 * h + h + v * h  # norms, final norm, LM head: always in bf16
+    linear = L * (h * (heads * hd + 2 * kvh * hd) + heads * hd * h + 3 * h * inter)
+    qk_norms = L * 2 * hd if cfg.get("model_type") == "qwen3" else 0
+    norms = 4 if cfg.get("model_type") in ("gemma2", "gemma3_text") else 2  # per layer: sandwich
+    others = L * norms * h + qk_norms + h + v * h  # norms, final norm, LM head: always in bf16
     kv_elem = 2 if kv_cache_dtype == "auto" else 1
     return {
         "matmul_params_per_token": linear,
@@ -582,7 +592,8 @@ def write_report(res: dict, path: Path) -> None:
     c = res.get("ceilings", {})
     L.append("# tokenwire benchmark results\n")
     L.append(f"- device: {res['device']}\n- date: {res['date']}\n- commit: {res['commit']}\n"
-             f"- torch {res['torch']}, triton {res['triton']}\n- model: Llama-3-8B shape, random "
+             f"- torch {res['torch']}, triton {res['triton']}\n- model: "
+             f"{SHAPES[res.get('model_type', 'llama')][2]}, random "
              f"bf16, {res.get('num_layers')} layers\n"
              f"- quantize: {res.get('quantize') or 'none'}, KV cache: "
              f"{res.get('kv_cache_dtype', 'auto')}, shards (e2e): {res.get('num_shard', 1)}\n")
@@ -706,10 +717,14 @@ def run(args: argparse.Namespace) -> int:
         "quantize": args.quantize, "kv_cache_dtype": args.kv_cache_dtype,
         "kv_cache_rotation": args.kv_cache_rotation,
         "num_shard": args.num_shard, "model_impl": args.model_impl,
+        "model_type": args.model_type, "context": args.context,
     }
-    model_dir = args.workdir / f"llama3-8b-shape-{args.num_layers}l"
+    shape, _, stem = SHAPES[args.model_type]
+    if args.num_layers is None:
+        args.num_layers = res["num_layers"] = shape["num_hidden_layers"]
+    model_dir = args.workdir / f"{stem}-{args.num_layers}l"
     t0 = time.perf_counter()
-    res["checkpoint"] = write_checkpoint(model_dir, args.num_layers)
+    res["checkpoint"] = write_checkpoint(model_dir, args.num_layers, args.model_type)
     print(f"checkpoint ready in {time.perf_counter() - t0:.0f} s", flush=True)
 
     def save():

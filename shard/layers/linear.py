@@ -49,6 +49,25 @@ class ColumnParallelLinear(nn.Module, WeightLoader):
         self.weight.data = weights.get_sharded(f"{prefix}.weight", dim=0)
         if self.bias is not None:
             self.bias.data = weights.get_sharded(f"{prefix}.bias", dim=0)
+        self._quantize(weights, prefix)
+
+    def load_rows_of(self, weights: Weights, fused: str, offset: int) -> None:
+        """Reads this part from a checkpoint tensor that stores several parts one after another
+        along its rows (`{fused}.weight`, e.g. Phi-3's qkv_proj): the part starts at row
+        `offset` of it, and this rank reads its block of the part's rows."""
+        if weights.has(f"{fused}.weight_scale") or weights.has(f"{fused}.weight_scale_inv"):
+            raise NotImplementedError(
+                f"{fused}: fp8 checkpoint scales on a fused projection are not supported by the "
+                "native model code; use --model-impl transformers"
+            )
+        start = offset + self.part[0] * self.out_local
+        stop = start + self.out_local
+        self.weight.data = weights.get_rows(f"{fused}.weight", start, stop)
+        if self.bias is not None:
+            self.bias.data = weights.get_rows(f"{fused}.bias", start, stop)
+        self._quantize(weights, fused)
+
+    def _quantize(self, weights: Weights, prefix: str) -> None:
         if weights.quant is not None:
             self.quantized = quantize_loaded_linear(
                 weights, prefix, self.weight.data, self.bias, 0, weights.quant
@@ -201,18 +220,30 @@ def _merge_rows(parts: list[ColumnParallelLinear]) -> _MergedWeight | None:
     return None
 
 
+# Gated-MLP activations forward_act_mul serves (config names; gelu_pytorch_tanh and the
+# gelu_new / gelu_fast spellings are the same tanh approximation in transformers).
+GATED_ACTIVATIONS = frozenset({"silu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast"})
+
+
 class MergedColumnParallelLinear(nn.Module, WeightLoader):
     """Column-parallel linears over the same input, e.g. q/k/v or gate/up, as one layer.
 
-    The checkpoint stores the parts side by side (`{parent}.q_proj.weight`, ...): the layer's
-    loader reads each part under its own name (as a ColumnParallelLinear, quantized alike) from
-    the layer's parent prefix. With `merge`, the parts' weights then become row blocks of one
+    The checkpoint stores the parts side by side (`{parent}.q_proj.weight`, ...), or fused into
+    one tensor under the layer's name (fused_checkpoint): the layer's loader reads each part under
+    its own name from the layer's parent prefix, or its rows of the fused tensor (as a
+    ColumnParallelLinear, quantized alike). With `merge`, the parts' weights then become row blocks of one
     merged weight where they can (no bias; 16-bit weights, or fp8 weights on CUDA), and inputs
     take one GEMM / GEMV for all parts (on CPU too: fewer, larger matmuls per decode step)."""
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool, dist: Dist,
-                 merge: bool, row_blocks: dict[str, tuple[int, int]] | None = None):
+                 merge: bool, row_blocks: dict[str, tuple[int, int]] | None = None,
+                 fused_checkpoint: bool = False):
         super().__init__()
+        # fused_checkpoint: the checkpoint stores the parts as one tensor under this layer's own
+        # name (`{prefix}.weight`, rows in part order: Phi-3's qkv_proj and gate_up_proj), not
+        # side by side; each part reads its rows of it.
+        self.fused_checkpoint = fused_checkpoint
+        self.full_sizes = dict(parts)  # part name -> output features over all ranks
         # part name -> ColumnParallelLinear of its full output features, split over the ranks or
         # as row_blocks names it (replicated KV heads: the block this rank reads)
         blocks = row_blocks or {}
@@ -240,9 +271,13 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
                 self.lora_weight = wide
 
     def load(self, weights: Weights, prefix: str) -> None:
-        parent = prefix.rpartition(".")[0]
+        parent, offset = prefix.rpartition(".")[0], 0
         for name, part in self.parts.items():
-            part.load(weights, f"{parent}.{name}" if parent else name)
+            if self.fused_checkpoint:
+                part.load_rows_of(weights, prefix, offset)
+                offset += self.full_sizes[name]
+            else:
+                part.load(weights, f"{parent}.{name}" if parent else name)
         if self.merge:
             self.merged = _merge_rows(list(self.parts.values()))
 
@@ -263,6 +298,22 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
             lora.apply_(x, y)
             return list(y.split(self.sizes, dim=-1))
         return outs
+
+    def forward_act_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        """For two parts (gate, up): act(gate(x)) * up(x), [n, in] -> [n, out_local], for the
+        config's hidden_act / hidden_activation: "silu" (forward_silu_mul: fused into the GEMV
+        where tuned so) or "gelu_pytorch_tanh" (Gemma: one GEMM / GEMV, then one kernel)."""
+        if activation == "silu":
+            return self.forward_silu_mul(x)
+        if activation not in GATED_ACTIVATIONS:
+            raise NotImplementedError(f"gated MLP activation {activation!r} is not supported "
+                                      f"(supported: {', '.join(sorted(GATED_ACTIVATIONS))})")
+        gate, up = self.forward(x)  # [n, out_local] each (LoRA deltas included)
+        if x.is_cuda:
+            from shard.kernels.elementwise import gelu_tanh_mul
+
+            return gelu_tanh_mul(gate, up)
+        return F.gelu(gate, approximate="tanh") * up
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """For two parts (gate, up): silu(gate(x)) * up(x), [n, in] -> [n, out_local]; one

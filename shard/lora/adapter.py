@@ -24,6 +24,10 @@ from shard.layers.lora import LoraPart
 
 # Projections tokenwire's model code can adapt (Llama family names).
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Checkpoint-fused projections (Phi-3's): an adapter on one adapts each of its parts with the same
+# A and the part's rows of B, the parts in row order.
+FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                 "gate_up_proj": ("gate_proj", "up_proj")}
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -132,11 +136,12 @@ def _config(name: str, directory: Path, max_rank: int) -> dict:
             )
     targets = cfg.get("target_modules")
     if isinstance(targets, list):  # (a string is a regex: the tensors are checked instead)
-        bad = [t for t in targets if t.rpartition(".")[2] not in SUPPORTED_TARGETS]
+        bad = [t for t in targets
+               if t.rpartition(".")[2] not in (*SUPPORTED_TARGETS, *FUSED_TARGETS)]
         if bad:
             raise AdapterLoadError(
                 f"adapter '{name}': target module {bad[0]!r} is not supported (target_modules "
-                f"{targets}); supported: {', '.join(SUPPORTED_TARGETS)}"
+                f"{targets}); supported: {', '.join((*SUPPORTED_TARGETS, *FUSED_TARGETS))}"
             )
     r = cfg.get("r")
     if not isinstance(r, int) or r <= 0:
@@ -156,6 +161,16 @@ def _check_shape(name: str, tensor: str, got: torch.Size, want: tuple[int, int],
             f"adapter '{name}': {tensor} has shape {list(got)} but the base model needs "
             f"{list(want)} ({what}); was the adapter trained for another base model?"
         )
+
+
+def _fused_parts(module: str, targets: dict[str, LoraPart]) -> list[str] | None:
+    """The part modules (row order) a fused target such as `...self_attn.qkv_proj` stands for,
+    where the model has them all; None for any other module."""
+    parent, _, leaf = module.rpartition(".")
+    if leaf not in FUSED_TARGETS:
+        return None
+    names = [f"{parent}.{p}" if parent else p for p in FUSED_TARGETS[leaf]]
+    return names if all(n in targets for n in names) else None
 
 
 def read_adapter(
@@ -193,12 +208,12 @@ def read_adapter(
                 f"biases and extra modules are not supported)"
             )
         module = m["module"]
-        if module not in targets:
+        if module not in targets and _fused_parts(module, targets) is None:
             leaf = module.rpartition(".")[2]
-            if leaf not in SUPPORTED_TARGETS:
+            if leaf not in (*SUPPORTED_TARGETS, *FUSED_TARGETS):
                 raise AdapterLoadError(
                     f"adapter '{name}': target module {leaf!r} ({module}) is not supported; "
-                    f"supported: {', '.join(SUPPORTED_TARGETS)}"
+                    f"supported: {', '.join((*SUPPORTED_TARGETS, *FUSED_TARGETS))}"
                 )
             raise AdapterLoadError(
                 f"adapter '{name}': the base model has no module {module} (was the adapter "
@@ -212,20 +227,28 @@ def read_adapter(
         if set(ab) != {"A", "B"}:
             missing = "lora_B" if "A" in ab else "lora_A"
             raise AdapterLoadError(f"adapter '{name}': {module} has no {missing} weight")
-        part = targets[module]
-        a_shape = handle.get_slice(ab["A"]).get_shape()
-        b_shape = handle.get_slice(ab["B"]).get_shape()
-        _check_shape(name, ab["A"], a_shape, (r, part.in_features),
-                     f"rank {r} x {part.in_features} input features")
-        _check_shape(name, ab["B"], b_shape, (part.out_features, r),
-                     f"{part.out_features} output features x rank {r}")
-        a = handle.get_slice(ab["A"])[:, part.in_slice[0] : part.in_slice[1]]
-        b = handle.get_slice(ab["B"])[part.out_slice[0] : part.out_slice[1]]
-        a = a.to(dtype).contiguous()
-        b = (b.float() * scaling).to(dtype).contiguous()
-        if pin:
-            a, b = a.pin_memory(), b.pin_memory()
-        tensors[module] = (a, b)
+        parts = _fused_parts(module, targets) or [module]  # what it adapts, in B's row order
+        in_features = targets[parts[0]].in_features
+        out_features = sum(targets[p].out_features for p in parts)
+        a_slice, b_slice = handle.get_slice(ab["A"]), handle.get_slice(ab["B"])
+        _check_shape(name, ab["A"], a_slice.get_shape(), (r, in_features),
+                     f"rank {r} x {in_features} input features")
+        _check_shape(name, ab["B"], b_slice.get_shape(), (out_features, r),
+                     f"{out_features} output features x rank {r}")
+        offset = 0  # the part's first row in B
+        for p in parts:
+            part = targets[p]
+            if p in tensors:
+                raise AdapterLoadError(f"adapter '{name}': {p} is adapted twice (as itself "
+                                       f"and through a fused projection)")
+            a = a_slice[:, part.in_slice[0] : part.in_slice[1]]
+            b = b_slice[offset + part.out_slice[0] : offset + part.out_slice[1]]
+            offset += part.out_features
+            a = a.to(dtype).contiguous()
+            b = (b.float() * scaling).to(dtype).contiguous()
+            if pin:
+                a, b = a.pin_memory(), b.pin_memory()
+            tensors[p] = (a, b)
     targets_used = tuple(sorted({m.rpartition(".")[2] for m in tensors}))
     facts = AdapterFacts(name, source.path, r, alpha, targets_used)
     return HostAdapter(facts, tensors)

@@ -8,7 +8,7 @@ import enum
 import logging
 from collections.abc import Callable
 
-from shard.models.base import CausalLM, LoadContext
+from shard.models.base import CausalLM, LoadContext, NotServedNatively
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,30 @@ def _llama(ctx: LoadContext) -> CausalLM:
     return LlamaForCausalLM(ctx)
 
 
+def _qwen3(ctx: LoadContext) -> CausalLM:
+    from shard.models.qwen3 import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(ctx)
+
+
+def _olmo2(ctx: LoadContext) -> CausalLM:
+    from shard.models.olmo2 import Olmo2ForCausalLM
+
+    return Olmo2ForCausalLM(ctx)
+
+
+def _phi3(ctx: LoadContext) -> CausalLM:
+    from shard.models.phi3 import Phi3ForCausalLM
+
+    return Phi3ForCausalLM(ctx)
+
+
+def _gemma(ctx: LoadContext) -> CausalLM:
+    from shard.models.gemma import GemmaForCausalLM
+
+    return GemmaForCausalLM(ctx)
+
+
 def _transformers(ctx: LoadContext) -> CausalLM:
     from shard.models.transformers_backend import TransformersCausalLM
 
@@ -43,7 +67,8 @@ def _transformers(ctx: LoadContext) -> CausalLM:
 
 def model_registry() -> dict[str, Callable[[LoadContext], CausalLM]]:
     """model_type -> constructor of our own implementations."""
-    return {"llama": _llama, "mistral": _llama, "qwen2": _llama}
+    return {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _qwen3,
+            "olmo2": _olmo2, "phi3": _phi3, "gemma2": _gemma, "gemma3_text": _gemma}
 
 
 def load_model(ctx: LoadContext, impl: ModelImpl = ModelImpl.AUTO) -> CausalLM:
@@ -56,8 +81,18 @@ def load_model(ctx: LoadContext, impl: ModelImpl = ModelImpl.AUTO) -> CausalLM:
         raise ValueError(f"--model-impl native: tokenwire has no native code for model_type "
                          f"{model_type!r} (native: {known}); use --model-impl auto")
     if native is not None and impl is not ModelImpl.TRANSFORMERS:
+        try:
+            model = native(ctx)
+        # NotImplementedError: a layer option the native layers lack (a rope_type, say)
+        except (NotServedNatively, NotImplementedError) as exc:
+            if impl is ModelImpl.NATIVE:
+                raise ValueError(f"--model-impl native: the native {model_type} code cannot "
+                                 f"serve this config: {exc}; use --model-impl auto") from None
+            log.warning("model_type %r: the native code cannot serve this config (%s): "
+                        "transformers backend", model_type, exc)
+            return _transformers(ctx)
         log.info("model_type %r: native tokenwire model code", model_type)
-        return native(ctx)
+        return model
     if native is not None:
         log.warning("model_type %r: transformers backend forced by --model-impl transformers "
                     "(native code exists)", model_type)

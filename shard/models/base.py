@@ -14,6 +14,12 @@ from shard.quantization.kv_cache import KvScales
 from shard.quantization.methods import KvCacheDtype, KvCacheRotation, QuantizeMethod
 
 
+class NotServedNatively(ValueError):
+    """A native model class cannot serve this config (a variant of the family it does not
+    assemble); --model-impl auto then serves it through the transformers backend (as it does
+    on a NotImplementedError from the native layers: an unsupported rope_type, say)."""
+
+
 @dataclass(frozen=True)
 class LoadContext:
     """Everything a model class needs to build itself and read its weights."""

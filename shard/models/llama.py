@@ -1,8 +1,15 @@
 """Llama family (Llama, Mistral, Qwen2): GQA, RoPE (default/linear/llama3), sliding window,
 tied embeddings, optional q/k/v bias. Only assembles layers (shard/layers/): module names equal
-checkpoint tensor names, and each tensor-parallel layer loads its own slice."""
+checkpoint tensor names, and each tensor-parallel layer loads its own slice.
+
+Families that differ from Llama only in layer options (LayerOptions: q/k norms, checkpoint-fused
+projections) or in their decoder layer (OLMo-2's post-norms) subclass LlamaForCausalLM in files
+of their own (qwen3.py, phi3.py, olmo2.py), setting `options`, `decoder_layer` and
+`fuses_residuals`."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -12,6 +19,7 @@ from shard.layers.attention import PagedAttention
 from shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shard.layers.linear import MergedColumnParallelLinear, PushedPartial, RowParallelLinear
 from shard.layers.norm import RMSNorm, reduce_add_rms_norm
+from shard.layers.qk_norm import HeadRMSNorm, ProjectionRMSNorm, QKNormKind, qk_rms_norm
 from shard.layers.rotary import RotaryEmbedding, rope_parameters
 from shard.layers.weights import Weights, load_module_weights
 from shard.models.base import LoadContext
@@ -24,8 +32,18 @@ from shard.quantization.methods import KvCacheRotation
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value) pools
 
 
+@dataclass(frozen=True)
+class LayerOptions:
+    """A family's quirks as options of these layers."""
+
+    qk_norm: QKNormKind | None = None  # RMSNorm of q and k before rotary (shard/layers/qk_norm.py)
+    # The checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (Phi-3).
+    fused_checkpoint: bool = False
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, ctx: LoadContext, rotary: RotaryEmbedding, sliding_window: int | None):
+    def __init__(self, ctx: LoadContext, rotary: RotaryEmbedding, sliding_window: int | None,
+                 opts: LayerOptions = LayerOptions()):
         super().__init__()
         cfg, world = ctx.config, ctx.dist.world_size
         hidden = cfg["hidden_size"]
@@ -42,7 +60,18 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedColumnParallelLinear(
             hidden, parts, bias, ctx.dist, merge=True,
             row_blocks={"k_proj": kv_block, "v_proj": kv_block},
+            fused_checkpoint=opts.fused_checkpoint,
         )
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.q_norm: HeadRMSNorm | ProjectionRMSNorm | None = None
+        self.k_norm: HeadRMSNorm | ProjectionRMSNorm | None = None
+        if opts.qk_norm is QKNormKind.HEAD:
+            self.q_norm, self.k_norm = HeadRMSNorm(head_dim, eps), HeadRMSNorm(head_dim, eps)
+        elif opts.qk_norm is QKNormKind.PROJECTION:
+            replicas = world * split.local_kv_heads // kv_heads  # > 1: replicated KV heads
+            self.q_norm = ProjectionRMSNorm(heads * head_dim, eps, ctx.dist,
+                                            (ctx.dist.rank, world), 1)
+            self.k_norm = ProjectionRMSNorm(kv_heads * head_dim, eps, ctx.dist, kv_block, replicas)
         self.o_proj = RowParallelLinear(
             heads * head_dim, hidden, cfg.get("attention_bias", False), ctx.dist
         )
@@ -63,20 +92,22 @@ class LlamaAttention(nn.Module):
         """-> [num_tokens, hidden]; with reduce=False this rank's un-reduced o_proj share."""
         n, a = x.shape[0], self.attn
         q, k, v = self.qkv_proj(x)
-        o = a(q.view(n, a.num_heads, a.head_dim), k.view(n, a.num_kv_heads, a.head_dim),
-              v.view(n, a.num_kv_heads, a.head_dim), positions, cache, meta)
+        q, k = q.view(n, a.num_heads, a.head_dim), k.view(n, a.num_kv_heads, a.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk_rms_norm(q, k, self.q_norm, self.k_norm)
+        o = a(q, k, v.view(n, a.num_kv_heads, a.head_dim), positions, cache, meta)
         # Un-reduced: the layer's next step is the fused all-reduce + norm, so the GEMV may push.
         return self.o_proj(o) if reduce else self.o_proj.partial(o, push=True)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, ctx: LoadContext):
+    def __init__(self, ctx: LoadContext, opts: LayerOptions = LayerOptions()):
         super().__init__()
         hidden, inter = ctx.config["hidden_size"], ctx.config["intermediate_size"]
         bias = ctx.config.get("mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, {"gate_proj": inter, "up_proj": inter}, bias, ctx.dist,
-            merge=True,
+            merge=True, fused_checkpoint=opts.fused_checkpoint,
         )
         self.down_proj = RowParallelLinear(inter, hidden, bias, ctx.dist)
 
@@ -90,12 +121,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, ctx: LoadContext, rotary: RotaryEmbedding, sliding_window: int | None):
+    def __init__(self, ctx: LoadContext, rotary: RotaryEmbedding, sliding_window: int | None,
+                 opts: LayerOptions = LayerOptions()):
         super().__init__()
         eps = ctx.config.get("rms_norm_eps", 1e-6)
         self.dist = ctx.dist
-        self.self_attn = LlamaAttention(ctx, rotary, sliding_window)
-        self.mlp = LlamaMLP(ctx)
+        self.self_attn = LlamaAttention(ctx, rotary, sliding_window, opts)
+        self.mlp = LlamaMLP(ctx, opts)
         self.input_layernorm = RMSNorm(ctx.config["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(ctx.config["hidden_size"], eps)
 
@@ -121,7 +153,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, ctx: LoadContext, sliding_window: int | None):
+    def __init__(self, ctx: LoadContext, sliding_window: int | None,
+                 opts: LayerOptions = LayerOptions(),
+                 layer: type[nn.Module] = LlamaDecoderLayer):
         super().__init__()
         cfg = ctx.config
         heads = cfg["num_attention_heads"]
@@ -129,18 +163,26 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(
             head_dim, cfg["max_position_embeddings"], rope_parameters(cfg), ctx.device
         )
+        self.rotary = rotary  # shared by every layer's attention
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], ctx.dist)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(ctx, rotary, sliding_window) for _ in range(cfg["num_hidden_layers"])
+            layer(ctx, rotary, sliding_window, opts) for _ in range(cfg["num_hidden_layers"])
         )
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
 
 
 class LlamaForCausalLM(nn.Module):
-    """Serves model_type llama, mistral and qwen2."""
+    """Serves model_type llama, mistral and qwen2; the base of the families in their own files."""
 
     model_impl = "native"
     supports_lora = True  # shard/lora adapts qkv_proj, o_proj, gate_up_proj and down_proj
+    options = LayerOptions()  # the family's layer options
+    # Built as decoder_layer(ctx, rotary, sliding_window, options); has forward(x, positions,
+    # cache, meta) -> x, and forward_fused (LlamaDecoderLayer's) where fuses_residuals.
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer
+    # Whether the decoder layer has forward_fused (residual adds and all-reduces fused into the
+    # next norm: pre-norm layers); post-norm layers run their plain forward on every device.
+    fuses_residuals = True
 
     def __init__(self, ctx: LoadContext):
         super().__init__()
@@ -148,12 +190,12 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = cfg["vocab_size"]
         self.max_position_embeddings = cfg["max_position_embeddings"]
         self.attention_name = ctx.attention.name
-        # Qwen2 configs carry a sliding_window that only applies with use_sliding_window.
+        # Qwen2 / Qwen3 configs carry a sliding_window that only applies with use_sliding_window.
         window = cfg.get("sliding_window")
-        if cfg["model_type"] == "qwen2" and not cfg.get("use_sliding_window", False):
+        if cfg["model_type"] in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
             window = None
         self.sliding_window: int | None = window
-        self.model = LlamaModel(ctx, window)
+        self.model = LlamaModel(ctx, window, self.options, self.decoder_layer)
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], ctx.dist)
         self.attns = [layer.self_attn.attn for layer in self.model.layers]
         self._device = ctx.device
@@ -198,7 +240,8 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [num_logits]
     ) -> torch.Tensor:  # [num_logits, vocab] float32
         embed, layers = self.model.embed_tokens, self.model.layers
-        if not (input_ids.is_cuda or self.fused_residual):
+        positions = self.model.rotary.table_rows(positions, meta)  # LongRoPE: per sequence
+        if not self.fuses_residuals or not (input_ids.is_cuda or self.fused_residual):
             x = embed(input_ids)  # [num_tokens, hidden]
             for layer, cache in zip(layers, kv_cache):
                 x = layer(x, positions, cache, meta)

@@ -55,11 +55,14 @@ def _stderr(message: str) -> None:
 
 
 def supported_model_types() -> list[str]:
-    """model_types tokenwire serves from GGUF: its own model registry's (each of which
-    transformers' GGUF loader also reads; tests/shard/test_gguf.py checks that)."""
+    """model_types tokenwire serves from GGUF: those of its own model registry that
+    transformers' GGUF loader reads (the conversion goes through it; OLMo-2, say, is native
+    but has no GGUF mapping there)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
     from shard.models import model_registry
 
-    return sorted(model_registry())
+    return sorted(set(model_registry()) & set(GGUF_CONFIG_MAPPING))
 
 
 def locate_gguf(model_id: str, gguf_file: str | None = None, revision: str | None = None) -> Path | None:

@@ -44,7 +44,7 @@ def cache_entries(cache: Path) -> list[str]:
 def test_every_supported_type_is_read_by_transformers_gguf() -> None:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    assert supported_model_types() == ["llama", "mistral", "qwen2"]
+    assert supported_model_types() == ["llama", "mistral", "phi3", "qwen2", "qwen3"]
     assert set(supported_model_types()) <= set(GGUF_CONFIG_MAPPING)
 
 
@@ -151,7 +151,7 @@ def test_unsupported_architecture_names_it_and_the_supported_ones(arch, tmp_path
         ensure_snapshot(path, cache, log=lambda _: None)
     message = str(err.value)
     assert f"architecture {arch!r} is not supported" in message, message
-    assert "llama, mistral, qwen2" in message and "\n" not in message
+    assert "llama, mistral, phi3, qwen2, qwen3" in message and "\n" not in message
     assert cache_entries(cache) == []
 
 

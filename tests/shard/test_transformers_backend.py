@@ -141,14 +141,15 @@ def test_unsupported_models_fail_at_start_up_naming_the_type(tmp_path, model_typ
 
 def test_model_impl_native_refuses_model_types_without_native_code(models):
     with pytest.raises(ValueError, match="--model-impl native: tokenwire has no native code for "
-                                         "model_type 'qwen3'"):
-        Shard(ShardConfig(model_id=str(models["qwen3"]), model_impl="native"), Dist())
+                                         "model_type 'granite'"):
+        Shard(ShardConfig(model_id=str(models["granite"]), model_impl="native"), Dist())
 
 
 def test_auto_serves_native_families_natively_and_others_through_the_backend(
         tiny_models, models):
     assert make_shard(tiny_models["llama"]).info.model_impl == "native"
-    assert make_shard(models["qwen3"]).info.model_impl == "transformers"
+    assert make_shard(models["qwen3"]).info.model_impl == "native"
+    assert make_shard(models["granite"]).info.model_impl == "transformers"
 
 
 def test_quantize_applies_to_the_backends_linears(models):
@@ -195,7 +196,7 @@ def test_swapped_rms_norms_still_compute_what_llamas_does():
 
 
 def test_lora_adapters_apply_to_the_backends_linears(models, tmp_path):
-    """A PEFT adapter on every projection of a model only the backend serves (qwen3) gives
+    """A PEFT adapter on every projection of a model forced through the backend (qwen3) gives
     what transformers + PeftModel gives, beside base-model requests."""
     from shard.lora import AdapterSource
     from tests.helpers.lora import load_base, peft_greedy, write_adapter
