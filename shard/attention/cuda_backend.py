@@ -96,6 +96,7 @@ class CudaAttentionBackend(AttentionBackend):
         value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         meta: AttentionMetadata, scale: float, sliding_window: int | None,
         kv_scales: KvScales | None = None,  # fp8 caches: stored = x / scale per KV head
+        softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
     ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]; shapes: see AttentionBackend
         """rotate_and_write_kv then attend for a decode-only step (the caller checks
         meta.is_decode_only and one token per sequence), in one kernel plus the split merge:
@@ -121,6 +122,7 @@ class CudaAttentionBackend(AttentionBackend):
             num_splits=self.num_decode_splits(query.shape[0], key_cache.shape[2]),
             k_scale=k_scale,
             v_scale=v_scale,
+            softcap=softcap,
         )
 
     def num_decode_splits(self, num_seqs: int, num_kv_heads: int) -> int:
@@ -135,6 +137,7 @@ class CudaAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
         kv_scales: KvScales | None = None,  # fp8 caches: read value = stored * scale
+        softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         k_scale, v_scale = (None, None)
         if key_cache.element_size() == 1:
@@ -151,9 +154,11 @@ class CudaAttentionBackend(AttentionBackend):
                 num_splits=self.num_decode_splits(query.shape[0], key_cache.shape[2]),
                 k_scale=k_scale,
                 v_scale=v_scale,
+                softcap=softcap,
             )
         if self._flash and key_cache.shape[1] % 256 == 0 and k_scale is None:
-            return self._flash_prefill(query, key_cache, value_cache, meta, scale, sliding_window)
+            return self._flash_prefill(query, key_cache, value_cache, meta, scale, sliding_window,
+                                       softcap)
         return self._prefill.paged_prefill_attention(
             query,
             key_cache,
@@ -166,6 +171,7 @@ class CudaAttentionBackend(AttentionBackend):
             sliding_window,
             k_scale=k_scale,
             v_scale=v_scale,
+            softcap=softcap,
         )
 
     def _flash_prefill(
@@ -176,6 +182,7 @@ class CudaAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        softcap: float | None,
     ) -> torch.Tensor:
         # flash-attn >= 2.6 reads a paged cache through block_table (block size % 256 == 0).
         from flash_attn import flash_attn_varlen_func
@@ -194,5 +201,6 @@ class CudaAttentionBackend(AttentionBackend):
             softmax_scale=scale,
             causal=True,
             window_size=window,
+            softcap=softcap or 0.0,  # flash-attn's soft-capping (0: none)
             block_table=meta.block_tables,
         )

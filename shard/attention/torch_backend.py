@@ -1,7 +1,8 @@
 """Portable attention over the paged KV cache in plain torch (CPU and CUDA).
 
 Loops over sequences with host-side lengths (a decode-only step is one padded call instead); each
-call is SDPA's fused kernel. The GPU kernels implement the same interface
+call is SDPA's fused kernel, or with attention-logit soft-capping (which SDPA lacks) the same
+attention written out (_softcapped_sdpa). The GPU kernels implement the same interface
 (shard/attention/base.py).
 """
 
@@ -46,13 +47,14 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
         kv_scales: KvScales | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # 4-D inputs with enable_gqa (no repeat of K/V over the query group) and a mask only
         # where causality needs one: SDPA then takes its fused (flash) CPU kernel, not the math
         # path's bmm + softmax + bmm (several times faster per layer on CPU).
         if meta.is_decode_only and meta.num_seqs > 1:
             return self._attend_decode(query, key_cache, value_cache, meta, scale,
-                                       sliding_window, kv_scales)
+                                       sliding_window, kv_scales, softcap)
         block_size = key_cache.shape[1]
         out = torch.empty_like(query)
         start = 0
@@ -69,14 +71,11 @@ class TorchAttentionBackend(AttentionBackend):
                     mask &= q_pos - k_pos < sliding_window
             elif q_len > 1:  # a whole prompt (no cached prefix): the plain causal mask
                 causal = True
-            o = F.scaled_dot_product_attention(
+            o = _sdpa(
                 q.transpose(0, 1).unsqueeze(0),  # [1, num_heads, q_len, head_dim]
                 k.transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, seq_len, head_dim]
                 v.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask,
-                is_causal=causal,
-                scale=scale,
-                enable_gqa=True,
+                mask, causal, scale, softcap,
             )
             out[start : start + q_len] = o[0].transpose(0, 1)
             start += q_len
@@ -91,6 +90,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
         kv_scales: KvScales | None,
+        softcap: float | None,
     ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
         """A decode-only step as one SDPA call over the batch: every sequence's context is
         gathered into [num_seqs, max_seq_len] (padded), padding masked out."""
@@ -106,15 +106,52 @@ class TorchAttentionBackend(AttentionBackend):
         mask = k_pos < seq_lens  # [num_seqs, length]: the query is at position seq_len - 1
         if sliding_window is not None:
             mask &= k_pos >= seq_lens - sliding_window
-        o = F.scaled_dot_product_attention(
+        o = _sdpa(
             query.unsqueeze(2),  # [num_seqs, num_heads, 1, head_dim]
             k.transpose(1, 2),  # [num_seqs, num_kv_heads, length, head_dim]
             v.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
-            scale=scale,
-            enable_gqa=True,
+            mask[:, None, None, :], False, scale, softcap,
         )
         return o.squeeze(2)
+
+
+def _sdpa(
+    q: torch.Tensor,  # [batch, num_heads, q_len, head_dim]
+    k: torch.Tensor,  # [batch, num_kv_heads, kv_len, head_dim]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # bool, broadcastable to [batch, num_heads, q_len, kv_len]
+    causal: bool,  # the plain causal mask (q_len == kv_len), mask is None
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:  # [batch, num_heads, q_len, head_dim]
+    """SDPA's fused kernel (grouped-query), or with soft-capping the written-out form."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              scale=scale, enable_gqa=True)
+    if causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    return _softcapped_sdpa(q, k, v, mask, scale, softcap)
+
+
+def _softcapped_sdpa(
+    q: torch.Tensor,  # [batch, num_heads, q_len, head_dim]
+    k: torch.Tensor,  # [batch, num_kv_heads, kv_len, head_dim]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # bool, broadcastable to [batch, num_heads, q_len, kv_len]
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:  # [batch, num_heads, q_len, head_dim]
+    """Attention with scores softcap * tanh(q.k * scale / softcap), as transformers' eager
+    Gemma 2 attention computes it (the softmax in float32, its weights back in the query dtype
+    before the product with V); the mask applies after the cap."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [batch, heads, q_len, kv_len]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def _gather(

@@ -55,6 +55,7 @@ from shard.kernels import pdl
 # runs the very same instructions (bit-identical results).
 from shard.kernels.elementwise import _rope_load, _rope_tables, _to_cache
 from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
+from shard.kernels.softcap import soft_cap_log2
 
 LOG2E = 1.4426950408889634
 
@@ -311,10 +312,12 @@ def _load_kv(k_cache_ptr, v_cache_ptr, kv_off, mask, dtype):
 
 
 @triton.jit
-def _attend_tile(q, k, v, mask_n, m_i, l_i, acc, qk_scale):
+def _attend_tile(q, k, v, mask_n, m_i, l_i, acc, qk_scale, SOFTCAP: tl.constexpr):
     """One online-softmax step: q [GROUP_PAD, BLOCK_D] against the tile's k, v [BLOCK_N,
-    BLOCK_D] (positions outside mask_n [BLOCK_N] ignored); returns the new (m_i, l_i, acc)."""
+    BLOCK_D] (positions outside mask_n [BLOCK_N] ignored); returns the new (m_i, l_i, acc).
+    SOFTCAP > 0: scores soft-capped (shard/kernels/softcap.py) before the mask."""
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 domain
+    s = soft_cap_log2(s, SOFTCAP)
     s = tl.where(mask_n[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -377,6 +380,7 @@ def _decode_split_kernel(
     Q_IN_REGISTERS: tl.constexpr = False,  # FUSED_ROTARY with HALF == HALF_PAD (_rotary_prologue)
     GROUP_P2: tl.constexpr = 1,  # next power of two of GROUP (_merge_splits)
     SPLITS_PAD: tl.constexpr = 1,  # next power of two of NUM_SPLITS (_merge_splits)
+    SOFTCAP: tl.constexpr = 0.0,  # > 0: attention-logit soft-capping (Gemma 2), 0: none
 ):
     # Latency-bound at decode batch sizes: let the next kernel launch now. Before the wait on
     # the previous kernel (q/k/v's GEMV, or the rotary + store kernel) only what it cannot have
@@ -469,7 +473,8 @@ def _decode_split_kernel(
                                   reload[:, None] & mask_d[None, :], dtype)
             k_first = tl.where(reload[:, None], k_re, k_first)
             v_first = tl.where(reload[:, None], v_re, v_first)
-            m_i, l_i, acc = _attend_tile(q, k_first, v_first, first_in, m_i, l_i, acc, qk_scale)
+            m_i, l_i, acc = _attend_tile(q, k_first, v_first, first_in, m_i, l_i, acc, qk_scale,
+                                         SOFTCAP)
         loop_start = start + BLOCK_N
     for tile in range(loop_start, end, BLOCK_N):
         pos = tile + offs_n  # [BLOCK_N]
@@ -477,7 +482,7 @@ def _decode_split_kernel(
         kv_off = _kv_offsets(bt_row, pos, mask_n, offs_d, kv_head_off, stride_slot, PAGE)
         k, v = _load_kv(k_cache_ptr, v_cache_ptr, kv_off, mask_n[:, None] & mask_d[None, :],
                         dtype)
-        m_i, l_i, acc = _attend_tile(q, k, v, mask_n, m_i, l_i, acc, qk_scale)
+        m_i, l_i, acc = _attend_tile(q, k, v, mask_n, m_i, l_i, acc, qk_scale, SOFTCAP)
 
     if FUSED_ROTARY and not Q_IN_REGISTERS:
         # Every thread has read its q (the scratch) before any thread overwrites it below.
@@ -607,6 +612,13 @@ def q_through_memory() -> Iterator[None]:
         _q_through_memory = previous
 
 
+def decode_tile(head_dim: int) -> int:
+    """K/V positions per tile (BLOCK_N): 64 up to head_dim 128 (measured, benchmarks/NOTES.md);
+    32 beyond (Gemma's 256), so that the pipelined K and V tiles (3 stages of 2 x BLOCK_N x
+    head_dim x 2 bytes) stay well inside a Hopper SM's 227 KB of shared memory."""
+    return 64 if head_dim <= 128 else 32
+
+
 def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> int:
     """Split count from the batch shape alone (so captured graphs stay valid).
 
@@ -641,17 +653,20 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,  # None: by head_dim (decode_tile)
     num_warps: int = 4,
     num_stages: int = 3,
     k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches with scales
     v_scale: torch.Tensor | None = None,
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Attention of one new query token per sequence over its whole paged context."""
+    """Attention of one new query token per sequence over its whole paged context (the last
+    sliding_window positions only, where given)."""
     if out is None:
         out = torch.empty_like(query)
     return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
-                   num_splits, out, block_n, num_warps, num_stages, k_scale, v_scale, None)
+                   num_splits, out, block_n, num_warps, num_stages, k_scale, v_scale, None,
+                   softcap)
 
 
 def rotary_store_decode_attention(
@@ -670,11 +685,12 @@ def rotary_store_decode_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # must not overlap query, key or value
-    block_n: int = 64,
+    block_n: int | None = None,  # None: by head_dim (decode_tile)
     num_warps: int = 4,
     num_stages: int = 3,
     k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches with scales
     v_scale: torch.Tensor | None = None,
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """shard.kernels.elementwise.rotary_store_kv then paged_decode_attention, in the split kernel itself
     (the module docstring's fused mode): one launch fewer, the same output and cache contents,
@@ -687,7 +703,8 @@ def rotary_store_decode_attention(
         out = torch.empty((num_seqs, num_heads, head_dim), dtype=query.dtype, device=query.device)
     new = _NewTokens(key, value, positions, cos, sin, slot_mapping)
     return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
-                   num_splits, out, block_n, num_warps, num_stages, k_scale, v_scale, new)
+                   num_splits, out, block_n, num_warps, num_stages, k_scale, v_scale, new,
+                   softcap)
 
 
 def _decode(
@@ -700,12 +717,13 @@ def _decode(
     sliding_window: int | None,
     num_splits: int | None,
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim], head_dim contiguous
-    block_n: int,
+    block_n: int | None,
     num_warps: int,
     num_stages: int,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     new: _NewTokens | None,  # FUSED_ROTARY inputs, None: query is rotated, the cache written
+    softcap: float | None = None,  # > 0: attention-logit soft-capping
 ) -> torch.Tensor:
     """Launches the split kernel (its last split per sequence and KV head merges). Host work only:
     no syncs; the temporaries depend on the batch shape alone (CUDA-graph capture)."""
@@ -718,6 +736,8 @@ def _decode(
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count
         num_splits = default_num_splits(num_seqs, num_kv_heads, sms)
     block_d = triton.next_power_of_2(head_dim)
+    if block_n is None:
+        block_n = decode_tile(head_dim)
     one = num_splits == 1
     scaled = k_scale is not None and v_scale is not None
     if one:
@@ -797,6 +817,7 @@ def _decode(
         and not _q_through_memory,
         GROUP_P2=triton.next_power_of_2(group),
         SPLITS_PAD=triton.next_power_of_2(num_splits),
+        SOFTCAP=float(softcap or 0.0),
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch_options(query.device),

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shard.kernels.softcap import soft_cap_log2
+
 LOG2E = 1.4426950408889634
 
 
@@ -42,6 +44,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
     SCALED: tl.constexpr,  # fp8 cache with per-KV-head scales (folded: scores, output)
+    SOFTCAP: tl.constexpr = 0.0,  # > 0: attention-logit soft-capping (Gemma 2), 0: none
 ):
     seq = tl.program_id(0)
     tile_m = tl.program_id(1)
@@ -92,6 +95,7 @@ def _prefill_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # fp8: upcast
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = soft_cap_log2(s, SOFTCAP)  # before the mask: tanh(-inf) is finite
         allowed = (pos_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
         if window > 0:
             allowed = allowed & (pos_m[:, None] - pos_n[None, :] < window)
@@ -116,6 +120,13 @@ def _prefill_kernel(
     )
 
 
+def prefill_tiles(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_stages) by head_dim: 64/64/3 up to 128 (measured); 32/32/2 beyond
+    (Gemma's 256), where a 64 x 256 query tile, K/V tiles in three stages and the fp32
+    accumulator would not fit an SM's shared memory and registers."""
+    return (64, 64, 3) if head_dim <= 128 else (32, 32, 2)
+
+
 def paged_prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -127,17 +138,24 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
-    # 64/64/4 warps/3 stages measured fastest of four configs for 1x4096 and 16x512 (H200).
-    block_m: int = 64,
-    block_n: int = 64,
+    # 64/64/4 warps/3 stages measured fastest of four configs for 1x4096 and 16x512 (H200), up
+    # to head_dim 128; None: that, or 32/32/2 stages beyond (prefill_tiles).
+    block_m: int | None = None,
+    block_n: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches with scales
     v_scale: torch.Tensor | None = None,
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of each sequence's new tokens over its cached context plus themselves."""
+    """Causal attention of each sequence's new tokens over its cached context plus themselves
+    (each query's last sliding_window positions only, where given)."""
     num_tokens, num_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
+    tiles = prefill_tiles(head_dim)
+    block_m = tiles[0] if block_m is None else block_m
+    block_n = tiles[1] if block_n is None else block_n
+    num_stages = tiles[2] if num_stages is None else num_stages
     if out is None:
         out = torch.empty_like(query)
     num_seqs = seq_lens.shape[0]
@@ -170,6 +188,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         PAGE=page,
         SCALED=scaled,
+        SOFTCAP=float(softcap or 0.0),
         num_warps=num_warps,
         num_stages=num_stages,
     )

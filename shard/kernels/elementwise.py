@@ -1,5 +1,5 @@
 """Fused Triton element-wise ops for the CUDA path: RMSNorm, rotary embedding (alone or with the
-KV-cache store), SiLU-and-mul.
+KV-cache store), SiLU-and-mul and GELU(tanh)-and-mul.
 
 Why: a decode step at small batch is a long chain of tiny kernels; the unfused torch forms cost
 7 (RMSNorm), ~14 (rotary) and 2 (SiLU * up) launches per use, each a few microseconds even
@@ -18,8 +18,20 @@ from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
 
 
 @triton.jit
+def _normed_times_weight(x, rstd, w_ptr, offs, mask, dtype, OFFSET: tl.constexpr):
+    """RMSNorm's output row from fp32 x [BLOCK] and its rstd, in dtype. OFFSET == 0 (Llama):
+    weight * (x * rstd).to(dtype), rounded, then multiplied in the model dtype. OFFSET != 0
+    (Gemma's (1 + w)): ((x * rstd) * (OFFSET + w)) in fp32, rounded once."""
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET != 0:
+        return (x * rstd * (w + OFFSET)).to(dtype)
+    y = (x * rstd).to(dtype).to(tl.float32)
+    return (y * w).to(dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr = False, OFFSET: tl.constexpr = 0.0):
     let_dependents_launch(PDL)  # latency-bound: the next GEMV may start streaming now
     wait_for_predecessor(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -27,27 +39,30 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
     mask = offs < n_cols
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
-    # torch form: weight * (x * rstd).to(dtype) -> round, then multiply in the model dtype
-    y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = _normed_times_weight(x, rstd, w_ptr, offs, mask, out_ptr.dtype.element_ty, OFFSET)
+    tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [num_tokens, hidden] -> [num_tokens, hidden] in x's dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             weight_offset: float = 0.0) -> torch.Tensor:
+    """x [num_tokens, hidden] -> [num_tokens, hidden] in x's dtype; weight_offset: the weight
+    applied is (offset + weight), in fp32 (Gemma: 1.0)."""
     n, h = x.shape
     out = torch.empty_like(x)
     if n == 0:
         return out
     block = triton.next_power_of_2(h)
     _rms_norm_kernel[(n,)](x, weight, out, x.stride(0), out.stride(0), h, eps, BLOCK=block,
-                           num_warps=8 if block >= 4096 else 4, **pdl.launch_options(x.device))
+                           num_warps=8 if block >= 4096 else 4, OFFSET=float(weight_offset),
+                           **pdl.launch_options(x.device))
     return out
 
 
 @triton.jit
 def _add_rms_norm_kernel(d_ptr, x_ptr, w_ptr, out_ptr, res_ptr, stride_d, stride_x, n_cols, eps,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                         OFFSET: tl.constexpr = 0.0, dw_ptr=None, d_eps=0.0,
+                         NORM_DELTA: tl.constexpr = False):
     let_dependents_launch(PDL)  # latency-bound: the next GEMV may start streaming now
     wait_for_predecessor(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -55,21 +70,27 @@ def _add_rms_norm_kernel(d_ptr, x_ptr, w_ptr, out_ptr, res_ptr, stride_d, stride
     mask = offs < n_cols
     d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if NORM_DELTA:  # sandwich norms (Gemma): d = its own RMSNorm first, rounded to the dtype
+        d_rstd = tl.rsqrt(tl.sum(d * d, 0) / n_cols + d_eps)
+        d = _normed_times_weight(d, d_rstd, dw_ptr, offs, mask, res_ptr.dtype.element_ty,
+                                 OFFSET).to(tl.float32)
     # torch form: x = x + d in the model dtype, then RMSNorm of the rounded sum
     s = (x + d).to(res_ptr.dtype.element_ty)
     tl.store(res_ptr + row * n_cols + offs, s, mask=mask)
     s = s.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(s * s, 0) / n_cols + eps)
-    y = (s * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n_cols + offs, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = _normed_times_weight(s, rstd, w_ptr, offs, mask, out_ptr.dtype.element_ty, OFFSET)
+    tl.store(out_ptr + row * n_cols + offs, y, mask=mask)
 
 
 def add_rms_norm(
-    delta: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+    delta: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+    weight_offset: float = 0.0, delta_weight: torch.Tensor | None = None, delta_eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + delta), x + delta) for [num_tokens, hidden]: the residual add fused into the
-    next norm (one kernel instead of two)."""
+    next norm (one kernel instead of two); weight_offset as in rms_norm. delta_weight (sandwich
+    norms): delta is first normalized with it (same offset) and rounded, as rms_norm would:
+    (rms_norm(x + rms_norm(delta)), x + rms_norm(delta)) in one kernel instead of two."""
     n, h = x.shape
     out = torch.empty((n, h), dtype=x.dtype, device=x.device)
     res = torch.empty((n, h), dtype=x.dtype, device=x.device)
@@ -79,6 +100,9 @@ def add_rms_norm(
     block = triton.next_power_of_2(h)
     _add_rms_norm_kernel[(n,)](delta, x, weight, out, res, delta.stride(0), x.stride(0), h, eps,
                                BLOCK=block, num_warps=8 if block >= 4096 else 4,
+                               OFFSET=float(weight_offset),
+                               dw_ptr=weight if delta_weight is None else delta_weight,
+                               d_eps=float(delta_eps), NORM_DELTA=delta_weight is not None,
                                **pdl.launch_options(x.device))
     return out, res
 
@@ -265,6 +289,35 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, n_cols, BLOCK: t
     # torch form: silu(g) rounded to the dtype, then * u in the dtype
     a = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * n_cols + offs, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gelu_tanh_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, n_cols,
+                          BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+    # torch form: F.gelu(g, approximate="tanh") rounded to the dtype, then * u in the dtype;
+    # gelu = 0.5 g (1 + tanh(z)), z = sqrt(2/pi) (g + 0.044715 g^3); 1 + tanh(z) = 2 / (1 + e^-2z)
+    z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    a = g / (1.0 + tl.exp(-2.0 * z))
+    a = a.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + offs, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up (Gemma's gated MLP) for [num_tokens, inter] tensors (row stride may
+    differ, columns contiguous)."""
+    n, cols = gate.shape
+    out = torch.empty((n, cols), dtype=gate.dtype, device=gate.device)
+    if n == 0:
+        return out
+    block = 1024
+    _gelu_tanh_mul_kernel[(n, triton.cdiv(cols, block))](
+        gate, up, out, gate.stride(0), up.stride(0), cols, BLOCK=block, num_warps=4)
+    return out
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -43,13 +43,18 @@ class PagedAttention(nn.Module, WeightLoader):
         device: torch.device,
         kv_part: tuple[int, int] | None = None,  # which of the layer's KV-head parts this is
         rotate_keys: bool = False,  # fp8 caches: store keys rotated (shard/quantization/kv_rotation.py)
+        scale: float | None = None,  # softmax scale (None: head_dim ** -0.5; Gemma:
+        # query_pre_attn_scalar ** -0.5)
+        softcap: float | None = None,  # attention-logit soft-capping (Gemma 2), None: none
     ):
         super().__init__()
         self.backend = backend
         self.rotary = rotary
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        # Per layer: alternating local / global layers (Gemma) pass a window or None each.
         self.sliding_window = sliding_window
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap
         self.kv_dtype = kv_dtype
         # fp8 caches: per-KV-head scales at fixed device addresses (CUDA graphs read them), 1.0
         # until warmup calibrates them; None for model-dtype caches.
@@ -119,14 +124,14 @@ class PagedAttention(nn.Module, WeightLoader):
         elif b.fuse_rotary_into_decode and meta.is_decode_only and n == meta.seq_lens.shape[0]:
             o = b.rotate_write_and_attend_decode(  # rotary, cache store, attention: one kernel
                 self.rotary, positions, q, k, v, key_cache, value_cache, meta, self.scale,
-                self.sliding_window, self.kv_scales,
+                self.sliding_window, self.kv_scales, self.softcap,
             )
             return o.reshape(n, self.num_heads * self.head_dim)
         else:
             q = b.rotate_and_write_kv(self.rotary, positions, q, k, v, key_cache, value_cache,
                                       meta.slot_mapping, self.kv_scales)
         o = b.attend(q, key_cache, value_cache, meta, self.scale, self.sliding_window,
-                     self.kv_scales)
+                     self.kv_scales, self.softcap)
         return o.reshape(n, self.num_heads * self.head_dim)
 
     def begin_kv_calibration(self) -> bool:

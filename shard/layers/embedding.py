@@ -35,12 +35,26 @@ class VocabSlicedWeight(nn.Module, WeightLoader):
 
 
 class VocabParallelEmbedding(VocabSlicedWeight):
-    """Token embedding over vocabulary-sliced rows (summed over ranks)."""
+    """Token embedding over vocabulary-sliced rows (summed over ranks). scale (Gemma:
+    sqrt(hidden)): the rows are multiplied by it, the factor first rounded to the model dtype
+    and the product taken in the model dtype, as transformers' scaled word embeddings do."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dist: Dist, scale: float | None = None):
+        super().__init__(vocab_size, hidden_size, dist)
+        self.scale = scale
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [n] -> [n, hidden]
         if self.dist.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return self._scaled(F.embedding(ids, self.weight))
         return self.dist.all_reduce(self.partial(ids))
+
+    def _scaled(self, rows: torch.Tensor) -> torch.Tensor:  # [n, hidden]
+        if self.scale is None:
+            return rows
+        # The factor rounded to the model dtype on the host (a device tensor made here would be
+        # a copy inside CUDA-graph capture); a 16-bit tensor times a Python float computes in
+        # fp32 and rounds once, as the product with a 0-dim tensor of the dtype does.
+        return rows * torch.tensor(self.scale, dtype=rows.dtype).item()
 
     def partial(self, ids: torch.Tensor) -> torch.Tensor:  # ids [n] -> [n, hidden]
         """This rank's share of the lookup, not yet summed over ranks: the rows of ids in this
@@ -48,11 +62,19 @@ class VocabParallelEmbedding(VocabSlicedWeight):
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return out.masked_fill(outside.unsqueeze(-1), 0)
+        # Scaled before the sum: every row is non-zero on one rank only, so the sum is exact.
+        return self._scaled(out.masked_fill(outside.unsqueeze(-1), 0))
 
 
 class ParallelLMHead(VocabSlicedWeight):
-    """Logits over the full vocabulary from vocabulary-sliced weights (gathered over ranks)."""
+    """Logits over the full vocabulary from vocabulary-sliced weights (gathered over ranks).
+    softcap (Gemma's final_logit_softcapping): logits -> softcap * tanh(logits / softcap), in
+    float32."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dist: Dist,
+                 softcap: float | None = None):
+        super().__init__(vocab_size, hidden_size, dist)
+        self.softcap = softcap
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -61,4 +83,7 @@ class ParallelLMHead(VocabSlicedWeight):
         logits = linear(hidden, self.weight)  # [n, per_rank], model dtype
         # Gathered in the model dtype (half of fp32's bytes), widened after: the same values.
         logits = self.dist.all_gather_last_dim(logits)  # [n, per_rank * world]
-        return logits[:, : self.vocab_size].float()
+        logits = logits[:, : self.vocab_size].float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

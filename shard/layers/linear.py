@@ -220,6 +220,11 @@ def _merge_rows(parts: list[ColumnParallelLinear]) -> _MergedWeight | None:
     return None
 
 
+# Gated-MLP activations forward_act_mul serves (config names; gelu_pytorch_tanh and the
+# gelu_new / gelu_fast spellings are the same tanh approximation in transformers).
+GATED_ACTIVATIONS = frozenset({"silu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast"})
+
+
 class MergedColumnParallelLinear(nn.Module, WeightLoader):
     """Column-parallel linears over the same input, e.g. q/k/v or gate/up, as one layer.
 
@@ -293,6 +298,22 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
             lora.apply_(x, y)
             return list(y.split(self.sizes, dim=-1))
         return outs
+
+    def forward_act_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        """For two parts (gate, up): act(gate(x)) * up(x), [n, in] -> [n, out_local], for the
+        config's hidden_act / hidden_activation: "silu" (forward_silu_mul: fused into the GEMV
+        where tuned so) or "gelu_pytorch_tanh" (Gemma: one GEMM / GEMV, then one kernel)."""
+        if activation == "silu":
+            return self.forward_silu_mul(x)
+        if activation not in GATED_ACTIVATIONS:
+            raise NotImplementedError(f"gated MLP activation {activation!r} is not supported "
+                                      f"(supported: {', '.join(sorted(GATED_ACTIVATIONS))})")
+        gate, up = self.forward(x)  # [n, out_local] each (LoRA deltas included)
+        if x.is_cuda:
+            from shard.kernels.elementwise import gelu_tanh_mul
+
+            return gelu_tanh_mul(gate, up)
+        return F.gelu(gate, approximate="tanh") * up
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """For two parts (gate, up): silu(gate(x)) * up(x), [n, in] -> [n, out_local]; one

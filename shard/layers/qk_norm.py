@@ -74,8 +74,9 @@ def qk_rms_norm(
         sums = q_norm.dist.all_reduce(sums)
         return q_norm.normalize(q, sums[:, 0]), k_norm.normalize(k, sums[:, 1])
     assert isinstance(q_norm, HeadRMSNorm) and isinstance(k_norm, HeadRMSNorm)
-    if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1 and q_norm.eps == k_norm.eps:
+    if (q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1 and q_norm.eps == k_norm.eps
+            and q_norm.weight_offset == k_norm.weight_offset):
         from shard.kernels.qk_norm import qk_rms_norm as fused
 
-        return fused(q, k, q_norm.weight, k_norm.weight, q_norm.eps)
+        return fused(q, k, q_norm.weight, k_norm.weight, q_norm.eps, q_norm.weight_offset)
     return q_norm(q), k_norm(k)

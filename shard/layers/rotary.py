@@ -68,11 +68,22 @@ def _longrope_tables(
     return emb.cos() * scale, emb.sin() * scale, original
 
 
-def rope_parameters(config: dict) -> dict:
-    """rope_theta and rope_type from a config dict, old (rope_scaling) or new (rope_parameters)."""
-    params = dict(config.get("rope_parameters") or {})
-    scaling = config.get("rope_scaling") or {}
-    params.update(scaling)
+def rope_parameters(config: dict, layer_type: str | None = None) -> dict:
+    """rope_theta and rope_type from a config dict, old (rope_scaling) or new (rope_parameters).
+
+    layer_type ("sliding_attention" / "full_attention"): models whose local and global layers
+    rotate with their own bases (Gemma 3) give per-type parameters, new style as
+    rope_parameters[layer_type], old style as rope_local_base_freq (local layers, unscaled)
+    beside rope_theta + rope_scaling (global layers)."""
+    raw = config.get("rope_parameters") or {}
+    if layer_type is not None and isinstance(raw.get(layer_type), dict):
+        params = dict(raw[layer_type])
+    elif layer_type == "sliding_attention" and config.get("rope_local_base_freq") is not None:
+        return {"rope_theta": float(config["rope_local_base_freq"]), "rope_type": "default"}
+    else:
+        # (a per-type dict without this type: the flat fields below)
+        params = {k: v for k, v in raw.items() if not isinstance(v, dict)}
+        params.update(config.get("rope_scaling") or {})
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     for key in ("original_max_position_embeddings", "max_position_embeddings"):  # LongRoPE
         if key in config:

@@ -71,6 +71,12 @@ def _phi3(ctx: LoadContext) -> CausalLM:
     return Phi3ForCausalLM(ctx)
 
 
+def _gemma(ctx: LoadContext) -> CausalLM:
+    from shard.models.gemma import GemmaForCausalLM
+
+    return GemmaForCausalLM(ctx)
+
+
 def _transformers(ctx: LoadContext) -> CausalLM:
     from shard.models.transformers_backend import TransformersCausalLM
 
@@ -80,8 +86,8 @@ def _transformers(ctx: LoadContext) -> CausalLM:
 def model_registry() -> dict[str, Callable[[LoadContext], CausalLM]]:
     """model_type -> constructor of our own implementations."""
     return {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _qwen3,
-            "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe,
-            "olmo2": _olmo2, "phi3": _phi3}
+            "olmo2": _olmo2, "phi3": _phi3, "gemma2": _gemma, "gemma3_text": _gemma,
+            "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}
 
 
 def load_model(ctx: LoadContext, impl: ModelImpl = ModelImpl.AUTO) -> CausalLM:

@@ -77,44 +77,8 @@ def paged_attention(
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     b = layer.backend
     b.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-    if softcap:  # Gemma 2 style tanh soft-capping of the scores: the portable path below
-        o = softcapped_attention(q, key_cache, value_cache, meta, scale, sliding_window, softcap)
-    else:
-        o = b.attend(q.contiguous(), key_cache, value_cache, meta, scale, sliding_window)
+    # Gemma 2's attention-logit soft-capping is the backend's option (its kernels cap on device).
+    o = b.attend(q.contiguous(), key_cache, value_cache, meta, scale, sliding_window,
+                 softcap=softcap or None)
     return o.unsqueeze(0), None
 
-
-def softcapped_attention(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Attention with scores softcap * tanh(scores / softcap), one sequence at a time (host
-    lengths: never inside a CUDA graph; models with soft-capping declare themselves eager)."""
-    block_size, out = key_cache.shape[1], torch.empty_like(query)
-    kv_heads = key_cache.shape[2]
-    group = query.shape[1] // kv_heads
-    start = 0
-    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
-        first = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
-        blocks = meta.block_tables[i, first // block_size : -(-seq_len // block_size)].long()
-        lo = first - first % block_size  # position of the first gathered slot
-        k = key_cache.index_select(0, blocks).flatten(0, 1)[: seq_len - lo]  # [s, kv, d]
-        v = value_cache.index_select(0, blocks).flatten(0, 1)[: seq_len - lo]
-        q = query[start : start + q_len].unflatten(1, (kv_heads, group))  # [q, kv, g, d]
-        scores = torch.einsum("qkgd,skd->kgqs", q.float(), k.float()) * scale
-        scores = torch.tanh(scores / softcap) * softcap  # [kv, g, q_len, s]
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
-        k_pos = torch.arange(lo, seq_len, device=q.device).unsqueeze(0)
-        mask = k_pos <= q_pos  # [q_len, s]
-        if sliding_window is not None:
-            mask &= q_pos - k_pos < sliding_window
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        o = torch.einsum("kgqs,skd->qkgd", probs, v.float())  # [q_len, kv, g, d]
-        out[start : start + q_len] = o.flatten(1, 2).to(out.dtype)
-        start += q_len
-    return out

@@ -20,7 +20,7 @@ from shard.quantization.methods import QuantizeMethod
 # (checked in transformers 5.17-5.24; greedy parity in tests/shard/test_transformers_backend.py).
 INTERFACE_WITHOUT_FLAG = frozenset({"stablelm"})
 # Config fields that make decode steps sync with the host inside transformers' code: MoE expert
-# loops (`nonzero` over the routed experts) and the soft-capped attention's host lengths.
+# loops (`nonzero` over the routed experts) (soft-capped models: see declared_graph_safe).
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -103,8 +103,10 @@ def attention_modules(model: nn.Module, model_type: str) -> list[nn.Module]:
 
 def declared_graph_safe(config: Any, quant: LinearQuantization | None) -> bool:
     """Whether decode steps may be captured in CUDA graphs: declared from the config, never
-    probed. MoE layers and soft-capped attention sync with the host; bitsandbytes' int8
-    outlier path too."""
+    probed. MoE layers sync with the host; bitsandbytes' int8 outlier path too. Soft-capped
+    attention now goes through the backend's kernels (no host lengths) but stays eager here
+    until the backend's graphs are checked on a GPU with a soft-capped model (the native Gemma
+    path captures them)."""
     text = config.get_text_config()
     if any((getattr(text, f, None) or 0) > 0 for f in _MOE_FIELDS):
         return False

@@ -6,7 +6,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,6 +43,21 @@ class WarmupResult:
 log = logging.getLogger(__name__)
 
 CUDA_GRAPH_MAX_BATCH = 512  # larger decode batches run eagerly
+# On CPU the KV cache is sized from host memory (or --kv-cache-memory-mb), not from the warm-up
+# prefill's peak, so a worst-case prefill measures nothing there: a short one still runs every
+# kernel once and calibrates an fp8 KV cache. The full one (4,096 tokens for the default model)
+# took 50-110 s of a 2-core host's start-up.
+CPU_WARMUP_PREFILL_TOKENS = 256
+
+
+def warmup_prefill_spec(spec: WarmupSpec, device: torch.device) -> WarmupSpec:
+    """The limits the warm-up prefill is built from: the router's own on accelerators, capped at
+    CPU_WARMUP_PREFILL_TOKENS on CPU."""
+    if device.type != "cpu" or spec.max_batch_prefill_tokens <= CPU_WARMUP_PREFILL_TOKENS:
+        return spec
+    cap = CPU_WARMUP_PREFILL_TOKENS
+    return replace(spec, max_batch_prefill_tokens=cap,
+                   max_input_tokens=min(spec.max_input_tokens, cap))
 
 
 def worst_case_prefill(spec: WarmupSpec, block_size: int, vocab_size: int = 1) -> StepInputs:
@@ -91,7 +106,8 @@ def run_warmup(
         )
     if spec.max_batch_prefill_tokens < spec.max_input_tokens:
         raise FailedPreconditionError("--max-batch-prefill-tokens must be >= --max-input-tokens")
-    step = worst_case_prefill(spec, bs, runner.model.vocab_size)
+    prefill = warmup_prefill_spec(spec, runner.device)
+    step = worst_case_prefill(prefill, bs, runner.model.vocab_size)
     if runner.lora is not None:  # the LoRA kernels' intermediates count in the peak too
         step.lora_slots = [0] * len(step.seq_lens)
     device = runner.device
@@ -149,8 +165,9 @@ def run_warmup(
         )
     graphs = (f"decode graphs up to batch {max_batch} captured in {graphs_s:.1f} s"
               if runner.graphs is not None else "decode runs eagerly (no CUDA graphs)")
-    log.info("warmup: worst-case prefill of %d tokens (with kernel tuning) %.1f s; KV cache %d "
-             "blocks (%d tokens, %.2f GiB); %s", spec.max_batch_prefill_tokens, prefill_s,
+    kind = "worst-case prefill" if prefill is spec else "prefill (capped on CPU)"
+    log.info("warmup: %s of %d tokens (with kernel tuning) %.1f s; KV cache %d "
+             "blocks (%d tokens, %.2f GiB); %s", kind, prefill.max_batch_prefill_tokens, prefill_s,
              num_blocks, num_blocks * bs, num_blocks * bytes_per_block / 2**30, graphs)
     return WarmupResult(
         num_blocks=num_blocks,

@@ -1,6 +1,6 @@
-"""Llama-3-8B-shaped (or Qwen3-8B-shaped) random checkpoints (bf16 safetensors written on the GPU,
-tensor by tensor) with a word-level tokenizer of the same vocabulary size: the benchmark harness's
-model and the GPU tests' large-shape model.
+"""Llama-3-8B-shaped (or Qwen3-8B- or Gemma-2-9B-shaped) random checkpoints (bf16 safetensors
+written on the GPU, tensor by tensor) with a word-level tokenizer of the same vocabulary size: the
+benchmark harness's model and the GPU tests' large-shape model.
 
 lm_head's rows of the EOS tokens are zero, so greedy decoding never picks EOS (logit 0 against
 the positive maximum of 128k random logits) and every request generates exactly max_new_tokens.
@@ -36,9 +36,30 @@ QWEN3_8B = {
     "max_position_embeddings": 40960,
     "rms_norm_eps": 1e-6,
 }
+# Gemma-2-9B (google/gemma-2-9b's config): head_dim 256 over 16 query / 8 KV heads (so
+# heads * head_dim != hidden), sandwich norms, GELU-tanh MLP, every other layer local (window
+# 4096), soft-capped attention (50) and logits (30), tied embeddings.
+GEMMA2_9B = {
+    "hidden_size": 3584,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 42,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 256,
+    "vocab_size": 256000,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
 # model_type -> (shape, architecture, checkpoint directory stem)
 SHAPES = {"llama": (LLAMA3_8B, "LlamaForCausalLM", "llama3-8b-shape"),
-          "qwen3": (QWEN3_8B, "Qwen3ForCausalLM", "qwen3-8b-shape")}
+          "qwen3": (QWEN3_8B, "Qwen3ForCausalLM", "qwen3-8b-shape"),
+          "gemma2": (GEMMA2_9B, "Gemma2ForCausalLM", "gemma2-9b-shape")}
 BOS_ID, EOS_ID = 128000, 128001
 EOS_IDS = (128001, 128008, 128009)
 
@@ -67,8 +88,9 @@ def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
 
 
 def write_checkpoint(model_dir: Path, num_layers: int, model_type: str = "llama") -> dict:
-    """Random bf16 weights of SHAPES[model_type] (Llama-3-8B or Qwen3-8B) with num_layers layers,
-    generated on the GPU and saved shard by shard."""
+    """Random bf16 weights of SHAPES[model_type] (Llama-3-8B, Qwen3-8B or Gemma-2-9B) with
+    num_layers layers, generated on the GPU and saved shard by shard. Gemma: tied embeddings
+    (the embedding's EOS rows are zero), norm weights zero (it scales by 1 + w), four per layer."""
     import torch
     from safetensors.torch import save_file
 
@@ -82,6 +104,11 @@ def write_checkpoint(model_dir: Path, num_layers: int, model_type: str = "llama"
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or h // heads
+    gemma = model_type == "gemma2"
+    # Norm weights that scale by 1: ones, or zeros under Gemma's (1 + w).
+    norm = torch.zeros if gemma else torch.ones
+    layer_norms = ("input_layernorm", "post_attention_layernorm") + (
+        ("pre_feedforward_layernorm", "post_feedforward_layernorm") if gemma else ())
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
@@ -103,12 +130,14 @@ def write_checkpoint(model_dir: Path, num_layers: int, model_type: str = "llama"
             p + "mlp.gate_proj.weight": rnd(inter, h),
             p + "mlp.up_proj.weight": rnd(inter, h),
             p + "mlp.down_proj.weight": rnd(h, inter),
-            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            **{f"{p}{n}.weight": norm(h, dtype=torch.bfloat16) for n in layer_norms},
         }
 
     groups: list[dict] = []
-    first = {"model.embed_tokens.weight": rnd(v, h)}
+    embed = rnd(v, h)
+    if gemma:  # tied: the embedding is the LM head, whose EOS rows are zero
+        embed[list(EOS_IDS)] = 0
+    first = {"model.embed_tokens.weight": embed}
     groups.append(first)
     per_file = 8
     for start in range(0, num_layers, per_file):
@@ -116,9 +145,12 @@ def write_checkpoint(model_dir: Path, num_layers: int, model_type: str = "llama"
         for i in range(start, min(start + per_file, num_layers)):
             g.update(layer(i))
         groups.append(g)
-    lm_head = rnd(v, h)
-    lm_head[list(EOS_IDS)] = 0  # greedy never selects EOS: fixed output lengths
-    groups.append({"lm_head.weight": lm_head, "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)})
+    last = {"model.norm.weight": norm(h, dtype=torch.bfloat16)}
+    if not gemma:
+        lm_head = rnd(v, h)
+        lm_head[list(EOS_IDS)] = 0  # greedy never selects EOS: fixed output lengths
+        last["lm_head.weight"] = lm_head
+    groups.append(last)
     weight_map, total = {}, 0
     for n, g in enumerate(groups):
         name = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
@@ -132,8 +164,9 @@ def write_checkpoint(model_dir: Path, num_layers: int, model_type: str = "llama"
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     config = {
         "architectures": [arch], "model_type": model_type, "torch_dtype": "bfloat16",
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": False, "bos_token_id": BOS_ID, "eos_token_id": list(EOS_IDS),
+        "hidden_act": "gelu_pytorch_tanh" if gemma else "silu", "attention_bias": False,
+        "mlp_bias": False, "tie_word_embeddings": gemma, "bos_token_id": BOS_ID,
+        "eos_token_id": list(EOS_IDS),
         "initializer_range": 0.02, "head_dim": hd, **cfg,
     }
     (model_dir / "config.json").write_text(json.dumps(config, indent=1))

@@ -16,13 +16,14 @@ process is gone).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,6 +161,30 @@ def _remove_stale_partials(root: Path, sha: str) -> None:
             continue
 
 
+@contextlib.contextmanager
+def _one_reader_per_file() -> Iterator[None]:
+    """transformers parses the GGUF file anew for the config, the tokenizer and the weights (four
+    `gguf.GGUFReader`s, each walking every metadata field: ~24 of the default model's 50 s of
+    conversion on a loaded 2-core host). transformers imports the reader from the `gguf` module at
+    call time, so for the conversion that name hands out one read-only reader per file."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], object] = {}
+
+    def shared_reader(path: str | os.PathLike[str], mode: str = "r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def convert(path: Path, out: Path, log: Log = _stderr) -> None:
     """Writes the snapshot of GGUF file `path` into the (existing, empty) directory `out`."""
     import safetensors.torch
@@ -171,14 +196,15 @@ def convert(path: Path, out: Path, log: Log = _stderr) -> None:
     def step(n: int, what: str) -> None:
         log(f"[{n}/4] {what} ({time.monotonic() - started:.0f}s)")
 
-    step(1, "reading the model's metadata")
-    config = read_config(path)
-    step(2, "reading the tokenizer and chat template")
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    step(3, "dequantizing the weights")
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, **_dequantize_option(path)
-    )
+    with _one_reader_per_file():
+        step(1, "reading the model's metadata")
+        config = read_config(path)
+        step(2, "reading the tokenizer and chat template")
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        step(3, "dequantizing the weights")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, **_dequantize_option(path)
+        )
     step(4, "writing safetensors")
     # save_pretrained refuses models loaded through the GGUF quantizer, so the tensors are
     # written here. Tied parameters (embed_tokens / lm_head) share storage: the first name in

@@ -36,8 +36,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
-def write_tiny_any(out: Path, model_type: str, seed: int = 0, **extra: Any) -> Path:
-    """Writes a tiny random `model_type` checkpoint and the tiny tokenizer into `out`."""
+def write_tiny_any(out: Path, model_type: str, seed: int = 0, randomize_norms: bool = False,
+                   **extra: Any) -> Path:
+    """Writes a tiny random `model_type` checkpoint and the tiny tokenizer into `out`.
+    randomize_norms: every norm weight random too (transformers initializes them to ones, or
+    zeros for Gemma's 1 + w, under which a wrong offset or rounding order would not show)."""
     import torch
     import transformers
 
@@ -58,6 +61,11 @@ def write_tiny_any(out: Path, model_type: str, seed: int = 0, **extra: Any) -> P
     config = transformers.AutoConfig.for_model(model_type, **kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if randomize_norms:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name.rsplit(".", 2)[-2]:
+                    param.normal_(0.0, 0.5)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save(str(out / "tokenizer.json"))

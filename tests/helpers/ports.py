@@ -2,16 +2,59 @@
 
 from __future__ import annotations
 
+import itertools
+import os
+import random
 import socket
 import tempfile
 from pathlib import Path
 
+# Ports the tests hand to servers come from below Linux's ephemeral range (32768-60999 by
+# default), which the kernel draws from for bind(0) and for every outgoing connection's source
+# port: a port chosen there could be taken by anything's next connect() before the test's server
+# binds it. Under pytest-xdist each worker draws from its own slice, so two workers never hand out
+# the same port either.
+_PORTS_FIRST, _PORTS_END = 20000, 32000
+
+
+class _PortSequence:
+    """One worker's slice of [_PORTS_FIRST, _PORTS_END), walked from a random start so that a
+    port is handed out again only after the whole slice (thousands of ports) has been."""
+
+    def __init__(self, worker: int, workers: int) -> None:
+        span = (_PORTS_END - _PORTS_FIRST) // max(workers, 1)
+        self.first = _PORTS_FIRST + worker * span
+        self.span = span
+        self.steps = itertools.count(random.randrange(span))
+
+    def next_port(self) -> int:
+        return self.first + next(self.steps) % self.span
+
+
+def _worker() -> tuple[int, int]:
+    """(this xdist worker's index, the worker count); (0, 1) outside xdist."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # gw0, gw1, ...
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else 0
+    return index % count, count
+
+
+_sequences: dict[tuple[int, int], _PortSequence] = {}
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port nobody listens on right now, from this worker's slice (see above)."""
+    worker = _worker()
+    sequence = _sequences.setdefault(worker, _PortSequence(*worker))
+    for _ in range(sequence.span):
+        port = sequence.next_port()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:  # in use: a server of an earlier test, or another program
+                continue
+            return port
+    raise RuntimeError(f"no free port in {sequence.first}-{sequence.first + sequence.span - 1}")
 
 
 def short_socket_prefix(name: str = "tw") -> str:

@@ -37,7 +37,7 @@ def smollm2_server(
             "--max-batch-prefill-tokens", str(MAX_INPUT_TOKENS + 64),
         ],
         shard_args=["--dtype", "float32", "--device", "cpu", "--kv-cache-memory-mb", "768"],
-        # Warmup runs a worst-case prefill of MAX_INPUT_TOKENS: minutes on a loaded machine.
+        # Loading and warming a 135M model on a loaded 2-core machine can take minutes.
         timeout=900.0,
     )
     try:

@@ -12,7 +12,7 @@ from torch import nn
 
 from shard.distributed.groups import Dist
 from shard.layers.weights import parameter_bytes, size_text
-from shard.runner.warmup import WarmupSpec
+from shard.runner.warmup import WarmupSpec, warmup_prefill_spec
 from shard.server.host_memory import read_host_memory
 from shard.server.loader import Shard, ShardConfig
 
@@ -65,3 +65,22 @@ def test_load_and_warmup_log_their_phases(tiny_models, caplog):
     assert len(tuning) == 1 and "0 shapes tuned, 0 read from the cache" in tuning[0]
     assert f"KV cache {result.num_blocks} blocks" in warm[0]
     assert "decode runs eagerly (no CUDA graphs)" in warm[0]
+
+
+def test_cpu_warmup_prefill_is_capped_and_said(tiny_models, caplog):
+    """On CPU the KV cache is sized from host memory, so warmup's prefill is capped (the full
+    worst case cost minutes of a 2-core host's start-up) and the log says so; the router's limits
+    still bound what is served."""
+    with caplog.at_level(logging.INFO):
+        shard = Shard(ShardConfig(model_id=str(tiny_models["llama"]), kv_cache_memory_mb=4),
+                      Dist())
+        result = shard.warmup(WarmupSpec(1000, 1024, 2048, 8))
+    warm = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warmup: ")
+            and "kernel tuning:" not in r.getMessage()]
+    assert len(warm) == 1 and "prefill (capped on CPU) of 256 tokens" in warm[0]
+    assert result.max_supported_total_tokens >= 1024
+    # A spec already under the cap runs as given.
+    spec = WarmupSpec(64, 128, 128, 4)
+    assert warmup_prefill_spec(spec, torch.device("cpu")) is spec
+    assert warmup_prefill_spec(WarmupSpec(1000, 1024, 2048, 8), torch.device("meta")) \
+        .max_batch_prefill_tokens == 2048
