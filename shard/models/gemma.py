@@ -204,6 +204,9 @@ class GemmaForCausalLM(nn.Module):
         if tie:
             self.lm_head.tie_to(self.model.embed_tokens)
 
+    def take_expert_counts(self) -> torch.Tensor | None:
+        return None  # dense (CausalLM's MoE routing statistics)
+
     def begin_kv_calibration(self) -> bool:
         return any([a.begin_kv_calibration() for a in self.attns])
 
