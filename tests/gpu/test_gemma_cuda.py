@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.helpers.gemma import gemma_model
+from tests.helpers.numerics import agree_until_near_tie
 
 pytestmark = [
     pytest.mark.gpu,
@@ -131,16 +132,6 @@ def test_gemma_norms_and_gelu_match_torch():
     assert _rel(elementwise.gelu_tanh_mul(g, u), F.gelu(g, approximate="tanh") * u) < 1e-2
 
 
-def _agree_until_near_tie(got: list[list[int]], want: list[list[int]],
-                          margins: list[list[float]], tie: float = 2e-2) -> None:
-    """Each sequence's tokens equal `want`'s up to (excluding) the first step where the reference's
-    top-two logits were within `tie`: Triton's fp32 dots run as TF32 (about 1e-3 relative), and
-    these random tiny models have near-ties."""
-    for seq, (g, w) in enumerate(zip(got, want, strict=True)):
-        clear = next((i for i, step in enumerate(margins) if step[seq] < tie), len(w))
-        assert g[:clear] == w[:clear], (seq, clear, g, w)
-
-
 def _prefill_logits(shard, prompt: list[int]) -> torch.Tensor:  # [len(prompt), vocab] on CPU
     from shard.runner.model_runner import StepInputs
 
@@ -182,6 +173,6 @@ def test_tiny_gemma_cuda_graph_decode_matches_cpu(tmp_path_factory, arch):
     graphs, gpu.runner.graphs = gpu.runner.graphs, None
     # Eager decode: the same kernels, though the graph's padded batch may pick other GEMV
     # configs (another fp32 summation order), hence the near-tie rule here too.
-    _agree_until_near_tie(greedy_tokens(gpu, 20), from_graphs, graph_margins, tie=1e-4)
+    agree_until_near_tie(greedy_tokens(gpu, 20), from_graphs, graph_margins, tie=1e-4)
     gpu.runner.graphs = graphs
-    _agree_until_near_tie(from_graphs, want, margins)
+    agree_until_near_tie(from_graphs, want, margins)

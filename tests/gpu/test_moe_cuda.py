@@ -110,12 +110,15 @@ def moe_models(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_tiny_moe_models_on_cuda_match_cpu_with_graphs(moe_models, arch):
     """The shard as served (warm-up, then decode from its CUDA graphs) generates the CPU path's
-    greedy tokens (float32: the kernels' dots are exact fp32 there)."""
+    greedy tokens up to the first near-tie (float32: the MoE kernel's dots are exact fp32, the
+    attention kernels' run as TF32; a GPU run saw Mixtral's tiny model flip a near-tie at step 9)."""
     from shard.testing.tiny import greedy_tokens
     from tests.helpers.moe import moe_shard
+    from tests.helpers.numerics import agree_until_near_tie
 
-    want = greedy_tokens(moe_shard(moe_models[arch]), 12)
+    margins: list[list[float]] = []
+    want = greedy_tokens(moe_shard(moe_models[arch]), 12, margins)
     gpu = moe_shard(moe_models[arch], device="cuda")
     assert gpu.info.model_impl == "native" and gpu.runner.graphs is not None
-    assert greedy_tokens(gpu, 12) == want
+    agree_until_near_tie(greedy_tokens(gpu, 12), want, margins)
     assert gpu.runner.last_path == "decode_graph"

@@ -39,12 +39,16 @@ def test_graph_decode_logits_equal_transformers(tmp_path, family):
     assert shard.info.model_impl == "native" and runner.graphs is not None
     tokens = [(37 * j + 11) % 500 + 3 for j in range(PREFILL + DECODE)]
     table = list(range(-(-len(tokens) // runner.block_size)))
+    # Each step's logits are copied out at once: a graph step's are a view of the graph's static
+    # output buffer, which the next replay overwrites (a GPU run kept views: every decode row read
+    # as the last step's).
     rows = [runner.execute(StepInputs(tokens[:PREFILL], list(range(PREFILL)), [PREFILL],
-                                      [PREFILL], [table], list(range(PREFILL))))]
+                                      [PREFILL], [table], list(range(PREFILL)))).float().cpu()]
     for pos in range(PREFILL, len(tokens)):
-        rows.append(runner.execute(StepInputs([tokens[pos]], [pos], [1], [pos + 1], [table], [0])))
+        step = StepInputs([tokens[pos]], [pos], [1], [pos + 1], [table], [0])
+        rows.append(runner.execute(step).float().cpu())
         assert runner.last_path == "decode_graph"
-    got = torch.cat([r.float().cpu() for r in rows])  # [len(tokens), vocab]
+    got = torch.cat(rows)  # [len(tokens), vocab]
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     with torch.inference_mode():
         want = hf(torch.tensor([tokens])).logits[0]  # [len(tokens), vocab]
