@@ -23,7 +23,14 @@ from shard.layers.decode_linear import linear, linear_pushed  # F.linear or a fa
 from shard.layers.lora import LoraWeights
 from shard.layers.weights import WeightLoader, Weights
 from shard.quantization.fp8 import Fp8Linear
-from shard.quantization.loading import quantize_loaded_linear
+from shard.quantization.loading import load_int_linear, quantize_loaded_linear
+
+
+def _packed_int(weights: Weights, prefix: str) -> bool:
+    """Whether this linear is stored packed by a GPTQ / AWQ checkpoint (layers the checkpoint
+    left unquantized, e.g. an ignored lm_head, keep their `.weight`)."""
+    return (weights.quant is not None and weights.quant.packed is not None
+            and weights.has(f"{prefix}.qweight"))
 
 
 class ColumnParallelLinear(nn.Module, WeightLoader):
@@ -46,19 +53,24 @@ class ColumnParallelLinear(nn.Module, WeightLoader):
 
     def load(self, weights: Weights, prefix: str) -> None:
         weights = weights.for_part(*self.part)
-        self.weight.data = weights.get_sharded(f"{prefix}.weight", dim=0)
         if self.bias is not None:
             self.bias.data = weights.get_sharded(f"{prefix}.bias", dim=0)
+        if _packed_int(weights, prefix):  # GPTQ / AWQ: no `.weight`, packed tensors instead
+            self.quantized = load_int_linear(weights, prefix, self.bias, 0, weights.quant.packed)
+            self.weight = self.bias = None
+            return
+        self.weight.data = weights.get_sharded(f"{prefix}.weight", dim=0)
         self._quantize(weights, prefix)
 
     def load_rows_of(self, weights: Weights, fused: str, offset: int) -> None:
         """Reads this part from a checkpoint tensor that stores several parts one after another
         along its rows (`{fused}.weight`, e.g. Phi-3's qkv_proj): the part starts at row
         `offset` of it, and this rank reads its block of the part's rows."""
-        if weights.has(f"{fused}.weight_scale") or weights.has(f"{fused}.weight_scale_inv"):
+        if (weights.has(f"{fused}.weight_scale") or weights.has(f"{fused}.weight_scale_inv")
+                or _packed_int(weights, fused)):
             raise NotImplementedError(
-                f"{fused}: fp8 checkpoint scales on a fused projection are not supported by the "
-                "native model code; use --model-impl transformers"
+                f"{fused}: quantized checkpoint tensors on a fused projection are not supported "
+                "by the native model code"
             )
         start = offset + self.part[0] * self.out_local
         stop = start + self.out_local
@@ -120,9 +132,13 @@ class RowParallelLinear(nn.Module, WeightLoader):
         return y
 
     def load(self, weights: Weights, prefix: str) -> None:
-        self.weight.data = weights.get_sharded(f"{prefix}.weight", dim=1)
         if self.bias is not None:
             self.bias.data = weights.get(f"{prefix}.bias")
+        if _packed_int(weights, prefix):  # GPTQ / AWQ; the bias is added after the all-reduce
+            self.quantized = load_int_linear(weights, prefix, None, 1, weights.quant.packed)
+            self.weight = None
+            return
+        self.weight.data = weights.get_sharded(f"{prefix}.weight", dim=1)
         if weights.quant is not None:
             # The bias is added once after the all-reduce, so the quantized part has none.
             self.quantized = quantize_loaded_linear(

@@ -1,4 +1,5 @@
-"""Quantization: fp8 / bitsandbytes int8 / nf4 linear weights and the fp8 KV cache.
+"""Quantization: fp8 / bitsandbytes int8 / nf4 / packed int4-int8 (GPTQ, AWQ) linear weights and
+the fp8 KV cache.
 
 Model code needs three things from here:
 - `parse_quantize(flag) -> QuantizeMethod | None` and `make_linear_weights(weight, bias, method)`
@@ -29,6 +30,8 @@ from shard.quantization.methods import (
     QUANTIZE_CHOICES,
     CheckpointQuantization,
     Fp8ScaleLayout,
+    IntLayout,
+    IntWeightFormat,
     KvCacheDtype,
     KvCacheRotation,
     QuantizeMethod,
@@ -36,6 +39,7 @@ from shard.quantization.methods import (
     parse_kv_cache_dtype,
     parse_kv_cache_rotation,
     parse_quantize,
+    with_quantize_config,
 )
 
 __all__ = [
@@ -45,6 +49,8 @@ __all__ = [
     "CheckpointQuantization",
     "DenseLinear",
     "Fp8ScaleLayout",
+    "IntLayout",
+    "IntWeightFormat",
     "KvCacheDtype",
     "KvCacheRotation",
     "KvScales",
@@ -60,5 +66,6 @@ __all__ = [
     "parse_kv_cache_rotation",
     "parse_quantize",
     "read_blocks",
+    "with_quantize_config",
     "write_kv",
 ]

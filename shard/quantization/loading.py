@@ -7,7 +7,10 @@ right after reading their slice, so only one layer's float weight exists at a ti
   head stay in the model dtype);
 - pre-quantized fp8 checkpoint (config `quantization_config`), no flag or --quantize fp8: keep the
   checkpoint's fp8 weights (scales converted to per channel, see fp8.to_per_channel);
-- pre-quantized fp8 checkpoint with --quantize bitsandbytes[-nf4]: dequantize, then re-quantize.
+- pre-quantized fp8 checkpoint with --quantize bitsandbytes[-nf4]: dequantize, then re-quantize;
+- pre-quantized GPTQ / AWQ checkpoint (no flag): each linear reads its packed tensors
+  (`{prefix}.qweight`, ...) through `load_int_linear` instead of `{prefix}.weight` and keeps them
+  packed (int_weights.py); --quantize with such a checkpoint is refused at start-up.
 The layer reads `{prefix}.weight` through the normal loader, which casts to the model dtype: fp8
 e4m3 values are exact in bf16/fp16/fp32, so nothing is lost; the scales are read uncast.
 """
@@ -25,6 +28,7 @@ from shard.quantization.linear import make_linear_weights
 from shard.quantization.methods import (
     CheckpointQuantization,
     Fp8ScaleLayout,
+    IntWeightFormat,
     QuantizeMethod,
     checkpoint_quantization,
 )
@@ -60,7 +64,39 @@ class LinearQuantization:
         stored = checkpoint_quantization(config)
         if stored is None and flag is None:
             return None
+        if stored is not None and stored.packed is not None and flag is not None:
+            raise ValueError(
+                f"{flag.flag}: the checkpoint is already quantized "
+                f"({stored.packed.layout.value}, {stored.packed.bits}-bit); drop --quantize"
+            )
         return cls(flag, stored)
+
+    @property
+    def packed(self) -> IntWeightFormat | None:
+        """The integer format of a GPTQ / AWQ checkpoint's linears, else None."""
+        return None if self.checkpoint is None else self.checkpoint.packed
+
+
+def load_int_linear(
+    weights: WeightSource,
+    prefix: str,
+    bias: torch.Tensor | None,  # [out_local] applied by the module (None for row-parallel)
+    shard_dim: int,  # 0: column-parallel (rows split), 1: row-parallel (input features split)
+    fmt: IntWeightFormat,
+) -> nn.Module:
+    """An IntLinear from a GPTQ / AWQ checkpoint's tensors of one linear, this rank's part
+    (int_weights.py: unpacked once, sliced keeping groups and act-order intact, repacked)."""
+    from shard.quantization.int_weights import IntLinear, PackedInt, read_unpacked, tp_slice
+
+    stored = {
+        suffix: weights.get(f"{prefix}.{suffix}", raw=True)
+        for suffix in ("qweight", "qzeros", "scales", "g_idx")
+        if weights.has(f"{prefix}.{suffix}")
+    }
+    full = read_unpacked(fmt, prefix, stored)
+    local = tp_slice(full, shard_dim, weights.dist.rank, weights.dist.world_size, prefix)
+    del full, stored
+    return IntLinear(PackedInt.pack(local), bias)
 
 
 def quantize_loaded_linear(

@@ -7,7 +7,9 @@ Plain data and parsing only; no torch import, so the CLI can validate flags chea
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,11 +94,31 @@ class Fp8ScaleLayout(enum.Enum):
     BLOCK = "block"  # `weight_scale_inv`: [ceil(out/bo), ceil(in/bi)] (DeepSeek-V3 style blocks)
 
 
+class IntLayout(enum.Enum):
+    """How a pre-quantized integer checkpoint packs a linear's weight (int_weights.py unpacks each
+    into the one internal layout the kernels read)."""
+
+    GPTQ = "gptq"  # AutoGPTQ / GPTQModel v1: qweight [in/pack, out], qzeros (stored zero - 1)
+    AWQ = "awq"  # AutoAWQ GEMM: qweight [in, out/8] in AWQ's interleaved nibble order
+
+
+@dataclass(frozen=True)
+class IntWeightFormat:
+    """A pre-quantized int4 / int8 weight-only checkpoint (W4A16 / W8A16)."""
+
+    layout: IntLayout
+    bits: int  # 4 or 8
+    group_size: int  # input features per scale; -1: one group over all inputs (per channel)
+    symmetric: bool  # informative: the stored zero points are used either way (exact)
+    act_order: bool  # GPTQ desc_act: g_idx maps input features to groups in any order
+
+
 @dataclass(frozen=True)
 class CheckpointQuantization:
     """What a checkpoint's config.json `quantization_config` says about its stored weights."""
 
-    method: QuantizeMethod
+    # fp8 checkpoints: QuantizeMethod.FP8; integer checkpoints: None (see `packed`).
+    method: QuantizeMethod | None
     # fp8 only: how scales are laid out; block shape [bo, bi] for BLOCK.
     scale_layout: Fp8ScaleLayout | None = None
     weight_block_size: tuple[int, int] | None = None
@@ -105,6 +127,8 @@ class CheckpointQuantization:
     activation_scheme: str = "dynamic"
     # Module name fragments left unquantized in the checkpoint (e.g. "lm_head").
     ignored: tuple[str, ...] = field(default_factory=tuple)
+    # Integer checkpoints (GPTQ / AWQ): how each linear's weight is packed.
+    packed: IntWeightFormat | None = None
 
     def is_ignored(self, prefix: str) -> bool:
         return any(
@@ -171,12 +195,82 @@ def checkpoint_quantization(config: Mapping[str, Any]) -> CheckpointQuantization
             "quantization_config: compressed-tensors checkpoints are supported only as fp8 "
             "(8-bit float weights, tensor/channel/block strategy)"
         )
+    if method in ("gptq", "awq"):
+        return CheckpointQuantization(method=None, packed=_int_weight_format(qc, method),
+                                      ignored=ignored)
     if method == "bitsandbytes":
         raise ValueError(
             "quantization_config: pre-quantized bitsandbytes checkpoints are not supported; load "
             "the unquantized checkpoint with --quantize bitsandbytes or bitsandbytes-nf4"
         )
-    raise ValueError(f"quantization_config: unsupported quant_method {method!r} (supported: fp8)")
+    raise ValueError(
+        f"quantization_config.quant_method: unsupported value {method!r} (supported: fp8, "
+        "fbgemm_fp8, compressed-tensors fp8, gptq, awq)"
+    )
+
+
+def _int_weight_format(qc: Mapping[str, Any], method: str) -> IntWeightFormat:
+    """GPTQ (v1 checkpoint format) or AWQ (GEMM version) settings; a ValueError naming the field
+    for anything tokenwire cannot load."""
+
+    def field_error(name: str, value: Any, supported: str) -> ValueError:
+        return ValueError(
+            f"quantization_config.{name}: {value!r} is not supported for {method} "
+            f"(supported: {supported})"
+        )
+
+    def integer(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"quantization_config.{name}: {value!r} is not an integer")
+        return value
+
+    if method == "gptq":
+        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+        if fmt != "gptq":
+            raise field_error("checkpoint_format", fmt, "gptq (the v1 layout)")
+        bits = integer("bits", qc.get("bits"))
+        if bits not in (4, 8):
+            raise field_error("bits", bits, "4, 8")
+        group = integer("group_size", qc.get("group_size", -1))
+        symmetric = bool(qc.get("sym", True))
+        act_order = bool(qc.get("desc_act", False))
+        layout = IntLayout.GPTQ
+    else:
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise field_error("version", version, "gemm")
+        name = "w_bit" if "w_bit" in qc else "bits"
+        bits = integer(name, qc.get(name))
+        if bits != 4:
+            raise field_error(name, bits, "4")
+        gname = "q_group_size" if "q_group_size" in qc else "group_size"
+        group = integer(gname, qc.get(gname, 128))
+        if group == -1:
+            raise field_error(gname, group, "a positive group size")
+        symmetric = not bool(qc.get("zero_point", True))
+        act_order = False
+        layout = IntLayout.AWQ
+    if group != -1 and (group <= 0 or group % 8):
+        raise field_error("group_size", group, "-1 or a positive multiple of 8")
+    return IntWeightFormat(layout, bits, group, symmetric, act_order)
+
+
+def with_quantize_config(model_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """config.json, with the `quantize_config.json` (older AutoGPTQ) or `quant_config.json`
+    (AutoAWQ) beside it as its `quantization_config` when config.json names none."""
+    if config.get("quantization_config"):
+        return config
+    for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+        path = model_dir / name
+        if path.is_file():
+            try:
+                stored = json.loads(path.read_text())
+            except ValueError as exc:
+                raise ValueError(f"{name}: not valid JSON ({exc})") from None
+            if not isinstance(stored, dict):
+                raise ValueError(f"{name}: expected a JSON object")
+            return {**config, "quantization_config": {"quant_method": method, **stored}}
+    return config
 
 
 class KvCacheRotation(enum.Enum):

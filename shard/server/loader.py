@@ -25,7 +25,12 @@ from shard.lora import (
     parse_adapters_flag,
 )
 from shard.models import LoadContext, load_model, parse_model_impl
-from shard.quantization import parse_kv_cache_dtype, parse_kv_cache_rotation, parse_quantize
+from shard.quantization import (
+    parse_kv_cache_dtype,
+    parse_kv_cache_rotation,
+    parse_quantize,
+    with_quantize_config,
+)
 from shard.runner.model_runner import ModelRunner
 from shard.runner.warmup import WarmupResult, WarmupSpec, run_warmup
 from shard.tools.download import model_sha, resolve_model
@@ -109,7 +114,7 @@ class Shard:
         if cfg.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
         model_dir = resolve_model(cfg.model_id, cfg.revision)
-        config = json.loads((model_dir / "config.json").read_text())
+        config = with_quantize_config(model_dir, json.loads((model_dir / "config.json").read_text()))
         attention = get_backend(cfg.attention_backend, self.device)
         ctx = LoadContext(
             model_dir, config, self.device, DTYPES[cfg.dtype], dist, attention,

@@ -1,0 +1,295 @@
+"""Packed int4 / int8 weight-only linears (W4A16 / W8A16) from GPTQ and AWQ checkpoints.
+
+Every checkpoint format is unpacked once at load into `UnpackedInt` (plain integers, original
+input order), sliced for tensor parallelism there, and repacked into the one internal layout the
+kernels read (`PackedInt`):
+
+- qweight uint8: int4 [N, K/2], storage column 2j in the low nibble of byte j and 2j+1 in the
+  high nibble; int8 [N, K]. Unsigned values q in [0, 2^bits).
+- scales [N, G] and zeros [N, G], both in the checkpoint's scale dtype (usually fp16; zero points
+  are small integers, exact in any float dtype):
+  w[n, k] = (q[n, k] - zeros[n, g(k)]) * scales[n, g(k)].
+- g(k) = k // group_size for storage column k, or g_idx[k] where groups are contiguous runs of
+  unequal length (a row-parallel slice that cuts a group, or of an act-order checkpoint).
+- perm [K] int32 or None: storage column k holds input feature perm[k]. Act-order (GPTQ desc_act)
+  checkpoints map input features to groups in any order; sorting the columns by group makes every
+  group one contiguous run, so kernels load each group's scale once per tile. The forward pass
+  gathers x[..., perm] (M x K elements, cheap beside the N x K weight).
+
+Tensor parallelism keeps groups intact by construction: a column-parallel slice takes whole
+output rows (their scales and zeros with them); a row-parallel slice takes its input features
+with their group ids, keeps the scales of the groups it references and re-numbers them, so a
+slice that starts or ends inside a group (or an act-order slice, whose features belong to groups
+all over the layer) is exact too.
+
+Checkpoint layouts (from the formats' published descriptions):
+- GPTQ v1 (AutoGPTQ / GPTQModel `checkpoint_format: gptq`): qweight int32 [K * bits / 32, N]
+  packed along the input dimension, value i of a word in bits [i*bits, (i+1)*bits); qzeros int32
+  [G, N * bits / 32] packed along the output dimension alike, each holding zero - 1 (the v1
+  off-by-one); scales fp16 [G, N]; g_idx int32 [K] (group of each input feature).
+- AWQ GEMM: qweight int32 [K, N / 8] packed along the output dimension, word c holding columns
+  8c + (0, 2, 4, 6, 1, 3, 5, 7) in nibbles 0..7; qzeros int32 [G, N / 8] the same way (zero points
+  stored as they are); scales fp16 [G, N]; group g(k) = k // group_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shard.quantization.methods import IntLayout, IntWeightFormat
+
+# AWQ's GEMM packing puts output column 8c + AWQ_ORDER[i] in nibble i of word c; reading the
+# nibbles back, column 8c + j is nibble AWQ_NIBBLE_OF_COLUMN[j].
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_NIBBLE_OF_COLUMN = tuple(AWQ_ORDER.index(j) for j in range(8))  # (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+@dataclass
+class UnpackedInt:
+    """A linear's integer weight as plain tensors, input features in their original order."""
+
+    q: torch.Tensor  # [N, K] uint8, values in [0, 2^bits)
+    scales: torch.Tensor  # [N, G] float (checkpoint dtype)
+    zeros: torch.Tensor  # [N, G] same dtype as scales, integer values
+    g_idx: torch.Tensor  # [K] int64, group of each input feature
+    bits: int
+
+    def rows(self, start: int, stop: int) -> UnpackedInt:
+        """Output rows [start, stop): a column-parallel slice."""
+        return replace(self, q=self.q[start:stop], scales=self.scales[start:stop],
+                       zeros=self.zeros[start:stop])
+
+    def columns(self, start: int, stop: int) -> UnpackedInt:
+        """Input features [start, stop): a row-parallel slice, with the scales of the groups it
+        references (re-numbered 0..G'-1 in their original order)."""
+        g = self.g_idx[start:stop]
+        used = torch.unique(g)  # sorted
+        return replace(self, q=self.q[:, start:stop], scales=self.scales[:, used],
+                       zeros=self.zeros[:, used], g_idx=torch.searchsorted(used, g))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """[N, K] in `dtype`, computed in float32 (exact for fp16 scales)."""
+        g = self.g_idx
+        w = (self.q.float() - self.zeros.float()[:, g]) * self.scales.float()[:, g]
+        return w.to(dtype)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 words holding 32 / bits values each (value i in bits [i*bits, (i+1)*bits)) expanded
+    along `dim`: [R, C] -> [R * 32/bits, C] (dim 0) or [R, C * 32/bits] (dim 1), uint8."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, device=packed.device, dtype=torch.int32)
+    mask = (1 << bits) - 1
+    p = packed.to(torch.int32)
+    if dim == 0:
+        v = (p[:, None, :] >> shifts[None, :, None]) & mask  # [R, per, C]
+        return v.reshape(p.shape[0] * per, p.shape[1]).to(torch.uint8)
+    v = (p[:, :, None] >> shifts[None, None, :]) & mask  # [R, C, per]
+    return v.reshape(p.shape[0], p.shape[1] * per).to(torch.uint8)
+
+
+def _check_groups(name: str, g_idx: torch.Tensor, groups: int) -> None:
+    if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+        raise ValueError(f"{name}: group ids outside [0, {groups}) (the scales have {groups} groups)")
+
+
+def unpack_gptq(prefix: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                g_idx: torch.Tensor | None, fmt: IntWeightFormat) -> UnpackedInt:
+    """GPTQ v1 tensors of one linear (see module docstring) -> UnpackedInt."""
+    q = unpack_int32(qweight, fmt.bits, 0)  # [K, N]
+    k, n = q.shape
+    if scales.dim() != 2 or scales.shape[1] != n:
+        raise ValueError(f"{prefix}.scales: shape {tuple(scales.shape)} does not fit qweight's "
+                         f"{n} output features")
+    groups = scales.shape[0]
+    # v1 stores zero - 1; the +1 is applied to the stored value as GPTQ v1 kernels do.
+    zeros = unpack_int32(qzeros, fmt.bits, 1)[:, :n].to(scales.dtype) + 1  # [G, N]
+    if g_idx is None:
+        size = k if fmt.group_size == -1 else fmt.group_size
+        g_idx = torch.arange(k, device=q.device) // size
+    g_idx = g_idx.to(torch.int64)
+    if g_idx.shape != (k,):
+        raise ValueError(f"{prefix}.g_idx: shape {tuple(g_idx.shape)}, expected ({k},)")
+    _check_groups(f"{prefix}.g_idx", g_idx, groups)
+    return UnpackedInt(q.t().contiguous(), scales.t().contiguous(), zeros.t().contiguous(),
+                       g_idx, fmt.bits)
+
+
+def unpack_awq(prefix: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+               fmt: IntWeightFormat) -> UnpackedInt:
+    """AWQ GEMM tensors of one linear (see module docstring) -> UnpackedInt."""
+    order = torch.tensor(AWQ_NIBBLE_OF_COLUMN, device=qweight.device)
+
+    def columns_in_order(nibbles: torch.Tensor) -> torch.Tensor:  # [R, C*8] nibble order
+        r = nibbles.shape[0]
+        return nibbles.view(r, -1, 8)[:, :, order].reshape(r, -1)
+
+    q = columns_in_order(unpack_int32(qweight, 4, 1))  # [K, N]
+    k, n = q.shape
+    if scales.dim() != 2 or scales.shape[1] != n or k % scales.shape[0]:
+        raise ValueError(f"{prefix}.scales: shape {tuple(scales.shape)} does not fit a "
+                         f"[{k}, {n}] weight")
+    zeros = columns_in_order(unpack_int32(qzeros, 4, 1)).to(scales.dtype)  # [G, N]
+    g_idx = torch.arange(k, device=q.device) // (k // scales.shape[0])
+    return UnpackedInt(q.t().contiguous(), scales.t().contiguous(), zeros.t().contiguous(),
+                       g_idx, 4)
+
+
+@dataclass
+class PackedInt:
+    """The internal layout (module docstring) of one linear on its device."""
+
+    qweight: torch.Tensor  # int4: [N, K/2] uint8; int8: [N, K] uint8
+    scales: torch.Tensor  # [N, G]
+    zeros: torch.Tensor  # [N, G]
+    bits: int
+    in_features: int  # K
+    group_size: int  # storage columns per group where g_idx is None
+    perm: torch.Tensor | None  # [K] int32: input feature of each storage column
+    g_idx: torch.Tensor | None  # [K] int32: group of each storage column (unequal groups)
+
+    @classmethod
+    def pack(cls, w: UnpackedInt) -> PackedInt:
+        n, k = w.q.shape
+        g = w.g_idx
+        perm = None
+        if bool((g[1:] < g[:-1]).any()):  # act-order: sort the columns by group (stable)
+            perm = torch.argsort(g, stable=True)
+            g = g[perm]
+        q = w.q if perm is None else w.q[:, perm]
+        counts = torch.bincount(g, minlength=w.scales.shape[1])
+        uniform = bool((counts == counts[0]).all()) and int(counts[0]) > 0
+        group_size = int(counts[0]) if uniform else k
+        if w.bits == 4:
+            if k % 2:
+                raise ValueError(f"int4 weights need an even number of input features, not {k}")
+            qweight = q[:, 0::2] | (q[:, 1::2] << 4)  # [N, K/2]
+        else:
+            qweight = q
+        return cls(
+            qweight=qweight.contiguous(),
+            scales=w.scales.contiguous(),
+            zeros=w.zeros.contiguous(),
+            bits=w.bits,
+            in_features=k,
+            group_size=group_size,
+            perm=None if perm is None else perm.to(torch.int32),
+            g_idx=None if uniform else g.to(torch.int32),
+        )
+
+    def unpacked_q(self) -> torch.Tensor:
+        """[N, K] uint8 values in storage order."""
+        if self.bits == 8:
+            return self.qweight
+        lo, hi = self.qweight & 0xF, self.qweight >> 4
+        return torch.stack([lo, hi], dim=-1).reshape(self.qweight.shape[0], self.in_features)
+
+    def group_ids(self) -> torch.Tensor:
+        """[K] int64: the group of each storage column."""
+        if self.g_idx is not None:
+            return self.g_idx.long()
+        return torch.arange(self.in_features, device=self.qweight.device) // self.group_size
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """[N, K] in storage order, in `dtype` (computed in float32)."""
+        g = self.group_ids()
+        w = (self.unpacked_q().float() - self.zeros.float()[:, g]) * self.scales.float()[:, g]
+        return w.to(dtype)
+
+
+class IntLinear(nn.Module):
+    """y = x @ W.T + b with W stored as PackedInt.
+
+    CUDA, int4, equal contiguous groups, at most GEMV_MAX_M rows: one Triton kernel that
+    dequantizes in registers (shard/kernels/int_gemv.py). Anywhere else (CPU, prefill-sized
+    batches until a dequant-fused GEMM lands): the weight is dequantized to the activation dtype
+    and multiplied with F.linear; what the CPU tests check."""
+
+    def __init__(self, packed: PackedInt, bias: torch.Tensor | None = None,
+                 use_gemv: bool | None = None) -> None:
+        super().__init__()
+        self.bits = packed.bits
+        self.in_features = packed.in_features
+        self.out_features = packed.qweight.shape[0]
+        self.group_size = packed.group_size
+        self.register_buffer("qweight", packed.qweight, persistent=False)
+        self.register_buffer("scales", packed.scales, persistent=False)
+        self.register_buffer("zeros", packed.zeros, persistent=False)
+        self.register_buffer("perm", packed.perm, persistent=False)
+        self.register_buffer("g_idx", packed.g_idx, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        device = packed.qweight.device
+        if use_gemv is None:
+            use_gemv = device.type == "cuda"
+        self.use_gemv = bool(use_gemv) and packed.bits == 4 and packed.g_idx is None
+        self.gemv_max_m = 0
+        if self.use_gemv:
+            try:
+                from shard.kernels.int_gemv import GEMV_MAX_M, int4_gemv, pick_block_k
+            except ImportError:
+                self.use_gemv = False
+            else:
+                self.use_gemv = pick_block_k(packed.group_size, packed.in_features) is not None
+                self.gemv_max_m = GEMV_MAX_M
+                self._gemv = int4_gemv
+
+    @property
+    def packed(self) -> PackedInt:
+        return PackedInt(self.qweight, self.scales, self.zeros, self.bits, self.in_features,
+                         self.group_size, self.perm, self.g_idx)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.qweight, self.scales, self.zeros, self.perm, self.g_idx)
+                   if t is not None)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """[N, K] in the input features' own order (perm undone), in `dtype`."""
+        w = self.packed.dequantize(dtype)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm.long()] = w
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        xs = x if self.perm is None else x.index_select(-1, self.perm)
+        lead = x.shape[:-1]
+        if self.use_gemv and x.dtype in (torch.bfloat16, torch.float16):
+            x2 = xs.reshape(-1, self.in_features)  # [M, K]
+            if x2.shape[0] <= self.gemv_max_m:
+                y = self._gemv(x2, self.qweight, self.scales, self.zeros, self.group_size,
+                               self.bias)
+                return y.reshape(*lead, self.out_features)
+        return F.linear(xs, self.packed.dequantize(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bits={self.bits}, group_size={self.group_size}, act_order={self.perm is not None}")
+
+
+def read_unpacked(fmt: IntWeightFormat, prefix: str, get: dict[str, torch.Tensor]) -> UnpackedInt:
+    """The layer's checkpoint tensors (name suffix -> tensor as stored) -> UnpackedInt."""
+    for suffix in ("qweight", "qzeros", "scales"):
+        if suffix not in get:
+            raise ValueError(f"{prefix}.{suffix}: missing from the {fmt.layout.value} checkpoint")
+    if fmt.layout is IntLayout.GPTQ:
+        return unpack_gptq(prefix, get["qweight"], get["qzeros"], get["scales"],
+                           get.get("g_idx"), fmt)
+    return unpack_awq(prefix, get["qweight"], get["qzeros"], get["scales"], fmt)
+
+
+def tp_slice(w: UnpackedInt, shard_dim: int, rank: int, world: int, prefix: str) -> UnpackedInt:
+    """This rank's part: output rows (shard_dim 0) or input features (1), contiguous blocks."""
+    size = w.q.shape[shard_dim]
+    if size % world:
+        raise ValueError(f"{prefix}: {size} {'output' if shard_dim == 0 else 'input'} features "
+                         f"not divisible by {world} ranks")
+    block = size // world
+    start, stop = rank * block, (rank + 1) * block
+    return w.rows(start, stop) if shard_dim == 0 else w.columns(start, stop)
