@@ -101,7 +101,7 @@ def test_checkpoint_quantization_formats():
     )
     assert q.scale_layout is Fp8ScaleLayout.CHANNEL and q.activation_scheme == "dynamic"
     with pytest.raises(ValueError, match="quant_method"):
-        checkpoint_quantization({"quantization_config": {"quant_method": "awq"}})
+        checkpoint_quantization({"quantization_config": {"quant_method": "hqq"}})
 
 
 # ------------------------------------------------------------------------------------ fp8 weights
