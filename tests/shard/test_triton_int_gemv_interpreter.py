@@ -1,0 +1,51 @@
+"""shard/kernels/int_gemv.py's W4A16 kernel under Triton's interpreter on CPU tensors (no GPU):
+the CUDA-core path (1 row) and the tensor-core path (2..16 rows padded to 16), asymmetric groups,
+a whole-row group, N and K tails, bias; against the dequantized weight in float32.
+
+Triton reads TRITON_INTERPRET when a kernel is defined, hence a fresh process for the check
+(tests/helpers/triton_interpreter.py). The interpreter's fp32 -> bf16 casts truncate, so bf16
+outputs are checked to 2^-7 of the largest output, fp16 ones to 2^-10.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from tests.helpers.triton_interpreter import BF16_DOT_PRELUDE, INTERPRETER_MARKS, run_interpreted
+
+pytestmark = INTERPRETER_MARKS
+
+_CHECK = textwrap.dedent(
+    """
+    from shard.kernels.int_gemv import int4_gemv
+    from shard.quantization.int_weights import PackedInt, UnpackedInt
+
+    BOUND = {torch.float16: 2**-10, torch.bfloat16: 2**-7}
+    torch.manual_seed(0)
+    # (N, K, group): two groups per row with a 64-wide tile; a whole-row group with a K tail
+    # inside the last tile; an N tail below BLOCK_N.
+    for n, k, group in ((48, 128, 64), (40, 96, 96), (5, 64, 32)):
+        groups = k // group
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        scales = (torch.rand(n, groups) * 0.1 + 0.01).half()
+        zeros = torch.randint(0, 16, (n, groups)).half()
+        g_idx = torch.arange(k) // group
+        packed = PackedInt.pack(UnpackedInt(q, scales, zeros, g_idx, 4))
+        assert packed.group_size == group and packed.g_idx is None
+        w = packed.dequantize(torch.float32)  # [N, K]
+        for dtype in (torch.bfloat16, torch.float16):
+            for bias in (None, torch.randn(n).to(dtype)):
+                for m in (1, 3, 16):
+                    x = torch.randn(m, k).to(dtype)
+                    ref = x.float() @ w.t() + (0 if bias is None else bias.float())
+                    y = int4_gemv(x, packed.qweight, packed.scales, packed.zeros, packed.group_size,
+                                  bias, block_n=16)
+                    assert y.shape == (m, n) and y.dtype == dtype
+                    err = float((y.float() - ref).abs().max() / ref.abs().max())
+                    assert err <= BOUND[dtype], (n, k, group, dtype, bias is not None, m, err)
+    """
+)
+
+
+def test_int4_gemv_in_interpreter():
+    run_interpreted(BF16_DOT_PRELUDE + _CHECK)
