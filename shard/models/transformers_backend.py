@@ -84,6 +84,11 @@ class TransformersCausalLM:
         split = partition_heads(heads, kv_heads, ctx.dist.rank % world, world)
         self.num_kv_heads = split.local_kv_heads
         quant = LinearQuantization.resolve(ctx.quantize, ctx.config)
+        if quant is not None and quant.packed is not None:
+            raise ValueError(
+                f"quantization_config.quant_method: {quant.packed.layout.value} checkpoints are "
+                "served by the native model code only, not the transformers backend"
+            )
         weights = StateWeights(dict(hf.state_dict()), ctx.device, ctx.dtype, ctx.dist, quant)
         if ctx.dist.world_size > 1 and not plan:
             raise ValueError(
