@@ -29,8 +29,8 @@ from shard.quantization.loading import load_int_linear, quantize_loaded_linear
 def _packed_int(weights: Weights, prefix: str) -> bool:
     """Whether this linear is stored packed by a GPTQ / AWQ checkpoint (layers the checkpoint
     left unquantized, e.g. an ignored lm_head, keep their `.weight`)."""
-    return (weights.quant is not None and weights.quant.packed is not None
-            and weights.has(f"{prefix}.qweight"))
+    packed = weights.quant.packed if weights.quant is not None else None
+    return packed is not None and weights.has(f"{prefix}.{packed.layout.tensor_names[0]}")
 
 
 class ColumnParallelLinear(nn.Module, WeightLoader):

@@ -1,4 +1,5 @@
-"""Packed int4 / int8 weight-only linears (W4A16 / W8A16) from GPTQ and AWQ checkpoints.
+"""Packed int4 / int8 weight-only linears (W4A16 / W8A16) from GPTQ, AWQ and compressed-tensors
+pack-quantized checkpoints.
 
 Every checkpoint format is unpacked once at load into `UnpackedInt` (plain integers, original
 input order), sliced for tensor parallelism there, and repacked into the one internal layout the
@@ -273,8 +274,48 @@ class IntLinear(nn.Module):
                 f"bits={self.bits}, group_size={self.group_size}, act_order={self.perm is not None}")
 
 
+def unpack_pack_quantized(prefix: str, packed: torch.Tensor, scales: torch.Tensor,
+                          zero_point: torch.Tensor | None, shape: torch.Tensor | None,
+                          g_idx: torch.Tensor | None, fmt: IntWeightFormat) -> UnpackedInt:
+    """compressed-tensors pack-quantized tensors of one linear -> UnpackedInt. The stored values
+    are the signed integers plus 2^(bits-1), and so are the packed zero points, so
+    w = (stored q - stored zero) * scale; symmetric weights have no zero point (signed zero 0,
+    stored 2^(bits-1))."""
+    q = unpack_int32(packed, fmt.bits, 1)  # [N, K padded to the word]
+    n = q.shape[0]
+    k = int(shape.reshape(-1)[1]) if shape is not None else q.shape[1]
+    if (shape is not None and int(shape.reshape(-1)[0]) != n) or k > q.shape[1]:
+        raise ValueError(f"{prefix}.weight_shape: {shape.tolist()} does not fit weight_packed "
+                         f"{tuple(packed.shape)}")
+    q = q[:, :k]
+    if scales.dim() == 1:
+        scales = scales[:, None]
+    if scales.shape[0] != n:
+        raise ValueError(f"{prefix}.weight_scale: shape {tuple(scales.shape)} does not fit "
+                         f"{n} output features")
+    groups = scales.shape[1]
+    if zero_point is None:
+        zeros = torch.full_like(scales, 2 ** (fmt.bits - 1))
+    else:  # packed along the output rows: [N * bits / 32, G]
+        zeros = unpack_int32(zero_point, fmt.bits, 0)[:n].to(scales.dtype)
+    if g_idx is None:
+        g_idx = torch.arange(k, device=q.device) // (k // groups if groups > 1 else k)
+    g_idx = g_idx.to(torch.int64)
+    _check_groups(f"{prefix}.weight_g_idx", g_idx, groups)
+    return UnpackedInt(q.contiguous(), scales.contiguous(), zeros.contiguous(), g_idx, fmt.bits)
+
+
 def read_unpacked(fmt: IntWeightFormat, prefix: str, get: dict[str, torch.Tensor]) -> UnpackedInt:
     """The layer's checkpoint tensors (name suffix -> tensor as stored) -> UnpackedInt."""
+    if fmt.layout is IntLayout.PACK_QUANTIZED:
+        for suffix in ("weight_packed", "weight_scale"):
+            if suffix not in get:
+                raise ValueError(f"{prefix}.{suffix}: missing from the pack-quantized checkpoint")
+        if not fmt.symmetric and "weight_zero_point" not in get:
+            raise ValueError(f"{prefix}.weight_zero_point: missing (the checkpoint is asymmetric)")
+        return unpack_pack_quantized(prefix, get["weight_packed"], get["weight_scale"],
+                                     get.get("weight_zero_point"), get.get("weight_shape"),
+                                     get.get("weight_g_idx"), fmt)
     for suffix in ("qweight", "qzeros", "scales"):
         if suffix not in get:
             raise ValueError(f"{prefix}.{suffix}: missing from the {fmt.layout.value} checkpoint")

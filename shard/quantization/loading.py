@@ -90,7 +90,7 @@ def load_int_linear(
 
     stored = {
         suffix: weights.get(f"{prefix}.{suffix}", raw=True)
-        for suffix in ("qweight", "qzeros", "scales", "g_idx")
+        for suffix in fmt.layout.tensor_names
         if weights.has(f"{prefix}.{suffix}")
     }
     full = read_unpacked(fmt, prefix, stored)

@@ -100,6 +100,17 @@ class IntLayout(enum.Enum):
 
     GPTQ = "gptq"  # AutoGPTQ / GPTQModel v1: qweight [in/pack, out], qzeros (stored zero - 1)
     AWQ = "awq"  # AutoAWQ GEMM: qweight [in, out/8] in AWQ's interleaved nibble order
+    # compressed-tensors `pack-quantized` (llm-compressor W4A16 / W8A16): weight_packed
+    # [out, in * bits / 32], values offset by 2^(bits-1); asymmetric zero points packed by rows.
+    PACK_QUANTIZED = "pack-quantized"
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        """The per-linear tensor suffixes, the packed weight first (optional ones included)."""
+        if self is IntLayout.PACK_QUANTIZED:
+            return ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
+                    "weight_g_idx")
+        return ("qweight", "qzeros", "scales", "g_idx")
 
 
 @dataclass(frozen=True)
@@ -170,6 +181,9 @@ def checkpoint_quantization(config: Mapping[str, Any]) -> CheckpointQuantization
             method=QuantizeMethod.FP8, scale_layout=Fp8ScaleLayout.CHANNEL, ignored=ignored
         )
     if method == "compressed-tensors":
+        packed = _pack_quantized_format(qc)
+        if packed is not None:
+            return CheckpointQuantization(method=None, packed=packed, ignored=ignored)
         groups = qc.get("config_groups") or {}
         for group in groups.values():
             weights = group.get("weights") or {}
@@ -207,6 +221,48 @@ def checkpoint_quantization(config: Mapping[str, Any]) -> CheckpointQuantization
         f"quantization_config.quant_method: unsupported value {method!r} (supported: fp8, "
         "fbgemm_fp8, compressed-tensors fp8, gptq, awq)"
     )
+
+
+def _pack_quantized_format(qc: Mapping[str, Any]) -> IntWeightFormat | None:
+    """compressed-tensors integer weights (`pack-quantized`, weight-only), or None for a config
+    whose groups quantize no integer weights (fp8: the caller's). One config group only."""
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, Mapping):
+        raise ValueError("quantization_config.config_groups: expected an object")
+    ints = {name: g for name, g in groups.items()
+            if isinstance(g, Mapping) and (g.get("weights") or {}).get("type") == "int"}
+    if not ints:
+        return None
+    if len(groups) != 1:
+        raise ValueError(f"quantization_config.config_groups: {len(groups)} groups; integer "
+                         "checkpoints are supported with one group")
+    name, group = next(iter(ints.items()))
+    where = f"quantization_config.config_groups.{name}"
+    fmt = str(group.get("format") or qc.get("format") or "")
+    if fmt != "pack-quantized":
+        raise ValueError(f"quantization_config.format: {fmt!r} is not supported for integer "
+                         "weights (supported: pack-quantized; int-quantized W8A8 is not yet)")
+    if group.get("input_activations"):
+        raise ValueError(f"{where}.input_activations: quantized activations (W8A8) are not "
+                         "supported for integer weights yet; weight-only (W4A16 / W8A16) is")
+    weights = group["weights"]
+    bits = weights.get("num_bits")
+    if bits not in (4, 8) or isinstance(bits, bool):
+        raise ValueError(f"{where}.weights.num_bits: {bits!r} is not supported (supported: 4, 8)")
+    strategy = weights.get("strategy")
+    if strategy == "channel":
+        size = -1
+    elif strategy == "group":
+        size = weights.get("group_size")
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0 or size % 8:
+            raise ValueError(f"{where}.weights.group_size: {size!r} is not supported (supported: "
+                             "a positive multiple of 8)")
+    else:
+        raise ValueError(f"{where}.weights.strategy: {strategy!r} is not supported (supported: "
+                         "group, channel)")
+    return IntWeightFormat(IntLayout.PACK_QUANTIZED, int(bits), size,
+                           bool(weights.get("symmetric", True)),
+                           weights.get("actorder") not in (None, False, "static"))
 
 
 def _int_weight_format(qc: Mapping[str, Any], method: str) -> IntWeightFormat:

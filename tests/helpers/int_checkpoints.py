@@ -1,4 +1,4 @@
-"""Test-side writers of GPTQ (v1) and AWQ (GEMM) checkpoints, written from the formats'
+"""Test-side writers of GPTQ (v1), AWQ (GEMM) and compressed-tensors pack-quantized checkpoints, written from the formats'
 published descriptions independently of shard/quantization/int_weights.py (which reads them), and
 the reference each is checked against: the same integers dequantized here, stored as a plain
 float32 checkpoint.
@@ -10,6 +10,10 @@ Layouts written (K input features, N output features, G groups):
 - AWQ GEMM: `qweight` int32 [K, N / 8], output feature 8c + ORDER[i] in nibble i of word [k, c]
   with ORDER = (0, 2, 4, 6, 1, 3, 5, 7); `qzeros` int32 [G, N / 8] alike (zero points as they
   are); `scales` fp16 [G, N].
+- compressed-tensors pack-quantized: `weight_packed` int32 [N, K * bits / 32] (input feature
+  32/bits * c + i in bits [i*bits, ...) of word c), values = signed integer + 2^(bits-1);
+  `weight_scale` [N, G]; `weight_zero_point` int32 [N * bits / 32, G] packed along the output
+  rows with the same offset (asymmetric only); `weight_shape` [N, K]; `weight_g_idx` [K].
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 @dataclass(frozen=True)
 class IntSpec:
-    layout: str  # "gptq" | "awq"
+    layout: str  # "gptq" | "awq" | "ct" (compressed-tensors pack-quantized)
     bits: int
     group_size: int  # -1: one group per output channel
     sym: bool
@@ -112,6 +116,19 @@ def pack(parts: dict[str, torch.Tensor], spec: IntSpec) -> dict[str, torch.Tenso
             "scales": parts["scales"],
             "g_idx": parts["g_idx"].to(torch.int32),
         }
+    if spec.layout == "ct":
+        # values and zero points are the signed integers + 2^(bits-1): exactly the unsigned
+        # integers written here (symmetric: zero 2^(bits-1), i.e. signed 0, not stored)
+        out = {
+            "weight_packed": pack_columns(parts["q"], spec.bits),
+            "weight_scale": parts["scales"].t().contiguous(),
+            "weight_shape": torch.tensor(list(parts["q"].shape)),
+        }
+        if not spec.sym:
+            out["weight_zero_point"] = pack_rows(parts["zeros"].t().contiguous(), spec.bits)
+        if spec.desc_act:
+            out["weight_g_idx"] = parts["g_idx"].to(torch.int32)
+        return out
     assert spec.layout == "awq" and spec.bits == 4 and not spec.desc_act
     return {
         "qweight": pack_columns(q_kn, 4, AWQ_PACK_ORDER),
@@ -124,6 +141,15 @@ def quantization_config(spec: IntSpec) -> dict:
     if spec.layout == "gptq":
         return {"quant_method": "gptq", "bits": spec.bits, "group_size": spec.group_size,
                 "desc_act": spec.desc_act, "sym": spec.sym, "checkpoint_format": "gptq"}
+    if spec.layout == "ct":
+        weights = {"num_bits": spec.bits, "type": "int", "symmetric": spec.sym,
+                   "strategy": "channel" if spec.group_size == -1 else "group",
+                   "group_size": None if spec.group_size == -1 else spec.group_size,
+                   "actorder": "group" if spec.desc_act else None}
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                              "input_activations": None}},
+                "ignore": ["lm_head"]}
     return {"quant_method": "awq", "bits": 4, "group_size": spec.group_size,
             "zero_point": not spec.sym, "version": "gemm"}
 

@@ -1,4 +1,4 @@
-"""Pre-quantized integer checkpoints (GPTQ v1, AWQ GEMM) on CPU: config parsing, unpacking and
+"""Pre-quantized integer checkpoints (GPTQ v1, AWQ GEMM, compressed-tensors pack-quantized) on CPU: config parsing, unpacking and
 tensor-parallel slicing of the internal packed layout, and tiny llamas served from checkpoints
 written by the test-side packer (tests/helpers/int_checkpoints.py) against the same integers
 dequantized independently, at 1 and 2 (gloo) ranks."""
@@ -39,9 +39,12 @@ SPECS = (
     IntSpec("gptq", 8, 64, sym=True),
     IntSpec("gptq", 4, -1, sym=True),
     IntSpec("awq", 4, 32, sym=False),
+    IntSpec("ct", 4, 32, sym=False, desc_act=True),
+    IntSpec("ct", 8, -1, sym=True),
 )
 # Group 128 (the common published setting) on a llama wide enough for it.
-WIDE_SPECS = (IntSpec("gptq", 4, 128, sym=True, desc_act=True), IntSpec("awq", 4, 128, sym=False))
+WIDE_SPECS = (IntSpec("gptq", 4, 128, sym=True, desc_act=True), IntSpec("awq", 4, 128, sym=False),
+              IntSpec("ct", 4, 128, sym=True))
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +79,15 @@ def test_quantization_config_parsing_and_errors_name_the_field(tmp_path):
         "quant_method": "awq", "w_bit": 4, "q_group_size": 128, "zero_point": True,
         "version": "GEMM"}})
     assert q.packed.layout is IntLayout.AWQ and q.packed.group_size == 128
+    q = checkpoint_quantization({"quantization_config": quantization_config(SPECS[4])})
+    assert q.packed.layout is IntLayout.PACK_QUANTIZED and q.is_ignored("lm_head")
+    assert (q.packed.bits, q.packed.group_size, q.packed.symmetric) == (4, 32, False)
+    ct = quantization_config(SPECS[4])
+    w8a8 = {**ct, "format": "int-quantized"}
+    with_acts = json.loads(json.dumps(ct))
+    with_acts["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int"}
+    tensor = json.loads(json.dumps(ct))
+    tensor["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
     bad = {
         "bits": ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "quantization_config.bits"),
         "format": ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "gptq_v2"},
@@ -86,6 +98,9 @@ def test_quantization_config_parsing_and_errors_name_the_field(tmp_path):
         "awq version": ({"quant_method": "awq", "bits": 4, "version": "gemv"},
                         "quantization_config.version"),
         "method": ({"quant_method": "hqq"}, "quantization_config.quant_method"),
+        "ct format": (w8a8, "quantization_config.format"),
+        "ct acts": (with_acts, r"quantization_config.config_groups.group_0.input_activations"),
+        "ct strategy": (tensor, r"quantization_config.config_groups.group_0.weights.strategy"),
     }
     for what, (qc, field) in bad.items():
         with pytest.raises(ValueError, match=field) as info:
@@ -156,12 +171,13 @@ def test_checkpoints_serve_the_dequantized_models_logits(int_checkpoints):
 
 
 def test_two_gloo_ranks_generate_the_one_rank_reference_tokens(int_checkpoints):
-    """GPTQ act-order (its row-parallel slices take features from every group, and o_proj's
-    cut groups) and AWQ split over two gloo ranks (one pair of processes for both) generate the
-    greedy tokens their dequantized references generate on one rank. (The other formats' slices
-    are checked exactly by test_unpack_and_tp_slices_equal_the_writers_integers; each model here
-    costs ~15 s of rank start-up and warm-up.)"""
-    names = (SPECS[0].name, SPECS[3].name)
+    """Act-order GPTQ and compressed-tensors (row-parallel slices take features from every
+    group; o_proj's slices cut groups) and AWQ, split over two gloo ranks (one pair of processes
+    for all three), generate the greedy tokens their dequantized references generate on one
+    rank. The other formats' slices are checked exactly by
+    test_unpack_and_tp_slices_equal_the_writers_integers (each model here costs seconds of rank
+    start-up and warm-up)."""
+    names = (SPECS[0].name, SPECS[3].name, SPECS[4].name)
     dirs = {name: str(int_checkpoints[name][0]) for name in names}
     res = run_ranks(2, {"device": "cpu", "tiny_dirs": dirs}, timeout_s=500)
     assert "error" not in res, res.get("error")
