@@ -155,7 +155,7 @@ class PackedInt:
 
     @classmethod
     def pack(cls, w: UnpackedInt) -> PackedInt:
-        n, k = w.q.shape
+        k = w.q.shape[1]
         g = w.g_idx
         perm = None
         if bool((g[1:] < g[:-1]).any()):  # act-order: sort the columns by group (stable)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Mapping
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -228,7 +228,7 @@ def _pack_quantized_format(qc: Mapping[str, Any]) -> IntWeightFormat | None:
     whose groups quantize no integer weights (fp8: the caller's). One config group only."""
     groups = qc.get("config_groups") or {}
     if not isinstance(groups, Mapping):
-        raise ValueError("quantization_config.config_groups: expected an object")
+        raise ValueError("quantization_config.config_groups: expected an object")  # noqa: TRY004 - a config value
     ints = {name: g for name, g in groups.items()
             if isinstance(g, Mapping) and (g.get("weights") or {}).get("type") == "int"}
     if not ints:
@@ -277,7 +277,7 @@ def _int_weight_format(qc: Mapping[str, Any], method: str) -> IntWeightFormat:
 
     def integer(name: str, value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"quantization_config.{name}: {value!r} is not an integer")
+            raise ValueError(f"quantization_config.{name}: {value!r} is not an integer")  # noqa: TRY004
         return value
 
     if method == "gptq":

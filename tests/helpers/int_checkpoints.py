@@ -22,9 +22,12 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from shard.distributed.groups import Dist
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -177,3 +180,18 @@ def write_int_checkpoint(src: Path, dst: Path, spec: IntSpec) -> Path:
     config["quantization_config"] = quantization_config(spec)
     (dst / "config.json").write_text(json.dumps(config))
     return ref
+
+
+# Greedy steps of the two-rank check: enough to cover prefill and decode through every packed
+# linear; fewer than the 32 of shard.testing.tiny keeps the test's CPU cost down.
+GREEDY_STEPS = 12
+
+
+def short_greedy_rank(dist: Dist, device: str, job: dict[str, Any], res: dict[str, Any]) -> None:
+    """A run_ranks rank function: job["tiny_dirs"] {name: dir} -> res["tiny_tokens"][name], the
+    greedy tokens of GREEDY_STEPS steps (module level: the spawned ranks import it by name)."""
+    from shard.testing.tiny import greedy_tokens, load_tiny
+
+    for name, model_dir in job["tiny_dirs"].items():
+        shard = load_tiny(Path(model_dir), device, dist)
+        res.setdefault("tiny_tokens", {})[name] = greedy_tokens(shard, GREEDY_STEPS)

@@ -22,11 +22,13 @@ from shard.server.loader import Shard, ShardConfig
 from shard.testing.ranks import run_ranks
 from shard.testing.tiny import greedy_tokens, load_tiny
 from tests.helpers.int_checkpoints import (
+    GREEDY_STEPS,
     IntSpec,
     dequantize,
     pack,
     quantization_config,
     quantize,
+    short_greedy_rank,
     write_int_checkpoint,
 )
 from tests.helpers.shards import make_shard
@@ -179,10 +181,10 @@ def test_two_gloo_ranks_generate_the_one_rank_reference_tokens(int_checkpoints):
     start-up and warm-up)."""
     names = (SPECS[0].name, SPECS[3].name, SPECS[4].name)
     dirs = {name: str(int_checkpoints[name][0]) for name in names}
-    res = run_ranks(2, {"device": "cpu", "tiny_dirs": dirs}, timeout_s=500)
+    res = run_ranks(2, {"device": "cpu", "tiny_dirs": dirs}, short_greedy_rank, timeout_s=500)
     assert "error" not in res, res.get("error")
     for name in names:
-        want = greedy_tokens(load_tiny(int_checkpoints[name][1], "cpu", Dist()))
+        want = greedy_tokens(load_tiny(int_checkpoints[name][1], "cpu", Dist()), GREEDY_STEPS)
         assert res["tiny_tokens"][name] == want, name
 
 
