@@ -20,6 +20,7 @@ import asyncio
 import logging
 import sys
 
+from service.app.ports import port_in_use
 from service.app.router_flags import (
     FlagError,
     add_arguments,
@@ -61,6 +62,12 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         if args.frontends > 1:
+            # The front ends share --port through SO_REUSEPORT, which would as quietly share it
+            # with another server already listening there (a second deployment on the same port
+            # would take part of this one's traffic): refuse before loading anything.
+            if args.port and port_in_use(args.hostname, args.port):
+                raise FlagError(f"--port {args.port}: {args.hostname}:{args.port} is already in "
+                                "use by another process")
             return run_multiprocess(args)
         return asyncio.run(serve(args))
     except KeyboardInterrupt:

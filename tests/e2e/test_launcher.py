@@ -372,3 +372,30 @@ def test_a_signal_interrupts_the_launchers_own_startup_work() -> None:
         starting.on_signal(signal.SIGTERM, None)
     assert starting.stop_requested.is_set() and not starting.starting
     starting.on_signal(signal.SIGTERM, None)  # a second signal does not interrupt the shutdown
+
+
+def test_router_front_ends_refuse_a_port_another_server_holds() -> None:
+    """The front ends share --port through SO_REUSEPORT; a server already listening there (even
+    one that set SO_REUSEPORT itself, as a second deployment's front ends do) is refused up front
+    with one line and exit 2, not joined silently."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.helpers.ports import free_port
+
+    port = free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        result = subprocess.run(
+            [sys.executable, "-m", "service.app.cli", "router", "--hostname", "127.0.0.1",
+             "--port", str(port), "--frontends", "2", "--shard-uds-path", "/nonexistent/shard",
+             "--model-id", "unused"],
+            capture_output=True, text=True, check=False, timeout=60,
+        )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [f"tokenwire router: error: --port {port}: 127.0.0.1:{port} is already in use "
+                      "by another process"], result.stderr
