@@ -228,6 +228,7 @@ class IntLinear(nn.Module):
             use_gemv = device.type == "cuda"
         self.use_gemv = bool(use_gemv) and packed.bits == 4 and packed.g_idx is None
         self.gemv_max_m = 0
+        self._gemv_loaded: set[torch.dtype] = set()  # activation dtypes the GEMV is loaded for
         if self.use_gemv:
             try:
                 from shard.kernels.int_gemv import GEMV_MAX_M, int4_gemv, pick_block_k
@@ -258,10 +259,27 @@ class IntLinear(nn.Module):
         out[:, self.perm.long()] = w
         return out
 
+    def _gemv_ready(self, dtype: torch.dtype) -> bool:
+        """Compiles and loads the GEMV for every specialization a decode batch can hit (Triton
+        specializes M == 1 and M % 16 == 0) at the first eager call in `dtype`, whatever that
+        call's batch: the shard warms up eagerly at prefill sizes, then captures CUDA graphs of
+        small batches, where a kernel's first load is not allowed. False while a capture finds
+        it not loaded (that capture then records the dequantizing path)."""
+        if dtype in self._gemv_loaded:
+            return True
+        if self.qweight.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        for m in (1, 2, 16):
+            x = torch.zeros(m, self.in_features, dtype=dtype, device=self.qweight.device)
+            self._gemv(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+        self._gemv_loaded.add(dtype)
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         xs = x if self.perm is None else x.index_select(-1, self.perm)
         lead = x.shape[:-1]
-        if self.use_gemv and x.dtype in (torch.bfloat16, torch.float16):
+        if (self.use_gemv and x.dtype in (torch.bfloat16, torch.float16)
+                and self._gemv_ready(x.dtype)):
             x2 = xs.reshape(-1, self.in_features)  # [M, K]
             if x2.shape[0] <= self.gemv_max_m:
                 y = self._gemv(x2, self.qweight, self.scales, self.zeros, self.group_size,

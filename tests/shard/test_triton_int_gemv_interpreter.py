@@ -43,6 +43,22 @@ _CHECK = textwrap.dedent(
                     assert y.shape == (m, n) and y.dtype == dtype
                     err = float((y.float() - ref).abs().max() / ref.abs().max())
                     assert err <= BOUND[dtype], (n, k, group, dtype, bias is not None, m, err)
+    # IntLinear's own dispatch: act-order columns (x gathered by perm) into the kernel, loaded
+    # for every batch specialization at its first call; above 16 rows it dequantizes.
+    from shard.quantization.int_weights import IntLinear
+
+    g_idx = torch.randperm(64) % 2  # two groups of 32, features in any order
+    q = torch.randint(0, 16, (24, 64), dtype=torch.uint8)
+    scales, zeros = (torch.rand(24, 2) * 0.1).half(), torch.randint(0, 16, (24, 2)).half()
+    linear = IntLinear(PackedInt.pack(UnpackedInt(q, scales, zeros, g_idx, 4)), use_gemv=True)
+    assert linear.use_gemv and linear.perm is not None
+    w = linear.dequantized_weight(torch.float32)
+    for m in (1, 5, 20):
+        x = torch.randn(m, 64).bfloat16()
+        ref = x.float() @ w.t()
+        err = float((linear(x).float() - ref).abs().max() / ref.abs().max())
+        assert err <= 2**-7, (m, err)
+    assert linear._gemv_loaded == {torch.bfloat16}
     """
 )
 
