@@ -23,6 +23,7 @@ from shard.layers.decode_linear import linear, linear_pushed  # F.linear or a fa
 from shard.layers.lora import LoraWeights
 from shard.layers.weights import WeightLoader, Weights
 from shard.quantization.fp8 import Fp8Linear
+from shard.quantization.int_weights import IntLinear
 from shard.quantization.loading import load_int_linear, quantize_loaded_linear
 
 
@@ -224,8 +225,8 @@ def _plain_merged(merged: torch.Tensor, parts: list[ColumnParallelLinear]) -> _M
 
 def _merge_rows(parts: list[ColumnParallelLinear]) -> _MergedWeight | None:
     """One [sum(out), in] weight whose row blocks back the parts' weights (their weights become
-    views: no extra memory). Plain weights and fp8 weights (each row keeps its scale) merge;
-    None when any part has a bias or another quantization."""
+    views: no extra memory). Plain weights, fp8 weights (each row keeps its scale) and packed int
+    weights of one group layout merge; None otherwise."""
     if all(m.quantized is None and m.weight is not None and m.bias is None for m in parts):
         return _plain_merged(torch.cat([m.weight.data for m in parts]), parts)
     # fp8 parts merge on CUDA only: the merged fp8 entry points are the Triton GEMV / _scaled_mm.
@@ -233,6 +234,11 @@ def _merge_rows(parts: list[ColumnParallelLinear]) -> _MergedWeight | None:
            and m.quantized.weight.is_cuda for m in parts):
         fp8 = Fp8Linear.merge_rows(*(m.quantized for m in parts))
         return _MergedWeight(fp8, fp8.forward_silu_mul)
+    # Packed int4 / int8 parts (GPTQ / AWQ / compressed-tensors) with the same group layout.
+    if all(isinstance(m.quantized, IntLinear) for m in parts):
+        packed = IntLinear.merge_rows(*(m.quantized for m in parts))
+        if packed is not None:
+            return _MergedWeight(packed, packed.forward_silu_mul)
     return None
 
 

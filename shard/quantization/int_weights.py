@@ -239,6 +239,55 @@ class IntLinear(nn.Module):
                 self.gemv_max_m = GEMV_MAX_M
                 self._gemv = int4_gemv
 
+    @classmethod
+    def merge_rows(cls, *linears: IntLinear) -> IntLinear | None:
+        """One IntLinear over the stacked output rows of `linears` (q/k/v or gate/up: one decode
+        kernel instead of two or three), or None where they cannot stack: different bits, group
+        layout or act-order permutation (GPTQ quantizes q/k/v, and gate/up, against the same
+        inputs, so their act-order permutations are normally equal). Exact: rows keep their own
+        scales and zeros. The parts' buffers become views of the merged ones."""
+        first = linears[0]
+
+        def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+            return (a is None and b is None) or (
+                a is not None and b is not None and torch.equal(a, b))
+
+        if any(m.bits != first.bits or m.in_features != first.in_features
+               or m.group_size != first.group_size or m.scales.dtype != first.scales.dtype
+               or not same(m.perm, first.perm) or not same(m.g_idx, first.g_idx)
+               or (m.bias is None) != (first.bias is None) for m in linears):
+            return None
+        merged = cls(
+            PackedInt(
+                torch.cat([m.qweight for m in linears]),
+                torch.cat([m.scales for m in linears]),
+                torch.cat([m.zeros for m in linears]),
+                first.bits, first.in_features, first.group_size, first.perm, first.g_idx,
+            ),
+            torch.cat([m.bias for m in linears]) if first.bias is not None else None,
+            use_gemv=first.use_gemv,
+        )
+        at = 0
+        for m in linears:
+            rows = slice(at, at + m.out_features)
+            m.qweight, m.scales, m.zeros = (merged.qweight[rows], merged.scales[rows],
+                                            merged.zeros[rows])
+            if m.bias is not None:
+                m.bias = merged.bias[rows]
+            at += m.out_features
+        return merged
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """For a merged gate/up weight (rows 0..I-1 gate, I..2I-1 up): silu(gate) * up,
+        x [M, in] -> [M, out / 2] (the SiLU-and-mul is one kernel on CUDA; not yet fused into
+        the GEMV's epilogue as the 16-bit / fp8 GEMV does)."""
+        gate, up = self.forward(x).chunk(2, dim=-1)
+        if x.is_cuda:
+            from shard.kernels.elementwise import silu_mul
+
+            return silu_mul(gate, up)
+        return F.silu(gate) * up
+
     @property
     def packed(self) -> PackedInt:
         return PackedInt(self.qweight, self.scales, self.zeros, self.bits, self.in_features,

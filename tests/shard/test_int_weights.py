@@ -14,7 +14,11 @@ import torch
 from reference import prompts
 
 from shard.distributed.groups import Dist
-from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shard.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from shard.quantization import IntLayout, checkpoint_quantization, linear_weight_bytes
 from shard.quantization.int_weights import IntLinear, PackedInt, read_unpacked, tp_slice
 from shard.quantization.methods import with_quantize_config
@@ -159,6 +163,13 @@ def test_checkpoints_serve_the_dequantized_models_logits(int_checkpoints):
         shard = make_shard(packed_dir)  # no --quantize: config.json says gptq / awq
         layers = int_linears(shard)
         assert layers and all(isinstance(m, IntLinear) for m in layers), name
+        # q/k/v and gate/up stack into one packed weight where their group layouts agree: not
+        # with act-order over several groups (the writer draws each tensor's order); the wide
+        # model's act-order q/k/v and gate/up have one group of 128 inputs (nothing to permute).
+        merged = [m.merged for m in shard.runner.model.modules()
+                  if isinstance(m, MergedColumnParallelLinear)]
+        several_ordered_groups = "-act" in name and not name.startswith("wide")
+        assert merged and all((w is None) == several_ordered_groups for w in merged), name
         ref = make_shard(ref_dir)
         ref_bytes = sum(m.weight.numel() * 2 for m in ref.runner.model.modules()
                         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))  # as bf16
