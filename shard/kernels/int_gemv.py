@@ -1,9 +1,10 @@
-"""W4A16 matmul for decode-sized batches (CUDA, Triton): packed int4 weights dequantized in
-registers.
+"""W4A16 / W8A16 matmul for decode-sized batches (CUDA, Triton): packed int4 (or int8) weights
+dequantized in registers.
 
 y[M, N] = x[M, K] @ W[N, K].T (+ bias[N]), x bf16/fp16, y in x's dtype, W in the internal layout of
 shard/quantization/int_weights.py:
-  qweight [N, K/2] uint8 (column 2j in the low nibble of byte j, 2j+1 in the high one),
+  qweight [N, K/2] uint8 (column 2j in the low nibble of byte j, 2j+1 in the high one), or for
+  int8 (bits=8) [N, K] uint8,
   scales [N, G] and zeros [N, G] (float, zero points are small integers),
   w[n, k] = (q[n, k] - zeros[n, k // GROUP]) * scales[n, k // GROUP].
 
@@ -16,14 +17,14 @@ Design (a first version; block sizes and split-K are for the GPU session to tune
   so each row's scale and zero are loaded once per tile, not per element.
 - The tile's bytes [BLOCK_N, BLOCK_K/2] are split into their low and high nibbles and interleaved
   back into [BLOCK_N, BLOCK_K] (tl.join + reshape: column order 2j, 2j+1).
-- q - zero is an integer in [-2^4, 2^4]: exact in bf16 / fp16, so the tensor-core path multiplies
+- q - zero is an integer in [-2^4, 2^4] (int8: [-256, 255]): exact in bf16 / fp16, so the tensor-core path multiplies
   x by (q - zero) in x's dtype and applies the scale to the [ROWS, BLOCK_N] partial sum in fp32
   (one multiply per output per tile instead of one per weight element).
 - M == 1: CUDA cores (tl.sum of x * (q - zero)); 2 <= M <= 16: tl.dot with x padded to a 16-row
   tile (masked loads), as shard/kernels/gemv.py does for 16-bit and fp8 weights.
 
 Not yet: CUDA-graph-safe autotuning per M bucket (gemv.py's tune_gemv), the decode dispatcher's
-timed choice, split-K for small N, int8 weights, per-column g_idx (act-order slices whose groups
+timed choice, split-K for small N, per-column g_idx (act-order slices whose groups
 are unequal run the dequantizing path). The kernel runs under TRITON_INTERPRET=1 on CPU tensors
 (tests/shard/test_triton_int_gemv_interpreter.py).
 """
@@ -50,28 +51,36 @@ def _int4_gemv_kernel(
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     USE_DOT: tl.constexpr,
+    BITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] weight rows / outputs
     row_mask = rows < N
     offs_m = tl.arange(0, ROWS)
     m_mask = offs_m < M
-    half_k = K // 2
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte columns of the tile
-        packed = tl.load(
-            q_ptr + rows[:, None] * stride_qn + offs_b[None, :],
-            mask=row_mask[:, None] & (offs_b < half_k)[None, :],
-            other=0,
-        )  # [BLOCK_N, BLOCK_K / 2] uint8
-        lo = (packed & 0xF).to(tl.float32)
-        hi = (packed >> 4).to(tl.float32)
-        q = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])  # columns k0 + 2j, k0 + 2j + 1
+        if BITS == 4:
+            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte columns of the tile
+            packed = tl.load(
+                q_ptr + rows[:, None] * stride_qn + offs_b[None, :],
+                mask=row_mask[:, None] & (offs_b < K // 2)[None, :],
+                other=0,
+            )  # [BLOCK_N, BLOCK_K / 2] uint8
+            lo = (packed & 0xF).to(tl.float32)
+            hi = (packed >> 4).to(tl.float32)
+            q = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])  # columns k0 + 2j, k0 + 2j + 1
+        else:  # int8: one byte per value
+            offs_q = k0 + tl.arange(0, BLOCK_K)
+            q = tl.load(
+                q_ptr + rows[:, None] * stride_qn + offs_q[None, :],
+                mask=row_mask[:, None] & (offs_q < K)[None, :],
+                other=0,
+            ).to(tl.float32)  # [BLOCK_N, BLOCK_K]
         g = k0 // GROUP  # the whole tile is in this group
         s = tl.load(s_ptr + rows * stride_sn + g, mask=row_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + rows * stride_sn + g, mask=row_mask, other=0.0).to(tl.float32)
-        wq = q - z[:, None]  # [BLOCK_N, BLOCK_K] small integers (exact in 16-bit floats)
+        wq = q - z[:, None]  # [BLOCK_N, BLOCK_K] integers in [-256, 255]: exact in bf16 / fp16
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
@@ -100,7 +109,7 @@ def pick_block_k(group_size: int, in_features: int) -> int | None:
 
 def int4_gemv(
     x: torch.Tensor,  # [M, K] bf16/fp16, 1 <= M <= GEMV_MAX_M
-    qweight: torch.Tensor,  # [N, K/2] uint8
+    qweight: torch.Tensor,  # [N, K/2] uint8 (int4) or [N, K] uint8 (int8, bits=8)
     scales: torch.Tensor,  # [N, G]
     zeros: torch.Tensor,  # [N, G], same strides as scales
     group_size: int,
@@ -108,13 +117,14 @@ def int4_gemv(
     block_n: int = 32,
     block_k: int | None = None,
     num_warps: int = 4,
+    bits: int = 4,
 ) -> torch.Tensor:
-    """y [M, N] = x @ dequant(qweight).T (+ bias), in x's dtype."""
+    """y [M, N] = x @ dequant(qweight).T (+ bias), in x's dtype (W4A16, or W8A16 with bits=8)."""
     m, k = x.shape
     n = qweight.shape[0]
-    if qweight.dtype != torch.uint8 or qweight.shape[1] * 2 != k:
+    if qweight.dtype != torch.uint8 or qweight.shape[1] * (8 // bits) != k or bits not in (4, 8):
         raise ValueError(f"int4_gemv: qweight {tuple(qweight.shape)} {qweight.dtype} does not "
-                         f"hold {k} int4 input features")
+                         f"hold {k} int{bits} input features")
     if m > GEMV_MAX_M:
         raise ValueError(f"int4_gemv: {m} rows, at most {GEMV_MAX_M}")
     block_k = block_k or pick_block_k(group_size, k)
@@ -134,6 +144,7 @@ def int4_gemv(
         BLOCK_K=block_k,
         HAS_BIAS=bias is not None,
         USE_DOT=rows > 1,
+        BITS=bits,
         num_warps=num_warps,
     )
     return y

@@ -205,7 +205,7 @@ class PackedInt:
 class IntLinear(nn.Module):
     """y = x @ W.T + b with W stored as PackedInt.
 
-    CUDA, int4, equal contiguous groups, at most GEMV_MAX_M rows: one Triton kernel that
+    CUDA, int4 or int8, equal contiguous groups, at most GEMV_MAX_M rows: one Triton kernel that
     dequantizes in registers (shard/kernels/int_gemv.py). Anywhere else (CPU, prefill-sized
     batches until a dequant-fused GEMM lands): the weight is dequantized to the activation dtype
     and multiplied with F.linear; what the CPU tests check."""
@@ -226,7 +226,7 @@ class IntLinear(nn.Module):
         device = packed.qweight.device
         if use_gemv is None:
             use_gemv = device.type == "cuda"
-        self.use_gemv = bool(use_gemv) and packed.bits == 4 and packed.g_idx is None
+        self.use_gemv = bool(use_gemv) and packed.g_idx is None
         self.gemv_max_m = 0
         self._gemv_loaded: set[torch.dtype] = set()  # activation dtypes the GEMV is loaded for
         if self.use_gemv:
@@ -320,7 +320,8 @@ class IntLinear(nn.Module):
             return False
         for m in (1, 2, 16):
             x = torch.zeros(m, self.in_features, dtype=dtype, device=self.qweight.device)
-            self._gemv(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+            self._gemv(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
+                       bits=self.bits)
         self._gemv_loaded.add(dtype)
         return True
 
@@ -332,7 +333,7 @@ class IntLinear(nn.Module):
             x2 = xs.reshape(-1, self.in_features)  # [M, K]
             if x2.shape[0] <= self.gemv_max_m:
                 y = self._gemv(x2, self.qweight, self.scales, self.zeros, self.group_size,
-                               self.bias)
+                               self.bias, bits=self.bits)
                 return y.reshape(*lead, self.out_features)
         return F.linear(xs, self.packed.dequantize(x.dtype), self.bias)
 

@@ -1,5 +1,6 @@
 """shard/kernels/int_gemv.py's W4A16 kernel under Triton's interpreter on CPU tensors (no GPU):
-the CUDA-core path (1 row) and the tensor-core path (2..16 rows padded to 16), asymmetric groups,
+the CUDA-core path (1 row) and the tensor-core path (2..16 rows padded to 16), int4 and int8,
+asymmetric groups,
 a whole-row group, N and K tails, bias; against the dequantized weight in float32.
 
 Triton reads TRITON_INTERPRET when a kernel is defined, hence a fresh process for the check
@@ -59,6 +60,17 @@ _CHECK = textwrap.dedent(
         err = float((linear(x).float() - ref).abs().max() / ref.abs().max())
         assert err <= 2**-7, (m, err)
     assert linear._gemv_loaded == {torch.bfloat16}
+    # W8A16: one byte per value, zero points up to 255.
+    q = torch.randint(0, 256, (24, 64), dtype=torch.uint8)
+    zeros = torch.randint(0, 256, (24, 2)).half()
+    packed = PackedInt.pack(UnpackedInt(q, scales, zeros, torch.arange(64) // 32, 8))
+    w = packed.dequantize(torch.float32)
+    for m in (1, 5):
+        x = torch.randn(m, 64).half()
+        ref = x.float() @ w.t()
+        y = int4_gemv(x, packed.qweight, packed.scales, packed.zeros, 32, bits=8)
+        err = float((y.float() - ref).abs().max() / ref.abs().max())
+        assert err <= 2**-10, (m, err)
     """
 )
 
