@@ -44,7 +44,7 @@ def cache_entries(cache: Path) -> list[str]:
 def test_every_supported_type_is_read_by_transformers_gguf() -> None:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    assert supported_model_types() == ["llama", "mistral", "phi3", "qwen2", "qwen3"]
+    assert supported_model_types() == ["gemma2", "llama", "mistral", "phi3", "qwen2", "qwen3"]
     assert set(supported_model_types()) <= set(GGUF_CONFIG_MAPPING)
 
 
