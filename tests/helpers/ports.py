@@ -45,7 +45,9 @@ _sequences: dict[tuple[int, int], _PortSequence] = {}
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now, from this worker's slice (see above)."""
     worker = _worker()
-    sequence = _sequences.setdefault(worker, _PortSequence(*worker))
+    sequence = _sequences.get(worker)
+    if sequence is None:
+        sequence = _sequences[worker] = _PortSequence(*worker)
     for _ in range(sequence.span):
         port = sequence.next_port()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
