@@ -37,8 +37,19 @@ LONGEST_FIRST = (
     "tests/test_tiny_model_cli.py",
     "tests/test_install_sets.py",
     "tests/e2e/test_frontend_e2e.py",
+    "tests/e2e/test_openai.py",
+    "tests/e2e/test_gguf_launch.py",
+    "tests/shard/test_transformers_backend.py",
+    "tests/sdk/test_python_sdk.py",
+    "tests/shard/test_triton_moe_interpreter.py",
+    "tests/shard/test_quantization.py",
     "tests/shard/test_triton_decode_interpreter.py",
     "tests/shard/test_quantization_shard.py",
+    "tests/e2e/test_scale_out.py",
+    "tests/sdk/test_typescript_sdk.py",
+    "tests/shard/test_triton_lora_interpreter.py",
+    "tests/shard/test_triton_gemma_interpreter.py",
+    "tests/shard/test_triton_int_gemv_interpreter.py",
 )
 
 

@@ -10,6 +10,7 @@ saves the ~20-70 s conversion).
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -21,7 +22,16 @@ def snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from service.app.launcher import DEFAULT_MODEL_NAME, ensure_local_model
 
     reuse = os.environ.get("TOKENWIRE_CACHE")
-    cache = Path(reuse) if reuse else tmp_path_factory.getbasetemp() / "tokenwire-cache-smollm2"
-    model_id, path = ensure_local_model(None, None, cache)
+    # Under pytest-xdist every worker has its own basetemp inside one run directory: the cache
+    # goes there, and a lock makes the other workers wait for the first conversion and reuse it
+    # (converting it on both of make test's workers cost ~25 s of CPU each).
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    cache = Path(reuse) if reuse else root / "tokenwire-cache-smollm2"
+    cache.mkdir(parents=True, exist_ok=True)
+    with (cache / ".convert.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        model_id, path = ensure_local_model(None, None, cache)
     assert model_id == DEFAULT_MODEL_NAME
     return path
