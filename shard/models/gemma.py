@@ -37,12 +37,11 @@ from shard.layers.weights import Weights, load_module_weights
 from shard.models.base import LoadContext, NotServedNatively
 from shard.models.heads import partition_heads
 from shard.models.layer_types import layer_types, layer_windows
+from shard.models.paged_kv import KVCache, PagedKVCacheModel
 from shard.quantization import QuantizeMethod, kv_cache_torch_dtype
-from shard.quantization.kv_cache import KvScales
 from shard.quantization.loading import LinearQuantization
 from shard.quantization.methods import KvCacheRotation
 
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value) pools
 GEMMA_NORM_OFFSET = 1.0  # Gemma's RMSNorm scales by (1 + w)
 
 
@@ -169,7 +168,7 @@ class GemmaModel(nn.Module):
         self.norm = _norm(ctx, hidden)
 
 
-class GemmaForCausalLM(nn.Module):
+class GemmaForCausalLM(PagedKVCacheModel, nn.Module):
     """Serves model_type gemma2 and gemma3_text (Gemma3ForCausalLM checkpoints)."""
 
     model_impl = "native"
@@ -206,23 +205,6 @@ class GemmaForCausalLM(nn.Module):
 
     def take_expert_counts(self) -> torch.Tensor | None:
         return None  # dense (CausalLM's MoE routing statistics)
-
-    def begin_kv_calibration(self) -> bool:
-        return any([a.begin_kv_calibration() for a in self.attns])
-
-    def finish_kv_calibration(self, headroom: float | None = None) -> list[KvScales]:
-        return [s for a in self.attns if (s := a.finish_kv_calibration(headroom)) is not None]
-
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        a = self.attns[0]
-        elem = torch.empty((), dtype=a.kv_dtype).element_size()
-        return 2 * len(self.attns) * block_size * a.num_kv_heads * a.head_dim * elem
-
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
-        a = self.attns[0]
-        shape, kw = (num_blocks, block_size, a.num_kv_heads, a.head_dim), {
-            "dtype": a.kv_dtype, "device": self._device}
-        return [(torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in self.attns]
 
     @torch.inference_mode()
     def forward(

@@ -25,12 +25,11 @@ from shard.layers.rotary import RotaryEmbedding, rope_parameters
 from shard.layers.weights import Weights, load_module_weights
 from shard.models.base import LoadContext
 from shard.models.heads import partition_heads
+from shard.models.paged_kv import KVCache, PagedKVCacheModel
 from shard.quantization import QuantizeMethod, kv_cache_torch_dtype
-from shard.quantization.kv_cache import KvScales
 from shard.quantization.loading import LinearQuantization
 from shard.quantization.methods import KvCacheRotation
 
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value) pools
 # (ctx, layer index) -> the layer's MLP: called as mlp(x, reduce=..., push=...) (LlamaMLP's call);
 # MoE families pass their sparse blocks (shard/models/mixtral.py).
 MlpFactory = Callable[[LoadContext, int], nn.Module]
@@ -182,7 +181,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(PagedKVCacheModel, nn.Module):
     """Serves model_type llama, mistral and qwen2; the base of the families in their own files."""
 
     model_impl = "native"
@@ -228,23 +227,6 @@ class LlamaForCausalLM(nn.Module):
 
     def take_expert_counts(self) -> torch.Tensor | None:
         return None  # dense; MoE families override (shard/models/moe.py)
-
-    def begin_kv_calibration(self) -> bool:
-        return any([a.begin_kv_calibration() for a in self.attns])
-
-    def finish_kv_calibration(self, headroom: float | None = None) -> list[KvScales]:
-        return [s for a in self.attns if (s := a.finish_kv_calibration(headroom)) is not None]
-
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        a = self.attns[0]
-        elem = torch.empty((), dtype=a.kv_dtype).element_size()
-        return 2 * len(self.attns) * block_size * a.num_kv_heads * a.head_dim * elem
-
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
-        a = self.attns[0]
-        shape, kw = (num_blocks, block_size, a.num_kv_heads, a.head_dim), {
-            "dtype": a.kv_dtype, "device": self._device}
-        return [(torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in self.attns]
 
     @torch.inference_mode()
     def forward(

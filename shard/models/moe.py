@@ -10,7 +10,8 @@ from torch import nn
 from shard.attention.base import AttentionMetadata
 from shard.layers.moe import FusedMoE, RoutingStats
 from shard.models.base import LoadContext
-from shard.models.llama import KVCache, LlamaForCausalLM, MlpFactory
+from shard.models.llama import LlamaForCausalLM, MlpFactory
+from shard.models.paged_kv import KVCache
 
 
 class MoeCausalLM(LlamaForCausalLM):
