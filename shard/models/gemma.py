@@ -33,12 +33,11 @@ from shard.layers.linear import GATED_ACTIVATIONS, MergedColumnParallelLinear, R
 from shard.layers.norm import RMSNorm, add_rms_norm
 from shard.layers.qk_norm import HeadRMSNorm, qk_rms_norm
 from shard.layers.rotary import RotaryEmbedding, rope_parameters
-from shard.layers.weights import Weights, load_module_weights
 from shard.models.base import LoadContext, NotServedNatively
 from shard.models.heads import partition_heads
 from shard.models.layer_types import layer_types, layer_windows
-from shard.models.paged_kv import KVCache, PagedKVCacheModel
-from shard.quantization import QuantizeMethod, kv_cache_torch_dtype
+from shard.models.paged_kv import KVCache, PagedKVCacheModel, graph_safe, load_weights
+from shard.quantization import kv_cache_torch_dtype
 from shard.quantization.loading import LinearQuantization
 from shard.quantization.methods import KvCacheRotation
 
@@ -191,17 +190,11 @@ class GemmaForCausalLM(PagedKVCacheModel, nn.Module):
         self.attns = [layer.self_attn.attn for layer in self.model.layers]
         self._device = ctx.device
         quant = LinearQuantization.resolve(ctx.quantize, cfg)
-        # Every kernel of a decode step reads only device tensors (soft-capping and windows are
-        # kernel options); bitsandbytes' LLM.int8() outlier path syncs with the host.
-        self.cuda_graph_safe = quant is None or quant.flag not in (
-            QuantizeMethod.BITSANDBYTES, QuantizeMethod.BITSANDBYTES_NF4
-        )
-        weights = Weights(ctx.model_dir, ctx.device, ctx.dtype, ctx.dist, quant)
-        # Gemma ties the LM head to the embedding; checkpoints omit lm_head.weight.
-        tie = cfg.get("tie_word_embeddings", True) or not weights.has("lm_head.weight")
-        load_module_weights(self, weights, skip=frozenset({"lm_head"} if tie else ()))
-        if tie:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        # Soft-capping and windows are kernel options: the decode step reads device tensors only.
+        self.cuda_graph_safe = graph_safe(quant)
+        # Gemma ties the LM head to the embedding (the default); checkpoints omit lm_head.weight.
+        load_weights(self, ctx, quant, self.model.embed_tokens, self.lm_head,
+                     tied=cfg.get("tie_word_embeddings", True))
 
     def take_expert_counts(self) -> torch.Tensor | None:
         return None  # dense (CausalLM's MoE routing statistics)

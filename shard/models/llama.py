@@ -22,11 +22,10 @@ from shard.layers.linear import MergedColumnParallelLinear, PushedPartial, RowPa
 from shard.layers.norm import RMSNorm, reduce_add_rms_norm
 from shard.layers.qk_norm import HeadRMSNorm, ProjectionRMSNorm, QKNormKind, qk_rms_norm
 from shard.layers.rotary import RotaryEmbedding, rope_parameters
-from shard.layers.weights import Weights, load_module_weights
 from shard.models.base import LoadContext
 from shard.models.heads import partition_heads
-from shard.models.paged_kv import KVCache, PagedKVCacheModel
-from shard.quantization import QuantizeMethod, kv_cache_torch_dtype
+from shard.models.paged_kv import KVCache, PagedKVCacheModel, graph_safe, load_weights
+from shard.quantization import kv_cache_torch_dtype
 from shard.quantization.loading import LinearQuantization
 from shard.quantization.methods import KvCacheRotation
 
@@ -214,16 +213,9 @@ class LlamaForCausalLM(PagedKVCacheModel, nn.Module):
         # The fused-residual forward is the CUDA path; on CPU it exists for tests (same math).
         self.fused_residual = False
         quant = LinearQuantization.resolve(ctx.quantize, cfg)
-        # bitsandbytes' LLM.int8() outlier path syncs with the host: no CUDA-graph capture.
-        self.cuda_graph_safe = quant is None or quant.flag not in (
-            QuantizeMethod.BITSANDBYTES, QuantizeMethod.BITSANDBYTES_NF4
-        )
-        weights = Weights(ctx.model_dir, ctx.device, ctx.dtype, ctx.dist, quant)
-        # Checkpoints with tied embeddings usually omit lm_head.weight.
-        tie = cfg.get("tie_word_embeddings", False) or not weights.has("lm_head.weight")
-        load_module_weights(self, weights, skip=frozenset({"lm_head"} if tie else ()))
-        if tie:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.cuda_graph_safe = graph_safe(quant)
+        load_weights(self, ctx, quant, self.model.embed_tokens, self.lm_head,
+                     tied=cfg.get("tie_word_embeddings", False))
 
     def take_expert_counts(self) -> torch.Tensor | None:
         return None  # dense; MoE families override (shard/models/moe.py)

@@ -1,12 +1,20 @@
-"""The KV-cache half of CausalLM for native models, whose attention layers are PagedAttention
-modules: fp8 calibration, bytes per block, allocation. Llama's and Gemma's families mix it in."""
+"""What the native model classes share beyond their layers: the KV-cache half of CausalLM (their
+attention layers are PagedAttention modules: fp8 calibration, bytes per block, allocation), and
+the end of their construction (CUDA-graph safety from the quantization, loading the weights,
+tying the LM head). Llama's and Gemma's families use it."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from shard.layers.attention import PagedAttention
+from shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shard.layers.weights import Weights, load_module_weights
+from shard.models.base import LoadContext
+from shard.quantization import QuantizeMethod
 from shard.quantization.kv_cache import KvScales
+from shard.quantization.loading import LinearQuantization
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value) pools
 
@@ -36,3 +44,22 @@ class PagedKVCacheModel:
         shape, kw = (num_blocks, block_size, a.num_kv_heads, a.head_dim), {
             "dtype": a.kv_dtype, "device": self._device}
         return [(torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in self.attns]
+
+
+def graph_safe(quant: LinearQuantization | None) -> bool:
+    """Whether a native model's decode step may be captured in CUDA graphs: bitsandbytes'
+    LLM.int8() outlier path syncs with the host; every other kernel reads device tensors only."""
+    return quant is None or quant.flag not in (
+        QuantizeMethod.BITSANDBYTES, QuantizeMethod.BITSANDBYTES_NF4
+    )
+
+
+def load_weights(model: nn.Module, ctx: LoadContext, quant: LinearQuantization | None,
+                 embed: VocabParallelEmbedding, lm_head: ParallelLMHead, tied: bool) -> None:
+    """Loads every tensor of `model` from the checkpoint; the LM head shares the embedding where
+    the config ties them (`tied`) or the checkpoint omits lm_head.weight (as tied ones do)."""
+    weights = Weights(ctx.model_dir, ctx.device, ctx.dtype, ctx.dist, quant)
+    tie = tied or not weights.has("lm_head.weight")
+    load_module_weights(model, weights, skip=frozenset({"lm_head"} if tie else ()))
+    if tie:
+        lm_head.tie_to(embed)
