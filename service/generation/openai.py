@@ -20,6 +20,7 @@ from service.engine.contracts import FinishReason, TokenInfo
 from service.generation.chat_template import ChatTemplate
 from service.generation.errors import ModelNotFoundError, ValidationError
 from service.generation.grammar import FunctionTool, json_schema_spec
+from service.generation.images.refs import ImageRef
 from service.generation.parsers.contracts import (
     ContentDelta,
     OutputDelta,
@@ -105,6 +106,8 @@ class ChatMessage:
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant message that called tools
+    # Image parts (user messages): (offset in content where the image sits, the image).
+    images: tuple[tuple[int, ImageRef], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -406,8 +409,9 @@ class OpenAIEndpoints:
                 "and the router was started without --chat-template FILE",
             )
         tools = _active_tools(request)
-        prompt, ids = await self._template.render(request.messages, request.tools if tools else ())
-        generate = self._input(request.params, prompt, ids)
+        messages, images = self._with_image_tokens(request.messages)
+        prompt, ids = await self._template.render(messages, request.tools if tools else ())
+        generate = replace(self._input(request.params, prompt, ids), images=images)
         reasoning = self.parsers.reasoning
         if tools:
             choice = request.tool_choice or ToolChoice()
@@ -432,6 +436,32 @@ class OpenAIEndpoints:
             grammar = GrammarInput(kind, rf.schema, strict=rf.strict)
             return replace(generate, grammar=grammar, grammar_field="response_format")
         return generate
+
+    def _with_image_tokens(
+        self, messages: tuple[ChatMessage, ...]
+    ) -> tuple[tuple[ChatMessage, ...], tuple[ImageRef, ...]]:
+        """Messages whose image parts became the model's image token in their text (so any chat
+        template places them), and the images in prompt order."""
+        refs = tuple(ref for m in messages for _, ref in m.images)
+        if not refs:
+            return messages, ()
+        pipeline = self.service.validator.images
+        if pipeline is None:
+            raise ValidationError(refs[0].field, f"{refs[0].field}: this model takes no images "
+                                  "(its snapshot has no image processor)")
+        token = pipeline.image_token
+        out = []
+        for m in messages:
+            if not m.images:
+                out.append(m)
+                continue
+            text, cut = [], 0
+            for at, _ in m.images:
+                text += [m.content[cut:at], token]
+                cut = at
+            text.append(m.content[cut:])
+            out.append(replace(m, content="".join(text), images=()))
+        return tuple(out), refs
 
     async def chat_prompt(self, request: ChatRequest) -> str:
         """The prompt a chat request renders to (TGI's POST /chat_tokenize), checked as

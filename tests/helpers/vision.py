@@ -1,0 +1,58 @@
+"""What the vision tests share: the tiny random LLaVA (shard/tools/tiny_vlm.py) built once per
+session, images encoded as PNG/JPEG/WebP bytes, and transformers' own greedy reference."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shard.tools.tiny_vlm import write_tiny_llava
+
+
+def tiny_llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """write_tiny_llava, at most once per test session (shared directory)."""
+    out = tmp_path_factory.getbasetemp() / "hf-models" / "llava"
+    if not out.exists():
+        scratch = tmp_path_factory.mktemp("building-llava") / "model"
+        write_tiny_llava(scratch)
+        out.parent.mkdir(exist_ok=True)
+        scratch.rename(out)
+    return out
+
+
+def image(seed: int, width: int = 40, height: int = 30) -> Any:
+    """A random RGB PIL image."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def encoded(seed: int, fmt: str = "PNG", **kw: int) -> bytes:
+    buf = io.BytesIO()
+    image(seed, **kw).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+class HfReference:
+    """transformers' LlavaForConditionalGeneration.generate on the processor's inputs."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import transformers
+
+        self.processor = transformers.AutoProcessor.from_pretrained(str(model_dir))
+        self.model = transformers.LlavaForConditionalGeneration.from_pretrained(
+            str(model_dir)).eval()
+
+    def inputs(self, text: str, seeds: list[int]) -> dict[str, Any]:
+        return self.processor(text=[text], images=[image(s) for s in seeds] or None,
+                              return_tensors="pt")
+
+    def greedy(self, text: str, seeds: list[int], n: int) -> list[int]:
+        enc = self.inputs(text, seeds)
+        out = self.model.generate(**enc, max_new_tokens=n, do_sample=False, min_new_tokens=n)
+        return out[0, enc["input_ids"].shape[1]:].tolist()

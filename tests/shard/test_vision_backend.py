@@ -1,0 +1,83 @@
+"""Images through the router's engine and a real shard (gRPC, transformers backend): a tiny
+random LLaVA (CLIP tower + projector + Llama) greedy-decodes what transformers' generate does
+with one and two images, chunked prefill cutting through image placeholders, a text-only request
+in the same batches, a repeated image served from the encoder cache, and two prompts with the
+same text but different images never sharing prefix-cache K/V."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.engine.backend import WarmupBudgets
+from service.engine.contracts import SamplingConfig, StoppingConfig, ValidatedRequest
+from service.generation.images.pipeline import ImagePipeline
+from service.generation.images.refs import ImageLimits, ImageRef
+from tests.helpers.spec_engine import ShardServer, router_engine, token_ids
+from tests.helpers.vision import HfReference, encoded, tiny_llava
+
+N = 8  # new tokens per request
+BUDGETS = WarmupBudgets(max_input_tokens=96, max_total_tokens=128, max_batch_prefill_tokens=96,
+                        max_batch_size=8)
+# Steps of at most 12 prefill tokens: images (4 placeholders each) straddle chunk boundaries.
+STEP_TOKENS = 12
+LONG = "the quick brown fox jumps over the lazy dog and keeps running far away " * 2
+ONE = f"{LONG}look at <image> and say what you see"
+TWO = "first <image> then <image> which one is brighter"
+TEXT = "no picture here, only words and more words"
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    return tiny_llava(tmp_path_factory)
+
+
+async def _validated(pipeline: ImagePipeline, ref: HfReference, rid: str, text: str,
+                     seeds: list[int]) -> ValidatedRequest:
+    ids = tuple(ref.processor.tokenizer(text).input_ids)  # one image token per image
+    refs = tuple(ImageRef(f"images[{i}]", data=encoded(s)) for i, s in enumerate(seeds))
+    ids, images = await pipeline.prepare(refs, ids, "inputs")
+    # The expansion is transformers' own: the processor's input ids, token for token.
+    assert list(ids) == ref.inputs(text, seeds)["input_ids"][0].tolist()
+    return ValidatedRequest(request_id=rid, input_ids=ids, sampling=SamplingConfig(),
+                            stopping=StoppingConfig(max_new_tokens=N, ignore_eos_token=True),
+                            images=images)
+
+
+async def test_greedy_with_images_matches_transformers(llava, tmp_path):
+    import asyncio
+
+    ref = HfReference(llava)
+    pipeline = ImagePipeline.load(llava, ImageLimits())
+    assert pipeline is not None
+    server = ShardServer(llava, tmp_path, kv_cache_memory_mb=2, model_impl="transformers")
+    cache = server.shard.runner.encoder_cache
+    cases = {"one": (ONE, [0]), "two": (TWO, [1, 2]), "text": (TEXT, []),
+             "other": (ONE, [3]), "again": (ONE, [0]), "repeat": (TWO, [3, 3])}
+    want = {name: ref.greedy(text, seeds, N) for name, (text, seeds) in cases.items()}
+    got: dict[str, list[int]] = {}
+    try:
+        async with router_engine(server.url, BUDGETS, 0,
+                                 max_batch_prefill_tokens=STEP_TOKENS) as engine:
+
+            async def run(name: str) -> None:
+                text, seeds = cases[name]
+                req = await _validated(pipeline, ref, name, text, seeds)
+                got[name] = token_ids([ev async for ev in engine.submit(req)])
+                assert got[name] == want[name], name
+
+            # One batch mixing one image, two images and text only.
+            await asyncio.gather(run("one"), run("two"), run("text"))
+            # Each image encoded once; an image cut by a chunk boundary is a hit the 2nd time.
+            assert cache.misses == 3
+            # Same text as "one", another image: its image blocks must not hit "one"'s K/V.
+            await run("other")
+            hits = cache.hits
+            # "one" again: prefix-cache hit; and one image twice in a prompt (encoded once).
+            await run("again")
+            await run("repeat")
+            assert cache.hits > hits
+    finally:
+        server.stop()
+        pipeline.close()
+    assert cache.misses == 4  # images 0, 1, 2, 3: each encoded once
+    assert want["other"] != want["one"]  # the image changes the output
