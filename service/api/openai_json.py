@@ -54,6 +54,7 @@ UNSUPPORTED = (
 )
 # gRPC status of a domain error -> HTTP status, OpenAI error type and code.
 _HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
+    grpc.StatusCode.OUT_OF_RANGE: (413, "invalid_request_error", "payload_too_large"),
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
     grpc.StatusCode.UNIMPLEMENTED: (400, "invalid_request_error", "unsupported"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),

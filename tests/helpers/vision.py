@@ -48,11 +48,11 @@ class HfReference:
         self.model = transformers.LlavaForConditionalGeneration.from_pretrained(
             str(model_dir)).eval()
 
-    def inputs(self, text: str, seeds: list[int]) -> dict[str, Any]:
+    def inputs(self, text: str, seeds: list[int], **kw: Any) -> dict[str, Any]:
         return self.processor(text=[text], images=[image(s) for s in seeds] or None,
-                              return_tensors="pt")
+                              return_tensors="pt", **kw)
 
-    def greedy(self, text: str, seeds: list[int], n: int) -> list[int]:
-        enc = self.inputs(text, seeds)
+    def greedy(self, text: str, seeds: list[int], n: int, **kw: Any) -> list[int]:
+        enc = self.inputs(text, seeds, **kw)
         out = self.model.generate(**enc, max_new_tokens=n, do_sample=False, min_new_tokens=n)
         return out[0, enc["input_ids"].shape[1]:].tolist()

@@ -2,8 +2,9 @@
 
 Fetching is guarded so that an image URL cannot reach into the operator's network: every
 address the host resolves to (on every redirect hop, through the connector's own resolver, so
-no second lookup can answer differently) must be globally routable unless --allow-private-image-urls
-is set; IP-literal hosts are checked the same way. Redirects are followed by hand (at most
+no second lookup can answer differently) must be globally routable, unless
+--allow-private-image-urls is set or it lies in --allow-image-networks; IP-literal hosts are
+checked the same way. Redirects are followed by hand (at most
 --max-image-redirects, http(s) only), the body is read up to the byte cap, the whole fetch has
 one timeout, and the response must declare an image content type.
 """
@@ -32,12 +33,18 @@ class _Refused(Exception):
         super().__init__(f"{host} resolves to {address}")
 
 
-def address_allowed(address: str) -> bool:
-    """Whether an IP address is globally routable (not private, loopback, link-local, shared,
-    reserved or multicast; IPv4-mapped IPv6 addresses are judged as their IPv4 address)."""
+def address_allowed(address: str, limits: ImageLimits) -> bool:
+    """Whether the router may connect to an IP address: a globally routable one (not private,
+    loopback, link-local, shared, reserved or multicast; an IPv4-mapped IPv6 address is judged
+    as its IPv4 address), or any with --allow-private-image-urls, or one inside
+    --allow-image-networks."""
+    if limits.allow_private:
+        return True
     ip = ipaddress.ip_address(address.split("%", 1)[0])
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
+    if any(ip in ipaddress.ip_network(n, strict=False) for n in limits.allowed_networks):
+        return True
     return ip.is_global and not ip.is_multicast
 
 
@@ -85,14 +92,15 @@ def _check_literal(host: str, ref: ImageRef, limits: ImageLimits) -> None:
         ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
         return
-    if not limits.allow_private and not address_allowed(host):
+    if not address_allowed(host, limits):
         raise _refused(ref, host, host)
 
 
 def _refused(ref: ImageRef, host: str, address: str) -> ImageError:
     return ImageError(ref.field, f"{ref.field}: the image URL's host {host} resolves to "
                       f"{address}, a private, loopback or reserved address; refused (the "
-                      "router allows those only with --allow-private-image-urls)")
+                      "router allows those only with --allow-private-image-urls or "
+                      "--allow-image-networks)")
 
 
 def _resolver(limits: ImageLimits) -> Any:
@@ -104,10 +112,9 @@ def _resolver(limits: ImageLimits) -> Any:
         async def resolve(self, host: str, port: int = 0,
                           family: socket.AddressFamily = socket.AF_INET) -> list[Any]:
             infos = await super().resolve(host, port, family)
-            if not limits.allow_private:
-                for info in infos:
-                    if not address_allowed(info["host"]):
-                        raise _Refused(host, info["host"])
+            for info in infos:
+                if not address_allowed(info["host"], limits):
+                    raise _Refused(host, info["host"])
             return infos
 
     return CheckedResolver()

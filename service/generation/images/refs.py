@@ -27,8 +27,10 @@ class ImageLimits:
     fetch_timeout_s: float = 10.0
     max_redirects: int = 3
     # Fetching from private, loopback, link-local or reserved addresses (off: an image URL must
-    # not become a way into the operator's network).
+    # not become a way into the operator's network) ...
     allow_private: bool = False
+    # ... or only from these networks (CIDRs, e.g. an internal image store's "10.1.2.0/24").
+    allowed_networks: tuple[str, ...] = ()
 
 
 class ImageError(ValidationError):
