@@ -25,13 +25,24 @@ def write_tiny_llava(
     vision: dict[str, Any] | None = None,
     image_size: int = 28,
     dtype: str = "float32",
+    device: str = "cpu",
+    projector_std: float | None = 0.5,
 ) -> Path:
     """Writes a random LLaVA checkpoint, its processor and tokenizer into `out`. Defaults: a
     2-layer Llama (hidden 64) and a 2-layer CLIP tower on 28x28 images in 14-pixel patches,
-    so each image takes 4 placeholder tokens (the CLS feature is dropped: "default")."""
+    so each image takes 4 placeholder tokens (the CLS feature is dropped: "default").
+    `device`: where the random weights are drawn (cuda for 7B shapes); `projector_std`: the
+    projector's weights drawn wide so that the image moves a tiny model's output (None: as
+    transformers initializes them)."""
     import torch
     import transformers
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    try:  # the PIL backend (transformers >= 5.2x): no torchvision needed
+        from transformers.models.clip.image_processing_pil_clip import (
+            CLIPImageProcessorPil as ImageProcessor,
+        )
+    except ImportError:
+        from transformers import CLIPImageProcessor as ImageProcessor
 
     from shard.tools.tiny_model import BOS, EOS, PAD, build_tokenizer
 
@@ -59,10 +70,13 @@ def write_tiny_llava(
         vision_feature_select_strategy="default", tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(config).to(getattr(torch, dtype)).eval()
-    with torch.no_grad():  # a projector far from zero, so that the image moves the output
-        for param in model.model.multi_modal_projector.parameters():
-            param.normal_(0.0, 0.5)
+    with torch.device(device):
+        model = transformers.LlavaForConditionalGeneration(config)
+    model = model.to(getattr(torch, dtype)).eval()
+    if projector_std is not None:
+        with torch.no_grad():  # a projector far from zero, so that the image moves the output
+            for param in model.model.multi_modal_projector.parameters():
+                param.normal_(0.0, projector_std)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save(str(out / "tokenizer.json"))
@@ -72,8 +86,7 @@ def write_tiny_llava(
     )
     size = {"height": image_size, "width": image_size}
     processor = transformers.LlavaProcessor(
-        image_processor=CLIPImageProcessorPil(size={"shortest_edge": image_size},
-                                              crop_size=size),
+        image_processor=ImageProcessor(size={"shortest_edge": image_size}, crop_size=size),
         tokenizer=fast, patch_size=vision_kw["patch_size"],
         vision_feature_select_strategy="default", image_token=IMAGE_TOKEN,
         num_additional_image_tokens=1, chat_template=CHATML,
