@@ -53,6 +53,17 @@ class HfReference:
                               return_tensors="pt", **kw)
 
     def greedy(self, text: str, seeds: list[int], n: int, **kw: Any) -> list[int]:
+        return self.greedy_logprobs(text, seeds, n, **kw)[0]
+
+    def greedy_logprobs(self, text: str, seeds: list[int], n: int, **kw: Any
+                        ) -> tuple[list[int], list[float]]:
+        """Greedy tokens and each one's log-probability."""
+        import torch
+
         enc = self.inputs(text, seeds, **kw)
-        out = self.model.generate(**enc, max_new_tokens=n, do_sample=False, min_new_tokens=n)
-        return out[0, enc["input_ids"].shape[1]:].tolist()
+        out = self.model.generate(**enc, max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                                  output_logits=True, return_dict_in_generate=True)
+        ids = out.sequences[0, enc["input_ids"].shape[1]:].tolist()
+        lps = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.logits, ids,
+                                                                             strict=True)]
+        return ids, lps

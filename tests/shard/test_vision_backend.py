@@ -21,7 +21,9 @@ BUDGETS = WarmupBudgets(max_input_tokens=96, max_total_tokens=128, max_batch_pre
 # Steps of at most 12 prefill tokens: images (4 placeholders each) straddle chunk boundaries.
 STEP_TOKENS = 12
 LONG = "the quick brown fox jumps over the lazy dog and keeps running far away " * 2
-ONE = f"{LONG}look at <image> and say what you see"
+# The image's 4 placeholders sit at [62, 66): across the 16-token block boundary at 64, so a
+# prefix-cache hit on this prompt ends inside the image (the shard embeds its last 2 rows only).
+ONE = f"{LONG}see <image> and say what you see"
 TWO = "first <image> then <image> which one is brighter"
 TEXT = "no picture here, only words and more words"
 
@@ -52,8 +54,8 @@ async def test_greedy_with_images_matches_transformers(llava, tmp_path):
     server = ShardServer(llava, tmp_path, kv_cache_memory_mb=2, model_impl="transformers")
     cache = server.shard.runner.encoder_cache
     cases = {"one": (ONE, [0]), "two": (TWO, [1, 2]), "text": (TEXT, []),
-             "other": (ONE, [3]), "again": (ONE, [0]), "repeat": (TWO, [3, 3])}
-    want = {name: ref.greedy(text, seeds, N) for name, (text, seeds) in cases.items()}
+             "other": (ONE, [6]), "again": (ONE, [0]), "repeat": (TWO, [6, 6])}
+    want = {name: ref.greedy_logprobs(text, seeds, N) for name, (text, seeds) in cases.items()}
     got: dict[str, list[int]] = {}
     try:
         async with router_engine(server.url, BUDGETS, 0,
@@ -62,8 +64,13 @@ async def test_greedy_with_images_matches_transformers(llava, tmp_path):
             async def run(name: str) -> None:
                 text, seeds = cases[name]
                 req = await _validated(pipeline, ref, name, text, seeds)
-                got[name] = token_ids([ev async for ev in engine.submit(req)])
-                assert got[name] == want[name], name
+                events = [ev async for ev in engine.submit(req)]
+                got[name] = token_ids(events)
+                # Tokens equal; log-probabilities too (a wrong embedding row shows here even
+                # where the argmax survives it).
+                assert got[name] == want[name][0], name
+                assert [e.token.logprob for e in events] == pytest.approx(want[name][1],
+                                                                         abs=2e-4), name
 
             # One batch mixing one image, two images and text only.
             await asyncio.gather(run("one"), run("two"), run("text"))
@@ -79,5 +86,5 @@ async def test_greedy_with_images_matches_transformers(llava, tmp_path):
     finally:
         server.stop()
         pipeline.close()
-    assert cache.misses == 4  # images 0, 1, 2, 3: each encoded once
-    assert want["other"] != want["one"]  # the image changes the output
+    assert cache.misses == 4  # images 0, 1, 2, 6: each encoded once
+    assert want["other"][0] != want["one"][0]  # the image changes the output
