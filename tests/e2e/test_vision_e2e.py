@@ -48,7 +48,7 @@ def chat(url: str, text: str = "what is in ") -> list[dict]:
 
 
 class _Images(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         if self.path in REDIRECTS:  # redirects the router follows
             self.send_response(302)
             self.send_header("Location", REDIRECTS[self.path].format(port=self.server.server_port))

@@ -11,7 +11,7 @@ import pytest
 from service.engine.backend import WarmupBudgets
 from service.engine.contracts import SamplingConfig, StoppingConfig, ValidatedRequest
 from service.generation.images.pipeline import ImagePipeline
-from service.generation.images.refs import ImageLimits, ImageRef
+from service.generation.images.refs import ImageError, ImageLimits, ImageRef
 from tests.helpers.spec_engine import ShardServer, router_engine, token_ids
 from tests.helpers.vision import HfReference, encoded, tiny_llava
 
@@ -88,3 +88,31 @@ async def test_greedy_with_images_matches_transformers(llava, tmp_path):
         pipeline.close()
     assert cache.misses == 4  # images 0, 1, 2, 6: each encoded once
     assert want["other"][0] != want["one"][0]  # the image changes the output
+
+
+async def test_the_pipeline_refuses_bad_images_naming_them(llava):
+    """The router's checks on the real processor: placeholders must match the images, formats
+    and pixel counts are checked before decoding, corrupt data is a clear error."""
+    pipeline = ImagePipeline.load(llava, ImageLimits(max_images=2, max_pixels=40 * 30))
+    assert pipeline is not None
+    tok = pipeline._processor.tokenizer
+    one = tuple(tok("a <image> b").input_ids)
+    gif = b"GIF89a\x01\x00\x01\x00\x00\x00\x00,\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x00;"
+    cases = [
+        ((), one, r"inputs: the prompt has 1 image placeholders \('<image>'\) for 0 images"),
+        ((ImageRef("x[0]", data=encoded(0)),) * 2, one, "for 2 images"),
+        ((ImageRef("x[0]", data=encoded(0)),) * 3, one, "inputs: 3 images; at most 2 per request"),
+        ((ImageRef("x[0]", data=gif),), one, "x\\[0\\]: unsupported image format GIF"),
+        ((ImageRef("x[0]", data=encoded(0, width=41)),), one, "41x30 = 1230 pixels; at most 1200"),
+        ((ImageRef("x[0]", data=encoded(0)[:200]),), one, "x\\[0\\]: the image could not be"),
+        ((ImageRef("x[0]", data=b"\x89PNG nope"),), one, "x\\[0\\]: the image could not be"),
+    ]
+    try:
+        for refs, ids, says in cases:
+            with pytest.raises(ImageError, match=says):
+                await pipeline.prepare(refs, ids, "inputs")
+        ids, images = await pipeline.prepare((ImageRef("x[0]", data=encoded(0)),), one, "inputs")
+        assert [(i.offset, i.length, i.shape) for i in images] == [(3, 4, (3, 28, 28))]
+        assert ids.count(pipeline.image_token_id) == 4
+    finally:
+        pipeline.close()
