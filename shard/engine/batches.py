@@ -607,7 +607,8 @@ class BatchState:
         return inputs, dst, src
 
     def _check_images(self, spec: RequestSpec) -> None:
-        """Images only for a vision-language model, inside the prompt, pixels as shaped."""
+        """Images only for a vision-language model, inside the prompt, pixels as shaped, as
+        many placeholders as the encoder yields rows."""
         if not self.runner.model.supports_images:
             raise InvalidRequestError(
                 f"request {spec.id}: images were sent, but this model takes no images"
@@ -625,6 +626,13 @@ class BatchState:
                     f"request {spec.id}: images[{i}].pixel_values has "
                     f"{len(image.pixel_values)} bytes; shape {list(image.shape)} needs "
                     f"{4 * elems} (float32)"
+                )
+            rows = self.runner.image_token_count(image.shape)
+            if rows is None or rows != image.length:
+                raise InvalidRequestError(
+                    f"request {spec.id}: images[{i}] of shape {list(image.shape)} has "
+                    f"{image.length} placeholder tokens; the model's encoder takes "
+                    + ("no such shape" if rows is None else f"{rows} for it")
                 )
 
     def _lora_slots(self, work: list[_Work]) -> list[int] | None:

@@ -107,3 +107,9 @@ class VisionLM(CausalLM, Protocol):
     ) -> list[torch.Tensor]:  # each [num_tokens, hidden] on the device, in the model dtype
         """The vision encoder and projector: each image's placeholder embeddings."""
         ...
+
+    def image_token_count(self, shape: tuple[int, ...]) -> int | None:
+        """Embedding rows encode_images yields for pixel values of this shape; None when the
+        shape is not one the encoder takes (checked before a step runs: a wrong count from
+        the router is a refused request, never a failed step)."""
+        ...

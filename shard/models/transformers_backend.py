@@ -178,6 +178,16 @@ class TransformersCausalLM:
                 result[i] = f
         return result
 
+    def image_token_count(self, shape: tuple[int, ...]) -> int | None:
+        """LLaVA: one row per patch of the tower's square input ([3, S, S]), plus the CLS
+        feature under the "full" selection strategy."""
+        cfg = self.hf.config
+        size, patch = cfg.vision_config.image_size, cfg.vision_config.patch_size
+        if tuple(shape) != (3, size, size):
+            return None
+        cls_row = 1 if cfg.vision_feature_select_strategy == "full" else 0
+        return (size // patch) ** 2 + cls_row
+
     @torch.inference_mode()
     def forward(
         self,

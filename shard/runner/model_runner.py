@@ -245,6 +245,14 @@ class ModelRunner:
             return self._forward_images(d, step.images)
         return self.forward(d.input_ids, d.positions, d.meta, d.logits_indices)
 
+    def image_token_count(self, shape: tuple[int, ...]) -> int | None:
+        """Embedding rows the model's vision encoder yields for pixel values of this shape
+        (None: not a shape it takes, or a text-only model)."""
+        if not self.model.supports_images:
+            return None
+        model: VisionLM = self.model  # type: ignore[assignment]
+        return model.image_token_count(shape)
+
     def _forward_images(self, d: DeviceStep, images: list[StepImage]) -> torch.Tensor:
         """An eager step whose chunks hold image placeholders: the images' embeddings (encoded
         now or found in the encoder cache) replace the placeholder rows' token embeddings."""

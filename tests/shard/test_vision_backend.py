@@ -116,3 +116,45 @@ async def test_the_pipeline_refuses_bad_images_naming_them(llava):
         assert ids.count(pipeline.image_token_id) == 4
     finally:
         pipeline.close()
+
+
+def test_the_shard_refuses_images_it_cannot_place_and_serves_on(llava):
+    """Images the shard cannot use (wrong placeholder count or pixel shape, outside the prompt,
+    short pixel data, or sent to a text model) are INVALID_ARGUMENT before any state changes;
+    the next request is served."""
+    from tokenwire.shard.v1 import shard_pb2 as pb
+
+    from shard.errors import InvalidRequestError
+    from tests.helpers.transformers_backend import backend_shard
+    from shard_driver import RouterSim, engine_call
+
+    shard = backend_shard(llava)
+    pixels = bytes(4 * 3 * 28 * 28)
+    good = pb.ImageInput(content_hash=b"h" * 32, offset=2, length=4, shape=[3, 28, 28],
+                         pixel_values=pixels)
+    prompt = [1, 5, 512, 512, 512, 512, 7, 8]
+    bad = {
+        "has 5 placeholder tokens; the model's encoder takes 4 for it": {"length": 5},
+        "has 4 placeholder tokens; the model's encoder takes no such shape":
+            {"shape": [3, 14, 28], "pixel_values": bytes(4 * 3 * 14 * 28)},
+        "outside len\\(input_ids\\)=8": {"offset": 5},
+        "pixel_values has 12 bytes": {"pixel_values": bytes(12)},
+    }
+    for says, change in bad.items():
+        image = pb.ImageInput()
+        image.CopyFrom(good)
+        for k, v in change.items():
+            if k == "shape":
+                del image.shape[:]
+                image.shape.extend(v)
+            else:
+                setattr(image, k, v)
+        sim = RouterSim(engine_call(shard), shard.runner.num_blocks, shard.runner.block_size)
+        sim.add(1, prompt, 2, images=[image])
+        with pytest.raises(InvalidRequestError, match=says):
+            sim.prefill([(1, 0)])
+    sim = RouterSim(engine_call(shard), shard.runner.num_blocks, shard.runner.block_size)
+    sim.add(2, prompt, 2, images=[good])
+    sim.prefill([(2, 0)])
+    sim.run_to_completion()
+    assert len(sim.done[2].generated) == 2
