@@ -122,11 +122,11 @@ def test_the_shard_refuses_images_it_cannot_place_and_serves_on(llava):
     """Images the shard cannot use (wrong placeholder count or pixel shape, outside the prompt,
     short pixel data, or sent to a text model) are INVALID_ARGUMENT before any state changes;
     the next request is served."""
+    from shard_driver import RouterSim, engine_call
     from tokenwire.shard.v1 import shard_pb2 as pb
 
     from shard.errors import InvalidRequestError
     from tests.helpers.transformers_backend import backend_shard
-    from shard_driver import RouterSim, engine_call
 
     shard = backend_shard(llava)
     pixels = bytes(4 * 3 * 28 * 28)
