@@ -126,9 +126,10 @@ def _image_flags(a: _AddArgument) -> None:
     a(
         "--max-image-bytes",
         type=int,
-        default=int(env_value("MAX_IMAGE_BYTES") or 20 * 1024 * 1024),
+        default=int(env_value("MAX_IMAGE_BYTES") or 10 * 1024 * 1024),
         help="largest encoded image, data URL or fetched body; larger is a 413 "
-        "[MAX_IMAGE_BYTES] (default 20 MiB)",
+        "[MAX_IMAGE_BYTES] (default 10 MiB: as base64 it stays under the public API's 16 MiB "
+        "message limit)",
     )
     a(
         "--image-fetch-timeout",

@@ -120,7 +120,7 @@ async def test_the_pipeline_refuses_bad_images_naming_them(llava):
 
 def test_the_shard_refuses_images_it_cannot_place_and_serves_on(llava):
     """Images the shard cannot use (wrong placeholder count or pixel shape, outside the prompt,
-    short pixel data, or sent to a text model) are INVALID_ARGUMENT before any state changes;
+    short pixel data) are INVALID_ARGUMENT before any state changes;
     the next request is served."""
     from shard_driver import RouterSim, engine_call
     from tokenwire.shard.v1 import shard_pb2 as pb

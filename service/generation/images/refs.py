@@ -23,7 +23,9 @@ class ImageLimits:
 
     max_images: int = 8
     max_pixels: int = 4096 * 4096
-    max_bytes: int = 20 * 1024 * 1024  # encoded size, data URLs and fetched bodies alike
+    # Encoded size, data URLs and fetched bodies alike; 10 MiB keeps a base64 data URL (4/3 of
+    # it) under the public API's 16 MiB message limit (service/api/server.py).
+    max_bytes: int = 10 * 1024 * 1024
     fetch_timeout_s: float = 10.0
     max_redirects: int = 3
     # Fetching from private, loopback, link-local or reserved addresses (off: an image URL must
