@@ -409,8 +409,12 @@ class OpenAIEndpoints:
                 "and the router was started without --chat-template FILE",
             )
         tools = _active_tools(request)
-        messages, images = self._with_image_tokens(request.messages)
-        prompt, ids = await self._template.render(messages, request.tools if tools else ())
+        images = self._images(request.messages)
+        declared = request.tools if tools else ()
+        prompt, ids = await (
+            self._template.render(request.messages, declared, self._image_token()) if images
+            else self._template.render(request.messages, declared)
+        )
         generate = replace(self._input(request.params, prompt, ids), images=images)
         reasoning = self.parsers.reasoning
         if tools:
@@ -437,31 +441,17 @@ class OpenAIEndpoints:
             return replace(generate, grammar=grammar, grammar_field="response_format")
         return generate
 
-    def _with_image_tokens(
-        self, messages: tuple[ChatMessage, ...]
-    ) -> tuple[tuple[ChatMessage, ...], tuple[ImageRef, ...]]:
-        """Messages whose image parts became the model's image token in their text (so any chat
-        template places them), and the images in prompt order."""
+    def _images(self, messages: tuple[ChatMessage, ...]) -> tuple[ImageRef, ...]:
+        """The conversation's images in prompt order; ValidationError for a text model."""
         refs = tuple(ref for m in messages for _, ref in m.images)
-        if not refs:
-            return messages, ()
-        pipeline = self.service.validator.images
-        if pipeline is None:
+        if refs and self.service.validator.images is None:
             raise ValidationError(refs[0].field, f"{refs[0].field}: this model takes no images "
                                   "(its snapshot has no image processor)")
-        token = pipeline.image_token
-        out = []
-        for m in messages:
-            if not m.images:
-                out.append(m)
-                continue
-            text, cut = [], 0
-            for at, _ in m.images:
-                text += [m.content[cut:at], token]
-                cut = at
-            text.append(m.content[cut:])
-            out.append(replace(m, content="".join(text), images=()))
-        return tuple(out), refs
+        return refs
+
+    def _image_token(self) -> str:
+        pipeline = self.service.validator.images
+        return pipeline.image_token if pipeline is not None else ""
 
     async def chat_prompt(self, request: ChatRequest) -> str:
         """The prompt a chat request renders to (TGI's POST /chat_tokenize), checked as

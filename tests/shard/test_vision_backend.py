@@ -158,3 +158,39 @@ def test_the_shard_refuses_images_it_cannot_place_and_serves_on(llava):
     sim.prefill([(2, 0)])
     sim.run_to_completion()
     assert len(sim.done[2].generated) == 2
+
+
+# LLaVA's template on the hub (llava-hf): images first, from the parts' types, then the text.
+LLAVA_HF_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'].upper() + ': ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for c in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\\n' }}{% endfor %}"
+    "{% for c in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ c['text'] }}{% endfor %}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+async def test_chat_templates_place_images_their_own_way(llava, tmp_path):
+    """A template that renders image parts gets the content as parts (it writes the image
+    token itself); any other gets the image token in the text at the image's place."""
+    from service.generation.chat_template import ChatTemplate
+    from service.generation.openai import ChatMessage
+
+    refs = ((2, ImageRef("messages[0].content[1].image_url", url="u")),)
+    messages = (ChatMessage("user", "hi there", images=refs),
+                ChatMessage("assistant", "ok"))
+    image_id = 512
+    chatml = ChatTemplate(llava)  # the tiny model's ChatML knows no image parts
+    prompt, ids = await chatml.render(messages, (), "<image>")
+    assert prompt.startswith("<|im_start|>user\nhi<image> there<|im_end|>")
+    assert ids.count(image_id) == 1
+    path = tmp_path / "llava.jinja"
+    path.write_text(LLAVA_HF_TEMPLATE)
+    hub = ChatTemplate(llava, path)
+    prompt, ids = await hub.render(messages, (), "<image>")
+    assert prompt == "USER: <image>\nhi thereASSISTANT: okASSISTANT:"  # trim_blocks, as HF
+    assert ids.count(image_id) == 1
+    chatml.close()
+    hub.close()
