@@ -70,7 +70,12 @@ class ImagePipeline:
             return None
         import transformers
 
-        processor = transformers.AutoProcessor.from_pretrained(str(model_dir))
+        try:
+            processor = transformers.AutoProcessor.from_pretrained(str(model_dir))
+        except Exception as error:  # noqa: BLE001 - serve text; say why images are refused
+            log.warning("%s: the processor does not load (%s: %s); images are refused",
+                        model_dir, type(error).__name__, error)
+            return None
         if getattr(processor, "image_token", None) is None:
             log.warning("%s: the processor names no image token; images are refused", model_dir)
             return None
