@@ -412,6 +412,8 @@ class Validator:
             await self._grammars.check(params.grammar, request.grammar_field)
         typed = request.inputs  # what return_full_text echoes (markdown images included)
         request = self._image_prompt(request)
+        if request.input_chunks:
+            typed = request.inputs  # the chunks' text, an image token per image
         ids = request.prompt_ids
         if ids is None:
             ids = await self._encoder.encode(request.inputs)
