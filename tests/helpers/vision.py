@@ -67,3 +67,34 @@ class HfReference:
         lps = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.logits, ids,
                                                                              strict=True)]
         return ids, lps
+
+
+def vision_rank(dist: Any, device: str, job: dict[str, Any], res: dict[str, Any]) -> None:
+    """shard.testing.ranks RankFn: the tiny LLaVA of job["dir"] on this rank (transformers
+    backend, the language model split over the ranks, the vision tower on each), one prefill of
+    job["ids"] with job["images"] (content_hash, shape, pixel bytes, offset, length) and greedy
+    decode steps: res["tokens"], and res["params"], the weights this rank holds."""
+    import torch
+
+    from shard.runner.images import StepImage
+    from shard.runner.model_runner import StepInputs
+    from tests.helpers.transformers_backend import backend_shard, held_weights
+
+    torch.set_num_threads(1)  # two ranks on a shared host
+    shard = backend_shard(Path(job["dir"]), dist)
+    runner = shard.runner
+    ids: list[int] = job["ids"]
+    n, steps = len(ids), job["steps"]
+    blocks = list(range(-(-(n + steps + 1) // runner.block_size)))
+    step = StepInputs(ids, list(range(n)), [n], [n], [blocks], [n - 1])
+    step.images = [StepImage(h, tuple(shape), pixels, offset, 0, length)
+                   for h, shape, pixels, offset, length in job["images"]]
+    token = int(runner.execute(step).argmax(-1)[0])
+    tokens = [token]
+    for _ in range(steps - 1):
+        logits = runner.execute(StepInputs([token], [n], [1], [n + 1], [blocks], [0]))
+        token = int(logits.argmax(-1)[0])
+        tokens.append(token)
+        n += 1
+    res["tokens"] = tokens
+    res["params"] = held_weights(shard)

@@ -194,3 +194,28 @@ async def test_chat_templates_place_images_their_own_way(llava, tmp_path):
     assert ids.count(image_id) == 1
     chatml.close()
     hub.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # two processes importing transformers on a shared host
+async def test_two_ranks_with_an_image_match_transformers(llava):
+    """The language model split over two gloo ranks (each with the whole vision tower) with an
+    image in the prompt generates what transformers does, holding fewer weights per rank."""
+    from shard.testing.ranks import run_ranks
+    from tests.helpers.transformers_backend import backend_shard, held_weights
+    from tests.helpers.vision import vision_rank
+
+    ref = HfReference(llava)
+    pipeline = ImagePipeline.load(llava, ImageLimits())
+    assert pipeline is not None
+    ids = tuple(ref.processor.tokenizer(TWO).input_ids)
+    refs = tuple(ImageRef(f"images[{i}]", data=encoded(s)) for i, s in enumerate([1, 2]))
+    ids, images = await pipeline.prepare(refs, ids, "inputs")
+    pipeline.close()
+    job = {"device": "cpu", "dir": str(llava), "ids": list(ids), "steps": N,
+           "images": [(i.content_hash, i.shape, i.pixel_values, i.offset, i.length)
+                      for i in images]}
+    res = run_ranks(2, job, vision_rank, timeout_s=500)
+    assert "error" not in res, res.get("error")
+    assert res["tokens"] == ref.greedy(TWO, [1, 2], N)
+    assert res["params"] < held_weights(backend_shard(llava))
