@@ -36,6 +36,7 @@ from shard.engine.contracts import (
     ExpertLoad,
     FinishedText,
     Generation,
+    ImageSpec,
     RequestSpec,
     StepResult,
     StepTimings,
@@ -60,6 +61,7 @@ from shard.errors import (
     NotFoundError,
 )
 from shard.lora import LoraManager
+from shard.runner.images import StepImage
 from shard.runner.model_runner import ModelRunner, StepInputs
 from shard.text.detokenizer import IncrementalDetokenizer
 
@@ -117,6 +119,7 @@ class _Work:
     length: int
     samples: bool  # the step ends at the sequence's last known token: sample the next one
     drafts: list[int] | tuple[()] = ()  # draft tokens to verify (speculative decoding)
+    images: tuple[ImageSpec, ...] = ()  # images overlapping [start, start + length)
 
 
 @dataclass
@@ -378,6 +381,8 @@ class BatchState:
                 )
             if spec.grammar is not None and (spec.cache_len == 0 or spec.id not in self.requests):
                 self.grammars.check(spec.grammar)  # compiled (and cached) before any change
+            if spec.images:
+                self._check_images(spec)
         work: list[_Work] = []
         new_ids: list[int] = []
         for spec in batch.requests:
@@ -390,7 +395,8 @@ class BatchState:
                 state.blocks = list(spec.blocks)
                 state.blocks_checked = 0
                 state.computed_len = spec.cache_len
-            work.append(_Work(state, spec.cache_len, spec.chunk_len, end == len(state.token_ids)))
+            work.append(_Work(state, spec.cache_len, spec.chunk_len, end == len(state.token_ids),
+                              images=spec.images))
             new_ids.append(spec.id)
         unseen = self._take_unseen(overlap)
         self._apply_grants(grants, unseen)
@@ -600,6 +606,35 @@ class BatchState:
         )
         return inputs, dst, src
 
+    def _check_images(self, spec: RequestSpec) -> None:
+        """Images only for a vision-language model, inside the prompt, pixels as shaped, as
+        many placeholders as the encoder yields rows."""
+        if not self.runner.model.supports_images:
+            raise InvalidRequestError(
+                f"request {spec.id}: images were sent, but this model takes no images"
+            )
+        for i, image in enumerate(spec.images):
+            elems = math.prod(image.shape) if image.shape else 0
+            if image.length == 0 or image.offset + image.length > len(spec.input_ids):
+                raise InvalidRequestError(
+                    f"request {spec.id}: images[{i}] spans [{image.offset}, "
+                    f"{image.offset + image.length}), outside len(input_ids)="
+                    f"{len(spec.input_ids)}"
+                )
+            if elems == 0 or len(image.pixel_values) != 4 * elems:
+                raise InvalidRequestError(
+                    f"request {spec.id}: images[{i}].pixel_values has "
+                    f"{len(image.pixel_values)} bytes; shape {list(image.shape)} needs "
+                    f"{4 * elems} (float32)"
+                )
+            rows = self.runner.image_token_count(image.shape)
+            if rows is None or rows != image.length:
+                raise InvalidRequestError(
+                    f"request {spec.id}: images[{i}] of shape {list(image.shape)} has "
+                    f"{image.length} placeholder tokens; the model's encoder takes "
+                    + ("no such shape" if rows is None else f"{rows} for it")
+                )
+
     def _lora_slots(self, work: list[_Work]) -> list[int] | None:
         """Each sequence's device slot of its adapter (-1: none), swapping adapters in; None
         when no sequence of the step has one."""
@@ -646,6 +681,12 @@ class BatchState:
                     lp_rows.append(base + p - w.start)
                     lp_next.append(w.state.token_ids[p + 1])
                     lp_owner.append(w.state)
+            for image in w.images:  # the image rows this chunk covers
+                lo, hi = max(w.start, image.offset), min(seq_len, image.offset + image.length)
+                if lo < hi:
+                    inputs.images.append(StepImage(image.content_hash, image.shape,
+                                                   image.pixel_values, base + lo - w.start,
+                                                   lo - image.offset, hi - lo))
             if w.drafts:  # every position samples: the last token's and each draft's
                 sample_rows.extend(range(base, base + w.length))
             elif w.samples:
@@ -665,7 +706,7 @@ class BatchState:
         lp_rows: list[int] = []
         lp_next: list[int] = []
         lp_owner: list[ShardRequest] = []
-        if all(w.length == 1 and w.samples for w in work):
+        if all(w.length == 1 and w.samples and not w.images for w in work):
             inputs, dst, src = self._decode_inputs(work, prev)
             num_samples = len(work)
         else:

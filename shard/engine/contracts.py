@@ -14,6 +14,17 @@ from shard.engine.stopping import StopReason
 
 
 @dataclass(frozen=True)
+class ImageSpec:
+    """One preprocessed image of a request's prompt (see ImageInput in shard.proto)."""
+
+    content_hash: bytes  # the encoder cache's key
+    offset: int  # first placeholder position in input_ids
+    length: int  # placeholder tokens = embedding rows of the image
+    shape: tuple[int, ...]  # of pixel_values, e.g. [3, H, W]
+    pixel_values: bytes  # float32, C order
+
+
+@dataclass(frozen=True)
 class RequestSpec:
     """One request's chunk in a Prefill step (see Request in shard.proto)."""
 
@@ -34,6 +45,8 @@ class RequestSpec:
     # The router detokenizes and matches stop sequences itself: Generations carry empty texts,
     # stop_sequences are ignored here (EOS and max_new_tokens still finish the request).
     ids_only: bool = False
+    # Images whose placeholders overlap this chunk (vision-language models).
+    images: tuple[ImageSpec, ...] = ()
 
 
 @dataclass(frozen=True)
