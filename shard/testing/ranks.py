@@ -20,6 +20,10 @@ from shard.distributed.groups import Dist
 from shard.testing.ports import free_port
 from shard.testing.tiny import greedy_tokens, load_tiny
 
+# What the CPU ranks' forkserver imports before it forks them (a module that fails to import
+# is skipped by multiprocessing; the rank then imports what it needs itself).
+_FORKSERVER_PRELOAD = ["torch", "transformers", "shard.testing.ranks"]
+
 # (dist, device, job, results): fills this rank's results in place, so that what it measured
 # before a failure is still reported.
 RankFn = Callable[[Dist, str, dict[str, Any], dict[str, Any]], None]
@@ -77,7 +81,16 @@ def run_ranks(world: int, job: dict[str, Any], rank_fn: RankFn = greedy_rank,
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (shared hosts)
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    ctx = mp.get_context("spawn")
+    if job["device"] == "cpu":
+        # CPU ranks fork from one forkserver that has imported torch and transformers once
+        # (~5 CPU-seconds a process on the 2-core CI host): a spawned rank paid that import
+        # itself, twice per call. The server runs no torch op before forking (no OpenMP pool to
+        # inherit); it inherits the environment as it is when first started. CUDA jobs keep
+        # "spawn", the start method the GPU runs were measured with.
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    else:
+        ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, rank_fn, job, queue))
