@@ -319,7 +319,8 @@ def _w8a8_format(group: Mapping[str, Any], where: str) -> IntWeightFormat:
     return IntWeightFormat(IntLayout.INT_QUANTIZED, 8, -1, True, False)
 
 
-# GGML types a tokenwire GGUF snapshot may hold packed: name -> (bits, group size).
+# GGML types a tokenwire GGUF snapshot may hold packed: name -> (storage bits, group size);
+# gguf_blocks.GGUF_PACKED has them by type number.
 GGUF_PACKED_TYPES: dict[str, tuple[int, int]] = {
     "Q8_0": (8, 32), "Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32), "Q6_K": (8, 16),
 }
