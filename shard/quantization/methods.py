@@ -331,7 +331,7 @@ def _gguf_format(qc: Mapping[str, Any]) -> IntWeightFormat:
     {"quant_method": "gguf", "types": {"Q4_1": <linears>, ...}} (shard/tools/gguf_repack.py)."""
     types = qc.get("types")
     if not isinstance(types, Mapping) or not types:
-        raise ValueError("quantization_config.types: expected an object of GGUF type names")  # noqa: TRY004 - a config value
+        raise ValueError("quantization_config.types: expected an object of GGUF type names")
     unknown = sorted(set(types) - set(GGUF_PACKED_TYPES))
     if unknown:
         raise ValueError(f"quantization_config.types: {', '.join(unknown)} not supported "

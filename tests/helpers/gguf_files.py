@@ -9,6 +9,7 @@ are stored as in the HF checkpoint. Linears may be written quantized (write_gguf
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
@@ -123,3 +124,48 @@ def write_gguf(model_dir: Path, out: Path, arch: gguf.MODEL_ARCH,
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+T = gguf.GGMLQuantizationType
+# Every type kept packed, on several kinds of linear; layer 1's gate_proj in Q5_0 (a type that
+# still dequantizes).
+PACKED_LLAMA_TYPES = {
+    "model.layers.0.self_attn.q_proj.weight": T.Q8_0,
+    "model.layers.0.self_attn.k_proj.weight": T.Q4_0,
+    "model.layers.0.self_attn.v_proj.weight": T.Q4_1,
+    "model.layers.0.self_attn.o_proj.weight": T.Q4_K,
+    "model.layers.0.mlp.gate_proj.weight": T.Q6_K,
+    "model.layers.0.mlp.up_proj.weight": T.Q4_1,
+    "model.layers.0.mlp.down_proj.weight": T.Q4_K,
+    "model.layers.1.self_attn.q_proj.weight": T.Q4_K,
+    "model.layers.1.self_attn.k_proj.weight": T.Q6_K,
+    "model.layers.1.self_attn.v_proj.weight": T.Q8_0,
+    "model.layers.1.self_attn.o_proj.weight": T.Q4_0,
+    "model.layers.1.mlp.gate_proj.weight": T.Q5_0,
+    "model.layers.1.mlp.up_proj.weight": T.Q4_1,
+    "model.layers.1.mlp.down_proj.weight": T.Q4_1,
+}
+
+
+@dataclass
+class PackedGgufLlama:
+    file: Path  # the GGUF file
+    packed: Path  # its snapshot with the linears kept quantized
+    plain: Path  # its dequantized snapshot
+    log: list[str] = field(default_factory=list)  # the packed conversion's lines
+
+
+def packed_gguf_llama(root: Path) -> PackedGgufLlama:
+    """A tiny llama (hidden 256, intermediate 512: K-quants need rows of 256; head dim 64, GQA
+    4/2) written as GGUF with PACKED_LLAMA_TYPES, converted both ways into root / "cache"."""
+    from shard.tools.gguf import ensure_snapshot
+    from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
+
+    model = make_tiny_model(root / "model", TinyModelSpec(arch="llama", hidden_size=256,
+                                                          intermediate_size=512))
+    file = write_gguf(model, root / "files" / "tiny-llama.gguf", gguf.MODEL_ARCH.LLAMA,
+                      PACKED_LLAMA_TYPES)
+    log: list[str] = []
+    packed = ensure_snapshot(file, root / "cache", log=log.append, packed=True).path
+    plain = ensure_snapshot(file, root / "cache", log=lambda _: None).path
+    return PackedGgufLlama(file, packed, plain, log)

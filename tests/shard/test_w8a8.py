@@ -1,7 +1,7 @@
 """compressed-tensors `int-quantized` W8A8-int8 checkpoints on CPU (shard/quantization/w8a8.py):
 config parsing with errors naming the field, the int8 matmul against a test-side per-token
 reference, and a tiny trained llama written by the test-side writer
-(tests/helpers/int_checkpoints.py) served at 1 and 2 (gloo) ranks against the same int8 weights
+(tests/helpers/int_checkpoints.py) served at 1 and 2 (gloo, test_int_two_ranks.py) ranks against the same int8 weights
 dequantized to float32 with float activations.
 
 Tolerance: activations are rounded to int8 per token (a relative step of 1/127 of the row's
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,30 +24,18 @@ from shard.quantization import IntLayout, checkpoint_quantization, linear_weight
 from shard.quantization.int_weights import tp_slice
 from shard.quantization.w8a8 import W8A8Linear, read_w8a8
 from shard.server.loader import Shard, ShardConfig
-from shard.testing.ranks import run_ranks
-from shard.testing.tiny import greedy_tokens, load_tiny
 from tests.helpers.int_checkpoints import (
-    GREEDY_STEPS,
     IntSpec,
     dequantize,
     pack,
     quantization_config,
     quantize,
-    short_greedy_rank,
-    write_int_checkpoint,
 )
 from tests.helpers.numerics import rel_err
 from tests.helpers.shards import make_shard
 from tests.shard.test_quantization_shard import greedy_outputs, prefill_logits
 
 SPEC = IntSpec("w8a8", 8, -1, sym=True)
-
-
-@pytest.fixture(scope="module")
-def w8a8_checkpoint(trained_tiny_models, tmp_path_factory) -> tuple[Path, Path]:
-    """(the int-quantized checkpoint, its dequantized float32 reference)."""
-    root = tmp_path_factory.mktemp("w8a8")
-    return root / "w8a8", write_int_checkpoint(trained_tiny_models("llama"), root / "w8a8", SPEC)
 
 
 def reference_w8a8(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -126,15 +113,6 @@ def test_checkpoint_serves_the_dequantized_models_logits_and_tokens(w8a8_checkpo
     assert 0 < err < 0.03, err  # > 0: the activations really are quantized
     p = prompts(packed_dir, [17, 5, 45])
     assert greedy_outputs(shard, p) == greedy_outputs(ref, p)
-
-
-def test_two_gloo_ranks_generate_the_one_rank_reference_tokens(w8a8_checkpoint):
-    packed_dir, ref_dir = w8a8_checkpoint
-    res = run_ranks(2, {"device": "cpu", "tiny_dirs": {"w8a8": str(packed_dir)}},
-                    short_greedy_rank, timeout_s=300)
-    assert "error" not in res, res.get("error")
-    want = greedy_tokens(load_tiny(ref_dir, "cpu", Dist()), GREEDY_STEPS)
-    assert res["tiny_tokens"]["w8a8"] == want
 
 
 def test_corrupt_config_fails_at_start_up(w8a8_checkpoint, tmp_path):
