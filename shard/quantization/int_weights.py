@@ -227,12 +227,11 @@ class IntLinear(nn.Module):
         device = packed.qweight.device
         if use_gemv is None:
             use_gemv = device.type == "cuda"
-        # The GEMV's tensor-core path multiplies x by (q - zero) in x's dtype: exact for
-        # integer zero points only. GGUF Q4_1 / Q4_K minimums make fractional ones
-        # (gguf_blocks.py): those run the dequantizing path until the kernel applies zero * scale
-        # as a separate term.
-        integer_zeros = bool(torch.equal(packed.zeros, torch.round(packed.zeros)))
-        self.use_gemv = bool(use_gemv) and packed.g_idx is None and integer_zeros
+        # The GEMV's tensor-core path multiplies x by (q - zero) in x's dtype, exact for integer
+        # zero points; GGUF Q4_1 / Q4_K minimums make fractional ones (gguf_blocks.py), whose
+        # zero term the kernel then applies separately.
+        self.int_zeros = bool(torch.equal(packed.zeros, torch.round(packed.zeros)))
+        self.use_gemv = bool(use_gemv) and packed.g_idx is None
         self.gemv_max_m = 0
         self._gemv_loaded: set[torch.dtype] = set()  # activation dtypes the GEMV is loaded for
         if self.use_gemv:
@@ -328,7 +327,7 @@ class IntLinear(nn.Module):
         for m in (1, 2, 16):
             x = torch.zeros(m, self.in_features, dtype=dtype, device=self.qweight.device)
             self._gemv(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
-                       bits=self.bits)
+                       bits=self.bits, int_zeros=self.int_zeros)
         self._gemv_loaded.add(dtype)
         return True
 
@@ -340,7 +339,7 @@ class IntLinear(nn.Module):
             x2 = xs.reshape(-1, self.in_features)  # [M, K]
             if x2.shape[0] <= self.gemv_max_m:
                 y = self._gemv(x2, self.qweight, self.scales, self.zeros, self.group_size,
-                               self.bias, bits=self.bits)
+                               self.bias, bits=self.bits, int_zeros=self.int_zeros)
                 return y.reshape(*lead, self.out_features)
         return F.linear(xs, self.packed.dequantize(x.dtype), self.bias)
 

@@ -131,3 +131,11 @@ def test_published_smollm2_q4_1_blocks_repack_exactly():
     assert bits / (16 * weights) == pytest.approx(0.34375)
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     assert embd.tensor_type == T.Q8_0  # not a linear: the conversion dequantizes it
+
+
+def test_launcher_keeps_gguf_linears_packed_on_cuda_by_default():
+    from service.app.launcher import gguf_packed
+
+    assert gguf_packed("auto", "cuda") and gguf_packed("auto", "cuda:1")
+    assert not gguf_packed("auto", "cpu")  # CPU matmuls would dequantize every call
+    assert gguf_packed("packed", "cpu") and not gguf_packed("dequantize", "cuda")
