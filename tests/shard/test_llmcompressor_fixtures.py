@@ -4,7 +4,7 @@ only): served by tokenwire, their logits equal what the tool's own loader (trans
 compressed-tensors, float32) computed from the same files for the same prompt
 (reference.safetensors beside each checkpoint).
 
-- W4A16 (`pack-quantized`, int4 symmetric, group 128): to 1e-4; the loader decompresses to
+- W4A16 by GPTQ (`pack-quantized`, int4 symmetric, group 128): to 1e-5; the loader decompresses to
   float32 weights, tokenwire multiplies by exactly those values.
 - W8A8 (`int-quantized`, int8 per channel, dynamic per-token int8 activations): to 3 % (relative
   Frobenius norm; 1.1 % measured), greedy choices equal where not near-tied: tokenwire scales
@@ -50,7 +50,7 @@ def clear_argmax_agrees(got: torch.Tensor, want: torch.Tensor, margin: float = 0
 
 
 def test_w4a16_checkpoint_serves_the_tools_logits():
-    got, want = served("w4a16-g128", IntLinear)
+    got, want = served("w4a16-gptq-actorder", IntLinear)
     assert rel_err(got, want) < 1e-5  # measured 0
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
