@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
-from shard.quantization.int_weights import IntLinear
 from shard.quantization import w8a8
+from shard.quantization.int_weights import IntLinear
 from shard.quantization.w8a8 import W8A8Linear
 from tests.helpers.numerics import rel_err
 from tests.helpers.shards import make_shard
