@@ -7,6 +7,7 @@ paths carry no torch.distributed dependency.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -109,6 +110,17 @@ def init_distributed(
     return Dist(rank=rank, world_size=world_size)
 
 
-def shutdown_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
+def shutdown_distributed(timeout_s: float | None = None) -> bool:
+    """Destroys the process group; True once done. With `timeout_s` the teardown runs on a daemon
+    thread and is given up after that long (False): NCCL's destroy can wait on peers and on
+    outstanding work, and a stopping deployment must not wait on a rank that is already going
+    away (a 4-GPU shard took the launcher's whole 30 s stop allowance and was killed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    if timeout_s is None:
         dist.destroy_process_group()
+        return True
+    worker = threading.Thread(target=dist.destroy_process_group, name="pg-teardown", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return not worker.is_alive()

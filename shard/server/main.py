@@ -174,12 +174,14 @@ async def serve(args: argparse.Namespace, shard) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    stopping = time.monotonic()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=1.0 if exit_code == 0 else 0)
     await servicer.close_profiler()
     servicer.close()
     if tracer is not None:
         tracer.shutdown()
+    log.info("stop: gRPC server stopped in %.1f s", time.monotonic() - stopping)
     return exit_code
 
 
@@ -230,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
         args.rank, args.world_size, args.master_addr, args.master_port, torch.device(device),
         all_reduce=args.all_reduce,
     )
+    exit_code = 1  # until serve() returns one: an exception below is a failed shard
     if args.world_size > 1:
         # Every rank waits here for the slowest to start: a long join is a peer's start-up.
         log.info("start-up: process group of %d joined in %.1f s (one-shot all-reduce: %s, fused "
@@ -258,7 +261,27 @@ def run(args: argparse.Namespace) -> int:
         shard = Shard(cfg, dist)
         log.info("start-up: model ready in %.1f s (%.1f s since launch of this rank); %s",
                  time.monotonic() - t1, time.monotonic() - t0, _host_memory_line())
-        return asyncio.run(serve(args, shard))
+        exit_code = asyncio.run(serve(args, shard))
     finally:
         if args.world_size > 1:
-            shutdown_distributed()
+            _tear_down_process_group(shutdown_distributed, exit_code)
+    return exit_code
+
+
+# Seconds a stopping shard waits for its process group's teardown (NCCL communicators, symmetric
+# memory) before exiting without it; well inside the launcher's 30 s stop allowance.
+_TEARDOWN_S = 5.0
+
+
+def _tear_down_process_group(shutdown: Callable[[float | None], bool], exit_code: int) -> None:
+    """Destroys the process group within _TEARDOWN_S; past that, the process exits at once
+    (os._exit: the interpreter's own exit would wait for the same stuck threads), since every
+    peer is stopping too and nothing waits for this rank's collectives any more."""
+    began = time.monotonic()
+    if shutdown(_TEARDOWN_S):
+        log.info("stop: process group torn down in %.1f s", time.monotonic() - began)
+        return
+    log.warning("stop: process group teardown still waiting after %.0f s: exiting without it",
+                _TEARDOWN_S)
+    logging.shutdown()
+    os._exit(exit_code)

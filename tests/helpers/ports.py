@@ -15,6 +15,10 @@ from pathlib import Path
 # binds it. Under pytest-xdist each worker draws from its own slice, so two workers never hand out
 # the same port either.
 _PORTS_FIRST, _PORTS_END = 20000, 32000
+# Ports are handed out _BLOCK apart: a server given port P may bind P+1, P+2, ... itself (the
+# launcher's front ends and shard metrics take --prometheus-port + index), and those must not be
+# the port the next free_port() call hands to another server of the same test.
+_BLOCK = 16
 
 
 class _PortSequence:
@@ -25,10 +29,11 @@ class _PortSequence:
         span = (_PORTS_END - _PORTS_FIRST) // max(workers, 1)
         self.first = _PORTS_FIRST + worker * span
         self.span = span
-        self.steps = itertools.count(random.randrange(span))
+        self.blocks = span // _BLOCK  # ports handed out: first, first + _BLOCK, ...
+        self.steps = itertools.count(random.randrange(self.blocks))
 
     def next_port(self) -> int:
-        return self.first + next(self.steps) % self.span
+        return self.first + (next(self.steps) % self.blocks) * _BLOCK
 
 
 def _worker() -> tuple[int, int]:
@@ -48,7 +53,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     sequence = _sequences.get(worker)
     if sequence is None:
         sequence = _sequences[worker] = _PortSequence(*worker)
-    for _ in range(sequence.span):
+    for _ in range(sequence.blocks):
         port = sequence.next_port()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:

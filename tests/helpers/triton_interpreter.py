@@ -71,13 +71,65 @@ BF16_DOT_PRELUDE = textwrap.dedent(
 )
 
 
+# Prepended to every check (run_interpreted): a speed-up of the interpreter's plumbing only, not
+# of what a kernel computes. Each call of a @triton.jit helper from inside a kernel
+# (InterpretedFunction.__call__) runs triton.runtime.interpreter._patch_lang again: an
+# inspect.getmembers scan over triton.language, its tensor class and math (~9 ms, a third of a
+# small GEMV program's time). The launch (GridExecutor.__call__) has already patched those same
+# modules for its whole grid, and a helper's patches are never restored, so the repeat finds
+# every builtin already wrapped and changes nothing. Here a helper's call skips it while a launch
+# is in progress and every language module the helper sees was patched already during that
+# launch; anything else (a launch, or the first call of a helper that sees another module, such as
+# tl.sum's triton.language.core) takes triton's own path, whose patches then stay, as before.
+FAST_DEVICE_CALLS_PRELUDE = textwrap.dedent(
+    """
+    import inspect as _tw_inspect
+
+    import triton.language as _tw_tl
+    from triton.runtime import interpreter as _tw_interpreter
+
+    def _tw_fast_device_calls():
+        original = _tw_interpreter._patch_lang
+        launch = []  # [language modules patched so far in the launch in progress], or []
+
+        def langs_of(fn):
+            return [v for v in fn.__globals__.values()
+                    if _tw_inspect.ismodule(v) and v in (_tw_tl, _tw_tl.core)]
+
+        class LaunchScope:
+            def __init__(self, scope):
+                self.scope = scope
+
+            def restore(self):
+                launch.clear()
+                self.scope.restore()
+
+        def patch_lang(fn):
+            langs = langs_of(fn)
+            if launch:  # a helper called inside a launch
+                if all(lang in launch[0] for lang in langs):
+                    return _tw_interpreter._LangPatchScope()  # nothing to patch or restore
+                scope = original(fn)
+                launch[0].extend(langs)
+                return scope
+            scope = original(fn)  # a launch: GridExecutor restores this scope at its end
+            launch.append(langs)
+            return LaunchScope(scope)
+
+        _tw_interpreter._patch_lang = patch_lang
+
+    _tw_fast_device_calls()
+    """
+)
+
+
 def run_interpreted(source: str, timeout_s: float = INTERPRETER_TIMEOUT_S - 30) -> None:
     """Executes `source` in a fresh interpreter-mode Python process (repo root as the working
     directory, no GPU visible); fails the test with the process's stderr if it exits non-zero."""
     assert not _REASON, _REASON
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run(
-        [sys.executable, "-c", source],
+        [sys.executable, "-c", FAST_DEVICE_CALLS_PRELUDE + source],
         check=False,
         cwd=REPO_ROOT,
         env=env,

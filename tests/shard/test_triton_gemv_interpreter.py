@@ -45,15 +45,21 @@ _PRELUDE = BF16_DOT_PRELUDE + textwrap.dedent(
     """
 )
 
-# Plain GEMV vs an fp32 reference: every config of each batch path, N and K tails, N < BLOCK_N.
+# Plain GEMV vs an fp32 reference: every config of each batch path, whole N tiles, N and K tails,
+# N < BLOCK_N. The interpreter's time goes per program (grid size): the whole-tile shape is N = 64
+# (a multiple of every BLOCK_N, 2..64) rather than 96 (which left BLOCK_N 64 a tail), and shape,
+# dtype and bias run as a pairwise covering set: every pair of their values meets in one case (6
+# cases, not the 12 of the full product: ~2/3 of this check's interpreter time), and every case
+# runs every batch size and config.
 _GEMV_CHECK = textwrap.dedent(
     """
     torch.manual_seed(0)
-    for n, k in ((96, 256), (37, 200), (5, 1999)):
+    for i, (n, k) in enumerate(((64, 256), (37, 200), (5, 1999))):
         w32 = torch.randn(n, k) * torch.logspace(-2, 0, n)[:, None]
-        for dtype in (torch.bfloat16, torch.float16):
+        for j, dtype in enumerate((torch.bfloat16, torch.float16)):
             w = w32.to(dtype)
-            for bias in (None, torch.randn(n).to(dtype)):
+            # shape i meets both bias states (j = 0, 1), dtype j too (i = 0, 1)
+            for bias in ((torch.randn(n).to(dtype),) if (i + j) % 2 else (None,)):
                 for m in (1, 3, 16):
                     x = torch.randn(m, k).to(dtype)
                     ref = x.float() @ w.float().t() + (0 if bias is None else bias.float())
@@ -100,8 +106,10 @@ _SILU_CHECK = textwrap.dedent(
 
     torch.manual_seed(1)
     # One shape without a bias, the other (N and K tails) with one: running both shapes both
-    # ways doubled the interpreter's time here (~55 s) and reached no other code path.
-    for inter, k, with_bias in ((48, 256, False), (19, 200, True)):
+    # ways doubled the interpreter's time here (~55 s) and reached no other code path. The first
+    # has whole tiles: inter = 32 is a multiple of every config's BLOCK_N // 2 outputs (1..32;
+    # 48 left BLOCK_N 64 a tail, which the second shape has anyway) with a third fewer programs.
+    for inter, k, with_bias in ((32, 256, False), (19, 200, True)):
         w32 = torch.randn(2 * inter, k) * 0.1
         for dtype in (torch.bfloat16, torch.float16):
             w = w32.to(dtype)
@@ -138,7 +146,9 @@ _SILU_CHECK = textwrap.dedent(
 # tile before the wait (CUDA cores) or waits first (tensor cores). The interpreter has no grid dependencies, so
 # the two PTX instructions become counted no-ops; what is checked is that the peeled first
 # iteration computes exactly what the plain loop does (same products, same order: bit-equal),
-# for K below, at and above BLOCK_K, and that the PDL path really ran.
+# for K below, at and above BLOCK_K, and that the PDL path really ran. N: whole tiles for every
+# CUDA-core BLOCK_N (16) and tails (12, 17); the peel is along K, so more programs along N (the
+# interpreter's cost) would only repeat it.
 _PDL_CHECK = textwrap.dedent(
     """
     import triton.language.extra.cuda as cuda_extra
@@ -155,7 +165,7 @@ _PDL_CHECK = textwrap.dedent(
     from shard.kernels import gemv as gemv_kernel, pdl
 
     torch.manual_seed(2)
-    for n, k in ((24, 100), (40, 1024), (33, 2500)):
+    for n, k in ((12, 100), (16, 1024), (17, 2500)):
         for dtype in (torch.bfloat16,):
             w = (torch.randn(n, k) * 0.1).to(dtype)
             for m in (1, 3):

@@ -25,8 +25,10 @@ _CHECK = textwrap.dedent(
     BOUND = {torch.float16: 2**-10, torch.bfloat16: 2**-7}
     torch.manual_seed(0)
     # (N, K, group): two groups per row with a 64-wide tile; a whole-row group with a K tail
-    # inside the last tile; an N tail below BLOCK_N.
-    for n, k, group in ((48, 128, 64), (40, 96, 96), (5, 64, 32)):
+    # inside the last tile; an N tail below BLOCK_N. Shape, dtype and bias run as a pairwise
+    # covering set (6 cases, not the full product's 12: every pair of their values meets in one),
+    # each at every batch size.
+    for i, (n, k, group) in enumerate(((48, 128, 64), (40, 96, 96), (5, 64, 32))):
         groups = k // group
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         scales = (torch.rand(n, groups) * 0.1 + 0.01).half()
@@ -35,8 +37,9 @@ _CHECK = textwrap.dedent(
         packed = PackedInt.pack(UnpackedInt(q, scales, zeros, g_idx, 4))
         assert packed.group_size == group and packed.g_idx is None
         w = packed.dequantize(torch.float32)  # [N, K]
-        for dtype in (torch.bfloat16, torch.float16):
-            for bias in (None, torch.randn(n).to(dtype)):
+        for j, dtype in enumerate((torch.bfloat16, torch.float16)):
+            # shape i meets both bias states (j = 0, 1), dtype j too (i = 0, 1)
+            for bias in ((torch.randn(n).to(dtype),) if (i + j) % 2 else (None,)):
                 for m in (1, 3, 16):
                     x = torch.randn(m, k).to(dtype)
                     ref = x.float() @ w.t() + (0 if bias is None else bias.float())
