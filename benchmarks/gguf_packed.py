@@ -11,12 +11,12 @@ For each file: the perplexity of the first --tokens tokens of shard/tools/perple
   - through transformers (AutoModelForCausalLM.from_pretrained(gguf_file=...), float32, one
     forward over the whole text): the independent reference;
   - through a tokenwire shard of the packed snapshot (shard.loader.Shard, as `tokenwire shard`
-    builds it; chunked prefill through the paged cache, --dtype float32 and bfloat16);
+    builds it; chunked prefill through the paged cache, --dtype float32; --dtypes adds others);
 and the served weight memory: the linears as served (IntLinear bytes: packed integers, scales,
 zeros) against the same linears in bf16, and all weights (the embedding, tied to the LM head,
 stays float: --dtype) against all weights in bf16.
 
-Run (from the repo root, CPU, ~5 minutes on 2 cores; converts each file once into --cache):
+Run (from the repo root, CPU, ~6 minutes on 2 cores; converts each file once into --cache):
   .venv/bin/python benchmarks/gguf_packed.py --out benchmarks/raw/gguf-packed-cpu.json
 Prints the markdown table of benchmarks/GGUF_PACKED.md.
 """
@@ -88,7 +88,8 @@ def transformers_logprobs(file: Path, ids: list[int]) -> torch.Tensor:
 
 
 def perplexity(logprobs: torch.Tensor, targets: torch.Tensor) -> float:
-    return math.exp(float(-logprobs.gather(1, targets[:, None]).mean()))
+    """exp of the mean negative log-likelihood, summed in float64."""
+    return math.exp(float(-logprobs.gather(1, targets[:, None]).double().mean()))
 
 
 def served_memory(snapshot: Path) -> dict[str, float]:
@@ -129,7 +130,9 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens)")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/tokenwire-gguf-packed-bench"))
     parser.add_argument("--out", type=Path, help="raw JSON results")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    # bfloat16 too where the CPU multiplies it natively (AVX-512 BF16 / AMX; emulated it is
+    # many times slower than float32)
+    parser.add_argument("--dtypes", default="float32")
     args = parser.parse_args()
     torch.manual_seed(0)
     args.cache.mkdir(parents=True, exist_ok=True)
@@ -152,7 +155,8 @@ def main() -> None:
         ids = tok.encode(reference_prefix(tok, args.tokens), add_special_tokens=False).ids
         targets = torch.tensor(ids[1:])
         started = time.monotonic()
-        ref = perplexity(transformers_logprobs(file, ids), targets)
+        ref_lp = transformers_logprobs(file, ids)
+        ref = perplexity(ref_lp, targets)
         ref_s = time.monotonic() - started
         row = {"file": name, "tokens": len(ids), "linears": lines[-1] if lines else None,
                "convert_s": round(convert_s, 1), "transformers_ppl": ref,
@@ -163,6 +167,9 @@ def main() -> None:
             ppl = perplexity(lp, targets)
             row[f"tokenwire_{dtype}_ppl"] = ppl
             row[f"tokenwire_{dtype}_delta_pct"] = 100.0 * (ppl / ref - 1.0)
+            row[f"tokenwire_{dtype}_max_abs_logprob_diff"] = float((lp - ref_lp).abs().max())
+            row[f"tokenwire_{dtype}_top1_agreement"] = float(
+                (lp.argmax(-1) == ref_lp.argmax(-1)).float().mean())
             row[f"tokenwire_{dtype}_s"] = round(time.monotonic() - started, 1)
         row["memory"] = served_memory(snap.path)
         rows.append(row)
@@ -181,7 +188,8 @@ def _ppl_cell(row: dict, dtype: str) -> str:
     key = f"tokenwire_{dtype}_ppl"
     if key not in row:
         return "-"
-    return f"{row[key]:.4f} ({row[f'tokenwire_{dtype}_delta_pct']:+.3f} %)"
+    return (f"{row[key]:.5f} ({row[f'tokenwire_{dtype}_delta_pct']:+.4f} %; top-1 "
+            f"{100 * row[f'tokenwire_{dtype}_top1_agreement']:.2f} %)")
 
 
 def markdown(rows: list[dict]) -> str:
@@ -190,7 +198,7 @@ def markdown(rows: list[dict]) -> str:
            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         m = r["memory"]
-        out.append(f"| {r['file']} | {r['tokens']} | {r['transformers_ppl']:.4f} | "
+        out.append(f"| {r['file']} | {r['tokens']} | {r['transformers_ppl']:.5f} | "
                    f"{_ppl_cell(r, 'float32')} | {_ppl_cell(r, 'bfloat16')} | "
                    f"{100 * m['linear_ratio']:.1f} % | {100 * m['total_ratio']:.1f} % |")
     return "\n".join(out)
