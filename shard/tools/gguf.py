@@ -223,11 +223,11 @@ def convert(path: Path, out: Path, log: Log = _stderr, packed: bool = False) -> 
         model = AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32, **_dequantize_option(path)
         )
-    summary = None
-    if packed:
-        from shard.tools.gguf_repack import repack_linears
+        kept: dict[str, dict[str, torch.Tensor]] = {}
+        summary = None
+        if packed:  # the same reader: the file's blocks, checked against the float tensors
+            from shard.tools.gguf_repack import repack_linears
 
-        with _one_reader_per_file():
             kept, summary = repack_linears(path, model, model.state_dict())
     step(4, "writing safetensors")
     # save_pretrained refuses models loaded through the GGUF quantizer, so the tensors are
@@ -240,13 +240,12 @@ def convert(path: Path, out: Path, log: Log = _stderr, packed: bool = False) -> 
         if storage not in storages:
             storages.add(storage)
             tensors[name] = tensor.contiguous()
-    if summary is not None:
-        for prefix, parts in kept.items():  # the packed tensors replace the float weight
-            del tensors[f"{prefix}.weight"]
-            tensors.update({f"{prefix}.{suffix}": t for suffix, t in parts.items()})
+    for prefix, parts in kept.items():  # the packed tensors replace the float weight
+        del tensors[f"{prefix}.weight"]
+        tensors.update({f"{prefix}.{suffix}": t for suffix, t in parts.items()})
     safetensors.torch.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config_dict = model.config.to_diff_dict()
-    config_dict.pop("quantization_config", None)  # the snapshot holds plain float weights
+    config_dict.pop("quantization_config", None)  # transformers' GGUF one: not a checkpoint's
     for key in ("_name_or_path", "_model_name_or_path"):
         config_dict.pop(key, None)
     config_dict["architectures"] = [type(model).__name__]
