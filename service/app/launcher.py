@@ -509,9 +509,21 @@ def gguf_packed(choice: str, device: str | None) -> bool:
         return choice == "packed"
     if device:
         return device.startswith("cuda")
-    import torch  # only for a GGUF model with no --device: where the shards will run
+    return cuda_visible()
 
-    return torch.cuda.is_available()
+
+def cuda_visible() -> bool:
+    """Whether a shard with no --device runs on CUDA (it does where torch sees a GPU), asked of
+    the driver library directly: importing torch would cost every launch a second or more."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return False
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return (driver.cuInit(0) == 0 and driver.cuDeviceGetCount(ctypes.byref(count)) == 0
+            and count.value > 0)
 
 
 def ensure_local_model(

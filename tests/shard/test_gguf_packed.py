@@ -139,3 +139,4 @@ def test_launcher_keeps_gguf_linears_packed_on_cuda_by_default():
     assert gguf_packed("auto", "cuda") and gguf_packed("auto", "cuda:1")
     assert not gguf_packed("auto", "cpu")  # CPU matmuls would dequantize every call
     assert gguf_packed("packed", "cpu") and not gguf_packed("dequantize", "cuda")
+    assert gguf_packed("auto", None) == torch.cuda.is_available()  # where shards run by default
