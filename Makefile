@@ -17,6 +17,11 @@ TEST_WORKERS ?= 2
 # 165 s with it and 42 s without on a loaded 2-core host); Python compiles the modules a process
 # actually imports on first import instead.
 PIP := $(PY) -m pip install --only-binary=:all: --no-compile --progress-bar off
+# ... and so Python must be free to write the bytecode of what it imports: with
+# PYTHONDONTWRITEBYTECODE set (some images set it) every process would compile torch's and
+# transformers' modules again on each start (~4 CPU-seconds a process on this host; the suite
+# starts hundreds of servers). The empty value turns the setting off for the commands below.
+RUN_ENV := PYTHONDONTWRITEBYTECODE=
 say = @printf '\n==> %s\n' $(1)
 
 .PHONY: setup setup-runtime generate serve test lint
@@ -61,7 +66,7 @@ generate: setup
 # gRPC on $(GRPC_PORT), REST/SSE through Envoy on $(HTTP_PORT).
 serve: setup-runtime
 	$(call say,"starting tokenwire (the first start converts the default model once)")
-	$(VENV)/bin/tokenwire launch --port $(GRPC_PORT) --http-port $(HTTP_PORT)
+	$(RUN_ENV) $(VENV)/bin/tokenwire launch --port $(GRPC_PORT) --http-port $(HTTP_PORT)
 
 lint: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/generate --check
@@ -79,5 +84,5 @@ test: lint
 	# The 25 slowest tests close the log: where the suite's time goes, on every CI run. A test
 	# file runs on one worker (--dist loadfile): many share a module-scoped deployment, and some
 	# read what the file's earlier tests left behind (request counts, hot-loaded adapters).
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider \
+	$(RUN_ENV) PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider \
 	  -n $(TEST_WORKERS) --dist loadfile --durations=25

@@ -30,7 +30,8 @@ def make(out: Path, arch: str, seed: int = 0, *extra: str) -> Path:
     subprocess.run(
         [sys.executable, "-m", "service.app.cli", "make-tiny-model", str(out), "--arch", arch,
          "--seed", str(seed), *extra],
-        check=True, capture_output=True, timeout=120,
+        # A torch start-up plus a build: seconds when quiet; 120 s was once exceeded at load 10.
+        check=True, capture_output=True, timeout=300,
     )
     return out
 
@@ -39,13 +40,22 @@ def digest(path: Path) -> str:
     return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
 
 
+@pytest.fixture(scope="module")
+def cli_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The command's llama of seed 1, written once for the module: both the load test and the
+    same-bytes test read it (each command is a ~10-30 s interpreter start-up with torch)."""
+    return make(tmp_path_factory.mktemp("cli-llama") / "llama", "llama", seed=1)
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gpt2"])
-def test_cli_output_loads_in_transformers_and_generates(tmp_path: Path, arch: str) -> None:
+def test_cli_output_loads_in_transformers_and_generates(
+    tmp_path: Path, arch: str, request: pytest.FixtureRequest
+) -> None:
     # The command for one architecture; the others through the function it calls (the command
     # and the function write the same bytes: test_same_seed_same_weights_other_seed_other_weights),
     # which spares three ~10-30 s interpreter start-ups.
     if arch == "llama":
-        model_dir = make(tmp_path / arch, arch)
+        model_dir = request.getfixturevalue("cli_llama")
     else:
         model_dir = make_tiny_model(tmp_path / arch, TinyModelSpec(arch=arch))
     files = {p.name for p in model_dir.iterdir()}
@@ -68,10 +78,10 @@ def test_cli_output_loads_in_transformers_and_generates(tmp_path: Path, arch: st
     assert tokenizer.decode(tokenizer(text, add_special_tokens=False).input_ids) == text
 
 
-def test_same_seed_same_weights_other_seed_other_weights(tmp_path: Path) -> None:
+def test_same_seed_same_weights_other_seed_other_weights(tmp_path: Path, cli_llama: Path) -> None:
     """The command and the function it calls write the same bytes for a seed, other bytes for
     another seed."""
-    a = digest(make(tmp_path / "a", "llama", seed=1))
+    a = digest(cli_llama)
     b = digest(make_tiny_model(tmp_path / "b", TinyModelSpec(arch="llama", seed=1)))
     c = digest(make_tiny_model(tmp_path / "c", TinyModelSpec(arch="llama", seed=2)))
     assert a == b != c

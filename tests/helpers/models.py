@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 from pathlib import Path
 
 import pytest
@@ -20,18 +22,25 @@ def tiny_model(
     tmp_path_factory: pytest.TempPathFactory, arch: str = "llama", train_steps: int = 0
 ) -> Path:
     """A tiny model (random weights, or trained for `train_steps` on the progression task of
-    shard/tiny_training.py), built at most once per test session: it is cached under the
-    session's base temp directory, so every fixture and test that asks for the same
-    (arch, train_steps) shares one directory (a training run costs ~5 s)."""
+    shard/tiny_training.py), built at most once per test run: it is cached under the session's
+    base temp directory, so every fixture and test that asks for the same (arch, train_steps)
+    shares one directory (a training run costs ~5-10 s of CPU). Under pytest-xdist the cache is
+    the run's directory above the workers' own base temps, and a lock per model makes a worker
+    wait for another's build and reuse it (the build is deterministic, so either is the same)."""
     from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
 
-    out = tmp_path_factory.getbasetemp() / "tiny-models" / f"{arch}-{train_steps}"
-    if not out.exists():
-        # Built aside and renamed in one step: a failed build never leaves a half model behind.
-        scratch = tmp_path_factory.mktemp(f"building-{arch}") / "model"
-        make_tiny_model(scratch, TinyModelSpec(arch=arch, train_steps=train_steps))
-        out.parent.mkdir(exist_ok=True)
-        scratch.rename(out)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    out = root / "tiny-models" / f"{arch}-{train_steps}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with (out.parent / f".{arch}-{train_steps}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not out.exists():
+            # Built aside and renamed in one step: a failed build never leaves a half model.
+            scratch = tmp_path_factory.mktemp(f"building-{arch}") / "model"
+            make_tiny_model(scratch, TinyModelSpec(arch=arch, train_steps=train_steps))
+            scratch.rename(out)
     return out
 
 

@@ -46,13 +46,22 @@ def smollm2_server(
         deployment.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hf_model(smollm2_dir: Path):
-    """(model, tokenizer) of transformers on the same snapshot, float32, eval mode."""
+    """(model, tokenizer) of transformers on the same snapshot, float32, eval mode.
+
+    One math thread while the module runs, as the server under test (and test_openai.py's
+    reference): its generate() decodes one token at a time, where a second OpenMP thread
+    gains little and, on the CI's two busy cores, spins for its share of CPU. Restored after."""
     import torch
     import transformers
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     model.eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
-    return model, tokenizer
+    try:
+        yield model, tokenizer
+    finally:
+        torch.set_num_threads(threads)

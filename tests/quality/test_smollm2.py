@@ -30,11 +30,13 @@ PROMPTS = [
 ]
 NEW_TOKENS = 32
 # Tokens of the perplexity text, sent as prompts of PPL_WINDOW tokens (the server fixture's
-# --max-input-tokens): four prefills of 1,024 cost less than one of 4,096 (attention is
+# --max-input-tokens): two prefills of 1,024 cost less than one of 2,048 (attention is
 # quadratic), the warmup's worst-case prefill shrinks with them, and each step stays well inside
 # the router's 120 s per-step shard deadline even on a heavily loaded 2-core machine (a 2,048-token
-# prefill did not, at load average 18).
-PPL_TOKENS = 4096
+# prefill did not, at load average 18). Two full windows still score every position 0-1,023 and
+# a window boundary; twice the text (4,096 tokens) only averaged more of the same positions, at
+# twice the CPU (~30 s on both sides, server and transformers).
+PPL_TOKENS = 2048
 PPL_WINDOW = 1024
 
 
