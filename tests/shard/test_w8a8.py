@@ -1,8 +1,9 @@
 """compressed-tensors `int-quantized` W8A8-int8 checkpoints on CPU (shard/quantization/w8a8.py):
 config parsing with errors naming the field, the int8 matmul against a test-side per-token
 reference, and a tiny trained llama written by the test-side writer
-(tests/helpers/int_checkpoints.py) served at 1 and 2 (gloo, test_int_two_ranks.py) ranks against the same int8 weights
-dequantized to float32 with float activations.
+(tests/helpers/int_checkpoints.py) served against the same int8 weights dequantized to float32
+with float activations (two gloo ranks: test_int_two_ranks.py; a checkpoint written by
+llm-compressor itself: test_llmcompressor_fixtures.py).
 
 Tolerance: activations are rounded to int8 per token (a relative step of 1/127 of the row's
 largest value): the logits differ from the float-activation reference by under 3 % (relative
