@@ -25,6 +25,7 @@ accurate as one scale over the whole row, and no extra collective.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shard.quantization.int_weights import UnpackedInt
@@ -93,6 +94,45 @@ class W8A8Linear(nn.Module):
         self.register_buffer("weight_scale", w.scales.reshape(-1).float().contiguous(),
                              persistent=False)  # [N]
         self.register_buffer("bias", bias, persistent=False)
+
+    @classmethod
+    def merge_rows(cls, *linears: W8A8Linear) -> W8A8Linear | None:
+        """One W8A8Linear over the stacked output rows of `linears` (q/k/v or gate/up: one
+        activation quantization and one int8 GEMM instead of two or three), or None where their
+        inputs or biases differ. Exact: every row keeps its own scale, and the parts quantize
+        the same input the same way. The parts' buffers become views of the merged ones."""
+        first = linears[0]
+        if any(m.in_features != first.in_features or (m.bias is None) != (first.bias is None)
+               for m in linears):
+            return None
+        merged = cls.__new__(cls)
+        nn.Module.__init__(merged)
+        merged.in_features = first.in_features
+        merged.out_features = sum(m.out_features for m in linears)
+        merged.register_buffer("qweight", torch.cat([m.qweight for m in linears]),
+                               persistent=False)
+        merged.register_buffer("weight_scale", torch.cat([m.weight_scale for m in linears]),
+                               persistent=False)
+        merged.register_buffer("bias", None if first.bias is None else
+                               torch.cat([m.bias for m in linears]), persistent=False)
+        at = 0
+        for m in linears:
+            rows = slice(at, at + m.out_features)
+            m.qweight, m.weight_scale = merged.qweight[rows], merged.weight_scale[rows]
+            if m.bias is not None:
+                m.bias = merged.bias[rows]
+            at += m.out_features
+        return merged
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """For a merged gate/up weight (rows 0..I-1 gate, I..2I-1 up): silu(gate) * up,
+        x [M, in] -> [M, out / 2]."""
+        gate, up = self.forward(x).chunk(2, dim=-1)
+        if x.is_cuda:
+            from shard.kernels.elementwise import silu_mul
+
+            return silu_mul(gate, up)
+        return F.silu(gate) * up
 
     @property
     def weight_bytes(self) -> int:

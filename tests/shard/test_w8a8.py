@@ -20,7 +20,11 @@ import torch
 from reference import prompts
 
 from shard.distributed.groups import Dist
-from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shard.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from shard.quantization import IntLayout, checkpoint_quantization, linear_weight_bytes
 from shard.quantization.int_weights import tp_slice
 from shard.quantization.w8a8 import W8A8Linear, read_w8a8
@@ -105,6 +109,9 @@ def test_checkpoint_serves_the_dequantized_models_logits_and_tokens(w8a8_checkpo
     layers = [m.quantized for m in shard.runner.model.modules()
               if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     assert layers and all(isinstance(m, W8A8Linear) for m in layers)
+    merged = [m.merged for m in shard.runner.model.modules()
+              if isinstance(m, MergedColumnParallelLinear)]
+    assert merged and all(w is not None for w in merged)  # q/k/v and gate/up: one GEMM each
     ref_bytes = sum(m.weight.numel() * 2 for m in ref.runner.model.modules()
                     if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))  # as bf16
     assert linear_weight_bytes(shard.runner.model) < ref_bytes * 0.6
