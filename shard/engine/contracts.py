@@ -45,7 +45,8 @@ class RequestSpec:
     # The router detokenizes and matches stop sequences itself: Generations carry empty texts,
     # stop_sequences are ignored here (EOS and max_new_tokens still finish the request).
     ids_only: bool = False
-    # Images whose placeholders overlap this chunk (vision-language models).
+    # Images of the prompt (vision-language models); pixel values only for those overlapping
+    # the chunk (the others give M-RoPE positions their place).
     images: tuple[ImageSpec, ...] = ()
 
 

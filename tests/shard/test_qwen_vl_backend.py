@@ -1,0 +1,130 @@
+"""Qwen2-VL / Qwen2.5-VL through the transformers backend on a real shard engine: tiny random
+checkpoints (shard/tools/tiny_vlm.py) with transformers' own Qwen2-VL image processor (dynamic
+resolution: the patch grid, image_grid_thw, follows each image's size). Greedy tokens equal
+transformers' generate with one and two images of different sizes (3-D M-RoPE positions from
+the model's get_rope_index, decode positions continuing at max position + 1), prefill chunks
+cutting through an image, a text-only request in the same batch, and a repeated image served
+from the encoder cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from shard_driver import RouterSim, engine_call
+from tokenwire.shard.v1 import shard_pb2 as pb
+
+from shard.tools.tiny_vlm import QWEN_IMAGE, write_tiny_qwen2_vl
+from tests.helpers.transformers_backend import backend_shard
+from tests.helpers.vision import image
+
+N = 6  # new tokens per request
+# (text, images as (seed, width, height)): a 56x56 image is a 4x4 patch grid (4 tokens),
+# 84x56 a 4x6 grid (6 tokens): the placeholders and the 3-D positions differ per image.
+ONE = (f"look {QWEN_IMAGE} and tell", [(0, 56, 56)])
+TWO = (f"first {QWEN_IMAGE} then {QWEN_IMAGE} which", [(1, 84, 56), (2, 56, 56)])
+SAME = (f"a {QWEN_IMAGE} b {QWEN_IMAGE} c", [(1, 84, 56), (1, 84, 56)])
+TEXT = ("only words here, no picture at all", [])
+
+
+class Reference:
+    """transformers' generate on the image processor's pixels and the expanded prompt (the
+    placeholder count: image_grid_thw.prod() / merge^2, as Qwen2VLProcessor expands it)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import transformers
+
+        self.images = transformers.AutoImageProcessor.from_pretrained(str(model_dir))
+        self.tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+        self.model = transformers.AutoModelForImageTextToText.from_pretrained(
+            str(model_dir)).eval()
+        self.pad = self.tok.convert_tokens_to_ids("<|image_pad|>")
+
+    def inputs(self, text: str, specs: list[tuple[int, int, int]]) -> dict[str, Any]:
+        import torch
+
+        ids: list[int] = self.tok(text).input_ids
+        if not specs:
+            return {"input_ids": torch.tensor([ids])}
+        enc = self.images(images=[image(s, w, h) for s, w, h in specs], return_tensors="pt")
+        merge = self.images.merge_size ** 2
+        counts = iter((enc["image_grid_thw"].prod(-1) // merge).tolist())
+        out: list[int] = []
+        for t in ids:
+            out.extend([t] * next(counts) if t == self.pad else [t])
+        ids_t = torch.tensor([out])
+        # mm_token_type_ids (1: image) as the processor returns it: M-RoPE needs it
+        return {"input_ids": ids_t, "mm_token_type_ids": (ids_t == self.pad).int(), **enc}
+
+    def greedy(self, text: str, specs: list[tuple[int, int, int]]) -> list[int]:
+        enc = self.inputs(text, specs)
+        out = self.model.generate(**enc, max_new_tokens=N, min_new_tokens=N, do_sample=False)
+        return out[0, enc["input_ids"].shape[1]:].tolist()
+
+    def shard_images(self, enc: dict[str, Any]) -> list[pb.ImageInput]:
+        """The router's form: each image's patch rows as [t, h, w, patch_dim] float32."""
+        import hashlib
+
+        if "pixel_values" not in enc:
+            return []
+        ids = enc["input_ids"][0].tolist()
+        pixels = enc["pixel_values"].numpy().astype(np.float32)
+        merge = self.images.merge_size ** 2
+        out, row, pos = [], 0, 0
+        for t, h, w in enc["image_grid_thw"].tolist():
+            patch = np.ascontiguousarray(pixels[row : row + t * h * w]).reshape(t, h, w, -1)
+            row += t * h * w
+            offset = ids.index(self.pad, pos)
+            pos = offset + t * h * w // merge
+            out.append(pb.ImageInput(content_hash=hashlib.sha256(patch.tobytes()).digest(),
+                                     offset=offset, length=t * h * w // merge,
+                                     shape=list(patch.shape), pixel_values=patch.tobytes()))
+        return out
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen(request, tmp_path_factory) -> Path:
+    return write_tiny_qwen2_vl(tmp_path_factory.mktemp(request.param) / "model",
+                               family=request.param)
+
+
+def test_greedy_with_images_matches_transformers(qwen: Path) -> None:
+    ref = Reference(qwen)
+    shard = backend_shard(qwen)
+    cache = shard.runner.encoder_cache
+    cases = {1: ONE, 2: TWO, 3: TEXT, 4: SAME}
+    want = {rid: ref.greedy(*case) for rid, case in cases.items()}
+    sim = RouterSim(engine_call(shard), shard.runner.num_blocks, shard.runner.block_size)
+    for rid, (text, specs) in cases.items():
+        enc = ref.inputs(text, specs)
+        sim.add(rid, enc["input_ids"][0].tolist(), N, images=ref.shard_images(enc))
+    # One batch: the one-image prompt in chunks of 3 (its 4 placeholders start at 3, so
+    # chunks cut through the image), the two-image and the text-only prompts whole.
+    sim.prefill([(1, 3), (2, 0), (3, 0)])
+    while 1 in sim.requests and sim.requests[1].computed < len(sim.requests[1].prompt):
+        sim.prefill([(1, 3)])
+    sim.run_to_completion()
+    assert cache.misses == 3  # three images, each encoded once across the chunks
+    # The same image twice in a prompt, already encoded for request 2: all hits.
+    sim.prefill([(4, 0)])
+    sim.run_to_completion()
+    assert cache.misses == 3
+    got = {rid: sim.done[rid].generated for rid in cases}
+    assert got == want
+    assert want[1] != ref.greedy(ONE[0], [(5, 56, 56)])  # the image moves the output
+
+
+def test_mrope_positions_continue_after_the_prompt(qwen: Path) -> None:
+    """The shard's decode positions continue at max position + 1 (not at the token count):
+    transformers' rope_deltas."""
+    ref = Reference(qwen)
+    shard = backend_shard(qwen)
+    enc = ref.inputs(*TWO)
+    ids = enc["input_ids"][0].tolist()
+    images = ref.shard_images(enc)
+    positions, delta = shard.runner.model.rope_positions(
+        ids, [(i.offset, i.length, tuple(i.shape)) for i in images])
+    assert positions.shape == (3, len(ids))
+    assert delta == positions.max() + 1 - len(ids) < 0  # images take fewer positions than tokens
