@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from shard.attention.base import AttentionMetadata
+from shard.models import transformers_qwen_vl as qwen_vl
 from shard.models.base import ImageEmbeds, LoadContext
 from shard.models.heads import partition_heads
 from shard.models.transformers_attention import (
@@ -32,7 +33,6 @@ from shard.models.transformers_attention import (
     register,
 )
 from shard.models.transformers_norms import swap_rms_norms
-from shard.models import transformers_qwen_vl as qwen_vl
 from shard.models.transformers_support import (
     attention_modules,
     backend_class,

@@ -128,3 +128,54 @@ def test_mrope_positions_continue_after_the_prompt(qwen: Path) -> None:
         ids, [(i.offset, i.length, tuple(i.shape)) for i in images])
     assert positions.shape == (3, len(ids))
     assert delta == positions.max() + 1 - len(ids) < 0  # images take fewer positions than tokens
+
+
+async def test_router_and_shard_over_grpc_match_transformers(qwen: Path, tmp_path: Path
+                                                             ) -> None:
+    """The router's pipeline (the model's own image processor, placeholders expanded to its
+    grid) and engine over gRPC to a shard: chunked prefill (steps of 8 prompt tokens) through
+    the images, a text-only request in the same batches, then a prefix-cache hit on a prompt
+    whose image sits before the hit's end (the shard's M-RoPE rows still place it)."""
+    import asyncio
+
+    from service.engine.backend import WarmupBudgets
+    from service.engine.contracts import SamplingConfig, StoppingConfig, ValidatedRequest
+    from service.generation.images.pipeline import ImagePipeline
+    from service.generation.images.refs import ImageLimits, ImageRef
+    from tests.helpers.spec_engine import ShardServer, router_engine, token_ids
+    from tests.helpers.vision import encoded
+
+    ref = Reference(qwen)
+    pipeline = ImagePipeline.load(qwen, ImageLimits())
+    assert pipeline is not None and pipeline.image_token == "<|image_pad|>"
+    # the image in the first KV block, a long text after it: "again" hits past the image
+    long = (ONE[0] + " the quick brown fox jumps over the lazy dog" * 3, ONE[1])
+    cases = {"one": ONE, "two": TWO, "text": TEXT, "long": long, "again": long}
+    want = {name: ref.greedy(*case) for name, case in cases.items()}
+    budgets = WarmupBudgets(max_input_tokens=96, max_total_tokens=128,
+                            max_batch_prefill_tokens=96, max_batch_size=8)
+    server = ShardServer(qwen, tmp_path, kv_cache_memory_mb=2, model_impl="transformers")
+    got: dict[str, list[int]] = {}
+    try:
+        async with router_engine(server.url, budgets, 0, max_batch_prefill_tokens=8) as engine:
+
+            async def run(name: str) -> None:
+                text, specs = cases[name]
+                ids = tuple(ref.tok(text).input_ids)
+                refs = tuple(ImageRef(f"images[{i}]", data=encoded(s, width=w, height=h))
+                             for i, (s, w, h) in enumerate(specs))
+                ids, images = await pipeline.prepare(refs, ids, "inputs")
+                # the expansion is the processor's: the reference prompt, token for token
+                assert list(ids) == ref.inputs(text, specs)["input_ids"][0].tolist()
+                req = ValidatedRequest(request_id=name, input_ids=ids, sampling=SamplingConfig(),
+                                       stopping=StoppingConfig(max_new_tokens=N,
+                                                               ignore_eos_token=True),
+                                       images=images)
+                got[name] = token_ids([ev async for ev in engine.submit(req)])
+
+            await asyncio.gather(run("one"), run("two"), run("text"), run("long"))
+            await run("again")  # prefix-cache hit past the image
+    finally:
+        server.stop()
+        pipeline.close()
+    assert got == want
