@@ -20,7 +20,7 @@ class ImageSpec:
     content_hash: bytes  # the encoder cache's key
     offset: int  # first placeholder position in input_ids
     length: int  # placeholder tokens = embedding rows of the image
-    shape: tuple[int, ...]  # of pixel_values, e.g. [3, H, W]
+    shape: tuple[int, ...]  # of pixel_values: [3, H, W] or [t, h, w, patch_dim] (Qwen2-VL)
     pixel_values: bytes  # float32, C order
 
 
