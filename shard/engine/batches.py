@@ -372,6 +372,8 @@ class BatchState:
         t0 = time.perf_counter_ns()
         if self.runner.kv_cache is None:
             raise FailedPreconditionError("Warmup must run before Prefill")
+        # M-RoPE positions of new requests' prompts ([3, len], delta), computed while validating
+        rope: dict[int, tuple[np.ndarray, int]] = {}
         for spec in batch.requests:  # validate everything before any state changes
             end = spec.cache_len + spec.chunk_len
             if spec.chunk_len == 0 or end > len(spec.input_ids):
@@ -388,6 +390,9 @@ class BatchState:
                 self.grammars.check(spec.grammar)  # compiled (and cached) before any change
             if spec.images:
                 self._check_images(spec)
+                if (getattr(self.runner.model, "mrope", False)
+                        and (spec.cache_len == 0 or spec.id not in self.requests)):
+                    rope[spec.id] = self._rope_positions(spec)
         work: list[_Work] = []
         new_ids: list[int] = []
         for spec in batch.requests:
@@ -396,10 +401,8 @@ class BatchState:
             if state is None or spec.cache_len == 0:
                 state = self._new_state(spec)
                 self.requests[spec.id] = state
-                if spec.images and getattr(self.runner.model, "mrope", False):
-                    # every image of the prompt comes with each chunk (pixels only where used)
-                    state.mrope, state.rope_delta = self.runner.model.rope_positions(
-                        list(spec.input_ids), [(i.offset, i.length, i.shape) for i in spec.images])
+                if spec.id in rope:
+                    state.mrope, state.rope_delta = rope[spec.id]
             else:  # next chunk: the router replaces block table and cursor
                 state.blocks = list(spec.blocks)
                 state.blocks_checked = 0
@@ -648,6 +651,23 @@ class BatchState:
                     f"{image.length} placeholder tokens; the model's encoder takes "
                     + ("no such shape" if rows is None else f"{rows} for it")
                 )
+
+    def _rope_positions(self, spec: RequestSpec) -> tuple[np.ndarray, int]:
+        """A new request's M-RoPE positions (model.rope_positions: transformers' get_rope_index
+        over the whole prompt; every image of the prompt comes with each chunk). Its images
+        must be in order with a token between each two (transformers groups adjacent image
+        tokens into one image)."""
+        end = -1
+        for i, image in enumerate(spec.images):
+            if image.offset <= end:
+                raise InvalidRequestError(
+                    f"request {spec.id}: images[{i}] starts at {image.offset}; images must be in "
+                    f"prompt order with at least one token between them (the previous ends at "
+                    f"{end})"
+                )
+            end = image.offset + image.length
+        return self.runner.model.rope_positions(  # type: ignore[attr-defined]
+            list(spec.input_ids), [(i.offset, i.length, i.shape) for i in spec.images])
 
     def _lora_slots(self, work: list[_Work]) -> list[int] | None:
         """Each sequence's device slot of its adapter (-1: none), swapping adapters in; None

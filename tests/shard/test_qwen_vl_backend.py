@@ -179,3 +179,31 @@ async def test_router_and_shard_over_grpc_match_transformers(qwen: Path, tmp_pat
         server.stop()
         pipeline.close()
     assert got == want
+
+
+def test_images_out_of_order_or_touching_are_refused_and_the_shard_serves_on(qwen: Path
+                                                                            ) -> None:
+    """M-RoPE places each image after the text before it: images out of prompt order, or with
+    no token between them, are INVALID_ARGUMENT before any state changes; the next request
+    is served."""
+    from shard.errors import InvalidRequestError
+
+    ref = Reference(qwen)
+    shard = backend_shard(qwen)
+    enc = ref.inputs(*TWO)
+    ids = enc["input_ids"][0].tolist()
+    first, second = ref.shard_images(enc)
+    touching = pb.ImageInput()
+    touching.CopyFrom(second)
+    touching.offset = first.offset + first.length
+    for images in ([second, first], [first, touching]):
+        sim = RouterSim(engine_call(shard), shard.runner.num_blocks, shard.runner.block_size)
+        sim.add(1, ids, N, images=images)
+        with pytest.raises(InvalidRequestError, match="images must be in prompt order"):
+            sim.prefill([(1, 0)])
+    assert not shard.engine.requests  # nothing admitted
+    sim = RouterSim(engine_call(shard), shard.runner.num_blocks, shard.runner.block_size)
+    sim.add(2, ids, N, images=[first, second])
+    sim.prefill([(2, 0)])
+    sim.run_to_completion()
+    assert sim.done[2].generated == ref.greedy(*TWO)
