@@ -73,7 +73,8 @@ def vision_rank(dist: Any, device: str, job: dict[str, Any], res: dict[str, Any]
     """shard.testing.ranks RankFn: the tiny LLaVA of job["dir"] on this rank (transformers
     backend, the language model split over the ranks, the vision tower on each), one prefill of
     job["ids"] with job["images"] (content_hash, shape, pixel bytes, offset, length) and greedy
-    decode steps: res["tokens"], and res["params"], the weights this rank holds."""
+    decode steps: res["tokens"], and res["params"], the weights this rank holds. An M-RoPE model
+    (Qwen2-VL) gets its prompt's 3-D positions and decodes at index + delta."""
     import torch
 
     from shard.runner.images import StepImage
@@ -89,10 +90,14 @@ def vision_rank(dist: Any, device: str, job: dict[str, Any], res: dict[str, Any]
     step = StepInputs(ids, list(range(n)), [n], [n], [blocks], [n - 1])
     step.images = [StepImage(h, tuple(shape), pixels, offset, 0, length)
                    for h, shape, pixels, offset, length in job["images"]]
+    delta = 0
+    if getattr(runner.model, "mrope", False):
+        step.rope_positions, delta = runner.model.rope_positions(
+            ids, [(offset, length, tuple(shape)) for _, shape, _, offset, length in job["images"]])
     token = int(runner.execute(step).argmax(-1)[0])
     tokens = [token]
     for _ in range(steps - 1):
-        logits = runner.execute(StepInputs([token], [n], [1], [n + 1], [blocks], [0]))
+        logits = runner.execute(StepInputs([token], [n + delta], [1], [n + 1], [blocks], [0]))
         token = int(logits.argmax(-1)[0])
         tokens.append(token)
         n += 1

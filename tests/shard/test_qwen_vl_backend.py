@@ -207,3 +207,26 @@ def test_images_out_of_order_or_touching_are_refused_and_the_shard_serves_on(qwe
     sim.prefill([(2, 0)])
     sim.run_to_completion()
     assert sim.done[2].generated == ref.greedy(*TWO)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # two processes importing transformers on a shared host
+def test_two_ranks_with_images_match_transformers(tmp_path: Path) -> None:
+    """The language model split over two gloo ranks (the vision tower on each), two images in
+    the prompt, M-RoPE positions: what transformers generates, fewer weights per rank
+    (Qwen2-VL; Qwen2.5-VL's language model is the same code)."""
+    from shard.testing.ranks import run_ranks
+    from tests.helpers.transformers_backend import held_weights
+    from tests.helpers.vision import vision_rank
+
+    qwen = write_tiny_qwen2_vl(tmp_path / "qwen2_vl")
+    ref = Reference(qwen)
+    enc = ref.inputs(*TWO)
+    images = ref.shard_images(enc)
+    job = {"device": "cpu", "dir": str(qwen), "ids": enc["input_ids"][0].tolist(), "steps": N,
+           "images": [(i.content_hash, tuple(i.shape), i.pixel_values, i.offset, i.length)
+                      for i in images]}
+    res = run_ranks(2, job, vision_rank, timeout_s=500)
+    assert "error" not in res, res.get("error")
+    assert res["tokens"] == ref.greedy(*TWO)
+    assert res["params"] < held_weights(backend_shard(qwen))
