@@ -106,12 +106,15 @@ QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_p
 
 
 def write_tiny_qwen2_vl(out: Path, seed: int = 0, family: str = "qwen2_vl",
-                        max_pixels: int = 56 * 56) -> Path:
+                        max_pixels: int = 56 * 56, text: dict[str, Any] | None = None,
+                        vision: dict[str, Any] | None = None, dtype: str = "float32",
+                        device: str = "cpu") -> Path:
     """Writes a random Qwen2-VL (family "qwen2_vl") or Qwen2.5-VL ("qwen2_5_vl") checkpoint with
     transformers' own Qwen2-VL image processor (the PIL backend) into `out`: a 2-layer language
     model (hidden 64, M-RoPE sections [2, 3, 3] of head_dim 16) and a 2-layer vision tower on
     14-pixel patches merged 2x2, images resized to at most `max_pixels` (dynamic resolution:
-    a 40x30 image becomes a 2x2 grid of merged patches, 4 placeholder tokens)."""
+    a 56x56 image is a 4x4 patch grid, 4 placeholder tokens). `text` / `vision` override the
+    configs (benchmarks/vision_ttft.py builds a Qwen2-VL-7B shape on a GPU: `device`)."""
     import torch
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
@@ -132,6 +135,7 @@ def write_tiny_qwen2_vl(out: Path, seed: int = 0, family: str = "qwen2_vl",
         "bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD],
         "tie_word_embeddings": False,
     }
+    text_kw.update(text or {})
     vision_kw: dict[str, Any] = {"depth": 2, "embed_dim": 32, "num_heads": 4, "patch_size": 14,
                                  "spatial_merge_size": 2, "temporal_patch_size": 2,
                                  "initializer_range": 0.1}
@@ -140,19 +144,23 @@ def write_tiny_qwen2_vl(out: Path, seed: int = 0, family: str = "qwen2_vl",
                 "vision_end_token_id": ids["<|vision_end|>"], "tie_word_embeddings": False}
     if family == "qwen2_vl":
         vision_kw.update(hidden_size=64, mlp_ratio=2)  # hidden_size: the merger's output
+        vision_kw.update(vision or {})
         config: Any = transformers.Qwen2VLConfig(text_config=text_kw, vision_config=vision_kw,
                                                  **token_kw)
         cls: Any = transformers.Qwen2VLForConditionalGeneration
     elif family == "qwen2_5_vl":
         vision_kw.update(hidden_size=32, out_hidden_size=64, intermediate_size=64,
                          window_size=56, fullatt_block_indexes=[1])
+        vision_kw.update(vision or {})
         config = transformers.Qwen2_5_VLConfig(text_config=text_kw, vision_config=vision_kw,
                                                **token_kw)
         cls = transformers.Qwen2_5_VLForConditionalGeneration
     else:
         raise ValueError(f"family {family!r}: qwen2_vl or qwen2_5_vl")
     torch.manual_seed(seed)
-    model = cls(config).eval()
+    with torch.device(device):
+        model = cls(config)
+    model = model.to(getattr(torch, dtype)).eval()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save(str(out / "tokenizer.json"))
