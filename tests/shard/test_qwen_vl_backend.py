@@ -230,3 +230,20 @@ def test_two_ranks_with_images_match_transformers(tmp_path: Path) -> None:
     assert "error" not in res, res.get("error")
     assert res["tokens"] == ref.greedy(*TWO)
     assert res["params"] < held_weights(backend_shard(qwen))
+
+
+def test_a_preempted_request_recomputes_to_the_same_tokens(qwen: Path) -> None:
+    """After a preemption the router sends the prompt plus the tokens generated so far
+    (generated_len): the shard's M-RoPE rows cover them as text after the prompt, at the
+    positions decode gave them, so the rest of the output is unchanged."""
+    ref = Reference(qwen)
+    shard = backend_shard(qwen)
+    enc = ref.inputs(*TWO)
+    ids = enc["input_ids"][0].tolist()
+    want = ref.greedy(*TWO)
+    sim = RouterSim(engine_call(shard), shard.runner.num_blocks, shard.runner.block_size)
+    sim.add(1, ids + want[:3], N, images=ref.shard_images(enc), generated_len=3)
+    sim.prefill([(1, 5)])  # a first chunk, then the rest
+    sim.prefill([(1, 0)])
+    sim.run_to_completion()
+    assert sim.done[1].generated == want[3:]
