@@ -130,12 +130,14 @@ def test_mrope_positions_continue_after_the_prompt(qwen: Path) -> None:
     assert delta == positions.max() + 1 - len(ids) < 0  # images take fewer positions than tokens
 
 
-async def test_router_and_shard_over_grpc_match_transformers(qwen: Path, tmp_path: Path
-                                                             ) -> None:
+@pytest.mark.parametrize("speculate", [0, 3])
+async def test_router_and_shard_over_grpc_match_transformers(qwen: Path, tmp_path: Path,
+                                                             speculate: int) -> None:
     """The router's pipeline (the model's own image processor, placeholders expanded to its
     grid) and engine over gRPC to a shard: chunked prefill (steps of 8 prompt tokens) through
     the images, a text-only request in the same batches, then a prefix-cache hit on a prompt
-    whose image sits before the hit's end (the shard's M-RoPE rows still place it)."""
+    whose image sits before the hit's end (the shard's M-RoPE rows still place it). With
+    speculate=3 the n-gram drafts are verified at index + delta as well."""
     import asyncio
 
     from service.engine.backend import WarmupBudgets
@@ -157,7 +159,8 @@ async def test_router_and_shard_over_grpc_match_transformers(qwen: Path, tmp_pat
     server = ShardServer(qwen, tmp_path, kv_cache_memory_mb=2, model_impl="transformers")
     got: dict[str, list[int]] = {}
     try:
-        async with router_engine(server.url, budgets, 0, max_batch_prefill_tokens=8) as engine:
+        async with router_engine(server.url, budgets, speculate,
+                                 max_batch_prefill_tokens=8) as engine:
 
             async def run(name: str) -> None:
                 text, specs = cases[name]
