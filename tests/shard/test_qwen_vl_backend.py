@@ -150,6 +150,8 @@ async def test_router_and_shard_over_grpc_match_transformers(qwen: Path, tmp_pat
     ref = Reference(qwen)
     pipeline = ImagePipeline.load(qwen, ImageLimits())
     assert pipeline is not None and pipeline.image_token == "<|image_pad|>"
+    # what the router writes for an image (TGI markdown, gRPC chunks, plain chat templates)
+    assert pipeline.image_text == QWEN_IMAGE
     # the image in the first KV block, a long text after it: "again" hits past the image
     long = (ONE[0] + " the quick brown fox jumps over the lazy dog" * 3, ONE[1])
     cases = {"one": ONE, "two": TWO, "text": TEXT, "long": long, "again": long}

@@ -27,8 +27,12 @@ class Encoded:
 
 
 class ImageEncoder(Protocol):
-    image_token: str  # the text that stands for one image in a prompt
+    image_token: str  # the placeholder token, expanded to the image's count
     image_token_id: int
+    # The text that stands for one image in a prompt the router writes (chat templates that do
+    # not render image parts, TGI markdown, gRPC chunks): the image token, or for Qwen2-VL the
+    # token inside <|vision_start|> ... <|vision_end|> as its processor's prompts have it.
+    image_text: str
     tokenizer: Any
 
     def __call__(self, image: Any) -> Encoded:  # image: an RGB PIL image
@@ -43,6 +47,7 @@ class ProcessorEncoder:
         self.tokenizer = processor.tokenizer
         self.image_token: str = processor.image_token
         self.image_token_id: int = self.tokenizer.convert_tokens_to_ids(self.image_token)
+        self.image_text = self.image_token
 
     def __call__(self, image: Any) -> Encoded:
         import numpy as np
@@ -56,11 +61,16 @@ class ProcessorEncoder:
 class GridEncoder:
     """A dynamic-resolution image processor (Qwen2-VL's: patch rows + image_grid_thw)."""
 
-    def __init__(self, image_processor: Any, tokenizer: Any, image_token_id: int) -> None:
+    def __init__(self, image_processor: Any, tokenizer: Any, image_token_id: int,
+                 start_id: int | None = None, end_id: int | None = None) -> None:
         self._image_processor = image_processor
         self.tokenizer = tokenizer
         self.image_token_id = image_token_id
         self.image_token: str = tokenizer.convert_ids_to_tokens(image_token_id)
+        self.image_text = self.image_token
+        if start_id is not None and end_id is not None:  # <|vision_start|> ... <|vision_end|>
+            start, end = tokenizer.convert_ids_to_tokens([start_id, end_id])
+            self.image_text = f"{start}{self.image_token}{end}"
         self.merge: int = int(image_processor.merge_size)
 
     def __call__(self, image: Any) -> Encoded:
@@ -79,7 +89,8 @@ def grid_encoder(model_dir: Path) -> GridEncoder | None:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         return None
-    token_id = json.loads(config_path.read_text()).get("image_token_id")
+    config = json.loads(config_path.read_text())
+    token_id = config.get("image_token_id")
     pre = model_dir / "preprocessor_config.json"
     if token_id is None or not pre.is_file() or "merge_size" not in json.loads(pre.read_text()):
         return None
@@ -87,4 +98,5 @@ def grid_encoder(model_dir: Path) -> GridEncoder | None:
 
     image_processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-    return GridEncoder(image_processor, tokenizer, int(token_id))
+    return GridEncoder(image_processor, tokenizer, int(token_id),
+                       config.get("vision_start_token_id"), config.get("vision_end_token_id"))

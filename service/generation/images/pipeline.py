@@ -62,6 +62,8 @@ class ImagePipeline:
         # The text that stands for one image in a prompt, and its token id.
         self.image_token: str = encoder.image_token
         self.image_token_id: int = encoder.image_token_id
+        # What the router writes for one image in a prompt (encoders.ImageEncoder.image_text).
+        self.image_text: str = encoder.image_text
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="images")
 
     @classmethod
