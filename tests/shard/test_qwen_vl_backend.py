@@ -9,16 +9,14 @@ from the encoder cache."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
 from shard_driver import RouterSim, engine_call
 from tokenwire.shard.v1 import shard_pb2 as pb
 
 from shard.tools.tiny_vlm import QWEN_IMAGE, write_tiny_qwen2_vl
 from tests.helpers.transformers_backend import backend_shard
-from tests.helpers.vision import image
+from tests.helpers.vision import QwenReference
 
 N = 6  # new tokens per request
 # (text, images as (seed, width, height)): a 56x56 image is a 4x4 patch grid (4 tokens),
@@ -29,59 +27,11 @@ SAME = (f"a {QWEN_IMAGE} b {QWEN_IMAGE} c", [(1, 84, 56), (1, 84, 56)])
 TEXT = ("only words here, no picture at all", [])
 
 
-class Reference:
-    """transformers' generate on the image processor's pixels and the expanded prompt (the
-    placeholder count: image_grid_thw.prod() / merge^2, as Qwen2VLProcessor expands it)."""
+class Reference(QwenReference):
+    """QwenReference generating N tokens."""
 
-    def __init__(self, model_dir: Path) -> None:
-        import transformers
-
-        self.images = transformers.AutoImageProcessor.from_pretrained(str(model_dir))
-        self.tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-        self.model = transformers.AutoModelForImageTextToText.from_pretrained(
-            str(model_dir)).eval()
-        self.pad = self.tok.convert_tokens_to_ids("<|image_pad|>")
-
-    def inputs(self, text: str, specs: list[tuple[int, int, int]]) -> dict[str, Any]:
-        import torch
-
-        ids: list[int] = self.tok(text).input_ids
-        if not specs:
-            return {"input_ids": torch.tensor([ids])}
-        enc = self.images(images=[image(s, w, h) for s, w, h in specs], return_tensors="pt")
-        merge = self.images.merge_size ** 2
-        counts = iter((enc["image_grid_thw"].prod(-1) // merge).tolist())
-        out: list[int] = []
-        for t in ids:
-            out.extend([t] * next(counts) if t == self.pad else [t])
-        ids_t = torch.tensor([out])
-        # mm_token_type_ids (1: image) as the processor returns it: M-RoPE needs it
-        return {"input_ids": ids_t, "mm_token_type_ids": (ids_t == self.pad).int(), **enc}
-
-    def greedy(self, text: str, specs: list[tuple[int, int, int]]) -> list[int]:
-        enc = self.inputs(text, specs)
-        out = self.model.generate(**enc, max_new_tokens=N, min_new_tokens=N, do_sample=False)
-        return out[0, enc["input_ids"].shape[1]:].tolist()
-
-    def shard_images(self, enc: dict[str, Any]) -> list[pb.ImageInput]:
-        """The router's form: each image's patch rows as [t, h, w, patch_dim] float32."""
-        import hashlib
-
-        if "pixel_values" not in enc:
-            return []
-        ids = enc["input_ids"][0].tolist()
-        pixels = enc["pixel_values"].numpy().astype(np.float32)
-        merge = self.images.merge_size ** 2
-        out, row, pos = [], 0, 0
-        for t, h, w in enc["image_grid_thw"].tolist():
-            patch = np.ascontiguousarray(pixels[row : row + t * h * w]).reshape(t, h, w, -1)
-            row += t * h * w
-            offset = ids.index(self.pad, pos)
-            pos = offset + t * h * w // merge
-            out.append(pb.ImageInput(content_hash=hashlib.sha256(patch.tobytes()).digest(),
-                                     offset=offset, length=t * h * w // merge,
-                                     shape=list(patch.shape), pixel_values=patch.tobytes()))
-        return out
+    def greedy(self, text: str, specs: list[tuple[int, int, int]], n: int = N) -> list[int]:
+        return super().greedy(text, specs, n)
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
