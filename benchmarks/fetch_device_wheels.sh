@@ -23,5 +23,6 @@ $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --imp
   opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-proto==1.45.2 \
   opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
   opentelemetry-semantic-conventions==0.66b2 opentelemetry-instrumentation==0.66b2 \
-  opentelemetry-instrumentation-grpc==0.66b2
+  opentelemetry-instrumentation-grpc==0.66b2 \
+  pillow==13.0.0
 ls "$dest"; du -sh "$dest"

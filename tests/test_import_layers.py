@@ -222,8 +222,9 @@ def test_the_rule_checker_catches_a_wrong_import(module: str, bad_import: str) -
 
 # transformers' modeling code serves models only through the transformers backend (shard.models);
 # the model tools (shard.tools: GGUF conversion, tiny models, offline quantization, tokenizer
-# files) read checkpoints with it. Nothing above them imports it.
-TRANSFORMERS_IMPORTERS = ("shard.models", "shard.tools")
+# files) read checkpoints with it; the router's image pipeline (service.generation.images) runs
+# the model's own image processor (AutoProcessor). Nothing else imports it.
+TRANSFORMERS_IMPORTERS = ("shard.models", "shard.tools", "service.generation.images")
 
 
 def test_only_model_code_and_model_tools_import_transformers() -> None:

@@ -40,6 +40,7 @@ EVENT_STREAM = "text/event-stream"
 TEMPERATURE_RANGE = (0.0, 1.0)  # Anthropic's range (the engine allows up to 2)
 # gRPC status of a domain error -> HTTP status and Anthropic's error type.
 _HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.OUT_OF_RANGE: (413, "request_too_large"),
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.UNIMPLEMENTED: (400, "invalid_request_error"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),

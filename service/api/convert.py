@@ -11,6 +11,7 @@ from tokenwire.v1 import generate_pb2 as pb
 from service.api.status import ErrorKind
 from service.engine.adapters import AdapterInfo, AdapterSource
 from service.engine.contracts import TokenInfo
+from service.generation.images.refs import ImageRef
 from service.generation.service import (
     GeneratedSequence,
     GenerateOutcome,
@@ -52,7 +53,19 @@ def generate_input(request: pb.GenerateRequest) -> GenerateInput:
         top_n_tokens=_opt(p, "top_n_tokens"),  # type: ignore[arg-type]
         grammar=grammar,
         adapter_id=_opt(p, "adapter_id"),  # type: ignore[arg-type]
+        input_chunks=tuple(_chunk(c, i) for i, c in enumerate(request.input_chunks)),
     )
+
+
+def _chunk(chunk: pb.InputChunk, i: int) -> str | ImageRef:
+    """A typed prompt part: its text, or the image it names (errors name input_chunks[i])."""
+    if chunk.WhichOneof("chunk") != "image":
+        return chunk.text
+    image = chunk.image
+    field = f"input_chunks[{i}].image"
+    if image.WhichOneof("source") == "data":
+        return ImageRef(field, data=image.data)
+    return ImageRef(field, url=image.url)
 
 
 # Slack kept between the engine's deadline and the gRPC one: the engine drops a request at a step

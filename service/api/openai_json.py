@@ -3,9 +3,11 @@ response bodies, SSE chunks and error bodies out, byte for byte as OpenAI writes
 where OpenAI writes null, integers as numbers, `data: [DONE]` at the end of a stream).
 
 Request decoding follows OpenAI: unknown fields are ignored; a field that names a feature this
-server lacks (the deprecated functions / function_call, logit_bias, non-text content parts) is a
-ValidationError naming it, never silently dropped. response_format (json_object, json_schema) and
-tools (tool_choice, parallel_tool_calls) constrain the output with a grammar.
+server lacks (the deprecated functions / function_call, logit_bias, content parts other than text
+and image_url) is a ValidationError naming it, never silently dropped. Image parts (data or
+http(s) URLs) go to the model's image pipeline (service.generation.images). response_format
+(json_object, json_schema) and tools (tool_choice, parallel_tool_calls) constrain the output
+with a grammar.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import grpc
 from service.api.status import classify, public_message
 from service.generation.errors import ModelNotFoundError, ValidationError
 from service.generation.grammar import FUNCTION_NAME_RE, FunctionTool
+from service.generation.images.refs import ImageRef
 from service.generation.openai import (
     ChatMessage,
     ChatRequest,
@@ -51,6 +54,7 @@ UNSUPPORTED = (
 )
 # gRPC status of a domain error -> HTTP status, OpenAI error type and code.
 _HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
+    grpc.StatusCode.OUT_OF_RANGE: (413, "invalid_request_error", "payload_too_large"),
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
     grpc.StatusCode.UNIMPLEMENTED: (400, "invalid_request_error", "unsupported"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
@@ -169,24 +173,41 @@ def _sampling(body: dict[str, Any]) -> SamplingRequest:
     )
 
 
-def _content(value: Any, where: str) -> str:
+def _content(value: Any, where: str) -> tuple[str, tuple[tuple[int, ImageRef], ...]]:
+    """The text of a message's content, and its image parts with the text offset each sits at."""
     if isinstance(value, str):
-        return value
+        return value, ()
     if isinstance(value, list):
-        texts = []
+        texts: list[str] = []
+        images: list[tuple[int, ImageRef]] = []
+        at = 0
         for j, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                images.append((at, _image_part(part, f"{where}.content[{j}]")))
+                continue
             if kind != "text":
                 raise _bad(
                     f"{where}.content[{j}].type",
-                    f"{where}.content[{j}]: only text parts are supported; got type {kind!r}",
+                    f"{where}.content[{j}]: only text and image_url parts are supported; got "
+                    f"type {kind!r}",
                 )
             text = part.get("text")
             if not isinstance(text, str):
                 raise _bad(f"{where}.content[{j}].text", "a text part needs a string 'text'")
             texts.append(text)
-        return "".join(texts)
-    raise _bad(f"{where}.content", f"{where}.content must be a string or a list of text parts")
+            at += len(text)
+        return "".join(texts), tuple(images)
+    raise _bad(f"{where}.content", f"{where}.content must be a string or a list of parts")
+
+
+def _image_part(part: dict[str, Any], where: str) -> ImageRef:
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise _bad(f"{where}.image_url", f"{where}: an image_url part needs "
+                   "image_url: {url: \"data:...\" or \"https://...\"}")
+    return ImageRef(f"{where}.image_url", url=url)
 
 
 def _message(value: Any, i: int) -> ChatMessage:
@@ -199,9 +220,13 @@ def _message(value: Any, i: int) -> ChatMessage:
     calls = _message_tool_calls(value.get("tool_calls"), where) if role == "assistant" else ()
     content = value.get("content")
     name, call_id = value.get("name"), value.get("tool_call_id")
+    text, images = ("", ()) if content is None and calls else _content(content, where)
+    if images and role != "user":
+        raise _bad(f"{where}.content", f"{where}: image parts are accepted in user messages only")
     return ChatMessage(
         role="system" if role == "developer" else role,
-        content="" if content is None and calls else _content(content, where),
+        content=text,
+        images=images,
         name=name if isinstance(name, str) else None,
         tool_call_id=call_id if isinstance(call_id, str) else None,
         tool_calls=calls,

@@ -27,6 +27,7 @@ from service.generation.errors import (
     ValidationError,
     error_type,
 )
+from service.generation.images.refs import ImageTooLargeError
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class ErrorKind:
 
 # Most specific first: subclasses must come before their bases.
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    # An image over --max-image-bytes: OUT_OF_RANGE, which the REST faces answer with 413.
+    (ImageTooLargeError, grpc.StatusCode.OUT_OF_RANGE),
     (ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnsupportedError, grpc.StatusCode.UNIMPLEMENTED),
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),

@@ -45,6 +45,7 @@ _UINT64 = 1 << 64
 # gRPC status of a domain error -> TGI's HTTP status and error_type (server.rs, infer/mod.rs):
 # a failed generation is 424 "generation"; not serving (warming up, draining, shard down) is 503.
 _HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.OUT_OF_RANGE: (413, "validation"),
     grpc.StatusCode.INVALID_ARGUMENT: (422, "validation"),
     grpc.StatusCode.UNIMPLEMENTED: (422, "validation"),
     grpc.StatusCode.FAILED_PRECONDITION: (422, "validation"),

@@ -116,6 +116,22 @@ PASS_THROUGH: tuple[PassThrough, ...] = (
     PassThrough(
         "--max-client-batch-size", int, ("MAX_CLIENT_BATCH_SIZE",), "largest client batch", "router"
     ),
+    # Images (vision-language models; see tokenwire router --help).
+    PassThrough("--max-images-per-request", int, ("MAX_IMAGES_PER_REQUEST",),
+                "most images in one request", "router"),
+    PassThrough("--max-image-pixels", int, ("MAX_IMAGE_PIXELS",), "most pixels of one image",
+                "router"),
+    PassThrough("--max-image-bytes", int, ("MAX_IMAGE_BYTES",),
+                "largest encoded image (larger: 413)", "router"),
+    PassThrough("--image-fetch-timeout", float, ("IMAGE_FETCH_TIMEOUT",),
+                "seconds to fetch one image URL", "router"),
+    PassThrough("--max-image-redirects", int, ("MAX_IMAGE_REDIRECTS",),
+                "redirects followed when fetching an image URL", "router"),
+    PassThrough("--allow-private-image-urls", bool, ("ALLOW_PRIVATE_IMAGE_URLS",),
+                "fetch image URLs on private and loopback addresses (refused by default)",
+                "router", is_bool=True),
+    PassThrough("--allow-image-networks", str, ("ALLOW_IMAGE_NETWORKS",),
+                "CIDRs image URLs may reach although private (comma-separated)", "router"),
     PassThrough(
         "--max-batch-prefill-tokens",
         int,

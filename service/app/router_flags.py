@@ -14,6 +14,7 @@ from pathlib import Path
 from service.app.env_flags import env_bool, env_value
 from service.engine.backend import WarmupBudgets
 from service.engine.engine import EngineConfig
+from service.generation.images.refs import ImageLimits
 from service.generation.parsers.registry import AUTO as AUTO_TOOLS
 from service.generation.parsers.registry import REASONING_PARSERS, TOOL_CALL_PARSERS
 from service.generation.validation import ValidationLimits
@@ -33,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _listening_flags(group("listening").add_argument)
     _shard_flags(group("shards").add_argument)
     _request_limit_flags(group("request limits").add_argument)
+    _image_flags(group("images (vision-language models)").add_argument)
     _batching_flags(group("batching").add_argument)
     _observability_flags(group("observability").add_argument)
     _process_flags(group("processes").add_argument)
@@ -106,6 +108,83 @@ def _responses_store_ttl(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"--responses-store-ttl must be > 0 (got {value})")
     return value
+
+
+def _image_flags(a: _AddArgument) -> None:
+    a(
+        "--max-images-per-request",
+        type=int,
+        default=int(env_value("MAX_IMAGES_PER_REQUEST") or 8),
+        help="most images in one request [MAX_IMAGES_PER_REQUEST] (default 8)",
+    )
+    a(
+        "--max-image-pixels",
+        type=int,
+        default=int(env_value("MAX_IMAGE_PIXELS") or 4096 * 4096),
+        help="most pixels (width x height) of one image [MAX_IMAGE_PIXELS] (default 4096x4096)",
+    )
+    a(
+        "--max-image-bytes",
+        type=int,
+        default=int(env_value("MAX_IMAGE_BYTES") or 10 * 1024 * 1024),
+        help="largest encoded image, data URL or fetched body; larger is a 413 "
+        "[MAX_IMAGE_BYTES] (default 10 MiB: as base64 it stays under the public API's 16 MiB "
+        "message limit)",
+    )
+    a(
+        "--image-fetch-timeout",
+        type=float,
+        default=float(env_value("IMAGE_FETCH_TIMEOUT") or 10.0),
+        help="seconds to fetch one image URL, redirects included [IMAGE_FETCH_TIMEOUT] "
+        "(default 10)",
+    )
+    a(
+        "--max-image-redirects",
+        type=int,
+        default=int(env_value("MAX_IMAGE_REDIRECTS") or 3),
+        help="redirects followed when fetching an image URL [MAX_IMAGE_REDIRECTS] (default 3)",
+    )
+    a(
+        "--allow-private-image-urls",
+        action="store_true",
+        default=env_bool("ALLOW_PRIVATE_IMAGE_URLS"),
+        help="fetch image URLs whose host resolves to private, loopback, link-local or "
+        "reserved addresses (refused by default: an image URL must not reach into the "
+        "operator's network) [ALLOW_PRIVATE_IMAGE_URLS]",
+    )
+    a(
+        "--allow-image-networks",
+        type=_networks,
+        default=_networks(env_value("ALLOW_IMAGE_NETWORKS") or ""),
+        help="comma-separated CIDRs whose addresses image URLs may reach although private or "
+        "loopback, e.g. an internal image store's 10.1.2.0/24 [ALLOW_IMAGE_NETWORKS]",
+    )
+
+
+def _networks(value: str) -> tuple[str, ...]:
+    """CIDRs, checked now: a typo fails at start-up, not at the first image."""
+    import ipaddress
+
+    out = tuple(n.strip() for n in value.split(",") if n.strip())
+    for n in out:
+        try:
+            ipaddress.ip_network(n, strict=False)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a network (CIDR): {n!r}") from None
+    return out
+
+
+def image_limits(args: argparse.Namespace) -> ImageLimits:
+    """The image flags."""
+    return ImageLimits(
+        max_images=args.max_images_per_request,
+        max_pixels=args.max_image_pixels,
+        max_bytes=args.max_image_bytes,
+        fetch_timeout_s=args.image_fetch_timeout,
+        max_redirects=args.max_image_redirects,
+        allow_private=args.allow_private_image_urls,
+        allowed_networks=args.allow_image_networks,
+    )
 
 
 def _request_limit_flags(a: _AddArgument) -> None:

@@ -27,11 +27,17 @@ from service.api.server import build_server
 from service.api.servicer import HealthReporter, TextGenerationServicer
 from service.api.tgi_servicer import TgiHttpOptions, TgiHttpServicer
 from service.app.engine_source import EngineSource, ShardEngineSource, ShardLink
-from service.app.router_flags import FlagError, engine_config, validation_limits
+from service.app.router_flags import (
+    FlagError,
+    engine_config,
+    image_limits,
+    validation_limits,
+)
 from service.engine.backend import ShardRpcError
 from service.engine.contracts import Engine, EngineStats
 from service.generation.chat_template import ChatTemplate
 from service.generation.grammar import GrammarCompiler
+from service.generation.images.pipeline import ImagePipeline
 from service.generation.openai import OpenAIEndpoints, OutputParsers
 from service.generation.parsers.registry import (
     reasoning_parser,
@@ -138,6 +144,7 @@ async def serve(
     tokenizer = None
     chat_template = None
     grammars = None
+    images: ImagePipeline | None = None
     try:
         connect_task = asyncio.ensure_future(source.connect())
         stop_task = asyncio.ensure_future(stop.wait())
@@ -174,9 +181,12 @@ async def serve(
         holder["engine"] = engine
         metrics.adapter_load.max_lora = shard.max_loras
         await engine.start()
+        model_dir = tokenizer_path if tokenizer_path.is_dir() else tokenizer_path.parent
+        # None for a text model; off the event loop: loading imports transformers.
+        images = await asyncio.to_thread(ImagePipeline.load, model_dir, image_limits(args))
         service = GenerationService(
             engine,
-            Validator(validation_limits(args, limits), tokenizer, grammars),
+            Validator(validation_limits(args, limits), tokenizer, grammars, images),
             metrics,
             max_concurrent_requests=args.max_concurrent_requests,
             on_shard_failure=health_reporter.shard_failed,
@@ -268,6 +278,8 @@ async def serve(
             chat_template.close()
         if grammars is not None:
             grammars.close()
+        if images is not None:
+            images.close()
         if metrics_server is not None:
             metrics_server.close()
         if tracing is not None:

@@ -54,6 +54,18 @@ class GrammarSpec:
 
 
 @dataclass(frozen=True)
+class ImageInput:
+    """One preprocessed image of a prompt: its pixel values (the model's own transformers image
+    processor's output) and where its placeholder tokens sit in input_ids."""
+
+    content_hash: bytes  # sha256 of the encoded image: encoder-cache and prefix-cache key
+    offset: int  # first placeholder token of the image in input_ids
+    length: int  # placeholder tokens (the count the processor expands the image to)
+    pixel_values: bytes  # float32, C order
+    shape: tuple[int, ...]  # of pixel_values: [3, H, W] (LLaVA), [t, h, w, patch_dim] (Qwen2-VL)
+
+
+@dataclass(frozen=True)
 class ValidatedRequest:
     """One sequence to generate, after validation and tokenization (best_of is expanded by the
     servicer into several of these with different seeds)."""
@@ -73,6 +85,8 @@ class ValidatedRequest:
     # front ends: service.generation.text_stream): the shards return ids only, the events'
     # texts are empty and stop sequences never finish the request in the engine.
     ids_only: bool = False
+    # Images of the prompt, in placeholder order (vision-language models); () for text only.
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass(frozen=True)

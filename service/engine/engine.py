@@ -55,6 +55,7 @@ from service.scheduler import (
     StepPlan,
 )
 from service.scheduler.contracts import FinishReason, StepOutput, TokenInfo
+from service.scheduler.prefix_cache import ImageSpan
 from shard.runtime.gc_pacing import GcPacer
 
 log = logging.getLogger("tokenwire.engine")
@@ -327,6 +328,8 @@ class LocalEngine:
                 payload=request,
                 adapter=request.adapter,
                 cache_salt=salt,
+                images=tuple(ImageSpan(i.offset, i.length, i.content_hash)
+                             for i in request.images),
                 max_new_tokens=request.stopping.max_new_tokens,
                 speculate=request.grammar is None,
             )

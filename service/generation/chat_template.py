@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,6 +43,11 @@ class Message(Protocol):
 
     @property
     def tool_calls(self) -> tuple[Call, ...]: ...
+
+    @property
+    def images(self) -> tuple[tuple[int, Any], ...]:
+        """Image parts: (offset in content where each sits, the image)."""
+        ...
 
 
 class Call(Protocol):
@@ -152,7 +158,7 @@ class ChatTemplate:
         return renderer
 
     def _render_sync(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], image_token: str = ""
     ) -> tuple[str, tuple[int, ...]]:
         templates, tokenizer = self._load()
         template = self._override or templates.pick(with_tools=bool(tools))
@@ -162,6 +168,7 @@ class ChatTemplate:
                 "this model has no chat template (its tokenizer_config.json has none): start "
                 "the router with --chat-template FILE to serve chat completions",
             )
+        messages = _with_images(messages, _knows_images(template or ""), image_token)
         declared: list[dict[str, Any]] | None = None
         if _knows_tools(template):
             messages = [{k: v for k, v in m.items() if k != "_blocks"} for m in messages]
@@ -178,14 +185,18 @@ class ChatTemplate:
         return prompt, tuple(ids)
 
     async def render(
-        self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = ()
+        self, messages: tuple[Message, ...], tools: tuple[Tool, ...] = (), image_token: str = ""
     ) -> tuple[str, tuple[int, ...]]:
         """The prompt text and its token ids, with the assistant's turn opened. `tools`: the
         functions the model may call (declared through the template's own `tools` support, or
-        in a system message when it has none)."""
+        in a system message when it has none). A message's images: `{"type": "image"}` parts
+        of a content list for a template that renders image parts itself, else `image_token`
+        in the text at their places."""
         payload: list[dict[str, Any]] = []
         for m in messages:
             item: dict[str, Any] = {"role": m.role, "content": m.content}
+            if m.images:
+                item["_parts"] = _parts(m.content, [at for at, _ in m.images])
             if m.name is not None:
                 item["name"] = m.name
             if m.tool_call_id is not None:
@@ -203,10 +214,46 @@ class ChatTemplate:
             payload.append(item)
         declared = [_tool_json(t) for t in tools]
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._render_sync, payload, declared)
+        return await loop.run_in_executor(self._executor, self._render_sync, payload, declared,
+                                          image_token)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _parts(text: str, offsets: list[int]) -> list[dict[str, str]]:
+    """OpenAI-style content parts: the text cut at each image's offset, an image part there."""
+    parts: list[dict[str, str]] = []
+    cut = 0
+    for at in offsets:
+        if text[cut:at]:
+            parts.append({"type": "text", "text": text[cut:at]})
+        parts.append({"type": "image"})
+        cut = at
+    if text[cut:]:
+        parts.append({"type": "text", "text": text[cut:]})
+    return parts
+
+
+def _knows_images(template: str) -> bool:
+    """Whether a template renders image content parts itself (vision-language models' templates
+    test a part's type against "image")."""
+    return re.search(r"""['"]image['"]""", template) is not None
+
+
+def _with_images(messages: list[dict[str, Any]], parts: bool, image_token: str
+                 ) -> list[dict[str, Any]]:
+    """Messages with images: their content as parts (a template that renders image parts), or
+    their text with `image_token` at each image's place (any other template)."""
+    out = []
+    for m in messages:
+        if "_parts" in m:
+            m = dict(m)
+            found = m.pop("_parts")
+            m["content"] = found if parts else "".join(
+                p["text"] if p["type"] == "text" else image_token for p in found)
+        out.append(m)
+    return out
 
 
 def _knows_tools(template: str) -> bool:

@@ -20,6 +20,7 @@ from service.engine.contracts import FinishReason, TokenInfo
 from service.generation.chat_template import ChatTemplate
 from service.generation.errors import ModelNotFoundError, ValidationError
 from service.generation.grammar import FunctionTool, json_schema_spec
+from service.generation.images.refs import ImageRef
 from service.generation.parsers.contracts import (
     ContentDelta,
     OutputDelta,
@@ -105,6 +106,8 @@ class ChatMessage:
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant message that called tools
+    # Image parts (user messages): (offset in content where the image sits, the image).
+    images: tuple[tuple[int, ImageRef], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -406,8 +409,13 @@ class OpenAIEndpoints:
                 "and the router was started without --chat-template FILE",
             )
         tools = _active_tools(request)
-        prompt, ids = await self._template.render(request.messages, request.tools if tools else ())
-        generate = self._input(request.params, prompt, ids)
+        images = self._images(request.messages)
+        declared = request.tools if tools else ()
+        prompt, ids = await (
+            self._template.render(request.messages, declared, self._image_token()) if images
+            else self._template.render(request.messages, declared)
+        )
+        generate = replace(self._input(request.params, prompt, ids), images=images)
         reasoning = self.parsers.reasoning
         if tools:
             choice = request.tool_choice or ToolChoice()
@@ -432,6 +440,18 @@ class OpenAIEndpoints:
             grammar = GrammarInput(kind, rf.schema, strict=rf.strict)
             return replace(generate, grammar=grammar, grammar_field="response_format")
         return generate
+
+    def _images(self, messages: tuple[ChatMessage, ...]) -> tuple[ImageRef, ...]:
+        """The conversation's images in prompt order; ValidationError for a text model."""
+        refs = tuple(ref for m in messages for _, ref in m.images)
+        if refs and self.service.validator.images is None:
+            raise ValidationError(refs[0].field, f"{refs[0].field}: this model takes no images "
+                                  "(its snapshot has no image processor)")
+        return refs
+
+    def _image_token(self) -> str:
+        pipeline = self.service.validator.images
+        return pipeline.image_text if pipeline is not None else ""
 
     async def chat_prompt(self, request: ChatRequest) -> str:
         """The prompt a chat request renders to (TGI's POST /chat_tokenize), checked as

@@ -16,12 +16,16 @@ from typing import Any
 
 from service.engine.contracts import (
     GrammarSpec,
+    ImageInput,
     SamplingConfig,
     StoppingConfig,
     ValidatedRequest,
 )
 from service.generation.errors import UnsupportedError, ValidationError
 from service.generation.grammar import GrammarCompiler, json_schema_spec, regex_spec
+from service.generation.images.markdown import markdown_images
+from service.generation.images.pipeline import ImagePipeline
+from service.generation.images.refs import ImageError, ImageRef
 from service.generation.tokenization import Encoder
 
 # TGI caps the default max_new_tokens at 100 when the client gives none.
@@ -91,6 +95,12 @@ class GenerateInput:
     # set instead of `grammar`.
     grammar_spec: GrammarSpec | None = None
     grammar_field: str = GRAMMAR_FIELD
+    # Images of the prompt, in order: one image token (ImagePipeline.image_token) stands for
+    # each in inputs / prompt_ids (OpenAI chat content parts).
+    images: tuple[ImageRef, ...] = ()
+    # The prompt as typed text and image parts (the gRPC API's input_chunks); set instead of
+    # inputs' text, which then only names the request in logs.
+    input_chunks: tuple[str | ImageRef, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -199,7 +209,7 @@ def check_parameters(
     request: GenerateInput, limits: ValidationLimits, *, stream: bool
 ) -> _Parameters:
     """Checks everything that does not need the token count; raises ValidationError."""
-    if not request.inputs:
+    if not request.inputs and not request.input_chunks:
         raise _fail("inputs", "must not be empty")
 
     # Greedy unless sampling is asked for; temperature 0 means greedy whatever else is set.
@@ -375,10 +385,12 @@ class Validator:
         limits: ValidationLimits,
         encoder: Encoder,
         grammars: GrammarCompiler | None = None,
+        images: ImagePipeline | None = None,
     ) -> None:
         self.limits = limits
         self._encoder = encoder
         self._grammars = grammars
+        self.images = images  # None: the model takes no images
 
     async def validate(
         self,
@@ -398,9 +410,23 @@ class Validator:
                 )
             # Compiled before queueing (cached by content), on the compiler's thread.
             await self._grammars.check(params.grammar, request.grammar_field)
+        typed = request.inputs  # what return_full_text echoes (markdown images included)
+        request = self._image_prompt(request)
+        if request.input_chunks:
+            typed = request.inputs  # the chunks' text, an image token per image
         ids = request.prompt_ids
         if ids is None:
             ids = await self._encoder.encode(request.inputs)
+        images: tuple[ImageInput, ...] = ()
+        pipeline = self.images
+        if request.images or (pipeline is not None and pipeline.image_token_id in ids):
+            if pipeline is None:
+                raise ImageError(request.images[0].field, f"{request.images[0].field}: this "
+                                 "model takes no images (its snapshot has no image processor)")
+            if request.truncate is not None:
+                raise _fail("parameters.truncate", "cannot be combined with images")
+            field = "messages" if request.prompt_ids is not None else "inputs"
+            ids, images = await pipeline.prepare(request.images, ids, field)
         input_ids, max_new_tokens = check_length(request, self.limits, ids)
         stopping = StoppingConfig(max_new_tokens=max_new_tokens, stop_sequences=params.stop)
         requests = tuple(
@@ -414,11 +440,12 @@ class Validator:
                 deadline=deadline,
                 adapter=request.adapter_id or "",
                 grammar=params.grammar,
+                images=images,
             )
             for i, seed in enumerate(params.seeds)
         )
         options = ResponseOptions(
-            prompt=request.inputs,
+            prompt=typed,
             input_length=len(input_ids),
             details=request.details,
             decoder_input_details=request.decoder_input_details,
@@ -426,3 +453,21 @@ class Validator:
             best_of=params.best_of,
         )
         return ValidatedGenerate(requests=requests, options=options)
+
+    def _image_prompt(self, request: GenerateInput) -> GenerateInput:
+        """The prompt's text with one image token per image, and its images in order: from
+        input_chunks (gRPC), or from TGI's markdown images `![](url)` in inputs when the
+        model takes images (a text model reads the markdown as text, as TGI does)."""
+        pipeline = self.images
+        if request.input_chunks:
+            token = pipeline.image_text if pipeline is not None else ""
+            text = "".join(c if isinstance(c, str) else token for c in request.input_chunks)
+            refs = tuple(c for c in request.input_chunks if isinstance(c, ImageRef))
+            if refs and pipeline is None:
+                raise ImageError(refs[0].field, f"{refs[0].field}: this model takes no images "
+                                 "(its snapshot has no image processor)")
+            return replace(request, inputs=text, images=refs)
+        if pipeline is None or request.images or request.prompt_ids is not None:
+            return request
+        text, refs = markdown_images(request.inputs, pipeline.image_text)
+        return replace(request, inputs=text, images=refs) if refs else request

@@ -7,7 +7,7 @@ evicts cached ones LRU. `release` is the only way blocks go back.
 
 from __future__ import annotations
 
-from service.scheduler.prefix_cache import ROOT, PrefixCache, block_digest
+from service.scheduler.prefix_cache import ROOT, ImageSpan, PrefixCache, block_digest, image_keys
 
 
 class BlockManager:
@@ -85,7 +85,7 @@ class BlockManager:
 
     # --- prefix cache -----------------------------------------------------------------------
     def match_prefix(
-        self, token_ids: list[int], root: bytes = ROOT
+        self, token_ids: list[int], root: bytes = ROOT, images: tuple[ImageSpan, ...] = ()
     ) -> tuple[list[int], list[bytes]]:
         """Takes a reference on the longest run of cached full blocks that prefix `token_ids`,
         leaving at least one token to compute (the step that samples needs a computed token).
@@ -100,7 +100,8 @@ class BlockManager:
         cache = self.cache
         refcount = self._refcount
         for i in range(max_blocks):
-            key = block_digest(parent, token_ids[i * bs : (i + 1) * bs])
+            extra = image_keys(images, i * bs, (i + 1) * bs) if images else b""
+            key = block_digest(parent, token_ids[i * bs : (i + 1) * bs], extra)
             block = cache.get(key)
             if block is None:
                 break
@@ -114,7 +115,7 @@ class BlockManager:
 
     def register_full_blocks(
         self, token_ids: list[int], blocks: list[int], keys: list[bytes], computed: int,
-        root: bytes = ROOT,
+        root: bytes = ROOT, images: tuple[ImageSpan, ...] = (),
     ) -> None:
         """Records the keys of blocks that became full (all tokens computed) in the cache.
         `keys` holds the keys of the leading full blocks already known; it is extended."""
@@ -125,7 +126,8 @@ class BlockManager:
         parent = keys[-1] if keys else root
         cache = self.cache
         for i in range(len(keys), full):
-            key = block_digest(parent, token_ids[i * bs : (i + 1) * bs])
+            extra = image_keys(images, i * bs, (i + 1) * bs) if images else b""
+            key = block_digest(parent, token_ids[i * bs : (i + 1) * bs], extra)
             keys.append(key)
             if self.enable_prefix_cache:
                 cache.insert(key, blocks[i])

@@ -1,7 +1,9 @@
 """Prefix cache: full KV blocks keyed by a chained digest of their tokens, evicted LRU.
 
-A block's key digests (parent block's key, the block's tokens), so a hit on block i implies the
-whole prefix up to it matches. blake2b rather than `hash()`: Python's int/tuple hash is easy to
+A block's key digests (parent block's key, the block's tokens, the content hashes of the images
+whose placeholder tokens overlap the block), so a hit on block i implies the whole prefix up to
+it matches, images included: two prompts with the same placeholder tokens but different images
+never share K/V. blake2b rather than `hash()`: Python's int/tuple hash is easy to
 collide on purpose, and a collision would serve one request's K/V to another.
 """
 
@@ -9,16 +11,35 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
+from dataclasses import dataclass
 from hashlib import blake2b
 
 ROOT = b""
 
 
-def block_digest(parent: bytes, tokens: list[int]) -> bytes:
-    """Key of a full block whose tokens follow the prefix keyed `parent`."""
+@dataclass(frozen=True, slots=True)
+class ImageSpan:
+    """Where an image's placeholder tokens sit in a prompt, and the image's content hash."""
+
+    offset: int
+    length: int
+    content_hash: bytes
+
+
+def block_digest(parent: bytes, tokens: list[int], images: bytes = b"") -> bytes:
+    """Key of a full block whose tokens follow the prefix keyed `parent`; `images`: the content
+    hashes of the images overlapping the block (image_keys)."""
     h = blake2b(parent, digest_size=16)
     h.update(array("I", tokens).tobytes())
+    if images:
+        h.update(images)
     return h.digest()
+
+
+def image_keys(images: tuple[ImageSpan, ...], start: int, end: int) -> bytes:
+    """Hashes of the images whose placeholders overlap token positions [start, end)."""
+    return b"".join(i.content_hash for i in images
+                    if i.offset < end and start < i.offset + i.length)
 
 
 class PrefixCache:

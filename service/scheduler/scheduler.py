@@ -271,7 +271,8 @@ class Scheduler:
                         adapters.add(seq.adapter)
                 first = not seq.blocks and seq.computed == 0
                 if first and not seq.prefill_logprobs:
-                    hit_blocks, hit_keys = bm.match_prefix(seq.token_ids, seq.cache_salt)
+                    hit_blocks, hit_keys = bm.match_prefix(seq.token_ids, seq.cache_salt,
+                                                            seq.images)
                     if hit_blocks:
                         seq.blocks = hit_blocks
                         seq.block_hashes = hit_keys
@@ -395,7 +396,8 @@ class Scheduler:
             bm.release(seq.blocks[keep:])
             del seq.blocks[keep:]
         bm.register_full_blocks(
-            seq.token_ids, seq.blocks, seq.block_hashes, seq.computed, seq.cache_salt
+            seq.token_ids, seq.blocks, seq.block_hashes, seq.computed, seq.cache_salt,
+            seq.images,
         )
         c = self.counters
         c.spec_proposed_tokens += proposed
@@ -454,7 +456,8 @@ class Scheduler:
                 computed = min(seq.computed, len(seq.token_ids))
                 if len(seq.block_hashes) < computed // bs:
                     bm.register_full_blocks(
-                        seq.token_ids, seq.blocks, seq.block_hashes, computed, seq.cache_salt
+                        seq.token_ids, seq.blocks, seq.block_hashes, computed, seq.cache_salt,
+                        seq.images,
                     )
 
         finished: list[Sequence] = []

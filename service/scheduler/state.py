@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.scheduler.prefix_cache import ImageSpan
 from service.scheduler.speculation import SpecState
 
 
@@ -56,6 +57,9 @@ class Sequence:
     # adapters at once, and its K/V only ever match prefix-cache blocks of the same salt.
     adapter: str = ""
     cache_salt: bytes = b""
+    # Images of the prompt: their content hashes join the prefix-cache keys of the blocks
+    # their placeholder tokens overlap (same text, different image: different K/V).
+    images: tuple[ImageSpan, ...] = ()
     # Whether drafts may be proposed for it (False for grammar-constrained requests: every draft
     # position would need its own token mask).
     speculate: bool = True

@@ -111,6 +111,18 @@ def _drafts(plan: StepPlan) -> list[pb.Draft]:
     return [pb.Draft(request_id=rid, tokens=tokens) for rid, tokens in plan.drafts]
 
 
+def _images(req: ValidatedRequest, start: int, end: int) -> list[pb.ImageInput]:
+    """All the request's images (their places set M-RoPE positions, Qwen2-VL), with pixel
+    values only for those whose placeholders overlap the chunk's positions [start, end)."""
+    return [
+        pb.ImageInput(content_hash=i.content_hash, offset=i.offset, length=i.length,
+                      shape=i.shape,
+                      pixel_values=i.pixel_values if i.offset < end and start < i.offset + i.length
+                      else b"")
+        for i in req.images
+    ]
+
+
 def prefill_request(
     plan: StepPlan, new_batch_id: int, cached_id: int | None, cached_ids: list[int]
 ) -> pb.PrefillRequest:
@@ -138,6 +150,7 @@ def prefill_request(
                 ),
                 traceparent=vreq.traceparent or "",
                 ids_only=vreq.ids_only,
+                images=_images(vreq, c.cache_len, c.cache_len + c.chunk_len),
             )
         )
     req = pb.PrefillRequest(

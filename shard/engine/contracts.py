@@ -14,6 +14,17 @@ from shard.engine.stopping import StopReason
 
 
 @dataclass(frozen=True)
+class ImageSpec:
+    """One preprocessed image of a request's prompt (see ImageInput in shard.proto)."""
+
+    content_hash: bytes  # the encoder cache's key
+    offset: int  # first placeholder position in input_ids
+    length: int  # placeholder tokens = embedding rows of the image
+    shape: tuple[int, ...]  # of pixel_values: [3, H, W] or [t, h, w, patch_dim] (Qwen2-VL)
+    pixel_values: bytes  # float32, C order
+
+
+@dataclass(frozen=True)
 class RequestSpec:
     """One request's chunk in a Prefill step (see Request in shard.proto)."""
 
@@ -34,6 +45,9 @@ class RequestSpec:
     # The router detokenizes and matches stop sequences itself: Generations carry empty texts,
     # stop_sequences are ignored here (EOS and max_new_tokens still finish the request).
     ids_only: bool = False
+    # Images of the prompt (vision-language models); pixel values only for those overlapping
+    # the chunk (the others give M-RoPE positions their place).
+    images: tuple[ImageSpec, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,14 @@ class LoadContext:
     kv_cache_rotation: KvCacheRotation = KvCacheRotation.HADAMARD  # --kv-cache-rotation (fp8 only)
 
 
+@dataclass(frozen=True)
+class ImageEmbeds:
+    """Image embeddings of one step, put in place of the token embeddings at their rows."""
+
+    rows: torch.Tensor  # [n] int64, rows of the flat batch (placeholder positions)
+    embeds: torch.Tensor  # [n, hidden] in the model dtype
+
+
 class CausalLM(Protocol):
     """A paged-KV causal language model of one tensor-parallel rank."""
 
@@ -52,6 +60,8 @@ class CausalLM(Protocol):
     # quantization, never probed): no host syncs, no host-side lengths. The runner captures
     # only where this and the attention backend's graph_safe both hold.
     cuda_graph_safe: bool
+    # A vision-language model (VisionLM below): prefill steps may carry image embeddings.
+    supports_images: bool
 
     def begin_kv_calibration(self) -> bool:
         """fp8 KV caches: start recording max |K|, |V| per layer and KV head (warmup's worst-case
@@ -85,4 +95,33 @@ class CausalLM(Protocol):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [num_logits] int64, rows of the flat batch to project
     ) -> torch.Tensor:  # [num_logits, vocab_size] float32
+        ...
+
+
+class VisionLM(CausalLM, Protocol):
+    """A CausalLM with a vision encoder (supports_images): `forward` also takes
+    `image_embeds=ImageEmbeds` on prefill steps whose chunks hold image placeholders. An M-RoPE
+    model (mrope: Qwen2-VL) also takes `positions` [3, num_tokens] on steps with prompt rows of
+    a request with images (the engine gets them from rope_positions when the request arrives);
+    its other rows sit at index + delta, as [num_tokens]."""
+
+    mrope: bool
+
+    def rope_positions(
+        self, token_ids: list[int], images: list[tuple[int, int, tuple[int, ...]]]
+    ) -> tuple[Any, int]:  # ([3, len(token_ids)] int64 numpy array, delta)
+        """M-RoPE models: the prompt's positions and the delta of the positions after it;
+        images: (offset, length, shape) of each image in prompt order."""
+        ...
+
+    def encode_images(
+        self, pixel_values: list[torch.Tensor]  # each [3, H, W] or [t, h, w, patch_dim] float32
+    ) -> list[torch.Tensor]:  # each [num_tokens, hidden] on the device, in the model dtype
+        """The vision encoder and projector: each image's placeholder embeddings."""
+        ...
+
+    def image_token_count(self, shape: tuple[int, ...]) -> int | None:
+        """Embedding rows encode_images yields for pixel values of this shape; None when the
+        shape is not one the encoder takes (checked before a step runs: a wrong count from
+        the router is a refused request, never a failed step)."""
         ...

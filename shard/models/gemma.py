@@ -172,6 +172,7 @@ class GemmaForCausalLM(PagedKVCacheModel, nn.Module):
 
     model_impl = "native"
     supports_lora = True  # shard/lora adapts qkv_proj, o_proj, gate_up_proj and down_proj
+    supports_images = False  # text only (VLMs: the transformers backend)
 
     def __init__(self, ctx: LoadContext):
         super().__init__()

@@ -185,6 +185,7 @@ class LlamaForCausalLM(PagedKVCacheModel, nn.Module):
 
     model_impl = "native"
     supports_lora = True  # shard/lora adapts qkv_proj, o_proj, gate_up_proj and down_proj
+    supports_images = False  # text only (VLMs: the transformers backend)
     options = LayerOptions()  # the family's layer options
     # Built as decoder_layer(ctx, rotary, sliding_window, options); has forward(x, positions,
     # cache, meta) -> x, and forward_fused (LlamaDecoderLayer's) where fuses_residuals.

@@ -20,6 +20,8 @@ class MoeCausalLM(LlamaForCausalLM):
 
     supports_lora = False  # adapters on stacked experts are not implemented
 
+    supports_images = False  # text only (VLMs: the transformers backend)
+
     def __init__(self, ctx: LoadContext, mlp: MlpFactory, mlp_name: str = "mlp"):
         super().__init__(ctx, mlp, mlp_name)
         experts = [m for m in self.modules() if isinstance(m, FusedMoE)]

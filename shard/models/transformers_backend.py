@@ -18,10 +18,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 from shard.attention.base import AttentionMetadata
-from shard.models.base import LoadContext
+from shard.models import transformers_qwen_vl as qwen_vl
+from shard.models.base import ImageEmbeds, LoadContext
 from shard.models.heads import partition_heads
 from shard.models.transformers_attention import (
     ATTN_IMPLEMENTATION,
@@ -33,7 +35,7 @@ from shard.models.transformers_attention import (
 from shard.models.transformers_norms import swap_rms_norms
 from shard.models.transformers_support import (
     attention_modules,
-    causal_lm_class,
+    backend_class,
     declared_graph_safe,
     tp_plan,
 )
@@ -67,10 +69,11 @@ class TransformersCausalLM:
             )
         config = transformers.AutoConfig.from_pretrained(str(ctx.model_dir))
         register()
-        cls = causal_lm_class(config, ATTN_IMPLEMENTATION)  # ValueError: the type and why
+        chosen = backend_class(config, ATTN_IMPLEMENTATION)  # ValueError: the type and why
+        cls = chosen.cls
         hf = cls.from_pretrained(
             str(ctx.model_dir), config=config, dtype=ctx.dtype,
-            attn_implementation=ATTN_IMPLEMENTATION,
+            attn_implementation=chosen.attn_implementation,
         )
         hf.eval().requires_grad_(False)
         text = config.get_text_config()
@@ -96,7 +99,8 @@ class TransformersCausalLM:
                 "base_model_tp_plan, so the transformers backend cannot split it over "
                 f"{ctx.dist.world_size} ranks; run it on one shard"
             )
-        swapped = swap_linears(hf, hf.base_model_prefix, plan, weights, split)
+        prefix = chosen.base_prefix or hf.base_model_prefix
+        swapped = swap_linears(hf, prefix, plan, weights, split)
         if quant is not None and swapped == 0:
             raise ValueError(
                 f"--quantize: model_type {config.model_type!r} has no base_model_tp_plan naming "
@@ -122,6 +126,9 @@ class TransformersCausalLM:
         self.sliding_window: int | None = window if isinstance(window, int) else None
         self.attention_name = ctx.attention.name
         self.supports_lora = swapped > 0
+        self.supports_images = chosen.vision
+        # Qwen2-VL-style multimodal rotary: a prompt with images has 3-D positions (rope_positions).
+        self.mrope = config.model_type in qwen_vl.MROPE_MODELS
         self.cuda_graph_safe = ctx.attention.graph_safe and declared_graph_safe(config, quant)
         self._device, self._dtype = ctx.device, ctx.dtype
         log.info(
@@ -156,19 +163,70 @@ class TransformersCausalLM:
                 for _ in range(self.num_layers)]
 
     @torch.inference_mode()
+    def encode_images(
+        self, pixel_values: list[torch.Tensor]  # each [3, H, W] float32 on the host
+    ) -> list[torch.Tensor]:  # each [num_tokens, hidden]
+        """A VLM's vision tower and projector (transformers' own get_image_features, with the
+        config's feature layer and selection strategy); images of one shape in one call."""
+        cfg = self.hf.config
+        if self.mrope:  # each [t, h, w, patch_dim]
+            return qwen_vl.encode(self.hf, pixel_values, self._device, self._dtype)
+        result: list[torch.Tensor] = [torch.empty(0)] * len(pixel_values)
+        for shape in dict.fromkeys(p.shape for p in pixel_values):
+            idx = [i for i, p in enumerate(pixel_values) if p.shape == shape]
+            batch = torch.stack([pixel_values[i] for i in idx])  # [n, 3, H, W]
+            feats = self.hf.model.get_image_features(
+                pixel_values=batch.to(self._device, self._dtype),
+                vision_feature_layer=cfg.vision_feature_layer,
+                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+            ).pooler_output  # n x [num_tokens, hidden]
+            for i, f in zip(idx, feats, strict=True):
+                result[i] = f
+        return result
+
+    def image_token_count(self, shape: tuple[int, ...]) -> int | None:
+        """LLaVA: one row per patch of the tower's square input ([3, S, S]), plus the CLS
+        feature under the "full" selection strategy."""
+        cfg = self.hf.config
+        if self.mrope:
+            return qwen_vl.token_count(cfg, tuple(shape))
+        size, patch = cfg.vision_config.image_size, cfg.vision_config.patch_size
+        if tuple(shape) != (3, size, size):
+            return None
+        cls_row = 1 if cfg.vision_feature_select_strategy == "full" else 0
+        return (size // patch) ** 2 + cls_row
+
+    @torch.inference_mode()
+    def rope_positions(
+        self, token_ids: list[int], images: list[tuple[int, int, tuple[int, ...]]]
+    ) -> tuple[np.ndarray, int]:
+        """M-RoPE models: the prompt's [3, len] positions and the delta after it (see
+        shard/models/transformers_qwen_vl.py); images: (offset, length, shape) in order."""
+        return qwen_vl.rope_positions(self.hf, token_ids, images)
+
+    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens], or [3, num_tokens] (M-RoPE prompt rows)
         kv_cache: KVCache,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [num_logits]
+        image_embeds: ImageEmbeds | None = None,
     ) -> torch.Tensor:  # [num_logits, vocab] float32
         self.step.meta, self.step.kv_cache = meta, kv_cache
+        inputs: dict[str, torch.Tensor] = {}
+        if image_embeds is None:
+            inputs["input_ids"] = input_ids.unsqueeze(0)  # one packed sequence [1, num_tokens]
+        else:  # placeholder rows take the images' embeddings
+            embeds = self.hf.get_input_embeddings()(input_ids)  # [num_tokens, hidden]
+            embeds = embeds.index_copy(0, image_embeds.rows, image_embeds.embeds.to(embeds.dtype))
+            inputs["inputs_embeds"] = embeds.unsqueeze(0)  # [1, num_tokens, hidden]
         try:
             out = self.hf(
-                input_ids=input_ids.unsqueeze(0),  # one packed sequence [1, num_tokens]
-                position_ids=positions.unsqueeze(0),
+                **inputs,
+                # [1, num_tokens] (M-RoPE models repeat it per section), or [3, 1, num_tokens]
+                position_ids=positions.unsqueeze(0 if positions.ndim == 1 else 1),
                 use_cache=False,
                 logits_to_keep=logits_indices,
             )

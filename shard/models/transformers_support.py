@@ -8,10 +8,12 @@ start-up with one line naming the model type and why.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
+from shard.models.transformers_qwen_vl import MROPE_MODELS
 from shard.models.transformers_tp import PACKED
 from shard.quantization.loading import LinearQuantization
 from shard.quantization.methods import QuantizeMethod
@@ -59,6 +61,43 @@ def _packed_pairs(plan: dict[str, str]) -> dict[str, str]:
                 and plan.get(down) == "rowwise_split_input"):
             out[pattern], out[down] = PACKED, "rowwise"
     return out
+
+
+# Vision-language model types served (transformers' image-text-to-text class) and the module
+# path of their language model, whose projections the tp plan names (greedy parity with images:
+# tests/shard/test_vision_backend.py). The vision tower and projector run as transformers wrote
+# them (sdpa attention), on every rank.
+VISION_MODELS: dict[str, str] = {"llava": "model.language_model", **MROPE_MODELS}
+
+
+@dataclass(frozen=True)
+class BackendClass:
+    """The transformers class the backend builds for a config, and how."""
+
+    cls: type
+    # The attention implementation: ours for the language model; a VLM's vision tower keeps sdpa.
+    attn_implementation: str | dict[str, str]
+    base_prefix: str | None  # the language model's module path; None: cls.base_model_prefix
+    vision: bool  # takes images (VisionLM)
+
+
+def backend_class(config: Any, attn_implementation: str) -> BackendClass:
+    """The class for the config (a causal LM, or a listed vision-language model); ValueError
+    naming the model type and why it cannot be served."""
+    import torch
+    import transformers
+
+    model_type = config.model_type
+    if model_type not in VISION_MODELS:
+        return BackendClass(causal_lm_class(config, attn_implementation), attn_implementation,
+                            None, False)
+    cls = transformers.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
+    impl = {"": "sdpa", "text_config": attn_implementation, "vision_config": "sdpa"}
+    with torch.device("meta"):  # structure only: no memory, no weights
+        skeleton = cls._from_config(config, attn_implementation=impl)
+    attention_modules(skeleton, model_type)  # the language model's layers (the vision
+    # tower's attention modules carry no layer_idx)
+    return BackendClass(cls, impl, VISION_MODELS[model_type], True)
 
 
 def unsupported(model_type: str, why: str) -> ValueError:
@@ -109,6 +148,8 @@ def declared_graph_safe(config: Any, quant: LinearQuantization | None) -> bool:
     path captures them)."""
     text = config.get_text_config()
     if any((getattr(text, f, None) or 0) > 0 for f in _MOE_FIELDS):
+        return False
+    if config.model_type in MROPE_MODELS:  # M-RoPE decode under graphs: not checked on a GPU
         return False
     if getattr(text, "attn_logit_softcapping", None):
         return False

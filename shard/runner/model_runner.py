@@ -9,7 +9,7 @@ steps in which every request computes at most 1 + k tokens; everything the eager
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,8 @@ import torch
 
 from shard.attention.base import AttentionBackend, AttentionMetadata
 from shard.lora import LoraBatch
-from shard.models.base import CausalLM
+from shard.models.base import CausalLM, VisionLM
+from shard.runner.images import EncoderCache, StepImage, image_embeds
 
 
 @dataclass
@@ -32,6 +33,10 @@ class StepInputs:
     logits_indices: list[int]  # [num_logits] rows of the flat batch whose logits are needed
     # [num_seqs] LoRA slot of each sequence (-1: base model); None: no adapter in the step.
     lora_slots: list[int] | None = None
+    # Image rows of prefill chunks (vision-language models); empty for text-only steps.
+    images: list[StepImage] = field(default_factory=list)
+    # [3, num_tokens] M-RoPE positions (Qwen2-VL prompts with images) replacing `positions`.
+    rope_positions: np.ndarray | None = None
 
 
 # (rows [p] int64, token ids [p] int64) on the device: inputs known only to the device.
@@ -41,7 +46,7 @@ Placeholders = tuple[torch.Tensor, torch.Tensor]
 @dataclass
 class DeviceStep:
     input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64, or [3, num_tokens] (M-RoPE)
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_logits] int64
 
@@ -56,6 +61,8 @@ class ModelRunner:
         self.device = device
         self.kv_cache: Any = None
         self.num_blocks = 0
+        # Vision encoder outputs by image content hash (vision-language models only).
+        self.encoder_cache = EncoderCache()
         self.graphs: Any = None  # shard.runner.cuda_graphs.CudaGraphDecodeRunner once captured
         # The model's per-step LoRA slots (shard/lora) when --max-loras > 0; prepare sets it.
         self.lora: LoraBatch | None = None
@@ -138,7 +145,8 @@ class ModelRunner:
         )
         return DeviceStep(
             input_ids=dev(step.token_ids, torch.int64),
-            positions=dev(step.positions, torch.int64),
+            positions=dev(step.positions if step.rope_positions is None
+                          else step.rope_positions, torch.int64),
             meta=meta,
             logits_indices=dev(step.logits_indices, torch.int64),
         )
@@ -208,7 +216,8 @@ class ModelRunner:
         """Runs the step: [num_logits, vocab]. placeholders: (rows, ids), device tensors [p]:
         input token rows whose ids are only on the device (the previous step's samples, when
         steps overlap); step.token_ids holds anything at those rows."""
-        g = self.graphs
+        # image rows and 3-D positions: always eager
+        g = None if step.images or step.rope_positions is not None else self.graphs
         if (
             g is not None
             and g.can_run(step.query_lens, step.block_tables)
@@ -221,6 +230,8 @@ class ModelRunner:
         if (
             self.verify_graphs
             and placeholders is None
+            and not step.images
+            and step.rope_positions is None
             and not any(x >= 0 for x in step.lora_slots or ())
         ):
             v = self.verify_graphs.get(max(step.query_lens, default=0))
@@ -235,4 +246,24 @@ class ModelRunner:
         d = self.prepare(step)
         if placeholders is not None:
             d.input_ids.index_copy_(0, placeholders[0], placeholders[1])
+        if step.images:
+            return self._forward_images(d, step.images)
         return self.forward(d.input_ids, d.positions, d.meta, d.logits_indices)
+
+    def image_token_count(self, shape: tuple[int, ...]) -> int | None:
+        """Embedding rows the model's vision encoder yields for pixel values of this shape
+        (None: not a shape it takes, or a text-only model)."""
+        if not self.model.supports_images:
+            return None
+        model: VisionLM = self.model  # type: ignore[assignment]
+        return model.image_token_count(shape)
+
+    def _forward_images(self, d: DeviceStep, images: list[StepImage]) -> torch.Tensor:
+        """An eager step whose chunks hold image placeholders: the images' embeddings (encoded
+        now or found in the encoder cache) replace the placeholder rows' token embeddings."""
+        model: VisionLM = self.model  # type: ignore[assignment]  # supports_images: checked
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache not allocated (Warmup has not run)")
+        embeds = image_embeds(images, model, self.encoder_cache, self.device)
+        return model.forward(d.input_ids, d.positions, self.kv_cache, d.meta, d.logits_indices,
+                             image_embeds=embeds)  # type: ignore[call-arg]

@@ -9,6 +9,7 @@ from shard.engine.contracts import (
     BlockGrant,
     CachedBatchRef,
     Generation,
+    ImageSpec,
     RequestSpec,
     StepResult,
     StepTimings,
@@ -66,6 +67,10 @@ def request_from_proto(m: pb.Request) -> RequestSpec:
             else None
         ),
         ids_only=m.ids_only,
+        images=tuple(
+            ImageSpec(i.content_hash, i.offset, i.length, tuple(i.shape), i.pixel_values)
+            for i in m.images
+        ),
     )
 
 

@@ -26,6 +26,7 @@ class SimRequest:
     generated_len: int = 0  # tail of `prompt` generated before a preemption (recompute)
     adapter: str = ""  # LoRA adapter name ("" base model)
     grammar: pb.OutputGrammar | None = None  # constrained decoding
+    images: list[pb.ImageInput] = field(default_factory=list)  # sent with every chunk
     computed: int = 0  # tokens whose K/V the shard holds
     blocks: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
@@ -104,6 +105,7 @@ class RouterSim:
                     generated_len=req.generated_len,
                     adapter_id=req.adapter,
                     grammar=req.grammar,
+                    images=req.images,
                 )
             )
             req.computed += chunk

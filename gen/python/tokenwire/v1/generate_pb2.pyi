@@ -10,12 +10,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("inputs", "parameters")
+    __slots__ = ("inputs", "parameters", "input_chunks")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     inputs: str
     parameters: GenerateParameters
-    def __init__(self, inputs: _Optional[str] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ...) -> None: ...
+    input_chunks: _containers.RepeatedCompositeFieldContainer[InputChunk]
+    def __init__(self, inputs: _Optional[str] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ..., input_chunks: _Optional[_Iterable[_Union[InputChunk, _Mapping]]] = ...) -> None: ...
+
+class InputChunk(_message.Message):
+    __slots__ = ("text", "image")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    image: ImagePart
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[ImagePart, _Mapping]] = ...) -> None: ...
+
+class ImagePart(_message.Message):
+    __slots__ = ("data", "url")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    url: str
+    def __init__(self, data: _Optional[bytes] = ..., url: _Optional[str] = ...) -> None: ...
 
 class GenerateParameters(_message.Message):
     __slots__ = ("best_of", "temperature", "repetition_penalty", "frequency_penalty", "top_k", "top_p", "typical_p", "do_sample", "max_new_tokens", "return_full_text", "stop", "truncate", "watermark", "details", "decoder_input_details", "seed", "top_n_tokens", "grammar", "adapter_id", "coalesce_tokens")

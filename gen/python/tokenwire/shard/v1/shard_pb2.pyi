@@ -141,7 +141,7 @@ class StoppingParameters(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos_token: _Optional[bool] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "input_ids", "cache_len", "chunk_len", "blocks", "generated_len", "sampling", "stopping", "prefill_logprobs", "top_n_tokens", "grammar", "adapter_id", "traceparent", "ids_only")
+    __slots__ = ("id", "input_ids", "cache_len", "chunk_len", "blocks", "generated_len", "sampling", "stopping", "prefill_logprobs", "top_n_tokens", "grammar", "adapter_id", "traceparent", "ids_only", "images")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class Request(_message.Message):
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     IDS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     id: int
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_len: int
@@ -170,7 +171,22 @@ class Request(_message.Message):
     adapter_id: str
     traceparent: str
     ids_only: bool
-    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., generated_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., grammar: _Optional[_Union[OutputGrammar, _Mapping]] = ..., adapter_id: _Optional[str] = ..., traceparent: _Optional[str] = ..., ids_only: _Optional[bool] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageInput]
+    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., generated_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., grammar: _Optional[_Union[OutputGrammar, _Mapping]] = ..., adapter_id: _Optional[str] = ..., traceparent: _Optional[str] = ..., ids_only: _Optional[bool] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
+
+class ImageInput(_message.Message):
+    __slots__ = ("content_hash", "offset", "length", "shape", "pixel_values")
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
+    content_hash: bytes
+    offset: int
+    length: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    pixel_values: bytes
+    def __init__(self, content_hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., pixel_values: _Optional[bytes] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("id", "requests")

@@ -24,7 +24,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file tokenwire/v1/generate.proto.
  */
 export const file_tokenwire_v1_generate: GenFile = /*@__PURE__*/
-  fileDesc("Cht0b2tlbndpcmUvdjEvZ2VuZXJhdGUucHJvdG8SDHRva2Vud2lyZS52MSJXCg9HZW5lcmF0ZVJlcXVlc3QSDgoGaW5wdXRzGAEgASgJEjQKCnBhcmFtZXRlcnMYAiABKAsyIC50b2tlbndpcmUudjEuR2VuZXJhdGVQYXJhbWV0ZXJzIssFChJHZW5lcmF0ZVBhcmFtZXRlcnMSFAoHYmVzdF9vZhgBIAEoDUgAiAEBEhgKC3RlbXBlcmF0dXJlGAIgASgCSAGIAQESHwoScmVwZXRpdGlvbl9wZW5hbHR5GAMgASgCSAKIAQESHgoRZnJlcXVlbmN5X3BlbmFsdHkYBCABKAJIA4gBARISCgV0b3BfaxgFIAEoBUgEiAEBEhIKBXRvcF9wGAYgASgCSAWIAQESFgoJdHlwaWNhbF9wGAcgASgCSAaIAQESEQoJZG9fc2FtcGxlGAggASgIEhsKDm1heF9uZXdfdG9rZW5zGAkgASgNSAeIAQESGAoQcmV0dXJuX2Z1bGxfdGV4dBgKIAEoCBIMCgRzdG9wGAsgAygJEhUKCHRydW5jYXRlGAwgASgNSAiIAQESEQoJd2F0ZXJtYXJrGA0gASgIEg8KB2RldGFpbHMYDiABKAgSHQoVZGVjb2Rlcl9pbnB1dF9kZXRhaWxzGA8gASgIEhEKBHNlZWQYECABKARICYgBARIZCgx0b3Bfbl90b2tlbnMYESABKA1ICogBARIrCgdncmFtbWFyGBIgASgLMhUudG9rZW53aXJlLnYxLkdyYW1tYXJIC4gBARIXCgphZGFwdGVyX2lkGFAgASgJSAyIAQESGAoPY29hbGVzY2VfdG9rZW5zGIwBIAEoCEIKCghfYmVzdF9vZkIOCgxfdGVtcGVyYXR1cmVCFQoTX3JlcGV0aXRpb25fcGVuYWx0eUIUChJfZnJlcXVlbmN5X3BlbmFsdHlCCAoGX3RvcF9rQggKBl90b3BfcEIMCgpfdHlwaWNhbF9wQhEKD19tYXhfbmV3X3Rva2Vuc0ILCglfdHJ1bmNhdGVCBwoFX3NlZWRCDwoNX3RvcF9uX3Rva2Vuc0IKCghfZ3JhbW1hckINCgtfYWRhcHRlcl9pZEoECBMQHiI+CgdHcmFtbWFyEgwKBHR5cGUYASABKAkSJQoFdmFsdWUYAiABKAsyFi5nb29nbGUucHJvdG9idWYuVmFsdWUiQwoFVG9rZW4SCgoCaWQYASABKA0SDAoEdGV4dBgCIAEoCRIPCgdsb2dwcm9iGAMgASgCEg8KB3NwZWNpYWwYBCABKAgiSgoMUHJlZmlsbFRva2VuEgoKAmlkGAEgASgNEgwKBHRleHQYAiABKAkSFAoHbG9ncHJvYhgDIAEoAkgAiAEBQgoKCF9sb2dwcm9iIjAKCVRvcFRva2VucxIjCgZ0b2tlbnMYASADKAsyEy50b2tlbndpcmUudjEuVG9rZW4ilgIKDkJlc3RPZlNlcXVlbmNlEhYKDmdlbmVyYXRlZF90ZXh0GAEgASgJEhUKDWZpbmlzaF9yZWFzb24YAiABKAkSGAoQZ2VuZXJhdGVkX3Rva2VucxgDIAEoDRIRCgRzZWVkGAQgASgESACIAQESKwoHcHJlZmlsbBgFIAMoCzIaLnRva2Vud2lyZS52MS5QcmVmaWxsVG9rZW4SIwoGdG9rZW5zGAYgAygLMhMudG9rZW53aXJlLnYxLlRva2VuEisKCnRvcF90b2tlbnMYByADKAsyFy50b2tlbndpcmUudjEuVG9wVG9rZW5zEiAKGGFjY2VwdGVkX3Rva2Vuc19wZXJfc3RlcBg8IAMoDUIHCgVfc2VlZCKwAgoHRGV0YWlscxIVCg1maW5pc2hfcmVhc29uGAEgASgJEhgKEGdlbmVyYXRlZF90b2tlbnMYAiABKA0SEQoEc2VlZBgDIAEoBEgAiAEBEisKB3ByZWZpbGwYBCADKAsyGi50b2tlbndpcmUudjEuUHJlZmlsbFRva2VuEiMKBnRva2VucxgFIAMoCzITLnRva2Vud2lyZS52MS5Ub2tlbhIrCgp0b3BfdG9rZW5zGAYgAygLMhcudG9rZW53aXJlLnYxLlRvcFRva2VucxI3ChFiZXN0X29mX3NlcXVlbmNlcxgHIAMoCzIcLnRva2Vud2lyZS52MS5CZXN0T2ZTZXF1ZW5jZRIgChhhY2NlcHRlZF90b2tlbnNfcGVyX3N0ZXAYPCADKA1CBwoFX3NlZWQiYwoQR2VuZXJhdGVSZXNwb25zZRIWCg5nZW5lcmF0ZWRfdGV4dBgBIAEoCRIrCgdkZXRhaWxzGAIgASgLMhUudG9rZW53aXJlLnYxLkRldGFpbHNIAIgBAUIKCghfZGV0YWlscyKUAQoNU3RyZWFtRGV0YWlscxIVCg1maW5pc2hfcmVhc29uGAEgASgJEhgKEGdlbmVyYXRlZF90b2tlbnMYAiABKA0SEQoEc2VlZBgDIAEoBEgAiAEBEhQKDGlucHV0X2xlbmd0aBgEIAEoDRIgChhhY2NlcHRlZF90b2tlbnNfcGVyX3N0ZXAYPCADKA1CBwoFX3NlZWQi6wIKFkdlbmVyYXRlU3RyZWFtUmVzcG9uc2USDQoFaW5kZXgYASABKA0SJwoFdG9rZW4YAiABKAsyEy50b2tlbndpcmUudjEuVG9rZW5IAIgBARInCgp0b3BfdG9rZW5zGAMgAygLMhMudG9rZW53aXJlLnYxLlRva2VuEhsKDmdlbmVyYXRlZF90ZXh0GAQgASgJSAGIAQESMQoHZGV0YWlscxgFIAEoCzIbLnRva2Vud2lyZS52MS5TdHJlYW1EZXRhaWxzSAKIAQESEgoFZXJyb3IYBiABKAlIA4gBARIXCgplcnJvcl90eXBlGAcgASgJSASIAQESMQoJY29hbGVzY2VkGIwBIAEoCzIdLnRva2Vud2lyZS52MS5Db2FsZXNjZWRUb2tlbnNCCAoGX3Rva2VuQhEKD19nZW5lcmF0ZWRfdGV4dEIKCghfZGV0YWlsc0IICgZfZXJyb3JCDQoLX2Vycm9yX3R5cGUiDQoLSW5mb1JlcXVlc3Qi3QUKDEluZm9SZXNwb25zZRIQCghtb2RlbF9pZBgBIAEoCRIWCgltb2RlbF9zaGEYAiABKAlIAIgBARITCgttb2RlbF9kdHlwZRgDIAEoCRIZChFtb2RlbF9kZXZpY2VfdHlwZRgEIAEoCRIfChJtb2RlbF9waXBlbGluZV90YWcYBSABKAlIAYgBARIfChdtYXhfY29uY3VycmVudF9yZXF1ZXN0cxgGIAEoDRITCgttYXhfYmVzdF9vZhgHIAEoDRIaChJtYXhfc3RvcF9zZXF1ZW5jZXMYCCABKA0SGAoQbWF4X2lucHV0X3Rva2VucxgJIAEoDRIYChBtYXhfdG90YWxfdG9rZW5zGAogASgNEhoKEnZhbGlkYXRpb25fd29ya2VycxgLIAEoDRIdChVtYXhfY2xpZW50X2JhdGNoX3NpemUYDCABKA0SDgoGcm91dGVyGA0gASgJEg8KB3ZlcnNpb24YDiABKAkSEAoDc2hhGA8gASgJSAKIAQESGQoMZG9ja2VyX2xhYmVsGBAgASgJSAOIAQESGAoQbWF4X3RvcF9uX3Rva2VucxgRIAEoDRIeChZtYXhfYmF0Y2hfdG90YWxfdG9rZW5zGBIgASgEEhIKCmJsb2NrX3NpemUYEyABKA0SFQoNbnVtX2t2X2Jsb2NrcxgUIAEoDRIRCgludW1fc2hhcmQYFSABKA0SEgoKbW9kZWxfaW1wbBgWIAEoCRITCgtjdWRhX2dyYXBocxgXIAEoCBInCghhZGFwdGVycxhQIAMoCzIVLnRva2Vud2lyZS52MS5BZGFwdGVyEhEKCW1heF9sb3JhcxhRIAEoDRIVCg1tYXhfbG9yYV9yYW5rGFIgASgNEhEKCXNwZWN1bGF0ZRg8IAEoDUIMCgpfbW9kZWxfc2hhQhUKE19tb2RlbF9waXBlbGluZV90YWdCBgoEX3NoYUIPCg1fZG9ja2VyX2xhYmVsIg8KDUhlYWx0aFJlcXVlc3QiEAoOSGVhbHRoUmVzcG9uc2UiWQoPVG9rZW5pemVSZXF1ZXN0Eg4KBmlucHV0cxgBIAEoCRIfChJhZGRfc3BlY2lhbF90b2tlbnMYAiABKAhIAIgBAUIVChNfYWRkX3NwZWNpYWxfdG9rZW5zIkQKC1NpbXBsZVRva2VuEgoKAmlkGAEgASgNEgwKBHRleHQYAiABKAkSDQoFc3RhcnQYAyABKA0SDAoEc3RvcBgEIAEoDSI9ChBUb2tlbml6ZVJlc3BvbnNlEikKBnRva2VucxgBIAMoCzIZLnRva2Vud2lyZS52MS5TaW1wbGVUb2tlbiJPCg1BZGFwdGVyU291cmNlEgwKBG5hbWUYASABKAkSDAoEcGF0aBgCIAEoCRIVCghyZXZpc2lvbhgDIAEoCUgAiAEBQgsKCV9yZXZpc2lvbiJDChJMb2FkQWRhcHRlclJlcXVlc3QSLQoIYWRhcHRlcnMYASADKAsyGy50b2tlbndpcmUudjEuQWRhcHRlclNvdXJjZSJaCgdBZGFwdGVyEgwKBG5hbWUYASABKAkSDAoEcGF0aBgCIAEoCRIMCgRyYW5rGAMgASgNEg0KBWFscGhhGAQgASgCEhYKDnRhcmdldF9tb2R1bGVzGAUgAygJIj4KE0xvYWRBZGFwdGVyUmVzcG9uc2USJwoIYWRhcHRlcnMYASADKAsyFS50b2tlbndpcmUudjEuQWRhcHRlciIkChRVbmxvYWRBZGFwdGVyUmVxdWVzdBIMCgRuYW1lGAEgASgJIhcKFVVubG9hZEFkYXB0ZXJSZXNwb25zZSIVChNMaXN0QWRhcHRlcnNSZXF1ZXN0Ij8KFExpc3RBZGFwdGVyc1Jlc3BvbnNlEicKCGFkYXB0ZXJzGAEgAygLMhUudG9rZW53aXJlLnYxLkFkYXB0ZXIiYwoPQ29hbGVzY2VkVG9rZW5zEiMKBnRva2VucxgBIAMoCzITLnRva2Vud2lyZS52MS5Ub2tlbhIrCgp0b3BfdG9rZW5zGAIgAygLMhcudG9rZW53aXJlLnYxLlRvcFRva2VuczKjBgoOVGV4dEdlbmVyYXRpb24SSQoIR2VuZXJhdGUSHS50b2tlbndpcmUudjEuR2VuZXJhdGVSZXF1ZXN0Gh4udG9rZW53aXJlLnYxLkdlbmVyYXRlUmVzcG9uc2USVwoOR2VuZXJhdGVTdHJlYW0SHS50b2tlbndpcmUudjEuR2VuZXJhdGVSZXF1ZXN0GiQudG9rZW53aXJlLnYxLkdlbmVyYXRlU3RyZWFtUmVzcG9uc2UwARI9CgRJbmZvEhkudG9rZW53aXJlLnYxLkluZm9SZXF1ZXN0GhoudG9rZW53aXJlLnYxLkluZm9SZXNwb25zZRJDCgZIZWFsdGgSGy50b2tlbndpcmUudjEuSGVhbHRoUmVxdWVzdBocLnRva2Vud2lyZS52MS5IZWFsdGhSZXNwb25zZRJJCghUb2tlbml6ZRIdLnRva2Vud2lyZS52MS5Ub2tlbml6ZVJlcXVlc3QaHi50b2tlbndpcmUudjEuVG9rZW5pemVSZXNwb25zZRJQCgxUb2tlbml6ZUh0dHASFC5nb29nbGUuYXBpLkh0dHBCb2R5GhQuZ29vZ2xlLmFwaS5IdHRwQm9keSIUgtPkkwIOOgEqIgkvdG9rZW5pemUSagoLTG9hZEFkYXB0ZXISIC50b2tlbndpcmUudjEuTG9hZEFkYXB0ZXJSZXF1ZXN0GiEudG9rZW53aXJlLnYxLkxvYWRBZGFwdGVyUmVzcG9uc2UiFoLT5JMCEDoBKiILL2luZm8vbG9yYXMSdAoNVW5sb2FkQWRhcHRlchIiLnRva2Vud2lyZS52MS5VbmxvYWRBZGFwdGVyUmVxdWVzdBojLnRva2Vud2lyZS52MS5VbmxvYWRBZGFwdGVyUmVzcG9uc2UiGoLT5JMCFCoSL2luZm8vbG9yYXMve25hbWV9EmoKDExpc3RBZGFwdGVycxIhLnRva2Vud2lyZS52MS5MaXN0QWRhcHRlcnNSZXF1ZXN0GiIudG9rZW53aXJlLnYxLkxpc3RBZGFwdGVyc1Jlc3BvbnNlIhOC0+STAg0SCy9pbmZvL2xvcmFzYgZwcm90bzM", [file_google_api_annotations, file_google_api_httpbody, file_google_protobuf_struct]);
+  fileDesc("Cht0b2tlbndpcmUvdjEvZ2VuZXJhdGUucHJvdG8SDHRva2Vud2lyZS52MSKHAQoPR2VuZXJhdGVSZXF1ZXN0Eg4KBmlucHV0cxgBIAEoCRI0CgpwYXJhbWV0ZXJzGAIgASgLMiAudG9rZW53aXJlLnYxLkdlbmVyYXRlUGFyYW1ldGVycxIuCgxpbnB1dF9jaHVua3MYAyADKAsyGC50b2tlbndpcmUudjEuSW5wdXRDaHVuayJPCgpJbnB1dENodW5rEg4KBHRleHQYASABKAlIABIoCgVpbWFnZRgCIAEoCzIXLnRva2Vud2lyZS52MS5JbWFnZVBhcnRIAEIHCgVjaHVuayI0CglJbWFnZVBhcnQSDgoEZGF0YRgBIAEoDEgAEg0KA3VybBgCIAEoCUgAQggKBnNvdXJjZSLLBQoSR2VuZXJhdGVQYXJhbWV0ZXJzEhQKB2Jlc3Rfb2YYASABKA1IAIgBARIYCgt0ZW1wZXJhdHVyZRgCIAEoAkgBiAEBEh8KEnJlcGV0aXRpb25fcGVuYWx0eRgDIAEoAkgCiAEBEh4KEWZyZXF1ZW5jeV9wZW5hbHR5GAQgASgCSAOIAQESEgoFdG9wX2sYBSABKAVIBIgBARISCgV0b3BfcBgGIAEoAkgFiAEBEhYKCXR5cGljYWxfcBgHIAEoAkgGiAEBEhEKCWRvX3NhbXBsZRgIIAEoCBIbCg5tYXhfbmV3X3Rva2VucxgJIAEoDUgHiAEBEhgKEHJldHVybl9mdWxsX3RleHQYCiABKAgSDAoEc3RvcBgLIAMoCRIVCgh0cnVuY2F0ZRgMIAEoDUgIiAEBEhEKCXdhdGVybWFyaxgNIAEoCBIPCgdkZXRhaWxzGA4gASgIEh0KFWRlY29kZXJfaW5wdXRfZGV0YWlscxgPIAEoCBIRCgRzZWVkGBAgASgESAmIAQESGQoMdG9wX25fdG9rZW5zGBEgASgNSAqIAQESKwoHZ3JhbW1hchgSIAEoCzIVLnRva2Vud2lyZS52MS5HcmFtbWFySAuIAQESFwoKYWRhcHRlcl9pZBhQIAEoCUgMiAEBEhgKD2NvYWxlc2NlX3Rva2VucxiMASABKAhCCgoIX2Jlc3Rfb2ZCDgoMX3RlbXBlcmF0dXJlQhUKE19yZXBldGl0aW9uX3BlbmFsdHlCFAoSX2ZyZXF1ZW5jeV9wZW5hbHR5QggKBl90b3Bfa0IICgZfdG9wX3BCDAoKX3R5cGljYWxfcEIRCg9fbWF4X25ld190b2tlbnNCCwoJX3RydW5jYXRlQgcKBV9zZWVkQg8KDV90b3Bfbl90b2tlbnNCCgoIX2dyYW1tYXJCDQoLX2FkYXB0ZXJfaWRKBAgTEB4iPgoHR3JhbW1hchIMCgR0eXBlGAEgASgJEiUKBXZhbHVlGAIgASgLMhYuZ29vZ2xlLnByb3RvYnVmLlZhbHVlIkMKBVRva2VuEgoKAmlkGAEgASgNEgwKBHRleHQYAiABKAkSDwoHbG9ncHJvYhgDIAEoAhIPCgdzcGVjaWFsGAQgASgIIkoKDFByZWZpbGxUb2tlbhIKCgJpZBgBIAEoDRIMCgR0ZXh0GAIgASgJEhQKB2xvZ3Byb2IYAyABKAJIAIgBAUIKCghfbG9ncHJvYiIwCglUb3BUb2tlbnMSIwoGdG9rZW5zGAEgAygLMhMudG9rZW53aXJlLnYxLlRva2VuIpYCCg5CZXN0T2ZTZXF1ZW5jZRIWCg5nZW5lcmF0ZWRfdGV4dBgBIAEoCRIVCg1maW5pc2hfcmVhc29uGAIgASgJEhgKEGdlbmVyYXRlZF90b2tlbnMYAyABKA0SEQoEc2VlZBgEIAEoBEgAiAEBEisKB3ByZWZpbGwYBSADKAsyGi50b2tlbndpcmUudjEuUHJlZmlsbFRva2VuEiMKBnRva2VucxgGIAMoCzITLnRva2Vud2lyZS52MS5Ub2tlbhIrCgp0b3BfdG9rZW5zGAcgAygLMhcudG9rZW53aXJlLnYxLlRvcFRva2VucxIgChhhY2NlcHRlZF90b2tlbnNfcGVyX3N0ZXAYPCADKA1CBwoFX3NlZWQisAIKB0RldGFpbHMSFQoNZmluaXNoX3JlYXNvbhgBIAEoCRIYChBnZW5lcmF0ZWRfdG9rZW5zGAIgASgNEhEKBHNlZWQYAyABKARIAIgBARIrCgdwcmVmaWxsGAQgAygLMhoudG9rZW53aXJlLnYxLlByZWZpbGxUb2tlbhIjCgZ0b2tlbnMYBSADKAsyEy50b2tlbndpcmUudjEuVG9rZW4SKwoKdG9wX3Rva2VucxgGIAMoCzIXLnRva2Vud2lyZS52MS5Ub3BUb2tlbnMSNwoRYmVzdF9vZl9zZXF1ZW5jZXMYByADKAsyHC50b2tlbndpcmUudjEuQmVzdE9mU2VxdWVuY2USIAoYYWNjZXB0ZWRfdG9rZW5zX3Blcl9zdGVwGDwgAygNQgcKBV9zZWVkImMKEEdlbmVyYXRlUmVzcG9uc2USFgoOZ2VuZXJhdGVkX3RleHQYASABKAkSKwoHZGV0YWlscxgCIAEoCzIVLnRva2Vud2lyZS52MS5EZXRhaWxzSACIAQFCCgoIX2RldGFpbHMilAEKDVN0cmVhbURldGFpbHMSFQoNZmluaXNoX3JlYXNvbhgBIAEoCRIYChBnZW5lcmF0ZWRfdG9rZW5zGAIgASgNEhEKBHNlZWQYAyABKARIAIgBARIUCgxpbnB1dF9sZW5ndGgYBCABKA0SIAoYYWNjZXB0ZWRfdG9rZW5zX3Blcl9zdGVwGDwgAygNQgcKBV9zZWVkIusCChZHZW5lcmF0ZVN0cmVhbVJlc3BvbnNlEg0KBWluZGV4GAEgASgNEicKBXRva2VuGAIgASgLMhMudG9rZW53aXJlLnYxLlRva2VuSACIAQESJwoKdG9wX3Rva2VucxgDIAMoCzITLnRva2Vud2lyZS52MS5Ub2tlbhIbCg5nZW5lcmF0ZWRfdGV4dBgEIAEoCUgBiAEBEjEKB2RldGFpbHMYBSABKAsyGy50b2tlbndpcmUudjEuU3RyZWFtRGV0YWlsc0gCiAEBEhIKBWVycm9yGAYgASgJSAOIAQESFwoKZXJyb3JfdHlwZRgHIAEoCUgEiAEBEjEKCWNvYWxlc2NlZBiMASABKAsyHS50b2tlbndpcmUudjEuQ29hbGVzY2VkVG9rZW5zQggKBl90b2tlbkIRCg9fZ2VuZXJhdGVkX3RleHRCCgoIX2RldGFpbHNCCAoGX2Vycm9yQg0KC19lcnJvcl90eXBlIg0KC0luZm9SZXF1ZXN0It0FCgxJbmZvUmVzcG9uc2USEAoIbW9kZWxfaWQYASABKAkSFgoJbW9kZWxfc2hhGAIgASgJSACIAQESEwoLbW9kZWxfZHR5cGUYAyABKAkSGQoRbW9kZWxfZGV2aWNlX3R5cGUYBCABKAkSHwoSbW9kZWxfcGlwZWxpbmVfdGFnGAUgASgJSAGIAQESHwoXbWF4X2NvbmN1cnJlbnRfcmVxdWVzdHMYBiABKA0SEwoLbWF4X2Jlc3Rfb2YYByABKA0SGgoSbWF4X3N0b3Bfc2VxdWVuY2VzGAggASgNEhgKEG1heF9pbnB1dF90b2tlbnMYCSABKA0SGAoQbWF4X3RvdGFsX3Rva2VucxgKIAEoDRIaChJ2YWxpZGF0aW9uX3dvcmtlcnMYCyABKA0SHQoVbWF4X2NsaWVudF9iYXRjaF9zaXplGAwgASgNEg4KBnJvdXRlchgNIAEoCRIPCgd2ZXJzaW9uGA4gASgJEhAKA3NoYRgPIAEoCUgCiAEBEhkKDGRvY2tlcl9sYWJlbBgQIAEoCUgDiAEBEhgKEG1heF90b3Bfbl90b2tlbnMYESABKA0SHgoWbWF4X2JhdGNoX3RvdGFsX3Rva2VucxgSIAEoBBISCgpibG9ja19zaXplGBMgASgNEhUKDW51bV9rdl9ibG9ja3MYFCABKA0SEQoJbnVtX3NoYXJkGBUgASgNEhIKCm1vZGVsX2ltcGwYFiABKAkSEwoLY3VkYV9ncmFwaHMYFyABKAgSJwoIYWRhcHRlcnMYUCADKAsyFS50b2tlbndpcmUudjEuQWRhcHRlchIRCgltYXhfbG9yYXMYUSABKA0SFQoNbWF4X2xvcmFfcmFuaxhSIAEoDRIRCglzcGVjdWxhdGUYPCABKA1CDAoKX21vZGVsX3NoYUIVChNfbW9kZWxfcGlwZWxpbmVfdGFnQgYKBF9zaGFCDwoNX2RvY2tlcl9sYWJlbCIPCg1IZWFsdGhSZXF1ZXN0IhAKDkhlYWx0aFJlc3BvbnNlIlkKD1Rva2VuaXplUmVxdWVzdBIOCgZpbnB1dHMYASABKAkSHwoSYWRkX3NwZWNpYWxfdG9rZW5zGAIgASgISACIAQFCFQoTX2FkZF9zcGVjaWFsX3Rva2VucyJECgtTaW1wbGVUb2tlbhIKCgJpZBgBIAEoDRIMCgR0ZXh0GAIgASgJEg0KBXN0YXJ0GAMgASgNEgwKBHN0b3AYBCABKA0iPQoQVG9rZW5pemVSZXNwb25zZRIpCgZ0b2tlbnMYASADKAsyGS50b2tlbndpcmUudjEuU2ltcGxlVG9rZW4iTwoNQWRhcHRlclNvdXJjZRIMCgRuYW1lGAEgASgJEgwKBHBhdGgYAiABKAkSFQoIcmV2aXNpb24YAyABKAlIAIgBAUILCglfcmV2aXNpb24iQwoSTG9hZEFkYXB0ZXJSZXF1ZXN0Ei0KCGFkYXB0ZXJzGAEgAygLMhsudG9rZW53aXJlLnYxLkFkYXB0ZXJTb3VyY2UiWgoHQWRhcHRlchIMCgRuYW1lGAEgASgJEgwKBHBhdGgYAiABKAkSDAoEcmFuaxgDIAEoDRINCgVhbHBoYRgEIAEoAhIWCg50YXJnZXRfbW9kdWxlcxgFIAMoCSI+ChNMb2FkQWRhcHRlclJlc3BvbnNlEicKCGFkYXB0ZXJzGAEgAygLMhUudG9rZW53aXJlLnYxLkFkYXB0ZXIiJAoUVW5sb2FkQWRhcHRlclJlcXVlc3QSDAoEbmFtZRgBIAEoCSIXChVVbmxvYWRBZGFwdGVyUmVzcG9uc2UiFQoTTGlzdEFkYXB0ZXJzUmVxdWVzdCI/ChRMaXN0QWRhcHRlcnNSZXNwb25zZRInCghhZGFwdGVycxgBIAMoCzIVLnRva2Vud2lyZS52MS5BZGFwdGVyImMKD0NvYWxlc2NlZFRva2VucxIjCgZ0b2tlbnMYASADKAsyEy50b2tlbndpcmUudjEuVG9rZW4SKwoKdG9wX3Rva2VucxgCIAMoCzIXLnRva2Vud2lyZS52MS5Ub3BUb2tlbnMyowYKDlRleHRHZW5lcmF0aW9uEkkKCEdlbmVyYXRlEh0udG9rZW53aXJlLnYxLkdlbmVyYXRlUmVxdWVzdBoeLnRva2Vud2lyZS52MS5HZW5lcmF0ZVJlc3BvbnNlElcKDkdlbmVyYXRlU3RyZWFtEh0udG9rZW53aXJlLnYxLkdlbmVyYXRlUmVxdWVzdBokLnRva2Vud2lyZS52MS5HZW5lcmF0ZVN0cmVhbVJlc3BvbnNlMAESPQoESW5mbxIZLnRva2Vud2lyZS52MS5JbmZvUmVxdWVzdBoaLnRva2Vud2lyZS52MS5JbmZvUmVzcG9uc2USQwoGSGVhbHRoEhsudG9rZW53aXJlLnYxLkhlYWx0aFJlcXVlc3QaHC50b2tlbndpcmUudjEuSGVhbHRoUmVzcG9uc2USSQoIVG9rZW5pemUSHS50b2tlbndpcmUudjEuVG9rZW5pemVSZXF1ZXN0Gh4udG9rZW53aXJlLnYxLlRva2VuaXplUmVzcG9uc2USUAoMVG9rZW5pemVIdHRwEhQuZ29vZ2xlLmFwaS5IdHRwQm9keRoULmdvb2dsZS5hcGkuSHR0cEJvZHkiFILT5JMCDjoBKiIJL3Rva2VuaXplEmoKC0xvYWRBZGFwdGVyEiAudG9rZW53aXJlLnYxLkxvYWRBZGFwdGVyUmVxdWVzdBohLnRva2Vud2lyZS52MS5Mb2FkQWRhcHRlclJlc3BvbnNlIhaC0+STAhA6ASoiCy9pbmZvL2xvcmFzEnQKDVVubG9hZEFkYXB0ZXISIi50b2tlbndpcmUudjEuVW5sb2FkQWRhcHRlclJlcXVlc3QaIy50b2tlbndpcmUudjEuVW5sb2FkQWRhcHRlclJlc3BvbnNlIhqC0+STAhQqEi9pbmZvL2xvcmFzL3tuYW1lfRJqCgxMaXN0QWRhcHRlcnMSIS50b2tlbndpcmUudjEuTGlzdEFkYXB0ZXJzUmVxdWVzdBoiLnRva2Vud2lyZS52MS5MaXN0QWRhcHRlcnNSZXNwb25zZSITgtPkkwINEgsvaW5mby9sb3Jhc2IGcHJvdG8z", [file_google_api_annotations, file_google_api_httpbody, file_google_protobuf_struct]);
 
 /**
  * A generation request: TGI's `{"inputs": "...", "parameters": {...}}`.
@@ -46,6 +46,17 @@ export type GenerateRequest = Message<"tokenwire.v1.GenerateRequest"> & {
    * @generated from field: tokenwire.v1.GenerateParameters parameters = 2;
    */
   parameters?: GenerateParameters | undefined;
+
+  /**
+   * The prompt as typed parts, text and images (vision-language models), in order; when set,
+   * `inputs` is ignored. (On `inputs`, images are TGI's markdown `![](url)`.) Limits:
+   * --max-images-per-request, --max-image-pixels, --max-image-bytes; an image is refused
+   * (INVALID_ARGUMENT naming `input_chunks[i]`) when it is undecodable, of another format than
+   * PNG, JPEG or WebP, or cannot be fetched, and when the model takes no images.
+   *
+   * @generated from field: repeated tokenwire.v1.InputChunk input_chunks = 3;
+   */
+  inputChunks: InputChunk[];
 };
 
 /**
@@ -54,6 +65,77 @@ export type GenerateRequest = Message<"tokenwire.v1.GenerateRequest"> & {
  */
 export const GenerateRequestSchema: GenMessage<GenerateRequest> = /*@__PURE__*/
   messageDesc(file_tokenwire_v1_generate, 0);
+
+/**
+ * One part of a prompt: text, or an image.
+ *
+ * @generated from message tokenwire.v1.InputChunk
+ */
+export type InputChunk = Message<"tokenwire.v1.InputChunk"> & {
+  /**
+   * @generated from oneof tokenwire.v1.InputChunk.chunk
+   */
+  chunk: {
+    /**
+     * Text, tokenized with the model's tokenizer.
+     *
+     * @generated from field: string text = 1;
+     */
+    value: string;
+    case: "text";
+  } | {
+    /**
+     * An image, in the prompt at this place.
+     *
+     * @generated from field: tokenwire.v1.ImagePart image = 2;
+     */
+    value: ImagePart;
+    case: "image";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message tokenwire.v1.InputChunk.
+ * Use `create(InputChunkSchema)` to create a new message.
+ */
+export const InputChunkSchema: GenMessage<InputChunk> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_generate, 1);
+
+/**
+ * An image: its encoded bytes, or a URL the router reads.
+ *
+ * @generated from message tokenwire.v1.ImagePart
+ */
+export type ImagePart = Message<"tokenwire.v1.ImagePart"> & {
+  /**
+   * @generated from oneof tokenwire.v1.ImagePart.source
+   */
+  source: {
+    /**
+     * PNG, JPEG or WebP bytes.
+     *
+     * @generated from field: bytes data = 1;
+     */
+    value: Uint8Array;
+    case: "data";
+  } | {
+    /**
+     * A `data:image/...;base64,` URL, or an http(s) URL the router fetches (private and
+     * loopback addresses are refused unless the router runs with --allow-private-image-urls).
+     *
+     * @generated from field: string url = 2;
+     */
+    value: string;
+    case: "url";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message tokenwire.v1.ImagePart.
+ * Use `create(ImagePartSchema)` to create a new message.
+ */
+export const ImagePartSchema: GenMessage<ImagePart> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_generate, 2);
 
 /**
  * Sampling, stopping and reporting parameters of one request (TGI's `parameters`).
@@ -226,7 +308,7 @@ export type GenerateParameters = Message<"tokenwire.v1.GenerateParameters"> & {
  * Use `create(GenerateParametersSchema)` to create a new message.
  */
 export const GenerateParametersSchema: GenMessage<GenerateParameters> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 1);
+  messageDesc(file_tokenwire_v1_generate, 3);
 
 /**
  * An output constraint (TGI's `grammar`).
@@ -254,7 +336,7 @@ export type Grammar = Message<"tokenwire.v1.Grammar"> & {
  * Use `create(GrammarSchema)` to create a new message.
  */
 export const GrammarSchema: GenMessage<Grammar> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 2);
+  messageDesc(file_tokenwire_v1_generate, 4);
 
 /**
  * One generated or prompt token.
@@ -299,7 +381,7 @@ export type Token = Message<"tokenwire.v1.Token"> & {
  * Use `create(TokenSchema)` to create a new message.
  */
 export const TokenSchema: GenMessage<Token> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 3);
+  messageDesc(file_tokenwire_v1_generate, 5);
 
 /**
  * One prompt token in `details.prefill`.
@@ -335,7 +417,7 @@ export type PrefillToken = Message<"tokenwire.v1.PrefillToken"> & {
  * Use `create(PrefillTokenSchema)` to create a new message.
  */
 export const PrefillTokenSchema: GenMessage<PrefillToken> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 4);
+  messageDesc(file_tokenwire_v1_generate, 6);
 
 /**
  * The n most likely alternatives at one generated position.
@@ -356,7 +438,7 @@ export type TopTokens = Message<"tokenwire.v1.TopTokens"> & {
  * Use `create(TopTokensSchema)` to create a new message.
  */
 export const TopTokensSchema: GenMessage<TopTokens> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 5);
+  messageDesc(file_tokenwire_v1_generate, 7);
 
 /**
  * A non-selected sequence of a best_of request.
@@ -428,7 +510,7 @@ export type BestOfSequence = Message<"tokenwire.v1.BestOfSequence"> & {
  * Use `create(BestOfSequenceSchema)` to create a new message.
  */
 export const BestOfSequenceSchema: GenMessage<BestOfSequence> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 6);
+  messageDesc(file_tokenwire_v1_generate, 8);
 
 /**
  * Details of a finished generation (TGI's `details`).
@@ -501,7 +583,7 @@ export type Details = Message<"tokenwire.v1.Details"> & {
  * Use `create(DetailsSchema)` to create a new message.
  */
 export const DetailsSchema: GenMessage<Details> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 7);
+  messageDesc(file_tokenwire_v1_generate, 9);
 
 /**
  * Answer to Generate.
@@ -529,7 +611,7 @@ export type GenerateResponse = Message<"tokenwire.v1.GenerateResponse"> & {
  * Use `create(GenerateResponseSchema)` to create a new message.
  */
 export const GenerateResponseSchema: GenMessage<GenerateResponse> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 8);
+  messageDesc(file_tokenwire_v1_generate, 10);
 
 /**
  * Details on the last event of a stream (TGI's StreamDetails).
@@ -579,7 +661,7 @@ export type StreamDetails = Message<"tokenwire.v1.StreamDetails"> & {
  * Use `create(StreamDetailsSchema)` to create a new message.
  */
 export const StreamDetailsSchema: GenMessage<StreamDetails> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 9);
+  messageDesc(file_tokenwire_v1_generate, 11);
 
 /**
  * One event of GenerateStream.
@@ -655,7 +737,7 @@ export type GenerateStreamResponse = Message<"tokenwire.v1.GenerateStreamRespons
  * Use `create(GenerateStreamResponseSchema)` to create a new message.
  */
 export const GenerateStreamResponseSchema: GenMessage<GenerateStreamResponse> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 10);
+  messageDesc(file_tokenwire_v1_generate, 12);
 
 /**
  * Request of Info; no fields.
@@ -670,7 +752,7 @@ export type InfoRequest = Message<"tokenwire.v1.InfoRequest"> & {
  * Use `create(InfoRequestSchema)` to create a new message.
  */
 export const InfoRequestSchema: GenMessage<InfoRequest> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 11);
+  messageDesc(file_tokenwire_v1_generate, 13);
 
 /**
  * Description of the served model and limits (TGI's /info).
@@ -874,7 +956,7 @@ export type InfoResponse = Message<"tokenwire.v1.InfoResponse"> & {
  * Use `create(InfoResponseSchema)` to create a new message.
  */
 export const InfoResponseSchema: GenMessage<InfoResponse> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 12);
+  messageDesc(file_tokenwire_v1_generate, 14);
 
 /**
  * Request of Health; no fields.
@@ -889,7 +971,7 @@ export type HealthRequest = Message<"tokenwire.v1.HealthRequest"> & {
  * Use `create(HealthRequestSchema)` to create a new message.
  */
 export const HealthRequestSchema: GenMessage<HealthRequest> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 13);
+  messageDesc(file_tokenwire_v1_generate, 15);
 
 /**
  * Answer of a successful Health call; no fields (TGI answers an empty 200).
@@ -904,7 +986,7 @@ export type HealthResponse = Message<"tokenwire.v1.HealthResponse"> & {
  * Use `create(HealthResponseSchema)` to create a new message.
  */
 export const HealthResponseSchema: GenMessage<HealthResponse> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 14);
+  messageDesc(file_tokenwire_v1_generate, 16);
 
 /**
  * Request of Tokenize (TGI's body: `inputs`; `parameters` is accepted and ignored by Envoy).
@@ -932,7 +1014,7 @@ export type TokenizeRequest = Message<"tokenwire.v1.TokenizeRequest"> & {
  * Use `create(TokenizeRequestSchema)` to create a new message.
  */
 export const TokenizeRequestSchema: GenMessage<TokenizeRequest> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 15);
+  messageDesc(file_tokenwire_v1_generate, 17);
 
 /**
  * One token of a tokenized prompt.
@@ -974,7 +1056,7 @@ export type SimpleToken = Message<"tokenwire.v1.SimpleToken"> & {
  * Use `create(SimpleTokenSchema)` to create a new message.
  */
 export const SimpleTokenSchema: GenMessage<SimpleToken> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 16);
+  messageDesc(file_tokenwire_v1_generate, 18);
 
 /**
  * Answer of Tokenize.
@@ -995,7 +1077,7 @@ export type TokenizeResponse = Message<"tokenwire.v1.TokenizeResponse"> & {
  * Use `create(TokenizeResponseSchema)` to create a new message.
  */
 export const TokenizeResponseSchema: GenMessage<TokenizeResponse> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 17);
+  messageDesc(file_tokenwire_v1_generate, 19);
 
 /**
  * One LoRA adapter to load (TGI's {"name", "path"}).
@@ -1032,7 +1114,7 @@ export type AdapterSource = Message<"tokenwire.v1.AdapterSource"> & {
  * Use `create(AdapterSourceSchema)` to create a new message.
  */
 export const AdapterSourceSchema: GenMessage<AdapterSource> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 18);
+  messageDesc(file_tokenwire_v1_generate, 20);
 
 /**
  * POST /info/loras: {"adapters": [{"name": "...", "path": "..."}]}.
@@ -1053,7 +1135,7 @@ export type LoadAdapterRequest = Message<"tokenwire.v1.LoadAdapterRequest"> & {
  * Use `create(LoadAdapterRequestSchema)` to create a new message.
  */
 export const LoadAdapterRequestSchema: GenMessage<LoadAdapterRequest> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 19);
+  messageDesc(file_tokenwire_v1_generate, 21);
 
 /**
  * A loaded LoRA adapter.
@@ -1102,7 +1184,7 @@ export type Adapter = Message<"tokenwire.v1.Adapter"> & {
  * Use `create(AdapterSchema)` to create a new message.
  */
 export const AdapterSchema: GenMessage<Adapter> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 20);
+  messageDesc(file_tokenwire_v1_generate, 22);
 
 /**
  * Answer of LoadAdapter.
@@ -1123,7 +1205,7 @@ export type LoadAdapterResponse = Message<"tokenwire.v1.LoadAdapterResponse"> & 
  * Use `create(LoadAdapterResponseSchema)` to create a new message.
  */
 export const LoadAdapterResponseSchema: GenMessage<LoadAdapterResponse> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 21);
+  messageDesc(file_tokenwire_v1_generate, 23);
 
 /**
  * DELETE /info/loras/{name}.
@@ -1144,7 +1226,7 @@ export type UnloadAdapterRequest = Message<"tokenwire.v1.UnloadAdapterRequest"> 
  * Use `create(UnloadAdapterRequestSchema)` to create a new message.
  */
 export const UnloadAdapterRequestSchema: GenMessage<UnloadAdapterRequest> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 22);
+  messageDesc(file_tokenwire_v1_generate, 24);
 
 /**
  * Answer of UnloadAdapter; no fields.
@@ -1159,7 +1241,7 @@ export type UnloadAdapterResponse = Message<"tokenwire.v1.UnloadAdapterResponse"
  * Use `create(UnloadAdapterResponseSchema)` to create a new message.
  */
 export const UnloadAdapterResponseSchema: GenMessage<UnloadAdapterResponse> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 23);
+  messageDesc(file_tokenwire_v1_generate, 25);
 
 /**
  * Request of ListAdapters; no fields.
@@ -1174,7 +1256,7 @@ export type ListAdaptersRequest = Message<"tokenwire.v1.ListAdaptersRequest"> & 
  * Use `create(ListAdaptersRequestSchema)` to create a new message.
  */
 export const ListAdaptersRequestSchema: GenMessage<ListAdaptersRequest> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 24);
+  messageDesc(file_tokenwire_v1_generate, 26);
 
 /**
  * Answer of ListAdapters (GET /info/loras).
@@ -1195,7 +1277,7 @@ export type ListAdaptersResponse = Message<"tokenwire.v1.ListAdaptersResponse"> 
  * Use `create(ListAdaptersResponseSchema)` to create a new message.
  */
 export const ListAdaptersResponseSchema: GenMessage<ListAdaptersResponse> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 25);
+  messageDesc(file_tokenwire_v1_generate, 27);
 
 /**
  * The tokens of one GenerateStream event under `parameters.coalesce_tokens`. Concatenating
@@ -1224,7 +1306,7 @@ export type CoalescedTokens = Message<"tokenwire.v1.CoalescedTokens"> & {
  * Use `create(CoalescedTokensSchema)` to create a new message.
  */
 export const CoalescedTokensSchema: GenMessage<CoalescedTokens> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_generate, 26);
+  messageDesc(file_tokenwire_v1_generate, 28);
 
 /**
  * The text-generation service over gRPC (directly or through Envoy). Its REST + SSE face is

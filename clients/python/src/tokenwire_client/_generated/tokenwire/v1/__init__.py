@@ -34,8 +34,10 @@ __all__ = (
     "Grammar",
     "HealthRequest",
     "HealthResponse",
+    "ImagePart",
     "InfoRequest",
     "InfoResponse",
+    "InputChunk",
     "JsonSchemaFormat",
     "ListAdaptersRequest",
     "ListAdaptersResponse",
@@ -1083,6 +1085,17 @@ class GenerateRequest(betterproto2.Message):
     Generation parameters. Unset means every parameter takes its default.
     """
 
+    input_chunks: "list[InputChunk]" = betterproto2.field(
+        3, betterproto2.TYPE_MESSAGE, repeated=True
+    )
+    """
+    The prompt as typed parts, text and images (vision-language models), in order; when set,
+    `inputs` is ignored. (On `inputs`, images are TGI's markdown `![](url)`.) Limits:
+    --max-images-per-request, --max-image-pixels, --max-image-bytes; an image is refused
+    (INVALID_ARGUMENT naming `input_chunks[i]`) when it is undecodable, of another format than
+    PNG, JPEG or WebP, or cannot be fetched, and when the model takes no images.
+    """
+
 
 default_message_pool.register_message("tokenwire.v1", "GenerateRequest", GenerateRequest)
 
@@ -1228,6 +1241,34 @@ class HealthResponse(betterproto2.Message):
 
 
 default_message_pool.register_message("tokenwire.v1", "HealthResponse", HealthResponse)
+
+
+@dataclass(eq=False, repr=False)
+class ImagePart(betterproto2.Message):
+    """
+    An image: its encoded bytes, or a URL the router reads.
+
+    Oneofs:
+        - source:
+    """
+
+    data: "bytes | None" = betterproto2.field(
+        1, betterproto2.TYPE_BYTES, optional=True, group="source"
+    )
+    """
+    PNG, JPEG or WebP bytes.
+    """
+
+    url: "str | None" = betterproto2.field(
+        2, betterproto2.TYPE_STRING, optional=True, group="source"
+    )
+    """
+    A `data:image/...;base64,` URL, or an http(s) URL the router fetches (private and
+    loopback addresses are refused unless the router runs with --allow-private-image-urls).
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "ImagePart", ImagePart)
 
 
 @dataclass(eq=False, repr=False)
@@ -1388,6 +1429,33 @@ class InfoResponse(betterproto2.Message):
 
 
 default_message_pool.register_message("tokenwire.v1", "InfoResponse", InfoResponse)
+
+
+@dataclass(eq=False, repr=False)
+class InputChunk(betterproto2.Message):
+    """
+    One part of a prompt: text, or an image.
+
+    Oneofs:
+        - chunk:
+    """
+
+    text: "str | None" = betterproto2.field(
+        1, betterproto2.TYPE_STRING, optional=True, group="chunk"
+    )
+    """
+    Text, tokenized with the model's tokenizer.
+    """
+
+    image: "ImagePart | None" = betterproto2.field(
+        2, betterproto2.TYPE_MESSAGE, optional=True, group="chunk"
+    )
+    """
+    An image, in the prompt at this place.
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "InputChunk", InputChunk)
 
 
 @dataclass(eq=False, repr=False)

@@ -1,0 +1,194 @@
+"""Images end to end: the official `openai` client (unchanged) against the real Envoy in front of
+a real `tokenwire launch` serving a tiny random LLaVA, with transformers as the reference. Images
+come as data URLs (PNG, JPEG, WebP), as http URLs served by a local test server on 127.0.0.2
+(reached through a redirect; the deployment allows exactly that address with
+--allow-image-networks 127.0.0.2/32), as TGI markdown on /generate and as typed gRPC parts.
+Every refused image is a 400 (413 for size) naming its content part, and the server serves
+normally after each. Loopback URLs outside the allowed network are refused as by default: an
+IP literal, a host name (`localhost`, checked at resolution) and a redirect to one."""
+
+from __future__ import annotations
+
+import base64
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+from tokenwire.v1 import generate_pb2 as gpb
+from tokenwire.v1 import generate_pb2_grpc as gpb_grpc
+
+from tests.helpers.http_api import http_json
+from tests.helpers.processes import Deployment, launch
+from tests.helpers.vision import HfReference, encoded, tiny_llava
+
+pytestmark = pytest.mark.slow
+
+N = 6  # max_tokens of every request
+PNG0 = encoded(0)
+IMAGES = {"/a.png": (PNG0, "image/png"), "/note.txt": (b"hello", "text/plain")}
+REDIRECTS = {"/moved": "/a.png", "/to-loopback": "http://localhost:{port}/a.png",
+             "/loop": "/loop"}
+ALLOWED = "127.0.0.2"  # the image server's address, the one private address allowed
+
+
+def data_url(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+def chat(url: str, text: str = "what is in ") -> list[dict]:
+    return [{"role": "user", "content": [
+        {"type": "text", "text": text},
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": " tell me"},
+    ]}]
+
+
+class _Images(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        if self.path in REDIRECTS:  # redirects the router follows
+            self.send_response(302)
+            self.send_header("Location", REDIRECTS[self.path].format(port=self.server.server_port))
+            self.end_headers()
+            return
+        if self.path not in IMAGES:
+            self.send_error(404)
+            return
+        body, media = IMAGES[self.path]
+        self.send_response(200)
+        self.send_header("Content-Type", media)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_server() -> Iterator[str]:
+    server = ThreadingHTTPServer((ALLOWED, 0), _Images)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://{ALLOWED}:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llava(tmp_path_factory)
+
+
+def _launch(tmp: Path, model_dir: Path, *extra: str) -> Deployment:
+    return launch(tmp, "--model-id", str(model_dir), "--dtype", "float32",
+                  "--kv-cache-memory-mb", "16", "--max-total-tokens", "256", *extra,
+                  timeout=300.0)
+
+
+@pytest.fixture(scope="module")
+def deployment(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[Deployment]:
+    dep = _launch(tmp_path_factory.mktemp("vision"), model_dir,
+                  "--allow-image-networks", f"{ALLOWED}/32",
+                  "--max-images-per-request", "2", "--max-image-pixels", "10000",
+                  "--max-image-bytes", "60000", "--max-image-redirects", "2")
+    yield dep
+    assert dep.stop() == 0, dep.log()
+
+
+@pytest.fixture(scope="module")
+def client(deployment: Deployment) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{deployment.envoy_target}/v1", api_key="none",
+                         max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir: Path) -> HfReference:
+    return HfReference(model_dir)
+
+
+def _want(ref: HfReference, messages: list[dict], seeds: list[int]) -> str:
+    """transformers' greedy text for the chat, rendered as the router renders it (ChatML, no
+    BOS: the template's text is tokenized without special tokens)."""
+    text = "".join(p.get("text", "<image>") for p in messages[0]["content"])
+    prompt = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    ids = ref.greedy(prompt, seeds, N, add_special_tokens=False)
+    return ref.processor.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _content(client: openai.OpenAI, messages: list[dict]) -> str:
+    out = client.chat.completions.create(model="tgi", messages=messages, max_tokens=N,
+                                         temperature=0)
+    return out.choices[0].message.content or ""
+
+
+def test_data_url_and_http_url_match_transformers(client, ref, image_server):
+    messages = chat(data_url(PNG0))
+    want = _want(ref, messages, [0])
+    assert _content(client, messages) == want
+    # The same image fetched over http (through a redirect): the same answer.
+    assert _content(client, chat(f"{image_server}/moved")) == want
+    # JPEG and WebP data URLs, two images in one message.
+    two = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(encoded(1, "JPEG"), "image/jpeg")}},
+        {"type": "text", "text": " or "},
+        {"type": "image_url", "image_url": {"url": data_url(encoded(2, "WEBP"), "image/webp")}},
+    ]}]
+    assert _content(client, two) != ""
+
+
+@pytest.mark.parametrize(
+    ("url", "status", "says"),
+    [
+        (data_url(b"not an image at all"), 400, "could not be decoded"),
+        ("data:image/gif;base64,R0lGODdhAQABAAAAACw=", 400, "unsupported image type"),
+        (data_url(encoded(5, width=120, height=100)), 400, "--max-image-pixels"),
+        (data_url(encoded(6, width=200, height=200)), 413, "--max-image-bytes"),
+        ("{server}/missing.png", 400, "HTTP 404"),
+        ("{server}/note.txt", 400, "content type 'text/plain'"),
+        ("ftp://example.com/a.png", 400, "scheme 'ftp'"),
+        ("{server}/loop", 400, "more than 2 redirects"),
+        # Loopback outside the allowed network: refused as every private address is by default.
+        ("{loopback}/a.png", 400, "resolves to 127.0.0.1, a private, loopback"),
+        ("{localhost}/a.png", 400, "a private, loopback"),
+        ("{server}/to-loopback", 400, "a private, loopback"),
+    ],
+)
+def test_refused_images_name_the_part_and_the_server_stays_healthy(
+        client, deployment, image_server, url, status, says):
+    port = image_server.rsplit(":", 1)[1]
+    url = url.format(server=image_server, loopback=f"http://127.0.0.1:{port}",
+                     localhost=f"http://localhost:{port}")
+    with pytest.raises(openai.APIStatusError) as err:
+        _content(client, chat(url))
+    assert err.value.status_code == status
+    message = err.value.body["message"] if isinstance(err.value.body, dict) else str(err.value)
+    assert "messages[0].content[1].image_url" in message and says in message, message
+    assert _content(client, chat(data_url(PNG0))) != ""  # still serving
+    assert http_json(deployment.http_port, "GET", "/health")[0] == 200
+
+
+def test_too_many_images(client):
+    parts = [{"type": "image_url", "image_url": {"url": data_url(encoded(i))}} for i in range(3)]
+    with pytest.raises(openai.BadRequestError, match=r"3 images; at most 2"):
+        _content(client, [{"role": "user", "content": parts}])
+
+
+def test_tgi_markdown_and_grpc_image_parts(deployment, ref):
+    prompt = "look ![](" + data_url(PNG0) + ") here"
+    status, _, body = http_json(deployment.http_port, "POST", "/generate", {
+        "inputs": prompt, "parameters": {"max_new_tokens": N, "details": True}})
+    assert status == 200, body
+    want = ref.greedy("look <image> here", [0], N)
+    assert [t["id"] for t in body["details"]["tokens"]] == want
+    with grpc.insecure_channel(f"127.0.0.1:{deployment.port}") as channel:
+        stub = gpb_grpc.TextGenerationStub(channel)
+        reply = stub.Generate(gpb.GenerateRequest(
+            input_chunks=[gpb.InputChunk(text="look "),
+                          gpb.InputChunk(image=gpb.ImagePart(data=PNG0)),
+                          gpb.InputChunk(text=" here")],
+            parameters=gpb.GenerateParameters(max_new_tokens=N, details=True)), timeout=60)
+    assert [t.id for t in reply.details.tokens] == want
