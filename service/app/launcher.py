@@ -369,10 +369,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gguf-weights",
         choices=GGUF_WEIGHTS_CHOICES,
-        default=env_value("GGUF_WEIGHTS") or "auto",
+        # dequantize by default until the packed path's CUDA kernels have been checked and
+        # timed on a GPU (benchmarks/run_int4_device.sh); packed and auto are opt-in.
+        default=env_value("GGUF_WEIGHTS") or "dequantize",
         help="a GGUF model's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K linears: kept quantized (packed) "
-        "or dequantized to float; auto: packed when the shards run on CUDA (on CPU the packed "
-        "linears dequantize at every matmul) [GGUF_WEIGHTS]",
+        "or dequantized to float (the default); auto: packed when the shards run on CUDA (on "
+        "CPU the packed linears dequantize at every matmul) [GGUF_WEIGHTS]",
     )
     parser.add_argument("--revision", default=env_value("REVISION"), help="hub revision [REVISION]")
     parser.add_argument(
