@@ -19,6 +19,8 @@ batch: microseconds, GB/s of the int4 bytes (packed weight + scales + zeros) and
 device-to-device copy bandwidth (1 GiB copy_, read + write bytes), speedup vs bf16. Whole-layer
 sums at the end (sum of the four linears per variant). Targets (issue 40): batch 1 >= 75 % of the
 roofline of the int4 bytes and >= 2.5x bf16.
+First, GGUF's Q4_1 / Q4_K layout (group 32, fractional zero points: the kernel's int_zeros=False
+path) is checked against fp32 at every batch and timed beside the integer-zero path.
 """
 
 from __future__ import annotations
@@ -79,6 +81,33 @@ def packed_weight(n: int, k: int) -> PackedInt:
     return PackedInt.pack(UnpackedInt(q, scales, zeros, g_idx, 4))
 
 
+def gguf_q4_1_check(report: dict) -> None:
+    """GGUF Q4_1 / Q4_K layouts (group 32, float16 scales, fractional float32 zero points):
+    the kernel's int_zeros=False path against fp32, every batch, on the q/k/v shape, timed with
+    the default config next to the integer-zero path on the same bytes."""
+    n, k = SHAPES["qkv"]
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device="cuda")
+    scales = (torch.rand(n, k // 32, device="cuda") * 0.02 + 0.001).half()
+    zeros = torch.rand(n, k // 32, device="cuda") * 30 - 15  # -min / d: not integers
+    w = PackedInt.pack(UnpackedInt(q, scales, zeros, torch.arange(k, device="cuda") // 32, 4))
+    ref_w = w.dequantize(torch.float32)
+    rows = {}
+    for m in BATCHES:
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        ref = x.float() @ ref_w.t()
+        y = int4_gemv(x, w.qweight, w.scales, w.zeros, 32, int_zeros=False)
+        err = float((y.float() - ref).abs().max() / ref.abs().max())
+        frac_us = time_us(lambda i, x=x: int4_gemv(x, w.qweight, w.scales, w.zeros, 32,
+                                                   int_zeros=False), 1, iters=100)
+        int_us = time_us(lambda i, x=x: int4_gemv(x, w.qweight, w.scales, w.zeros, 32), 1,
+                         iters=100)
+        rows[m] = {"max_err": err, "ok": err < 2**-6, "fractional_us": frac_us,
+                   "integer_path_us": int_us}
+        print(f"gguf q4_1 qkv M={m:2d}: err {err:.1e} fractional-zero path {frac_us:.1f} us, "
+              f"integer-zero path {int_us:.1f} us (same bytes, L2-warm)")
+    report["gguf_q4_1"] = rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -88,6 +117,7 @@ def main() -> None:
     report: dict = {"device": torch.cuda.get_device_name(), "copy_GBps": bandwidth, "group": GROUP,
                     "shapes": {}}
     print(f"{report['device']}: copy {bandwidth:.0f} GB/s")
+    gguf_q4_1_check(report)
     for name, (n, k) in SHAPES.items():
         w = packed_weight(n, k)
         int4_bytes = sum(t.numel() * t.element_size() for t in (w.qweight, w.scales, w.zeros))

@@ -366,6 +366,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=env_value("GGUF_FILE"),
         help="the GGUF file to serve where --model-id holds several [GGUF_FILE]",
     )
+    parser.add_argument(
+        "--gguf-weights",
+        choices=GGUF_WEIGHTS_CHOICES,
+        # dequantize by default until the packed path's CUDA kernels have been checked and
+        # timed on a GPU (benchmarks/run_int4_device.sh); packed and auto are opt-in.
+        default=env_value("GGUF_WEIGHTS") or "dequantize",
+        help="a GGUF model's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K linears: kept quantized (packed) "
+        "or dequantized to float (the default); auto: packed when the shards run on CUDA (on "
+        "CPU the packed linears dequantize at every matmul) [GGUF_WEIGHTS]",
+    )
     parser.add_argument("--revision", default=env_value("REVISION"), help="hub revision [REVISION]")
     parser.add_argument(
         "--num-shard",
@@ -508,21 +518,50 @@ def default_model_file() -> Path:
     )
 
 
+GGUF_WEIGHTS_CHOICES = ("auto", "packed", "dequantize")
+
+
+def gguf_packed(choice: str, device: str | None) -> bool:
+    """Whether a GGUF model's linears stay quantized (--gguf-weights; auto: on CUDA shards)."""
+    if choice != "auto":
+        return choice == "packed"
+    if device:
+        return device.startswith("cuda")
+    return cuda_visible()
+
+
+def cuda_visible() -> bool:
+    """Whether a shard with no --device runs on CUDA (it does where torch sees a GPU), asked of
+    the driver library directly: importing torch would cost every launch a second or more."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return False
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return (driver.cuInit(0) == 0 and driver.cuDeviceGetCount(ctypes.byref(count)) == 0
+            and count.value > 0)
+
+
 def ensure_local_model(
-    model_id: str | None, revision: str | None, cache: Path, gguf_file: str | None = None
+    model_id: str | None, revision: str | None, cache: Path, gguf_file: str | None = None,
+    gguf_weights: str = "dequantize", device: str | None = None,
 ) -> tuple[str, Path]:
     """Returns (model id to report, local directory with weights and tokenizer).
 
     GGUF models are converted here, once, before any shard starts: N shards then load one
     finished snapshot instead of racing N conversions, and a bad file fails the launch before a
-    process is spawned."""
+    process is spawned. gguf_weights / device: --gguf-weights and --device (gguf_packed)."""
     from shard.tools.gguf import ensure_snapshot, locate_gguf
 
     if model_id is None:
-        return DEFAULT_MODEL_NAME, ensure_snapshot(default_model_file(), cache).path
+        packed = gguf_packed(gguf_weights, device)
+        return DEFAULT_MODEL_NAME, ensure_snapshot(default_model_file(), cache,
+                                                   packed=packed).path
     gguf = locate_gguf(model_id, gguf_file, revision)
     if gguf is not None:
-        return model_id, ensure_snapshot(gguf, cache).path
+        return model_id, ensure_snapshot(gguf, cache, packed=gguf_packed(gguf_weights, device)).path
     if Path(model_id).is_dir():
         return model_id, Path(model_id).resolve()
     from shard.tools.download import resolve_model as resolve_hub_model
@@ -687,7 +726,8 @@ class Launcher:
         args = self.args
         began = time.monotonic()
         model_id, model_dir = ensure_local_model(
-            args.model_id, args.revision, cache_dir(args.cache_dir), args.gguf_file
+            args.model_id, args.revision, cache_dir(args.cache_dir), args.gguf_file,
+            args.gguf_weights, args.device,
         )
         self.log(f"model {model_id} from {model_dir}")
         if args.shard_uds_path:

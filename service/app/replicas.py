@@ -138,7 +138,8 @@ def run_replicas(args: argparse.Namespace) -> int:
     code = 0
     try:
         model_id, model_dir = ensure_local_model(
-            args.model_id, args.revision, cache_dir(args.cache_dir), args.gguf_file
+            args.model_id, args.revision, cache_dir(args.cache_dir), args.gguf_file,
+            args.gguf_weights, args.device,
         )
         _log(f"model {model_id} from {model_dir}: {args.replicas} replicas")
         host = "127.0.0.1" if args.hostname in ("0.0.0.0", "") else args.hostname

@@ -62,7 +62,7 @@ class ImageInput:
     offset: int  # first placeholder token of the image in input_ids
     length: int  # placeholder tokens (the count the processor expands the image to)
     pixel_values: bytes  # float32, C order
-    shape: tuple[int, ...]  # of pixel_values: [3, H, W] for LLaVA-style processors
+    shape: tuple[int, ...]  # of pixel_values: [3, H, W] (LLaVA), [t, h, w, patch_dim] (Qwen2-VL)
 
 
 @dataclass(frozen=True)

@@ -451,7 +451,7 @@ class OpenAIEndpoints:
 
     def _image_token(self) -> str:
         pipeline = self.service.validator.images
-        return pipeline.image_token if pipeline is not None else ""
+        return pipeline.image_text if pipeline is not None else ""
 
     async def chat_prompt(self, request: ChatRequest) -> str:
         """The prompt a chat request renders to (TGI's POST /chat_tokenize), checked as

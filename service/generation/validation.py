@@ -460,7 +460,7 @@ class Validator:
         model takes images (a text model reads the markdown as text, as TGI does)."""
         pipeline = self.images
         if request.input_chunks:
-            token = pipeline.image_token if pipeline is not None else ""
+            token = pipeline.image_text if pipeline is not None else ""
             text = "".join(c if isinstance(c, str) else token for c in request.input_chunks)
             refs = tuple(c for c in request.input_chunks if isinstance(c, ImageRef))
             if refs and pipeline is None:
@@ -469,5 +469,5 @@ class Validator:
             return replace(request, inputs=text, images=refs)
         if pipeline is None or request.images or request.prompt_ids is not None:
             return request
-        text, refs = markdown_images(request.inputs, pipeline.image_token)
+        text, refs = markdown_images(request.inputs, pipeline.image_text)
         return replace(request, inputs=text, images=refs) if refs else request

@@ -112,12 +112,14 @@ def _drafts(plan: StepPlan) -> list[pb.Draft]:
 
 
 def _images(req: ValidatedRequest, start: int, end: int) -> list[pb.ImageInput]:
-    """The request's images whose placeholders overlap the chunk's positions [start, end)."""
+    """All the request's images (their places set M-RoPE positions, Qwen2-VL), with pixel
+    values only for those whose placeholders overlap the chunk's positions [start, end)."""
     return [
         pb.ImageInput(content_hash=i.content_hash, offset=i.offset, length=i.length,
-                      shape=i.shape, pixel_values=i.pixel_values)
+                      shape=i.shape,
+                      pixel_values=i.pixel_values if i.offset < end and start < i.offset + i.length
+                      else b"")
         for i in req.images
-        if i.offset < end and start < i.offset + i.length
     ]
 
 

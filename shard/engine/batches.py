@@ -26,6 +26,7 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import tokenizers
 import torch
 
@@ -98,6 +99,10 @@ class ShardRequest:
     blocks_checked: int = 0
     adapter: str = ""  # LoRA adapter name; "" for the base model
     grammar: GrammarState | None = None  # the request's matcher when it is constrained
+    # M-RoPE models (Qwen2-VL) with images in the prompt: [3, len(token_ids) at admission]
+    # positions of the known tokens; later tokens sit at index + rope_delta on all three rows.
+    mrope: np.ndarray | None = None
+    rope_delta: int = 0
     # The launched, unfinished step that samples this request's next token (overlap): the
     # token is on the device only, at row `pending_row` of that step's sampled ids.
     pending: LaunchedStep | None = None
@@ -367,6 +372,8 @@ class BatchState:
         t0 = time.perf_counter_ns()
         if self.runner.kv_cache is None:
             raise FailedPreconditionError("Warmup must run before Prefill")
+        # M-RoPE positions of new requests' prompts ([3, len], delta), computed while validating
+        rope: dict[int, tuple[np.ndarray, int]] = {}
         for spec in batch.requests:  # validate everything before any state changes
             end = spec.cache_len + spec.chunk_len
             if spec.chunk_len == 0 or end > len(spec.input_ids):
@@ -383,6 +390,9 @@ class BatchState:
                 self.grammars.check(spec.grammar)  # compiled (and cached) before any change
             if spec.images:
                 self._check_images(spec)
+                if (getattr(self.runner.model, "mrope", False)
+                        and (spec.cache_len == 0 or spec.id not in self.requests)):
+                    rope[spec.id] = self._rope_positions(spec)
         work: list[_Work] = []
         new_ids: list[int] = []
         for spec in batch.requests:
@@ -391,6 +401,8 @@ class BatchState:
             if state is None or spec.cache_len == 0:
                 state = self._new_state(spec)
                 self.requests[spec.id] = state
+                if spec.id in rope:
+                    state.mrope, state.rope_delta = rope[spec.id]
             else:  # next chunk: the router replaces block table and cursor
                 state.blocks = list(spec.blocks)
                 state.blocks_checked = 0
@@ -581,6 +593,8 @@ class BatchState:
             self._check_state_blocks(w.state, w.start + 1)
         starts = [w.start for w in work]
         n = len(work)
+        # M-RoPE requests decode at index + delta (the same on all three rows)
+        positions = [w.start + w.state.rope_delta for w in work]
         dst: list[int] = []
         src: list[int] = []
         if prev is None:
@@ -597,7 +611,7 @@ class BatchState:
                     token_ids.append(st.token_ids[w.start])
         inputs = StepInputs(
             token_ids=token_ids,
-            positions=starts,
+            positions=positions,
             query_lens=[1] * n,
             seq_lens=[s + 1 for s in starts],
             block_tables=[w.state.blocks for w in work],
@@ -608,7 +622,8 @@ class BatchState:
 
     def _check_images(self, spec: RequestSpec) -> None:
         """Images only for a vision-language model, inside the prompt, pixels as shaped, as
-        many placeholders as the encoder yields rows."""
+        many placeholders as the encoder yields rows. Pixels only for the images the chunk
+        covers (the others come for their place in the prompt: M-RoPE positions)."""
         if not self.runner.model.supports_images:
             raise InvalidRequestError(
                 f"request {spec.id}: images were sent, but this model takes no images"
@@ -621,7 +636,9 @@ class BatchState:
                     f"{image.offset + image.length}), outside len(input_ids)="
                     f"{len(spec.input_ids)}"
                 )
-            if elems == 0 or len(image.pixel_values) != 4 * elems:
+            used = (image.offset < spec.cache_len + spec.chunk_len
+                    and spec.cache_len < image.offset + image.length)
+            if elems == 0 or (used and len(image.pixel_values) != 4 * elems):
                 raise InvalidRequestError(
                     f"request {spec.id}: images[{i}].pixel_values has "
                     f"{len(image.pixel_values)} bytes; shape {list(image.shape)} needs "
@@ -634,6 +651,23 @@ class BatchState:
                     f"{image.length} placeholder tokens; the model's encoder takes "
                     + ("no such shape" if rows is None else f"{rows} for it")
                 )
+
+    def _rope_positions(self, spec: RequestSpec) -> tuple[np.ndarray, int]:
+        """A new request's M-RoPE positions (model.rope_positions: transformers' get_rope_index
+        over the whole prompt; every image of the prompt comes with each chunk). Its images
+        must be in order with a token between each two (transformers groups adjacent image
+        tokens into one image)."""
+        end = -1
+        for i, image in enumerate(spec.images):
+            if image.offset <= end:
+                raise InvalidRequestError(
+                    f"request {spec.id}: images[{i}] starts at {image.offset}; images must be in "
+                    f"prompt order with at least one token between them (the previous ends at "
+                    f"{end})"
+                )
+            end = image.offset + image.length
+        return self.runner.model.rope_positions(  # type: ignore[attr-defined]
+            list(spec.input_ids), [(i.offset, i.length, i.shape) for i in spec.images])
 
     def _lora_slots(self, work: list[_Work]) -> list[int] | None:
         """Each sequence's device slot of its adapter (-1: none), swapping adapters in; None
@@ -659,6 +693,7 @@ class BatchState:
         lp_owner: list[ShardRequest] = []
         dst: list[int] = []
         src: list[int] = []
+        rows3: list[tuple[int, np.ndarray]] = []  # (flat row, [3, n] M-RoPE positions)
         for w in work:
             seq_len = w.start + w.length
             self._check_state_blocks(w.state, seq_len)
@@ -672,7 +707,10 @@ class BatchState:
                 src.append(w.state.pending_row)
             else:
                 inputs.token_ids.extend(w.state.token_ids[w.start : seq_len])
-            inputs.positions.extend(range(w.start, seq_len))
+            if w.state.mrope is not None and w.start < w.state.mrope.shape[1]:
+                rows3.append((base, _mrope_rows(w.state, w.start, seq_len)))
+            inputs.positions.extend(range(w.start + w.state.rope_delta,
+                                          seq_len + w.state.rope_delta))
             inputs.query_lens.append(w.length)
             inputs.seq_lens.append(seq_len)
             inputs.block_tables.append(w.state.blocks)
@@ -693,6 +731,11 @@ class BatchState:
                 sample_rows.append(base + w.length - 1)
         inputs.logits_indices = sample_rows + lp_rows
         inputs.lora_slots = self._lora_slots(work)
+        if rows3:  # prompt rows with 3-D positions: every row gets three ([3, num_tokens])
+            pos3 = np.tile(np.asarray(inputs.positions, dtype=np.int64), (3, 1))
+            for base, rows in rows3:
+                pos3[:, base : base + rows.shape[1]] = rows
+            inputs.rope_positions = pos3
         return inputs, len(sample_rows), lp_rows, lp_next, lp_owner, dst, src
 
     def _run_step(
@@ -977,3 +1020,13 @@ class BatchState:
             texts=[""] * len(ids) if state.detok is None else [self._text(t) for t in ids],
             is_special=[t in self._special for t in ids],
         )
+
+
+def _mrope_rows(state: ShardRequest, start: int, end: int) -> np.ndarray:
+    """[3, end - start] M-RoPE positions of tokens [start, end): the prompt's own rows, then
+    index + rope_delta on all three rows for tokens after the rows computed at admission."""
+    assert state.mrope is not None
+    known = state.mrope.shape[1]
+    head = state.mrope[:, start:min(end, known)]
+    tail = np.arange(max(start, known), end, dtype=np.int64) + state.rope_delta
+    return np.concatenate([head, np.tile(tail, (3, 1))], axis=1)

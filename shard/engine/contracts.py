@@ -20,7 +20,7 @@ class ImageSpec:
     content_hash: bytes  # the encoder cache's key
     offset: int  # first placeholder position in input_ids
     length: int  # placeholder tokens = embedding rows of the image
-    shape: tuple[int, ...]  # of pixel_values, e.g. [3, H, W]
+    shape: tuple[int, ...]  # of pixel_values: [3, H, W] or [t, h, w, patch_dim] (Qwen2-VL)
     pixel_values: bytes  # float32, C order
 
 
@@ -45,7 +45,8 @@ class RequestSpec:
     # The router detokenizes and matches stop sequences itself: Generations carry empty texts,
     # stop_sequences are ignored here (EOS and max_new_tokens still finish the request).
     ids_only: bool = False
-    # Images whose placeholders overlap this chunk (vision-language models).
+    # Images of the prompt (vision-language models); pixel values only for those overlapping
+    # the chunk (the others give M-RoPE positions their place).
     images: tuple[ImageSpec, ...] = ()
 
 

@@ -5,7 +5,8 @@ y[M, N] = x[M, K] @ W[N, K].T (+ bias[N]), x bf16/fp16, y in x's dtype, W in the
 shard/quantization/int_weights.py:
   qweight [N, K/2] uint8 (column 2j in the low nibble of byte j, 2j+1 in the high one), or for
   int8 (bits=8) [N, K] uint8,
-  scales [N, G] and zeros [N, G] (float, zero points are small integers),
+  scales [N, G] and zeros [N, G] (float; zero points are small integers, or for GGUF Q4_1 / Q4_K
+  fractional: int_zeros=False),
   w[n, k] = (q[n, k] - zeros[n, k // GROUP]) * scales[n, k // GROUP].
 
 Why: at decode batch sizes a linear is a pass over its weight bytes; int4 halves fp8's bytes and
@@ -52,6 +53,7 @@ def _int4_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     USE_DOT: tl.constexpr,
     BITS: tl.constexpr,
+    INT_ZEROS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] weight rows / outputs
@@ -87,8 +89,13 @@ def _int4_gemv_kernel(
             mask=m_mask[:, None] & (offs_k < K)[None, :],
             other=0.0,
         )  # [ROWS, BLOCK_K]
-        if USE_DOT:
+        if USE_DOT and INT_ZEROS:
             part = tl.dot(x, tl.trans(wq.to(x.dtype)))  # [ROWS, BLOCK_N] fp32
+        elif USE_DOT:
+            # Fractional zero points (GGUF Q4_1 / Q4_K minimums): q - z is not exact in x's
+            # dtype, q is; x @ (q - z).T = x @ q.T - sum_k(x) * z.
+            xsum = tl.sum(x.to(tl.float32), axis=1)  # [ROWS]
+            part = tl.dot(x, tl.trans(q.to(x.dtype))) - xsum[:, None] * z[None, :]
         else:
             part = tl.sum(x.to(tl.float32)[:, None, :] * wq[None, :, :], axis=2)
         acc += part * s[None, :]
@@ -118,8 +125,11 @@ def int4_gemv(
     block_k: int | None = None,
     num_warps: int = 4,
     bits: int = 4,
+    int_zeros: bool = True,
 ) -> torch.Tensor:
-    """y [M, N] = x @ dequant(qweight).T (+ bias), in x's dtype (W4A16, or W8A16 with bits=8)."""
+    """y [M, N] = x @ dequant(qweight).T (+ bias), in x's dtype (W4A16, or W8A16 with bits=8).
+    int_zeros: every zero point is an integer (False: GGUF Q4_1 / Q4_K's fractional ones, whose
+    zero term the tensor-core path applies separately)."""
     m, k = x.shape
     n = qweight.shape[0]
     if qweight.dtype != torch.uint8 or qweight.shape[1] * (8 // bits) != k or bits not in (4, 8):
@@ -145,6 +155,7 @@ def int4_gemv(
         HAS_BIAS=bias is not None,
         USE_DOT=rows > 1,
         BITS=bits,
+        INT_ZEROS=int_zeros,
         num_warps=num_warps,
     )
     return y

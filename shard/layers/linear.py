@@ -25,6 +25,7 @@ from shard.layers.weights import WeightLoader, Weights
 from shard.quantization.fp8 import Fp8Linear
 from shard.quantization.int_weights import IntLinear
 from shard.quantization.loading import load_int_linear, quantize_loaded_linear
+from shard.quantization.w8a8 import W8A8Linear
 
 
 def _packed_int(weights: Weights, prefix: str) -> bool:
@@ -239,6 +240,11 @@ def _merge_rows(parts: list[ColumnParallelLinear]) -> _MergedWeight | None:
         packed = IntLinear.merge_rows(*(m.quantized for m in parts))
         if packed is not None:
             return _MergedWeight(packed, packed.forward_silu_mul)
+    # W8A8-int8 parts: one activation quantization and one int8 GEMM.
+    if all(isinstance(m.quantized, W8A8Linear) for m in parts):
+        w8a8 = W8A8Linear.merge_rows(*(m.quantized for m in parts))
+        if w8a8 is not None:
+            return _MergedWeight(w8a8, w8a8.forward_silu_mul)
     return None
 
 

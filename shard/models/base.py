@@ -100,10 +100,22 @@ class CausalLM(Protocol):
 
 class VisionLM(CausalLM, Protocol):
     """A CausalLM with a vision encoder (supports_images): `forward` also takes
-    `image_embeds=ImageEmbeds` on prefill steps whose chunks hold image placeholders."""
+    `image_embeds=ImageEmbeds` on prefill steps whose chunks hold image placeholders. An M-RoPE
+    model (mrope: Qwen2-VL) also takes `positions` [3, num_tokens] on steps with prompt rows of
+    a request with images (the engine gets them from rope_positions when the request arrives);
+    its other rows sit at index + delta, as [num_tokens]."""
+
+    mrope: bool
+
+    def rope_positions(
+        self, token_ids: list[int], images: list[tuple[int, int, tuple[int, ...]]]
+    ) -> tuple[Any, int]:  # ([3, len(token_ids)] int64 numpy array, delta)
+        """M-RoPE models: the prompt's positions and the delta of the positions after it;
+        images: (offset, length, shape) of each image in prompt order."""
+        ...
 
     def encode_images(
-        self, pixel_values: list[torch.Tensor]  # each [3, H, W] float32 on the host
+        self, pixel_values: list[torch.Tensor]  # each [3, H, W] or [t, h, w, patch_dim] float32
     ) -> list[torch.Tensor]:  # each [num_tokens, hidden] on the device, in the model dtype
         """The vision encoder and projector: each image's placeholder embeddings."""
         ...

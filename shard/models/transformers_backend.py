@@ -18,9 +18,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 from shard.attention.base import AttentionMetadata
+from shard.models import transformers_qwen_vl as qwen_vl
 from shard.models.base import ImageEmbeds, LoadContext
 from shard.models.heads import partition_heads
 from shard.models.transformers_attention import (
@@ -125,6 +127,8 @@ class TransformersCausalLM:
         self.attention_name = ctx.attention.name
         self.supports_lora = swapped > 0
         self.supports_images = chosen.vision
+        # Qwen2-VL-style multimodal rotary: a prompt with images has 3-D positions (rope_positions).
+        self.mrope = config.model_type in qwen_vl.MROPE_MODELS
         self.cuda_graph_safe = ctx.attention.graph_safe and declared_graph_safe(config, quant)
         self._device, self._dtype = ctx.device, ctx.dtype
         log.info(
@@ -165,6 +169,8 @@ class TransformersCausalLM:
         """A VLM's vision tower and projector (transformers' own get_image_features, with the
         config's feature layer and selection strategy); images of one shape in one call."""
         cfg = self.hf.config
+        if self.mrope:  # each [t, h, w, patch_dim]
+            return qwen_vl.encode(self.hf, pixel_values, self._device, self._dtype)
         result: list[torch.Tensor] = [torch.empty(0)] * len(pixel_values)
         for shape in dict.fromkeys(p.shape for p in pixel_values):
             idx = [i for i, p in enumerate(pixel_values) if p.shape == shape]
@@ -182,6 +188,8 @@ class TransformersCausalLM:
         """LLaVA: one row per patch of the tower's square input ([3, S, S]), plus the CLS
         feature under the "full" selection strategy."""
         cfg = self.hf.config
+        if self.mrope:
+            return qwen_vl.token_count(cfg, tuple(shape))
         size, patch = cfg.vision_config.image_size, cfg.vision_config.patch_size
         if tuple(shape) != (3, size, size):
             return None
@@ -189,10 +197,18 @@ class TransformersCausalLM:
         return (size // patch) ** 2 + cls_row
 
     @torch.inference_mode()
+    def rope_positions(
+        self, token_ids: list[int], images: list[tuple[int, int, tuple[int, ...]]]
+    ) -> tuple[np.ndarray, int]:
+        """M-RoPE models: the prompt's [3, len] positions and the delta after it (see
+        shard/models/transformers_qwen_vl.py); images: (offset, length, shape) in order."""
+        return qwen_vl.rope_positions(self.hf, token_ids, images)
+
+    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens], or [3, num_tokens] (M-RoPE prompt rows)
         kv_cache: KVCache,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [num_logits]
@@ -209,7 +225,8 @@ class TransformersCausalLM:
         try:
             out = self.hf(
                 **inputs,
-                position_ids=positions.unsqueeze(0),
+                # [1, num_tokens] (M-RoPE models repeat it per section), or [3, 1, num_tokens]
+                position_ids=positions.unsqueeze(0 if positions.ndim == 1 else 1),
                 use_cache=False,
                 logits_to_keep=logits_indices,
             )

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from shard.models.transformers_qwen_vl import MROPE_MODELS
 from shard.models.transformers_tp import PACKED
 from shard.quantization.loading import LinearQuantization
 from shard.quantization.methods import QuantizeMethod
@@ -66,7 +67,7 @@ def _packed_pairs(plan: dict[str, str]) -> dict[str, str]:
 # path of their language model, whose projections the tp plan names (greedy parity with images:
 # tests/shard/test_vision_backend.py). The vision tower and projector run as transformers wrote
 # them (sdpa attention), on every rank.
-VISION_MODELS: dict[str, str] = {"llava": "model.language_model"}
+VISION_MODELS: dict[str, str] = {"llava": "model.language_model", **MROPE_MODELS}
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,8 @@ def declared_graph_safe(config: Any, quant: LinearQuantization | None) -> bool:
     path captures them)."""
     text = config.get_text_config()
     if any((getattr(text, f, None) or 0) > 0 for f in _MOE_FIELDS):
+        return False
+    if config.model_type in MROPE_MODELS:  # M-RoPE decode under graphs: not checked on a GPU
         return False
     if getattr(text, "attn_logit_softcapping", None):
         return False

@@ -1,5 +1,5 @@
-"""Quantization: fp8 / bitsandbytes int8 / nf4 / packed int4-int8 (GPTQ, AWQ) linear weights and
-the fp8 KV cache.
+"""Quantization: fp8 / bitsandbytes int8 / nf4 / packed int4-int8 (GPTQ, AWQ, compressed-tensors,
+GGUF snapshots) / W8A8-int8 linear weights and the fp8 KV cache.
 
 Model code needs three things from here:
 - `parse_quantize(flag) -> QuantizeMethod | None` and `make_linear_weights(weight, bias, method)`

@@ -7,8 +7,9 @@ kernels read (`PackedInt`):
 
 - qweight uint8: int4 [N, K/2], storage column 2j in the low nibble of byte j and 2j+1 in the
   high nibble; int8 [N, K]. Unsigned values q in [0, 2^bits).
-- scales [N, G] and zeros [N, G], both in the checkpoint's scale dtype (usually fp16; zero points
-  are small integers, exact in any float dtype):
+- scales [N, G] and zeros [N, G], in the checkpoint's scale dtype (usually fp16; zero points
+  are small integers, exact in any float dtype; GGUF snapshots keep float32 where float16 is not
+  exact, and their Q4_1 / Q4_K zero points are fractional: gguf_blocks.py):
   w[n, k] = (q[n, k] - zeros[n, g(k)]) * scales[n, g(k)].
 - g(k) = k // group_size for storage column k, or g_idx[k] where groups are contiguous runs of
   unequal length (a row-parallel slice that cuts a group, or of an act-order checkpoint).
@@ -226,6 +227,10 @@ class IntLinear(nn.Module):
         device = packed.qweight.device
         if use_gemv is None:
             use_gemv = device.type == "cuda"
+        # The GEMV's tensor-core path multiplies x by (q - zero) in x's dtype, exact for integer
+        # zero points; GGUF Q4_1 / Q4_K minimums make fractional ones (gguf_blocks.py), whose
+        # zero term the kernel then applies separately.
+        self.int_zeros = bool(torch.equal(packed.zeros, torch.round(packed.zeros)))
         self.use_gemv = bool(use_gemv) and packed.g_idx is None
         self.gemv_max_m = 0
         self._gemv_loaded: set[torch.dtype] = set()  # activation dtypes the GEMV is loaded for
@@ -254,6 +259,7 @@ class IntLinear(nn.Module):
 
         if any(m.bits != first.bits or m.in_features != first.in_features
                or m.group_size != first.group_size or m.scales.dtype != first.scales.dtype
+               or m.zeros.dtype != first.zeros.dtype
                or not same(m.perm, first.perm) or not same(m.g_idx, first.g_idx)
                or (m.bias is None) != (first.bias is None) for m in linears):
             return None
@@ -321,7 +327,7 @@ class IntLinear(nn.Module):
         for m in (1, 2, 16):
             x = torch.zeros(m, self.in_features, dtype=dtype, device=self.qweight.device)
             self._gemv(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
-                       bits=self.bits)
+                       bits=self.bits, int_zeros=self.int_zeros)
         self._gemv_loaded.add(dtype)
         return True
 
@@ -333,7 +339,7 @@ class IntLinear(nn.Module):
             x2 = xs.reshape(-1, self.in_features)  # [M, K]
             if x2.shape[0] <= self.gemv_max_m:
                 y = self._gemv(x2, self.qweight, self.scales, self.zeros, self.group_size,
-                               self.bias, bits=self.bits)
+                               self.bias, bits=self.bits, int_zeros=self.int_zeros)
                 return y.reshape(*lead, self.out_features)
         return F.linear(xs, self.packed.dequantize(x.dtype), self.bias)
 

@@ -10,7 +10,9 @@ right after reading their slice, so only one layer's float weight exists at a ti
 - pre-quantized fp8 checkpoint with --quantize bitsandbytes[-nf4]: dequantize, then re-quantize;
 - pre-quantized GPTQ / AWQ checkpoint (no flag): each linear reads its packed tensors
   (`{prefix}.qweight`, ...) through `load_int_linear` instead of `{prefix}.weight` and keeps them
-  packed (int_weights.py); --quantize with such a checkpoint is refused at start-up.
+  packed (int_weights.py); --quantize with such a checkpoint is refused at start-up. The same
+  holds for compressed-tensors int checkpoints (W8A8-int8 ones become w8a8.W8A8Linear) and for
+  GGUF snapshots converted with their linears kept packed (gguf_blocks.py).
 The layer reads `{prefix}.weight` through the normal loader, which casts to the model dtype: fp8
 e4m3 values are exact in bf16/fp16/fp32, so nothing is lost; the scales are read uncast.
 """
@@ -28,6 +30,7 @@ from shard.quantization.linear import make_linear_weights
 from shard.quantization.methods import (
     CheckpointQuantization,
     Fp8ScaleLayout,
+    IntLayout,
     IntWeightFormat,
     QuantizeMethod,
     checkpoint_quantization,
@@ -84,7 +87,8 @@ def load_int_linear(
     shard_dim: int,  # 0: column-parallel (rows split), 1: row-parallel (input features split)
     fmt: IntWeightFormat,
 ) -> nn.Module:
-    """An IntLinear from a GPTQ / AWQ checkpoint's tensors of one linear, this rank's part
+    """An IntLinear (W8A8Linear for int-quantized checkpoints) from a GPTQ / AWQ /
+    compressed-tensors / GGUF-snapshot checkpoint's tensors of one linear, this rank's part
     (int_weights.py: unpacked once, sliced keeping groups and act-order intact, repacked)."""
     from shard.quantization.int_weights import IntLinear, PackedInt, read_unpacked, tp_slice
 
@@ -93,9 +97,20 @@ def load_int_linear(
         for suffix in fmt.layout.tensor_names
         if weights.has(f"{prefix}.{suffix}")
     }
-    full = read_unpacked(fmt, prefix, stored)
+    if fmt.layout is IntLayout.INT_QUANTIZED:
+        from shard.quantization.w8a8 import W8A8Linear, read_w8a8
+
+        full = read_w8a8(prefix, stored)
+    elif fmt.layout is IntLayout.GGUF:
+        from shard.quantization.gguf_blocks import read_gguf_linear
+
+        full = read_gguf_linear(prefix, stored)
+    else:
+        full = read_unpacked(fmt, prefix, stored)
     local = tp_slice(full, shard_dim, weights.dist.rank, weights.dist.world_size, prefix)
     del full, stored
+    if fmt.layout is IntLayout.INT_QUANTIZED:
+        return W8A8Linear(local, bias)
     return IntLinear(PackedInt.pack(local), bias)
 
 

@@ -103,19 +103,35 @@ class IntLayout(enum.Enum):
     # compressed-tensors `pack-quantized` (llm-compressor W4A16 / W8A16): weight_packed
     # [out, in * bits / 32], values offset by 2^(bits-1); asymmetric zero points packed by rows.
     PACK_QUANTIZED = "pack-quantized"
+    # compressed-tensors `int-quantized` W8A8-int8: `weight` int8 [out, in] with per-channel (or
+    # per-tensor) `weight_scale`; activations quantized per token at run time (w8a8.py).
+    INT_QUANTIZED = "int-quantized"
+    # tokenwire's GGUF snapshots (shard/tools/gguf_repack.py): GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K /
+    # Q6_K blocks repacked at conversion into the internal layout, per linear `qweight` uint8,
+    # `scales` and `zeros` [out, groups], `gguf_type` (the GGML type number: bits and group size).
+    GGUF = "gguf"
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
-        """The per-linear tensor suffixes, the packed weight first (optional ones included)."""
+        """The per-linear tensor suffixes, the one that marks a quantized linear first (optional
+        ones included)."""
         if self is IntLayout.PACK_QUANTIZED:
             return ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
                     "weight_g_idx")
+        if self is IntLayout.INT_QUANTIZED:
+            # weight_scale first: a layer the checkpoint left unquantized has `weight` only.
+            return ("weight_scale", "weight", "weight_zero_point")
+        if self is IntLayout.GGUF:
+            return ("gguf_type", "qweight", "scales", "zeros")
         return ("qweight", "qzeros", "scales", "g_idx")
 
 
 @dataclass(frozen=True)
 class IntWeightFormat:
-    """A pre-quantized int4 / int8 weight-only checkpoint (W4A16 / W8A16)."""
+    """A pre-quantized int4 / int8 checkpoint: weight-only (W4A16 / W8A16), or W8A8-int8 for
+    INT_QUANTIZED (int8 weights and per-token dynamic int8 activations). GGUF snapshots mix
+    types per linear: bits and group_size then give the smallest of its types, each linear's own come
+    from its `gguf_type`."""
 
     layout: IntLayout
     bits: int  # 4 or 8
@@ -159,6 +175,9 @@ def checkpoint_quantization(config: Mapping[str, Any]) -> CheckpointQuantization
     - {"quant_method": "fbgemm_fp8", ...} — per-channel `weight_scale` [out, 1].
     - {"quant_method": "compressed-tensors", "config_groups": {..."weights": {"num_bits": 8,
        "type": "float", "strategy": "tensor"|"channel"|"block", "block_structure": [..]}}} .
+    - compressed-tensors integer weights: `pack-quantized` (W4A16 / W8A16) and `int-quantized`
+      (W8A8-int8, dynamic per-token activations).
+    - {"quant_method": "gptq" | "awq", ...} and tokenwire's own GGUF snapshots ("gguf").
     """
     qc = config.get("quantization_config")
     if not qc:
@@ -209,6 +228,8 @@ def checkpoint_quantization(config: Mapping[str, Any]) -> CheckpointQuantization
             "quantization_config: compressed-tensors checkpoints are supported only as fp8 "
             "(8-bit float weights, tensor/channel/block strategy)"
         )
+    if method == "gguf":
+        return CheckpointQuantization(method=None, packed=_gguf_format(qc), ignored=ignored)
     if method in ("gptq", "awq"):
         return CheckpointQuantization(method=None, packed=_int_weight_format(qc, method),
                                       ignored=ignored)
@@ -239,9 +260,11 @@ def _pack_quantized_format(qc: Mapping[str, Any]) -> IntWeightFormat | None:
     name, group = next(iter(ints.items()))
     where = f"quantization_config.config_groups.{name}"
     fmt = str(group.get("format") or qc.get("format") or "")
+    if fmt == "int-quantized":
+        return _w8a8_format(group, where)
     if fmt != "pack-quantized":
         raise ValueError(f"quantization_config.format: {fmt!r} is not supported for integer "
-                         "weights (supported: pack-quantized; int-quantized W8A8 is not yet)")
+                         "weights (supported: pack-quantized, int-quantized)")
     if group.get("input_activations"):
         raise ValueError(f"{where}.input_activations: quantized activations (W8A8) are not "
                          "supported for integer weights yet; weight-only (W4A16 / W8A16) is")
@@ -263,6 +286,59 @@ def _pack_quantized_format(qc: Mapping[str, Any]) -> IntWeightFormat | None:
     return IntWeightFormat(IntLayout.PACK_QUANTIZED, int(bits), size,
                            bool(weights.get("symmetric", True)),
                            weights.get("actorder") not in (None, False, "static"))
+
+
+def _w8a8_format(group: Mapping[str, Any], where: str) -> IntWeightFormat:
+    """compressed-tensors `int-quantized` W8A8-int8: symmetric int8 weights per channel (or per
+    tensor), symmetric int8 activations with dynamic per-token scales (vLLM's and
+    llm-compressor's W8A8 scheme). Anything else names its field."""
+    weights = group["weights"]
+
+    def refuse(name: str, value: Any, supported: str) -> ValueError:
+        return ValueError(f"{where}.{name}: {value!r} is not supported for int-quantized "
+                          f"(supported: {supported})")
+
+    if weights.get("num_bits") != 8 or isinstance(weights.get("num_bits"), bool):
+        raise refuse("weights.num_bits", weights.get("num_bits"), "8")
+    if weights.get("strategy") not in ("channel", "tensor"):
+        raise refuse("weights.strategy", weights.get("strategy"), "channel, tensor")
+    if weights.get("symmetric", True) is not True:
+        raise refuse("weights.symmetric", weights.get("symmetric"), "true")
+    acts = group.get("input_activations")
+    if not isinstance(acts, Mapping):
+        raise refuse("input_activations", acts, "8-bit int, dynamic per token")
+    if acts.get("type", "int") != "int" or acts.get("num_bits") != 8:
+        raise refuse("input_activations.num_bits", acts.get("num_bits"), "8 (type int)")
+    if acts.get("strategy", "token") != "token":
+        raise refuse("input_activations.strategy", acts.get("strategy"), "token")
+    if acts.get("dynamic") is not True:
+        raise refuse("input_activations.dynamic", acts.get("dynamic"),
+                     "true (static input scales are not)")
+    if acts.get("symmetric", True) is not True:
+        raise refuse("input_activations.symmetric", acts.get("symmetric"), "true")
+    return IntWeightFormat(IntLayout.INT_QUANTIZED, 8, -1, True, False)
+
+
+# GGML types a tokenwire GGUF snapshot may hold packed: name -> (storage bits, group size);
+# gguf_blocks.GGUF_PACKED has them by type number.
+GGUF_PACKED_TYPES: dict[str, tuple[int, int]] = {
+    "Q8_0": (8, 32), "Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32), "Q6_K": (8, 16),
+}
+
+
+def _gguf_format(qc: Mapping[str, Any]) -> IntWeightFormat:
+    """A snapshot tokenwire converted from a GGUF file keeping linears packed:
+    {"quant_method": "gguf", "types": {"Q4_1": <linears>, ...}} (shard/tools/gguf_repack.py)."""
+    types = qc.get("types")
+    if not isinstance(types, Mapping) or not types:
+        raise ValueError("quantization_config.types: expected an object of GGUF type names")
+    unknown = sorted(set(types) - set(GGUF_PACKED_TYPES))
+    if unknown:
+        raise ValueError(f"quantization_config.types: {', '.join(unknown)} not supported "
+                         f"(supported: {', '.join(GGUF_PACKED_TYPES)})")
+    bits = min(GGUF_PACKED_TYPES[t][0] for t in types)
+    group = min(GGUF_PACKED_TYPES[t][1] for t in types)
+    return IntWeightFormat(IntLayout.GGUF, bits, group, False, False)
 
 
 def _int_weight_format(qc: Mapping[str, Any], method: str) -> IntWeightFormat:

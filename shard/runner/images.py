@@ -20,7 +20,7 @@ class StepImage:
     go to flat-batch rows [row, row + count)."""
 
     content_hash: bytes
-    shape: tuple[int, ...]  # of pixel_values, e.g. [3, H, W]
+    shape: tuple[int, ...]  # of pixel_values: [3, H, W] or [t, h, w, patch_dim] (Qwen2-VL)
     pixel_values: bytes  # float32, C order
     row: int
     first: int

@@ -35,6 +35,8 @@ class StepInputs:
     lora_slots: list[int] | None = None
     # Image rows of prefill chunks (vision-language models); empty for text-only steps.
     images: list[StepImage] = field(default_factory=list)
+    # [3, num_tokens] M-RoPE positions (Qwen2-VL prompts with images) replacing `positions`.
+    rope_positions: np.ndarray | None = None
 
 
 # (rows [p] int64, token ids [p] int64) on the device: inputs known only to the device.
@@ -44,7 +46,7 @@ Placeholders = tuple[torch.Tensor, torch.Tensor]
 @dataclass
 class DeviceStep:
     input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64, or [3, num_tokens] (M-RoPE)
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_logits] int64
 
@@ -143,7 +145,8 @@ class ModelRunner:
         )
         return DeviceStep(
             input_ids=dev(step.token_ids, torch.int64),
-            positions=dev(step.positions, torch.int64),
+            positions=dev(step.positions if step.rope_positions is None
+                          else step.rope_positions, torch.int64),
             meta=meta,
             logits_indices=dev(step.logits_indices, torch.int64),
         )
@@ -213,7 +216,8 @@ class ModelRunner:
         """Runs the step: [num_logits, vocab]. placeholders: (rows, ids), device tensors [p]:
         input token rows whose ids are only on the device (the previous step's samples, when
         steps overlap); step.token_ids holds anything at those rows."""
-        g = None if step.images else self.graphs  # image rows: always eager
+        # image rows and 3-D positions: always eager
+        g = None if step.images or step.rope_positions is not None else self.graphs
         if (
             g is not None
             and g.can_run(step.query_lens, step.block_tables)
@@ -227,6 +231,7 @@ class ModelRunner:
             self.verify_graphs
             and placeholders is None
             and not step.images
+            and step.rope_positions is None
             and not any(x >= 0 for x in step.lora_slots or ())
         ):
             v = self.verify_graphs.get(max(step.query_lens, default=0))

@@ -6,7 +6,10 @@ dequantizes it); the result is written as an ordinary snapshot (config.json,
 generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json, the chat template)
 under CACHE/gguf/<sha256 of the file>, so a second launch, or a shard started after the launcher,
 finds it without converting again. Weights are stored as dequantized (float32): `--dtype` then
-applies to them exactly as to any checkpoint when a shard loads them.
+applies to them exactly as to any checkpoint when a shard loads them; or, with `packed`, the
+tensor-parallel linears stored as Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K are repacked into the shard's
+integer layout instead (shard/tools/gguf_repack.py; CUDA serving: the CPU path dequantizes each
+such weight per matmul, slower than float), under CACHE/gguf/<sha256>-packed.
 
 Atomicity: the snapshot is built in CACHE/gguf/.partial-<sha>-<pid> and renamed into place in one
 step; only complete snapshots ever carry the final name, and an interrupted conversion leaves a
@@ -32,6 +35,8 @@ GGUF_MAGIC = b"GGUF"
 PROVENANCE = "tokenwire-gguf.json"
 # A hash prefix long enough to never collide among one user's files; keeps paths short.
 KEY_CHARS = 32
+# Snapshots whose linears stay quantized (gguf_repack.py) live beside the float ones.
+PACKED_SUFFIX = "-packed"
 
 Log = Callable[[str], None]
 
@@ -149,8 +154,19 @@ def read_config(path: Path):
     return config
 
 
+def _log_linears(snapshot: Path, log: Log) -> None:
+    """Says what a packed snapshot keeps quantized (from its provenance)."""
+    try:
+        line = json.loads((snapshot / PROVENANCE).read_text()).get("linears")
+    except ValueError:
+        line = None
+    if line:
+        log(line)
+
+
 def _remove_stale_partials(root: Path, sha: str) -> None:
-    """Deletes .partial-<sha>-<pid> directories whose converting process is gone."""
+    """Deletes .partial-<sha>-<pid> (and .partial-<sha>-packed-<pid>) directories whose
+    converting process is gone."""
     for partial in root.glob(f".partial-{sha[:KEY_CHARS]}-*"):
         try:
             pid = int(partial.name.rsplit("-", 1)[1])
@@ -185,8 +201,10 @@ def _one_reader_per_file() -> Iterator[None]:
         gguf.GGUFReader = original
 
 
-def convert(path: Path, out: Path, log: Log = _stderr) -> None:
-    """Writes the snapshot of GGUF file `path` into the (existing, empty) directory `out`."""
+def convert(path: Path, out: Path, log: Log = _stderr, packed: bool = False) -> str | None:
+    """Writes the snapshot of GGUF file `path` into the (existing, empty) directory `out`.
+    packed: the tensor-parallel linears stored in Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K stay quantized
+    (shard/tools/gguf_repack.py); returns the line saying what was kept and what dequantized."""
     import safetensors.torch
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -205,6 +223,12 @@ def convert(path: Path, out: Path, log: Log = _stderr) -> None:
         model = AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32, **_dequantize_option(path)
         )
+        kept: dict[str, dict[str, torch.Tensor]] = {}
+        summary = None
+        if packed:  # the same reader: the file's blocks, checked against the float tensors
+            from shard.tools.gguf_repack import repack_linears
+
+            kept, summary = repack_linears(path, model, model.state_dict())
     step(4, "writing safetensors")
     # save_pretrained refuses models loaded through the GGUF quantizer, so the tensors are
     # written here. Tied parameters (embed_tokens / lm_head) share storage: the first name in
@@ -216,16 +240,23 @@ def convert(path: Path, out: Path, log: Log = _stderr) -> None:
         if storage not in storages:
             storages.add(storage)
             tensors[name] = tensor.contiguous()
+    for prefix, parts in kept.items():  # the packed tensors replace the float weight
+        del tensors[f"{prefix}.weight"]
+        tensors.update({f"{prefix}.{suffix}": t for suffix, t in parts.items()})
     safetensors.torch.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config_dict = model.config.to_diff_dict()
-    config_dict.pop("quantization_config", None)  # the snapshot holds plain float weights
+    config_dict.pop("quantization_config", None)  # transformers' GGUF one: not a checkpoint's
     for key in ("_name_or_path", "_model_name_or_path"):
         config_dict.pop(key, None)
     config_dict["architectures"] = [type(model).__name__]
+    if summary is not None and summary.packed:
+        config_dict["quantization_config"] = {"quant_method": "gguf",
+                                              "types": dict(sorted(summary.packed.items()))}
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     log(f"converted in {time.monotonic() - started:.0f}s")
+    return None if summary is None else summary.line()
 
 
 def _dequantize_option(path: Path) -> dict:
@@ -239,26 +270,35 @@ def _dequantize_option(path: Path) -> dict:
     return {"quantization_config": GgufConfig(gguf_file=path.name, dequantize=True)}
 
 
-def ensure_snapshot(path: Path, cache: Path, log: Log = _stderr) -> GGUFSnapshot:
-    """The cached snapshot of GGUF file `path`, converting it first when the cache has none."""
+def ensure_snapshot(path: Path, cache: Path, log: Log = _stderr, packed: bool = False
+                    ) -> GGUFSnapshot:
+    """The cached snapshot of GGUF file `path`, converting it first when the cache has none.
+    packed: linears of the types gguf_repack.py keeps stay quantized (a snapshot of its own,
+    `<key>-packed`); what was kept and what dequantized is logged at every start-up."""
     if not path.is_file():
         raise GGUFError(f"{path}: no such GGUF file")
     _check_magic(path)
     sha = file_sha256(path)
     root = cache / "gguf"
-    target = root / sha[:KEY_CHARS]
+    key = sha[:KEY_CHARS] + (PACKED_SUFFIX if packed else "")
+    target = root / key
     if (target / PROVENANCE).is_file():
+        if packed:
+            _log_linears(target, log)
         return GGUFSnapshot(target, path, sha, converted=False)
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(root, sha)
     size_mb = path.stat().st_size / 2**20
     log(f"converting {path.name} ({size_mb:.0f} MB) once into {target}")
-    staging = root / f".partial-{sha[:KEY_CHARS]}-{os.getpid()}"
+    staging = root / f".partial-{key}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        convert(path, staging, log)
+        linears = convert(path, staging, log, packed=packed)
         provenance = {"source": path.name, "sha256": sha, "size_bytes": path.stat().st_size}
+        if linears is not None:
+            provenance["linears"] = linears
+            log(linears)
         # Written last: a snapshot without it is incomplete (belt and braces with the rename).
         (staging / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
         try:

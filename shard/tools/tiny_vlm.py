@@ -99,3 +99,83 @@ def write_tiny_llava(
                 "eos_token": EOS, "pad_token": PAD, "chat_template": CHATML})
     cfg_path.write_text(json.dumps(cfg) + "\n")
     return out
+
+
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # one image in a Qwen2-VL prompt
+QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def write_tiny_qwen2_vl(out: Path, seed: int = 0, family: str = "qwen2_vl",
+                        max_pixels: int = 56 * 56, text: dict[str, Any] | None = None,
+                        vision: dict[str, Any] | None = None, dtype: str = "float32",
+                        device: str = "cpu") -> Path:
+    """Writes a random Qwen2-VL (family "qwen2_vl") or Qwen2.5-VL ("qwen2_5_vl") checkpoint with
+    transformers' own Qwen2-VL image processor (the PIL backend) into `out`: a 2-layer language
+    model (hidden 64, M-RoPE sections [2, 3, 3] of head_dim 16) and a 2-layer vision tower on
+    14-pixel patches merged 2x2, images resized to at most `max_pixels` (dynamic resolution:
+    a 56x56 image is a 4x4 patch grid, 4 placeholder tokens). `text` / `vision` override the
+    configs (benchmarks/vision_ttft.py builds a Qwen2-VL-7B shape on a GPU: `device`)."""
+    import torch
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from shard.tools.tiny_model import BOS, EOS, PAD, build_tokenizer
+
+    tokenizer = build_tokenizer(512)
+    tokenizer.add_special_tokens([*QWEN_TOKENS, "<|im_start|>", "<|im_end|>"])
+    ids = {t: tokenizer.token_to_id(t) for t in (BOS, EOS, PAD, *QWEN_TOKENS)}
+    text_kw: dict[str, Any] = {
+        "vocab_size": tokenizer.get_vocab_size(), "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+        "max_position_embeddings": 4096, "initializer_range": 0.1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                            "mrope_section": [2, 3, 3]},
+        "bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD],
+        "tie_word_embeddings": False,
+    }
+    text_kw.update(text or {})
+    vision_kw: dict[str, Any] = {"depth": 2, "embed_dim": 32, "num_heads": 4, "patch_size": 14,
+                                 "spatial_merge_size": 2, "temporal_patch_size": 2,
+                                 "initializer_range": 0.1}
+    token_kw = {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+                "vision_start_token_id": ids["<|vision_start|>"],
+                "vision_end_token_id": ids["<|vision_end|>"], "tie_word_embeddings": False}
+    if family == "qwen2_vl":
+        vision_kw.update(hidden_size=64, mlp_ratio=2)  # hidden_size: the merger's output
+        vision_kw.update(vision or {})
+        config: Any = transformers.Qwen2VLConfig(text_config=text_kw, vision_config=vision_kw,
+                                                 **token_kw)
+        cls: Any = transformers.Qwen2VLForConditionalGeneration
+    elif family == "qwen2_5_vl":
+        vision_kw.update(hidden_size=32, out_hidden_size=64, intermediate_size=64,
+                         window_size=56, fullatt_block_indexes=[1])
+        vision_kw.update(vision or {})
+        config = transformers.Qwen2_5_VLConfig(text_config=text_kw, vision_config=vision_kw,
+                                               **token_kw)
+        cls = transformers.Qwen2_5_VLForConditionalGeneration
+    else:
+        raise ValueError(f"family {family!r}: qwen2_vl or qwen2_5_vl")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = cls(config)
+    model = model.to(getattr(torch, dtype)).eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save(str(out / "tokenizer.json"))
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(out / "tokenizer.json"), bos_token=BOS, eos_token=EOS,
+        pad_token=PAD,
+    )
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=max_pixels)
+    # Qwen2VLProcessor itself needs a video processor, which needs torchvision (not installed):
+    # the image processor is saved alone (preprocessor_config.json).
+    image_processor.save_pretrained(out)
+    fast.save_pretrained(out)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    cfg.update({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS,
+                "eos_token": EOS, "pad_token": PAD, "chat_template": CHATML})
+    cfg_path.write_text(json.dumps(cfg) + "\n")
+    return out

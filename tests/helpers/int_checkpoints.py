@@ -1,4 +1,4 @@
-"""Test-side writers of GPTQ (v1), AWQ (GEMM) and compressed-tensors pack-quantized checkpoints, written from the formats'
+"""Test-side writers of GPTQ (v1), AWQ (GEMM) and compressed-tensors pack-quantized / int-quantized checkpoints, written from the formats'
 published descriptions independently of shard/quantization/int_weights.py (which reads them), and
 the reference each is checked against: the same integers dequantized here, stored as a plain
 float32 checkpoint.
@@ -14,6 +14,8 @@ Layouts written (K input features, N output features, G groups):
   32/bits * c + i in bits [i*bits, ...) of word c), values = signed integer + 2^(bits-1);
   `weight_scale` [N, G]; `weight_zero_point` int32 [N * bits / 32, G] packed along the output
   rows with the same offset (asymmetric only); `weight_shape` [N, K]; `weight_g_idx` [K].
+- compressed-tensors int-quantized (W8A8-int8): `weight` int8 [N, K] (signed values),
+  `weight_scale` [N, 1]; the activations' per-token scales are computed at run time.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 @dataclass(frozen=True)
 class IntSpec:
-    layout: str  # "gptq" | "awq" | "ct" (compressed-tensors pack-quantized)
+    layout: str  # "gptq" | "awq" | "ct" (compressed-tensors pack-quantized) | "w8a8" (int-quantized)
     bits: int
     group_size: int  # -1: one group per output channel
     sym: bool
@@ -132,6 +134,11 @@ def pack(parts: dict[str, torch.Tensor], spec: IntSpec) -> dict[str, torch.Tenso
         if spec.desc_act:
             out["weight_g_idx"] = parts["g_idx"].to(torch.int32)
         return out
+    if spec.layout == "w8a8":
+        # int-quantized: the signed int8 values as they are, one scale per output channel
+        assert spec.bits == 8 and spec.sym and spec.group_size == -1
+        return {"weight": (parts["q"] - parts["zeros"].t()).to(torch.int8),
+                "weight_scale": parts["scales"].t().contiguous()}  # [N, 1]
     assert spec.layout == "awq" and spec.bits == 4 and not spec.desc_act
     return {
         "qweight": pack_columns(q_kn, 4, AWQ_PACK_ORDER),
@@ -144,6 +151,15 @@ def quantization_config(spec: IntSpec) -> dict:
     if spec.layout == "gptq":
         return {"quant_method": "gptq", "bits": spec.bits, "group_size": spec.group_size,
                 "desc_act": spec.desc_act, "sym": spec.sym, "checkpoint_format": "gptq"}
+    if spec.layout == "w8a8":
+        return {"quant_method": "compressed-tensors", "format": "int-quantized",
+                "config_groups": {"group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                                "strategy": "channel", "dynamic": False},
+                    "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                          "strategy": "token", "dynamic": True}}},
+                "ignore": ["lm_head"]}
     if spec.layout == "ct":
         weights = {"num_bits": spec.bits, "type": "int", "symmetric": spec.sym,
                    "strategy": "channel" if spec.group_size == -1 else "group",

@@ -1,5 +1,6 @@
 """What the vision tests share: the tiny random LLaVA (shard/tools/tiny_vlm.py) built once per
-session, images encoded as PNG/JPEG/WebP bytes, and transformers' own greedy reference."""
+session, images encoded as PNG/JPEG/WebP bytes, and transformers' own greedy references (LLaVA,
+and Qwen2-VL / 2.5-VL on their image processor's pixels)."""
 
 from __future__ import annotations
 
@@ -69,11 +70,72 @@ class HfReference:
         return ids, lps
 
 
+class QwenReference:
+    """transformers' generate on the image processor's pixels and the expanded prompt (the
+    placeholder count: image_grid_thw.prod() / merge^2, as Qwen2VLProcessor expands it)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import transformers
+
+        self.images = transformers.AutoImageProcessor.from_pretrained(str(model_dir))
+        self.tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+        self.model = transformers.AutoModelForImageTextToText.from_pretrained(
+            str(model_dir)).eval()
+        self.pad = self.tok.convert_tokens_to_ids("<|image_pad|>")
+
+    def inputs(self, text: str, specs: list[tuple[int, int, int]], **kw: Any) -> dict[str, Any]:
+        """specs: each image's (seed, width, height); kw: for the tokenizer."""
+        import torch
+
+        ids: list[int] = self.tok(text, **kw).input_ids
+        if not specs:
+            return {"input_ids": torch.tensor([ids])}
+        enc = self.images(images=[image(s, w, h) for s, w, h in specs], return_tensors="pt")
+        merge = self.images.merge_size ** 2
+        counts = iter((enc["image_grid_thw"].prod(-1) // merge).tolist())
+        out: list[int] = []
+        for t in ids:
+            out.extend([t] * next(counts) if t == self.pad else [t])
+        ids_t = torch.tensor([out])
+        # mm_token_type_ids (1: image) as the processor returns it: M-RoPE needs it
+        return {"input_ids": ids_t, "mm_token_type_ids": (ids_t == self.pad).int(), **enc}
+
+    def greedy(self, text: str, specs: list[tuple[int, int, int]], n: int, **kw: Any
+               ) -> list[int]:
+        enc = self.inputs(text, specs, **kw)
+        out = self.model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return out[0, enc["input_ids"].shape[1]:].tolist()
+
+    def shard_images(self, enc: dict[str, Any]) -> list[Any]:  # shard_pb2.ImageInput
+        """The router's form: each image's patch rows as [t, h, w, patch_dim] float32."""
+        import hashlib
+
+        import numpy as np
+        from tokenwire.shard.v1 import shard_pb2 as pb
+
+        if "pixel_values" not in enc:
+            return []
+        ids = enc["input_ids"][0].tolist()
+        pixels = enc["pixel_values"].numpy().astype(np.float32)
+        merge = self.images.merge_size ** 2
+        out, row, pos = [], 0, 0
+        for t, h, w in enc["image_grid_thw"].tolist():
+            patch = np.ascontiguousarray(pixels[row : row + t * h * w]).reshape(t, h, w, -1)
+            row += t * h * w
+            offset = ids.index(self.pad, pos)
+            pos = offset + t * h * w // merge
+            out.append(pb.ImageInput(content_hash=hashlib.sha256(patch.tobytes()).digest(),
+                                     offset=offset, length=t * h * w // merge,
+                                     shape=list(patch.shape), pixel_values=patch.tobytes()))
+        return out
+
+
 def vision_rank(dist: Any, device: str, job: dict[str, Any], res: dict[str, Any]) -> None:
     """shard.testing.ranks RankFn: the tiny LLaVA of job["dir"] on this rank (transformers
     backend, the language model split over the ranks, the vision tower on each), one prefill of
     job["ids"] with job["images"] (content_hash, shape, pixel bytes, offset, length) and greedy
-    decode steps: res["tokens"], and res["params"], the weights this rank holds."""
+    decode steps: res["tokens"], and res["params"], the weights this rank holds. An M-RoPE model
+    (Qwen2-VL) gets its prompt's 3-D positions and decodes at index + delta."""
     import torch
 
     from shard.runner.images import StepImage
@@ -89,10 +151,14 @@ def vision_rank(dist: Any, device: str, job: dict[str, Any], res: dict[str, Any]
     step = StepInputs(ids, list(range(n)), [n], [n], [blocks], [n - 1])
     step.images = [StepImage(h, tuple(shape), pixels, offset, 0, length)
                    for h, shape, pixels, offset, length in job["images"]]
+    delta = 0
+    if getattr(runner.model, "mrope", False):
+        step.rope_positions, delta = runner.model.rope_positions(
+            ids, [(offset, length, tuple(shape)) for _, shape, _, offset, length in job["images"]])
     token = int(runner.execute(step).argmax(-1)[0])
     tokens = [token]
     for _ in range(steps - 1):
-        logits = runner.execute(StepInputs([token], [n], [1], [n + 1], [blocks], [0]))
+        logits = runner.execute(StepInputs([token], [n + delta], [1], [n + 1], [blocks], [0]))
         token = int(logits.argmax(-1)[0])
         tokens.append(token)
         n += 1

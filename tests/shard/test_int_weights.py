@@ -89,7 +89,7 @@ def test_quantization_config_parsing_and_errors_name_the_field(tmp_path):
     assert q.packed.layout is IntLayout.PACK_QUANTIZED and q.is_ignored("lm_head")
     assert (q.packed.bits, q.packed.group_size, q.packed.symmetric) == (4, 32, False)
     ct = quantization_config(SPECS[4])
-    w8a8 = {**ct, "format": "int-quantized"}
+    sparse = {**ct, "format": "sparse-24-bitmask"}
     with_acts = json.loads(json.dumps(ct))
     with_acts["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int"}
     tensor = json.loads(json.dumps(ct))
@@ -104,7 +104,7 @@ def test_quantization_config_parsing_and_errors_name_the_field(tmp_path):
         "awq version": ({"quant_method": "awq", "bits": 4, "version": "gemv"},
                         "quantization_config.version"),
         "method": ({"quant_method": "hqq"}, "quantization_config.quant_method"),
-        "ct format": (w8a8, "quantization_config.format"),
+        "ct format": (sparse, "quantization_config.format"),
         "ct acts": (with_acts, r"quantization_config.config_groups.group_0.input_activations"),
         "ct strategy": (tensor, r"quantization_config.config_groups.group_0.weights.strategy"),
     }

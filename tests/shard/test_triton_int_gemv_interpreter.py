@@ -1,7 +1,8 @@
 """shard/kernels/int_gemv.py's W4A16 kernel under Triton's interpreter on CPU tensors (no GPU):
 the CUDA-core path (1 row) and the tensor-core path (2..16 rows padded to 16), int4 and int8,
 asymmetric groups,
-a whole-row group, N and K tails, bias; against the dequantized weight in float32.
+a whole-row group, N and K tails, bias, fractional (GGUF) zero points; against the dequantized
+weight in float32.
 
 Triton reads TRITON_INTERPRET when a kernel is defined, hence a fresh process for the check
 (tests/helpers/triton_interpreter.py). The interpreter's fp32 -> bf16 casts truncate, so bf16
@@ -73,6 +74,18 @@ _CHECK = textwrap.dedent(
         ref = x.float() @ w.t()
         y = int4_gemv(x, packed.qweight, packed.scales, packed.zeros, 32, bits=8)
         err = float((y.float() - ref).abs().max() / ref.abs().max())
+        assert err <= 2**-10, (m, err)
+    # GGUF Q4_1 / Q4_K: fractional float32 zero points (zero = -min / scale), through IntLinear.
+    q = torch.randint(0, 16, (24, 64), dtype=torch.uint8)
+    zeros = torch.rand(24, 2) * 30 - 15
+    linear = IntLinear(PackedInt.pack(UnpackedInt(q, scales, zeros, torch.arange(64) // 32, 4)),
+                       use_gemv=True)
+    assert linear.use_gemv and not linear.int_zeros
+    w = linear.dequantized_weight(torch.float32)
+    for m in (1, 5):
+        x = torch.randn(m, 64).half()
+        ref = x.float() @ w.t()
+        err = float((linear(x).float() - ref).abs().max() / ref.abs().max())
         assert err <= 2**-10, (m, err)
     """
 )

@@ -95,7 +95,7 @@ async def test_the_pipeline_refuses_bad_images_naming_them(llava):
     and pixel counts are checked before decoding, corrupt data is a clear error."""
     pipeline = ImagePipeline.load(llava, ImageLimits(max_images=2, max_pixels=40 * 30))
     assert pipeline is not None
-    tok = pipeline._processor.tokenizer
+    tok = pipeline.encoder.tokenizer
     one = tuple(tok("a <image> b").input_ids)
     gif = b"GIF89a\x01\x00\x01\x00\x00\x00\x00,\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x00;"
     cases = [

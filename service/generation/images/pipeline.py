@@ -1,11 +1,12 @@
 """Images -> pixel values and placeholder tokens, with the model's own transformers processor.
 
-The router loads the model directory's processor (`AutoProcessor`: its image processor does
-the family's resizing, cropping, tiling or dynamic resolution) and runs it on a worker thread,
-never on the event loop. Each image is run through the processor beside a prompt holding one
-image token, so the number of placeholder tokens the image takes is the count the processor
-itself expands it to; the prompt's single image tokens are then expanded to those counts, and
-the expanded prompt is what --max-input-tokens counts.
+The router loads the model directory's image encoder (encoders.py: the model's `AutoProcessor`,
+or for dynamic-resolution families such as Qwen2-VL its image processor; either does the
+family's resizing, cropping, tiling or dynamic resolution) and runs it on a worker thread,
+never on the event loop. Each image yields its pixel values and the number of placeholder
+tokens it takes (the count the model's processor expands it to); the prompt's single image
+tokens are then expanded to those counts, and the expanded prompt is what --max-input-tokens
+counts.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from service.engine.contracts import ImageInput
+from service.generation.images.encoders import ImageEncoder, ProcessorEncoder, grid_encoder
 from service.generation.images.fetch import gather_bytes
 from service.generation.images.refs import ImageError, ImageLimits, ImageRef
 
@@ -36,7 +37,7 @@ class ProcessedImage:
 
     content_hash: bytes
     pixel_values: bytes  # float32, C order
-    shape: tuple[int, ...]  # [3, H, W] for LLaVA-style processors
+    shape: tuple[int, ...]  # [3, H, W] (LLaVA) or [t, h, w, patch_dim] (Qwen2-VL)
     num_tokens: int
 
 
@@ -55,12 +56,14 @@ class ImagePipeline:
     """Fetches, decodes and preprocesses a request's images (one worker thread: the processor
     is not documented as thread-safe)."""
 
-    def __init__(self, processor: Any, limits: ImageLimits) -> None:
-        self._processor = processor
+    def __init__(self, encoder: ImageEncoder, limits: ImageLimits) -> None:
+        self.encoder = encoder
         self.limits = limits
         # The text that stands for one image in a prompt, and its token id.
-        self.image_token: str = processor.image_token
-        self.image_token_id: int = processor.tokenizer.convert_tokens_to_ids(self.image_token)
+        self.image_token: str = encoder.image_token
+        self.image_token_id: int = encoder.image_token_id
+        # What the router writes for one image in a prompt (encoders.ImageEncoder.image_text).
+        self.image_text: str = encoder.image_text
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="images")
 
     @classmethod
@@ -70,6 +73,16 @@ class ImagePipeline:
             return None
         import transformers
 
+        try:
+            grid = grid_encoder(model_dir)
+        except Exception as error:  # noqa: BLE001 - serve text; say why images are refused
+            log.warning("%s: the image processor does not load (%s: %s); images are refused",
+                        model_dir, type(error).__name__, error)
+            return None
+        if grid is not None:
+            log.info("images: %s, dynamic resolution (image token %r)",
+                     type(grid._image_processor).__name__, grid.image_token)
+            return cls(grid, limits)
         try:
             processor = transformers.AutoProcessor.from_pretrained(str(model_dir))
         except Exception as error:  # noqa: BLE001 - serve text; say why images are refused
@@ -81,7 +94,7 @@ class ImagePipeline:
             return None
         log.info("images: %s with %s (image token %r)", type(processor).__name__,
                  type(processor.image_processor).__name__, processor.image_token)
-        return cls(processor, limits)
+        return cls(ProcessorEncoder(processor), limits)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -116,7 +129,6 @@ class ImagePipeline:
         return out
 
     def _process(self, ref: ImageRef, blob: bytes, key: bytes) -> ProcessedImage:
-        import numpy as np
         from PIL import Image, UnidentifiedImageError
 
         try:
@@ -137,10 +149,9 @@ class ImagePipeline:
         except (OSError, ValueError, Image.DecompressionBombError):
             raise ImageError(ref.field, f"{ref.field}: the image could not be decoded "
                              "(truncated or corrupt)") from None
-        enc = self._processor(text=[self.image_token], images=[image], return_tensors="np")
-        pixels = np.ascontiguousarray(enc["pixel_values"][0], dtype=np.float32)  # [3, H, W]
-        count = int((enc["input_ids"][0] == self.image_token_id).sum())
-        return ProcessedImage(key, pixels.tobytes(), tuple(pixels.shape), count)
+        encoded = self.encoder(image)
+        pixels = encoded.pixels
+        return ProcessedImage(key, pixels.tobytes(), tuple(pixels.shape), encoded.num_tokens)
 
 
 def expand(ids: tuple[int, ...], image_token_id: int, images: list[ProcessedImage]
