@@ -2,7 +2,8 @@
 a real `tokenwire launch` serving a tiny random LLaVA, with transformers as the reference. Images
 come as data URLs (PNG, JPEG, WebP), as http URLs served by a local test server on 127.0.0.2
 (reached through a redirect; the deployment allows exactly that address with
---allow-image-networks 127.0.0.2/32), as TGI markdown on /generate and as typed gRPC parts.
+--allow-image-networks 127.0.0.2/32), as TGI markdown on /generate, as typed gRPC parts, and through the installed Python SDK (its
+image parts in generate and its OpenAI-shaped content lists in chat, over the typed gRPC chat).
 Every refused image is a 400 (413 for size) naming its content part, and the server serves
 normally after each. Loopback URLs outside the allowed network are refused as by default: an
 IP literal, a host name (`localhost`, checked at resolution) and a redirect to one."""
@@ -10,6 +11,7 @@ IP literal, a host name (`localhost`, checked at resolution) and a redirect to o
 from __future__ import annotations
 
 import base64
+import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,7 +24,8 @@ from tokenwire.v1 import generate_pb2 as gpb
 from tokenwire.v1 import generate_pb2_grpc as gpb_grpc
 
 from tests.helpers.http_api import http_json
-from tests.helpers.processes import Deployment, launch
+from tests.helpers.processes import Deployment, launch, run_checked
+from tests.helpers.python_sdk import build_wheel, sdk_venv
 from tests.helpers.vision import HfReference, encoded, tiny_llava
 
 pytestmark = pytest.mark.slow
@@ -192,3 +195,50 @@ def test_tgi_markdown_and_grpc_image_parts(deployment, ref):
                           gpb.InputChunk(text=" here")],
             parameters=gpb.GenerateParameters(max_new_tokens=N, details=True)), timeout=60)
     assert [t.id for t in reply.details.tokens] == want
+
+
+@pytest.fixture(scope="module")
+def sdk_run(deployment: Deployment, image_server: str,
+            tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """vision_sdk_cases.py's report, run with the `tokenwire-client` wheel in a fresh venv (from
+    an empty folder: nothing of this repository is importable there)."""
+    work = tmp_path_factory.mktemp("vision-sdk")
+    python = sdk_venv(build_wheel(work), work)
+    png = work / "a.png"
+    png.write_bytes(PNG0)
+    out = work / "results.json"
+    run_checked([python, Path(__file__).with_name("vision_sdk_cases.py"), deployment.target,
+                 deployment.envoy_target, png, image_server, out],
+                cwd=work, env={"PATH": "/usr/bin:/bin"}, timeout=240)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", ["sync_generate", "sync_chat", "sync_errors", "async_generate"])
+def test_python_sdk_case(sdk_run, case):
+    assert sdk_run["outcomes"][case] is None, sdk_run["outcomes"][case]
+
+
+def test_python_sdk_image_prompts_equal_tgi_markdown(sdk_run, deployment):
+    """Every way the SDK takes an image (path, Image, bytes, ImagePart, http URL; sync, async,
+    streamed, through Envoy) gives the token ids of the same prompt as TGI markdown on /generate
+    (which test_tgi_markdown_and_grpc_image_parts checks against transformers)."""
+    status, _, body = http_json(deployment.http_port, "POST", "/generate", {
+        "inputs": "look ![](" + data_url(PNG0) + ") here",
+        "parameters": {"max_new_tokens": N, "details": True}})
+    assert status == 200, body
+    want = [t["id"] for t in body["details"]["tokens"]]
+    seen = sdk_run["observed"]
+    names = ["sync_generate_path", "sync_generate_from_file", "sync_generate_bytes",
+             "sync_generate_image_part_url", "sync_generate_http_url", "sync_stream",
+             "envoy_generate", "async_generate", "async_stream"]
+    assert {name: seen[name] for name in names} == dict.fromkeys(names, want)
+    assert [e.split(" must")[0] for e in seen["type_errors"]] == ["inputs[1]", "inputs", "inputs"]
+
+
+def test_python_sdk_chat_content_lists_equal_the_openai_client(sdk_run, client):
+    """The SDK's chat (typed gRPC, content_parts) answers what the official openai client gets
+    for the same OpenAI-shaped content list over REST."""
+    want = _content(client, chat(data_url(PNG0)))
+    assert want != ""
+    seen = sdk_run["observed"]
+    assert [seen["sync_chat"], seen["sync_chat_stream"], seen["async_chat"]] == [want] * 3

@@ -6,8 +6,9 @@ from __future__ import annotations
 import base64
 
 import pytest
+from tokenwire.v1 import openai_pb2 as opb
 
-from service.api import openai_json
+from service.api import openai_convert, openai_json
 from service.generation.errors import ValidationError
 from service.generation.images.fetch import address_allowed, image_bytes
 from service.generation.images.markdown import markdown_images
@@ -74,3 +75,30 @@ def test_openai_image_parts_decode_with_their_place_in_the_text():
     with pytest.raises(ValidationError, match=r"content\[0\]: only text and image_url parts"):
         openai_json.chat_request(b'{"model": "m", "messages": [{"role": "user", "content": '
                                  b'[{"type": "input_audio"}]}]}')
+
+
+def test_typed_grpc_content_parts_decode_as_the_rest_parts():
+    # The same conversation as REST's content list and as the typed ChatMessage.content_parts:
+    # the same text and image offsets; errors name content_parts.
+    text, image = opb.ChatContentPart, opb.ChatImageUrl
+
+    def typed(role: str, *parts: opb.ChatContentPart, content: str = "") -> list[object]:
+        request = opb.ChatRequest(model="m", messages=[
+            opb.ChatMessage(role=role, content=content, content_parts=list(parts))])
+        message = openai_convert.chat_request(request, stream=False).messages[0]
+        return [message.content, [(at, r.field, r.url) for at, r in message.images]]
+
+    assert typed("user", text(text="ab"), text(image_url=image(url="u1")), text(text="cd"),
+                 text(image_url=image(url="u2"))) == ["abcd", [
+        (2, "messages[0].content_parts[1].image_url", "u1"),
+        (4, "messages[0].content_parts[3].image_url", "u2")]]
+    assert typed("user", text(text="plain")) == ["plain", []]
+    with pytest.raises(ValidationError, match=r"content_parts\[0\]\.image_url: an image_url "
+                                              r"part needs"):
+        typed("user", text(image_url=image(url="")))
+    with pytest.raises(ValidationError, match=r"content_parts: image parts are accepted in user"):
+        typed("assistant", text(image_url=image(url="u")))
+    with pytest.raises(ValidationError, match=r"content_parts\[0\]: a content part needs"):
+        typed("user", text())
+    with pytest.raises(ValidationError, match=r"messages\[0\]: set content or content_parts"):
+        typed("user", text(text="x"), content="y")
