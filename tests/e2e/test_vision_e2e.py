@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import re
+import shutil
+import subprocess
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,6 +30,7 @@ from tokenwire.v1 import generate_pb2_grpc as gpb_grpc
 from tests.helpers.http_api import http_json
 from tests.helpers.processes import Deployment, launch, run_checked
 from tests.helpers.python_sdk import build_wheel, sdk_venv
+from tests.helpers.typescript_sdk import install, pack
 from tests.helpers.vision import HfReference, encoded, tiny_llava
 
 pytestmark = pytest.mark.slow
@@ -218,15 +223,21 @@ def test_python_sdk_case(sdk_run, case):
     assert sdk_run["outcomes"][case] is None, sdk_run["outcomes"][case]
 
 
-def test_python_sdk_image_prompts_equal_tgi_markdown(sdk_run, deployment):
-    """Every way the SDK takes an image (path, Image, bytes, ImagePart, http URL; sync, async,
-    streamed, through Envoy) gives the token ids of the same prompt as TGI markdown on /generate
-    (which test_tgi_markdown_and_grpc_image_parts checks against transformers)."""
+@pytest.fixture(scope="module")
+def markdown_ids(deployment: Deployment) -> list[int]:
+    """The token ids of "look <image> here" sent as TGI markdown on /generate (which
+    test_tgi_markdown_and_grpc_image_parts checks against transformers)."""
     status, _, body = http_json(deployment.http_port, "POST", "/generate", {
         "inputs": "look ![](" + data_url(PNG0) + ") here",
         "parameters": {"max_new_tokens": N, "details": True}})
     assert status == 200, body
-    want = [t["id"] for t in body["details"]["tokens"]]
+    return [t["id"] for t in body["details"]["tokens"]]
+
+
+def test_python_sdk_image_prompts_equal_tgi_markdown(sdk_run, markdown_ids):
+    """Every way the SDK takes an image (path, Image, bytes, ImagePart, http URL; sync, async,
+    streamed, through Envoy) gives the token ids of the same prompt as TGI markdown."""
+    want = markdown_ids
     seen = sdk_run["observed"]
     names = ["sync_generate_path", "sync_generate_from_file", "sync_generate_bytes",
              "sync_generate_image_part_url", "sync_generate_http_url", "sync_stream",
@@ -242,3 +253,27 @@ def test_python_sdk_chat_content_lists_equal_the_openai_client(sdk_run, client):
     assert want != ""
     seen = sdk_run["observed"]
     assert [seen["sync_chat"], seen["sync_chat_stream"], seen["async_chat"]] == [want] * 3
+
+
+def test_typescript_sdk_images(deployment, image_server, markdown_ids, client,
+                               tmp_path_factory: pytest.TempPathFactory):
+    """vision_ts_cases.mjs with the `npm pack` tarball installed in a throwaway project: image
+    prompts equal the TGI markdown tokens, OpenAI-shaped chat content lists equal the openai
+    client's reply, bad images and bad parts are refused naming the part."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.fail("node and npm are needed for the TypeScript SDK")
+    work = tmp_path_factory.mktemp("vision-ts")
+    project = install(pack(work), work / "project")
+    shutil.copy(Path(__file__).with_name("vision_ts_cases.mjs"), project / "vision.test.mjs")
+    png = work / "a.png"
+    png.write_bytes(PNG0)
+    env = {**os.environ, "TOKENWIRE_URL": f"http://{deployment.target}",
+           "TOKENWIRE_ENVOY_URL": f"http://{deployment.envoy_target}", "TOKENWIRE_PNG": str(png),
+           "TOKENWIRE_IMAGE_SERVER": image_server, "TOKENWIRE_EXPECTED": json.dumps(
+               {"ids": markdown_ids, "chat": _content(client, chat(data_url(PNG0)))})}
+    done = subprocess.run(["node", "--test", "--test-reporter=tap", "vision.test.mjs"],
+                          cwd=project, env=env, capture_output=True, text=True, check=False,
+                          timeout=240)
+    summary = dict(re.findall(r"^# (pass|fail|skipped) (\d+)$", done.stdout, flags=re.MULTILINE))
+    assert done.returncode == 0 and summary == {"pass": "4", "fail": "0", "skipped": "0"}, (
+        done.stdout + done.stderr)
