@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import anthropic
 import grpc
 import openai
 import pytest
@@ -277,3 +278,51 @@ def test_typescript_sdk_images(deployment, image_server, markdown_ids, client,
     summary = dict(re.findall(r"^# (pass|fail|skipped) (\d+)$", done.stdout, flags=re.MULTILINE))
     assert done.returncode == 0 and summary == {"pass": "4", "fail": "0", "skipped": "0"}, (
         done.stdout + done.stderr)
+
+
+@pytest.fixture(scope="module")
+def claude(deployment: Deployment) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=f"http://{deployment.envoy_target}", api_key="none",
+                               max_retries=0)
+
+
+def test_responses_and_messages_images_answer_as_chat_does(client, claude, image_server):
+    """The official `openai` client's Responses `input_image` parts and the `anthropic` client's
+    image blocks (base64 and url sources) give chat's greedy reply to the same conversation."""
+    want = _content(client, chat(data_url(PNG0)))
+    b64 = base64.b64encode(PNG0).decode()
+    for url in (data_url(PNG0), f"{image_server}/a.png"):
+        out = client.responses.create(model="tgi", max_output_tokens=N, temperature=0, input=[
+            {"role": "user", "content": [
+                {"type": "input_text", "text": "what is in "},
+                {"type": "input_image", "image_url": url, "detail": "auto"},
+                {"type": "input_text", "text": " tell me"}]}])
+        assert out.output_text == want
+    for source in ({"type": "base64", "media_type": "image/png", "data": b64},
+                   {"type": "url", "url": f"{image_server}/a.png"}):
+        # temperature through extra_body: this anthropic release's create() has no such argument
+        reply = claude.messages.create(model="tgi", max_tokens=N, extra_body={"temperature": 0},
+                                       messages=[{"role": "user", "content": [
+                                           {"type": "text", "text": "what is in "},
+                                           {"type": "image", "source": source},
+                                           {"type": "text", "text": " tell me"}]}])
+        assert "".join(b.text for b in reply.content if b.type == "text") == want
+
+
+def test_responses_and_messages_refused_images_name_the_part(client, claude, image_server):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model="tgi", max_output_tokens=2, input=[{"role": "user",
+            "content": [{"type": "input_image", "image_url": data_url(b"not an image")}]}])
+    assert bad.value.param == "input[0].content[0].image_url"
+    assert "could not be decoded" in bad.value.message
+    with pytest.raises(anthropic.BadRequestError) as bad_claude:
+        claude.messages.create(model="tgi", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "x"},
+            {"type": "image", "source": {"type": "url", "url": f"{image_server}/missing.png"}}]}])
+    assert bad_claude.value.body["error"]["type"] == "invalid_request_error"
+    assert "messages[0].content[1].source" in bad_claude.value.message
+    assert "HTTP 404" in bad_claude.value.message
+    with pytest.raises(anthropic.BadRequestError, match=r"unsupported image type .image/gif."):
+        claude.messages.create(model="tgi", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/gif",
+                                         "data": "R0lGODdhAQABAAAAACw="}}]}])
