@@ -1,7 +1,8 @@
 """Tiny random vision-language checkpoints laid out like a hub snapshot, with a real processor:
 LLaVA 1.5 (a CLIP vision tower, a 2-layer projector, a Llama language model) with transformers'
 own CLIP image processor (the PIL backend: no torchvision needed) and LlavaProcessor, the tiny
-byte-level BPE tokenizer plus an `<image>` token, and a ChatML chat template. For the vision
+byte-level BPE tokenizer plus an `<image>` token, and a ChatML chat template; Qwen2-VL /
+Qwen2.5-VL with their image processor; Idefics3 with its processor (tiles). For the vision
 tests (greedy parity with transformers' generate) and the GPU TTFT benchmark
 (benchmarks/vision_ttft.py builds a 7B-shaped one with `text`/`vision` overrides)."""
 
