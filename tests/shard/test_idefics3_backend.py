@@ -184,3 +184,32 @@ async def test_two_ranks_with_images_match_transformers(idefics3, ref):
     assert "error" not in res, res.get("error")
     assert res["tokens"] == ref.greedy(text, specs, N)
     assert res["params"] < held_weights(backend_shard(idefics3))
+
+
+async def test_a_step_with_more_tiles_than_the_encoder_cache_holds(idefics3, ref):
+    """Two images are 8 tiles: with room for 2 in the encoder cache, one prefill step still
+    places every tile it encoded (and a tile it found cached) and equals transformers."""
+    from shard_driver import RouterSim, engine_call
+    from tokenwire.shard.v1 import shard_pb2 as pb
+
+    from tests.helpers.transformers_backend import backend_shard
+
+    text, specs = TWO
+    pipeline = ImagePipeline.load(idefics3, ImageLimits())
+    assert pipeline is not None
+    ids, images = await pipeline.prepare(_refs(specs), tuple(ref.processor.tokenizer(text)
+                                                             .input_ids), "inputs")
+    pipeline.close()
+    shard = backend_shard(idefics3)
+    cache = shard.runner.encoder_cache
+    cache.capacity = 2
+    want = ref.greedy(text, specs, N)
+    for rid in (1, 2):  # the second time, the 2 tiles still cached are hits
+        sim = RouterSim(engine_call(shard), shard.runner.num_blocks, shard.runner.block_size)
+        sim.add(rid, list(ids), N, images=[
+            pb.ImageInput(content_hash=i.content_hash, offset=i.offset, length=i.length,
+                          shape=list(i.shape), pixel_values=i.pixel_values) for i in images])
+        sim.prefill([(rid, 0)])
+        sim.run_to_completion()
+        assert sim.done[rid].generated == want
+    assert cache.hits == 2 and len(cache) == 2
