@@ -56,7 +56,9 @@ async def test_greedy_with_images_matches_transformers(idefics3, ref, tmp_path):
     assert pipeline is not None and pipeline.image_token == "<image>"
     server = ShardServer(idefics3, tmp_path, kv_cache_memory_mb=2, model_impl="transformers")
     cache = server.shard.runner.encoder_cache
-    cases = {"one": ONE, "two": TWO, "text": TEXT, "again": ONE, "repeat": REPEAT}
+    other = (ONE[0], [(5, 40, 30)])  # ONE's text, another image: no prefix-cache hit on ONE
+    cases = {"one": ONE, "two": TWO, "text": TEXT, "other": other, "again": ONE,
+             "repeat": REPEAT}
     want = {name: ref.greedy_logprobs(text, specs, N) for name, (text, specs) in cases.items()}
     got: dict[str, list[int]] = {}
     try:
@@ -85,14 +87,15 @@ async def test_greedy_with_images_matches_transformers(idefics3, ref, tmp_path):
             # One batch: one image, two images and text only; each equals its reference alone.
             await asyncio.gather(run("one"), run("two"), run("text"))
             assert cache.misses == 5 + 3 + 5  # every tile encoded once across the chunks
+            await run("other")  # its tiles' hashes key its blocks: ONE's K/V is not reused
             await run("again")  # prefix-cache and encoder-cache hit
             hits = cache.hits
             await run("repeat")  # the wide image twice, already encoded for "two"
-            assert cache.misses == 13 and cache.hits >= hits + 2 * 3
+            assert cache.misses == 18 and cache.hits >= hits + 2 * 3
     finally:
         server.stop()
         pipeline.close()
-    assert want["one"][0] != ref.greedy(ONE[0], [(5, 40, 30)], N)  # the image moves the output
+    assert want["one"][0] != want["other"][0]  # the image moves the output
 
 
 async def test_the_pipeline_tiles_and_refuses_over_limit_images(idefics3):
