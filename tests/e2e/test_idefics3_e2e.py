@@ -1,7 +1,7 @@
 """Idefics3 end to end: the official `openai` client (unchanged) against the real Envoy in front
 of a real `tokenwire launch` serving a tiny random Idefics3 (tiles: Idefics3Processor's
 expansion of each image), two data-URL images of different tile grids in one message; the text
-equals transformers' greedy output on the same prompt. Too many images and too many pixels are
+equals transformers' greedy output on the same prompt, and so do typed gRPC image parts. Too many images and too many pixels are
 the same 400 as for the other families, naming the content part, and the server serves on."""
 
 from __future__ import annotations
@@ -10,8 +10,11 @@ import base64
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import openai
 import pytest
+from tokenwire.v1 import generate_pb2 as gpb
+from tokenwire.v1 import generate_pb2_grpc as gpb_grpc
 
 from tests.helpers.http_api import http_json
 from tests.helpers.processes import Deployment, launch
@@ -72,6 +75,21 @@ def test_openai_client_with_two_images_matches_transformers(client, model_dir):
                             {"type": "text", "text": " then "}, image_part(*SPECS[1]),
                             {"type": "text", "text": " which"}])
     assert got == want
+
+
+def test_grpc_image_parts_match_transformers(deployment, model_dir):
+    """Typed gRPC parts: the router writes <image> at the part's place, with BOS."""
+    ref = Idefics3Reference(model_dir)
+    want = ref.greedy("look <image> here", [SPECS[0]], N)
+    with grpc.insecure_channel(f"127.0.0.1:{deployment.port}") as channel:
+        stub = gpb_grpc.TextGenerationStub(channel)
+        reply = stub.Generate(gpb.GenerateRequest(
+            input_chunks=[gpb.InputChunk(text="look "),
+                          gpb.InputChunk(image=gpb.ImagePart(data=encoded(1, width=80,
+                                                                          height=30))),
+                          gpb.InputChunk(text=" here")],
+            parameters=gpb.GenerateParameters(max_new_tokens=N, details=True)), timeout=60)
+    assert [t.id for t in reply.details.tokens] == want
 
 
 @pytest.mark.parametrize(("parts", "says"), [
