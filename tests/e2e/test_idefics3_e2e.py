@@ -1,8 +1,9 @@
 """Idefics3 end to end: the official `openai` client (unchanged) against the real Envoy in front
 of a real `tokenwire launch` serving a tiny random Idefics3 (tiles: Idefics3Processor's
 expansion of each image), two data-URL images of different tile grids in one message; the text
-equals transformers' greedy output on the same prompt, and so do typed gRPC image parts. Too many images and too many pixels are
-the same 400 as for the other families, naming the content part, and the server serves on."""
+equals transformers' greedy output on the same prompt, and so do typed gRPC image parts. Too
+many images and too many pixels are the same 400 as for the other families, naming the content
+part, and the server serves on."""
 
 from __future__ import annotations
 
