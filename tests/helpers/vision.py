@@ -98,6 +98,29 @@ class Idefics3Reference(HfReference):
         images = [image(*s) if isinstance(s, tuple) else image(s) for s in seeds]
         return self.processor(text=[text], images=images or None, return_tensors="pt", **kw)
 
+    def shard_images(self, enc: dict[str, Any]) -> list[Any]:  # shard_pb2.ImageInput
+        """The processor's tiles as the shard takes them: each [3, S, S] tile an image input at
+        its run of image tokens (the i-th run, the i-th tile; as the router sends them)."""
+        import hashlib
+
+        import numpy as np
+        from tokenwire.shard.v1 import shard_pb2 as pb
+
+        from service.generation.images.encoders import image_runs
+
+        if "pixel_values" not in enc:
+            return []
+        ids = tuple(enc["input_ids"][0].tolist())
+        tiles = enc["pixel_values"].numpy().astype(np.float32).reshape(-1, 3, *enc[
+            "pixel_values"].shape[-2:])  # [images * tiles, 3, S, S]: one prompt, no padding
+        out = []
+        for tile, (start, length) in zip(tiles, image_runs(ids, self.processor.image_token_id),
+                                         strict=True):
+            data = np.ascontiguousarray(tile).tobytes()
+            out.append(pb.ImageInput(content_hash=hashlib.sha256(data).digest(), offset=start,
+                                     length=length, shape=list(tile.shape), pixel_values=data))
+        return out
+
 
 class QwenReference:
     """transformers' generate on the image processor's pixels and the expanded prompt (the
