@@ -244,7 +244,10 @@ def test_python_sdk_image_prompts_equal_tgi_markdown(sdk_run, markdown_ids):
              "sync_generate_image_part_url", "sync_generate_http_url", "sync_stream",
              "envoy_generate", "async_generate", "async_stream"]
     assert {name: seen[name] for name in names} == dict.fromkeys(names, want)
-    assert [e.split(" must")[0] for e in seen["type_errors"]] == ["inputs[1]", "inputs", "inputs"]
+    # Parts of another type: a TypeError naming the part, before anything is sent.
+    assert [e.split(" must")[0] for e in seen["type_errors"]] == [
+        "inputs[1]", "inputs", "inputs", "messages[0].content[0].type",
+        "messages[0].content[1].image_url.url"]
 
 
 def test_python_sdk_chat_content_lists_equal_the_openai_client(sdk_run, client):

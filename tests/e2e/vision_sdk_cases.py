@@ -103,6 +103,13 @@ def sync_errors(target: str, envoy: str, png: Path, server: str) -> None:
                 OBSERVED.setdefault("type_errors", []).append(str(error))  # type: ignore[union-attr]
             else:
                 raise AssertionError(f"{bad!r} was accepted as a prompt")
+        for content in ([{"type": "input_audio"}], ["ok", {"type": "image_url", "image_url": {}}]):
+            try:
+                client.chat([{"role": "user", "content": content}], max_tokens=2)
+            except TypeError as error:
+                OBSERVED.setdefault("type_errors", []).append(str(error))  # type: ignore[union-attr]
+            else:
+                raise AssertionError(f"{content!r} was accepted as chat content")
         # The server still serves.
         check(len(ids(client.generate(["look ", png, " here"], max_new_tokens=N,
                                       details=True))) == N, "no answer after the errors")
