@@ -240,7 +240,8 @@ def _measure(wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
         a_scale = torch.rand(m, device=wq.device) * 1e-2
         best: tuple[float, triton.Config] | None = None
         for config in CONFIGS[bucket]:
-            def call(config: triton.Config = config) -> torch.Tensor:
+            def call(config: triton.Config = config, xq: torch.Tensor = xq,
+                     a_scale: torch.Tensor = a_scale) -> torch.Tensor:
                 return int8_gemm(xq, a_scale, wq, w_scale, bias, dtype, config)
 
             try:

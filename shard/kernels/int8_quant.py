@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 QMAX = tl.constexpr(127.0)
-_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding it leaves no fraction bits below 1 in fp32
+# 1.5 * 2^23: in fp32, v + this keeps no fraction bits (rounded half to even), for |v| < 2^22
+_ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit(do_not_specialize=["M"])
