@@ -11,7 +11,9 @@ so the two differ at most by the output's own rounding.
 Why: through torch._int_mm the W8A8 layer was 8-10x slower than bf16 on an H100 (the ~10 eager
 ops around the GEMM) and the cuBLASLt int8 GEMM itself no faster than bf16 at the Llama-3-8B
 shapes (benchmarks/raw/round10/w8a8/w8a8.log). Here the rescale, bias and output cast live in the
-GEMM's epilogue: a W8A8 linear is two launches (quantize, GEMM).
+GEMM's epilogue: a W8A8 linear is two launches (quantize, GEMM). For a merged gate/up weight the
+epilogue can also apply SiLU-and-mul (SILU_MUL: a tile's weight rows interleave gate and up rows,
+as in shard/kernels/gemv.py), saving the [M, 2I] intermediate's write and read and one launch.
 
 Tiles per batch bucket (M_BUCKETS): decode batches (<= 16 rows: one 16-row MMA tile, narrow
 BLOCK_N so that the N / BLOCK_N programs cover the SMs: a weight stream), 17-128, 129-512, and
@@ -64,22 +66,24 @@ def _int8_gemm_kernel(
     bias_ptr,  # [N] any float dtype (read when HAS_BIAS)
     c_ptr,  # [M, N] the activations' dtype (RAW: int32), rows stride_cm apart
     M,
-    N,
+    N,  # output columns (SILU_MUL: I, half the weight's rows)
     K,
     stride_am,
     stride_bn,
     stride_cm,
     RAW: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,  # weight [2I, K] = gate rows then up rows; y = silu(gate) * up
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the main loop
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    OUT_N: tl.constexpr,  # output columns per tile: BLOCK_N (SILU_MUL: BLOCK_N // 2)
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
+    num_n = tl.cdiv(N, OUT_N)
     # Grouped order: GROUP_M row tiles walk the column tiles together (L2 reuse of weight tiles).
     per_group = GROUP_M * num_n
     group = pid // per_group
@@ -89,12 +93,21 @@ def _int8_gemm_kernel(
     pid_n = (pid % per_group) // group_rows
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, BLOCK_N)
+    if SILU_MUL:
+        # Tile row 2j: gate row c_j, 2j + 1: up row I + c_j (c_j the tile's j-th output column),
+        # so the epilogue pairs them by splitting the tile's last axis.
+        cols = pid_n * OUT_N + r // 2  # [BLOCK_N] output column of each weight row
+        rows_n = cols + (r % 2) * N
+    else:
+        cols = pid_n * BLOCK_N + r
+        rows_n = cols
+    n_mask = cols < N
     offs_k = tl.arange(0, BLOCK_K)
     # Out-of-range rows / columns read row 0 (valid memory) instead of masking every load; their
     # results are never stored.
     rows_a = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
-    rows_b = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    rows_b = tl.where(n_mask, rows_n, 0).to(tl.int64)
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     b_ptrs = b_ptr + rows_b[None, :] * stride_bn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
@@ -110,18 +123,27 @@ def _int8_gemm_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    c_rows = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm
     if RAW:
-        tl.store(c_ptrs, acc, mask=mask)
+        tl.store(c_rows + cols[None, :], acc, mask=(offs_m < M)[:, None] & n_mask[None, :])
     else:
+        out_ty = c_ptr.dtype.element_ty
         a_scale = tl.load(as_ptr + offs_m, mask=offs_m < M, other=0.0)  # [BLOCK_M]
-        b_scale = tl.load(bs_ptr + offs_n, mask=offs_n < N, other=0.0)  # [BLOCK_N]
+        b_scale = tl.load(bs_ptr + rows_n, mask=n_mask, other=0.0)  # [BLOCK_N]
         # The torch form's order: (float(acc) * a_scale) * w_scale, then + bias.
         y = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
         if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=mask)
+            y += tl.load(bias_ptr + rows_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            # Roundings as the unfused path (this GEMM's output in the model dtype, then
+            # elementwise.silu_mul): gate and up rounded, silu(gate) rounded, the product rounded.
+            y = y.to(out_ty).to(tl.float32)
+            g, u = tl.split(tl.reshape(y, [BLOCK_M, OUT_N, 2]))  # [BLOCK_M, OUT_N] each
+            a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+            y = a * u
+        offs_out = pid_n * OUT_N + tl.arange(0, OUT_N)
+        tl.store(c_rows + offs_out[None, :], y.to(out_ty),
+                 mask=(offs_m < M)[:, None] & (offs_out < N)[None, :])
 
 
 def _config(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8) -> triton.Config:
@@ -157,13 +179,14 @@ def _check(xq: torch.Tensor, wq: torch.Tensor) -> None:
 
 def _launch(xq: torch.Tensor, wq: torch.Tensor, a_scale: torch.Tensor | None,
             w_scale: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor,
-            config: triton.Config) -> None:
+            config: triton.Config, silu_mul: bool = False) -> None:
     m, k = xq.shape
-    n = wq.shape[0]
+    n = out.shape[1]  # output columns
     if m == 0 or n == 0:
         return
     kw = config.kwargs
-    grid = (triton.cdiv(m, kw["BLOCK_M"]) * triton.cdiv(n, kw["BLOCK_N"]),)
+    out_n = kw["BLOCK_N"] // 2 if silu_mul else kw["BLOCK_N"]
+    grid = (triton.cdiv(m, kw["BLOCK_M"]) * triton.cdiv(n, out_n),)
     raw = a_scale is None
     _int8_gemm_kernel[grid](
         xq, wq,
@@ -171,7 +194,8 @@ def _launch(xq: torch.Tensor, wq: torch.Tensor, a_scale: torch.Tensor | None,
         wq if raw else w_scale,
         wq if bias is None else bias,
         out, m, n, k, xq.stride(0), wq.stride(0), out.stride(0),
-        RAW=raw, HAS_BIAS=bias is not None, EVEN_K=k % kw["BLOCK_K"] == 0,
+        RAW=raw, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % kw["BLOCK_K"] == 0,
+        OUT_N=out_n,
         **config.all_kwargs(),
     )
 
@@ -184,13 +208,17 @@ def int8_gemm(
     bias: torch.Tensor | None,  # [N] or None
     out_dtype: torch.dtype,
     config: triton.Config | None = None,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
-    """y [M, N] in out_dtype (module docstring). config None: the first candidate of M's bucket
-    (tests); the W8A8 layer passes its tuned one."""
+    """y [M, N] in out_dtype (module docstring); silu_mul (a merged gate/up weight [2I, K], rows
+    0..I-1 gate, I..2I-1 up): y [M, I] = silu(gate) * up, the roundings of the unfused form.
+    config None: the first candidate of M's bucket (tests); the W8A8 layer passes its tuned one."""
     _check(xq, wq)
     m, n = xq.shape[0], wq.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
-    _launch(xq, wq, a_scale, w_scale, bias, out, config or CONFIGS[m_bucket(m)][0])
+    if silu_mul and n % 2:
+        raise ValueError(f"int8_gemm: silu_mul needs a [2I, K] gate/up weight, got {n} rows")
+    out = torch.empty((m, n // 2 if silu_mul else n), dtype=out_dtype, device=xq.device)
+    _launch(xq, wq, a_scale, w_scale, bias, out, config or CONFIGS[m_bucket(m)][0], silu_mul)
     return out
 
 
@@ -229,7 +257,7 @@ def _bucket_name(bucket: int | None) -> str:
 
 
 def _measure(wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-             dtype: torch.dtype) -> dict[int | None, triton.Config]:
+             dtype: torch.dtype, silu_mul: bool) -> dict[int | None, triton.Config]:
     """Times every candidate of every bucket at TUNE_M rows (do_bench: eager, host syncs);
     the fastest of each bucket. Candidates that do not fit (shared memory) are skipped."""
     k = wq.shape[1]
@@ -242,7 +270,7 @@ def _measure(wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
         for config in CONFIGS[bucket]:
             def call(config: triton.Config = config, xq: torch.Tensor = xq,
                      a_scale: torch.Tensor = a_scale) -> torch.Tensor:
-                return int8_gemm(xq, a_scale, wq, w_scale, bias, dtype, config)
+                return int8_gemm(xq, a_scale, wq, w_scale, bias, dtype, config, silu_mul)
 
             try:
                 us = 1e3 * triton.testing.do_bench(call, warmup=5, rep=20, return_mode="median")
@@ -260,23 +288,26 @@ def tune_int8_gemm(
     w_scale: torch.Tensor,  # [N] float32
     bias: torch.Tensor | None,
     dtype: torch.dtype,  # the activations' (output) dtype
+    silu_mul: bool = False,
 ) -> dict[int | None, triton.Config]:
-    """{bucket: config} for this weight shape, bias-ness and dtype: measured (or read from the
+    """{bucket: config} for this weight shape, bias-ness, dtype and epilogue: measured (or read from the
     process's tuning cache, shard/kernels/tuning_cache.py), then each config compiled and loaded
     by one eager launch and a sync, so a CUDA-graph capture finds them ready. Eager only.
     On CPU tensors (the interpreter) each bucket's first candidate, nothing timed."""
     if not wq.is_cuda:
         chosen = {bucket: CONFIGS[bucket][0] for bucket in M_BUCKETS}
     else:
-        memo = (tuple(wq.shape), wq.stride(0), dtype, bias is not None, wq.device.index)
+        memo = (tuple(wq.shape), wq.stride(0), dtype, bias is not None, silu_mul,
+                wq.device.index)
         chosen = _CHOSEN.get(memo)
         if chosen is None:
             key = {"op": "int8_gemm_configs", "kernel": kernel_version(),
                    **tuning_cache.device_key(wq.device), "n": wq.shape[0], "k": wq.shape[1],
-                   "row_stride": wq.stride(0), "dtype": str(dtype), "bias": bias is not None}
+                   "row_stride": wq.stride(0), "dtype": str(dtype), "bias": bias is not None,
+                   "silu_mul": silu_mul}
             chosen = tuning_cache.cached_tuning(
                 key,
-                lambda: _measure(wq, w_scale, bias, dtype),
+                lambda: _measure(wq, w_scale, bias, dtype, silu_mul),
                 lambda c: {_bucket_name(b): config_dict(cfg) for b, cfg in c.items()},
                 lambda raw: {b: config_from_dict(raw[_bucket_name(b)], b) for b in M_BUCKETS},
             )
@@ -285,12 +316,12 @@ def tune_int8_gemm(
         m = min(TUNE_M[bucket], 16)
         xq = torch.zeros((m, wq.shape[1]), dtype=torch.int8, device=wq.device)
         a_scale = torch.ones(m, device=wq.device)
-        int8_gemm(xq, a_scale, wq, w_scale, bias, dtype, config)
+        int8_gemm(xq, a_scale, wq, w_scale, bias, dtype, config, silu_mul)
     if wq.is_cuda:
         torch.cuda.synchronize(wq.device)
     return chosen
 
 
-# Chosen configs per (weight shape, row stride, dtype, bias, device) in this process: a model's
+# Chosen configs per (weight shape, row stride, dtype, bias, epilogue, device) in this process: a model's
 # 32 layers of one shape are tuned (or read from the cache) once.
 _CHOSEN: dict[tuple, dict[int | None, triton.Config]] = {}

@@ -106,8 +106,8 @@ class W8A8Linear(nn.Module):
         self._init_kernels()
 
     def _init_kernels(self) -> None:
-        # activation dtype -> {batch bucket: the int8 GEMM config tuned for this weight}
-        self._gemm_configs: dict[torch.dtype, dict[int | None, Any]] = {}
+        # (activation dtype, SiLU epilogue) -> {batch bucket: the int8 GEMM config tuned for it}
+        self._gemm_configs: dict[tuple[torch.dtype, bool], dict[int | None, Any]] = {}
         self._triton_missing = False
 
     @classmethod
@@ -142,7 +142,12 @@ class W8A8Linear(nn.Module):
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """For a merged gate/up weight (rows 0..I-1 gate, I..2I-1 up): silu(gate) * up,
-        x [M, in] -> [M, out / 2]."""
+        x [M, in] -> [M, out / 2]. On the Triton path one GEMM with SiLU-and-mul in its epilogue
+        (the unfused form's roundings)."""
+        if self._kernels_ready(x, silu_mul=True):
+            lead = x.shape[:-1]
+            y = self._triton_forward(x.reshape(-1, self.in_features), silu_mul=True)
+            return y.reshape(*lead, self.out_features // 2)
         gate, up = self.forward(x).chunk(2, dim=-1)
         if x.is_cuda:
             from shard.kernels.elementwise import silu_mul
@@ -159,14 +164,15 @@ class W8A8Linear(nn.Module):
         """[N, K] in `dtype`."""
         return (self.qweight.float() * self.weight_scale[:, None]).to(dtype)
 
-    def _kernels_ready(self, x: torch.Tensor) -> bool:
+    def _kernels_ready(self, x: torch.Tensor, silu_mul: bool = False) -> bool:
         """Whether x takes the Triton path: CUDA, bf16 / fp16, and the GEMM tuned for x's dtype
         (tuned here at the first eager call in that dtype, whatever its batch: every bucket at
         once, and the quantize kernel loaded; a CUDA-graph capture that finds it untuned records
         the torch form instead)."""
         if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
             return False
-        if x.dtype in self._gemm_configs:
+        key = (x.dtype, silu_mul)
+        if key in self._gemm_configs:
             return True
         if self._triton_missing or torch.cuda.is_current_stream_capturing():
             return False
@@ -177,22 +183,26 @@ class W8A8Linear(nn.Module):
             self._triton_missing = True
             return False
         quantize_int8_per_token(torch.zeros(2, self.in_features, dtype=x.dtype, device=x.device))
-        self._gemm_configs[x.dtype] = tune_int8_gemm(self.qweight, self.weight_scale, self.bias,
-                                                     x.dtype)
+        self._gemm_configs[key] = tune_int8_gemm(self.qweight, self.weight_scale, self.bias,
+                                                 x.dtype, silu_mul)
         return True
+
+    def _triton_forward(self, x2: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """x2 [M, K] -> [M, N] (silu_mul: [M, N / 2]) through the two Triton launches (after
+        _kernels_ready)."""
+        from shard.kernels.int8_gemm import int8_gemm, m_bucket
+        from shard.kernels.int8_quant import quantize_int8_per_token
+
+        xq, a_scale = quantize_int8_per_token(x2)  # [M, K] int8, [M] float32
+        config = self._gemm_configs[(x2.dtype, silu_mul)][m_bucket(x2.shape[0])]
+        return int8_gemm(xq, a_scale, self.qweight, self.weight_scale, self.bias, x2.dtype,
+                         config, silu_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         if self._kernels_ready(x2):
-            from shard.kernels.int8_gemm import int8_gemm, m_bucket
-            from shard.kernels.int8_quant import quantize_int8_per_token
-
-            xq, a_scale = quantize_int8_per_token(x2)  # [M, K] int8, [M] float32
-            config = self._gemm_configs[x.dtype][m_bucket(x2.shape[0])]
-            y = int8_gemm(xq, a_scale, self.qweight, self.weight_scale, self.bias, x.dtype,
-                          config)  # [M, N]
-            return y.reshape(*lead, self.out_features)
+            return self._triton_forward(x2).reshape(*lead, self.out_features)
         xq, a_scale = quantize_per_token(x2)
         acc = int8_matmul(xq, self.qweight)  # [M, N]
         y = acc.float() * a_scale[:, None] * self.weight_scale[None, :]

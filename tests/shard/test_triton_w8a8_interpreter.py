@@ -3,7 +3,8 @@ shard/kernels/int8_quant.py against w8a8.quantize_per_token (the CPU reference: 
 rounded half to even, a zero row, K over several blocks, bf16 / fp16 / fp32 inputs), and
 shard/kernels/int8_gemm.py: int32 sums exact against int64 matmuls for a candidate of every batch
 bucket with M / N / K tails (masked, and K a multiple of the tile: the unmasked loop), the fused
-epilogue against the torch form's float32 rescale (+ bias) within the output dtype's rounding.
+epilogue against the torch form's float32 rescale (+ bias) within the output dtype's rounding,
+and its SiLU-and-mul variant (a merged gate/up weight) against the unfused form's roundings.
 
 Triton reads TRITON_INTERPRET when a kernel is defined, hence a fresh process for the check
 (tests/helpers/triton_interpreter.py). The interpreter's fp32 -> bf16 casts truncate, so outputs
@@ -77,6 +78,28 @@ _GEMM = textwrap.dedent(
             # one unit in the last place (normal numbers), one subnormal step (fp16: 2^-24)
             excess = (y.float() - ref).abs() - (ULP[dtype] * ref.abs() + 2**-24)
             assert excess.max() <= 0, (m, n, k, dtype, bias is not None, float(excess.max()))
+    # SiLU-and-mul epilogue on a gate/up weight [2I, K] (I = 37: an output tail), with and
+    # without bias: the unfused form's roundings (y in the dtype, silu(gate) rounded, product).
+    i_cols, k = 37, 200
+    wq = torch.randint(-127, 128, (2 * i_cols, k), dtype=torch.int8)
+    w_scale = torch.rand(2 * i_cols) * 1e-3 + 1e-5
+    for j, (m, bucket) in enumerate(((5, 16), (19, 128))):
+        xq = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+        a_scale = torch.rand(m) * 1e-2 + 1e-4
+        acc = (xq.long() @ wq.long().t()).float()
+        for dtype in (torch.bfloat16, torch.float16):
+            bias = torch.randn(2 * i_cols).to(dtype) if j else None
+            full = acc * a_scale[:, None] * w_scale[None, :]
+            if bias is not None:
+                full = full + bias.float()
+            gate, up = full.to(dtype).float().chunk(2, dim=-1)
+            ref = torch.nn.functional.silu(gate).to(dtype).float() * up
+            y = int8_gemm(xq, a_scale, wq, w_scale, bias, dtype, CONFIGS[bucket][1],
+                          silu_mul=True)
+            assert y.shape == (m, i_cols) and y.dtype == dtype
+            # three roundings, each to within one unit (truncating casts): four units of slack
+            excess = (y.float() - ref).abs() - (4 * ULP[dtype] * ref.abs() + 2**-22)
+            assert excess.max() <= 0, (m, dtype, bias is not None, float(excess.max()))
     # The untimed tuning on CPU: every bucket gets its first candidate, each launched once.
     wq = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
     chosen = tune_int8_gemm(wq, torch.ones(40), None, torch.bfloat16)
