@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shard.kernels.elementwise import silu_mul
 from shard.kernels.int8_gemm import int8_mm, m_bucket
 from shard.kernels.int8_quant import quantize_int8_per_token
 from shard.quantization.int_weights import UnpackedInt
@@ -138,6 +139,13 @@ def check(name: str, n: int, k: int) -> list[dict]:
         rows.append({"shape": name, "check": "layer_vs_cpu", "m": m_rows, "rel_err": err,
                      "ok": err < 2**-7})
         print(f"check {name} M={m_rows}: rel err vs CPU {err:.2e}", flush=True)
+        if name == "gate_up":  # the fused SiLU-and-mul epilogue vs the CPU's two steps
+            got = gpu.forward_silu_mul(xm.cuda()).double().cpu()
+            want = cpu.forward_silu_mul(xm).double()
+            err = float((got - want).abs().max() / want.abs().max())
+            rows.append({"shape": name, "check": "silu_mul_vs_cpu", "m": m_rows,
+                         "rel_err": err, "ok": err < 2**-6})
+            print(f"check {name} silu_mul M={m_rows}: rel err vs CPU {err:.2e}", flush=True)
     return rows
 
 
@@ -168,6 +176,20 @@ def time_shape(name: str, n: int, k: int, calls: int) -> list[dict]:
         r["w8a8_graph_gbps"] = r["w8a8_bytes"] / r["w8a8_graph_us"] / 1e3
         r["speedup_graph"] = r["bf16_graph_us"] / r["w8a8_graph_us"]
         r["speedup_eager"] = r["bf16_eager_us"] / r["w8a8_eager_us"]
+        if name == "gate_up":
+            # As the MLP runs it: bf16 GEMM + elementwise.silu_mul vs the W8A8 GEMM with the
+            # SiLU-and-mul epilogue (one launch after the quantize).
+            bf16_silu = lambda i, x=x: silu_mul(*F.linear(x, w_bf16[i % bf_copies]).chunk(2, -1))
+            w8a8_silu = lambda i, x=x: gpu[i % w8_copies].forward_silu_mul(x)
+            for m in gpu:
+                m.forward_silu_mul(x)  # tunes the epilogue's tiles (first layer), eagerly
+            r["bf16_silu_graph_us"] = graph_us(bf16_silu, bf_copies)
+            r["w8a8_silu_graph_us"] = graph_us(w8a8_silu, w8_copies)
+            r["bf16_silu_eager_us"] = eager_us(bf16_silu, calls)
+            r["w8a8_silu_eager_us"] = eager_us(w8a8_silu, calls)
+            print(f"gate_up+silu_mul M={m_rows:5d}: graph bf16 {r['bf16_silu_graph_us']:7.1f} us "
+                  f"w8a8 {r['w8a8_silu_graph_us']:7.1f} | eager bf16 {r['bf16_silu_eager_us']:7.1f}"
+                  f" w8a8 {r['w8a8_silu_eager_us']:7.1f}", flush=True)
         rows.append(r)
         print(f"{name:8s} M={m_rows:5d}: graph bf16 {r['bf16_graph_us']:7.1f} us  w8a8 "
               f"{r['w8a8_graph_us']:7.1f} ({r['speedup_graph']:.2f}x; GEMM alone "
@@ -197,6 +219,20 @@ def markdown(device: str, checks: list[dict], rows: list[dict], totals: dict) ->
         lines.append(f"| {m_rows} | {t['bf16_graph_us']:.1f} | {t['w8a8_graph_us']:.1f} | "
                      f"{t['speedup_graph']:.2f}x | {t['bf16_eager_us']:.1f} | "
                      f"{t['w8a8_eager_us']:.1f} | {t['speedup_eager']:.2f}x |")
+    silu_rows = [r for r in rows if "bf16_silu_graph_us" in r]
+    if silu_rows:
+        lines += ["", ("gate/up with SiLU-and-mul (bf16: GEMM + elementwise.silu_mul; W8A8: the "
+                  "fused epilogue), and the layer sum with it:"), "",
+                  ("| M | bf16 graph us | W8A8 graph us | bf16 eager us | W8A8 eager us | "
+                  "layer bf16 graph us | layer W8A8 graph us | layer speedup (graph) |"),
+                  "|" + "---|" * 8]
+        for r in silu_rows:
+            t = totals[r["m"]]
+            lines.append(f"| {r['m']} | {r['bf16_silu_graph_us']:.1f} | "
+                         f"{r['w8a8_silu_graph_us']:.1f} | {r['bf16_silu_eager_us']:.1f} | "
+                         f"{r['w8a8_silu_eager_us']:.1f} | {t['bf16_graph_us_with_silu']:.1f} | "
+                         f"{t['w8a8_graph_us_with_silu']:.1f} | "
+                         f"{t['speedup_graph_with_silu']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -219,10 +255,22 @@ def main() -> None:
                 for key in ("bf16_graph_us", "w8a8_graph_us", "bf16_eager_us", "w8a8_eager_us")}
         sums["speedup_graph"] = sums["bf16_graph_us"] / sums["w8a8_graph_us"]
         sums["speedup_eager"] = sums["bf16_eager_us"] / sums["w8a8_eager_us"]
+        # As a decoder layer's MLP runs gate/up: with the SiLU-and-mul (when gate_up was timed)
+        for kind in ("graph", "eager"):
+            silu = [r for r in rows if r["m"] == m_rows and f"bf16_silu_{kind}_us" in r]
+            if silu:
+                g = silu[0]
+                for p in ("bf16", "w8a8"):
+                    sums[f"{p}_{kind}_us_with_silu"] = (sums[f"{p}_{kind}_us"] - g[f"{p}_{kind}_us"]
+                                                       + g[f"{p}_silu_{kind}_us"])
+                sums[f"speedup_{kind}_with_silu"] = (sums[f"bf16_{kind}_us_with_silu"]
+                                                     / sums[f"w8a8_{kind}_us_with_silu"])
         totals[m_rows] = sums
         print(f"layer M={m_rows:5d}: graph bf16 {sums['bf16_graph_us']:8.1f} us  w8a8 "
               f"{sums['w8a8_graph_us']:8.1f} us  speedup {sums['speedup_graph']:.2f}x | eager "
-              f"{sums['speedup_eager']:.2f}x  (target at 256: > 1)", flush=True)
+              f"{sums['speedup_eager']:.2f}x  (target at 256: > 1)"
+              + (f" | with silu_mul: graph {sums['speedup_graph_with_silu']:.2f}x"
+                 if "speedup_graph_with_silu" in sums else ""), flush=True)
     ok = all(c["ok"] for c in checks)
     print(f"checks: {'all ok' if ok else 'FAILED'} ({sum(c['ok'] for c in checks)} of "
           f"{len(checks)})")
