@@ -160,8 +160,9 @@ CONFIGS: dict[int | None, tuple[triton.Config, ...]] = {
          _config(16, 128, 128, 4, 4), _config(16, 32, 512, 4, 3)),
     128: (_config(32, 64, 256, 4, 4), _config(64, 64, 256, 4, 4), _config(64, 128, 128, 4, 4),
           _config(128, 64, 128, 4, 4), _config(128, 128, 128, 8, 4)),
-    512: (_config(64, 128, 128, 4, 4), _config(128, 128, 128, 8, 4), _config(128, 256, 128, 8, 3),
-          _config(64, 256, 128, 8, 4), _config(128, 128, 256, 8, 3)),
+    # 256 rows x N = 4096 (o, down): 64 x 64 tiles give 256 programs, 128 x 128 only 64
+    512: (_config(64, 128, 128, 4, 4), _config(64, 64, 256, 4, 4), _config(128, 128, 128, 8, 4),
+          _config(128, 256, 128, 8, 3), _config(128, 128, 256, 8, 3)),
     None: (_config(128, 128, 128, 8, 4), _config(128, 256, 128, 8, 3),
            _config(256, 128, 128, 8, 3), _config(128, 128, 256, 8, 3)),
 }
@@ -257,7 +258,7 @@ def _bucket_name(bucket: int | None) -> str:
 
 
 def _measure(wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-             dtype: torch.dtype, silu_mul: bool) -> dict[int | None, triton.Config]:
+             dtype: torch.dtype) -> dict[int | None, triton.Config]:
     """Times every candidate of every bucket at TUNE_M rows (do_bench: eager, host syncs);
     the fastest of each bucket. Candidates that do not fit (shared memory) are skipped."""
     k = wq.shape[1]
@@ -270,7 +271,7 @@ def _measure(wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
         for config in CONFIGS[bucket]:
             def call(config: triton.Config = config, xq: torch.Tensor = xq,
                      a_scale: torch.Tensor = a_scale) -> torch.Tensor:
-                return int8_gemm(xq, a_scale, wq, w_scale, bias, dtype, config, silu_mul)
+                return int8_gemm(xq, a_scale, wq, w_scale, bias, dtype, config)
 
             try:
                 us = 1e3 * triton.testing.do_bench(call, warmup=5, rep=20, return_mode="median")
@@ -290,24 +291,28 @@ def tune_int8_gemm(
     dtype: torch.dtype,  # the activations' (output) dtype
     silu_mul: bool = False,
 ) -> dict[int | None, triton.Config]:
-    """{bucket: config} for this weight shape, bias-ness, dtype and epilogue: measured (or read from the
+    """{bucket: config} for this weight shape, bias-ness and dtype: measured (or read from the
     process's tuning cache, shard/kernels/tuning_cache.py), then each config compiled and loaded
-    by one eager launch and a sync, so a CUDA-graph capture finds them ready. Eager only.
-    On CPU tensors (the interpreter) each bucket's first candidate, nothing timed."""
-    if not wq.is_cuda:
+    (with the epilogue asked for) by one eager launch and a sync, so a CUDA-graph capture finds
+    them ready. Eager only.
+    On CPU tensors (the interpreter) each bucket's first candidate, nothing timed.
+
+    silu_mul: the plain epilogue's choice (tuned first if need be; the SiLU-and-mul epilogue is a
+    small part of a tile's time), only loaded with the SiLU-and-mul epilogue: half the compiles."""
+    if silu_mul and wq.is_cuda:
+        chosen = tune_int8_gemm(wq, w_scale, bias, dtype, silu_mul=False)
+    elif not wq.is_cuda:
         chosen = {bucket: CONFIGS[bucket][0] for bucket in M_BUCKETS}
     else:
-        memo = (tuple(wq.shape), wq.stride(0), dtype, bias is not None, silu_mul,
-                wq.device.index)
+        memo = (tuple(wq.shape), wq.stride(0), dtype, bias is not None, wq.device.index)
         chosen = _CHOSEN.get(memo)
         if chosen is None:
             key = {"op": "int8_gemm_configs", "kernel": kernel_version(),
                    **tuning_cache.device_key(wq.device), "n": wq.shape[0], "k": wq.shape[1],
-                   "row_stride": wq.stride(0), "dtype": str(dtype), "bias": bias is not None,
-                   "silu_mul": silu_mul}
+                   "row_stride": wq.stride(0), "dtype": str(dtype), "bias": bias is not None}
             chosen = tuning_cache.cached_tuning(
                 key,
-                lambda: _measure(wq, w_scale, bias, dtype, silu_mul),
+                lambda: _measure(wq, w_scale, bias, dtype),
                 lambda c: {_bucket_name(b): config_dict(cfg) for b, cfg in c.items()},
                 lambda raw: {b: config_from_dict(raw[_bucket_name(b)], b) for b in M_BUCKETS},
             )
@@ -322,6 +327,6 @@ def tune_int8_gemm(
     return chosen
 
 
-# Chosen configs per (weight shape, row stride, dtype, bias, epilogue, device) in this process: a model's
+# Chosen configs per (weight shape, row stride, dtype, bias, device) in this process: a model's
 # 32 layers of one shape are tuned (or read from the cache) once.
 _CHOSEN: dict[tuple, dict[int | None, triton.Config]] = {}
