@@ -212,8 +212,9 @@ def markdown(device: str, checks: list[dict], rows: list[dict], totals: dict) ->
             f"| {r['shape']} | {r['m']} | {r['bf16_graph_us']:.1f} | {r['w8a8_graph_us']:.1f} | "
             f"{r['speedup_graph']:.2f}x | {r['int8_gemm_graph_us']:.1f} | "
             f"{r['torch_int_mm_graph_us']:.1f} | {r['bf16_eager_us']:.1f} | "
-            f"{r['w8a8_eager_us']:.1f} | {r['bf16_bytes'] / 1e6:.1f} | {r['w8a8_bytes'] / 1e6:.1f} | "
-            f"{r['bf16_graph_gbps']:.0f} | {r['w8a8_graph_gbps']:.0f} |")
+            f"{r['w8a8_eager_us']:.1f} | {r['bf16_bytes'] / 1e6:.1f} | "
+            f"{r['w8a8_bytes'] / 1e6:.1f} | {r['bf16_graph_gbps']:.0f} | "
+            f"{r['w8a8_graph_gbps']:.0f} |")
     lines += ["", "Per layer (sum of the four shapes):", "",
               ("| M | bf16 graph us | W8A8 graph us | speedup (graph) | bf16 eager us | "
                "W8A8 eager us | speedup (eager) |"), "|" + "---|" * 7]
