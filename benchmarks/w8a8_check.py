@@ -10,6 +10,8 @@ down 4096x14336), random int8 weights with per-channel scales:
     the Triton int8 GEMM's int32 sums equal to torch._int_mm's (exact integer sums both);
     W8A8Linear on CUDA vs the same layer on CPU (exact int32 sums, float32 rescale) at
     M = 1, 16, 256: max error relative to the largest output below 2^-7 (bf16 output rounding);
+    the gate/up layer's SiLU-and-mul epilogue likewise (2^-6); each layer replayed in a CUDA graph
+    bit-equal to its eager call;
   - time, batches M = 1, 16, 64, 256, 1024, 2048: W8A8Linear.forward (quantize + GEMM, all of
     it) against F.linear with the bf16 weight, both eager (CUDA events over a loop of calls) and
     under CUDA graphs (a captured loop of >= 16 calls replayed, as a decode step replays its
@@ -133,6 +135,17 @@ def check(name: str, n: int, k: int) -> list[dict]:
           flush=True)
     for m_rows in CHECK_BATCHES:
         xm = x[:m_rows]
+        # Under a CUDA graph (as a decode step replays it): bit-equal to the eager call.
+        xg = xm.cuda()
+        eager = gpu(xg)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = gpu(xg)
+        graph.replay()
+        torch.cuda.synchronize()
+        rows.append({"shape": name, "check": "graph_equals_eager", "m": m_rows,
+                     "ok": torch.equal(captured, eager)})
+        del graph
         got = gpu(xm.cuda()).double().cpu()
         want = cpu(xm).double()  # CPU: the torch form (bf16 in and out)
         err = float((got - want).abs().max() / want.abs().max())
