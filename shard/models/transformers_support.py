@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from shard.models.transformers_idefics3 import TILED_MODELS
 from shard.models.transformers_qwen_vl import MROPE_MODELS
 from shard.models.transformers_tp import PACKED
 from shard.quantization.loading import LinearQuantization
@@ -67,7 +68,8 @@ def _packed_pairs(plan: dict[str, str]) -> dict[str, str]:
 # path of their language model, whose projections the tp plan names (greedy parity with images:
 # tests/shard/test_vision_backend.py). The vision tower and projector run as transformers wrote
 # them (sdpa attention), on every rank.
-VISION_MODELS: dict[str, str] = {"llava": "model.language_model", **MROPE_MODELS}
+VISION_MODELS: dict[str, str] = {"llava": "model.language_model", **MROPE_MODELS,
+                                 **TILED_MODELS}
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Vision-language models on CUDA through the transformers backend: Qwen2-VL / Qwen2.5-VL decode
 steps replay CUDA graphs (a decode row's M-RoPE position is index + rope_delta, the same on all
 three sections) and generate what eager decoding and transformers' own generate do, with images
-in the prompt and a text-only request in the same batch.
+in the prompt and a text-only request in the same batch; Idefics3 (tiles) likewise.
 
 Run on a GPU machine: `pytest -m gpu tests/gpu`. Skipped without CUDA.
 """
@@ -69,6 +69,33 @@ def test_qwen_vl_decode_replays_graphs_and_equals_eager_and_transformers(
     assert shard.info.cuda_graphs and shard.runner.graphs is not None
     graphed, paths = _generate(shard, ref, cases)
     # The prefill (3-D positions, images) runs eagerly; every decode step replays a graph.
+    assert paths[0] == "eager" and set(paths[1:]) == {"decode_graph"}, paths
+
+    shard.runner.graphs = None  # the same shard, decoding eagerly
+    eager, eager_paths = _generate(shard, ref, cases)
+    assert set(eager_paths) == {"eager"}
+    assert graphed == eager
+    assert graphed == want
+
+
+def test_idefics3_decode_replays_graphs_and_equals_eager_and_transformers(tmp_path: Path
+                                                                          ) -> None:
+    from shard.tools.tiny_vlm import write_tiny_idefics3
+    from tests.helpers.transformers_backend import backend_shard
+    from tests.helpers.vision import Idefics3Reference
+
+    model = write_tiny_idefics3(tmp_path / "idefics3")
+    ref = Idefics3Reference(model)  # transformers on the CPU, float32
+    cases = {
+        1: ("look <image> and tell", [(0, 40, 30)]),  # 5 tiles
+        2: ("first <image> then <image> which", [(1, 80, 30), (2, 40, 30)]),  # 3 + 5 tiles
+        3: ("only words here, no picture at all", []),
+    }
+    want = {rid: ref.greedy(text, specs, N) for rid, (text, specs) in cases.items()}
+
+    shard = backend_shard(model, device="cuda", dtype="float32")
+    assert shard.info.cuda_graphs and shard.runner.graphs is not None
+    graphed, paths = _generate(shard, ref, cases)
     assert paths[0] == "eager" and set(paths[1:]) == {"decode_graph"}, paths
 
     shard.runner.graphs = None  # the same shard, decoding eagerly
