@@ -4,7 +4,8 @@ rounded half to even, a zero row, K over several blocks, bf16 / fp16 / fp32 inpu
 shard/kernels/int8_gemm.py: int32 sums exact against int64 matmuls for a candidate of every batch
 bucket with M / N / K tails (masked, and K a multiple of the tile: the unmasked loop), the fused
 epilogue against the torch form's float32 rescale (+ bias) within the output dtype's rounding,
-and its SiLU-and-mul variant (a merged gate/up weight) against the unfused form's roundings.
+and its SiLU-and-mul variant (a merged gate/up weight) against the unfused form's roundings;
+W8A8Linear's CUDA-side glue (_triton_forward) on CPU tensors against its own torch form.
 
 Triton reads TRITON_INTERPRET when a kernel is defined, hence a fresh process for the check
 (tests/helpers/triton_interpreter.py). The interpreter's fp32 -> bf16 casts truncate, so outputs
@@ -100,6 +101,31 @@ _GEMM = textwrap.dedent(
             # three roundings, each to within one unit (truncating casts): four units of slack
             excess = (y.float() - ref).abs() - (4 * ULP[dtype] * ref.abs() + 2**-22)
             assert excess.max() <= 0, (m, dtype, bias is not None, float(excess.max()))
+    # W8A8Linear's Triton glue (what runs on CUDA: quantize kernel, the bucket's config, the
+    # GEMM, silu_mul), driven on CPU tensors against the layer's own torch form.
+    from shard.quantization.int_weights import UnpackedInt
+    from shard.quantization.w8a8 import W8A8Linear
+
+    def w8a8_layer(n, k):
+        q = torch.randint(1, 256, (n, k), dtype=torch.int16).to(torch.uint8)
+        s = torch.rand(n, 1) * 1e-3 + 1e-4
+        return W8A8Linear(UnpackedInt(q, s, torch.full_like(s, 128.0),
+                                      torch.zeros(k, dtype=torch.int64), 8))
+
+    gate, up = w8a8_layer(24, 96), w8a8_layer(24, 96)
+    merged = W8A8Linear.merge_rows(gate, up)
+    for silu in (False, True):
+        merged._gemm_configs[(torch.bfloat16, silu)] = tune_int8_gemm(
+            merged.qweight, merged.weight_scale, None, torch.bfloat16, silu)
+    for m in (3, 20):
+        x = (torch.randn(m, 96) * torch.linspace(0.1, 5, m)[:, None]).bfloat16()
+        want = merged(x).float()  # CPU: the torch form
+        got = merged._triton_forward(x).float()
+        assert ((got - want).abs() <= 2**-7 * want.abs() + 1e-6).all(), m
+        want = merged.forward_silu_mul(x).float()
+        got = merged._triton_forward(x, silu_mul=True).float()
+        assert got.shape == (m, 24)
+        assert ((got - want).abs() <= 4 * 2**-7 * want.abs() + 1e-4).all(), m
     # The untimed tuning on CPU: every bucket gets its first candidate, each launched once.
     wq = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
     chosen = tune_int8_gemm(wq, torch.ones(40), None, torch.bfloat16)
