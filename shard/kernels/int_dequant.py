@@ -1,0 +1,97 @@
+"""Shared Triton pieces of the W4A16 / W8A16 kernels (shard/kernels/int_gemv.py, int_gemm.py):
+loading a packed weight tile and applying its group scales and zero points in registers.
+
+Layout (shard/quantization/int_weights.py, PackedInt): qweight [N, K/2] uint8 for int4, storage
+column 2j in the low nibble of byte j and 2j+1 in the high one; [N, K] uint8 for int8; scales and
+zeros [N, G]; w[n, k] = (q[n, k] - zeros[n, k // GROUP]) * scales[n, k // GROUP].
+
+No nibble interleaving: an int4 tile of BLOCK_K input features is kept as two halves, the low
+nibbles (features k0 + 2j) and the high ones (k0 + 2j + 1), each [BLOCK_N, BLOCK_K / 2], and the
+kernels load x's even and odd columns to match (a dot product does not care about the order of its
+terms). That avoids tl.join + reshape, whose layout shuffle goes through shared memory.
+
+Groups: a tile either lies inside one group (GROUP % BLOCK_K == 0, or one group per row: the
+scale and zero are a [BLOCK_N] vector per tile) or holds BLOCK_K / GROUP whole groups (BLOCK_K %
+GROUP == 0: the half-tile is viewed as [BLOCK_N, groups, columns per group] and scaled per group).
+`tile_fits` says which (BLOCK_K, GROUP, K) the kernels accept.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+def tile_fits(block_k: int, group: int, k: int) -> bool:
+    """Whether a K tile of block_k features lines up with groups of `group` (group >= k: one
+    group per row)."""
+    if group >= k or group % block_k == 0:
+        return True
+    # several whole groups per tile: Triton's shapes are powers of two, and no tile may run past
+    # K (its groups' scales would be read past the row)
+    return block_k % group == 0 and group >= 2 and group & (group - 1) == 0 and k % block_k == 0
+
+
+@triton.jit
+def load_halves(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
+    """The weight tile at input features [k0, k0 + BLOCK_K) of `rows`, as unsigned integers in
+    fp32: int4 -> (low nibbles [BLOCK_N, BLOCK_K/2] = features k0 + 2j, high = k0 + 2j + 1);
+    int8 -> (the [BLOCK_N, BLOCK_K] tile, the same tile again: callers use the first only).
+    Read once, so marked evict-first."""
+    q_rows = q_ptr + rows.to(tl.int64) * stride_qn  # [BLOCK_N] row starts (N * K can pass 2^31)
+    if BITS == 4:
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte columns
+        packed = tl.load(q_rows[:, None] + offs_b[None, :],
+                         mask=row_mask[:, None] & (offs_b < K // 2)[None, :], other=0,
+                         eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K / 2] uint8
+        lo = (packed & 0xF).to(tl.float32)
+        hi = (packed >> 4).to(tl.float32)
+        return lo, hi
+    else:
+        offs_q = k0 + tl.arange(0, BLOCK_K)
+        q = tl.load(q_rows[:, None] + offs_q[None, :],
+                    mask=row_mask[:, None] & (offs_q < K)[None, :], other=0,
+                    eviction_policy="evict_first").to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        return q, q
+
+
+@triton.jit
+def group_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP: tl.constexpr,
+                 NG: tl.constexpr):
+    """Scales and zeros of the tile at feature k0 in fp32: [BLOCK_N, NG] (NG groups in the tile;
+    NG == 1 also for a tile inside one group)."""
+    g = k0 // GROUP + tl.arange(0, NG)  # [NG]
+    ptrs = rows[:, None] * stride_sn + g[None, :]
+    s = tl.load(s_ptr + ptrs, mask=row_mask[:, None], other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + ptrs, mask=row_mask[:, None], other=0.0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def dequant(q, s, z, NG: tl.constexpr):
+    """(q - z) * s in fp32 for a half-tile q [BLOCK_N, C] whose C columns hold NG equal runs of
+    one group each; s, z [BLOCK_N, NG]."""
+    if NG == 1:
+        return (q - z) * s
+    else:
+        rows: tl.constexpr = q.shape[0]
+        cols: tl.constexpr = q.shape[1]
+        q3 = tl.reshape(q, [rows, NG, cols // NG])
+        w3 = (q3 - z[:, :, None]) * s[:, :, None]
+        return tl.reshape(w3, [rows, cols])
+
+
+def groups_per_tile(block_k: int, group: int, k: int) -> int:
+    """NG for the kernels: BLOCK_K / GROUP where a tile holds several groups, else 1."""
+    if group >= k or group % block_k == 0:
+        return 1
+    return block_k // group
+
+
+def kernel_group(group: int, k: int) -> int:
+    """The GROUP constexpr: the group size, or K for one group per row."""
+    return k if group >= k else group
+
+
+__all__ = ["dequant", "group_params", "groups_per_tile", "kernel_group", "load_halves",
+           "tile_fits", "triton"]
