@@ -138,9 +138,11 @@ def candidates(m: int, group_size: int, in_features: int) -> list[GemmConfig]:
     """The candidates for a bucket of m rows whose K tiles line up with the groups (tiles taller
     than twice the bucket would mostly multiply padding)."""
     fits = [c for c in _CONFIGS if tile_fits(c.block_k, group_size, in_features)]
-    if not fits:  # e.g. group 32 with K not a multiple of 128: a 32-wide tile inside each group
-        fits = [GemmConfig(bm, 64, bk, 4, 3) for bm in (32, 64, 128) for bk in (32, 16)
-                if tile_fits(bk, group_size, in_features)]
+    if not fits:  # e.g. group 32 with K not a multiple of 64: the largest tile that lines up
+        block_k = next((bk for bk in (128, 64, 32, 16)
+                        if tile_fits(bk, group_size, in_features)), None)
+        fits = [] if block_k is None else [GemmConfig(bm, 64, block_k, 4, 3)
+                                           for bm in (32, 64, 128)]
     sized = [c for c in fits if c.block_m <= max(2 * m, 32)]
     return sized or fits
 

@@ -197,16 +197,23 @@ _DOT = tuple(
 def candidates(m: int, group_size: int, in_features: int) -> list[GemvConfig]:
     """The tuning candidates for a batch of m rows whose K tiles line up with the groups."""
     pool = [*_FMA, _DOT[0]] if m == 1 else list(_DOT)
-    return [c for c in pool if tile_fits(c.block_k, group_size, in_features)]
+    fits = [c for c in pool if tile_fits(c.block_k, group_size, in_features)]
+    if not fits:  # e.g. group 32 with K not a multiple of 128: the largest tile that lines up
+        block_k = pick_block_k(group_size, in_features)
+        if block_k is not None:
+            fits = [GemvConfig(bn, block_k, 4, 3, 1, use_dot=m > 1) for bn in (16, 32)]
+    return fits
 
 
 def pick_block_k(group_size: int, in_features: int) -> int | None:
-    """The largest K tile (<= 128, >= 16) that lines up with the groups, or None where none does
-    (the caller then dequantizes instead)."""
-    for block_k in (128, 64, 32, 16):
-        if tile_fits(block_k, group_size, in_features):
-            return block_k
-    return None
+    """The largest K tile (<= 128, >= 16) inside one group (exact: the scale applies to the
+    partial sums), else the largest holding whole groups; None where none lines up (the caller
+    then dequantizes instead)."""
+    sizes = (128, 64, 32, 16)
+    inside = [b for b in sizes if group_size >= in_features or group_size % b == 0]
+    if inside:
+        return inside[0]
+    return next((b for b in sizes if tile_fits(b, group_size, in_features)), None)
 
 
 def default_config(m: int, group_size: int, in_features: int) -> GemvConfig:
