@@ -74,11 +74,9 @@ def dequant(q, s, z, NG: tl.constexpr):
     if NG == 1:
         return (q - z) * s
     else:
-        rows: tl.constexpr = q.shape[0]
-        cols: tl.constexpr = q.shape[1]
-        q3 = tl.reshape(q, [rows, NG, cols // NG])
+        q3 = tl.reshape(q, [q.shape[0], NG, q.shape[1] // NG])
         w3 = (q3 - z[:, :, None]) * s[:, :, None]
-        return tl.reshape(w3, [rows, cols])
+        return tl.reshape(w3, [q.shape[0], q.shape[1]])
 
 
 def groups_per_tile(block_k: int, group: int, k: int) -> int:
@@ -90,7 +88,7 @@ def groups_per_tile(block_k: int, group: int, k: int) -> int:
 
 def kernel_group(group: int, k: int) -> int:
     """The GROUP constexpr: the group size, or K for one group per row."""
-    return k if group >= k else group
+    return min(k, group)
 
 
 __all__ = ["dequant", "group_params", "groups_per_tile", "kernel_group", "load_halves",

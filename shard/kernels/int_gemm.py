@@ -139,7 +139,7 @@ def candidates(m: int, group_size: int, in_features: int) -> list[GemmConfig]:
     than twice the bucket would mostly multiply padding)."""
     fits = [c for c in _CONFIGS if tile_fits(c.block_k, group_size, in_features)]
     if not fits:  # e.g. group 32 with K not a multiple of 64: the largest tile that lines up
-        block_k = next((bk for bk in (128, 64, 32, 16)
+        block_k = next((bk for bk in (128, 64, 32)  # >= 32: an int4 half-tile is the dot's K
                         if tile_fits(bk, group_size, in_features)), None)
         fits = [] if block_k is None else [GemmConfig(bm, 64, block_k, 4, 3)
                                            for bm in (32, 64, 128)]

@@ -206,10 +206,10 @@ def candidates(m: int, group_size: int, in_features: int) -> list[GemvConfig]:
 
 
 def pick_block_k(group_size: int, in_features: int) -> int | None:
-    """The largest K tile (<= 128, >= 16) inside one group (exact: the scale applies to the
-    partial sums), else the largest holding whole groups; None where none lines up (the caller
-    then dequantizes instead)."""
-    sizes = (128, 64, 32, 16)
+    """The largest K tile (<= 128, >= 32: an int4 half-tile is the dot's K, at least 16) inside
+    one group (exact: the scale applies to the partial sums), else the largest holding whole
+    groups; None where none lines up (the caller then dequantizes instead)."""
+    sizes = (128, 64, 32)
     inside = [b for b in sizes if group_size >= in_features or group_size % b == 0]
     if inside:
         return inside[0]

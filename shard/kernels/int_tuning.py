@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from shard.kernels import int_gemm, int_gemv, tuning_cache
 from shard.kernels.gemv_buckets import M_BUCKETS
 from shard.kernels.int_gemm import GEMM_M_BUCKETS, GemmConfig
 from shard.kernels.int_gemv import GemvConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -150,11 +153,15 @@ def _fastest(time_us: Callable[[Any], float], pool: list) -> tuple[Any, dict[str
             us = time_us(config)
         except triton.runtime.errors.OutOfResources:  # e.g. shared memory: not a candidate here
             us = math.inf
+        except Exception as exc:  # noqa: BLE001 - a candidate that fails here is not chosen
+            log.warning("int kernel candidate %s failed (%s: %s); skipped", config,
+                        type(exc).__name__, str(exc)[:300])
+            us = math.inf
         timings[str(config)] = us
         if best is None or us < best[0]:
             best = (us, config)
-    if best is None:
-        raise ValueError("no candidate configs")
+    if best is None or best[0] == math.inf:
+        raise RuntimeError(f"no int kernel candidate ran: {timings}")
     return best[1], timings
 
 
@@ -174,7 +181,6 @@ def _tune(w: IntWeightView, dtype: torch.dtype) -> IntTuning:
                 lambda c, x=x: time_in_graph_us(lambda q, c=c: w.gemv(x, c, q), views), pool)
         else:
             gemv[bucket], _ = _fastest(lambda c, x=x: bench_us(lambda: w.gemv(x, c)), pool)
-    del views
     gemm: dict[int, GemmConfig] = {}
     for bucket in GEMM_M_BUCKETS:
         x = torch.randn((bucket, k), dtype=dtype, device=device)

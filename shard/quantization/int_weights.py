@@ -36,6 +36,7 @@ Checkpoint layouts (from the formats' published descriptions):
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,6 +48,8 @@ from shard.quantization.methods import IntLayout, IntWeightFormat
 
 # AWQ's GEMM packing puts output column 8c + AWQ_ORDER[i] in nibble i of word c; reading the
 # nibbles back, column 8c + j is nibble AWQ_NIBBLE_OF_COLUMN[j].
+log = logging.getLogger(__name__)
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_NIBBLE_OF_COLUMN = tuple(AWQ_ORDER.index(j) for j in range(8))  # (0, 4, 1, 5, 2, 6, 3, 7)
 
@@ -343,7 +346,14 @@ class IntLinear(nn.Module):
             return False
         from shard.kernels.int_tuning import tune_int_linear
 
-        self._tuned[dtype] = tune_int_linear(self._weight_view(), dtype)
+        try:
+            self._tuned[dtype] = tune_int_linear(self._weight_view(), dtype)
+        except Exception as exc:  # noqa: BLE001 - no kernel ran: serve through the dequantizing path
+            log.warning("int%d linear %dx%d: no Triton kernel config ran (%s: %s); dequantizing "
+                        "per call instead", self.bits, self.out_features, self.in_features,
+                        type(exc).__name__, str(exc)[:300])
+            self.use_gemv = False
+            return False
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
