@@ -40,7 +40,11 @@ from shard.kernels.int_dequant import (
     groups_per_tile,
     kernel_group,
     load_halves,
+    offset_ok,
+    offset_weights,
+    offset_zero,
     tile_fits,
+    x_kind,
 )
 
 __all__ = ["GEMM_M_BUCKETS", "GemmConfig", "candidates", "gemm_bucket", "int_gemm"]
@@ -67,6 +71,8 @@ def _int_gemm_kernel(
     STAGES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BITS: tl.constexpr,
+    X_KIND: tl.constexpr,  # int_dequant.x_kind: fp16 1, bf16 2
+    OFFSET: tl.constexpr,  # int_dequant.offset_ok: weights made exact in x's dtype by bit ops
 ):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -88,18 +94,32 @@ def _int_gemm_kernel(
         s, z = group_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP, NG)
         if BITS == 4:
             k_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            xe = tl.load(x_rows + k_even[None, :], mask=m_mask[:, None] & (k_even < K)[None, :],
-                         other=0.0)  # [BLOCK_M, BLOCK_K / 2]
-            xo = tl.load(x_rows + k_even[None, :] + 1,
-                         mask=m_mask[:, None] & (k_even + 1 < K)[None, :], other=0.0)
-            wa = dequant(qa, s, z, NG).to(xe.dtype)  # [BLOCK_N, BLOCK_K / 2]
-            wb = dequant(qb, s, z, NG).to(xe.dtype)
-            acc = tl.dot(xe, tl.trans(wa), acc)
-            acc = tl.dot(xo, tl.trans(wb), acc)
+            xa = tl.load(x_rows + k_even[None, :], mask=m_mask[:, None] & (k_even < K)[None, :],
+                         other=0.0)  # [BLOCK_M, BLOCK_K / 2]: even features
+            xb = tl.load(x_rows + k_even[None, :] + 1,
+                         mask=m_mask[:, None] & (k_even + 1 < K)[None, :], other=0.0)  # odd
         else:
             k = k0 + tl.arange(0, BLOCK_K)
-            xt = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
-            acc = tl.dot(xt, tl.trans(dequant(qa, s, z, NG).to(xt.dtype)), acc)
+            xa = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+            xb = xa
+        if NG == 1 and OFFSET:
+            # One group per tile: x @ (OFF + q).T on tensor cores (weights made exact in x's
+            # dtype by bit operations, no conversion instructions), then per output column
+            # (part - sum(x) * (OFF + z)) * s in fp32: [BLOCK_M, BLOCK_N] work per tile.
+            part = tl.dot(xa, tl.trans(offset_weights(qa, BITS, X_KIND)))
+            xsum = tl.sum(xa.to(tl.float32), axis=1)  # [BLOCK_M]
+            if BITS == 4:
+                part = tl.dot(xb, tl.trans(offset_weights(qb, BITS, X_KIND)), part)
+                xsum += tl.sum(xb.to(tl.float32), axis=1)
+            s1 = tl.reshape(s, [BLOCK_N])
+            z1 = tl.reshape(z, [BLOCK_N])
+            acc += (part - xsum[:, None] * offset_zero(z1, BITS, X_KIND)[None, :]) * s1[None, :]
+        else:
+            # Several groups per tile (or int8 with bf16 x): the weight dequantized in fp32 and
+            # rounded to x's dtype, as PackedInt.dequantize(x.dtype) rounds it.
+            acc = tl.dot(xa, tl.trans(dequant(qa, s, z, NG).to(xa.dtype)), acc)
+            if BITS == 4:
+                acc = tl.dot(xb, tl.trans(dequant(qb, s, z, NG).to(xb.dtype)), acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + rows[None, :]
@@ -196,6 +216,8 @@ def int_gemm(
         STAGES=config.stages,
         HAS_BIAS=bias is not None,
         BITS=bits,
+        X_KIND=x_kind(x.dtype),
+        OFFSET=offset_ok(bits, x_kind(x.dtype)),
         num_warps=config.warps,
         num_stages=config.stages,
     )

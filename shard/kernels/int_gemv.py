@@ -48,7 +48,11 @@ from shard.kernels.int_dequant import (
     groups_per_tile,
     kernel_group,
     load_halves,
+    offset_ok,
+    offset_weights,
+    offset_zero,
     tile_fits,
+    x_kind,
 )
 
 __all__ = ["GEMV_MAX_M", "GemvConfig", "candidates", "int4_gemv", "pick_block_k"]
@@ -75,20 +79,28 @@ def _x_halves(x_ptr, offs_m, m_mask, k0, K, stride_xm, BLOCK_K: tl.constexpr, BI
 
 @triton.jit
 def _tile_product(xh, qh, s, z, USE_DOT: tl.constexpr, INT_ZEROS: tl.constexpr,
-                  NG: tl.constexpr):
-    """[ROWS, BLOCK_N] fp32: xh [ROWS, C] @ dequant(qh [BLOCK_N, C]).T with the scale applied."""
+                  NG: tl.constexpr, BITS: tl.constexpr, X_KIND: tl.constexpr,
+                  OFFSET: tl.constexpr):
+    """[ROWS, BLOCK_N] fp32: xh [ROWS, C] @ dequant(qh [BLOCK_N, C] integers).T, scaled."""
     if NG == 1:
         s1 = tl.reshape(s, [s.shape[0]])  # [BLOCK_N]
         z1 = tl.reshape(z, [z.shape[0]])
+        xf = xh.to(tl.float32)
         if USE_DOT:
-            if INT_ZEROS:
-                part = tl.dot(xh, tl.trans((qh - z1[:, None]).to(xh.dtype)))
+            if OFFSET:
+                # x @ (OFF + q).T - sum(x) * (OFF + z): no int-to-float conversion per weight
+                v = offset_weights(qh, BITS, X_KIND)  # [BLOCK_N, C] exact in x's dtype
+                part = tl.dot(xh, tl.trans(v)) - (tl.sum(xf, axis=1)[:, None]
+                                                  * offset_zero(z1, BITS, X_KIND)[None, :])
+            elif INT_ZEROS:  # int8 with bf16 x: q - z in [-255, 255] is exact in bf16
+                part = tl.dot(xh, tl.trans((qh.to(tl.float32) - z1[:, None]).to(xh.dtype)))
             else:
-                xsum = tl.sum(xh.to(tl.float32), axis=1)  # [ROWS]
-                part = tl.dot(xh, tl.trans(qh.to(xh.dtype))) - xsum[:, None] * z1[None, :]
+                part = (tl.dot(xh, tl.trans(qh.to(tl.float32).to(xh.dtype)))
+                        - tl.sum(xf, axis=1)[:, None] * z1[None, :])
         else:
-            xf = xh.to(tl.float32)  # [1, C]
-            part = tl.sum(qh * xf, axis=1)[None, :] - tl.sum(xf, axis=1)[:, None] * z1[None, :]
+            v = offset_weights(qh, BITS, 0)  # [BLOCK_N, C]: OFF + q in fp32
+            part = (tl.sum(v * xf, axis=1)[None, :]
+                    - tl.sum(xf, axis=1)[:, None] * offset_zero(z1, BITS, 0)[None, :])
         return part * s1[None, :]
     else:
         w = dequant(qh, s, z, NG)  # [BLOCK_N, C] fp32
@@ -117,6 +129,8 @@ def _int_gemv_kernel(
     USE_DOT: tl.constexpr,
     BITS: tl.constexpr,
     INT_ZEROS: tl.constexpr,
+    X_KIND: tl.constexpr,  # int_dequant.x_kind: fp16 1, bf16 2
+    OFFSET: tl.constexpr,  # int_dequant.offset_ok: weights made exact in x's dtype by bit ops
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -131,9 +145,9 @@ def _int_gemv_kernel(
         qa, qb = load_halves(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
         s, z = group_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP, NG)
         xa, xb = _x_halves(x_ptr, offs_m, m_mask, k0, K, stride_xm, BLOCK_K, BITS)
-        acc += _tile_product(xa, qa, s, z, USE_DOT, INT_ZEROS, NG)
+        acc += _tile_product(xa, qa, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
         if BITS == 4:
-            acc += _tile_product(xb, qb, s, z, USE_DOT, INT_ZEROS, NG)
+            acc += _tile_product(xb, qb, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
     out_mask = m_mask[:, None] & row_mask[None, :]
     if SPLIT_K > 1:
         # Partials first, then the counter: the barrier makes every thread's stores precede the
@@ -291,6 +305,8 @@ def int4_gemv(
         USE_DOT=use_dot,
         BITS=bits,
         INT_ZEROS=int_zeros,
+        X_KIND=x_kind(x.dtype),
+        OFFSET=offset_ok(bits, x_kind(x.dtype)),
         num_warps=config.warps,
         num_stages=config.stages,
     )

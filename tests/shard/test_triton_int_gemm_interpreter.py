@@ -3,14 +3,16 @@ tensors (no GPU): int4 and int8; group sizes 32, 64, 128 and per-channel (tiles 
 and tiles holding several); integer and fractional (GGUF Q4_1 / Q4_K) zero points; bias; M, N and
 K tails; and IntLinear dispatching above 16 rows to it.
 
-Reference: x @ PackedInt.dequantize(x.dtype).T in float32, i.e. the dequantize-then-matmul path
-IntLinear takes on CPU. The kernel rounds the same fp32 (q - z) * s to x's dtype, so on a GPU
-the two differ only by fp32 summation order and the output's rounding (< 2^-8 / 2^-11 of the
-largest output for bf16 / fp16). The interpreter truncates fp32 -> bf16 / fp16 casts instead of
-rounding (the weight's and the output's): each truncation moves a value by less than 2^-7 (bf16)
-/ 2^-10 (fp16) of itself, and the weights' truncations all shrink magnitudes, so the bounds are
-twice that: 2^-6 and 2^-9 of the largest output. A wrong group, nibble, zero or bias is off by far
-more (checked by breaking each once).
+Reference: x @ W.T in float32 with W = PackedInt.dequantize(float32) (exact weights). A tile inside
+one group is computed as x @ (OFF + q).T - sum(x) * (OFF + z) with exact products in fp32, then
+scaled: ~2^-20 relative error. Tiles of several groups (and int8 with bf16 x) round each weight to
+x's dtype first, as the dequantize-then-matmul path does (< 2^-8 / 2^-11 relative, random signs).
+The output is rounded once. The interpreter truncates fp32 -> bf16 / fp16 casts instead of
+rounding: an output moves by less than 2^-7 (bf16) / 2^-10 (fp16) of itself, a weight too, and
+the weights' truncations all shrink magnitudes, so the bounds are twice that: 2^-6 and 2^-9 of
+the largest output (benchmarks/int4_kernels.py runs these checks through the compiled kernels on
+a GPU). A wrong group, nibble, zero or bias is off by far more
+(checked by breaking each once).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ _CHECK = textwrap.dedent(
         return PackedInt.pack(UnpackedInt(q, scales, zeros, torch.arange(k) // min(group, k), bits))
 
     def check(packed, x, bias, config, label):
-        ref = x.float() @ packed.dequantize(x.dtype).float().t()
+        ref = x.float() @ packed.dequantize(torch.float32).t()
         if bias is not None:
             ref += bias.float()
         y = int_gemm(x, packed.qweight, packed.scales, packed.zeros, packed.group_size, bias,
