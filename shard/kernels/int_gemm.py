@@ -11,12 +11,13 @@ Design:
 - Output tiles [BLOCK_M, BLOCK_N], grouped along M (GROUP_M tiles of M share a column of weight
   tiles, so a weight tile is read from DRAM once and from L2 by its neighbours).
 - Per K tile: the packed bytes [BLOCK_N, BLOCK_K / 2] split into low and high nibbles (features
-  k0 + 2j and k0 + 2j + 1), each dequantized in fp32 as (q - z) * s with its group's scale and
-  zero point and rounded to x's dtype, multiplied with x's matching even / odd columns by
-  tl.dot into one fp32 accumulator. The rounded weight is bit for bit what
-  PackedInt.dequantize(x.dtype) gives, so the result differs from the dequantize-then-matmul path
-  only by the order of fp32 additions; fractional zero points (GGUF Q4_1 / Q4_K) need no
-  separate path.
+  k0 + 2j and k0 + 2j + 1), multiplied with x's matching even / odd columns by tl.dot. A tile
+  inside one group takes the weights as OFF + q, made exact in x's dtype by OR-ing q into the
+  mantissa of a power of two (int_dequant.offset_weights: no int-to-float conversion, a
+  quarter-rate instruction on Hopper), and corrects the [BLOCK_M, BLOCK_N] partial product in
+  fp32: acc += (part - sum(x) * (OFF + z)) * s, i.e. exact weights, fractional zero points
+  (GGUF Q4_1 / Q4_K) included. Tiles of several groups (and int8 weights with bf16 x) dequantize
+  in fp32 and round the weight to x's dtype, as PackedInt.dequantize(x.dtype) does.
 - Tiles either lie inside one group or hold whole groups (int_dequant.tile_fits).
 - Configs are chosen per M bucket (next power of two, 32..4096) by measured time at warm-up
   (shard/kernels/int_tuning.py), never while a CUDA graph is captured; launches pass the chosen

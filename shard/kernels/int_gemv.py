@@ -17,18 +17,21 @@ Design:
   launch, or the next replay of a CUDA graph, starts from zero). One kernel, no zero-fill or
   reduction launch. The counters are a small persistent int32 buffer owned by the caller
   (IntLinear), zeroed once.
-- Tiles inside one group (GROUP a multiple of BLOCK_K): M == 1 (CUDA cores) computes
-  s * (sum_k x_k q_k - z * sum_k x_k) per row and tile: one conversion and one FMA per weight
-  element; 2 <= M <= 16 (tensor cores, x padded to the MMA's 16 rows with masked loads)
-  multiplies x by (q - z), an integer in [-255, 255] and so exact in bf16 / fp16, and scales the
-  [16, BLOCK_N] partial sum in fp32. Fractional zero points (GGUF Q4_1 / Q4_K: int_zeros=False)
-  take x @ q.T - sum(x) * z instead, q being exact.
+- Tiles inside one group (GROUP a multiple of BLOCK_K): no int-to-float conversion per weight
+  (cvt runs at a quarter of the FP32 rate on Hopper; two per int4 byte would cap the stream near
+  60 % of HBM bandwidth). Each nibble is OR-ed into the mantissa of a power of two OFF whose ulp
+  is 1, giving OFF + q exactly (int_dequant.offset_weights): in fp32 for M == 1 (CUDA cores:
+  sum_k x_k (OFF + q_k)), in x's dtype for 2 <= M <= 16 (tensor cores, x padded to the MMA's 16
+  rows with masked loads: x @ (OFF + q).T). Per row and tile the fp32 partial sum then becomes
+  s * (part - (OFF + z) * sum_k x_k): exact products, a cancellation of ~4-7 of fp32's 24 bits,
+  and fractional zero points (GGUF Q4_1 / Q4_K) need nothing else. int8 weights with bf16 x
+  (128 + q does not fit bf16's significand) multiply x by (q - z), exact in bf16, instead.
 - Tiles of several groups (BLOCK_K a multiple of GROUP, e.g. GROUP 32): the tile is dequantized
   in fp32 per group ((q - z) * s), then reduced (M == 1) or cast to x's dtype for the dot.
 - Loads: 16-byte vectors of packed bytes along K (contiguous, evict-first: read once), software
   pipelined over STAGES through tl.range.
 
-Candidates (CANDIDATES, per batch bucket) are picked by measured time at warm-up, never during a
+Candidates (`candidates`, per batch bucket) are picked by measured time at warm-up, never during a
 CUDA-graph capture (shard/kernels/int_tuning.py). The kernel runs under TRITON_INTERPRET=1 on CPU
 tensors (tests/shard/test_triton_int_gemv_interpreter.py).
 """
@@ -187,23 +190,28 @@ class GemvConfig:
         return asdict(self)
 
 
-# Batch 1, CUDA cores. Bytes in flight per row and tile: BLOCK_K / 2 (int4); the bf16 GEMV's
-# winners keep ~1-2 KB per row in flight (shard/kernels/gemv.py), i.e. BLOCK_K 512-1024 here over
-# STAGES - 1 tiles ahead. Split-K 2 / 4 doubles / quadruples the programs of small-N shapes.
+# Batch 1, CUDA cores. The fast path needs a tile inside one group (BLOCK_K dividing GROUP: 64 or
+# 128 for group 128), so bytes in flight come from rows and stages instead: BLOCK_N x BLOCK_K / 2
+# bytes per stage (int4), STAGES - 1 stages ahead (cp.async into shared memory): 32 x 64 B x 3 =
+# 6 KB per program, several programs per SM. Split-K 2 / 4 multiplies the programs of the N = 4096
+# shapes (o_proj, down_proj: 128 programs of 32 rows for 132 SMs). The 256 / 512-wide tiles serve
+# per-channel weights (one group per row) and hold several groups otherwise (the slower
+# dequantizing path: measured like the rest).
 _FMA = tuple(
     GemvConfig(bn, bk, w, st, sk)
     for bn, bk, w, st, sk in (
-        (8, 256, 4, 3, 1), (16, 256, 4, 3, 1), (16, 512, 4, 2, 1), (32, 256, 4, 3, 1),
-        (8, 512, 4, 3, 1), (16, 256, 4, 3, 2), (16, 256, 4, 3, 4), (8, 512, 4, 3, 2),
-        (32, 128, 4, 4, 2), (16, 512, 8, 2, 4),
+        (16, 128, 4, 4, 1), (32, 128, 4, 4, 1), (64, 128, 4, 3, 1), (32, 64, 4, 6, 1),
+        (32, 128, 4, 4, 2), (64, 128, 8, 4, 2), (16, 128, 4, 4, 4), (32, 128, 4, 4, 4),
+        (128, 128, 8, 3, 4), (8, 256, 4, 3, 1), (16, 512, 4, 2, 1),
     )
 )
-# 2 <= M <= 16 (and one batch-1 candidate): tensor cores, m16n8k16 needs BLOCK_N >= 16.
+# 2 <= M <= 16 (and one batch-1 candidate): tensor cores, m16n8k16 needs BLOCK_N >= 16 and an
+# int4 half-tile (the dot's K) of >= 16 features.
 _DOT = tuple(
     GemvConfig(bn, bk, w, st, sk, use_dot=True)
     for bn, bk, w, st, sk in (
-        (16, 256, 4, 3, 1), (32, 128, 4, 4, 1), (32, 256, 4, 3, 1), (64, 128, 4, 3, 1),
-        (16, 256, 4, 3, 2), (32, 128, 4, 4, 4),
+        (32, 128, 4, 4, 1), (16, 128, 4, 4, 1), (64, 128, 4, 3, 1), (32, 128, 4, 4, 2),
+        (16, 128, 4, 4, 4), (64, 128, 4, 4, 4), (32, 256, 4, 3, 1),
     )
 )
 
