@@ -40,13 +40,16 @@ def load_halves(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K: tl.constexpr, 
     Read once, so marked evict-first."""
     q_rows = q_ptr + rows.to(tl.int64) * stride_qn  # [BLOCK_N] row starts (N * K can pass 2^31)
     if BITS == 4:
-        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte columns
+        # byte columns; k0 is a multiple of BLOCK_K >= 32, so the start is 16-byte aligned (given
+        # 16-byte aligned rows): said outright, so that the loads are 16-byte vectors
+        offs_b = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BLOCK_K // 2), 16),
+                                   BLOCK_K // 2)
         packed = tl.load(q_rows[:, None] + offs_b[None, :],
                          mask=row_mask[:, None] & (offs_b < K // 2)[None, :], other=0,
                          eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K / 2] uint8
         return packed & 0xF, packed >> 4
     else:
-        offs_q = k0 + tl.arange(0, BLOCK_K)
+        offs_q = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), 16), BLOCK_K)
         q = tl.load(q_rows[:, None] + offs_q[None, :],
                     mask=row_mask[:, None] & (offs_q < K)[None, :], other=0,
                     eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]

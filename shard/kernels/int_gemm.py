@@ -194,6 +194,8 @@ def int_gemm(
                          f"hold {k} int{bits} input features")
     if config is None:
         config = default_config(gemm_bucket(m), group_size, k)
+    if config.block_k < 32:  # the loads' alignment hint (int_dequant.load_halves)
+        raise ValueError(f"int_gemm: K tile {config.block_k} below 32")
     if not tile_fits(config.block_k, group_size, k):
         raise ValueError(f"int_gemm: K tile {config.block_k} does not fit group size "
                          f"{group_size} (K {k})")

@@ -276,6 +276,8 @@ def int4_gemv(
         config = default_config(m, group_size, k)
         config = GemvConfig(block_n or config.block_n, block_k or config.block_k,
                             num_warps or config.warps, config.stages, 1, config.use_dot)
+    if config.block_k < 32:  # the loads' alignment hint (int_dequant.load_halves)
+        raise ValueError(f"int4_gemv: K tile {config.block_k} below 32")
     if not tile_fits(config.block_k, group_size, k):
         raise ValueError(f"int4_gemv: K tile {config.block_k} does not fit group size "
                          f"{group_size} (K {k})")
