@@ -72,6 +72,7 @@ def _int_gemm_kernel(
     STAGES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BITS: tl.constexpr,
+    X_SPLIT: tl.constexpr,  # int4: x loaded contiguously and split (else two strided loads)
     X_KIND: tl.constexpr,  # int_dequant.x_kind: fp16 1, bf16 2
     OFFSET: tl.constexpr,  # int_dequant.offset_ok: weights made exact in x's dtype by bit ops
 ):
@@ -93,7 +94,12 @@ def _int_gemm_kernel(
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         qa, qb = load_halves(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
         s, z = group_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP, NG)
-        if BITS == 4:
+        if BITS == 4 and X_SPLIT:
+            # one contiguous (vectorized) load, split into even / odd features in registers
+            k = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+            xa, xb = tl.split(tl.reshape(xt, [BLOCK_M, BLOCK_K // 2, 2]))
+        elif BITS == 4:
             k_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
             xa = tl.load(x_rows + k_even[None, :], mask=m_mask[:, None] & (k_even < K)[None, :],
                          other=0.0)  # [BLOCK_M, BLOCK_K / 2]: even features
@@ -137,6 +143,10 @@ class GemmConfig:
     warps: int
     stages: int
     group_m: int = 8
+    # int4: x's tile loaded contiguously (16-byte vectors) and split into even / odd features in
+    # registers, instead of two stride-2 loads; which is faster depends on the layout shuffle
+    # the split costs: measured, like the rest.
+    x_split: bool = False
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -145,13 +155,17 @@ class GemmConfig:
 # Shared memory per stage: BLOCK_M x BLOCK_K x 2 B of x + BLOCK_N x BLOCK_K / 2 B of int4 (the
 # dequantized tile lives in registers). Small-M tiles for large decode batches (few M tiles: N
 # must supply the programs), square ones for prefill.
-_CONFIGS = tuple(
-    GemmConfig(bm, bn, bk, w, st)
-    for bm, bn, bk, w, st in (
-        (32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4),
-        (64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
-        (64, 256, 64, 8, 3), (128, 64, 128, 4, 3),
-    )
+_CONFIGS = (
+    *(GemmConfig(bm, bn, bk, w, st)
+      for bm, bn, bk, w, st in (
+          (32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4),
+          (64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3),
+          (128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 64, 128, 4, 3),
+      )),
+    *(GemmConfig(bm, bn, bk, w, st, x_split=True)
+      for bm, bn, bk, w, st in (
+          (64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
+      )),
 )
 
 
@@ -219,6 +233,7 @@ def int_gemm(
         STAGES=config.stages,
         HAS_BIAS=bias is not None,
         BITS=bits,
+        X_SPLIT=config.x_split,
         X_KIND=x_kind(x.dtype),
         OFFSET=offset_ok(bits, x_kind(x.dtype)),
         num_warps=config.warps,

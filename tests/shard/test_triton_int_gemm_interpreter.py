@@ -62,6 +62,8 @@ _CHECK = textwrap.dedent(
         (8, 40, 128, 128, False, torch.float16, False, 17, GemmConfig(32, 32, 64, 4, 2)),
         (8, 24, 128, 32, False, torch.bfloat16, True, 40, GemmConfig(32, 16, 64, 4, 2)),
         (4, 32, 64, 32, True, torch.bfloat16, True, 24, GemmConfig(16, 32, 32, 4, 2)),   # tile = group
+        (4, 40, 128, 64, False, torch.bfloat16, True, 20,
+         GemmConfig(16, 32, 64, 4, 2, x_split=True)),  # x split in registers
     )
     for bits, n, k, group, fractional, dtype, with_bias, m, config in CASES:
         packed = packed_weight(n, k, group, bits, fractional)
