@@ -285,7 +285,7 @@ def int4_gemv(
                          f"{group_size} (K {k})")
     use_dot = config.use_dot or m > 1
     # One layout for every call (rows K apart, 16-byte aligned), so capture-time launches hit the
-    # specialization tuning compiled and loaded.
+    # specialization tuning compiled and loaded (a single row's stride is never read).
     if x.stride(-1) != 1 or (m > 1 and x.stride(0) != k) or x.data_ptr() % 16:
         x = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
     scales, zeros = scales.contiguous(), zeros.contiguous()
@@ -305,7 +305,7 @@ def int4_gemv(
     _int_gemv_kernel[(tiles_n, split)](
         x, qweight, scales, zeros, bias if bias is not None else scales, y, part, counters,
         m, n, k, k_split,
-        x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+        k, qweight.stride(0), scales.stride(0), n,  # rows of x (normalized above) and y: K, N apart
         GROUP=kernel_group(group_size, k),
         NG=groups_per_tile(config.block_k, group_size, k),
         ROWS=16 if use_dot else 1,
