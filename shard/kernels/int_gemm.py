@@ -73,6 +73,7 @@ def _int_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     BITS: tl.constexpr,
     X_SPLIT: tl.constexpr,  # int4: x loaded contiguously and split (else two strided loads)
+    W_FIRST: tl.constexpr,  # the weight tile as the dot's A operand: y.T tiles = W @ x.T
     X_KIND: tl.constexpr,  # int_dequant.x_kind: fp16 1, bf16 2
     OFFSET: tl.constexpr,  # int_dequant.offset_ok: weights made exact in x's dtype by bit ops
 ):
@@ -90,7 +91,10 @@ def _int_gemm_kernel(
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows = output columns
     row_mask = rows < N
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if W_FIRST:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y's tile transposed
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         qa, qb = load_halves(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
         s, z = group_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP, NG)
@@ -113,20 +117,33 @@ def _int_gemm_kernel(
             # One group per tile: x @ (OFF + q).T on tensor cores (weights made exact in x's
             # dtype by bit operations, no conversion instructions), then per output column
             # (part - sum(x) * (OFF + z)) * s in fp32: [BLOCK_M, BLOCK_N] work per tile.
-            part = tl.dot(xa, tl.trans(offset_weights(qa, BITS, X_KIND)))
             xsum = tl.sum(xa.to(tl.float32), axis=1)  # [BLOCK_M]
             if BITS == 4:
-                part = tl.dot(xb, tl.trans(offset_weights(qb, BITS, X_KIND)), part)
                 xsum += tl.sum(xb.to(tl.float32), axis=1)
             s1 = tl.reshape(s, [BLOCK_N])
-            z1 = tl.reshape(z, [BLOCK_N])
-            acc += (part - xsum[:, None] * offset_zero(z1, BITS, X_KIND)[None, :]) * s1[None, :]
+            zo = offset_zero(tl.reshape(z, [BLOCK_N]), BITS, X_KIND)  # OFF + z
+            if W_FIRST:
+                part = tl.dot(offset_weights(qa, BITS, X_KIND), tl.trans(xa))  # [BLOCK_N, BLOCK_M]
+                if BITS == 4:
+                    part = tl.dot(offset_weights(qb, BITS, X_KIND), tl.trans(xb), part)
+                acc += (part - zo[:, None] * xsum[None, :]) * s1[:, None]
+            else:
+                part = tl.dot(xa, tl.trans(offset_weights(qa, BITS, X_KIND)))  # [BLOCK_M, BLOCK_N]
+                if BITS == 4:
+                    part = tl.dot(xb, tl.trans(offset_weights(qb, BITS, X_KIND)), part)
+                acc += (part - xsum[:, None] * zo[None, :]) * s1[None, :]
+        elif W_FIRST:
+            acc = tl.dot(dequant(qa, s, z, NG).to(xa.dtype), tl.trans(xa), acc)
+            if BITS == 4:
+                acc = tl.dot(dequant(qb, s, z, NG).to(xb.dtype), tl.trans(xb), acc)
         else:
             # Several groups per tile (or int8 with bf16 x): the weight dequantized in fp32 and
             # rounded to x's dtype, as PackedInt.dequantize(x.dtype) rounds it.
             acc = tl.dot(xa, tl.trans(dequant(qa, s, z, NG).to(xa.dtype)), acc)
             if BITS == 4:
                 acc = tl.dot(xb, tl.trans(dequant(qb, s, z, NG).to(xb.dtype)), acc)
+    if W_FIRST:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + rows[None, :]
@@ -147,6 +164,10 @@ class GemmConfig:
     # registers, instead of two stride-2 loads; which is faster depends on the layout shuffle
     # the split costs: measured, like the rest.
     x_split: bool = False
+    # The dequantized weight tile as the MMA's first operand (y.T = W @ x.T, transposed once at
+    # the end): Hopper's wgmma takes A from registers but B only from shared memory, so the
+    # in-register weight can feed it directly this way round.
+    w_first: bool = False
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -167,6 +188,11 @@ _CONFIGS = (
     *(GemmConfig(bm, bn, bk, w, st, x_split=True)
       for bm, bn, bk, w, st in (
           (64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
+      )),
+    *(GemmConfig(bm, bn, bk, w, st, x_split=xs, w_first=True)
+      for bm, bn, bk, w, st, xs in (
+          (64, 128, 128, 4, 3, False), (128, 128, 64, 8, 3, False), (128, 128, 64, 8, 3, True),
+          (128, 256, 64, 8, 3, True), (64, 256, 128, 8, 3, True), (32, 128, 128, 4, 4, False),
       )),
 )
 
@@ -236,6 +262,7 @@ def int_gemm(
         HAS_BIAS=bias is not None,
         BITS=bits,
         X_SPLIT=config.x_split,
+        W_FIRST=config.w_first,
         X_KIND=x_kind(x.dtype),
         OFFSET=offset_ok(bits, x_kind(x.dtype)),
         num_warps=config.warps,

@@ -64,6 +64,11 @@ _CHECK = textwrap.dedent(
         (4, 32, 64, 32, True, torch.bfloat16, True, 24, GemmConfig(16, 32, 32, 4, 2)),   # tile = group
         (4, 40, 128, 64, False, torch.bfloat16, True, 20,
          GemmConfig(16, 32, 64, 4, 2, x_split=True)),  # x split in registers
+        (4, 24, 128, 32, True, torch.float16, True, 40,
+         GemmConfig(32, 16, 64, 4, 2, x_split=True, w_first=True)),  # y.T = W @ x.T, 2 groups/tile
+        (4, 40, 128, 128, False, torch.bfloat16, False, 17,
+         GemmConfig(16, 32, 64, 4, 2, w_first=True)),  # y.T = W @ x.T, one group per tile
+        (8, 24, 64, 32, False, torch.float16, True, 18, GemmConfig(16, 16, 32, 4, 2, w_first=True)),
     )
     for bits, n, k, group, fractional, dtype, with_bias, m, config in CASES:
         packed = packed_weight(n, k, group, bits, fractional)
