@@ -180,22 +180,18 @@ _CONFIGS = (
     *(GemmConfig(bm, bn, bk, w, st)
       for bm, bn, bk, w, st in (
           (32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4),
-          (64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3),
-          (128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 64, 128, 4, 3),
-          # 32-wide tiles: the conversion-free path for groups of 32 (GGUF Q4_0 / Q4_1 / Q4_K)
-          (64, 128, 32, 4, 4), (128, 128, 32, 8, 4),
+          (64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 64, 128, 4, 3),
+          # a 32-wide tile: the conversion-free path for groups of 32 (GGUF Q4_0 / Q4_1 / Q4_K)
+          (64, 128, 32, 4, 4),
           # narrow N tiles for large decode batches on N = 4096 shapes (o_proj, down_proj): with
           # one M tile, BLOCK_N 64 gives only 64 programs for 132 SMs, 32 gives 128
           (32, 32, 128, 4, 4), (64, 32, 128, 4, 4),
       )),
     *(GemmConfig(bm, bn, bk, w, st, x_split=True)
-      for bm, bn, bk, w, st in (
-          (64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
-      )),
+      for bm, bn, bk, w, st in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3))),
     *(GemmConfig(bm, bn, bk, w, st, x_split=xs, w_first=True)
       for bm, bn, bk, w, st, xs in (
-          (64, 128, 128, 4, 3, False), (128, 128, 64, 8, 3, False), (128, 128, 64, 8, 3, True),
-          (128, 256, 64, 8, 3, True), (64, 256, 128, 8, 3, True), (32, 128, 128, 4, 4, False),
+          (64, 128, 128, 4, 3, False), (128, 128, 64, 8, 3, False), (128, 256, 64, 8, 3, True),
           (64, 32, 128, 4, 4, False),
       )),
 )

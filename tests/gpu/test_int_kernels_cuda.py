@@ -42,16 +42,22 @@ def _linear(n: int, k: int, group: int, bits: int, fractional: bool, bias: bool,
 
 
 @pytest.mark.parametrize(
-    ("n", "k", "group", "bits", "fractional", "bias"),
+    ("n", "k", "group", "bits", "fractional", "bias", "timed"),
     [
-        (4096, 4096, 128, 4, False, False),  # Llama-3-8B o_proj, W4A16 group 128
-        (2048, 4096, 32, 4, True, True),  # GGUF Q4_1-like: group 32, fractional zeros, bias
-        (1536, 2048, 128, 8, False, False),  # W8A16
+        (4096, 4096, 128, 4, False, False, True),  # Llama-3-8B o_proj, W4A16 group 128
+        (2048, 4096, 32, 4, True, True, False),  # GGUF Q4_1-like: group 32, fractional zeros
+        (1536, 2048, 128, 8, False, False, False),  # W8A16
     ],
 )
 def test_int_linear_graphs(n: int, k: int, group: int, bits: int, fractional: bool,
-                           bias: bool) -> None:
+                           bias: bool, timed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """timed: every candidate timed (the real tuning); otherwise each bucket's first candidate,
+    so that the other layouts' checks do not compile every candidate again."""
     pytest.importorskip("triton")
+    from shard.kernels import int_tuning
+
+    if not timed:
+        monkeypatch.setattr(int_tuning, "_tune", lambda w, dtype: int_tuning._defaults(w))
     linear = _linear(n, k, group, bits, fractional, bias, seed=n + k + group)
     assert linear.use_gemv
     w = linear.dequantized_weight(torch.float32)  # [N, K]
