@@ -34,7 +34,11 @@ def encode(hf: Any, tiles: list[torch.Tensor], device: torch.device, dtype: torc
     """Each [3, S, S] tile -> its [tokens, hidden] embeddings; all tiles in one tower call,
     as one image of len(tiles) sub-images ([1, n, 3, S, S]: no padding mask, every tile whole)."""
     batch = torch.stack(tiles).unsqueeze(0).to(device, dtype)  # [1, n, 3, S, S]
-    feats = hf.model.get_image_features(pixel_values=batch).pooler_output[0]  # [n*tokens, hidden]
+    pooled = hf.model.get_image_features(pixel_values=batch).pooler_output
+    # transformers 5.24: a list, per image, of [n*tokens, hidden]; 5.17 (the GPU machine's): one
+    # [n, tokens, hidden] tensor
+    feats = (torch.cat(list(pooled)) if isinstance(pooled, (list, tuple))
+             else pooled.reshape(-1, pooled.shape[-1]))  # [n*tokens, hidden]
     if feats.shape[0] % len(tiles):
         # transformers drops all-zero sub-images as padding: not reachable from a processor
         # that normalizes uint8 pixels with mean 0.5 (no pixel maps to exactly 0)
