@@ -57,6 +57,37 @@ def load_halves(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K: tl.constexpr, 
 
 
 @triton.jit
+def load_joined(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K: tl.constexpr,
+                BITS: tl.constexpr):
+    """The weight tile at input features [k0, k0 + BLOCK_K) of `rows` in feature order,
+    [BLOCK_N, BLOCK_K] uint8: int4 nibbles re-interleaved in registers (tl.join + reshape: byte j's
+    low nibble is feature k0 + 2j, its high one k0 + 2j + 1), so that x's tile is one contiguous
+    load (16-byte vectors, pipelined by cp.async) instead of two stride-2 ones."""
+    lo, hi = load_halves(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
+    if BITS == 4:
+        return tl.reshape(tl.join(lo, hi), [lo.shape[0], BLOCK_K])
+    else:
+        return lo
+
+
+@triton.jit
+def scale_tile(q, s, z, NG: tl.constexpr, BITS: tl.constexpr):
+    """(q - z) * s in fp32 for a tile q [BLOCK_N, C] of unsigned integers (C columns holding NG
+    equal runs of one group each; s, z [BLOCK_N, NG] fp32), without an int-to-float conversion:
+    OFF + q by bit operations (offset_weights, fp32), then one FMA with c = -(OFF + z) * s.
+    Exact for integer zero points and fp16 scales (both products fit fp32's 24 bits), so rounding
+    the result to x's dtype gives PackedInt.dequantize(x.dtype) bit for bit."""
+    v = offset_weights(q, BITS, 0)  # [BLOCK_N, C] OFF + q in fp32
+    c = -offset_zero(z, BITS, 0) * s  # [BLOCK_N, NG]
+    if NG == 1:
+        return v * s + c
+    else:
+        v3 = tl.reshape(v, [v.shape[0], NG, v.shape[1] // NG])
+        w3 = v3 * s[:, :, None] + c[:, :, None]
+        return tl.reshape(w3, [v.shape[0], v.shape[1]])
+
+
+@triton.jit
 def group_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP: tl.constexpr,
                  NG: tl.constexpr):
     """Scales and zeros of the tile at feature k0 in fp32: [BLOCK_N, NG] (NG groups in the tile;
@@ -138,4 +169,5 @@ def kernel_group(group: int, k: int) -> int:
 
 
 __all__ = ["dequant", "group_params", "groups_per_tile", "kernel_group", "load_halves",
-           "offset_ok", "offset_weights", "offset_zero", "tile_fits", "triton", "x_kind"]
+           "load_joined", "offset_ok", "offset_weights", "offset_zero", "scale_tile", "tile_fits",
+           "triton", "x_kind"]

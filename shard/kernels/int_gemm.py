@@ -41,9 +41,11 @@ from shard.kernels.int_dequant import (
     groups_per_tile,
     kernel_group,
     load_halves,
+    load_joined,
     offset_ok,
     offset_weights,
     offset_zero,
+    scale_tile,
     tile_fits,
     x_kind,
 )
@@ -76,6 +78,7 @@ def _int_gemm_kernel(
     W_FIRST: tl.constexpr,  # the weight tile as the dot's A operand: y.T tiles = W @ x.T
     X_KIND: tl.constexpr,  # int_dequant.x_kind: fp16 1, bf16 2
     OFFSET: tl.constexpr,  # int_dequant.offset_ok: weights made exact in x's dtype by bit ops
+    DQ: tl.constexpr,  # GemmConfig.path "dq": weight tile dequantized to x's dtype, one MMA chain
 ):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -96,58 +99,113 @@ def _int_gemm_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        qa, qb = load_halves(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
-        s, z = group_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP, NG)
-        if BITS == 4 and X_SPLIT:
-            # one contiguous (vectorized) load, split into even / odd features in registers
+        if DQ:
+            # The standard W4A16 structure: the [BLOCK_N, BLOCK_K] weight tile in feature order,
+            # dequantized in registers to x's dtype (exactly PackedInt.dequantize(x.dtype)'s
+            # rounding), x's tile one contiguous load, and the accumulator carried through the
+            # MMAs (acc = dot(a, b, acc): no per-tile fp32 epilogue, so the K loop pipelines).
             k = k0 + tl.arange(0, BLOCK_K)
             xt = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
-            xa, xb = tl.split(tl.reshape(xt, [BLOCK_M, BLOCK_K // 2, 2]))
-        elif BITS == 4:
-            k_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            xa = tl.load(x_rows + k_even[None, :], mask=m_mask[:, None] & (k_even < K)[None, :],
-                         other=0.0)  # [BLOCK_M, BLOCK_K / 2]: even features
-            xb = tl.load(x_rows + k_even[None, :] + 1,
-                         mask=m_mask[:, None] & (k_even + 1 < K)[None, :], other=0.0)  # odd
-        else:
-            k = k0 + tl.arange(0, BLOCK_K)
-            xa = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
-            xb = xa
-        if NG == 1 and OFFSET:
-            # One group per tile: x @ (OFF + q).T on tensor cores (weights made exact in x's
-            # dtype by bit operations, no conversion instructions), then per output column
-            # (part - sum(x) * (OFF + z)) * s in fp32: [BLOCK_M, BLOCK_N] work per tile.
-            xsum = tl.sum(xa.to(tl.float32), axis=1)  # [BLOCK_M]
-            if BITS == 4:
-                xsum += tl.sum(xb.to(tl.float32), axis=1)
-            s1 = tl.reshape(s, [BLOCK_N])
-            zo = offset_zero(tl.reshape(z, [BLOCK_N]), BITS, X_KIND)  # OFF + z
+            q = load_joined(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
+            s, z = group_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP, NG)
+            w = scale_tile(q, s, z, NG, BITS).to(xt.dtype)  # [BLOCK_N, BLOCK_K]
             if W_FIRST:
-                part = tl.dot(offset_weights(qa, BITS, X_KIND), tl.trans(xa))  # [BLOCK_N, BLOCK_M]
-                if BITS == 4:
-                    part = tl.dot(offset_weights(qb, BITS, X_KIND), tl.trans(xb), part)
-                acc += (part - zo[:, None] * xsum[None, :]) * s1[:, None]
+                acc = tl.dot(w, tl.trans(xt), acc)  # [BLOCK_N, BLOCK_M]
             else:
-                part = tl.dot(xa, tl.trans(offset_weights(qa, BITS, X_KIND)))  # [BLOCK_M, BLOCK_N]
-                if BITS == 4:
-                    part = tl.dot(xb, tl.trans(offset_weights(qb, BITS, X_KIND)), part)
-                acc += (part - xsum[:, None] * zo[None, :]) * s1[None, :]
-        elif W_FIRST:
-            acc = tl.dot(dequant(qa, s, z, NG).to(xa.dtype), tl.trans(xa), acc)
-            if BITS == 4:
-                acc = tl.dot(dequant(qb, s, z, NG).to(xb.dtype), tl.trans(xb), acc)
+                acc = tl.dot(xt, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N]
         else:
-            # Several groups per tile (or int8 with bf16 x): the weight dequantized in fp32 and
-            # rounded to x's dtype, as PackedInt.dequantize(x.dtype) rounds it.
-            acc = tl.dot(xa, tl.trans(dequant(qa, s, z, NG).to(xa.dtype)), acc)
-            if BITS == 4:
-                acc = tl.dot(xb, tl.trans(dequant(qb, s, z, NG).to(xb.dtype)), acc)
+            qa, qb = load_halves(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
+            s, z = group_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP, NG)
+            if BITS == 4 and X_SPLIT:
+                # one contiguous (vectorized) load, split into even / odd features in registers
+                k = k0 + tl.arange(0, BLOCK_K)
+                xt = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+                xa, xb = tl.split(tl.reshape(xt, [BLOCK_M, BLOCK_K // 2, 2]))
+            elif BITS == 4:
+                k_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+                xa = tl.load(x_rows + k_even[None, :], mask=m_mask[:, None] & (k_even < K)[None, :],
+                             other=0.0)  # [BLOCK_M, BLOCK_K / 2]: even features
+                xb = tl.load(x_rows + k_even[None, :] + 1,
+                             mask=m_mask[:, None] & (k_even + 1 < K)[None, :], other=0.0)  # odd
+            else:
+                k = k0 + tl.arange(0, BLOCK_K)
+                xa = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+                xb = xa
+            if NG == 1 and OFFSET:
+                # One group per tile: x @ (OFF + q).T on tensor cores (weights made exact in x's
+                # dtype by bit operations, no conversion instructions), then per output column
+                # (part - sum(x) * (OFF + z)) * s in fp32: [BLOCK_M, BLOCK_N] work per tile.
+                xsum = tl.sum(xa.to(tl.float32), axis=1)  # [BLOCK_M]
+                if BITS == 4:
+                    xsum += tl.sum(xb.to(tl.float32), axis=1)
+                s1 = tl.reshape(s, [BLOCK_N])
+                zo = offset_zero(tl.reshape(z, [BLOCK_N]), BITS, X_KIND)  # OFF + z
+                if W_FIRST:
+                    part = tl.dot(offset_weights(qa, BITS, X_KIND), tl.trans(xa))  # [BLOCK_N, BLOCK_M]
+                    if BITS == 4:
+                        part = tl.dot(offset_weights(qb, BITS, X_KIND), tl.trans(xb), part)
+                    acc += (part - zo[:, None] * xsum[None, :]) * s1[:, None]
+                else:
+                    part = tl.dot(xa, tl.trans(offset_weights(qa, BITS, X_KIND)))  # [BLOCK_M, BLOCK_N]
+                    if BITS == 4:
+                        part = tl.dot(xb, tl.trans(offset_weights(qb, BITS, X_KIND)), part)
+                    acc += (part - xsum[:, None] * zo[None, :]) * s1[None, :]
+            elif W_FIRST:
+                acc = tl.dot(dequant(qa, s, z, NG).to(xa.dtype), tl.trans(xa), acc)
+                if BITS == 4:
+                    acc = tl.dot(dequant(qb, s, z, NG).to(xb.dtype), tl.trans(xb), acc)
+            else:
+                # Several groups per tile (or int8 with bf16 x): the weight dequantized in fp32 and
+                # rounded to x's dtype, as PackedInt.dequantize(x.dtype) rounds it.
+                acc = tl.dot(xa, tl.trans(dequant(qa, s, z, NG).to(xa.dtype)), acc)
+                if BITS == 4:
+                    acc = tl.dot(xb, tl.trans(dequant(qb, s, z, NG).to(xb.dtype)), acc)
     if W_FIRST:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + rows[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & row_mask[None, :])
+
+
+@triton.jit
+def _dequant_kernel(
+    q_ptr, s_ptr, z_ptr, w_ptr,
+    N, K,
+    stride_qn, stride_sn,
+    GROUP: tl.constexpr,
+    NG: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    """w [N, K] (x's dtype) = (q - z) * s: one [BLOCK_N, BLOCK_K] tile per program."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    k0 = tl.program_id(1) * BLOCK_K
+    q = load_joined(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
+    s, z = group_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP, NG)
+    w = scale_tile(q, s, z, NG, BITS)  # [BLOCK_N, BLOCK_K] fp32
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(w_ptr + rows.to(tl.int64)[:, None] * K + k[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & (k < K)[None, :])
+
+
+def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      group_size: int, k: int, dtype: torch.dtype, bits: int = 4,
+                      block_n: int = 64, block_k: int = 128) -> torch.Tensor:
+    """[N, K] in `dtype`: PackedInt.dequantize(dtype) in one kernel (a write of 2 bytes per
+    weight instead of torch's several passes). The result comes from the caching allocator, so
+    inside a CUDA-graph capture it lives in the graph's pool; no host sync."""
+    n = qweight.shape[0]
+    w = torch.empty(n, k, device=qweight.device, dtype=dtype)
+    scales, zeros = scales.contiguous(), zeros.contiguous()
+    _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        qweight, scales, zeros, w, n, k, qweight.stride(0), scales.stride(0),
+        GROUP=kernel_group(group_size, k), NG=groups_per_tile(block_k, group_size, k),
+        BLOCK_N=block_n, BLOCK_K=block_k, BITS=bits, num_warps=4,
+    )
+    return w
 
 
 @dataclass(frozen=True)
@@ -168,44 +226,60 @@ class GemmConfig:
     # the end): Hopper's wgmma takes A from registers but B only from shared memory, so the
     # in-register weight can feed it directly this way round.
     w_first: bool = False
+    # "offset": the weight tile as OFF + q in x's dtype, K split into even / odd halves and a
+    # per-tile fp32 correction (the first version: slow, the accumulator leaves the MMA chain
+    # every tile; kept as candidates for the 32..128 buckets where it was chosen).
+    # "dq": the tile dequantized in registers to x's dtype, acc = dot(x, w.T, acc).
+    # "cublas": the whole weight dequantized to x's dtype into a temporary (block_n x block_k
+    # tiles), then F.linear: never slower than that at any M, as a timed candidate.
+    path: str = "offset"
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, int | bool | str]:
         return asdict(self)
 
 
 # Shared memory per stage: BLOCK_M x BLOCK_K x 2 B of x + BLOCK_N x BLOCK_K / 2 B of int4 (the
-# dequantized tile lives in registers). Small-M tiles for large decode batches (few M tiles: N
-# must supply the programs), square ones for prefill.
-_CONFIGS = (
-    *(GemmConfig(bm, bn, bk, w, st)
-      for bm, bn, bk, w, st in (
-          (32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4),
-          (64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 64, 128, 4, 3),
-          # a 32-wide tile: the conversion-free path for groups of 32 (GGUF Q4_0 / Q4_1 / Q4_K)
-          (64, 128, 32, 4, 4),
-          # narrow N tiles for large decode batches on N = 4096 shapes (o_proj, down_proj): with
-          # one M tile, BLOCK_N 64 gives only 64 programs for 132 SMs, 32 gives 128
-          (32, 32, 128, 4, 4), (64, 32, 128, 4, 4),
-      )),
-    *(GemmConfig(bm, bn, bk, w, st, x_split=True)
-      for bm, bn, bk, w, st in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3))),
-    *(GemmConfig(bm, bn, bk, w, st, x_split=xs, w_first=True)
-      for bm, bn, bk, w, st, xs in (
-          (64, 128, 128, 4, 3, False), (128, 128, 64, 8, 3, False), (128, 256, 64, 8, 3, True),
-          (64, 32, 128, 4, 4, False),
-      )),
+# dequantized tile lives in registers, and goes through shared memory as the MMA's B operand).
+# Small-M tiles for large decode batches (few M tiles: N must supply the programs), square ones
+# for prefill. First in the list: the untuned default of every bucket (the interpreter tests).
+_DQ = tuple(
+    GemmConfig(bm, bn, bk, w, st, path="dq", w_first=wf)
+    for bm, bn, bk, w, st, wf in (
+        (32, 64, 128, 4, 4, False), (32, 128, 128, 4, 3, False), (32, 32, 128, 4, 4, False),
+        (64, 64, 128, 4, 4, False), (64, 128, 64, 4, 4, False), (64, 128, 128, 4, 3, False),
+        (64, 256, 64, 8, 3, False), (128, 128, 64, 8, 3, False), (128, 128, 128, 8, 3, False),
+        (128, 256, 64, 8, 3, False), (128, 128, 64, 4, 4, False), (256, 128, 64, 8, 3, False),
+        # a 32-wide tile for groups of 32 (GGUF Q4_0 / Q4_1 / Q4_K) and a 64-wide one for 64
+        (64, 128, 32, 4, 4, False), (128, 128, 32, 8, 4, False),
+        # weight as the MMA's A operand (from registers on Hopper), y.T tiles
+        (32, 128, 128, 4, 3, True), (64, 128, 64, 4, 4, True), (128, 256, 64, 8, 3, True),
+    )
 )
+_OFFSET = tuple(
+    GemmConfig(bm, bn, bk, w, st, x_split=xs, w_first=wf)
+    for bm, bn, bk, w, st, xs, wf in (
+        # the first version's choices in the 32 .. 128 buckets (H100, round 10)
+        (32, 64, 128, 4, 4, False, False), (32, 128, 128, 4, 3, False, False),
+        (32, 32, 128, 4, 4, False, False), (64, 32, 128, 4, 4, False, True),
+    )
+)
+# dequantize then cuBLAS; bucket-independent (block_m unused)
+_CUBLAS = (GemmConfig(0, 32, 128, 4, 1, path="cublas"),)
+_CONFIGS = (*_DQ, *_OFFSET, *_CUBLAS)
 
 
 def candidates(m: int, group_size: int, in_features: int) -> list[GemmConfig]:
     """The candidates for a bucket of m rows whose K tiles line up with the groups (tiles taller
-    than twice the bucket would mostly multiply padding)."""
+    than twice the bucket would mostly multiply padding), the dequantize-then-cuBLAS one last."""
     fits = [c for c in _CONFIGS if tile_fits(c.block_k, group_size, in_features)]
-    if not fits:  # e.g. group 32 with K not a multiple of 64: the largest tile that lines up
-        block_k = next((bk for bk in (128, 64, 32)  # >= 32: an int4 half-tile is the dot's K
+    if all(c.path == "cublas" for c in fits):
+        # e.g. group 32 with K not a multiple of 64: the largest tile that lines up (>= 32: the
+        # loads' alignment hint, int_dequant.load_halves)
+        block_k = next((bk for bk in (128, 64, 32)
                         if tile_fits(bk, group_size, in_features)), None)
-        fits = [] if block_k is None else [GemmConfig(bm, 64, block_k, 4, 3)
-                                           for bm in (32, 64, 128)]
+        fits = [] if block_k is None else [
+            *(GemmConfig(bm, 64, block_k, 4, 3, path="dq") for bm in (32, 64, 128)),
+            GemmConfig(0, 32, block_k, 4, 1, path="cublas")]
     sized = [c for c in fits if c.block_m <= max(2 * m, 32)]
     return sized or fits
 
@@ -236,6 +310,10 @@ def int_gemm(
                          f"hold {k} int{bits} input features")
     if config is None:
         config = default_config(gemm_bucket(m), group_size, k)
+    if config.path == "cublas":
+        w = dequantize_weight(qweight, scales, zeros, group_size, k, x.dtype, bits,
+                              config.block_n, config.block_k)
+        return torch.nn.functional.linear(x, w, bias)
     if config.block_k < 32:  # the loads' alignment hint (int_dequant.load_halves)
         raise ValueError(f"int_gemm: K tile {config.block_k} below 32")
     if not tile_fits(config.block_k, group_size, k):
@@ -265,6 +343,7 @@ def int_gemm(
         W_FIRST=config.w_first,
         X_KIND=x_kind(x.dtype),
         OFFSET=offset_ok(bits, x_kind(x.dtype)),
+        DQ=config.path == "dq",
         num_warps=config.warps,
         num_stages=config.stages,
     )

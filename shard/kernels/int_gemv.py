@@ -51,6 +51,7 @@ from shard.kernels.int_dequant import (
     groups_per_tile,
     kernel_group,
     load_halves,
+    load_joined,
     offset_ok,
     offset_weights,
     offset_zero,
@@ -134,6 +135,7 @@ def _int_gemv_kernel(
     INT_ZEROS: tl.constexpr,
     X_KIND: tl.constexpr,  # int_dequant.x_kind: fp16 1, bf16 2
     OFFSET: tl.constexpr,  # int_dequant.offset_ok: weights made exact in x's dtype by bit ops
+    JOIN: tl.constexpr,  # GemvConfig.join: the int4 tile re-interleaved, x loaded contiguously
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -145,11 +147,19 @@ def _int_gemv_kernel(
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-        qa, qb = load_halves(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
         s, z = group_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP, NG)
-        xa, xb = _x_halves(x_ptr, offs_m, m_mask, k0, K, stride_xm, BLOCK_K, BITS)
-        acc += _tile_product(xa, qa, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
-        if BITS == 4:
+        if JOIN or BITS == 8:
+            # one [BLOCK_N, BLOCK_K] tile in feature order and x's [ROWS, BLOCK_K] tile as one
+            # contiguous (vectorized, cp.async-pipelined) load: no stride-2 loads of x
+            q = load_joined(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
+            k = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                         mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+            acc += _tile_product(xt, q, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
+        else:
+            qa, qb = load_halves(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
+            xa, xb = _x_halves(x_ptr, offs_m, m_mask, k0, K, stride_xm, BLOCK_K, BITS)
+            acc += _tile_product(xa, qa, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
             acc += _tile_product(xb, qb, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
     out_mask = m_mask[:, None] & row_mask[None, :]
     if SPLIT_K > 1:
@@ -185,6 +195,9 @@ class GemvConfig:
     stages: int
     split_k: int = 1
     use_dot: bool = False  # tensor cores (x padded to 16 rows); always for M > 1
+    # int4: the tile's nibbles re-interleaved in registers (tl.join) and x loaded as one
+    # contiguous tile, instead of even / odd halves with two stride-2 loads of x per tile
+    join: bool = False
 
     def as_dict(self) -> dict[str, int | bool]:
         return asdict(self)
@@ -192,29 +205,41 @@ class GemvConfig:
 
 # Batch 1, CUDA cores. The fast path needs a tile inside one group (BLOCK_K dividing GROUP: 64 or
 # 128 for group 128), so bytes in flight come from rows and stages instead: BLOCK_N x BLOCK_K / 2
-# bytes per stage (int4), STAGES - 1 stages ahead (cp.async into shared memory): 32 x 64 B x 3 =
-# 6 KB per program, several programs per SM. Split-K 2 / 4 multiplies the programs of the N = 4096
-# shapes (o_proj, down_proj: 128 programs of 32 rows for 132 SMs). The 256 / 512-wide tiles serve
-# per-channel weights (one group per row) and hold several groups otherwise (the slower
-# dequantizing path: measured like the rest).
-_FMA = tuple(
-    GemvConfig(bn, bk, w, st, sk)
-    for bn, bk, w, st, sk in (
-        (16, 128, 4, 4, 1), (32, 128, 4, 4, 1), (64, 128, 4, 3, 1), (32, 64, 4, 6, 1),
-        (32, 128, 4, 4, 2), (16, 128, 4, 4, 4), (32, 128, 4, 4, 4), (128, 128, 8, 3, 4),
-        (8, 256, 4, 3, 1), (16, 512, 4, 2, 1),
-        # a 32-wide tile: the conversion-free path for groups of 32 (GGUF Q4_0 / Q4_1 / Q4_K)
-        (64, 32, 4, 6, 1),
-    )
+# bytes per stage (int4), STAGES - 1 stages ahead (cp.async into shared memory). The first
+# version's tiles (32 x 64 B x 3 = 6 KB per program) reached 24 % of copy bandwidth on H100 with
+# x's stride-2 loads in the loop; the `join` ones load x contiguously and keep 8-16 KB per stage
+# in flight (128-256 rows x 64 B). Split-K 2 / 4 multiplies the programs of the N = 4096 shapes
+# (o_proj, down_proj). The 256 / 512-wide tiles serve per-channel weights (one group per row) and
+# hold several groups otherwise (the slower dequantizing path: measured like the rest).
+_FMA = (
+    *(GemvConfig(bn, bk, w, st, sk, join=True)
+      for bn, bk, w, st, sk in (
+          (64, 128, 4, 4, 1), (128, 128, 8, 3, 1), (128, 128, 8, 4, 1), (256, 128, 8, 3, 1),
+          (64, 128, 4, 4, 2), (128, 128, 8, 3, 2), (64, 128, 4, 4, 4), (128, 128, 8, 3, 4),
+          (256, 128, 8, 3, 4), (32, 128, 4, 4, 4), (128, 64, 4, 4, 2), (64, 32, 4, 6, 1),
+      )),
+    *(GemvConfig(bn, bk, w, st, sk)
+      for bn, bk, w, st, sk in (
+          (16, 128, 4, 4, 1), (32, 128, 4, 4, 1), (64, 128, 4, 3, 1), (32, 64, 4, 6, 1),
+          (32, 128, 4, 4, 2), (16, 128, 4, 4, 4), (32, 128, 4, 4, 4), (128, 128, 8, 3, 4),
+          (8, 256, 4, 3, 1), (16, 512, 4, 2, 1),
+          # a 32-wide tile: the conversion-free path for groups of 32 (GGUF Q4_0 / Q4_1 / Q4_K)
+          (64, 32, 4, 6, 1),
+      )),
 )
 # 2 <= M <= 16 (and one batch-1 candidate): tensor cores, m16n8k16 needs BLOCK_N >= 16 and an
 # int4 half-tile (the dot's K) of >= 16 features.
-_DOT = tuple(
-    GemvConfig(bn, bk, w, st, sk, use_dot=True)
-    for bn, bk, w, st, sk in (
-        (32, 128, 4, 4, 1), (16, 128, 4, 4, 1), (64, 128, 4, 3, 1), (32, 128, 4, 4, 2),
-        (16, 128, 4, 4, 4), (32, 256, 4, 3, 1), (64, 32, 4, 6, 1),
-    )
+_DOT = (
+    *(GemvConfig(bn, bk, w, st, sk, use_dot=True, join=True)
+      for bn, bk, w, st, sk in (
+          (32, 128, 4, 4, 1), (64, 128, 4, 4, 1), (128, 128, 8, 3, 1), (32, 128, 4, 4, 2),
+          (64, 128, 4, 4, 2), (32, 128, 4, 4, 4), (64, 128, 4, 3, 4), (64, 32, 4, 6, 1),
+      )),
+    *(GemvConfig(bn, bk, w, st, sk, use_dot=True)
+      for bn, bk, w, st, sk in (
+          (32, 128, 4, 4, 1), (16, 128, 4, 4, 1), (64, 128, 4, 3, 1), (32, 128, 4, 4, 2),
+          (16, 128, 4, 4, 4), (32, 256, 4, 3, 1), (64, 32, 4, 6, 1),
+      )),
 )
 
 
@@ -277,7 +302,8 @@ def int4_gemv(
     if config is None:
         config = default_config(m, group_size, k)
         config = GemvConfig(block_n or config.block_n, block_k or config.block_k,
-                            num_warps or config.warps, config.stages, 1, config.use_dot)
+                            num_warps or config.warps, config.stages, 1, config.use_dot,
+                            config.join)
     if config.block_k < 32:  # the loads' alignment hint (int_dequant.load_halves)
         raise ValueError(f"int4_gemv: K tile {config.block_k} below 32")
     if not tile_fits(config.block_k, group_size, k):
@@ -319,6 +345,7 @@ def int4_gemv(
         INT_ZEROS=int_zeros,
         X_KIND=x_kind(x.dtype),
         OFFSET=offset_ok(bits, x_kind(x.dtype)),
+        JOIN=config.join,
         num_warps=config.warps,
         num_stages=config.stages,
     )

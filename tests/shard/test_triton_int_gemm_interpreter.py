@@ -7,7 +7,8 @@ Reference: x @ W.T in float32 with W = PackedInt.dequantize(float32) (exact weig
 one group is computed as x @ (OFF + q).T - sum(x) * (OFF + z) with exact products in fp32, then
 scaled: ~2^-20 relative error. Tiles of several groups (and int8 with bf16 x) round each weight to
 x's dtype first, as the dequantize-then-matmul path does (< 2^-8 / 2^-11 relative, random signs).
-The output is rounded once. The interpreter truncates fp32 -> bf16 / fp16 casts instead of
+The "dq" path and dequantize-then-F.linear ("cublas") round every weight to x's dtype the same
+way. The output is rounded once. The interpreter truncates fp32 -> bf16 / fp16 casts instead of
 rounding: an output moves by less than 2^-7 (bf16) / 2^-10 (fp16) of itself, a weight too, and
 the weights' truncations all shrink magnitudes, so the bounds are twice that: 2^-6 and 2^-9 of
 the largest output (benchmarks/int4_kernels.py runs these checks through the compiled kernels on
@@ -69,6 +70,16 @@ _CHECK = textwrap.dedent(
         (4, 40, 128, 128, False, torch.bfloat16, False, 17,
          GemmConfig(16, 32, 64, 4, 2, w_first=True)),  # y.T = W @ x.T, one group per tile
         (8, 24, 64, 32, False, torch.float16, True, 18, GemmConfig(16, 16, 32, 4, 2, w_first=True)),
+        # "dq": the tile dequantized to x's dtype in feature order, acc carried through the dots
+        (4, 40, 128, 32, False, torch.bfloat16, True, 17, GemmConfig(32, 32, 64, 4, 2, path="dq")),
+        (4, 48, 128, 64, True, torch.float16, False, 33,
+         GemmConfig(32, 32, 64, 4, 2, path="dq", w_first=True)),  # GGUF-like, tile = group
+        (4, 20, 96, 96, False, torch.bfloat16, True, 18, GemmConfig(32, 32, 64, 4, 2, path="dq")),
+        (8, 24, 128, 32, False, torch.float16, True, 40, GemmConfig(32, 16, 64, 4, 2, path="dq")),
+        # dequantize (one kernel) then F.linear: several groups per tile, a K tail, int8
+        (4, 24, 256, 64, False, torch.bfloat16, True, 20, GemmConfig(0, 16, 128, 4, 1, path="cublas")),
+        (4, 20, 96, 96, True, torch.float16, False, 18, GemmConfig(0, 16, 128, 4, 1, path="cublas")),
+        (8, 24, 128, 32, False, torch.bfloat16, False, 17, GemmConfig(0, 16, 64, 4, 1, path="cublas")),
     )
     for bits, n, k, group, fractional, dtype, with_bias, m, config in CASES:
         packed = packed_weight(n, k, group, bits, fractional)

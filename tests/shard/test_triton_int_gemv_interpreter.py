@@ -58,7 +58,10 @@ _CHECK = textwrap.dedent(
     for bits, k, group, config in ((4, 96, 32, GemvConfig(16, 32, 4, 2, split_k=2)),
                                    (8, 96, 96, GemvConfig(16, 32, 4, 2, split_k=3)),
                                    (4, 128, 16, GemvConfig(16, 64, 4, 2)),
-                                   (8, 128, 32, GemvConfig(16, 64, 4, 2, split_k=2))):
+                                   (8, 128, 32, GemvConfig(16, 64, 4, 2, split_k=2)),
+                                   # int4 re-interleaved in registers, x contiguous
+                                   (4, 96, 32, GemvConfig(16, 32, 4, 2, split_k=2, join=True)),
+                                   (4, 128, 16, GemvConfig(16, 64, 4, 2, join=True))):
         n = 20
         groups = k // group
         q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
