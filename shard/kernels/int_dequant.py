@@ -88,14 +88,21 @@ def scale_tile(q, s, z, NG: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def group_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP: tl.constexpr,
+def group_params(s_ptr, z_ptr, rows, row_mask, k0, k_end, stride_sn, GROUP: tl.constexpr,
                  NG: tl.constexpr):
     """Scales and zeros of the tile at feature k0 in fp32: [BLOCK_N, NG] (NG groups in the tile;
-    NG == 1 also for a tile inside one group)."""
+    NG == 1 also for a tile inside one group); nothing is read where k0 >= k_end (the prefetch
+    past a loop's last tile).
+
+    These are 2-byte loads, one per row: too narrow for cp.async, so Triton's pipeliner leaves
+    them where they stand and every K step would wait a full L2 round trip on them (with x's
+    stride-2 loads, what kept the first GEMV at ~24 % of bandwidth). The loops therefore load the
+    next tile's scales one step ahead into registers (loop-carried)."""
     g = k0 // GROUP + tl.arange(0, NG)  # [NG]
     ptrs = rows[:, None] * stride_sn + g[None, :]
-    s = tl.load(s_ptr + ptrs, mask=row_mask[:, None], other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + ptrs, mask=row_mask[:, None], other=0.0).to(tl.float32)
+    mask = row_mask[:, None] & ((g * 0 + k0) < k_end)[None, :]
+    s = tl.load(s_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
     return s, z
 
 

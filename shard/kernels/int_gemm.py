@@ -98,7 +98,11 @@ def _int_gemm_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y's tile transposed
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    s, z = group_params(s_ptr, z_ptr, rows, row_mask, 0, K, stride_sn, GROUP, NG)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        # the next tile's scales now (int_dequant.group_params: not pipelined otherwise)
+        s_next, z_next = group_params(s_ptr, z_ptr, rows, row_mask, k0 + BLOCK_K,
+                                      K, stride_sn, GROUP, NG)
         if DQ:
             # The standard W4A16 structure: the [BLOCK_N, BLOCK_K] weight tile in feature order,
             # dequantized in registers to x's dtype (exactly PackedInt.dequantize(x.dtype)'s
@@ -107,7 +111,6 @@ def _int_gemm_kernel(
             k = k0 + tl.arange(0, BLOCK_K)
             xt = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
             q = load_joined(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
-            s, z = group_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP, NG)
             w = scale_tile(q, s, z, NG, BITS).to(xt.dtype)  # [BLOCK_N, BLOCK_K]
             if W_FIRST:
                 acc = tl.dot(w, tl.trans(xt), acc)  # [BLOCK_N, BLOCK_M]
@@ -115,7 +118,6 @@ def _int_gemm_kernel(
                 acc = tl.dot(xt, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N]
         else:
             qa, qb = load_halves(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
-            s, z = group_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP, NG)
             if BITS == 4 and X_SPLIT:
                 # one contiguous (vectorized) load, split into even / odd features in registers
                 k = k0 + tl.arange(0, BLOCK_K)
@@ -160,6 +162,7 @@ def _int_gemm_kernel(
                 acc = tl.dot(xa, tl.trans(dequant(qa, s, z, NG).to(xa.dtype)), acc)
                 if BITS == 4:
                     acc = tl.dot(xb, tl.trans(dequant(qb, s, z, NG).to(xb.dtype)), acc)
+        s, z = s_next, z_next
     if W_FIRST:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
@@ -184,7 +187,7 @@ def _dequant_kernel(
     row_mask = rows < N
     k0 = tl.program_id(1) * BLOCK_K
     q = load_joined(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
-    s, z = group_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP, NG)
+    s, z = group_params(s_ptr, z_ptr, rows, row_mask, k0, K, stride_sn, GROUP, NG)
     w = scale_tile(q, s, z, NG, BITS)  # [BLOCK_N, BLOCK_K] fp32
     k = k0 + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + rows.to(tl.int64)[:, None] * K + k[None, :], w.to(w_ptr.dtype.element_ty),

@@ -146,8 +146,11 @@ def _int_gemv_kernel(
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    s, z = group_params(s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_sn, GROUP, NG)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-        s, z = group_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP, NG)
+        # the next tile's scales now (int_dequant.group_params: not pipelined otherwise)
+        s_next, z_next = group_params(s_ptr, z_ptr, rows, row_mask, k0 + BLOCK_K,
+                                      k_hi, stride_sn, GROUP, NG)
         if JOIN or BITS == 8:
             # one [BLOCK_N, BLOCK_K] tile in feature order and x's [ROWS, BLOCK_K] tile as one
             # contiguous (vectorized, cp.async-pipelined) load: no stride-2 loads of x
@@ -161,6 +164,7 @@ def _int_gemv_kernel(
             xa, xb = _x_halves(x_ptr, offs_m, m_mask, k0, K, stride_xm, BLOCK_K, BITS)
             acc += _tile_product(xa, qa, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
             acc += _tile_product(xb, qb, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
+        s, z = s_next, z_next
     out_mask = m_mask[:, None] & row_mask[None, :]
     if SPLIT_K > 1:
         # Partials first, then the counter: the barrier makes every thread's stores precede the
