@@ -242,6 +242,16 @@ def main() -> None:
               f"{ {b: c.as_dict() for b, c in tuned.gemv.items()} }; GEMM "
               f"{ {b: c.as_dict() for b, c in tuned.gemm.items()} }", flush=True)
     report["tuning_s"] = tuning_s
+    from shard.kernels.int_tuning import TIMINGS
+
+    # every candidate's time per shape and bucket (the next round's evidence: which variants win)
+    names = {(n, k): shape for shape, (n, k) in SHAPES.items()}
+    report["candidate_us"] = {f"{names.get((n, k), (n, k))}/{kind}/{bucket}": times
+                              for (n, k, kind, bucket), times in TIMINGS.items()}
+    for key, times in report["candidate_us"].items():
+        ranked = sorted(times.items(), key=lambda kv: kv[1])
+        print(f"candidates {key}: " + "; ".join(f"{us:.1f} {c}" for c, us in ranked[:3])
+              + f" ... slowest {ranked[-1][1]:.1f}", flush=True)
     report["int4_configs"] = {
         s: {"gemv": {b: c.as_dict() for b, c in lins[0]._tuned[torch.bfloat16].gemv.items()},
             "gemm": {b: c.as_dict() for b, c in lins[0]._tuned[torch.bfloat16].gemm.items()}}
@@ -370,6 +380,15 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"| {m} | {s['int4_us'] / 1e3:.3f} | {s['bf16_best_us'] / 1e3:.3f} | "
                      f"{s['speedup_vs_bf16']:.2f} | {s['int4_GBps']:.0f} | {s['pct_copy']:.1f} | "
                      f"{pct_spec} |")
+    lines += ["", "Chosen kernels (GEMV bucket: join / dot / split; GEMM bucket: path BMxBNxBK):"]
+    for shape, cfg in r.get("int4_configs", {}).items():
+        gemv_s = ", ".join(f"{b}: {'j' if c.get('join') else 'h'}{'d' if c['use_dot'] else 'f'}"
+                           f"{c['block_n']}x{c['block_k']}/s{c['split_k']}"
+                           for b, c in cfg["gemv"].items())
+        gemm_s = ", ".join(f"{b}: {c.get('path', 'offset')} {c['block_m']}x{c['block_n']}x"
+                           f"{c['block_k']}{' wf' if c['w_first'] else ''}"
+                           for b, c in cfg["gemm"].items())
+        lines.append(f"- {shape}: GEMV {gemv_s}; GEMM {gemm_s}")
     head = r.get("lm_head_bf16_M1")
     if head:
         lines += ["", (f"bf16 lm_head (128256 x 4096, {head['bytes']:,} B, not in the stacks) "

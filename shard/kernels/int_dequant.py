@@ -61,11 +61,11 @@ def load_joined(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K: tl.constexpr,
                 BITS: tl.constexpr):
     """The weight tile at input features [k0, k0 + BLOCK_K) of `rows` in feature order,
     [BLOCK_N, BLOCK_K] uint8: int4 nibbles re-interleaved in registers (tl.join + reshape: byte j's
-    low nibble is feature k0 + 2j, its high one k0 + 2j + 1), so that x's tile is one contiguous
+    low nibble is feature k0 + 2j, its high one k0 + 2j + 1; a register-level shuffle), so that x's tile is one contiguous
     load (16-byte vectors, pipelined by cp.async) instead of two stride-2 ones."""
     lo, hi = load_halves(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
     if BITS == 4:
-        return tl.reshape(tl.join(lo, hi), [lo.shape[0], BLOCK_K])
+        return tl.interleave(lo, hi)  # [BLOCK_N, BLOCK_K]: tl.join + reshape
     else:
         return lo
 

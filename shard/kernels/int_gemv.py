@@ -237,7 +237,8 @@ _DOT = (
     *(GemvConfig(bn, bk, w, st, sk, use_dot=True, join=True)
       for bn, bk, w, st, sk in (
           (32, 128, 4, 4, 1), (64, 128, 4, 4, 1), (128, 128, 8, 3, 1), (32, 128, 4, 4, 2),
-          (64, 128, 4, 4, 2), (32, 128, 4, 4, 4), (64, 128, 4, 3, 4), (64, 32, 4, 6, 1),
+          (64, 128, 4, 4, 2), (32, 128, 4, 4, 4), (64, 128, 4, 3, 4), (128, 128, 8, 3, 4),
+          (64, 32, 4, 6, 1),
       )),
     *(GemvConfig(bn, bk, w, st, sk, use_dot=True)
       for bn, bk, w, st, sk in (
@@ -247,9 +248,14 @@ _DOT = (
 )
 
 
+_DOT_FOR_M1 = 8  # the join tensor-core candidates, also timed at batch 1
+
+
 def candidates(m: int, group_size: int, in_features: int) -> list[GemvConfig]:
     """The tuning candidates for a batch of m rows whose K tiles line up with the groups."""
-    pool = [*_FMA, _DOT[0]] if m == 1 else list(_DOT)
+    # batch 1 also tries the tensor cores (x padded to 16 rows): fewer instructions per weight
+    # than the CUDA-core FMA path, which needs ~5 per int4 weight and nears the ALU limit
+    pool = [*_FMA, *_DOT[:_DOT_FOR_M1]] if m == 1 else list(_DOT)
     fits = [c for c in pool if tile_fits(c.block_k, group_size, in_features)]
     if not fits:  # e.g. group 32 with K not a multiple of 128: the largest tile that lines up
         block_k = pick_block_k(group_size, in_features)

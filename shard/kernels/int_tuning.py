@@ -6,7 +6,8 @@ bucket, at warm-up (eagerly: compiles and host syncs), never while a CUDA graph 
   runs it (shard/kernels/graph_timing.py: ramp-up and tails show there); the other buckets with
   Triton's do_bench, L2 cleared before each call (shard/kernels/gemv.py's bench_us).
 - GEMM (shard/kernels/int_gemm.py), buckets GEMM_M_BUCKETS (32 .. 4096, the next power of two of
-  M): do_bench.
+  M): do_bench; the candidates include dequantize-then-cuBLAS (int_gemm's "cublas" path), so no
+  bucket runs slower than that.
 Every chosen config is then launched once at its bucket's batch, which loads its kernel on the
 device; a later launch at any M of the bucket hits the same compiled kernel (M is not
 specialized on), so CUDA-graph capture launches nothing new.
@@ -108,6 +109,9 @@ def kernel_version() -> str:
 
 
 _MEMO: dict[tuple, IntTuning] = {}
+# Every timed candidate of the tunings this process ran: (N, K, "gemv" | "gemm", bucket) ->
+# {config: microseconds} (inf: failed to compile or run). For benchmarks/int4_kernels.py's report.
+TIMINGS: dict[tuple[int, int, str, int], dict[str, float]] = {}
 
 
 def tune_int_linear(w: IntWeightView, dtype: torch.dtype) -> IntTuning:
@@ -177,15 +181,17 @@ def _tune(w: IntWeightView, dtype: torch.dtype) -> IntTuning:
         x = torch.randn((bucket, k), dtype=dtype, device=device)
         pool = int_gemv.candidates(bucket, w.group_size, k)
         if bucket == 1:
-            gemv[bucket], _ = _fastest(
+            gemv[bucket], times = _fastest(
                 lambda c, x=x: time_in_graph_us(lambda q, c=c: w.gemv(x, c, q), views), pool)
         else:
-            gemv[bucket], _ = _fastest(lambda c, x=x: bench_us(lambda: w.gemv(x, c)), pool)
+            gemv[bucket], times = _fastest(lambda c, x=x: bench_us(lambda: w.gemv(x, c)), pool)
+        TIMINGS[(w.qweight.shape[0], k, "gemv", bucket)] = times
     gemm: dict[int, GemmConfig] = {}
     for bucket in GEMM_M_BUCKETS:
         x = torch.randn((bucket, k), dtype=dtype, device=device)
-        gemm[bucket], _ = _fastest(lambda c, x=x: bench_us(lambda: w.gemm(x, c)),
-                                   int_gemm.candidates(bucket, w.group_size, k))
+        gemm[bucket], times = _fastest(lambda c, x=x: bench_us(lambda: w.gemm(x, c)),
+                                       int_gemm.candidates(bucket, w.group_size, k))
+        TIMINGS[(w.qweight.shape[0], k, "gemm", bucket)] = times
     return IntTuning(gemv, gemm)
 
 
