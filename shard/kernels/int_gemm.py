@@ -196,7 +196,7 @@ def _dequant_kernel(
 
 def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       group_size: int, k: int, dtype: torch.dtype, bits: int = 4,
-                      block_n: int = 64, block_k: int = 128) -> torch.Tensor:
+                      block_n: int = 64, block_k: int = 128, warps: int = 4) -> torch.Tensor:
     """[N, K] in `dtype`: PackedInt.dequantize(dtype) in one kernel (a write of 2 bytes per
     weight instead of torch's several passes). The result comes from the caching allocator, so
     inside a CUDA-graph capture it lives in the graph's pool; no host sync."""
@@ -206,7 +206,7 @@ def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.
     _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         qweight, scales, zeros, w, n, k, qweight.stride(0), scales.stride(0),
         GROUP=kernel_group(group_size, k), NG=groups_per_tile(block_k, group_size, k),
-        BLOCK_N=block_n, BLOCK_K=block_k, BITS=bits, num_warps=4,
+        BLOCK_N=block_n, BLOCK_K=block_k, BITS=bits, num_warps=warps,
     )
     return w
 
@@ -266,25 +266,35 @@ _OFFSET = tuple(
         (32, 32, 128, 4, 4, False, False), (64, 32, 128, 4, 4, False, True),
     )
 )
-# dequantize then cuBLAS; bucket-independent (block_m unused)
-_CUBLAS = (GemmConfig(0, 32, 128, 4, 1, path="cublas"),)
-_CONFIGS = (*_DQ, *_OFFSET, *_CUBLAS)
+# dequantize then cuBLAS, bucket-independent: block_m unused, block_n x block_k the dequantizing
+# kernel's tile, block_k the largest K tile that lines up with the groups (candidates)
+_CUBLAS_TILES = ((32, 4), (64, 8))  # (block_n, warps)
+# The "offset" path reads x with stride-2 loads that cannot be pipelined
+# (tests/shard/test_int_kernels_sm90_ptx.py): timed only up to this bucket, where it was chosen.
+_OFFSET_MAX_M = 128
+_CONFIGS = (*_DQ, *_OFFSET)
 
 
 def candidates(m: int, group_size: int, in_features: int) -> list[GemmConfig]:
     """The candidates for a bucket of m rows whose K tiles line up with the groups (tiles taller
-    than twice the bucket would mostly multiply padding), the dequantize-then-cuBLAS one last."""
+    than twice the bucket would mostly multiply padding), the dequantize-then-cuBLAS ones last;
+    [] where no K tile lines up."""
+    block_k = _largest_tile(group_size, in_features)
+    if block_k is None:
+        return []
     fits = [c for c in _CONFIGS if tile_fits(c.block_k, group_size, in_features)]
-    if all(c.path == "cublas" for c in fits):
-        # e.g. group 32 with K not a multiple of 64: the largest tile that lines up (>= 32: the
-        # loads' alignment hint, int_dequant.load_halves)
-        block_k = next((bk for bk in (128, 64, 32)
-                        if tile_fits(bk, group_size, in_features)), None)
-        fits = [] if block_k is None else [
-            *(GemmConfig(bm, 64, block_k, 4, 3, path="dq") for bm in (32, 64, 128)),
-            GemmConfig(0, 32, block_k, 4, 1, path="cublas")]
-    sized = [c for c in fits if c.block_m <= max(2 * m, 32)]
-    return sized or fits
+    if not fits:  # e.g. group 32 with K not a multiple of 64: the largest tile that lines up
+        fits = [GemmConfig(bm, 64, block_k, 4, 3, path="dq") for bm in (32, 64, 128)]
+    sized = [c for c in fits if c.block_m <= max(2 * m, 32)
+             and (c.path != "offset" or m <= _OFFSET_MAX_M)]
+    return [*(sized or fits),
+            *(GemmConfig(0, bn, block_k, w, 1, path="cublas") for bn, w in _CUBLAS_TILES)]
+
+
+def _largest_tile(group_size: int, k: int) -> int | None:
+    """The largest K tile (>= 32: the loads' alignment hint, int_dequant.load_halves) that lines
+    up with the groups."""
+    return next((bk for bk in (128, 64, 32) if tile_fits(bk, group_size, k)), None)
 
 
 def default_config(m: int, group_size: int, in_features: int) -> GemmConfig:
@@ -315,7 +325,7 @@ def int_gemm(
         config = default_config(gemm_bucket(m), group_size, k)
     if config.path == "cublas":
         w = dequantize_weight(qweight, scales, zeros, group_size, k, x.dtype, bits,
-                              config.block_n, config.block_k)
+                              config.block_n, config.block_k, config.warps)
         return torch.nn.functional.linear(x, w, bias)
     if config.block_k < 32:  # the loads' alignment hint (int_dequant.load_halves)
         raise ValueError(f"int_gemm: K tile {config.block_k} below 32")
