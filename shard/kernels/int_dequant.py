@@ -5,10 +5,14 @@ Layout (shard/quantization/int_weights.py, PackedInt): qweight [N, K/2] uint8 fo
 column 2j in the low nibble of byte j and 2j+1 in the high one; [N, K] uint8 for int8; scales and
 zeros [N, G]; w[n, k] = (q[n, k] - zeros[n, k // GROUP]) * scales[n, k // GROUP].
 
-No nibble interleaving: an int4 tile of BLOCK_K input features is kept as two halves, the low
-nibbles (features k0 + 2j) and the high ones (k0 + 2j + 1), each [BLOCK_N, BLOCK_K / 2], and the
-kernels load x's even and odd columns to match (a dot product does not care about the order of its
-terms). That avoids tl.join + reshape, whose layout shuffle goes through shared memory.
+Two tile forms. Halves (the first version's): an int4 tile of BLOCK_K input features kept as the
+low nibbles (features k0 + 2j) and the high ones (k0 + 2j + 1), each [BLOCK_N, BLOCK_K / 2], with
+x's even and odd columns loaded to match; those stride-2 loads of x are too narrow for cp.async,
+so they stall every K step (tests/shard/test_int_kernels_sm90_ptx.py). Joined (`load_joined`):
+the nibbles re-interleaved in registers (tl.interleave) into the [BLOCK_N, BLOCK_K] tile in
+feature order, x's tile one contiguous, pipelined load; `scale_tile` then dequantizes it with one
+FMA per weight. Scales and zeros are 2-byte loads per row, not pipelined either: the kernels load
+them one K step ahead.
 
 Groups: a tile either lies inside one group (GROUP % BLOCK_K == 0, or one group per row: the
 scale and zero are a [BLOCK_N] vector per tile) or holds BLOCK_K / GROUP whole groups (BLOCK_K %

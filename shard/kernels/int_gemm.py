@@ -4,20 +4,26 @@ decode batches and prefill, without materializing a 16-bit copy of the weight.
 y[M, N] = x[M, K] @ W[N, K].T (+ bias[N]), x bf16/fp16, y in x's dtype, W in the internal layout
 of shard/quantization/int_weights.py (tile loads: shard/kernels/int_dequant.py).
 
-Why: the alternative (IntLinear's CPU path) dequantizes the whole [N, K] weight to bf16 on every
-call and then runs cuBLAS: it writes and re-reads 4x the int4 bytes, more than bf16 itself costs.
+Why: dequantizing the whole [N, K] weight to bf16 and then running cuBLAS writes and re-reads 4x
+the int4 bytes, more than bf16 itself costs at decode sizes; at prefill sizes it is a fair
+fallback, so it is one of the timed candidates.
 
 Design:
 - Output tiles [BLOCK_M, BLOCK_N], grouped along M (GROUP_M tiles of M share a column of weight
   tiles, so a weight tile is read from DRAM once and from L2 by its neighbours).
-- Per K tile: the packed bytes [BLOCK_N, BLOCK_K / 2] split into low and high nibbles (features
-  k0 + 2j and k0 + 2j + 1), multiplied with x's matching even / odd columns by tl.dot. A tile
-  inside one group takes the weights as OFF + q, made exact in x's dtype by OR-ing q into the
-  mantissa of a power of two (int_dequant.offset_weights: no int-to-float conversion, a
-  quarter-rate instruction on Hopper), and corrects the [BLOCK_M, BLOCK_N] partial product in
-  fp32: acc += (part - sum(x) * (OFF + z)) * s, i.e. exact weights, fractional zero points
-  (GGUF Q4_1 / Q4_K) included. Tiles of several groups (and int8 weights with bf16 x) dequantize
-  in fp32 and round the weight to x's dtype, as PackedInt.dequantize(x.dtype) does.
+- Paths (GemmConfig.path, each a tuning candidate):
+  "dq": per K tile the [BLOCK_N, BLOCK_K] weight tile in feature order (int_dequant.load_joined),
+  dequantized in registers to x's dtype with one FMA per weight (int_dequant.scale_tile: exactly
+  PackedInt.dequantize(x.dtype)'s rounding), x's tile one contiguous cp.async-pipelined load, and
+  acc = dot(x, w.T, acc) (or the transpose, weight as the MMA's A operand): the accumulator stays
+  in the MMA chain and the K loop pipelines (the structure of the Triton AWQ / GPTQ kernels).
+  "cublas": one kernel dequantizes the whole weight to x's dtype into a temporary (from the
+  caching allocator: CUDA-graph safe, no host sync), then F.linear: for prefill sizes, where
+  cuBLAS's tensor-core rate outweighs writing and re-reading the 16-bit weight.
+  "offset" (the first version, slow: x read with stride-2 loads, a fresh MMA chain and an fp32
+  correction per tile): the packed bytes split into low and high nibbles multiplied with x's
+  even / odd columns as OFF + q made exact in x's dtype by bit operations, then
+  acc += (part - sum(x) * (OFF + z)) * s; timed only for buckets up to 128 rows.
 - Tiles either lie inside one group or hold whole groups (int_dequant.tile_fits).
 - Configs are chosen per M bucket (next power of two, 32..4096) by measured time at warm-up
   (shard/kernels/int_tuning.py), never while a CUDA graph is captured; launches pass the chosen

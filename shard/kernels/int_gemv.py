@@ -29,7 +29,9 @@ Design:
 - Tiles of several groups (BLOCK_K a multiple of GROUP, e.g. GROUP 32): the tile is dequantized
   in fp32 per group ((q - z) * s), then reduced (M == 1) or cast to x's dtype for the dot.
 - Loads: 16-byte vectors of packed bytes along K (contiguous, evict-first: read once), software
-  pipelined over STAGES through tl.range.
+  pipelined over STAGES through tl.range (cp.async). `join` candidates re-interleave the nibbles
+  in registers so that x's tile is one contiguous pipelined load too (the halves form reads x
+  with stride-2 loads that stall every K step); scales and zeros are loaded one K step ahead.
 
 Candidates (`candidates`, per batch bucket) are picked by measured time at warm-up, never during a
 CUDA-graph capture (shard/kernels/int_tuning.py). The kernel runs under TRITON_INTERPRET=1 on CPU

@@ -212,8 +212,9 @@ class IntLinear(nn.Module):
 
     CUDA, int4 or int8, groups of equal length that K tiles line up with: Triton kernels that
     dequantize in registers, a GEMV up to GEMV_MAX_M rows (shard/kernels/int_gemv.py) and a
-    dequant-fused GEMM above (shard/kernels/int_gemm.py), each launched with the config tuned for
-    the batch's bucket (shard/kernels/int_tuning.py, at the first eager call). Anywhere else (CPU;
+    dequant-fused GEMM above (shard/kernels/int_gemm.py; or one dequantizing kernel and cuBLAS
+    where that measured faster), each launched with the config tuned for the batch's bucket
+    (shard/kernels/int_tuning.py, at the first eager call). Anywhere else (CPU;
     unequal groups of an act-order row-parallel slice): the weight is dequantized to the
     activation dtype and multiplied with F.linear; what the CPU tests check."""
 
