@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One nvidia-h100-x1 (or H200) call, < 8 minutes (issue 40, W4A16 kernels; typically ~4):
+# One nvidia-h100-x1 (or H200) call, < 10 minutes at worst (issue 40, W4A16 kernels; expected ~5:
+# the GPU test compiles every candidate once, the benchmark then finds them in the Triton cache):
 #   1. tests/gpu/test_int_kernels_cuda.py: IntLinear's tuned GEMV / GEMM captured in CUDA graphs
 #      at batches 1..200 (int4 g128, GGUF-like group 32 with fractional zeros, int8), replayed
 #      against fp32 references;
@@ -11,10 +12,10 @@
 set -u
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv
-timeout 170 python3 -m pytest -q -m gpu tests/gpu/test_int_kernels_cuda.py -p no:cacheprovider -rA \
+timeout 220 python3 -m pytest -q -m gpu tests/gpu/test_int_kernels_cuda.py -p no:cacheprovider -rA \
   > "$OUT/int4_gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -15 "$OUT/int4_gpu_tests.log"
-timeout 300 python3 benchmarks/int4_kernels.py --out "$OUT" > "$OUT/int4_kernels.log" 2>&1
+timeout 330 python3 benchmarks/int4_kernels.py --out "$OUT" > "$OUT/int4_kernels.log" 2>&1
 echo "bench rc=$?"
 grep -E "check|CHECK|split-K|tuning|stack|lm_head|Targets|candidate .* failed" "$OUT/int4_kernels.log" | tail -30
 tail -40 "$OUT/int4_kernels.log"
