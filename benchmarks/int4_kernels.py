@@ -380,9 +380,11 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"| {m} | {s['int4_us'] / 1e3:.3f} | {s['bf16_best_us'] / 1e3:.3f} | "
                      f"{s['speedup_vs_bf16']:.2f} | {s['int4_GBps']:.0f} | {s['pct_copy']:.1f} | "
                      f"{pct_spec} |")
-    lines += ["", "Chosen kernels (GEMV bucket: join / dot / split; GEMM bucket: path BMxBNxBK):"]
+    lines += ["", ("Chosen kernels (GEMV bucket: w(ords) / j(oin) / h(alves), d(ot) / f(ma), "
+                   "BNxBK / split-K; GEMM bucket: path BMxBNxBK, wf = weight first):")]
     for shape, cfg in r.get("int4_configs", {}).items():
-        gemv_s = ", ".join(f"{b}: {'j' if c.get('join') else 'h'}{'d' if c['use_dot'] else 'f'}"
+        gemv_s = ", ".join(f"{b}: {'w' if c.get('words') else 'j' if c.get('join') else 'h'}"
+                           f"{'d' if c['use_dot'] else 'f'}"
                            f"{c['block_n']}x{c['block_k']}/s{c['split_k']}"
                            for b, c in cfg["gemv"].items())
         gemm_s = ", ".join(f"{b}: {c.get('path', 'offset')} {c['block_m']}x{c['block_n']}x"

@@ -12,10 +12,10 @@
 set -u
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv
-timeout 220 python3 -m pytest -q -m gpu tests/gpu/test_int_kernels_cuda.py -p no:cacheprovider -rA \
+timeout 250 python3 -m pytest -q -m gpu tests/gpu/test_int_kernels_cuda.py -p no:cacheprovider -rA \
   > "$OUT/int4_gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -15 "$OUT/int4_gpu_tests.log"
-timeout 330 python3 benchmarks/int4_kernels.py --out "$OUT" > "$OUT/int4_kernels.log" 2>&1
+timeout 300 python3 benchmarks/int4_kernels.py --out "$OUT" > "$OUT/int4_kernels.log" 2>&1
 echo "bench rc=$?"
 grep -E "check|CHECK|split-K|tuning|stack|lm_head|Targets|candidate .* failed" "$OUT/int4_kernels.log" | tail -30
 tail -40 "$OUT/int4_kernels.log"

@@ -5,8 +5,9 @@ that waits a full memory round trip each step.
 Why: the first W4A16 kernels ran at 24 % of copy bandwidth (GEMV) and 0.15x bf16 (GEMM) on an
 H100 (benchmarks/raw/round10/int4/): x's even / odd columns were read with stride-2 loads, too
 narrow for cp.async, so every K step waited on synchronous global loads (38-80 ld.global in the
-compiled loop). The "dq" GEMM and the "join" GEMV load x's tile contiguously and the scales one
-step ahead; what is left as ld.global are those scale / zero loads (<= 8 instructions).
+compiled loop). The "dq" GEMM and the "join" / "words" GEMV load x's tile contiguously and the
+scales one step ahead; what is left as ld.global are those scale / zero loads (<= 8
+instructions).
 
 Compiled with the specialization a real launch gets (16-byte aligned pointers, sizes and
 strides divisible by 16), with the ptxas Triton ships; skipped where Triton has no CUDA backend.
@@ -69,7 +70,8 @@ def test_dq_gemm_k_loop_is_pipelined() -> None:
     assert loads <= 8, f"{loads} synchronous global loads (only scales / zeros expected)"
 
 
-def test_join_gemv_k_loop_is_pipelined() -> None:
+@pytest.mark.parametrize("form", ["join", "words"])
+def test_gemv_k_loop_is_pipelined(form: str) -> None:
     from shard.kernels import int_gemv
 
     types = {**_PTRS, "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32",
@@ -77,7 +79,9 @@ def test_join_gemv_k_loop_is_pipelined() -> None:
              "stride_sn": "i32", "stride_ym": "i32"}
     consts = {"GROUP": 128, "NG": 1, "ROWS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1,
               "STAGES": 3, "HAS_BIAS": False, "USE_DOT": False, "BITS": 4, "INT_ZEROS": True,
-              "X_KIND": 2, "OFFSET": True, "JOIN": True}
+              "X_KIND": 2, "OFFSET": True, "JOIN": form == "join", "WORDS": form == "words"}
+    if form == "words":
+        consts["BLOCK_N"] = 256
     ptx = _compile(int_gemv._int_gemv_kernel, types, consts, warps=8, stages=3)
     assert re.search(r"cp\.async\.c[ag]\.shared\.global", ptx), "weight / x tiles not cp.async"
     loads = len(re.findall(r"ld\.global", ptx))

@@ -61,7 +61,10 @@ _CHECK = textwrap.dedent(
                                    (8, 128, 32, GemvConfig(16, 64, 4, 2, split_k=2)),
                                    # int4 re-interleaved in registers, x contiguous
                                    (4, 96, 32, GemvConfig(16, 32, 4, 2, split_k=2, join=True)),
-                                   (4, 128, 16, GemvConfig(16, 64, 4, 2, join=True))):
+                                   (4, 128, 16, GemvConfig(16, 64, 4, 2, join=True)),
+                                   # batch 1: int32 words (M = 5 falls back to the join tile)
+                                   (4, 128, 64, GemvConfig(16, 64, 4, 2, split_k=2, words=True)),
+                                   (4, 96, 96, GemvConfig(16, 128, 4, 2, words=True))):
         n = 20
         groups = k // group
         q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
