@@ -92,6 +92,44 @@ def scale_tile(q, s, z, NG: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def load_words(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K: tl.constexpr):
+    """int4 only: the tile's packed bytes as int32 words, [BLOCK_N, BLOCK_K / 8]; nibble i of
+    word c is feature k0 + 8c + i (bytes little-endian, low nibble first). Needs K % 32 == 0
+    and 16-byte aligned rows (callers check)."""
+    w_ptr = q_ptr.to(tl.pointer_type(tl.int32))
+    offs_w = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), 4),
+                               BLOCK_K // 8)
+    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * (stride_qn // 4) + offs_w[None, :],
+                   mask=row_mask[:, None] & (offs_w < K // 8)[None, :], other=0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def _nibble_weights(words, s, c, I: tl.constexpr, DTYPE: tl.constexpr):
+    """(q - z) * s of nibble I of every word, rounded to DTYPE: [BLOCK_N, BLOCK_K / 8]."""
+    v = (((words >> (4 * I)) & 0xF) << 16 | (134 << 23)).to(tl.float32, bitcast=True)
+    return (v * s + c).to(DTYPE)
+
+
+@triton.jit
+def words_tile(words, s, z, DTYPE: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile in feature order and DTYPE from load_words' words and
+    one group's s, z [BLOCK_N, 1] (fp32): per weight one shift and one LOP3 (128 + q in fp32
+    bits), one FMA and half a pack instruction, then three interleaves (register moves) back
+    into feature order."""
+    c = -(z + 128.0) * s
+    e0 = tl.interleave(_nibble_weights(words, s, c, 0, DTYPE),
+                       _nibble_weights(words, s, c, 4, DTYPE))  # nibbles 0 4
+    e1 = tl.interleave(_nibble_weights(words, s, c, 2, DTYPE),
+                       _nibble_weights(words, s, c, 6, DTYPE))  # 2 6
+    o0 = tl.interleave(_nibble_weights(words, s, c, 1, DTYPE),
+                       _nibble_weights(words, s, c, 5, DTYPE))  # 1 5
+    o1 = tl.interleave(_nibble_weights(words, s, c, 3, DTYPE),
+                       _nibble_weights(words, s, c, 7, DTYPE))  # 3 7
+    return tl.interleave(tl.interleave(e0, e1), tl.interleave(o0, o1))  # 0 1 2 .. 7 per word
+
+
+@triton.jit
 def group_params(s_ptr, z_ptr, rows, row_mask, k0, k_end, stride_sn, GROUP: tl.constexpr,
                  NG: tl.constexpr):
     """Scales and zeros of the tile at feature k0 in fp32: [BLOCK_N, NG] (NG groups in the tile;
@@ -180,5 +218,5 @@ def kernel_group(group: int, k: int) -> int:
 
 
 __all__ = ["dequant", "group_params", "groups_per_tile", "kernel_group", "load_halves",
-           "load_joined", "offset_ok", "offset_weights", "offset_zero", "scale_tile", "tile_fits",
-           "triton", "x_kind"]
+           "load_joined", "load_words", "offset_ok", "offset_weights", "offset_zero", "scale_tile", "tile_fits",
+           "triton", "words_tile", "x_kind"]

@@ -35,7 +35,7 @@ Runs under TRITON_INTERPRET=1 on CPU tensors (tests/shard/test_triton_int_gemm_i
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import triton
@@ -48,11 +48,13 @@ from shard.kernels.int_dequant import (
     kernel_group,
     load_halves,
     load_joined,
+    load_words,
     offset_ok,
     offset_weights,
     offset_zero,
     scale_tile,
     tile_fits,
+    words_tile,
     x_kind,
 )
 
@@ -85,6 +87,7 @@ def _int_gemm_kernel(
     X_KIND: tl.constexpr,  # int_dequant.x_kind: fp16 1, bf16 2
     OFFSET: tl.constexpr,  # int_dequant.offset_ok: weights made exact in x's dtype by bit ops
     DQ: tl.constexpr,  # GemmConfig.path "dq": weight tile dequantized to x's dtype, one MMA chain
+    WORDS: tl.constexpr,  # GemmConfig.words ("dq", int4, NG 1): the tile built from int32 words
 ):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -116,8 +119,12 @@ def _int_gemm_kernel(
             # MMAs (acc = dot(a, b, acc): no per-tile fp32 epilogue, so the K loop pipelines).
             k = k0 + tl.arange(0, BLOCK_K)
             xt = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
-            q = load_joined(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
-            w = scale_tile(q, s, z, NG, BITS).to(xt.dtype)  # [BLOCK_N, BLOCK_K]
+            if WORDS:
+                words = load_words(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K)
+                w = words_tile(words, s, z, xt.dtype)  # [BLOCK_N, BLOCK_K]
+            else:
+                q = load_joined(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
+                w = scale_tile(q, s, z, NG, BITS).to(xt.dtype)  # [BLOCK_N, BLOCK_K]
             if W_FIRST:
                 acc = tl.dot(w, tl.trans(xt), acc)  # [BLOCK_N, BLOCK_M]
             else:
@@ -242,6 +249,9 @@ class GemmConfig:
     # "cublas": the whole weight dequantized to x's dtype into a temporary (block_n x block_k
     # tiles), then F.linear: never slower than that at any M, as a timed candidate.
     path: str = "offset"
+    # "dq", int4, tiles inside one group, K % 32 == 0: the tile built from int32 words
+    # (int_dequant.words_tile: ~4 instructions per weight instead of the byte-wise ~9)
+    words: bool = False
 
     def as_dict(self) -> dict[str, int | bool | str]:
         return asdict(self)
@@ -264,6 +274,16 @@ _DQ = tuple(
         (32, 128, 128, 4, 3, True), (64, 128, 64, 4, 4, True), (128, 256, 64, 8, 3, True),
     )
 )
+# the same tiles built from int32 words (tiles inside one group: int_dequant.words_tile)
+_DQ_WORDS = tuple(
+    GemmConfig(bm, bn, bk, w, st, path="dq", w_first=wf, words=True)
+    for bm, bn, bk, w, st, wf in (
+        (32, 64, 128, 4, 4, False), (32, 128, 128, 4, 3, False), (64, 64, 128, 4, 4, False),
+        (64, 128, 64, 4, 4, False), (64, 128, 128, 4, 3, False), (64, 256, 64, 8, 3, False),
+        (128, 128, 64, 8, 3, False), (128, 128, 128, 8, 3, False), (128, 256, 64, 8, 3, False),
+        (256, 128, 64, 8, 3, False), (32, 128, 128, 4, 3, True), (64, 128, 64, 4, 4, True),
+    )
+)
 _OFFSET = tuple(
     GemmConfig(bm, bn, bk, w, st, x_split=xs, w_first=wf)
     for bm, bn, bk, w, st, xs, wf in (
@@ -278,7 +298,7 @@ _CUBLAS_TILES = ((32, 4), (64, 8))  # (block_n, warps)
 # The "offset" path reads x with stride-2 loads that cannot be pipelined
 # (tests/shard/test_int_kernels_sm90_ptx.py): timed only up to this bucket, where it was chosen.
 _OFFSET_MAX_M = 128
-_CONFIGS = (*_DQ, *_OFFSET)
+_CONFIGS = (*_DQ, *_DQ_WORDS, *_OFFSET)
 
 
 def candidates(m: int, group_size: int, in_features: int) -> list[GemmConfig]:
@@ -288,7 +308,9 @@ def candidates(m: int, group_size: int, in_features: int) -> list[GemmConfig]:
     block_k = _largest_tile(group_size, in_features)
     if block_k is None:
         return []
-    fits = [c for c in _CONFIGS if tile_fits(c.block_k, group_size, in_features)]
+    fits = [c for c in _CONFIGS if tile_fits(c.block_k, group_size, in_features)
+            and (not c.words or (in_features % 32 == 0
+                                 and groups_per_tile(c.block_k, group_size, in_features) == 1))]
     if not fits:  # e.g. group 32 with K not a multiple of 64: the largest tile that lines up
         fits = [GemmConfig(bm, 64, block_k, 4, 3, path="dq") for bm in (32, 64, 128)]
     sized = [c for c in fits if c.block_m <= max(2 * m, 32)
@@ -335,6 +357,9 @@ def int_gemm(
         return torch.nn.functional.linear(x, w, bias)
     if config.block_k < 32:  # the loads' alignment hint (int_dequant.load_halves)
         raise ValueError(f"int_gemm: K tile {config.block_k} below 32")
+    if config.words and (bits != 4 or k % 32 or qweight.stride(0) % 16 or qweight.data_ptr() % 16
+                         or groups_per_tile(config.block_k, group_size, k) != 1):
+        config = replace(config, words=False)  # the same tile, read byte-wise
     if not tile_fits(config.block_k, group_size, k):
         raise ValueError(f"int_gemm: K tile {config.block_k} does not fit group size "
                          f"{group_size} (K {k})")
@@ -363,6 +388,7 @@ def int_gemm(
         X_KIND=x_kind(x.dtype),
         OFFSET=offset_ok(bits, x_kind(x.dtype)),
         DQ=config.path == "dq",
+        WORDS=config.words,
         num_warps=config.warps,
         num_stages=config.stages,
     )

@@ -55,14 +55,15 @@ _PTRS = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16", "
          "y_ptr": "*bf16"}
 
 
-def test_dq_gemm_k_loop_is_pipelined() -> None:
+@pytest.mark.parametrize("words", [False, True])
+def test_dq_gemm_k_loop_is_pipelined(words: bool) -> None:
     from shard.kernels import int_gemm
 
     types = {**_PTRS, "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_qn": "i32",
              "stride_sn": "i32", "stride_ym": "i32"}
     consts = {"GROUP": 128, "NG": 1, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
               "STAGES": 3, "HAS_BIAS": False, "BITS": 4, "X_SPLIT": False, "W_FIRST": False,
-              "X_KIND": 2, "OFFSET": True, "DQ": True}
+              "X_KIND": 2, "OFFSET": True, "DQ": True, "WORDS": words}
     ptx = _compile(int_gemm._int_gemm_kernel, types, consts, warps=8, stages=3)
     assert re.search(r"cp\.async\.c[ag]\.shared\.global", ptx), "x / weight tiles not cp.async"
     assert "wgmma.mma_async" in ptx  # Hopper's asynchronous MMA, accumulator kept in it

@@ -76,6 +76,14 @@ _CHECK = textwrap.dedent(
          GemmConfig(32, 32, 64, 4, 2, path="dq", w_first=True)),  # GGUF-like, tile = group
         (4, 20, 96, 96, False, torch.bfloat16, True, 18, GemmConfig(32, 32, 64, 4, 2, path="dq")),
         (8, 24, 128, 32, False, torch.float16, True, 40, GemmConfig(32, 16, 64, 4, 2, path="dq")),
+        # the tile built from int32 words (8 nibbles each), one group per tile; 2 groups per
+        # tile falls back to the byte-wise tile
+        (4, 40, 256, 128, False, torch.bfloat16, True, 17,
+         GemmConfig(32, 32, 64, 4, 2, path="dq", words=True)),
+        (4, 24, 128, 64, True, torch.float16, False, 20,
+         GemmConfig(16, 32, 64, 4, 2, path="dq", w_first=True, words=True)),
+        (4, 24, 128, 32, False, torch.bfloat16, False, 18,
+         GemmConfig(16, 32, 64, 4, 2, path="dq", words=True)),
         # dequantize (one kernel) then F.linear: several groups per tile, a K tail, int8
         (4, 24, 256, 64, False, torch.bfloat16, True, 20, GemmConfig(0, 16, 128, 4, 1, path="cublas")),
         (4, 20, 96, 96, True, torch.float16, False, 18, GemmConfig(0, 16, 128, 4, 1, path="cublas")),
