@@ -17,6 +17,9 @@ Design:
   PackedInt.dequantize(x.dtype)'s rounding), x's tile one contiguous cp.async-pipelined load, and
   acc = dot(x, w.T, acc) (or the transpose, weight as the MMA's A operand): the accumulator stays
   in the MMA chain and the K loop pipelines (the structure of the Triton AWQ / GPTQ kernels).
+  `words` candidates build the tile from int32 words instead of bytes (int_dequant.words_tile:
+  fewer instructions per weight, which matters at 64..256 rows where dequantizing is ~half the
+  work).
   "cublas": one kernel dequantizes the whole weight to x's dtype into a temporary (from the
   caching allocator: CUDA-graph safe, no host sync), then F.linear: for prefill sizes, where
   cuBLAS's tensor-core rate outweighs writing and re-reading the 16-bit weight.

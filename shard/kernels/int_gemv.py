@@ -32,6 +32,8 @@ Design:
   pipelined over STAGES through tl.range (cp.async). `join` candidates re-interleave the nibbles
   in registers so that x's tile is one contiguous pipelined load too (the halves form reads x
   with stride-2 loads that stall every K step); scales and zeros are loaded one K step ahead.
+  Batch 1's `words` candidates read the packed row as int32 words (_words_row_product): the
+  CUDA-core dot is ALU-bound otherwise (~9 instructions per weight byte-wise, ~5 this way).
 
 Candidates (`candidates`, per batch bucket) are picked by measured time at warm-up, never during a
 CUDA-graph capture (shard/kernels/int_tuning.py). The kernel runs under TRITON_INTERPRET=1 on CPU
