@@ -2,8 +2,8 @@
 embedding / LM head are shard.layers.embedding's vocabulary-sliced layers).
 
 A [vocab, hidden] table stored quantized (a GGUF snapshot's Q8_0 / Q4_* token embedding kept
-packed by shard/tools/gguf_repack.py, or a compressed-tensors `pack-quantized` lm_head /
-embed_tokens) is read as the linears are (int_weights.UnpackedInt: vocabulary rows are the
+packed by shard/tools/gguf_repack.py, a compressed-tensors `pack-quantized` lm_head /
+embed_tokens, a GPTQ / AWQ lm_head) is read as the linears are (int_weights.UnpackedInt: vocabulary rows are the
 output features N, hidden the input features K), this rank's vocabulary rows taken and padded,
 and repacked into the shard's one int layout (int_weights.PackedInt) inside an IntLinear:
 - the LM head is that IntLinear: logits = hidden @ W.T (on CUDA its int GEMV for decode
@@ -27,18 +27,28 @@ from shard.quantization.methods import IntLayout, IntWeightFormat
 
 
 def stored_int_rows(weights: WeightSource, prefix: str) -> bool:
-    """Whether the checkpoint stores `{prefix}`'s table in an integer form this module reads."""
+    """Whether the checkpoint stores `{prefix}`'s table in an integer form this module reads;
+    ValueError for one it stores quantized in a form it does not (rather than reading the
+    integers as float weights)."""
     fmt = _format(weights)
-    return fmt is not None and any(weights.has(f"{prefix}.{s}") for s in _KEYS[fmt.layout])
+    if fmt is None:
+        return False
+    if fmt.layout not in _KEYS:
+        if weights.has(f"{prefix}.weight_scale"):
+            raise ValueError(f"{prefix}.weight_scale: {fmt.layout.value} vocabulary tables are "
+                             "not supported (supported: pack-quantized, GPTQ, AWQ, GGUF)")
+        return False
+    return weights.has(f"{prefix}.{_KEYS[fmt.layout]}")
 
 
-_KEYS = {IntLayout.GGUF: ("qweight",), IntLayout.PACK_QUANTIZED: ("weight_packed",)}
+# The tensor that marks a table stored quantized, by layout (int-quantized W8A8: not read).
+_KEYS = {IntLayout.GGUF: "qweight", IntLayout.PACK_QUANTIZED: "weight_packed",
+         IntLayout.GPTQ: "qweight", IntLayout.AWQ: "qweight"}
 
 
 def _format(weights: WeightSource) -> IntWeightFormat | None:
     quant = getattr(weights, "quant", None)
-    fmt = None if quant is None else quant.packed
-    return fmt if fmt is not None and fmt.layout in _KEYS else None
+    return None if quant is None else quant.packed
 
 
 def load_int_rows(weights: WeightSource, prefix: str, start: int, stop: int, per_rank: int
@@ -46,7 +56,7 @@ def load_int_rows(weights: WeightSource, prefix: str, start: int, stop: int, per
     """Vocabulary rows [start, stop) of the stored integer table `{prefix}` (zero rows after them
     up to per_rank) as an IntLinear [per_rank, hidden]."""
     fmt = _format(weights)
-    if fmt is None:
+    if fmt is None or fmt.layout not in _KEYS:
         raise ValueError(f"{prefix}: the checkpoint stores no integer table here")
     stored = {suffix: weights.get(f"{prefix}.{suffix}", raw=True)
               for suffix in fmt.layout.tensor_names if weights.has(f"{prefix}.{suffix}")}

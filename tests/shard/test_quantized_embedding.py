@@ -33,12 +33,10 @@ T = gguf.GGMLQuantizationType
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from shard.tools.tiny_model import TinyModelSpec, make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("qembed") / "model",
-                           TinyModelSpec(arch="llama", num_layers=1))
+@pytest.fixture
+def tiny(tiny_model_dir: Path) -> Path:
+    """The session's tiny random llama (vocabulary 512, hidden 64)."""
+    return tiny_model_dir
 
 
 def tied_copy(src: Path, dst: Path) -> Path:
@@ -108,11 +106,14 @@ def test_untied_q4_1_embedding_and_q8_0_head_serve_gguf_logits(tiny, tmp_path):
                                atol=1e-4, rtol=1e-4)
 
 
-def test_compressed_tensors_pack_quantized_lm_head_is_served_packed(tiny, tmp_path):
-    spec = IntSpec("ct", 4, 32, sym=True)
-    ckpt = tmp_path / "ct"
+@pytest.mark.parametrize(("layout", "marker"), [("ct", "weight_packed"), ("gptq", "qweight")])
+def test_int_checkpoint_lm_head_is_served_packed(tiny, tmp_path, layout, marker):
+    """compressed-tensors pack-quantized (llm-compressor with lm_head targeted) and GPTQ v1
+    (GPTQModel's lm_head=True) heads."""
+    spec = IntSpec(layout, 4, 32, sym=True)
+    ckpt = tmp_path / layout
     ref = write_int_checkpoint(tiny, ckpt, spec, tables=("lm_head",))
-    assert "lm_head.weight_packed" in load_file(str(ckpt / "model.safetensors"))
+    assert f"lm_head.{marker}" in load_file(str(ckpt / "model.safetensors"))
     shard, want = make_shard(ckpt, dtype="float32"), make_shard(ref, dtype="float32")
     embed, head = tables(shard)
     assert embed.quantized is None and embed.weight is not None  # stored float
@@ -141,6 +142,7 @@ def test_vocabulary_slices_of_three_ranks_sum_to_the_lookup(tiny, tmp_path):
     _, snap = gguf_snapshot(tiny, tmp_path, {EMBED: T.Q8_0})
     config = json.loads((snap / "config.json").read_text())
     quant = LinearQuantization.resolve(None, config)
+    assert config["vocab_size"] == 512
     want = torch.from_numpy(gguf.quants.dequantize(
         gguf.quants.quantize(load_file(str(tiny / "model.safetensors"))[EMBED].numpy(), T.Q8_0),
         T.Q8_0))
@@ -161,3 +163,14 @@ def test_vocabulary_slices_of_three_ranks_sum_to_the_lookup(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"^model\.embed_tokens: 512 stored rows, the config's "
                                          r"vocabulary needs 600"):
         load_int_rows(weights, "model.embed_tokens", 0, 600, 600)
+
+
+def test_an_int_quantized_head_is_refused_naming_the_tensor(tiny, tmp_path):
+    """W8A8 int-quantized tables are not read: refused at start-up, not served as floats."""
+    from shard.server.loader import Shard, ShardConfig
+
+    ckpt = tmp_path / "w8a8"
+    write_int_checkpoint(tiny, ckpt, IntSpec("w8a8", 8, -1, sym=True), tables=("lm_head",))
+    with pytest.raises(ValueError, match=r"^lm_head\.weight_scale: int-quantized vocabulary "
+                                         r"tables are not supported"):
+        Shard(ShardConfig(model_id=str(ckpt), device="cpu", kv_cache_memory_mb=1), Dist())
