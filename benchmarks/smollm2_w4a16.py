@@ -20,11 +20,17 @@ Steps (each skipped when its output exists):
    pydoc_data.topics entries that start after the first 40,000 characters of the scored text
    (68 of 79 on Python 3.11; the scored 2,048 tokens are ~9k characters: never calibrated
    on), the first --samples (16) of them, --seq-len (256) tokens each at most;
-     w4a16:      targets Linear, ignore lm_head (the usual recipe; the tied embedding stays float);
-     w4a16-tables: targets Linear and Embedding, lm_head included: llm-compressor unties the
-                 tied embedding, GPTQ-quantizes the head and round-to-nearest quantizes the
-                 embedding (GPTQ skips embeddings), both int4 group 64 in the same config group;
-                 the two then differ, so the checkpoint stays untied (both tables int4);
+     w4a16:      GPTQ, targets Linear, ignore lm_head (the usual recipe; the tied embedding
+                 stays float). ~3.5 minutes per layer (105 for the model) on this 2-core host
+                 under a load average of 13: not finished here, run it on a quieter machine;
+     w4a16-rtn:  the same scheme and targets, round-to-nearest (QuantizationModifier, no
+                 calibration);
+     w4a16-tables: round-to-nearest (QuantizationModifier: no calibration), the same int4
+                 group-64 scheme on Linear AND Embedding, lm_head included: llm-compressor
+                 unties the tied table to quantize both, and as they come out identical it
+                 re-ties them when saving: one int4 table, tie_word_embeddings kept
+                 (GPTQ cannot calibrate an embedding; a GPTQ head would differ from it and
+                 leave two tables);
 3. score (WORK/<variant>/reference.json): transformers + compressed-tensors (the tool's own
    loader, decompressing to float32), one forward over the first --tokens tokens of
    shard/tools/perplexity.py's text: perplexity, each target's log-probability and each
@@ -47,8 +53,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP = 64  # input features per scale (module docstring)
-# variant -> (GPTQModifier targets, ignore)
-VARIANTS = {"w4a16": (["Linear"], ["lm_head"]), "w4a16-tables": (["Linear", "Embedding"], [])}
+# variant -> (targets, ignore, GPTQ: else round-to-nearest)
+VARIANTS = {"w4a16": (["Linear"], ["lm_head"], True),
+            "w4a16-rtn": (["Linear"], ["lm_head"], False),
+            "w4a16-tables": (["Linear", "Embedding"], [], False)}
 
 
 def _perplexity_module():  # shard/tools/perplexity.py without importing the shard package
@@ -99,35 +107,42 @@ def make_float(gguf: Path, out: Path) -> None:
     tmp.rename(out)
 
 
-def quantize(base: Path, out: Path, targets: list[str], ignore: list[str], samples: int,
-             seq_len: int) -> dict:
+def quantize(base: Path, out: Path, targets: list[str], ignore: list[str], gptq: bool,
+             samples: int, seq_len: int) -> dict:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(base))
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-
     # W4A16 as llm-compressor's preset (int4, symmetric, per group), but group 64: the preset's
     # 128 does not divide SmolLM2's hidden size 576 (the tool refuses it: "weight column counts
     # not divisible by group_size"); 64 divides 576 and 1536.
     weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
-                               group_size=GROUP, actorder="weight")
-    recipe = GPTQModifier(config_groups={"group_0": QuantizationScheme(targets=targets,
-                                                                       weights=weights)},
-                          ignore=ignore)
+                               group_size=GROUP, actorder="weight" if gptq else None)
+    groups = {"group_0": QuantizationScheme(targets=targets, weights=weights)}
     texts = calibration_texts()[:samples]
-    oneshot(model=model, recipe=recipe, tokenizer=tokenizer,
-            dataset=Dataset.from_dict({"text": texts}), max_seq_length=seq_len,
-            num_calibration_samples=len(texts))
+    if gptq:
+        recipe = GPTQModifier(config_groups=groups, ignore=ignore)
+        oneshot(model=model, recipe=recipe, tokenizer=tokenizer,
+                dataset=Dataset.from_dict({"text": texts}), max_seq_length=seq_len,
+                num_calibration_samples=len(texts))
+    else:
+        recipe = QuantizationModifier(config_groups=groups, ignore=ignore)
+        oneshot(model=model, recipe=recipe)
     tmp = out.with_suffix(".partial")
     if tmp.exists():
         shutil.rmtree(tmp)
     model.save_pretrained(str(tmp), save_compressed=True)
     tokenizer.save_pretrained(str(tmp))
     tmp.rename(out)
+    if not gptq:
+        return {"recipe": f"QuantizationModifier (round-to-nearest; targets={targets}, int4 "
+                          f"symmetric group {GROUP}, ignore={ignore})",
+                "calibration": "none", "tie_word_embeddings": model.config.tie_word_embeddings}
     return {"recipe": f"GPTQModifier(targets={targets}, int4 symmetric group {GROUP}, "
                       f"actorder=weight, ignore={ignore})",
             "calibration": f"{len(texts)} pydoc_data.topics entries (sorted keys starting "
@@ -135,14 +150,58 @@ def quantize(base: Path, out: Path, targets: list[str], ignore: list[str], sampl
                            f"{seq_len}"}
 
 
-def score(model_dir: Path, num_tokens: int) -> dict:
+def has_quantized_table(model_dir: Path) -> bool:
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        return "model.embed_tokens.weight_packed" in f.keys()  # noqa: SIM118
+
+
+def decompressed_model(model_dir: Path, float_dir: Path):
+    """transformers' float32 model of float_dir with every packed tensor of model_dir
+    decompressed by compressed-tensors' own PackedQuantizationCompressor.decompress.
+
+    For checkpoints with a quantized embedding the tool's loader cannot be used: transformers
+    5.17 + compressed-tensors 0.19 fail on the tied packed table ("AttributeError: Linear has no
+    attribute `weight`" in mark_tied_weights_as_initialized) and, given an untied copy of it,
+    on the packed Embedding ("'Embedding' object has no attribute 'weight'" in
+    _init_weights). The tool's own per-module decompression is still independent of
+    tokenwire."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((model_dir / "config.json").read_text())
+    (group,) = config["quantization_config"]["config_groups"].values()
+    scheme = QuantizationScheme(targets=group["targets"],
+                                weights=QuantizationArgs(**group["weights"]))
+    stored = load_file(str(model_dir / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(str(float_dir), dtype=torch.float32)
+    params = dict(model.named_parameters())
+    for name in [n for n in stored if n.endswith(".weight_packed")]:
+        prefix = name[: -len(".weight_packed")]
+        local = {k[len(prefix) + 1:]: v for k, v in stored.items() if k.startswith(prefix + ".")}
+        weight = PackedQuantizationCompressor.decompress(local, scheme)["weight"]
+        with torch.no_grad():
+            params[f"{prefix}.weight"].copy_(weight.float())
+    for name in [n for n in stored if n.endswith(".weight") and n in params]:
+        with torch.no_grad():  # norms: as stored
+            params[name].copy_(stored[name].float())
+    return model
+
+
+def score(model_dir: Path, num_tokens: int, float_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM
     from tokenizers import Tokenizer
 
     ppl = _perplexity_module()
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     ids = tok.encode(ppl.reference_prefix(tok, num_tokens), add_special_tokens=False).ids
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    if has_quantized_table(model_dir):
+        model = decompressed_model(model_dir, float_dir)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     with torch.inference_mode():
         logits = model(torch.tensor([ids[:-1]])).logits[0].float()
     lp = torch.log_softmax(logits, dim=-1)
@@ -181,9 +240,12 @@ def main() -> None:
         ref_path = out / "reference.json"
         if not ref_path.exists():
             started = time.monotonic()
-            ref = score(out, args.tokens)
+            ref = score(out, args.tokens, base)
             ref["score_s"] = round(time.monotonic() - started, 1)
-            ref["loader"] = "transformers + compressed-tensors, float32"
+            ref["loader"] = (
+                "compressed-tensors PackedQuantizationCompressor.decompress into transformers' "
+                "float32 model (the tool's loader fails on quantized embeddings)"
+                if has_quantized_table(out) else "transformers + compressed-tensors, float32")
             ref.update({p: version(p) for p in ("llmcompressor", "compressed-tensors",
                                                 "transformers", "torch")})
             ref.update(json.loads(info_path.read_text()) if info_path.exists() else {})
