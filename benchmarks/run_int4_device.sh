@@ -1,9 +1,20 @@
 #!/usr/bin/env bash
-# One nvidia-h100-x1 call (issue 40, W4A16): the int-weight CPU tests' kernel check on the real
-# GPU (the interpreter test's shapes through the compiled kernel), then the W4A16 GEMV sweep and
-# roofline on the Llama-3-8B shapes (benchmarks/int4_gemv_check.py). Outputs under $OUT.
+# One nvidia-h100-x1 (or H200) call, < 8 minutes (issue 40, W4A16 kernels):
+#   1. tests/gpu/test_int_kernels_cuda.py: IntLinear's tuned GEMV / GEMM captured in CUDA graphs
+#      at batches 1..200 (int4 g128, GGUF-like group 32 with fractional zeros, int8), replayed
+#      against fp32 references;
+#   2. benchmarks/int4_kernels.py: the int-kernel interpreter tests' checks through the compiled
+#      kernels, split-K under graph replay, then int4 vs bf16 on the Llama-3-8B shapes at
+#      M = 1, 16, 64, 256 (CUDA graphs) and 2048 (prefill), per linear and per 32-layer stack.
+# Outputs under $OUT: int4_gpu_tests.log, int4_kernels.{json,md,log}.
+#   run(command="bash benchmarks/run_int4_device.sh", carry=[".whl-tw"])
 set -u
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv
-timeout 420 python3 benchmarks/int4_gemv_check.py --out $OUT/int4_gemv.json > $OUT/int4_gemv.log 2>&1
-echo "rc=$?"; tail -40 $OUT/int4_gemv.log
+timeout 140 python3 -m pytest -q -m gpu tests/gpu/test_int_kernels_cuda.py -p no:cacheprovider -rA \
+  > "$OUT/int4_gpu_tests.log" 2>&1
+echo "gpu tests rc=$?"; tail -15 "$OUT/int4_gpu_tests.log"
+timeout 330 python3 benchmarks/int4_kernels.py --out "$OUT" > "$OUT/int4_kernels.log" 2>&1
+echo "bench rc=$?"
+grep -E "check|CHECK|split-K|tuning|stack|lm_head|Targets" "$OUT/int4_kernels.log" | tail -30
+tail -40 "$OUT/int4_kernels.log"

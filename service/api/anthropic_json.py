@@ -4,7 +4,8 @@ and /v1/messages/count_tokens bodies in; message objects, the SSE event sequence
 Anthropic's error bodies `{"type": "error", "error": {"type", "message"}}` out.
 
 Content blocks become chat messages: a user message's `tool_result` blocks become tool messages
-(one per block, answering its tool_use_id), its text blocks one user message; an assistant
+(one per block, answering its tool_use_id), its text and image blocks one user message (an
+image block's base64 or url source checked as chat's image_url parts are); an assistant
 message's `tool_use` blocks become its tool calls. Unknown fields are ignored.
 """
 
@@ -20,6 +21,7 @@ import grpc
 from service.api.openai_json import _bad, _integer, _number, _object
 from service.api.status import classify, public_message
 from service.generation.grammar import FUNCTION_NAME_RE, FunctionTool
+from service.generation.images.refs import ImageRef
 from service.generation.openai import (
     ChatMessage,
     ChatRequest,
@@ -33,6 +35,8 @@ from service.generation.openai import (
     ToolChoice,
     Usage,
     UsageChunk,
+    image_url_ref,
+    message_content,
 )
 
 JSON = "application/json"
@@ -94,14 +98,16 @@ def _message(value: Any, i: int) -> list[ChatMessage]:
         return [ChatMessage(role, content)]
     if not isinstance(content, list):
         raise _bad(f"{where}.content", f"{where}.content must be a string or a list of blocks")
-    texts: list[str] = []
+    parts: list[str | ImageRef] = []
     calls: list[ToolCall] = []
     results: list[ChatMessage] = []
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+            parts.append(block["text"])
+        elif kind == "image" and role == "user":
+            parts.append(_image(block.get("source"), f"{at}.source"))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue  # earlier thinking is not fed back to the model
         elif kind == "tool_use" and role == "assistant":
@@ -119,13 +125,29 @@ def _message(value: Any, i: int) -> list[ChatMessage]:
             results.append(ChatMessage("tool", _text_blocks(output, f"{at}.content"),
                                        tool_call_id=call_id))  # fmt: skip
         else:
-            allowed = "text, tool_use, thinking" if role == "assistant" else "text, tool_result"
-            raise _bad(f"{at}.type", f"{at}.type must be one of {allowed} in a {role} message "
-                                     f"(only text content is supported); got {kind!r}")  # fmt: skip
+            allowed = ("text, tool_use, thinking" if role == "assistant"
+                       else "text, image, tool_result")
+            raise _bad(f"{at}.type", f"{at}.type must be one of {allowed} in a {role} message; "
+                                     f"got {kind!r}")  # fmt: skip
     messages = results
-    if texts or calls or not results:
-        messages = [*results, ChatMessage(role, "".join(texts), tool_calls=tuple(calls))]
+    if parts or calls or not results:
+        text, images = message_content(role, parts, f"{where}.content")
+        messages = [*results, ChatMessage(role, text, images=images, tool_calls=tuple(calls))]
     return messages
+
+
+def _image(source: Any, where: str) -> ImageRef:
+    """An image block's source: {type: base64, media_type, data} (read as the `data:` URL it
+    spells, so that chat's image checks apply) or {type: url, url}."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "url":
+        return image_url_ref(source.get("url"), where)
+    if kind != "base64":
+        raise _bad(f"{where}.type", f"{where}.type must be base64 or url; got {kind!r}")
+    media, data = source.get("media_type"), source.get("data")
+    if not isinstance(media, str) or not isinstance(data, str) or not data:
+        raise _bad(where, f"{where}: a base64 source needs string media_type and data")
+    return ImageRef(where, url=f"data:{media};base64,{data}")
 
 
 def _tools(value: Any) -> tuple[FunctionTool, ...]:

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from google.protobuf import json_format
 from tokenwire.v1 import openai_pb2 as pb
 
 from service.generation.errors import ValidationError
 from service.generation.grammar import FUNCTION_NAME_RE, FunctionTool
+from service.generation.images.refs import ImageRef
 from service.generation.openai import (
     ChatMessage,
     ChatRequest,
@@ -24,6 +27,8 @@ from service.generation.openai import (
     ToolChoice,
     Usage,
     UsageChunk,
+    image_url_ref,
+    message_content,
 )
 
 
@@ -56,19 +61,7 @@ def chat_request(request: pb.ChatRequest, *, stream: bool) -> ChatRequest:
             "top_logprobs": request.top_logprobs or None,
         }
     )
-    messages = tuple(
-        ChatMessage(
-            role=m.role,
-            content=m.content,
-            name=m.name if m.HasField("name") else None,
-            tool_call_id=m.tool_call_id if m.HasField("tool_call_id") else None,
-            tool_calls=tuple(
-                ToolCall(c.id, c.function.name, c.function.arguments or "{}")
-                for c in m.tool_calls
-            ),
-        )
-        for m in request.messages
-    )
+    messages = tuple(_message(m, i) for i, m in enumerate(request.messages))
     tools = tuple(_tool(t, i) for i, t in enumerate(request.tools))
     choice = None
     if request.HasField("tool_choice"):
@@ -97,6 +90,38 @@ def chat_request(request: pb.ChatRequest, *, stream: bool) -> ChatRequest:
             request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
         ),
     )
+
+
+def _message(m: pb.ChatMessage, i: int) -> ChatMessage:
+    text, images = m.content, cast(tuple[tuple[int, ImageRef], ...], ())
+    if m.content_parts:
+        where = f"messages[{i}].content_parts"
+        if m.content:
+            raise ValidationError(f"messages[{i}].content", f"messages[{i}]: set content or "
+                                  "content_parts, not both")
+        text, images = message_content(
+            m.role, [_part(p, f"{where}[{j}]") for j, p in enumerate(m.content_parts)], where)
+    return ChatMessage(
+        role=m.role,
+        content=text,
+        images=images,
+        name=m.name if m.HasField("name") else None,
+        tool_call_id=m.tool_call_id if m.HasField("tool_call_id") else None,
+        tool_calls=tuple(
+            ToolCall(c.id, c.function.name, c.function.arguments or "{}") for c in m.tool_calls
+        ),
+    )
+
+
+def _part(part: pb.ChatContentPart, where: str) -> str | ImageRef:
+    """A typed content part: its text, or its image named `where.image_url` (as REST's
+    `messages[i].content[j].image_url`)."""
+    which = part.WhichOneof("part")
+    if which == "image_url":
+        return image_url_ref(part.image_url.url, f"{where}.image_url")
+    if which is None:
+        raise ValidationError(where, f"{where}: a content part needs text or image_url")
+    return part.text
 
 
 def _response_format(request: pb.ChatRequest) -> ResponseFormat | None:

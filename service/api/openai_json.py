@@ -37,6 +37,8 @@ from service.generation.openai import (
     ToolChoice,
     Usage,
     UsageChunk,
+    image_url_ref,
+    message_content,
 )
 
 JSON = "application/json"
@@ -173,41 +175,29 @@ def _sampling(body: dict[str, Any]) -> SamplingRequest:
     )
 
 
-def _content(value: Any, where: str) -> tuple[str, tuple[tuple[int, ImageRef], ...]]:
-    """The text of a message's content, and its image parts with the text offset each sits at."""
+def _parts(value: Any, where: str) -> list[str | ImageRef]:
+    """A message's content (a string or OpenAI's list of parts) as text and named images."""
     if isinstance(value, str):
-        return value, ()
-    if isinstance(value, list):
-        texts: list[str] = []
-        images: list[tuple[int, ImageRef]] = []
-        at = 0
-        for j, part in enumerate(value):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "image_url":
-                images.append((at, _image_part(part, f"{where}.content[{j}]")))
-                continue
-            if kind != "text":
-                raise _bad(
-                    f"{where}.content[{j}].type",
-                    f"{where}.content[{j}]: only text and image_url parts are supported; got "
-                    f"type {kind!r}",
-                )
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise _bad(f"{where}.content[{j}].text", "a text part needs a string 'text'")
-            texts.append(text)
-            at += len(text)
-        return "".join(texts), tuple(images)
-    raise _bad(f"{where}.content", f"{where}.content must be a string or a list of parts")
-
-
-def _image_part(part: dict[str, Any], where: str) -> ImageRef:
-    value = part.get("image_url")
-    url = value.get("url") if isinstance(value, dict) else value
-    if not isinstance(url, str) or not url:
-        raise _bad(f"{where}.image_url", f"{where}: an image_url part needs "
-                   "image_url: {url: \"data:...\" or \"https://...\"}")
-    return ImageRef(f"{where}.image_url", url=url)
+        return [value]
+    if not isinstance(value, list):
+        raise _bad(f"{where}.content", f"{where}.content must be a string or a list of parts")
+    parts: list[str | ImageRef] = []
+    for j, part in enumerate(value):
+        at = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url":
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            parts.append(image_url_ref(url, f"{at}.image_url"))
+            continue
+        if kind != "text":
+            raise _bad(f"{at}.type", f"{at}: only text and image_url parts are supported; got "
+                       f"type {kind!r}")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _bad(f"{at}.text", "a text part needs a string 'text'")
+        parts.append(text)
+    return parts
 
 
 def _message(value: Any, i: int) -> ChatMessage:
@@ -220,9 +210,8 @@ def _message(value: Any, i: int) -> ChatMessage:
     calls = _message_tool_calls(value.get("tool_calls"), where) if role == "assistant" else ()
     content = value.get("content")
     name, call_id = value.get("name"), value.get("tool_call_id")
-    text, images = ("", ()) if content is None and calls else _content(content, where)
-    if images and role != "user":
-        raise _bad(f"{where}.content", f"{where}: image parts are accepted in user messages only")
+    text, images = ("", ()) if content is None and calls else message_content(
+        role, _parts(content, where), f"{where}.content")
     return ChatMessage(
         role="system" if role == "developer" else role,
         content=text,

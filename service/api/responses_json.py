@@ -2,7 +2,8 @@
 in; response objects and the semantic SSE events (`event: response.output_text.delta` ...) out,
 as OpenAI writes them. Errors use OpenAI's error body (service.api.openai_json.error_body).
 
-Input items become chat messages: a message item ({role, content}) one message; consecutive
+Input items become chat messages: a message item ({role, content}) one message, its
+`input_image` parts images as chat's image_url parts are (same checks, same errors); consecutive
 `function_call` items one assistant message with tool calls; a `function_call_output` a tool
 message answering its call_id. Unknown fields are ignored, as OpenAI's chat route here does.
 """
@@ -23,6 +24,7 @@ from service.api.openai_json import (
     error_body,
 )
 from service.generation.grammar import FUNCTION_NAME_RE, FunctionTool
+from service.generation.images.refs import ImageRef
 from service.generation.openai import (
     ChatMessage,
     ChatRequest,
@@ -36,6 +38,8 @@ from service.generation.openai import (
     ToolChoice,
     Usage,
     UsageChunk,
+    image_url_ref,
+    message_content,
 )
 from service.generation.responses import ResponsesRequest
 
@@ -84,6 +88,33 @@ def _text(value: Any, where: str) -> str:
     raise _bad(where, f"{where} must be a string or a list of input_text parts")
 
 
+def _message_parts(value: Any, where: str) -> list[str | ImageRef]:
+    """A message item's content: a string, or text parts and `input_image` parts
+    ({type: input_image, image_url: "data:..." | "https://..."}), the images named by their
+    field (`input[0].content[1].image_url`)."""
+    if not isinstance(value, list):
+        return [_text(value, where)]
+    parts: list[str | ImageRef] = []
+    for j, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            if part.get("file_id") is not None:
+                raise _bad(f"{where}[{j}].file_id", f"{where}[{j}]: file_id images are not "
+                           "supported (this server keeps no files); send image_url")
+            parts.append(image_url_ref(part.get("image_url"), f"{where}[{j}].image_url"))
+        else:
+            parts.append(_part_text(part, f"{where}[{j}]"))
+    return parts
+
+
+def _part_text(part: Any, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        raise _bad(where, f"{where} must be a text part {{type: input_text, text}} or an image "
+                   f"{{type: input_image, image_url}}; got type {kind!r}")
+    return str(part["text"])
+
+
 def _input_messages(value: Any) -> tuple[ChatMessage, ...]:
     if isinstance(value, str):
         return (ChatMessage("user", value),)
@@ -102,8 +133,9 @@ def _input_messages(value: Any) -> tuple[ChatMessage, ...]:
                     f"{where}.role",
                     f"{where}.role must be one of {', '.join(_MESSAGE_ROLES)}; got {role!r}",
                 )
-            content = _text(item.get("content"), f"{where}.content")
-            messages.append(ChatMessage(_MESSAGE_ROLES[role], content))
+            text, images = message_content(
+                role, _message_parts(item.get("content"), f"{where}.content"), f"{where}.content")
+            messages.append(ChatMessage(_MESSAGE_ROLES[role], text, images=images))
         elif kind == "function_call":
             name, call_id = item.get("name"), item.get("call_id")
             arguments = item.get("arguments", "{}")

@@ -58,11 +58,14 @@ class ImageInput:
     """One preprocessed image of a prompt: its pixel values (the model's own transformers image
     processor's output) and where its placeholder tokens sit in input_ids."""
 
-    content_hash: bytes  # sha256 of the encoded image: encoder-cache and prefix-cache key
+    # sha256 of the encoded image (a tile's: of it and the tile index): encoder-cache and
+    # prefix-cache key
+    content_hash: bytes
     offset: int  # first placeholder token of the image in input_ids
     length: int  # placeholder tokens (the count the processor expands the image to)
     pixel_values: bytes  # float32, C order
-    shape: tuple[int, ...]  # of pixel_values: [3, H, W] (LLaVA), [t, h, w, patch_dim] (Qwen2-VL)
+    # of pixel_values: [3, H, W] (LLaVA; an Idefics3 tile), [t, h, w, patch_dim] (Qwen2-VL)
+    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -108,6 +108,37 @@ class ChatMessage:
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant message that called tools
     # Image parts (user messages): (offset in content where the image sits, the image).
     images: tuple[tuple[int, ImageRef], ...] = ()
+
+
+def image_url_ref(url: object, field: str) -> ImageRef:
+    """The image of an image_url part (REST's `image_url.url`, gRPC's `ChatImageUrl.url`);
+    ValidationError naming `field` when the URL is missing. The URL itself is checked when the
+    image is read (service.generation.images)."""
+    if not isinstance(url, str) or not url:
+        raise ValidationError(field, f"{field}: an image_url part needs image_url: "
+                              '{url: "data:image/...;base64,..." or "https://..."}')
+    return ImageRef(field, url=url)
+
+
+def message_content(
+    role: str, parts: Sequence[str | ImageRef], field: str
+) -> tuple[str, tuple[tuple[int, ImageRef], ...]]:
+    """A message's content parts (text, and images already named by their field) as the message
+    text and its images, each at the text offset it sits at. Both the REST and the gRPC chat
+    paths build their messages here. ValidationError naming `field` (the content field,
+    `messages[i].content`) for an image outside a user message."""
+    texts: list[str] = []
+    images: list[tuple[int, ImageRef]] = []
+    at = 0
+    for part in parts:
+        if isinstance(part, ImageRef):
+            images.append((at, part))
+        else:
+            texts.append(part)
+            at += len(part)
+    if images and role != "user":
+        raise ValidationError(field, f"{field}: image parts are accepted in user messages only")
+    return "".join(texts), tuple(images)
 
 
 @dataclass(frozen=True)

@@ -2,116 +2,250 @@
 dequantized in registers.
 
 y[M, N] = x[M, K] @ W[N, K].T (+ bias[N]), x bf16/fp16, y in x's dtype, W in the internal layout of
-shard/quantization/int_weights.py:
-  qweight [N, K/2] uint8 (column 2j in the low nibble of byte j, 2j+1 in the high one), or for
-  int8 (bits=8) [N, K] uint8,
-  scales [N, G] and zeros [N, G] (float; zero points are small integers, or for GGUF Q4_1 / Q4_K
-  fractional: int_zeros=False),
+shard/quantization/int_weights.py (see shard/kernels/int_dequant.py for the tile loads):
   w[n, k] = (q[n, k] - zeros[n, k // GROUP]) * scales[n, k // GROUP].
 
-Why: at decode batch sizes a linear is a pass over its weight bytes; int4 halves fp8's bytes and
-quarters bf16's, provided the unpacking stays in registers.
+Why: at decode batch sizes a linear is a pass over its weight bytes; int4 quarters bf16's bytes,
+provided the unpacking stays in registers.
 
-Design (a first version; block sizes and split-K are for the GPU session to tune):
-- Each program owns BLOCK_N weight rows and loops over the whole K in tiles of BLOCK_K input
-  features. A tile lies inside one group (the wrapper picks BLOCK_K dividing GROUP, or GROUP >= K),
-  so each row's scale and zero are loaded once per tile, not per element.
-- The tile's bytes [BLOCK_N, BLOCK_K/2] are split into their low and high nibbles and interleaved
-  back into [BLOCK_N, BLOCK_K] (tl.join + reshape: column order 2j, 2j+1).
-- q - zero is an integer in [-2^4, 2^4] (int8: [-256, 255]): exact in bf16 / fp16, so the tensor-core path multiplies
-  x by (q - zero) in x's dtype and applies the scale to the [ROWS, BLOCK_N] partial sum in fp32
-  (one multiply per output per tile instead of one per weight element).
-- M == 1: CUDA cores (tl.sum of x * (q - zero)); 2 <= M <= 16: tl.dot with x padded to a 16-row
-  tile (masked loads), as shard/kernels/gemv.py does for 16-bit and fp8 weights.
+Design:
+- A program owns BLOCK_N weight rows and one of SPLIT_K contiguous K ranges (whole BLOCK_K tiles).
+  SPLIT_K > 1 is for shapes with few rows per SM (o_proj / down_proj, N = 4096 on 132 SMs: with
+  BLOCK_N 16 only ~2 programs per SM keep too few bytes in flight): each split stores its fp32
+  partial sums to a workspace, then bumps the row block's counter; the program that finds itself
+  last adds the partials, applies the bias, writes y and resets the counter to 0 (so the next
+  launch, or the next replay of a CUDA graph, starts from zero). One kernel, no zero-fill or
+  reduction launch. The counters are a small persistent int32 buffer owned by the caller
+  (IntLinear), zeroed once.
+- Tiles inside one group (GROUP a multiple of BLOCK_K): no int-to-float conversion per weight
+  (cvt runs at a quarter of the FP32 rate on Hopper; two per int4 byte would cap the stream near
+  60 % of HBM bandwidth). Each nibble is OR-ed into the mantissa of a power of two OFF whose ulp
+  is 1, giving OFF + q exactly (int_dequant.offset_weights): in fp32 for M == 1 (CUDA cores:
+  sum_k x_k (OFF + q_k)), in x's dtype for 2 <= M <= 16 (tensor cores, x padded to the MMA's 16
+  rows with masked loads: x @ (OFF + q).T). Per row and tile the fp32 partial sum then becomes
+  s * (part - (OFF + z) * sum_k x_k): exact products, a cancellation of ~4-7 of fp32's 24 bits,
+  and fractional zero points (GGUF Q4_1 / Q4_K) need nothing else. int8 weights with bf16 x
+  (128 + q does not fit bf16's significand) multiply x by (q - z), exact in bf16, instead.
+- Tiles of several groups (BLOCK_K a multiple of GROUP, e.g. GROUP 32): the tile is dequantized
+  in fp32 per group ((q - z) * s), then reduced (M == 1) or cast to x's dtype for the dot.
+- Loads: 16-byte vectors of packed bytes along K (contiguous, evict-first: read once), software
+  pipelined over STAGES through tl.range.
 
-Not yet: CUDA-graph-safe autotuning per M bucket (gemv.py's tune_gemv), the decode dispatcher's
-timed choice, split-K for small N, per-column g_idx (act-order slices whose groups
-are unequal run the dequantizing path). The kernel runs under TRITON_INTERPRET=1 on CPU tensors
-(tests/shard/test_triton_int_gemv_interpreter.py).
+Candidates (`candidates`, per batch bucket) are picked by measured time at warm-up, never during a
+CUDA-graph capture (shard/kernels/int_tuning.py). The kernel runs under TRITON_INTERPRET=1 on CPU
+tensors (tests/shard/test_triton_int_gemv_interpreter.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict, dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from shard.kernels.gemv_buckets import GEMV_MAX_M
+from shard.kernels.int_dequant import (
+    dequant,
+    group_params,
+    groups_per_tile,
+    kernel_group,
+    load_halves,
+    offset_ok,
+    offset_weights,
+    offset_zero,
+    tile_fits,
+    x_kind,
+)
 
-__all__ = ["GEMV_MAX_M", "int4_gemv", "pick_block_k"]
+__all__ = ["GEMV_MAX_M", "GemvConfig", "candidates", "int4_gemv", "pick_block_k"]
 
 
 @triton.jit
-def _int4_gemv_kernel(
+def _x_halves(x_ptr, offs_m, m_mask, k0, K, stride_xm, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
+    """x's columns matching load_halves: int4 -> (even features k0 + 2j, odd k0 + 2j + 1), each
+    [ROWS, BLOCK_K / 2]; int8 -> the [ROWS, BLOCK_K] tile twice."""
+    if BITS == 4:
+        k_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        base = x_ptr + offs_m[:, None] * stride_xm
+        xe = tl.load(base + k_even[None, :], mask=m_mask[:, None] & (k_even < K)[None, :],
+                     other=0.0)
+        xo = tl.load(base + k_even[None, :] + 1,
+                     mask=m_mask[:, None] & (k_even + 1 < K)[None, :], other=0.0)
+        return xe, xo
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                     mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+        return xt, xt
+
+
+@triton.jit
+def _tile_product(xh, qh, s, z, USE_DOT: tl.constexpr, INT_ZEROS: tl.constexpr,
+                  NG: tl.constexpr, BITS: tl.constexpr, X_KIND: tl.constexpr,
+                  OFFSET: tl.constexpr):
+    """[ROWS, BLOCK_N] fp32: xh [ROWS, C] @ dequant(qh [BLOCK_N, C] integers).T, scaled."""
+    if NG == 1:
+        s1 = tl.reshape(s, [s.shape[0]])  # [BLOCK_N]
+        z1 = tl.reshape(z, [z.shape[0]])
+        xf = xh.to(tl.float32)
+        if USE_DOT:
+            if OFFSET:
+                # x @ (OFF + q).T - sum(x) * (OFF + z): no int-to-float conversion per weight
+                v = offset_weights(qh, BITS, X_KIND)  # [BLOCK_N, C] exact in x's dtype
+                part = tl.dot(xh, tl.trans(v)) - (tl.sum(xf, axis=1)[:, None]
+                                                  * offset_zero(z1, BITS, X_KIND)[None, :])
+            elif INT_ZEROS:  # int8 with bf16 x: q - z in [-255, 255] is exact in bf16
+                part = tl.dot(xh, tl.trans((qh.to(tl.float32) - z1[:, None]).to(xh.dtype)))
+            else:
+                part = (tl.dot(xh, tl.trans(qh.to(tl.float32).to(xh.dtype)))
+                        - tl.sum(xf, axis=1)[:, None] * z1[None, :])
+        else:
+            v = offset_weights(qh, BITS, 0)  # [BLOCK_N, C]: OFF + q in fp32
+            part = (tl.sum(v * xf, axis=1)[None, :]
+                    - tl.sum(xf, axis=1)[:, None] * offset_zero(z1, BITS, 0)[None, :])
+        return part * s1[None, :]
+    else:
+        w = dequant(qh, s, z, NG)  # [BLOCK_N, C] fp32
+        if USE_DOT:
+            return tl.dot(xh, tl.trans(w.to(xh.dtype)))
+        else:
+            return tl.sum(w * xh.to(tl.float32), axis=1)[None, :]
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr,
+    part_ptr,  # SPLIT_K > 1: [SPLIT_K, M, N] fp32 workspace
+    count_ptr,  # SPLIT_K > 1: [>= cdiv(N, BLOCK_N)] int32, zero between launches
     M, N, K,
+    K_SPLIT,  # input features per split: a multiple of BLOCK_K
     stride_xm, stride_qn, stride_sn, stride_ym,
     GROUP: tl.constexpr,
+    NG: tl.constexpr,  # groups per tile (1: the tile lies inside one group)
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    STAGES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     USE_DOT: tl.constexpr,
     BITS: tl.constexpr,
     INT_ZEROS: tl.constexpr,
+    X_KIND: tl.constexpr,  # int_dequant.x_kind: fp16 1, bf16 2
+    OFFSET: tl.constexpr,  # int_dequant.offset_ok: weights made exact in x's dtype by bit ops
 ):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] weight rows / outputs
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] weight rows / outputs
     row_mask = rows < N
     offs_m = tl.arange(0, ROWS)
     m_mask = offs_m < M
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        qa, qb = load_halves(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
+        s, z = group_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP, NG)
+        xa, xb = _x_halves(x_ptr, offs_m, m_mask, k0, K, stride_xm, BLOCK_K, BITS)
+        acc += _tile_product(xa, qa, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
         if BITS == 4:
-            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte columns of the tile
-            packed = tl.load(
-                q_ptr + rows[:, None] * stride_qn + offs_b[None, :],
-                mask=row_mask[:, None] & (offs_b < K // 2)[None, :],
-                other=0,
-            )  # [BLOCK_N, BLOCK_K / 2] uint8
-            lo = (packed & 0xF).to(tl.float32)
-            hi = (packed >> 4).to(tl.float32)
-            q = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])  # columns k0 + 2j, k0 + 2j + 1
-        else:  # int8: one byte per value
-            offs_q = k0 + tl.arange(0, BLOCK_K)
-            q = tl.load(
-                q_ptr + rows[:, None] * stride_qn + offs_q[None, :],
-                mask=row_mask[:, None] & (offs_q < K)[None, :],
-                other=0,
-            ).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        g = k0 // GROUP  # the whole tile is in this group
-        s = tl.load(s_ptr + rows * stride_sn + g, mask=row_mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + rows * stride_sn + g, mask=row_mask, other=0.0).to(tl.float32)
-        wq = q - z[:, None]  # [BLOCK_N, BLOCK_K] integers in [-256, 255]: exact in bf16 / fp16
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-            mask=m_mask[:, None] & (offs_k < K)[None, :],
-            other=0.0,
-        )  # [ROWS, BLOCK_K]
-        if USE_DOT and INT_ZEROS:
-            part = tl.dot(x, tl.trans(wq.to(x.dtype)))  # [ROWS, BLOCK_N] fp32
-        elif USE_DOT:
-            # Fractional zero points (GGUF Q4_1 / Q4_K minimums): q - z is not exact in x's
-            # dtype, q is; x @ (q - z).T = x @ q.T - sum_k(x) * z.
-            xsum = tl.sum(x.to(tl.float32), axis=1)  # [ROWS]
-            part = tl.dot(x, tl.trans(q.to(x.dtype))) - xsum[:, None] * z[None, :]
-        else:
-            part = tl.sum(x.to(tl.float32)[:, None, :] * wq[None, :, :], axis=2)
-        acc += part * s[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + rows[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & row_mask[None, :])
+            acc += _tile_product(xb, qb, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
+    out_mask = m_mask[:, None] & row_mask[None, :]
+    if SPLIT_K > 1:
+        # Partials first, then the counter: the barrier makes every thread's stores precede the
+        # (acq_rel, GPU-scope) increment, so the last program sees all partials (read past L1).
+        part = part_ptr + offs_m[:, None] * N + rows[None, :]
+        tl.store(part + pid_k * M * N, acc, mask=out_mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+            for i in range(SPLIT_K):
+                acc += tl.load(part + i * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + offs_m[:, None] * stride_ym + rows[None, :],
+                     acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next launch / graph replay
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + rows[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch configuration (a tuning candidate)."""
+
+    block_n: int
+    block_k: int  # input features per tile (int4: BLOCK_K / 2 bytes per row)
+    warps: int
+    stages: int
+    split_k: int = 1
+    use_dot: bool = False  # tensor cores (x padded to 16 rows); always for M > 1
+
+    def as_dict(self) -> dict[str, int | bool]:
+        return asdict(self)
+
+
+# Batch 1, CUDA cores. The fast path needs a tile inside one group (BLOCK_K dividing GROUP: 64 or
+# 128 for group 128), so bytes in flight come from rows and stages instead: BLOCK_N x BLOCK_K / 2
+# bytes per stage (int4), STAGES - 1 stages ahead (cp.async into shared memory): 32 x 64 B x 3 =
+# 6 KB per program, several programs per SM. Split-K 2 / 4 multiplies the programs of the N = 4096
+# shapes (o_proj, down_proj: 128 programs of 32 rows for 132 SMs). The 256 / 512-wide tiles serve
+# per-channel weights (one group per row) and hold several groups otherwise (the slower
+# dequantizing path: measured like the rest).
+_FMA = tuple(
+    GemvConfig(bn, bk, w, st, sk)
+    for bn, bk, w, st, sk in (
+        (16, 128, 4, 4, 1), (32, 128, 4, 4, 1), (64, 128, 4, 3, 1), (32, 64, 4, 6, 1),
+        (32, 128, 4, 4, 2), (16, 128, 4, 4, 4), (32, 128, 4, 4, 4), (128, 128, 8, 3, 4),
+        (8, 256, 4, 3, 1), (16, 512, 4, 2, 1),
+        # a 32-wide tile: the conversion-free path for groups of 32 (GGUF Q4_0 / Q4_1 / Q4_K)
+        (64, 32, 4, 6, 1),
+    )
+)
+# 2 <= M <= 16 (and one batch-1 candidate): tensor cores, m16n8k16 needs BLOCK_N >= 16 and an
+# int4 half-tile (the dot's K) of >= 16 features.
+_DOT = tuple(
+    GemvConfig(bn, bk, w, st, sk, use_dot=True)
+    for bn, bk, w, st, sk in (
+        (32, 128, 4, 4, 1), (16, 128, 4, 4, 1), (64, 128, 4, 3, 1), (32, 128, 4, 4, 2),
+        (16, 128, 4, 4, 4), (32, 256, 4, 3, 1), (64, 32, 4, 6, 1),
+    )
+)
+
+
+def candidates(m: int, group_size: int, in_features: int) -> list[GemvConfig]:
+    """The tuning candidates for a batch of m rows whose K tiles line up with the groups."""
+    pool = [*_FMA, _DOT[0]] if m == 1 else list(_DOT)
+    fits = [c for c in pool if tile_fits(c.block_k, group_size, in_features)]
+    if not fits:  # e.g. group 32 with K not a multiple of 128: the largest tile that lines up
+        block_k = pick_block_k(group_size, in_features)
+        if block_k is not None:
+            fits = [GemvConfig(bn, block_k, 4, 3, 1, use_dot=m > 1) for bn in (16, 32)]
+    return fits
 
 
 def pick_block_k(group_size: int, in_features: int) -> int | None:
-    """The largest K tile (<= 128, >= 16) inside one group, or None where none fits (the caller
-    then dequantizes instead)."""
-    for block_k in (128, 64, 32, 16):
-        if group_size >= in_features or group_size % block_k == 0:
-            return block_k
-    return None
+    """The largest K tile (<= 128, >= 32: an int4 half-tile is the dot's K, at least 16) inside
+    one group (exact: the scale applies to the partial sums), else the largest holding whole
+    groups; None where none lines up (the caller then dequantizes instead)."""
+    sizes = (128, 64, 32)
+    inside = [b for b in sizes if group_size >= in_features or group_size % b == 0]
+    if inside:
+        return inside[0]
+    return next((b for b in sizes if tile_fits(b, group_size, in_features)), None)
+
+
+def default_config(m: int, group_size: int, in_features: int) -> GemvConfig:
+    """An untuned config that fits (tests, or a call before tuning)."""
+    block_k = pick_block_k(group_size, in_features)
+    if block_k is None:
+        raise ValueError(f"int4_gemv: no K tile fits group size {group_size}")
+    return GemvConfig(32, block_k, 4, 2, 1, use_dot=m > 1)
 
 
 def int4_gemv(
@@ -121,41 +255,71 @@ def int4_gemv(
     zeros: torch.Tensor,  # [N, G], same strides as scales
     group_size: int,
     bias: torch.Tensor | None = None,  # [N]
-    block_n: int = 32,
+    block_n: int | None = None,
     block_k: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     bits: int = 4,
     int_zeros: bool = True,
+    config: GemvConfig | None = None,
+    counters: torch.Tensor | None = None,  # int32, zero, >= cdiv(N, BLOCK_N): for split-K
 ) -> torch.Tensor:
     """y [M, N] = x @ dequant(qweight).T (+ bias), in x's dtype (W4A16, or W8A16 with bits=8).
-    int_zeros: every zero point is an integer (False: GGUF Q4_1 / Q4_K's fractional ones, whose
-    zero term the tensor-core path applies separately)."""
+    int_zeros: every zero point is an integer (False: GGUF Q4_1 / Q4_K's fractional ones).
+    config: a tuned candidate; else the default with block_n / block_k / num_warps overriding.
+    Split-K configs need `counters` (zeroed, kept between calls; a fresh zeroed one if None)."""
     m, k = x.shape
     n = qweight.shape[0]
     if qweight.dtype != torch.uint8 or qweight.shape[1] * (8 // bits) != k or bits not in (4, 8):
         raise ValueError(f"int4_gemv: qweight {tuple(qweight.shape)} {qweight.dtype} does not "
                          f"hold {k} int{bits} input features")
-    if m > GEMV_MAX_M:
-        raise ValueError(f"int4_gemv: {m} rows, at most {GEMV_MAX_M}")
-    block_k = block_k or pick_block_k(group_size, k)
-    if block_k is None or (group_size < k and group_size % block_k):
-        raise ValueError(f"int4_gemv: no K tile fits group size {group_size}")
-    x = x.contiguous()
+    if not 1 <= m <= GEMV_MAX_M:
+        raise ValueError(f"int4_gemv: {m} rows, expected 1 to {GEMV_MAX_M}")
+    if config is None:
+        config = default_config(m, group_size, k)
+        config = GemvConfig(block_n or config.block_n, block_k or config.block_k,
+                            num_warps or config.warps, config.stages, 1, config.use_dot)
+    if config.block_k < 32:  # the loads' alignment hint (int_dequant.load_halves)
+        raise ValueError(f"int4_gemv: K tile {config.block_k} below 32")
+    if not tile_fits(config.block_k, group_size, k):
+        raise ValueError(f"int4_gemv: K tile {config.block_k} does not fit group size "
+                         f"{group_size} (K {k})")
+    use_dot = config.use_dot or m > 1
+    # One layout for every call (rows K apart, 16-byte aligned), so capture-time launches hit the
+    # specialization tuning compiled and loaded (a single row's stride is never read).
+    if x.stride(-1) != 1 or (m > 1 and x.stride(0) != k) or x.data_ptr() % 16:
+        x = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
     scales, zeros = scales.contiguous(), zeros.contiguous()
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    rows = 1 if m == 1 else 16
-    _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, qweight, scales, zeros, bias if bias is not None else scales, y,
-        m, n, k,
-        x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-        GROUP=min(group_size, k) if group_size < k else k,
-        ROWS=rows,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+    tiles_n = triton.cdiv(n, config.block_n)
+    split = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))
+    k_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
+    split = triton.cdiv(k, k_split)
+    if split > 1:
+        if counters is None:
+            counters = torch.zeros(tiles_n, dtype=torch.int32, device=x.device)
+        elif counters.numel() < tiles_n or counters.dtype != torch.int32:
+            raise ValueError(f"int4_gemv: split-K needs >= {tiles_n} int32 counters")
+        part = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    else:
+        counters = part = scales  # valid pointers, never read
+    _int_gemv_kernel[(tiles_n, split)](
+        x, qweight, scales, zeros, bias if bias is not None else scales, y, part, counters,
+        m, n, k, k_split,
+        k, qweight.stride(0), scales.stride(0), n,  # rows of x (normalized above) and y: K, N apart
+        GROUP=kernel_group(group_size, k),
+        NG=groups_per_tile(config.block_k, group_size, k),
+        ROWS=16 if use_dot else 1,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        SPLIT_K=split,
+        STAGES=config.stages,
         HAS_BIAS=bias is not None,
-        USE_DOT=rows > 1,
+        USE_DOT=use_dot,
         BITS=bits,
         INT_ZEROS=int_zeros,
-        num_warps=num_warps,
+        X_KIND=x_kind(x.dtype),
+        OFFSET=offset_ok(bits, x_kind(x.dtype)),
+        num_warps=config.warps,
+        num_stages=config.stages,
     )
     return y

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from shard.attention.base import AttentionMetadata
+from shard.models import transformers_idefics3 as idefics3
 from shard.models import transformers_qwen_vl as qwen_vl
 from shard.models.base import ImageEmbeds, LoadContext
 from shard.models.heads import partition_heads
@@ -129,6 +130,8 @@ class TransformersCausalLM:
         self.supports_images = chosen.vision
         # Qwen2-VL-style multimodal rotary: a prompt with images has 3-D positions (rope_positions).
         self.mrope = config.model_type in qwen_vl.MROPE_MODELS
+        # Idefics3: images come as tiles, each [3, S, S] with a run of placeholders of its own.
+        self.tiled = config.model_type in idefics3.TILED_MODELS
         self.cuda_graph_safe = ctx.attention.graph_safe and declared_graph_safe(config, quant)
         self._device, self._dtype = ctx.device, ctx.dtype
         log.info(
@@ -171,6 +174,8 @@ class TransformersCausalLM:
         cfg = self.hf.config
         if self.mrope:  # each [t, h, w, patch_dim]
             return qwen_vl.encode(self.hf, pixel_values, self._device, self._dtype)
+        if self.tiled:  # each a [3, S, S] tile
+            return idefics3.encode(self.hf, pixel_values, self._device, self._dtype)
         result: list[torch.Tensor] = [torch.empty(0)] * len(pixel_values)
         for shape in dict.fromkeys(p.shape for p in pixel_values):
             idx = [i for i, p in enumerate(pixel_values) if p.shape == shape]
@@ -186,10 +191,12 @@ class TransformersCausalLM:
 
     def image_token_count(self, shape: tuple[int, ...]) -> int | None:
         """LLaVA: one row per patch of the tower's square input ([3, S, S]), plus the CLS
-        feature under the "full" selection strategy."""
+        feature under the "full" selection strategy; Qwen2-VL and Idefics3: their modules'."""
         cfg = self.hf.config
         if self.mrope:
             return qwen_vl.token_count(cfg, tuple(shape))
+        if self.tiled:
+            return idefics3.token_count(cfg, tuple(shape))
         size, patch = cfg.vision_config.image_size, cfg.vision_config.patch_size
         if tuple(shape) != (3, size, size):
             return None

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from shard.models.transformers_idefics3 import TILED_MODELS
 from shard.models.transformers_qwen_vl import MROPE_MODELS
 from shard.models.transformers_tp import PACKED
 from shard.quantization.loading import LinearQuantization
@@ -67,7 +68,8 @@ def _packed_pairs(plan: dict[str, str]) -> dict[str, str]:
 # path of their language model, whose projections the tp plan names (greedy parity with images:
 # tests/shard/test_vision_backend.py). The vision tower and projector run as transformers wrote
 # them (sdpa attention), on every rank.
-VISION_MODELS: dict[str, str] = {"llava": "model.language_model", **MROPE_MODELS}
+VISION_MODELS: dict[str, str] = {"llava": "model.language_model", **MROPE_MODELS,
+                                 **TILED_MODELS}
 
 
 @dataclass(frozen=True)
@@ -145,11 +147,11 @@ def declared_graph_safe(config: Any, quant: LinearQuantization | None) -> bool:
     probed. MoE layers sync with the host; bitsandbytes' int8 outlier path too. Soft-capped
     attention now goes through the backend's kernels (no host lengths) but stays eager here
     until the backend's graphs are checked on a GPU with a soft-capped model (the native Gemma
-    path captures them)."""
+    path captures them). M-RoPE models (Qwen2-VL) capture: a decode row's position is
+    index + rope_delta on all three sections, a 1-D position the model repeats per section
+    (prompt rows with 3-D positions run eagerly; tests/gpu/test_vision_cuda.py)."""
     text = config.get_text_config()
     if any((getattr(text, f, None) or 0) > 0 for f in _MOE_FIELDS):
-        return False
-    if config.model_type in MROPE_MODELS:  # M-RoPE decode under graphs: not checked on a GPU
         return False
     if getattr(text, "attn_logit_softcapping", None):
         return False

@@ -36,7 +36,9 @@ Checkpoint layouts (from the formats' published descriptions):
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +48,8 @@ from shard.quantization.methods import IntLayout, IntWeightFormat
 
 # AWQ's GEMM packing puts output column 8c + AWQ_ORDER[i] in nibble i of word c; reading the
 # nibbles back, column 8c + j is nibble AWQ_NIBBLE_OF_COLUMN[j].
+log = logging.getLogger(__name__)
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_NIBBLE_OF_COLUMN = tuple(AWQ_ORDER.index(j) for j in range(8))  # (0, 4, 1, 5, 2, 6, 3, 7)
 
@@ -206,10 +210,12 @@ class PackedInt:
 class IntLinear(nn.Module):
     """y = x @ W.T + b with W stored as PackedInt.
 
-    CUDA, int4 or int8, equal contiguous groups, at most GEMV_MAX_M rows: one Triton kernel that
-    dequantizes in registers (shard/kernels/int_gemv.py). Anywhere else (CPU, prefill-sized
-    batches until a dequant-fused GEMM lands): the weight is dequantized to the activation dtype
-    and multiplied with F.linear; what the CPU tests check."""
+    CUDA, int4 or int8, groups of equal length that K tiles line up with: Triton kernels that
+    dequantize in registers, a GEMV up to GEMV_MAX_M rows (shard/kernels/int_gemv.py) and a
+    dequant-fused GEMM above (shard/kernels/int_gemm.py), each launched with the config tuned for
+    the batch's bucket (shard/kernels/int_tuning.py, at the first eager call). Anywhere else (CPU;
+    unequal groups of an act-order row-parallel slice): the weight is dequantized to the
+    activation dtype and multiplied with F.linear; what the CPU tests check."""
 
     def __init__(self, packed: PackedInt, bias: torch.Tensor | None = None,
                  use_gemv: bool | None = None) -> None:
@@ -231,18 +237,26 @@ class IntLinear(nn.Module):
         # zero points; GGUF Q4_1 / Q4_K minimums make fractional ones (gguf_blocks.py), whose
         # zero term the kernel then applies separately.
         self.int_zeros = bool(torch.equal(packed.zeros, torch.round(packed.zeros)))
+        # use_gemv: the Triton kernels (GEMV and GEMM) serve this linear.
         self.use_gemv = bool(use_gemv) and packed.g_idx is None
         self.gemv_max_m = 0
-        self._gemv_loaded: set[torch.dtype] = set()  # activation dtypes the GEMV is loaded for
+        self._tuned: dict[torch.dtype, Any] = {}  # activation dtype -> int_tuning.IntTuning
         if self.use_gemv:
             try:
-                from shard.kernels.int_gemv import GEMV_MAX_M, int4_gemv, pick_block_k
+                from shard.kernels.int_gemv import GEMV_MAX_M, pick_block_k
             except ImportError:
                 self.use_gemv = False
             else:
                 self.use_gemv = pick_block_k(packed.group_size, packed.in_features) is not None
                 self.gemv_max_m = GEMV_MAX_M
-                self._gemv = int4_gemv
+        # Split-K GEMV configs count arriving K splits per block of >= 8 rows here; each launch
+        # leaves the counters at zero again (shard/kernels/int_gemv.py).
+        self.register_buffer(
+            "splitk_counters",
+            torch.zeros(-(-self.out_features // 8), dtype=torch.int32, device=device)
+            if self.use_gemv else None,
+            persistent=False,
+        )
 
     @classmethod
     def merge_rows(cls, *linears: IntLinear) -> IntLinear | None:
@@ -314,33 +328,54 @@ class IntLinear(nn.Module):
         out[:, self.perm.long()] = w
         return out
 
-    def _gemv_ready(self, dtype: torch.dtype) -> bool:
-        """Compiles and loads the GEMV for every specialization a decode batch can hit (Triton
-        specializes M == 1 and M % 16 == 0) at the first eager call in `dtype`, whatever that
-        call's batch: the shard warms up eagerly at prefill sizes, then captures CUDA graphs of
-        small batches, where a kernel's first load is not allowed. False while a capture finds
-        it not loaded (that capture then records the dequantizing path)."""
-        if dtype in self._gemv_loaded:
+    def _weight_view(self) -> Any:
+        from shard.kernels.int_tuning import IntWeightView
+
+        return IntWeightView(self.qweight, self.scales, self.zeros, self.group_size, self.bits,
+                             self.int_zeros, self.bias, self.splitk_counters)
+
+    def _kernels_ready(self, dtype: torch.dtype) -> bool:
+        """Tunes (or reads the tuned choice of this shape) and loads every batch bucket's GEMV
+        and GEMM config at the first eager call in `dtype`, whatever that call's batch: the shard
+        warms up eagerly at prefill sizes, then captures CUDA graphs of decode batches, where
+        neither timing nor a kernel's first load may happen. False while a capture finds it not
+        ready (that capture then records the dequantizing path)."""
+        if dtype in self._tuned:
             return True
         if self.qweight.is_cuda and torch.cuda.is_current_stream_capturing():
             return False
-        for m in (1, 2, 16):
-            x = torch.zeros(m, self.in_features, dtype=dtype, device=self.qweight.device)
-            self._gemv(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
-                       bits=self.bits, int_zeros=self.int_zeros)
-        self._gemv_loaded.add(dtype)
+        from shard.kernels.int_tuning import tune_int_linear
+
+        try:
+            self._tuned[dtype] = tune_int_linear(self._weight_view(), dtype)
+        except Exception as exc:  # noqa: BLE001 - no kernel ran: serve through the dequantizing path
+            log.warning("int%d linear %dx%d: no Triton kernel config ran (%s: %s); dequantizing "
+                        "per call instead", self.bits, self.out_features, self.in_features,
+                        type(exc).__name__, str(exc)[:300])
+            self.use_gemv = False
+            return False
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         xs = x if self.perm is None else x.index_select(-1, self.perm)
         lead = x.shape[:-1]
         if (self.use_gemv and x.dtype in (torch.bfloat16, torch.float16)
-                and self._gemv_ready(x.dtype)):
+                and self._kernels_ready(x.dtype)):
             x2 = xs.reshape(-1, self.in_features)  # [M, K]
-            if x2.shape[0] <= self.gemv_max_m:
-                y = self._gemv(x2, self.qweight, self.scales, self.zeros, self.group_size,
-                               self.bias, bits=self.bits, int_zeros=self.int_zeros)
-                return y.reshape(*lead, self.out_features)
+            m = x2.shape[0]
+            if m == 0:
+                return xs.new_empty(*lead, self.out_features)
+            tuned = self._tuned[x.dtype]
+            w = self._weight_view()
+            if m <= self.gemv_max_m:
+                from shard.kernels.gemv_buckets import m_bucket
+
+                y = w.gemv(x2, tuned.gemv[m_bucket(m)])
+            else:
+                from shard.kernels.int_gemm import gemm_bucket
+
+                y = w.gemm(x2, tuned.gemm[gemm_bucket(m)])
+            return y.reshape(*lead, self.out_features)
         return F.linear(xs, self.packed.dequantize(x.dtype), self.bias)
 
     def extra_repr(self) -> str:

@@ -5,11 +5,18 @@ y[m, n] = (sum_k xq[m, k] * wq[n, k]) * a_scale[m] * w_scale[n] (+ bias[n]), whe
 a_scale[m] = max_k |x[m, k]| / 127 and xq = round(x / a_scale) in [-127, 127] (symmetric,
 dynamic: nothing calibrated is needed, and per-token scales follow each row's own range).
 
-The int32 accumulation runs in `torch._int_mm` (cuBLASLt int8 GEMM on CUDA, also implemented on
-CPU): exact integer sums, so the CPU path is the reference the CUDA path is checked against.
-cuBLASLt wants more than 16 rows and K, N multiples of 8: smaller batches are padded to 17 rows
-(a decode step reads the weight once either way), other shapes multiply the int8 values as
-float32 (exact while K * 127 * 127 < 2^24, i.e. K <= 1040; close beyond).
+CPU (the reference): quantize_per_token in torch ops, the int32 accumulation in `torch._int_mm`
+(exact integer sums), the rescale in float32. CUDA with bf16 / fp16 activations: two Triton
+launches, the per-token quantization (shard/kernels/int8_quant.py, bit-equal to
+quantize_per_token) and an int8 GEMM whose epilogue applies both scales and the bias and writes
+the activations' dtype (shard/kernels/int8_gemm.py: exact int32 sums, the same float32 rescale
+order, so CUDA and CPU differ by the output's rounding at most). Through torch ops and
+torch._int_mm the layer was 8-10x slower than bf16 on an H100 (benchmarks/raw/round10/w8a8). The
+GEMM's tiles per batch bucket are measured at the layer's first eager call in a dtype (the
+shard's warm-up, before any CUDA-graph capture). Otherwise (fp32 activations, no Triton, or a
+capture that finds the kernels untuned) the torch form runs on CUDA too: torch._int_mm, which
+wants more than 16 rows and K, N multiples of 8: smaller batches are padded to 17 rows, other
+shapes multiply the int8 values as float32 (exact while K * 127 * 127 < 2^24, i.e. K <= 1040).
 
 Rounding convention: compressed-tensors' own loader scales activations by absmax / 127.5
 (values clamped to [-128, 127]); tokenwire follows vLLM's int8 kernels (absmax / 127, symmetric).
@@ -23,6 +30,8 @@ accurate as one scale over the whole row, and no extra collective.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +103,12 @@ class W8A8Linear(nn.Module):
         self.register_buffer("weight_scale", w.scales.reshape(-1).float().contiguous(),
                              persistent=False)  # [N]
         self.register_buffer("bias", bias, persistent=False)
+        self._init_kernels()
+
+    def _init_kernels(self) -> None:
+        # (activation dtype, SiLU epilogue) -> {batch bucket: the int8 GEMM config tuned for it}
+        self._gemm_configs: dict[tuple[torch.dtype, bool], dict[int | None, Any]] = {}
+        self._triton_missing = False
 
     @classmethod
     def merge_rows(cls, *linears: W8A8Linear) -> W8A8Linear | None:
@@ -115,6 +130,7 @@ class W8A8Linear(nn.Module):
                                persistent=False)
         merged.register_buffer("bias", None if first.bias is None else
                                torch.cat([m.bias for m in linears]), persistent=False)
+        merged._init_kernels()
         at = 0
         for m in linears:
             rows = slice(at, at + m.out_features)
@@ -126,7 +142,12 @@ class W8A8Linear(nn.Module):
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """For a merged gate/up weight (rows 0..I-1 gate, I..2I-1 up): silu(gate) * up,
-        x [M, in] -> [M, out / 2]."""
+        x [M, in] -> [M, out / 2]. On the Triton path one GEMM with SiLU-and-mul in its epilogue
+        (the unfused form's roundings)."""
+        if self._kernels_ready(x, silu_mul=True):
+            lead = x.shape[:-1]
+            y = self._triton_forward(x.reshape(-1, self.in_features), silu_mul=True)
+            return y.reshape(*lead, self.out_features // 2)
         gate, up = self.forward(x).chunk(2, dim=-1)
         if x.is_cuda:
             from shard.kernels.elementwise import silu_mul
@@ -143,9 +164,45 @@ class W8A8Linear(nn.Module):
         """[N, K] in `dtype`."""
         return (self.qweight.float() * self.weight_scale[:, None]).to(dtype)
 
+    def _kernels_ready(self, x: torch.Tensor, silu_mul: bool = False) -> bool:
+        """Whether x takes the Triton path: CUDA, bf16 / fp16, and the GEMM tuned for x's dtype
+        (tuned here at the first eager call in that dtype, whatever its batch: every bucket at
+        once, and the quantize kernel loaded; a CUDA-graph capture that finds it untuned records
+        the torch form instead)."""
+        if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        key = (x.dtype, silu_mul)
+        if key in self._gemm_configs:
+            return True
+        if self._triton_missing or torch.cuda.is_current_stream_capturing():
+            return False
+        try:
+            from shard.kernels.int8_gemm import tune_int8_gemm
+            from shard.kernels.int8_quant import quantize_int8_per_token
+        except ImportError:  # no Triton on this install
+            self._triton_missing = True
+            return False
+        quantize_int8_per_token(torch.zeros(2, self.in_features, dtype=x.dtype, device=x.device))
+        self._gemm_configs[key] = tune_int8_gemm(self.qweight, self.weight_scale, self.bias,
+                                                 x.dtype, silu_mul)
+        return True
+
+    def _triton_forward(self, x2: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """x2 [M, K] -> [M, N] (silu_mul: [M, N / 2]) through the two Triton launches (after
+        _kernels_ready)."""
+        from shard.kernels.int8_gemm import int8_gemm, m_bucket
+        from shard.kernels.int8_quant import quantize_int8_per_token
+
+        xq, a_scale = quantize_int8_per_token(x2)  # [M, K] int8, [M] float32
+        config = self._gemm_configs[(x2.dtype, silu_mul)][m_bucket(x2.shape[0])]
+        return int8_gemm(xq, a_scale, self.qweight, self.weight_scale, self.bias, x2.dtype,
+                         config, silu_mul)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
+        if self._kernels_ready(x2):
+            return self._triton_forward(x2).reshape(*lead, self.out_features)
         xq, a_scale = quantize_per_token(x2)
         acc = int8_matmul(xq, self.qweight)  # [M, N]
         y = acc.float() * a_scale[:, None] * self.weight_scale[None, :]

@@ -248,8 +248,10 @@ class CudaGraphDecodeRunner:
             itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lens.sum())
         )
         tables[:n][np.arange(w) < lens[:, None]] = flat
-        pos = h[b : b + n]
-        h[2 * b : 2 * b + n] = tables[np.arange(n), pos // bs] * bs + pos % bs  # slots [n]
+        # Slots [n] from each row's token index, seq_len - 1: its rotary position may differ
+        # (M-RoPE models decode at index + rope_delta).
+        idx = h[3 * b : 3 * b + n] - 1
+        h[2 * b : 2 * b + n] = tables[np.arange(n), idx // bs] * bs + idx % bs
         with_lora = (
             self.lora is not None and lora_slots is not None and any(s >= 0 for s in lora_slots)
         )
@@ -304,7 +306,9 @@ class CudaGraphDecodeRunner:
             itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lens.sum())
         )
         tables[:n][np.arange(w) < lens[:, None]] = flat
-        h[2 * big + rows] = tables[seq_of, pos // bs] * bs + pos % bs  # slots of real tokens
+        # Slots of real tokens, from their token indices (not their rotary positions: M-RoPE).
+        idx = (seq - q_lens)[seq_of] + np.arange(int(starts[-1])) - starts[:-1][seq_of]
+        h[2 * big + rows] = tables[seq_of, idx // bs] * bs + idx % bs
         self._staged.copy_(self._host, non_blocking=True)
         self.graphs[g].replay()
         return self.outputs[g], rows

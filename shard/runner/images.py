@@ -60,11 +60,20 @@ def image_embeds(
     images: list[StepImage], model: VisionLM, cache: EncoderCache, device: torch.device
 ) -> ImageEmbeds:
     """The step's image rows and their embeddings; images missing from the cache are encoded
-    (one encoder call for all of them)."""
+    (one encoder call for all of them). The step keeps its own references to every embedding
+    it uses: a step may need more images than the cache holds (an Idefics3 image is up to 17
+    tiles), so putting the new ones may evict others of the same step."""
+    found: dict[bytes, torch.Tensor] = {}  # [num_tokens, hidden] by content hash
     missing: dict[bytes, StepImage] = {}
     for image in images:
-        if image.content_hash not in missing and cache.get(image.content_hash) is None:
-            missing[image.content_hash] = image
+        key = image.content_hash
+        if key in found or key in missing:
+            continue
+        cached = cache.get(key)
+        if cached is None:
+            missing[key] = image
+        else:
+            found[key] = cached
     cache.hits += len(images) - len(missing)
     cache.misses += len(missing)
     if missing:
@@ -73,12 +82,12 @@ def image_embeds(
             for i in missing.values()
         ]
         for key, embeds in zip(missing, model.encode_images(pixels), strict=True):
+            found[key] = embeds
             cache.put(key, embeds)  # [num_tokens, hidden]
     rows: list[torch.Tensor] = []
     parts: list[torch.Tensor] = []
     for image in images:
-        embeds = cache.get(image.content_hash)
-        assert embeds is not None
+        embeds = found[image.content_hash]
         if image.first + image.count > embeds.shape[0]:
             raise ValueError(
                 f"image {image.content_hash.hex()[:12]}: the router placed "

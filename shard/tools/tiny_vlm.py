@@ -1,7 +1,8 @@
 """Tiny random vision-language checkpoints laid out like a hub snapshot, with a real processor:
 LLaVA 1.5 (a CLIP vision tower, a 2-layer projector, a Llama language model) with transformers'
 own CLIP image processor (the PIL backend: no torchvision needed) and LlavaProcessor, the tiny
-byte-level BPE tokenizer plus an `<image>` token, and a ChatML chat template. For the vision
+byte-level BPE tokenizer plus an `<image>` token, and a ChatML chat template; Qwen2-VL /
+Qwen2.5-VL with their image processor; Idefics3 with its processor (tiles). For the vision
 tests (greedy parity with transformers' generate) and the GPU TTFT benchmark
 (benchmarks/vision_ttft.py builds a 7B-shaped one with `text`/`vision` overrides)."""
 
@@ -173,6 +174,82 @@ def write_tiny_qwen2_vl(out: Path, seed: int = 0, family: str = "qwen2_vl",
     # the image processor is saved alone (preprocessor_config.json).
     image_processor.save_pretrained(out)
     fast.save_pretrained(out)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    cfg.update({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS,
+                "eos_token": EOS, "pad_token": PAD, "chat_template": CHATML})
+    cfg_path.write_text(json.dumps(cfg) + "\n")
+    return out
+
+
+# Idefics3's prompt tokens: the image token, the tile delimiters and tags its processor writes
+# (<fake_token_around_image><row_i_col_j> before each tile, <global-img> before the whole image)
+IDEFICS3_TOKENS = ("<image>", "<fake_token_around_image>", "<global-img>",
+                   "<end_of_utterance>",
+                   *(f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)))
+
+
+def write_tiny_idefics3(out: Path, seed: int = 0, tile: int = 56, longest_edge: int = 112,
+                        text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None,
+                        dtype: str = "float32", device: str = "cpu") -> Path:
+    """Writes a random Idefics3 checkpoint (SmolVLM's architecture) with transformers' own
+    Idefics3Processor and Idefics3 image processor (the PIL backend) into `out`: a 2-layer Llama
+    (hidden 64), a 2-layer SigLIP-style tower on `tile`-pixel tiles in 14-pixel patches and the
+    connector's 2x2 pixel shuffle, so each tile takes (tile/14)^2/4 placeholder tokens (4 for
+    56). An image is resized to `longest_edge` and split into tile x tile crops plus the whole
+    image as a global tile: a 40x30 image is 2x2 crops + global (5 tiles, 20 image tokens), an
+    80x30 one 1x2 + global (3 tiles)."""
+    import torch
+    import transformers
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
+
+    from shard.tools.tiny_model import BOS, EOS, PAD, build_tokenizer
+
+    tokenizer = build_tokenizer(512)
+    tokenizer.add_special_tokens([*IDEFICS3_TOKENS, "<|im_start|>", "<|im_end|>"])
+    ids = {t: tokenizer.token_to_id(t) for t in (BOS, EOS, PAD, IMAGE_TOKEN)}
+    text_kw: dict[str, Any] = {
+        "vocab_size": tokenizer.get_vocab_size(), "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+        "max_position_embeddings": 4096, "initializer_range": 0.1,
+        "bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD],
+        "tie_word_embeddings": False, "model_type": "llama",
+    }
+    text_kw.update(text or {})
+    vision_kw: dict[str, Any] = {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "image_size": tile, "patch_size": 14,
+        "initializer_range": 0.1,
+    }
+    vision_kw.update(vision or {})
+    scale = 2
+    config = transformers.Idefics3Config(
+        vision_config=vision_kw, text_config=text_kw, image_token_id=ids[IMAGE_TOKEN],
+        scale_factor=scale, tie_word_embeddings=False, pad_token_id=ids[PAD],
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.Idefics3ForConditionalGeneration(config)
+    model = model.to(getattr(torch, dtype)).eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save(str(out / "tokenizer.json"))
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(out / "tokenizer.json"), bos_token=BOS, eos_token=EOS,
+        pad_token=PAD,
+    )
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": longest_edge}, max_image_size={"longest_edge": tile},
+    )
+    # image_seq_len: what the processor writes per tile, (tile/patch)^2 / scale^2 (its docs)
+    seq_len = (tile // vision_kw["patch_size"]) ** 2 // (scale * scale)
+    processor = transformers.Idefics3Processor(
+        image_processor=image_processor, tokenizer=fast, image_seq_len=seq_len,
+        chat_template=CHATML,
+    )
+    processor.save_pretrained(out)
     cfg_path = out / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     cfg.update({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS,

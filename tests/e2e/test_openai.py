@@ -271,6 +271,20 @@ def test_image_parts_to_a_text_only_model_are_refused(client: openai.OpenAI) -> 
     assert "takes no images" in caught.value.message
 
 
+def test_typed_grpc_image_parts_to_a_text_only_model_are_refused(deployment: Deployment) -> None:
+    # The typed chat's content_parts go through the REST path's checks: the same refusal.
+    part = opb.ChatContentPart(image_url=opb.ChatImageUrl(url="data:image/png;base64,AA=="))
+    request = opb.ChatRequest(model="tgi", max_tokens=2, messages=[opb.ChatMessage(
+        role="user", content_parts=[opb.ChatContentPart(text="see "), part])])
+    with grpc.insecure_channel(deployment.target) as channel:
+        stub = opb_grpc.OpenAIServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Chat(request, metadata=(("authorization", f"Bearer {API_KEY}"),), timeout=60)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "messages[0].content_parts[1].image_url: this model takes no images" in (
+        caught.value.details())
+
+
 def test_wrong_key_raises_authentication_error(deployment: Deployment) -> None:
     wrong = openai.OpenAI(
         base_url=f"http://{deployment.envoy_target}/v1", api_key="nope", max_retries=0

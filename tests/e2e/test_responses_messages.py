@@ -296,6 +296,25 @@ def test_x_api_key_and_request_id(deployment: Deployment) -> None:
 # --- errors in each SDK's own classes -------------------------------------------------------
 
 
+def test_image_parts_to_a_text_only_model_are_refused(
+    oai: openai.OpenAI, claude: anthropic.Anthropic
+) -> None:
+    # The tiny text model has no image processor: each API's image part is refused as chat's
+    # image_url part is (the same check), naming the part, in that API's error shape.
+    url = "data:image/png;base64,AA=="
+    with pytest.raises(openai.BadRequestError) as bad:
+        oai.responses.create(model="tgi", max_output_tokens=2, input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "see"}, {"type": "input_image", "image_url": url}]}])
+    assert bad.value.param == "input[0].content[1].image_url"  # type: ignore[attr-defined]
+    assert "this model takes no images" in bad.value.message
+    with pytest.raises(anthropic.BadRequestError) as bad_claude:
+        claude.messages.create(model="tgi", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "AA=="}}]}])
+    assert bad_claude.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    assert "messages[0].content[0].source: this model takes no images" in bad_claude.value.message
+
+
 def test_each_sdk_raises_its_own_errors(
     oai: openai.OpenAI, claude: anthropic.Anthropic, deployment: Deployment
 ) -> None:

@@ -2,7 +2,8 @@
 a real `tokenwire launch` serving a tiny random LLaVA, with transformers as the reference. Images
 come as data URLs (PNG, JPEG, WebP), as http URLs served by a local test server on 127.0.0.2
 (reached through a redirect; the deployment allows exactly that address with
---allow-image-networks 127.0.0.2/32), as TGI markdown on /generate and as typed gRPC parts.
+--allow-image-networks 127.0.0.2/32), as TGI markdown on /generate, as typed gRPC parts, and through the installed Python SDK (its
+image parts in generate and its OpenAI-shaped content lists in chat, over the typed gRPC chat).
 Every refused image is a 400 (413 for size) naming its content part, and the server serves
 normally after each. Loopback URLs outside the allowed network are refused as by default: an
 IP literal, a host name (`localhost`, checked at resolution) and a redirect to one."""
@@ -10,11 +11,17 @@ IP literal, a host name (`localhost`, checked at resolution) and a redirect to o
 from __future__ import annotations
 
 import base64
+import json
+import os
+import re
+import shutil
+import subprocess
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import anthropic
 import grpc
 import openai
 import pytest
@@ -22,7 +29,9 @@ from tokenwire.v1 import generate_pb2 as gpb
 from tokenwire.v1 import generate_pb2_grpc as gpb_grpc
 
 from tests.helpers.http_api import http_json
-from tests.helpers.processes import Deployment, launch
+from tests.helpers.processes import Deployment, launch, run_checked
+from tests.helpers.python_sdk import build_wheel, sdk_venv
+from tests.helpers.typescript_sdk import install, pack
 from tests.helpers.vision import HfReference, encoded, tiny_llava
 
 pytestmark = pytest.mark.slow
@@ -192,3 +201,131 @@ def test_tgi_markdown_and_grpc_image_parts(deployment, ref):
                           gpb.InputChunk(text=" here")],
             parameters=gpb.GenerateParameters(max_new_tokens=N, details=True)), timeout=60)
     assert [t.id for t in reply.details.tokens] == want
+
+
+@pytest.fixture(scope="module")
+def sdk_run(deployment: Deployment, image_server: str,
+            tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """vision_sdk_cases.py's report, run with the `tokenwire-client` wheel in a fresh venv (from
+    an empty folder: nothing of this repository is importable there)."""
+    work = tmp_path_factory.mktemp("vision-sdk")
+    python = sdk_venv(build_wheel(work), work)
+    png = work / "a.png"
+    png.write_bytes(PNG0)
+    out = work / "results.json"
+    run_checked([python, Path(__file__).with_name("vision_sdk_cases.py"), deployment.target,
+                 deployment.envoy_target, png, image_server, out],
+                cwd=work, env={"PATH": "/usr/bin:/bin"}, timeout=240)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", ["sync_generate", "sync_chat", "sync_errors", "async_generate"])
+def test_python_sdk_case(sdk_run, case):
+    assert sdk_run["outcomes"][case] is None, sdk_run["outcomes"][case]
+
+
+@pytest.fixture(scope="module")
+def markdown_ids(deployment: Deployment) -> list[int]:
+    """The token ids of "look <image> here" sent as TGI markdown on /generate (which
+    test_tgi_markdown_and_grpc_image_parts checks against transformers)."""
+    status, _, body = http_json(deployment.http_port, "POST", "/generate", {
+        "inputs": "look ![](" + data_url(PNG0) + ") here",
+        "parameters": {"max_new_tokens": N, "details": True}})
+    assert status == 200, body
+    return [t["id"] for t in body["details"]["tokens"]]
+
+
+def test_python_sdk_image_prompts_equal_tgi_markdown(sdk_run, markdown_ids):
+    """Every way the SDK takes an image (path, Image, bytes, ImagePart, http URL; sync, async,
+    streamed, through Envoy) gives the token ids of the same prompt as TGI markdown."""
+    want = markdown_ids
+    seen = sdk_run["observed"]
+    names = ["sync_generate_path", "sync_generate_from_file", "sync_generate_bytes",
+             "sync_generate_image_part_url", "sync_generate_http_url", "sync_stream",
+             "envoy_generate", "async_generate", "async_stream"]
+    assert {name: seen[name] for name in names} == dict.fromkeys(names, want)
+    # Parts of another type: a TypeError naming the part, before anything is sent.
+    assert [e.split(" must")[0] for e in seen["type_errors"]] == [
+        "inputs[1]", "inputs", "inputs", "messages[0].content[0].type",
+        "messages[0].content[1].image_url.url"]
+
+
+def test_python_sdk_chat_content_lists_equal_the_openai_client(sdk_run, client):
+    """The SDK's chat (typed gRPC, content_parts) answers what the official openai client gets
+    for the same OpenAI-shaped content list over REST."""
+    want = _content(client, chat(data_url(PNG0)))
+    assert want != ""
+    seen = sdk_run["observed"]
+    assert [seen["sync_chat"], seen["sync_chat_stream"], seen["async_chat"]] == [want] * 3
+
+
+def test_typescript_sdk_images(deployment, image_server, markdown_ids, client,
+                               tmp_path_factory: pytest.TempPathFactory):
+    """vision_ts_cases.mjs with the `npm pack` tarball installed in a throwaway project: image
+    prompts equal the TGI markdown tokens, OpenAI-shaped chat content lists equal the openai
+    client's reply, bad images and bad parts are refused naming the part."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.fail("node and npm are needed for the TypeScript SDK")
+    work = tmp_path_factory.mktemp("vision-ts")
+    project = install(pack(work), work / "project")
+    shutil.copy(Path(__file__).with_name("vision_ts_cases.mjs"), project / "vision.test.mjs")
+    png = work / "a.png"
+    png.write_bytes(PNG0)
+    env = {**os.environ, "TOKENWIRE_URL": f"http://{deployment.target}",
+           "TOKENWIRE_ENVOY_URL": f"http://{deployment.envoy_target}", "TOKENWIRE_PNG": str(png),
+           "TOKENWIRE_IMAGE_SERVER": image_server, "TOKENWIRE_EXPECTED": json.dumps(
+               {"ids": markdown_ids, "chat": _content(client, chat(data_url(PNG0)))})}
+    done = subprocess.run(["node", "--test", "--test-reporter=tap", "vision.test.mjs"],
+                          cwd=project, env=env, capture_output=True, text=True, check=False,
+                          timeout=240)
+    summary = dict(re.findall(r"^# (pass|fail|skipped) (\d+)$", done.stdout, flags=re.MULTILINE))
+    assert done.returncode == 0 and summary == {"pass": "4", "fail": "0", "skipped": "0"}, (
+        done.stdout + done.stderr)
+
+
+@pytest.fixture(scope="module")
+def claude(deployment: Deployment) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=f"http://{deployment.envoy_target}", api_key="none",
+                               max_retries=0)
+
+
+def test_responses_and_messages_images_answer_as_chat_does(client, claude, image_server):
+    """The official `openai` client's Responses `input_image` parts and the `anthropic` client's
+    image blocks (base64 and url sources) give chat's greedy reply to the same conversation."""
+    want = _content(client, chat(data_url(PNG0)))
+    b64 = base64.b64encode(PNG0).decode()
+    for url in (data_url(PNG0), f"{image_server}/a.png"):
+        out = client.responses.create(model="tgi", max_output_tokens=N, temperature=0, input=[
+            {"role": "user", "content": [
+                {"type": "input_text", "text": "what is in "},
+                {"type": "input_image", "image_url": url, "detail": "auto"},
+                {"type": "input_text", "text": " tell me"}]}])
+        assert out.output_text == want
+    for source in ({"type": "base64", "media_type": "image/png", "data": b64},
+                   {"type": "url", "url": f"{image_server}/a.png"}):
+        # temperature through extra_body: this anthropic release's create() has no such argument
+        reply = claude.messages.create(model="tgi", max_tokens=N, extra_body={"temperature": 0},
+                                       messages=[{"role": "user", "content": [
+                                           {"type": "text", "text": "what is in "},
+                                           {"type": "image", "source": source},
+                                           {"type": "text", "text": " tell me"}]}])
+        assert "".join(b.text for b in reply.content if b.type == "text") == want
+
+
+def test_responses_and_messages_refused_images_name_the_part(client, claude, image_server):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model="tgi", max_output_tokens=2, input=[{"role": "user",
+            "content": [{"type": "input_image", "image_url": data_url(b"not an image")}]}])
+    assert bad.value.param == "input[0].content[0].image_url"
+    assert "could not be decoded" in bad.value.message
+    with pytest.raises(anthropic.BadRequestError) as bad_claude:
+        claude.messages.create(model="tgi", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "x"},
+            {"type": "image", "source": {"type": "url", "url": f"{image_server}/missing.png"}}]}])
+    assert bad_claude.value.body["error"]["type"] == "invalid_request_error"
+    assert "messages[0].content[1].source" in bad_claude.value.message
+    assert "HTTP 404" in bad_claude.value.message
+    with pytest.raises(anthropic.BadRequestError, match=r"unsupported image type .image/gif."):
+        claude.messages.create(model="tgi", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/gif",
+                                         "data": "R0lGODdhAQABAAAAACw="}}]}])

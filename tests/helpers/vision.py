@@ -1,6 +1,7 @@
 """What the vision tests share: the tiny random LLaVA (shard/tools/tiny_vlm.py) built once per
-session, images encoded as PNG/JPEG/WebP bytes, and transformers' own greedy references (LLaVA,
-and Qwen2-VL / 2.5-VL on their image processor's pixels)."""
+session, images encoded as PNG/JPEG/WebP bytes, and transformers' own greedy references (LLaVA
+and Idefics3 on their processor's inputs, Qwen2-VL / 2.5-VL on their image processor's
+pixels)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from shard.tools.tiny_vlm import write_tiny_llava
+from shard.tools.tiny_vlm import write_tiny_idefics3, write_tiny_llava
 
 
 def tiny_llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -19,6 +20,17 @@ def tiny_llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not out.exists():
         scratch = tmp_path_factory.mktemp("building-llava") / "model"
         write_tiny_llava(scratch)
+        out.parent.mkdir(exist_ok=True)
+        scratch.rename(out)
+    return out
+
+
+def tiny_idefics3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """write_tiny_idefics3, at most once per test session (shared directory)."""
+    out = tmp_path_factory.getbasetemp() / "hf-models" / "idefics3"
+    if not out.exists():
+        scratch = tmp_path_factory.mktemp("building-idefics3") / "model"
+        write_tiny_idefics3(scratch)
         out.parent.mkdir(exist_ok=True)
         scratch.rename(out)
     return out
@@ -68,6 +80,46 @@ class HfReference:
         lps = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.logits, ids,
                                                                              strict=True)]
         return ids, lps
+
+
+class Idefics3Reference(HfReference):
+    """transformers' Idefics3ForConditionalGeneration.generate on Idefics3Processor's inputs
+    (tiles, pixel_attention_mask, the prompt with each image's tile tags and tokens)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import transformers
+
+        self.processor = transformers.AutoProcessor.from_pretrained(str(model_dir))
+        self.model = transformers.Idefics3ForConditionalGeneration.from_pretrained(
+            str(model_dir)).eval()
+
+    def inputs(self, text: str, seeds: list[Any], **kw: Any) -> dict[str, Any]:
+        """seeds: each image's seed, or (seed, width, height)."""
+        images = [image(*s) if isinstance(s, tuple) else image(s) for s in seeds]
+        return self.processor(text=[text], images=images or None, return_tensors="pt", **kw)
+
+    def shard_images(self, enc: dict[str, Any]) -> list[Any]:  # shard_pb2.ImageInput
+        """The processor's tiles as the shard takes them: each [3, S, S] tile an image input at
+        its run of image tokens (the i-th run, the i-th tile; as the router sends them)."""
+        import hashlib
+
+        import numpy as np
+        from tokenwire.shard.v1 import shard_pb2 as pb
+
+        from service.generation.images.encoders import image_runs
+
+        if "pixel_values" not in enc:
+            return []
+        ids = tuple(enc["input_ids"][0].tolist())
+        tiles = enc["pixel_values"].numpy().astype(np.float32).reshape(-1, 3, *enc[
+            "pixel_values"].shape[-2:])  # [images * tiles, 3, S, S]: one prompt, no padding
+        out = []
+        for tile, (start, length) in zip(tiles, image_runs(ids, self.processor.image_token_id),
+                                         strict=True):
+            data = np.ascontiguousarray(tile).tobytes()
+            out.append(pb.ImageInput(content_hash=hashlib.sha256(data).digest(), offset=start,
+                                     length=length, shape=list(tile.shape), pixel_values=data))
+        return out
 
 
 class QwenReference:

@@ -4,7 +4,6 @@ virtualenv (nothing else from this repository), and run python_cases.py there ag
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -16,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.processes import Deployment, run_checked
+from tests.helpers.python_sdk import SDK, build_wheel, sdk_venv
 from tests.helpers.raw_grpc import RawClient
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-SDK = REPO / "clients" / "python"
 CASES_SCRIPT = Path(__file__).with_name("python_cases.py")
 PROMPT = "The quick brown fox"  # python_cases.PROMPT (that script runs in the SDK's venv)
 
@@ -49,55 +48,12 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel, built from a copy of clients/python so that no build output lands in the tree."""
-    work = tmp_path_factory.mktemp("sdk-py-build")
-    source = work / "src"
-    shutil.copytree(
-        SDK, source, ignore=shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__")
-    )
-    out = work / "dist"
-    # Build with this venv's setuptools when it has one (offline, fast); else pip's isolated build.
-    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
-    run_checked(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            *isolation,
-            "-q",
-            "-w",
-            out,
-            source,
-        ]
-    )
-    (built,) = out.glob("tokenwire_client-*.whl")
-    return built
+    return build_wheel(tmp_path_factory.mktemp("sdk-py-build"))
 
 
 @pytest.fixture(scope="module")
 def venv_python(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh virtualenv holding only the wheel and its dependencies. It is created without pip
-    (fast) and filled by this interpreter's pip, which reuses its wheel cache."""
-    venv = tmp_path_factory.mktemp("sdk-py-venv") / "venv"
-    run_checked([sys.executable, "-m", "venv", "--without-pip", venv])
-    python = venv / "bin" / "python"
-    run_checked(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "--python",
-            python,
-            "install",
-            "-q",
-            "--disable-pip-version-check",
-            wheel,
-        ],
-        timeout=300,
-    )
-    return python
+    return sdk_venv(wheel, tmp_path_factory.mktemp("sdk-py-venv"))
 
 
 def test_wheel_holds_only_tokenwire_client(wheel: Path) -> None:

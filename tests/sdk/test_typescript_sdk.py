@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.processes import Deployment, run_checked
+from tests.helpers.processes import Deployment
 from tests.helpers.raw_grpc import RawClient
 from tests.helpers.tools import needs
+from tests.helpers.typescript_sdk import SDK, install, pack
 
 pytestmark = [
     pytest.mark.slow,
@@ -25,36 +26,17 @@ pytestmark = [
     ),
 ]
 
-REPO = Path(__file__).resolve().parents[2]
-SDK = REPO / "clients" / "typescript"
-NPM_FLAGS = ["--no-audit", "--no-fund", "--loglevel=error"]
 
 
 @pytest.fixture(scope="module")
 def tarball(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`npm ci` + `npm pack` (which builds dist/ with tsc) in a copy of clients/typescript."""
-    work = tmp_path_factory.mktemp("sdk-ts-build")
-    package = work / "package"
-    shutil.copytree(SDK, package, ignore=shutil.ignore_patterns("node_modules", "dist", "*.tgz"))
-    run_checked(["npm", "ci", *NPM_FLAGS], cwd=package, timeout=300)
-    packed = run_checked(
-        ["npm", "pack", "--json", *NPM_FLAGS, "--pack-destination", work], cwd=package, timeout=300
-    )
-    info = json.loads(packed.stdout[packed.stdout.index("[") :])[0]
-    files = {entry["path"] for entry in info["files"]}
-    assert {"dist/index.js", "dist/index.d.ts", "README.md", "package.json"} <= files, files
-    assert not any(path.startswith(("src/", "test/", "node_modules/")) for path in files)
-    return work / info["filename"]
+    return pack(tmp_path_factory.mktemp("sdk-ts-build"))
 
 
 @pytest.fixture(scope="module")
 def project(tarball: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A throwaway project that installed the tarball, holding the package's test files."""
-    project = tmp_path_factory.mktemp("sdk-ts-project")
-    (project / "package.json").write_text(
-        json.dumps({"name": "sdk-acceptance", "private": True, "type": "module"})
-    )
-    run_checked(["npm", "install", *NPM_FLAGS, tarball], cwd=project, timeout=300)
+    project = install(tarball, tmp_path_factory.mktemp("sdk-ts-project"))
     shutil.copytree(SDK / "test", project / "test")
     return project
 

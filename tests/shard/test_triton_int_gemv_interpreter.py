@@ -1,8 +1,9 @@
 """shard/kernels/int_gemv.py's W4A16 kernel under Triton's interpreter on CPU tensors (no GPU):
 the CUDA-core path (1 row) and the tensor-core path (2..16 rows padded to 16), int4 and int8,
 asymmetric groups,
-a whole-row group, N and K tails, bias, fractional (GGUF) zero points; against the dequantized
-weight in float32.
+a whole-row group, N and K tails, bias, fractional (GGUF) zero points, tiles holding several
+groups, split-K (partials reduced by the last split, counters left at zero for the next launch);
+against the dequantized weight in float32.
 
 Triton reads TRITON_INTERPRET when a kernel is defined, hence a fresh process for the check
 (tests/helpers/triton_interpreter.py). The interpreter's fp32 -> bf16 casts truncate, so bf16
@@ -48,8 +49,36 @@ _CHECK = textwrap.dedent(
                     assert y.shape == (m, n) and y.dtype == dtype
                     err = float((y.float() - ref).abs().max() / ref.abs().max())
                     assert err <= BOUND[dtype], (n, k, group, dtype, bias is not None, m, err)
-    # IntLinear's own dispatch: act-order columns (x gathered by perm) into the kernel, loaded
-    # for every batch specialization at its first call; above 16 rows it dequantizes.
+    # Split-K (2 and 3 splits of a 96-feature K, 32-wide tiles; 2 of 128 in 64-wide tiles) and
+    # tiles of several groups (64 features, groups of 16 and 32), int4 and int8, 1 and 5 rows:
+    # every split's partial reaches y once, and the counters return to zero (a second launch on
+    # the same counters gives the same result).
+    from shard.kernels.int_gemv import GemvConfig
+
+    for bits, k, group, config in ((4, 96, 32, GemvConfig(16, 32, 4, 2, split_k=2)),
+                                   (8, 96, 96, GemvConfig(16, 32, 4, 2, split_k=3)),
+                                   (4, 128, 16, GemvConfig(16, 64, 4, 2)),
+                                   (8, 128, 32, GemvConfig(16, 64, 4, 2, split_k=2))):
+        n = 20
+        groups = k // group
+        q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
+        scales = (torch.rand(n, groups) * 0.1 + 0.01).half()
+        zeros = torch.randint(0, 2**bits, (n, groups)).half()
+        packed = PackedInt.pack(UnpackedInt(q, scales, zeros, torch.arange(k) // group, bits))
+        w = packed.dequantize(torch.float32)
+        bias = torch.randn(n).half()
+        counters = torch.zeros(4, dtype=torch.int32)
+        for m in (1, 5):
+            x = torch.randn(m, k).half()
+            ref = x.float() @ w.t() + bias.float()
+            for _ in range(2):
+                y = int4_gemv(x, packed.qweight, packed.scales, packed.zeros, group, bias,
+                              bits=bits, config=config, counters=counters)
+                err = float((y.float() - ref).abs().max() / ref.abs().max())
+                assert err <= 2**-10, (bits, group, config, m, err)
+                assert int(counters.abs().sum()) == 0
+    # IntLinear's own dispatch: act-order columns (x gathered by perm) into the kernel, its
+    # configs chosen at its first call; above 16 rows the dequant-fused GEMM.
     from shard.quantization.int_weights import IntLinear
 
     g_idx = torch.randperm(64) % 2  # two groups of 32, features in any order
@@ -63,7 +92,7 @@ _CHECK = textwrap.dedent(
         ref = x.float() @ w.t()
         err = float((linear(x).float() - ref).abs().max() / ref.abs().max())
         assert err <= 2**-7, (m, err)
-    assert linear._gemv_loaded == {torch.bfloat16}
+    assert set(linear._tuned) == {torch.bfloat16}
     # W8A16: one byte per value, zero points up to 255.
     q = torch.randint(0, 256, (24, 64), dtype=torch.uint8)
     zeros = torch.randint(0, 256, (24, 2)).half()

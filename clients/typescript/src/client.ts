@@ -7,6 +7,7 @@ import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-no
 
 import { jsonReply, requestBody, sseEvents, type JsonObject } from "./agents.js";
 import { inBandError, translateError } from "./errors.js";
+import { contentParts, inputChunks, type ContentPartInput, type PromptPart } from "./images.js";
 import { AnthropicService } from "./gen/tokenwire/v1/anthropic_pb.js";
 import {
   GenerateParametersSchema,
@@ -22,6 +23,7 @@ import {
   ChatRequestSchema,
   CompletionRequestSchema,
   OpenAIService,
+  type ChatRequest,
   type ChatResponse,
   type ChatStreamResponse,
   type CompletionResponse,
@@ -64,8 +66,17 @@ export type GenerateParameters = Omit<
   "$typeName" | "grammar"
 > & { grammar?: GrammarInit };
 
-/** One chat message: {role, content} (name and toolCallId optional). */
-export type ChatMessageInit = Omit<MessageInitShape<typeof ChatMessageSchema>, "$typeName">;
+/**
+ * One chat message: {role, content} (name and toolCallId optional). `content` is a string or
+ * OpenAI's list of parts: `{type: "text", text}`, `{type: "image_url", image_url: {url}}`, or an
+ * image ({data: Uint8Array} / {url} / a Uint8Array, sent as an image_url).
+ */
+export type ChatMessageInit = Omit<MessageInitShape<typeof ChatMessageSchema>, "$typeName" | "content"> & {
+  content?: string | ContentPartInput[];
+};
+
+/** A generate prompt: a string, or text and image parts in order (vision-language models). */
+export type Prompt = string | PromptPart[];
 
 /**
  * Chat parameters (OpenAI's, camelCase): model (default "tgi"), maxTokens, temperature, topP,
@@ -81,15 +92,18 @@ export type CompletionParameters = Omit<
 
 /** The tokenwire client returned by createClient. */
 export interface TokenwireClient {
-  /** Generates a completion for `inputs` and resolves when it is finished. */
-  generate(inputs: string, parameters?: GenerateParameters, options?: CallOptions): Promise<GenerateResponse>;
+  /**
+   * Generates a completion for `inputs` and resolves when it is finished. `inputs` is a string,
+   * or text and images in order: `["What is in ", await imageFromFile("cat.png"), "?"]`.
+   */
+  generate(inputs: Prompt, parameters?: GenerateParameters, options?: CallOptions): Promise<GenerateResponse>;
   /**
    * Streams a completion, one event per generated token; the last event carries
    * `generatedText` (and `details` when asked for). Breaking out of `for await` or aborting
    * `options.signal` cancels the call on the server.
    */
   generateStream(
-    inputs: string,
+    inputs: Prompt,
     parameters?: GenerateParameters,
     options?: CallOptions,
   ): AsyncIterable<GenerateStreamResponse>;
@@ -141,10 +155,8 @@ export interface TokenwireClient {
   close(): void;
 }
 
-function buildRequest(inputs: string, parameters: GenerateParameters = {}): GenerateRequest {
-  if (typeof inputs !== "string") {
-    throw new TypeError(`inputs must be a string, not ${typeof inputs}`);
-  }
+function buildRequest(inputs: Prompt, parameters: GenerateParameters = {}): GenerateRequest {
+  const chunks = typeof inputs === "string" ? undefined : inputChunks(inputs);
   // Field names as generated (camelCase: maxNewTokens); the proto's snake_case names (TGI's REST
   // spelling: max_new_tokens) are accepted too.
   const byName = new Map<string, string>();
@@ -166,7 +178,7 @@ function buildRequest(inputs: string, parameters: GenerateParameters = {}): Gene
     throw new TypeError(`unknown generation parameter(s): ${unknown.join(", ")}`);
   }
   return create(GenerateRequestSchema, {
-    inputs,
+    ...(chunks === undefined ? { inputs: inputs as string } : { inputChunks: chunks }),
     parameters: {
       ...rest,
       ...(grammar === undefined
@@ -174,6 +186,19 @@ function buildRequest(inputs: string, parameters: GenerateParameters = {}): Gene
         : { grammar: { type: grammar.type, value: fromJson(ValueSchema, grammar.value) } }),
     },
   });
+}
+
+/** The ChatRequest of OpenAI-shaped messages: a content list becomes the typed contentParts. */
+function buildChatRequest(messages: ChatMessageInit[], parameters: ChatParameters = {}): ChatRequest {
+  const typed = messages.map((message, i) => {
+    const { content, ...rest } = message;
+    if (content === undefined || typeof content === "string") return { ...rest, content };
+    if (!Array.isArray(content)) {
+      throw new TypeError(`messages[${i}].content must be a string or an array of content parts`);
+    }
+    return { ...rest, contentParts: contentParts(content, `messages[${i}].content`) };
+  });
+  return create(ChatRequestSchema, { model: SERVED_MODEL, ...parameters, messages: typed });
 }
 
 /** A streamed call's events with the client's deadline and cancellation, in-band errors raised. */
@@ -264,7 +289,7 @@ export function createClient(baseUrl: string, options: ClientOptions = {}): Toke
     },
 
     async chat(messages, parameters, call) {
-      const request = create(ChatRequestSchema, { model: SERVED_MODEL, ...parameters, messages });
+      const request = buildChatRequest(messages, parameters);
       try {
         return await openai.chat(request, callOptions(call));
       } catch (error) {
@@ -273,7 +298,7 @@ export function createClient(baseUrl: string, options: ClientOptions = {}): Toke
     },
 
     chatStream(messages, parameters, call) {
-      const request = create(ChatRequestSchema, { model: SERVED_MODEL, ...parameters, messages });
+      const request = buildChatRequest(messages, parameters);
       return cancellableStream((signal, headers) => openai.chatStream(request, { signal, headers }), call);
     },
 

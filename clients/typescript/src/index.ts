@@ -8,8 +8,10 @@ export type {
   ClientOptions,
   GenerateParameters,
   GrammarInit,
+  Prompt,
   TokenwireClient,
 } from "./client.js";
+export { imageFromFile, type ContentPartInput, type ImageInput, type PromptPart } from "./images.js";
 export type { JsonObject } from "./agents.js";
 export {
   CancelledError,

@@ -22,8 +22,12 @@ from typing import Any, Protocol
 
 @dataclass(frozen=True)
 class Encoded:
-    pixels: Any  # np.ndarray float32, C order: [3, H, W] or [t, h, w, patch_dim]
-    num_tokens: int  # placeholder tokens the image takes in the prompt
+    pixels: Any  # np.ndarray float32, C order: [3, H, W], [t, h, w, patch_dim] or [tiles, 3, S, S]
+    num_tokens: int  # placeholder (image) tokens the image takes in the prompt
+    # The token ids the prompt's one image token becomes, where that is more than num_tokens
+    # image tokens (TiledEncoder: tile tags and delimiters around each tile's run of image
+    # tokens; pixels[i] is the i-th run's tile); None: num_tokens image tokens, one image.
+    expansion: tuple[int, ...] | None = None
 
 
 class ImageEncoder(Protocol):
@@ -56,6 +60,39 @@ class ProcessorEncoder:
         pixels = np.ascontiguousarray(enc["pixel_values"][0], dtype=np.float32)  # [3, H, W]
         count = int((enc["input_ids"][0] == self.image_token_id).sum())
         return Encoded(pixels, count)
+
+
+class TiledEncoder(ProcessorEncoder):
+    """A tiling processor (Idefics3's): the processor's expansion of one image token and its
+    tiles [tiles, 3, S, S], one per run of image tokens in the expansion."""
+
+    def __call__(self, image: Any) -> Encoded:
+        import numpy as np
+
+        enc = self._processor(text=[self.image_token], images=[image], return_tensors="np",
+                              add_special_tokens=False)
+        tokens = tuple(int(t) for t in enc["input_ids"][0])
+        tiles = np.ascontiguousarray(enc["pixel_values"][0], dtype=np.float32)  # [n, 3, S, S]
+        runs = image_runs(tokens, self.image_token_id)
+        # One image pads nothing (every tile is S x S); the shard encodes each tile whole.
+        mask = enc.get("pixel_attention_mask")
+        if len(runs) != tiles.shape[0] or (mask is not None and not mask.all()):
+            raise RuntimeError(f"{type(self._processor).__name__}: {len(runs)} runs of image "
+                               f"tokens for {tiles.shape[0]} tiles, or padded tiles")
+        return Encoded(tiles, sum(length for _, length in runs), tokens)
+
+
+def image_runs(tokens: tuple[int, ...], image_token_id: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of consecutive image tokens in `tokens`."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(tokens):
+        if t != image_token_id:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
 
 
 class GridEncoder:

@@ -5,7 +5,9 @@ or for dynamic-resolution families such as Qwen2-VL its image processor; either 
 family's resizing, cropping, tiling or dynamic resolution) and runs it on a worker thread,
 never on the event loop. Each image yields its pixel values and the number of placeholder
 tokens it takes (the count the model's processor expands it to); the prompt's single image
-tokens are then expanded to those counts, and the expanded prompt is what --max-input-tokens
+tokens are then expanded to those counts (or, for a tiling family such as Idefics3, to the
+processor's own tokens for the image: tile tags and delimiters around each tile's image tokens,
+each tile then an image input of its own), and the expanded prompt is what --max-input-tokens
 counts.
 """
 
@@ -21,7 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from service.engine.contracts import ImageInput
-from service.generation.images.encoders import ImageEncoder, ProcessorEncoder, grid_encoder
+from service.generation.images.encoders import (
+    ImageEncoder,
+    ProcessorEncoder,
+    TiledEncoder,
+    grid_encoder,
+    image_runs,
+)
 from service.generation.images.fetch import gather_bytes
 from service.generation.images.refs import ImageError, ImageLimits, ImageRef
 
@@ -32,13 +40,28 @@ FORMATS = frozenset({"PNG", "JPEG", "WEBP"})
 
 
 @dataclass(frozen=True)
+class ImagePart:
+    """What the shard encodes as one image input: the whole image, or one tile of a tiling
+    family (Idefics3), and where its run of image tokens starts in the image's expansion."""
+
+    content_hash: bytes  # the image's sha256, or for a tile sha256(image's + tile index)
+    start: int  # first image token of the run, within ProcessedImage.tokens
+    length: int  # image tokens of the run
+    pixel_values: bytes  # float32, C order
+    shape: tuple[int, ...]  # [3, H, W] (LLaVA, a tile), [t, h, w, patch_dim] (Qwen2-VL)
+
+
+@dataclass(frozen=True)
 class ProcessedImage:
-    """One image after the processor: pixel values and its placeholder-token count."""
+    """One image after the processor: the tokens its one image token becomes and its parts."""
 
     content_hash: bytes
-    pixel_values: bytes  # float32, C order
-    shape: tuple[int, ...]  # [3, H, W] (LLaVA) or [t, h, w, patch_dim] (Qwen2-VL)
-    num_tokens: int
+    tokens: tuple[int, ...]  # the expansion: image tokens (and tile tags, delimiters)
+    parts: tuple[ImagePart, ...]  # in prompt order
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(p.length for p in self.parts)
 
 
 def has_image_processor(model_dir: Path) -> bool:
@@ -92,9 +115,12 @@ class ImagePipeline:
         if getattr(processor, "image_token", None) is None:
             log.warning("%s: the processor names no image token; images are refused", model_dir)
             return None
-        log.info("images: %s with %s (image token %r)", type(processor).__name__,
-                 type(processor.image_processor).__name__, processor.image_token)
-        return cls(ProcessorEncoder(processor), limits)
+        # Idefics3 / SmolVLM: tiles, and the processor's tile tags around each one's tokens
+        tiled = getattr(processor, "fake_image_token", None) is not None
+        log.info("images: %s with %s (image token %r%s)", type(processor).__name__,
+                 type(processor.image_processor).__name__, processor.image_token,
+                 ", tiles" if tiled else "")
+        return cls(TiledEncoder(processor) if tiled else ProcessorEncoder(processor), limits)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -151,12 +177,24 @@ class ImagePipeline:
                              "(truncated or corrupt)") from None
         encoded = self.encoder(image)
         pixels = encoded.pixels
-        return ProcessedImage(key, pixels.tobytes(), tuple(pixels.shape), encoded.num_tokens)
+        if encoded.expansion is None:  # one image input: num_tokens image tokens
+            tokens = (self.image_token_id,) * encoded.num_tokens
+            part = ImagePart(key, 0, encoded.num_tokens, pixels.tobytes(), tuple(pixels.shape))
+            return ProcessedImage(key, tokens, (part,))
+        # tiles: pixels [tiles, 3, S, S], tile i for the i-th run of image tokens
+        runs = image_runs(encoded.expansion, self.image_token_id)
+        parts = tuple(
+            ImagePart(hashlib.sha256(key + i.to_bytes(4, "little")).digest(), start, length,
+                      pixels[i].tobytes(), tuple(pixels[i].shape))
+            for i, (start, length) in enumerate(runs)
+        )
+        return ProcessedImage(key, encoded.expansion, parts)
 
 
 def expand(ids: tuple[int, ...], image_token_id: int, images: list[ProcessedImage]
            ) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
-    """Each image token of `ids` becomes its image's placeholder run (images in order)."""
+    """Each image token of `ids` becomes its image's tokens (images in order), and each part of
+    the image an ImageInput at its run of image tokens."""
     out: list[int] = []
     placed: list[ImageInput] = []
     it = iter(images)
@@ -165,7 +203,7 @@ def expand(ids: tuple[int, ...], image_token_id: int, images: list[ProcessedImag
             out.append(t)
             continue
         image = next(it)
-        placed.append(ImageInput(image.content_hash, len(out), image.num_tokens,
-                                 image.pixel_values, image.shape))
-        out.extend([image_token_id] * image.num_tokens)
+        placed.extend(ImageInput(p.content_hash, len(out) + p.start, p.length, p.pixel_values,
+                                 p.shape) for p in image.parts)
+        out.extend(image.tokens)
     return tuple(out), tuple(placed)

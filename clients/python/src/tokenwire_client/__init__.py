@@ -25,6 +25,8 @@ from ._errors import (
 )
 from ._generated.tokenwire.v1 import (
     BestOfSequence,
+    ChatContentPart,
+    ChatImageUrl,
     ChatMessage,
     ChatRequest,
     ChatResponse,
@@ -38,12 +40,15 @@ from ._generated.tokenwire.v1 import (
     GenerateResponse,
     GenerateStreamResponse,
     Grammar,
+    ImagePart,
     InfoResponse,
+    InputChunk,
     PrefillToken,
     StreamDetails,
     Token,
     TopTokens,
 )
+from ._images import Image
 from ._sync import Client, Stream
 
 __version__ = "0.1.0"
@@ -53,6 +58,8 @@ __all__ = [
     "AsyncStream",
     "BestOfSequence",
     "CancelledError",
+    "ChatContentPart",
+    "ChatImageUrl",
     "ChatMessage",
     "ChatRequest",
     "ChatResponse",
@@ -69,7 +76,10 @@ __all__ = [
     "GenerateStreamResponse",
     "GenerationError",
     "Grammar",
+    "Image",
+    "ImagePart",
     "InfoResponse",
+    "InputChunk",
     "NotFoundError",
     "OverloadedError",
     "PermissionDeniedError",

@@ -33,6 +33,7 @@ from ._generated.tokenwire.v1 import (
     ResponsesServiceStub,
     TextGenerationStub,
 )
+from ._images import Prompt
 from ._request import (
     auth_metadata,
     build_chat_request,
@@ -160,10 +161,13 @@ class AsyncClient:
         return self._service
 
     async def generate(
-        self, inputs: str, *, timeout: float | None = None, **parameters: Any
+        self, inputs: Prompt, *, timeout: float | None = None, **parameters: Any
     ) -> GenerateResponse:
         """Generates a completion for `inputs` and returns it when it is finished.
 
+        `inputs` is the prompt: a str, or a sequence of parts, text (str) and images (`Image`,
+        `ImagePart`, bytes or a pathlib.Path of an image file) in order, for vision-language
+        models: `["What is in ", Image.from_file("cat.png"), "?"]`.
         `parameters` are GenerateParameters fields (max_new_tokens, temperature, stop, details,
         seed, grammar, ...); `timeout` overrides the client's default deadline for this call.
         """
@@ -174,7 +178,7 @@ class AsyncClient:
             raise _translate(error) from None
 
     def generate_stream(
-        self, inputs: str, *, timeout: float | None = None, **parameters: Any
+        self, inputs: Prompt, *, timeout: float | None = None, **parameters: Any
     ) -> AsyncStream:
         """Starts a streaming generation; returns an `AsyncStream` of events (one per token).
 

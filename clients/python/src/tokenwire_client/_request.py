@@ -25,6 +25,7 @@ from ._generated.tokenwire.v1 import (
     ToolCall,
     ToolChoice,
 )
+from ._images import Prompt, content_parts, input_chunks
 
 PARAMETER_NAMES: frozenset[str] = frozenset(f.name for f in dataclasses.fields(GenerateParameters))
 # OpenAI-style parameters of chat / completion (the request fields but model and the prompt).
@@ -45,14 +46,15 @@ def _grammar(value: Grammar | Mapping[str, Any]) -> Grammar:
     return Grammar(type=str(value.get("type", "")), value=Value.from_dict(value.get("value")))
 
 
-def build_request(inputs: str, parameters: Mapping[str, Any]) -> GenerateRequest:
+def build_request(inputs: Prompt, parameters: Mapping[str, Any]) -> GenerateRequest:
     """Returns the GenerateRequest for a prompt and TGI-style parameters.
 
-    Raises TypeError for a parameter name that GenerateParameters does not have; values are
-    checked by the server, which answers INVALID_ARGUMENT (ValidationError) naming the field.
+    `inputs` is a str, or a sequence of parts (str text and images: Image, ImagePart, bytes or
+    a pathlib.Path of an image file), which fill the request's typed `input_chunks`.
+    Raises TypeError for a part or a parameter name of another kind; values are checked by the
+    server, which answers INVALID_ARGUMENT (ValidationError) naming the field.
     """
-    if not isinstance(inputs, str):
-        raise TypeError(f"inputs must be a str, not {type(inputs).__name__}")
+    chunks = None if isinstance(inputs, str) else input_chunks(inputs)
     unknown = sorted(set(parameters) - PARAMETER_NAMES)
     if unknown:
         raise TypeError(
@@ -65,6 +67,8 @@ def build_request(inputs: str, parameters: Mapping[str, Any]) -> GenerateRequest
     if fields.get("stop") is not None:
         fields["stop"] = list(fields["stop"])
     fields = {name: value for name, value in fields.items() if value is not None}
+    if chunks is not None:
+        return GenerateRequest(input_chunks=chunks, parameters=GenerateParameters(**fields))
     return GenerateRequest(inputs=inputs, parameters=GenerateParameters(**fields))
 
 
@@ -88,12 +92,20 @@ def _check_names(parameters: Mapping[str, Any], allowed: frozenset[str]) -> dict
     return fields
 
 
-def _message(message: ChatMessage | Mapping[str, Any]) -> ChatMessage:
+def _message(message: ChatMessage | Mapping[str, Any], i: int) -> ChatMessage:
     if isinstance(message, ChatMessage):
         return message
     if not isinstance(message, Mapping):
         raise TypeError("messages must be ChatMessage objects or {'role', 'content'} mappings")
     fields = {k: v for k, v in message.items() if v is not None}
+    content = fields.get("content")
+    if content is not None and not isinstance(content, str):
+        # OpenAI's list of parts ({"type": "text" | "image_url", ...}, or Image objects).
+        if not isinstance(content, Sequence) or isinstance(content, (bytes, bytearray)):
+            raise TypeError(f"messages[{i}].content must be a str or a list of content parts, "
+                            f"not {type(content).__name__}")
+        fields["content_parts"] = content_parts(content, f"messages[{i}].content")
+        del fields["content"]
     if "tool_calls" in fields:  # OpenAI's shape: {id, type, function: {name, arguments}}
         fields["tool_calls"] = [
             c if isinstance(c, ToolCall) else ToolCall(
@@ -145,7 +157,9 @@ def build_chat_request(
     """The ChatRequest for OpenAI-style messages ({"role", "content"} mappings or ChatMessage)
     and parameters (max_tokens, temperature, top_p, seed, stop, n, logprobs, ...)."""
     fields = _openai_fields(_check_names(parameters, CHAT_PARAMETER_NAMES))
-    return ChatRequest(model=model, messages=[_message(m) for m in messages], **fields)
+    return ChatRequest(
+        model=model, messages=[_message(m, i) for i, m in enumerate(messages)], **fields
+    )
 
 
 def build_completion_request(

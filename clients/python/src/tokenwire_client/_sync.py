@@ -24,6 +24,7 @@ from ._generated.tokenwire.v1 import (
     ResponsesServiceSyncStub,
     TextGenerationSyncStub,
 )
+from ._images import Prompt
 from ._request import (
     auth_metadata,
     build_chat_request,
@@ -170,10 +171,13 @@ class Client:
         return TextGenerationSyncStub(grpc.intercept_channel(self._channel, options)), options
 
     def generate(
-        self, inputs: str, *, timeout: float | None = None, **parameters: Any
+        self, inputs: Prompt, *, timeout: float | None = None, **parameters: Any
     ) -> GenerateResponse:
         """Generates a completion for `inputs` and returns it when it is finished.
 
+        `inputs` is the prompt: a str, or a sequence of parts, text (str) and images (`Image`,
+        `ImagePart`, bytes or a pathlib.Path of an image file) in order, for vision-language
+        models: `["What is in ", Image.from_file("cat.png"), "?"]`.
         `parameters` are GenerateParameters fields (max_new_tokens, temperature, stop, details,
         seed, grammar, ...); `timeout` overrides the client's default deadline for this call.
         """
@@ -185,7 +189,7 @@ class Client:
             raise _translate(error) from None
 
     def generate_stream(
-        self, inputs: str, *, timeout: float | None = None, **parameters: Any
+        self, inputs: Prompt, *, timeout: float | None = None, **parameters: Any
     ) -> Stream:
         """Starts a streaming generation; returns a `Stream` of events (one per token).
 
@@ -209,7 +213,9 @@ class Client:
     ) -> ChatResponse:
         """A chat completion (tokenwire.v1.OpenAIService/Chat), returned when finished.
 
-        `messages`: {"role", "content"} mappings or ChatMessage objects; `parameters`: ChatRequest
+        `messages`: {"role", "content"} mappings or ChatMessage objects; `content` is a str or
+        OpenAI's list of parts (`{"type": "text", "text": ...}`, `{"type": "image_url",
+        "image_url": {"url": ...}}` or an `Image`); `parameters`: ChatRequest
         fields (max_tokens, temperature, top_p, seed, stop, n, logprobs, top_logprobs, ...).
         """
         stub, _ = self._openai(timeout)

@@ -27,7 +27,7 @@ import type { JsonObject, Message } from "@bufbuild/protobuf";
  * Describes the file tokenwire/v1/openai.proto.
  */
 export const file_tokenwire_v1_openai: GenFile = /*@__PURE__*/
-  fileDesc("Chl0b2tlbndpcmUvdjEvb3BlbmFpLnByb3RvEgx0b2tlbndpcmUudjEi1gEKC0NoYXRNZXNzYWdlEgwKBHJvbGUYASABKAkSDwoHY29udGVudBgCIAEoCRIRCgRuYW1lGAMgASgJSACIAQESGQoMdG9vbF9jYWxsX2lkGAQgASgJSAGIAQESKgoKdG9vbF9jYWxscxgoIAMoCzIWLnRva2Vud2lyZS52MS5Ub29sQ2FsbBIeChFyZWFzb25pbmdfY29udGVudBgpIAEoCUgCiAEBQgcKBV9uYW1lQg8KDV90b29sX2NhbGxfaWRCFAoSX3JlYXNvbmluZ19jb250ZW50IrcFCgtDaGF0UmVxdWVzdBINCgVtb2RlbBgBIAEoCRIrCghtZXNzYWdlcxgCIAMoCzIZLnRva2Vud2lyZS52MS5DaGF0TWVzc2FnZRIXCgptYXhfdG9rZW5zGAMgASgNSACIAQESGAoLdGVtcGVyYXR1cmUYBCABKAJIAYgBARISCgV0b3BfcBgFIAEoAkgCiAEBEhEKBHNlZWQYBiABKARIA4gBARIMCgRzdG9wGAcgAygJEh4KEWZyZXF1ZW5jeV9wZW5hbHR5GAggASgCSASIAQESHQoQcHJlc2VuY2VfcGVuYWx0eRgJIAEoAkgFiAEBEhAKCGxvZ3Byb2JzGAogASgIEhkKDHRvcF9sb2dwcm9icxgLIAEoDUgGiAEBEg4KAW4YDCABKA1IB4gBARIVCg1pbmNsdWRlX3VzYWdlGA0gASgIEgwKBHVzZXIYDiABKAkSOgoPcmVzcG9uc2VfZm9ybWF0GCggASgLMhwudG9rZW53aXJlLnYxLlJlc3BvbnNlRm9ybWF0SAiIAQESIQoFdG9vbHMYKSADKAsyEi50b2tlbndpcmUudjEuVG9vbBIyCgt0b29sX2Nob2ljZRgqIAEoCzIYLnRva2Vud2lyZS52MS5Ub29sQ2hvaWNlSAmIAQESIAoTcGFyYWxsZWxfdG9vbF9jYWxscxgrIAEoCEgKiAEBQg0KC19tYXhfdG9rZW5zQg4KDF90ZW1wZXJhdHVyZUIICgZfdG9wX3BCBwoFX3NlZWRCFAoSX2ZyZXF1ZW5jeV9wZW5hbHR5QhMKEV9wcmVzZW5jZV9wZW5hbHR5Qg8KDV90b3BfbG9ncHJvYnNCBAoCX25CEgoQX3Jlc3BvbnNlX2Zvcm1hdEIOCgxfdG9vbF9jaG9pY2VCFgoUX3BhcmFsbGVsX3Rvb2xfY2FsbHMiOwoKVG9wTG9ncHJvYhINCgV0b2tlbhgBIAEoCRIPCgdsb2dwcm9iGAIgASgCEg0KBWJ5dGVzGAMgAygNIm0KDFRva2VuTG9ncHJvYhINCgV0b2tlbhgBIAEoCRIPCgdsb2dwcm9iGAIgASgCEg0KBWJ5dGVzGAMgAygNEi4KDHRvcF9sb2dwcm9icxgEIAMoCzIYLnRva2Vud2lyZS52MS5Ub3BMb2dwcm9iIj0KDkNob2ljZUxvZ3Byb2JzEisKB2NvbnRlbnQYASADKAsyGi50b2tlbndpcmUudjEuVG9rZW5Mb2dwcm9iIk8KBVVzYWdlEhUKDXByb21wdF90b2tlbnMYASABKA0SGQoRY29tcGxldGlvbl90b2tlbnMYAiABKA0SFAoMdG90YWxfdG9rZW5zGAMgASgNIqABCgpDaGF0Q2hvaWNlEg0KBWluZGV4GAEgASgNEioKB21lc3NhZ2UYAiABKAsyGS50b2tlbndpcmUudjEuQ2hhdE1lc3NhZ2USFQoNZmluaXNoX3JlYXNvbhgDIAEoCRIzCghsb2dwcm9icxgEIAEoCzIcLnRva2Vud2lyZS52MS5DaG9pY2VMb2dwcm9ic0gAiAEBQgsKCV9sb2dwcm9icyK1AQoMQ2hhdFJlc3BvbnNlEgoKAmlkGAEgASgJEg4KBm9iamVjdBgCIAEoCRIPCgdjcmVhdGVkGAMgASgDEg0KBW1vZGVsGAQgASgJEhoKEnN5c3RlbV9maW5nZXJwcmludBgFIAEoCRIpCgdjaG9pY2VzGAYgAygLMhgudG9rZW53aXJlLnYxLkNoYXRDaG9pY2USIgoFdXNhZ2UYByABKAsyEy50b2tlbndpcmUudjEuVXNhZ2UisAEKCUNoYXREZWx0YRIRCgRyb2xlGAEgASgJSACIAQESFAoHY29udGVudBgCIAEoCUgBiAEBEi8KCnRvb2xfY2FsbHMYKCADKAsyGy50b2tlbndpcmUudjEuVG9vbENhbGxEZWx0YRIeChFyZWFzb25pbmdfY29udGVudBgpIAEoCUgCiAEBQgcKBV9yb2xlQgoKCF9jb250ZW50QhQKEl9yZWFzb25pbmdfY29udGVudCK4AQoPQ2hhdENodW5rQ2hvaWNlEg0KBWluZGV4GAEgASgNEiYKBWRlbHRhGAIgASgLMhcudG9rZW53aXJlLnYxLkNoYXREZWx0YRIaCg1maW5pc2hfcmVhc29uGAMgASgJSACIAQESMwoIbG9ncHJvYnMYBCABKAsyHC50b2tlbndpcmUudjEuQ2hvaWNlTG9ncHJvYnNIAYgBAUIQCg5fZmluaXNoX3JlYXNvbkILCglfbG9ncHJvYnMilQIKEkNoYXRTdHJlYW1SZXNwb25zZRIKCgJpZBgBIAEoCRIOCgZvYmplY3QYAiABKAkSDwoHY3JlYXRlZBgDIAEoAxINCgVtb2RlbBgEIAEoCRIaChJzeXN0ZW1fZmluZ2VycHJpbnQYBSABKAkSLgoHY2hvaWNlcxgGIAMoCzIdLnRva2Vud2lyZS52MS5DaGF0Q2h1bmtDaG9pY2USJwoFdXNhZ2UYByABKAsyEy50b2tlbndpcmUudjEuVXNhZ2VIAIgBARISCgVlcnJvchgIIAEoCUgBiAEBEhcKCmVycm9yX3R5cGUYCSABKAlIAogBAUIICgZfdXNhZ2VCCAoGX2Vycm9yQg0KC19lcnJvcl90eXBlIv8CChFDb21wbGV0aW9uUmVxdWVzdBINCgVtb2RlbBgBIAEoCRIOCgZwcm9tcHQYAiABKAkSFwoKbWF4X3Rva2VucxgDIAEoDUgAiAEBEhgKC3RlbXBlcmF0dXJlGAQgASgCSAGIAQESEgoFdG9wX3AYBSABKAJIAogBARIRCgRzZWVkGAYgASgESAOIAQESDAoEc3RvcBgHIAMoCRIeChFmcmVxdWVuY3lfcGVuYWx0eRgIIAEoAkgEiAEBEh0KEHByZXNlbmNlX3BlbmFsdHkYCSABKAJIBYgBARIOCgFuGAogASgNSAaIAQESFQoNaW5jbHVkZV91c2FnZRgLIAEoCBIMCgRlY2hvGAwgASgIEgwKBHVzZXIYDSABKAlCDQoLX21heF90b2tlbnNCDgoMX3RlbXBlcmF0dXJlQggKBl90b3BfcEIHCgVfc2VlZEIUChJfZnJlcXVlbmN5X3BlbmFsdHlCEwoRX3ByZXNlbmNlX3BlbmFsdHlCBAoCX24iXQoQQ29tcGxldGlvbkNob2ljZRINCgVpbmRleBgBIAEoDRIMCgR0ZXh0GAIgASgJEhoKDWZpbmlzaF9yZWFzb24YAyABKAlIAIgBAUIQCg5fZmluaXNoX3JlYXNvbiLBAQoSQ29tcGxldGlvblJlc3BvbnNlEgoKAmlkGAEgASgJEg4KBm9iamVjdBgCIAEoCRIPCgdjcmVhdGVkGAMgASgDEg0KBW1vZGVsGAQgASgJEhoKEnN5c3RlbV9maW5nZXJwcmludBgFIAEoCRIvCgdjaG9pY2VzGAYgAygLMh4udG9rZW53aXJlLnYxLkNvbXBsZXRpb25DaG9pY2USIgoFdXNhZ2UYByABKAsyEy50b2tlbndpcmUudjEuVXNhZ2UinAIKGENvbXBsZXRpb25TdHJlYW1SZXNwb25zZRIKCgJpZBgBIAEoCRIOCgZvYmplY3QYAiABKAkSDwoHY3JlYXRlZBgDIAEoAxINCgVtb2RlbBgEIAEoCRIaChJzeXN0ZW1fZmluZ2VycHJpbnQYBSABKAkSLwoHY2hvaWNlcxgGIAMoCzIeLnRva2Vud2lyZS52MS5Db21wbGV0aW9uQ2hvaWNlEicKBXVzYWdlGAcgASgLMhMudG9rZW53aXJlLnYxLlVzYWdlSACIAQESEgoFZXJyb3IYCCABKAlIAYgBARIXCgplcnJvcl90eXBlGAkgASgJSAKIAQFCCAoGX3VzYWdlQggKBl9lcnJvckINCgtfZXJyb3JfdHlwZSITChFMaXN0TW9kZWxzUmVxdWVzdCJmCgVNb2RlbBIKCgJpZBgBIAEoCRIOCgZvYmplY3QYAiABKAkSDwoHY3JlYXRlZBgDIAEoDRIQCghvd25lZF9ieRgEIAEoCRITCgZwYXJlbnQYUCABKAlIAIgBAUIJCgdfcGFyZW50IkcKEkxpc3RNb2RlbHNSZXNwb25zZRIOCgZvYmplY3QYASABKAkSIQoEZGF0YRgCIAMoCzITLnRva2Vud2lyZS52MS5Nb2RlbCJoCg5SZXNwb25zZUZvcm1hdBIMCgR0eXBlGAEgASgJEjgKC2pzb25fc2NoZW1hGAIgASgLMh4udG9rZW53aXJlLnYxLkpzb25TY2hlbWFGb3JtYXRIAIgBAUIOCgxfanNvbl9zY2hlbWEigwEKEEpzb25TY2hlbWFGb3JtYXQSDAoEbmFtZRgBIAEoCRIYCgtkZXNjcmlwdGlvbhgCIAEoCUgAiAEBEicKBnNjaGVtYRgDIAEoCzIXLmdvb2dsZS5wcm90b2J1Zi5TdHJ1Y3QSDgoGc3RyaWN0GAQgASgIQg4KDF9kZXNjcmlwdGlvbiJICgRUb29sEgwKBHR5cGUYASABKAkSMgoIZnVuY3Rpb24YAiABKAsyIC50b2tlbndpcmUudjEuRnVuY3Rpb25EZWZpbml0aW9uIokBChJGdW5jdGlvbkRlZmluaXRpb24SDAoEbmFtZRgBIAEoCRIYCgtkZXNjcmlwdGlvbhgCIAEoCUgAiAEBEisKCnBhcmFtZXRlcnMYAyABKAsyFy5nb29nbGUucHJvdG9idWYuU3RydWN0Eg4KBnN0cmljdBgEIAEoCEIOCgxfZGVzY3JpcHRpb24iOgoKVG9vbENob2ljZRIOCgRtb2RlGAEgASgJSAASEgoIZnVuY3Rpb24YAiABKAlIAEIICgZjaG9pY2UiLwoMRnVuY3Rpb25DYWxsEgwKBG5hbWUYASABKAkSEQoJYXJndW1lbnRzGAIgASgJIlIKCFRvb2xDYWxsEgoKAmlkGAEgASgJEgwKBHR5cGUYAiABKAkSLAoIZnVuY3Rpb24YAyABKAsyGi50b2tlbndpcmUudjEuRnVuY3Rpb25DYWxsImYKDVRvb2xDYWxsRGVsdGESDQoFaW5kZXgYASABKA0SCgoCaWQYAiABKAkSDAoEdHlwZRgDIAEoCRIsCghmdW5jdGlvbhgEIAEoCzIaLnRva2Vud2lyZS52MS5GdW5jdGlvbkNhbGwy6wQKDU9wZW5BSVNlcnZpY2USYAoPQ2hhdENvbXBsZXRpb25zEhQuZ29vZ2xlLmFwaS5IdHRwQm9keRoULmdvb2dsZS5hcGkuSHR0cEJvZHkiH4LT5JMCGToBKiIUL3YxL2NoYXQvY29tcGxldGlvbnMwARJXCgtDb21wbGV0aW9ucxIULmdvb2dsZS5hcGkuSHR0cEJvZHkaFC5nb29nbGUuYXBpLkh0dHBCb2R5IhqC0+STAhQ6ASoiDy92MS9jb21wbGV0aW9uczABEmMKCkxpc3RNb2RlbHMSHy50b2tlbndpcmUudjEuTGlzdE1vZGVsc1JlcXVlc3QaIC50b2tlbndpcmUudjEuTGlzdE1vZGVsc1Jlc3BvbnNlIhKC0+STAgwSCi92MS9tb2RlbHMSPQoEQ2hhdBIZLnRva2Vud2lyZS52MS5DaGF0UmVxdWVzdBoaLnRva2Vud2lyZS52MS5DaGF0UmVzcG9uc2USSwoKQ2hhdFN0cmVhbRIZLnRva2Vud2lyZS52MS5DaGF0UmVxdWVzdBogLnRva2Vud2lyZS52MS5DaGF0U3RyZWFtUmVzcG9uc2UwARJPCgpDb21wbGV0aW9uEh8udG9rZW53aXJlLnYxLkNvbXBsZXRpb25SZXF1ZXN0GiAudG9rZW53aXJlLnYxLkNvbXBsZXRpb25SZXNwb25zZRJdChBDb21wbGV0aW9uU3RyZWFtEh8udG9rZW53aXJlLnYxLkNvbXBsZXRpb25SZXF1ZXN0GiYudG9rZW53aXJlLnYxLkNvbXBsZXRpb25TdHJlYW1SZXNwb25zZTABYgZwcm90bzM", [file_google_api_annotations, file_google_api_httpbody, file_google_protobuf_struct]);
+  fileDesc("Chl0b2tlbndpcmUvdjEvb3BlbmFpLnByb3RvEgx0b2tlbndpcmUudjEijAIKC0NoYXRNZXNzYWdlEgwKBHJvbGUYASABKAkSDwoHY29udGVudBgCIAEoCRIRCgRuYW1lGAMgASgJSACIAQESGQoMdG9vbF9jYWxsX2lkGAQgASgJSAGIAQESKgoKdG9vbF9jYWxscxgoIAMoCzIWLnRva2Vud2lyZS52MS5Ub29sQ2FsbBIeChFyZWFzb25pbmdfY29udGVudBgpIAEoCUgCiAEBEjQKDWNvbnRlbnRfcGFydHMYKiADKAsyHS50b2tlbndpcmUudjEuQ2hhdENvbnRlbnRQYXJ0QgcKBV9uYW1lQg8KDV90b29sX2NhbGxfaWRCFAoSX3JlYXNvbmluZ19jb250ZW50IloKD0NoYXRDb250ZW50UGFydBIOCgR0ZXh0GAEgASgJSAASLwoJaW1hZ2VfdXJsGAIgASgLMhoudG9rZW53aXJlLnYxLkNoYXRJbWFnZVVybEgAQgYKBHBhcnQiGwoMQ2hhdEltYWdlVXJsEgsKA3VybBgBIAEoCSK3BQoLQ2hhdFJlcXVlc3QSDQoFbW9kZWwYASABKAkSKwoIbWVzc2FnZXMYAiADKAsyGS50b2tlbndpcmUudjEuQ2hhdE1lc3NhZ2USFwoKbWF4X3Rva2VucxgDIAEoDUgAiAEBEhgKC3RlbXBlcmF0dXJlGAQgASgCSAGIAQESEgoFdG9wX3AYBSABKAJIAogBARIRCgRzZWVkGAYgASgESAOIAQESDAoEc3RvcBgHIAMoCRIeChFmcmVxdWVuY3lfcGVuYWx0eRgIIAEoAkgEiAEBEh0KEHByZXNlbmNlX3BlbmFsdHkYCSABKAJIBYgBARIQCghsb2dwcm9icxgKIAEoCBIZCgx0b3BfbG9ncHJvYnMYCyABKA1IBogBARIOCgFuGAwgASgNSAeIAQESFQoNaW5jbHVkZV91c2FnZRgNIAEoCBIMCgR1c2VyGA4gASgJEjoKD3Jlc3BvbnNlX2Zvcm1hdBgoIAEoCzIcLnRva2Vud2lyZS52MS5SZXNwb25zZUZvcm1hdEgIiAEBEiEKBXRvb2xzGCkgAygLMhIudG9rZW53aXJlLnYxLlRvb2wSMgoLdG9vbF9jaG9pY2UYKiABKAsyGC50b2tlbndpcmUudjEuVG9vbENob2ljZUgJiAEBEiAKE3BhcmFsbGVsX3Rvb2xfY2FsbHMYKyABKAhICogBAUINCgtfbWF4X3Rva2Vuc0IOCgxfdGVtcGVyYXR1cmVCCAoGX3RvcF9wQgcKBV9zZWVkQhQKEl9mcmVxdWVuY3lfcGVuYWx0eUITChFfcHJlc2VuY2VfcGVuYWx0eUIPCg1fdG9wX2xvZ3Byb2JzQgQKAl9uQhIKEF9yZXNwb25zZV9mb3JtYXRCDgoMX3Rvb2xfY2hvaWNlQhYKFF9wYXJhbGxlbF90b29sX2NhbGxzIjsKClRvcExvZ3Byb2ISDQoFdG9rZW4YASABKAkSDwoHbG9ncHJvYhgCIAEoAhINCgVieXRlcxgDIAMoDSJtCgxUb2tlbkxvZ3Byb2ISDQoFdG9rZW4YASABKAkSDwoHbG9ncHJvYhgCIAEoAhINCgVieXRlcxgDIAMoDRIuCgx0b3BfbG9ncHJvYnMYBCADKAsyGC50b2tlbndpcmUudjEuVG9wTG9ncHJvYiI9Cg5DaG9pY2VMb2dwcm9icxIrCgdjb250ZW50GAEgAygLMhoudG9rZW53aXJlLnYxLlRva2VuTG9ncHJvYiJPCgVVc2FnZRIVCg1wcm9tcHRfdG9rZW5zGAEgASgNEhkKEWNvbXBsZXRpb25fdG9rZW5zGAIgASgNEhQKDHRvdGFsX3Rva2VucxgDIAEoDSKgAQoKQ2hhdENob2ljZRINCgVpbmRleBgBIAEoDRIqCgdtZXNzYWdlGAIgASgLMhkudG9rZW53aXJlLnYxLkNoYXRNZXNzYWdlEhUKDWZpbmlzaF9yZWFzb24YAyABKAkSMwoIbG9ncHJvYnMYBCABKAsyHC50b2tlbndpcmUudjEuQ2hvaWNlTG9ncHJvYnNIAIgBAUILCglfbG9ncHJvYnMitQEKDENoYXRSZXNwb25zZRIKCgJpZBgBIAEoCRIOCgZvYmplY3QYAiABKAkSDwoHY3JlYXRlZBgDIAEoAxINCgVtb2RlbBgEIAEoCRIaChJzeXN0ZW1fZmluZ2VycHJpbnQYBSABKAkSKQoHY2hvaWNlcxgGIAMoCzIYLnRva2Vud2lyZS52MS5DaGF0Q2hvaWNlEiIKBXVzYWdlGAcgASgLMhMudG9rZW53aXJlLnYxLlVzYWdlIrABCglDaGF0RGVsdGESEQoEcm9sZRgBIAEoCUgAiAEBEhQKB2NvbnRlbnQYAiABKAlIAYgBARIvCgp0b29sX2NhbGxzGCggAygLMhsudG9rZW53aXJlLnYxLlRvb2xDYWxsRGVsdGESHgoRcmVhc29uaW5nX2NvbnRlbnQYKSABKAlIAogBAUIHCgVfcm9sZUIKCghfY29udGVudEIUChJfcmVhc29uaW5nX2NvbnRlbnQiuAEKD0NoYXRDaHVua0Nob2ljZRINCgVpbmRleBgBIAEoDRImCgVkZWx0YRgCIAEoCzIXLnRva2Vud2lyZS52MS5DaGF0RGVsdGESGgoNZmluaXNoX3JlYXNvbhgDIAEoCUgAiAEBEjMKCGxvZ3Byb2JzGAQgASgLMhwudG9rZW53aXJlLnYxLkNob2ljZUxvZ3Byb2JzSAGIAQFCEAoOX2ZpbmlzaF9yZWFzb25CCwoJX2xvZ3Byb2JzIpUCChJDaGF0U3RyZWFtUmVzcG9uc2USCgoCaWQYASABKAkSDgoGb2JqZWN0GAIgASgJEg8KB2NyZWF0ZWQYAyABKAMSDQoFbW9kZWwYBCABKAkSGgoSc3lzdGVtX2ZpbmdlcnByaW50GAUgASgJEi4KB2Nob2ljZXMYBiADKAsyHS50b2tlbndpcmUudjEuQ2hhdENodW5rQ2hvaWNlEicKBXVzYWdlGAcgASgLMhMudG9rZW53aXJlLnYxLlVzYWdlSACIAQESEgoFZXJyb3IYCCABKAlIAYgBARIXCgplcnJvcl90eXBlGAkgASgJSAKIAQFCCAoGX3VzYWdlQggKBl9lcnJvckINCgtfZXJyb3JfdHlwZSL/AgoRQ29tcGxldGlvblJlcXVlc3QSDQoFbW9kZWwYASABKAkSDgoGcHJvbXB0GAIgASgJEhcKCm1heF90b2tlbnMYAyABKA1IAIgBARIYCgt0ZW1wZXJhdHVyZRgEIAEoAkgBiAEBEhIKBXRvcF9wGAUgASgCSAKIAQESEQoEc2VlZBgGIAEoBEgDiAEBEgwKBHN0b3AYByADKAkSHgoRZnJlcXVlbmN5X3BlbmFsdHkYCCABKAJIBIgBARIdChBwcmVzZW5jZV9wZW5hbHR5GAkgASgCSAWIAQESDgoBbhgKIAEoDUgGiAEBEhUKDWluY2x1ZGVfdXNhZ2UYCyABKAgSDAoEZWNobxgMIAEoCBIMCgR1c2VyGA0gASgJQg0KC19tYXhfdG9rZW5zQg4KDF90ZW1wZXJhdHVyZUIICgZfdG9wX3BCBwoFX3NlZWRCFAoSX2ZyZXF1ZW5jeV9wZW5hbHR5QhMKEV9wcmVzZW5jZV9wZW5hbHR5QgQKAl9uIl0KEENvbXBsZXRpb25DaG9pY2USDQoFaW5kZXgYASABKA0SDAoEdGV4dBgCIAEoCRIaCg1maW5pc2hfcmVhc29uGAMgASgJSACIAQFCEAoOX2ZpbmlzaF9yZWFzb24iwQEKEkNvbXBsZXRpb25SZXNwb25zZRIKCgJpZBgBIAEoCRIOCgZvYmplY3QYAiABKAkSDwoHY3JlYXRlZBgDIAEoAxINCgVtb2RlbBgEIAEoCRIaChJzeXN0ZW1fZmluZ2VycHJpbnQYBSABKAkSLwoHY2hvaWNlcxgGIAMoCzIeLnRva2Vud2lyZS52MS5Db21wbGV0aW9uQ2hvaWNlEiIKBXVzYWdlGAcgASgLMhMudG9rZW53aXJlLnYxLlVzYWdlIpwCChhDb21wbGV0aW9uU3RyZWFtUmVzcG9uc2USCgoCaWQYASABKAkSDgoGb2JqZWN0GAIgASgJEg8KB2NyZWF0ZWQYAyABKAMSDQoFbW9kZWwYBCABKAkSGgoSc3lzdGVtX2ZpbmdlcnByaW50GAUgASgJEi8KB2Nob2ljZXMYBiADKAsyHi50b2tlbndpcmUudjEuQ29tcGxldGlvbkNob2ljZRInCgV1c2FnZRgHIAEoCzITLnRva2Vud2lyZS52MS5Vc2FnZUgAiAEBEhIKBWVycm9yGAggASgJSAGIAQESFwoKZXJyb3JfdHlwZRgJIAEoCUgCiAEBQggKBl91c2FnZUIICgZfZXJyb3JCDQoLX2Vycm9yX3R5cGUiEwoRTGlzdE1vZGVsc1JlcXVlc3QiZgoFTW9kZWwSCgoCaWQYASABKAkSDgoGb2JqZWN0GAIgASgJEg8KB2NyZWF0ZWQYAyABKA0SEAoIb3duZWRfYnkYBCABKAkSEwoGcGFyZW50GFAgASgJSACIAQFCCQoHX3BhcmVudCJHChJMaXN0TW9kZWxzUmVzcG9uc2USDgoGb2JqZWN0GAEgASgJEiEKBGRhdGEYAiADKAsyEy50b2tlbndpcmUudjEuTW9kZWwiaAoOUmVzcG9uc2VGb3JtYXQSDAoEdHlwZRgBIAEoCRI4Cgtqc29uX3NjaGVtYRgCIAEoCzIeLnRva2Vud2lyZS52MS5Kc29uU2NoZW1hRm9ybWF0SACIAQFCDgoMX2pzb25fc2NoZW1hIoMBChBKc29uU2NoZW1hRm9ybWF0EgwKBG5hbWUYASABKAkSGAoLZGVzY3JpcHRpb24YAiABKAlIAIgBARInCgZzY2hlbWEYAyABKAsyFy5nb29nbGUucHJvdG9idWYuU3RydWN0Eg4KBnN0cmljdBgEIAEoCEIOCgxfZGVzY3JpcHRpb24iSAoEVG9vbBIMCgR0eXBlGAEgASgJEjIKCGZ1bmN0aW9uGAIgASgLMiAudG9rZW53aXJlLnYxLkZ1bmN0aW9uRGVmaW5pdGlvbiKJAQoSRnVuY3Rpb25EZWZpbml0aW9uEgwKBG5hbWUYASABKAkSGAoLZGVzY3JpcHRpb24YAiABKAlIAIgBARIrCgpwYXJhbWV0ZXJzGAMgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdBIOCgZzdHJpY3QYBCABKAhCDgoMX2Rlc2NyaXB0aW9uIjoKClRvb2xDaG9pY2USDgoEbW9kZRgBIAEoCUgAEhIKCGZ1bmN0aW9uGAIgASgJSABCCAoGY2hvaWNlIi8KDEZ1bmN0aW9uQ2FsbBIMCgRuYW1lGAEgASgJEhEKCWFyZ3VtZW50cxgCIAEoCSJSCghUb29sQ2FsbBIKCgJpZBgBIAEoCRIMCgR0eXBlGAIgASgJEiwKCGZ1bmN0aW9uGAMgASgLMhoudG9rZW53aXJlLnYxLkZ1bmN0aW9uQ2FsbCJmCg1Ub29sQ2FsbERlbHRhEg0KBWluZGV4GAEgASgNEgoKAmlkGAIgASgJEgwKBHR5cGUYAyABKAkSLAoIZnVuY3Rpb24YBCABKAsyGi50b2tlbndpcmUudjEuRnVuY3Rpb25DYWxsMusECg1PcGVuQUlTZXJ2aWNlEmAKD0NoYXRDb21wbGV0aW9ucxIULmdvb2dsZS5hcGkuSHR0cEJvZHkaFC5nb29nbGUuYXBpLkh0dHBCb2R5Ih+C0+STAhk6ASoiFC92MS9jaGF0L2NvbXBsZXRpb25zMAESVwoLQ29tcGxldGlvbnMSFC5nb29nbGUuYXBpLkh0dHBCb2R5GhQuZ29vZ2xlLmFwaS5IdHRwQm9keSIagtPkkwIUOgEqIg8vdjEvY29tcGxldGlvbnMwARJjCgpMaXN0TW9kZWxzEh8udG9rZW53aXJlLnYxLkxpc3RNb2RlbHNSZXF1ZXN0GiAudG9rZW53aXJlLnYxLkxpc3RNb2RlbHNSZXNwb25zZSISgtPkkwIMEgovdjEvbW9kZWxzEj0KBENoYXQSGS50b2tlbndpcmUudjEuQ2hhdFJlcXVlc3QaGi50b2tlbndpcmUudjEuQ2hhdFJlc3BvbnNlEksKCkNoYXRTdHJlYW0SGS50b2tlbndpcmUudjEuQ2hhdFJlcXVlc3QaIC50b2tlbndpcmUudjEuQ2hhdFN0cmVhbVJlc3BvbnNlMAESTwoKQ29tcGxldGlvbhIfLnRva2Vud2lyZS52MS5Db21wbGV0aW9uUmVxdWVzdBogLnRva2Vud2lyZS52MS5Db21wbGV0aW9uUmVzcG9uc2USXQoQQ29tcGxldGlvblN0cmVhbRIfLnRva2Vud2lyZS52MS5Db21wbGV0aW9uUmVxdWVzdBomLnRva2Vud2lyZS52MS5Db21wbGV0aW9uU3RyZWFtUmVzcG9uc2UwAWIGcHJvdG8z", [file_google_api_annotations, file_google_api_httpbody, file_google_protobuf_struct]);
 
 /**
  * One message of a conversation.
@@ -43,7 +43,7 @@ export type ChatMessage = Message<"tokenwire.v1.ChatMessage"> & {
   role: string;
 
   /**
-   * The message text.
+   * The message text (OpenAI's string `content`). Must be empty when `content_parts` is set.
    *
    * @generated from field: string content = 2;
    */
@@ -76,6 +76,16 @@ export type ChatMessage = Message<"tokenwire.v1.ChatMessage"> & {
    * @generated from field: optional string reasoning_content = 41;
    */
   reasoningContent?: string | undefined;
+
+  /**
+   * OpenAI's list form of `content`: text and images, in order (images for vision-language
+   * models, in user messages only). Checked as the REST API checks `content` parts: errors are
+   * INVALID_ARGUMENT naming `messages[i].content_parts[j]` (OUT_OF_RANGE for an image over
+   * --max-image-bytes), a text-only model refuses images.
+   *
+   * @generated from field: repeated tokenwire.v1.ChatContentPart content_parts = 42;
+   */
+  contentParts: ChatContentPart[];
 };
 
 /**
@@ -84,6 +94,64 @@ export type ChatMessage = Message<"tokenwire.v1.ChatMessage"> & {
  */
 export const ChatMessageSchema: GenMessage<ChatMessage> = /*@__PURE__*/
   messageDesc(file_tokenwire_v1_openai, 0);
+
+/**
+ * One part of a chat message's content: OpenAI's `{"type": "text", "text": ...}` or
+ * `{"type": "image_url", "image_url": {"url": ...}}`.
+ *
+ * @generated from message tokenwire.v1.ChatContentPart
+ */
+export type ChatContentPart = Message<"tokenwire.v1.ChatContentPart"> & {
+  /**
+   * @generated from oneof tokenwire.v1.ChatContentPart.part
+   */
+  part: {
+    /**
+     * Text, joined with the message's other text parts.
+     *
+     * @generated from field: string text = 1;
+     */
+    value: string;
+    case: "text";
+  } | {
+    /**
+     * An image, in the message at this place.
+     *
+     * @generated from field: tokenwire.v1.ChatImageUrl image_url = 2;
+     */
+    value: ChatImageUrl;
+    case: "imageUrl";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message tokenwire.v1.ChatContentPart.
+ * Use `create(ChatContentPartSchema)` to create a new message.
+ */
+export const ChatContentPartSchema: GenMessage<ChatContentPart> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_openai, 1);
+
+/**
+ * An image named by URL, as OpenAI's `image_url` object.
+ *
+ * @generated from message tokenwire.v1.ChatImageUrl
+ */
+export type ChatImageUrl = Message<"tokenwire.v1.ChatImageUrl"> & {
+  /**
+   * A `data:image/...;base64,` URL (PNG, JPEG or WebP), or an http(s) URL the router fetches
+   * (private and loopback addresses are refused unless the router allows them).
+   *
+   * @generated from field: string url = 1;
+   */
+  url: string;
+};
+
+/**
+ * Describes the message tokenwire.v1.ChatImageUrl.
+ * Use `create(ChatImageUrlSchema)` to create a new message.
+ */
+export const ChatImageUrlSchema: GenMessage<ChatImageUrl> = /*@__PURE__*/
+  messageDesc(file_tokenwire_v1_openai, 2);
 
 /**
  * A chat completion request (OpenAI's fields of the same names).
@@ -227,7 +295,7 @@ export type ChatRequest = Message<"tokenwire.v1.ChatRequest"> & {
  * Use `create(ChatRequestSchema)` to create a new message.
  */
 export const ChatRequestSchema: GenMessage<ChatRequest> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 1);
+  messageDesc(file_tokenwire_v1_openai, 3);
 
 /**
  * Log-probability of one alternative token.
@@ -262,7 +330,7 @@ export type TopLogprob = Message<"tokenwire.v1.TopLogprob"> & {
  * Use `create(TopLogprobSchema)` to create a new message.
  */
 export const TopLogprobSchema: GenMessage<TopLogprob> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 2);
+  messageDesc(file_tokenwire_v1_openai, 4);
 
 /**
  * Log-probability of one generated token and its alternatives.
@@ -304,7 +372,7 @@ export type TokenLogprob = Message<"tokenwire.v1.TokenLogprob"> & {
  * Use `create(TokenLogprobSchema)` to create a new message.
  */
 export const TokenLogprobSchema: GenMessage<TokenLogprob> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 3);
+  messageDesc(file_tokenwire_v1_openai, 5);
 
 /**
  * Log-probabilities of a choice's tokens.
@@ -325,7 +393,7 @@ export type ChoiceLogprobs = Message<"tokenwire.v1.ChoiceLogprobs"> & {
  * Use `create(ChoiceLogprobsSchema)` to create a new message.
  */
 export const ChoiceLogprobsSchema: GenMessage<ChoiceLogprobs> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 4);
+  messageDesc(file_tokenwire_v1_openai, 6);
 
 /**
  * Token counts of a request.
@@ -360,7 +428,7 @@ export type Usage = Message<"tokenwire.v1.Usage"> & {
  * Use `create(UsageSchema)` to create a new message.
  */
 export const UsageSchema: GenMessage<Usage> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 5);
+  messageDesc(file_tokenwire_v1_openai, 7);
 
 /**
  * One choice of a finished chat completion.
@@ -402,7 +470,7 @@ export type ChatChoice = Message<"tokenwire.v1.ChatChoice"> & {
  * Use `create(ChatChoiceSchema)` to create a new message.
  */
 export const ChatChoiceSchema: GenMessage<ChatChoice> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 6);
+  messageDesc(file_tokenwire_v1_openai, 8);
 
 /**
  * Answer of Chat (OpenAI's chat.completion object).
@@ -465,7 +533,7 @@ export type ChatResponse = Message<"tokenwire.v1.ChatResponse"> & {
  * Use `create(ChatResponseSchema)` to create a new message.
  */
 export const ChatResponseSchema: GenMessage<ChatResponse> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 7);
+  messageDesc(file_tokenwire_v1_openai, 9);
 
 /**
  * The new part of the assistant message in one chunk.
@@ -508,7 +576,7 @@ export type ChatDelta = Message<"tokenwire.v1.ChatDelta"> & {
  * Use `create(ChatDeltaSchema)` to create a new message.
  */
 export const ChatDeltaSchema: GenMessage<ChatDelta> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 8);
+  messageDesc(file_tokenwire_v1_openai, 10);
 
 /**
  * One choice's part of a chunk.
@@ -550,7 +618,7 @@ export type ChatChunkChoice = Message<"tokenwire.v1.ChatChunkChoice"> & {
  * Use `create(ChatChunkChoiceSchema)` to create a new message.
  */
 export const ChatChunkChoiceSchema: GenMessage<ChatChunkChoice> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 9);
+  messageDesc(file_tokenwire_v1_openai, 11);
 
 /**
  * One chunk of ChatStream (OpenAI's chat.completion.chunk object).
@@ -628,7 +696,7 @@ export type ChatStreamResponse = Message<"tokenwire.v1.ChatStreamResponse"> & {
  * Use `create(ChatStreamResponseSchema)` to create a new message.
  */
 export const ChatStreamResponseSchema: GenMessage<ChatStreamResponse> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 10);
+  messageDesc(file_tokenwire_v1_openai, 12);
 
 /**
  * A completion request (OpenAI's legacy completions, a string prompt).
@@ -733,7 +801,7 @@ export type CompletionRequest = Message<"tokenwire.v1.CompletionRequest"> & {
  * Use `create(CompletionRequestSchema)` to create a new message.
  */
 export const CompletionRequestSchema: GenMessage<CompletionRequest> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 11);
+  messageDesc(file_tokenwire_v1_openai, 13);
 
 /**
  * One choice of a completion, or its part of a chunk.
@@ -768,7 +836,7 @@ export type CompletionChoice = Message<"tokenwire.v1.CompletionChoice"> & {
  * Use `create(CompletionChoiceSchema)` to create a new message.
  */
 export const CompletionChoiceSchema: GenMessage<CompletionChoice> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 12);
+  messageDesc(file_tokenwire_v1_openai, 14);
 
 /**
  * Answer of Completion (OpenAI's text_completion object).
@@ -831,7 +899,7 @@ export type CompletionResponse = Message<"tokenwire.v1.CompletionResponse"> & {
  * Use `create(CompletionResponseSchema)` to create a new message.
  */
 export const CompletionResponseSchema: GenMessage<CompletionResponse> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 13);
+  messageDesc(file_tokenwire_v1_openai, 15);
 
 /**
  * One chunk of CompletionStream.
@@ -908,7 +976,7 @@ export type CompletionStreamResponse = Message<"tokenwire.v1.CompletionStreamRes
  * Use `create(CompletionStreamResponseSchema)` to create a new message.
  */
 export const CompletionStreamResponseSchema: GenMessage<CompletionStreamResponse> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 14);
+  messageDesc(file_tokenwire_v1_openai, 16);
 
 /**
  * Request of ListModels; no fields.
@@ -923,7 +991,7 @@ export type ListModelsRequest = Message<"tokenwire.v1.ListModelsRequest"> & {
  * Use `create(ListModelsRequestSchema)` to create a new message.
  */
 export const ListModelsRequestSchema: GenMessage<ListModelsRequest> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 15);
+  messageDesc(file_tokenwire_v1_openai, 17);
 
 /**
  * One served model (OpenAI's model object).
@@ -972,7 +1040,7 @@ export type Model = Message<"tokenwire.v1.Model"> & {
  * Use `create(ModelSchema)` to create a new message.
  */
 export const ModelSchema: GenMessage<Model> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 16);
+  messageDesc(file_tokenwire_v1_openai, 18);
 
 /**
  * Answer of ListModels (OpenAI's list object).
@@ -1000,7 +1068,7 @@ export type ListModelsResponse = Message<"tokenwire.v1.ListModelsResponse"> & {
  * Use `create(ListModelsResponseSchema)` to create a new message.
  */
 export const ListModelsResponseSchema: GenMessage<ListModelsResponse> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 17);
+  messageDesc(file_tokenwire_v1_openai, 19);
 
 /**
  * OpenAI's response_format.
@@ -1028,7 +1096,7 @@ export type ResponseFormat = Message<"tokenwire.v1.ResponseFormat"> & {
  * Use `create(ResponseFormatSchema)` to create a new message.
  */
 export const ResponseFormatSchema: GenMessage<ResponseFormat> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 18);
+  messageDesc(file_tokenwire_v1_openai, 20);
 
 /**
  * A named JSON schema (OpenAI's response_format.json_schema).
@@ -1070,7 +1138,7 @@ export type JsonSchemaFormat = Message<"tokenwire.v1.JsonSchemaFormat"> & {
  * Use `create(JsonSchemaFormatSchema)` to create a new message.
  */
 export const JsonSchemaFormatSchema: GenMessage<JsonSchemaFormat> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 19);
+  messageDesc(file_tokenwire_v1_openai, 21);
 
 /**
  * A function the model may call (OpenAI's tools[i] with type "function").
@@ -1098,7 +1166,7 @@ export type Tool = Message<"tokenwire.v1.Tool"> & {
  * Use `create(ToolSchema)` to create a new message.
  */
 export const ToolSchema: GenMessage<Tool> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 20);
+  messageDesc(file_tokenwire_v1_openai, 22);
 
 /**
  * A declared function.
@@ -1140,7 +1208,7 @@ export type FunctionDefinition = Message<"tokenwire.v1.FunctionDefinition"> & {
  * Use `create(FunctionDefinitionSchema)` to create a new message.
  */
 export const FunctionDefinitionSchema: GenMessage<FunctionDefinition> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 21);
+  messageDesc(file_tokenwire_v1_openai, 23);
 
 /**
  * OpenAI's tool_choice.
@@ -1175,7 +1243,7 @@ export type ToolChoice = Message<"tokenwire.v1.ToolChoice"> & {
  * Use `create(ToolChoiceSchema)` to create a new message.
  */
 export const ToolChoiceSchema: GenMessage<ToolChoice> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 22);
+  messageDesc(file_tokenwire_v1_openai, 24);
 
 /**
  * A function call.
@@ -1203,7 +1271,7 @@ export type FunctionCall = Message<"tokenwire.v1.FunctionCall"> & {
  * Use `create(FunctionCallSchema)` to create a new message.
  */
 export const FunctionCallSchema: GenMessage<FunctionCall> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 23);
+  messageDesc(file_tokenwire_v1_openai, 25);
 
 /**
  * One tool call of an assistant message.
@@ -1238,7 +1306,7 @@ export type ToolCall = Message<"tokenwire.v1.ToolCall"> & {
  * Use `create(ToolCallSchema)` to create a new message.
  */
 export const ToolCallSchema: GenMessage<ToolCall> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 24);
+  messageDesc(file_tokenwire_v1_openai, 26);
 
 /**
  * A tool call in a streamed chunk.
@@ -1280,7 +1348,7 @@ export type ToolCallDelta = Message<"tokenwire.v1.ToolCallDelta"> & {
  * Use `create(ToolCallDeltaSchema)` to create a new message.
  */
 export const ToolCallDeltaSchema: GenMessage<ToolCallDelta> = /*@__PURE__*/
-  messageDesc(file_tokenwire_v1_openai, 25);
+  messageDesc(file_tokenwire_v1_openai, 27);
 
 /**
  * OpenAI's API. Errors of the HttpBody RPCs come as OpenAI error bodies

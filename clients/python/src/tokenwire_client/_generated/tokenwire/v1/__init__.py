@@ -11,7 +11,9 @@ __all__ = (
     "BestOfSequence",
     "ChatChoice",
     "ChatChunkChoice",
+    "ChatContentPart",
     "ChatDelta",
+    "ChatImageUrl",
     "ChatMessage",
     "ChatRequest",
     "ChatResponse",
@@ -272,6 +274,34 @@ default_message_pool.register_message("tokenwire.v1", "ChatChunkChoice", ChatChu
 
 
 @dataclass(eq=False, repr=False)
+class ChatContentPart(betterproto2.Message):
+    """
+    One part of a chat message's content: OpenAI's `{"type": "text", "text": ...}` or
+    `{"type": "image_url", "image_url": {"url": ...}}`.
+
+    Oneofs:
+        - part:
+    """
+
+    text: "str | None" = betterproto2.field(
+        1, betterproto2.TYPE_STRING, optional=True, group="part"
+    )
+    """
+    Text, joined with the message's other text parts.
+    """
+
+    image_url: "ChatImageUrl | None" = betterproto2.field(
+        2, betterproto2.TYPE_MESSAGE, optional=True, group="part"
+    )
+    """
+    An image, in the message at this place.
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "ChatContentPart", ChatContentPart)
+
+
+@dataclass(eq=False, repr=False)
 class ChatDelta(betterproto2.Message):
     """
     The new part of the assistant message in one chunk.
@@ -307,6 +337,22 @@ default_message_pool.register_message("tokenwire.v1", "ChatDelta", ChatDelta)
 
 
 @dataclass(eq=False, repr=False)
+class ChatImageUrl(betterproto2.Message):
+    """
+    An image named by URL, as OpenAI's `image_url` object.
+    """
+
+    url: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    A `data:image/...;base64,` URL (PNG, JPEG or WebP), or an http(s) URL the router fetches
+    (private and loopback addresses are refused unless the router allows them).
+    """
+
+
+default_message_pool.register_message("tokenwire.v1", "ChatImageUrl", ChatImageUrl)
+
+
+@dataclass(eq=False, repr=False)
 class ChatMessage(betterproto2.Message):
     """
     One message of a conversation.
@@ -319,7 +365,7 @@ class ChatMessage(betterproto2.Message):
 
     content: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
     """
-    The message text.
+    The message text (OpenAI's string `content`). Must be empty when `content_parts` is set.
     """
 
     name: "str | None" = betterproto2.field(3, betterproto2.TYPE_STRING, optional=True)
@@ -342,6 +388,16 @@ class ChatMessage(betterproto2.Message):
     )
     """
     For role "assistant" in a reply: the reasoning split off the answer (--reasoning-parser).
+    """
+
+    content_parts: "list[ChatContentPart]" = betterproto2.field(
+        42, betterproto2.TYPE_MESSAGE, repeated=True
+    )
+    """
+    OpenAI's list form of `content`: text and images, in order (images for vision-language
+    models, in user messages only). Checked as the REST API checks `content` parts: errors are
+    INVALID_ARGUMENT naming `messages[i].content_parts[j]` (OUT_OF_RANGE for an image over
+    --max-image-bytes), a text-only model refuses images.
     """
 
 

@@ -1,0 +1,40 @@
+"""shard/kernels/int_tuning.py's tuned choices as the tuning cache stores them: a choice survives
+its JSON round trip, and a stored choice that is no longer a candidate (candidate lists changed,
+or a K tile that does not fit the weight's groups) is refused, so the cache retunes it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("triton")
+
+from shard.kernels import int_gemm, int_gemv
+from shard.kernels.int_tuning import IntTuning
+
+
+def _tuning(group: int, k: int) -> IntTuning:
+    return IntTuning(
+        {b: int_gemv.candidates(b, group, k)[-1] for b in (1, 2, 4, 8, 16)},
+        {b: int_gemm.candidates(b, group, k)[-1] for b in int_gemm.GEMM_M_BUCKETS},
+    )
+
+
+def test_round_trip() -> None:
+    tuned = _tuning(128, 4096)
+    raw = json.loads(json.dumps(tuned.encode()))
+    assert IntTuning.decode(raw, group_size=128, in_features=4096) == tuned
+
+
+def test_stale_or_misfit_choice_is_refused() -> None:
+    raw = json.loads(json.dumps(_tuning(128, 4096).encode()))
+    raw["gemv"]["1"]["block_n"] = 24  # no such candidate
+    with pytest.raises(ValueError, match="batch 1"):
+        IntTuning.decode(raw, group_size=128, in_features=4096)
+    # 256-wide GEMV tiles hold several groups of 32 only when K is a multiple of 256
+    misfit = json.loads(json.dumps(_tuning(32, 4096).encode()))
+    misfit["gemv"]["1"] = int_gemv.GemvConfig(8, 256, 4, 3).as_dict()
+    IntTuning.decode(misfit, group_size=32, in_features=4096)
+    with pytest.raises(ValueError, match="not a candidate"):
+        IntTuning.decode(misfit, group_size=32, in_features=4064)
