@@ -170,8 +170,8 @@ def main() -> None:
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| checkpoint | ppl reference (fp32) | ppl tokenwire fp32 (Δ; top-1) | linears / bf16 "
-           "| embedding (LM head) | all weights / bf16 |",
+    out = [("| checkpoint | ppl reference (fp32) | ppl tokenwire fp32 (Δ; top-1) | linears / bf16 "
+           "| embedding (LM head) | all weights / bf16 |"),
            "| --- | ---: | ---: | ---: | --- | ---: |"]
     for r in rows:
         m = r["memory"]

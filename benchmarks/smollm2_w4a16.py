@@ -192,8 +192,8 @@ def decompressed_model(model_dir: Path, float_dir: Path):
 
 
 def score(model_dir: Path, num_tokens: int, float_dir: Path) -> dict:
-    from transformers import AutoModelForCausalLM
     from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
 
     ppl = _perplexity_module()
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))

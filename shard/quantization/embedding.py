@@ -19,7 +19,6 @@ zero 0: a zero row, as the float layers pad).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from shard.quantization.int_weights import IntLinear, PackedInt, UnpackedInt, read_unpacked
 from shard.quantization.loading import WeightSource
