@@ -3,11 +3,12 @@ embedding / LM head are shard.layers.embedding's vocabulary-sliced layers).
 
 A [vocab, hidden] table stored quantized (a GGUF snapshot's Q8_0 / Q4_* token embedding kept
 packed by shard/tools/gguf_repack.py, a compressed-tensors `pack-quantized` lm_head /
-embed_tokens, a GPTQ / AWQ lm_head) is read as the linears are (int_weights.UnpackedInt: vocabulary rows are the
-output features N, hidden the input features K), this rank's vocabulary rows taken and padded,
-and repacked into the shard's one int layout (int_weights.PackedInt) inside an IntLinear:
-- the LM head is that IntLinear: logits = hidden @ W.T (on CUDA its int GEMV for decode
-  batches, elsewhere the weight dequantized per matmul, as every packed linear);
+embed_tokens, a GPTQ / AWQ lm_head) is read as the linears are (int_weights.UnpackedInt:
+vocabulary rows are the output features N, hidden the input features K), this rank's vocabulary
+rows taken and padded, and repacked into the shard's one int layout (int_weights.PackedInt)
+inside an IntLinear:
+- the LM head is that IntLinear: logits = hidden @ W.T (on CUDA its int GEMV / dequant-fused
+  GEMM, on CPU the weight dequantized per matmul, as every packed linear);
 - the lookup gathers the ids' packed rows, scales and zeros ([n, K/2] or [n, K] bytes) and
   dequantizes only those rows, in float32 and then the model dtype: the same values the
   checkpoint's own dequantization gives, nothing of the table expanded;
