@@ -21,8 +21,8 @@ Steps (each skipped when its output exists):
    (68 of 79 on Python 3.11; the scored 2,048 tokens are ~9k characters: never calibrated
    on), the first --samples (16) of them, --seq-len (256) tokens each at most;
      w4a16:      GPTQ, targets Linear, ignore lm_head (the usual recipe; the tied embedding
-                 stays float). ~3.5 minutes per layer (105 for the model) on this 2-core host
-                 under a load average of 13: not finished here, run it on a quieter machine;
+                 stays float). 9 minutes on this 2-core host at a load average of 8 (~3.5
+                 minutes per layer at 13);
      w4a16-rtn:  the same scheme and targets, round-to-nearest (QuantizationModifier, no
                  calibration);
      w4a16-tables: round-to-nearest (QuantizationModifier: no calibration), the same int4
