@@ -110,7 +110,10 @@ def served_memory(snapshot: Path) -> dict[str, float]:
     # The parameters left once the linears are replaced (their weights are then None; the
     # IntLinear tensors are buffers): the embedding, tied to the LM head, and the norms.
     others = sum(p.numel() * p.element_size() for p in {id(p): p for p in
-                 list(model.parameters())}.values())  # embedding (tied head), norms: bf16
+                 list(model.parameters())}.values())  # float embedding (tied head), norms: bf16
+    # An embedding / LM head kept packed (shard/quantization/embedding.py): IntLinear buffers.
+    others += sum(t.weight_bytes for t in {id(t): t for t in (
+        model.model.embed_tokens.quantized, model.lm_head.quantized) if t is not None}.values())
     return {
         "packed_linears": sum(isinstance(m, IntLinear) for m in linears),
         "linears": len(linears),

@@ -16,7 +16,10 @@ from shard.layers.weights import WeightLoader, Weights
 
 class VocabSlicedWeight(nn.Module, WeightLoader):
     """A [vocab, hidden] weight of which rank r holds rows [r * per_rank, (r + 1) * per_rank),
-    zero-padded at the end so that every rank's slice has the same shape."""
+    zero-padded at the end so that every rank's slice has the same shape. Where the checkpoint
+    stores the table in an integer form (a GGUF snapshot's packed token embedding, a
+    compressed-tensors pack-quantized lm_head), it stays so: `quantized` (an IntLinear of this
+    rank's rows, shard/quantization/embedding.py) replaces `weight` (then None)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dist: Dist):
         super().__init__()
@@ -26,8 +29,17 @@ class VocabSlicedWeight(nn.Module, WeightLoader):
         self.start = dist.rank * self.per_rank
         self.stop = min(self.start + self.per_rank, vocab_size)
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size), requires_grad=False)
+        self.quantized: nn.Module | None = None
+        self.rows_dtype = torch.get_default_dtype()  # a quantized table's lookups: model dtype
 
     def load(self, weights: Weights, prefix: str) -> None:
+        from shard.quantization.embedding import load_int_rows, stored_int_rows
+
+        if stored_int_rows(weights, prefix):
+            self.quantized = load_int_rows(weights, prefix, self.start, self.stop, self.per_rank)
+            self.rows_dtype = weights.dtype
+            self.weight = None
+            return
         rows = weights.get_rows(f"{prefix}.weight", self.start, self.stop)  # [<=per_rank, hidden]
         padded = torch.zeros(self.per_rank, rows.shape[1], dtype=rows.dtype, device=rows.device)
         padded[: rows.shape[0]] = rows
@@ -45,8 +57,15 @@ class VocabParallelEmbedding(VocabSlicedWeight):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [n] -> [n, hidden]
         if self.dist.world_size == 1:
-            return self._scaled(F.embedding(ids, self.weight))
+            return self._scaled(self._rows(ids))
         return self.dist.all_reduce(self.partial(ids))
+
+    def _rows(self, local: torch.Tensor) -> torch.Tensor:  # local row ids [n] -> [n, hidden]
+        if self.quantized is None:
+            return F.embedding(local, self.weight)
+        from shard.quantization.embedding import lookup_rows
+
+        return lookup_rows(self.quantized, local, self.rows_dtype)
 
     def _scaled(self, rows: torch.Tensor) -> torch.Tensor:  # [n, hidden]
         if self.scale is None:
@@ -61,7 +80,7 @@ class VocabParallelEmbedding(VocabSlicedWeight):
         rank's vocabulary slice, zeros elsewhere (so the sum over ranks is exact)."""
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._rows(local.masked_fill(outside, 0))
         # Scaled before the sum: every row is non-zero on one rank only, so the sum is exact.
         return self._scaled(out.masked_fill(outside.unsqueeze(-1), 0))
 
@@ -78,9 +97,13 @@ class ParallelLMHead(VocabSlicedWeight):
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        self.quantized = embedding.quantized  # the same IntLinear: one copy of the table
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
-        logits = linear(hidden, self.weight)  # [n, per_rank], model dtype
+        if self.quantized is not None:
+            logits = self.quantized(hidden)  # [n, per_rank] in hidden's dtype
+        else:
+            logits = linear(hidden, self.weight)  # [n, per_rank], model dtype
         # Gathered in the model dtype (half of fp32's bytes), widened after: the same values.
         logits = self.dist.all_gather_last_dim(logits)  # [n, per_rank * world]
         logits = logits[:, : self.vocab_size].float()

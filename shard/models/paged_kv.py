@@ -57,9 +57,12 @@ def graph_safe(quant: LinearQuantization | None) -> bool:
 def load_weights(model: nn.Module, ctx: LoadContext, quant: LinearQuantization | None,
                  embed: VocabParallelEmbedding, lm_head: ParallelLMHead, tied: bool) -> None:
     """Loads every tensor of `model` from the checkpoint; the LM head shares the embedding where
-    the config ties them (`tied`) or the checkpoint omits lm_head.weight (as tied ones do)."""
+    the config ties them (`tied`) or the checkpoint omits lm_head.weight (as tied ones do; a
+    head stored quantized, shard/quantization/embedding.py, is the checkpoint's own)."""
+    from shard.quantization.embedding import stored_int_rows
+
     weights = Weights(ctx.model_dir, ctx.device, ctx.dtype, ctx.dist, quant)
-    tie = tied or not weights.has("lm_head.weight")
+    tie = tied or not (weights.has("lm_head.weight") or stored_int_rows(weights, "lm_head"))
     load_module_weights(model, weights, skip=frozenset({"lm_head"} if tie else ()))
     if tie:
         lm_head.tie_to(embed)

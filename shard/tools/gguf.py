@@ -9,7 +9,7 @@ finds it without converting again. Weights are stored as dequantized (float32): 
 applies to them exactly as to any checkpoint when a shard loads them; or, with `packed`, the
 tensor-parallel linears stored as Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K are repacked into the shard's
 integer layout instead (shard/tools/gguf_repack.py; CUDA serving: the CPU path dequantizes each
-such weight per matmul, slower than float), under CACHE/gguf/<sha256>-packed.
+such weight per matmul, slower than float), under CACHE/gguf/<sha256>-packed2.
 
 Atomicity: the snapshot is built in CACHE/gguf/.partial-<sha>-<pid> and renamed into place in one
 step; only complete snapshots ever carry the final name, and an interrupted conversion leaves a
@@ -36,7 +36,7 @@ PROVENANCE = "tokenwire-gguf.json"
 # A hash prefix long enough to never collide among one user's files; keeps paths short.
 KEY_CHARS = 32
 # Snapshots whose linears stay quantized (gguf_repack.py) live beside the float ones.
-PACKED_SUFFIX = "-packed"
+PACKED_SUFFIX = "-packed2"  # 2: the token embedding / LM head kept packed too (gguf_repack.TABLES)
 
 Log = Callable[[str], None]
 
@@ -165,7 +165,7 @@ def _log_linears(snapshot: Path, log: Log) -> None:
 
 
 def _remove_stale_partials(root: Path, sha: str) -> None:
-    """Deletes .partial-<sha>-<pid> (and .partial-<sha>-packed-<pid>) directories whose
+    """Deletes .partial-<sha>-<pid> (and .partial-<sha>-packed2-<pid>) directories whose
     converting process is gone."""
     for partial in root.glob(f".partial-{sha[:KEY_CHARS]}-*"):
         try:
@@ -249,9 +249,9 @@ def convert(path: Path, out: Path, log: Log = _stderr, packed: bool = False) -> 
     for key in ("_name_or_path", "_model_name_or_path"):
         config_dict.pop(key, None)
     config_dict["architectures"] = [type(model).__name__]
-    if summary is not None and summary.packed:
+    if summary is not None and summary.types():
         config_dict["quantization_config"] = {"quant_method": "gguf",
-                                              "types": dict(sorted(summary.packed.items()))}
+                                              "types": dict(sorted(summary.types().items()))}
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -274,7 +274,7 @@ def ensure_snapshot(path: Path, cache: Path, log: Log = _stderr, packed: bool = 
                     ) -> GGUFSnapshot:
     """The cached snapshot of GGUF file `path`, converting it first when the cache has none.
     packed: linears of the types gguf_repack.py keeps stay quantized (a snapshot of its own,
-    `<key>-packed`); what was kept and what dequantized is logged at every start-up."""
+    `<key>-packed2`); what was kept and what dequantized is logged at every start-up."""
     if not path.is_file():
         raise GGUFError(f"{path}: no such GGUF file")
     _check_magic(path)

@@ -1,7 +1,9 @@
 """GGUF linears kept quantized: Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K blocks repacked once, at
 conversion, into the integer layout the shard serves (shard/quantization/gguf_blocks.py) instead
-of dequantized to float. Other types (F16, Q5_K, IQ*, ...) and every tensor that is not a
-tensor-parallel linear (embeddings, norms, the LM head) still dequantize.
+of dequantized to float; so are the token embedding and an untied LM head (output.weight), which
+the shard serves through shard/quantization/embedding.py (the lookup dequantizes only the
+gathered rows; the head is an IntLinear; a tied head shares the embedding's). Other types (F16,
+Q5_K, IQ*, ...) and the remaining tensors (norms, fused projections) still dequantize.
 
 The integers come out of the `gguf` package's own block decoders: each block is decoded once with
 its scale set to 1 and its minimum to 0, which yields the stored integers (minus the type's fixed
@@ -35,21 +37,29 @@ from shard.quantization.methods import GGUF_PACKED_TYPES
 # The linears the native models load as tensor-parallel layers (fused projections such as
 # Phi-3's qkv_proj are read by row ranges and stay float).
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The vocabulary tables (shard.layers.embedding's layers), kept packed the same way.
+TABLES = ("embed_tokens", "lm_head")
 
 
 @dataclass
 class RepackSummary:
     """What a conversion kept packed and what it dequantized (GGML type name -> tensors)."""
 
-    packed: Counter[str] = field(default_factory=Counter)
+    packed: Counter[str] = field(default_factory=Counter)  # linears
+    tables: Counter[str] = field(default_factory=Counter)  # token embedding / LM head
     dequantized: Counter[str] = field(default_factory=Counter)
 
     def line(self) -> str:
         def fmt(c: Counter[str]) -> str:
             return ", ".join(f"{k} x{v}" for k, v in sorted(c.items())) or "none"
 
-        return (f"linears kept quantized: {fmt(self.packed)}; dequantized to float: "
+        tables = f"; embedding / LM head kept quantized: {fmt(self.tables)}" if self.tables else ""
+        return (f"linears kept quantized: {fmt(self.packed)}{tables}; dequantized to float: "
                 f"{fmt(self.dequantized)}")
+
+    def types(self) -> Counter[str]:
+        """Every GGML type kept packed (the snapshot's quantization_config.types)."""
+        return self.packed + self.tables
 
 
 def _f16(value: float) -> np.ndarray:
@@ -145,7 +155,8 @@ def _row_order(processor, name: str, n: int) -> np.ndarray | None:
 def repack_linears(path: Path, model: torch.nn.Module, reference: dict[str, torch.Tensor]
                    ) -> tuple[dict[str, dict[str, torch.Tensor]], RepackSummary]:
     """{hf linear prefix: its snapshot tensors (gguf_blocks.py)} for every tensor-parallel
-    linear the file stores in a packed type, and the summary of what was kept and dequantized.
+    linear and vocabulary table (TABLES) the file stores in a packed type, and the summary of
+    what was kept and dequantized.
     reference: transformers' float tensors by HF name (each repacked linear must equal its)."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import (
@@ -166,7 +177,8 @@ def repack_linears(path: Path, model: torch.nn.Module, reference: dict[str, torc
     for tensor in reader.tensors:
         hf = names.get(tensor.name)
         qtype = tensor.tensor_type.name
-        if hf is None or not hf.endswith(".weight") or hf.split(".")[-2] not in LINEARS:
+        kind = None if hf is None or not hf.endswith(".weight") else hf.split(".")[-2]
+        if kind not in LINEARS and kind not in TABLES:
             if qtype not in ("F32", "F16", "BF16"):
                 summary.dequantized[qtype] += 1
             continue
@@ -196,5 +208,5 @@ def repack_linears(path: Path, model: torch.nn.Module, reference: dict[str, torc
             raise ValueError(f"{path.name}: {tensor.name} ({qtype}) repacked differs from its "
                              "dequantized values (a tokenwire bug: report it)")
         out[prefix] = {s: t.contiguous() for s, t in parts.items()}
-        summary.packed[qtype] += 1
+        (summary.tables if kind in TABLES else summary.packed)[qtype] += 1
     return out, summary

@@ -26,7 +26,10 @@ from tests.helpers.processes import Deployment, launch
 from tests.helpers.schemas import SCHEMAS, TOOLS
 from tests.helpers.smollm2 import snapshot
 
-pytestmark = pytest.mark.slow
+# The first test's setup may convert SmolLM2's GGUF (tests/helpers/smollm2.py: ~20-70 s quiet,
+# 285 s measured on a 2-core host ~7x oversubscribed) before its launch (with a deadline of
+# its own): the default 300 s a test would cut the setup short of that deadline.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 CONCURRENT = 32
 

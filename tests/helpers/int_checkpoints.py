@@ -173,16 +173,19 @@ def quantization_config(spec: IntSpec) -> dict:
             "zero_point": not spec.sym, "version": "gemm"}
 
 
-def write_int_checkpoint(src: Path, dst: Path, spec: IntSpec) -> Path:
+def write_int_checkpoint(src: Path, dst: Path, spec: IntSpec, tables: tuple[str, ...] = ()
+                         ) -> Path:
     """Copies the tiny model at src to dst with every TP linear stored in spec's format, and to
-    dst-dequantized with the same integers dequantized here (float32); returns the latter."""
+    dst-dequantized with the same integers dequantized here (float32); returns the latter.
+    tables: vocabulary tables ("lm_head", "embed_tokens") quantized too (compressed-tensors:
+    no longer in the config's ignore list)."""
     shutil.copytree(src, dst)
     ref = dst.parent / (dst.name + "-dequantized")
     shutil.copytree(src, ref)
     tensors = load_file(str(src / "model.safetensors"))
     packed, plain = {}, {}
     for i, (name, t) in enumerate(sorted(tensors.items())):
-        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+        if name.endswith(".weight") and name.split(".")[-2] in (*LINEARS, *tables):
             parts = quantize(t, spec, seed=i)
             prefix = name[: -len(".weight")]
             for suffix, value in pack(parts, spec).items():
@@ -194,6 +197,8 @@ def write_int_checkpoint(src: Path, dst: Path, spec: IntSpec) -> Path:
     save_file(plain, str(ref / "model.safetensors"))
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = quantization_config(spec)
+    if "lm_head" in tables:
+        config["quantization_config"]["ignore"] = []
     (dst / "config.json").write_text(json.dumps(config))
     return ref
 

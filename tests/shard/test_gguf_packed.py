@@ -33,7 +33,7 @@ T = gguf.GGMLQuantizationType
 
 def test_packed_snapshot_holds_the_packed_types_and_says_what_dequantized(gguf_llama):
     file, packed, plain, log = gguf_llama.file, gguf_llama.packed, gguf_llama.plain, gguf_llama.log
-    assert packed != plain and packed.name.endswith("-packed")
+    assert packed != plain and packed.name.endswith("-packed2")
     config = json.loads((packed / "config.json").read_text())
     assert config["quantization_config"] == {
         "quant_method": "gguf", "types": {"Q4_0": 2, "Q4_1": 4, "Q4_K": 3, "Q6_K": 2, "Q8_0": 2}}
@@ -130,7 +130,7 @@ def test_published_smollm2_q4_1_blocks_repack_exactly():
         weights += q.numel()
     assert bits / (16 * weights) == pytest.approx(0.34375)
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    assert embd.tensor_type == T.Q8_0  # not a linear: the conversion dequantizes it
+    assert embd.tensor_type == T.Q8_0  # kept packed too (tests/shard/test_quantized_embedding.py)
 
 
 def test_launcher_keeps_gguf_linears_packed_on_cuda_by_default():
