@@ -141,13 +141,12 @@ def _words_row_product(x_ptr, q_ptr, s, z, rows, row_mask, k0, K, stride_qn,
                     mask=row_mask[:, None] & (offs_w < K // 8)[None, :], other=0,
                     eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K / 8] int32
     # x's tile [BLOCK_K / 8, 8] (one contiguous load), split into the 8 nibble positions
-    r: tl.constexpr = BLOCK_K // 8
-    k3 = k0 + 8 * tl.arange(0, r)[:, None] + tl.arange(0, 8)[None, :]
-    x3 = tl.load(x_ptr + k3, mask=k3 < K, other=0.0).to(tl.float32)
+    k3 = k0 + 8 * tl.arange(0, BLOCK_K // 8)[:, None] + tl.arange(0, 8)[None, :]
+    x3 = tl.load(x_ptr + k3, mask=k3 < K, other=0.0).to(tl.float32)  # [BLOCK_K / 8, 8]
     xsum = tl.sum(tl.sum(x3, axis=1), axis=0)
-    ev, od = tl.split(tl.reshape(x3, [r, 4, 2]))  # nibbles 0 2 4 6 / 1 3 5 7
-    e04, e26 = tl.split(tl.reshape(ev, [r, 2, 2]))
-    o15, o37 = tl.split(tl.reshape(od, [r, 2, 2]))
+    ev, od = tl.split(tl.reshape(x3, [BLOCK_K // 8, 4, 2]))  # nibbles 0 2 4 6 / 1 3 5 7
+    e04, e26 = tl.split(tl.reshape(ev, [BLOCK_K // 8, 2, 2]))
+    o15, o37 = tl.split(tl.reshape(od, [BLOCK_K // 8, 2, 2]))
     x0, x4 = tl.split(e04)
     x2, x6 = tl.split(e26)
     x1, x5 = tl.split(o15)
