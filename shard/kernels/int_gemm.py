@@ -197,16 +197,21 @@ def _dequant_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BITS: tl.constexpr,
+    WORDS: tl.constexpr,  # int4, NG 1, K % 32 == 0: read as int32 words (int_dequant.load_words)
 ):
     """w [N, K] (x's dtype) = (q - z) * s: one [BLOCK_N, BLOCK_K] tile per program."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     k0 = tl.program_id(1) * BLOCK_K
-    q = load_joined(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
     s, z = group_params(s_ptr, z_ptr, rows, row_mask, k0, K, stride_sn, GROUP, NG)
-    w = scale_tile(q, s, z, NG, BITS)  # [BLOCK_N, BLOCK_K] fp32
+    if WORDS:
+        words = load_words(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K)
+        w = words_tile(words, s, z, w_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
+    else:
+        q = load_joined(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
+        w = scale_tile(q, s, z, NG, BITS).to(w_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
     k = k0 + tl.arange(0, BLOCK_K)
-    tl.store(w_ptr + rows.to(tl.int64)[:, None] * K + k[None, :], w.to(w_ptr.dtype.element_ty),
+    tl.store(w_ptr + rows.to(tl.int64)[:, None] * K + k[None, :], w,
              mask=row_mask[:, None] & (k < K)[None, :])
 
 
@@ -222,7 +227,11 @@ def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.
     _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         qweight, scales, zeros, w, n, k, qweight.stride(0), scales.stride(0),
         GROUP=kernel_group(group_size, k), NG=groups_per_tile(block_k, group_size, k),
-        BLOCK_N=block_n, BLOCK_K=block_k, BITS=bits, num_warps=warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, BITS=bits,
+        WORDS=(bits == 4 and k % 32 == 0 and qweight.stride(0) % 16 == 0
+               and qweight.data_ptr() % 16 == 0
+               and groups_per_tile(block_k, group_size, k) == 1),
+        num_warps=warps,
     )
     return w
 
