@@ -100,8 +100,11 @@ def test_messages_blocks_become_chat_messages() -> None:
         ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
         ({"max_tokens": 5, "messages": []}, "messages"),
         ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
-        ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+        ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document"}]}]},
          "messages[0].content[0].type"),
+        # an image block (accepted since image input) whose source is missing
+        ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+         "messages[0].content[0].source.type"),
         ({"max_tokens": 5, "temperature": 1.5, "messages": [{"role": "user", "content": "x"}]},
          "temperature"),
         ({"max_tokens": 5, "top_k": 5, "messages": [{"role": "user", "content": "x"}]}, "top_k"),
