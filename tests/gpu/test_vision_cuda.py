@@ -49,11 +49,30 @@ def _generate(shard, ref, cases: dict[int, tuple[str, list[tuple[int, int, int]]
     return {rid: sim.done[rid].generated for rid in cases}, paths
 
 
+def _check_graphs(model: Path, ref, cases: dict[int, tuple[str, list[tuple[int, int, int]]]]
+                  ) -> None:
+    """On one CUDA shard of `model`: decode steps replay graphs (the prefill, with images, runs
+    eagerly), and graph decoding, eager decoding and transformers' generate (`ref`, CPU float32)
+    give the same tokens for `cases` in one batch."""
+    from tests.helpers.transformers_backend import backend_shard
+
+    want = {rid: ref.greedy(text, specs, N) for rid, (text, specs) in cases.items()}
+    shard = backend_shard(model, device="cuda", dtype="float32")
+    assert shard.info.cuda_graphs and shard.runner.graphs is not None
+    graphed, paths = _generate(shard, ref, cases)
+    assert paths[0] == "eager" and set(paths[1:]) == {"decode_graph"}, paths
+
+    shard.runner.graphs = None  # the same shard, decoding eagerly
+    eager, eager_paths = _generate(shard, ref, cases)
+    assert set(eager_paths) == {"eager"}
+    assert graphed == eager
+    assert graphed == want
+
+
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
 def test_qwen_vl_decode_replays_graphs_and_equals_eager_and_transformers(
         tmp_path: Path, family: str) -> None:
     from shard.tools.tiny_vlm import QWEN_IMAGE, write_tiny_qwen2_vl
-    from tests.helpers.transformers_backend import backend_shard
     from tests.helpers.vision import QwenReference
 
     model = write_tiny_qwen2_vl(tmp_path / family, family=family)
@@ -63,25 +82,12 @@ def test_qwen_vl_decode_replays_graphs_and_equals_eager_and_transformers(
         2: (f"first {QWEN_IMAGE} then {QWEN_IMAGE} which", [(1, 84, 56), (2, 56, 56)]),
         3: ("only words here, no picture at all", []),
     }
-    want = {rid: ref.greedy(text, specs, N) for rid, (text, specs) in cases.items()}
-
-    shard = backend_shard(model, device="cuda", dtype="float32")
-    assert shard.info.cuda_graphs and shard.runner.graphs is not None
-    graphed, paths = _generate(shard, ref, cases)
-    # The prefill (3-D positions, images) runs eagerly; every decode step replays a graph.
-    assert paths[0] == "eager" and set(paths[1:]) == {"decode_graph"}, paths
-
-    shard.runner.graphs = None  # the same shard, decoding eagerly
-    eager, eager_paths = _generate(shard, ref, cases)
-    assert set(eager_paths) == {"eager"}
-    assert graphed == eager
-    assert graphed == want
+    _check_graphs(model, ref, cases)
 
 
 def test_idefics3_decode_replays_graphs_and_equals_eager_and_transformers(tmp_path: Path
                                                                           ) -> None:
     from shard.tools.tiny_vlm import write_tiny_idefics3
-    from tests.helpers.transformers_backend import backend_shard
     from tests.helpers.vision import Idefics3Reference
 
     model = write_tiny_idefics3(tmp_path / "idefics3")
@@ -91,15 +97,4 @@ def test_idefics3_decode_replays_graphs_and_equals_eager_and_transformers(tmp_pa
         2: ("first <image> then <image> which", [(1, 80, 30), (2, 40, 30)]),  # 3 + 5 tiles
         3: ("only words here, no picture at all", []),
     }
-    want = {rid: ref.greedy(text, specs, N) for rid, (text, specs) in cases.items()}
-
-    shard = backend_shard(model, device="cuda", dtype="float32")
-    assert shard.info.cuda_graphs and shard.runner.graphs is not None
-    graphed, paths = _generate(shard, ref, cases)
-    assert paths[0] == "eager" and set(paths[1:]) == {"decode_graph"}, paths
-
-    shard.runner.graphs = None  # the same shard, decoding eagerly
-    eager, eager_paths = _generate(shard, ref, cases)
-    assert set(eager_paths) == {"eager"}
-    assert graphed == eager
-    assert graphed == want
+    _check_graphs(model, ref, cases)
