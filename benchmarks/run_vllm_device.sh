@@ -71,7 +71,8 @@ if [ $step = install ]; then  # the checkpoint too, so that `run` starts measuri
   exit $?
 fi
 timeout ${VLLM_BENCH_TIMEOUT:-520} python3 -m benchmarks.harness --parts e2e,vllm_offline,vllm_served \
-  --e2e-overlap on --vllm-python $venv/bin/python --out $OUT --workdir /tmp/twb "$@" 2>&1 \
+  --e2e-overlap on --e2e-profile-from-step none --vllm-python $venv/bin/python --out $OUT \
+  --workdir /tmp/twb "$@" 2>&1 \
   | grep -v "^\s*$" | grep -v "Loading weights" > $OUT/bench.log
 sed -n '/Side by side with vLLM/,$p' $OUT/RESULTS.md
 grep -i "Traceback\|Error" $OUT/bench.log | head

@@ -7,15 +7,14 @@
 #
 # Why 0.26.0: the newest vLLM whose wheel pins torch==2.11.0 (the device's torch). Its other
 # requirements were checked against the device image's package list (KINDS.md, "Python packages
-# already there") and against a static import closure of vLLM's offline (`LLM`), served
-# (`vllm.entrypoints.openai.api_server`), engine-core, GPU-worker, Llama and FlashAttention
-# modules: only what those import at module level and the device lacks is packed. Left out on
-# purpose (imported lazily, only on paths this benchmark never takes): flashinfer, tilelang,
-# cutlass-dsl, quack, humming/tokenspeed kernels, xgrammar / llguidance / outlines / lm-format-
-# enforcer (structured output), mistral_common, compressed-tensors, anthropic, mcp, torchcodec,
-# PyNvVideoCodec, fastsafetensors, opentelemetry. Trimmed from the vLLM wheel: the FA2 library
-# (vllm_flash_attn/_vllm_fa2_C, 305 MB; Hopper runs FA3), the Rust front end (vllm-rs, 43 MB),
-# the Blackwell-only fmha_sm100 sources and deep_gemm's extensions for Pythons other than 3.12.
+# already there"), a static import closure of vLLM's offline, served, engine-core, GPU-worker,
+# Llama and FlashAttention modules, and an import check of those modules here (Python 3.11,
+# CPU torch: VLLM_SIDE_BY_SIDE.md): only what they import and the device lacks is packed.
+# Left out (imported lazily, only on paths this benchmark never takes): flashinfer, tilelang,
+# cutlass-dsl, quack, humming/tokenspeed kernels, llguidance / outlines / lm-format-enforcer,
+# mistral_common, compressed-tensors, anthropic, mcp, torchcodec, PyNvVideoCodec,
+# fastsafetensors, opentelemetry. Trimmed: benchmarks/wheel_trim.py (FA2, the Rust front end,
+# Blackwell-only sources, xgrammar's static library).
 #
 # Dependency versions: resolved by pip with --uploaded-prior-to the day after vLLM 0.26.0's
 # release, i.e. the versions vLLM was released against (openai 3.x, say, may postdate it).
@@ -51,25 +50,16 @@ for have in annotated_doc anyio attrs certifi click h11 httpcore httpx idna prom
   rm -f $pack/dl/deps/${have}-[0-9]*.whl
 done
 ls $pack/dl/deps
-# The trimmed vLLM wheel, re-zipped STORED (-0) so that xz sees the raw bytes (deflated members
-# barely compress further); RECORD loses the removed files' lines so pip's record stays true.
-whl=$(ls $pack/dl/vllm-0.26.0-*.whl)
-rm -rf $pack/stage && mkdir -p $pack/stage/tree $pack/stage/wheels
-(cd $pack/stage/tree && unzip -q "../../../$whl")
-t=$pack/stage/tree
-rm -f $t/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so $t/vllm/vllm-rs
-rm -rf $t/vllm/third_party/fmha_sm100
-for v in 310 311 313 314; do rm -f $t/vllm/third_party/deep_gemm/_C.cpython-$v-*.so; done
-$py - "$t" <<'EOF'
-import pathlib, sys
-root = pathlib.Path(sys.argv[1])
-record = next(root.glob("vllm-*.dist-info/RECORD"))
-kept = [l for l in record.read_text().splitlines() if (root / l.split(",")[0]).exists()
-        or l.split(",")[0].endswith("RECORD")]
-record.write_text("\n".join(kept) + "\n")
-EOF
-(cd $t && zip -q -0 -r -X "../wheels/$(basename "$whl")" .)
-cp $pack/dl/deps/*.whl $pack/stage/wheels/
+# xgrammar: vLLM's structured-output module evaluates `xgr.GrammarMatcher` when it is imported
+# (class annotations), so the engine core does not import without it, structured output or not
+# (seen in the local import check, VLLM_SIDE_BY_SIDE.md). apache-tvm-ffi is its one missing need.
+$py -m pip download -q --no-deps "${plat[@]}" -d $pack/dl/deps xgrammar==0.2.3 apache-tvm-ffi==0.1.10
+# vLLM and xgrammar trimmed and stored (benchmarks/wheel_trim.py says what goes), the rest as is.
+rm -rf $pack/stage && mkdir -p $pack/stage/wheels
+$py benchmarks/wheel_trim.py $pack/stage/wheels $pack/dl/vllm-0.26.0-*.whl $pack/dl/deps/xgrammar-*.whl
+for w in $pack/dl/deps/*.whl; do
+  case $(basename $w) in xgrammar-*) ;; *) cp $w $pack/stage/wheels/ ;; esac
+done
 du -sh $pack/stage/wheels
 rm -rf $pack/p[0-9]* && mkdir -p $pack/parts
 tar -C $pack/stage -cf - wheels | nice -n 19 xz -9e -T1 -c > $pack/parts/vllm-0.26.0.tar.xz

@@ -77,6 +77,7 @@ class StreamState:
 
     times: list[float]
     count: int = 0
+    prompt_tokens: int = 0  # as vLLM's tokenizer counted the prompt (usage.prompt_tokens)
     reason: str = ""
     error: str = ""
 
@@ -94,6 +95,7 @@ class StreamState:
                 self.reason = c["finish_reason"]
         usage = chunk.get("usage")
         if usage and usage.get("completion_tokens") is not None:
+            self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
             n = int(usage["completion_tokens"])
             if n > self.count and choices:
                 self.times.append(now)
@@ -132,7 +134,8 @@ def _sse_client_proc(base_url: str, jobs: list[Job], start_at: float, queue) -> 
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             st.error = f"{type(exc).__name__}: {exc}"
         return {"idx": idx, "in": n_in, "out": n_out, "t0": t0, "times": st.times,
-                "reason": st.reason, "error": st.error, "count": st.count}
+                "reason": st.reason, "error": st.error, "count": st.count,
+                "prompt_tokens": st.prompt_tokens}
 
     async def main() -> list[dict]:
         conn = aiohttp.TCPConnector(limit=0)  # one connection per stream, no pool cap
@@ -259,7 +262,10 @@ def run_sse_load(base_url: str, jobs: list[Job], clients: int, warmup_requests: 
         results.extend(queue.get(timeout=timeout + 60))
     for p in procs:
         p.join(timeout=10)
-    return summarize_streams(results, start_at, startup_s)
+    out = summarize_streams(results, start_at, startup_s)
+    ok = [r["prompt_tokens"] for r in results if not r["error"]]
+    out["mean_prompt_tokens"] = sum(ok) / max(1, len(ok))  # the prompts' length as served
+    return out
 
 
 def bench_vllm_served(model_dir: Path, args, log_path: Path, jobs: list[Job]) -> dict:
@@ -332,6 +338,7 @@ def side_by_side_section(res: dict, L: list[str]) -> None:
     for key in ("vllm_offline", "vllm_served"):
         r = res.get(key)
         if r and (r.get("errors") or r.get("finish_reasons")):
-            L.append(f"- {key}: finish reasons {r.get('finish_reasons')}; errors "
+            L.append(f"- {key}: finish reasons {r.get('finish_reasons')}; mean prompt tokens "
+                     f"{r.get('mean_prompt_tokens', float('nan')):.1f}; errors "
                      f"{r.get('errors', [])}\n")
 

@@ -65,6 +65,8 @@ def test_served_run_counts_tokens_and_lengths(served) -> None:
     assert 0 < res["ttft_p50_ms"] <= res["ttft_p99_ms"]
     assert 0 <= res["itl_p50_ms"] <= res["itl_p99_ms"]
     assert res["startup_seconds"] > 0
+    ok_prompts = [n_in for _, n_in, _, p in jobs if "reject" not in p and "fail" not in p]
+    assert res["mean_prompt_tokens"] == pytest.approx(sum(ok_prompts) / len(ok_prompts))
     assert "--max-num-batched-tokens', '8192'" in log  # --vllm-args reach the server
 
 
