@@ -40,8 +40,8 @@ esac
 
 source benchmarks/device_env.sh
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv
-if [ ! -x $venv/bin/python ]; then
-  ls -la $stash
+if [ ! -f $venv/.installed ]; then
+  rm -rf $venv; ls -la $stash
   [ -f $stash/$name.sha256 ] || { echo "the last piece (with $name.sha256) is not stashed"; exit 1; }
   (cd $stash && cat $name.part* > $name && sha256sum -c $name.sha256) || {
     echo "pieces missing or damaged: stash every .vllm-pack/pN in one warm machine"; exit 1; }
@@ -49,12 +49,15 @@ if [ ! -x $venv/bin/python ]; then
   # The image's python3 is itself a venv (/opt/torch/.venv): a venv made from it with
   # --system-site-packages would see the base interpreter's site-packages, not torch's, so its
   # site-packages go in through a .pth file (after the venv's own: vLLM's pins win).
-  python3 -m venv --system-site-packages $venv
+  # --without-pip: the image's Python may lack ensurepip; the image's pip installs into the venv.
+  python3 -m venv --system-site-packages --without-pip $venv || exit 1
   img_site=$(python3 -c "import site; print('\n'.join(site.getsitepackages()))")
   vsite=$($venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   echo "$img_site" > "$vsite/_device_image.pth"
-  env -u PYTHONPATH $venv/bin/python -m pip install -q --no-index --no-deps --no-compile \
-    --no-cache-dir $stash/wheels/*.whl > $OUT/install.log 2>&1 || { tail -20 $OUT/install.log; exit 1; }
+  env -u PYTHONPATH python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target "$vsite" $stash/wheels/*.whl > $OUT/install.log 2>&1 || {
+    tail -20 $OUT/install.log; rm -rf $venv; exit 1; }
+  touch $venv/.installed
 fi
 env -u PYTHONPATH PYTHONPATH=$PWD $venv/bin/python - <<'EOF' 2>&1 | tail -20 | tee $OUT/import_check.log
 import importlib, torch, vllm
