@@ -41,7 +41,7 @@ def engine_kwargs(cli: str) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmarks.harness.vllm_offline")
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--requests", type=int, default=1000)
@@ -49,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--engine-args", default="")
     p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     from vllm import LLM, SamplingParams
 

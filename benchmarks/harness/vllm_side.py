@@ -40,8 +40,8 @@ def add_arguments(parser) -> None:
     a("--vllm-max-model-len", type=int, default=4096,
       help="vLLM --max-model-len (tokenwire's e2e runs with --max-total-tokens 4096)")
     a("--vllm-args", default="",
-      help="extra engine arguments for both vLLM parts, CLI style (e.g. "
-           "\"--max-num-batched-tokens 8192\"); default: vLLM's own defaults")
+      help="extra engine arguments for both vLLM parts, CLI style, given as one token (e.g. "
+           "--vllm-args='--max-num-batched-tokens 8192'); default: vLLM's own defaults")
     a("--vllm-startup-timeout", type=float, default=420.0,
       help="seconds vLLM may take to load, compile and capture before it counts as failed")
 
@@ -131,7 +131,7 @@ def _sse_client_proc(base_url: str, jobs: list[Job], start_at: float, queue) -> 
                             break
                         if ev is not None:
                             st.apply(ev, time.time())
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             st.error = f"{type(exc).__name__}: {exc}"
         return {"idx": idx, "in": n_in, "out": n_out, "t0": t0, "times": st.times,
                 "reason": st.reason, "error": st.error, "count": st.count,
@@ -200,12 +200,13 @@ def bench_vllm_offline(model_dir: Path, args, log_path: Path) -> dict:
     out_json = log_path.with_suffix(".json")
     cmd = [_python(args), "-m", "benchmarks.harness.vllm_offline", "--model", str(model_dir),
            "--requests", str(args.requests), "--warmup-requests", str(args.e2e_warmup_requests),
-           "--max-model-len", str(args.vllm_max_model_len), "--engine-args", args.vllm_args,
+           "--max-model-len", str(args.vllm_max_model_len),
+           f"--engine-args={args.vllm_args}",  # one token: the value itself starts with --
            "--out", str(out_json)]
     with open(log_path, "w") as logf:
-        rc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=vllm_env(),
-                            cwd=REPO_ROOT, timeout=args.vllm_startup_timeout + args.e2e_timeout
-                            ).returncode
+        rc = subprocess.run(cmd, check=False, stdout=logf, stderr=subprocess.STDOUT,
+                            env=vllm_env(), cwd=REPO_ROOT,
+                            timeout=args.vllm_startup_timeout + args.e2e_timeout).returncode
     if rc != 0 or not out_json.is_file():
         raise RuntimeError(f"vLLM offline exited with {rc}; see {log_path.name}")
     return json.loads(out_json.read_text())

@@ -17,7 +17,15 @@ import pytest
 from benchmarks.harness import bench, vllm_side
 from benchmarks.harness.vllm_offline import engine_kwargs
 
-HELPER = Path(__file__).resolve().parents[1] / "helpers" / "fake_vllm_server.py"
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
+HELPER = HELPERS / "fake_vllm_server.py"
+
+
+def _fake_python(path: Path, script: Path) -> Path:
+    """An executable standing for vLLM's interpreter: runs `script` with the arguments."""
+    path.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -30,9 +38,7 @@ def _args(**kw) -> argparse.Namespace:
 def served(tmp_path_factory) -> tuple[dict, list[dict], list, str]:
     """One served run: 8 workload requests + 3 steering ones through the stand-in server."""
     tmp = tmp_path_factory.mktemp("vllm_side")
-    fake_py = tmp / "python"  # what --vllm-python names: an interpreter taking `-m MODULE ...`
-    fake_py.write_text(f"#!/bin/sh\nexec {sys.executable} {HELPER} \"$@\"\n")
-    fake_py.chmod(fake_py.stat().st_mode | stat.S_IEXEC)
+    fake_py = _fake_python(tmp / "python", HELPER)  # what --vllm-python names
     bodies = tmp / "bodies.jsonl"
     import os
 
@@ -127,6 +133,26 @@ def test_arguments_and_commands() -> None:
         "compilation_config": {"level": 0}}
     with pytest.raises(RuntimeError, match="--vllm-python"):
         vllm_side.bench_vllm_served(Path("/m"), _args(vllm_python=""), Path("/dev/null"), [])
+
+
+def test_offline_part_command_line_and_result(tmp_path) -> None:
+    """bench_vllm_offline's command line parses with vllm_offline's own parser (the extra engine
+    arguments, which start with --, included) and its result file is what the part returns."""
+    fake_py = _fake_python(tmp_path / "python", HELPERS / "fake_vllm_offline.py")
+    args = _args(vllm_python=fake_py, requests=12, e2e_warmup_requests=3,
+                 vllm_args="--max-num-batched-tokens 8192 --enforce-eager")
+    log = tmp_path / "vllm_offline.log"
+    res = vllm_side.bench_vllm_offline(tmp_path / "model", args, log)
+    echoed = json.loads(log.read_text().split("args: ", 1)[1].splitlines()[0])
+    assert echoed == {"model": str(tmp_path / "model"), "requests": 12, "warmup": 3,
+                      "max_model_len": 4096,
+                      "engine": {"max_num_batched_tokens": 8192, "enforce_eager": True}}
+    lengths = bench.sharegpt_like(12)
+    assert res["requests"] == 12 and res["exact_lengths"] == 12
+    assert res["output_tokens_per_s"] == sum(o for _, o in lengths) / 2.0
+    bad = _fake_python(tmp_path / "broken", tmp_path / "missing.py")
+    with pytest.raises(RuntimeError, match="vLLM offline exited"):
+        vllm_side.bench_vllm_offline(tmp_path / "model", _args(vllm_python=bad), log)
 
 
 def test_side_by_side_table(served, tmp_path) -> None:

@@ -31,10 +31,14 @@ def _chunk(text: str, finish: str | None, prompt_tokens: int, done: int) -> byte
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    body = await request.json()
+def _record(body: dict) -> None:
     with open(os.environ["FAKE_VLLM_BODIES"], "a") as f:
         f.write(json.dumps(body) + "\n")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    await asyncio.to_thread(_record, body)
     prompt, n = body["prompt"], int(body["max_tokens"])
     if "reject" in prompt:
         return web.json_response({"error": {"message": "This model's maximum context length is "
