@@ -150,6 +150,10 @@ def test_offline_part_command_line_and_result(tmp_path) -> None:
     lengths = bench.sharegpt_like(12)
     assert res["requests"] == 12 and res["exact_lengths"] == 12
     assert res["output_tokens_per_s"] == sum(o for _, o in lengths) / 2.0
+    # A one-flag value (no space) still reaches vLLM as a value, not as an option of its own.
+    vllm_side.bench_vllm_offline(tmp_path / "model", _args(
+        vllm_python=fake_py, requests=2, vllm_args="--enforce-eager"), log)
+    assert '"engine": {"enforce_eager": true}' in log.read_text()
     bad = _fake_python(tmp_path / "broken", tmp_path / "missing.py")
     with pytest.raises(RuntimeError, match="vLLM offline exited"):
         vllm_side.bench_vllm_offline(tmp_path / "model", _args(vllm_python=bad), log)
