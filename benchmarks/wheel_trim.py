@@ -3,9 +3,13 @@ benchmarks/vllm_pack.sh leaves out (DROP), re-zipped STORED so that xz sees the 
 already deflated barely compress further), RECORD without the dropped files' lines so pip's
 record of the install stays true.
 
-Dropped: vLLM's FA2 library (Hopper runs FA3), its Rust front end, the Blackwell-only fmha_sm100
-sources, deep_gemm's extensions for Pythons other than 3.12 (the device's); xgrammar's static
-C++ library (lib/*.a: for linking C++ programs, never loaded by Python).
+Dropped: vLLM's FA2 library (Hopper runs FA3), its Rust front end, its MoE kernel library
+(`_moe_C_stable_libtorch`, 47 MB, ~40 MB compressed: the platform imports it under
+`contextlib.suppress(ImportError)` and a dense Llama never calls it), the Blackwell-only
+fmha_sm100 sources, deep_gemm's extensions for Pythons other than 3.12 (the device's);
+xgrammar's static C++ library (lib/*.a: for linking C++ programs, never loaded by Python).
+What stays of vLLM's CUDA code (FA3, `_C_stable_libtorch`) barely compresses (its kernels are
+compressed fatbins already), hence the pieces.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 
 DROP = re.compile(
     r"vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so|vllm/vllm-rs"
+    r"|vllm/_moe_C_stable_libtorch\.abi3\.so"
     r"|vllm/third_party/fmha_sm100/.*"
     r"|vllm/third_party/deep_gemm/_C\.cpython-3(10|11|13|14)-.*\.so"
     r"|xgrammar/lib/.*\.a")
