@@ -238,7 +238,14 @@ def _lop3_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, offs_m, m_mask, k_l
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         s_next, z_next = group_params(s_ptr, z_ptr, rows, row_mask, k0 + BLOCK_K, k_hi,
                                       stride_sn, GROUP, 1)
-        words = load_words(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K)
+        # int32 words [BLOCK_N, BLOCK_K / 8], 16-byte vectors: the row starts are computed in
+        # bytes (16-byte aligned rows), which keeps their alignment visible to the compiler
+        offs_w = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), 4),
+                                   BLOCK_K // 8)
+        w_rows = (q_ptr + rows.to(tl.int64) * stride_qn).to(tl.pointer_type(tl.int32))
+        words = tl.load(w_rows[:, None] + offs_w[None, :],
+                        mask=row_mask[:, None] & (offs_w < K // 8)[None, :], other=0,
+                        eviction_policy="evict_first")
         v = _lop3_tile(words, X_KIND, ASM)  # [BLOCK_N, BLOCK_K]
         k = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
