@@ -59,7 +59,7 @@ def test_tuner_reference_is_the_dequantized_weight() -> None:
     from shard.kernels.int_tuning import IntWeightView, _dequantized
     from shard.quantization.int_weights import PackedInt, UnpackedInt
 
-    for bits, group in ((4, 32), (8, 64), (4, 96)):
+    for bits, group in ((4, 32), (8, 48), (4, 96)):  # equal groups (what the kernels serve)
         q = torch.randint(0, 2**bits, (6, 96), dtype=torch.uint8)
         groups = -(-96 // group)
         scales, zeros = torch.rand(6, groups).half(), torch.randint(0, 2**bits, (6, groups)).half()
