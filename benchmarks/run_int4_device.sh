@@ -17,5 +17,5 @@ timeout 250 python3 -m pytest -q -m gpu tests/gpu/test_int_kernels_cuda.py -p no
 echo "gpu tests rc=$?"; tail -15 "$OUT/int4_gpu_tests.log"
 timeout 300 python3 benchmarks/int4_kernels.py --out "$OUT" > "$OUT/int4_kernels.log" 2>&1
 echo "bench rc=$?"
-grep -E "check|CHECK|split-K|tuning|stack|lm_head|Targets|candidate .* failed" "$OUT/int4_kernels.log" | tail -30
+grep -E "check|CHECK|split-K|tuning|stack|lm_head|Targets|candidate .* failed|wrong result|^lop3" "$OUT/int4_kernels.log" | tail -60
 tail -40 "$OUT/int4_kernels.log"
