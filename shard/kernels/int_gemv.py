@@ -228,7 +228,7 @@ def _lop3_tile(words, X_KIND: tl.constexpr, ASM: tl.constexpr):
 def _lop3_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, offs_m, m_mask, k_lo, k_hi, K,
                  stride_xm, stride_qn, stride_sn, GROUP: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                 X_KIND: tl.constexpr, ASM: tl.constexpr):
+                 X_KIND: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
     """int4, tiles inside one group, 1..16 rows of x (padded to ROWS = 16): the K loop of the
     lop3 GEMV, [ROWS, BLOCK_N] fp32. Weights are the MMA's first operand (BLOCK_N rows: Hopper's
     wgmma with the unpacked tile from registers), x's tile the second: per tile
@@ -243,13 +243,18 @@ def _lop3_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, offs_m, m_mask, k_l
         offs_w = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), 4),
                                    BLOCK_K // 8)
         w_rows = (q_ptr + rows.to(tl.int64) * stride_qn).to(tl.pointer_type(tl.int32))
-        words = tl.load(w_rows[:, None] + offs_w[None, :],
-                        mask=row_mask[:, None] & (offs_w < K // 8)[None, :], other=0,
-                        eviction_policy="evict_first")
-        v = _lop3_tile(words, X_KIND, ASM)  # [BLOCK_N, BLOCK_K]
         k = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-                     mask=m_mask[:, None] & (k < K)[None, :], other=0.0)  # [ROWS, BLOCK_K]
+        if EVEN:  # no row or K tail: unpredicated weight loads (fewer instructions per tile)
+            words = tl.load(w_rows[:, None] + offs_w[None, :], eviction_policy="evict_first")
+            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                         mask=m_mask[:, None], other=0.0)  # [ROWS, BLOCK_K]
+        else:
+            words = tl.load(w_rows[:, None] + offs_w[None, :],
+                            mask=row_mask[:, None] & (offs_w < K // 8)[None, :], other=0,
+                            eviction_policy="evict_first")
+            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                         mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+        v = _lop3_tile(words, X_KIND, ASM)  # [BLOCK_N, BLOCK_K]
         part = tl.dot(v, tl.trans(xt))  # [BLOCK_N, ROWS]
         xsum = tl.sum(xt.to(tl.float32), axis=1)  # [ROWS]
         s1 = tl.reshape(s, [BLOCK_N])
@@ -284,6 +289,7 @@ def _int_gemv_kernel(
     WORDS: tl.constexpr,  # GemvConfig.words: batch 1, int4, NG 1: packed bytes as int32 words
     LOP3: tl.constexpr = False,  # GemvConfig.lop3: int4, NG 1, ROWS 16 (_lop3_k_loop)
     ASM: tl.constexpr = False,  # LOP3's unpack as inline PTX (False: the interpreter's form)
+    EVEN: tl.constexpr = False,  # LOP3: N % BLOCK_N == 0 and K % BLOCK_K == 0 (no tail masks)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -296,7 +302,7 @@ def _int_gemv_kernel(
     if LOP3:
         acc = _lop3_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, offs_m, m_mask, k_lo,
                            k_hi, K, stride_xm, stride_qn, stride_sn, GROUP, ROWS, BLOCK_N,
-                           BLOCK_K, STAGES, X_KIND, ASM)
+                           BLOCK_K, STAGES, X_KIND, ASM, EVEN)
     else:
         acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         s, z = group_params(s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_sn, GROUP, NG)
@@ -558,6 +564,7 @@ def int4_gemv(
         WORDS=config.words,
         LOP3=config.lop3,
         ASM=config.lop3 and x.is_cuda,  # the interpreter (CPU tensors) runs no inline PTX
+        EVEN=config.lop3 and n % config.block_n == 0 and k % config.block_k == 0,
         num_warps=config.warps,
         num_stages=config.stages,
     )

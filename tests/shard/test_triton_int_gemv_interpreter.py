@@ -85,13 +85,13 @@ _CHECK = textwrap.dedent(
                 assert int(counters.abs().sum()) == 0
     # The lop3 tiles (int4, 1..16 rows padded to 16, weights as the MMA's first operand): the
     # interpreter runs their pure-Triton unpack, bit for bit the inline PTX's operations. bf16 and
-    # fp16, integer and fractional (GGUF) zero points, an N tail, bias, split-K 2 with its
-    # counters, a whole-row group.
-    for dtype, k, group, frac, config in (
-            (torch.bfloat16, 128, 64, False, GemvConfig(32, 64, 4, 2, split_k=2, use_dot=True,
-                                                        lop3=True)),
-            (torch.float16, 96, 96, True, GemvConfig(16, 32, 4, 2, use_dot=True, lop3=True))):
-        n = 20
+    # fp16, integer and fractional (GGUF) zero points, an N tail (masked loads) and none (the
+    # unmasked EVEN form), bias, split-K 2 with its counters, a whole-row group.
+    for dtype, n, k, group, frac, config in (
+            (torch.bfloat16, 20, 128, 64, False, GemvConfig(32, 64, 4, 2, split_k=2,
+                                                            use_dot=True, lop3=True)),
+            (torch.float16, 32, 96, 96, True, GemvConfig(16, 32, 4, 2, use_dot=True,
+                                                         lop3=True))):
         groups = k // group
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         scales = (torch.rand(n, groups) * 0.1 + 0.01).half()
