@@ -56,7 +56,6 @@ from shard.kernels.int_dequant import (
     kernel_group,
     load_halves,
     load_joined,
-    load_words,
     offset_ok,
     offset_weights,
     offset_zero,
