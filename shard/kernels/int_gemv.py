@@ -494,6 +494,7 @@ def int4_gemv(
     int_zeros: bool = True,
     config: GemvConfig | None = None,
     counters: torch.Tensor | None = None,  # int32, zero, >= cdiv(N, BLOCK_N): for split-K
+    rows: int | None = None,  # lop3 configs only: x padded to this many rows (32, 64: GEMM use)
 ) -> torch.Tensor:
     """y [M, N] = x @ dequant(qweight).T (+ bias), in x's dtype (W4A16, or W8A16 with bits=8).
     int_zeros: every zero point is an integer (False: GGUF Q4_1 / Q4_K's fractional ones).
@@ -504,8 +505,12 @@ def int4_gemv(
     if qweight.dtype != torch.uint8 or qweight.shape[1] * (8 // bits) != k or bits not in (4, 8):
         raise ValueError(f"int4_gemv: qweight {tuple(qweight.shape)} {qweight.dtype} does not "
                          f"hold {k} int{bits} input features")
-    if not 1 <= m <= GEMV_MAX_M:
-        raise ValueError(f"int4_gemv: {m} rows, expected 1 to {GEMV_MAX_M}")
+    max_m = GEMV_MAX_M if rows is None else rows
+    if not 1 <= m <= max_m:
+        raise ValueError(f"int4_gemv: {m} rows, expected 1 to {max_m}")
+    if rows is not None and (config is None or not config.lop3 or rows & (rows - 1)
+                             or not 16 <= rows <= 64):
+        raise ValueError(f"int4_gemv: rows={rows} needs a lop3 config and 16, 32 or 64 rows")
     if config is None:
         config = default_config(m, group_size, k)
         config = GemvConfig(block_n or config.block_n, block_k or config.block_k,
@@ -522,6 +527,9 @@ def int4_gemv(
         config = replace(config, words=False, join=True)  # the same tile, read byte-wise
     if config.lop3 and (bits != 4 or k % 32 or qweight.stride(0) % 16 or qweight.data_ptr() % 16
                         or groups_per_tile(config.block_k, group_size, k) != 1):
+        if rows is not None and rows > GEMV_MAX_M:
+            raise ValueError("int4_gemv: lop3 tiles need int4 weights, K % 32 == 0, 16-byte "
+                             "aligned rows and tiles inside one group (int_gemm checks first)")
         config = replace(config, lop3=False, join=True, use_dot=True)  # joined tensor-core tile
     use_dot = config.use_dot or m > 1 or config.lop3
     # One layout for every call (rows K apart, 16-byte aligned), so capture-time launches hit the
@@ -548,7 +556,7 @@ def int4_gemv(
         k, qweight.stride(0), scales.stride(0), n,  # rows of x (normalized above) and y: K, N apart
         GROUP=kernel_group(group_size, k),
         NG=groups_per_tile(config.block_k, group_size, k),
-        ROWS=16 if use_dot else 1,
+        ROWS=(rows or 16) if config.lop3 else 16 if use_dot else 1,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         SPLIT_K=split,

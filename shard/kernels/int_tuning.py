@@ -67,7 +67,8 @@ class IntWeightView:
 
     def gemm(self, x: torch.Tensor, config: GemmConfig) -> torch.Tensor:
         return int_gemm.int_gemm(x, self.qweight, self.scales, self.zeros, self.group_size,
-                                 self.bias, bits=self.bits, config=config)
+                                 self.bias, bits=self.bits, config=config,
+                                 counters=self.counters, int_zeros=self.int_zeros)
 
 
 @dataclass(frozen=True)
@@ -226,8 +227,22 @@ def _tune(w: IntWeightView, dtype: torch.dtype) -> IntTuning:
     gemm: dict[int, GemmConfig] = {}
     for bucket in GEMM_M_BUCKETS:
         x = torch.randn((bucket, k), dtype=dtype, device=device)
-        gemm[bucket], times = _fastest(lambda c, x=x: bench_us(lambda: w.gemm(x, c)),
-                                       int_gemm.candidates(bucket, w.group_size, k))
+        pool = int_gemm.candidates(bucket, w.group_size, k)
+        ref = None
+        if any(c.path == "lop3" for c in pool):  # those (inline PTX) checked as the GEMVs are
+            w_ref = _dequantized(w)
+            ref = x.float() @ w_ref.t() + (0.0 if w.bias is None else w.bias.float())
+            del w_ref
+
+        def check(c: GemmConfig, x: torch.Tensor = x, ref: torch.Tensor | None = ref
+                  ) -> str | None:
+            if c.path != "lop3" or ref is None:
+                return None
+            err = float((w.gemm(x, c).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+            return None if err <= _CHECK_BOUND else f"max error {err:.2e} of max |y|"
+
+        gemm[bucket], times = _fastest(lambda c, x=x: bench_us(lambda: w.gemm(x, c)), pool,
+                                       check)
         TIMINGS[(w.qweight.shape[0], k, "gemm", bucket)] = times
     return IntTuning(gemv, gemm)
 
