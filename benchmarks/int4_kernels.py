@@ -194,15 +194,18 @@ def splitk_graph_check(report: dict[str, Any]) -> None:
 
 
 def lop3_vs_rest(candidate_us: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
-    """Per GEMV shape and bucket: the fastest lop3 candidate (PRMT / LOP3 inline-PTX unpack)
-    against the fastest of the others, and how many lop3 candidates did not run or gave a wrong
-    result (int_tuning checks each candidate's output before timing it; inf)."""
+    """Per shape and GEMV / GEMM bucket: the fastest lop3 candidate (PRMT / LOP3 inline-PTX
+    unpack; GEMV buckets 1..16, GEMM path "lop3" at 32 / 64) against the fastest of the others,
+    and how many lop3 candidates did not run or gave a wrong result (int_tuning checks their
+    output before timing them; inf)."""
+
+    def is_lop3(config: str) -> bool:
+        return "lop3=True" in config or "path='lop3'" in config
+
     out: dict[str, dict[str, Any]] = {}
     for key, times in candidate_us.items():
-        if "/gemv/" not in key:
-            continue
-        lop3 = {c: us for c, us in times.items() if "lop3=True" in c}
-        rest = {c: us for c, us in times.items() if "lop3=True" not in c}
+        lop3 = {c: us for c, us in times.items() if is_lop3(c)}
+        rest = {c: us for c, us in times.items() if not is_lop3(c)}
         if not lop3 or not rest:
             continue
         best_l = min(lop3, key=lop3.__getitem__)
@@ -423,7 +426,8 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"- {shape}: GEMV {gemv_s}; GEMM {gemm_s}")
     if r.get("lop3_vs_rest"):
         lines += ["", ("GEMV candidates: the fastest lop3 tile (PRMT / LOP3 unpack, tensor cores) "
-                       "vs the fastest other, per shape and batch bucket (tuning times):"), "",
+                       "vs the fastest other, per shape and GEMV / GEMM bucket (tuning "
+                       "times):"), "",
                    "| shape / bucket | lop3 us | other us | other / lop3 | lop3 wrong or failed |",
                    "|---|---|---|---|---|"]
         for key, row in r["lop3_vs_rest"].items():
