@@ -319,6 +319,7 @@ _CONFIGS = (*_DQ, *_DQ_WORDS, *_OFFSET)
 # (sm_90 SASS per weight in the K loop at 64 rows: 256 x 128 / 8 warps ~4.4, 128 x 128 / 4 ~5.5)
 _LOP3_TILES = ((256, 128, 8, 3, 1), (256, 128, 8, 3, 2), (256, 128, 8, 3, 4), (128, 128, 4, 3, 1),
                (128, 128, 4, 3, 2), (128, 128, 4, 3, 4), (64, 128, 4, 3, 4), (64, 128, 4, 4, 8))
+# (no stages-1 register-prefetch tiles here: at 64 rows they spill to local memory)
 _LOP3_BUCKETS = (32, 64)
 
 

@@ -224,35 +224,66 @@ def _lop3_tile(words, X_KIND: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _lop3_loads(x_ptr, q_ptr, rows, row_mask, offs_m, m_mask, k0, k_hi, K, stride_xm,
+                stride_qn, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PAST: tl.constexpr):
+    """The tile at k0: int32 words [BLOCK_N, BLOCK_K / 8] (16-byte vectors: the row starts are
+    computed in bytes, 16-byte aligned rows, which keeps their alignment visible to the
+    compiler) and x [ROWS, BLOCK_K]. EVEN: no row or K tail, unpredicated weight loads. PAST: k0
+    may lie past the range (a prefetch one step ahead): nothing is read there."""
+    offs_w = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), 4),
+                               BLOCK_K // 8)
+    w_rows = (q_ptr + rows.to(tl.int64) * stride_qn).to(tl.pointer_type(tl.int32))
+    k = k0 + tl.arange(0, BLOCK_K)
+    if EVEN:
+        if PAST:  # one predicate for the whole tile (constant along K: 16-byte vectors stay)
+            live_w = (tl.zeros([BLOCK_K // 8], tl.int32) + k0) < k_hi
+            live_k = (tl.zeros([BLOCK_K], tl.int32) + k0) < k_hi
+            words = tl.load(w_rows[:, None] + offs_w[None, :], mask=live_w[None, :], other=0,
+                            eviction_policy="evict_first")
+            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                         mask=m_mask[:, None] & live_k[None, :], other=0.0)
+        else:
+            words = tl.load(w_rows[:, None] + offs_w[None, :], eviction_policy="evict_first")
+            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                         mask=m_mask[:, None], other=0.0)
+    else:
+        live = (k < k_hi) & (k < K)
+        live_w = (offs_w < K // 8) & (offs_w * 8 < k_hi)
+        words = tl.load(w_rows[:, None] + offs_w[None, :],
+                        mask=row_mask[:, None] & live_w[None, :], other=0,
+                        eviction_policy="evict_first")
+        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                     mask=m_mask[:, None] & live[None, :], other=0.0)
+    return words, xt
+
+
+@triton.jit
 def _lop3_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, offs_m, m_mask, k_lo, k_hi, K,
                  stride_xm, stride_qn, stride_sn, GROUP: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                  X_KIND: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
-    """int4, tiles inside one group, 1..16 rows of x (padded to ROWS = 16): the K loop of the
-    lop3 GEMV, [ROWS, BLOCK_N] fp32. Weights are the MMA's first operand (BLOCK_N rows: Hopper's
-    wgmma with the unpacked tile from registers), x's tile the second: per tile
-    acc^T += s * ((OFF + q) @ x^T - (OFF + z) * sum_k x)."""
+    """int4, tiles inside one group, 1..16 rows of x (padded to ROWS = 16; 32 / 64 for
+    int_gemm's "lop3" path): the K loop of the lop3 tile, [ROWS, BLOCK_N] fp32. Weights are the
+    MMA's first operand (BLOCK_N rows: Hopper's wgmma with the unpacked tile from registers),
+    x's tile the second: per tile acc^T += s * ((OFF + q) @ x^T - (OFF + z) * sum_k x).
+    STAGES > 1: Triton's pipeliner streams the tiles through shared memory (cp.async); STAGES 1:
+    the next tile is loaded into registers one step ahead instead (no shared-memory round trip
+    of the weights: fewer instructions per weight, one tile in flight per program)."""
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     s, z = group_params(s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_sn, GROUP, 1)
+    if STAGES == 1:
+        words, xt = _lop3_loads(x_ptr, q_ptr, rows, row_mask, offs_m, m_mask, k_lo, k_hi, K,
+                                stride_xm, stride_qn, BLOCK_K, EVEN, True)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         s_next, z_next = group_params(s_ptr, z_ptr, rows, row_mask, k0 + BLOCK_K, k_hi,
                                       stride_sn, GROUP, 1)
-        # int32 words [BLOCK_N, BLOCK_K / 8], 16-byte vectors: the row starts are computed in
-        # bytes (16-byte aligned rows), which keeps their alignment visible to the compiler
-        offs_w = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), 4),
-                                   BLOCK_K // 8)
-        w_rows = (q_ptr + rows.to(tl.int64) * stride_qn).to(tl.pointer_type(tl.int32))
-        k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN:  # no row or K tail: unpredicated weight loads (fewer instructions per tile)
-            words = tl.load(w_rows[:, None] + offs_w[None, :], eviction_policy="evict_first")
-            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-                         mask=m_mask[:, None], other=0.0)  # [ROWS, BLOCK_K]
+        if STAGES == 1:
+            words_next, xt_next = _lop3_loads(x_ptr, q_ptr, rows, row_mask, offs_m, m_mask,
+                                              k0 + BLOCK_K, k_hi, K, stride_xm, stride_qn,
+                                              BLOCK_K, EVEN, True)
         else:
-            words = tl.load(w_rows[:, None] + offs_w[None, :],
-                            mask=row_mask[:, None] & (offs_w < K // 8)[None, :], other=0,
-                            eviction_policy="evict_first")
-            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-                         mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+            words, xt = _lop3_loads(x_ptr, q_ptr, rows, row_mask, offs_m, m_mask, k0, k_hi, K,
+                                    stride_xm, stride_qn, BLOCK_K, EVEN, False)
         v = _lop3_tile(words, X_KIND, ASM)  # [BLOCK_N, BLOCK_K]
         part = tl.dot(v, tl.trans(xt))  # [BLOCK_N, ROWS]
         xsum = tl.sum(xt.to(tl.float32), axis=1)  # [ROWS]
@@ -260,6 +291,8 @@ def _lop3_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, offs_m, m_mask, k_l
         z1 = tl.reshape(z, [BLOCK_N])
         acc += (part - offset_zero(z1, 4, X_KIND)[:, None] * xsum[None, :]) * s1[:, None]
         s, z = s_next, z_next
+        if STAGES == 1:
+            words, xt = words_next, xt_next
     return tl.trans(acc)
 
 
@@ -430,15 +463,20 @@ _DOT = (
 _DOT_FOR_M1 = 8  # the join tensor-core candidates, also timed at batch 1
 
 # 1..16 rows, int4 (x padded to 16 rows, one compiled kernel for every bucket): the lop3 tiles.
-# sm_90 SASS per weight in the K loop (128 x 128 tile, 4 warps): ~3.2, against ~5.0-5.6 for the
-# batch-1 word tiles and ~7.4 for the joined tensor-core tiles (tests/shard/
-# test_int_kernels_sm90_ptx.py counts them). Split-K up to 8 for the N = 4096 shapes.
+# sm_90 SASS per weight in the K loop (128 x 128 tile, 4 warps / 256 x 128, 8 warps): ~3.1 / 2.8
+# (cp.async stages), against ~5.0-5.6 for the batch-1 word tiles and ~7.4 for the joined
+# tensor-core tiles (tests/shard/test_int_kernels_sm90_ptx.py counts them). Split-K up to 8 for
+# the N = 4096 shapes.
 _LOP3 = tuple(
     GemvConfig(bn, bk, w, st, sk, use_dot=True, lop3=True)
     for bn, bk, w, st, sk in (
         (128, 128, 4, 3, 1), (128, 128, 4, 4, 1), (256, 128, 8, 3, 1), (64, 128, 4, 4, 1),
         (128, 128, 4, 3, 2), (128, 128, 4, 3, 4), (64, 128, 4, 4, 4), (128, 128, 4, 3, 8),
         (64, 128, 4, 4, 8), (256, 128, 8, 3, 4), (128, 64, 4, 4, 2), (64, 32, 4, 6, 1),
+        # stages 1: the next tile prefetched into registers instead (_lop3_k_loop): ~2.5 SASS
+        # per weight at 256 x 128 / 8 warps, one tile in flight per program
+        (256, 128, 8, 1, 1), (256, 128, 8, 1, 4), (128, 128, 4, 1, 1), (128, 128, 4, 1, 4),
+        (64, 128, 4, 1, 8),
     )
 )
 

@@ -125,12 +125,15 @@ _CHECK = textwrap.dedent(
     # (Last: the draws above keep their random streams.) The lop3 tiles (int4, 1..16 rows padded to 16, weights as the MMA's first operand): the
     # interpreter runs their pure-Triton unpack, bit for bit the inline PTX's operations. bf16 and
     # fp16, integer and fractional (GGUF) zero points, an N tail (masked loads) and none (the
-    # unmasked EVEN form), bias, split-K 2 with its counters, a whole-row group.
+    # unmasked EVEN form), bias, split-K 2 with its counters, a whole-row group; stages 1 (the
+    # next tile prefetched in registers, nothing read past a split) and 2 (Triton's pipeliner).
     for dtype, n, k, group, frac, config in (
-            (torch.bfloat16, 20, 128, 64, False, GemvConfig(32, 64, 4, 2, split_k=2,
+            (torch.bfloat16, 20, 128, 64, False, GemvConfig(32, 64, 4, 1, split_k=2,
                                                             use_dot=True, lop3=True)),
             (torch.float16, 32, 96, 96, True, GemvConfig(16, 32, 4, 2, use_dot=True,
-                                                         lop3=True))):
+                                                         lop3=True)),
+            (torch.bfloat16, 32, 128, 128, False, GemvConfig(16, 32, 4, 1, split_k=2,
+                                                             use_dot=True, lop3=True))):
         groups = k // group
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         scales = (torch.rand(n, groups) * 0.1 + 0.01).half()
