@@ -422,10 +422,11 @@ def markdown(r: dict[str, Any]) -> str:
                            for b, c in cfg["gemv"].items())
         gemm_s = ", ".join(f"{b}: {c.get('path', 'offset')} {c['block_m']}x{c['block_n']}x"
                            f"{c['block_k']}{' wf' if c['w_first'] else ''}"
+                           f"{'/s' + str(c['split_k']) if c.get('split_k', 1) > 1 else ''}"
                            for b, c in cfg["gemm"].items())
         lines.append(f"- {shape}: GEMV {gemv_s}; GEMM {gemm_s}")
     if r.get("lop3_vs_rest"):
-        lines += ["", ("GEMV candidates: the fastest lop3 tile (PRMT / LOP3 unpack, tensor cores) "
+        lines += ["", ("Candidates: the fastest lop3 tile (PRMT / LOP3 unpack, tensor cores) "
                        "vs the fastest other, per shape and GEMV / GEMM bucket (tuning "
                        "times):"), "",
                    "| shape / bucket | lop3 us | other us | other / lop3 | lop3 wrong or failed |",
