@@ -50,6 +50,9 @@ TINY = dict(QWEN3_30B_A3B, hidden_size=64, num_attention_heads=4, num_key_value_
             head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
             vocab_size=128256 + 64)
 BATCHES = [1, 64, 256]
+# The layer part also times the small batches around the decode kernels' range
+# (shard/kernels/moe_decode.py: up to DECODE_MAX_SLOTS routed slots), both paths at each.
+LAYER_BATCHES = [1, 2, 4, 8, 16, 64, 256]
 CONTEXT = 512
 PREFILL = 4096
 FULL_LAYERS = 48
@@ -132,7 +135,7 @@ def bench_layer(shape: dict, ceilings: dict, layers_count: int, res: dict,
     gen = torch.Generator(device=device).manual_seed(1)
     for fp8 in (False, True):
         layers = _make_layers(shape, layers_count, fp8, device)
-        for b in (BATCHES + [PREFILL]) if cuda else [1, 4, 64]:
+        for b in (LAYER_BATCHES + [PREFILL]) if cuda else [1, 4, 64]:
             xs = [torch.randn(b, h, device=device, generator=gen, dtype=dtype) for _ in layers]
             logits = [torch.randn(b, e, device=device, generator=gen, dtype=dtype)
                       for _ in layers]
@@ -156,6 +159,8 @@ def bench_layer(shape: dict, ceilings: dict, layers_count: int, res: dict,
             flops = 2 * b * k * 3 * h * i
             row["tflops"] = flops / (ms / 1e3) / 1e12
             row["pct_of_bf16_peak"] = flops / (ms / 1e3) / peak * 100
+            if cuda and b * k <= 128:
+                row.update(_paths_and_decode_sweep(layers, xs, logits, b * k, fp8))
             if not fp8:
                 moe = layers[0]
                 w, ids = route(logits[0], moe.routing)
@@ -192,11 +197,80 @@ def bench_layer(shape: dict, ceilings: dict, layers_count: int, res: dict,
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    for b in BATCHES:
+    for b in LAYER_BATCHES:
         rows = {r["fp8"]: r for r in out["decode"] if r["batch"] == b}
         if len(rows) == 2:
             out.setdefault("fp8_speedup", {})[str(b)] = rows[False]["fused_ms"] / rows[True][
                 "fused_ms"]
+
+
+def _grouped_layer(moe: Any, x: Any, logits: Any) -> Any:
+    """FusedMoE's path past the decode range (route, align, the grouped GEMMs, the sum),
+    forced at any batch: the decode kernels' comparison."""
+    from shard.kernels import fused_moe as fm
+    from shard.kernels import moe_route
+
+    w, ids = moe_route.route(logits, moe.routing)
+    cfg = fm.config_for(ids.numel(), moe.w13.shape[0])
+    lay = moe_route.align(ids, moe.w13.shape[0], cfg.block_m)
+    return fm.fused_moe(x, moe.w13, moe.w2, w, ids, moe.scale13, moe.scale2, cfg, lay,
+                        all_local=True)
+
+
+def _paths_and_decode_sweep(layers: list[Any], xs: list[Any], logits: list[Any], slots: int,
+                            fp8: bool) -> dict[str, Any]:
+    """At a decode-sized batch: us per layer (same graph of distinct layers) of the grouped path
+    and of the decode kernels with each candidate config (routing inside, as the layer runs
+    them), so one GPU call shows the crossover and the best tiles for the table."""
+    from shard.kernels import moe_decode
+
+    def timed(fn) -> float | str:
+        try:
+            return _graph_ms(lambda: [fn(m, x, lg) for m, x, lg in
+                                      zip(layers, xs, logits, strict=True)]) / len(layers) * 1e3
+        except Exception as exc:  # noqa: BLE001 - a tiling that does not compile
+            return f"{type(exc).__name__}: {exc}"[:200]
+
+    out: dict[str, Any] = {"grouped_path_us": timed(_grouped_layer)}
+    sweep: dict[str, Any] = {}
+    for cfg in _decode_sweep_configs(fp8):
+        def dec(m, x, lg, cfg=cfg):
+            return moe_decode.moe_decode(x, m.w13, m.w2, m.routing.top_k, m.scale13, m.scale2,
+                                         cfg, logits=lg, routing=m.routing)
+        sweep[_decode_name(cfg)] = timed(dec)
+    out["decode_sweep_us"] = sweep
+    table = moe_decode.decode_config_for(slots, fp8)
+    out["decode_table_config"] = _decode_name(table) if table else None
+    best = min(((v, n) for n, v in sweep.items() if isinstance(v, float)), default=None)
+    if best:
+        out["decode_best_us"], out["decode_best_config"] = best
+    print(f"layer paths slots={slots} fp8={fp8}: grouped {out['grouped_path_us']} us, decode "
+          f"best {best}, table {out['decode_table_config']}", flush=True)
+    return out
+
+
+def _decode_name(cfg: Any) -> str:
+    return (f"up{cfg.up_block_n}x{cfg.up_block_k}w{cfg.up_warps}-down{cfg.down_block_n}x"
+            f"{cfg.down_block_k}w{cfg.down_warps}-s{cfg.stages}")
+
+
+def _decode_sweep_configs(fp8: bool) -> list[Any]:
+    """The decode table's configs first, then alternatives (tile rows, K width, warps, pipelining
+    depth; fp8 tiles twice as wide in K for the same bytes)."""
+    from shard.kernels.moe_decode import DECODE_CONFIGS, DecodeConfig
+
+    table = [cfg for _, cfg in DECODE_CONFIGS[fp8]]
+    kk = 2 if fp8 else 1
+    alt = [DecodeConfig(8, 256 * kk, 4, 4, 256 * kk, 4, 4),
+           DecodeConfig(16, 256 * kk, 4, 4, 256 * kk, 4, 1),
+           DecodeConfig(16, 512 * kk, 4, 8, 256 * kk, 4, 3),
+           DecodeConfig(32, 256 * kk, 4, 8, 128 * kk, 4, 4),
+           DecodeConfig(16, 128 * kk, 4, 4, 128 * kk, 4, 6),
+           DecodeConfig(8, 512 * kk, 4, 2, 512 * kk, 4, 3),
+           DecodeConfig(32, 512 * kk, 8, 16, 256 * kk, 4, 3),
+           DecodeConfig(16, 256 * kk, 2, 4, 256 * kk, 2, 4),
+           DecodeConfig(4, 512 * kk, 4, 2, 256 * kk, 2, 4)]
+    return list(dict.fromkeys(table + alt))
 
 
 def _wall_ms(fn, cuda: bool, iters: int) -> float:
@@ -470,6 +544,21 @@ def write_report(res: dict, out: Path) -> None:
                 f"{r['roofline_ms'] * 1e3:.1f} | {r['pct_of_roofline']:.0f} | {r['tflops']:.0f} | "
                 f"{r.get('naive_loop_ms', float('nan')):.2f} | "
                 f"{r.get('speedup_vs_naive', float('nan')):.1f}x |")
+        paths = [r for r in lay["decode"] if "grouped_path_us" in r]
+        if paths:
+            lines += ["", "Decode-sized batches, us per layer: the grouped path (route, align, "
+                      "GEMMs, sum) vs the decode kernels (shard/kernels/moe_decode.py) with the "
+                      "table's config and the sweep's best", "",
+                      "| tokens | weights | layer us (as served) | grouped path us | decode, table "
+                      "config us | decode best us | best config |", "|" + "---|" * 7]
+            for r in paths:
+                sweep = r.get("decode_sweep_us", {})
+                table = sweep.get(r.get("decode_table_config") or "", float("nan"))
+                lines.append(
+                    f"| {r['batch']} | {'fp8' if r['fp8'] else 'bf16'} | "
+                    f"{r['fused_ms'] * 1e3:.1f} | {_us(r['grouped_path_us'])} | {_us(table)} | "
+                    f"{_us(r.get('decode_best_us', float('nan')))} | "
+                    f"{r.get('decode_best_config', '-')} |")
         if lay.get("fp8_speedup"):
             lines += ["", "fp8 / bf16 layer speed-up: " + ", ".join(
                 f"b={b}: {s:.2f}x" for b, s in lay["fp8_speedup"].items())]
@@ -522,6 +611,10 @@ def write_report(res: dict, out: Path) -> None:
     for part, err in (res.get("errors") or {}).items():
         lines += ["", f"{part}: ERROR {err}"]
     (out / "MOE.md").write_text("\n".join(lines) + "\n")
+
+
+def _us(v: Any) -> str:
+    return f"{v:.1f}" if isinstance(v, float) else str(v)[:40]
 
 
 def main(argv: list[str] | None = None) -> int:

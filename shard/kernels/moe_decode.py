@@ -58,18 +58,25 @@ class DecodeConfig:
     stages: int  # software pipelining depth of both K loops (1: plain register loads)
 
 
-# By routed slots n * k: the decode kernels up to the last limit, the grouped GEMM past it
-# (FusedMoE). benchmarks/moe_bench.py sweeps alternatives and the crossover per batch.
-DECODE_CONFIGS: tuple[tuple[int, DecodeConfig], ...] = (
-    (8, DecodeConfig(16, 256, 4, 4, 256, 4, 4)),
-    (32, DecodeConfig(16, 256, 4, 8, 256, 4, 4)),
-)
-DECODE_MAX_SLOTS = DECODE_CONFIGS[-1][0]
+# By routed slots n * k, for 16-bit and for fp8 weights (1-byte loads: twice the K per tile for
+# the same bytes in flight): the decode kernels up to the last limit, the grouped GEMM past it
+# (FusedMoE). benchmarks/moe_bench.py's layer part sweeps alternatives and times both paths per
+# batch (the crossover).
+DECODE_CONFIGS: dict[bool, tuple[tuple[int, DecodeConfig], ...]] = {
+    False: ((8, DecodeConfig(16, 256, 4, 4, 256, 4, 4)),
+            (32, DecodeConfig(16, 256, 4, 8, 256, 4, 4))),
+    True: ((8, DecodeConfig(16, 512, 4, 4, 512, 4, 4)),
+           (32, DecodeConfig(16, 512, 4, 8, 512, 4, 4))),
+}
+DECODE_MAX_SLOTS = 32
 
 
-def decode_config_for(num_slots: int) -> DecodeConfig | None:
-    """The table's decode config for n * k routed slots, or None past the decode range."""
-    return next((cfg for limit, cfg in DECODE_CONFIGS if num_slots <= limit), None)
+def decode_config_for(num_slots: int, fp8: bool = False) -> DecodeConfig | None:
+    """The table's decode config for n * k routed slots, or None past DECODE_MAX_SLOTS."""
+    if num_slots > DECODE_MAX_SLOTS:
+        return None
+    return next((cfg for limit, cfg in DECODE_CONFIGS[fp8] if num_slots <= limit),
+                DECODE_CONFIGS[fp8][-1][1])
 
 
 @triton.jit
@@ -226,7 +233,8 @@ def moe_decode(
     num_experts, inter2, _ = w13.shape
     inter_dim = inter2 // 2
     slots = n * top_k
-    cfg = config or decode_config_for(slots) or DECODE_CONFIGS[-1][1]
+    cfg = config or decode_config_for(slots, scale13 is not None) or \
+        DECODE_CONFIGS[scale13 is not None][-1][1]
     x = x.contiguous()
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     if n == 0:
@@ -281,6 +289,6 @@ def warm_up(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: MoeRo
     one = torch.zeros(1, hidden, dtype=x.dtype, device=x.device)
     logits = torch.zeros(1, num_experts, dtype=x.dtype, device=x.device)
     scratch = torch.zeros_like(count_into) if count_into is not None else None
-    for _, cfg in DECODE_CONFIGS:
+    for _, cfg in DECODE_CONFIGS[scale13 is not None]:
         moe_decode(one, w13, w2, routing.top_k, scale13, scale2, cfg, logits=logits,
                    routing=routing, count_into=scratch)

@@ -239,7 +239,8 @@ class FusedMoE(nn.Module, WeightLoader):
         if not self._warm and not capturing:  # (CPU tensors: the kernels' interpreter tests)
             self._warm_up(x, router_logits)
         whole = self.expert_range == (0, self.num_experts)
-        decode_cfg = moe_decode.decode_config_for(x.shape[0] * self.routing.top_k)
+        decode_cfg = moe_decode.decode_config_for(x.shape[0] * self.routing.top_k,
+                                                 self.scale13 is not None)
         if decode_cfg is not None and whole:
             # Decode-sized: routing, gate/up, down and the sum over the k slots in 2 launches
             # (shard/kernels/moe_decode.py), weight-streaming instead of padded MMA tiles.
