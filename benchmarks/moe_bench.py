@@ -31,6 +31,7 @@ without a GPU): eager steps, no graphs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -235,8 +236,8 @@ def _paths_and_decode_sweep(layers: list[Any], xs: list[Any], logits: list[Any],
     sweep: dict[str, Any] = {}
     for cfg in _decode_sweep_configs(fp8):
         def dec(m, x, lg, cfg=cfg):
-            return moe_decode.moe_decode(x, m.w13, m.w2, m.routing.top_k, m.scale13, m.scale2,
-                                         cfg, logits=lg, routing=m.routing)
+            return moe_decode.decode_layer(x, lg, m.w13, m.w2, m.routing, m.scale13, m.scale2,
+                                           cfg)
         sweep[_decode_name(cfg)] = timed(dec)
     out["decode_sweep_us"] = sweep
     table = moe_decode.decode_config_for(slots, fp8)
@@ -251,7 +252,8 @@ def _paths_and_decode_sweep(layers: list[Any], xs: list[Any], logits: list[Any],
 
 def _decode_name(cfg: Any) -> str:
     return (f"up{cfg.up_block_n}x{cfg.up_block_k}w{cfg.up_warps}-down{cfg.down_block_n}x"
-            f"{cfg.down_block_k}w{cfg.down_warps}-s{cfg.stages}")
+            f"{cfg.down_block_k}w{cfg.down_warps}-s{cfg.stages}"
+            f"{'' if cfg.route_inside else '-route_launch'}")
 
 
 def _decode_sweep_configs(fp8: bool) -> list[Any]:
@@ -270,7 +272,9 @@ def _decode_sweep_configs(fp8: bool) -> list[Any]:
            DecodeConfig(32, 512 * kk, 8, 16, 256 * kk, 4, 3),
            DecodeConfig(16, 256 * kk, 2, 4, 256 * kk, 2, 4),
            DecodeConfig(4, 512 * kk, 4, 2, 256 * kk, 2, 4)]
-    return list(dict.fromkeys(table + alt))
+    # each table config also with the routing as its own launch
+    sep = [dataclasses.replace(cfg, route_inside=not cfg.route_inside) for cfg in table]
+    return list(dict.fromkeys(table + sep + alt))
 
 
 def _wall_ms(fn, cuda: bool, iters: int) -> float:

@@ -56,6 +56,9 @@ class DecodeConfig:
     down_block_k: int
     down_warps: int
     stages: int  # software pipelining depth of both K loops (1: plain register loads)
+    # The layer's routing (softmax, top-k) inside every gate/up program (no routing launch, but
+    # each program's weight stream starts after it) or as moe_route.route's launch before.
+    route_inside: bool = True
 
 
 # By routed slots n * k, for 16-bit and for fp8 weights (1-byte loads: twice the K per tile for
@@ -121,12 +124,13 @@ def _gate_up_kernel(
         if pid_n == 0:
             tl.store(topw_ptr + slot, tl.sum(tl.where(pick, top_v, 0.0), 0))
             tl.store(ids_ptr + slot, expert)
-            if COUNT:  # CUDA-graph padding rows have valid 0
-                tl.atomic_add(counts_ptr + expert, tl.load(valid_ptr + t))
     else:
         expert = tl.load(ids_ptr + slot).to(tl.int32)
     if (expert < 0) | (expert >= E):  # another rank's expert: the down launch skips the slot
         return
+    if COUNT:
+        if pid_n == 0:  # CUDA-graph padding rows have valid 0
+            tl.atomic_add(counts_ptr + expert, tl.load(valid_ptr + t))
     # Tile row 2r: gate row c_r, 2r + 1: up row I + c_r (the bytes in flight of one tile serve
     # both halves of the epilogue).
     r = tl.arange(0, BLOCK_N)
@@ -224,7 +228,7 @@ def moe_decode(
     topk_ids: torch.Tensor | None = None,  # [n, k] int; ids outside [0, E) contribute nothing
     logits: torch.Tensor | None = None,  # [n, E] router logits (routing inside launch 1)
     routing: MoeRouting | None = None,  # with logits
-    count_into: torch.Tensor | None = None,  # [E] int64: adds routed slots per expert (logits)
+    count_into: torch.Tensor | None = None,  # [E] int64: adds routed slots per expert
     valid: torch.Tensor | None = None,  # [n] int64: only rows with valid != 0 are counted
 ) -> torch.Tensor:
     """sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j] -> [n, H] x.dtype,
@@ -250,7 +254,7 @@ def moe_decode(
         ids = topk_ids.reshape(-1).contiguous()
     inter = torch.empty(slots, inter_dim, dtype=x.dtype, device=x.device)
     k_pow2 = triton.next_power_of_2(top_k)
-    count = route and count_into is not None
+    count = count_into is not None
     if count and valid is None:  # int64 as RoutingStats' rows (one compiled variant)
         valid = torch.ones(n, dtype=torch.int64, device=x.device)
     _gate_up_kernel[(triton.cdiv(inter_dim, cfg.up_block_n // 2), slots)](
@@ -290,5 +294,28 @@ def warm_up(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: MoeRo
     logits = torch.zeros(1, num_experts, dtype=x.dtype, device=x.device)
     scratch = torch.zeros_like(count_into) if count_into is not None else None
     for _, cfg in DECODE_CONFIGS[scale13 is not None]:
-        moe_decode(one, w13, w2, routing.top_k, scale13, scale2, cfg, logits=logits,
-                   routing=routing, count_into=scratch)
+        decode_layer(one, logits, w13, w2, routing, scale13, scale2, cfg, scratch)
+
+
+def decode_layer(
+    x: torch.Tensor,  # [n, H]
+    logits: torch.Tensor,  # [n, E]
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    routing: MoeRouting,
+    scale13: torch.Tensor | None,
+    scale2: torch.Tensor | None,
+    config: DecodeConfig,
+    count_into: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """FusedMoE's decode-sized forward: routing inside the gate/up launch or as its own launch
+    (config.route_inside), then moe_decode. -> [n, H]"""
+    if config.route_inside:
+        return moe_decode(x, w13, w2, routing.top_k, scale13, scale2, config, logits=logits,
+                          routing=routing, count_into=count_into, valid=valid)
+    from shard.kernels import moe_route
+
+    weights, ids = moe_route.route(logits, routing)
+    return moe_decode(x, w13, w2, routing.top_k, scale13, scale2, config, topk_weights=weights,
+                      topk_ids=ids, count_into=count_into, valid=valid)

@@ -245,9 +245,9 @@ class FusedMoE(nn.Module, WeightLoader):
             # Decode-sized: routing, gate/up, down and the sum over the k slots in 2 launches
             # (shard/kernels/moe_decode.py), weight-streaming instead of padded MMA tiles.
             stats = self.stats
-            return moe_decode.moe_decode(
-                x, self.w13, self.w2, self.routing.top_k, self.scale13, self.scale2, decode_cfg,
-                logits=router_logits, routing=self.routing,
+            return moe_decode.decode_layer(
+                x, router_logits, self.w13, self.w2, self.routing, self.scale13, self.scale2,
+                decode_cfg,
                 count_into=stats.counts[self.layer_index] if stats is not None else None,
                 valid=stats.valid_rows(x.shape[0]) if stats is not None else None)
         topk_weights, topk_ids = moe_route.route(router_logits, self.routing)  # [n, k] each

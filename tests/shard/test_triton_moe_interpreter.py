@@ -118,6 +118,7 @@ _ROUTE_CHECK = textwrap.dedent(
 # CUDA path at a decode-sized batch (which takes these kernels) equals its CPU path.
 _DECODE_CHECK = textwrap.dedent(
     """
+    import dataclasses
     import torch
     from shard.distributed.groups import Dist
     from shard.kernels import moe_decode
@@ -153,12 +154,19 @@ _DECODE_CHECK = textwrap.dedent(
                                     count_into=counts, valid=valid)
         check(got, x, ids, weights)
         assert torch.equal(counts, torch.bincount(ids[:-1].reshape(-1), minlength=E)), counts
-    # experts another rank holds (ids >= E) and empty experts
+    # experts another rank holds (ids >= E: neither computed nor counted) and empty experts
     x = torch.randn(4, H)
     ids = torch.tensor([[1, E], [E, E], [6, 6], [E + 3, 1]])
     weights = torch.rand(4, 2)
-    check(moe_decode.moe_decode(x, w13, w2, 2, config=cfg, topk_weights=weights, topk_ids=ids),
-          x, ids, weights)
+    counts = torch.zeros(E, dtype=torch.int64)
+    check(moe_decode.moe_decode(x, w13, w2, 2, config=cfg, topk_weights=weights, topk_ids=ids,
+                                count_into=counts), x, ids, weights)
+    assert counts.tolist() == [0, 2, 0, 0, 0, 0, 2, 0], counts
+    # the routing as its own launch (route_inside=False), as the layer runs it
+    x, logits, r = torch.randn(2, H), torch.randn(2, E), MoeRouting(8, True)
+    weights, ids = route(logits, r)
+    sep = dataclasses.replace(cfg, route_inside=False)
+    check(moe_decode.decode_layer(x, logits, w13, w2, r, None, None, sep), x, ids, weights)
     # fp8 weights, fp32 and bf16 activations
     q13, s13 = map(torch.stack, zip(*(quantize_fp8_per_channel(w) for w in w13)))
     q2, s2 = map(torch.stack, zip(*(quantize_fp8_per_channel(w) for w in w2)))
