@@ -550,11 +550,11 @@ def write_report(res: dict, out: Path) -> None:
                 f"{r.get('speedup_vs_naive', float('nan')):.1f}x |")
         paths = [r for r in lay["decode"] if "grouped_path_us" in r]
         if paths:
-            lines += ["", "Decode-sized batches, us per layer: the grouped path (route, align, "
-                      "GEMMs, sum) vs the decode kernels (shard/kernels/moe_decode.py) with the "
-                      "table's config and the sweep's best", "",
-                      "| tokens | weights | layer us (as served) | grouped path us | decode, table "
-                      "config us | decode best us | best config |", "|" + "---|" * 7]
+            lines += ["", ("Decode-sized batches, us per layer: the grouped path (route, align, "
+                           "GEMMs, sum) vs the decode kernels (shard/kernels/moe_decode.py) with "
+                           "the table's config and the sweep's best"), "",
+                      ("| tokens | weights | layer us (as served) | grouped path us | decode, "
+                       "table config us | decode best us | best config |"), "|" + "---|" * 7]
             for r in paths:
                 sweep = r.get("decode_sweep_us", {})
                 table = sweep.get(r.get("decode_table_config") or "", float("nan"))

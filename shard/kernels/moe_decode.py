@@ -128,7 +128,7 @@ def _gate_up_kernel(
         expert = tl.load(ids_ptr + slot).to(tl.int32)
     if (expert < 0) | (expert >= E):  # another rank's expert: the down launch skips the slot
         return
-    if COUNT:
+    if COUNT:  # noqa: SIM102 - a constexpr, then a runtime test (Triton)
         if pid_n == 0:  # CUDA-graph padding rows have valid 0
             tl.atomic_add(counts_ptr + expert, tl.load(valid_ptr + t))
     # Tile row 2r: gate row c_r, 2r + 1: up row I + c_r (the bytes in flight of one tile serve
