@@ -28,11 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shard.distributed.groups import Dist
 from shard.kernels.moe_align import MoeRouting, align_by_expert, grouped_moe_torch, route
+from shard.layers import decode_linear
 from shard.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from shard.layers.weights import WeightLoader, Weights
 from shard.quantization.fp8 import FP8_DTYPE, quantize_fp8_per_channel
@@ -117,7 +117,9 @@ class ReplicatedLinear(nn.Module, WeightLoader):
         self.weight.data = weights.get(f"{prefix}.weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        # F.linear, or the decode GEMV where tuning found it faster for this shape and batch
+        # (at batch 1 the router is one of a decode layer's ~10 kernels: every us counts)
+        return decode_linear.linear(x, self.weight)
 
 
 class FusedMoE(nn.Module, WeightLoader):
