@@ -246,8 +246,15 @@ def _paths_and_decode_sweep(layers: list[Any], xs: list[Any], logits: list[Any],
             return moe_decode.decode_layer(x, lg, m.w13, m.w2, m.routing, m.scale13, m.scale2,
                                            cfg)
         sweep[_decode_name(cfg)] = timed(dec)
-    out["decode_sweep_us"] = sweep
+    from shard.kernels import pdl
+
     table = moe_decode.decode_config_for(slots, fp8)
+    if table is not None and pdl.enabled(xs[0].device):
+        with pdl.override(False):  # what programmatic dependent launch gives the table config
+            sweep[_decode_name(table) + "-no_pdl"] = timed(
+                lambda m, x, lg: moe_decode.decode_layer(x, lg, m.w13, m.w2, m.routing,
+                                                         m.scale13, m.scale2, table))
+    out["decode_sweep_us"] = sweep
     out["decode_table_config"] = _decode_name(table) if table else None
     best = min(((v, n) for n, v in sweep.items() if isinstance(v, float)), default=None)
     if best:

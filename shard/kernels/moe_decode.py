@@ -25,6 +25,10 @@ Rounding: gate and up are rounded to the activations' dtype, silu(gate) and the 
 the torch form); each slot's down output is scaled by its routing weight and summed in fp32,
 rounded once (the grouped path rounds each slot's weighted row before its sum).
 
+Programmatic dependent launch (shard/kernels/pdl.py, sm_90+): both launches are dependents, so
+each one's programs are dispatched during the previous kernel's tail (everything they read is an
+earlier kernel's output, so they wait before their first load).
+
 CUDA graphs: a launch allocates only its outputs and never syncs; the grid depends on n only.
 Triton compiles a variant per config and flags at the first launch (forbidden while capturing):
 `warm_up` launches every config of the table eagerly (FusedMoE does at its first eager forward).
@@ -41,8 +45,10 @@ import torch
 import triton
 import triton.language as tl
 
+from shard.kernels import pdl
 from shard.kernels.moe_align import MoeRouting
 from shard.kernels.moe_route import route_row
+from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
 
 
 @dataclass(frozen=True)
@@ -112,7 +118,12 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent (shard/kernels/pdl.py)
 ):
+    let_dependents_launch(PDL)
+    # Everything this kernel reads (x, the logits or ids) is the previous kernels' output: the
+    # overlap PDL gives here is the launch and block dispatch only.
+    wait_for_predecessor(PDL)
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     t = slot // TOP_K
@@ -180,7 +191,10 @@ def _down_sum_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    let_dependents_launch(PDL)
+    wait_for_predecessor(PDL)  # the slots' ids and inter rows: the gate/up launch's output
     pid_n = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     ks = tl.arange(0, K_POW2)
@@ -271,7 +285,7 @@ def moe_decode(
         BLOCK_E=triton.next_power_of_2(num_experts), COUNT=count,
         HAS_SCALE=scale13 is not None,
         BLOCK_N=cfg.up_block_n, BLOCK_K=cfg.up_block_k, STAGES=cfg.stages,
-        num_warps=cfg.up_warps, num_stages=cfg.stages,
+        num_warps=cfg.up_warps, num_stages=cfg.stages, **pdl.launch_options(x.device),
     )
     _down_sum_kernel[(triton.cdiv(hidden, cfg.down_block_n), n)](
         inter, w2, scale2 if scale2 is not None else weights, out, weights, ids,
@@ -279,7 +293,7 @@ def moe_decode(
         w2.stride(0), w2.stride(1), scale2.stride(0) if scale2 is not None else 0, out.stride(0),
         TOP_K=top_k, K_POW2=k_pow2, HAS_SCALE=scale2 is not None,
         BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, STAGES=cfg.stages,
-        num_warps=cfg.down_warps, num_stages=cfg.stages,
+        num_warps=cfg.down_warps, num_stages=cfg.stages, **pdl.launch_options(x.device),
     )
     return out
 
