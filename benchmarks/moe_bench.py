@@ -281,11 +281,9 @@ def _decode_sweep_configs(fp8: bool) -> list[Any]:
            DecodeConfig(16, 256 * kk, 4, 4, 256 * kk, 4, 1),
            DecodeConfig(16, 512 * kk, 4, 8, 256 * kk, 4, 3),
            DecodeConfig(32, 256 * kk, 4, 8, 128 * kk, 4, 4),
-           DecodeConfig(16, 128 * kk, 4, 4, 128 * kk, 4, 6),
            DecodeConfig(8, 512 * kk, 4, 2, 512 * kk, 4, 3),
            DecodeConfig(32, 512 * kk, 8, 16, 256 * kk, 4, 3),
-           DecodeConfig(16, 256 * kk, 2, 4, 256 * kk, 2, 4),
-           DecodeConfig(4, 512 * kk, 4, 2, 256 * kk, 2, 4)]
+           DecodeConfig(16, 256 * kk, 2, 4, 256 * kk, 2, 4)]
     # each table config also with the routing as its own launch
     sep = [dataclasses.replace(cfg, route_inside=not cfg.route_inside) for cfg in table]
     return list(dict.fromkeys(table + sep + alt))

@@ -9,6 +9,10 @@
          -> out [n * k, H]
       -> sum over each token's k slots -> [n, H]
 
+Decode-sized steps (a few routed slots) take shard/kernels/moe_decode.py instead (FusedMoE
+chooses by n * k): at batch 1 these padded 16-row tiles and the launches around them are
+latency-bound.
+
 Why: the naive form runs every expert's MLP as its own small matmuls after a host-side nonzero()
 per expert (a sync each, no CUDA graph); here a decode step is 2 launches plus a handful of tiny
 torch ops, and each expert's weights are streamed once per step however many of the step's
