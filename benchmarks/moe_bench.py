@@ -267,7 +267,8 @@ def _paths_and_decode_sweep(layers: list[Any], xs: list[Any], logits: list[Any],
 def _decode_name(cfg: Any) -> str:
     return (f"up{cfg.up_block_n}x{cfg.up_block_k}w{cfg.up_warps}-down{cfg.down_block_n}x"
             f"{cfg.down_block_k}w{cfg.down_warps}-s{cfg.stages}"
-            f"{'' if cfg.route_inside else '-route_launch'}")
+            f"{'' if cfg.route_inside else '-route_launch'}"
+            f"{'' if cfg.slots_first else '-tiles_first'}")
 
 
 def _decode_sweep_configs(fp8: bool) -> list[Any]:
@@ -286,6 +287,7 @@ def _decode_sweep_configs(fp8: bool) -> list[Any]:
            DecodeConfig(16, 256 * kk, 2, 4, 256 * kk, 2, 4)]
     # each table config also with the routing as its own launch
     sep = [dataclasses.replace(cfg, route_inside=not cfg.route_inside) for cfg in table]
+    sep += [dataclasses.replace(cfg, slots_first=not cfg.slots_first) for cfg in table]
     return list(dict.fromkeys(table + sep + alt))
 
 

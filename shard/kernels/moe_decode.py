@@ -6,13 +6,13 @@ the step needs the routing, layout and sum kernels around its two GEMMs, and few
 expert stream its weights. At batch 1 the step reads k experts' weights (Qwen3-30B-A3B: 8 x 9.4
 MB bf16) and nothing else, so it is a GEMV's problem: keep every SM streaming weight bytes.
 
-    launch 1, grid (I tiles, n * k slots): the slot's token row x[t] against its expert's gate
+    launch 1, grid (n * k slots, I tiles) (config.slots_first; else transposed): the slot's token row x[t] against its expert's gate
       and up rows (CUDA-core FMAs, fp32 accumulation, wide K loads, as shard/kernels/gemv.py's
       batch-1 path), silu(gate) * up -> inter [n * k, I]. With `logits` the routing itself
       (softmax, top-k, renormalization: moe_route.route_row) runs in each program (128 logits:
       free) and the N-tile-0 programs write the slot's weight and id (and the routing
       statistics): no routing launch.
-    launch 2, grid (H tiles, n tokens): for each output column tile, the sum over the token's k
+    launch 2, grid (n tokens, H tiles): for each output column tile, the sum over the token's k
       slots of w_j * down_{e_j}(inter[t, j]) in fp32 registers -> out [n, H]: the weighted sum
       over the k slots is fused (no [n * k, H] buffer, no sum kernel, no atomics, no zeroing).
       The k slots' down rows are one flattened, software-pipelined stream of K tiles.
@@ -65,6 +65,9 @@ class DecodeConfig:
     # The layer's routing (softmax, top-k) inside every gate/up program (no routing launch, but
     # each program's weight stream starts after it) or as moe_route.route's launch before.
     route_inside: bool = True
+    # Grid order: routed slots (tokens, for down) fastest, so slots sharing an expert stream its
+    # rows together; False: column tiles fastest.
+    slots_first: bool = True
 
 
 # By routed slots n * k, for 16-bit and for fp8 weights (1-byte loads: twice the K per tile for
@@ -118,14 +121,21 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    SLOTS_FIRST: tl.constexpr,
     PDL: tl.constexpr = False,  # launched as a programmatic dependent (shard/kernels/pdl.py)
 ):
     let_dependents_launch(PDL)
     # Everything this kernel reads (x, the logits or ids) is the previous kernels' output: the
     # overlap PDL gives here is the launch and block dispatch only.
     wait_for_predecessor(PDL)
-    pid_n = tl.program_id(0)
-    slot = tl.program_id(1)
+    if SLOTS_FIRST:
+        # Slots fastest: the programs in flight together cover one column range of every slot,
+        # so slots that share an expert (batch > 1) read its rows at about the same time (L2).
+        slot = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:  # column tiles fastest: one expert's rows in order
+        pid_n = tl.program_id(0)
+        slot = tl.program_id(1)
     t = slot // TOP_K
     if ROUTE:
         top_v, top_i = route_row(logits_ptr, t.to(tl.int64), E, stride_l, TOP_K, K_POW2,
@@ -191,12 +201,17 @@ def _down_sum_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    SLOTS_FIRST: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     let_dependents_launch(PDL)
     wait_for_predecessor(PDL)  # the slots' ids and inter rows: the gate/up launch's output
-    pid_n = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
+    if SLOTS_FIRST:  # tokens fastest (L2 reuse of shared experts, as above)
+        t = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1)
+    else:
+        pid_n = tl.program_id(0)
+        t = tl.program_id(1).to(tl.int64)
     ks = tl.arange(0, K_POW2)
     kmask = ks < TOP_K
     ids = tl.load(ids_ptr + t * TOP_K + ks, mask=kmask, other=-1).to(tl.int32)  # [K_POW2]
@@ -271,7 +286,8 @@ def moe_decode(
     count = count_into is not None
     if count and valid is None:  # int64 as RoutingStats' rows (one compiled variant)
         valid = torch.ones(n, dtype=torch.int64, device=x.device)
-    _gate_up_kernel[(triton.cdiv(inter_dim, cfg.up_block_n // 2), slots)](
+    up_tiles = triton.cdiv(inter_dim, cfg.up_block_n // 2)
+    _gate_up_kernel[(slots, up_tiles) if cfg.slots_first else (up_tiles, slots)](
         x, w13, scale13 if scale13 is not None else weights, inter,
         logits if route else x, weights, ids,
         count_into if count else weights, valid if count else weights,
@@ -285,15 +301,16 @@ def moe_decode(
         BLOCK_E=triton.next_power_of_2(num_experts), COUNT=count,
         HAS_SCALE=scale13 is not None,
         BLOCK_N=cfg.up_block_n, BLOCK_K=cfg.up_block_k, STAGES=cfg.stages,
-        num_warps=cfg.up_warps, num_stages=cfg.stages, **pdl.launch_options(x.device),
+        SLOTS_FIRST=cfg.slots_first, num_warps=cfg.up_warps, num_stages=cfg.stages, **pdl.launch_options(x.device),
     )
-    _down_sum_kernel[(triton.cdiv(hidden, cfg.down_block_n), n)](
+    down_tiles = triton.cdiv(hidden, cfg.down_block_n)
+    _down_sum_kernel[(n, down_tiles) if cfg.slots_first else (down_tiles, n)](
         inter, w2, scale2 if scale2 is not None else weights, out, weights, ids,
         hidden, inter_dim, num_experts,
         w2.stride(0), w2.stride(1), scale2.stride(0) if scale2 is not None else 0, out.stride(0),
         TOP_K=top_k, K_POW2=k_pow2, HAS_SCALE=scale2 is not None,
         BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, STAGES=cfg.stages,
-        num_warps=cfg.down_warps, num_stages=cfg.stages, **pdl.launch_options(x.device),
+        SLOTS_FIRST=cfg.slots_first, num_warps=cfg.down_warps, num_stages=cfg.stages, **pdl.launch_options(x.device),
     )
     return out
 

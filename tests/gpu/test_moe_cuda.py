@@ -70,7 +70,7 @@ def test_fused_layer_matches_the_per_expert_loop(n, top_k, fp8):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_decode_kernels_compiled_match_the_loop(fp8):
     """shard/kernels/moe_decode.py compiled: every decode config of the table, with the routing
-    inside the gate/up launch and as its own launch; given ids with experts another rank holds
+    inside the gate/up launch and as its own launch (and the other grid order); given ids with experts another rank holds
     (ids >= E) contribute nothing."""
     import dataclasses
 
@@ -85,7 +85,8 @@ def test_decode_kernels_compiled_match_the_loop(fp8):
     for _, cfg in moe_decode.DECODE_CONFIGS[fp8]:
         for inside in (True, False):
             got = moe_decode.decode_layer(x, logits, moe.w13, moe.w2, moe.routing, moe.scale13,
-                                          moe.scale2, dataclasses.replace(cfg, route_inside=inside))
+                                          moe.scale2, dataclasses.replace(
+                                              cfg, route_inside=inside, slots_first=inside))
             err = float((got.float() - want).abs().max() / want.abs().max())
             assert err < 2**-6, (cfg, inside, err)
     ids = torch.tensor([[1, E, 5, 5, E + 2, 0, 3, 2]] * 3, device="cuda")

@@ -162,10 +162,11 @@ _DECODE_CHECK = textwrap.dedent(
     check(moe_decode.moe_decode(x, w13, w2, 2, config=cfg, topk_weights=weights, topk_ids=ids,
                                 count_into=counts), x, ids, weights)
     assert counts.tolist() == [0, 2, 0, 0, 0, 0, 2, 0], counts
-    # the routing as its own launch (route_inside=False), as the layer runs it
+    # the routing as its own launch (route_inside=False), as the layer runs it; the other grid
+    # order
     x, logits, r = torch.randn(2, H), torch.randn(2, E), MoeRouting(8, True)
     weights, ids = route(logits, r)
-    sep = dataclasses.replace(cfg, route_inside=False)
+    sep = dataclasses.replace(cfg, route_inside=False, slots_first=False)
     check(moe_decode.decode_layer(x, logits, w13, w2, r, None, None, sep), x, ids, weights)
     # fp8 weights, fp32 and bf16 activations
     q13, s13 = map(torch.stack, zip(*(quantize_fp8_per_channel(w) for w in w13)))
