@@ -8,6 +8,13 @@ client whose HTTP/2 window is small (so the server's writes wait for it and toke
 - GenerateStream without it: one event per token, however slow the reader.
 - ChatStream / CompletionStream (coalescing by default): fewer chunks than tokens; the
   concatenated content (and, for chat, the logprobs entries) equal a fast reader's.
+
+The slow reader takes its first message, then waits until the fake shard has generated the
+stream's last token before reading on: every token past the client's HTTP/2 window is then queued
+in the router, however slow a loaded machine makes the router (no race between the reader's
+pace and the router's). `--frontend-backlog-steps` is raised so that a front end holds a whole
+stream without pausing the engine (at the default 8 steps the engine would stop, by design,
+until the reader caught up, and the shard would never reach the last token).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenwire.v1 import generate_pb2 as pb
 from tokenwire.v1 import generate_pb2_grpc, openai_pb2, openai_pb2_grpc
 
-from service.testing import FakeShardConfig, start_fake_shard
+from service.testing import FakeShard, FakeShardConfig, start_fake_shard
 from tests.helpers.ports import free_port
 from tests.helpers.processes import terminate_popen
 
@@ -48,11 +55,12 @@ class Server:
     port: int
     fast: grpc.aio.Channel
     slow: grpc.aio.Channel
+    shard: FakeShard
 
 
 @contextlib.asynccontextmanager
 async def _deploy(tokenizer_dir: Path, template: Path, frontends: int) -> AsyncIterator[Server]:
-    shard_server, _, shard_url = await start_fake_shard(
+    shard_server, shard, shard_url = await start_fake_shard(
         FakeShardConfig(num_blocks=512, block_size=16, step_delay_s=0.001)
     )
     port = free_port()
@@ -60,7 +68,8 @@ async def _deploy(tokenizer_dir: Path, template: Path, frontends: int) -> AsyncI
         [sys.executable, "-m", "service.app.cli", "router", "--frontends", str(frontends),
          "--shard-address", shard_url, "--tokenizer", str(tokenizer_dir),
          "--chat-template", str(template), "--port", str(port),
-         "--max-input-tokens", "64", "--max-total-tokens", "256", "--log-level", "WARNING"],
+         "--max-input-tokens", "64", "--max-total-tokens", "256", "--log-level", "WARNING",
+         "--frontend-backlog-steps", str(4 * N)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'gen' / 'python'}"},
     )  # fmt: skip
@@ -76,7 +85,7 @@ async def _deploy(tokenizer_dir: Path, template: Path, frontends: int) -> AsyncI
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
                         break
                 await asyncio.sleep(0.1)
-        yield Server(port, fast, slow)
+        yield Server(port, fast, slow, shard)
     finally:
         await fast.close()
         await slow.close()
@@ -114,6 +123,21 @@ async def _read(call: object, slow: bool) -> list[object]:
     return out
 
 
+async def _read_behind(server: Server, call: object) -> list[object]:
+    """The slow reader: one message, then nothing until the shard has generated all N tokens
+    of this stream (so the rest waits in the router), then slow reads to the end."""
+    target = server.shard.generated_tokens + N  # one stream at a time on this fake shard
+    messages = aiter(call)  # type: ignore[call-overload]
+    out = [await anext(messages)]
+    for _ in range(6000):  # <= 60 s; the shard makes a token per ~1 ms step
+        if server.shard.generated_tokens >= target:
+            break
+        await asyncio.sleep(0.01)
+    assert server.shard.generated_tokens >= target, "the shard stopped before the stream's end"
+    out.extend(await _read(messages, slow=True))
+    return out
+
+
 async def _check_generate_stream(server: Server) -> None:
     fast = generate_pb2_grpc.TextGenerationStub(server.fast)
     slow = generate_pb2_grpc.TextGenerationStub(server.slow)
@@ -123,7 +147,7 @@ async def _check_generate_stream(server: Server) -> None:
     want_text = "".join(e.token.text for e in reference)
 
     # Opted in, slow reader: several tokens per event, the same tokens and text.
-    events = await _read(slow.GenerateStream(_generate(True, 7)), slow=True)
+    events = await _read_behind(server, slow.GenerateStream(_generate(True, 7)))
     assert len(events) < N * 0.75, f"{len(events)} events for {N} tokens: nothing coalesced"
     assert [t.id for e in events for t in e.coalesced.tokens] == want_ids
     assert "".join(t.text for e in events for t in e.coalesced.tokens) == want_text
@@ -142,7 +166,7 @@ async def _check_generate_stream(server: Server) -> None:
     assert events[-1].details.generated_tokens == N
 
     # Not opted in, the same slow reader: one token per event (TGI's clients expect it).
-    events = await _read(slow.GenerateStream(_generate(False, 7)), slow=True)
+    events = await _read_behind(server, slow.GenerateStream(_generate(False, 7)))
     assert len(events) == N and all(not e.HasField("coalesced") for e in events)
     assert [e.token.id for e in events] == want_ids
     assert [e.index for e in events] == list(range(N))
@@ -157,7 +181,7 @@ async def _check_openai_streams(server: Server) -> None:
         max_tokens=N, seed=3, logprobs=True, top_logprobs=1,
     )  # fmt: skip
     reference = await _read(fast.ChatStream(chat), slow=False)
-    chunks = await _read(slow.ChatStream(chat), slow=True)
+    chunks = await _read_behind(server, slow.ChatStream(chat))
     content = [c for c in chunks if c.choices and c.choices[0].delta.content]
     want = [c for c in reference if c.choices and c.choices[0].delta.content]
     assert want  # the tokens have texts (an empty reference would compare nothing)
@@ -175,7 +199,7 @@ async def _check_openai_streams(server: Server) -> None:
         model="tgi", prompt="complete this coalescing prompt", max_tokens=N, seed=5
     )
     reference = await _read(fast.CompletionStream(completion), slow=False)
-    chunks = await _read(slow.CompletionStream(completion), slow=True)
+    chunks = await _read_behind(server, slow.CompletionStream(completion))
     text = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
     assert len(text) < N * 0.75, f"{len(text)} chunks for {N} tokens: nothing coalesced"
     assert "".join(text) == "".join(c.choices[0].text for c in reference if c.choices)
