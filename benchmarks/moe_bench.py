@@ -526,6 +526,18 @@ def bench_model(model_dir: Path, shape: dict, ceilings: dict, cuda: bool, quanti
         print(f"model {layers}L q={quantize} b={b}: {ms:.3f} ms/step "
               f"({row.get('pct_of_roofline', float('nan')):.0f}% of roofline, "
               f"{row['experts_touched_per_layer']:.0f} experts/layer)", flush=True)
+        if cuda and b == 1:
+            # Where a batch-1 step's time goes: device time per kernel class (CUPTI; eager or
+            # graph, the kernels are the same), kernels per step; the replay time minus the sum
+            # is launch gaps.
+            from benchmarks.harness.kernel_profile import profile_kernels
+
+            step1 = decode_step(1, context, runner.block_size)
+            try:
+                row["kernel_profile"] = profile_kernels(lambda s=step1, ex=runner.execute: ex(s),
+                                                        calls=3)
+            except Exception as exc:  # noqa: BLE001 - a profiler that cannot start
+                row["kernel_profile"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
     if prefill:
         n = PREFILL if cuda else 64
         step = prefill_step(1, n, runner.block_size)
@@ -666,6 +678,15 @@ def write_report(res: dict, out: Path) -> None:
                 f"{r['experts_touched_per_layer']:.1f} | {p['dense_weights_and_norms'] / 1e6:.0f} "
                 f"+ {p['lm_head'] / 1e6:.0f} + {p['experts_touched'] / 1e6:.0f} + "
                 f"{p['kv'] / 1e6:.0f} MB |")
+        for r in m["decode"]:
+            kp = r.get("kernel_profile") or {}
+            if kp.get("classes"):
+                top = list(kp["classes"].items())[:14]
+                lines.append(
+                    f"\nbatch {r['batch']} kernels per step: {kp['kernels_per_call']}, device "
+                    f"sum {kp['kernel_sum_ms']:.3f} ms (replay "
+                    f"{_step_ms(r):.3f} ms); by class, ms (kernels): " + ", ".join(
+                        f"{c} {v[0]:.3f} ({v[1]})" for c, v in top))
         if m.get("prefill"):
             p = m["prefill"]
             lines.append(f"\nprefill {p['tokens']} tokens: {p['ms']:.1f} ms, "
