@@ -317,7 +317,9 @@ def _sweep_configs(batch: int) -> list[Any]:
 
     if batch >= 1024:
         return [MoeConfig(64, 128, 64, 8, 3), MoeConfig(64, 64, 64, 4, 4),
-                MoeConfig(128, 128, 64, 8, 3), MoeConfig(64, 128, 32, 4, 4)]
+                MoeConfig(128, 128, 64, 8, 3), MoeConfig(64, 128, 32, 4, 4),
+                MoeConfig(128, 128, 64, 8, 4), MoeConfig(64, 256, 64, 8, 3),
+                MoeConfig(128, 64, 64, 4, 4), MoeConfig(64, 128, 64, 4, 4)]
     return [MoeConfig(16, 16, 128, 4, 4), MoeConfig(16, 16, 256, 4, 4),
             MoeConfig(16, 32, 128, 4, 4), MoeConfig(16, 32, 256, 4, 3),
             MoeConfig(16, 64, 128, 4, 4), MoeConfig(16, 64, 64, 4, 5),
