@@ -641,6 +641,18 @@ def write_report(res: dict, out: Path) -> None:
                 f"{r['roofline_ms'] * 1e3:.1f} | {r['pct_of_roofline']:.0f} | {r['tflops']:.0f} | "
                 f"{r.get('naive_loop_ms', float('nan')):.2f} | "
                 f"{r.get('speedup_vs_naive', float('nan')):.1f}x |")
+        best = []
+        for b, sweep in (lay.get("sweep") or {}).items():
+            ok = {n: v for n, v in sweep.items() if isinstance(v, float)}
+            row = next((r for r in lay["decode"] if str(r["batch"]) == b and not r["fp8"]), {})
+            if ok:
+                name = min(ok, key=ok.get)
+                best.append(f"b={b}: {name} {ok[name] * 1e3:.1f} us (table "
+                            f"{row.get('table_config')}: "
+                            f"{_us(ok.get(row.get('table_config'), float('nan')) * 1e3)} us)")
+        if best:
+            lines += ["", "Grouped-GEMM tiling sweep (kernels only, bf16), best per batch: "
+                      + "; ".join(best)]
         paths = [r for r in lay["decode"] if "grouped_path_us" in r]
         if paths:
             lines += ["", ("Decode-sized batches, us per layer: the grouped path (route, align, "
