@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shard.distributed.groups import Dist
@@ -117,8 +118,10 @@ class ReplicatedLinear(nn.Module, WeightLoader):
         self.weight.data = weights.get(f"{prefix}.weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.linear, or the decode GEMV where tuning found it faster for this shape and batch
-        # (at batch 1 the router is one of a decode layer's ~10 kernels: every us counts)
+        if self.weight.shape[0] < 16:  # the shared expert's gate (1 row): torch's own
+            return F.linear(x, self.weight)
+        # The router: F.linear, or the decode GEMV where tuning found it faster for this shape
+        # and batch (at batch 1 it is one of a decode layer's ~10 kernels: every us counts)
         return decode_linear.linear(x, self.weight)
 
 
