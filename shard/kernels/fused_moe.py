@@ -63,9 +63,8 @@ class MoeConfig:
 # prefill-sized ones take 64-row GEMM tiles. benchmarks/moe_bench.py sweeps alternatives.
 CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
     (4.0, MoeConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)),
-    (24.0, MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)),
     (96.0, MoeConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4)),
-    (float("inf"), MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)),
+    (float("inf"), MoeConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)),
 )
 
 

@@ -75,10 +75,12 @@ class DecodeConfig:
 # (FusedMoE). benchmarks/moe_bench.py's layer part sweeps alternatives and times both paths per
 # batch (the crossover).
 DECODE_CONFIGS: dict[bool, tuple[tuple[int, DecodeConfig], ...]] = {
-    False: ((8, DecodeConfig(16, 256, 4, 4, 256, 4, 4)),
-            (32, DecodeConfig(16, 256, 4, 8, 256, 4, 4))),
-    True: ((8, DecodeConfig(16, 512, 4, 4, 512, 4, 4)),
-           (32, DecodeConfig(16, 512, 4, 8, 512, 4, 4))),
+    # H200 sweep (benchmarks/raw/round11/moe/): routing as its own launch beats routing inside
+    # every program at each batch (bf16 batch 1: 29.0 vs 45.1 us a layer; with programmatic
+    # dependent launch the in-kernel routing delays every program's weight stream), and 8 output
+    # columns per down program beat 4.
+    False: ((32, DecodeConfig(16, 256, 4, 8, 256, 4, 4, route_inside=False)),),
+    True: ((32, DecodeConfig(16, 512, 4, 8, 512, 4, 4, route_inside=False)),),
 }
 DECODE_MAX_SLOTS = 32
 
