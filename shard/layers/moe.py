@@ -234,8 +234,8 @@ class FusedMoE(nn.Module, WeightLoader):
         return torch.where((ids < 0) | (ids >= local), local, ids)
 
     def _forward_cuda(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """Up to moe_decode.DECODE_MAX_SLOTS routed slots: the decode kernels (2 launches,
-        routing and statistics inside). Past that: routing (1 launch), layout (1 launch up to
+        """Up to moe_decode.DECODE_MAX_SLOTS routed slots: the decode kernels (routing
+        in its own launch or inside gate/up, as the table says; statistics counted). Past that: routing (1 launch), layout (1 launch up to
         moe_route.ALIGN_MAX_SLOTS, with the statistics), the two grouped GEMMs and the sum over
         each token's k slots. No host sync either way."""
         from shard.kernels import fused_moe, moe_decode, moe_route
