@@ -193,6 +193,29 @@ def splitk_graph_check(report: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------- speed
 
 
+def lop3_vs_rest(candidate_us: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
+    """Per shape and GEMV / GEMM bucket: the fastest lop3 candidate (PRMT / LOP3 inline-PTX
+    unpack; GEMV buckets 1..16, GEMM path "lop3" at 32 / 64) against the fastest of the others,
+    and how many lop3 candidates did not run or gave a wrong result (int_tuning checks their
+    output before timing them; inf)."""
+
+    def is_lop3(config: str) -> bool:
+        return "lop3=True" in config or "path='lop3'" in config
+
+    out: dict[str, dict[str, Any]] = {}
+    for key, times in candidate_us.items():
+        lop3 = {c: us for c, us in times.items() if is_lop3(c)}
+        rest = {c: us for c, us in times.items() if not is_lop3(c)}
+        if not lop3 or not rest:
+            continue
+        best_l = min(lop3, key=lop3.__getitem__)
+        best_r = min(rest, key=rest.__getitem__)
+        out[key] = {"lop3_us": lop3[best_l], "lop3_config": best_l, "other_us": rest[best_r],
+                    "other_config": best_r, "speedup": rest[best_r] / lop3[best_l],
+                    "lop3_inf": sum(us == float("inf") for us in lop3.values())}
+    return out
+
+
 def int4_bytes(lin: IntLinear) -> int:
     return lin.weight_bytes
 
@@ -252,6 +275,11 @@ def main() -> None:
         ranked = sorted(times.items(), key=lambda kv: kv[1])
         print(f"candidates {key}: " + "; ".join(f"{us:.1f} {c}" for c, us in ranked[:3])
               + f" ... slowest {ranked[-1][1]:.1f}", flush=True)
+    report["lop3_vs_rest"] = lop3_vs_rest(report["candidate_us"])
+    for key, row in report["lop3_vs_rest"].items():
+        print(f"lop3 {key}: best lop3 {row['lop3_us']:.1f} us ({row['lop3_config']}) vs best "
+              f"other {row['other_us']:.1f} us ({row['other_config']}) -> x{row['speedup']:.2f}; "
+              f"lop3 candidates rejected as wrong or failed: {row['lop3_inf']}", flush=True)
     report["int4_configs"] = {
         s: {"gemv": {b: c.as_dict() for b, c in lins[0]._tuned[torch.bfloat16].gemv.items()},
             "gemm": {b: c.as_dict() for b, c in lins[0]._tuned[torch.bfloat16].gemm.items()}}
@@ -357,6 +385,11 @@ def main() -> None:
     print(markdown(report))
 
 
+def _gemv_form(c: dict[str, Any]) -> str:
+    return ("l" if c.get("lop3") else "w" if c.get("words") else "j" if c.get("join")
+            else "h")
+
+
 def markdown(r: dict[str, Any]) -> str:
     lines = [f"## W4A16 (group {r['group']}) vs bf16, Llama-3-8B shapes, {r['device']}", "",
              (f"Copy bandwidth {r['copy_GBps']:.0f} GB/s (spec {r['spec_GBps']}); int4 bytes per "
@@ -380,17 +413,27 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"| {m} | {s['int4_us'] / 1e3:.3f} | {s['bf16_best_us'] / 1e3:.3f} | "
                      f"{s['speedup_vs_bf16']:.2f} | {s['int4_GBps']:.0f} | {s['pct_copy']:.1f} | "
                      f"{pct_spec} |")
-    lines += ["", ("Chosen kernels (GEMV bucket: w(ords) / j(oin) / h(alves), d(ot) / f(ma), "
+    lines += ["", ("Chosen kernels (GEMV bucket: l(op3) / w(ords) / j(oin) / h(alves), d(ot) / f(ma), "
                    "BNxBK / split-K; GEMM bucket: path BMxBNxBK, wf = weight first):")]
     for shape, cfg in r.get("int4_configs", {}).items():
-        gemv_s = ", ".join(f"{b}: {'w' if c.get('words') else 'j' if c.get('join') else 'h'}"
+        gemv_s = ", ".join(f"{b}: {_gemv_form(c)}"
                            f"{'d' if c['use_dot'] else 'f'}"
                            f"{c['block_n']}x{c['block_k']}/s{c['split_k']}"
                            for b, c in cfg["gemv"].items())
         gemm_s = ", ".join(f"{b}: {c.get('path', 'offset')} {c['block_m']}x{c['block_n']}x"
                            f"{c['block_k']}{' wf' if c['w_first'] else ''}"
+                           f"{'/s' + str(c['split_k']) if c.get('split_k', 1) > 1 else ''}"
                            for b, c in cfg["gemm"].items())
         lines.append(f"- {shape}: GEMV {gemv_s}; GEMM {gemm_s}")
+    if r.get("lop3_vs_rest"):
+        lines += ["", ("Candidates: the fastest lop3 tile (PRMT / LOP3 unpack, tensor cores) "
+                       "vs the fastest other, per shape and GEMV / GEMM bucket (tuning "
+                       "times):"), "",
+                   "| shape / bucket | lop3 us | other us | other / lop3 | lop3 wrong or failed |",
+                   "|---|---|---|---|---|"]
+        for key, row in r["lop3_vs_rest"].items():
+            lines.append(f"| {key} | {row['lop3_us']:.1f} | {row['other_us']:.1f} | "
+                         f"{row['speedup']:.2f} | {row['lop3_inf']} |")
     head = r.get("lm_head_bf16_M1")
     if head:
         lines += ["", (f"bf16 lm_head (128256 x 4096, {head['bytes']:,} B, not in the stacks) "

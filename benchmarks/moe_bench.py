@@ -7,20 +7,24 @@ error and the next one runs):
 1. ceilings: device-to-device copy bandwidth and the bf16 matmul rate (8192^3).
 2. layer: LAYERS distinct MoE layers of the real shape (128 experts, top-8, hidden 2048,
    moe_intermediate 768), random router logits, replayed back to back in one CUDA graph (no L2
-   reuse between layers): per-layer time at batch 1 / 64 / 256, the experts the step actually
+   reuse between layers): per-layer time at batch 1 / 2 / 4 / 8 / 16 / 64 / 256 (up to 16: also
+   the grouped path against the decode kernels with a sweep of their tilings, bf16 and fp8), the experts the step actually
    touched and their bytes over the copy bandwidth (the layer's roofline), the per-expert torch
    loop (transformers' form: a nonzero() per expert, eager) as the naive baseline, fp8 experts
    (per-expert, per-channel scales) against bf16, a sweep of kernel tilings, and a 4,096-token
    prefill against the bf16 matmul rate.
-3. model: random Qwen3-MoE checkpoints of a few layer counts (4 and 8 by default) (the full 48 layers are ~61 GB, more
-   than the machine's disk takes in the time), each loaded by the shard's own loader (host memory
-   sampled: the experts are stacked without a host copy of the model), decode in CUDA graphs at
-   batch 1 / 64 / 256 (context CONTEXT), with the roofline of the bytes each step reads: attention,
-   norms and routers of every layer, the experts the step touched (counted by the layers' own
-   routing statistics), the LM head, the K/V; then per-layer fits extrapolated to 48 layers. The
-   largest model first (with a 4,096-token prefill against the bf16 matmul rate), then again with
-   --quantize fp8 (fp8 experts and linears: batch-1 step vs bf16, also extrapolated), then the
-   smaller ones.
+3. model: first the whole model, 48 layers, bf16 and then --quantize fp8, built by the shard's
+   own loader and model classes from the stored checkpoint's layers (`aliased_layers`: layer i
+   reads layer i % 8's tensors into its own device memory; the full checkpoint would be ~61 GB,
+   more than the machine's disk takes in the time): decode in CUDA graphs at batch 1 / 64 / 256
+   (those whose K/V fits beside the weights) against each step's byte roofline, fp8 vs bf16 per
+   batch (the acceptance table). Then random Qwen3-MoE checkpoints of a few layer counts (4 and
+   8 by default), each loaded by the shard's own loader (host memory sampled: the experts are
+   stacked without a host copy of the model), decode in CUDA graphs at batch 1 / 64 / 256
+   (context CONTEXT), with the roofline of the bytes each step reads: attention, norms and
+   routers of every layer, the experts the step touched (counted by the layers' own routing
+   statistics), the LM head, the K/V; then per-layer fits extrapolated to 48 layers. The largest
+   one with a 4,096-token prefill against the bf16 matmul rate, then again with --quantize fp8.
 4. e2e (time allowing): the harness's end-to-end workload through `tokenwire launch` on the
    largest checkpoint.
 
@@ -31,11 +35,15 @@ without a GPU): eager steps, no graphs.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import gc
 import json
 import math
+import re
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +58,9 @@ TINY = dict(QWEN3_30B_A3B, hidden_size=64, num_attention_heads=4, num_key_value_
             head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
             vocab_size=128256 + 64)
 BATCHES = [1, 64, 256]
+# The layer part also times the small batches around the decode kernels' range
+# (shard/kernels/moe_decode.py: up to DECODE_MAX_SLOTS routed slots), both paths at each.
+LAYER_BATCHES = [1, 2, 4, 8, 16, 64, 256]
 CONTEXT = 512
 PREFILL = 4096
 FULL_LAYERS = 48
@@ -132,7 +143,7 @@ def bench_layer(shape: dict, ceilings: dict, layers_count: int, res: dict,
     gen = torch.Generator(device=device).manual_seed(1)
     for fp8 in (False, True):
         layers = _make_layers(shape, layers_count, fp8, device)
-        for b in (BATCHES + [PREFILL]) if cuda else [1, 4, 64]:
+        for b in (LAYER_BATCHES + [PREFILL]) if cuda else [1, 4, 64]:
             xs = [torch.randn(b, h, device=device, generator=gen, dtype=dtype) for _ in layers]
             logits = [torch.randn(b, e, device=device, generator=gen, dtype=dtype)
                       for _ in layers]
@@ -156,6 +167,8 @@ def bench_layer(shape: dict, ceilings: dict, layers_count: int, res: dict,
             flops = 2 * b * k * 3 * h * i
             row["tflops"] = flops / (ms / 1e3) / 1e12
             row["pct_of_bf16_peak"] = flops / (ms / 1e3) / peak * 100
+            if cuda and b * k <= 128:
+                row.update(_paths_and_decode_sweep(layers, xs, logits, b * k, fp8))
             if not fp8:
                 moe = layers[0]
                 w, ids = route(logits[0], moe.routing)
@@ -192,11 +205,90 @@ def bench_layer(shape: dict, ceilings: dict, layers_count: int, res: dict,
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    for b in BATCHES:
+    for b in LAYER_BATCHES:
         rows = {r["fp8"]: r for r in out["decode"] if r["batch"] == b}
         if len(rows) == 2:
             out.setdefault("fp8_speedup", {})[str(b)] = rows[False]["fused_ms"] / rows[True][
                 "fused_ms"]
+
+
+def _grouped_layer(moe: Any, x: Any, logits: Any) -> Any:
+    """FusedMoE's path past the decode range (route, align, the grouped GEMMs, the sum),
+    forced at any batch: the decode kernels' comparison."""
+    from shard.kernels import fused_moe as fm
+    from shard.kernels import moe_route
+
+    w, ids = moe_route.route(logits, moe.routing)
+    cfg = fm.config_for(ids.numel(), moe.w13.shape[0])
+    lay = moe_route.align(ids, moe.w13.shape[0], cfg.block_m)
+    return fm.fused_moe(x, moe.w13, moe.w2, w, ids, moe.scale13, moe.scale2, cfg, lay,
+                        all_local=True)
+
+
+def _paths_and_decode_sweep(layers: list[Any], xs: list[Any], logits: list[Any], slots: int,
+                            fp8: bool) -> dict[str, Any]:
+    """At a decode-sized batch: us per layer (same graph of distinct layers) of the grouped path
+    and of the decode kernels with each candidate config (routing inside, as the layer runs
+    them), so one GPU call shows the crossover and the best tiles for the table."""
+    from shard.kernels import moe_decode
+
+    def timed(fn) -> float | str:
+        try:
+            return _graph_ms(lambda: [fn(m, x, lg) for m, x, lg in
+                                      zip(layers, xs, logits, strict=True)]) / len(layers) * 1e3
+        except Exception as exc:  # noqa: BLE001 - a tiling that does not compile
+            return f"{type(exc).__name__}: {exc}"[:200]
+
+    out: dict[str, Any] = {"grouped_path_us": timed(_grouped_layer)}
+    sweep: dict[str, Any] = {}
+    for cfg in _decode_sweep_configs(fp8):
+        def dec(m, x, lg, cfg=cfg):
+            return moe_decode.decode_layer(x, lg, m.w13, m.w2, m.routing, m.scale13, m.scale2,
+                                           cfg)
+        sweep[_decode_name(cfg)] = timed(dec)
+    from shard.kernels import pdl
+
+    table = moe_decode.decode_config_for(slots, fp8)
+    if table is not None and pdl.enabled(xs[0].device):
+        with pdl.override(False):  # what programmatic dependent launch gives the table config
+            sweep[_decode_name(table) + "-no_pdl"] = timed(
+                lambda m, x, lg: moe_decode.decode_layer(x, lg, m.w13, m.w2, m.routing,
+                                                         m.scale13, m.scale2, table))
+    out["decode_sweep_us"] = sweep
+    out["decode_table_config"] = _decode_name(table) if table else None
+    best = min(((v, n) for n, v in sweep.items() if isinstance(v, float)), default=None)
+    if best:
+        out["decode_best_us"], out["decode_best_config"] = best
+    print(f"layer paths slots={slots} fp8={fp8}: grouped {out['grouped_path_us']} us, decode "
+          f"best {best}, table {out['decode_table_config']}", flush=True)
+    return out
+
+
+def _decode_name(cfg: Any) -> str:
+    return (f"up{cfg.up_block_n}x{cfg.up_block_k}w{cfg.up_warps}-down{cfg.down_block_n}x"
+            f"{cfg.down_block_k}w{cfg.down_warps}-s{cfg.stages}"
+            f"{'' if cfg.route_inside else '-route_launch'}"
+            f"{'' if cfg.slots_first else '-tiles_first'}")
+
+
+def _decode_sweep_configs(fp8: bool) -> list[Any]:
+    """The decode table's configs first, then alternatives (tile rows, K width, warps, pipelining
+    depth; fp8 tiles twice as wide in K for the same bytes)."""
+    from shard.kernels.moe_decode import DECODE_CONFIGS, DecodeConfig
+
+    table = [cfg for _, cfg in DECODE_CONFIGS[fp8]]
+    kk = 2 if fp8 else 1
+    alt = [DecodeConfig(8, 256 * kk, 4, 4, 256 * kk, 4, 4),
+           DecodeConfig(16, 256 * kk, 4, 4, 256 * kk, 4, 1),
+           DecodeConfig(16, 512 * kk, 4, 8, 256 * kk, 4, 3),
+           DecodeConfig(32, 256 * kk, 4, 8, 128 * kk, 4, 4),
+           DecodeConfig(8, 512 * kk, 4, 2, 512 * kk, 4, 3),
+           DecodeConfig(32, 512 * kk, 8, 16, 256 * kk, 4, 3),
+           DecodeConfig(16, 256 * kk, 2, 4, 256 * kk, 2, 4)]
+    # each table config also with the routing as its own launch
+    sep = [dataclasses.replace(cfg, route_inside=not cfg.route_inside) for cfg in table]
+    sep += [dataclasses.replace(cfg, slots_first=not cfg.slots_first) for cfg in table]
+    return list(dict.fromkeys(table + sep + alt))
 
 
 def _wall_ms(fn, cuda: bool, iters: int) -> float:
@@ -225,7 +317,9 @@ def _sweep_configs(batch: int) -> list[Any]:
 
     if batch >= 1024:
         return [MoeConfig(64, 128, 64, 8, 3), MoeConfig(64, 64, 64, 4, 4),
-                MoeConfig(128, 128, 64, 8, 3), MoeConfig(64, 128, 32, 4, 4)]
+                MoeConfig(128, 128, 64, 8, 3), MoeConfig(64, 128, 32, 4, 4),
+                MoeConfig(128, 128, 64, 8, 4), MoeConfig(64, 256, 64, 8, 3),
+                MoeConfig(128, 64, 64, 4, 4), MoeConfig(64, 128, 64, 4, 4)]
     return [MoeConfig(16, 16, 128, 4, 4), MoeConfig(16, 16, 256, 4, 4),
             MoeConfig(16, 32, 128, 4, 4), MoeConfig(16, 32, 256, 4, 3),
             MoeConfig(16, 64, 128, 4, 4), MoeConfig(16, 64, 64, 4, 5),
@@ -335,8 +429,43 @@ def _step_bytes(model: Any, touched_per_layer: list[int], expert_bytes: int, bat
             "kv": batch * context * kv_bytes_per_token, "embedding_rows": batch * hidden * 2}
 
 
+@contextlib.contextmanager
+def aliased_layers(stored: int, target: int) -> Iterator[None]:
+    """While active, every checkpoint opened by the shard's loader (shard/layers/weights.py)
+    answers `model.layers.{i}.*` for i in [stored, target) with layer i % stored's tensors: a
+    `target`-layer model (config num_hidden_layers = target) built through the real model classes
+    and loader from a `stored`-layer checkpoint, without writing the full one (48 layers of the
+    Qwen3-30B-A3B shape are ~61 GB). Each layer still gets its own device copy, so a step reads
+    `target` layers' distinct weights, as the real model's (no L2 reuse between layers)."""
+    from shard.layers.weights import Weights
+
+    init, slice_ = Weights.__init__, Weights._slice
+    pattern = re.compile(r"model\.layers\.(\d+)\.(.*)")
+
+    def patched_init(self: Weights, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self._aliases = {}
+        for name, where in list(self._where.items()):
+            m = pattern.fullmatch(name)
+            if m and int(m[1]) < stored:
+                for i in range(int(m[1]) + stored, target, stored):
+                    alias = f"model.layers.{i}.{m[2]}"
+                    self._where.setdefault(alias, where)
+                    self._aliases.setdefault(alias, name)
+
+    def patched_slice(self: Weights, name: str):
+        return slice_(self, getattr(self, "_aliases", {}).get(name, name))
+
+    Weights.__init__, Weights._slice = patched_init, patched_slice  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Weights.__init__, Weights._slice = init, slice_  # type: ignore[method-assign]
+
+
 def bench_model(model_dir: Path, shape: dict, ceilings: dict, cuda: bool, quantize: str | None,
-                prefill: bool) -> dict:
+                prefill: bool, alias_from: int | None = None) -> dict:
+    """alias_from: the checkpoint holds only that many layers (aliased_layers)."""
     import torch
 
     from benchmarks.harness.scale import AnonPeak, _decode_timings
@@ -347,7 +476,9 @@ def bench_model(model_dir: Path, shape: dict, ceilings: dict, cuda: bool, quanti
 
     device = "cuda" if cuda else "cpu"
     t0 = time.perf_counter()
-    with AnonPeak() as anon:
+    target = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    alias = aliased_layers(alias_from, target) if alias_from else contextlib.nullcontext()
+    with AnonPeak() as anon, alias:
         shard = Shard(ShardConfig(model_id=str(model_dir), dtype="bfloat16" if cuda else "float32",
                                   device=device, quantize=quantize), Dist())
     runner, model = shard.runner, shard.runner.model
@@ -358,6 +489,14 @@ def bench_model(model_dir: Path, shape: dict, ceilings: dict, cuda: bool, quanti
                            "weights_gib": parameter_bytes(model) / 2**30}
     batches = BATCHES if cuda else [1, 4]
     context = CONTEXT if cuda else 32
+    if cuda:  # the batches whose K/V fits beside the weights (48 bf16 layers: ~57 GiB)
+        kv_token = runner.kv_bytes_per_block() // runner.block_size
+        free = torch.cuda.mem_get_info()[0]
+        fits = [b for b in batches if b * context * kv_token * 1.1 + 6 * 2**30 < free]
+        out["batches_skipped_for_memory"] = [b for b in batches if b not in fits]
+        batches = fits or [1]
+    if alias_from:
+        out["aliased_from_layers"] = alias_from
     per = math.ceil(max(context, PREFILL if prefill else 0) / runner.block_size)
     runner.allocate_kv_cache(max(batches) * math.ceil(context / runner.block_size) + per + 1)
     for k_cache, v_cache in runner.kv_cache:  # random K/V: never time on zeros
@@ -389,6 +528,18 @@ def bench_model(model_dir: Path, shape: dict, ceilings: dict, cuda: bool, quanti
         print(f"model {layers}L q={quantize} b={b}: {ms:.3f} ms/step "
               f"({row.get('pct_of_roofline', float('nan')):.0f}% of roofline, "
               f"{row['experts_touched_per_layer']:.0f} experts/layer)", flush=True)
+        if cuda and b == 1:
+            # Where a batch-1 step's time goes: device time per kernel class (CUPTI; eager or
+            # graph, the kernels are the same), kernels per step; the replay time minus the sum
+            # is launch gaps.
+            from benchmarks.harness.kernel_profile import profile_kernels
+
+            step1 = decode_step(1, context, runner.block_size)
+            try:
+                row["kernel_profile"] = profile_kernels(lambda s=step1, ex=runner.execute: ex(s),
+                                                        calls=3)
+            except Exception as exc:  # noqa: BLE001 - a profiler that cannot start
+                row["kernel_profile"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
     if prefill:
         n = PREFILL if cuda else 64
         step = prefill_step(1, n, runner.block_size)
@@ -416,6 +567,26 @@ def bench_model(model_dir: Path, shape: dict, ceilings: dict, cuda: bool, quanti
     return out
 
 
+def _step_ms(row: dict) -> float:
+    return row.get("graph_replay_ms", row.get("eager_wall_ms", float("nan")))
+
+
+def full_model_summary(models: list[dict], layers: int) -> dict:
+    """The acceptance figures of the whole (aliased) model: each batch's step against its byte
+    roofline, bf16 and fp8, and fp8's speed-up over bf16 per batch."""
+    out: dict[str, Any] = {"layers": layers}
+    by_q = {m.get("quantize"): m for m in models if m.get("layers") == layers and "decode" in m}
+    for q, m in by_q.items():
+        out[q or "bf16"] = {str(r["batch"]): {"step_ms": _step_ms(r),
+                                              "roofline_ms": r.get("roofline_ms"),
+                                              "pct_of_roofline": r.get("pct_of_roofline")}
+                            for r in m["decode"]}
+    if None in by_q and "fp8" in by_q:
+        out["fp8_speedup"] = {b: out["bf16"][b]["step_ms"] / r["step_ms"]
+                              for b, r in out["fp8"].items() if b in out["bf16"]}
+    return out
+
+
 def extrapolate(models: list[dict], target: int) -> dict:
     """Per batch: least-squares (fixed ms, ms per layer) over the bf16 models, the step at
     `target` layers, and its roofline the same way."""
@@ -436,7 +607,7 @@ def extrapolate(models: list[dict], target: int) -> dict:
                            "roofline_ms": roofline, "pct_of_roofline": roofline / step * 100}
             # fp8 measured at one layer count: its per-layer cost with the bf16 fit's fixed
             # part (embedding, LM head and final norm stay bf16 under --quantize fp8).
-            for m in models:
+            for m in sorted(models, key=lambda m: m.get("layers", 0)):  # the largest last
                 if m.get("quantize") == "fp8" and "decode" in m:
                     r = next((r for r in m["decode"] if r["batch"] == b), None)
                     if r is not None:
@@ -470,6 +641,33 @@ def write_report(res: dict, out: Path) -> None:
                 f"{r['roofline_ms'] * 1e3:.1f} | {r['pct_of_roofline']:.0f} | {r['tflops']:.0f} | "
                 f"{r.get('naive_loop_ms', float('nan')):.2f} | "
                 f"{r.get('speedup_vs_naive', float('nan')):.1f}x |")
+        best = []
+        for b, sweep in (lay.get("sweep") or {}).items():
+            ok = {n: v for n, v in sweep.items() if isinstance(v, float)}
+            row = next((r for r in lay["decode"] if str(r["batch"]) == b and not r["fp8"]), {})
+            if ok:
+                name = min(ok, key=ok.get)
+                best.append(f"b={b}: {name} {ok[name] * 1e3:.1f} us (table "
+                            f"{row.get('table_config')}: "
+                            f"{_us(ok.get(row.get('table_config'), float('nan')) * 1e3)} us)")
+        if best:
+            lines += ["", "Grouped-GEMM tiling sweep (kernels only, bf16), best per batch: "
+                      + "; ".join(best)]
+        paths = [r for r in lay["decode"] if "grouped_path_us" in r]
+        if paths:
+            lines += ["", ("Decode-sized batches, us per layer: the grouped path (route, align, "
+                           "GEMMs, sum) vs the decode kernels (shard/kernels/moe_decode.py) with "
+                           "the table's config and the sweep's best"), "",
+                      ("| tokens | weights | layer us (as served) | grouped path us | decode, "
+                       "table config us | decode best us | best config |"), "|" + "---|" * 7]
+            for r in paths:
+                sweep = r.get("decode_sweep_us", {})
+                table = sweep.get(r.get("decode_table_config") or "", float("nan"))
+                lines.append(
+                    f"| {r['batch']} | {'fp8' if r['fp8'] else 'bf16'} | "
+                    f"{r['fused_ms'] * 1e3:.1f} | {_us(r['grouped_path_us'])} | {_us(table)} | "
+                    f"{_us(r.get('decode_best_us', float('nan')))} | "
+                    f"{r.get('decode_best_config', '-')} |")
         if lay.get("fp8_speedup"):
             lines += ["", "fp8 / bf16 layer speed-up: " + ", ".join(
                 f"b={b}: {s:.2f}x" for b, s in lay["fp8_speedup"].items())]
@@ -477,7 +675,9 @@ def write_report(res: dict, out: Path) -> None:
         if "error" in m:
             lines += ["", f"model {m.get('layers')} layers: ERROR {m['error']}"]
             continue
-        lines += ["", (f"## Model, {m['layers']} layers, quantize={m['quantize']} "
+        aliased = (f", layers aliased from a {m['aliased_from_layers']}-layer checkpoint"
+                   if m.get("aliased_from_layers") else "")
+        lines += ["", (f"## Model, {m['layers']} layers{aliased}, quantize={m['quantize']} "
                   f"(load {m['load_s']:.0f} s, host anon peak "
                   f"{m['host_anon_peak_gib_while_loading']:.1f} GiB, weights "
                   f"{m['weights_gib']:.1f} GiB)"), "",
@@ -492,10 +692,32 @@ def write_report(res: dict, out: Path) -> None:
                 f"{r['experts_touched_per_layer']:.1f} | {p['dense_weights_and_norms'] / 1e6:.0f} "
                 f"+ {p['lm_head'] / 1e6:.0f} + {p['experts_touched'] / 1e6:.0f} + "
                 f"{p['kv'] / 1e6:.0f} MB |")
+        for r in m["decode"]:
+            kp = r.get("kernel_profile") or {}
+            if kp.get("classes"):
+                top = list(kp["classes"].items())[:14]
+                lines.append(
+                    f"\nbatch {r['batch']} kernels per step: {kp['kernels_per_call']}, device "
+                    f"sum {kp['kernel_sum_ms']:.3f} ms (replay "
+                    f"{_step_ms(r):.3f} ms); by class, ms (kernels): " + ", ".join(
+                        f"{c} {v[0]:.3f} ({v[1]})" for c, v in top))
         if m.get("prefill"):
             p = m["prefill"]
             lines.append(f"\nprefill {p['tokens']} tokens: {p['ms']:.1f} ms, "
                          f"{p.get('pct_of_bf16_peak', float('nan')):.0f}% of the bf16 matmul rate")
+    fm = res.get("full_model") or {}
+    if fm.get("bf16"):
+        lines += ["", f"## Whole model, {fm['layers']} layers (acceptance)", "",
+                  "| batch | bf16 step ms | % of its roofline | fp8 step ms | % | fp8 speed-up |",
+                  "|---|---|---|---|---|---|"]
+        for b, r in sorted(fm["bf16"].items(), key=lambda kv: int(kv[0])):
+            f = (fm.get("fp8") or {}).get(b, {})
+            lines.append(
+                f"| {b} | {r['step_ms']:.3f} | {_us(r['pct_of_roofline'])} | "
+                f"{_us(f.get('step_ms', '-'))} | {_us(f.get('pct_of_roofline', '-'))} | "
+                f"{_us((fm.get('fp8_speedup') or {}).get(b, '-'))} |")
+        lines.append("\nBars (issue 39): batch 1 bf16 >= 75 % of its roofline; fp8 batch 1 >= 1.6x "
+                     "bf16.")
     if res.get("fp8_model_speedup_b1"):
         lines += ["", (f"fp8 model batch-1 step speed-up over bf16: "
                   f"{res['fp8_model_speedup_b1']:.2f}x (target >= 1.6x)")]
@@ -524,11 +746,18 @@ def write_report(res: dict, out: Path) -> None:
     (out / "MOE.md").write_text("\n".join(lines) + "\n")
 
 
+def _us(v: Any) -> str:
+    return f"{v:.1f}" if isinstance(v, float) else str(v)[:40]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.moe_bench")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--workdir", type=Path, default=Path("/tmp/moe-bench"))
     p.add_argument("--layers", default="4,8", help="model layer counts (comma-separated)")
+    p.add_argument("--full-layers", type=int, default=FULL_LAYERS,
+                   help="also the whole model at this many layers (bf16 and --quantize fp8), "
+                   "built from the largest checkpoint's layers (aliased_layers); 0: off")
     p.add_argument("--layer-graph-layers", type=int, default=8)
     p.add_argument("--parts", default="layer,model,fp8,e2e")
     p.add_argument("--budget-s", type=float, default=240.0,
@@ -588,8 +817,17 @@ def main(argv: list[str] | None = None) -> int:
             res["checkpoint"] = write_checkpoint(store, shape, counts[0],
                                                  "cuda" if cuda else "cpu")
         attempt("checkpoint", write)
-        # Largest first, then its fp8 run (acceptance figures before the per-layer fit's
-        # smaller models).
+        # The whole model first (the acceptance figures: bf16, then --quantize fp8), then the
+        # largest checkpoint and its fp8 run, then the per-layer fit's smaller models.
+        full = args.full_layers if cuda else counts[0] + 4  # --tiny: the code path only
+        if full > counts[0]:
+            d = link_model(store, args.workdir / f"qwen3-moe-{full}l", full)
+            for quantize in (None, "fp8") if "fp8" in parts else (None,):
+                attempt(f"model_{full}_{quantize or 'bf16'}", lambda d=d, q=quantize: res[
+                    "models"].append(bench_model(d, shape, res.get("ceilings", {}), cuda, q,
+                                                 prefill=False, alias_from=counts[0])))
+            res["full_model"] = full_model_summary(res["models"], full)
+            write_report(res, args.out)
         for n in counts:
             d = link_model(store, args.workdir / f"qwen3-moe-{n}l", n)
             attempt(f"model_{n}", lambda d=d, n=n: res["models"].append(

@@ -9,6 +9,10 @@
          -> out [n * k, H]
       -> sum over each token's k slots -> [n, H]
 
+Decode-sized steps (a few routed slots) take shard/kernels/moe_decode.py instead (FusedMoE
+chooses by n * k): at batch 1 these padded 16-row tiles and the launches around them are
+latency-bound.
+
 Why: the naive form runs every expert's MLP as its own small matmuls after a host-side nonzero()
 per expert (a sync each, no CUDA graph); here a decode step is 2 launches plus a handful of tiny
 torch ops, and each expert's weights are streamed once per step however many of the step's
@@ -59,9 +63,8 @@ class MoeConfig:
 # prefill-sized ones take 64-row GEMM tiles. benchmarks/moe_bench.py sweeps alternatives.
 CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
     (4.0, MoeConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)),
-    (24.0, MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)),
     (96.0, MoeConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4)),
-    (float("inf"), MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)),
+    (float("inf"), MoeConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)),
 )
 
 

@@ -264,6 +264,10 @@ class GemmConfig:
     # "dq", int4, tiles inside one group, K % 32 == 0: the tile built from int32 words
     # (int_dequant.words_tile: ~4 instructions per weight instead of the byte-wise ~9)
     words: bool = False
+    # "lop3" (32 / 64 rows, int4, tiles inside one group): int_gemv's lop3 tile with x padded to
+    # block_m rows, one program over all rows of the bucket (each weight unpacked once, PRMT /
+    # LOP3), split into split_k K ranges (the N = 4096 shapes have too few row blocks otherwise)
+    split_k: int = 1
 
     def as_dict(self) -> dict[str, int | bool | str]:
         return asdict(self)
@@ -311,6 +315,12 @@ _CUBLAS_TILES = ((32, 4), (64, 8))  # (block_n, warps)
 # (tests/shard/test_int_kernels_sm90_ptx.py): timed only up to this bucket, where it was chosen.
 _OFFSET_MAX_M = 128
 _CONFIGS = (*_DQ, *_DQ_WORDS, *_OFFSET)
+# path "lop3": (block_n, block_k, warps, stages, split_k), block_m = the bucket (32 or 64)
+# (sm_90 SASS per weight in the K loop at 64 rows: 256 x 128 / 8 warps ~4.4, 128 x 128 / 4 ~5.5)
+_LOP3_TILES = ((256, 128, 8, 3, 1), (256, 128, 8, 3, 2), (256, 128, 8, 3, 4), (128, 128, 4, 3, 1),
+               (128, 128, 4, 3, 2), (128, 128, 4, 3, 4), (64, 128, 4, 3, 4), (64, 128, 4, 4, 8))
+# (no stages-1 register-prefetch tiles here: at 64 rows they spill to local memory)
+_LOP3_BUCKETS = (32, 64)
 
 
 def candidates(m: int, group_size: int, in_features: int) -> list[GemmConfig]:
@@ -327,7 +337,12 @@ def candidates(m: int, group_size: int, in_features: int) -> list[GemmConfig]:
         fits = [GemmConfig(bm, 64, block_k, 4, 3, path="dq") for bm in (32, 64, 128)]
     sized = [c for c in fits if c.block_m <= max(2 * m, 32)
              and (c.path != "offset" or m <= _OFFSET_MAX_M)]
-    return [*(sized or fits),
+    lop3 = [GemmConfig(m, bn, bk, w, st, path="lop3", split_k=sk)
+            for bn, bk, w, st, sk in _LOP3_TILES
+            if m in _LOP3_BUCKETS and in_features % 32 == 0
+            and groups_per_tile(bk, group_size, in_features) == 1
+            and tile_fits(bk, group_size, in_features)]
+    return [*(sized or fits), *lop3,
             *(GemmConfig(0, bn, block_k, w, 1, path="cublas") for bn, w in _CUBLAS_TILES)]
 
 
@@ -353,6 +368,8 @@ def int_gemm(
     bias: torch.Tensor | None = None,  # [N]
     bits: int = 4,
     config: GemmConfig | None = None,
+    counters: torch.Tensor | None = None,  # "lop3" split-K: int32, zero (int_gemv.int4_gemv)
+    int_zeros: bool = True,  # "lop3": every zero point an integer
 ) -> torch.Tensor:
     """y [M, N] = x @ dequant(qweight).T (+ bias) in x's dtype; config: a tuned candidate (None:
     the first candidate of M's bucket)."""
@@ -363,6 +380,21 @@ def int_gemm(
                          f"hold {k} int{bits} input features")
     if config is None:
         config = default_config(gemm_bucket(m), group_size, k)
+    if config.path == "lop3":
+        if (bits == 4 and k % 32 == 0 and qweight.stride(0) % 16 == 0
+                and qweight.data_ptr() % 16 == 0 and config.block_k >= 32
+                and groups_per_tile(config.block_k, group_size, k) == 1
+                and tile_fits(config.block_k, group_size, k)):
+            from shard.kernels.int_gemv import GemvConfig, int4_gemv
+
+            tile = GemvConfig(config.block_n, config.block_k, config.warps, config.stages,
+                              config.split_k, use_dot=True, lop3=True)
+            # rows beyond the tile (a config used above its bucket): one launch per block_m
+            return torch.cat([int4_gemv(x[i:i + config.block_m], qweight, scales, zeros,
+                                        group_size, bias, bits=4, int_zeros=int_zeros,
+                                        config=tile, counters=counters, rows=config.block_m)
+                              for i in range(0, m, config.block_m)]) if m else x.new_empty(0, n)
+        config = replace(config, path="dq", split_k=1)  # not an int4 weight the tile reads
     if config.path == "cublas":
         w = dequantize_weight(qweight, scales, zeros, group_size, k, x.dtype, bits,
                               config.block_n, config.block_k, config.warps)

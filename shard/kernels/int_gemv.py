@@ -160,6 +160,142 @@ def _words_row_product(x_ptr, q_ptr, s, z, rows, row_mask, k0, K, stride_qn,
     return ((part - xsum * (z1 + 128.0)) * s1)[None, :]
 
 
+# The lop3 unpack (GemvConfig.lop3): an int32 element e whose bytes j = 0..3 hold a weight in their
+# low nibble becomes four 16-bit values OFF + nibble, two elements per 32-bit register: one PRMT
+# (byte j of both elements into the two halves) and one LOP3 ((t & 0x000F000F) | OFF's bits:
+# OFF + q exactly, OFF = 128 in bf16 / 1024 in fp16, whose ulp is 1) per two weights, and each
+# output register is already the packed pair (element e, element e + 1) the MMA operand wants.
+# Selectors: d.b0 = element a's byte j, d.b2 = element b's byte j (bytes 1 and 3 masked off).
+def _unpack_asm(magic: int) -> str:
+    lines = ["{", ".reg .b32 t;"]
+    for j in range(4):
+        lines += [f"prmt.b32 t, $4, $5, 0x7{4 + j}7{j};",
+                  f"lop3.b32 ${j}, t, 0x000F000F, {magic:#010x}, 0xEA;"]  # 0xEA: (a & b) | c
+    return "\n".join([*lines, "}"])
+
+
+_ASM_FP16: tl.constexpr = tl.constexpr(_unpack_asm(0x64006400))
+_ASM_BF16: tl.constexpr = tl.constexpr(_unpack_asm(0x43004300))
+
+
+@triton.jit
+def _offset_bytes(e, X_KIND: tl.constexpr, ASM: tl.constexpr):
+    """OFF + (byte j of e & 0xF) for j = 0..3, each in x's dtype, e's shape (int32 elements).
+    ASM: the PRMT + LOP3 inline PTX (CUDA only); else the same bits with Triton operations (the
+    interpreter runs no inline assembly), element for element equal."""
+    if ASM:
+        if X_KIND == 1:
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                _ASM_FP16, "=r,=r,=r,=r,r,r", [e], dtype=(tl.float16,) * 4, is_pure=True,
+                pack=2)
+        else:
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                _ASM_BF16, "=r,=r,=r,=r,r,r", [e], dtype=(tl.bfloat16,) * 4, is_pure=True,
+                pack=2)
+    else:
+        if X_KIND == 1:
+            o0 = ((e & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            o1 = (((e >> 8) & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            o2 = (((e >> 16) & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            o3 = (((e >> 24) & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        else:
+            o0 = ((e & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            o1 = (((e >> 8) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            o2 = (((e >> 16) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            o3 = (((e >> 24) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return o0, o1, o2, o3
+
+
+@triton.jit
+def _lop3_tile(words, X_KIND: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] OFF + q in feature order and x's dtype from load_words' int32 words
+    [BLOCK_N, BLOCK_K / 8] (nibble i of word c = feature 8c + i). Element 2c + h of `e` is word c
+    shifted right by 4h, so its byte j's low nibble is feature 8c + 2j + h; _offset_bytes' output
+    j then holds features (8c + 2j, 8c + 2j + 1) side by side (adjacent K, one register), and the
+    joins / permute below only rename registers: [BLOCK_N, c, h, a, b] with j = 2a + b ->
+    [BLOCK_N, c, a, b, h] = feature 8c + 4a + 2b + h."""
+    BN: tl.constexpr = words.shape[0]
+    C: tl.constexpr = words.shape[1]
+    e = tl.reshape(tl.join(words, words >> 4), [BN, 2 * C])
+    o0, o1, o2, o3 = _offset_bytes(e, X_KIND, ASM)
+    t = tl.join(tl.join(tl.reshape(o0, [BN, C, 2]), tl.reshape(o2, [BN, C, 2])),
+                tl.join(tl.reshape(o1, [BN, C, 2]), tl.reshape(o3, [BN, C, 2])))
+    return tl.reshape(tl.permute(t, (0, 1, 3, 4, 2)), [BN, 8 * C])
+
+
+@triton.jit
+def _lop3_loads(x_ptr, q_ptr, rows, row_mask, offs_m, m_mask, k0, k_hi, K, stride_xm,
+                stride_qn, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PAST: tl.constexpr):
+    """The tile at k0: int32 words [BLOCK_N, BLOCK_K / 8] (16-byte vectors: the row starts are
+    computed in bytes, 16-byte aligned rows, which keeps their alignment visible to the
+    compiler) and x [ROWS, BLOCK_K]. EVEN: no row or K tail, unpredicated weight loads. PAST: k0
+    may lie past the range (a prefetch one step ahead): nothing is read there."""
+    offs_w = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), 4),
+                               BLOCK_K // 8)
+    w_rows = (q_ptr + rows.to(tl.int64) * stride_qn).to(tl.pointer_type(tl.int32))
+    k = k0 + tl.arange(0, BLOCK_K)
+    if EVEN:
+        if PAST:  # one predicate for the whole tile (constant along K: 16-byte vectors stay)
+            live_w = (tl.zeros([BLOCK_K // 8], tl.int32) + k0) < k_hi
+            live_k = (tl.zeros([BLOCK_K], tl.int32) + k0) < k_hi
+            words = tl.load(w_rows[:, None] + offs_w[None, :], mask=live_w[None, :], other=0,
+                            eviction_policy="evict_first")
+            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                         mask=m_mask[:, None] & live_k[None, :], other=0.0)
+        else:
+            words = tl.load(w_rows[:, None] + offs_w[None, :], eviction_policy="evict_first")
+            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                         mask=m_mask[:, None], other=0.0)
+    else:
+        live = (k < k_hi) & (k < K)
+        live_w = (offs_w < K // 8) & (offs_w * 8 < k_hi)
+        words = tl.load(w_rows[:, None] + offs_w[None, :],
+                        mask=row_mask[:, None] & live_w[None, :], other=0,
+                        eviction_policy="evict_first")
+        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                     mask=m_mask[:, None] & live[None, :], other=0.0)
+    return words, xt
+
+
+@triton.jit
+def _lop3_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, offs_m, m_mask, k_lo, k_hi, K,
+                 stride_xm, stride_qn, stride_sn, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                 X_KIND: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
+    """int4, tiles inside one group, 1..16 rows of x (padded to ROWS = 16; 32 / 64 for
+    int_gemm's "lop3" path): the K loop of the lop3 tile, [ROWS, BLOCK_N] fp32. Weights are the
+    MMA's first operand (BLOCK_N rows: Hopper's wgmma with the unpacked tile from registers),
+    x's tile the second: per tile acc^T += s * ((OFF + q) @ x^T - (OFF + z) * sum_k x).
+    STAGES > 1: Triton's pipeliner streams the tiles through shared memory (cp.async); STAGES 1:
+    the next tile is loaded into registers one step ahead instead (no shared-memory round trip
+    of the weights: fewer instructions per weight, one tile in flight per program)."""
+    acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+    s, z = group_params(s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_sn, GROUP, 1)
+    if STAGES == 1:
+        words, xt = _lop3_loads(x_ptr, q_ptr, rows, row_mask, offs_m, m_mask, k_lo, k_hi, K,
+                                stride_xm, stride_qn, BLOCK_K, EVEN, True)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        s_next, z_next = group_params(s_ptr, z_ptr, rows, row_mask, k0 + BLOCK_K, k_hi,
+                                      stride_sn, GROUP, 1)
+        if STAGES == 1:
+            words_next, xt_next = _lop3_loads(x_ptr, q_ptr, rows, row_mask, offs_m, m_mask,
+                                              k0 + BLOCK_K, k_hi, K, stride_xm, stride_qn,
+                                              BLOCK_K, EVEN, True)
+        else:
+            words, xt = _lop3_loads(x_ptr, q_ptr, rows, row_mask, offs_m, m_mask, k0, k_hi, K,
+                                    stride_xm, stride_qn, BLOCK_K, EVEN, False)
+        v = _lop3_tile(words, X_KIND, ASM)  # [BLOCK_N, BLOCK_K]
+        part = tl.dot(v, tl.trans(xt))  # [BLOCK_N, ROWS]
+        xsum = tl.sum(xt.to(tl.float32), axis=1)  # [ROWS]
+        s1 = tl.reshape(s, [BLOCK_N])
+        z1 = tl.reshape(z, [BLOCK_N])
+        acc += (part - offset_zero(z1, 4, X_KIND)[:, None] * xsum[None, :]) * s1[:, None]
+        s, z = s_next, z_next
+        if STAGES == 1:
+            words, xt = words_next, xt_next
+    return tl.trans(acc)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _int_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr,
@@ -183,6 +319,9 @@ def _int_gemv_kernel(
     OFFSET: tl.constexpr,  # int_dequant.offset_ok: weights made exact in x's dtype by bit ops
     JOIN: tl.constexpr,  # GemvConfig.join: the int4 tile re-interleaved, x loaded contiguously
     WORDS: tl.constexpr,  # GemvConfig.words: batch 1, int4, NG 1: packed bytes as int32 words
+    LOP3: tl.constexpr = False,  # GemvConfig.lop3: int4, NG 1, ROWS 16 (_lop3_k_loop)
+    ASM: tl.constexpr = False,  # LOP3's unpack as inline PTX (False: the interpreter's form)
+    EVEN: tl.constexpr = False,  # LOP3: N % BLOCK_N == 0 and K % BLOCK_K == 0 (no tail masks)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -192,29 +331,34 @@ def _int_gemv_kernel(
     m_mask = offs_m < M
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    s, z = group_params(s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_sn, GROUP, NG)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-        # the next tile's scales now (int_dequant.group_params: not pipelined otherwise)
-        s_next, z_next = group_params(s_ptr, z_ptr, rows, row_mask, k0 + BLOCK_K,
-                                      k_hi, stride_sn, GROUP, NG)
-        if WORDS:
-            acc += _words_row_product(x_ptr, q_ptr, s, z, rows, row_mask, k0, K, stride_qn,
-                                      BLOCK_K)
-        elif JOIN or BITS == 8:
-            # one [BLOCK_N, BLOCK_K] tile in feature order and x's [ROWS, BLOCK_K] tile as one
-            # contiguous (vectorized, cp.async-pipelined) load: no stride-2 loads of x
-            q = load_joined(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
-            k = k0 + tl.arange(0, BLOCK_K)
-            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-                         mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
-            acc += _tile_product(xt, q, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
-        else:
-            qa, qb = load_halves(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
-            xa, xb = _x_halves(x_ptr, offs_m, m_mask, k0, K, stride_xm, BLOCK_K, BITS)
-            acc += _tile_product(xa, qa, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
-            acc += _tile_product(xb, qb, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
-        s, z = s_next, z_next
+    if LOP3:
+        acc = _lop3_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, offs_m, m_mask, k_lo,
+                           k_hi, K, stride_xm, stride_qn, stride_sn, GROUP, ROWS, BLOCK_N,
+                           BLOCK_K, STAGES, X_KIND, ASM, EVEN)
+    else:
+        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        s, z = group_params(s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_sn, GROUP, NG)
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+            # the next tile's scales now (int_dequant.group_params: not pipelined otherwise)
+            s_next, z_next = group_params(s_ptr, z_ptr, rows, row_mask, k0 + BLOCK_K,
+                                          k_hi, stride_sn, GROUP, NG)
+            if WORDS:
+                acc += _words_row_product(x_ptr, q_ptr, s, z, rows, row_mask, k0, K, stride_qn,
+                                          BLOCK_K)
+            elif JOIN or BITS == 8:
+                # one [BLOCK_N, BLOCK_K] tile in feature order and x's [ROWS, BLOCK_K] tile as one
+                # contiguous (vectorized, cp.async-pipelined) load: no stride-2 loads of x
+                q = load_joined(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
+                k = k0 + tl.arange(0, BLOCK_K)
+                xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                             mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+                acc += _tile_product(xt, q, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
+            else:
+                qa, qb = load_halves(q_ptr, rows, row_mask, k0, K, stride_qn, BLOCK_K, BITS)
+                xa, xb = _x_halves(x_ptr, offs_m, m_mask, k0, K, stride_xm, BLOCK_K, BITS)
+                acc += _tile_product(xa, qa, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
+                acc += _tile_product(xb, qb, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
+            s, z = s_next, z_next
     out_mask = m_mask[:, None] & row_mask[None, :]
     if SPLIT_K > 1:
         # Partials first, then the counter: the barrier makes every thread's stores precede the
@@ -255,6 +399,9 @@ class GemvConfig:
     # batch 1, int4, tiles inside one group, K a multiple of 32: the packed row read as int32
     # words, ~4 instructions per weight instead of ~9 (_words_row_product)
     words: bool = False
+    # int4, tiles inside one group, K a multiple of 32, 1..16 rows: words unpacked by PRMT + LOP3
+    # (inline PTX on CUDA), the weight tile as the MMA's first operand (_lop3_k_loop)
+    lop3: bool = False
 
     def as_dict(self) -> dict[str, int | bool]:
         return asdict(self)
@@ -315,6 +462,24 @@ _DOT = (
 
 _DOT_FOR_M1 = 8  # the join tensor-core candidates, also timed at batch 1
 
+# 1..16 rows, int4 (x padded to 16 rows, one compiled kernel for every bucket): the lop3 tiles.
+# sm_90 SASS per weight in the K loop (128 x 128 tile, 4 warps / 256 x 128, 8 warps): ~3.1 / 2.8
+# (cp.async stages), against ~5.0-5.6 for the batch-1 word tiles and ~7.4 for the joined
+# tensor-core tiles (tests/shard/test_int_kernels_sm90_ptx.py counts them). Split-K up to 8 for
+# the N = 4096 shapes.
+_LOP3 = tuple(
+    GemvConfig(bn, bk, w, st, sk, use_dot=True, lop3=True)
+    for bn, bk, w, st, sk in (
+        (128, 128, 4, 3, 1), (128, 128, 4, 4, 1), (256, 128, 8, 3, 1), (64, 128, 4, 4, 1),
+        (128, 128, 4, 3, 2), (128, 128, 4, 3, 4), (64, 128, 4, 4, 4), (128, 128, 4, 3, 8),
+        (64, 128, 4, 4, 8), (256, 128, 8, 3, 4), (128, 64, 4, 4, 2), (64, 32, 4, 6, 1),
+        # stages 1: the next tile prefetched into registers instead (_lop3_k_loop): ~2.5 SASS
+        # per weight at 256 x 128 / 8 warps, one tile in flight per program
+        (256, 128, 8, 1, 1), (256, 128, 8, 1, 4), (128, 128, 4, 1, 1), (128, 128, 4, 1, 4),
+        (64, 128, 4, 1, 8),
+    )
+)
+
 
 def candidates(m: int, group_size: int, in_features: int) -> list[GemvConfig]:
     """The tuning candidates for a batch of m rows whose K tiles line up with the groups."""
@@ -324,6 +489,8 @@ def candidates(m: int, group_size: int, in_features: int) -> list[GemvConfig]:
     if m == 1 and in_features % 32 == 0:  # word rows 16-byte aligned
         pool = [*(c for c in _WORDS
                   if groups_per_tile(c.block_k, group_size, in_features) == 1), *pool]
+    if in_features % 32 == 0:  # after the others: a bucket's first candidate stays as it was
+        pool += [c for c in _LOP3 if groups_per_tile(c.block_k, group_size, in_features) == 1]
     fits = [c for c in pool if tile_fits(c.block_k, group_size, in_features)]
     if not fits:  # e.g. group 32 with K not a multiple of 128: the largest tile that lines up
         block_k = pick_block_k(group_size, in_features)
@@ -365,6 +532,7 @@ def int4_gemv(
     int_zeros: bool = True,
     config: GemvConfig | None = None,
     counters: torch.Tensor | None = None,  # int32, zero, >= cdiv(N, BLOCK_N): for split-K
+    rows: int | None = None,  # lop3 configs only: x padded to this many rows (32, 64: GEMM use)
 ) -> torch.Tensor:
     """y [M, N] = x @ dequant(qweight).T (+ bias), in x's dtype (W4A16, or W8A16 with bits=8).
     int_zeros: every zero point is an integer (False: GGUF Q4_1 / Q4_K's fractional ones).
@@ -375,8 +543,12 @@ def int4_gemv(
     if qweight.dtype != torch.uint8 or qweight.shape[1] * (8 // bits) != k or bits not in (4, 8):
         raise ValueError(f"int4_gemv: qweight {tuple(qweight.shape)} {qweight.dtype} does not "
                          f"hold {k} int{bits} input features")
-    if not 1 <= m <= GEMV_MAX_M:
-        raise ValueError(f"int4_gemv: {m} rows, expected 1 to {GEMV_MAX_M}")
+    max_m = GEMV_MAX_M if rows is None else rows
+    if not 1 <= m <= max_m:
+        raise ValueError(f"int4_gemv: {m} rows, expected 1 to {max_m}")
+    if rows is not None and (config is None or not config.lop3 or rows & (rows - 1)
+                             or not 16 <= rows <= 64):
+        raise ValueError(f"int4_gemv: rows={rows} needs a lop3 config and 16, 32 or 64 rows")
     if config is None:
         config = default_config(m, group_size, k)
         config = GemvConfig(block_n or config.block_n, block_k or config.block_k,
@@ -391,7 +563,13 @@ def int4_gemv(
                          or qweight.data_ptr() % 16
                          or groups_per_tile(config.block_k, group_size, k) != 1):
         config = replace(config, words=False, join=True)  # the same tile, read byte-wise
-    use_dot = config.use_dot or m > 1
+    if config.lop3 and (bits != 4 or k % 32 or qweight.stride(0) % 16 or qweight.data_ptr() % 16
+                        or groups_per_tile(config.block_k, group_size, k) != 1):
+        if rows is not None and rows > GEMV_MAX_M:
+            raise ValueError("int4_gemv: lop3 tiles need int4 weights, K % 32 == 0, 16-byte "
+                             "aligned rows and tiles inside one group (int_gemm checks first)")
+        config = replace(config, lop3=False, join=True, use_dot=True)  # joined tensor-core tile
+    use_dot = config.use_dot or m > 1 or config.lop3
     # One layout for every call (rows K apart, 16-byte aligned), so capture-time launches hit the
     # specialization tuning compiled and loaded (a single row's stride is never read).
     if x.stride(-1) != 1 or (m > 1 and x.stride(0) != k) or x.data_ptr() % 16:
@@ -416,7 +594,7 @@ def int4_gemv(
         k, qweight.stride(0), scales.stride(0), n,  # rows of x (normalized above) and y: K, N apart
         GROUP=kernel_group(group_size, k),
         NG=groups_per_tile(config.block_k, group_size, k),
-        ROWS=16 if use_dot else 1,
+        ROWS=(rows or 16) if config.lop3 else 16 if use_dot else 1,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         SPLIT_K=split,
@@ -429,6 +607,9 @@ def int4_gemv(
         OFFSET=offset_ok(bits, x_kind(x.dtype)),
         JOIN=config.join,
         WORDS=config.words,
+        LOP3=config.lop3,
+        ASM=config.lop3 and x.is_cuda,  # the interpreter (CPU tensors) runs no inline PTX
+        EVEN=config.lop3 and n % config.block_n == 0 and k % config.block_k == 0,
         num_warps=config.warps,
         num_stages=config.stages,
     )

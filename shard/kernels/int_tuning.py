@@ -67,7 +67,8 @@ class IntWeightView:
 
     def gemm(self, x: torch.Tensor, config: GemmConfig) -> torch.Tensor:
         return int_gemm.int_gemm(x, self.qweight, self.scales, self.zeros, self.group_size,
-                                 self.bias, bits=self.bits, config=config)
+                                 self.bias, bits=self.bits, config=config,
+                                 counters=self.counters, int_zeros=self.int_zeros)
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,11 @@ def kernel_version() -> str:
         digest.update((here / name).read_bytes())
     return digest.hexdigest()[:16]
 
+
+# A tuning candidate whose output is further than this from the dequantized weight's product
+# (relative to the largest |y|) is not chosen: x's dtype rounds y to 2^-8 (bf16); the tests bound
+# the kernels at 2^-7.
+_CHECK_BOUND = 2**-6
 
 _MEMO: dict[tuple, IntTuning] = {}
 # Every timed candidate of the tunings this process ran: (N, K, "gemv" | "gemm", bucket) ->
@@ -149,11 +155,20 @@ def _defaults(w: IntWeightView) -> IntTuning:
     )
 
 
-def _fastest(time_us: Callable[[Any], float], pool: list) -> tuple[Any, dict[str, float]]:
+def _fastest(time_us: Callable[[Any], float], pool: list,
+             check: Callable[[Any], str | None] | None = None) -> tuple[Any, dict[str, float]]:
+    """The fastest config of `pool` by time_us; `check` (None: fine, else what is wrong) runs
+    first and excludes a config whose output is wrong."""
     timings: dict[str, float] = {}
     best: tuple[float, Any] | None = None
     for config in pool:
         try:
+            wrong = None if check is None else check(config)
+            if wrong is not None:
+                log.warning("int kernel candidate %s gave a wrong result (%s); skipped", config,
+                            wrong)
+                timings[str(config)] = math.inf
+                continue
             us = time_us(config)
         except triton.runtime.errors.OutOfResources:  # e.g. shared memory: not a candidate here
             us = math.inf
@@ -169,6 +184,17 @@ def _fastest(time_us: Callable[[Any], float], pool: list) -> tuple[Any, dict[str
     return best[1], timings
 
 
+def _dequantized(w: IntWeightView) -> torch.Tensor:
+    """[N, K] fp32: (q - zero) * scale, as PackedInt.dequantize computes it (the kernels'
+    reference; shard.kernels imports no quantization code)."""
+    q = w.qweight
+    n, k = q.shape[0], w.in_features
+    if w.bits == 4:
+        q = torch.stack([q & 0xF, q >> 4], dim=-1).reshape(n, k)
+    g = torch.arange(k, device=q.device) // min(w.group_size, k)
+    return (q.float() - w.zeros.float()[:, g]) * w.scales.float()[:, g]
+
+
 def _tune(w: IntWeightView, dtype: torch.dtype) -> IntTuning:
     from shard.kernels.gemv import bench_us
     from shard.kernels.graph_timing import time_in_graph_us, weight_views
@@ -177,20 +203,46 @@ def _tune(w: IntWeightView, dtype: torch.dtype) -> IntTuning:
     device = w.qweight.device
     gemv: dict[int, GemvConfig] = {}
     views = weight_views(w.qweight)
+    # Each GEMV candidate's output is checked once against the dequantized weight before it is
+    # timed: the lop3 tiles' unpack is inline PTX, which no CPU test executes.
+    w_ref = _dequantized(w)  # [N, K] fp32
     for bucket in M_BUCKETS:
         x = torch.randn((bucket, k), dtype=dtype, device=device)
+        ref = x.float() @ w_ref.t() + (0.0 if w.bias is None else w.bias.float())
+
+        def check(c: GemvConfig, x: torch.Tensor = x, ref: torch.Tensor = ref) -> str | None:
+            err = float((w.gemv(x, c).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+            return None if err <= _CHECK_BOUND else f"max error {err:.2e} of max |y|"
+
         pool = int_gemv.candidates(bucket, w.group_size, k)
         if bucket == 1:
             gemv[bucket], times = _fastest(
-                lambda c, x=x: time_in_graph_us(lambda q, c=c: w.gemv(x, c, q), views), pool)
+                lambda c, x=x: time_in_graph_us(lambda q, c=c: w.gemv(x, c, q), views), pool,
+                check)
         else:
-            gemv[bucket], times = _fastest(lambda c, x=x: bench_us(lambda: w.gemv(x, c)), pool)
+            gemv[bucket], times = _fastest(lambda c, x=x: bench_us(lambda: w.gemv(x, c)), pool,
+                                           check)
         TIMINGS[(w.qweight.shape[0], k, "gemv", bucket)] = times
+    del w_ref
     gemm: dict[int, GemmConfig] = {}
     for bucket in GEMM_M_BUCKETS:
         x = torch.randn((bucket, k), dtype=dtype, device=device)
-        gemm[bucket], times = _fastest(lambda c, x=x: bench_us(lambda: w.gemm(x, c)),
-                                       int_gemm.candidates(bucket, w.group_size, k))
+        pool = int_gemm.candidates(bucket, w.group_size, k)
+        ref = None
+        if any(c.path == "lop3" for c in pool):  # those (inline PTX) checked as the GEMVs are
+            w_ref = _dequantized(w)
+            ref = x.float() @ w_ref.t() + (0.0 if w.bias is None else w.bias.float())
+            del w_ref
+
+        def check(c: GemmConfig, x: torch.Tensor = x, ref: torch.Tensor | None = ref
+                  ) -> str | None:
+            if c.path != "lop3" or ref is None:
+                return None
+            err = float((w.gemm(x, c).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+            return None if err <= _CHECK_BOUND else f"max error {err:.2e} of max |y|"
+
+        gemm[bucket], times = _fastest(lambda c, x=x: bench_us(lambda: w.gemm(x, c)), pool,
+                                       check)
         TIMINGS[(w.qweight.shape[0], k, "gemm", bucket)] = times
     return IntTuning(gemv, gemm)
 

@@ -33,10 +33,10 @@ _BLOCK_CHUNK = 32  # blocks per iteration of the block-expert loop ([32, bins] c
 
 
 @triton.jit
-def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l,
-                  TOP_K: tl.constexpr, K_POW2: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def route_row(logits_ptr, t, E, stride_l, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+              SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Token t's routing: (weights [K_POW2] float32, ids [K_POW2] int32), entries past TOP_K
+    unused. Also inlined by shard/kernels/moe_decode.py's gate/up kernel (routing fused there)."""
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
     x = tl.load(logits_ptr + t * stride_l + offs, mask=valid, other=-float("inf")).to(tl.float32)
@@ -62,6 +62,18 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l,
     else:
         e = tl.where(kmask, tl.exp(top_v - tl.max(tl.where(kmask, top_v, -float("inf")), 0)), 0.0)
         top_v = e / tl.sum(e, 0)
+    return top_v, top_i
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l,
+                  TOP_K: tl.constexpr, K_POW2: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    top_v, top_i = route_row(logits_ptr, t, E, stride_l, TOP_K, K_POW2, SOFTMAX_FIRST,
+                             RENORMALIZE, BLOCK_E)
+    ks = tl.arange(0, K_POW2)
+    kmask = ks < TOP_K
     tl.store(w_ptr + t * TOP_K + ks, top_v, mask=kmask)
     tl.store(ids_ptr + t * TOP_K + ks, top_i, mask=kmask)
 

@@ -33,6 +33,7 @@ from torch import nn
 
 from shard.distributed.groups import Dist
 from shard.kernels.moe_align import MoeRouting, align_by_expert, grouped_moe_torch, route
+from shard.layers import decode_linear
 from shard.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from shard.layers.weights import WeightLoader, Weights
 from shard.quantization.fp8 import FP8_DTYPE, quantize_fp8_per_channel
@@ -117,7 +118,11 @@ class ReplicatedLinear(nn.Module, WeightLoader):
         self.weight.data = weights.get(f"{prefix}.weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        if self.weight.shape[0] < 16:  # the shared expert's gate (1 row): torch's own
+            return F.linear(x, self.weight)
+        # The router: F.linear, or the decode GEMV where tuning found it faster for this shape
+        # and batch (at batch 1 it is one of a decode layer's ~10 kernels: every us counts)
+        return decode_linear.linear(x, self.weight)
 
 
 class FusedMoE(nn.Module, WeightLoader):
@@ -229,17 +234,30 @@ class FusedMoE(nn.Module, WeightLoader):
         return torch.where((ids < 0) | (ids >= local), local, ids)
 
     def _forward_cuda(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """Routing (1 launch), layout (1 launch for decode-sized steps, with the statistics),
-        the two grouped GEMMs and the sum over each token's k slots: no host sync."""
-        from shard.kernels import fused_moe, moe_route
+        """Up to moe_decode.DECODE_MAX_SLOTS routed slots: the decode kernels (routing
+        in its own launch or inside gate/up, as the table says; statistics counted). Past that: routing (1 launch), layout (1 launch up to
+        moe_route.ALIGN_MAX_SLOTS, with the statistics), the two grouped GEMMs and the sum over
+        each token's k slots. No host sync either way."""
+        from shard.kernels import fused_moe, moe_decode, moe_route
 
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if not self._warm and not capturing:  # (CPU tensors: the kernels' interpreter tests)
             self._warm_up(x, router_logits)
+        whole = self.expert_range == (0, self.num_experts)
+        decode_cfg = moe_decode.decode_config_for(x.shape[0] * self.routing.top_k,
+                                                 self.scale13 is not None)
+        if decode_cfg is not None and whole:
+            # Decode-sized: routing, gate/up, down and the sum over the k slots in 2 launches
+            # (shard/kernels/moe_decode.py), weight-streaming instead of padded MMA tiles.
+            stats = self.stats
+            return moe_decode.decode_layer(
+                x, router_logits, self.w13, self.w2, self.routing, self.scale13, self.scale2,
+                decode_cfg,
+                count_into=stats.counts[self.layer_index] if stats is not None else None,
+                valid=stats.valid_rows(x.shape[0]) if stats is not None else None)
         topk_weights, topk_ids = moe_route.route(router_logits, self.routing)  # [n, k] each
         local = self.w13.shape[0]
         cfg = fused_moe.config_for(topk_ids.numel(), local)
-        whole = self.expert_range == (0, self.num_experts)
         if topk_ids.numel() <= moe_route.ALIGN_MAX_SLOTS and whole:
             stats = self.stats
             layout = moe_route.align(
@@ -259,8 +277,11 @@ class FusedMoE(nn.Module, WeightLoader):
         """Compiles every kernel variant a later CUDA-graph capture can launch (a capture cannot
         compile): each GEMM config of the table, the layout kernel for each of their row block
         sizes (with statistics as this layer keeps them), the routing kernel."""
-        from shard.kernels import fused_moe, moe_route
+        from shard.kernels import fused_moe, moe_decode, moe_route
 
+        moe_decode.warm_up(x, self.w13, self.w2, self.routing, self.scale13, self.scale2,
+                           self.stats.counts[self.layer_index] if self.stats is not None
+                           else None)
         fused_moe.warm_up(x, self.w13, self.w2, self.routing.top_k, self.scale13, self.scale2)
         moe_route.route(router_logits[:1], self.routing)
         ids = torch.zeros(1, self.routing.top_k, dtype=torch.int32, device=x.device)

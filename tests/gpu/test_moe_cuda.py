@@ -1,4 +1,5 @@
-"""The fused MoE path on CUDA (shard/kernels/fused_moe.py, moe_route.py, shard/layers/moe.py):
+"""The fused MoE path on CUDA (shard/kernels/fused_moe.py, moe_decode.py, moe_route.py,
+shard/layers/moe.py):
 the compiled kernels against the per-expert loop (bf16 and fp8 experts, top-k 1 / 2 / 8, decode
 and prefill sizes, empty experts), a CUDA-graph capture of the layer (replays equal eager,
 padding rows not counted), and the tiny Mixtral / Qwen2-MoE / Qwen3-MoE shards on CUDA (float32:
@@ -64,6 +65,41 @@ def test_fused_layer_matches_the_per_expert_loop(n, top_k, fp8):
     want = _reference(moe, x, logits)
     err = float((got.float() - want).abs().max() / want.abs().max())
     assert got.dtype == torch.bfloat16 and err < 2**-6, err
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_kernels_compiled_match_the_loop(fp8):
+    """shard/kernels/moe_decode.py compiled: every decode config of the table, with the routing
+    inside the gate/up launch and as its own launch (and the other grid order); given ids with experts another rank holds
+    (ids >= E) contribute nothing."""
+    import dataclasses
+
+    from shard.kernels import moe_decode
+    from shard.kernels.moe_align import per_expert_loop
+
+    moe = _layer(8, fp8)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(3, H, device="cuda", generator=gen).bfloat16()
+    logits = torch.randn(3, E, device="cuda", generator=gen).bfloat16()
+    want = _reference(moe, x, logits)
+    for _, cfg in moe_decode.DECODE_CONFIGS[fp8]:
+        for inside in (True, False):
+            got = moe_decode.decode_layer(x, logits, moe.w13, moe.w2, moe.routing, moe.scale13,
+                                          moe.scale2, dataclasses.replace(
+                                              cfg, route_inside=inside, slots_first=inside))
+            err = float((got.float() - want).abs().max() / want.abs().max())
+            assert err < 2**-6, (cfg, inside, err)
+    ids = torch.tensor([[1, E, 5, 5, E + 2, 0, 3, 2]] * 3, device="cuda")
+    w = torch.rand(3, 8, device="cuda", generator=gen)
+    got = moe_decode.moe_decode(x, moe.w13, moe.w2, 8, moe.scale13, moe.scale2,
+                                topk_weights=w, topk_ids=ids)
+    keep = ids < E
+    ref13, ref2 = moe.w13.float(), moe.w2.float()
+    if fp8:
+        ref13 = ref13 * moe.scale13[:, :, None]
+        ref2 = ref2 * moe.scale2[:, :, None]
+    want = per_expert_loop(x.float(), ref13, ref2, w * keep, torch.where(keep, ids, 0))
+    assert float((got.float() - want).abs().max() / want.abs().max()) < 2**-6
 
 
 def test_empty_experts_on_cuda():

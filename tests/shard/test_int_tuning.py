@@ -38,3 +38,32 @@ def test_stale_or_misfit_choice_is_refused() -> None:
     IntTuning.decode(misfit, group_size=32, in_features=4096)
     with pytest.raises(ValueError, match="not a candidate"):
         IntTuning.decode(misfit, group_size=32, in_features=4064)
+
+
+def test_a_candidate_with_a_wrong_result_is_not_chosen() -> None:
+    """The tuner checks each GEMV candidate's output before timing it (the lop3 tiles' unpack is
+    inline PTX that no CPU test executes): a wrong one is never picked, however fast."""
+    import math
+
+    from shard.kernels.int_tuning import _fastest
+
+    times = {"fast_but_wrong": 1.0, "right": 2.0}
+    best, timings = _fastest(times.__getitem__, list(times),
+                             check=lambda c: "max error 1" if c == "fast_but_wrong" else None)
+    assert best == "right" and timings == {"fast_but_wrong": math.inf, "right": 2.0}
+
+
+def test_tuner_reference_is_the_dequantized_weight() -> None:
+    import torch
+
+    from shard.kernels.int_tuning import IntWeightView, _dequantized
+    from shard.quantization.int_weights import PackedInt, UnpackedInt
+
+    for bits, group in ((4, 32), (8, 48), (4, 96)):  # equal groups (what the kernels serve)
+        q = torch.randint(0, 2**bits, (6, 96), dtype=torch.uint8)
+        groups = -(-96 // group)
+        scales, zeros = torch.rand(6, groups).half(), torch.randint(0, 2**bits, (6, groups)).half()
+        packed = PackedInt.pack(UnpackedInt(q, scales, zeros, torch.arange(96) // group, bits))
+        view = IntWeightView(packed.qweight, packed.scales, packed.zeros, packed.group_size, bits,
+                             True, None, None)
+        assert torch.equal(_dequantized(view), packed.dequantize(torch.float32))

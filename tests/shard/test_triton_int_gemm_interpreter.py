@@ -110,6 +110,29 @@ _CHECK = textwrap.dedent(
     assert y.shape == (2, 9, 24)
     err = float((y - ref).abs().max() / ref.abs().max())
     assert err <= 2**-6, err
+
+    # The "lop3" path (int_gemv's lop3 tile with x padded to the bucket's 32 / 64 rows, its
+    # pure-Triton unpack here): split-K 2 with shared counters (left at zero), an N tail, bias,
+    # bf16 / fp16, and rows past block_m (two launches); int8 falls back to the dq tile.
+    counters = torch.zeros(8, dtype=torch.int32)
+    for bits, dtype, n, m, config in (
+            (4, torch.bfloat16, 40, 20, GemmConfig(32, 16, 64, 4, 2, path="lop3", split_k=2)),
+            (4, torch.float16, 32, 40, GemmConfig(64, 32, 32, 4, 2, path="lop3")),
+            (4, torch.bfloat16, 24, 70, GemmConfig(64, 16, 64, 4, 2, path="lop3")),
+            (8, torch.float16, 24, 20, GemmConfig(32, 16, 64, 4, 2, path="lop3"))):
+        k, group = 128, 64
+        q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
+        scales = (torch.rand(n, 2) * 0.1 + 0.01).half()
+        zeros = torch.randint(0, 2**bits, (n, 2)).half()
+        packed = PackedInt.pack(UnpackedInt(q, scales, zeros, torch.arange(k) // group, bits))
+        bias = torch.randn(n).to(dtype)
+        x = torch.randn(m, k).to(dtype)
+        ref = x.float() @ packed.dequantize(torch.float32).t() + bias.float()
+        y = int_gemm(x, packed.qweight, packed.scales, packed.zeros, group, bias, bits=bits,
+                     config=config, counters=counters)
+        err = float((y.float() - ref).abs().max() / ref.abs().max())
+        assert y.shape == (m, n) and err <= 2**-6, (bits, dtype, m, config, err)
+        assert int(counters.abs().sum()) == 0
     """
 )
 

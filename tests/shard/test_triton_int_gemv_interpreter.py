@@ -122,6 +122,36 @@ _CHECK = textwrap.dedent(
         ref = x.float() @ w.t()
         err = float((linear(x).float() - ref).abs().max() / ref.abs().max())
         assert err <= 2**-10, (m, err)
+    # (Last: the draws above keep their random streams.) The lop3 tiles (int4, 1..16 rows padded to 16, weights as the MMA's first operand): the
+    # interpreter runs their pure-Triton unpack, bit for bit the inline PTX's operations. bf16 and
+    # fp16, integer and fractional (GGUF) zero points, an N tail (masked loads) and none (the
+    # unmasked EVEN form), bias, split-K 2 with its counters, a whole-row group; stages 1 (the
+    # next tile prefetched in registers, nothing read past a split) and 2 (Triton's pipeliner).
+    for dtype, n, k, group, frac, config in (
+            (torch.bfloat16, 20, 128, 64, False, GemvConfig(32, 64, 4, 1, split_k=2,
+                                                            use_dot=True, lop3=True)),
+            (torch.float16, 32, 96, 96, True, GemvConfig(16, 32, 4, 2, use_dot=True,
+                                                         lop3=True)),
+            (torch.bfloat16, 32, 128, 128, False, GemvConfig(16, 32, 4, 1, split_k=2,
+                                                             use_dot=True, lop3=True))):
+        groups = k // group
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        scales = (torch.rand(n, groups) * 0.1 + 0.01).half()
+        zeros = (torch.rand(n, groups) * 30 - 15 if frac
+                 else torch.randint(0, 16, (n, groups)).half())
+        packed = PackedInt.pack(UnpackedInt(q, scales, zeros, torch.arange(k) // group, 4))
+        w = packed.dequantize(torch.float32)
+        bias = torch.randn(n).to(dtype)
+        counters = torch.zeros(4, dtype=torch.int32)
+        for m in (1, 7, 16):
+            x = torch.randn(m, k).to(dtype)
+            ref = x.float() @ w.t() + bias.float()
+            for _ in range(2):
+                y = int4_gemv(x, packed.qweight, packed.scales, packed.zeros, group, bias,
+                              config=config, counters=counters, int_zeros=not frac)
+                err = float((y.float() - ref).abs().max() / ref.abs().max())
+                assert err <= BOUND[dtype], (dtype, config, m, err)
+                assert int(counters.abs().sum()) == 0
     """
 )
 

@@ -110,11 +110,102 @@ _ROUTE_CHECK = textwrap.dedent(
     """
 )
 
+# shard/kernels/moe_decode.py: the decode launches (gate/up per slot, down with the weighted sum
+# over the k slots fused) against the per-expert loop: given routing for top-k 1, 2 and 8, ids of
+# experts another rank holds, a batch that leaves experts empty, routing computed inside the
+# gate/up launch (weights, ids and the statistics of real rows equal moe_route's), fp8 weights
+# (1-byte loads, per-expert per-channel scales) with fp32 and bf16 activations; then FusedMoE's
+# CUDA path at a decode-sized batch (which takes these kernels) equals its CPU path.
+_DECODE_CHECK = textwrap.dedent(
+    """
+    import dataclasses
+    import torch
+    from shard.distributed.groups import Dist
+    from shard.kernels import moe_decode
+    from shard.kernels.moe_align import MoeRouting, per_expert_loop, route
+    from shard.layers.moe import FusedMoE, RoutingStats
+    from shard.quantization.fp8 import dequantize_fp8, quantize_fp8_per_channel
+
+    torch.manual_seed(0)
+    E, H, I = 8, 48, 40  # K tails (48 % 32, 40 % 16) and N tails (40 % 4, 48 % 32)
+    w13 = torch.randn(E, 2 * I, H) * 0.2
+    w2 = torch.randn(E, H, I) * 0.2
+    cfg = moe_decode.DecodeConfig(8, 32, 1, 32, 16, 1, 1)
+
+    def check(got, x, ids, weights, a13=w13, a2=w2, tol=1e-5):
+        keep = ids < E
+        want = per_expert_loop(x.float(), a13.float(), a2.float(), weights * keep,
+                               torch.where(keep, ids, 0))
+        assert got.shape == x.shape and got.dtype == x.dtype
+        err = float((got.float() - want).abs().max() / want.abs().max())
+        assert err <= tol, (tuple(ids.shape), err)
+
+    for n, k in ((1, 1), (3, 2), (2, 8)):
+        x = torch.randn(n, H)
+        logits = torch.randn(n, E)
+        r = MoeRouting(k, renormalize=k > 1, softmax_first=k != 2)
+        weights, ids = route(logits, r)
+        check(moe_decode.moe_decode(x, w13, w2, k, config=cfg, topk_weights=weights,
+                                    topk_ids=ids), x, ids, weights)
+        counts = torch.zeros(E, dtype=torch.int64)
+        valid = torch.ones(n, dtype=torch.int64)
+        valid[-1] = 0  # a CUDA-graph padding row: routed, not counted
+        got = moe_decode.moe_decode(x, w13, w2, k, config=cfg, logits=logits, routing=r,
+                                    count_into=counts, valid=valid)
+        check(got, x, ids, weights)
+        assert torch.equal(counts, torch.bincount(ids[:-1].reshape(-1), minlength=E)), counts
+    # experts another rank holds (ids >= E: neither computed nor counted) and empty experts
+    x = torch.randn(4, H)
+    ids = torch.tensor([[1, E], [E, E], [6, 6], [E + 3, 1]])
+    weights = torch.rand(4, 2)
+    counts = torch.zeros(E, dtype=torch.int64)
+    check(moe_decode.moe_decode(x, w13, w2, 2, config=cfg, topk_weights=weights, topk_ids=ids,
+                                count_into=counts), x, ids, weights)
+    assert counts.tolist() == [0, 2, 0, 0, 0, 0, 2, 0], counts
+    # the routing as its own launch (route_inside=False), as the layer runs it; the other grid
+    # order
+    x, logits, r = torch.randn(2, H), torch.randn(2, E), MoeRouting(8, True)
+    weights, ids = route(logits, r)
+    sep = dataclasses.replace(cfg, route_inside=False, slots_first=False)
+    check(moe_decode.decode_layer(x, logits, w13, w2, r, None, None, sep), x, ids, weights)
+    # fp8 weights, fp32 and bf16 activations
+    q13, s13 = map(torch.stack, zip(*(quantize_fp8_per_channel(w) for w in w13)))
+    q2, s2 = map(torch.stack, zip(*(quantize_fp8_per_channel(w) for w in w2)))
+    r13 = torch.stack([dequantize_fp8(q, s, torch.float32) for q, s in zip(q13, s13)])
+    r2 = torch.stack([dequantize_fp8(q, s, torch.float32) for q, s in zip(q2, s2)])
+    x = torch.randn(2, H)
+    weights, ids = route(torch.randn(2, E), MoeRouting(8, True))
+    for xx, tol in ((x, 1e-5), (x.bfloat16(), 2**-5)):
+        got = moe_decode.moe_decode(xx, q13, q2, 8, s13, s2, cfg, topk_weights=weights,
+                                    topk_ids=ids)
+        check(got, xx, ids, weights, r13, r2, tol=tol)
+
+    # FusedMoE's CUDA path at 2 tokens x top-2 (decode kernels) = its CPU path
+    assert moe_decode.decode_config_for(4) is not None
+    moe = FusedMoE(E, H, I, MoeRouting(2, True), Dist())
+    moe.w13.data, moe.w2.data = w13, w2
+    stats = RoutingStats(1, E, torch.device("cpu"))
+    moe.attach_stats(stats, 0)
+    moe._warm = True  # compiling every tiling is a GPU concern (tests/gpu/test_moe_cuda.py)
+    x, logits = torch.randn(2, H), torch.randn(2, E)
+    stats.begin_step(torch.tensor([1, 1]))
+    fused = moe._forward_cuda(x, logits)
+    through_triton = stats.take()
+    stats.begin_step(torch.tensor([1, 1]))
+    torch.testing.assert_close(fused, moe.forward(x, logits), rtol=1e-5, atol=1e-5)
+    assert through_triton == stats.take() and sum(through_triton[0]) == 2 * 2
+    """
+)
+
 pytestmark = INTERPRETER_MARKS
 
 
 def test_fused_moe_kernel_in_interpreter():
     run_interpreted(_CHECK)
+
+
+def test_decode_kernels_in_interpreter():
+    run_interpreted(_DECODE_CHECK)
 
 
 def test_routing_and_layout_kernels_in_interpreter():

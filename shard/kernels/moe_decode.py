@@ -1,0 +1,354 @@
+"""Decode-sized mixture-of-experts MLP (CUDA, Triton): two weight-streaming launches, no layout.
+
+For a handful of routed slots (n * k up to ~32: batch 1-4 at top-8) the grouped GEMM of
+shard/kernels/fused_moe.py is latency-bound: each expert's rows are padded to a 16-row MMA tile,
+the step needs the routing, layout and sum kernels around its two GEMMs, and few programs per
+expert stream its weights. At batch 1 the step reads k experts' weights (Qwen3-30B-A3B: 8 x 9.4
+MB bf16) and nothing else, so it is a GEMV's problem: keep every SM streaming weight bytes.
+
+    launch 1, grid (n * k slots, I tiles) (config.slots_first; else transposed): the slot's token row x[t] against its expert's gate
+      and up rows (CUDA-core FMAs, fp32 accumulation, wide K loads, as shard/kernels/gemv.py's
+      batch-1 path), silu(gate) * up -> inter [n * k, I]. With `logits` the routing itself
+      (softmax, top-k, renormalization: moe_route.route_row) runs in each program (128 logits:
+      free) and the N-tile-0 programs write the slot's weight and id (and the routing
+      statistics): no routing launch.
+    launch 2, grid (n tokens, H tiles): for each output column tile, the sum over the token's k
+      slots of w_j * down_{e_j}(inter[t, j]) in fp32 registers -> out [n, H]: the weighted sum
+      over the k slots is fused (no [n * k, H] buffer, no sum kernel, no atomics, no zeroing).
+      The k slots' down rows are one flattened, software-pipelined stream of K tiles.
+
+fp8 weights (float8_e4m3fn, per expert and output channel fp32 scales) are loaded as 1 byte and
+converted in registers: a step reads half the bytes. Slots whose id is outside [0, E) (another
+rank's experts) read nothing and add zero.
+
+Rounding: gate and up are rounded to the activations' dtype, silu(gate) and the product too (as
+the torch form); each slot's down output is scaled by its routing weight and summed in fp32,
+rounded once (the grouped path rounds each slot's weighted row before its sum).
+
+Programmatic dependent launch (shard/kernels/pdl.py, sm_90+): both launches are dependents, so
+each one's programs are dispatched during the previous kernel's tail (everything they read is an
+earlier kernel's output, so they wait before their first load).
+
+CUDA graphs: a launch allocates only its outputs and never syncs; the grid depends on n only.
+Triton compiles a variant per config and flags at the first launch (forbidden while capturing):
+`warm_up` launches every config of the table eagerly (FusedMoE does at its first eager forward).
+
+Imported only on CUDA (Triton is not a CPU dependency); the kernels also run under
+TRITON_INTERPRET=1 on CPU tensors (tests/shard/test_triton_moe_interpreter.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from shard.kernels import pdl
+from shard.kernels.moe_align import MoeRouting
+from shard.kernels.moe_route import route_row
+from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiling of the two decode launches."""
+
+    up_block_n: int  # weight rows per gate/up program: up_block_n / 2 gate rows + as many up rows
+    up_block_k: int
+    up_warps: int
+    down_block_n: int  # output columns per down program
+    down_block_k: int
+    down_warps: int
+    stages: int  # software pipelining depth of both K loops (1: plain register loads)
+    # The layer's routing (softmax, top-k) inside every gate/up program (no routing launch, but
+    # each program's weight stream starts after it) or as moe_route.route's launch before.
+    route_inside: bool = True
+    # Grid order: routed slots (tokens, for down) fastest, so slots sharing an expert stream its
+    # rows together; False: column tiles fastest.
+    slots_first: bool = True
+
+
+# By routed slots n * k, for 16-bit and for fp8 weights (1-byte loads: twice the K per tile for
+# the same bytes in flight): the decode kernels up to the last limit, the grouped GEMM past it
+# (FusedMoE). benchmarks/moe_bench.py's layer part sweeps alternatives and times both paths per
+# batch (the crossover).
+DECODE_CONFIGS: dict[bool, tuple[tuple[int, DecodeConfig], ...]] = {
+    # H200 sweep (benchmarks/raw/round11/moe/): routing as its own launch beats routing inside
+    # every program at each batch (bf16 batch 1: 29.0 vs 45.1 us a layer; with programmatic
+    # dependent launch the in-kernel routing delays every program's weight stream), and 8 output
+    # columns per down program beat 4.
+    False: ((32, DecodeConfig(16, 256, 4, 8, 256, 4, 4, route_inside=False)),),
+    True: ((32, DecodeConfig(16, 512, 4, 8, 512, 4, 4, route_inside=False)),),
+}
+DECODE_MAX_SLOTS = 32
+
+
+def decode_config_for(num_slots: int, fp8: bool = False) -> DecodeConfig | None:
+    """The table's decode config for n * k routed slots, or None past DECODE_MAX_SLOTS."""
+    if num_slots > DECODE_MAX_SLOTS:
+        return None
+    return next((cfg for limit, cfg in DECODE_CONFIGS[fp8] if num_slots <= limit),
+                DECODE_CONFIGS[fp8][-1][1])
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,  # [n, H] activations
+    w_ptr,  # [E, 2I, H] rows 0..I-1 gate, I..2I-1 up
+    s_ptr,  # [E, 2I] fp32 scales (HAS_SCALE)
+    inter_ptr,  # [n * k, I] out: silu(gate) * up per slot
+    logits_ptr,  # [n, E] router logits (ROUTE)
+    topw_ptr,  # [n * k] fp32 routing weights: written when ROUTE
+    ids_ptr,  # [n * k] expert ids: read, or written (int32) when ROUTE
+    counts_ptr,  # [E] int64 routing statistics (COUNT)
+    valid_ptr,  # [n] int64, 1 for real rows (COUNT)
+    I,
+    H,
+    E,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_l,
+    TOP_K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    ROUTE: tl.constexpr,
+    SOFTMAX_FIRST: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    COUNT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    SLOTS_FIRST: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent (shard/kernels/pdl.py)
+):
+    let_dependents_launch(PDL)
+    # Everything this kernel reads (x, the logits or ids) is the previous kernels' output: the
+    # overlap PDL gives here is the launch and block dispatch only.
+    wait_for_predecessor(PDL)
+    if SLOTS_FIRST:
+        # Slots fastest: the programs in flight together cover one column range of every slot,
+        # so slots that share an expert (batch > 1) read its rows at about the same time (L2).
+        slot = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:  # column tiles fastest: one expert's rows in order
+        pid_n = tl.program_id(0)
+        slot = tl.program_id(1)
+    t = slot // TOP_K
+    if ROUTE:
+        top_v, top_i = route_row(logits_ptr, t.to(tl.int64), E, stride_l, TOP_K, K_POW2,
+                                 SOFTMAX_FIRST, RENORMALIZE, BLOCK_E)
+        pick = tl.arange(0, K_POW2) == slot % TOP_K
+        expert = tl.sum(tl.where(pick, top_i, 0), 0)
+        if pid_n == 0:
+            tl.store(topw_ptr + slot, tl.sum(tl.where(pick, top_v, 0.0), 0))
+            tl.store(ids_ptr + slot, expert)
+    else:
+        expert = tl.load(ids_ptr + slot).to(tl.int32)
+    if (expert < 0) | (expert >= E):  # another rank's expert: the down launch skips the slot
+        return
+    if COUNT:  # noqa: SIM102 - a constexpr, then a runtime test (Triton)
+        if pid_n == 0:  # CUDA-graph padding rows have valid 0
+            tl.atomic_add(counts_ptr + expert, tl.load(valid_ptr + t))
+    # Tile row 2r: gate row c_r, 2r + 1: up row I + c_r (the bytes in flight of one tile serve
+    # both halves of the epilogue).
+    r = tl.arange(0, BLOCK_N)
+    cols = pid_n * (BLOCK_N // 2) + r // 2
+    rows = cols + (r % 2) * I
+    row_mask = cols < I
+    e64 = expert.to(tl.int64)
+    w_rows = w_ptr + e64 * stride_we + rows.to(tl.int64) * stride_wn  # [BLOCK_N]
+    x_row = x_ptr + t.to(tl.int64) * stride_xm
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
+        k = k0 + offs_k
+        k_mask = k < H
+        w = tl.load(w_rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0, eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
+        xv = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
+        acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+    out_ty = inter_ptr.dtype.element_ty
+    if HAS_SCALE:
+        acc = acc * tl.load(s_ptr + e64 * stride_se + rows, mask=row_mask, other=0.0)
+    y = acc.to(out_ty).to(tl.float32)
+    g, u = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))  # [BLOCK_N // 2] each
+    a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+    offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(inter_ptr + slot.to(tl.int64) * I + offs_out, (a * u).to(out_ty), mask=offs_out < I)
+
+
+@triton.jit
+def _down_sum_kernel(
+    inter_ptr,  # [n * k, I]
+    w_ptr,  # [E, H, I]
+    s_ptr,  # [E, H] fp32 scales (HAS_SCALE)
+    out_ptr,  # [n, H]
+    topw_ptr,  # [n * k] fp32 routing weights
+    ids_ptr,  # [n * k] expert ids
+    H,
+    I,
+    E,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_om,
+    TOP_K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    SLOTS_FIRST: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    let_dependents_launch(PDL)
+    wait_for_predecessor(PDL)  # the slots' ids and inter rows: the gate/up launch's output
+    if SLOTS_FIRST:  # tokens fastest (L2 reuse of shared experts, as above)
+        t = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1)
+    else:
+        pid_n = tl.program_id(0)
+        t = tl.program_id(1).to(tl.int64)
+    ks = tl.arange(0, K_POW2)
+    kmask = ks < TOP_K
+    ids = tl.load(ids_ptr + t * TOP_K + ks, mask=kmask, other=-1).to(tl.int32)  # [K_POW2]
+    keep = kmask & (ids >= 0) & (ids < E)
+    wts = tl.where(keep, tl.load(topw_ptr + t * TOP_K + ks, mask=kmask, other=0.0), 0.0)
+    ids = tl.where(keep, ids, -1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < H
+    offs_k = tl.arange(0, BLOCK_K)
+    k_tiles = tl.cdiv(I, BLOCK_K)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # One stream over (slot j, K tile): the pipelining runs across the slots' boundaries.
+    for it in tl.range(0, TOP_K * k_tiles, num_stages=STAGES):
+        j = it // k_tiles
+        k = (it % k_tiles) * BLOCK_K + offs_k
+        pick = ks == j
+        expert = tl.sum(tl.where(pick, ids, 0), 0)
+        k_lim = tl.where(expert >= 0, I, 0)  # a dropped slot reads nothing
+        e64 = tl.maximum(expert, 0).to(tl.int64)
+        k_mask = k < k_lim
+        w = tl.load(w_ptr + e64 * stride_we + rows[:, None].to(tl.int64) * stride_wn + k[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
+        a = tl.load(inter_ptr + (t * TOP_K + j) * I + k, mask=k_mask, other=0.0).to(tl.float32)
+        part = tl.sum(w.to(tl.float32) * a[None, :], axis=1)  # [BLOCK_N]
+        scale = tl.sum(tl.where(pick, wts, 0.0), 0)
+        if HAS_SCALE:
+            part = part * tl.load(s_ptr + e64 * stride_se + rows, mask=row_mask, other=0.0)
+        total += part * scale
+    tl.store(out_ptr + t * stride_om + rows, total.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def moe_decode(
+    x: torch.Tensor,  # [n, H] bf16/fp16 (fp32 under the interpreter)
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    top_k: int,
+    scale13: torch.Tensor | None = None,  # [E, 2I] float32 with fp8 weights
+    scale2: torch.Tensor | None = None,  # [E, H] float32 with fp8 weights
+    config: DecodeConfig | None = None,
+    *,
+    topk_weights: torch.Tensor | None = None,  # [n, k] float32 (given routing)
+    topk_ids: torch.Tensor | None = None,  # [n, k] int; ids outside [0, E) contribute nothing
+    logits: torch.Tensor | None = None,  # [n, E] router logits (routing inside launch 1)
+    routing: MoeRouting | None = None,  # with logits
+    count_into: torch.Tensor | None = None,  # [E] int64: adds routed slots per expert
+    valid: torch.Tensor | None = None,  # [n] int64: only rows with valid != 0 are counted
+) -> torch.Tensor:
+    """sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j] -> [n, H] x.dtype,
+    routing either given (topk_weights, topk_ids) or computed from `logits` with `routing`."""
+    n, hidden = x.shape
+    num_experts, inter2, _ = w13.shape
+    inter_dim = inter2 // 2
+    slots = n * top_k
+    cfg = config or decode_config_for(slots, scale13 is not None) or \
+        DECODE_CONFIGS[scale13 is not None][-1][1]
+    x = x.contiguous()
+    out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    route = logits is not None
+    if route:
+        assert routing is not None and routing.top_k == top_k
+        weights = torch.empty(slots, dtype=torch.float32, device=x.device)
+        ids = torch.empty(slots, dtype=torch.int32, device=x.device)
+    else:
+        assert topk_weights is not None and topk_ids is not None
+        weights = topk_weights.reshape(-1).float().contiguous()
+        ids = topk_ids.reshape(-1).contiguous()
+    inter = torch.empty(slots, inter_dim, dtype=x.dtype, device=x.device)
+    k_pow2 = triton.next_power_of_2(top_k)
+    count = count_into is not None
+    if count and valid is None:  # int64 as RoutingStats' rows (one compiled variant)
+        valid = torch.ones(n, dtype=torch.int64, device=x.device)
+    up_tiles = triton.cdiv(inter_dim, cfg.up_block_n // 2)
+    _gate_up_kernel[(slots, up_tiles) if cfg.slots_first else (up_tiles, slots)](
+        x, w13, scale13 if scale13 is not None else weights, inter,
+        logits if route else x, weights, ids,
+        count_into if count else weights, valid if count else weights,
+        inter_dim, hidden, num_experts,
+        x.stride(0), w13.stride(0), w13.stride(1),
+        scale13.stride(0) if scale13 is not None else 0,
+        logits.stride(0) if route else 0,
+        TOP_K=top_k, K_POW2=k_pow2, ROUTE=route,
+        SOFTMAX_FIRST=routing.softmax_first if route else True,
+        RENORMALIZE=routing.renormalize if route else False,
+        BLOCK_E=triton.next_power_of_2(num_experts), COUNT=count,
+        HAS_SCALE=scale13 is not None,
+        BLOCK_N=cfg.up_block_n, BLOCK_K=cfg.up_block_k, STAGES=cfg.stages,
+        SLOTS_FIRST=cfg.slots_first, num_warps=cfg.up_warps, num_stages=cfg.stages, **pdl.launch_options(x.device),
+    )
+    down_tiles = triton.cdiv(hidden, cfg.down_block_n)
+    _down_sum_kernel[(n, down_tiles) if cfg.slots_first else (down_tiles, n)](
+        inter, w2, scale2 if scale2 is not None else weights, out, weights, ids,
+        hidden, inter_dim, num_experts,
+        w2.stride(0), w2.stride(1), scale2.stride(0) if scale2 is not None else 0, out.stride(0),
+        TOP_K=top_k, K_POW2=k_pow2, HAS_SCALE=scale2 is not None,
+        BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, STAGES=cfg.stages,
+        SLOTS_FIRST=cfg.slots_first, num_warps=cfg.down_warps, num_stages=cfg.stages, **pdl.launch_options(x.device),
+    )
+    return out
+
+
+def warm_up(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: MoeRouting,
+            scale13: torch.Tensor | None, scale2: torch.Tensor | None,
+            count_into: torch.Tensor | None) -> None:
+    """Compiles and loads every decode config of the table for the layer's call (routing from
+    logits, statistics as the layer keeps them), eagerly before any CUDA-graph capture."""
+    num_experts, hidden = w13.shape[0], x.shape[-1]
+    one = torch.zeros(1, hidden, dtype=x.dtype, device=x.device)
+    logits = torch.zeros(1, num_experts, dtype=x.dtype, device=x.device)
+    scratch = torch.zeros_like(count_into) if count_into is not None else None
+    for _, cfg in DECODE_CONFIGS[scale13 is not None]:
+        decode_layer(one, logits, w13, w2, routing, scale13, scale2, cfg, scratch)
+
+
+def decode_layer(
+    x: torch.Tensor,  # [n, H]
+    logits: torch.Tensor,  # [n, E]
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    routing: MoeRouting,
+    scale13: torch.Tensor | None,
+    scale2: torch.Tensor | None,
+    config: DecodeConfig,
+    count_into: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """FusedMoE's decode-sized forward: routing inside the gate/up launch or as its own launch
+    (config.route_inside), then moe_decode. -> [n, H]"""
+    if config.route_inside:
+        return moe_decode(x, w13, w2, routing.top_k, scale13, scale2, config, logits=logits,
+                          routing=routing, count_into=count_into, valid=valid)
+    from shard.kernels import moe_route
+
+    weights, ids = moe_route.route(logits, routing)
+    return moe_decode(x, w13, w2, routing.top_k, scale13, scale2, config, topk_weights=weights,
+                      topk_ids=ids, count_into=count_into, valid=valid)
