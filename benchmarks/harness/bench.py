@@ -764,10 +764,12 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free at its start
         res["vllm_python"] = args.vllm_python
     if "vllm_offline" in parts:
+        res["gpu_free_before_vllm_offline"] = vllm_side.wait_for_free_gpu(torch.cuda.mem_get_info)
         attempt("vllm_offline", lambda: vllm_side.bench_vllm_offline(
             model_dir, args, args.out / "vllm_offline.log"))
         print(json.dumps(res.get("vllm_offline")), flush=True)
     if "vllm_served" in parts:
+        res["gpu_free_before_vllm_served"] = vllm_side.wait_for_free_gpu(torch.cuda.mem_get_info)
         attempt("vllm_served", lambda: vllm_side.bench_vllm_served(
             model_dir, args, args.out / "vllm_server.log", workload_jobs(args.requests)))
         print(json.dumps(res.get("vllm_served")), flush=True)

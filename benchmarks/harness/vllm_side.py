@@ -189,6 +189,20 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
+def wait_for_free_gpu(mem_get_info, fraction: float = 0.92, timeout: float = 120.0,
+                      poll_s: float = 1.0) -> float:
+    """Waits until `fraction` of the device's memory is free, i.e. the previous part's processes
+    (tokenwire's shard, vLLM's engine core) are gone: vLLM refuses to start when less than its
+    gpu_memory_utilization (0.9) is free. Returns the free fraction seen last (below `fraction`
+    after `timeout`: vLLM's own error will then say why). mem_get_info: () -> (free, total)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        free, total = mem_get_info()
+        if free >= fraction * total or time.monotonic() >= deadline:
+            return free / total
+        time.sleep(poll_s)
+
+
 def _python(args) -> str:
     if not args.vllm_python:
         raise RuntimeError("--vllm-python (or $VLLM_PYTHON) must name an interpreter with vLLM")

@@ -159,6 +159,13 @@ def test_offline_part_command_line_and_result(tmp_path) -> None:
         vllm_side.bench_vllm_offline(tmp_path / "model", _args(vllm_python=bad), log)
 
 
+def test_waits_for_the_previous_parts_memory() -> None:
+    seen = iter([(10, 80), (40, 80), (76, 80), (80, 80)])
+    assert vllm_side.wait_for_free_gpu(lambda: next(seen), poll_s=0) == 76 / 80
+    stuck = vllm_side.wait_for_free_gpu(lambda: (8, 80), timeout=0.05, poll_s=0.01)
+    assert stuck == 0.1  # gives up and lets vLLM say why
+
+
 def test_side_by_side_table(served, tmp_path) -> None:
     vs = served[0]
     e2e = dict(vs, requests_per_s=vs["requests_per_s"] * 0.5, ttft_p99_ms=123456.0)
