@@ -40,16 +40,15 @@ def served(tmp_path_factory) -> tuple[dict, list[dict], list, str]:
     tmp = tmp_path_factory.mktemp("vllm_side")
     fake_py = _fake_python(tmp / "python", HELPER)  # what --vllm-python names
     bodies = tmp / "bodies.jsonl"
-    import os
-
-    os.environ["FAKE_VLLM_BODIES"] = str(bodies)
     args = _args(vllm_python=fake_py, clients=2, e2e_warmup_requests=2, e2e_timeout=60,
                  vllm_startup_timeout=60, vllm_args="--max-num-batched-tokens 8192")
     jobs = bench.workload_jobs(8)
     jobs += [(8, 3, 9, "t1 t2 tokens-per-chunk-2"), (9, 1, 5, "reject"),
              (10, 1, 5, "fail-mid-stream")]
     log = tmp / "vllm_server.log"
-    res = vllm_side.bench_vllm_served(tmp / "model", args, log, jobs)
+    with pytest.MonkeyPatch.context() as mp:  # the stand-in appends request bodies there
+        mp.setenv("FAKE_VLLM_BODIES", str(bodies))
+        res = vllm_side.bench_vllm_served(tmp / "model", args, log, jobs)
     sent = [json.loads(line) for line in bodies.read_text().splitlines()]
     return res, sent, jobs, log.read_text()
 
