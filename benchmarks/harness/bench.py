@@ -25,12 +25,13 @@ import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.harness import vllm_side
+from benchmarks.harness.load_stats import summarize_streams
 from benchmarks.harness.timing import (
     ab_variants,
     cuda_time_ms,
@@ -51,8 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="where the random checkpoint is written (local disk)")
     a("--out", type=Path, default=Path("benchmarks"), help="RESULTS.md and results.json go here")
     a("--parts", default="ceilings,decode,prefill,engine,e2e,hf",
-      help="comma-separated subset of ceilings,decode,prefill,engine,e2e,hf (engine: the "
-           "engine-only bound of the e2e workload, benchmarks/harness/engine_part.py)")
+      help="comma-separated subset of ceilings,decode,prefill,engine,e2e,hf,vllm_offline,"
+           "vllm_served (engine: the engine-only bound of the e2e workload, "
+           "benchmarks/harness/engine_part.py; vllm_*: the e2e workload through vLLM, offline "
+           "and served, in --vllm-python's interpreter, benchmarks/harness/vllm_side.py)")
     a("--model-type", choices=sorted(SHAPES), default="llama",
       help="shape of the random checkpoint: llama (Llama-3-8B), qwen3 (Qwen3-8B: per-head "
            "q/k norms, 36 layers, 151,936 vocabulary) or gemma2 (Gemma-2-9B: soft-capped "
@@ -109,6 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "forces the transformers backend, for comparison with the native path")
     a("--all-reduce", choices=["auto", "nccl"], default="auto",
       help="TP all-reduce (as `tokenwire shard --all-reduce`)")
+    vllm_side.add_arguments(parser)
 
 
 # ---- measurements ---------------------------------------------------------------------------------
@@ -277,6 +281,12 @@ def prompt_text(idx: int, n_in: int) -> str:
     return " ".join(f"t{rng.randrange(BOS_ID)}" for _ in range(n_in))
 
 
+def workload_jobs(n: int) -> list[tuple[int, int, int, str]]:
+    """(index, prompt words, new tokens, prompt text) of the e2e workload's n requests."""
+    return [(i, n_in, n_out, prompt_text(i, n_in)) for i, (n_in, n_out) in
+            enumerate(sharegpt_like(n))]
+
+
 def _client_proc(port: int, jobs: list[tuple[int, int, int]], start_at: float, queue) -> None:
     """One load-client process: all its requests at once over grpc.aio GenerateStream."""
     import asyncio
@@ -437,31 +447,9 @@ def bench_e2e(model_dir: Path, args, log_path: Path, overlap: bool = True) -> di
                 pass
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-    ok = [r for r in results if not r["error"] and r["times"]]
-    end = max(r["times"][-1] for r in ok)
-    wall = end - start_at
-    ttft = sorted(r["times"][0] - r["t0"] for r in ok)
-    itl = sorted(b - a for r in ok for a, b in zip(r["times"], r["times"][1:]))
-    out_tokens = sum(r["count"] for r in ok)
-
-    def pct(xs, p):
-        return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else float("nan")
-
-    reasons: dict[str, int] = {}
-    for r in results:
-        reasons[r["reason"] or "none"] = reasons.get(r["reason"] or "none", 0) + 1
-    return {
-        "requests": len(results), "ok": len(ok),
-        "errors": [r["error"] for r in results if r["error"]][:5],
-        "finish_reasons": reasons, "startup_seconds": startup_s, "wall_seconds": wall,
-        "requests_per_s": len(ok) / wall, "output_tokens_per_s": out_tokens / wall,
-        "mean_input": statistics.mean(r["in"] for r in results),
-        "mean_output": statistics.mean(r["count"] for r in results),
-        "exact_lengths": sum(r["count"] == r["out"] for r in results),
-        "ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p99_ms": pct(ttft, 99) * 1e3,
-        "itl_p50_ms": pct(itl, 50) * 1e3, "itl_p99_ms": pct(itl, 99) * 1e3,
-        "shard_profile": served_profile(trace_dir / "rank0"),
-    }
+    out = summarize_streams(results, start_at, startup_s)
+    out["shard_profile"] = served_profile(trace_dir / "rank0")
+    return out
 
 
 # ---- transformers baseline ----------------------------------------------------------------------
@@ -632,6 +620,7 @@ def write_report(res: dict, path: Path) -> None:
                  f"{e['itl_p99_ms']:.1f} | {e['ok']} | {e['mean_input']:.0f} / "
                  f"{e['mean_output']:.0f} |\n\nfinish reasons: {e['finish_reasons']}; exact "
                  f"output lengths: {e['exact_lengths']}/{e['requests']}; errors: {e['errors']}\n")
+    vllm_side.side_by_side_section(res, L)
     tp = res.get("tp")
     if tp:
         n = tp["num_shard"]
@@ -771,6 +760,19 @@ def run(args: argparse.Namespace) -> int:
             attempt("e2e_no_overlap", lambda: bench_e2e(
                 model_dir, args, args.out / "e2e_server_no_overlap.log", overlap=False))
             print(json.dumps(res.get("e2e_no_overlap")), flush=True)
+    if parts & {"vllm_offline", "vllm_served"}:
+        torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free at its start
+        res["vllm_python"] = args.vllm_python
+    if "vllm_offline" in parts:
+        res["gpu_free_before_vllm_offline"] = vllm_side.wait_for_free_gpu(torch.cuda.mem_get_info)
+        attempt("vllm_offline", lambda: vllm_side.bench_vllm_offline(
+            model_dir, args, args.out / "vllm_offline.log"))
+        print(json.dumps(res.get("vllm_offline")), flush=True)
+    if "vllm_served" in parts:
+        res["gpu_free_before_vllm_served"] = vllm_side.wait_for_free_gpu(torch.cuda.mem_get_info)
+        attempt("vllm_served", lambda: vllm_side.bench_vllm_served(
+            model_dir, args, args.out / "vllm_server.log", workload_jobs(args.requests)))
+        print(json.dumps(res.get("vllm_served")), flush=True)
     if "hf" in parts:
         attempt("hf", lambda: bench_hf(model_dir))
     save()
