@@ -181,11 +181,13 @@ def summarize_offline(rows: list[tuple[int, int, str]], lengths: list[tuple[int,
 def vllm_env() -> dict[str, str]:
     """The environment of vLLM's processes: the repository on PYTHONPATH (for vllm_offline's
     workload imports) and nothing else of tokenwire's (its carried /tmp/site wheels pin other
-    protobuf/grpc versions); no network, no usage reports."""
+    protobuf/grpc versions); no network, no usage reports. FlashInfer is not in the pack (its
+    JIT needs a compiler and its cubins are ~1 GB): vLLM's sampler then takes its torch top-k /
+    top-p path, which greedy requests never reach anyway."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO_ROOT)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-               DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
+               DO_NOT_TRACK="1", PYTHONUNBUFFERED="1", VLLM_USE_FLASHINFER_SAMPLER="0")
     return env
 
 
