@@ -60,11 +60,14 @@ if [ ! -f $venv/.installed ]; then
   touch $venv/.installed
 fi
 # vLLM's engine imports llguidance at module level (its structured-output backends); the pack
-# leaves it out because tokenwire's own device wheels (.whl-tw, carried by `run`) hold it.
+# leaves it out because tokenwire's own device wheels (.whl-tw: carried by `install` and `run`)
+# hold it.
 vsite=$($venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 if ! env -u PYTHONPATH $venv/bin/python -c "import llguidance" 2>/dev/null; then
+  ls .whl-tw/llguidance-*.whl > /dev/null 2>&1 || {
+    echo "carry .whl-tw with this call: vLLM needs its llguidance wheel"; exit 1; }
   env -u PYTHONPATH python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --target "$vsite" .whl-tw/llguidance-*.whl || { echo "carry .whl-tw (llguidance)"; exit 1; }
+    --target "$vsite" .whl-tw/llguidance-*.whl || exit 1
 fi
 env -u PYTHONPATH PYTHONPATH=$PWD $venv/bin/python - <<'EOF' 2>&1 | tail -20 | tee $OUT/import_check.log
 import importlib, torch, vllm
