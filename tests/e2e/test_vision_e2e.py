@@ -30,8 +30,8 @@ from tokenwire.v1 import generate_pb2_grpc as gpb_grpc
 
 from tests.helpers.http_api import http_json
 from tests.helpers.processes import Deployment, launch, run_checked
-from tests.helpers.python_sdk import build_wheel, sdk_venv
-from tests.helpers.typescript_sdk import install, pack
+from tests.helpers.python_sdk import sdk_venv, shared_wheel
+from tests.helpers.typescript_sdk import install, shared_tarball
 from tests.helpers.vision import HfReference, encoded, tiny_llava
 
 pytestmark = pytest.mark.slow
@@ -209,7 +209,7 @@ def sdk_run(deployment: Deployment, image_server: str,
     """vision_sdk_cases.py's report, run with the `tokenwire-client` wheel in a fresh venv (from
     an empty folder: nothing of this repository is importable there)."""
     work = tmp_path_factory.mktemp("vision-sdk")
-    python = sdk_venv(build_wheel(work), work)
+    python = sdk_venv(shared_wheel(tmp_path_factory), work)
     png = work / "a.png"
     png.write_bytes(PNG0)
     out = work / "results.json"
@@ -267,7 +267,7 @@ def test_typescript_sdk_images(deployment, image_server, markdown_ids, client,
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.fail("node and npm are needed for the TypeScript SDK")
     work = tmp_path_factory.mktemp("vision-ts")
-    project = install(pack(work), work / "project")
+    project = install(shared_tarball(tmp_path_factory), work / "project")
     shutil.copy(Path(__file__).with_name("vision_ts_cases.mjs"), project / "vision.test.mjs")
     png = work / "a.png"
     png.write_bytes(PNG0)

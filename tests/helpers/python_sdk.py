@@ -9,7 +9,10 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.processes import REPO, run_checked
+from tests.helpers.run_cache import once_per_run
 
 SDK = REPO / "clients" / "python"
 
@@ -29,6 +32,12 @@ def build_wheel(work: Path) -> Path:
     )
     (built,) = out.glob("tokenwire_client-*.whl")
     return built
+
+
+def shared_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """build_wheel at most once per test run (the SDK tests and the vision tests install the same
+    wheel; building it took ~2-4 s of CPU each)."""
+    return once_per_run(tmp_path_factory, "sdk-python-wheel", build_wheel)
 
 
 def sdk_venv(wheel: Path, work: Path) -> Path:

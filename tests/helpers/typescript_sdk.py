@@ -7,7 +7,10 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.processes import REPO, run_checked
+from tests.helpers.run_cache import once_per_run
 
 SDK = REPO / "clients" / "typescript"
 NPM_FLAGS = ["--no-audit", "--no-fund", "--loglevel=error"]
@@ -27,6 +30,12 @@ def pack(work: Path) -> Path:
     assert {"dist/index.js", "dist/index.d.ts", "README.md", "package.json"} <= files, files
     assert not any(path.startswith(("src/", "test/", "node_modules/")) for path in files)
     return work / info["filename"]
+
+
+def shared_tarball(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """pack at most once per test run (the SDK tests and the vision tests install the same
+    tarball; `npm ci` + tsc took ~10 s each)."""
+    return once_per_run(tmp_path_factory, "sdk-typescript-tarball", pack)
 
 
 def install(tarball: Path, project: Path) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.processes import Deployment, run_checked
-from tests.helpers.python_sdk import SDK, build_wheel, sdk_venv
+from tests.helpers.python_sdk import SDK, sdk_venv, shared_wheel
 from tests.helpers.raw_grpc import RawClient
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_wheel(tmp_path_factory.mktemp("sdk-py-build"))
+    return shared_wheel(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

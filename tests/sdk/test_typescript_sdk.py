@@ -16,7 +16,7 @@ import pytest
 from tests.helpers.processes import Deployment
 from tests.helpers.raw_grpc import RawClient
 from tests.helpers.tools import needs
-from tests.helpers.typescript_sdk import SDK, install, pack
+from tests.helpers.typescript_sdk import SDK, install, shared_tarball
 
 pytestmark = [
     pytest.mark.slow,
@@ -30,7 +30,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def tarball(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return pack(tmp_path_factory.mktemp("sdk-ts-build"))
+    return shared_tarball(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
