@@ -11,8 +11,8 @@ head_dim]. A backend that needs another layout converts inside itself or says so
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -37,6 +37,9 @@ class AttentionMetadata:
     # Host copies, so that portable code can loop without device syncs.
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # What a backend derives from the host lists once per step and every layer reuses (e.g.
+    # shard/attention/mixed_step.py's split and tile map, already on the device).
+    derived: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
