@@ -42,7 +42,9 @@ class WarmupResult:
 
 log = logging.getLogger(__name__)
 
-CUDA_GRAPH_MAX_BATCH = 512  # larger decode batches run eagerly
+# Larger decode batches run eagerly. 1,024: a burst of ~1,000 requests decodes in graphs too (the
+# largest bucket's logits are 1,024 x vocab fp32, 0.5 GB at Llama 3's 128k vocabulary).
+CUDA_GRAPH_MAX_BATCH = 1024
 # On CPU the KV cache is sized from host memory (or --kv-cache-memory-mb), not from the warm-up
 # prefill's peak, so a worst-case prefill measures nothing there: a short one still runs every
 # kernel once and calibrates an fp8 KV cache. The full one (4,096 tokens for the default model)
