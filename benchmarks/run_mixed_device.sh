@@ -40,7 +40,7 @@ e2e)
   rm -rf /tmp/twb/profiles
   timeout 300 python3 -m benchmarks.harness --parts e2e --e2e-overlap on \
     --e2e-profile-from-step $profile --workdir /tmp/twb --out "$dir" --commit "$commit" \
-    --e2e-max-batch-size "$batch" --e2e-launch-args "$extra" > "$dir/bench.log" 2>&1
+    --e2e-max-batch-size "$batch" --e2e-launch-args "$extra" ${DUMP_STREAMS:+--e2e-dump-streams} > "$dir/bench.log" 2>&1
   cp /tmp/twb/profiles/e2e_server/rank0/steps.json "$dir/" 2>/dev/null
   python3 - "$dir/results.json" "$name" <<'EOF'
 import json, sys

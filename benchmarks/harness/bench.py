@@ -91,6 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "as the engine-only runs are preceded by a warm-up run")
     a("--e2e-max-batch-size", type=int, default=512,
       help="router --max-batch-size for the end-to-end run (decode graphs cover up to 1,024)")
+    a("--e2e-dump-streams", action="store_true",
+      help="e2e: write every stream's token arrival times to <server log stem>_streams.json.gz")
     a("--e2e-launch-args", default="",
       help="e2e: extra `tokenwire launch` arguments, CLI style (they follow the harness's own, "
            "so they override them), e.g. '--waiting-served-ratio 0 --max-batch-prefill-tokens "
@@ -453,6 +455,12 @@ def bench_e2e(model_dir: Path, args, log_path: Path, overlap: bool = True) -> di
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
     out = summarize_streams(results, start_at, startup_s)
+    if getattr(args, "e2e_dump_streams", False):  # every token's arrival time, for analysis
+        import gzip
+
+        with gzip.open(log_path.with_name(log_path.stem + "_streams.json.gz"), "wt") as f:
+            json.dump({"start_at": start_at, "streams": [
+                {k: r[k] for k in ("idx", "in", "out", "t0", "times")} for r in results]}, f)
     out["shard_profile"] = served_profile(trace_dir / "rank0")
     out["launch"] = {"max_batch_size": args.e2e_max_batch_size,
                      "extra_args": getattr(args, "e2e_launch_args", "")}

@@ -103,6 +103,12 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
+    def mixed_warmup_decode_rows(self) -> list[int]:
+        """Decode-row counts of the mixed steps (one prompt chunk plus that many one-token
+        rows) that warmup runs so that every kernel variant a mixed step can pick is compiled
+        before traffic; [] (the default): the backend compiles nothing per step shape."""
+        return []
+
     # The fused steps below default to composing write_kv and attend (what a backend without a
     # kernel for them does); backends with one override them, with the same results. Shapes:
     # positions [n] int64; query [n, num_heads, head_dim] and key / value [n, num_kv_heads,

@@ -40,6 +40,11 @@ def _scale_tensors(
     return tensor(kv_scales.k_scale), tensor(kv_scales.v_scale)
 
 
+# Splits of a mixed step's decode rows when they are too few to fill the SMs (see
+# CudaAttentionBackend._mixed_decode_splits); default_num_splits' cap.
+MIXED_DECODE_SPLITS = 16
+
+
 def flash_attn_available() -> bool:
     """True when the optional flash-attn package is importable (it is never required)."""
     return importlib.util.find_spec("flash_attn") is not None
@@ -199,10 +204,22 @@ class CudaAttentionBackend(AttentionBackend):
             self._decode.paged_decode_attention(
                 query[t:], key_cache, value_cache, meta.block_tables[p:], meta.seq_lens[p:],
                 scale, sliding_window,
-                num_splits=self.num_decode_splits(split.decode_seqs, key_cache.shape[2]),
+                num_splits=self._mixed_decode_splits(split.decode_seqs, key_cache.shape[2]),
                 out=out[t:], k_scale=k_scale, v_scale=v_scale, softcap=softcap,
             )
         return out
+
+    def _mixed_decode_splits(self, num_seqs: int, num_kv_heads: int) -> int:
+        """Split count for the decode rows of a mixed step: one once a (sequence, KV head)
+        program per SM exists, else MIXED_DECODE_SPLITS. Two values only, unlike decode-only
+        steps (default_num_splits, fixed per captured graph): Triton compiles a kernel per split
+        count, and a compile in the middle of serving stalls that step for seconds; warmup runs
+        both (mixed_warmup_decode_rows)."""
+        return 1 if num_seqs * num_kv_heads >= self._num_sms else MIXED_DECODE_SPLITS
+
+    def mixed_warmup_decode_rows(self) -> list[int]:
+        # One row: MIXED_DECODE_SPLITS splits; one per SM: one split, whatever the KV heads.
+        return [1, self._num_sms]
 
     def _mixed_plan(
         self, meta: AttentionMetadata, head_dim: int, device: torch.device

@@ -84,6 +84,26 @@ def worst_case_prefill(spec: WarmupSpec, block_size: int, vocab_size: int = 1) -
     return step
 
 
+def mixed_warmup_step(decode_rows: int, block_size: int) -> StepInputs:
+    """A mixed step: a one-block prompt chunk on block 0, then `decode_rows` one-token rows, each
+    a full block of context on block 1 (they all write its last slot: warmup K/V is garbage)."""
+    step = StepInputs([], [], [], [], [], [])
+    step.token_ids.extend(range(1, block_size + 1))
+    step.positions.extend(range(block_size))
+    step.query_lens.append(block_size)
+    step.seq_lens.append(block_size)
+    step.block_tables.append([0])
+    step.logits_indices.append(block_size - 1)
+    for _ in range(decode_rows):
+        step.logits_indices.append(len(step.token_ids))
+        step.token_ids.append(1)
+        step.positions.append(block_size - 1)
+        step.query_lens.append(1)
+        step.seq_lens.append(block_size)
+        step.block_tables.append([1])
+    return step
+
+
 def cpu_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -120,6 +140,8 @@ def run_warmup(
     try:
         runner.allocate_kv_cache(sum(len(t) for t in step.block_tables) + 1)
         runner.execute_calibrating(step)  # fp8 KV caches: per-head scales from this prefill
+        for rows in runner.attention.mixed_warmup_decode_rows():  # compile them before traffic
+            runner.execute(mixed_warmup_step(rows, bs))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except torch.OutOfMemoryError as exc:

@@ -47,8 +47,8 @@ def test_mixed_step_attention_matches_torch_and_the_whole_batch_prefill_kernel(w
     from shard.attention.torch_backend import TorchAttentionBackend
     from shard.kernels.attention_prefill import paged_prefill_attention
 
-    # Llama-3-8B heads; chunks: 300 new over 500 cached, a fresh 37, a one-token chunk; then 200
-    # decode rows of 1..1,500 context
+    # Llama-3-8B heads; chunks: 300 new over 500 cached, a fresh 37; then a one-token chunk (it
+    # joins the trailing one-token rows) and 200 decode rows of 1..1,500 context
     gen = torch.Generator().manual_seed(1)
     decode_ctx = torch.randint(1, 1500, (200,), generator=gen).tolist()
     q_lens = [300, 37, 1] + [1] * 200
@@ -57,8 +57,8 @@ def test_mixed_step_attention_matches_torch_and_the_whole_batch_prefill_kernel(w
     scale = 128**-0.5
     got = CudaAttentionBackend("cuda", use_flash_attn=False).attend(q, *cache, meta, scale, window)
     split, tile_map = meta.derived["cuda_mixed"]
-    assert (split.prefill_seqs, split.decode_seqs) == (3, 200)
-    assert tile_map.shape[1] == 5 + 1 + 1
+    assert (split.prefill_seqs, split.decode_seqs) == (2, 201)
+    assert tile_map.shape[1] == 5 + 1
     want = TorchAttentionBackend().attend(q.float(), cache[0].float(), cache[1].float(), meta,
                                           scale, window)
     err = (got.float() - want).abs().max().item()
