@@ -25,6 +25,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -89,7 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="e2e: requests (at most 16 new tokens each) sent and finished before the timed run, "
            "as the engine-only runs are preceded by a warm-up run")
     a("--e2e-max-batch-size", type=int, default=512,
-      help="router --max-batch-size for the end-to-end run (decode graphs cover up to 512)")
+      help="router --max-batch-size for the end-to-end run (decode graphs cover up to 1,024)")
+    a("--e2e-dump-streams", action="store_true",
+      help="e2e: write every stream's token arrival times to <server log stem>_streams.json.gz")
+    a("--e2e-launch-args", default="",
+      help="e2e: extra `tokenwire launch` arguments, CLI style (they follow the harness's own, "
+           "so they override them), e.g. '--waiting-served-ratio 0 --max-batch-prefill-tokens "
+           "4096'")
     a("--commit", default=None, help="commit to record (default: git rev-parse)")
     a("--port", type=int, default=0, help="router port for e2e (0: a free one)")
     a("--quantize", default=None, choices=["bitsandbytes", "bitsandbytes-nf4", "fp8"],
@@ -398,7 +405,7 @@ def bench_e2e(model_dir: Path, args, log_path: Path, overlap: bool = True) -> di
         "--frontends", str(args.router_frontends),
         "--model-impl", args.model_impl,
     ] + (["--quantize", args.quantize] if args.quantize else []) + (
-        [] if overlap else ["--no-overlap"])
+        [] if overlap else ["--no-overlap"]) + shlex.split(getattr(args, "e2e_launch_args", ""))
     if getattr(args, "tuning_cache_dir", None):
         cmd += ["--tuning-cache-dir", str(args.tuning_cache_dir)]
     trace_dir = args.workdir / "profiles" / log_path.stem
@@ -448,7 +455,15 @@ def bench_e2e(model_dir: Path, args, log_path: Path, overlap: bool = True) -> di
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
     out = summarize_streams(results, start_at, startup_s)
+    if getattr(args, "e2e_dump_streams", False):  # every token's arrival time, for analysis
+        import gzip
+
+        with gzip.open(log_path.with_name(log_path.stem + "_streams.json.gz"), "wt") as f:
+            json.dump({"start_at": start_at, "streams": [
+                {k: r[k] for k in ("idx", "in", "out", "t0", "times")} for r in results]}, f)
     out["shard_profile"] = served_profile(trace_dir / "rank0")
+    out["launch"] = {"max_batch_size": args.e2e_max_batch_size,
+                     "extra_args": getattr(args, "e2e_launch_args", "")}
     return out
 
 

@@ -11,8 +11,8 @@ head_dim]. A backend that needs another layout converts inside itself or says so
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -37,6 +37,9 @@ class AttentionMetadata:
     # Host copies, so that portable code can loop without device syncs.
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # What a backend derives from the host lists once per step and every layer reuses (e.g.
+    # shard/attention/mixed_step.py's split and tile map, already on the device).
+    derived: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -99,6 +102,12 @@ class AttentionBackend(Protocol):
         softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
+
+    def mixed_warmup_decode_rows(self) -> list[int]:
+        """Decode-row counts of the mixed steps (one prompt chunk plus that many one-token
+        rows) that warmup runs so that every kernel variant a mixed step can pick is compiled
+        before traffic; [] (the default): the backend compiles nothing per step shape."""
+        return []
 
     # The fused steps below default to composing write_kv and attend (what a backend without a
     # kernel for them does); backends with one override them, with the same results. Shapes:

@@ -6,8 +6,9 @@
   rotate_write_and_attend_decode does rotary, the cache store and decode attention in the split
   kernel itself (one launch fewer per layer than rotate_and_write_kv + attend, same results);
 - steps with prefill chunks: flash-attn's paged varlen kernel when importable and the cache
-  block size suits it (a multiple of 256), else the Triton paged prefill kernel, which covers
-  chunks that attend to already-cached blocks.
+  block size suits it (a multiple of 256), else the Triton paged prefill kernel for the chunks
+  (it covers chunks that attend to already-cached blocks) and the decode kernel for the decode
+  rows riding in the step (shard/attention/mixed_step.py).
 
 Nothing here syncs with the host: the metadata's device tensors drive the kernels, and the
 number of decode splits depends only on the batch size so a captured graph stays valid.
@@ -20,6 +21,7 @@ import importlib.util
 import torch
 
 from shard.attention.base import AttentionBackend, AttentionMetadata, Rotary
+from shard.attention.mixed_step import MixedSplit, prefill_tile_map, split_trailing_decodes
 from shard.quantization.kv_cache import KvScales
 
 
@@ -38,6 +40,11 @@ def _scale_tensors(
     return tensor(kv_scales.k_scale), tensor(kv_scales.v_scale)
 
 
+# Splits of a mixed step's decode rows when they are too few to fill the SMs (see
+# CudaAttentionBackend._mixed_decode_splits); default_num_splits' cap.
+MIXED_DECODE_SPLITS = 16
+
+
 def flash_attn_available() -> bool:
     """True when the optional flash-attn package is importable (it is never required)."""
     return importlib.util.find_spec("flash_attn") is not None
@@ -46,12 +53,19 @@ def flash_attn_available() -> bool:
 class CudaAttentionBackend(AttentionBackend):
     """AttentionBackend for CUDA devices (see shard/attention/base.py for the contract)."""
 
-    def __init__(self, device: torch.device | str = "cuda", use_flash_attn: bool | None = None):
+    def __init__(
+        self,
+        device: torch.device | str = "cuda",
+        use_flash_attn: bool | None = None,
+        num_sms: int | None = None,  # None: the device's (Triton-interpreter tests pass one)
+    ):
         from shard.kernels import attention_decode, attention_prefill  # lazy: triton on CUDA only
 
         self._decode = attention_decode
         self._prefill = attention_prefill
-        self._num_sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+        self._num_sms = num_sms
         self._flash = flash_attn_available() if use_flash_attn is None else use_flash_attn
         self.name = "cuda-triton+flash-attn" if self._flash else "cuda-triton"
         # Decode reads only device tensors and its grid depends on the batch size alone, so
@@ -159,20 +173,70 @@ class CudaAttentionBackend(AttentionBackend):
         if self._flash and key_cache.shape[1] % 256 == 0 and k_scale is None:
             return self._flash_prefill(query, key_cache, value_cache, meta, scale, sliding_window,
                                        softcap)
-        return self._prefill.paged_prefill_attention(
-            query,
-            key_cache,
-            value_cache,
-            meta.block_tables,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.max_query_len,
-            scale,
-            sliding_window,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            softcap=softcap,
-        )
+        return self._attend_mixed(query, key_cache, value_cache, meta, scale, sliding_window,
+                                  k_scale, v_scale, softcap)
+
+    def _attend_mixed(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+        softcap: float | None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """A step with prefill chunks: the chunks through the prefill kernel over their tiles,
+        the trailing one-token rows through the decode kernel (shard/attention/mixed_step.py)."""
+        split, tile_map = self._mixed_plan(meta, query.shape[2], query.device)
+        out = torch.empty_like(query)
+        p, t = split.prefill_seqs, split.prefill_tokens
+        if p:
+            self._prefill.paged_prefill_attention(
+                query[:t], key_cache, value_cache, meta.block_tables[:p],
+                meta.query_start_loc[: p + 1], meta.seq_lens[:p], meta.max_query_len, scale,
+                sliding_window, out=out[:t], k_scale=k_scale, v_scale=v_scale, softcap=softcap,
+                tile_map=tile_map,
+            )
+        if split.decode_seqs:
+            self._decode.paged_decode_attention(
+                query[t:], key_cache, value_cache, meta.block_tables[p:], meta.seq_lens[p:],
+                scale, sliding_window,
+                num_splits=self._mixed_decode_splits(split.decode_seqs, key_cache.shape[2]),
+                out=out[t:], k_scale=k_scale, v_scale=v_scale, softcap=softcap,
+            )
+        return out
+
+    def _mixed_decode_splits(self, num_seqs: int, num_kv_heads: int) -> int:
+        """Split count for the decode rows of a mixed step: one once a (sequence, KV head)
+        program per SM exists, else MIXED_DECODE_SPLITS. Two values only, unlike decode-only
+        steps (default_num_splits, fixed per captured graph): Triton compiles a kernel per split
+        count, and a compile in the middle of serving stalls that step for seconds; warmup runs
+        both (mixed_warmup_decode_rows)."""
+        return 1 if num_seqs * num_kv_heads >= self._num_sms else MIXED_DECODE_SPLITS
+
+    def mixed_warmup_decode_rows(self) -> list[int]:
+        # One row: MIXED_DECODE_SPLITS splits; one per SM: one split, whatever the KV heads.
+        return [1, self._num_sms]
+
+    def _mixed_plan(
+        self, meta: AttentionMetadata, head_dim: int, device: torch.device
+    ) -> tuple[MixedSplit, torch.Tensor]:
+        """The step's split and its chunks' tile map ([2, num_tiles] int32 on the device), made
+        at the first layer and kept in meta.derived for the others."""
+        plan = meta.derived.get("cuda_mixed")
+        if plan is None:
+            split = split_trailing_decodes(meta.query_lens_host)
+            p = split.prefill_seqs
+            block_m = self._prefill.prefill_tiles(head_dim)[0]
+            tiles = prefill_tile_map(meta.query_lens_host[:p], meta.seq_lens_host[:p], block_m)
+            tile_map = torch.from_numpy(tiles)
+            if device.type == "cuda":  # from pinned memory the copy does not wait for the device
+                tile_map = tile_map.pin_memory().to(device, non_blocking=True)
+            plan = meta.derived["cuda_mixed"] = (split, tile_map)
+        return plan
 
     def _flash_prefill(
         self,

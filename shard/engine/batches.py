@@ -24,6 +24,7 @@ import math
 import time
 from array import array
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -146,6 +147,9 @@ class LaunchedStep:
     # copied with the sampled results (pinned host on CUDA); the window's step count
     expert_counts: torch.Tensor | None = None
     expert_steps: int = 0
+    # Called on the model worker once `result` is set (the servicer hands it to the waiting RPC
+    # without a second trip through the worker, which may be busy launching the next step).
+    on_result: Callable[[], None] | None = None
 
     def wait_device(self) -> None:
         """Blocks until this step's results are on the host (no Python state is touched:
@@ -204,6 +208,14 @@ class BatchState:
         # in the next step before it has read that step's answer (overlap); they are skipped.
         self._finished_unseen: set[int] = set()
         self.overlapped_steps = 0  # steps launched while the previous one was unfinished
+        self.overlapped_chunk_steps = 0  # ... of them, steps with prompt chunks
+        # Whether a step with prompt chunks (an eager forward) may launch while the previous
+        # step runs. On CUDA it does not: its launch is host-bound (hundreds of kernel launches
+        # take about as long as the GPU runs them), so overlapping gains nothing, while the
+        # previous step's results would wait on the single model worker until the whole launch
+        # is done, reaching clients a step late (their inter-token gaps doubled; issue 44).
+        # Elsewhere (CPU, tests of the overlapped eager path) it may.
+        self.overlap_eager_steps = runner.device.type != "cuda"
         # Device time of each step's forward + sampling (benchmarks; None: not measured).
         self.gpu_timer: GpuStepTimer | None = None
         self._copy_stream = (
@@ -522,6 +534,8 @@ class BatchState:
         step = LaunchedStep(work=[], batch_id=batch_id, merged=merged, timings=StepTimings())
         if prev is not None:
             self.overlapped_steps += 1
+            if any(w.length > 1 for w in work):
+                self.overlapped_chunk_steps += 1
         self._run_step(step, work, t0, prev)
         self._inflight.append(step)
         return step
@@ -531,6 +545,8 @@ class BatchState:
         on the device on the host (penalties, watermark, grammar masks), and no row uses what
         the overlapped path does not cover (drafts, LoRA slots, prompt logprobs)."""
         if prev.drafts:
+            return False
+        if not self.overlap_eager_steps and any(w.length > 1 for w in work):
             return False
         for w in work:
             st = w.state
@@ -581,6 +597,8 @@ class BatchState:
         step.result = self._finish_step(step.batch_id, step.merged, generations, timings)
         if step.expert_counts is not None:  # on the host now (the copy above completed)
             step.result.expert_load = ExpertLoad(step.expert_counts.tolist(), step.expert_steps)
+        if step.on_result is not None:
+            step.on_result()
 
     def _decode_inputs(
         self, work: list[_Work], prev: LaunchedStep | None

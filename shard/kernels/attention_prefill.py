@@ -27,6 +27,7 @@ def _prefill_kernel(
     query_start_ptr,  # [num_seqs + 1]
     seq_lens_ptr,  # [num_seqs]
     out_ptr,  # [num_tokens, num_heads, head_dim]
+    tile_map_ptr,  # [2, num_tiles] int32 (sequence, query tile) of each program (TILE_MAP only)
     k_scale_ptr,  # [num_kv_heads] fp32 (SCALED only)
     v_scale_ptr,
     stride_q_tok,
@@ -35,6 +36,7 @@ def _prefill_kernel(
     stride_o_head,
     stride_bt,
     stride_slot,
+    num_tiles,  # TILE_MAP only: the map's row length
     sm_scale_log2,
     window,  # <= 0: none
     GROUP: tl.constexpr,
@@ -45,10 +47,19 @@ def _prefill_kernel(
     PAGE: tl.constexpr,
     SCALED: tl.constexpr,  # fp8 cache with per-KV-head scales (folded: scores, output)
     SOFTCAP: tl.constexpr = 0.0,  # > 0: attention-logit soft-capping (Gemma 2), 0: none
+    TILE_MAP: tl.constexpr = False,  # grid (num_heads, num_tiles) over the map's tiles
 ):
-    seq = tl.program_id(0)
-    tile_m = tl.program_id(1)
-    head = tl.program_id(2)
+    if TILE_MAP:
+        # Heads vary fastest: the query heads of one GQA group read the same K/V tiles at about
+        # the same time (L2 hits), and no program is launched for a tile that does not exist.
+        head = tl.program_id(0)
+        t = tl.program_id(1)
+        seq = tl.load(tile_map_ptr + t)
+        tile_m = tl.load(tile_map_ptr + num_tiles + t)
+    else:
+        seq = tl.program_id(0)
+        tile_m = tl.program_id(1)
+        head = tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     if tile_m * BLOCK_M >= q_len:
@@ -147,6 +158,9 @@ def paged_prefill_attention(
     k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches with scales
     v_scale: torch.Tensor | None = None,
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+    # [2, num_tiles] int32 (sequence, query tile) per program, tiles of block_m rows
+    # (shard/attention/mixed_step.py's prefill_tile_map); None: a [num_seqs, max tiles] grid.
+    tile_map: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its cached context plus themselves
     (each query's last sliding_window positions only, where given)."""
@@ -161,7 +175,10 @@ def paged_prefill_attention(
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_heads)
+    if tile_map is not None:
+        grid = (num_heads, tile_map.shape[1])
+    else:
+        grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_heads)
     scaled = k_scale is not None and v_scale is not None
     _prefill_kernel[grid](
         query,
@@ -171,6 +188,7 @@ def paged_prefill_attention(
         query_start_loc,
         seq_lens,
         out,
+        tile_map if tile_map is not None else seq_lens,  # unused pointer without a map
         k_scale if scaled else seq_lens,  # unused pointers when not SCALED
         v_scale if scaled else seq_lens,
         query.stride(0),
@@ -179,6 +197,7 @@ def paged_prefill_attention(
         out.stride(1),
         block_tables.stride(0),
         num_kv_heads * head_dim,
+        tile_map.shape[1] if tile_map is not None else 0,
         scale * LOG2E,
         sliding_window or 0,
         GROUP=num_heads // num_kv_heads,
@@ -189,6 +208,7 @@ def paged_prefill_attention(
         PAGE=page,
         SCALED=scaled,
         SOFTCAP=float(softcap or 0.0),
+        TILE_MAP=tile_map is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

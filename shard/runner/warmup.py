@@ -42,7 +42,9 @@ class WarmupResult:
 
 log = logging.getLogger(__name__)
 
-CUDA_GRAPH_MAX_BATCH = 512  # larger decode batches run eagerly
+# Larger decode batches run eagerly. 1,024: a burst of ~1,000 requests decodes in graphs too (the
+# largest bucket's logits are 1,024 x vocab fp32, 0.5 GB at Llama 3's 128k vocabulary).
+CUDA_GRAPH_MAX_BATCH = 1024
 # On CPU the KV cache is sized from host memory (or --kv-cache-memory-mb), not from the warm-up
 # prefill's peak, so a worst-case prefill measures nothing there: a short one still runs every
 # kernel once and calibrates an fp8 KV cache. The full one (4,096 tokens for the default model)
@@ -82,6 +84,26 @@ def worst_case_prefill(spec: WarmupSpec, block_size: int, vocab_size: int = 1) -
     return step
 
 
+def mixed_warmup_step(decode_rows: int, block_size: int) -> StepInputs:
+    """A mixed step: a one-block prompt chunk on block 0, then `decode_rows` one-token rows, each
+    a full block of context on block 1 (they all write its last slot: warmup K/V is garbage)."""
+    step = StepInputs([], [], [], [], [], [])
+    step.token_ids.extend(range(1, block_size + 1))
+    step.positions.extend(range(block_size))
+    step.query_lens.append(block_size)
+    step.seq_lens.append(block_size)
+    step.block_tables.append([0])
+    step.logits_indices.append(block_size - 1)
+    for _ in range(decode_rows):
+        step.logits_indices.append(len(step.token_ids))
+        step.token_ids.append(1)
+        step.positions.append(block_size - 1)
+        step.query_lens.append(1)
+        step.seq_lens.append(block_size)
+        step.block_tables.append([1])
+    return step
+
+
 def cpu_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -118,6 +140,8 @@ def run_warmup(
     try:
         runner.allocate_kv_cache(sum(len(t) for t in step.block_tables) + 1)
         runner.execute_calibrating(step)  # fp8 KV caches: per-head scales from this prefill
+        for rows in runner.attention.mixed_warmup_decode_rows():  # compile them before traffic
+            runner.execute(mixed_warmup_step(rows, bs))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except torch.OutOfMemoryError as exc:

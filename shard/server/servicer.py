@@ -211,8 +211,28 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             async with self._turn:
                 self._launched = max(self._launched, index)
                 self._turn.notify_all()
+        # The result is set on the worker by whichever call finishes the step first: the
+        # `finish` below, or the next step's launch settling it (an eager step does not overlap
+        # on CUDA; see BatchState.overlap_eager_steps). Waiting for either hands it over as soon
+        # as it exists, not after the next launch is done with the worker.
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+
+        def signal() -> None:
+            loop.call_soon_threadsafe(lambda: ready.done() or ready.set_result(None))
+
+        step.on_result = signal
+        if step.result is not None:
+            return step.result
         await asyncio.to_thread(step.wait_device)
-        return await self._run(context, self.shard.engine.finish, step)
+        if step.result is None:
+            finisher = asyncio.ensure_future(self._run(context, self.shard.engine.finish, step))
+            # Left running when `ready` wins (it then returns the set result); never unread.
+            finisher.add_done_callback(lambda t: t.cancelled() or t.exception())
+            await asyncio.wait({ready, finisher}, return_when=asyncio.FIRST_COMPLETED)
+            if not ready.done() or step.result is None:
+                return await finisher  # it ran first (or failed: its abort raises here)
+        return step.result
 
     async def FilterBatch(self, request, context):
         ref = await self._run(

@@ -89,25 +89,39 @@ def _same_logprobs(a: list[float], b: list[float]) -> bool:
 
 async def test_served_outputs_equal_with_and_without_overlap(server) -> None:
     reqs = _requests()
-    views, stats, lps = {}, {}, {}
-    for overlap in (False, True):
-        before = server.shard.engine.overlapped_steps
-        async with router_engine(server.url, PREEMPTING_BUDGETS, 0, overlap=overlap) as engine:
-            events = await run_all(engine, reqs, stagger_steps=1)
-            stats[overlap] = engine.stats()
-            assert engine.healthy and stats[overlap].running == 0
-            assert stats[overlap].kv_blocks_free == stats[overlap].kv_blocks_total
-        views[overlap] = [_view(ev) for ev in events]
-        lps[overlap] = [_logprobs(ev) for ev in events]
-        overlapped = server.shard.engine.overlapped_steps - before
-        # The shard launched steps while the previous one was unfinished only with overlap.
-        assert (overlapped > 10) if overlap else (overlapped == 0)
-    for i, (a, b) in enumerate(zip(views[False], views[True])):
-        assert a == b, f"request {i} differs with overlap"
-        assert _same_logprobs(lps[False][i], lps[True][i]), f"request {i}: logprobs differ"
+    views, stats, lps, overlapped, chunk_overlaps = {}, {}, {}, {}, {}
+    engine_state = server.shard.engine
+    # (router overlap, shard overlaps steps with prompt chunks): the second is CUDA's policy
+    # (BatchState.overlap_eager_steps): a chunk step settles the step before it, whose result
+    # the servicer hands to its RPC as soon as that launch sets it.
+    modes = [(False, True), (True, True), (True, False)]
+    for mode in modes:
+        before = engine_state.overlapped_steps
+        chunks_before = engine_state.overlapped_chunk_steps
+        engine_state.overlap_eager_steps = mode[1]
+        try:
+            async with router_engine(server.url, PREEMPTING_BUDGETS, 0, overlap=mode[0]) as engine:
+                events = await run_all(engine, reqs, stagger_steps=1)
+                stats[mode] = engine.stats()
+                assert engine.healthy and stats[mode].running == 0
+                assert stats[mode].kv_blocks_free == stats[mode].kv_blocks_total
+        finally:
+            engine_state.overlap_eager_steps = True
+        views[mode] = [_view(ev) for ev in events]
+        lps[mode] = [_logprobs(ev) for ev in events]
+        overlapped[mode] = engine_state.overlapped_steps - before
+        chunk_overlaps[mode] = engine_state.overlapped_chunk_steps - chunks_before
+    # The shard launched steps while the previous one was unfinished only with overlap, and
+    # no step with chunks when those settle the one before (decode steps still overlap).
+    assert overlapped[modes[0]] == 0 and overlapped[modes[1]] > 10
+    assert overlapped[modes[2]] > 10 and chunk_overlaps[modes[2]] == 0
+    for mode in modes[1:]:
+        for i, (a, b) in enumerate(zip(views[modes[0]], views[mode])):
+            assert a == b, f"request {i} differs with overlap {mode}"
+            assert _same_logprobs(lps[modes[0]][i], lps[mode][i]), f"request {i} logprobs, {mode}"
     for s in stats.values():
         assert s.preemptions > 0 and s.prefix_cache_hit_tokens > 0
-    reasons = {v[3].value for v in views[True]}
+    reasons = {v[3].value for v in views[modes[1]]}
     assert "stop_sequence" in reasons and "length" in reasons
 
 
