@@ -3,7 +3,7 @@ Llama-3-8B heads (32 query, 8 KV, head_dim 128, bf16, 16-token pages); run on th
 
     python benchmarks/mixed_step_bench.py [--out DIR]
 
-Per case (CUDA events, median of 20 after 3 warm-ups):
+Per case (CUDA events, median of 20 after 3 warm-ups, benchmarks/harness/timing.py):
 - whole: the step through the prefill kernel alone, one program per (sequence, 64-row tile of the
   longest chunk, query head): the path before shard/attention/mixed_step.py;
 - split: CudaAttentionBackend.attend: chunks through the prefill kernel over the tile map, the
@@ -20,18 +20,20 @@ import argparse
 import json
 import math
 import random
-import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness.timing import cuda_time_ms
 from shard.attention.base import AttentionMetadata
 from shard.attention.cuda_backend import CudaAttentionBackend
 from shard.kernels import attention_decode, attention_prefill
+from shard.testing.paged_batch import random_paged_step
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
 SCALE = DIM**-0.5
@@ -48,45 +50,18 @@ CASES = {
 
 
 def build(chunks: list[int], decodes: int, ctx: int, rng: random.Random):
+    """The step's query, caches and a maker of fresh metadata (each path gets its own, so that
+    one's per-step plan is not reused by the other), plus the decode rows' K/V bytes."""
     dec = [max(1, int(rng.lognormvariate(math.log(ctx), 0.5))) for _ in range(decodes)]
-    q_lens = chunks + [1] * decodes
-    seq_lens = chunks + dec
-    widths = [-(-s // PAGE) for s in seq_lens]
-    blocks = sum(widths) + 1
-    k = torch.randn(blocks, PAGE, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    perm = torch.randperm(blocks).tolist()
-    tables = torch.zeros(len(seq_lens), max(widths), dtype=torch.int32)
-    at = 0
-    for i, w in enumerate(widths):
-        tables[i, :w] = torch.tensor(perm[at : at + w], dtype=torch.int32)
-        at += w
-    starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    q_lens, seq_lens = chunks + [1] * decodes, chunks + dec
+    q, cache, first = random_paged_step(q_lens, seq_lens, HEADS, KV_HEADS, DIM, PAGE, "cuda",
+                                        torch.bfloat16)
 
     def meta() -> AttentionMetadata:
-        return AttentionMetadata(
-            starts.cuda(), torch.tensor(seq_lens, dtype=torch.int32).cuda(), tables.cuda(),
-            torch.zeros(sum(q_lens), dtype=torch.int64, device="cuda"), max(q_lens),
-            max(seq_lens), list(q_lens), list(seq_lens),
-        )
+        return replace(first, derived={})
 
-    q = torch.randn(sum(q_lens), HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     kv_bytes = sum(dec) * KV_HEADS * DIM * 2 * 2
-    return q, (k, v), meta, kv_bytes
-
-
-def timed(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return q, cache, meta, kv_bytes
 
 
 def measure(name: str, chunks: list[int], decodes: int, ctx: int,
@@ -103,7 +78,7 @@ def measure(name: str, chunks: list[int], decodes: int, ctx: int,
         return backend.attend(q, *cache, m_split, SCALE, None)
 
     err = (split_batch().float() - whole_batch().float()).abs().max().item()
-    whole, split = timed(whole_batch), timed(split_batch)
+    whole, split = cuda_time_ms(whole_batch), cuda_time_ms(split_batch)
     t0 = time.perf_counter()
     for _ in range(20):
         backend._mixed_plan(meta(), DIM, q.device)
@@ -111,7 +86,7 @@ def measure(name: str, chunks: list[int], decodes: int, ctx: int,
     dec_ms = float("nan")
     if decodes:
         n, t = len(chunks), sum(chunks)
-        dec_ms = timed(lambda: attention_decode.paged_decode_attention(
+        dec_ms = cuda_time_ms(lambda: attention_decode.paged_decode_attention(
             q[t:], *cache, m_split.block_tables[n:], m_split.seq_lens[n:], SCALE))
     return {"case": name, "whole_ms": whole, "split_ms": split, "speedup": whole / split,
             "decode_rows_only_ms": dec_ms, "decode_kv_bytes": kv_bytes,

@@ -89,8 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--e2e-warmup-requests", type=int, default=64,
       help="e2e: requests (at most 16 new tokens each) sent and finished before the timed run, "
            "as the engine-only runs are preceded by a warm-up run")
-    a("--e2e-max-batch-size", type=int, default=512,
+    # 1,024 / 6,144: the best of the H100 sweep of issue 44 (benchmarks/RESULTS.md): every
+    # request of the 1,000 admitted at once (TTFT p99), steps short enough for ITL p99.
+    a("--e2e-max-batch-size", type=int, default=1024,
       help="router --max-batch-size for the end-to-end run (decode graphs cover up to 1,024)")
+    a("--e2e-max-batch-prefill-tokens", type=int, default=6144,
+      help="router --max-batch-prefill-tokens for the end-to-end run")
     a("--e2e-dump-streams", action="store_true",
       help="e2e: write every stream's token arrival times to <server log stem>_streams.json.gz")
     a("--e2e-launch-args", default="",
@@ -397,7 +401,7 @@ def bench_e2e(model_dir: Path, args, log_path: Path, overlap: bool = True) -> di
         "--port", str(port),
         "--max-concurrent-requests", str(args.requests + 64),
         "--max-input-tokens", "2048", "--max-total-tokens", "4096",
-        "--max-batch-prefill-tokens", "8192",
+        "--max-batch-prefill-tokens", str(getattr(args, "e2e_max_batch_prefill_tokens", 8192)),
         "--max-batch-size", str(args.e2e_max_batch_size),
         "--num-shard", str(args.num_shard), "--kv-cache-dtype", args.kv_cache_dtype,
         "--kv-cache-rotation", args.kv_cache_rotation,
@@ -463,6 +467,8 @@ def bench_e2e(model_dir: Path, args, log_path: Path, overlap: bool = True) -> di
                 {k: r[k] for k in ("idx", "in", "out", "t0", "times")} for r in results]}, f)
     out["shard_profile"] = served_profile(trace_dir / "rank0")
     out["launch"] = {"max_batch_size": args.e2e_max_batch_size,
+                     "max_batch_prefill_tokens": getattr(args, "e2e_max_batch_prefill_tokens",
+                                                         8192),
                      "extra_args": getattr(args, "e2e_launch_args", "")}
     return out
 

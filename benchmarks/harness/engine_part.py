@@ -207,11 +207,14 @@ def bench_engine(model_dir: Path, args, device: str = "cuda") -> dict:
                               device=device, quantize=args.quantize,
                               kv_cache_dtype=args.kv_cache_dtype), Dist())
     max_batch = args.e2e_max_batch_size
+    # Warmup sizes the KV cache after a worst-case prefill of at least one whole prompt.
+    budget = getattr(args, "e2e_max_batch_prefill_tokens", 8192)
     warm = shard.warmup(WarmupSpec(max_input_tokens=2048, max_total_tokens=4096,
-                                   max_batch_prefill_tokens=8192, max_batch_size=max_batch))
+                                   max_batch_prefill_tokens=max(budget, 2048),
+                                   max_batch_size=max_batch))
     engine = shard.engine
     workload = sharegpt_workload(engine.tokenizer, args.requests)
-    cfg = EngineBoundConfig(max_batch_prefill_tokens=8192, max_batch_size=max_batch)
+    cfg = EngineBoundConfig(max_batch_prefill_tokens=budget, max_batch_size=max_batch)
     out: dict = {"num_blocks": warm.num_blocks, "block_size": warm.block_size,
                  "requests": len(workload), "runs": {}}
     # Warm-up: compiles the prefill shapes' kernels outside the timed runs.

@@ -170,6 +170,12 @@ class CudaGraphDecodeRunner:
             for _ in range(2):  # warm up: Triton compilation, cuBLAS handles, allocator
                 for with_lora in self._variants():
                     self._run(self.max_batch, with_lora)
+            # Then every bucket once: a kernel first met inside a capture (a Triton
+            # specialization or split count of a smaller batch, a cuBLAS kernel loaded lazily)
+            # loads its module there, which invalidates the capture.
+            for n in self.buckets:
+                for with_lora in self._variants():
+                    self._run(n, with_lora)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()

@@ -123,10 +123,11 @@ class ModelRunner:
                 self.lora.clear()
 
         def dev(values, dtype: torch.dtype) -> torch.Tensor:
-            if isinstance(values, np.ndarray):
-                t = torch.from_numpy(values).to(dtype)
-            else:
-                t = torch.tensor(values, dtype=dtype)
+            if not isinstance(values, np.ndarray):
+                # Python ints through numpy: torch.tensor(list) costs ~1 us an element, which
+                # was half of this method's time for a 1,000-row mixed step.
+                values = np.asarray(values, dtype=np.int64)
+            t = torch.from_numpy(values).to(dtype)
             if self.device.type == "cuda":
                 # From pinned memory the copy is queued; from pageable memory it may wait for
                 # the step still running on the device (overlapped steps).

@@ -17,35 +17,12 @@ pytestmark = [
 ]
 
 
-def _mixed_batch(q_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int, dim: int,
-                 page: int):
-    from shard.attention.base import AttentionMetadata
-
-    gen = torch.Generator().manual_seed(0)
-    widths = [-(-s // page) for s in seq_lens]
-    blocks = sum(widths) + 3
-    cache = torch.randn(2, blocks, page, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    perm = torch.randperm(blocks, generator=gen).tolist()
-    tables = torch.zeros(len(seq_lens), max(widths), dtype=torch.int32)
-    k = 0
-    for i, w in enumerate(widths):
-        tables[i, :w] = torch.tensor(perm[k:k + w], dtype=torch.int32)
-        k += w
-    q_start = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
-    meta = AttentionMetadata(
-        q_start.cuda(), torch.tensor(seq_lens, dtype=torch.int32).cuda(), tables.cuda(),
-        torch.zeros(sum(q_lens), dtype=torch.int64).cuda(), max(q_lens), max(seq_lens),
-        q_lens, seq_lens,
-    )
-    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    return q, cache, meta
-
-
 @pytest.mark.parametrize("window", [None, 100])
 def test_mixed_step_attention_matches_torch_and_the_whole_batch_prefill_kernel(window):
     from shard.attention.cuda_backend import CudaAttentionBackend
     from shard.attention.torch_backend import TorchAttentionBackend
     from shard.kernels.attention_prefill import paged_prefill_attention
+    from shard.testing.paged_batch import random_paged_step
 
     # Llama-3-8B heads; chunks: 300 new over 500 cached, a fresh 37; then a one-token chunk (it
     # joins the trailing one-token rows) and 200 decode rows of 1..1,500 context
@@ -53,7 +30,7 @@ def test_mixed_step_attention_matches_torch_and_the_whole_batch_prefill_kernel(w
     decode_ctx = torch.randint(1, 1500, (200,), generator=gen).tolist()
     q_lens = [300, 37, 1] + [1] * 200
     seq_lens = [800, 37, 90] + decode_ctx
-    q, cache, meta = _mixed_batch(q_lens, seq_lens, 32, 8, 128, 16)
+    q, cache, meta = random_paged_step(q_lens, seq_lens, 32, 8, 128, 16, "cuda", torch.bfloat16)
     scale = 128**-0.5
     got = CudaAttentionBackend("cuda", use_flash_attn=False).attend(q, *cache, meta, scale, window)
     split, tile_map = meta.derived["cuda_mixed"]

@@ -47,31 +47,15 @@ def test_tile_map_lists_every_tile_once_heaviest_first():
 
 _CHECK = textwrap.dedent(
     """
-    import torch
-
-    from shard.attention.base import AttentionMetadata
     from shard.attention.cuda_backend import CudaAttentionBackend
     from shard.attention.torch_backend import TorchAttentionBackend
+    from shard.testing.paged_batch import random_paged_step
 
-    torch.manual_seed(0)
-    HEADS, KV_HEADS, D, PAGE, BLOCKS = 4, 2, 32, 16, 40
-    cache = torch.randn(2, BLOCKS, PAGE, KV_HEADS, D)
     # chunks: 70 new tokens over 30 cached (two 64-row tiles), a 1-token chunk, 9 fresh;
     # then three decode rows
     q_lens = [70, 1, 9, 1, 1, 1]
     seq_lens = [100, 40, 9, 33, 17, 60]
-    widths = [-(-s // PAGE) for s in seq_lens]
-    perm = torch.randperm(BLOCKS).tolist()
-    tables = torch.zeros(len(seq_lens), max(widths), dtype=torch.int32)
-    k = 0
-    for i, w in enumerate(widths):
-        tables[i, :w] = torch.tensor(perm[k:k + w], dtype=torch.int32)
-        k += w
-    q_start = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
-    meta = AttentionMetadata(q_start, torch.tensor(seq_lens, dtype=torch.int32), tables,
-                             torch.zeros(sum(q_lens), dtype=torch.int64), max(q_lens),
-                             max(seq_lens), q_lens, seq_lens)
-    q = torch.randn(sum(q_lens), HEADS, D)
+    q, cache, meta = random_paged_step(q_lens, seq_lens, 4, 2, 32, 16)
     backend = CudaAttentionBackend("cpu", use_flash_attn=False, num_sms=2)
     reference = TorchAttentionBackend()
     for window in (None, 24):
