@@ -202,7 +202,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     ) -> Any:
         """An overlapped step: launched on the model worker after step index - 1 (so the next
         step can be launched while this one computes), waited for off the worker, then
-        finished on the worker (detokenization, stopping, Generations)."""
+        finished on the worker (detokenization, stopping, Generations): by its own `finish`
+        call or by the next step's launch, whichever comes first."""
         async with self._turn:
             await self._turn.wait_for(lambda: self._launched >= index - 1)
         try:
