@@ -128,6 +128,12 @@ class _Work:
     images: tuple[ImageSpec, ...] = ()  # images overlapping [start, start + length)
 
 
+def _has_chunks(work: list[_Work]) -> bool:
+    """Whether a step computes more than one token for some sequence (a prompt chunk; drafts
+    too, which never overlap anyway): its forward runs eagerly."""
+    return any(w.length > 1 for w in work)
+
+
 @dataclass
 class LaunchedStep:
     """A step whose device work is queued (launch_prefill / launch_decode) and whose outputs
@@ -534,7 +540,7 @@ class BatchState:
         step = LaunchedStep(work=[], batch_id=batch_id, merged=merged, timings=StepTimings())
         if prev is not None:
             self.overlapped_steps += 1
-            if any(w.length > 1 for w in work):
+            if _has_chunks(work):
                 self.overlapped_chunk_steps += 1
         self._run_step(step, work, t0, prev)
         self._inflight.append(step)
@@ -546,7 +552,7 @@ class BatchState:
         the overlapped path does not cover (drafts, LoRA slots, prompt logprobs)."""
         if prev.drafts:
             return False
-        if not self.overlap_eager_steps and any(w.length > 1 for w in work):
+        if not self.overlap_eager_steps and _has_chunks(work):
             return False
         for w in work:
             st = w.state
