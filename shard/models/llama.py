@@ -154,6 +154,12 @@ class LlamaDecoderLayer(nn.Module):
         else:
             h, x = reduce_add_rms_norm(self.dist, delta, x, n1)
         a = self.self_attn(h, positions, cache, meta, reduce=False)
+        # An MLP that fuses the add + norm into its own first launch where it can (MoE blocks:
+        # with the router and routing, shard/kernels/moe_router.py) returns (x, delta) there.
+        fused = getattr(self.mlp, "forward_add_norm", None)
+        done = fused(a, x, n2, push=not last) if fused is not None else None
+        if done is not None:
+            return done
         h, x = reduce_add_rms_norm(self.dist, a, x, n2)
         return x, self.mlp(h, reduce=False, push=not last)
 
