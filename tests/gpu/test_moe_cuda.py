@@ -158,3 +158,59 @@ def test_tiny_moe_models_on_cuda_match_cpu_with_graphs(moe_models, arch):
     assert gpu.info.model_impl == "native" and gpu.runner.graphs is not None
     agree_until_near_tie(greedy_tokens(gpu, 12), want, margins)
     assert gpu.runner.last_path == "decode_graph"
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_fused_add_norm_router_compiled_matches_the_three_launches(n):
+    """shard/kernels/moe_router.py compiled, Qwen3-30B-A3B's router shape in bf16: the residual
+    sum and the norm equal elementwise.add_rms_norm bit for bit, the logits equal the router
+    matmul of the normed row to bf16 rounding, the routing equals moe_route's on those logits
+    exactly; replayed from a CUDA graph (the per-token tickets reset themselves) it gives the
+    same again."""
+    from shard.kernels import elementwise, moe_route, moe_router
+    from shard.kernels.moe_align import MoeRouting
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    hidden, experts = 2048, 128
+    d = torch.randn(n, hidden, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(n, hidden, device="cuda", generator=gen).bfloat16()
+    nw = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).bfloat16()
+    rw = (torch.randn(experts, hidden, device="cuda", generator=gen) * 0.02).bfloat16()
+    routing = MoeRouting(8, True)
+    got = moe_router.add_rms_norm_route(d, x, nw, 1e-6, rw, routing)
+    h, s = elementwise.add_rms_norm(d, x, nw, 1e-6)
+    assert torch.equal(got.residual, s) and torch.equal(got.normed, h)
+    want = (h.float() @ rw.float().T)
+    assert float((got.logits.float() - want).abs().max()) <= 2**-7 * float(want.abs().max())
+    w, ids = moe_route.route(got.logits, routing)
+    assert torch.equal(got.ids, ids) and torch.equal(got.weights, w)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        again = moe_router.add_rms_norm_route(d, x, nw, 1e-6, rw, routing)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(again.ids, got.ids) and torch.equal(again.weights, got.weights)
+    assert int(moe_router._TICKETS[d.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_tiny_moe_models_same_tokens_with_and_without_the_fused_router(moe_models, arch):
+    """The decode graphs with the fused add + norm + router launch (the default) and with the
+    three launches (fused_router(False)) generate the same greedy tokens (float32 models) up to
+    the first near-tie (the router's dot products sum in another order)."""
+    from shard.layers.moe import fused_router
+    from shard.testing.tiny import greedy_tokens
+    from tests.helpers.moe import moe_shard
+    from tests.helpers.numerics import agree_until_near_tie
+
+    margins: list[list[float]] = []
+    with fused_router(False):
+        want = greedy_tokens(moe_shard(moe_models[arch], device="cuda"), 12, margins)
+    fused = moe_shard(moe_models[arch], device="cuda")
+    agree_until_near_tie(greedy_tokens(fused, 12), want, margins)
+    assert fused.runner.last_path == "decode_graph"
+    from shard.layers.moe import SparseMoeBlock
+
+    blocks = [m for m in fused.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(b._router_warm for b in blocks)  # the fused launch ran
