@@ -62,7 +62,7 @@ MODEL_SPLITS = (8, 32)
 # ---- 2. attention kernel alone -------------------------------------------------------------
 
 
-def attention_sweep(shape: dict, layers: int = LAYERS) -> dict:
+def attention_sweep(shape: dict, layers: int = LAYERS, budget_s: float = 100.0) -> dict:
     """The fused rotary + store + split-KV decode kernel at batch 1, each tiling over `layers`
     distinct caches in one CUDA graph: us per layer."""
     import torch
@@ -103,10 +103,14 @@ def attention_sweep(shape: dict, layers: int = LAYERS) -> dict:
 
     rows: list[dict] = [{"tiling": f"default(s{default_splits}-n{ad.decode_tile(hd)}-w4-st3)",
                          "us_per_layer": _graph_ms(lambda: run(None)) * 1e3 / layers}]
+    t0 = time.perf_counter()
     for s in SPLITS:
         for n in TILES:
             for w in WARPS if n == min(TILES) else WARPS[:1]:
                 t = DecodeTiling(kvh, s, n, w, 3)
+                if time.perf_counter() - t0 > budget_s:  # compiles are the cost: keep the rest
+                    rows.append({"tiling": t.name(), "error": "skipped: time budget"})
+                    continue
                 try:
                     us = _graph_ms(lambda t=t: run(t)) * 1e3 / layers
                 except Exception as exc:  # noqa: BLE001 - a tiling that cannot compile
