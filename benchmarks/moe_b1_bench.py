@@ -211,12 +211,13 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                         kv_token, shape["hidden_size"])
     out["bytes"] = parts
     out["roofline_ms"] = sum(parts.values()) / copy_bps * 1e3 if cuda else float("nan")
-    backend = model.attns[0].backend
+    backends = list({id(a.backend): a.backend for a in model.attns}.values())
     kv_heads = shape["num_key_value_heads"]
     for name, fused, tiling in _variants(best_attn, kv_heads, cuda)[:max_variants]:
         row: dict[str, Any] = {"variant": name}
         try:
-            backend.few_program_decode = tiling
+            for backend in backends:
+                backend.few_program_decode = tiling
             with fused_router(fused):
                 if cuda:
                     # this variant's graph (captured under its settings: every bucket runs
@@ -243,7 +244,8 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
             traceback.print_exc()
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         finally:
-            backend.few_program_decode = None
+            for backend in backends:
+                backend.few_program_decode = None
         out["variants"].append(row)
         print(f"model {layers}L {out['quantize']} b=1 {name}: "
               f"{row.get('step_ms', float('nan')):.3f} ms/step "
@@ -262,8 +264,9 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
 
 _SHORT = (("_gate_up_kernel", "gate/up"), ("_down_sum_kernel", "down+sum"),
           ("_add_norm_route_kernel", "add+norm+router+route"), ("_route_kernel", "route"),
+          ("_qk_rms_norm_kernel", "qk-norm"),
           ("_decode_split_kernel", "attention"), ("_add_rms_norm_kernel", "add+norm"),
-          ("_rms_norm_kernel", "norm"), ("qk", "qk-norm"), ("gemv", "gemv"))
+          ("_rms_norm_kernel", "norm"), ("gemv", "gemv"))
 
 
 def _short(name: str) -> str:
