@@ -299,11 +299,13 @@ def summary(res: dict) -> list[str]:
     a = res.get("attention") or {}
     if a.get("rows"):
         d, best = a["default"], a.get("best") or {}
-        top = ", ".join(f"{r['tiling']} {r['us_per_layer']:.1f}" for r in a["rows"][:5])
+        top = ", ".join(f"{r['tiling']} {r['us_per_layer']:.1f}" for r in a["rows"][:6]
+                        if "us_per_layer" in r)
+        failed = sum(1 for r in a["rows"] if "error" in r)
         lines.append(f"attention kernel alone (b=1, {a['kv_bytes_per_layer'] / 1e6:.1f} MB K/V "
                      f"a layer): default {d['tiling']} {d['us_per_layer']:.1f} us; best "
                      f"{best.get('tiling')} {best.get('us_per_layer', float('nan')):.1f} us; "
-                     f"top: {top}")
+                     f"top: {top}" + (f"; {failed} tilings failed/skipped" if failed else ""))
     by_q: dict[str, dict] = {m["quantize"]: m for m in res.get("models", [])}
     for q, m in by_q.items():
         base = next((v for v in m["variants"] if v["variant"] == "old" and "step_ms" in v), None)
