@@ -327,7 +327,14 @@ def _attend_tile(q, k, v, mask_n, m_i, l_i, acc, qk_scale, SOFTCAP: tl.constexpr
     return m_new, l_i, acc
 
 
-@triton.jit
+# Arguments that vary from step to step in eager (mixed) steps are not specialized on: the
+# decode rows of a mixed step come as block_tables[p:] and seq_lens[p:] (16-byte aligned or
+# not, by p), and the block table's width is the step's longest sequence's (stride_bt may be 1,
+# a multiple of 16 or neither). Specialized, each combination was a kernel variant of its own,
+# compiled in the middle of serving (shard/runtime/kernel_compiles.py); these arguments feed
+# only scalar and gathered loads, which their specialization does not speed up.
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]; FUSED_ROTARY: not yet rotated
     k_cache_ptr,  # [num_blocks * block_size, num_kv_heads, head_dim]
