@@ -18,6 +18,7 @@ DIR/moe_b1.json and DIR/MOE_B1.md and ends its stdout with a compact summary:
    - `fused`: add + RMSNorm + router GEMV + routing in one launch (shard/kernels/moe_router.py);
    - `fused+attn:<tiling>`: also the attention sweep's best tiling (when it beats the default)
      and a few split counts, set as the backend's few_program_decode;
+   - `fused:router-r<rows>w<warps>`: other tilings of the fused launch (moe_router.RouterConfig);
    each with the step's byte roofline (moe_bench._step_bytes: dense weights and norms, LM head,
    the experts the step touched by the layers' own routing statistics, K/V) and a per-kernel
    breakdown (device us per step and per layer, by kernel name, CUPTI).
@@ -155,11 +156,20 @@ def kernel_table(fn, calls: int, layers: int) -> dict:
             "rows": rows}
 
 
-def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[tuple[str, bool, Any]]:
-    """(name, fused router, few_program_decode tiling or None)."""
-    from shard.attention.cuda_backend import DecodeTiling
+# Fused router launch tilings also tried in the bf16 model (rows per program, warps), beside
+# moe_router.default_config's (4 rows, 4 warps at hidden 2048): one warp makes the last
+# program's top-k a warp-shuffle reduction; fewer rows, more programs in flight.
+ROUTER_CONFIGS = ((2, 2), (1, 1), (8, 4))
 
-    out: list[tuple[str, bool, Any]] = [("old", False, None), ("fused", True, None)]
+
+def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[tuple[str, bool, Any, Any]]:
+    """(name, fused router, few_program_decode tiling or None, RouterConfig or None), the most
+    telling first (fp8 runs the first three only)."""
+    from shard.attention.cuda_backend import DecodeTiling
+    from shard.kernels.moe_router import RouterConfig
+
+    out: list[tuple[str, bool, Any, Any]] = [("old", False, None, None),
+                                             ("fused", True, None, None)]
     if not cuda:
         return out
     tilings: list[DecodeTiling] = []
@@ -170,7 +180,9 @@ def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[tuple[str, b
     for t in tilings:
         if t.name() not in seen:
             seen.add(t.name())
-            out.append((f"fused+attn:{t.name()}", True, t))
+            out.append((f"fused+attn:{t.name()}", True, t, None))
+    out += [(f"fused:router-r{r}w{w}", True, None, RouterConfig(r, w))
+            for r, w in ROUTER_CONFIGS]
     return out
 
 
@@ -213,12 +225,14 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
     out["roofline_ms"] = sum(parts.values()) / copy_bps * 1e3 if cuda else float("nan")
     backends = list({id(a.backend): a.backend for a in model.attns}.values())
     kv_heads = shape["num_key_value_heads"]
-    for name, fused, tiling in _variants(best_attn, kv_heads, cuda)[:max_variants]:
+    from shard.kernels import moe_router
+
+    for name, fused, tiling, router_cfg in _variants(best_attn, kv_heads, cuda)[:max_variants]:
         row: dict[str, Any] = {"variant": name}
         try:
             for backend in backends:
                 backend.few_program_decode = tiling
-            with fused_router(fused):
+            with fused_router(fused), moe_router.config_override(router_cfg):
                 if cuda:
                     # this variant's graph (captured under its settings: every bucket runs
                     # eagerly first, compiling its kernels), its replay time and its kernels

@@ -26,6 +26,8 @@ So a step's MoE half is 3 launches (this, gate/up, down+sum) instead of 5. Shape
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +53,21 @@ class RouterConfig:
 
     rows: int
     num_warps: int
+
+
+_override: RouterConfig | None = None
+
+
+@contextmanager
+def config_override(config: RouterConfig | None) -> Iterator[None]:
+    """Launches made inside the block use `config` (None: default_config): benchmarks compare
+    tilings in one process (each is a compiled variant: capture graphs after an eager call)."""
+    global _override
+    previous, _override = _override, config
+    try:
+        yield
+    finally:
+        _override = previous
 
 
 def default_config(hidden: int, num_experts: int) -> RouterConfig:
@@ -179,7 +196,7 @@ def add_rms_norm_route(
     num_experts = router_weight.shape[0]
     assert applies(hidden, n), (n, hidden)
     assert x.stride(1) == 1 and delta.stride(1) == 1 and router_weight.stride(1) == 1
-    cfg = config or default_config(hidden, num_experts)
+    cfg = config or _override or default_config(hidden, num_experts)
     k = routing.top_k
     dev = x.device
     normed = torch.empty((n, hidden), dtype=x.dtype, device=dev)
