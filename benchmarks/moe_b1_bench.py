@@ -63,7 +63,7 @@ MODEL_SPLITS = (8, 32)
 # ---- 2. attention kernel alone -------------------------------------------------------------
 
 
-def attention_sweep(shape: dict, layers: int = LAYERS, budget_s: float = 100.0) -> dict:
+def attention_sweep(shape: dict, layers: int = LAYERS, budget_s: float = 75.0) -> dict:
     """The fused rotary + store + split-KV decode kernel at batch 1, each tiling over `layers`
     distinct caches in one CUDA graph: us per layer."""
     import torch

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for issue 39's batch-1 bar, ~4-5 minutes on one H100 or H200: the MoE GPU tests
+# One device call for issue 39's batch-1 bar, ~5-6 minutes on one H100 or H200: the MoE GPU tests
 # (tests/gpu/test_moe_cuda.py: the compiled kernels incl. the fused add + RMSNorm + router +
 # routing launch against the three launches it replaces, tiny Mixtral / Qwen2-MoE / Qwen3-MoE
 # shards from CUDA graphs with and without it), then benchmarks/moe_b1_bench.py: the decode
@@ -9,7 +9,7 @@
 # router launch) and `fused+attn:<tiling>` (also the attention tilings), with each step's byte
 # roofline and its kernels by name. Outputs under $OUT: gpu_tests_moe.log, moe_b1_bench.log,
 # moe_b1.json, MOE_B1.md. The summary is the last thing printed.
-# Usage: bash benchmarks/run_moe_b1_device.sh   (MOE_B1_TIMEOUT=330 MOE_B1_PARTS=attention,bf16,fp8)
+# Usage: bash benchmarks/run_moe_b1_device.sh   (MOE_B1_TIMEOUT=380 MOE_B1_PARTS=attention,bf16,fp8)
 set -u
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
@@ -18,7 +18,7 @@ timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_moe_cuda.py -p no:cachepr
   | tail -40 > $OUT/gpu_tests_moe.log
 grep -E "^FAILED|^ERROR" $OUT/gpu_tests_moe.log | cut -c1-300 | head -10
 echo "tests took $(( $(date +%s) - t0 )) s"
-timeout -s INT -k 20 ${MOE_B1_TIMEOUT:-330} python3 -m benchmarks.moe_b1_bench --out $OUT \
+timeout -s INT -k 20 ${MOE_B1_TIMEOUT:-380} python3 -m benchmarks.moe_b1_bench --out $OUT \
   --workdir /tmp/moe-b1 --parts ${MOE_B1_PARTS:-attention,bf16,fp8} 2>&1 \
   | grep -v "Loading weights\|Writing model shards" > $OUT/moe_b1_bench.log
 grep -E "Traceback|Error" $OUT/moe_b1_bench.log | cut -c1-300 | tail -12
