@@ -104,6 +104,7 @@ def _add_norm_route_kernel(
     BLOCK_H: tl.constexpr,  # next_pow2(H)
     ROWS: tl.constexpr,
     PDL: tl.constexpr = False,
+    OFFSET: tl.constexpr = 0.0,  # Llama's norm (the callers check weight_offset == 0)
 ):
     let_dependents_launch(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -124,7 +125,7 @@ def _add_norm_route_kernel(
     s = (x + d).to(dt)
     sf = s.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(sf * sf, 0) / H + eps)
-    h = _normed_times_weight(sf, rstd, nw_ptr, offs_h, hmask, dt, 0.0)  # [BLOCK_H] dtype
+    h = _normed_times_weight(sf, rstd, nw_ptr, offs_h, hmask, dt, OFFSET)  # [BLOCK_H] dtype
     if pid_e == 0:
         tl.store(res_ptr + t * H + offs_h, s, mask=hmask)
         tl.store(h_ptr + t * H + offs_h, h, mask=hmask)
