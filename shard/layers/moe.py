@@ -370,8 +370,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = GatedMLP(hidden, shared_intermediate, dist) if shared_intermediate \
             else None
         self.shared_expert_gate = ReplicatedLinear(hidden, 1) if shared_intermediate else None
-
-        self._router_warm = False
+        self._router_warm = False  # the fused router launch compiled (forward_add_norm)
 
     def forward(self, x: torch.Tensor, reduce: bool = True, push: bool = False) -> torch.Tensor:
         """x [n, H] -> [n, H]; with reduce=False this rank's un-reduced share (push: ignored,
@@ -404,11 +403,15 @@ class SparseMoeBlock(nn.Module):
         return self.forward_add_norm_fused(delta, x, norm)
 
     def fused_router_serves(self, delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> bool:
+        """Whether the fused launch computes this step's add + norm + routing: one rank (under
+        tensor parallelism the all-reduce comes first), Llama's norm, [n, H] rows with unit
+        column stride, n tokens the decode kernels take (moe_decode.DECODE_MAX_SLOTS)."""
         from shard.kernels import moe_router
 
+        if x.dim() != 2 or delta.shape != x.shape or x.stride(1) != 1 or delta.stride(1) != 1:
+            return False
         n, hidden = x.shape
-        return (self.dist.world_size == 1 and norm.weight_offset == 0 and x.dim() == 2
-                and delta.shape == x.shape and x.stride(1) == 1 and delta.stride(1) == 1
+        return (self.dist.world_size == 1 and norm.weight_offset == 0
                 and moe_router.applies(hidden, n) and self.experts.decode_sized(n))
 
     def forward_add_norm_fused(self, delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm
