@@ -217,3 +217,35 @@ def test_tiny_moe_models_same_tokens_with_and_without_the_fused_router(moe_model
 
     blocks = [m for m in fused.runner.model.modules() if isinstance(m, SparseMoeBlock)]
     assert blocks and all(b._router_warm for b in blocks)  # the fused launch ran
+
+
+@pytest.mark.parametrize(("splits", "block_n", "warps"), [(8, 32, 4), (32, 16, 2), (4, 64, 4)])
+def test_few_program_decode_tilings_match_the_default_on_cuda(splits, block_n, warps):
+    """CudaAttentionBackend.few_program_decode's tilings (what benchmarks/moe_b1_bench.py sweeps
+    at batch 1 on Qwen3-30B-A3B's 32 / 4 heads) compiled: the fused rotary + store + attention
+    stores the same cache and attends to the default tiling's output within bf16 rounding."""
+    from shard.attention.cuda_backend import CudaAttentionBackend, DecodeTiling
+    from shard.layers.rotary import RotaryEmbedding
+    from shard.testing.paged_batch import random_paged_step
+
+    heads, kv_heads, hd, page, ctx = 32, 4, 128, 16, 300
+    q, cache, meta = random_paged_step([1], [ctx], heads, kv_heads, hd, page, device="cuda",
+                                       dtype=torch.bfloat16, seed=5)
+    meta.slot_mapping[0] = int(meta.block_tables[0, (ctx - 1) // page]) * page + (ctx - 1) % page
+    rotary = RotaryEmbedding(hd, 1024, {"rope_theta": 1e6, "rope_type": "default"},
+                             torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    k = torch.randn(1, kv_heads, hd, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(1, kv_heads, hd, device="cuda", generator=gen).bfloat16()
+    pos = torch.tensor([ctx - 1], device="cuda")
+    results = []
+    for tiling in (None, DecodeTiling(kv_heads, splits, block_n, warps)):
+        backend = CudaAttentionBackend("cuda")
+        backend.few_program_decode = tiling
+        kc, vc = cache[0].clone(), cache[1].clone()
+        out = backend.rotate_write_and_attend_decode(rotary, pos, q, k, v, kc, vc, meta,
+                                                     hd**-0.5, None)
+        results.append((out.float(), kc, vc))
+    (o1, k1, v1), (o2, k2, v2) = results
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert float((o1 - o2).abs().max()) <= 2**-6 * float(o1.abs().max())
