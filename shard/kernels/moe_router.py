@@ -5,15 +5,17 @@ Why: at batch 1 a MoE layer's MLP half was five kernels after the o_proj GEMV: a
 (shard/kernels/elementwise.py), the router GEMV ([E, H], 0.5 MB for Qwen3-30B-A3B), routing
 (softmax + top-k, shard/kernels/moe_route.py), then the experts' two decode launches
 (shard/kernels/moe_decode.py). The first three read ~0.5 MB together yet cost ~1.7 + ~3 + 3.7 us
-a layer on an H200 (benchmarks/raw/round11/moe_final/MOE.md): each is a launch, a PDL hop and
-one or two dependent DRAM round trips. Here they are one kernel:
+a layer on an H200 (benchmarks/raw/round11/moe_final/MOE.md): each is a launch with its own
+start and tail (the routing launch is not even a programmatic dependent) and one or two
+dependent memory round trips. Here they are one kernel:
 
 - grid (n, cdiv(E, ROWS)): program (t, j) owns router rows j*ROWS .. j*ROWS+ROWS-1 of token t.
   It loads its [ROWS, H] slice of the router weight BEFORE the PDL wait (no kernel of the step
   writes weights, so those loads overlap the previous kernel's tail), then the token's delta
-  and residual rows, s = x + delta rounded to the model dtype, RMSNorm(s) exactly as
-  elementwise.add_rms_norm computes it (same rounding points, the row's sum of squares as one
-  tl.sum), and its ROWS logits (fp32 dot, rounded to the model dtype as the GEMV's output is).
+  and residual rows, s = x + delta rounded to the model dtype, RMSNorm(s) as
+  elementwise.add_rms_norm computes it (the same rounding points, the row's sum of squares as
+  one tl.sum), and its ROWS logits (fp32 dot, rounded to the model dtype as the GEMV's output
+  is; summed in another order than the GEMV's, so a logit may differ by one rounding step).
   Program (t, 0) stores normed h and s (the experts and the next layer read them).
 - Each program stores its logits, then takes a ticket (an acq_rel atomic on a per-token
   counter); the program that takes the last one reads the token's whole logits row back (past
