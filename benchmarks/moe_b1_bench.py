@@ -90,20 +90,33 @@ def attention_sweep(shape: dict, layers: int = LAYERS, budget_s: float = 75.0) -
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     default_splits = ad.default_num_splits(1, kvh, sms)
 
-    def run(t: DecodeTiling | None) -> None:
+    def run(t: DecodeTiling | None, fused: bool = True) -> None:
         for i in range(layers):
             q, k, v = qkv[i].split([heads * hd, kvh * hd, kvh * hd], -1)
             kw: dict[str, Any] = {}
             if t is not None:
                 kw = {"num_splits": t.num_splits, "block_n": t.block_n,
                       "num_warps": t.num_warps, "num_stages": t.num_stages}
+            if not fused:  # q taken as already rotated, the cache as already written
+                ad.paged_decode_attention(q.view(1, heads, hd), caches[i][0], caches[i][1],
+                                          tables, lens, hd**-0.5, out=outs[i], **kw)
+                continue
             ad.rotary_store_decode_attention(
                 q.view(1, heads, hd), k.view(1, kvh, hd), v.view(1, kvh, hd), pos, rope.cos,
                 rope.sin, caches[i][0], caches[i][1], slots, tables, lens, hd**-0.5,
                 out=outs[i], **kw)
 
-    rows: list[dict] = [{"tiling": f"default(s{default_splits}-n{ad.decode_tile(hd)}-w4-st3)",
+    name = f"s{default_splits}-n{ad.decode_tile(hd)}-w4-st3"
+    rows: list[dict] = [{"tiling": f"default({name})",
                          "us_per_layer": _graph_ms(lambda: run(None)) * 1e3 / layers}]
+    # Where the default's time goes: without the rotary prologue and the new token's store
+    # (q as if rotated: the cost of that prologue), and with one split (no merge, no ticket;
+    # each program streams its head's whole context)
+    rows.append({"tiling": f"default({name}), no rotary prologue (reference only)",
+                 "us_per_layer": _graph_ms(lambda: run(None, False)) * 1e3 / layers})
+    one = DecodeTiling(kvh, 1, ad.decode_tile(hd))
+    rows.append({"tiling": f"{one.name()} (one split, reference only)",
+                 "us_per_layer": _graph_ms(lambda: run(one)) * 1e3 / layers})
     t0 = time.perf_counter()
     for s in SPLITS:
         for n in TILES:
