@@ -10,7 +10,8 @@ runs one GEMV (or one fp8 GEMV with the SiLU-and-mul in its epilogue) instead of
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,24 @@ from shard.quantization.fp8 import Fp8Linear
 from shard.quantization.int_weights import IntLinear
 from shard.quantization.loading import load_int_linear, quantize_loaded_linear
 from shard.quantization.w8a8 import W8A8Linear
+
+# Opt-in: MergedColumnParallelLinear.forward_add_rms_norm computes the residual add and the
+# RMSNorm before it in the GEMV's own launch (shard/kernels/norm_gemv.py) for steps of a few
+# tokens; off until measured to beat the tuned GEMV plus the norm launch
+# (benchmarks/moe_b1_bench.py compares both in one process).
+_norm_prologue = False
+
+
+@contextmanager
+def norm_prologue(on: bool) -> Iterator[None]:
+    """Inside the block forward_add_rms_norm serves (on) or declines (off). Capture a CUDA graph
+    under the setting it is replayed with."""
+    global _norm_prologue
+    previous, _norm_prologue = _norm_prologue, on
+    try:
+        yield
+    finally:
+        _norm_prologue = previous
 
 
 def _packed_int(weights: Weights, prefix: str) -> bool:
@@ -326,6 +345,40 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
             lora.apply_(x, y)
             return list(y.split(self.sizes, dim=-1))
         return outs
+
+    def forward_add_rms_norm(self, delta: torch.Tensor, x: torch.Tensor,
+                             norm_weight: torch.Tensor, eps: float, weight_offset: float = 0.0,
+                             ) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+        """(each part's output for RMSNorm(x + delta), x + delta) in one launch, where the
+        opt-in norm prologue is on and serves: CUDA, a plain merged weight, no LoRA, Llama's
+        norm, a few tokens (norm_gemv.applies). None otherwise: the caller runs add + norm,
+        then forward. delta must already be summed over ranks (the caller's concern)."""
+        if not (_norm_prologue and x.is_cuda and self.norm_prologue_serves(delta, x,
+                                                                           weight_offset)):
+            return None
+        return self.forward_add_rms_norm_fused(delta, x, norm_weight, eps)
+
+    def norm_prologue_serves(self, delta: torch.Tensor, x: torch.Tensor,
+                             weight_offset: float = 0.0) -> bool:
+        from shard.kernels import norm_gemv  # lazy: triton
+
+        if (weight_offset or self.lora is not None or self.merged is None
+                or self.merged.weight is None or x.dim() != 2 or delta.shape != x.shape
+                or x.stride(1) != 1 or delta.stride(1) != 1):
+            return False
+        return norm_gemv.applies(x, self.merged.weight)
+
+    def forward_add_rms_norm_fused(self, delta: torch.Tensor, x: torch.Tensor,
+                                   norm_weight: torch.Tensor, eps: float
+                                   ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """forward_add_rms_norm's launch (the caller checked norm_prologue_serves; the
+        interpreter tests call it on CPU tensors)."""
+        from shard.kernels import norm_gemv
+
+        assert self.merged is not None and self.merged.weight is not None
+        y, residual = norm_gemv.add_rms_norm_linear(delta, x, norm_weight, eps,
+                                                    self.merged.weight)
+        return list(y.split(self.sizes, dim=-1)), residual
 
     def forward_act_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """For two parts (gate, up): act(gate(x)) * up(x), [n, in] -> [n, out_local], for the
