@@ -18,6 +18,8 @@ DIR/moe_b1.json and DIR/MOE_B1.md and ends its stdout with a compact summary:
    - `fused`: add + RMSNorm + router GEMV + routing in one launch (shard/kernels/moe_router.py);
    - `fused+attn:<tiling>`: also the attention sweep's best tiling (when it beats the default)
      and a few split counts, set as the backend's few_program_decode;
+   - `fused+norm-prologue[+attn:<tiling>]`: also the input add + RMSNorm inside the qkv GEMV's
+     launch (shard/kernels/norm_gemv.py, opt-in shard.layers.linear.norm_prologue; bf16 only);
    - `fused:router-r<rows>w<warps>`: other tilings of the fused launch (moe_router.RouterConfig);
    each with the step's byte roofline (moe_bench._step_bytes: dense weights and norms, LM head,
    the experts the step touched by the layers' own routing statistics, K/V) and a per-kernel
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import gc
 import json
 import time
@@ -175,16 +178,23 @@ def kernel_table(fn, calls: int, layers: int) -> dict:
 ROUTER_CONFIGS = ((2, 2), (1, 1), (8, 4))
 
 
-def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[tuple[str, bool, Any, Any]]:
-    """(name, fused router, few_program_decode tiling or None, RouterConfig or None), the most
-    telling first (fp8 runs the first three only)."""
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    fused_router: bool  # shard.layers.moe.fused_router
+    attention: Any = None  # CudaAttentionBackend.few_program_decode (DecodeTiling) or None
+    router: Any = None  # moe_router.RouterConfig or None (its default)
+    norm_prologue: bool = False  # shard.layers.linear.norm_prologue (the input norm in qkv)
+
+
+def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[Variant]:
+    """The most telling first (fp8 runs the first three only: old, fused, the best tiling)."""
     from shard.attention.cuda_backend import DecodeTiling
     from shard.kernels.moe_router import RouterConfig
 
-    out: list[tuple[str, bool, Any, Any]] = [("old", False, None, None),
-                                             ("fused", True, None, None)]
+    out = [Variant("old", False), Variant("fused", True)]
     if not cuda:
-        return out
+        return out + [Variant("fused+norm-prologue", True, norm_prologue=True)]
     tilings: list[DecodeTiling] = []
     if best is not None:
         tilings.append(DecodeTiling(kv_heads, best["splits"], best["block_n"], best["num_warps"]))
@@ -193,8 +203,12 @@ def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[tuple[str, b
     for t in tilings:
         if t.name() not in seen:
             seen.add(t.name())
-            out.append((f"fused+attn:{t.name()}", True, t, None))
-    out += [(f"fused:router-r{r}w{w}", True, None, RouterConfig(r, w))
+            out.append(Variant(f"fused+attn:{t.name()}", True, t))
+    out.append(Variant("fused+norm-prologue", True, norm_prologue=True))
+    if best is not None:
+        out.append(Variant(f"fused+norm-prologue+attn:{tilings[0].name()}", True, tilings[0],
+                           norm_prologue=True))
+    out += [Variant(f"fused:router-r{r}w{w}", True, router=RouterConfig(r, w))
             for r, w in ROUTER_CONFIGS]
     return out
 
@@ -207,6 +221,7 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
     from benchmarks.harness.timing import cuda_time_ms, decode_step
     from benchmarks.harness.tp import prefill_logits_8b
     from shard.distributed.groups import Dist
+    from shard.layers.linear import norm_prologue
     from shard.layers.moe import fused_router
     from shard.server.loader import Shard, ShardConfig
 
@@ -240,12 +255,14 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
     kv_heads = shape["num_key_value_heads"]
     from shard.kernels import moe_router
 
-    for name, fused, tiling, router_cfg in _variants(best_attn, kv_heads, cuda)[:max_variants]:
+    for var in _variants(best_attn, kv_heads, cuda)[:max_variants]:
+        name = var.name
         row: dict[str, Any] = {"variant": name}
         try:
             for backend in backends:
-                backend.few_program_decode = tiling
-            with fused_router(fused), moe_router.config_override(router_cfg):
+                backend.few_program_decode = var.attention
+            with fused_router(var.fused_router), moe_router.config_override(var.router), \
+                    norm_prologue(var.norm_prologue):
                 if cuda:
                     # this variant's graph (captured under its settings: every bucket runs
                     # eagerly first, compiling its kernels), its replay time and its kernels

@@ -249,3 +249,25 @@ def test_few_program_decode_tilings_match_the_default_on_cuda(splits, block_n, w
     (o1, k1, v1), (o2, k2, v2) = results
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
     assert float((o1 - o2).abs().max()) <= 2**-6 * float(o1.abs().max())
+
+
+def test_tiny_qwen3_moe_same_tokens_with_the_norm_prologue(moe_models, monkeypatch):
+    """The opt-in norm prologue (the input add + RMSNorm inside the qkv GEMV's launch,
+    shard/kernels/norm_gemv.py) runs in the decode graphs and generates the greedy tokens of the
+    default path up to the first near-tie."""
+    from shard.kernels import norm_gemv
+    from shard.layers.linear import norm_prologue
+    from shard.testing.tiny import greedy_tokens
+    from tests.helpers.moe import moe_shard
+    from tests.helpers.numerics import agree_until_near_tie
+
+    margins: list[list[float]] = []
+    want = greedy_tokens(moe_shard(moe_models["qwen3_moe"], device="cuda"), 12, margins)
+    calls = []
+    launch = norm_gemv.add_rms_norm_linear
+    monkeypatch.setattr(norm_gemv, "add_rms_norm_linear",
+                        lambda *a, **k: calls.append(1) or launch(*a, **k))
+    with norm_prologue(True):
+        shard = moe_shard(moe_models["qwen3_moe"], device="cuda")
+        agree_until_near_tie(greedy_tokens(shard, 12), want, margins)
+    assert calls and shard.runner.last_path == "decode_graph"
