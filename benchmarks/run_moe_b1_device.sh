@@ -14,7 +14,7 @@ set -u
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 t0=$(date +%s)
-timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_moe_cuda.py -p no:cacheprovider 2>&1 \
+timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_moe_cuda.py -p no:cacheprovider 2>&1 \
   | tail -40 > $OUT/gpu_tests_moe.log
 grep -E "^FAILED|^ERROR" $OUT/gpu_tests_moe.log | cut -c1-300 | head -10
 echo "tests took $(( $(date +%s) - t0 )) s"
