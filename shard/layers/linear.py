@@ -132,6 +132,7 @@ class RowParallelLinear(nn.Module, WeightLoader):
         # [out + E, in_local] with LoRA on a plain weight: the weight (rows [:out], which
         # self.weight views) and every slot's A (LoraWeights.fold_into); one GEMM gives both.
         self.lora_weight: torch.Tensor | None = None
+        self._norm_warm = False  # forward_add_rms_norm's launch compiled
 
     def attach_lora(self, lora: LoraWeights) -> None:
         """Adapters on this linear; folded into the weight where it is a plain one. Under
@@ -306,6 +307,7 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
         # [sum(out) + E, in] with LoRA on a plain merged weight: the merged weight (its first
         # rows, which the parts' weights view) and every slot's A (LoraWeights.fold_into).
         self.lora_weight: torch.Tensor | None = None
+        self._norm_warm = False  # forward_add_rms_norm's launch compiled
 
     def attach_lora(self, lora: LoraWeights) -> None:
         """Adapters on all parts; folded into the merged weight where it is a plain one
@@ -353,8 +355,15 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
         opt-in norm prologue is on and serves: CUDA, a plain merged weight, no LoRA, Llama's
         norm, a few tokens (norm_gemv.applies). None otherwise: the caller runs add + norm,
         then forward. delta must already be summed over ranks (the caller's concern)."""
-        if not (_norm_prologue and x.is_cuda and self.norm_prologue_serves(delta, x,
-                                                                           weight_offset)):
+        if not (_norm_prologue and x.is_cuda and x.dim() == 2 and x.shape[0]):
+            return None
+        if (not self._norm_warm and not torch.cuda.is_current_stream_capturing()
+                and self.norm_prologue_serves(delta[:1], x[:1], weight_offset)):
+            # compiled at the first eager call whatever its size (warm-up's prefill): no compile
+            # while serving, graphs or not
+            self.forward_add_rms_norm_fused(delta[:1], x[:1], norm_weight, eps)
+            self._norm_warm = True
+        if not self.norm_prologue_serves(delta, x, weight_offset):
             return None
         return self.forward_add_rms_norm_fused(delta, x, norm_weight, eps)
 

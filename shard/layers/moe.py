@@ -395,11 +395,15 @@ class SparseMoeBlock(nn.Module):
         decode-sized batch, Llama's norm): add + norm + router GEMV + routing in one kernel
         (shard/kernels/moe_router.py), then the experts' decode kernels. None where it does
         not: the caller runs the unfused form. push: ignored (as in forward)."""
-        if not (_fused_router and isinstance(delta, torch.Tensor) and x.is_cuda
-                and self.fused_router_serves(delta, x, norm)):
+        if not (_fused_router and isinstance(delta, torch.Tensor) and x.is_cuda):
             return None
-        if not self._router_warm and not torch.cuda.is_current_stream_capturing():
+        if (not self._router_warm and x.shape[0] and not torch.cuda.is_current_stream_capturing()
+                and self.fused_router_serves(delta[:1], x[:1], norm)):
+            # At the first eager call, whatever its size (warm-up's prefill, when graphs are
+            # off): a later decode step then finds the kernel compiled (no compile while serving)
             self._warm_router(delta, x, norm)
+        if not self.fused_router_serves(delta, x, norm):
+            return None
         return self.forward_add_norm_fused(delta, x, norm)
 
     def fused_router_serves(self, delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> bool:
