@@ -85,7 +85,12 @@ class KernelCompileWatch:
         with self._lock:
             start = self._started.pop(str(key), end)
         name = getattr(fn, "name", str(fn))
-        record = KernelCompile(name, repr, end - start, self._serving)
+        # What tells this variant from the others: its constexpr values and the arguments'
+        # specialization attributes (divisibility by 16, alignment), as Triton keys them.
+        compile_info = kwargs.get("compile") or {}
+        detail = (f"{repr} constexprs={compile_info.get('constants')} "
+                  f"specialized={compile_info.get('configs')}")
+        record = KernelCompile(name, detail, end - start, self._serving)
         self.compiles.append(record)
         if record.while_serving:
             log.warning(
