@@ -19,8 +19,9 @@ DIR/moe_b1.json and DIR/MOE_B1.md and ends its stdout with a compact summary:
    - `fused+attn:<tiling>`: also the attention sweep's best tiling (when it beats the default)
      and a few split counts, set as the backend's few_program_decode;
    - `fused+norm-prologue[+attn:<tiling>]`: also the input add + RMSNorm inside the qkv GEMV's
-     launch (shard/kernels/norm_gemv.py, opt-in shard.layers.linear.norm_prologue; bf16 only);
+     launch (shard/kernels/norm_gemv.py, opt-in shard.layers.linear.norm_prologue);
    - `fused:router-r<rows>w<warps>`: other tilings of the fused launch (moe_router.RouterConfig);
+   fp8 runs old, fused, fused+norm-prologue and the first attention tiling only (time);
    each with the step's byte roofline (moe_bench._step_bytes: dense weights and norms, LM head,
    the experts the step touched by the layers' own routing statistics, K/V) and a per-kernel
    breakdown (device us per step and per layer, by kernel name, CUPTI).
@@ -187,8 +188,14 @@ class Variant:
     norm_prologue: bool = False  # shard.layers.linear.norm_prologue (the input norm in qkv)
 
 
+def _fp8_subset(variants: list[Variant]) -> list[Variant]:
+    """fp8 (time): old, fused, the norm prologue, the first attention tiling (the sweep's best)."""
+    attn = [v for v in variants if v.name.startswith("fused+attn:")][:1]
+    return [v for v in variants if v.name in ("old", "fused", "fused+norm-prologue")] + attn
+
+
 def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[Variant]:
-    """The most telling first (fp8 runs the first three only: old, fused, the best tiling)."""
+    """The most telling first."""
     from shard.attention.cuda_backend import DecodeTiling
     from shard.kernels.moe_router import RouterConfig
 
@@ -215,7 +222,7 @@ def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[Variant]:
 
 def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                    quantize: str | None, alias_from: int | None, best_attn: dict | None,
-                   max_variants: int | None = None) -> dict:
+                   subset: bool = False) -> dict:
     import torch
 
     from benchmarks.harness.timing import cuda_time_ms, decode_step
@@ -255,7 +262,8 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
     kv_heads = shape["num_key_value_heads"]
     from shard.kernels import moe_router
 
-    for var in _variants(best_attn, kv_heads, cuda)[:max_variants]:
+    variants = _variants(best_attn, kv_heads, cuda)
+    for var in _fp8_subset(variants) if subset else variants:
         name = var.name
         row: dict[str, Any] = {"variant": name}
         try:
@@ -466,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         if q in parts:
             attempt(f"model_{q}", lambda q=q: res["models"].append(bench_model_b1(
                 d, shape, copy_bps, cuda, None if q == "bf16" else "fp8", STORED, best,
-                None if q == "bf16" else 3)))
+                subset=q == "fp8")))
     res["wall_s"] = time.time() - t_start
     write_report(res, args.out)
     print("\n".join(summary(res)), flush=True)

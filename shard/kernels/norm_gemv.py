@@ -13,7 +13,8 @@ output (benchmarks/MOE_B1.md). Here every GEMV program recomputes the norm of it
   rounding points, then its ROWS outputs (fp32 dot, rounded to the model dtype). Program (t, 0)
   stores s (the residual stream); the normalized row is not stored (only this GEMV reads it).
 - Whole rows per program (ROWS x next_pow2(H) weights in registers) bound H: MAX_HIDDEN.
-Plain 16-bit weights, no bias (what MergedColumnParallelLinear merges). Opt-in
+Plain 16-bit weights or e4m3 ones with per-row scales (--quantize fp8's), no bias (what
+MergedColumnParallelLinear merges). Opt-in
 (shard.layers.linear.norm_prologue): whether it beats the tuned GEMV plus the norm launch is
 measured by benchmarks/moe_b1_bench.py.
 """
@@ -52,7 +53,8 @@ def _add_norm_gemv_kernel(
     d_ptr,  # [n, H] delta
     x_ptr,  # [n, H] residual stream
     nw_ptr,  # [H] RMSNorm weight
-    w_ptr,  # [N, H] weight
+    w_ptr,  # [N, H] weight (16-bit, or float8_e4m3fn with HAS_SCALE)
+    s_ptr,  # [N] float32 per output row (HAS_SCALE)
     y_ptr,  # [n, N] out: RMSNorm(x + delta) @ w.T
     res_ptr,  # [n, H] out: x + delta
     N,
@@ -64,6 +66,7 @@ def _add_norm_gemv_kernel(
     eps,
     BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
+    HAS_SCALE: tl.constexpr = False,
     PDL: tl.constexpr = False,
     OFFSET: tl.constexpr = 0.0,  # Llama's norm (the callers check weight_offset == 0)
 ):
@@ -87,15 +90,24 @@ def _add_norm_gemv_kernel(
     h = _normed_times_weight(sf, rstd, nw_ptr, offs_h, hmask, dt, OFFSET)  # [BLOCK_H] dtype
     if pid == 0:
         tl.store(res_ptr + t * H + offs_h, s, mask=hmask)
+    # (e4m3 values are exact in fp32; the per-row scale after the dot, as the fp8 GEMV does)
     y = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)  # [ROWS]
+    if HAS_SCALE:
+        y = y * tl.load(s_ptr + rows, mask=rmask, other=0.0)
     tl.store(y_ptr + t * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the fused launch serves x [n, H] against a plain weight [N, H]."""
+def applies(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
+    """Whether the fused launch serves x [n, H] against weight [N, H]: x's dtype, or e4m3 with
+    per-row float32 scales [N]."""
     n, hidden = x.shape
-    return (0 < n <= MAX_TOKENS and hidden <= MAX_HIDDEN and weight.dtype == x.dtype
-            and weight.dim() == 2 and weight.shape[1] == hidden and weight.stride(1) == 1)
+    if scale is None:
+        dtype_ok = weight.dtype == x.dtype
+    else:
+        dtype_ok = (weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+                    and scale.shape == (weight.shape[0],))
+    return (0 < n <= MAX_TOKENS and hidden <= MAX_HIDDEN and dtype_ok and weight.dim() == 2
+            and weight.shape[1] == hidden and weight.stride(1) == 1)
 
 
 def add_rms_norm_linear(
@@ -105,19 +117,21 @@ def add_rms_norm_linear(
     eps: float,
     weight: torch.Tensor,  # [N, H]
     config: NormGemvConfig | None = None,
+    scale: torch.Tensor | None = None,  # [N] float32: weight is e4m3, row r scaled by scale[r]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + delta) @ weight.T [n, N], x + delta [n, H]) in one launch:
     elementwise.add_rms_norm, then the linear."""
     n, hidden = x.shape
-    assert applies(x, weight) and x.stride(1) == 1 and delta.stride(1) == 1, (n, hidden)
+    assert applies(x, weight, scale) and x.stride(1) == 1 and delta.stride(1) == 1, (n, hidden)
     cfg = config or default_config(hidden)
     out_features = weight.shape[0]
     y = torch.empty((n, out_features), dtype=x.dtype, device=x.device)
     res = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
     _add_norm_gemv_kernel[(n, triton.cdiv(out_features, cfg.rows))](
-        delta, x, norm_weight, weight, y, res, out_features, hidden, delta.stride(0),
-        x.stride(0), weight.stride(0), y.stride(0), eps,
-        BLOCK_H=triton.next_power_of_2(hidden), ROWS=cfg.rows, num_warps=cfg.num_warps,
+        delta, x, norm_weight, weight, scale if scale is not None else norm_weight, y, res,
+        out_features, hidden, delta.stride(0), x.stride(0), weight.stride(0), y.stride(0), eps,
+        BLOCK_H=triton.next_power_of_2(hidden), ROWS=cfg.rows, HAS_SCALE=scale is not None,
+        num_warps=cfg.num_warps,
         **pdl.launch_options(x.device),
     )
     return y, res

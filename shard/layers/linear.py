@@ -223,12 +223,16 @@ class _MergedWeight:
         linear: Callable[[torch.Tensor], torch.Tensor],  # [n, in] -> [n, sum(out)]
         silu_mul: Callable[[torch.Tensor], torch.Tensor],  # [n, in] -> [n, sum(out) / 2]
         weight: torch.Tensor | None = None,  # the merged weight where it is a plain one
+        fp8: tuple[torch.Tensor, torch.Tensor] | None = None,  # e4m3 [sum(out), in], scales
     ):
         self.linear = linear
         # For gate/up: silu(gate) * up of the merged output, in one kernel where the decode
         # GEMV serves the batch.
         self.silu_mul = silu_mul
         self.weight = weight
+        # fp8 merged weights (per-row float32 scales): for the norm prologue only (never a
+        # LoRA fold: that is `weight`'s, plain weights only)
+        self.fp8 = fp8
 
 
 def _plain_merged(merged: torch.Tensor, parts: list[ColumnParallelLinear]) -> _MergedWeight:
@@ -254,7 +258,7 @@ def _merge_rows(parts: list[ColumnParallelLinear]) -> _MergedWeight | None:
     if all(isinstance(m.quantized, Fp8Linear) and m.quantized.bias is None
            and m.quantized.weight.is_cuda for m in parts):
         fp8 = Fp8Linear.merge_rows(*(m.quantized for m in parts))
-        return _MergedWeight(fp8, fp8.forward_silu_mul)
+        return _MergedWeight(fp8, fp8.forward_silu_mul, fp8=(fp8.weight, fp8.weight_scale))
     # Packed int4 / int8 parts (GPTQ / AWQ / compressed-tensors) with the same group layout.
     if all(isinstance(m.quantized, IntLinear) for m in parts):
         packed = IntLinear.merge_rows(*(m.quantized for m in parts))
@@ -352,7 +356,7 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
                              norm_weight: torch.Tensor, eps: float, weight_offset: float = 0.0,
                              ) -> tuple[list[torch.Tensor], torch.Tensor] | None:
         """(each part's output for RMSNorm(x + delta), x + delta) in one launch, where the
-        opt-in norm prologue is on and serves: CUDA, a plain merged weight, no LoRA, Llama's
+        opt-in norm prologue is on and serves: CUDA, a plain or fp8 merged weight, no LoRA, Llama's
         norm, a few tokens (norm_gemv.applies). None otherwise: the caller runs add + norm,
         then forward. delta must already be summed over ranks (the caller's concern)."""
         if not (_norm_prologue and x.is_cuda and x.dim() == 2 and x.shape[0]):
@@ -371,11 +375,15 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
                              weight_offset: float = 0.0) -> bool:
         from shard.kernels import norm_gemv  # lazy: triton
 
-        if (weight_offset or self.lora is not None or self.merged is None
-                or self.merged.weight is None or x.dim() != 2 or delta.shape != x.shape
-                or x.stride(1) != 1 or delta.stride(1) != 1):
+        m = self.merged
+        if (weight_offset or self.lora is not None or m is None
+                or (m.weight is None and m.fp8 is None) or x.dim() != 2
+                or delta.shape != x.shape or x.stride(1) != 1 or delta.stride(1) != 1):
             return False
-        return norm_gemv.applies(x, self.merged.weight)
+        if m.weight is not None:
+            return norm_gemv.applies(x, m.weight)
+        assert m.fp8 is not None
+        return norm_gemv.applies(x, *m.fp8)
 
     def forward_add_rms_norm_fused(self, delta: torch.Tensor, x: torch.Tensor,
                                    norm_weight: torch.Tensor, eps: float
@@ -384,9 +392,14 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
         interpreter tests call it on CPU tensors)."""
         from shard.kernels import norm_gemv
 
-        assert self.merged is not None and self.merged.weight is not None
-        y, residual = norm_gemv.add_rms_norm_linear(delta, x, norm_weight, eps,
-                                                    self.merged.weight)
+        m = self.merged
+        assert m is not None
+        if m.weight is not None:
+            y, residual = norm_gemv.add_rms_norm_linear(delta, x, norm_weight, eps, m.weight)
+        else:
+            assert m.fp8 is not None
+            y, residual = norm_gemv.add_rms_norm_linear(delta, x, norm_weight, eps, m.fp8[0],
+                                                        scale=m.fp8[1])
         return list(y.split(self.sizes, dim=-1)), residual
 
     def forward_act_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:

@@ -271,3 +271,31 @@ def test_tiny_qwen3_moe_same_tokens_with_the_norm_prologue(moe_models, monkeypat
         shard = moe_shard(moe_models["qwen3_moe"], device="cuda")
         agree_until_near_tie(greedy_tokens(shard, 12), want, margins)
     assert calls and shard.runner.last_path == "decode_graph"
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_norm_prologue_gemv_compiled_matches_norm_then_linear(fp8):
+    """shard/kernels/norm_gemv.py compiled at Qwen3-30B-A3B's q/k/v shape (5,120 x 2,048), bf16
+    and e4m3 with per-row scales: the residual equals elementwise.add_rms_norm's bit for bit,
+    the outputs the matmul of its normalized row to bf16 rounding."""
+    from shard.kernels import elementwise, norm_gemv
+    from shard.quantization.fp8 import dequantize_fp8, quantize_fp8_per_channel
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    hidden, rows = 2048, 5120
+    d = torch.randn(1, hidden, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(1, hidden, device="cuda", generator=gen).bfloat16()
+    nw = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).bfloat16()
+    w = torch.randn(rows, hidden, device="cuda", generator=gen) * 0.02
+    scale = None
+    if fp8:
+        w, scale = quantize_fp8_per_channel(w)
+        ref_w = dequantize_fp8(w, scale, torch.float32)
+    else:
+        w = w.bfloat16()
+        ref_w = w.float()
+    y, res = norm_gemv.add_rms_norm_linear(d, x, nw, 1e-6, w, scale=scale)
+    h, s = elementwise.add_rms_norm(d, x, nw, 1e-6)
+    assert torch.equal(res, s)
+    want = h.float() @ ref_w.T
+    assert float((y.float() - want).abs().max()) <= 2**-7 * float(want.abs().max()) + 1e-3

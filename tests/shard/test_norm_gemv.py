@@ -3,10 +3,11 @@ the normalized row (the opt-in shard.layers.linear.norm_prologue).
 
 Under Triton's interpreter on CPU tensors: the launch equals elementwise.add_rms_norm followed by
 the matmul (the residual bit for bit in fp32 and bf16, the outputs to fp32 rounding) for several
-tilings, token counts and sizes that are not powers of two; MergedColumnParallelLinear's fused
+tilings, token counts and sizes that are not powers of two, and for e4m3 weights with per-row
+scales against their dequantized matmul; MergedColumnParallelLinear's fused
 path splits it into its parts like its forward; the opt-in declines when off and on CPU. Compiled
-for sm_90 on the CPU (no GPU): the weight slice is loaded before the PDL wait, the activations
-after it.
+for sm_90 on the CPU (no GPU), 16-bit and e4m3 weights: the weight slice is loaded before the
+PDL wait, the activations after it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,17 @@ _CHECK = textwrap.dedent(
     h, s = elementwise.add_rms_norm(d, x, nw, 1e-6)
     assert torch.equal(res, s)
     torch.testing.assert_close(y.float(), h.float() @ w.float().T, rtol=2**-6, atol=2**-6)
+
+    # e4m3 weights with per-row scales (--quantize fp8's merged q/k/v): the dequantized matmul
+    from shard.quantization.fp8 import dequantize_fp8, quantize_fp8_per_channel
+    d, x, nw = torch.randn(2, 40), torch.randn(2, 40), torch.rand(40) + 0.5
+    q8, s8 = quantize_fp8_per_channel(torch.randn(24, 40) * 0.2)
+    assert norm_gemv.applies(x, q8, s8) and not norm_gemv.applies(x, q8)
+    y, res = norm_gemv.add_rms_norm_linear(d, x, nw, 1e-6, q8, scale=s8)
+    h, s = elementwise.add_rms_norm(d, x, nw, 1e-6)
+    assert torch.equal(res, s)
+    torch.testing.assert_close(y, h @ dequantize_fp8(q8, s8, torch.float32).T, rtol=1e-5,
+                               atol=1e-5)
 
     # the merged q/k/v linear: the fused path's parts equal forward's of the normed row
     qkv = MergedColumnParallelLinear(40, {"q_proj": 32, "k_proj": 8, "v_proj": 8}, False, Dist(),
@@ -81,7 +93,8 @@ def _backend_available() -> bool:
 
 @needs(_backend_available(), "triton without its CUDA backend (ptxas)")
 @pytest.mark.timeout(300)
-def test_weights_stream_before_the_wait_on_sm90() -> None:
+@pytest.mark.parametrize("fp8", [False, True])
+def test_weights_stream_before_the_wait_on_sm90(fp8: bool) -> None:
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -90,10 +103,11 @@ def test_weights_stream_before_the_wait_on_sm90() -> None:
 
     hidden, warps = 2048, 4
     cfg = norm_gemv.default_config(hidden)
-    types = {"d_ptr": "*bf16", "x_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16",
-             "y_ptr": "*bf16", "res_ptr": "*bf16", "N": "i32", "H": "i32", "stride_d": "i32",
+    types = {"d_ptr": "*bf16", "x_ptr": "*bf16", "nw_ptr": "*bf16",
+             "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "s_ptr": "*fp32", "y_ptr": "*bf16", "res_ptr": "*bf16", "N": "i32", "H": "i32", "stride_d": "i32",
              "stride_x": "i32", "stride_w": "i32", "stride_y": "i32", "eps": "fp32"}
-    consts = {"BLOCK_H": hidden, "ROWS": cfg.rows, "PDL": True, "OFFSET": 0.0}
+    consts = {"BLOCK_H": hidden, "ROWS": cfg.rows, "HAS_SCALE": fp8, "PDL": True,
+              "OFFSET": 0.0}
     sig = {**types, **dict.fromkeys(consts, "constexpr")}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
              if ty != "constexpr" and (ty.startswith("*") or name in ("N", "H")
@@ -105,7 +119,8 @@ def test_weights_stream_before_the_wait_on_sm90() -> None:
     lines = kernel.asm["ptx"].splitlines()
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     loads = [i for i, line in enumerate(lines) if re.search(r"ld\.global", line)]
-    slice_vectors = cfg.rows * hidden * 2 // (32 * warps) // 16
+    slice_vectors = cfg.rows * hidden * (1 if fp8 else 2) // (32 * warps) // 16
     assert sum(1 for i in loads if i < wait) >= slice_vectors, "weights after the wait"
-    assert 0 < sum(1 for i in loads if i > wait) <= 8  # delta, residual, the norm weight
+    # delta, residual, the norm weight (and the scales)
+    assert 0 < sum(1 for i in loads if i > wait) <= 8
     assert all(i > wait for i, line in enumerate(lines) if "st.global" in line)
