@@ -132,7 +132,6 @@ class RowParallelLinear(nn.Module, WeightLoader):
         # [out + E, in_local] with LoRA on a plain weight: the weight (rows [:out], which
         # self.weight views) and every slot's A (LoraWeights.fold_into); one GEMM gives both.
         self.lora_weight: torch.Tensor | None = None
-        self._norm_warm = False  # forward_add_rms_norm's launch compiled
 
     def attach_lora(self, lora: LoraWeights) -> None:
         """Adapters on this linear; folded into the weight where it is a plain one. Under
@@ -356,8 +355,8 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
                              norm_weight: torch.Tensor, eps: float, weight_offset: float = 0.0,
                              ) -> tuple[list[torch.Tensor], torch.Tensor] | None:
         """(each part's output for RMSNorm(x + delta), x + delta) in one launch, where the
-        opt-in norm prologue is on and serves: CUDA, a plain or fp8 merged weight, no LoRA, Llama's
-        norm, a few tokens (norm_gemv.applies). None otherwise: the caller runs add + norm,
+        opt-in norm prologue is on and serves: CUDA, a plain or fp8 merged weight, no LoRA,
+        Llama's norm, a few tokens (norm_gemv.applies). None otherwise: the caller runs add + norm,
         then forward. delta must already be summed over ranks (the caller's concern)."""
         if not (_norm_prologue and x.is_cuda and x.dim() == 2 and x.shape[0]):
             return None
@@ -373,6 +372,7 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
 
     def norm_prologue_serves(self, delta: torch.Tensor, x: torch.Tensor,
                              weight_offset: float = 0.0) -> bool:
+        """Whether the norm prologue's launch computes this call (see forward_add_rms_norm)."""
         from shard.kernels import norm_gemv  # lazy: triton
 
         m = self.merged
