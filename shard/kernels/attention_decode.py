@@ -758,10 +758,14 @@ def _decode(
             (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
         )
         s_seq, s_head, s_split = part.stride(0), part.stride(1), part.stride(2)
-    dummy = seq_lens  # pointer arguments that the compiled variant never reads
     # (Allocated at the first call whatever the split count: a CUDA-graph warm-up runs only the
     # largest batch, with one split, before the smaller, split batches are captured.)
     tickets = _tickets(query.device, 0 if one else num_seqs * num_kv_heads)
+    # Pointer arguments that the compiled variant never reads: the ticket counters (int32 as
+    # seq_lens was, allocated once, 16-byte aligned). Not seq_lens: a mixed step passes
+    # seq_lens[p:], aligned or not by p, and each of these eight arguments' alignment would be
+    # a kernel variant of its own, compiled in the middle of serving.
+    dummy = tickets
     k_store_scale, v_store_scale, fp8_max = k_scale, v_scale, 0.0
     if new is not None and key_cache.element_size() == 1:  # the store divides by the scales
         fp8_max = float(torch.finfo(key_cache.dtype).max)

@@ -87,14 +87,16 @@ class KernelCompileWatch:
         name = getattr(fn, "name", str(fn))
         # What tells this variant from the others: its constexpr values and the arguments'
         # specialization attributes (divisibility by 16, alignment), as Triton keys them.
+        # (One line: Triton's repr may hold newlines, and log relays keep a message's first.)
         compile_info = kwargs.get("compile") or {}
-        detail = (f"{repr} constexprs={compile_info.get('constants')} "
-                  f"specialized={compile_info.get('configs')}")
+        detail = " ".join(
+            f"constexprs={compile_info.get('constants')} specialized="
+            f"{compile_info.get('configs')} {repr}".split())
         record = KernelCompile(name, detail, end - start, self._serving)
         self.compiles.append(record)
         if record.while_serving:
             log.warning(
                 "Triton compiled %s while serving (%.0f ms; that step waited): a kernel variant "
-                "warm-up did not cover: %s", name, record.seconds * 1e3, repr)
+                "warm-up did not cover: %s", name, record.seconds * 1e3, record.specialization)
         previous = self._previous[1]
         return previous(key=key, repr=repr, fn=fn, **kwargs) if previous is not None else None

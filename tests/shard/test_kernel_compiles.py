@@ -16,8 +16,9 @@ def _compile(watch: KernelCompileWatch, name: str, key: str) -> None:
     info = SimpleNamespace(module="shard.kernels.x", name=name, jit_function=None)
     assert not watch.before_compile(key=key, repr=f"{name}[...]", fn=info, compile={},
                                     is_manual_warmup=False, already_compiled=False)
-    watch.after_compile(key=key, repr=f"{name}[num_warps=4](n: i32)", fn=info, compile={},
-                        is_manual_warmup=False, already_compiled=False)
+    specialization = {"constants": {"BLOCK": 64}, "configs": [{(0,): [["tt.divisibility", 16]]}]}
+    watch.after_compile(key=key, repr=f"{name}[num_warps=4](n: i32)\n", fn=info,
+                        compile=specialization, is_manual_warmup=False, already_compiled=False)
 
 
 def test_compiles_after_warmup_are_logged_as_warmup_gaps(caplog):
@@ -35,6 +36,8 @@ def test_compiles_after_warmup_are_logged_as_warmup_gaps(caplog):
     (record,) = caplog.records
     assert "_decode_split_kernel while serving" in record.getMessage()
     assert "(n: i32)" in record.getMessage()  # the specialization that was missing
+    assert "{'BLOCK': 64}" in record.getMessage() and "tt.divisibility" in record.getMessage()
+    assert "\n" not in record.getMessage()  # one line, whatever Triton's repr holds
 
 
 def test_install_chains_onto_the_hooks_already_set():
