@@ -17,6 +17,7 @@ number of decode splits depends only on the batch size so a captured graph stays
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 
@@ -50,6 +51,24 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+@dataclass(frozen=True)
+class DecodeTiling:
+    """A decode-only step's split-kernel launch (shard/kernels/attention_decode.py) where the
+    step has few (sequence, KV head) programs: batch 1 of a 4-KV-head model (Qwen3-30B-A3B) is
+    4, so the split count and tile decide how many programs are in flight and how long each
+    one's chain of dependent loads is. None fields: the kernel's defaults."""
+
+    max_programs: int  # applies where num_seqs * num_kv_heads <= this
+    num_splits: int | None = None
+    block_n: int | None = None
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def name(self) -> str:
+        return (f"s{self.num_splits or 'def'}-n{self.block_n or 'def'}-w{self.num_warps}"
+                f"-st{self.num_stages}")
+
+
 class CudaAttentionBackend(AttentionBackend):
     """AttentionBackend for CUDA devices (see shard/attention/base.py for the contract)."""
 
@@ -74,6 +93,10 @@ class CudaAttentionBackend(AttentionBackend):
         # Decode-only steps take rotate_write_and_attend_decode (one kernel for rotary, the cache
         # store and attention); benchmarks switch it off to compare with the two-kernel path.
         self.fuse_rotary_into_decode = True
+        # Decode-only steps with few (sequence, KV head) programs take this tiling instead of
+        # the kernel's defaults; None: the defaults everywhere. Set before any graph capture
+        # (benchmarks/moe_b1_bench.py measures candidates side by side).
+        self.few_program_decode: DecodeTiling | None = None
 
     def write_kv(
         self,
@@ -137,10 +160,29 @@ class CudaAttentionBackend(AttentionBackend):
             k_scale=k_scale,
             v_scale=v_scale,
             softcap=softcap,
+            **self._decode_tile_args(query.shape[0], key_cache.shape[2]),
         )
 
     def num_decode_splits(self, num_seqs: int, num_kv_heads: int) -> int:
+        tiling = self._few_program_tiling(num_seqs, num_kv_heads)
+        if tiling is not None and tiling.num_splits is not None:
+            return tiling.num_splits
         return self._decode.default_num_splits(num_seqs, num_kv_heads, self._num_sms)
+
+    def _few_program_tiling(self, num_seqs: int, num_kv_heads: int) -> DecodeTiling | None:
+        t = self.few_program_decode
+        return t if t is not None and num_seqs * num_kv_heads <= t.max_programs else None
+
+    def _decode_tile_args(self, num_seqs: int, num_kv_heads: int) -> dict[str, int]:
+        """block_n / num_warps / num_stages of few_program_decode where it applies ({}: the
+        kernel's defaults)."""
+        t = self._few_program_tiling(num_seqs, num_kv_heads)
+        if t is None:
+            return {}
+        args = {"num_warps": t.num_warps, "num_stages": t.num_stages}
+        if t.block_n is not None:
+            args["block_n"] = t.block_n
+        return args
 
     def attend(
         self,
@@ -169,6 +211,7 @@ class CudaAttentionBackend(AttentionBackend):
                 k_scale=k_scale,
                 v_scale=v_scale,
                 softcap=softcap,
+                **self._decode_tile_args(query.shape[0], key_cache.shape[2]),
             )
         if self._flash and key_cache.shape[1] % 256 == 0 and k_scale is None:
             return self._flash_prefill(query, key_cache, value_cache, meta, scale, sliding_window,

@@ -40,6 +40,15 @@ def route_row(logits_ptr, t, E, stride_l, TOP_K: tl.constexpr, K_POW2: tl.conste
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
     x = tl.load(logits_ptr + t * stride_l + offs, mask=valid, other=-float("inf")).to(tl.float32)
+    return route_values(x, offs, valid, TOP_K, K_POW2, SOFTMAX_FIRST, RENORMALIZE)
+
+
+@triton.jit
+def route_values(x, offs, valid, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+                 SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """route_row on a row already in registers: x [BLOCK_E] float32 logits (-inf where not
+    valid), offs = arange(BLOCK_E), valid = offs < E. Also inlined by
+    shard/kernels/moe_router.py (the router GEMV's last program routes its token)."""
     if SOFTMAX_FIRST:
         p = tl.exp(x - tl.max(x, 0))
         p = tl.where(valid, p, 0.0)

@@ -10,7 +10,8 @@ runs one GEMV (or one fp8 GEMV with the SiLU-and-mul in its epilogue) instead of
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,24 @@ from shard.quantization.fp8 import Fp8Linear
 from shard.quantization.int_weights import IntLinear
 from shard.quantization.loading import load_int_linear, quantize_loaded_linear
 from shard.quantization.w8a8 import W8A8Linear
+
+# Opt-in: MergedColumnParallelLinear.forward_add_rms_norm computes the residual add and the
+# RMSNorm before it in the GEMV's own launch (shard/kernels/norm_gemv.py) for steps of a few
+# tokens; off until measured to beat the tuned GEMV plus the norm launch
+# (benchmarks/moe_b1_bench.py compares both in one process).
+_norm_prologue = False
+
+
+@contextmanager
+def norm_prologue(on: bool) -> Iterator[None]:
+    """Inside the block forward_add_rms_norm serves (on) or declines (off). Capture a CUDA graph
+    under the setting it is replayed with."""
+    global _norm_prologue
+    previous, _norm_prologue = _norm_prologue, on
+    try:
+        yield
+    finally:
+        _norm_prologue = previous
 
 
 def _packed_int(weights: Weights, prefix: str) -> bool:
@@ -203,12 +222,16 @@ class _MergedWeight:
         linear: Callable[[torch.Tensor], torch.Tensor],  # [n, in] -> [n, sum(out)]
         silu_mul: Callable[[torch.Tensor], torch.Tensor],  # [n, in] -> [n, sum(out) / 2]
         weight: torch.Tensor | None = None,  # the merged weight where it is a plain one
+        fp8: tuple[torch.Tensor, torch.Tensor] | None = None,  # e4m3 [sum(out), in], scales
     ):
         self.linear = linear
         # For gate/up: silu(gate) * up of the merged output, in one kernel where the decode
         # GEMV serves the batch.
         self.silu_mul = silu_mul
         self.weight = weight
+        # fp8 merged weights (per-row float32 scales): for the norm prologue only (never a
+        # LoRA fold: that is `weight`'s, plain weights only)
+        self.fp8 = fp8
 
 
 def _plain_merged(merged: torch.Tensor, parts: list[ColumnParallelLinear]) -> _MergedWeight:
@@ -234,7 +257,7 @@ def _merge_rows(parts: list[ColumnParallelLinear]) -> _MergedWeight | None:
     if all(isinstance(m.quantized, Fp8Linear) and m.quantized.bias is None
            and m.quantized.weight.is_cuda for m in parts):
         fp8 = Fp8Linear.merge_rows(*(m.quantized for m in parts))
-        return _MergedWeight(fp8, fp8.forward_silu_mul)
+        return _MergedWeight(fp8, fp8.forward_silu_mul, fp8=(fp8.weight, fp8.weight_scale))
     # Packed int4 / int8 parts (GPTQ / AWQ / compressed-tensors) with the same group layout.
     if all(isinstance(m.quantized, IntLinear) for m in parts):
         packed = IntLinear.merge_rows(*(m.quantized for m in parts))
@@ -287,6 +310,7 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
         # [sum(out) + E, in] with LoRA on a plain merged weight: the merged weight (its first
         # rows, which the parts' weights view) and every slot's A (LoraWeights.fold_into).
         self.lora_weight: torch.Tensor | None = None
+        self._norm_warm = False  # forward_add_rms_norm's launch compiled
 
     def attach_lora(self, lora: LoraWeights) -> None:
         """Adapters on all parts; folded into the merged weight where it is a plain one
@@ -326,6 +350,57 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
             lora.apply_(x, y)
             return list(y.split(self.sizes, dim=-1))
         return outs
+
+    def forward_add_rms_norm(self, delta: torch.Tensor, x: torch.Tensor,
+                             norm_weight: torch.Tensor, eps: float, weight_offset: float = 0.0,
+                             ) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+        """(each part's output for RMSNorm(x + delta), x + delta) in one launch, where the
+        opt-in norm prologue is on and serves: CUDA, a plain or fp8 merged weight, no LoRA,
+        Llama's norm, a few tokens (norm_gemv.applies). None otherwise: the caller runs add + norm,
+        then forward. delta must already be summed over ranks (the caller's concern)."""
+        if not (_norm_prologue and x.is_cuda and x.dim() == 2 and x.shape[0]):
+            return None
+        if (not self._norm_warm and not torch.cuda.is_current_stream_capturing()
+                and self.norm_prologue_serves(delta[:1], x[:1], weight_offset)):
+            # compiled at the first eager call whatever its size (warm-up's prefill): no compile
+            # while serving, graphs or not
+            self.forward_add_rms_norm_fused(delta[:1], x[:1], norm_weight, eps)
+            self._norm_warm = True
+        if not self.norm_prologue_serves(delta, x, weight_offset):
+            return None
+        return self.forward_add_rms_norm_fused(delta, x, norm_weight, eps)
+
+    def norm_prologue_serves(self, delta: torch.Tensor, x: torch.Tensor,
+                             weight_offset: float = 0.0) -> bool:
+        """Whether the norm prologue's launch computes this call (see forward_add_rms_norm)."""
+        from shard.kernels import norm_gemv  # lazy: triton
+
+        m = self.merged
+        if (weight_offset or self.lora is not None or m is None
+                or (m.weight is None and m.fp8 is None) or x.dim() != 2
+                or delta.shape != x.shape or x.stride(1) != 1 or delta.stride(1) != 1):
+            return False
+        if m.weight is not None:
+            return norm_gemv.applies(x, m.weight)
+        assert m.fp8 is not None
+        return norm_gemv.applies(x, *m.fp8)
+
+    def forward_add_rms_norm_fused(self, delta: torch.Tensor, x: torch.Tensor,
+                                   norm_weight: torch.Tensor, eps: float
+                                   ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """forward_add_rms_norm's launch (the caller checked norm_prologue_serves; the
+        interpreter tests call it on CPU tensors)."""
+        from shard.kernels import norm_gemv
+
+        m = self.merged
+        assert m is not None
+        if m.weight is not None:
+            y, residual = norm_gemv.add_rms_norm_linear(delta, x, norm_weight, eps, m.weight)
+        else:
+            assert m.fp8 is not None
+            y, residual = norm_gemv.add_rms_norm_linear(delta, x, norm_weight, eps, m.fp8[0],
+                                                        scale=m.fp8[1])
+        return list(y.split(self.sizes, dim=-1)), residual
 
     def forward_act_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """For two parts (gate, up): act(gate(x)) * up(x), [n, in] -> [n, out_local], for the

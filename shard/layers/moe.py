@@ -25,6 +25,8 @@ sums at a step's existing sync point (shard/engine).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +36,8 @@ from torch import nn
 from shard.distributed.groups import Dist
 from shard.kernels.moe_align import MoeRouting, align_by_expert, grouped_moe_torch, route
 from shard.layers import decode_linear
-from shard.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from shard.layers.linear import MergedColumnParallelLinear, PushedPartial, RowParallelLinear
+from shard.layers.norm import RMSNorm
 from shard.layers.weights import WeightLoader, Weights
 from shard.quantization.fp8 import FP8_DTYPE, quantize_fp8_per_channel
 from shard.quantization.methods import QuantizeMethod
@@ -43,6 +46,24 @@ __all__ = ["ExpertNames", "FusedMoE", "MoeRouting", "RoutingStats", "SparseMoeBl
 
 # Rows per block of the CPU path's batched matmuls (the CUDA kernel picks its own).
 _CPU_BLOCK_M = 8
+
+# Decode-sized CUDA steps on one rank: the residual add + RMSNorm before the sparse block, its
+# router GEMV and the routing in one launch (shard/kernels/moe_router.py) instead of three.
+# `fused_router(False)` restores the three launches (benchmarks compare both in one process).
+_fused_router = True
+
+
+@contextmanager
+def fused_router(on: bool) -> Iterator[None]:
+    """Inside the block SparseMoeBlock.forward_add_norm takes the fused launch (on) or declines
+    (off: the decoder layer runs add + norm, the router GEMV and routing apart). Capture a CUDA
+    graph under the setting it is replayed with."""
+    global _fused_router
+    previous, _fused_router = _fused_router, on
+    try:
+        yield
+    finally:
+        _fused_router = previous
 
 
 @dataclass(frozen=True)
@@ -224,6 +245,33 @@ class FusedMoE(nn.Module, WeightLoader):
         return grouped_moe_torch(x, self.w13, self.w2, topk_weights, layout,
                                  self.routing.top_k, self.scale13, self.scale2)
 
+    def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       router_logits: torch.Tensor) -> torch.Tensor:
+        """x [n, H] with its routing already computed (weights [n, k] float32, ids [n, k]
+        int32; moe_router's fused launch) -> [n, H], this rank's partial, through the decode
+        kernels (the caller checked `decode_sized`). router_logits [n, E]: only for the
+        first eager call's warm-up of every variant."""
+        from shard.kernels import moe_decode
+
+        if x.is_cuda and not self._warm and not torch.cuda.is_current_stream_capturing():
+            self._warm_up(x, router_logits)
+        cfg = moe_decode.decode_config_for(x.shape[0] * self.routing.top_k,
+                                           self.scale13 is not None)
+        assert cfg is not None
+        stats = self.stats
+        return moe_decode.moe_decode(
+            x, self.w13, self.w2, self.routing.top_k, self.scale13, self.scale2, cfg,
+            topk_weights=topk_weights, topk_ids=topk_ids,
+            count_into=stats.counts[self.layer_index] if stats is not None else None,
+            valid=stats.valid_rows(x.shape[0]) if stats is not None else None)
+
+    def decode_sized(self, n: int) -> bool:
+        """Whether n tokens take the decode kernels on CUDA (every expert on this rank)."""
+        from shard.kernels import moe_decode
+
+        return (self.expert_range == (0, self.num_experts) and moe_decode.decode_config_for(
+            n * self.routing.top_k, self.scale13 is not None) is not None)
+
     def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids -> this rank's stacked rows; other ranks' experts become ids past
         the end, which the layout drops."""
@@ -322,12 +370,70 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = GatedMLP(hidden, shared_intermediate, dist) if shared_intermediate \
             else None
         self.shared_expert_gate = ReplicatedLinear(hidden, 1) if shared_intermediate else None
+        self._router_warm = False  # the fused router launch compiled (forward_add_norm)
 
     def forward(self, x: torch.Tensor, reduce: bool = True, push: bool = False) -> torch.Tensor:
         """x [n, H] -> [n, H]; with reduce=False this rank's un-reduced share (push: ignored,
         the experts' output is not a GEMV's)."""
         y = self.experts(x, self.gate(x))
+        return self._reduce(self._add_shared(x, y), reduce)
+
+    def _add_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is not None:
             # sigmoid(g) * partial sums to sigmoid(g) * the whole shared expert over the ranks
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+    def _reduce(self, y: torch.Tensor, reduce: bool) -> torch.Tensor:
         return self.dist.all_reduce(y) if reduce else y
+
+    def forward_add_norm(self, delta: torch.Tensor | PushedPartial, x: torch.Tensor,
+                         norm: RMSNorm, push: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decoder layer's `h, x = reduce_add_rms_norm(dist, delta, x, norm); y = self(h,
+        reduce=False)` as (x, y), where the fused launch serves the step (CUDA, one rank, a
+        decode-sized batch, Llama's norm): add + norm + router GEMV + routing in one kernel
+        (shard/kernels/moe_router.py), then the experts' decode kernels. None where it does
+        not: the caller runs the unfused form. push: ignored (as in forward)."""
+        if not (_fused_router and isinstance(delta, torch.Tensor) and x.is_cuda):
+            return None
+        if (not self._router_warm and x.shape[0] and not torch.cuda.is_current_stream_capturing()
+                and self.fused_router_serves(delta[:1], x[:1], norm)):
+            # At the first eager call, whatever its size (warm-up's prefill, when graphs are
+            # off): a later decode step then finds the kernel compiled (no compile while serving)
+            self._warm_router(delta, x, norm)
+        if not self.fused_router_serves(delta, x, norm):
+            return None
+        return self.forward_add_norm_fused(delta, x, norm)
+
+    def fused_router_serves(self, delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> bool:
+        """Whether the fused launch computes this step's add + norm + routing: one rank (under
+        tensor parallelism the all-reduce comes first), Llama's norm, [n, H] rows with unit
+        column stride, n tokens the decode kernels take (moe_decode.DECODE_MAX_SLOTS)."""
+        from shard.kernels import moe_router
+
+        if x.dim() != 2 or delta.shape != x.shape or x.stride(1) != 1 or delta.stride(1) != 1:
+            return False
+        n, hidden = x.shape
+        return (self.dist.world_size == 1 and norm.weight_offset == 0
+                and moe_router.applies(hidden, n) and self.experts.decode_sized(n))
+
+    def forward_add_norm_fused(self, delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_add_norm's fused path (the caller checked fused_router_serves; also run on
+        CPU tensors by the interpreter tests). -> (x + delta, this rank's MLP output)"""
+        from shard.kernels import moe_router
+
+        r = moe_router.add_rms_norm_route(delta, x, norm.weight, norm.eps, self.gate.weight,
+                                          self.experts.routing)
+        y = self.experts.forward_routed(r.normed, r.weights, r.ids, r.logits)
+        return r.residual, self._add_shared(r.normed, y)
+
+    def _warm_router(self, delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> None:
+        """Compiles the fused launch and allocates its tickets eagerly (a CUDA-graph capture can
+        do neither): one row, outputs dropped."""
+        from shard.kernels import moe_router
+
+        moe_router.add_rms_norm_route(delta[:1], x[:1], norm.weight, norm.eps, self.gate.weight,
+                                      self.experts.routing)
+        self._router_warm = True

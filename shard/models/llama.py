@@ -93,8 +93,15 @@ class LlamaAttention(nn.Module):
         reduce: bool = True,
     ) -> torch.Tensor:
         """-> [num_tokens, hidden]; with reduce=False this rank's un-reduced o_proj share."""
-        n, a = x.shape[0], self.attn
         q, k, v = self.qkv_proj(x)
+        return self.forward_projected(q, k, v, positions, cache, meta, reduce)
+
+    def forward_projected(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          positions: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+                          meta: AttentionMetadata, reduce: bool = True) -> torch.Tensor:
+        """forward after the qkv projection: q [n, heads * head_dim], k and v [n, kv_heads *
+        head_dim] (this rank's) -> [n, hidden]."""
+        n, a = q.shape[0], self.attn
         q, k = q.view(n, a.num_heads, a.head_dim), k.view(n, a.num_kv_heads, a.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk_rms_norm(q, k, self.q_norm, self.k_norm)
@@ -149,11 +156,26 @@ class LlamaDecoderLayer(nn.Module):
         may be pushed into the all-reduce's buffers already (PushedPartial) except after the
         last layer, whose delta the caller slices to the rows that need logits."""
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        if delta is None:
-            h = n1(x)
+        attn = self.self_attn
+        # One rank: the add + norm may run in the qkv GEMV's own launch (opt-in,
+        # shard/layers/linear.norm_prologue); then qkv is (q, k, v) and x the new residual.
+        qkv = attn.qkv_proj.forward_add_rms_norm(delta, x, n1.weight, n1.eps, n1.weight_offset) \
+            if self.dist.world_size == 1 and isinstance(delta, torch.Tensor) else None
+        if qkv is not None:
+            (q, k, v), x = qkv
+            a = attn.forward_projected(q, k, v, positions, cache, meta, reduce=False)
         else:
-            h, x = reduce_add_rms_norm(self.dist, delta, x, n1)
-        a = self.self_attn(h, positions, cache, meta, reduce=False)
+            if delta is None:
+                h = n1(x)
+            else:
+                h, x = reduce_add_rms_norm(self.dist, delta, x, n1)
+            a = attn(h, positions, cache, meta, reduce=False)
+        # An MLP that fuses the add + norm into its own first launch where it can (MoE blocks:
+        # with the router and routing, shard/kernels/moe_router.py) returns (x, delta) there.
+        fused = getattr(self.mlp, "forward_add_norm", None)
+        done = fused(a, x, n2, push=not last) if fused is not None else None
+        if done is not None:
+            return done
         h, x = reduce_add_rms_norm(self.dist, a, x, n2)
         return x, self.mlp(h, reduce=False, push=not last)
 

@@ -158,3 +158,144 @@ def test_tiny_moe_models_on_cuda_match_cpu_with_graphs(moe_models, arch):
     assert gpu.info.model_impl == "native" and gpu.runner.graphs is not None
     agree_until_near_tie(greedy_tokens(gpu, 12), want, margins)
     assert gpu.runner.last_path == "decode_graph"
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_fused_add_norm_router_compiled_matches_the_three_launches(n):
+    """shard/kernels/moe_router.py compiled, Qwen3-30B-A3B's router shape in bf16: the residual
+    sum equals elementwise.add_rms_norm's bit for bit and the norm to a bf16 step, the logits equal the router
+    matmul of the normed row to bf16 rounding, the routing equals moe_route's on those logits
+    exactly; replayed from a CUDA graph (the per-token tickets reset themselves) it gives the
+    same again."""
+    from shard.kernels import elementwise, moe_route, moe_router
+    from shard.kernels.moe_align import MoeRouting
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    hidden, experts = 2048, 128
+    d = torch.randn(n, hidden, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(n, hidden, device="cuda", generator=gen).bfloat16()
+    nw = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).bfloat16()
+    rw = (torch.randn(experts, hidden, device="cuda", generator=gen) * 0.02).bfloat16()
+    routing = MoeRouting(8, True)
+    got = moe_router.add_rms_norm_route(d, x, nw, 1e-6, rw, routing)
+    h, s = elementwise.add_rms_norm(d, x, nw, 1e-6)
+    assert torch.equal(got.residual, s)
+    # the same arithmetic; the row's sum of squares may reduce in another order: one bf16 step
+    torch.testing.assert_close(got.normed, h, rtol=2**-7, atol=1e-6)
+    want = (h.float() @ rw.float().T)
+    assert float((got.logits.float() - want).abs().max()) <= 2**-7 * float(want.abs().max())
+    w, ids = moe_route.route(got.logits, routing)
+    assert torch.equal(got.ids, ids)
+    torch.testing.assert_close(got.weights, w, rtol=1e-6, atol=1e-7)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        again = moe_router.add_rms_norm_route(d, x, nw, 1e-6, rw, routing)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(again.ids, got.ids) and torch.equal(again.weights, got.weights)
+    assert int(moe_router._TICKETS[d.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_tiny_moe_models_same_tokens_with_and_without_the_fused_router(moe_models, arch):
+    """The decode graphs with the fused add + norm + router launch (the default) and with the
+    three launches (fused_router(False)) generate the same greedy tokens (float32 models) up to
+    the first near-tie (the router's dot products sum in another order)."""
+    from shard.layers.moe import fused_router
+    from shard.testing.tiny import greedy_tokens
+    from tests.helpers.moe import moe_shard
+    from tests.helpers.numerics import agree_until_near_tie
+
+    margins: list[list[float]] = []
+    with fused_router(False):
+        want = greedy_tokens(moe_shard(moe_models[arch], device="cuda"), 12, margins)
+    fused = moe_shard(moe_models[arch], device="cuda")
+    agree_until_near_tie(greedy_tokens(fused, 12), want, margins)
+    assert fused.runner.last_path == "decode_graph"
+    from shard.layers.moe import SparseMoeBlock
+
+    blocks = [m for m in fused.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(b._router_warm for b in blocks)  # the fused launch ran
+
+
+@pytest.mark.parametrize(("splits", "block_n", "warps"), [(8, 32, 4), (32, 16, 2)])
+def test_few_program_decode_tilings_match_the_default_on_cuda(splits, block_n, warps):
+    """CudaAttentionBackend.few_program_decode's tilings (what benchmarks/moe_b1_bench.py sweeps
+    at batch 1 on Qwen3-30B-A3B's 32 / 4 heads) compiled: the fused rotary + store + attention
+    stores the same cache and attends to the default tiling's output within bf16 rounding."""
+    from shard.attention.cuda_backend import CudaAttentionBackend, DecodeTiling
+    from shard.layers.rotary import RotaryEmbedding
+    from shard.testing.paged_batch import random_paged_step
+
+    heads, kv_heads, hd, page, ctx = 32, 4, 128, 16, 300
+    q, cache, meta = random_paged_step([1], [ctx], heads, kv_heads, hd, page, device="cuda",
+                                       dtype=torch.bfloat16, seed=5)
+    meta.slot_mapping[0] = int(meta.block_tables[0, (ctx - 1) // page]) * page + (ctx - 1) % page
+    rotary = RotaryEmbedding(hd, 1024, {"rope_theta": 1e6, "rope_type": "default"},
+                             torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    k = torch.randn(1, kv_heads, hd, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(1, kv_heads, hd, device="cuda", generator=gen).bfloat16()
+    pos = torch.tensor([ctx - 1], device="cuda")
+    results = []
+    for tiling in (None, DecodeTiling(kv_heads, splits, block_n, warps)):
+        backend = CudaAttentionBackend("cuda")
+        backend.few_program_decode = tiling
+        kc, vc = cache[0].clone(), cache[1].clone()
+        out = backend.rotate_write_and_attend_decode(rotary, pos, q, k, v, kc, vc, meta,
+                                                     hd**-0.5, None)
+        results.append((out.float(), kc, vc))
+    (o1, k1, v1), (o2, k2, v2) = results
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert float((o1 - o2).abs().max()) <= 2**-6 * float(o1.abs().max())
+
+
+def test_tiny_qwen3_moe_same_tokens_with_the_norm_prologue(moe_models, monkeypatch):
+    """The opt-in norm prologue (the input add + RMSNorm inside the qkv GEMV's launch,
+    shard/kernels/norm_gemv.py) runs in the decode graphs and generates the greedy tokens of the
+    default path up to the first near-tie."""
+    from shard.kernels import norm_gemv
+    from shard.layers.linear import norm_prologue
+    from shard.testing.tiny import greedy_tokens
+    from tests.helpers.moe import moe_shard
+    from tests.helpers.numerics import agree_until_near_tie
+
+    margins: list[list[float]] = []
+    want = greedy_tokens(moe_shard(moe_models["qwen3_moe"], device="cuda"), 12, margins)
+    calls = []
+    launch = norm_gemv.add_rms_norm_linear
+    monkeypatch.setattr(norm_gemv, "add_rms_norm_linear",
+                        lambda *a, **k: calls.append(1) or launch(*a, **k))
+    with norm_prologue(True):
+        shard = moe_shard(moe_models["qwen3_moe"], device="cuda")
+        agree_until_near_tie(greedy_tokens(shard, 12), want, margins)
+    assert calls and shard.runner.last_path == "decode_graph"
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_norm_prologue_gemv_compiled_matches_norm_then_linear(fp8):
+    """shard/kernels/norm_gemv.py compiled at Qwen3-30B-A3B's q/k/v shape (5,120 x 2,048), bf16
+    and e4m3 with per-row scales: the residual equals elementwise.add_rms_norm's bit for bit,
+    the outputs the matmul of its normalized row to bf16 rounding."""
+    from shard.kernels import elementwise, norm_gemv
+    from shard.quantization.fp8 import dequantize_fp8, quantize_fp8_per_channel
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    hidden, rows = 2048, 5120
+    d = torch.randn(1, hidden, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(1, hidden, device="cuda", generator=gen).bfloat16()
+    nw = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).bfloat16()
+    w = torch.randn(rows, hidden, device="cuda", generator=gen) * 0.02
+    scale = None
+    if fp8:
+        w, scale = quantize_fp8_per_channel(w)
+        ref_w = dequantize_fp8(w, scale, torch.float32)
+    else:
+        w = w.bfloat16()
+        ref_w = w.float()
+    y, res = norm_gemv.add_rms_norm_linear(d, x, nw, 1e-6, w, scale=scale)
+    h, s = elementwise.add_rms_norm(d, x, nw, 1e-6)
+    assert torch.equal(res, s)
+    want = h.float() @ ref_w.T
+    assert float((y.float() - want).abs().max()) <= 2**-7 * float(want.abs().max()) + 1e-3

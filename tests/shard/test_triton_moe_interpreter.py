@@ -197,6 +197,75 @@ _DECODE_CHECK = textwrap.dedent(
     """
 )
 
+# shard/kernels/moe_router.py: residual add + RMSNorm + router GEMV + routing in one launch equals
+# elementwise.add_rms_norm (the sum bit for bit, the norm to fp32 rounding), the router's matmul
+# and moe_route's routing (ids exactly) for several tilings, hidden sizes that are not powers of
+# two, expert counts that are not multiples of the tile, each routing variant; the per-token
+# tickets are back at zero after every launch (the next launch, or graph replay, relies on it).
+# Then the sparse block's fused path (SparseMoeBlock.forward_add_norm_fused, what the decoder
+# layer runs on CUDA at decode-sized batches) equals the unfused add + norm + block, with and
+# without Qwen2-MoE's gated shared expert, counting the same routing statistics.
+_ROUTER_CHECK = textwrap.dedent(
+    """
+    import torch
+    from shard.distributed.groups import Dist
+    from shard.kernels import elementwise, moe_router
+    from shard.kernels.moe_align import MoeRouting, route
+    from shard.layers.moe import QWEN_EXPERT_NAMES, RoutingStats, SparseMoeBlock
+    from shard.layers.norm import RMSNorm, add_rms_norm
+
+    torch.manual_seed(0)
+    tickets = lambda: int(moe_router._TICKETS[torch.device("cpu")].abs().sum())
+    cases = ((1, 48, 8, MoeRouting(2, True)), (3, 40, 12, MoeRouting(3, False, False)),
+             (2, 64, 128, MoeRouting(8, True)), (2, 24, 6, MoeRouting(1, False)))
+    for n, H, E, r in cases:
+        d, x = torch.randn(n, H), torch.randn(n, H)
+        nw = torch.rand(H) + 0.5
+        rw = torch.randn(E, H) * 0.3
+        h, s = elementwise.add_rms_norm(d, x, nw, 1e-6)
+        for cfg in (None, moe_router.RouterConfig(1, 1), moe_router.RouterConfig(8, 2)):
+            got = moe_router.add_rms_norm_route(d, x, nw, 1e-6, rw, r, cfg)
+            assert torch.equal(got.residual, s), (n, H, E)
+            torch.testing.assert_close(got.normed, h, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(got.logits, got.normed @ rw.T, rtol=1e-5, atol=1e-5)
+            w, i = route(got.logits, r)
+            assert torch.equal(got.ids.long(), i), (n, H, E, r, got.ids, i)
+            torch.testing.assert_close(got.weights, w, rtol=1e-6, atol=1e-6)
+            assert tickets() == 0
+    # bf16: the sum rounded to bf16 before the norm, as the add_rms_norm kernel rounds it (the
+    # same interpreter roundings on both sides: equal bit for bit)
+    d, x, nw = (torch.randn(2, 40).bfloat16(), torch.randn(2, 40).bfloat16(),
+                (torch.rand(40) + 0.5).bfloat16())
+    got = moe_router.add_rms_norm_route(d, x, nw, 1e-6, torch.randn(8, 40).bfloat16(),
+                                        MoeRouting(2, True))
+    h, s = elementwise.add_rms_norm(d, x, nw, 1e-6)
+    assert torch.equal(got.residual, s) and torch.equal(got.normed, h)
+
+    E, H, I = 8, 40, 24
+    for shared in (0, 16):
+        block = SparseMoeBlock(H, E, I, MoeRouting(2, True), Dist(), QWEN_EXPERT_NAMES, shared)
+        for p in block.parameters():
+            p.data = torch.randn(p.shape) * 0.3
+        norm = RMSNorm(H, 1e-6)
+        norm.weight.data = torch.rand(H) + 0.5
+        stats = RoutingStats(1, E, torch.device("cpu"))
+        block.experts.attach_stats(stats, 0)
+        block.experts._warm = True  # compiling every tiling is a GPU concern
+        d, x = torch.randn(3, H), torch.randn(3, H)
+        assert block.fused_router_serves(d, x, norm)
+        stats.begin_step(torch.tensor([1, 1, 0]))  # the last row: CUDA-graph padding
+        x_new, y = block.forward_add_norm_fused(d, x, norm)
+        fused_counts = stats.take()
+        h, s = add_rms_norm(d, x, norm)
+        stats.begin_step(torch.tensor([1, 1, 0]))
+        want = block(h, reduce=False)
+        assert torch.equal(x_new, s)
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+        assert fused_counts == stats.take() and sum(fused_counts[0]) == 2 * 2
+        assert block.forward_add_norm(d, x, norm) is None  # CPU tensors: the unfused form
+    """
+)
+
 pytestmark = INTERPRETER_MARKS
 
 
@@ -210,3 +279,7 @@ def test_decode_kernels_in_interpreter():
 
 def test_routing_and_layout_kernels_in_interpreter():
     run_interpreted(_ROUTE_CHECK)
+
+
+def test_fused_add_norm_router_kernel_in_interpreter():
+    run_interpreted(_ROUTER_CHECK)

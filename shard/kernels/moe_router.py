@@ -1,0 +1,219 @@
+"""The residual add, the RMSNorm, the router GEMV and the top-k routing of a decode-sized MoE step
+in ONE launch (CUDA; also under TRITON_INTERPRET=1 on CPU tensors).
+
+Why: at batch 1 a MoE layer's MLP half was five kernels after the o_proj GEMV: add + RMSNorm
+(shard/kernels/elementwise.py), the router GEMV ([E, H], 0.5 MB for Qwen3-30B-A3B), routing
+(softmax + top-k, shard/kernels/moe_route.py), then the experts' two decode launches
+(shard/kernels/moe_decode.py). The first three read ~0.5 MB together yet cost ~1.7 + ~3 + 3.7 us
+a layer on an H200 (benchmarks/raw/round11/moe_final/MOE.md): each is a launch with its own
+start and tail (the routing launch is not even a programmatic dependent) and one or two
+dependent memory round trips. Here they are one kernel:
+
+- grid (n, cdiv(E, ROWS)): program (t, j) owns router rows j*ROWS .. j*ROWS+ROWS-1 of token t.
+  It loads its [ROWS, H] slice of the router weight BEFORE the PDL wait (no kernel of the step
+  writes weights, so those loads overlap the previous kernel's tail), then the token's delta
+  and residual rows, s = x + delta rounded to the model dtype, RMSNorm(s) as
+  elementwise.add_rms_norm computes it (the same rounding points, the row's sum of squares as
+  one tl.sum), and its ROWS logits (fp32 dot, rounded to the model dtype as the GEMV's output
+  is; summed in another order than the GEMV's, so a logit may differ by one rounding step).
+  Program (t, 0) stores normed h and s (the experts and the next layer read them).
+- Each program stores its logits, then takes a ticket (an acq_rel atomic on a per-token
+  counter); the program that takes the last one reads the token's whole logits row back (past
+  the L1), runs the family's routing (moe_route.route_values: the same code as the routing
+  launch) and writes weights [n, k] float32 and ids [n, k] int32, then resets the counter.
+  (The split-merge pattern of shard/kernels/attention_decode.py.)
+So a step's MoE half is 3 launches (this, gate/up, down+sum) instead of 5. Shapes are static
+(no host sync) and the tickets are allocated once per device: CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from shard.kernels import pdl
+from shard.kernels.elementwise import _normed_times_weight
+from shard.kernels.moe_align import MoeRouting
+from shard.kernels.moe_route import route_values
+from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
+
+# Largest hidden size served (the row and a [ROWS, H] weight slice sit in registers).
+MAX_HIDDEN = 8192
+MAX_ROWS = 1024  # tokens per launch (ticket counters); decode-sized steps are far below
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Tiling of the fused launch: router rows per program (E / rows programs per token) and
+    warps. Fewer rows: more programs in flight, each with a shorter weight stream, but more
+    tickets before the last one routes."""
+
+    rows: int
+    num_warps: int
+
+
+_override: RouterConfig | None = None
+
+
+@contextmanager
+def config_override(config: RouterConfig | None) -> Iterator[None]:
+    """Launches made inside the block use `config` (None: default_config): benchmarks compare
+    tilings in one process (each is a compiled variant: capture graphs after an eager call)."""
+    global _override
+    previous, _override = _override, config
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+def default_config(hidden: int, num_experts: int) -> RouterConfig:
+    """ROWS x next_pow2(H) weight elements per program at most 8192 (64 fp32 registers a thread
+    at 4 warps): 4 rows at H 2048 (Qwen3-30B-A3B: 32 programs per token), 2 at 4096."""
+    block_h = triton.next_power_of_2(hidden)
+    rows = max(1, min(8, 8192 // block_h, triton.next_power_of_2(num_experts)))
+    return RouterConfig(rows, 8 if block_h >= 4096 else 4)
+
+
+@triton.jit
+def _add_norm_route_kernel(
+    d_ptr,  # [n, H] delta (the attention's o_proj output)
+    x_ptr,  # [n, H] residual stream
+    nw_ptr,  # [H] RMSNorm weight
+    rw_ptr,  # [E, H] router weight
+    h_ptr,  # [n, H] out: RMSNorm(x + delta)
+    res_ptr,  # [n, H] out: x + delta
+    logits_ptr,  # [n, E] out: router logits (model dtype)
+    topw_ptr,  # [n, TOP_K] out: routing weights fp32
+    ids_ptr,  # [n, TOP_K] out: expert ids int32
+    ticket_ptr,  # [>= n] int32, zero between launches
+    H,
+    E,
+    stride_d,
+    stride_x,
+    stride_rw,
+    eps,
+    TOP_K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    SOFTMAX_FIRST: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,  # next_pow2(E)
+    BLOCK_H: tl.constexpr,  # next_pow2(H)
+    ROWS: tl.constexpr,
+    PDL: tl.constexpr = False,
+    OFFSET: tl.constexpr = 0.0,  # Llama's norm (the callers check weight_offset == 0)
+):
+    let_dependents_launch(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    pid_e = tl.program_id(1)
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    erows = pid_e * ROWS + tl.arange(0, ROWS)
+    emask = erows < E
+    # The router weight is no kernel's output: its slice streams in during the previous
+    # kernel's tail (PDL).
+    w = tl.load(rw_ptr + erows[:, None].to(tl.int64) * stride_rw + offs_h[None, :],
+                mask=emask[:, None] & hmask[None, :], other=0.0)  # [ROWS, BLOCK_H]
+    wait_for_predecessor(PDL)
+    dt = res_ptr.dtype.element_ty
+    d = tl.load(d_ptr + t * stride_d + offs_h, mask=hmask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + t * stride_x + offs_h, mask=hmask, other=0.0).to(tl.float32)
+    # elementwise._add_rms_norm_kernel's arithmetic: the sum rounded to the dtype, then the norm
+    s = (x + d).to(dt)
+    sf = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(sf * sf, 0) / H + eps)
+    h = _normed_times_weight(sf, rstd, nw_ptr, offs_h, hmask, dt, OFFSET)  # [BLOCK_H] dtype
+    if pid_e == 0:
+        tl.store(res_ptr + t * H + offs_h, s, mask=hmask)
+        tl.store(h_ptr + t * H + offs_h, h, mask=hmask)
+    logit = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)  # [ROWS]
+    tl.store(logits_ptr + t * E + erows, logit.to(logits_ptr.dtype.element_ty), mask=emask)
+    # Every thread's logits precede the ticket; the acq_rel atomic publishes them to (and, for
+    # the last program, acquires the others' from) the whole GPU.
+    tl.debug_barrier()
+    ticket_at = ticket_ptr + t
+    ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(1) - 1:
+        tl.store(ticket_at, 0)  # every program of this token has taken its ticket
+        offs_e = tl.arange(0, BLOCK_E)
+        valid = offs_e < E
+        row = tl.load(logits_ptr + t * E + offs_e, mask=valid, other=-float("inf"),
+                      cache_modifier=".cg").to(tl.float32)  # other SMs wrote it: past the L1
+        row = tl.where(valid, row, -float("inf"))
+        top_v, top_i = route_values(row, offs_e, valid, TOP_K, K_POW2, SOFTMAX_FIRST,
+                                    RENORMALIZE)
+        ks = tl.arange(0, K_POW2)
+        tl.store(topw_ptr + t * TOP_K + ks, top_v, mask=ks < TOP_K)
+        tl.store(ids_ptr + t * TOP_K + ks, top_i, mask=ks < TOP_K)
+
+
+# Per-device ticket counters, one per token of a launch: zero between launches (the last
+# program of a token resets its own), allocated once and never moved (CUDA graphs bake the
+# address in). Launches on a device share them: one stream per device (the engine's).
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device) -> torch.Tensor:
+    held = _TICKETS.get(device)
+    if held is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("moe_router: ticket counters first allocated while capturing a "
+                               "CUDA graph; run add_rms_norm_route eagerly first (warm_up)")
+        held = _TICKETS[device] = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
+    return held
+
+
+@dataclass(frozen=True)
+class NormedRouting:
+    """add_rms_norm_route's outputs."""
+
+    normed: torch.Tensor  # [n, H] RMSNorm(x + delta), the experts' input
+    residual: torch.Tensor  # [n, H] x + delta, the residual stream
+    logits: torch.Tensor  # [n, E] router logits, model dtype
+    weights: torch.Tensor  # [n, k] float32
+    ids: torch.Tensor  # [n, k] int32
+
+
+def applies(hidden: int, n: int) -> bool:
+    """Whether the fused launch serves a step of n tokens with this hidden size."""
+    return 0 < n <= MAX_ROWS and hidden <= MAX_HIDDEN
+
+
+def add_rms_norm_route(
+    delta: torch.Tensor,  # [n, H]
+    x: torch.Tensor,  # [n, H]
+    norm_weight: torch.Tensor,  # [H]
+    eps: float,
+    router_weight: torch.Tensor,  # [E, H]
+    routing: MoeRouting,
+    config: RouterConfig | None = None,
+) -> NormedRouting:
+    """(RMSNorm(x + delta), x + delta, router logits of the normed row, the routing) in one
+    launch: elementwise.add_rms_norm, then x @ router_weight.T, then moe_route.route."""
+    n, hidden = x.shape
+    num_experts = router_weight.shape[0]
+    assert applies(hidden, n), (n, hidden)
+    assert x.stride(1) == 1 and delta.stride(1) == 1 and router_weight.stride(1) == 1
+    cfg = config or _override or default_config(hidden, num_experts)
+    k = routing.top_k
+    dev = x.device
+    normed = torch.empty((n, hidden), dtype=x.dtype, device=dev)
+    residual = torch.empty((n, hidden), dtype=x.dtype, device=dev)
+    logits = torch.empty((n, num_experts), dtype=x.dtype, device=dev)
+    weights = torch.empty((n, k), dtype=torch.float32, device=dev)
+    ids = torch.empty((n, k), dtype=torch.int32, device=dev)
+    _add_norm_route_kernel[(n, triton.cdiv(num_experts, cfg.rows))](
+        delta, x, norm_weight, router_weight, normed, residual, logits, weights, ids,
+        _tickets(dev), hidden, num_experts, delta.stride(0), x.stride(0),
+        router_weight.stride(0), eps,
+        TOP_K=k, K_POW2=triton.next_power_of_2(k), SOFTMAX_FIRST=routing.softmax_first,
+        RENORMALIZE=routing.renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_H=triton.next_power_of_2(hidden), ROWS=cfg.rows, num_warps=cfg.num_warps,
+        **pdl.launch_options(dev),
+    )
+    return NormedRouting(normed, residual, logits, weights, ids)

@@ -1,0 +1,102 @@
+"""CudaAttentionBackend.few_program_decode (shard/attention/cuda_backend.py): decode-only steps with
+few (sequence, KV head) programs (batch 1 of a 4-KV-head model) launch the split kernel with the
+option's split count and tile; larger batches keep the kernel's defaults. Under Triton's
+interpreter on CPU tensors (float32): both decode entry points (attend on a decode-only step, and
+the fused rotary + cache store + attention) give the default tiling's output and cache contents
+with the option's arguments actually passed to the kernel (a recorder around the kernel module).
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from tests.helpers.triton_interpreter import INTERPRETER_MARKS, run_interpreted
+
+_CHECK = textwrap.dedent(
+    """
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    # triton 3.9's interpreter hands the fused mode's early-tile reload an int32 mask, which its
+    # masked load refuses (as in tests/shard/test_triton_decode_interpreter.py); compiled: i1.
+    _masked_load = interpreter.InterpreterBuilder.create_masked_load
+
+    def _create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        if mask.data.dtype != np.bool_:
+            mask = interpreter.TensorHandle(mask.data != 0, tl.int1)
+        return _masked_load(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    interpreter.InterpreterBuilder.create_masked_load = _create_masked_load
+
+    from shard.attention.cuda_backend import CudaAttentionBackend, DecodeTiling
+    from shard.attention.torch_backend import TorchAttentionBackend
+    from shard.layers.rotary import RotaryEmbedding
+    from shard.testing.paged_batch import random_paged_step
+
+    class Recorder:  # the kernel module, recording each launch's keyword arguments
+        def __init__(self, module):
+            self.module, self.calls = module, []
+
+        def __getattr__(self, name):
+            fn = getattr(self.module, name)
+            if not name.endswith("decode_attention"):
+                return fn
+
+            def wrapped(*args, **kwargs):
+                self.calls.append(kwargs)
+                return fn(*args, **kwargs)
+            return wrapped
+
+    heads, kv_heads, hd, page = 8, 4, 32, 16
+    tiling = DecodeTiling(max_programs=4, num_splits=8, block_n=16, num_warps=2, num_stages=1)
+    reference = TorchAttentionBackend()
+    for seq_lens in ([100], [7], [37, 60]):  # batch 1 (4 programs): the option; batch 2: not
+        q, cache, meta = random_paged_step([1] * len(seq_lens), seq_lens, heads, kv_heads, hd,
+                                           page)
+        want = reference.attend(q, *cache, meta, 0.2, None)
+        outs = {}
+        for opt in (None, tiling):
+            backend = CudaAttentionBackend("cpu", use_flash_attn=False, num_sms=132)
+            backend.few_program_decode = opt
+            backend._decode = rec = Recorder(backend._decode)
+            outs[opt] = got = backend.attend(q, *cache, meta, 0.2, None)
+            assert float((got - want).abs().max()) < 2e-5, (seq_lens, opt)
+            kw = rec.calls[-1]
+            applies = opt is not None and len(seq_lens) == 1
+            if applies:
+                assert (kw["num_splits"], kw["block_n"], kw["num_warps"], kw["num_stages"]) == (
+                    8, 16, 2, 1), kw
+            else:
+                assert "block_n" not in kw and kw["num_splits"] == 16, kw
+
+    # the fused rotary + store + attention at batch 1: same cache contents, same output
+    rotary = RotaryEmbedding(hd, 256, {"rope_theta": 10000.0, "rope_type": "default"},
+                             torch.device("cpu"))
+    q, cache, meta = random_paged_step([1], [70], heads, kv_heads, hd, page, seed=3)
+    meta.slot_mapping[0] = int(meta.block_tables[0, 69 // page]) * page + 69 % page
+    k, v = torch.randn(1, kv_heads, hd), torch.randn(1, kv_heads, hd)
+    pos = torch.tensor([69])
+    results = []
+    for opt in (None, tiling):
+        backend = CudaAttentionBackend("cpu", use_flash_attn=False, num_sms=132)
+        backend.few_program_decode = opt
+        backend._decode = rec = Recorder(backend._decode)
+        kc, vc = cache[0].clone(), cache[1].clone()
+        out = backend.rotate_write_and_attend_decode(rotary, pos, q, k, v, kc, vc, meta, 0.2,
+                                                     None)
+        assert rec.calls[-1]["num_splits"] == (8 if opt else 16)
+        assert rec.calls[-1].get("block_n") == (16 if opt else None)
+        results.append((out, kc, vc))
+    (o1, k1, v1), (o2, k2, v2) = results
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert float((o1 - o2).abs().max()) < 2e-5
+    """
+)
+
+
+@INTERPRETER_MARKS[0]
+@INTERPRETER_MARKS[1]
+def test_few_program_decode_tiling_in_interpreter():
+    run_interpreted(_CHECK)
