@@ -359,6 +359,16 @@ def _int_gemv_kernel(
                 acc += _tile_product(xa, qa, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
                 acc += _tile_product(xb, qb, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
             s, z = s_next, z_next
+    _finish(acc, offs_m, m_mask, rows, row_mask, pid_n, pid_k, b_ptr, y_ptr, part_ptr, count_ptr,
+            M, N, stride_ym, ROWS, BLOCK_N, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def _finish(acc, offs_m, m_mask, rows, row_mask, pid_n, pid_k, b_ptr, y_ptr, part_ptr, count_ptr,
+            M, N, stride_ym, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+            HAS_BIAS: tl.constexpr):
+    """y[offs_m, rows] = acc [ROWS, BLOCK_N] (+ bias), or with SPLIT_K > 1 this split's partial
+    into the workspace, the last split to arrive adding them all (counters reset to 0)."""
     out_mask = m_mask[:, None] & row_mask[None, :]
     if SPLIT_K > 1:
         # Partials first, then the counter: the barrier makes every thread's stores precede the
@@ -402,6 +412,14 @@ class GemvConfig:
     # int4, tiles inside one group, K a multiple of 32, 1..16 rows: words unpacked by PRMT + LOP3
     # (inline PTX on CUDA), the weight tile as the MMA's first operand (_lop3_k_loop)
     lop3: bool = False
+    # int4 tiles of several whole groups (shard/kernels/int_gemv_wide.py): BLOCK_K 256..2048
+    # features, i.e. 128 B - 1 KB of each row per K step. wide: batch 1 on CUDA cores; diag:
+    # 1..16 rows on the tensor cores (lop3 unpack, x as a group-diagonal MMA operand).
+    wide: bool = False
+    diag: bool = False
+    # programmatic dependent launch (wide / diag tiles): the first weight tile loads during the
+    # previous kernel's tail
+    pdl: bool = False
 
     def as_dict(self) -> dict[str, int | bool]:
         return asdict(self)
@@ -481,6 +499,34 @@ _LOP3 = tuple(
 )
 
 
+# Several K tiles' bytes per row in flight (int_gemv_wide.py; benchmarks/INT_KERNELS.md, "W4A16
+# batch 1: more bytes per row in flight", has the arithmetic). Llama-3-8B at batch 1: N = 4096
+# (o, down) / 6144 (qkv) / 28672 (gate/up), 132 SMs. A program's tile is BLOCK_N x BLOCK_K / 2
+# bytes (+ NG x 4 bytes of scales and zeros per row); STAGES 1 keeps two tiles in flight per
+# program (register double buffer). The bf16 GEMV's winner (2 rows x 1024 of bf16: 4 KB a tile,
+# ~16 programs per SM) is 4 rows x 2048 features here; 8-16 rows x 1024 give 4-8 KB tiles with
+# the x planes shared by more rows per thread; split-K 2-4 gives o / qkv >= ~4 programs per SM
+# with 16 KB tiles. (block_n, block_k, warps, stages, split_k)
+_WIDE = tuple(
+    GemvConfig(bn, bk, w, st, sk, wide=True, pdl=True)
+    for bn, bk, w, st, sk in (
+        (4, 2048, 4, 1, 1), (8, 1024, 4, 1, 1), (16, 1024, 4, 1, 1), (8, 2048, 4, 1, 1),
+        (16, 512, 4, 1, 1), (32, 512, 4, 1, 1), (32, 1024, 8, 1, 1), (16, 1024, 4, 1, 2),
+        (16, 1024, 4, 1, 4), (32, 1024, 4, 1, 4), (8, 2048, 4, 1, 2), (64, 512, 8, 1, 4),
+        (16, 1024, 4, 3, 1), (32, 512, 4, 4, 2),
+    )
+) + (GemvConfig(16, 1024, 4, 1, 1, wide=True), GemvConfig(16, 1024, 4, 1, 4, wide=True))
+# Tensor cores, 1..16 rows (x' rows = bucket x NG <= 32): 16-32 KB weight tiles; x' is
+# ROWS x BLOCK_K x 2 B per tile (16 KB at 16 x 512), so BLOCK_N >= 32 keeps it below the weights.
+_DIAG = tuple(
+    GemvConfig(bn, bk, w, st, sk, use_dot=True, diag=True, pdl=True)
+    for bn, bk, w, st, sk in (
+        (64, 512, 4, 1, 1), (128, 256, 4, 1, 1), (32, 1024, 4, 1, 1), (64, 512, 4, 1, 4),
+        (128, 512, 8, 1, 1), (128, 256, 4, 1, 4), (64, 256, 4, 3, 2), (32, 512, 4, 1, 8),
+    )
+) + (GemvConfig(64, 512, 4, 1, 1, use_dot=True, diag=True),)
+
+
 def candidates(m: int, group_size: int, in_features: int) -> list[GemvConfig]:
     """The tuning candidates for a batch of m rows whose K tiles line up with the groups."""
     # batch 1 also tries the tensor cores (x padded to 16 rows): fewer instructions per weight
@@ -491,6 +537,11 @@ def candidates(m: int, group_size: int, in_features: int) -> list[GemvConfig]:
                   if groups_per_tile(c.block_k, group_size, in_features) == 1), *pool]
     if in_features % 32 == 0:  # after the others: a bucket's first candidate stays as it was
         pool += [c for c in _LOP3 if groups_per_tile(c.block_k, group_size, in_features) == 1]
+    if in_features % 32 == 0:  # the multi-group tiles (int_gemv_wide.supported)
+        from shard.kernels.int_gemv_wide import supported
+
+        pool += [c for c in (*_WIDE, *_DIAG)
+                 if supported(c.block_k, group_size, in_features, m, c.diag)]
     fits = [c for c in pool if tile_fits(c.block_k, group_size, in_features)]
     if not fits:  # e.g. group 32 with K not a multiple of 128: the largest tile that lines up
         block_k = pick_block_k(group_size, in_features)
@@ -569,12 +620,23 @@ def int4_gemv(
             raise ValueError("int4_gemv: lop3 tiles need int4 weights, K % 32 == 0, 16-byte "
                              "aligned rows and tiles inside one group (int_gemm checks first)")
         config = replace(config, lop3=False, join=True, use_dot=True)  # joined tensor-core tile
+    if config.wide or config.diag:
+        from shard.kernels import int_gemv_wide
+
+        if (bits != 4 or k % 32 or qweight.stride(0) % 16 or qweight.data_ptr() % 16
+                or not int_gemv_wide.supported(config.block_k, group_size, k, m, config.diag)):
+            config = default_config(m, group_size, k)  # (candidates() offers none of these)
     use_dot = config.use_dot or m > 1 or config.lop3
     # One layout for every call (rows K apart, 16-byte aligned), so capture-time launches hit the
     # specialization tuning compiled and loaded (a single row's stride is never read).
     if x.stride(-1) != 1 or (m > 1 and x.stride(0) != k) or x.data_ptr() % 16:
         x = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
     scales, zeros = scales.contiguous(), zeros.contiguous()
+    if config.wide or config.diag:
+        return int_gemv_wide.wide_gemv(x, qweight, scales, zeros, group_size, bias,
+                                       config.block_n, config.block_k, config.warps,
+                                       config.stages, config.split_k, config.diag, config.pdl,
+                                       counters)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     tiles_n = triton.cdiv(n, config.block_n)
     split = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))

@@ -1,0 +1,361 @@
+"""W4A16 GEMV tiles of several whole groups (issue 40, batch 1..16): more weight bytes per row
+and per program in flight than the one-group tiles of shard/kernels/int_gemv.py.
+
+Why: at batch 1 every int_gemv tile (words, join, lop3) reads BLOCK_K = 128 features = 64 bytes
+of each row per K step, and the measured batch-1 linears stayed at 20-41 % of copy bandwidth
+whatever the instruction count per weight (benchmarks/INT_KERNELS.md: the lop3 tile at ~2.5-3
+SASS per weight was no faster than the word tile at ~5). The bf16 GEMV that reaches 93 % reads
+1-2 KB of a row per step, in programs small enough that ~16 sit on an SM. Here a K step reads
+BLOCK_K = 256..2048 features (128 B - 1 KB contiguous per row, 16-byte vectors) spanning
+NG = BLOCK_K / GROUP groups, and the group scales / zeros of a step are one contiguous
+NG x 2-byte run per row (a vector load) instead of one 2-byte load per row and group.
+
+Two tiles, both int4 with tiles of whole groups (GROUP a power of two >= 32 dividing BLOCK_K,
+K % BLOCK_K == 0: `supported`):
+- "wide" (batch 1, CUDA cores): the words as [BLOCK_N, NG, GW] int32 (GW = GROUP / 8 words per
+  group; nibble i of a word is feature 8c + i). Per nibble one shift and one LOP3 make 128 + q
+  in fp32 (int_dequant.offset_weights' trick: no int-to-float conversion) and one FMA with x's
+  matching plane; per word, in fp32 and exactly as int_gemv's word tile per group:
+  acc += s * (sum_i x_i (128 + q_i) - (128 + z) * sum_i x_i). The [BLOCK_N, NG, GW]
+  accumulator is reduced once after the K loop. x's planes are split per tile once per thread
+  and shared by the BLOCK_N rows a thread holds.
+- "diag" (1..16 rows, tensor cores): the lop3 unpack of int_gemv (PRMT + LOP3 inline PTX on
+  CUDA) gives the [BLOCK_N, BLOCK_K] tile OFF + q in x's dtype; one MMA against a
+  "group-diagonal" x' [ROWS, BLOCK_K] whose row r = m * NG + g holds x row m on group g's
+  features and zeros elsewhere (one masked load: masked-off elements are never read) gives the
+  per-group partial sums [BLOCK_N, ROWS] at once, using the MMA's padding rows that a batch-1
+  tile wastes anyway (ROWS = max(16, MP * NG), MP = the batch bucket). Per column:
+  acc += s * (part - (OFF + z) * sum_k x'_rk); y[m] = sum over the NG columns of row m.
+Split-K over whole tiles with int_gemv's protocol (int_gemv._finish: partials, an acq_rel
+counter, the last split reduces and resets it).
+
+Loads: STAGES 1 = register double buffer (the next tile's words and scales loaded before this
+tile's unpack: two tiles per program in flight); STAGES > 1 = Triton's cp.async pipeline.
+PDL (programmatic dependent launch, shard/kernels/pdl.py): with STAGES 1 a program loads its
+first weight tile and scales before waiting on the previous kernel (x, which that kernel
+writes, only after), so a kernel's ramp overlaps the previous one's tail, as the bf16 GEMV does
+at batch 1.
+
+Runs under TRITON_INTERPRET=1 on CPU tensors (the diag unpack then in Triton operations, bit for
+bit the PTX's: tests/shard/test_triton_int_gemv_interpreter.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from shard.kernels import pdl
+from shard.kernels.int_dequant import offset_zero, x_kind
+from shard.kernels.int_gemv import _finish, _lop3_tile
+from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
+
+__all__ = ["diag_rows", "supported", "wide_gemv"]
+
+
+@triton.jit
+def _word_offsets(k0, NG: tl.constexpr, GW: tl.constexpr):
+    """[NG, GW] int32 word columns of the tile at feature k0 (a multiple of 32: runs of GW
+    words starting at multiples of 4, i.e. 16-byte aligned, said outright)."""
+    base = (k0 // 32) * 4
+    return base + tl.arange(0, NG)[:, None] * GW + tl.arange(0, GW)[None, :]
+
+
+@triton.jit
+def _fma_loads(q_ptr, s_ptr, z_ptr, rows, row_mask, k0, k_hi, stride_qn, stride_sn,
+               GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """The "wide" tile at k0: words [BLOCK_N, NG, GW] int32 and s, z [BLOCK_N, NG] fp32; nothing
+    is read where k0 >= k_hi (a prefetch past the range; one predicate per tile, constant along
+    the 16-byte vectors)."""
+    NG: tl.constexpr = BLOCK_K // GROUP
+    GW: tl.constexpr = GROUP // 8
+    w_rows = (q_ptr + rows.to(tl.int64) * stride_qn).to(tl.pointer_type(tl.int32))  # [BLOCK_N]
+    offs = _word_offsets(k0, NG, GW)  # [NG, GW]
+    live3 = (tl.zeros([NG, GW], tl.int32) + k0) < k_hi
+    if EVEN:
+        words = tl.load(w_rows[:, None, None] + offs[None, :, :], mask=live3[None, :, :],
+                        other=0, eviction_policy="evict_first")
+    else:
+        words = tl.load(w_rows[:, None, None] + offs[None, :, :],
+                        mask=row_mask[:, None, None] & live3[None, :, :], other=0,
+                        eviction_policy="evict_first")
+    g = k0 // GROUP + tl.arange(0, NG)  # [NG] groups of the tile (contiguous per row)
+    live = (tl.zeros([NG], tl.int32) + k0) < k_hi
+    ptrs = rows.to(tl.int64)[:, None] * stride_sn + g[None, :]
+    mask = row_mask[:, None] & live[None, :]
+    s = tl.load(s_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    return words, s, z
+
+
+@triton.jit
+def _x_planes(x_ptr, k0, NG: tl.constexpr, GW: tl.constexpr):
+    """x's tile at k0 split by nibble position: x_i [NG, GW] fp32 = x[k0 + 8 (g GW + c) + i] for
+    i = 0..7 (one contiguous 16-byte-vector load, then in-register splits), and their sum."""
+    k3 = (k0 + tl.arange(0, NG)[:, None, None] * (8 * GW) + tl.arange(0, GW)[None, :, None] * 8
+          + tl.arange(0, 8)[None, None, :])
+    x3 = tl.load(x_ptr + k3).to(tl.float32)  # [NG, GW, 8]
+    ev, od = tl.split(tl.reshape(x3, [NG, GW, 4, 2]))  # nibbles 0 2 4 6 / 1 3 5 7
+    e04, e26 = tl.split(tl.reshape(ev, [NG, GW, 2, 2]))
+    o15, o37 = tl.split(tl.reshape(od, [NG, GW, 2, 2]))
+    x0, x4 = tl.split(e04)
+    x2, x6 = tl.split(e26)
+    x1, x5 = tl.split(o15)
+    x3_, x7 = tl.split(o37)
+    return x0, x1, x2, x3_, x4, x5, x6, x7
+
+
+@triton.jit
+def _nib(words, I: tl.constexpr):
+    """128 + nibble I of every word, in fp32 (nibble shifted to the unit bit of 2^7's mantissa)."""
+    return (((words >> (4 * I)) & 0xF) << 16 | (134 << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fma_tile(words, s, z, acc, x0, x1, x2, x3, x4, x5, x6, x7):
+    """acc [BLOCK_N, NG, GW] += s * (sum_i x_i (128 + q_i) - (128 + z) sum_i x_i), per word."""
+    p = _nib(words, 0) * x0[None, :, :]
+    p += _nib(words, 1) * x1[None, :, :]
+    p += _nib(words, 2) * x2[None, :, :]
+    p += _nib(words, 3) * x3[None, :, :]
+    p += _nib(words, 4) * x4[None, :, :]
+    p += _nib(words, 5) * x5[None, :, :]
+    p += _nib(words, 6) * x6[None, :, :]
+    p += _nib(words, 7) * x7[None, :, :]
+    xw = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [NG, GW]
+    c = -(z + 128.0) * s  # [BLOCK_N, NG]
+    return acc + p * s[:, :, None] + c[:, :, None] * xw[None, :, :]
+
+
+@triton.jit
+def _fma_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_qn, stride_sn,
+                GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                STAGES: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+    """Batch 1, CUDA cores: [BLOCK_N] fp32 = x[k_lo:k_hi] . dequant(W[rows, k_lo:k_hi])."""
+    NG: tl.constexpr = BLOCK_K // GROUP
+    GW: tl.constexpr = GROUP // 8
+    acc = tl.zeros([BLOCK_N, NG, GW], dtype=tl.float32)
+    if STAGES == 1:
+        # register double buffer; the first tile (weights only) before the wait on the previous
+        # kernel, which writes x
+        words, s, z = _fma_loads(q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_qn,
+                                 stride_sn, GROUP, BLOCK_K, EVEN)
+        wait_for_predecessor(PDL)
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=1):
+            words_n, s_n, z_n = _fma_loads(q_ptr, s_ptr, z_ptr, rows, row_mask, k0 + BLOCK_K,
+                                           k_hi, stride_qn, stride_sn, GROUP, BLOCK_K, EVEN)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, k0, NG, GW)
+            acc = _fma_tile(words, s, z, acc, x0, x1, x2, x3, x4, x5, x6, x7)
+            words, s, z = words_n, s_n, z_n
+    else:
+        wait_for_predecessor(PDL)
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+            words, s, z = _fma_loads(q_ptr, s_ptr, z_ptr, rows, row_mask, k0, k_hi, stride_qn,
+                                     stride_sn, GROUP, BLOCK_K, EVEN)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, k0, NG, GW)
+            acc = _fma_tile(words, s, z, acc, x0, x1, x2, x3, x4, x5, x6, x7)
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
+def _diag_weights(q_ptr, s_ptr, z_ptr, rows, row_mask, M, k0, k_hi, stride_qn, stride_sn,
+                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                  EVEN: tl.constexpr):
+    """The "diag" tile's weights at k0: words [BLOCK_N, BLOCK_K / 8] int32 and s, z
+    [BLOCK_N, ROWS] fp32 (column r = m * NG + g: group g's scale, zero where m >= M); nothing is
+    read where k0 >= k_hi."""
+    NG: tl.constexpr = BLOCK_K // GROUP
+    w_rows = (q_ptr + rows.to(tl.int64) * stride_qn).to(tl.pointer_type(tl.int32))
+    offs_w = tl.reshape(_word_offsets(k0, 1, BLOCK_K // 8), [BLOCK_K // 8])
+    live_w = (tl.zeros([BLOCK_K // 8], tl.int32) + k0) < k_hi
+    if EVEN:
+        words = tl.load(w_rows[:, None] + offs_w[None, :], mask=live_w[None, :], other=0,
+                        eviction_policy="evict_first")
+    else:
+        words = tl.load(w_rows[:, None] + offs_w[None, :],
+                        mask=row_mask[:, None] & live_w[None, :], other=0,
+                        eviction_policy="evict_first")
+    r = tl.arange(0, ROWS)
+    live = ((r // NG) < M) & ((r * 0 + k0) < k_hi)  # [ROWS]
+    ptrs = rows.to(tl.int64)[:, None] * stride_sn + (k0 // GROUP + r % NG)[None, :]
+    mask = row_mask[:, None] & live[None, :]
+    s = tl.load(s_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    return words, s, z
+
+
+@triton.jit
+def _diag_x(x_ptr, M, k0, k_hi, stride_xm, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+            ROWS: tl.constexpr):
+    """x' [ROWS, BLOCK_K] in x's dtype: row r = m * NG + g is x row m on group g's features of
+    the tile at k0, 0 elsewhere (and for m >= M, or k0 >= k_hi): those elements are not read."""
+    NG: tl.constexpr = BLOCK_K // GROUP
+    r = tl.arange(0, ROWS)
+    kk = tl.arange(0, BLOCK_K)
+    m = r // NG
+    mask = (((m < M) & ((r * 0 + k0) < k_hi))[:, None]
+            & ((kk // GROUP)[None, :] == (r % NG)[:, None]))
+    return tl.load(x_ptr + m[:, None] * stride_xm + k0 + kk[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _diag_tile(words, s, z, xd, acc, X_KIND: tl.constexpr, ASM: tl.constexpr):
+    """acc [BLOCK_N, ROWS] += s * ((OFF + q) @ x'^T - (OFF + z) * sum_k x')."""
+    v = _lop3_tile(words, X_KIND, ASM)  # [BLOCK_N, BLOCK_K] OFF + q in x's dtype
+    part = tl.dot(v, tl.trans(xd))  # [BLOCK_N, ROWS] per-group partial sums
+    xs = tl.sum(xd.to(tl.float32), axis=1)  # [ROWS]
+    return acc + (part - offset_zero(z, 4, X_KIND) * xs[None, :]) * s
+
+
+@triton.jit
+def _diag_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, M, k_lo, k_hi, stride_xm,
+                 stride_qn, stride_sn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
+                 X_KIND: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
+                 PDL: tl.constexpr):
+    """1..16 rows, tensor cores: [BLOCK_N, ROWS] fp32 per-group columns (see the module doc)."""
+    acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+    if STAGES == 1:
+        words, s, z = _diag_weights(q_ptr, s_ptr, z_ptr, rows, row_mask, M, k_lo, k_hi,
+                                    stride_qn, stride_sn, GROUP, BLOCK_K, ROWS, EVEN)
+        wait_for_predecessor(PDL)
+        xd = _diag_x(x_ptr, M, k_lo, k_hi, stride_xm, GROUP, BLOCK_K, ROWS)
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=1):
+            words_n, s_n, z_n = _diag_weights(q_ptr, s_ptr, z_ptr, rows, row_mask, M,
+                                              k0 + BLOCK_K, k_hi, stride_qn, stride_sn, GROUP,
+                                              BLOCK_K, ROWS, EVEN)
+            xd_n = _diag_x(x_ptr, M, k0 + BLOCK_K, k_hi, stride_xm, GROUP, BLOCK_K, ROWS)
+            acc = _diag_tile(words, s, z, xd, acc, X_KIND, ASM)
+            words, s, z, xd = words_n, s_n, z_n, xd_n
+    else:
+        wait_for_predecessor(PDL)
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+            words, s, z = _diag_weights(q_ptr, s_ptr, z_ptr, rows, row_mask, M, k0, k_hi,
+                                        stride_qn, stride_sn, GROUP, BLOCK_K, ROWS, EVEN)
+            xd = _diag_x(x_ptr, M, k0, k_hi, stride_xm, GROUP, BLOCK_K, ROWS)
+            acc = _diag_tile(words, s, z, xd, acc, X_KIND, ASM)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _wide_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr,
+    part_ptr,  # SPLIT_K > 1: [SPLIT_K, M, N] fp32 workspace
+    count_ptr,  # SPLIT_K > 1: [>= cdiv(N, BLOCK_N)] int32, zero between launches
+    M, N, K,
+    K_SPLIT,  # input features per split: a multiple of BLOCK_K
+    stride_xm, stride_qn, stride_sn, stride_ym,
+    GROUP: tl.constexpr,  # a power of two >= 32 dividing BLOCK_K
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,  # DIAG: the MMA's x' rows, max(16, bucket * NG); else 1
+    SPLIT_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    X_KIND: tl.constexpr,  # int_dequant.x_kind: fp16 1, bf16 2
+    DIAG: tl.constexpr,  # the tensor-core tile (else "wide": batch 1, CUDA cores)
+    ASM: tl.constexpr,  # DIAG's unpack as inline PTX (False: the interpreter's form)
+    EVEN: tl.constexpr,  # N % BLOCK_N == 0: no row masks on the weight loads
+    PDL: tl.constexpr,
+):
+    let_dependents_launch(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] weight rows / outputs
+    row_mask = rows < N
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    if DIAG:
+        NG: tl.constexpr = BLOCK_K // GROUP
+        MR: tl.constexpr = ROWS // NG  # x rows the columns stand for (>= the bucket)
+        acc = _diag_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, M, k_lo, k_hi,
+                           stride_xm, stride_qn, stride_sn, GROUP, BLOCK_N, BLOCK_K, ROWS,
+                           STAGES, X_KIND, ASM, EVEN, PDL)
+        out = tl.trans(tl.sum(tl.reshape(acc, [BLOCK_N, MR, NG]), axis=2))  # [MR, BLOCK_N]
+        offs_m = tl.arange(0, MR)
+    else:
+        acc = _fma_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_qn,
+                          stride_sn, GROUP, BLOCK_N, BLOCK_K, STAGES, EVEN, PDL)
+        out = acc[None, :]  # [1, BLOCK_N]
+        offs_m = tl.arange(0, 1)
+    _finish(out, offs_m, offs_m < M, rows, row_mask, pid_n, pid_k, b_ptr, y_ptr, part_ptr,
+            count_ptr, M, N, stride_ym, out.shape[0], BLOCK_N, SPLIT_K, HAS_BIAS)
+
+
+def diag_rows(m: int, block_k: int, group: int) -> int:
+    """The diag tile's MMA rows for a batch of m rows (its bucket's power of two times the
+    groups per tile, at least 16)."""
+    bucket = 1 << max(m - 1, 0).bit_length()
+    return max(16, bucket * (block_k // group))
+
+
+# The diag tile's x' is ROWS x BLOCK_K of x's dtype per program and K step (mostly zeros, never
+# read): above 32 rows it outweighs the weight tile of any candidate.
+MAX_DIAG_ROWS = 32
+
+
+def supported(block_k: int, group: int, k: int, m: int, diag: bool) -> bool:
+    """Whether the wide (diag False: batch 1 only) or diag tile serves this shape: int4 tiles of
+    whole groups of a power of two >= 32 (16-byte word runs), no K tail, and for diag at most
+    MAX_DIAG_ROWS MMA rows at this batch."""
+    if group >= k or group < 32 or group & (group - 1) or block_k % group or k % block_k:
+        return False
+    if diag:
+        return diag_rows(m, block_k, group) <= MAX_DIAG_ROWS
+    return m == 1
+
+
+def wide_gemv(
+    x: torch.Tensor,  # [M, K] bf16/fp16, rows K apart, 16-byte aligned
+    qweight: torch.Tensor,  # [N, K/2] uint8, 16-byte aligned rows
+    scales: torch.Tensor,  # [N, G] contiguous
+    zeros: torch.Tensor,  # [N, G] contiguous
+    group_size: int,
+    bias: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+    warps: int,
+    stages: int,
+    split_k: int,
+    diag: bool,
+    use_pdl: bool,
+    counters: torch.Tensor | None,
+) -> torch.Tensor:
+    """y [M, N] = x @ dequant(qweight).T (+ bias) with a wide / diag tile (int_gemv.int4_gemv
+    checks `supported` and normalizes x first)."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    tiles_n = triton.cdiv(n, block_n)
+    split = max(1, min(split_k, k // block_k))
+    k_split = triton.cdiv(k // block_k, split) * block_k
+    split = triton.cdiv(k, k_split)
+    if split > 1:
+        if counters is None:
+            counters = torch.zeros(tiles_n, dtype=torch.int32, device=x.device)
+        elif counters.numel() < tiles_n or counters.dtype != torch.int32:
+            raise ValueError(f"int4_gemv: split-K needs >= {tiles_n} int32 counters")
+        part = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    else:
+        counters = part = scales  # valid pointers, never read
+    launch = pdl.launch_options(x.device) if use_pdl else {"PDL": False}
+    _wide_gemv_kernel[(tiles_n, split)](
+        x, qweight, scales, zeros, bias if bias is not None else scales, y, part, counters,
+        m, n, k, k_split, k, qweight.stride(0), scales.stride(0), n,
+        GROUP=group_size,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        ROWS=diag_rows(m, block_k, group_size) if diag else 1,
+        SPLIT_K=split,
+        STAGES=stages,
+        HAS_BIAS=bias is not None,
+        X_KIND=x_kind(x.dtype),
+        DIAG=diag,
+        ASM=diag and x.is_cuda,  # the interpreter (CPU tensors) runs no inline PTX
+        EVEN=n % block_n == 0,
+        num_warps=warps,
+        num_stages=stages,
+        **launch,
+    )
+    return y
