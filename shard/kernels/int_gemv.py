@@ -516,15 +516,17 @@ _WIDE = tuple(
         (16, 1024, 4, 3, 1), (32, 512, 4, 4, 2),
     )
 ) + (GemvConfig(16, 1024, 4, 1, 1, wide=True), GemvConfig(16, 1024, 4, 1, 4, wide=True))
-# Tensor cores, 1..16 rows (x' rows = bucket x NG <= 32): 16-32 KB weight tiles; x' is
-# ROWS x BLOCK_K x 2 B per tile (16 KB at 16 x 512), so BLOCK_N >= 32 keeps it below the weights.
+# Tensor cores, 1..16 rows (x' rows = bucket x NG <= 32: BLOCK_K 256 serves every bucket, 512
+# up to 8 rows). sm_90 compiles of 16-32K-weight tiles: 3.1-4.0 SASS per weight, 170-230
+# registers (larger tiles spill: the unpacked tile and the double-buffered words are register
+# resident), 40-80 KB of shared memory (x' and the MMA's staged weight operand).
 _DIAG = tuple(
     GemvConfig(bn, bk, w, st, sk, use_dot=True, diag=True, pdl=True)
     for bn, bk, w, st, sk in (
-        (64, 512, 4, 1, 1), (128, 256, 4, 1, 1), (32, 1024, 4, 1, 1), (64, 512, 4, 1, 4),
-        (128, 512, 8, 1, 1), (128, 256, 4, 1, 4), (64, 256, 4, 3, 2), (32, 512, 4, 1, 8),
+        (64, 256, 4, 1, 1), (128, 256, 8, 1, 1), (64, 512, 8, 1, 1), (64, 256, 4, 1, 4),
+        (128, 256, 8, 1, 4), (64, 512, 8, 1, 4), (64, 256, 4, 3, 2), (64, 512, 8, 1, 8),
     )
-) + (GemvConfig(64, 512, 4, 1, 1, use_dot=True, diag=True),)
+) + (GemvConfig(64, 512, 8, 1, 1, use_dot=True, diag=True),)
 
 
 def candidates(m: int, group_size: int, in_features: int) -> list[GemvConfig]:

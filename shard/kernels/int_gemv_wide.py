@@ -93,17 +93,16 @@ def _fma_loads(q_ptr, s_ptr, z_ptr, rows, row_mask, k0, k_hi, stride_qn, stride_
 def _x_planes(x_ptr, k0, NG: tl.constexpr, GW: tl.constexpr):
     """x's tile at k0 split by nibble position: x_i [NG, GW] fp32 = x[k0 + 8 (g GW + c) + i] for
     i = 0..7 (one contiguous 16-byte-vector load, then in-register splits), and their sum."""
-    k3 = (k0 + tl.arange(0, NG)[:, None, None] * (8 * GW) + tl.arange(0, GW)[None, :, None] * 8
-          + tl.arange(0, 8)[None, None, :])
-    x3 = tl.load(x_ptr + k3).to(tl.float32)  # [NG, GW, 8]
-    ev, od = tl.split(tl.reshape(x3, [NG, GW, 4, 2]))  # nibbles 0 2 4 6 / 1 3 5 7
-    e04, e26 = tl.split(tl.reshape(ev, [NG, GW, 2, 2]))
-    o15, o37 = tl.split(tl.reshape(od, [NG, GW, 2, 2]))
-    x0, x4 = tl.split(e04)
-    x2, x6 = tl.split(e26)
-    x1, x5 = tl.split(o15)
-    x3_, x7 = tl.split(o37)
-    return x0, x1, x2, x3_, x4, x5, x6, x7
+    k8 = x_ptr + k0 + (tl.arange(0, NG)[:, None] * GW + tl.arange(0, GW)[None, :]) * 8
+    x0 = tl.load(k8).to(tl.float32)[None, :, :]
+    x1 = tl.load(k8 + 1).to(tl.float32)[None, :, :]
+    x2 = tl.load(k8 + 2).to(tl.float32)[None, :, :]
+    x3 = tl.load(k8 + 3).to(tl.float32)[None, :, :]
+    x4 = tl.load(k8 + 4).to(tl.float32)[None, :, :]
+    x5 = tl.load(k8 + 5).to(tl.float32)[None, :, :]
+    x6 = tl.load(k8 + 6).to(tl.float32)[None, :, :]
+    x7 = tl.load(k8 + 7).to(tl.float32)[None, :, :]
+    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit
@@ -115,17 +114,17 @@ def _nib(words, I: tl.constexpr):
 @triton.jit
 def _fma_tile(words, s, z, acc, x0, x1, x2, x3, x4, x5, x6, x7):
     """acc [BLOCK_N, NG, GW] += s * (sum_i x_i (128 + q_i) - (128 + z) sum_i x_i), per word."""
-    p = _nib(words, 0) * x0[None, :, :]
-    p += _nib(words, 1) * x1[None, :, :]
-    p += _nib(words, 2) * x2[None, :, :]
-    p += _nib(words, 3) * x3[None, :, :]
-    p += _nib(words, 4) * x4[None, :, :]
-    p += _nib(words, 5) * x5[None, :, :]
-    p += _nib(words, 6) * x6[None, :, :]
-    p += _nib(words, 7) * x7[None, :, :]
+    p = _nib(words, 0) * x0
+    p += _nib(words, 1) * x1
+    p += _nib(words, 2) * x2
+    p += _nib(words, 3) * x3
+    p += _nib(words, 4) * x4
+    p += _nib(words, 5) * x5
+    p += _nib(words, 6) * x6
+    p += _nib(words, 7) * x7
     xw = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [NG, GW]
     c = -(z + 128.0) * s  # [BLOCK_N, NG]
-    return acc + p * s[:, :, None] + c[:, :, None] * xw[None, :, :]
+    return acc + p * s[:, :, None] + c[:, :, None] * xw
 
 
 @triton.jit
@@ -186,25 +185,31 @@ def _diag_weights(q_ptr, s_ptr, z_ptr, rows, row_mask, M, k0, k_hi, stride_qn, s
 
 
 @triton.jit
-def _diag_x(x_ptr, M, k0, k_hi, stride_xm, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+def _diag_x(x_ptr, M, k0, stride_xm, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
             ROWS: tl.constexpr):
     """x' [ROWS, BLOCK_K] in x's dtype: row r = m * NG + g is x row m on group g's features of
-    the tile at k0, 0 elsewhere (and for m >= M, or k0 >= k_hi): those elements are not read."""
+    the tile at k0, 0 elsewhere and for m >= M (those elements are not read); and its row sums
+    [ROWS] fp32, from a compact [ROWS / NG, NG, GROUP] load (not the x' tile: ROWS x BLOCK_K
+    additions per K step cost ~1 instruction per weight at BLOCK_N 64)."""
     NG: tl.constexpr = BLOCK_K // GROUP
+    MR: tl.constexpr = ROWS // NG
     r = tl.arange(0, ROWS)
     kk = tl.arange(0, BLOCK_K)
     m = r // NG
-    mask = (((m < M) & ((r * 0 + k0) < k_hi))[:, None]
-            & ((kk // GROUP)[None, :] == (r % NG)[:, None]))
-    return tl.load(x_ptr + m[:, None] * stride_xm + k0 + kk[None, :], mask=mask, other=0.0)
+    mask = (m < M)[:, None] & ((kk // GROUP)[None, :] == (r % NG)[:, None])
+    xd = tl.load(x_ptr + m[:, None] * stride_xm + k0 + kk[None, :], mask=mask, other=0.0)
+    m3 = tl.arange(0, MR)[:, None, None]
+    k3 = tl.arange(0, NG)[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
+    x3 = tl.load(x_ptr + m3 * stride_xm + k0 + k3, mask=m3 < M, other=0.0)  # [MR, NG, GROUP]
+    xs = tl.reshape(tl.sum(x3.to(tl.float32), axis=2), [ROWS])
+    return xd, xs
 
 
 @triton.jit
-def _diag_tile(words, s, z, xd, acc, X_KIND: tl.constexpr, ASM: tl.constexpr):
+def _diag_tile(words, s, z, xd, xs, acc, X_KIND: tl.constexpr, ASM: tl.constexpr):
     """acc [BLOCK_N, ROWS] += s * ((OFF + q) @ x'^T - (OFF + z) * sum_k x')."""
     v = _lop3_tile(words, X_KIND, ASM)  # [BLOCK_N, BLOCK_K] OFF + q in x's dtype
     part = tl.dot(v, tl.trans(xd))  # [BLOCK_N, ROWS] per-group partial sums
-    xs = tl.sum(xd.to(tl.float32), axis=1)  # [ROWS]
     return acc + (part - offset_zero(z, 4, X_KIND) * xs[None, :]) * s
 
 
@@ -217,24 +222,25 @@ def _diag_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, M, k_lo, k_hi, stri
     """1..16 rows, tensor cores: [BLOCK_N, ROWS] fp32 per-group columns (see the module doc)."""
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     if STAGES == 1:
+        # the weights double-buffered in registers; x' (L1-resident after the first programs)
+        # loaded in the step that uses it, which keeps the registers for the weights
         words, s, z = _diag_weights(q_ptr, s_ptr, z_ptr, rows, row_mask, M, k_lo, k_hi,
                                     stride_qn, stride_sn, GROUP, BLOCK_K, ROWS, EVEN)
         wait_for_predecessor(PDL)
-        xd = _diag_x(x_ptr, M, k_lo, k_hi, stride_xm, GROUP, BLOCK_K, ROWS)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=1):
             words_n, s_n, z_n = _diag_weights(q_ptr, s_ptr, z_ptr, rows, row_mask, M,
                                               k0 + BLOCK_K, k_hi, stride_qn, stride_sn, GROUP,
                                               BLOCK_K, ROWS, EVEN)
-            xd_n = _diag_x(x_ptr, M, k0 + BLOCK_K, k_hi, stride_xm, GROUP, BLOCK_K, ROWS)
-            acc = _diag_tile(words, s, z, xd, acc, X_KIND, ASM)
-            words, s, z, xd = words_n, s_n, z_n, xd_n
+            xd, xs = _diag_x(x_ptr, M, k0, stride_xm, GROUP, BLOCK_K, ROWS)
+            acc = _diag_tile(words, s, z, xd, xs, acc, X_KIND, ASM)
+            words, s, z = words_n, s_n, z_n
     else:
         wait_for_predecessor(PDL)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             words, s, z = _diag_weights(q_ptr, s_ptr, z_ptr, rows, row_mask, M, k0, k_hi,
                                         stride_qn, stride_sn, GROUP, BLOCK_K, ROWS, EVEN)
-            xd = _diag_x(x_ptr, M, k0, k_hi, stride_xm, GROUP, BLOCK_K, ROWS)
-            acc = _diag_tile(words, s, z, xd, acc, X_KIND, ASM)
+            xd, xs = _diag_x(x_ptr, M, k0, stride_xm, GROUP, BLOCK_K, ROWS)
+            acc = _diag_tile(words, s, z, xd, xs, acc, X_KIND, ASM)
     return acc
 
 
