@@ -216,8 +216,16 @@ def sweep_shape(shape: str, lins: list, ref_w: torch.Tensor, bandwidth: float
     best_by_family: dict[str, dict[str, Any]] = {}
     for r in ok:
         best_by_family.setdefault(r["family"], r)
+    # PDL on vs off for the same tile (the candidates that come in both forms)
+    by_config = {json.dumps(r["config"], sort_keys=True): r for r in ok}
+    pdl_pairs = []
+    for r in ok:
+        if r["config"].get("pdl"):
+            twin = by_config.get(json.dumps({**r["config"], "pdl": False}, sort_keys=True))
+            if twin is not None:
+                pdl_pairs.append({"name": r["name"], "pdl_us": r["us"], "no_pdl_us": twin["us"]})
     return {"bytes": nbytes, "candidates": rows, "best": ok[0] if ok else None,
-            "best_by_family": best_by_family,
+            "best_by_family": best_by_family, "pdl_pairs": pdl_pairs,
             "failed": [r for r in rows if "error" in r]}
 
 
@@ -420,6 +428,9 @@ def summary(r: dict[str, Any]) -> str:
                    + " | per family: " + ", ".join(
                        f"{f} {row['us']:.2f}" for f, row in sorted(fams.items(),
                                                                   key=lambda kv: kv[1]["us"])))
+        if s.get("pdl_pairs"):
+            out.append(f"{'':8s} PDL on/off: " + ", ".join(
+                f"{p['name']} {p['pdl_us']:.2f}/{p['no_pdl_us']:.2f}" for p in s["pdl_pairs"]))
         if s["failed"]:
             out.append(f"{'':8s} {len(s['failed'])} failed: "
                        + "; ".join(f"{row['name']} ({row['error'][:60]})"

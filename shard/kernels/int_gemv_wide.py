@@ -106,25 +106,35 @@ def _x_planes(x_ptr, k0, NG: tl.constexpr, GW: tl.constexpr):
 
 
 @triton.jit
-def _nib(words, I: tl.constexpr):
-    """128 + nibble I of every word, in fp32 (nibble shifted to the unit bit of 2^7's mantissa)."""
-    return (((words >> (4 * I)) & 0xF) << 16 | (134 << 23)).to(tl.float32, bitcast=True)
+def _hi(t):
+    """OFF + the nibble at bits 16..19 of t in fp32, OFF = 128 (the nibble at 2^7's unit bit)."""
+    return ((t & 0x000F0000) | 0x43000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _lo(t):
+    """OFF + the nibble at bits 12..15 of t in fp32, OFF = 2048 (the nibble at 2^11's unit bit;
+    the larger offset costs 4 more bits of cancellation, still < 2^-16 of a word's sum)."""
+    return ((t & 0x0000F000) | 0x45000000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _fma_tile(words, s, z, acc, x0, x1, x2, x3, x4, x5, x6, x7):
-    """acc [BLOCK_N, NG, GW] += s * (sum_i x_i (128 + q_i) - (128 + z) sum_i x_i), per word."""
-    p = _nib(words, 0) * x0
-    p += _nib(words, 1) * x1
-    p += _nib(words, 2) * x2
-    p += _nib(words, 3) * x3
-    p += _nib(words, 4) * x4
-    p += _nib(words, 5) * x5
-    p += _nib(words, 6) * x6
-    p += _nib(words, 7) * x7
-    xw = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [NG, GW]
-    c = -(z + 128.0) * s  # [BLOCK_N, NG]
-    return acc + p * s[:, :, None] + c[:, :, None] * xw
+    """acc [BLOCK_N, NG, GW] += s * (sum_i x_i q_i - z sum_i x_i), per word. Each nibble is
+    masked where one of four shifts of the word leaves it (bits 16..19: OFF 128, or 12..15: OFF
+    2048): 4 shifts, 8 LOP3 and 8 FMA per 8 weights (a shift per nibble otherwise); the offsets'
+    sum over the word starts the FMA chain, so removing them costs nothing."""
+    xoff = 128.0 * ((x0 + x2) + (x4 + x6)) + 2048.0 * ((x1 + x3) + (x5 + x7))  # [1, NG, GW]
+    p = _hi(words << 16) * x0 - xoff  # nibble 0
+    p += _lo(words << 8) * x1
+    p += _hi(words << 8) * x2
+    p += _lo(words) * x3
+    p += _hi(words) * x4
+    p += _lo(words >> 8) * x5
+    p += _hi(words >> 8) * x6
+    p += _lo(words >> 16) * x7
+    xw = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+    return acc + p * s[:, :, None] - (z * s)[:, :, None] * xw
 
 
 @triton.jit
