@@ -400,7 +400,7 @@ class GemvConfig:
     block_n: int
     block_k: int  # input features per tile (int4: BLOCK_K / 2 bytes per row)
     warps: int
-    stages: int
+    stages: int  # wide / diag tiles: 0 = one tile at a time in registers, 1 = double buffer
     split_k: int = 1
     use_dot: bool = False  # tensor cores (x padded to 16 rows); always for M > 1
     # int4: the tile's nibbles re-interleaved in registers (tl.join) and x loaded as one
@@ -514,6 +514,9 @@ _WIDE = tuple(
         (16, 512, 4, 1, 1), (32, 512, 4, 1, 1), (32, 1024, 8, 1, 1), (16, 1024, 4, 1, 2),
         (16, 1024, 4, 1, 4), (32, 1024, 4, 1, 4), (8, 2048, 4, 1, 2), (64, 512, 8, 1, 4),
         (16, 1024, 4, 3, 1), (32, 512, 4, 4, 2),
+        # stages 0: one tile at a time, no register prefetch (int_gemv_wide.py)
+        (16, 1024, 4, 0, 1), (32, 512, 4, 0, 1), (8, 2048, 4, 0, 1), (16, 2048, 4, 0, 1),
+        (32, 1024, 4, 0, 4),
     )
 ) + (GemvConfig(16, 1024, 4, 1, 1, wide=True), GemvConfig(16, 1024, 4, 1, 4, wide=True))
 # Tensor cores, 1..16 rows (x' rows = bucket x NG <= 32: BLOCK_K 256 serves every bucket, 512
@@ -525,6 +528,7 @@ _DIAG = tuple(
     for bn, bk, w, st, sk in (
         (64, 256, 4, 1, 1), (128, 256, 8, 1, 1), (64, 512, 8, 1, 1), (64, 256, 4, 1, 4),
         (128, 256, 8, 1, 4), (64, 512, 8, 1, 4), (64, 256, 4, 3, 2), (64, 512, 8, 1, 8),
+        (128, 256, 8, 0, 1), (64, 256, 4, 0, 1), (128, 256, 8, 0, 4),
     )
 ) + (GemvConfig(64, 512, 8, 1, 1, use_dot=True, diag=True),)
 

@@ -29,9 +29,11 @@ K % BLOCK_K == 0: `supported`):
 Split-K over whole tiles with int_gemv's protocol (int_gemv._finish: partials, an acq_rel
 counter, the last split reduces and resets it).
 
-Loads: STAGES 1 = register double buffer (the next tile's words and scales loaded before this
-tile's unpack: two tiles per program in flight); STAGES > 1 = Triton's cp.async pipeline.
-PDL (programmatic dependent launch, shard/kernels/pdl.py): with STAGES 1 a program loads its
+Loads: STAGES 0 = one tile at a time in registers (fewest registers: most programs per SM, the
+bf16 GEMV's batch-1 recipe); STAGES 1 = register double buffer (the next tile's words and
+scales loaded before this tile's unpack: two tiles per program in flight); STAGES > 1 = Triton's
+cp.async pipeline.
+PDL (programmatic dependent launch, shard/kernels/pdl.py): with STAGES 0 / 1 a program loads its
 first weight tile and scales before waiting on the previous kernel (x, which that kernel
 writes, only after), so a kernel's ramp overlaps the previous one's tail, as the bf16 GEMV does
 at batch 1.
@@ -145,7 +147,20 @@ def _fma_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_q
     NG: tl.constexpr = BLOCK_K // GROUP
     GW: tl.constexpr = GROUP // 8
     acc = tl.zeros([BLOCK_N, NG, GW], dtype=tl.float32)
-    if STAGES == 1:
+    if STAGES == 0:
+        # one tile at a time (no prefetch: fewer registers, more programs per SM, as the bf16
+        # GEMV's batch-1 winner); the first tile's weights before the wait
+        words, s, z = _fma_loads(q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_qn,
+                                 stride_sn, GROUP, BLOCK_K, EVEN)
+        wait_for_predecessor(PDL)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, k_lo, NG, GW)
+        acc = _fma_tile(words, s, z, acc, x0, x1, x2, x3, x4, x5, x6, x7)
+        for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=1):
+            words, s, z = _fma_loads(q_ptr, s_ptr, z_ptr, rows, row_mask, k0, k_hi, stride_qn,
+                                     stride_sn, GROUP, BLOCK_K, EVEN)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, k0, NG, GW)
+            acc = _fma_tile(words, s, z, acc, x0, x1, x2, x3, x4, x5, x6, x7)
+    elif STAGES == 1:
         # register double buffer; the first tile (weights only) before the wait on the previous
         # kernel, which writes x
         words, s, z = _fma_loads(q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_qn,
@@ -231,7 +246,19 @@ def _diag_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, M, k_lo, k_hi, stri
                  PDL: tl.constexpr):
     """1..16 rows, tensor cores: [BLOCK_N, ROWS] fp32 per-group columns (see the module doc)."""
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
-    if STAGES == 1:
+    if STAGES == 0:
+        # one tile at a time (no prefetch); the first tile's weights before the wait
+        words, s, z = _diag_weights(q_ptr, s_ptr, z_ptr, rows, row_mask, M, k_lo, k_hi,
+                                    stride_qn, stride_sn, GROUP, BLOCK_K, ROWS, EVEN)
+        wait_for_predecessor(PDL)
+        xd, xs = _diag_x(x_ptr, M, k_lo, stride_xm, GROUP, BLOCK_K, ROWS)
+        acc = _diag_tile(words, s, z, xd, xs, acc, X_KIND, ASM)
+        for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=1):
+            words, s, z = _diag_weights(q_ptr, s_ptr, z_ptr, rows, row_mask, M, k0, k_hi,
+                                        stride_qn, stride_sn, GROUP, BLOCK_K, ROWS, EVEN)
+            xd, xs = _diag_x(x_ptr, M, k0, stride_xm, GROUP, BLOCK_K, ROWS)
+            acc = _diag_tile(words, s, z, xd, xs, acc, X_KIND, ASM)
+    elif STAGES == 1:
         # the weights double-buffered in registers; x' (L1-resident after the first programs)
         # loaded in the step that uses it, which keeps the registers for the weights
         words, s, z = _diag_weights(q_ptr, s_ptr, z_ptr, rows, row_mask, M, k_lo, k_hi,
@@ -371,7 +398,7 @@ def wide_gemv(
         ASM=diag and x.is_cuda,  # the interpreter (CPU tensors) runs no inline PTX
         EVEN=n % block_n == 0,
         num_warps=warps,
-        num_stages=stages,
+        num_stages=max(1, stages),
         **launch,
     )
     return y

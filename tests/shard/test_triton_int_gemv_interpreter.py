@@ -156,19 +156,21 @@ _CHECK = textwrap.dedent(
     # words as [BLOCK_N, groups, words per group]) and "diag" (1..16 rows, tensor cores, x as a
     # group-diagonal MMA operand: row m * NG + g holds x row m on group g's features). bf16 and
     # fp16, integer and fractional zero points, groups of 32 / 64 / 128 (2-4 per tile), an N
-    # tail (masked loads) and none (EVEN), bias, split-K with its counters, stages 1 (register
-    # double buffer, the prefetch past a split reading nothing) and 2 (cp.async), and diag at
-    # 1..16 rows (x' of 16 and 32 rows).
+    # tail (masked loads) and none (EVEN), bias, split-K with its counters, stages 0 (one tile
+    # at a time), 1 (register double buffer, the prefetch past a split reading nothing) and 2
+    # (cp.async), and diag at 1..16 rows (x' of 16 and 32 rows).
     for dtype, n, k, group, frac, config, ms in (
             (torch.bfloat16, 24, 512, 128, False,
              GemvConfig(16, 256, 4, 1, split_k=2, wide=True, pdl=True), (1,)),
             (torch.float16, 32, 256, 32, True, GemvConfig(8, 128, 4, 2, wide=True), (1,)),
+            (torch.float16, 24, 512, 64, False,
+             GemvConfig(8, 256, 4, 0, split_k=2, wide=True, pdl=True), (1,)),
             (torch.bfloat16, 40, 512, 64, False,
              GemvConfig(16, 256, 4, 1, split_k=2, use_dot=True, diag=True, pdl=True), (1, 3, 8)),
             (torch.float16, 32, 256, 32, True,
              GemvConfig(16, 128, 4, 2, use_dot=True, diag=True), (2, 5)),
             (torch.bfloat16, 32, 256, 64, False,
-             GemvConfig(32, 128, 4, 1, use_dot=True, diag=True), (16,))):
+             GemvConfig(32, 128, 4, 0, use_dot=True, diag=True), (16, 1))):
         groups = k // group
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         scales = (torch.rand(n, groups) * 0.1 + 0.01).half()
