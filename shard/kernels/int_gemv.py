@@ -516,7 +516,7 @@ _WIDE = tuple(
         (16, 1024, 4, 3, 1), (32, 512, 4, 4, 2),
         # stages 0: one tile at a time, no register prefetch (int_gemv_wide.py)
         (16, 1024, 4, 0, 1), (32, 512, 4, 0, 1), (8, 2048, 4, 0, 1), (16, 2048, 4, 0, 1),
-        (32, 1024, 4, 0, 4),
+        (32, 1024, 4, 0, 4), (16, 2048, 4, 0, 2), (32, 1024, 8, 0, 4),
     )
 ) + (GemvConfig(16, 1024, 4, 1, 1, wide=True), GemvConfig(16, 1024, 4, 1, 4, wide=True))
 # Tensor cores, 1..16 rows (x' rows = bucket x NG <= 32: BLOCK_K 256 serves every bucket, 512
