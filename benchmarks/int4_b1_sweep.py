@@ -276,7 +276,12 @@ def main() -> None:
         (args.out / "int4_b1_sweep.json").write_text(json.dumps(report, indent=1, default=str))
 
     if not args.no_warm:
-        warm_all(report)
+        try:
+            warm_all(report)
+        except Exception as exc:  # noqa: BLE001 - e.g. a worker died: this process compiles
+            report["compile"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            print(f"[compile] parallel compile failed ({report['compile']['error']}); "
+                  "compiling in the measuring process instead", flush=True)
         save()
 
     from shard.quantization.int_weights import IntLinear
