@@ -386,8 +386,8 @@ def main() -> None:
 
 
 def _gemv_form(c: dict[str, Any]) -> str:
-    return ("l" if c.get("lop3") else "w" if c.get("words") else "j" if c.get("join")
-            else "h")
+    return ("W" if c.get("wide") else "D" if c.get("diag") else "l" if c.get("lop3")
+            else "w" if c.get("words") else "j" if c.get("join") else "h")
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -413,7 +413,8 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"| {m} | {s['int4_us'] / 1e3:.3f} | {s['bf16_best_us'] / 1e3:.3f} | "
                      f"{s['speedup_vs_bf16']:.2f} | {s['int4_GBps']:.0f} | {s['pct_copy']:.1f} | "
                      f"{pct_spec} |")
-    lines += ["", ("Chosen kernels (GEMV bucket: l(op3) / w(ords) / j(oin) / h(alves), d(ot) / f(ma), "
+    lines += ["", ("Chosen kernels (GEMV bucket: W(ide) / D(iag) multi-group tiles, l(op3) / "
+                   "w(ords) / j(oin) / h(alves), d(ot) / f(ma), "
                    "BNxBK / split-K; GEMM bucket: path BMxBNxBK, wf = weight first):")]
     for shape, cfg in r.get("int4_configs", {}).items():
         gemv_s = ", ".join(f"{b}: {_gemv_form(c)}"
