@@ -129,6 +129,10 @@ def warm_all(report: dict[str, Any]) -> None:
             raws = [asdict(c) for c in pool]
             step = 6  # configs per task: enough tasks to keep every worker busy
             tasks += [(shape, kind, bucket, raws[i:i + step]) for i in range(0, len(raws), step)]
+        # the untuned GEMM buckets' first candidates, which IntLinear loads at 32 rows
+        firsts = {repr(c): c for c in (int_gemm.candidates(b, GROUP, k)[0]
+                                       for b in int_gemm.GEMM_M_BUCKETS)}
+        tasks.append((shape, "gemm", 32, [asdict(c) for c in firsts.values()]))
     workers = max(2, min(14, (os.cpu_count() or 4) - 2))
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
