@@ -191,7 +191,8 @@ def _diag_weights(q_ptr, s_ptr, z_ptr, rows, row_mask, M, k0, k_hi, stride_qn, s
     read where k0 >= k_hi."""
     NG: tl.constexpr = BLOCK_K // GROUP
     w_rows = (q_ptr + rows.to(tl.int64) * stride_qn).to(tl.pointer_type(tl.int32))
-    offs_w = tl.reshape(_word_offsets(k0, 1, BLOCK_K // 8), [BLOCK_K // 8])
+    offs_w = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), 4),
+                               BLOCK_K // 8)  # (as int_gemv._lop3_loads: Triton 3.6 needs it)
     live_w = (tl.zeros([BLOCK_K // 8], tl.int32) + k0) < k_hi
     if EVEN:
         words = tl.load(w_rows[:, None] + offs_w[None, :], mask=live_w[None, :], other=0,
