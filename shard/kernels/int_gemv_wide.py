@@ -12,13 +12,15 @@ NG x 2-byte run per row (a vector load) instead of one 2-byte load per row and g
 
 Two tiles, both int4 with tiles of whole groups (GROUP a power of two >= 32 dividing BLOCK_K,
 K % BLOCK_K == 0: `supported`):
-- "wide" (batch 1, CUDA cores): the words as [BLOCK_N, NG, GW] int32 (GW = GROUP / 8 words per
-  group; nibble i of a word is feature 8c + i). Per nibble one shift and one LOP3 make 128 + q
-  in fp32 (int_dequant.offset_weights' trick: no int-to-float conversion) and one FMA with x's
-  matching plane; per word, in fp32 and exactly as int_gemv's word tile per group:
-  acc += s * (sum_i x_i (128 + q_i) - (128 + z) * sum_i x_i). The [BLOCK_N, NG, GW]
-  accumulator is reduced once after the K loop. x's planes are split per tile once per thread
-  and shared by the BLOCK_N rows a thread holds.
+- "wide" (batch 1, CUDA cores): the words as [BLOCK_N, BLOCK_K / 8] int32 (nibble i of word c
+  is feature k0 + 8c + i). Each nibble is masked where one of four shifts of its word leaves
+  it (bits 16..19: 128 + q, bits 12..15: 2048 + q as fp32 bit patterns, int_dequant.
+  offset_weights' trick: no int-to-float conversion) and multiplied with x's matching plane
+  (x's tile split by nibble position once per thread, shared by the rows a thread holds); per
+  word, in fp32: acc += s * (sum_i x_i q_i - z * sum_i x_i), the [BLOCK_N, BLOCK_K / 8]
+  accumulator reduced once after the K loop. (A [BLOCK_N, NG, GROUP / 8] form of the same
+  tile compiled to ~8.5 SASS per weight under Triton 3.6, one row per thread; this 2D one to
+  4.4-5.2, sm_90.)
 - "diag" (1..16 rows, tensor cores): the lop3 unpack of int_gemv (PRMT + LOP3 inline PTX on
   CUDA) gives the [BLOCK_N, BLOCK_K] tile OFF + q in x's dtype; one MMA against a
   "group-diagonal" x' [ROWS, BLOCK_K] whose row r = m * NG + g holds x row m on group g's
@@ -57,30 +59,22 @@ __all__ = ["diag_rows", "supported", "wide_gemv"]
 
 
 @triton.jit
-def _word_offsets(k0, NG: tl.constexpr, GW: tl.constexpr):
-    """[NG, GW] int32 word columns of the tile at feature k0 (a multiple of 32: runs of GW
-    words starting at multiples of 4, i.e. 16-byte aligned, said outright)."""
-    base = (k0 // 32) * 4
-    return base + tl.arange(0, NG)[:, None] * GW + tl.arange(0, GW)[None, :]
-
-
-@triton.jit
 def _fma_loads(q_ptr, s_ptr, z_ptr, rows, row_mask, k0, k_hi, stride_qn, stride_sn,
                GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-    """The "wide" tile at k0: words [BLOCK_N, NG, GW] int32 and s, z [BLOCK_N, NG] fp32; nothing
-    is read where k0 >= k_hi (a prefetch past the range; one predicate per tile, constant along
-    the 16-byte vectors)."""
+    """The "wide" tile at k0: words [BLOCK_N, BLOCK_K / 8] int32 (nibble i of word c = feature
+    k0 + 8c + i) and s, z [BLOCK_N, NG] fp32; nothing is read where k0 >= k_hi (a prefetch
+    past the range; one predicate per tile, constant along the 16-byte vectors)."""
     NG: tl.constexpr = BLOCK_K // GROUP
-    GW: tl.constexpr = GROUP // 8
     w_rows = (q_ptr + rows.to(tl.int64) * stride_qn).to(tl.pointer_type(tl.int32))  # [BLOCK_N]
-    offs = _word_offsets(k0, NG, GW)  # [NG, GW]
-    live3 = (tl.zeros([NG, GW], tl.int32) + k0) < k_hi
+    offs = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), 4),
+                             BLOCK_K // 8)
+    live_w = (tl.zeros([BLOCK_K // 8], tl.int32) + k0) < k_hi
     if EVEN:
-        words = tl.load(w_rows[:, None, None] + offs[None, :, :], mask=live3[None, :, :],
-                        other=0, eviction_policy="evict_first")
+        words = tl.load(w_rows[:, None] + offs[None, :], mask=live_w[None, :], other=0,
+                        eviction_policy="evict_first")
     else:
-        words = tl.load(w_rows[:, None, None] + offs[None, :, :],
-                        mask=row_mask[:, None, None] & live3[None, :, :], other=0,
+        words = tl.load(w_rows[:, None] + offs[None, :],
+                        mask=row_mask[:, None] & live_w[None, :], other=0,
                         eviction_policy="evict_first")
     g = k0 // GROUP + tl.arange(0, NG)  # [NG] groups of the tile (contiguous per row)
     live = (tl.zeros([NG], tl.int32) + k0) < k_hi
@@ -92,19 +86,20 @@ def _fma_loads(q_ptr, s_ptr, z_ptr, rows, row_mask, k0, k_hi, stride_qn, stride_
 
 
 @triton.jit
-def _x_planes(x_ptr, k0, NG: tl.constexpr, GW: tl.constexpr):
-    """x's tile at k0 split by nibble position: x_i [NG, GW] fp32 = x[k0 + 8 (g GW + c) + i] for
-    i = 0..7 (one contiguous 16-byte-vector load, then in-register splits), and their sum."""
-    k8 = x_ptr + k0 + (tl.arange(0, NG)[:, None] * GW + tl.arange(0, GW)[None, :]) * 8
-    x0 = tl.load(k8).to(tl.float32)[None, :, :]
-    x1 = tl.load(k8 + 1).to(tl.float32)[None, :, :]
-    x2 = tl.load(k8 + 2).to(tl.float32)[None, :, :]
-    x3 = tl.load(k8 + 3).to(tl.float32)[None, :, :]
-    x4 = tl.load(k8 + 4).to(tl.float32)[None, :, :]
-    x5 = tl.load(k8 + 5).to(tl.float32)[None, :, :]
-    x6 = tl.load(k8 + 6).to(tl.float32)[None, :, :]
-    x7 = tl.load(k8 + 7).to(tl.float32)[None, :, :]
-    return x0, x1, x2, x3, x4, x5, x6, x7
+def _x_planes(x_ptr, k0, C: tl.constexpr):
+    """x's tile at k0 split by nibble position: x_i [C] fp32 = x[k0 + 8c + i] for i = 0..7 (one
+    contiguous 16-byte-vector load of [C, 8], then in-register splits)."""
+    k3 = k0 + 8 * tl.arange(0, C)[:, None] + tl.arange(0, 8)[None, :]
+    x3 = tl.load(x_ptr + k3).to(tl.float32)  # [C, 8]
+    ev, od = tl.split(tl.reshape(x3, [C, 4, 2]))  # nibbles 0 2 4 6 / 1 3 5 7
+    e04, e26 = tl.split(tl.reshape(ev, [C, 2, 2]))
+    o15, o37 = tl.split(tl.reshape(od, [C, 2, 2]))
+    x0, x4 = tl.split(e04)
+    x2, x6 = tl.split(e26)
+    x1, x5 = tl.split(o15)
+    x3_, x7 = tl.split(o37)
+    return (x0[None, :], x1[None, :], x2[None, :], x3_[None, :], x4[None, :], x5[None, :],
+            x6[None, :], x7[None, :])
 
 
 @triton.jit
@@ -122,11 +117,12 @@ def _lo(t):
 
 @triton.jit
 def _fma_tile(words, s, z, acc, x0, x1, x2, x3, x4, x5, x6, x7):
-    """acc [BLOCK_N, NG, GW] += s * (sum_i x_i q_i - z sum_i x_i), per word. Each nibble is
+    """acc [BLOCK_N, C] += s * (sum_i x_i q_i - z sum_i x_i), per word (x_i [1, C]; s, z
+    [BLOCK_N, NG], repeated over each group's C / NG words). Each nibble is
     masked where one of four shifts of the word leaves it (bits 16..19: OFF 128, or 12..15: OFF
     2048): 4 shifts, 8 LOP3 and 8 FMA per 8 weights (a shift per nibble otherwise); the offsets'
     sum over the word starts the FMA chain, so removing them costs nothing."""
-    xoff = 128.0 * ((x0 + x2) + (x4 + x6)) + 2048.0 * ((x1 + x3) + (x5 + x7))  # [1, NG, GW]
+    xoff = 128.0 * ((x0 + x2) + (x4 + x6)) + 2048.0 * ((x1 + x3) + (x5 + x7))  # [1, C]
     p = _hi(words << 16) * x0 - xoff  # nibble 0
     p += _lo(words << 8) * x1
     p += _hi(words << 8) * x2
@@ -136,7 +132,12 @@ def _fma_tile(words, s, z, acc, x0, x1, x2, x3, x4, x5, x6, x7):
     p += _hi(words >> 8) * x6
     p += _lo(words >> 16) * x7
     xw = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
-    return acc + p * s[:, :, None] - (z * s)[:, :, None] * xw
+    BN: tl.constexpr = words.shape[0]
+    C: tl.constexpr = words.shape[1]
+    NG: tl.constexpr = s.shape[1]
+    s_w = tl.reshape(tl.broadcast_to(s[:, :, None], [BN, NG, C // NG]), [BN, C])
+    c_w = tl.reshape(tl.broadcast_to((z * s)[:, :, None], [BN, NG, C // NG]), [BN, C])
+    return acc + p * s_w - c_w * xw
 
 
 @triton.jit
@@ -144,21 +145,19 @@ def _fma_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_q
                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 STAGES: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     """Batch 1, CUDA cores: [BLOCK_N] fp32 = x[k_lo:k_hi] . dequant(W[rows, k_lo:k_hi])."""
-    NG: tl.constexpr = BLOCK_K // GROUP
-    GW: tl.constexpr = GROUP // 8
-    acc = tl.zeros([BLOCK_N, NG, GW], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
     if STAGES == 0:
         # one tile at a time (no prefetch: fewer registers, more programs per SM, as the bf16
         # GEMV's batch-1 winner); the first tile's weights before the wait
         words, s, z = _fma_loads(q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_qn,
                                  stride_sn, GROUP, BLOCK_K, EVEN)
         wait_for_predecessor(PDL)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, k_lo, NG, GW)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, k_lo, BLOCK_K // 8)
         acc = _fma_tile(words, s, z, acc, x0, x1, x2, x3, x4, x5, x6, x7)
         for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=1):
             words, s, z = _fma_loads(q_ptr, s_ptr, z_ptr, rows, row_mask, k0, k_hi, stride_qn,
                                      stride_sn, GROUP, BLOCK_K, EVEN)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, k0, NG, GW)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, k0, BLOCK_K // 8)
             acc = _fma_tile(words, s, z, acc, x0, x1, x2, x3, x4, x5, x6, x7)
     elif STAGES == 1:
         # register double buffer; the first tile (weights only) before the wait on the previous
@@ -169,7 +168,7 @@ def _fma_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_q
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=1):
             words_n, s_n, z_n = _fma_loads(q_ptr, s_ptr, z_ptr, rows, row_mask, k0 + BLOCK_K,
                                            k_hi, stride_qn, stride_sn, GROUP, BLOCK_K, EVEN)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, k0, NG, GW)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, k0, BLOCK_K // 8)
             acc = _fma_tile(words, s, z, acc, x0, x1, x2, x3, x4, x5, x6, x7)
             words, s, z = words_n, s_n, z_n
     else:
@@ -177,9 +176,9 @@ def _fma_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_q
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             words, s, z = _fma_loads(q_ptr, s_ptr, z_ptr, rows, row_mask, k0, k_hi, stride_qn,
                                      stride_sn, GROUP, BLOCK_K, EVEN)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, k0, NG, GW)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, k0, BLOCK_K // 8)
             acc = _fma_tile(words, s, z, acc, x0, x1, x2, x3, x4, x5, x6, x7)
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
