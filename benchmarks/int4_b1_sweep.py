@@ -18,6 +18,8 @@ M = 1, 16, 64 (benchmarks/run_int4_b1_device.sh runs it, < 5 minutes on an H100 
      GB/s over the int4 bytes a call reads (packed weight + scales + zeros) and % of a measured
      1 GiB device copy (read + write).
    A candidate that fails to compile, run or check gets no time (listed apart).
+   Read-only probes: the packed rows streamed in a few tiles' access patterns (BLOCK_N x BLOCK_K,
+   split-K) with no unpacking, the ceiling of each pattern (PROBES).
 3. Stacks (qkv, o, gate_up, down x 32 layers in one CUDA graph): int4 through IntLinear (its
    own tuner: GEMV buckets 1 and 16 and GEMM bucket 64 tuned, int_tuning's bucket lists
    narrowed for this run) and, at M = 1, also with each shape's fastest candidate of step 2
@@ -44,6 +46,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -57,6 +61,57 @@ from shard.kernels.int_gemv import GemvConfig
 
 STACK_MS = (1, 16, 64)
 CHECK_BOUND = 2**-7
+# Read-only probes (BLOCK_N rows x BLOCK_K features per step, warps, split-K): the packed rows
+# streamed in a tile's access pattern with no unpacking, the bandwidth ceiling of that pattern.
+# The earlier tiles' shapes (128 / 256 x 128: 64 B of a row per step) against the new ones.
+PROBES = ((128, 128, 4, 1), (128, 128, 8, 8), (256, 128, 8, 8), (64, 512, 4, 2), (16, 1024, 4, 1),
+          (16, 1024, 4, 4), (32, 1024, 4, 4), (8, 2048, 4, 1), (4, 2048, 4, 1))
+
+
+@triton.jit
+def _read_probe(q_ptr, out_ptr, N, KW_SPLIT, stride_qn, BLOCK_N: tl.constexpr,
+                BLOCK_W: tl.constexpr):
+    """XOR of the int32 words [rows, split's words] of a packed weight (BLOCK_N x BLOCK_W words
+    per step, 16-byte vectors, evict-first): the loads of a GEMV tile without its arithmetic."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = (q_ptr + rows.to(tl.int64) * stride_qn).to(tl.pointer_type(tl.int32))
+    k_lo = tl.program_id(1) * KW_SPLIT
+    acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.int32)
+    for k in tl.range(k_lo, k_lo + KW_SPLIT, BLOCK_W, num_stages=1):
+        offs = tl.max_contiguous(tl.multiple_of(k + tl.arange(0, BLOCK_W), 4), BLOCK_W)
+        acc ^= tl.load(w_rows[:, None] + offs[None, :], eviction_policy="evict_first")
+    tl.store(out_ptr + tl.program_id(1) * N + rows, tl.xor_sum(acc, axis=1))
+
+
+def probe_shape(shape: str, lins: list, bandwidth: float) -> list[dict[str, Any]]:
+    """Each probe over the 32 layers' packed weights in one CUDA graph: GB/s of the packed
+    bytes (scales and zeros not read) and % of copy."""
+    n, k = SHAPES[shape]
+    out = []
+    for bn, bk, warps, split in PROBES:
+        kw_split = k // 8 // split
+        res = torch.empty(split, n, dtype=torch.int32, device="cuda")
+        row: dict[str, Any] = {"name": f"probe {bn}x{bk} w{warps} sk{split}"}
+        try:
+            def calls(bn: int = bn, bk: int = bk, warps: int = warps, split: int = split,
+                      kw_split: int = kw_split, res: torch.Tensor = res) -> list[torch.Tensor]:
+                for lin in lins:
+                    _read_probe[(n // bn, split)](lin.qweight, res, n, kw_split,
+                                                  lin.qweight.stride(0), BLOCK_N=bn,
+                                                  BLOCK_W=bk // 8, num_warps=warps)
+                return [res]
+
+            us, _ = graph_time(calls)
+            row["us"] = us / LAYERS
+            row["GBps"] = lins[0].qweight.nbytes / (row["us"] / 1e6) / 1e9
+            row["pct_copy"] = 100 * row["GBps"] / bandwidth
+            print(f"  {shape:8s} {row['us']:7.2f} us {row['GBps']:6.0f} GB/s "
+                  f"{row['pct_copy']:5.1f}% copy  {row['name']}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - reported, the sweep goes on
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            print(f"  {shape:8s} FAILED {row['name']}: {row['error']}", flush=True)
+        out.append(row)
+    return out
 
 
 def family(c: GemvConfig) -> str:
@@ -269,10 +324,8 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     spec = next((v for key, v in SPEC_GBPS.items() if key in name), None)
     report: dict[str, Any] = {"device": name, "copy_GBps": bandwidth, "spec_GBps": spec,
-                              "group": GROUP, "layers": LAYERS, "torch": torch.__version__}
-    import triton
-
-    report["triton"] = triton.__version__
+                              "group": GROUP, "layers": LAYERS, "torch": torch.__version__,
+                              "triton": triton.__version__}
     print(f"{name}: copy {bandwidth:.0f} GB/s (spec {spec}); torch {torch.__version__}, triton "
           f"{triton.__version__}", flush=True)
 
@@ -301,6 +354,7 @@ def main() -> None:
         ref_w = int4[shape][0].packed.dequantize(torch.float32)
         report["shapes"][shape] = sweep_shape(shape, int4[shape], ref_w, bandwidth)
         del ref_w
+        report["shapes"][shape]["probes"] = probe_shape(shape, int4[shape], bandwidth)
         report["shapes"][shape]["seconds"] = time.perf_counter() - t0
         best = report["shapes"][shape]["best"]
         print(f"[{time.perf_counter() - t_start:.0f} s] {shape}: best "
@@ -407,6 +461,10 @@ def markdown(r: dict[str, Any]) -> str:
             else:
                 lines.append(f"| {row['name']} | {row['us']:.2f} | {row['GBps']:.0f} | "
                              f"{row['pct_copy']:.1f} | {row['max_err']:.1e} |")
+        for row in s.get("probes", []):  # read-only: packed bytes only, no check
+            if "us" in row:
+                lines.append(f"| {row['name']} (read only) | {row['us']:.2f} | "
+                             f"{row['GBps']:.0f} | {row['pct_copy']:.1f} | - |")
         lines.append("")
     st = r.get("stack")
     if st:
@@ -437,6 +495,11 @@ def summary(r: dict[str, Any]) -> str:
                    + " | per family: " + ", ".join(
                        f"{f} {row['us']:.2f}" for f, row in sorted(fams.items(),
                                                                   key=lambda kv: kv[1]["us"])))
+        probes = sorted((p for p in s.get("probes", []) if "us" in p),
+                        key=lambda p: p["us"])
+        if probes:
+            out.append(f"{'':8s} read-only probes (% copy): " + ", ".join(
+                f"{p['name'][6:]} {p['pct_copy']:.0f}" for p in probes))
         if s.get("pdl_pairs"):
             out.append(f"{'':8s} PDL on/off: " + ", ".join(
                 f"{p['name']} {p['pdl_us']:.2f}/{p['no_pdl_us']:.2f}" for p in s["pdl_pairs"]))
