@@ -4,6 +4,10 @@ M = 1, 16, 64 (benchmarks/run_int4_b1_device.sh runs it, < 5 minutes on an H100 
 
     python3 benchmarks/int4_b1_sweep.py --out $OUT
 
+0. The int-kernel interpreter tests' checks (tests/shard/test_triton_int_gemv_interpreter.py,
+   test_triton_int_gemm_interpreter.py) run compiled on CUDA (benchmarks/int4_kernels.py's
+   interpreter_checks): the wide / diag tiles at groups of 32 / 64 / 128, fractional zeros,
+   tails, bias, split-K, stages 0 / 1 / 2, 1..16 rows.
 1. Compile: every candidate this run launches (int_gemv.candidates(1, ...) per shape, the
    bucket-16 GEMV and bucket-64 GEMM candidates the stack tuning times, the bf16 GEMV) is
    compiled once in parallel worker processes (spawned, one launch each), which fills Triton's
@@ -53,7 +57,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from int4_kernels import GROUP, LAYERS, SHAPES, SPEC_GBPS, copy_bandwidth, random_packed
+from int4_kernels import (
+    GROUP,
+    LAYERS,
+    SHAPES,
+    SPEC_GBPS,
+    copy_bandwidth,
+    interpreter_checks,
+    random_packed,
+)
 
 from shard.kernels import int_gemm, int_gemv
 from shard.kernels.int_gemm import GemmConfig
@@ -316,6 +328,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--no-warm", action="store_true", help="skip the parallel compile")
+    ap.add_argument("--skip-checks", action="store_true",
+                    help="skip the interpreter tests' checks run on CUDA")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -339,6 +353,11 @@ def main() -> None:
             report["compile"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             print(f"[compile] parallel compile failed ({report['compile']['error']}); "
                   "compiling in the measuring process instead", flush=True)
+        save()
+    if not args.skip_checks:
+        # the int-kernel interpreter tests' checks, compiled (wide / diag: groups of 32 / 64 /
+        # 128, fractional zeros, tails, bias, split-K, stages 0 / 1 / 2, 1..16 rows)
+        interpreter_checks(report)
         save()
 
     from shard.quantization.int_weights import IntLinear
@@ -483,6 +502,9 @@ def markdown(r: dict[str, Any]) -> str:
 def summary(r: dict[str, Any]) -> str:
     """The last lines of the log: what the lead reads."""
     out = ["", "=" * 30 + " SUMMARY " + "=" * 30,
+           ("interpreter checks on CUDA: " + ", ".join(
+               f"{name.split('_')[-2]} {'ok' if c['ok'] else 'FAILED'}"
+               for name, c in r.get("interpreter_checks_on_gpu", {}).items())),
            (f"device {r['device']}, copy {r['copy_GBps']:.0f} GB/s, triton {r['triton']}; "
             f"compile {r.get('compile', {}).get('seconds', 0):.0f} s "
             f"({len(r.get('compile', {}).get('failures', []))} failed), total "
