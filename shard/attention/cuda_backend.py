@@ -218,8 +218,10 @@ class CudaAttentionBackend(AttentionBackend):
         return 1 if num_seqs * num_kv_heads >= self._num_sms else MIXED_DECODE_SPLITS
 
     def mixed_warmup_decode_rows(self) -> list[int]:
-        # One row: MIXED_DECODE_SPLITS splits; one per SM: one split, whatever the KV heads.
-        return [1, self._num_sms]
+        # One row: MIXED_DECODE_SPLITS splits with the batch-1 early tile (the kernel's
+        # EARLY_TILE); two rows: the same splits without it; one per SM: one split, whatever the
+        # KV heads. (tests/gpu/test_kernel_compiles_cuda.py: nothing else compiles in serving.)
+        return [1, 2, self._num_sms]
 
     def _mixed_plan(
         self, meta: AttentionMetadata, head_dim: int, device: torch.device

@@ -327,7 +327,14 @@ def _attend_tile(q, k, v, mask_n, m_i, l_i, acc, qk_scale, SOFTCAP: tl.constexpr
     return m_new, l_i, acc
 
 
-@triton.jit
+# Arguments that vary from step to step in eager (mixed) steps are not specialized on: the
+# decode rows of a mixed step come as block_tables[p:] and seq_lens[p:] (16-byte aligned or
+# not, by p), and the block table's width is the step's longest sequence's (stride_bt may be 1,
+# a multiple of 16 or neither). Specialized, each combination was a kernel variant of its own,
+# compiled in the middle of serving (shard/runtime/kernel_compiles.py); these arguments feed
+# only scalar and gathered loads, which their specialization does not speed up.
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]; FUSED_ROTARY: not yet rotated
     k_cache_ptr,  # [num_blocks * block_size, num_kv_heads, head_dim]
@@ -751,10 +758,14 @@ def _decode(
             (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
         )
         s_seq, s_head, s_split = part.stride(0), part.stride(1), part.stride(2)
-    dummy = seq_lens  # pointer arguments that the compiled variant never reads
     # (Allocated at the first call whatever the split count: a CUDA-graph warm-up runs only the
     # largest batch, with one split, before the smaller, split batches are captured.)
     tickets = _tickets(query.device, 0 if one else num_seqs * num_kv_heads)
+    # Pointer arguments that the compiled variant never reads: the ticket counters (int32 as
+    # seq_lens was, allocated once, 16-byte aligned). Not seq_lens: a mixed step passes
+    # seq_lens[p:], aligned or not by p, and each of these eight arguments' alignment would be
+    # a kernel variant of its own, compiled in the middle of serving.
+    dummy = tickets
     k_store_scale, v_store_scale, fp8_max = k_scale, v_scale, 0.0
     if new is not None and key_cache.element_size() == 1:  # the store divides by the scales
         fp8_max = float(torch.finfo(key_cache.dtype).max)

@@ -18,7 +18,10 @@ from shard.kernels.softcap import soft_cap_log2
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# The block table's width (stride_bt) and the tile map's length (num_tiles) change with every
+# step: not specialized on (1 / a multiple of 16 / neither), or each would be a kernel variant
+# compiled in the middle of serving (shard/runtime/kernel_compiles.py).
+@triton.jit(do_not_specialize=["stride_bt", "num_tiles"])
 def _prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_slots, num_kv_heads, head_dim]

@@ -33,6 +33,7 @@ from shard.quantization import (
 )
 from shard.runner.model_runner import ModelRunner
 from shard.runner.warmup import WarmupResult, WarmupSpec, run_warmup
+from shard.runtime import KernelCompileWatch
 from shard.tools.download import model_sha, resolve_model
 from shard.tools.tokenizer_files import load_tokenizer
 
@@ -111,6 +112,9 @@ class Shard:
         self.cfg = cfg
         self.dist = dist
         self.device = torch.device(cfg.device)
+        # Set by the serving process (CUDA): told when warm-up is over, so that a kernel variant
+        # compiled after it is logged as the warm-up gap it is.
+        self.compile_watch: KernelCompileWatch | None = None
         if cfg.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
         model_dir = resolve_model(cfg.model_id, cfg.revision)
@@ -183,6 +187,8 @@ class Shard:
             self.cfg.max_batch_total_tokens,
         )
         self.runner.model.take_expert_counts()  # warmup's routing is not served traffic
+        if self.compile_watch is not None:
+            self.compile_watch.serving()
         # So far in this process (the warm-up's eager prefill tunes every decode-linear shape).
         log.info("warmup: %s", tuning_cache.stats().describe())
         return result

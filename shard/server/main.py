@@ -161,8 +161,12 @@ async def serve(args: argparse.Namespace, shard) -> int:
 
         window = ProfileWindow(args.profile_from_step, args.profile_dir / f"rank{args.rank}")
         profiler = StepProfiler(window, shard.engine, shard.runner.device)
-    from shard.runtime import GcPacer
+    from shard.runtime import GcPacer, KernelCompileWatch
 
+    if shard.runner.device.type == "cuda":
+        watch = KernelCompileWatch()
+        if watch.install():
+            shard.compile_watch = watch
     gc_pacer = GcPacer()  # this process serves the model: no full collection inside a step
     gc_pacer.install()
     server, servicer, health_servicer = await start_server(

@@ -66,13 +66,15 @@ _CHECK = textwrap.dedent(
     split, tile_map = meta.derived["cuda_mixed"]
     assert (split.prefill_seqs, split.prefill_tokens, split.decode_seqs) == (3, 80, 3)
     assert tile_map.shape == (2, 4)
-    # warmup's mixed steps reach every decode variant a mixed step can pick, whatever the heads
+    # warmup's mixed steps reach every decode variant a mixed step can pick, whatever the heads:
+    # its split count and whether the batch-1 early tile is on (the kernel's EARLY_TILE)
     for sms in (2, 132):
         backend._num_sms = sms
         rows = backend.mixed_warmup_decode_rows()
         for kv_heads in (1, 8):
-            warm = {backend._mixed_decode_splits(r, kv_heads) for r in rows}
-            assert warm == {backend._mixed_decode_splits(r, kv_heads) for r in range(1, 300)}
+            def variant(r):
+                return backend._mixed_decode_splits(r, kv_heads), r == 1
+            assert {variant(r) for r in rows} == {variant(r) for r in range(1, 300)}
         assert backend._mixed_decode_splits(1, 8) == (16 if sms == 132 else 1)
     """
 )
