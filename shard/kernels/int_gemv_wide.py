@@ -28,7 +28,7 @@ K % BLOCK_K == 0: `supported`):
   per-group partial sums [BLOCK_N, ROWS] at once, using the MMA's padding rows that a batch-1
   tile wastes anyway (ROWS = max(16, MP * NG), MP = the batch bucket). Per column:
   acc += s * (part - (OFF + z) * sum_k x'_rk); y[m] = sum over the NG columns of row m.
-Split-K over whole tiles with int_gemv's protocol (int_gemv._finish: partials, an acq_rel
+Split-K over whole tiles with int_gemv's protocol (int_tiles.finish: partials, an acq_rel
 counter, the last split reduces and resets it).
 
 Loads: STAGES 0 = one tile at a time in registers (fewest registers: most programs per SM, the
@@ -52,7 +52,7 @@ import triton.language as tl
 
 from shard.kernels import pdl
 from shard.kernels.int_dequant import offset_zero, x_kind
-from shard.kernels.int_gemv import _finish, _lop3_tile
+from shard.kernels.int_tiles import finish, lop3_tile
 from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
 
 __all__ = ["diag_rows", "supported", "wide_gemv"]
@@ -233,7 +233,7 @@ def _diag_x(x_ptr, M, k0, stride_xm, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
 @triton.jit
 def _diag_tile(words, s, z, xd, xs, acc, X_KIND: tl.constexpr, ASM: tl.constexpr):
     """acc [BLOCK_N, ROWS] += s * ((OFF + q) @ x'^T - (OFF + z) * sum_k x')."""
-    v = _lop3_tile(words, X_KIND, ASM)  # [BLOCK_N, BLOCK_K] OFF + q in x's dtype
+    v = lop3_tile(words, X_KIND, ASM)  # [BLOCK_N, BLOCK_K] OFF + q in x's dtype
     part = tl.dot(v, tl.trans(xd))  # [BLOCK_N, ROWS] per-group partial sums
     return acc + (part - offset_zero(z, 4, X_KIND) * xs[None, :]) * s
 
@@ -322,8 +322,8 @@ def _wide_gemv_kernel(
                           stride_sn, GROUP, BLOCK_N, BLOCK_K, STAGES, EVEN, PDL)
         out = acc[None, :]  # [1, BLOCK_N]
         offs_m = tl.arange(0, 1)
-    _finish(out, offs_m, offs_m < M, rows, row_mask, pid_n, pid_k, b_ptr, y_ptr, part_ptr,
-            count_ptr, M, N, stride_ym, out.shape[0], BLOCK_N, SPLIT_K, HAS_BIAS)
+    finish(out, offs_m, offs_m < M, rows, row_mask, pid_n, pid_k, b_ptr, y_ptr, part_ptr,
+           count_ptr, M, N, stride_ym, out.shape[0], BLOCK_N, SPLIT_K, HAS_BIAS)
 
 
 def diag_rows(m: int, block_k: int, group: int) -> int:

@@ -96,7 +96,7 @@ class IntTuning:
         return cls(gemv, gemm)
 
 
-_SOURCES = ("int_gemv.py", "int_gemv_wide.py", "int_gemm.py", "int_dequant.py", "int_tuning.py", "graph_timing.py")
+_SOURCES = ("int_gemv.py", "int_gemv_wide.py", "int_tiles.py", "int_gemm.py", "int_dequant.py", "int_tuning.py", "graph_timing.py")
 
 
 @functools.cache

@@ -195,15 +195,15 @@ def _lop3(a: int, b: int, c: int, lut: int) -> int:
 
 @pytest.mark.parametrize("magic", [0x43004300, 0x64006400])
 def test_lop3_unpack_asm_equals_the_interpreter_form(magic: int) -> None:
-    """The inline PTX (int_gemv._unpack_asm), executed instruction by instruction in Python,
+    """The inline PTX (int_tiles.unpack_asm), executed instruction by instruction in Python,
     gives what the interpreter's form computes (which the interpreter tests check against the
     dequantized weight): output j's low half = OFF + (element a's byte j & 0xF), high half the
     same of element b. The GPU run checks the compiled kernel itself (benchmarks/int4_kernels.py)."""
     import random
 
-    from shard.kernels.int_gemv import _unpack_asm
+    from shard.kernels.int_tiles import unpack_asm
 
-    asm = _unpack_asm(magic)
+    asm = unpack_asm(magic)
     rng = random.Random(0)
     for _ in range(200):
         a, b = rng.getrandbits(32), rng.getrandbits(32)
