@@ -71,6 +71,9 @@ from shard.kernels import int_gemm, int_gemv
 from shard.kernels.int_gemm import GemmConfig
 from shard.kernels.int_gemv import GemvConfig
 
+# Configs (as dicts) that broke a worker's CUDA context while compiling (an illegal access would
+# end this process's measurements too): not launched here, nor offered to the stack tuning.
+CRASHED: list[dict[str, Any]] = []
 STACK_MS = (1, 16, 64)
 CHECK_BOUND = 2**-7
 # Read-only probes (BLOCK_N rows x BLOCK_K features per step, warps, split-K): the packed rows
@@ -171,6 +174,7 @@ def _warm(task: tuple[str, str, int, list[dict[str, Any]]]) -> dict[str, Any]:
     w = random_packed(n, k, gen)
     x = torch.randn(bucket, k, device="cuda", generator=gen).bfloat16()
     counters = torch.zeros(-(-n // 8), dtype=torch.int32, device="cuda")
+    crashed = []
     for raw in configs:
         try:
             if kind == "gemv":
@@ -182,8 +186,12 @@ def _warm(task: tuple[str, str, int, list[dict[str, Any]]]) -> dict[str, Any]:
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - the measuring process reports it too
             fails.append(f"{raw}: {type(exc).__name__}: {str(exc)[:200]}")
+            if "CUDA error" in str(exc) or "illegal" in str(exc):
+                # this worker's context is gone: the measuring process must not launch it
+                crashed.append(raw)
+                break
     return {"task": f"{shape}/{kind}/{bucket}", "n": len(configs), "fails": fails,
-            "seconds": time.perf_counter() - t0}
+            "crashed": crashed, "seconds": time.perf_counter() - t0}
 
 
 def warm_all(report: dict[str, Any]) -> None:
@@ -207,7 +215,9 @@ def warm_all(report: dict[str, Any]) -> None:
     fails = [f for r in results for f in r["fails"]]
     report["compile"] = {"workers": workers, "tasks": len(tasks),
                          "launches": sum(r["n"] for r in results),
-                         "seconds": time.perf_counter() - t0, "failures": fails}
+                         "seconds": time.perf_counter() - t0, "failures": fails,
+                         "crashed": [c for r in results for c in r.get("crashed", [])]}
+    CRASHED.extend(report["compile"]["crashed"])
     print(f"[compile] {len(tasks)} tasks, {report['compile']['launches']} launches on {workers} "
           f"workers in {report['compile']['seconds']:.0f} s; {len(fails)} failed", flush=True)
     for f in fails[:20]:
@@ -253,6 +263,10 @@ def sweep_shape(shape: str, lins: list, ref_w: torch.Tensor, bandwidth: float
     rows = []
     for c in int_gemv.candidates(1, GROUP, k):
         row: dict[str, Any] = {"config": asdict(c), "name": short(c), "family": family(c)}
+        if asdict(c) in CRASHED:
+            row["error"] = "crashed a compile worker's CUDA context: not launched"
+            rows.append(row)
+            continue
         try:
             def one(lin: Any, c: GemvConfig = c) -> torch.Tensor:
                 return int_gemv.int4_gemv(x, lin.qweight, lin.scales, lin.zeros, GROUP,
@@ -311,6 +325,10 @@ def narrow_tuning() -> None:
     int_tuning.M_BUCKETS = (1, 16)
     int_tuning.GEMM_M_BUCKETS = (64,)
     real = int_tuning._tune
+    if CRASHED:
+        gemv_pool, gemm_pool = int_gemv.candidates, int_gemm.candidates
+        int_gemv.candidates = lambda *a: [c for c in gemv_pool(*a) if asdict(c) not in CRASHED]
+        int_gemm.candidates = lambda *a: [c for c in gemm_pool(*a) if asdict(c) not in CRASHED]
 
     def tune(w: Any, dtype: torch.dtype) -> Any:
         tuned = real(w, dtype)
