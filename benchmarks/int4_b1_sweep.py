@@ -319,7 +319,8 @@ def sweep_shape(shape: str, lins: list, ref_w: torch.Tensor, bandwidth: float
 
 def narrow_tuning() -> None:
     """IntLinear tunes only the buckets this run times (GEMV 1 and 16, GEMM 64); the others
-    keep their first candidate (int_tuning's CPU default), which this run never launches."""
+    keep their first candidate (int_tuning's CPU default), launched once at load, never
+    timed."""
     from shard.kernels import int_tuning
 
     int_tuning.M_BUCKETS = (1, 16)
