@@ -429,15 +429,16 @@ _WIDE = tuple(
     )
 ) + (GemvConfig(16, 1024, 4, 1, 1, wide=True), GemvConfig(16, 1024, 4, 1, 4, wide=True))
 # Tensor cores, 1..16 rows (x' rows = bucket x NG <= 32: BLOCK_K 256 serves every bucket, 512
-# up to 8 rows). sm_90 compiles of 16-32K-weight tiles: 3.1-4.0 SASS per weight, 170-230
-# registers (larger tiles spill: the unpacked tile and the double-buffered words are register
-# resident), 40-80 KB of shared memory (x' and the MMA's staged weight operand).
+# up to 8 rows). sm_90 compiles (Triton 3.6) of 16-64K-weight tiles: 2.9-4.4 SASS per weight,
+# 170-255 registers (larger tiles spill: the unpacked tile and the double-buffered words are
+# register resident), 40-150 KB of shared memory (x' and the MMA's staged weight operand).
 _DIAG = tuple(
     GemvConfig(bn, bk, w, st, sk, use_dot=True, diag=True, pdl=True)
     for bn, bk, w, st, sk in (
         (64, 256, 4, 1, 1), (128, 256, 8, 1, 1), (64, 512, 8, 1, 1), (64, 256, 4, 1, 4),
         (128, 256, 8, 1, 4), (64, 512, 8, 1, 4), (64, 256, 4, 3, 2), (64, 512, 8, 1, 8),
-        (128, 256, 8, 0, 1), (64, 256, 4, 0, 1), (128, 256, 8, 0, 4),
+        (128, 256, 8, 0, 1), (64, 256, 4, 0, 1), (128, 256, 8, 0, 4), (128, 512, 8, 0, 1),
+        (128, 256, 4, 0, 1),
     )
 ) + (GemvConfig(64, 512, 8, 1, 1, use_dot=True, diag=True),)
 
