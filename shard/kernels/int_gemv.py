@@ -329,6 +329,9 @@ class GemvConfig:
     # programmatic dependent launch (wide / diag tiles): the first weight tile loads during the
     # previous kernel's tail
     pdl: bool = False
+    # wide / diag tiles: > 0 runs the persistent form, this many programs per SM looping over
+    # the (row block, K split) units with the next tile always in flight (int_gemv_wide.py)
+    persist: int = 0
 
     def as_dict(self) -> dict[str, int | bool]:
         return asdict(self)
@@ -427,7 +430,13 @@ _WIDE = tuple(
         (16, 1024, 4, 0, 1), (32, 512, 4, 0, 1), (8, 2048, 4, 0, 1), (16, 2048, 4, 0, 1),
         (32, 1024, 4, 0, 4), (16, 2048, 4, 0, 2), (32, 1024, 8, 0, 4),
     )
-) + (GemvConfig(16, 1024, 4, 1, 1, wide=True), GemvConfig(16, 1024, 4, 1, 4, wide=True))
+) + (GemvConfig(16, 1024, 4, 1, 1, wide=True), GemvConfig(16, 1024, 4, 1, 4, wide=True)) + tuple(
+    # persistent: (block_n, block_k, warps, split_k, programs per SM); ~128 registers (3.6):
+    # 4 programs of 128 threads fit an SM, ~212 for 32 rows: 2
+    GemvConfig(bn, bk, w, 1, sk, wide=True, pdl=True, persist=ps)
+    for bn, bk, w, sk, ps in ((16, 1024, 4, 1, 3), (16, 1024, 4, 4, 4), (8, 2048, 4, 1, 4),
+                              (32, 1024, 4, 2, 2), (16, 1024, 4, 2, 4))
+)
 # Tensor cores, 1..16 rows (x' rows = bucket x NG <= 32: BLOCK_K 256 serves every bucket, 512
 # up to 8 rows). sm_90 compiles (Triton 3.6) of 16-64K-weight tiles: 2.9-4.4 SASS per weight,
 # 170-255 registers (larger tiles spill: the unpacked tile and the double-buffered words are
@@ -440,7 +449,12 @@ _DIAG = tuple(
         (128, 256, 8, 0, 1), (64, 256, 4, 0, 1), (128, 256, 8, 0, 4), (128, 512, 8, 0, 1),
         (128, 256, 4, 0, 1),
     )
-) + (GemvConfig(64, 512, 8, 1, 1, use_dot=True, diag=True),)
+) + (GemvConfig(64, 512, 8, 1, 1, use_dot=True, diag=True),) + tuple(
+    # persistent (block_n, block_k, warps, split_k, programs per SM): 128 x 256 / 8 warps has
+    # ~168 registers (one program per SM), 64 x 256 / 4 warps ~220 (two)
+    GemvConfig(bn, bk, w, 1, sk, use_dot=True, diag=True, pdl=True, persist=ps)
+    for bn, bk, w, sk, ps in ((128, 256, 8, 1, 1), (128, 256, 8, 2, 1), (64, 256, 4, 2, 2))
+)
 
 
 def candidates(m: int, group_size: int, in_features: int) -> list[GemvConfig]:
@@ -548,7 +562,7 @@ def int4_gemv(
         return int_gemv_wide.wide_gemv(x, qweight, scales, zeros, group_size, bias,
                                        config.block_n, config.block_k, config.warps,
                                        config.stages, config.split_k, config.diag, config.pdl,
-                                       counters)
+                                       counters, config.persist)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     tiles_n = triton.cdiv(n, config.block_n)
     split = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))

@@ -46,6 +46,8 @@ bit the PTX's: tests/shard/test_triton_int_gemv_interpreter.py).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -281,6 +283,81 @@ def _diag_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, M, k_lo, k_hi, stri
     return acc
 
 
+@triton.jit
+def _unit_tile(j, pid, P, N, K_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               SPLIT_K: tl.constexpr, TILES: tl.constexpr):
+    """A persistent program's j-th tile: its unit u = pid + (j // TILES) * P (units are (row
+    block, K split) pairs, row block major), the unit's rows, row mask, row block, split, the
+    tile's index in the unit and its first feature."""
+    u = pid + (j // TILES) * P
+    rb = u // SPLIT_K
+    ks = u % SPLIT_K
+    t = j % TILES
+    rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, rows < N, rb, ks, t, ks * K_SPLIT + t * BLOCK_K
+
+
+@triton.jit
+def _persistent(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K_SPLIT,
+                stride_xm, stride_qn, stride_sn, stride_ym, GROUP: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                SPLIT_K: tl.constexpr, TILES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                X_KIND: tl.constexpr, DIAG: tl.constexpr, ASM: tl.constexpr,
+                EVEN: tl.constexpr, PDL: tl.constexpr):
+    """Persistent form: P programs (a few per SM) take the units pid, pid + P, ... and stream
+    their tiles back to back, the next tile's weights (possibly the next unit's) loaded before
+    this one's unpack, so a program's stream never drains between units and the kernel has one
+    ramp per program, not one per unit; each unit ends with int_tiles.finish (split-K as in the
+    gridded form)."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    total = (tl.cdiv(N, BLOCK_N) * SPLIT_K - pid + P - 1) // P * TILES  # this program's tiles
+    NG: tl.constexpr = BLOCK_K // GROUP
+    MR: tl.constexpr = ROWS // NG
+    rows, row_mask, rb, ks, t, k0 = _unit_tile(0, pid, P, N, K_SPLIT, BLOCK_N, BLOCK_K,
+                                               SPLIT_K, TILES)
+    if DIAG:
+        words, s, z = _diag_weights(q_ptr, s_ptr, z_ptr, rows, row_mask, M, k0, k0 + 1,
+                                    stride_qn, stride_sn, GROUP, BLOCK_K, ROWS, EVEN)
+        acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+    else:
+        words, s, z = _fma_loads(q_ptr, s_ptr, z_ptr, rows, row_mask, k0, k0 + 1, stride_qn,
+                                 stride_sn, GROUP, BLOCK_K, EVEN)
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    wait_for_predecessor(PDL)
+    for j in tl.range(0, total, num_stages=1):
+        rows, row_mask, rb, ks, t, k0 = _unit_tile(j, pid, P, N, K_SPLIT, BLOCK_N, BLOCK_K,
+                                                   SPLIT_K, TILES)
+        rows_n, mask_n, _, _, _, k0_n = _unit_tile(j + 1, pid, P, N, K_SPLIT, BLOCK_N,
+                                                           BLOCK_K, SPLIT_K, TILES)
+        live_hi = k0_n + (j + 1 < total).to(tl.int32)  # k0_n < live_hi: there is a next tile
+        if DIAG:
+            words_n, s_n, z_n = _diag_weights(q_ptr, s_ptr, z_ptr, rows_n, mask_n, M, k0_n,
+                                              live_hi, stride_qn, stride_sn, GROUP, BLOCK_K,
+                                              ROWS, EVEN)
+            xd, xs = _diag_x(x_ptr, M, k0, stride_xm, GROUP, BLOCK_K, ROWS)
+            acc = _diag_tile(words, s, z, xd, xs, acc, X_KIND, ASM)
+        else:
+            words_n, s_n, z_n = _fma_loads(q_ptr, s_ptr, z_ptr, rows_n, mask_n, k0_n, live_hi,
+                                           stride_qn, stride_sn, GROUP, BLOCK_K, EVEN)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, k0, BLOCK_K // 8)
+            acc = _fma_tile(words, s, z, acc, x0, x1, x2, x3, x4, x5, x6, x7)
+        if t == TILES - 1:  # the unit's last tile: its output (or split-K partial)
+            if DIAG:
+                out = tl.trans(tl.sum(tl.reshape(acc, [BLOCK_N, MR, NG]), axis=2))
+                offs_m = tl.arange(0, MR)
+                finish(out, offs_m, offs_m < M, rows, row_mask, rb, ks, b_ptr, y_ptr, part_ptr,
+                       count_ptr, M, N, stride_ym, MR, BLOCK_N, SPLIT_K, HAS_BIAS)
+                acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+            else:
+                out = tl.sum(acc, axis=1)[None, :]
+                offs_m = tl.arange(0, 1)
+                finish(out, offs_m, offs_m < M, rows, row_mask, rb, ks, b_ptr, y_ptr, part_ptr,
+                       count_ptr, M, N, stride_ym, 1, BLOCK_N, SPLIT_K, HAS_BIAS)
+                acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+        words, s, z = words_n, s_n, z_n
+
+
 @triton.jit(do_not_specialize=["M"])
 def _wide_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr,
@@ -301,8 +378,15 @@ def _wide_gemv_kernel(
     ASM: tl.constexpr,  # DIAG's unpack as inline PTX (False: the interpreter's form)
     EVEN: tl.constexpr,  # N % BLOCK_N == 0: no row masks on the weight loads
     PDL: tl.constexpr,
+    PERSIST: tl.constexpr = False,  # a few programs per SM loop over the units (_persistent)
+    TILES: tl.constexpr = 1,  # PERSIST: K tiles per split (K_SPLIT / BLOCK_K)
 ):
     let_dependents_launch(PDL)
+    if PERSIST:
+        _persistent(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K_SPLIT,
+                    stride_xm, stride_qn, stride_sn, stride_ym, GROUP, BLOCK_N, BLOCK_K, ROWS,
+                    SPLIT_K, TILES, HAS_BIAS, X_KIND, DIAG, ASM, EVEN, PDL)
+        return
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] weight rows / outputs
@@ -364,15 +448,20 @@ def wide_gemv(
     diag: bool,
     use_pdl: bool,
     counters: torch.Tensor | None,
+    persist: int = 0,
 ) -> torch.Tensor:
     """y [M, N] = x @ dequant(qweight).T (+ bias) with a wide / diag tile (int_gemv.int4_gemv
-    checks `supported` and normalizes x first)."""
+    checks `supported` and normalizes x first). persist > 0: the persistent form with
+    min(units, persist x SMs) programs."""
     m, k = x.shape
     n = qweight.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     tiles_n = triton.cdiv(n, block_n)
-    split = max(1, min(split_k, k // block_k))
-    k_split = triton.cdiv(k // block_k, split) * block_k
+    tiles_k = k // block_k
+    split = max(1, min(split_k, tiles_k))
+    if persist:  # every unit the same number of tiles: the largest split dividing them
+        split = max(d for d in range(1, split + 1) if tiles_k % d == 0)
+    k_split = triton.cdiv(tiles_k, split) * block_k
     split = triton.cdiv(k, k_split)
     if split > 1:
         if counters is None:
@@ -383,7 +472,9 @@ def wide_gemv(
     else:
         counters = part = scales  # valid pointers, never read
     launch = pdl.launch_options(x.device) if use_pdl else {"PDL": False}
-    _wide_gemv_kernel[(tiles_n, split)](
+    grid = (min(tiles_n * split, persist * _sm_count(x.device)), 1) if persist else (tiles_n,
+                                                                                     split)
+    _wide_gemv_kernel[grid](
         x, qweight, scales, zeros, bias if bias is not None else scales, y, part, counters,
         m, n, k, k_split, k, qweight.stride(0), scales.stride(0), n,
         GROUP=group_size,
@@ -397,8 +488,19 @@ def wide_gemv(
         DIAG=diag,
         ASM=diag and x.is_cuda,  # the interpreter (CPU tensors) runs no inline PTX
         EVEN=n % block_n == 0,
+        PERSIST=bool(persist),
+        TILES=k_split // block_k,
         num_warps=warps,
         num_stages=max(1, stages),
         **launch,
     )
     return y
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device; 2 under the interpreter (CPU tensors: a persistent grid smaller
+    than the units, so the tests see programs looping over several)."""
+    if device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -158,7 +158,7 @@ _CHECK = textwrap.dedent(
     # fp16, integer and fractional zero points, groups of 32 / 64 / 128 (2-4 per tile), an N
     # tail (masked loads) and none (EVEN), bias, split-K with its counters, stages 0 (one tile
     # at a time), 1 (register double buffer, the prefetch past a split reading nothing) and 2
-    # (cp.async), and diag at 1..16 rows (x' of 16 and 32 rows).
+    # (cp.async), diag at 1..16 rows (x' of 16 and 32 rows), and the persistent form.
     for dtype, n, k, group, frac, config, ms in (
             (torch.bfloat16, 24, 512, 128, False,
              GemvConfig(16, 256, 4, 1, split_k=2, wide=True, pdl=True), (1,)),
@@ -170,7 +170,16 @@ _CHECK = textwrap.dedent(
             (torch.float16, 32, 256, 32, True,
              GemvConfig(16, 128, 4, 2, use_dot=True, diag=True), (2, 5)),
             (torch.bfloat16, 32, 256, 64, False,
-             GemvConfig(32, 128, 4, 0, use_dot=True, diag=True), (16, 1))):
+             GemvConfig(32, 128, 4, 0, use_dot=True, diag=True), (16, 1)),
+            # persistent (2 programs per "SM", 2 under the interpreter: each loops over several
+            # units, the next unit's first tile prefetched; a split of 2 where 3 tiles a row
+            # take a split of 1)
+            (torch.bfloat16, 40, 512, 128, False,
+             GemvConfig(8, 256, 4, 1, split_k=2, wide=True, pdl=True, persist=2), (1,)),
+            (torch.float16, 32, 768, 64, True,
+             GemvConfig(8, 256, 4, 1, split_k=2, wide=True, persist=1), (1,)),
+            (torch.bfloat16, 40, 512, 64, False,
+             GemvConfig(16, 256, 4, 1, split_k=2, use_dot=True, diag=True, persist=2), (1, 3))):
         groups = k // group
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         scales = (torch.rand(n, groups) * 0.1 + 0.01).half()
