@@ -386,7 +386,20 @@ def _wide_gemv_kernel(
         _persistent(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K_SPLIT,
                     stride_xm, stride_qn, stride_sn, stride_ym, GROUP, BLOCK_N, BLOCK_K, ROWS,
                     SPLIT_K, TILES, HAS_BIAS, X_KIND, DIAG, ASM, EVEN, PDL)
-        return
+    else:
+        _gridded(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
+                 stride_xm, stride_qn, stride_sn, stride_ym, GROUP, BLOCK_N, BLOCK_K, ROWS,
+                 SPLIT_K, STAGES, HAS_BIAS, X_KIND, DIAG, ASM, EVEN, PDL)
+
+
+@triton.jit
+def _gridded(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
+             stride_xm, stride_qn, stride_sn, stride_ym, GROUP: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+             SPLIT_K: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr,
+             X_KIND: tl.constexpr, DIAG: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
+             PDL: tl.constexpr):
+    """One program per (row block, K split): program (pid_n, pid_k)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] weight rows / outputs

@@ -245,7 +245,7 @@ def test_lop3_gemv_register_prefetch_form(tmp_path) -> None:
 
 
 def _wide_compile(tmp_path, diag: bool, block_n: int, block_k: int, warps: int,
-                  stages: int = 1) -> tuple[float, str, list[str]]:
+                  stages: int = 1, persist: bool = False) -> tuple[float, str, list[str]]:
     """SASS instructions per weight in the K loop, the PTX and the loop's SASS, of a wide / diag tile of
     group-128 int4 weights at batch 1, launched as a programmatic dependent."""
     from triton.backends.compiler import GPUTarget
@@ -259,7 +259,7 @@ def _wide_compile(tmp_path, diag: bool, block_n: int, block_k: int, warps: int,
     consts = {"GROUP": 128, "BLOCK_N": block_n, "BLOCK_K": block_k,
               "ROWS": int_gemv_wide.diag_rows(1, block_k, 128) if diag else 1, "SPLIT_K": 1,
               "STAGES": stages, "HAS_BIAS": False, "X_KIND": 2, "DIAG": diag, "ASM": diag,
-              "EVEN": True, "PDL": True}
+              "EVEN": True, "PDL": True, "PERSIST": persist, "TILES": 4}
     sig = {**types, **dict.fromkeys(consts, "constexpr")}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
              if ty != "constexpr" and name not in ("M", "count_ptr")
@@ -272,17 +272,20 @@ def _wide_compile(tmp_path, diag: bool, block_n: int, block_k: int, warps: int,
     return len(body) * 32 * warps / (block_n * block_k), kernel.asm["ptx"], body
 
 
-@pytest.mark.parametrize(("diag", "block_n", "block_k", "warps"),
-                         [(False, 16, 1024, 4), (True, 128, 256, 8)])
+@pytest.mark.parametrize(("diag", "block_n", "block_k", "warps", "persist"),
+                         [(False, 16, 1024, 4, False), (True, 128, 256, 8, False),
+                          (False, 16, 1024, 4, True), (True, 128, 256, 8, True)])
 def test_multi_group_tiles_load_wide_rows_before_the_pdl_wait(tmp_path, diag: bool,
                                                               block_n: int, block_k: int,
-                                                              warps: int) -> None:
+                                                              warps: int, persist: bool) -> None:
     """The wide (CUDA cores) and diag (tensor cores) tiles read 512 B / 128 B of each row per K
     step in 16-byte vectors, issue the first tile's weight loads before waiting on the previous
     kernel (PDL: the ramp overlaps its tail), and stay within the issue budget per weight
     (~4.9 SASS instructions per int4 weight at an H100's HBM rate; measured when written, Triton
-    3.9 / 3.6: wide 16 x 1024 ~4.7 / 5.1, diag 128 x 256 ~3.9 / 3.7)."""
-    per_weight, ptx, body = _wide_compile(tmp_path, diag, block_n, block_k, warps)
+    3.9 / 3.6: wide 16 x 1024 ~4.7 / 5.1, diag 128 x 256 ~3.9 / 3.7). The persistent form's
+    loop also holds each unit's finish (run once per unit, of 4 tiles here): wide ~5.7 / 6.0."""
+    per_weight, ptx, body = _wide_compile(tmp_path, diag, block_n, block_k, warps,
+                                          persist=persist)
     vectors = [mo.start() for mo in re.finditer(r"ld\.global[.\w:]*\.v4\.b32", ptx)]
     # the weights (evict-first) in 16-byte loads in the K loop: Triton 3.6 read them as 4-byte
     # scalars when the word offsets' contiguity was not stated (~5.6 instead of ~3.6 per weight)
@@ -294,4 +297,5 @@ def test_multi_group_tiles_load_wide_rows_before_the_pdl_wait(tmp_path, diag: bo
     if diag:
         assert ptx.count("prmt.b32") >= 16 and ptx.count("lop3.b32") >= 16, "no PRMT/LOP3 unpack"
         assert "wgmma.mma_async" in ptx or "mma.sync" in ptx
-    assert per_weight <= (4.4 if diag else 5.5), f"{per_weight:.2f} SASS per weight"
+    bound = 4.4 if diag else 6.5 if persist else 5.5
+    assert per_weight <= bound, f"{per_weight:.2f} SASS per weight"
