@@ -399,13 +399,29 @@ def main() -> None:
               f"{best['name'] if best else None}", flush=True)
         save()
 
-    # Stacks.
+    try:
+        stacks(report, int4, bf16, bandwidth)
+    except Exception as exc:  # noqa: BLE001 - the sweep's results still get their summary
+        report["stack_error"] = "".join(traceback.format_exception(exc))[-2000:]
+        print(f"STACKS FAILED: {report['stack_error']}", flush=True)
+    report["seconds"] = time.perf_counter() - t_start
+    save()
+    md = markdown(report)
+    (args.out / "int4_b1_sweep.md").write_text(md)
+    print(md)
+    print(summary(report))
+
+
+def stacks(report: dict[str, Any], int4: dict[str, list], bf16: dict[str, list[torch.Tensor]],
+           bandwidth: float) -> None:
+    """The 32-layer stacks (qkv, o, gate_up, down per layer) int4 vs bf16 at STACK_MS, into
+    report["stack"] as they come."""
     narrow_tuning()
     from shard.kernels.gemv import gemv, tune_gemv
 
     tuning_s = {}
     bf16_cfg = {}
-    for shape, (n, k) in SHAPES.items():
+    for shape, (_, k) in SHAPES.items():
         t0 = time.perf_counter()
         x = torch.zeros(1, k, device="cuda", dtype=torch.bfloat16)
         for lin in int4[shape]:
@@ -418,7 +434,8 @@ def main() -> None:
     report["tuner_choice"] = {s: {"gemv1": short(t.gemv[1]), "gemv16": short(t.gemv[16]),
                                   "gemm64": str(t.gemm[64])} for s, t in tuned.items()}
     stack_bytes = LAYERS * sum(lins[0].weight_bytes for lins in int4.values())
-    stacks: dict[str, dict[str, Any]] = {}
+    by_m: dict[str, dict[str, Any]] = {}
+    report["stack"] = {"int4_bytes": stack_bytes, "by_m": by_m}
     for m in STACK_MS:
         xs = {"qkv": torch.randn(m, 4096, device="cuda").bfloat16(),
               "down": torch.randn(m, 14336, device="cuda").bfloat16()}
@@ -467,21 +484,12 @@ def main() -> None:
             row["sweep_best_speedup_vs_bf16"] = t_bf16 / t_best
             row["sweep_best_pct_copy"] = (100 * stack_bytes / (t_best / 1e6) / 1e9
                                           / bandwidth)
-        stacks[str(m)] = row
+        by_m[str(m)] = row
         print(f"stack M={m:3d}: int4 {t_int4 / 1e3:.3f} ms ({row['pct_copy']:.1f}% copy) bf16 "
               f"{t_bf16 / 1e3:.3f} ms x{row['speedup_vs_bf16']:.2f}"
               + (f"; sweep-best int4 {row['int4_sweep_best_us'] / 1e3:.3f} ms "
-                 f"({row['sweep_best_pct_copy']:.1f}% copy) x{row['sweep_best_speedup_vs_bf16']:.2f}"
-                 if m == 1 else ""), flush=True)
-        save()
-    report["stack"] = {"int4_bytes": stack_bytes, "by_m": stacks}
-    report["seconds"] = time.perf_counter() - t_start
-    save()
-    md = markdown(report)
-    (args.out / "int4_b1_sweep.md").write_text(md)
-    print(md)
-    print(summary(report))
-
+                 f"({row['sweep_best_pct_copy']:.1f}% copy) "
+                 f"x{row['sweep_best_speedup_vs_bf16']:.2f}" if m == 1 else ""), flush=True)
 
 def markdown(r: dict[str, Any]) -> str:
     lines = [f"## W4A16 batch-1 sweep, Llama-3-8B shapes, {r['device']}", "",
@@ -558,6 +566,8 @@ def summary(r: dict[str, Any]) -> str:
                      f"({row['sweep_best_pct_copy']:.1f}% copy, x"
                      f"{row['sweep_best_speedup_vs_bf16']:.2f})")
         out.append(line)
+    if r.get("stack_error"):
+        out.append("STACKS FAILED: " + r["stack_error"].strip().splitlines()[-1][:300])
     out.append("targets: M=1 >= 75% copy and >= 2.5x bf16; M=64 >= 1.0x bf16")
     return "\n".join(out)
 
