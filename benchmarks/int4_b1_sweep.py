@@ -94,7 +94,8 @@ def _read_probe(q_ptr, out_ptr, N, KW_SPLIT, stride_qn, BLOCK_N: tl.constexpr,
     acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.int32)
     for k in tl.range(k_lo, k_lo + KW_SPLIT, BLOCK_W, num_stages=1):
         offs = tl.max_contiguous(tl.multiple_of(k + tl.arange(0, BLOCK_W), 4), BLOCK_W)
-        acc ^= tl.load(w_rows[:, None] + offs[None, :], eviction_policy="evict_first")
+        acc ^= tl.load(w_rows[:, None] + offs[None, :], mask=(offs < k_lo + KW_SPLIT)[None, :],
+                       other=0, eviction_policy="evict_first")  # (a split's last step may be short)
     tl.store(out_ptr + tl.program_id(1) * N + rows, tl.xor_sum(acc, axis=1))
 
 
