@@ -438,8 +438,8 @@ _WIDE = tuple(
                               (32, 1024, 4, 2, 2), (16, 1024, 4, 2, 4))
 )
 # Tensor cores, 1..16 rows (x' rows = bucket x NG <= 32: BLOCK_K 256 serves every bucket, 512
-# up to 8 rows). sm_90 compiles (Triton 3.6) of 16-64K-weight tiles: 2.9-4.4 SASS per weight,
-# 170-255 registers (larger tiles spill: the unpacked tile and the double-buffered words are
+# up to 8 rows). sm_90 compiles (Triton 3.6) of 16-64K-weight tiles: 2.3-3.3 SASS per weight,
+# 130-255 registers (larger tiles spill: the unpacked tile and the double-buffered words are
 # register resident), 40-150 KB of shared memory (x' and the MMA's staged weight operand).
 _DIAG = tuple(
     GemvConfig(bn, bk, w, st, sk, use_dot=True, diag=True, pdl=True)

@@ -188,8 +188,8 @@ def _diag_weights(q_ptr, s_ptr, z_ptr, rows, row_mask, M, k0, k_hi, stride_qn, s
                   GROUP: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                   EVEN: tl.constexpr):
     """The "diag" tile's weights at k0: words [BLOCK_N, BLOCK_K / 8] int32 and s, z
-    [BLOCK_N, ROWS] fp32 (column r = m * NG + g: group g's scale, zero where m >= M); nothing is
-    read where k0 >= k_hi."""
+    [BLOCK_N, ROWS] fp32 (column r = m * NG + g: group g's scale and zero); nothing is read
+    where k0 >= k_hi."""
     NG: tl.constexpr = BLOCK_K // GROUP
     w_rows = (q_ptr + rows.to(tl.int64) * stride_qn).to(tl.pointer_type(tl.int32))
     offs_w = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), 4),
@@ -202,12 +202,17 @@ def _diag_weights(q_ptr, s_ptr, z_ptr, rows, row_mask, M, k0, k_hi, stride_qn, s
         words = tl.load(w_rows[:, None] + offs_w[None, :],
                         mask=row_mask[:, None] & live_w[None, :], other=0,
                         eviction_policy="evict_first")
-    r = tl.arange(0, ROWS)
-    live = ((r // NG) < M) & ((r * 0 + k0) < k_hi)  # [ROWS]
-    ptrs = rows.to(tl.int64)[:, None] * stride_sn + (k0 // GROUP + r % NG)[None, :]
+    # one contiguous NG x 2-byte run per row, repeated for the ROWS / NG rows of x' (columns of
+    # x rows >= M meet all-zero x' rows: their scale does not matter)
+    g = k0 // GROUP + tl.arange(0, NG)
+    live = (tl.zeros([NG], tl.int32) + k0) < k_hi
+    ptrs = rows.to(tl.int64)[:, None] * stride_sn + g[None, :]
     mask = row_mask[:, None] & live[None, :]
-    s = tl.load(s_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_N, NG]
     z = tl.load(z_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    BN: tl.constexpr = s.shape[0]
+    s = tl.reshape(tl.broadcast_to(s[:, None, :], [BN, ROWS // NG, NG]), [BN, ROWS])
+    z = tl.reshape(tl.broadcast_to(z[:, None, :], [BN, ROWS // NG, NG]), [BN, ROWS])
     return words, s, z
 
 

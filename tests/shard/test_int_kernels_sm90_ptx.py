@@ -282,7 +282,7 @@ def test_multi_group_tiles_load_wide_rows_before_the_pdl_wait(tmp_path, diag: bo
     step in 16-byte vectors, issue the first tile's weight loads before waiting on the previous
     kernel (PDL: the ramp overlaps its tail), and stay within the issue budget per weight
     (~4.9 SASS instructions per int4 weight at an H100's HBM rate; measured when written, Triton
-    3.9 / 3.6: wide 16 x 1024 ~4.7 / 5.1, diag 128 x 256 ~3.9 / 3.7). The persistent form's
+    3.9 / 3.6: wide 16 x 1024 ~4.7 / 5.1, diag 128 x 256 ~2.9 / 2.9). The persistent form's
     loop also holds each unit's finish (run once per unit, of 4 tiles here): wide ~5.7 / 6.0."""
     per_weight, ptx, body = _wide_compile(tmp_path, diag, block_n, block_k, warps,
                                           persist=persist)
@@ -297,5 +297,5 @@ def test_multi_group_tiles_load_wide_rows_before_the_pdl_wait(tmp_path, diag: bo
     if diag:
         assert ptx.count("prmt.b32") >= 16 and ptx.count("lop3.b32") >= 16, "no PRMT/LOP3 unpack"
         assert "wgmma.mma_async" in ptx or "mma.sync" in ptx
-    bound = 4.4 if diag else 6.5 if persist else 5.5
+    bound = 3.6 if diag else 6.5 if persist else 5.5
     assert per_weight <= bound, f"{per_weight:.2f} SASS per weight"
