@@ -147,7 +147,8 @@ def family(c: GemvConfig) -> str:
 
 def short(c: GemvConfig) -> str:
     return (f"{family(c)} {c.block_n}x{c.block_k} w{c.warps} st{c.stages} sk{c.split_k}"
-            f"{f' persist{c.persist}' if c.persist else ''}{' pdl' if c.pdl else ''}")
+            f"{f' persist{c.persist}' if c.persist else ''}"
+            f"{f' maxnreg{c.maxnreg}' if c.maxnreg else ''}{' pdl' if c.pdl else ''}")
 
 
 # ------------------------------------------------------------------------ parallel compile

@@ -332,6 +332,9 @@ class GemvConfig:
     # wide / diag tiles: > 0 runs the persistent form, this many programs per SM looping over
     # the (row block, K split) units with the next tile always in flight (int_gemv_wide.py)
     persist: int = 0
+    # wide / diag tiles: > 0 caps the registers per thread (ptxas .maxnreg) so that more programs
+    # fit an SM (more bytes in flight); only where the sm_90 compile showed no spills
+    maxnreg: int = 0
 
     def as_dict(self) -> dict[str, int | bool]:
         return asdict(self)
@@ -436,6 +439,11 @@ _WIDE = tuple(
     GemvConfig(bn, bk, w, 1, sk, wide=True, pdl=True, persist=ps)
     for bn, bk, w, sk, ps in ((16, 1024, 4, 1, 3), (16, 1024, 4, 4, 4), (8, 2048, 4, 1, 4),
                               (32, 1024, 4, 2, 2), (16, 1024, 4, 2, 4))
+) + tuple(
+    # registers capped at 96 (no spills under Triton 3.6): 5 programs of 128 threads per SM
+    # instead of 4
+    GemvConfig(bn, bk, 4, 0, sk, wide=True, pdl=True, maxnreg=96)
+    for bn, bk, sk in ((16, 1024, 1), (8, 2048, 1), (16, 1024, 4))
 )
 # Tensor cores, 1..16 rows (x' rows = bucket x NG <= 32: BLOCK_K 256 serves every bucket, 512
 # up to 8 rows). sm_90 compiles (Triton 3.6) of 16-64K-weight tiles: 2.3-3.3 SASS per weight,
@@ -454,6 +462,10 @@ _DIAG = tuple(
     # ~168 registers (one program per SM), 64 x 256 / 4 warps ~220 (two)
     GemvConfig(bn, bk, w, 1, sk, use_dot=True, diag=True, pdl=True, persist=ps)
     for bn, bk, w, sk, ps in ((128, 256, 8, 1, 1), (128, 256, 8, 2, 1), (64, 256, 4, 2, 2))
+) + tuple(
+    # 128 registers (130 uncapped; no spills under Triton 3.6): 2 programs of 256 threads per SM
+    GemvConfig(128, 256, 8, 0, sk, use_dot=True, diag=True, pdl=True, maxnreg=128)
+    for sk in (1, 4)
 )
 
 
@@ -562,7 +574,7 @@ def int4_gemv(
         return int_gemv_wide.wide_gemv(x, qweight, scales, zeros, group_size, bias,
                                        config.block_n, config.block_k, config.warps,
                                        config.stages, config.split_k, config.diag, config.pdl,
-                                       counters, config.persist)
+                                       counters, config.persist, config.maxnreg)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     tiles_n = triton.cdiv(n, config.block_n)
     split = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))

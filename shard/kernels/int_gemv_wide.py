@@ -467,10 +467,11 @@ def wide_gemv(
     use_pdl: bool,
     counters: torch.Tensor | None,
     persist: int = 0,
+    maxnreg: int = 0,
 ) -> torch.Tensor:
     """y [M, N] = x @ dequant(qweight).T (+ bias) with a wide / diag tile (int_gemv.int4_gemv
     checks `supported` and normalizes x first). persist > 0: the persistent form with
-    min(units, persist x SMs) programs."""
+    min(units, persist x SMs) programs; maxnreg > 0: registers per thread capped (CUDA)."""
     m, k = x.shape
     n = qweight.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -490,6 +491,8 @@ def wide_gemv(
     else:
         counters = part = scales  # valid pointers, never read
     launch = pdl.launch_options(x.device) if use_pdl else {"PDL": False}
+    if maxnreg and x.is_cuda:
+        launch["maxnreg"] = maxnreg
     grid = (min(tiles_n * split, persist * _sm_count(x.device)), 1) if persist else (tiles_n,
                                                                                      split)
     _wide_gemv_kernel[grid](
