@@ -12,8 +12,7 @@
 #       its server module and FA3, and writes the harness's checkpoint to /tmp/twb (~2-3 min)
 #   bash benchmarks/run_vllm_device.sh run [bench args...]   carry [".whl-tw"]: install if not
 #       done yet, then the harness: tokenwire served (overlap on), vLLM offline, vLLM served
-#       (~6-7 min on an H100 with the checkpoint written; VLLM_PARTS=e2e,vllm_served leaves the
-#       offline engine bound out, ~1.5 min less)
+#       (~6-7 min on an H100 with the checkpoint written)
 #
 # Outputs under $OUT: RESULTS.md (the side-by-side table), results.json, bench.log, the servers'
 # logs (e2e_server.log, vllm_server.log, vllm_offline.log), install.log, import_check.log. See
@@ -84,7 +83,7 @@ if [ $step = install ]; then  # the checkpoint too, so that `run` starts measuri
   timeout 300 python3 -c "from pathlib import Path; from shard.testing.checkpoint import write_checkpoint; print(write_checkpoint(Path('/tmp/twb/llama3-8b-shape-32l'), 32, 'llama'))"
   exit $?
 fi
-timeout ${VLLM_BENCH_TIMEOUT:-520} python3 -m benchmarks.harness --parts ${VLLM_PARTS:-e2e,vllm_offline,vllm_served} \
+timeout ${VLLM_BENCH_TIMEOUT:-520} python3 -m benchmarks.harness --parts e2e,vllm_offline,vllm_served \
   --e2e-overlap on --e2e-profile-from-step none --vllm-python $venv/bin/python --out $OUT \
   --workdir /tmp/twb "$@" 2>&1 \
   | grep -v "^\s*$" | grep -v "Loading weights" > $OUT/bench.log
