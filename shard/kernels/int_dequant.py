@@ -149,6 +149,27 @@ def group_params(s_ptr, z_ptr, rows, row_mask, k0, k_end, stride_sn, GROUP: tl.c
 
 
 @triton.jit
+def chunk_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP: tl.constexpr):
+    """Scales and zeros of the tile at feature k0 (inside one group), fp32 [BLOCK_N, 1], read as
+    the aligned run of 8 groups around it: a 16-byte vector per row (fp16) whose address depends
+    only on k0, which Triton's pipeliner turns into a cp.async in the K loop's stages like the
+    weight and x tiles (group_params' 2-byte loads stay synchronous), then the tile's group
+    picked in registers. Reads only columns below stride_sn (the row's length for the
+    contiguous [N, G] scales the GEMM passes); vectorized where stride_sn % 8 == 0 (Triton's
+    specialization on divisibility by 16 tells it), scalar loads otherwise."""
+    g = k0 // GROUP
+    cols = tl.max_contiguous(tl.multiple_of((g // 8) * 8 + tl.arange(0, 8), 8), 8)  # [8]
+    ptrs = rows.to(tl.int64)[:, None] * stride_sn + cols[None, :]
+    mask = row_mask[:, None] & (cols < stride_sn)[None, :]
+    pick = (tl.arange(0, 8) == g % 8)[None, :]  # [1, 8]: the tile's group in the run
+    s8 = tl.load(s_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_N, 8]
+    z8 = tl.load(z_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sum(tl.where(pick, s8, 0.0), axis=1)
+    z = tl.sum(tl.where(pick, z8, 0.0), axis=1)
+    return s[:, None], z[:, None]
+
+
+@triton.jit
 def dequant(q, s, z, NG: tl.constexpr):
     """(q - z) * s in fp32 for a half-tile q [BLOCK_N, C] (integers) whose C columns hold NG
     equal runs of one group each; s, z [BLOCK_N, NG]."""
@@ -217,6 +238,6 @@ def kernel_group(group: int, k: int) -> int:
     return min(k, group)
 
 
-__all__ = ["dequant", "group_params", "groups_per_tile", "kernel_group", "load_halves",
+__all__ = ["chunk_params", "dequant", "group_params", "groups_per_tile", "kernel_group", "load_halves",
            "load_joined", "load_words", "offset_ok", "offset_weights", "offset_zero", "scale_tile", "tile_fits",
            "triton", "words_tile", "x_kind"]
