@@ -316,8 +316,8 @@ _DQ_WORDS = tuple(
 _DQ_RUNS = tuple(
     GemmConfig(bm, bn, bk, w, st, path="dq", words=wd, scale_runs=True)
     for bm, bn, bk, w, st, wd in (
-        (32, 128, 128, 4, 3, True), (64, 128, 64, 4, 4, True), (64, 128, 128, 4, 3, True),
-        (64, 256, 64, 8, 3, True), (64, 128, 128, 4, 3, False), (128, 256, 64, 8, 3, True),
+        (32, 128, 128, 4, 3, True), (64, 128, 128, 4, 3, True), (64, 128, 128, 4, 3, False),
+        (64, 256, 128, 8, 3, True), (128, 128, 128, 8, 3, True),
     )
 )
 _OFFSET = tuple(
@@ -353,7 +353,7 @@ def candidates(m: int, group_size: int, in_features: int) -> list[GemmConfig]:
     fits = [c for c in _CONFIGS if tile_fits(c.block_k, group_size, in_features)
             and (not c.words or (in_features % 32 == 0
                                  and groups_per_tile(c.block_k, group_size, in_features) == 1))
-            and (not c.scale_runs or groups_per_tile(c.block_k, group_size, in_features) == 1)]
+            and (not c.scale_runs or _runs_ok(c, group_size, in_features))]
     if not fits:  # e.g. group 32 with K not a multiple of 64: the largest tile that lines up
         fits = [GemmConfig(bm, 64, block_k, 4, 3, path="dq") for bm in (32, 64, 128)]
     sized = [c for c in fits if c.block_m <= max(2 * m, 32)
@@ -365,6 +365,16 @@ def candidates(m: int, group_size: int, in_features: int) -> list[GemmConfig]:
             and tile_fits(bk, group_size, in_features)]
     return [*(sized or fits), *lop3,
             *(GemmConfig(0, bn, block_k, w, 1, path="cublas") for bn, w in _CUBLAS_TILES)]
+
+
+def _runs_ok(config: GemmConfig, group_size: int, k: int) -> bool:
+    """Whether a "dq" config reads its scales as runs (GemmConfig.scale_runs): tiles inside one
+    group, and not the words tile of 64 features, whose [BLOCK_N, 8] int32 words beside the
+    [BLOCK_N, 8] runs fail Triton's compile (3.6: an LLVM abort that ends the process, 3.9: a
+    pass error; found with benchmarks/int4_sm90_loads.py)."""
+    return (config.path == "dq" and config.scale_runs
+            and groups_per_tile(config.block_k, group_size, k) == 1
+            and not (config.words and config.block_k // 8 == 8))
 
 
 def _largest_tile(group_size: int, k: int) -> int | None:
@@ -454,8 +464,7 @@ def int_gemm(
         OFFSET=offset_ok(bits, x_kind(x.dtype)),
         DQ=config.path == "dq",
         WORDS=config.words,
-        RUNS=(config.path == "dq" and config.scale_runs
-              and groups_per_tile(config.block_k, group_size, k) == 1),
+        RUNS=_runs_ok(config, group_size, k),
         num_warps=config.warps,
         num_stages=config.stages,
     )

@@ -7,7 +7,11 @@ H100 (benchmarks/raw/round10/int4/): x's even / odd columns were read with strid
 narrow for cp.async, so every K step waited on synchronous global loads (38-80 ld.global in the
 compiled loop). The "dq" GEMM and the "join" / "words" GEMV load x's tile contiguously and the
 scales one step ahead; what is left as ld.global are those scale / zero loads (<= 8
-instructions).
+instructions; the dq GEMM's counted in the loop's SASS, see its test; none with scale_runs).
+
+Runs under whichever Triton is importable (CI: this checkout's); the GPU machine's 3.6 too:
+PYTHONPATH=/tmp/t36:$PWD:$PWD/gen/python .venv/bin/python -m pytest tests/shard/test_int_kernels_sm90_ptx.py
+(benchmarks/INT_KERNELS.md says how to install it there and what differs).
 
 Compiled with the specialization a real launch gets (16-byte aligned pointers, sizes and
 strides divisible by 16), with the ptxas Triton ships; skipped where Triton has no CUDA backend.
@@ -38,6 +42,12 @@ pytestmark = [needs(_backend_available(), "triton without its CUDA backend (ptxa
 
 def _compile(fn, types: dict[str, str], consts: dict[str, object], warps: int, stages: int) -> str:
     """PTX of fn for sm_90 with a launch's specialization: pointers, N, K and strides / 16."""
+    return _compile_kernel(fn, types, consts, warps, stages).asm["ptx"]
+
+
+def _compile_kernel(fn, types: dict[str, str], consts: dict[str, object], warps: int,
+                    stages: int):
+    """fn compiled for sm_90 (PTX, cubin) with a launch's specialization."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -48,27 +58,46 @@ def _compile(fn, types: dict[str, str], consts: dict[str, object], warps: int, s
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": warps, "num_stages": stages})
-    return kernel.asm["ptx"]
+    return kernel
 
 
 _PTRS = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16", "b_ptr": "*fp16",
          "y_ptr": "*bf16"}
 
 
-@pytest.mark.parametrize("words", [False, True])
-def test_dq_gemm_k_loop_is_pipelined(words: bool) -> None:
+def _loop_loads(body: list[str]) -> tuple[int, int]:
+    """(synchronous global loads, cp.async copies) among a K loop's SASS instructions."""
+    ops = [i.split()[1] if i.startswith("@") else i.split()[0] for i in body]
+    sync = sum(o.startswith("LDG") and not o.startswith(("LDGSTS", "LDGDEPBAR")) for o in ops)
+    return sync, sum(o.startswith("LDGSTS") for o in ops)
+
+
+@pytest.mark.parametrize(("words", "runs"), [(False, False), (True, False), (True, True)])
+def test_dq_gemm_k_loop_is_pipelined(tmp_path, words: bool, runs: bool) -> None:
+    """The "dq" GEMM (the 32..128-row buckets): the weight and x tiles cp.async-pipelined, the
+    accumulator in wgmma, and in the compiled K loop (SASS, after ptxas) only the scale / zero
+    loads one step ahead as synchronous loads, or none with scale_runs. Counted in SASS, not
+    PTX: Triton 3.6 (the GPU machine's) loads the [BLOCK_N, 1] scales in the tile's replicated
+    layout, 16-256 identical ld.global per thread in the PTX, which ptxas merges into the same
+    2 LDG as 3.9's (benchmarks/int4_sm90_loads.py, benchmarks/INT_KERNELS.md)."""
     from shard.kernels import int_gemm
 
     types = {**_PTRS, "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_qn": "i32",
              "stride_sn": "i32", "stride_ym": "i32"}
-    consts = {"GROUP": 128, "NG": 1, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
+    consts = {"GROUP": 128, "NG": 1, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,
               "STAGES": 3, "HAS_BIAS": False, "BITS": 4, "X_SPLIT": False, "W_FIRST": False,
-              "X_KIND": 2, "OFFSET": True, "DQ": True, "WORDS": words}
-    ptx = _compile(int_gemm._int_gemm_kernel, types, consts, warps=8, stages=3)
+              "X_KIND": 2, "OFFSET": True, "DQ": True, "WORDS": words, "RUNS": runs}
+    kernel = _compile_kernel(int_gemm._int_gemm_kernel, types, consts, warps=4, stages=3)
+    ptx = kernel.asm["ptx"]
     assert re.search(r"cp\.async\.c[ag]\.shared\.global", ptx), "x / weight tiles not cp.async"
     assert "wgmma.mma_async" in ptx  # Hopper's asynchronous MMA, accumulator kept in it
-    loads = len(re.findall(r"ld\.global", ptx))
-    assert loads <= 8, f"{loads} synchronous global loads (only scales / zeros expected)"
+    sync, copies = _loop_loads(_sass_k_loop(kernel.asm["cubin"], tmp_path))
+    # per thread: x's 64 x 128 bf16 = 8 16-byte copies, the weights' 128 x 64 B in 4-8 copies,
+    # the scale and zero runs 2 more
+    assert copies >= 12 + 2 * runs, f"{copies} cp.async copies in the K loop"
+    assert sync <= (0 if runs else 2), f"{sync} synchronous global loads in the K loop"
+    if runs:
+        assert "ld.global" not in ptx
 
 
 @pytest.mark.parametrize("form", ["join", "words"])
