@@ -31,7 +31,9 @@ _Hook = Callable[..., Any]
 @dataclass(frozen=True)
 class KernelCompile:
     kernel: str  # the @triton.jit function's qualified name
-    specialization: str  # Triton's repr: launch options and every argument's specialization
+    # One line: the constexpr values, the arguments' specialization attributes (divisibility by
+    # 16, alignment) and Triton's repr (launch options, argument types)
+    specialization: str
     seconds: float  # build (or load from the on-disk cache) time
     while_serving: bool  # after warm-up finished
 

@@ -1,6 +1,7 @@
 """No Triton compile in the middle of serving mixed steps (issue 44: on a fresh machine each one
 stalled its step for 0.5-1.7 s): after the warm-up's mixed steps (shard/runner/warmup.py's
-shapes: one 16-token chunk on a one-block table, then 1 or num_sms decode rows), mixed steps of
+shapes: one 16-token chunk on a one-block table, then each of the backend's
+mixed_warmup_decode_rows counts of decode rows), mixed steps of
 other shapes (more chunks, wider block tables, decode rows at every alignment) launch only
 kernel variants already built. shard.runtime.KernelCompileWatch counts the compiles.
 
