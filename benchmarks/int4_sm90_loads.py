@@ -29,9 +29,9 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shard.kernels import int_gemm, int_gemv  # noqa: E402
-from shard.kernels.int_gemm import GemmConfig  # noqa: E402
-from tests.shard.test_int_kernels_sm90_ptx import _sass_k_loop  # noqa: E402
+from shard.kernels import int_gemm, int_gemv
+from shard.kernels.int_gemm import GemmConfig
+from tests.shard.test_int_kernels_sm90_ptx import _sass_k_loop
 
 _PTRS = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16", "b_ptr": "*fp16",
          "y_ptr": "*bf16"}
