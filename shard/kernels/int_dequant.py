@@ -154,19 +154,32 @@ def chunk_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP: tl.constexp
     the aligned run of 8 groups around it: a 16-byte vector per row (fp16) whose address depends
     only on k0, which Triton's pipeliner turns into a cp.async in the K loop's stages like the
     weight and x tiles (group_params' 2-byte loads stay synchronous), then the tile's group
-    picked in registers. Reads only columns below stride_sn (the row's length for the
-    contiguous [N, G] scales the GEMM passes); vectorized where stride_sn % 8 == 0 (Triton's
-    specialization on divisibility by 16 tells it), scalar loads otherwise."""
+    picked in registers by in-thread splits (_pick8: a sum over the run instead compiled to a
+    layout change through shared memory, 4 more barriers a K step). Reads only columns below
+    stride_sn (the row's length for the contiguous [N, G] scales the GEMM passes); vectorized
+    where stride_sn % 8 == 0 (Triton's specialization on divisibility by 16 tells it), scalar
+    loads otherwise."""
     g = k0 // GROUP
     cols = tl.max_contiguous(tl.multiple_of((g // 8) * 8 + tl.arange(0, 8), 8), 8)  # [8]
     ptrs = rows.to(tl.int64)[:, None] * stride_sn + cols[None, :]
     mask = row_mask[:, None] & (cols < stride_sn)[None, :]
-    pick = (tl.arange(0, 8) == g % 8)[None, :]  # [1, 8]: the tile's group in the run
     s8 = tl.load(s_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_N, 8]
     z8 = tl.load(z_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.sum(tl.where(pick, s8, 0.0), axis=1)
-    z = tl.sum(tl.where(pick, z8, 0.0), axis=1)
+    s = _pick8(s8, g % 8)
+    z = _pick8(z8, g % 8)
     return s[:, None], z[:, None]
+
+
+@triton.jit
+def _pick8(v8, j):
+    """v8[:, j] for a [BLOCK_N, 8] run, by three in-thread splits (no reduction)."""
+    BN: tl.constexpr = v8.shape[0]
+    a, b = tl.split(tl.reshape(v8, [BN, 4, 2]))  # even / odd columns
+    v4 = tl.where((j & 1) != 0, b, a)  # [BN, 4]: columns j & 1 + 2i
+    a, b = tl.split(tl.reshape(v4, [BN, 2, 2]))
+    v2 = tl.where((j & 2) != 0, b, a)  # [BN, 2]
+    a, b = tl.split(v2)
+    return tl.where((j & 4) != 0, b, a)  # [BN]
 
 
 @triton.jit
