@@ -10,7 +10,7 @@ Triton that is importable (this checkout's, or the GPU machine's 3.6 through PYT
 Columns: `ptx ld.global` (every synchronous global load in the PTX, outside the loop too; one
 element of a replicated layout is one instruction here, which ptxas may merge), and in the SASS
 of the K loop (the largest loop, nvdisasm): `LDG` synchronous loads, `LDGSTS` cp.async copies
-(the pipelined tiles), `SASS / weight` the loop's instructions x threads / weights of a K step.
+(the pipelined tiles), `BAR` barriers, `SASS / weight` the loop's instructions x threads / weights of a K step.
 A pipelined loop has only LDGSTS for the weight and x tiles; the scales and zeros (2-byte values
 one per row) are LDGs, loaded one K step ahead into registers.
 """
@@ -82,6 +82,7 @@ def loads(kernel, block_n: int, block_k: int, warps: int, tmp: Path) -> dict[str
             "loop_ldg": sum(o.startswith("LDG") and not o.startswith(("LDGSTS", "LDGDEPBAR"))
                             for o in ops),
             "loop_ldgsts": sum(o.startswith("LDGSTS") for o in ops),
+            "loop_bar": sum(o.startswith("BAR") for o in ops),
             "per_weight": len(body) * 32 * warps / (block_n * block_k)}
 
 
@@ -105,7 +106,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     print(f"triton {triton.__version__}, sm_90, bf16 x, int4 group 128")
     print(f"{'candidate':48s} {'ptx ld.global':>13s} {'loop LDG':>8s} {'LDGSTS':>6s} "
-          f"{'SASS/weight':>11s}")
+          f"{'BAR':>3s} {'SASS/weight':>11s}")
     for name, c in seen.items():
         try:
             k = compile_lop3(c) if c.path == "lop3" else compile_gemm(c)
@@ -114,7 +115,7 @@ def main() -> None:
             print(f"{name:48s} failed: {type(e).__name__}: {str(e)[:80]}")
             continue
         print(f"{name:48s} {r['ptx_ld_global']:13d} {r['loop_ldg']:8d} {r['loop_ldgsts']:6d} "
-              f"{r['per_weight']:11.2f}", flush=True)
+              f"{r['loop_bar']:3d} {r['per_weight']:11.2f}", flush=True)
 
 
 if __name__ == "__main__":
