@@ -10,9 +10,10 @@ Triton that is importable (this checkout's, or the GPU machine's 3.6 through PYT
 Columns: `ptx ld.global` (every synchronous global load in the PTX, outside the loop too; one
 element of a replicated layout is one instruction here, which ptxas may merge), and in the SASS
 of the K loop (the largest loop, nvdisasm): `LDG` synchronous loads, `LDGSTS` cp.async copies
-(the pipelined tiles), `BAR` barriers, `SASS / weight` the loop's instructions x threads / weights of a K step.
-A pipelined loop has only LDGSTS for the weight and x tiles; the scales and zeros (2-byte values
-one per row) are LDGs, loaded one K step ahead into registers.
+(the pipelined tiles), `BAR` barriers, `SASS / weight` the loop's instructions x threads /
+weights of a K step. A pipelined loop has only LDGSTS for the weight and x tiles; the scales and
+zeros (2-byte values, one per row) are LDGs loaded one K step ahead into registers, or LDGSTS
+too with GemmConfig.scale_runs.
 """
 
 from __future__ import annotations
