@@ -193,6 +193,28 @@ def splitk_graph_check(report: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------- speed
 
 
+def runs_vs_plain(candidate_us: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
+    """Per shape and GEMM bucket: each scale_runs "dq" candidate (scales / zeros in the cp.async
+    stages, branch int4dq) against the same tile loading them one K step ahead (where that tile
+    is a candidate too), and the fastest runs candidate against the fastest other."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, times in candidate_us.items():
+        runs = {c: us for c, us in times.items() if "scale_runs=True" in c}
+        rest = {c: us for c, us in times.items() if "scale_runs=True" not in c}
+        if not runs or not rest:
+            continue
+        best_r = min(runs, key=runs.__getitem__)
+        best_o = min(rest, key=rest.__getitem__)
+        pairs = {c: times[c.replace("scale_runs=True", "scale_runs=False")] / us
+                 for c, us in runs.items()
+                 if c.replace("scale_runs=True", "scale_runs=False") in times}
+        out[key] = {"runs_us": runs[best_r], "runs_config": best_r, "other_us": rest[best_o],
+                    "other_config": best_o, "speedup": rest[best_o] / runs[best_r],
+                    "same_tile_speedups": pairs,
+                    "runs_inf": sum(us == float("inf") for us in runs.values())}
+    return out
+
+
 def lop3_vs_rest(candidate_us: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
     """Per shape and GEMV / GEMM bucket: the fastest lop3 candidate (PRMT / LOP3 inline-PTX
     unpack; GEMV buckets 1..16, GEMM path "lop3" at 32 / 64) against the fastest of the others,
@@ -280,6 +302,13 @@ def main() -> None:
         print(f"lop3 {key}: best lop3 {row['lop3_us']:.1f} us ({row['lop3_config']}) vs best "
               f"other {row['other_us']:.1f} us ({row['other_config']}) -> x{row['speedup']:.2f}; "
               f"lop3 candidates rejected as wrong or failed: {row['lop3_inf']}", flush=True)
+    report["runs_vs_plain"] = runs_vs_plain(report["candidate_us"])
+    for key, row in report["runs_vs_plain"].items():
+        same = ", ".join(f"x{v:.2f}" for v in row["same_tile_speedups"].values())
+        print(f"runs {key}: best scale_runs {row['runs_us']:.1f} us vs best other "
+              f"{row['other_us']:.1f} us ({row['other_config']}) -> x{row['speedup']:.2f}; "
+              f"same tile without runs / with: {same}; rejected or failed: {row['runs_inf']}",
+              flush=True)
     report["int4_configs"] = {
         s: {"gemv": {b: c.as_dict() for b, c in lins[0]._tuned[torch.bfloat16].gemv.items()},
             "gemm": {b: c.as_dict() for b, c in lins[0]._tuned[torch.bfloat16].gemm.items()}}
@@ -386,8 +415,8 @@ def main() -> None:
 
 
 def _gemv_form(c: dict[str, Any]) -> str:
-    return ("l" if c.get("lop3") else "w" if c.get("words") else "j" if c.get("join")
-            else "h")
+    return ("W" if c.get("wide") else "D" if c.get("diag") else "l" if c.get("lop3")
+            else "w" if c.get("words") else "j" if c.get("join") else "h")
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -413,7 +442,8 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"| {m} | {s['int4_us'] / 1e3:.3f} | {s['bf16_best_us'] / 1e3:.3f} | "
                      f"{s['speedup_vs_bf16']:.2f} | {s['int4_GBps']:.0f} | {s['pct_copy']:.1f} | "
                      f"{pct_spec} |")
-    lines += ["", ("Chosen kernels (GEMV bucket: l(op3) / w(ords) / j(oin) / h(alves), d(ot) / f(ma), "
+    lines += ["", ("Chosen kernels (GEMV bucket: W(ide) / D(iag) multi-group tiles, l(op3) / "
+                   "w(ords) / j(oin) / h(alves), d(ot) / f(ma), "
                    "BNxBK / split-K; GEMM bucket: path BMxBNxBK, wf = weight first):")]
     for shape, cfg in r.get("int4_configs", {}).items():
         gemv_s = ", ".join(f"{b}: {_gemv_form(c)}"

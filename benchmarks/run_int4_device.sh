@@ -9,7 +9,9 @@
 #      M = 1, 16, 64, 256 (CUDA graphs) and 2048 (prefill), per linear and per 32-layer stack;
 #      `lop3 <shape>/<gemv|gemm>/<bucket>` lines: the fastest lop3 candidate (PRMT / LOP3 inline-PTX
 #      unpack, branch int4v) vs the fastest other, and how many lop3 candidates failed the
-#      tuner's output check ("wrong result" warnings; none expected).
+#      tuner's output check ("wrong result" warnings; none expected); `runs <shape>/gemm/<bucket>`
+#      lines: the scale_runs dq tiles (scales in the cp.async stages, branch int4dq) vs the same
+#      tiles loading them one K step ahead ("same tile" ratios > 1: runs faster).
 # Outputs under $OUT: int4_gpu_tests.log, int4_kernels.{json,md,log}.
 #   run(command="bash benchmarks/run_int4_device.sh", carry=[".whl-tw"])
 set -u
@@ -20,5 +22,5 @@ timeout 250 python3 -m pytest -q -m gpu tests/gpu/test_int_kernels_cuda.py -p no
 echo "gpu tests rc=$?"; tail -15 "$OUT/int4_gpu_tests.log"
 timeout 300 python3 benchmarks/int4_kernels.py --out "$OUT" > "$OUT/int4_kernels.log" 2>&1
 echo "bench rc=$?"
-grep -E "check|CHECK|split-K|tuning|stack|lm_head|Targets|candidate .* failed|wrong result|^lop3" "$OUT/int4_kernels.log" | tail -60
+grep -E "check|CHECK|split-K|tuning|stack|lm_head|Targets|candidate .* failed|wrong result|^lop3|^runs" "$OUT/int4_kernels.log" | tail -80
 tail -40 "$OUT/int4_kernels.log"

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from shard.kernels.int_dequant import (
+    chunk_params,
     dequant,
     group_params,
     groups_per_tile,
@@ -91,6 +92,7 @@ def _int_gemm_kernel(
     OFFSET: tl.constexpr,  # int_dequant.offset_ok: weights made exact in x's dtype by bit ops
     DQ: tl.constexpr,  # GemmConfig.path "dq": weight tile dequantized to x's dtype, one MMA chain
     WORDS: tl.constexpr,  # GemmConfig.words ("dq", int4, NG 1): the tile built from int32 words
+    RUNS: tl.constexpr = False,  # GemmConfig.scale_runs ("dq", NG 1): int_dequant.chunk_params
 ):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -112,9 +114,14 @@ def _int_gemm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     s, z = group_params(s_ptr, z_ptr, rows, row_mask, 0, K, stride_sn, GROUP, NG)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        # the next tile's scales now (int_dequant.group_params: not pipelined otherwise)
-        s_next, z_next = group_params(s_ptr, z_ptr, rows, row_mask, k0 + BLOCK_K,
-                                      K, stride_sn, GROUP, NG)
+        if RUNS:
+            # this tile's scales from 16-byte runs of 8 groups, cp.async-pipelined with the tiles
+            s, z = chunk_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP)
+            s_next, z_next = s, z
+        else:
+            # the next tile's scales now (int_dequant.group_params: not pipelined otherwise)
+            s_next, z_next = group_params(s_ptr, z_ptr, rows, row_mask, k0 + BLOCK_K,
+                                          K, stride_sn, GROUP, NG)
         if DQ:
             # The standard W4A16 structure: the [BLOCK_N, BLOCK_K] weight tile in feature order,
             # dequantized in registers to x's dtype (exactly PackedInt.dequantize(x.dtype)'s
@@ -268,6 +275,11 @@ class GemmConfig:
     # block_m rows, one program over all rows of the bucket (each weight unpacked once, PRMT /
     # LOP3), split into split_k K ranges (the N = 4096 shapes have too few row blocks otherwise)
     split_k: int = 1
+    # "dq", tiles inside one group: the scales and zeros read as 16-byte runs of 8 groups per row
+    # in the K loop's cp.async stages (int_dequant.chunk_params: no synchronous load left in the
+    # loop) instead of 2-byte loads one K step ahead (~0.7-1 more SASS instruction per weight
+    # for the run's layout change: measured against the others)
+    scale_runs: bool = False
 
     def as_dict(self) -> dict[str, int | bool | str]:
         return asdict(self)
@@ -300,6 +312,14 @@ _DQ_WORDS = tuple(
         (256, 128, 64, 8, 3, False), (32, 128, 128, 4, 3, True), (64, 128, 64, 4, 4, True),
     )
 )
+# 32..128-row tiles with their scales and zeros in the cp.async stages (GemmConfig.scale_runs)
+_DQ_RUNS = tuple(
+    GemmConfig(bm, bn, bk, w, st, path="dq", words=wd, scale_runs=True)
+    for bm, bn, bk, w, st, wd in (
+        (32, 128, 128, 4, 3, True), (64, 128, 128, 4, 3, True), (64, 128, 128, 4, 3, False),
+        (64, 256, 128, 8, 3, True), (128, 128, 128, 8, 3, True),
+    )
+)
 _OFFSET = tuple(
     GemmConfig(bm, bn, bk, w, st, x_split=xs, w_first=wf)
     for bm, bn, bk, w, st, xs, wf in (
@@ -314,7 +334,7 @@ _CUBLAS_TILES = ((32, 4), (64, 8))  # (block_n, warps)
 # The "offset" path reads x with stride-2 loads that cannot be pipelined
 # (tests/shard/test_int_kernels_sm90_ptx.py): timed only up to this bucket, where it was chosen.
 _OFFSET_MAX_M = 128
-_CONFIGS = (*_DQ, *_DQ_WORDS, *_OFFSET)
+_CONFIGS = (*_DQ, *_DQ_WORDS, *_DQ_RUNS, *_OFFSET)
 # path "lop3": (block_n, block_k, warps, stages, split_k), block_m = the bucket (32 or 64)
 # (sm_90 SASS per weight in the K loop at 64 rows: 256 x 128 / 8 warps ~4.4, 128 x 128 / 4 ~5.5)
 _LOP3_TILES = ((256, 128, 8, 3, 1), (256, 128, 8, 3, 2), (256, 128, 8, 3, 4), (128, 128, 4, 3, 1),
@@ -332,7 +352,8 @@ def candidates(m: int, group_size: int, in_features: int) -> list[GemmConfig]:
         return []
     fits = [c for c in _CONFIGS if tile_fits(c.block_k, group_size, in_features)
             and (not c.words or (in_features % 32 == 0
-                                 and groups_per_tile(c.block_k, group_size, in_features) == 1))]
+                                 and groups_per_tile(c.block_k, group_size, in_features) == 1))
+            and (not c.scale_runs or _runs_ok(c, group_size, in_features))]
     if not fits:  # e.g. group 32 with K not a multiple of 64: the largest tile that lines up
         fits = [GemmConfig(bm, 64, block_k, 4, 3, path="dq") for bm in (32, 64, 128)]
     sized = [c for c in fits if c.block_m <= max(2 * m, 32)
@@ -344,6 +365,16 @@ def candidates(m: int, group_size: int, in_features: int) -> list[GemmConfig]:
             and tile_fits(bk, group_size, in_features)]
     return [*(sized or fits), *lop3,
             *(GemmConfig(0, bn, block_k, w, 1, path="cublas") for bn, w in _CUBLAS_TILES)]
+
+
+def _runs_ok(config: GemmConfig, group_size: int, k: int) -> bool:
+    """Whether a "dq" config reads its scales as runs (GemmConfig.scale_runs): tiles inside one
+    group, and not the words tile of 64 features, whose [BLOCK_N, 8] int32 words beside the
+    [BLOCK_N, 8] runs fail Triton's compile (3.6: an LLVM abort that ends the process, 3.9: a
+    pass error; found with benchmarks/int4_sm90_loads.py)."""
+    return (config.path == "dq" and config.scale_runs
+            and groups_per_tile(config.block_k, group_size, k) == 1
+            and not (config.words and config.block_k // 8 == 8))
 
 
 def _largest_tile(group_size: int, k: int) -> int | None:
@@ -433,6 +464,7 @@ def int_gemm(
         OFFSET=offset_ok(bits, x_kind(x.dtype)),
         DQ=config.path == "dq",
         WORDS=config.words,
+        RUNS=_runs_ok(config, group_size, k),
         num_warps=config.warps,
         num_stages=config.stages,
     )

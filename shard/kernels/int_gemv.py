@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shard.kernels import int_gemv_wide
 from shard.kernels.gemv_buckets import GEMV_MAX_M
 from shard.kernels.int_dequant import (
     dequant,
@@ -62,6 +63,7 @@ from shard.kernels.int_dequant import (
     tile_fits,
     x_kind,
 )
+from shard.kernels.int_tiles import finish, lop3_tile
 
 __all__ = ["GEMV_MAX_M", "GemvConfig", "candidates", "int4_gemv", "pick_block_k"]
 
@@ -160,69 +162,6 @@ def _words_row_product(x_ptr, q_ptr, s, z, rows, row_mask, k0, K, stride_qn,
     return ((part - xsum * (z1 + 128.0)) * s1)[None, :]
 
 
-# The lop3 unpack (GemvConfig.lop3): an int32 element e whose bytes j = 0..3 hold a weight in their
-# low nibble becomes four 16-bit values OFF + nibble, two elements per 32-bit register: one PRMT
-# (byte j of both elements into the two halves) and one LOP3 ((t & 0x000F000F) | OFF's bits:
-# OFF + q exactly, OFF = 128 in bf16 / 1024 in fp16, whose ulp is 1) per two weights, and each
-# output register is already the packed pair (element e, element e + 1) the MMA operand wants.
-# Selectors: d.b0 = element a's byte j, d.b2 = element b's byte j (bytes 1 and 3 masked off).
-def _unpack_asm(magic: int) -> str:
-    lines = ["{", ".reg .b32 t;"]
-    for j in range(4):
-        lines += [f"prmt.b32 t, $4, $5, 0x7{4 + j}7{j};",
-                  f"lop3.b32 ${j}, t, 0x000F000F, {magic:#010x}, 0xEA;"]  # 0xEA: (a & b) | c
-    return "\n".join([*lines, "}"])
-
-
-_ASM_FP16: tl.constexpr = tl.constexpr(_unpack_asm(0x64006400))
-_ASM_BF16: tl.constexpr = tl.constexpr(_unpack_asm(0x43004300))
-
-
-@triton.jit
-def _offset_bytes(e, X_KIND: tl.constexpr, ASM: tl.constexpr):
-    """OFF + (byte j of e & 0xF) for j = 0..3, each in x's dtype, e's shape (int32 elements).
-    ASM: the PRMT + LOP3 inline PTX (CUDA only); else the same bits with Triton operations (the
-    interpreter runs no inline assembly), element for element equal."""
-    if ASM:
-        if X_KIND == 1:
-            o0, o1, o2, o3 = tl.inline_asm_elementwise(
-                _ASM_FP16, "=r,=r,=r,=r,r,r", [e], dtype=(tl.float16,) * 4, is_pure=True,
-                pack=2)
-        else:
-            o0, o1, o2, o3 = tl.inline_asm_elementwise(
-                _ASM_BF16, "=r,=r,=r,=r,r,r", [e], dtype=(tl.bfloat16,) * 4, is_pure=True,
-                pack=2)
-    else:
-        if X_KIND == 1:
-            o0 = ((e & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            o1 = (((e >> 8) & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            o2 = (((e >> 16) & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            o3 = (((e >> 24) & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        else:
-            o0 = ((e & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            o1 = (((e >> 8) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            o2 = (((e >> 16) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            o3 = (((e >> 24) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return o0, o1, o2, o3
-
-
-@triton.jit
-def _lop3_tile(words, X_KIND: tl.constexpr, ASM: tl.constexpr):
-    """[BLOCK_N, BLOCK_K] OFF + q in feature order and x's dtype from load_words' int32 words
-    [BLOCK_N, BLOCK_K / 8] (nibble i of word c = feature 8c + i). Element 2c + h of `e` is word c
-    shifted right by 4h, so its byte j's low nibble is feature 8c + 2j + h; _offset_bytes' output
-    j then holds features (8c + 2j, 8c + 2j + 1) side by side (adjacent K, one register), and the
-    joins / permute below only rename registers: [BLOCK_N, c, h, a, b] with j = 2a + b ->
-    [BLOCK_N, c, a, b, h] = feature 8c + 4a + 2b + h."""
-    BN: tl.constexpr = words.shape[0]
-    C: tl.constexpr = words.shape[1]
-    e = tl.reshape(tl.join(words, words >> 4), [BN, 2 * C])
-    o0, o1, o2, o3 = _offset_bytes(e, X_KIND, ASM)
-    t = tl.join(tl.join(tl.reshape(o0, [BN, C, 2]), tl.reshape(o2, [BN, C, 2])),
-                tl.join(tl.reshape(o1, [BN, C, 2]), tl.reshape(o3, [BN, C, 2])))
-    return tl.reshape(tl.permute(t, (0, 1, 3, 4, 2)), [BN, 8 * C])
-
-
 @triton.jit
 def _lop3_loads(x_ptr, q_ptr, rows, row_mask, offs_m, m_mask, k0, k_hi, K, stride_xm,
                 stride_qn, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PAST: tl.constexpr):
@@ -284,7 +223,7 @@ def _lop3_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, offs_m, m_mask, k_l
         else:
             words, xt = _lop3_loads(x_ptr, q_ptr, rows, row_mask, offs_m, m_mask, k0, k_hi, K,
                                     stride_xm, stride_qn, BLOCK_K, EVEN, False)
-        v = _lop3_tile(words, X_KIND, ASM)  # [BLOCK_N, BLOCK_K]
+        v = lop3_tile(words, X_KIND, ASM)  # [BLOCK_N, BLOCK_K]
         part = tl.dot(v, tl.trans(xt))  # [BLOCK_N, ROWS]
         xsum = tl.sum(xt.to(tl.float32), axis=1)  # [ROWS]
         s1 = tl.reshape(s, [BLOCK_N])
@@ -359,28 +298,8 @@ def _int_gemv_kernel(
                 acc += _tile_product(xa, qa, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
                 acc += _tile_product(xb, qb, s, z, USE_DOT, INT_ZEROS, NG, BITS, X_KIND, OFFSET)
             s, z = s_next, z_next
-    out_mask = m_mask[:, None] & row_mask[None, :]
-    if SPLIT_K > 1:
-        # Partials first, then the counter: the barrier makes every thread's stores precede the
-        # (acq_rel, GPU-scope) increment, so the last program sees all partials (read past L1).
-        part = part_ptr + offs_m[:, None] * N + rows[None, :]
-        tl.store(part + pid_k * M * N, acc, mask=out_mask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-            for i in range(SPLIT_K):
-                acc += tl.load(part + i * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + offs_m[:, None] * stride_ym + rows[None, :],
-                     acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next launch / graph replay
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + rows[None, :],
-                 acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    finish(acc, offs_m, m_mask, rows, row_mask, pid_n, pid_k, b_ptr, y_ptr, part_ptr, count_ptr,
+           M, N, stride_ym, ROWS, BLOCK_N, SPLIT_K, HAS_BIAS)
 
 
 @dataclass(frozen=True)
@@ -390,7 +309,7 @@ class GemvConfig:
     block_n: int
     block_k: int  # input features per tile (int4: BLOCK_K / 2 bytes per row)
     warps: int
-    stages: int
+    stages: int  # wide / diag tiles: 0 = one tile at a time in registers, 1 = double buffer
     split_k: int = 1
     use_dot: bool = False  # tensor cores (x padded to 16 rows); always for M > 1
     # int4: the tile's nibbles re-interleaved in registers (tl.join) and x loaded as one
@@ -402,6 +321,20 @@ class GemvConfig:
     # int4, tiles inside one group, K a multiple of 32, 1..16 rows: words unpacked by PRMT + LOP3
     # (inline PTX on CUDA), the weight tile as the MMA's first operand (_lop3_k_loop)
     lop3: bool = False
+    # int4 tiles of several whole groups (shard/kernels/int_gemv_wide.py): BLOCK_K 256..2048
+    # features, i.e. 128 B - 1 KB of each row per K step. wide: batch 1 on CUDA cores; diag:
+    # 1..16 rows on the tensor cores (lop3 unpack, x as a group-diagonal MMA operand).
+    wide: bool = False
+    diag: bool = False
+    # programmatic dependent launch (wide / diag tiles): the first weight tile loads during the
+    # previous kernel's tail
+    pdl: bool = False
+    # wide / diag tiles: > 0 runs the persistent form, this many programs per SM looping over
+    # the (row block, K split) units with the next tile always in flight (int_gemv_wide.py)
+    persist: int = 0
+    # wide / diag tiles: > 0 caps the registers per thread (ptxas .maxnreg) so that more programs
+    # fit an SM (more bytes in flight); only where the sm_90 compile showed no spills
+    maxnreg: int = 0
 
     def as_dict(self) -> dict[str, int | bool]:
         return asdict(self)
@@ -481,6 +414,61 @@ _LOP3 = tuple(
 )
 
 
+# Several K tiles' bytes per row in flight (int_gemv_wide.py; benchmarks/INT_KERNELS.md, "W4A16
+# batch 1: more bytes per row in flight", has the arithmetic). Llama-3-8B at batch 1: N = 4096
+# (o, down) / 6144 (qkv) / 28672 (gate/up), 132 SMs. A program's tile is BLOCK_N x BLOCK_K / 2
+# bytes (+ NG x 4 bytes of scales and zeros per row); STAGES 1 keeps two tiles in flight per
+# program (register double buffer). The bf16 GEMV's winner (2 rows x 1024 of bf16: 4 KB a tile,
+# ~16 programs per SM) is 4 rows x 2048 features here; 8-16 rows x 1024 give 4-8 KB tiles with
+# the x planes shared by more rows per thread; split-K 2-4 gives o / qkv >= ~4 programs per SM
+# with 16 KB tiles. (block_n, block_k, warps, stages, split_k)
+_WIDE = tuple(
+    GemvConfig(bn, bk, w, st, sk, wide=True, pdl=True)
+    for bn, bk, w, st, sk in (
+        (4, 2048, 4, 1, 1), (8, 1024, 4, 1, 1), (16, 1024, 4, 1, 1), (8, 2048, 4, 1, 1),
+        (16, 512, 4, 1, 1), (32, 512, 4, 1, 1), (32, 1024, 8, 1, 1), (16, 1024, 4, 1, 2),
+        (16, 1024, 4, 1, 4), (32, 1024, 4, 1, 4), (8, 2048, 4, 1, 2), (64, 512, 8, 1, 4),
+        (16, 1024, 4, 3, 1), (32, 512, 4, 4, 2),
+        # stages 0: one tile at a time, no register prefetch (int_gemv_wide.py)
+        (16, 1024, 4, 0, 1), (32, 512, 4, 0, 1), (8, 2048, 4, 0, 1), (16, 2048, 4, 0, 1),
+        (32, 1024, 4, 0, 4), (16, 2048, 4, 0, 2), (32, 1024, 8, 0, 4),
+    )
+) + (GemvConfig(16, 1024, 4, 1, 1, wide=True), GemvConfig(16, 1024, 4, 1, 4, wide=True)) + tuple(
+    # persistent: (block_n, block_k, warps, split_k, programs per SM); ~128 registers (3.6):
+    # 4 programs of 128 threads fit an SM, ~212 for 32 rows: 2
+    GemvConfig(bn, bk, w, 1, sk, wide=True, pdl=True, persist=ps)
+    for bn, bk, w, sk, ps in ((16, 1024, 4, 1, 3), (16, 1024, 4, 4, 4), (8, 2048, 4, 1, 4),
+                              (32, 1024, 4, 2, 2), (16, 1024, 4, 2, 4))
+) + tuple(
+    # registers capped at 96 (no spills under Triton 3.6): 5 programs of 128 threads per SM
+    # instead of 4
+    GemvConfig(bn, bk, 4, 0, sk, wide=True, pdl=True, maxnreg=96)
+    for bn, bk, sk in ((16, 1024, 1), (8, 2048, 1), (16, 1024, 4))
+)
+# Tensor cores, 1..16 rows (x' rows = bucket x NG <= 32: BLOCK_K 256 serves every bucket, 512
+# up to 8 rows). sm_90 compiles (Triton 3.6) of 16-64K-weight tiles: 2.3-3.3 SASS per weight,
+# 130-255 registers (larger tiles spill: the unpacked tile and the double-buffered words are
+# register resident), 40-150 KB of shared memory (x' and the MMA's staged weight operand).
+_DIAG = tuple(
+    GemvConfig(bn, bk, w, st, sk, use_dot=True, diag=True, pdl=True)
+    for bn, bk, w, st, sk in (
+        (64, 256, 4, 1, 1), (128, 256, 8, 1, 1), (64, 512, 8, 1, 1), (64, 256, 4, 1, 4),
+        (128, 256, 8, 1, 4), (64, 512, 8, 1, 4), (64, 256, 4, 3, 2), (64, 512, 8, 1, 8),
+        (128, 256, 8, 0, 1), (64, 256, 4, 0, 1), (128, 256, 8, 0, 4), (128, 512, 8, 0, 1),
+        (128, 256, 4, 0, 1),
+    )
+) + (GemvConfig(64, 512, 8, 1, 1, use_dot=True, diag=True),) + tuple(
+    # persistent (block_n, block_k, warps, split_k, programs per SM): 128 x 256 / 8 warps has
+    # ~168 registers (one program per SM), 64 x 256 / 4 warps ~220 (two)
+    GemvConfig(bn, bk, w, 1, sk, use_dot=True, diag=True, pdl=True, persist=ps)
+    for bn, bk, w, sk, ps in ((128, 256, 8, 1, 1), (128, 256, 8, 2, 1), (64, 256, 4, 2, 2))
+) + tuple(
+    # 128 registers (130 uncapped; no spills under Triton 3.6): 2 programs of 256 threads per SM
+    GemvConfig(128, 256, 8, 0, sk, use_dot=True, diag=True, pdl=True, maxnreg=128)
+    for sk in (1, 4)
+)
+
+
 def candidates(m: int, group_size: int, in_features: int) -> list[GemvConfig]:
     """The tuning candidates for a batch of m rows whose K tiles line up with the groups."""
     # batch 1 also tries the tensor cores (x padded to 16 rows): fewer instructions per weight
@@ -491,6 +479,9 @@ def candidates(m: int, group_size: int, in_features: int) -> list[GemvConfig]:
                   if groups_per_tile(c.block_k, group_size, in_features) == 1), *pool]
     if in_features % 32 == 0:  # after the others: a bucket's first candidate stays as it was
         pool += [c for c in _LOP3 if groups_per_tile(c.block_k, group_size, in_features) == 1]
+    if in_features % 32 == 0:  # the multi-group tiles
+        pool += [c for c in (*_WIDE, *_DIAG)
+                 if int_gemv_wide.supported(c.block_k, group_size, in_features, m, c.diag)]
     fits = [c for c in pool if tile_fits(c.block_k, group_size, in_features)]
     if not fits:  # e.g. group 32 with K not a multiple of 128: the largest tile that lines up
         block_k = pick_block_k(group_size, in_features)
@@ -569,12 +560,21 @@ def int4_gemv(
             raise ValueError("int4_gemv: lop3 tiles need int4 weights, K % 32 == 0, 16-byte "
                              "aligned rows and tiles inside one group (int_gemm checks first)")
         config = replace(config, lop3=False, join=True, use_dot=True)  # joined tensor-core tile
+    if (config.wide or config.diag) and (
+            bits != 4 or k % 32 or qweight.stride(0) % 16 or qweight.data_ptr() % 16
+            or not int_gemv_wide.supported(config.block_k, group_size, k, m, config.diag)):
+        config = default_config(m, group_size, k)  # (candidates() offers none of these)
     use_dot = config.use_dot or m > 1 or config.lop3
     # One layout for every call (rows K apart, 16-byte aligned), so capture-time launches hit the
     # specialization tuning compiled and loaded (a single row's stride is never read).
     if x.stride(-1) != 1 or (m > 1 and x.stride(0) != k) or x.data_ptr() % 16:
         x = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
     scales, zeros = scales.contiguous(), zeros.contiguous()
+    if config.wide or config.diag:
+        return int_gemv_wide.wide_gemv(x, qweight, scales, zeros, group_size, bias,
+                                       config.block_n, config.block_k, config.warps,
+                                       config.stages, config.split_k, config.diag, config.pdl,
+                                       counters, config.persist, config.maxnreg)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     tiles_n = triton.cdiv(n, config.block_n)
     split = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))

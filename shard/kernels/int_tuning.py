@@ -96,7 +96,7 @@ class IntTuning:
         return cls(gemv, gemm)
 
 
-_SOURCES = ("int_gemv.py", "int_gemm.py", "int_dequant.py", "int_tuning.py", "graph_timing.py")
+_SOURCES = ("int_gemv.py", "int_gemv_wide.py", "int_tiles.py", "int_gemm.py", "int_dequant.py", "int_tuning.py", "graph_timing.py")
 
 
 @functools.cache
@@ -229,14 +229,15 @@ def _tune(w: IntWeightView, dtype: torch.dtype) -> IntTuning:
         x = torch.randn((bucket, k), dtype=dtype, device=device)
         pool = int_gemm.candidates(bucket, w.group_size, k)
         ref = None
-        if any(c.path == "lop3" for c in pool):  # those (inline PTX) checked as the GEMVs are
+        # the lop3 (inline PTX) and scale_runs (new Triton code paths) candidates are checked
+        if any(c.path == "lop3" or c.scale_runs for c in pool):  # as the GEMVs are
             w_ref = _dequantized(w)
             ref = x.float() @ w_ref.t() + (0.0 if w.bias is None else w.bias.float())
             del w_ref
 
         def check(c: GemmConfig, x: torch.Tensor = x, ref: torch.Tensor | None = ref
                   ) -> str | None:
-            if c.path != "lop3" or ref is None:
+            if (c.path != "lop3" and not c.scale_runs) or ref is None:
                 return None
             err = float((w.gemm(x, c).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
             return None if err <= _CHECK_BOUND else f"max error {err:.2e} of max |y|"

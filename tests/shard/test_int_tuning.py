@@ -67,3 +67,30 @@ def test_tuner_reference_is_the_dequantized_weight() -> None:
         view = IntWeightView(packed.qweight, packed.scales, packed.zeros, packed.group_size, bits,
                              True, None, None)
         assert torch.equal(_dequantized(view), packed.dequantize(torch.float32))
+
+
+def test_multi_group_candidates_fit_the_bucket_and_groups() -> None:
+    """The wide / diag tiles (int_gemv_wide.py) are offered where they apply: wide at batch 1
+    only, diag while its x' has at most 32 MMA rows (bucket x groups per tile: BLOCK_K 256 up to
+    16 rows, 512 up to 8), tiles of whole power-of-two groups >= 32 and no K tail; none for
+    per-channel weights or a group that is not a power of two."""
+    from shard.kernels.int_gemv_wide import MAX_DIAG_ROWS, diag_rows
+
+    for bucket in (1, 2, 4, 8, 16):
+        pool = int_gemv.candidates(bucket, 128, 4096)
+        wide = [c for c in pool if c.wide]
+        diag = [c for c in pool if c.diag]
+        assert bool(wide) == (bucket == 1)
+        assert diag and all(diag_rows(bucket, c.block_k, 128) <= MAX_DIAG_ROWS for c in diag)
+        assert all(c.block_k % 128 == 0 and 4096 % c.block_k == 0 for c in wide + diag)
+    assert {c.block_k for c in int_gemv.candidates(16, 128, 4096) if c.diag} == {256}
+    assert any(c.block_k == 2048 for c in int_gemv.candidates(1, 128, 14336) if c.wide)
+    # down_proj's K = 14336 is 7 x 2048; a K of 4096 + 128 fits no tile of several groups
+    assert not any(c.wide or c.diag for c in int_gemv.candidates(1, 128, 4224))
+    for group, k in ((4096, 4096), (96, 4608), (16, 4096)):  # per-channel, not pow2, < 32
+        assert not any(c.wide or c.diag for c in int_gemv.candidates(1, group, k)), (group, k)
+    # groups of 32 (GGUF-like): 8 groups in a 256-wide tile, so diag's x' has 32 rows at 4
+    pool = int_gemv.candidates(1, 32, 4096)
+    assert any(c.wide for c in pool) and any(c.diag for c in pool)
+    assert {c.block_k for c in int_gemv.candidates(4, 32, 4096) if c.diag} == {256}
+    assert not any(c.diag for c in int_gemv.candidates(8, 32, 4096))

@@ -84,6 +84,18 @@ _CHECK = textwrap.dedent(
          GemmConfig(16, 32, 64, 4, 2, path="dq", w_first=True, words=True)),
         (4, 24, 128, 32, False, torch.bfloat16, False, 18,
          GemmConfig(16, 32, 64, 4, 2, path="dq", words=True)),
+        # scales / zeros read as runs of 8 groups and picked in registers (scale_runs): 16
+        # groups a row (two runs, every position) with fractional fp32 zeros; 12 groups a row
+        # from words (the second run partly past the row's end, masked); one group per row with
+        # a K tail; int8 with 2 groups per tile falls back to group_params
+        (4, 24, 1024, 64, True, torch.bfloat16, True, 20,
+         GemmConfig(32, 16, 64, 4, 2, path="dq", scale_runs=True)),
+        (4, 16, 1536, 128, False, torch.float16, False, 17,
+         GemmConfig(32, 16, 128, 4, 2, path="dq", words=True, scale_runs=True)),
+        (4, 20, 96, 96, False, torch.bfloat16, True, 18,
+         GemmConfig(32, 32, 64, 4, 2, path="dq", scale_runs=True)),
+        (8, 24, 128, 32, False, torch.float16, True, 18,
+         GemmConfig(16, 16, 64, 4, 2, path="dq", scale_runs=True)),
         # dequantize (one kernel) then F.linear: several groups per tile, a K tail, int8
         (4, 24, 256, 64, False, torch.bfloat16, True, 20, GemmConfig(0, 16, 128, 4, 1, path="cublas")),
         (4, 20, 96, 96, True, torch.float16, False, 18, GemmConfig(0, 16, 128, 4, 1, path="cublas")),

@@ -152,6 +152,64 @@ _CHECK = textwrap.dedent(
                 err = float((y.float() - ref).abs().max() / ref.abs().max())
                 assert err <= BOUND[dtype], (dtype, config, m, err)
                 assert int(counters.abs().sum()) == 0
+    # The multi-group tiles (shard/kernels/int_gemv_wide.py): "wide" (batch 1, CUDA cores, the
+    # words as [BLOCK_N, groups, words per group]) and "diag" (1..16 rows, tensor cores, x as a
+    # group-diagonal MMA operand: row m * NG + g holds x row m on group g's features). bf16 and
+    # fp16, integer and fractional zero points, groups of 32 / 64 / 128 (2-4 per tile), an N
+    # tail (masked loads) and none (EVEN), bias, split-K with its counters, stages 0 (one tile
+    # at a time), 1 (register double buffer, the prefetch past a split reading nothing) and 2
+    # (cp.async), diag at 1..16 rows (x' of 16 and 32 rows), and the persistent form.
+    for dtype, n, k, group, frac, config, ms in (
+            (torch.bfloat16, 24, 512, 128, False,
+             GemvConfig(16, 256, 4, 1, split_k=2, wide=True, pdl=True), (1,)),
+            (torch.float16, 32, 256, 32, True, GemvConfig(8, 128, 4, 2, wide=True), (1,)),
+            (torch.float16, 24, 512, 64, False,
+             GemvConfig(8, 256, 4, 0, split_k=2, wide=True, pdl=True), (1,)),
+            (torch.bfloat16, 40, 512, 64, False,
+             GemvConfig(16, 256, 4, 1, split_k=2, use_dot=True, diag=True, pdl=True), (1, 3, 8)),
+            (torch.float16, 32, 256, 32, True,
+             GemvConfig(16, 128, 4, 2, use_dot=True, diag=True), (2, 5)),
+            (torch.bfloat16, 32, 256, 64, False,
+             GemvConfig(32, 128, 4, 0, use_dot=True, diag=True), (16, 1)),
+            # persistent (2 programs per "SM", 2 under the interpreter: each loops over several
+            # units, the next unit's first tile prefetched; a split of 2 where 3 tiles a row
+            # take a split of 1)
+            (torch.bfloat16, 40, 512, 128, False,
+             GemvConfig(8, 256, 4, 1, split_k=2, wide=True, pdl=True, persist=2), (1,)),
+            (torch.float16, 32, 768, 64, True,
+             GemvConfig(8, 256, 4, 1, split_k=2, wide=True, persist=1), (1,)),
+            (torch.bfloat16, 40, 512, 64, False,
+             GemvConfig(16, 256, 4, 1, split_k=2, use_dot=True, diag=True, persist=2), (1, 3))):
+        groups = k // group
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        scales = (torch.rand(n, groups) * 0.1 + 0.01).half()
+        zeros = (torch.rand(n, groups) * 30 - 15 if frac
+                 else torch.randint(0, 16, (n, groups)).half())
+        packed = PackedInt.pack(UnpackedInt(q, scales, zeros, torch.arange(k) // group, 4))
+        w = packed.dequantize(torch.float32)
+        bias = torch.randn(n).to(dtype)
+        counters = torch.zeros(8, dtype=torch.int32)
+        for m in ms:
+            x = torch.randn(m, k).to(dtype)
+            ref = x.float() @ w.t() + bias.float()
+            for _ in range(2 if config.split_k > 1 else 1):
+                y = int4_gemv(x, packed.qweight, packed.scales, packed.zeros, group, bias,
+                              config=config, counters=counters, int_zeros=not frac)
+                err = float((y.float() - ref).abs().max() / ref.abs().max())
+                assert err <= BOUND[dtype], (dtype, config, m, err)
+                assert int(counters.abs().sum()) == 0
+    # A multi-group config where its tile does not apply (a group of 96: not a power of two)
+    # runs the default tile instead, with the same result.
+    q = torch.randint(0, 16, (16, 192), dtype=torch.uint8)
+    scales, zeros = (torch.rand(16, 2) * 0.1).half(), torch.randint(0, 16, (16, 2)).half()
+    packed = PackedInt.pack(UnpackedInt(q, scales, zeros, torch.arange(192) // 96, 4))
+    w = packed.dequantize(torch.float32)
+    for m, config in ((1, GemvConfig(8, 96, 4, 1, wide=True)),
+                      (2, GemvConfig(8, 96, 4, 1, use_dot=True, diag=True))):
+        x = torch.randn(m, 192).half()
+        y = int4_gemv(x, packed.qweight, packed.scales, packed.zeros, 96, config=config)
+        err = float((y.float() - x.float() @ w.t()).abs().max() / (x.float() @ w.t()).abs().max())
+        assert err <= 2**-10, (m, config, err)
     """
 )
 

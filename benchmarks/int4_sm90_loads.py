@@ -1,0 +1,123 @@
+"""Compile the W4A16 GEMM candidates of the 32..128-row buckets for sm_90 on a CPU (no GPU) and
+count, per candidate, the global loads left in the K loop: whether the loop is pipelined under the
+Triton that is importable (this checkout's, or the GPU machine's 3.6 through PYTHONPATH).
+
+    PYTHONPATH=$PWD:$PWD/gen/python .venv/bin/python benchmarks/int4_sm90_loads.py
+    PYTHONPATH=/tmp/t36:$PWD:$PWD/gen/python .venv/bin/python benchmarks/int4_sm90_loads.py
+
+(/tmp/t36: `pip install --no-deps --target /tmp/t36 triton==3.6.0`, the device image's version.)
+
+Columns: `ptx ld.global` (every synchronous global load in the PTX, outside the loop too; one
+element of a replicated layout is one instruction here, which ptxas may merge), and in the SASS
+of the K loop (the largest loop, nvdisasm): `LDG` synchronous loads, `LDGSTS` cp.async copies
+(the pipelined tiles), `BAR` barriers, `SASS / weight` the loop's instructions x threads /
+weights of a K step. A pipelined loop has only LDGSTS for the weight and x tiles; the scales and
+zeros (2-byte values, one per row) are LDGs loaded one K step ahead into registers, or LDGSTS
+too with GemmConfig.scale_runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shard.kernels import int_gemm, int_gemv
+from shard.kernels.int_gemm import GemmConfig
+from tests.shard.test_int_kernels_sm90_ptx import _sass_k_loop
+
+_PTRS = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16", "b_ptr": "*fp16",
+         "y_ptr": "*bf16"}
+_SCALARS = ("M", "N", "K", "K_SPLIT", "stride_xm", "stride_qn", "stride_sn", "stride_ym")
+
+
+def compile_sm90(fn, types: dict[str, str], consts: dict[str, object], warps: int,
+                 stages: int):
+    """The kernel for sm_90 with a launch's specialization: pointers, N, K and strides / 16."""
+    sig = {**types, **dict.fromkeys(consts, "constexpr")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
+             if ty != "constexpr" and name not in ("M", "count_ptr")
+             and (ty.startswith("*") or name in ("N", "K", "K_SPLIT") or name.startswith("stride"))}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def compile_gemm(c: GemmConfig, group: int = 128):
+    """int_gemm's kernel for one "dq" / "offset" candidate, bf16 x, group-128 int4."""
+    types = {**_PTRS, **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_qn",
+                                            "stride_sn", "stride_ym")}}
+    consts = {"GROUP": group, "NG": max(c.block_k // group, 1), "BLOCK_M": c.block_m,
+              "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "GROUP_M": c.group_m,
+              "STAGES": c.stages, "HAS_BIAS": False, "BITS": 4, "X_SPLIT": c.x_split,
+              "W_FIRST": c.w_first, "X_KIND": 2, "OFFSET": True, "DQ": c.path == "dq",
+              "WORDS": c.words, "RUNS": c.scale_runs}
+    return compile_sm90(int_gemm._int_gemm_kernel, types, consts, c.warps, c.stages)
+
+
+def compile_lop3(c: GemmConfig):
+    """int_gemm's "lop3" candidate: int_gemv's kernel with x padded to the bucket's rows."""
+    types = {**_PTRS, "part_ptr": "*fp32", "count_ptr": "*i32",
+             **{n: "i32" for n in _SCALARS}}
+    consts = {"GROUP": 128, "NG": 1, "ROWS": c.block_m, "BLOCK_N": c.block_n,
+              "BLOCK_K": c.block_k, "SPLIT_K": c.split_k, "STAGES": c.stages,
+              "HAS_BIAS": False, "USE_DOT": True, "BITS": 4, "INT_ZEROS": True, "X_KIND": 2,
+              "OFFSET": True, "JOIN": False, "WORDS": False, "LOP3": True, "ASM": True,
+              "EVEN": True}
+    return compile_sm90(int_gemv._int_gemv_kernel, types, consts, c.warps, c.stages)
+
+
+def loads(kernel, block_n: int, block_k: int, warps: int, tmp: Path) -> dict[str, float]:
+    ptx = kernel.asm["ptx"]
+    body = _sass_k_loop(kernel.asm["cubin"], tmp)
+    ops = [i.split()[1] if i.startswith("@") else i.split()[0] for i in body]
+    return {"ptx_ld_global": len(re.findall(r"ld\.global", ptx)),
+            "loop_ldg": sum(o.startswith("LDG") and not o.startswith(("LDGSTS", "LDGDEPBAR"))
+                            for o in ops),
+            "loop_ldgsts": sum(o.startswith("LDGSTS") for o in ops),
+            "loop_bar": sum(o.startswith("BAR") for o in ops),
+            "per_weight": len(body) * 32 * warps / (block_n * block_k)}
+
+
+def label(c: GemmConfig) -> str:
+    extra = "".join(f" {f}" for f, on in (("words", c.words), ("w_first", c.w_first),
+                                           ("x_split", c.x_split),
+                                           ("scale_runs", c.scale_runs)) if on)
+    sk = f" split-K {c.split_k}" if c.split_k > 1 else ""
+    return (f"{c.path} {c.block_m}x{c.block_n}x{c.block_k} w{c.warps} st{c.stages}{extra}{sk}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--buckets", default="32,64,128")
+    args = ap.parse_args()
+    seen: dict[str, GemmConfig] = {}
+    for m in (int(b) for b in args.buckets.split(",")):
+        for c in int_gemm.candidates(m, 128, 4096):
+            if c.path != "cublas":
+                seen.setdefault(label(c), c)
+    tmp = Path(tempfile.mkdtemp())
+    print(f"triton {triton.__version__}, sm_90, bf16 x, int4 group 128")
+    print(f"{'candidate':48s} {'ptx ld.global':>13s} {'loop LDG':>8s} {'LDGSTS':>6s} "
+          f"{'BAR':>3s} {'SASS/weight':>11s}")
+    for name, c in seen.items():
+        try:
+            k = compile_lop3(c) if c.path == "lop3" else compile_gemm(c)
+            r = loads(k, c.block_n, c.block_k, c.warps, tmp)
+        except Exception as e:  # noqa: BLE001 - report and go on: a survey, not a test
+            print(f"{name:48s} failed: {type(e).__name__}: {str(e)[:80]}")
+            continue
+        print(f"{name:48s} {r['ptx_ld_global']:13d} {r['loop_ldg']:8d} {r['loop_ldgsts']:6d} "
+              f"{r['loop_bar']:3d} {r['per_weight']:11.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
