@@ -96,7 +96,6 @@ def _int_gemm_kernel(
     DQ: tl.constexpr,  # GemmConfig.path "dq": weight tile dequantized to x's dtype, one MMA chain
     WORDS: tl.constexpr,  # GemmConfig.words ("dq", int4, NG 1): the tile built from int32 words
     SPLIT_K: tl.constexpr = 1,  # GemmConfig.split_k: K ranges per output tile (program_id(1))
-    AHEAD: tl.constexpr = 1,  # GemmConfig.ahead: K steps the scale / zero loads run ahead
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -120,17 +119,11 @@ def _int_gemm_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     s, z = group_params(s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_sn, GROUP, NG)
-    if AHEAD == 2:
-        s_1, z_1 = group_params(s_ptr, z_ptr, rows, row_mask, k_lo + BLOCK_K, k_hi, stride_sn,
-                                GROUP, NG)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-        # a later tile's scales now (int_dequant.group_params: not pipelined otherwise)
-        if AHEAD == 2:
-            s_2, z_2 = group_params(s_ptr, z_ptr, rows, row_mask, k0 + 2 * BLOCK_K,
-                                    k_hi, stride_sn, GROUP, NG)
-        else:
-            s_1, z_1 = group_params(s_ptr, z_ptr, rows, row_mask, k0 + BLOCK_K,
-                                    k_hi, stride_sn, GROUP, NG)
+        # the next tile's scales now (int_dequant.group_params: not pipelined otherwise; two
+        # steps ahead through the loop's registers, Triton 3.6 / 3.9 stop pipelining the loop)
+        s_next, z_next = group_params(s_ptr, z_ptr, rows, row_mask, k0 + BLOCK_K,
+                                      k_hi, stride_sn, GROUP, NG)
         if DQ:
             # The standard W4A16 structure: the [BLOCK_N, BLOCK_K] weight tile in feature order,
             # dequantized in registers to x's dtype (exactly PackedInt.dequantize(x.dtype)'s
@@ -194,9 +187,7 @@ def _int_gemm_kernel(
                 acc = tl.dot(xa, tl.trans(dequant(qa, s, z, NG).to(xa.dtype)), acc)
                 if BITS == 4:
                     acc = tl.dot(xb, tl.trans(dequant(qb, s, z, NG).to(xb.dtype)), acc)
-        s, z = s_1, z_1
-        if AHEAD == 2:
-            s_1, z_1 = s_2, z_2
+        s, z = s_next, z_next
     if W_FIRST:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     if SPLIT_K > 1:
@@ -295,10 +286,6 @@ class GemmConfig:
     # finish adding the fp32 partials (int_tiles.finish): the N = 4096 / 6144 shapes have too
     # few output tiles to give every SM more than one program otherwise
     split_k: int = 1
-    # "dq" / "lop3z": K steps ahead of use the 2-byte scale and zero loads are issued (they are
-    # synchronous, not in the cp.async stages): 2 where a step may be shorter than a loaded DRAM
-    # round trip (the 8-warp and split-K tiles of the 32 / 64-row buckets)
-    ahead: int = 1
 
     def as_dict(self) -> dict[str, int | bool | str]:
         return asdict(self)
@@ -357,22 +344,21 @@ _CONFIGS = (*_DQ, *_DQ_WORDS, *_OFFSET)
 # with stages 3 for 2-3 programs per SM), and fewer instructions per step (the "lop3z" tile,
 # shard/kernels/int_gemm_lop3.py: no row sums of x per step). Kept from the older lists: the
 # tiles that won or came within ~10 % of the winner at 32 / 64 rows on 2026-11-28.
-# "dq": (block_m, block_n, block_k, warps, stages, words, split_k, ahead)
+# "dq": (block_m, block_n, block_k, warps, stages, words, split_k)
 _SMALL_DQ = tuple(
-    GemmConfig(bm, bn, bk, w, st, path="dq", words=wd, split_k=sk, ahead=ah)
-    for bm, bn, bk, w, st, wd, sk, ah in (
+    GemmConfig(bm, bn, bk, w, st, path="dq", words=wd, split_k=sk)
+    for bm, bn, bk, w, st, wd, sk in (
         # kept (qkv 64 / gate_up 64 / o 32 winners or near them)
-        (64, 64, 128, 4, 4, True, 1, 1), (64, 128, 128, 4, 3, False, 1, 1),
-        (64, 128, 128, 4, 3, True, 1, 1), (32, 32, 128, 4, 4, False, 1, 1),
+        (64, 64, 128, 4, 4, True, 1), (64, 128, 128, 4, 3, False, 1),
+        (64, 128, 128, 4, 3, True, 1), (32, 32, 128, 4, 4, False, 1),
         # 8 warps: half the dequantizing chain per warp, 2 warps per scheduler
-        (64, 64, 128, 8, 3, True, 1, 2), (64, 128, 128, 8, 3, True, 1, 2),
+        (64, 64, 128, 8, 3, True, 1), (64, 128, 128, 8, 3, True, 1),
         # split-K: qkv 96 -> 192 / 384 programs, o / down 64 -> 128 / 256 at 64 x 64 (72 KB of
-        # shared memory at stages 3: 3 programs per SM); one pair with the scales 1 / 2 ahead
-        (64, 64, 128, 4, 3, True, 2, 2), (64, 64, 128, 4, 3, True, 4, 2),
-        (64, 128, 128, 8, 3, True, 2, 2), (64, 64, 128, 8, 3, True, 4, 2),
-        (64, 64, 128, 8, 3, True, 4, 1), (32, 64, 128, 4, 3, True, 4, 2),
+        # shared memory at stages 3: 3 programs per SM)
+        (64, 64, 128, 4, 3, True, 2), (64, 64, 128, 4, 3, True, 4), (64, 128, 128, 8, 3, True, 2),
+        (64, 64, 128, 8, 3, True, 4), (64, 64, 128, 8, 3, True, 2), (32, 64, 128, 4, 3, True, 4),
         # K tiles of 64 (half a group): x's stage 8 KB instead of 16, more programs per SM
-        (64, 64, 64, 4, 4, True, 4, 2),
+        (64, 64, 64, 4, 4, True, 4),
     )
 )
 # "lop3": (block_n, block_k, warps, stages, split_k), block_m = the bucket (32 or 64)
@@ -380,12 +366,11 @@ _SMALL_DQ = tuple(
 # ~130 instructions a warp-step of them x's row sums)
 _LOP3_TILES = ((256, 128, 8, 3, 1), (128, 128, 4, 3, 4), (64, 128, 4, 3, 4))
 # "lop3z" (shard/kernels/int_gemm_lop3.py: the zero subtracted in the unpack, no row sums):
-# (block_n, block_k, warps, stages, split_k, ahead); sm_90 (Triton 3.6) at 64 rows: 64 x 128 /
+# (block_n, block_k, warps, stages, split_k); sm_90 (Triton 3.6) at 64 rows: 64 x 128 /
 # 4 warps ~300 SASS a warp-step (4.7 per weight; lop3: 508, 7.9), 157 registers, 3 programs
 # per SM; 128 x 128 / 4 warps 3.6 per weight (lop3 5.3)
-_LOP3Z_TILES = ((64, 128, 4, 3, 4, 2), (64, 128, 4, 3, 4, 1), (128, 128, 4, 3, 4, 2),
-                (128, 128, 8, 3, 2, 2), (64, 128, 8, 3, 4, 2), (128, 128, 4, 3, 1, 2),
-                (64, 64, 4, 4, 8, 2))
+_LOP3Z_TILES = ((64, 128, 4, 3, 4), (64, 128, 4, 3, 2), (128, 128, 4, 3, 4), (128, 128, 8, 3, 2),
+                (64, 128, 8, 3, 4), (128, 128, 4, 3, 1), (64, 64, 4, 4, 8))
 # (no stages-1 register-prefetch tiles here: at 64 rows they spill to local memory)
 _LOP3_BUCKETS = (32, 64)
 
@@ -416,8 +401,8 @@ def candidates(m: int, group_size: int, in_features: int) -> list[GemmConfig]:
     lop3_ok = m in _LOP3_BUCKETS and in_features % 32 == 0
     tiles = [*((GemmConfig(m, bn, bk, w, st, path="lop3", split_k=sk)
                 for bn, bk, w, st, sk in _LOP3_TILES)),
-             *((GemmConfig(m, bn, bk, w, st, path="lop3z", split_k=sk, ahead=ah)
-                for bn, bk, w, st, sk, ah in _LOP3Z_TILES))]
+             *((GemmConfig(m, bn, bk, w, st, path="lop3z", split_k=sk)
+                for bn, bk, w, st, sk in _LOP3Z_TILES))]
     lop3 = [c for c in tiles if lop3_ok and groups_per_tile(c.block_k, group_size, in_features) == 1
             and tile_fits(c.block_k, group_size, in_features)]
     return [*(small or sized or every), *lop3,
@@ -472,7 +457,7 @@ def int_gemm(
                 return torch.cat([
                     lop3z_gemm(x[i:i + config.block_m], qweight, scales, zeros, group_size, bias,
                                config.block_m, config.block_n, config.block_k, config.warps,
-                               config.stages, config.split_k, counters, config.ahead)
+                               config.stages, config.split_k, counters)
                     for i in range(0, m, config.block_m)]) if m else x.new_empty(0, n)
 
             tile = GemvConfig(config.block_n, config.block_k, config.warps, config.stages,
@@ -538,7 +523,6 @@ def int_gemm(
         DQ=config.path == "dq",
         WORDS=config.words,
         SPLIT_K=split,
-        AHEAD=config.ahead,
         num_warps=config.warps,
         num_stages=config.stages,
     )

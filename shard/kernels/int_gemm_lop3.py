@@ -111,7 +111,6 @@ def _lop3z_kernel(
     X_KIND: tl.constexpr,  # int_dequant.x_kind: fp16 1, bf16 2
     ASM: tl.constexpr,  # the unpack as inline PTX (CUDA); False: Triton operations (interpreter)
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unpredicated weight loads
-    AHEAD: tl.constexpr = 2,  # K steps the scale / zero loads run ahead (1 or 2)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -124,20 +123,12 @@ def _lop3z_kernel(
     w_rows = (q_ptr + rows.to(tl.int64) * stride_qn).to(tl.pointer_type(tl.int32))
     x_rows = x_ptr + offs_m[:, None] * stride_xm  # [ROWS, 1]
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)  # y's tile transposed
-    # Scales and zeros AHEAD K steps ahead (2-byte loads, not pipelined by cp.async:
-    # int_dequant.group_params): a step of this tile (~300 SASS instructions a warp at 64 x 64)
-    # can be shorter than a loaded DRAM round trip, so one step ahead may wait every step.
     s, z = group_params(s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_sn, GROUP, 1)
-    if AHEAD == 2:
-        s_1, z_1 = group_params(s_ptr, z_ptr, rows, row_mask, k_lo + BLOCK_K, k_hi, stride_sn,
-                                GROUP, 1)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-        if AHEAD == 2:
-            s_2, z_2 = group_params(s_ptr, z_ptr, rows, row_mask, k0 + 2 * BLOCK_K, k_hi,
-                                    stride_sn, GROUP, 1)
-        else:
-            s_1, z_1 = group_params(s_ptr, z_ptr, rows, row_mask, k0 + BLOCK_K, k_hi,
-                                    stride_sn, GROUP, 1)
+        # the next tile's scales now (2-byte loads are not pipelined: int_dequant.group_params;
+        # two steps ahead through the loop's registers, Triton stops pipelining the loop)
+        s_next, z_next = group_params(s_ptr, z_ptr, rows, row_mask, k0 + BLOCK_K, k_hi,
+                                      stride_sn, GROUP, 1)
         # the tile's packed rows as int32 words in 16-byte vectors, x's [ROWS, BLOCK_K] tile
         offs_w = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), 4),
                                    BLOCK_K // 8)
@@ -158,9 +149,7 @@ def _lop3z_kernel(
         v = _sub_tile(words, nz, X_KIND, ASM)  # [BLOCK_N, BLOCK_K] q - z, exact
         # the weight tile as the MMA's first operand (registers on Hopper), x's from shared memory
         acc += tl.dot(v, tl.trans(xt)) * tl.reshape(s, [BLOCK_N])[:, None]  # [BLOCK_N, ROWS]
-        s, z = s_1, z_1
-        if AHEAD == 2:
-            s_1, z_1 = s_2, z_2
+        s, z = s_next, z_next
     finish(tl.trans(acc), offs_m, m_mask, rows, row_mask, pid_n, pid_k, b_ptr, y_ptr, part_ptr,
            count_ptr, M, N, stride_ym, ROWS, BLOCK_N, SPLIT_K, HAS_BIAS)
 
@@ -179,7 +168,6 @@ def lop3z_gemm(
     stages: int,
     split_k: int = 1,
     counters: torch.Tensor | None = None,  # split-K: int32, zero, >= cdiv(N, block_n)
-    ahead: int = 2,  # K steps the scale / zero loads run ahead (1 or 2)
 ) -> torch.Tensor:
     """y [M, N] = x @ dequant(qweight).T (+ bias) in x's dtype (int_gemm checks the weight's
     layout and the tile's fit before calling)."""
@@ -217,7 +205,6 @@ def lop3z_gemm(
         X_KIND=x_kind(x.dtype),
         ASM=x.is_cuda,
         EVEN=n % block_n == 0 and k % block_k == 0,
-        AHEAD=ahead,
         num_warps=warps,
         num_stages=stages,
     )

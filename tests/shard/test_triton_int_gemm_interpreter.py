@@ -142,7 +142,7 @@ def test_int_gemm_in_interpreter():
 
 
 # The 32 / 64-row buckets' new paths: the dq tile split along K (partials and arrival counters
-# per output tile, int_tiles.finish) and with its scales two K steps ahead; the lop3z tile
+# per output tile, int_tiles.finish); the lop3z tile
 # (shard/kernels/int_gemm_lop3.py: the zero point subtracted in the unpack, here its Triton
 # form). Counters shared across calls and left at zero; M / N / K-split tails; bias; bf16 and fp16;
 # fractional zero points send a lop3z config to the lop3 tile.
@@ -165,23 +165,23 @@ _SPLIT_CHECK = textwrap.dedent(
     CASES = (
         # split-K 3 of 5 K tiles (the last split shorter), 2 M tiles x 2 N tiles, N tail
         (24, 320, 64, False, torch.bfloat16, True, 20,
-         GemmConfig(16, 16, 64, 4, 2, path="dq", words=True, split_k=3, ahead=2)),
+         GemmConfig(16, 16, 64, 4, 2, path="dq", words=True, split_k=3)),
         (32, 256, 128, False, torch.float16, False, 33,
          GemmConfig(32, 16, 64, 4, 2, path="dq", split_k=2)),
         (16, 256, 64, True, torch.bfloat16, True, 17,
-         GemmConfig(32, 16, 64, 4, 2, path="dq", w_first=True, split_k=4, ahead=2)),
-        # scales two steps ahead over 8 K steps (4 groups), dq and lop3z
+         GemmConfig(32, 16, 64, 4, 2, path="dq", w_first=True, split_k=4)),
+        # 8 K steps over 4 groups (the scales carried one step ahead), dq and lop3z
         (16, 512, 128, False, torch.bfloat16, False, 18,
-         GemmConfig(16, 16, 64, 4, 2, path="dq", words=True, ahead=2)),
+         GemmConfig(16, 16, 64, 4, 2, path="dq", words=True)),
         (16, 512, 64, False, torch.float16, True, 18,
-         GemmConfig(32, 16, 64, 4, 2, path="lop3z", ahead=2)),
+         GemmConfig(32, 16, 64, 4, 2, path="lop3z")),
         # lop3z: split-K 2 with an N tail (masked loads), whole-tile shapes (unmasked), fp16
         (40, 256, 128, False, torch.bfloat16, True, 20,
-         GemmConfig(32, 16, 64, 4, 2, path="lop3z", split_k=2, ahead=2)),
+         GemmConfig(32, 16, 64, 4, 2, path="lop3z", split_k=2)),
         (32, 256, 64, False, torch.float16, False, 64,
-         GemmConfig(64, 32, 64, 4, 2, path="lop3z", split_k=1, ahead=1)),
+         GemmConfig(64, 32, 64, 4, 2, path="lop3z", split_k=1)),
         (32, 256, 128, False, torch.bfloat16, False, 40,
-         GemmConfig(32, 16, 64, 4, 2, path="lop3z", split_k=4, ahead=2)),  # rows past 32
+         GemmConfig(32, 16, 64, 4, 2, path="lop3z", split_k=4)),  # rows past 32
         (24, 128, 64, True, torch.bfloat16, True, 20,
          GemmConfig(32, 16, 64, 4, 2, path="lop3z")),  # fractional zeros: the lop3 tile
     )
