@@ -364,12 +364,12 @@ _SMALL_DQ = tuple(
 # "lop3": (block_n, block_k, warps, stages, split_k), block_m = the bucket (32 or 64)
 # (sm_90 SASS per weight in the K loop at 64 rows: 256 x 128 / 8 warps ~4.2, 64 x 128 / 4 ~7.9,
 # ~130 instructions a warp-step of them x's row sums)
-_LOP3_TILES = ((256, 128, 8, 3, 1), (128, 128, 4, 3, 4), (64, 128, 4, 3, 4))
+_LOP3_TILES = ((256, 128, 8, 3, 1), (128, 128, 4, 3, 1), (128, 128, 4, 3, 4), (64, 128, 4, 3, 4))
 # "lop3z" (shard/kernels/int_gemm_lop3.py: the zero subtracted in the unpack, no row sums):
 # (block_n, block_k, warps, stages, split_k); sm_90 (Triton 3.6) at 64 rows: 64 x 128 /
 # 4 warps ~300 SASS a warp-step (4.7 per weight; lop3: 508, 7.9), 157 registers, 3 programs
 # per SM; 128 x 128 / 4 warps 3.6 per weight (lop3 5.3)
-_LOP3Z_TILES = ((64, 128, 4, 3, 4), (64, 128, 4, 3, 2), (128, 128, 4, 3, 4), (128, 128, 8, 3, 2),
+_LOP3Z_TILES = ((64, 128, 4, 3, 4), (128, 128, 4, 3, 4), (128, 128, 8, 3, 2),
                 (64, 128, 8, 3, 4), (128, 128, 4, 3, 1), (64, 64, 4, 4, 8))
 # (no stages-1 register-prefetch tiles here: at 64 rows they spill to local memory)
 _LOP3_BUCKETS = (32, 64)
