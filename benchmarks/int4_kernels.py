@@ -466,6 +466,8 @@ def _compile_worker(job: tuple[int, list[dict[str, Any]]]) -> list[str]:
 def precompile(workers: int = 12) -> dict[str, Any]:
     """Every 32 / 64-row GEMM candidate compiled in parallel processes (spawned: CUDA)."""
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
     from shard.kernels import int_gemm
 
@@ -475,8 +477,14 @@ def precompile(workers: int = 12) -> dict[str, Any]:
         jobs += [(rows, pool[i::workers // len(M64_BUCKETS)])
                  for i in range(workers // len(M64_BUCKETS))]
     t0 = time.perf_counter()
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        failed = [f for part in pool.map(_compile_worker, jobs) for f in part]
+    failed: list[str] = []
+    # (a worker that dies, e.g. an LLVM abort in Triton's compile, breaks the pool instead of
+    # hanging it; the tuner then compiles what is missing itself)
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+            failed = [f for part in ex.map(_compile_worker, jobs) for f in part]
+    except BrokenProcessPool as exc:
+        failed.append(f"a compile worker died: {exc}")
     return {"seconds": time.perf_counter() - t0, "failed": failed}
 
 
