@@ -27,6 +27,13 @@ Design:
   correction per tile): the packed bytes split into low and high nibbles multiplied with x's
   even / odd columns as OFF + q made exact in x's dtype by bit operations, then
   acc += (part - sum(x) * (OFF + z)) * s; timed only for buckets up to 128 rows.
+  "lop3" (32 / 64 rows, int4): int_gemv's lop3 tile with x padded to the bucket; "lop3z" the
+  same unpack with the zero point subtracted in its inline PTX (shard/kernels/int_gemm_lop3.py:
+  no row sums of x per step).
+- Split-K ("dq", "lop3", "lop3z"; GemmConfig.split_k): the N = 4096 / 6144 shapes have too few
+  output tiles at 32 / 64 rows to give every SM more than one program, and a K step of these
+  tiles is a latency-bound chain (benchmarks/INT_KERNELS.md, "32 / 64 rows"): each K range its
+  own program, fp32 partials and a per-tile arrival counter (int_tiles.finish).
 - Tiles either lie inside one group or hold whole groups (int_dequant.tile_fits).
 - Configs are chosen per M bucket (next power of two, 32..4096) by measured time at warm-up
   (shard/kernels/int_tuning.py), never while a CUDA graph is captured; launches pass the chosen
