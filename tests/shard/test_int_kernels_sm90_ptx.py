@@ -390,3 +390,58 @@ def test_dq_split_k_compiles_with_the_finish_outside_the_loop(tmp_path) -> None:
     assert not any("ATOM" in i or "RED" in i.split()[0] for i in body), "finish inside the loop"
     four = _sass_k_loop(compile_dq(4, 1).asm["cubin"], tmp_path)
     assert len(body) < 0.75 * len(four), (len(body), len(four))
+
+
+def _fma_x2(a: int, b: int, c: int, dtype) -> int:
+    """PTX fma.rn.{bf16x2,f16x2}: per 16-bit half, a * b + c rounded once to the dtype."""
+    import torch
+
+    def halves(v: int) -> torch.Tensor:
+        raw = torch.tensor([v & 0xFFFF, (v >> 16) & 0xFFFF], dtype=torch.int32).to(torch.int16)
+        return raw.view(dtype).double()
+
+    d = (halves(a) * halves(b) + halves(c)).to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
+    return int(d[0]) | int(d[1]) << 16
+
+
+@pytest.mark.parametrize("x_kind", [1, 2])
+def test_lop3z_unpack_asm_gives_q_minus_z(x_kind: int) -> None:
+    """int_gemm_lop3's inline PTX, executed instruction by instruction in Python (PRMT, LOP3, MOV,
+    the packed FMA): output j's low half = q - z of element a's byte j (its zero from $6's low
+    half), the high half the same of element b ($7), exactly, in bf16 / fp16. The interpreter
+    tests cover the kernel's Triton form; the GPU run checks the compiled kernel."""
+    import random
+
+    import torch
+
+    from shard.kernels.int_gemm_lop3 import unpack_sub_asm
+
+    dtype, magic, one, fma, off = ((torch.float16, 0x64006400, 0x3C003C00, "fma.rn.f16x2", 1024)
+                                   if x_kind == 1 else
+                                   (torch.bfloat16, 0x43004300, 0x3F803F80, "fma.rn.bf16x2", 128))
+    asm = unpack_sub_asm(magic, one, fma)
+
+    def bits(v: float) -> int:  # a 16-bit pattern in an int32 register, as the kernel passes nz
+        return int(torch.tensor([v], dtype=dtype).view(torch.int16).to(torch.int32)[0])
+
+    rng = random.Random(0)
+    for _ in range(100):
+        a, b = rng.getrandbits(32), rng.getrandbits(32)
+        za, zb = rng.randrange(16), rng.randrange(16)
+        regs = {"$4": a, "$5": b, "$6": bits(-(off + za)) & 0xFFFFFFFF,
+                "$7": bits(-(off + zb)) & 0xFFFFFFFF}
+        for line in asm.splitlines():
+            op = re.match(r"(prmt|lop3|mov|fma)\.\S+ (\S+), (\S+)(?:, (\S+))?(?:, (\S+))?(?:, (\S+))?;",
+                          line)
+            if not op:
+                continue
+            args = [regs[x] if x in regs else int(x, 0) for x in op.groups()[2:] if x is not None]
+            name = op.group(1)
+            regs[op.group(2)] = (_prmt(*args[:3]) if name == "prmt"
+                                 else _lop3(*args) if name == "lop3" else args[0] if name == "mov"
+                                 else _fma_x2(*args, dtype))
+        for j in range(4):
+            lo = torch.tensor([regs[f"${j}"] & 0xFFFF], dtype=torch.int32).to(torch.int16)
+            hi = torch.tensor([regs[f"${j}"] >> 16], dtype=torch.int32).to(torch.int16)
+            assert float(lo.view(dtype)[0]) == ((a >> (8 * j)) & 0xF) - za, (hex(a), j)
+            assert float(hi.view(dtype)[0]) == ((b >> (8 * j)) & 0xF) - zb, (hex(b), j)
