@@ -9,7 +9,8 @@ the Llama-3-8B linear shapes (< 6 minutes on an H100; benchmarks/run_int4_device
      shapes, group sizes, zero kinds, int4 / int8, split-K and IntLinear dispatch, against the same
      torch references and bounds;
    - split-K GEMV under CUDA-graph replay: every split-K candidate on the o_proj shape captured,
-     replayed 3 times, equal to the eager result each time, counters back at zero;
+     replayed 3 times, equal to the eager result each time, counters back at zero; the same for
+     the split-K GEMM candidates of the 32 / 64-row buckets (dq, lop3, lop3z) at M = 17..64;
    - every Llama shape at every measured M through IntLinear's tuned path vs
      x.float() @ W_bf16.float().T (W_bf16 = the same weight dequantized to bf16): max error / max
      |ref| <= 2^-7 (bf16 output rounding is < 2^-8).
@@ -290,6 +291,7 @@ def main() -> None:
     if not args.skip_checks:
         interpreter_checks(report)
         splitk_graph_check(report)
+        gemm_splitk_graph_check(report)
         save()
 
     gen = torch.Generator(device="cuda").manual_seed(0)
