@@ -9,7 +9,8 @@ the Llama-3-8B linear shapes (< 6 minutes on an H100; benchmarks/run_int4_device
      shapes, group sizes, zero kinds, int4 / int8, split-K and IntLinear dispatch, against the same
      torch references and bounds;
    - split-K GEMV under CUDA-graph replay: every split-K candidate on the o_proj shape captured,
-     replayed 3 times, equal to the eager result each time, counters back at zero;
+     replayed 3 times, equal to the eager result each time, counters back at zero; the same for
+     the split-K GEMM candidates of the 32 / 64-row buckets (dq, lop3, lop3z) at M = 17..64;
    - every Llama shape at every measured M through IntLinear's tuned path vs
      x.float() @ W_bf16.float().T (W_bf16 = the same weight dequantized to bf16): max error / max
      |ref| <= 2^-7 (bf16 output rounding is < 2^-8).
@@ -136,9 +137,12 @@ def interpreter_checks(report: dict[str, Any]) -> None:
     real_tune = int_tuning._tune
     int_tuning._tune = lambda w, dtype: int_tuning._defaults(w)
     results = {}
-    for test in ("test_triton_int_gemv_interpreter", "test_triton_int_gemm_interpreter"):
+    for test, marker in (("test_triton_int_gemv_interpreter", "_CHECK"),
+                         ("test_triton_int_gemm_interpreter", "_CHECK"),
+                         ("test_triton_int_gemm_interpreter", "_SPLIT_CHECK")):
         source = (ROOT / "tests" / "shard" / f"{test}.py").read_text()
-        check = source.split('_CHECK = textwrap.dedent(\n    """', 1)[1].split('"""\n)', 1)[0]
+        check = source.split(f'\n{marker} = textwrap.dedent(\n    """', 1)[1].split('"""\n)', 1)[0]
+        test = f"{test}{marker}" if marker != "_CHECK" else test
         t0 = time.perf_counter()
         try:
             torch.set_default_device("cuda")
@@ -193,26 +197,45 @@ def splitk_graph_check(report: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------- speed
 
 
-def runs_vs_plain(candidate_us: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
-    """Per shape and GEMM bucket: each scale_runs "dq" candidate (scales / zeros in the cp.async
-    stages, branch int4dq) against the same tile loading them one K step ahead (where that tile
-    is a candidate too), and the fastest runs candidate against the fastest other."""
+def family(config: str) -> str | None:
+    """A GEMM candidate's family for the 32 / 64-row report (None: a GEMV config)."""
+    if "GemmConfig" not in config:
+        return None
+    path = config.split("path='")[1].split("'")[0]
+    if path == "dq":
+        return ("dq split-K" if "split_k=1," not in config
+                else "dq 8 warps" if "warps=8" in config else "dq")
+    return path
+
+
+def families(candidate_us: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
+    """Per shape and GEMM bucket 32 / 64: the fastest candidate of each family (dq, dq 8 warps,
+    dq split-K, lop3, lop3z, cublas, offset) and how many of it failed or were wrong."""
     out: dict[str, dict[str, Any]] = {}
     for key, times in candidate_us.items():
-        runs = {c: us for c, us in times.items() if "scale_runs=True" in c}
-        rest = {c: us for c, us in times.items() if "scale_runs=True" not in c}
-        if not runs or not rest:
+        if "/gemm/" not in key or int(key.rsplit("/", 1)[1]) > 64:
             continue
-        best_r = min(runs, key=runs.__getitem__)
-        best_o = min(rest, key=rest.__getitem__)
-        pairs = {c: times[c.replace("scale_runs=True", "scale_runs=False")] / us
-                 for c, us in runs.items()
-                 if c.replace("scale_runs=True", "scale_runs=False") in times}
-        out[key] = {"runs_us": runs[best_r], "runs_config": best_r, "other_us": rest[best_o],
-                    "other_config": best_o, "speedup": rest[best_o] / runs[best_r],
-                    "same_tile_speedups": pairs,
-                    "runs_inf": sum(us == float("inf") for us in runs.values())}
+        fams: dict[str, dict[str, Any]] = {}
+        for config, us in times.items():
+            fam = family(config)
+            if fam is None:
+                continue
+            row = fams.setdefault(fam, {"us": float("inf"), "config": None, "inf": 0})
+            row["inf"] += us == float("inf")
+            if us < row["us"]:
+                row["us"], row["config"] = us, config
+        out[key] = fams
     return out
+
+
+def print_families(fams: dict[str, dict[str, Any]]) -> None:
+    for key, rows in fams.items():
+        best = min(r["us"] for r in rows.values())
+        print(f"family {key}: " + "; ".join(
+            f"{fam} {r['us']:.1f} us (x{best / r['us']:.2f} of best, {r['inf']} failed)"
+            for fam, r in sorted(rows.items(), key=lambda kv: kv[1]["us"])), flush=True)
+        for fam, r in sorted(rows.items(), key=lambda kv: kv[1]["us"])[:3]:
+            print(f"  {fam}: {r['config']}", flush=True)
 
 
 def lop3_vs_rest(candidate_us: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
@@ -222,7 +245,7 @@ def lop3_vs_rest(candidate_us: dict[str, dict[str, float]]) -> dict[str, dict[st
     output before timing them; inf)."""
 
     def is_lop3(config: str) -> bool:
-        return "lop3=True" in config or "path='lop3'" in config
+        return "lop3=True" in config or "path='lop3" in config  # lop3 and lop3z
 
     out: dict[str, dict[str, Any]] = {}
     for key, times in candidate_us.items():
@@ -246,8 +269,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--m64", action="store_true",
+                    help="only the 32 / 64-row GEMM buckets (main_m64: ~2 minutes)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.m64:
+        main_m64(args.out)
+        return
     t_start = time.perf_counter()
     torch.manual_seed(0)
     name = torch.cuda.get_device_name()
@@ -263,6 +291,7 @@ def main() -> None:
     if not args.skip_checks:
         interpreter_checks(report)
         splitk_graph_check(report)
+        gemm_splitk_graph_check(report)
         save()
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -302,13 +331,8 @@ def main() -> None:
         print(f"lop3 {key}: best lop3 {row['lop3_us']:.1f} us ({row['lop3_config']}) vs best "
               f"other {row['other_us']:.1f} us ({row['other_config']}) -> x{row['speedup']:.2f}; "
               f"lop3 candidates rejected as wrong or failed: {row['lop3_inf']}", flush=True)
-    report["runs_vs_plain"] = runs_vs_plain(report["candidate_us"])
-    for key, row in report["runs_vs_plain"].items():
-        same = ", ".join(f"x{v:.2f}" for v in row["same_tile_speedups"].values())
-        print(f"runs {key}: best scale_runs {row['runs_us']:.1f} us vs best other "
-              f"{row['other_us']:.1f} us ({row['other_config']}) -> x{row['speedup']:.2f}; "
-              f"same tile without runs / with: {same}; rejected or failed: {row['runs_inf']}",
-              flush=True)
+    report["families"] = families(report["candidate_us"])
+    print_families(report["families"])
     report["int4_configs"] = {
         s: {"gemv": {b: c.as_dict() for b, c in lins[0]._tuned[torch.bfloat16].gemv.items()},
             "gemm": {b: c.as_dict() for b, c in lins[0]._tuned[torch.bfloat16].gemm.items()}}
@@ -412,6 +436,284 @@ def main() -> None:
     save()
     (args.out / "int4_kernels.md").write_text(markdown(report))
     print(markdown(report))
+
+
+# ------------------------------------------------------------- the 32 / 64-row buckets alone
+
+M64_BUCKETS = (32, 64)
+_TOP = 6  # candidates per shape and bucket re-timed in CUDA graphs
+
+
+def _compile_worker(job: tuple[int, list[dict[str, Any]]]) -> list[str]:
+    """Compiles (by launching once, on small weights with the Llama shapes' specializations:
+    N, K, strides divisible by 16, whole tiles) GEMM candidates into Triton's disk cache, so that
+    the tuning in the parent process finds them. Returns failures."""
+    from shard.kernels.int_gemm import GemmConfig, int_gemm
+
+    rows, configs = job
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = random_packed(512, 2048, gen)
+    x = torch.randn(rows, 2048, device="cuda").bfloat16()
+    failed = []
+    for raw in configs:
+        config = GemmConfig(**raw)
+        try:
+            int_gemm(x, w.qweight, w.scales, w.zeros, GROUP, config=config)
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - the tuner reports it again
+            failed.append(f"{config}: {type(exc).__name__}: {str(exc)[:200]}")
+    return failed
+
+
+def precompile(workers: int = 12) -> dict[str, Any]:
+    """Every 32 / 64-row GEMM candidate compiled in parallel processes (spawned: CUDA)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    from shard.kernels import int_gemm
+
+    jobs: list[tuple[int, list[dict[str, Any]]]] = []
+    for rows in M64_BUCKETS:
+        pool = [c.as_dict() for c in int_gemm.candidates(rows, GROUP, 4096) if c.path != "cublas"]
+        jobs += [(rows, pool[i::workers // len(M64_BUCKETS)])
+                 for i in range(workers // len(M64_BUCKETS))]
+    t0 = time.perf_counter()
+    failed: list[str] = []
+    # (a worker that dies, e.g. an LLVM abort in Triton's compile, breaks the pool instead of
+    # hanging it; the tuner then compiles what is missing itself)
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+            failed = [f for part in ex.map(_compile_worker, jobs) for f in part]
+    except BrokenProcessPool as exc:
+        failed.append(f"a compile worker died: {exc}")
+    return {"seconds": time.perf_counter() - t0, "failed": failed}
+
+
+def gemm_splitk_graph_check(report: dict[str, Any]) -> None:
+    """Every split-K GEMM candidate (dq, lop3, lop3z) of the 32 / 64-row buckets on the o_proj
+    shape: three calls captured in a CUDA graph and replayed, equal to the eager call each time,
+    counters back at zero, within 2^-7 of the fp32 reference."""
+    from shard.kernels.int_gemm import candidates, int_gemm
+
+    n, k = SHAPES["o"]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    w = random_packed(n, k, gen)
+    ref_w = w.dequantize(torch.float32)
+    counters = torch.zeros(n // 8, dtype=torch.int32, device="cuda")
+    rows = []
+    for m in (64, 40, 32, 17):
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        ref = x.float() @ ref_w.t()
+        for config in candidates(max(32, 1 << (m - 1).bit_length()), GROUP, k):
+            if config.split_k == 1:
+                continue
+            out: list[torch.Tensor] = []
+
+            def calls(x: torch.Tensor = x, config: Any = config,
+                      out: list[torch.Tensor] = out) -> None:
+                out.clear()
+                for _ in range(3):
+                    out.append(int_gemm(x, w.qweight, w.scales, w.zeros, GROUP, config=config,
+                                        counters=counters))
+
+            try:
+                eager = int_gemm(x, w.qweight, w.scales, w.zeros, GROUP, config=config,
+                                 counters=counters)
+                graph_us(calls, replays=3)
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - reported
+                rows.append({"m": m, "config": config.as_dict(), "ok": False,
+                             "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                print(f"GEMM split-K graph M={m} {config}: FAILED {exc}", flush=True)
+                continue
+            same = all(torch.equal(o, eager) for o in out)
+            err = float((eager.float() - ref).abs().max() / ref.abs().max())
+            ok = same and err <= 2**-7 and int(counters.abs().sum()) == 0
+            rows.append({"m": m, "config": config.as_dict(), "replays_equal_eager": same,
+                         "max_err": err, "ok": ok})
+            if not ok:
+                print(f"GEMM split-K graph M={m} {config}: equal {same} err {err:.1e} FAILED",
+                      flush=True)
+    print(f"GEMM split-K graph checks: {sum(r['ok'] for r in rows)}/{len(rows)} ok", flush=True)
+    report["gemm_splitk_graph_check"] = rows
+
+
+def main_m64(out: Path) -> None:
+    """The 32 / 64-row GEMM buckets alone (~2 minutes on an H100): candidates compiled in
+    parallel; the new kernel paths' interpreter checks on CUDA and split-K under graph replay;
+    per Llama shape IntLinear tuned for buckets 32 and 64 only (every candidate checked where
+    new, timed by the tuner's do_bench), each bucket's 6 fastest re-timed in CUDA graphs over the
+    32 layers' weights (as a decode step runs them); per-linear int4 vs cuBLAS and 32-layer
+    stacks at M = 32 and 64 (IntLinear's choice, and the graph-fastest candidate per shape
+    forced). Writes int4_kernels_m64.{json,md}; prints `family`, `graph`, `stack` lines."""
+    from shard.kernels import int_tuning
+    from shard.kernels.int_gemm import GemmConfig, gemm_bucket, int_gemm
+
+    t_start = time.perf_counter()
+    torch.manual_seed(0)
+    name = torch.cuda.get_device_name()
+    bandwidth = copy_bandwidth()
+    report: dict[str, Any] = {"device": name, "copy_GBps": bandwidth, "group": GROUP,
+                              "layers": LAYERS, "buckets": M64_BUCKETS}
+    print(f"{name}: copy {bandwidth:.0f} GB/s", flush=True)
+
+    def save() -> None:
+        (out / "int4_kernels_m64.json").write_text(json.dumps(report, indent=1, default=str))
+
+    report["precompile"] = precompile()
+    print(f"[{time.perf_counter() - t_start:.0f} s] precompiled in "
+          f"{report['precompile']['seconds']:.0f} s; failed: {report['precompile']['failed']}",
+          flush=True)
+    # the interpreter test of the new paths (dq split-K, lop3z), compiled, on CUDA
+    source = (ROOT / "tests" / "shard" / "test_triton_int_gemm_interpreter.py").read_text()
+    check = source.split('_SPLIT_CHECK = textwrap.dedent(\n    """', 1)[1].split('"""\n)', 1)[0]
+    try:
+        torch.set_default_device("cuda")
+        exec(compile("import torch\n" + textwrap.dedent(check), "split_check", "exec"), {})  # noqa: S102
+        report["split_check_on_gpu"] = {"ok": True}
+    except Exception as exc:  # noqa: BLE001 - reported, the rest still runs
+        report["split_check_on_gpu"] = {"ok": False,
+                                        "error": "".join(traceback.format_exception(exc))[-2000:]}
+    finally:
+        torch.set_default_device(None)
+    print(f"check split / lop3z paths on CUDA: {report['split_check_on_gpu']}", flush=True)
+    gemm_splitk_graph_check(report)
+    save()
+
+    # IntLinear tuned for the GEMM buckets 32 and 64 only (int_tuning reads these globals)
+    int_tuning.M_BUCKETS = ()
+    int_tuning.GEMM_M_BUCKETS = M64_BUCKETS
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    int4: dict[str, list[IntLinear]] = {}
+    bf16: dict[str, list[torch.Tensor]] = {}
+    tuning_s: dict[str, float] = {}
+    for shape, (n, k) in SHAPES.items():
+        int4[shape] = [IntLinear(random_packed(n, k, gen)) for _ in range(LAYERS)]
+        bf16[shape] = [lin.packed.dequantize(torch.bfloat16) for lin in int4[shape]]
+        x = torch.zeros(64, k, device="cuda", dtype=torch.bfloat16)
+        t0 = time.perf_counter()
+        int4[shape][0](x)
+        torch.cuda.synchronize()
+        tuning_s[shape] = time.perf_counter() - t0
+        for lin in int4[shape][1:]:
+            lin(x)
+        tuned = int4[shape][0]._tuned[torch.bfloat16]
+        print(f"[{time.perf_counter() - t_start:.0f} s] {shape}: tuning {tuning_s[shape]:.1f} s; "
+              f"{ {b: str(c) for b, c in tuned.gemm.items()} }", flush=True)
+    report["tuning_s"] = tuning_s
+    names = {(n, k): shape for shape, (n, k) in SHAPES.items()}
+    report["candidate_us"] = {f"{names.get((n, k), (n, k))}/{kind}/{bucket}": times
+                              for (n, k, kind, bucket), times in int_tuning.TIMINGS.items()}
+    for key, times in report["candidate_us"].items():
+        ranked = sorted(times.items(), key=lambda kv: kv[1])
+        print(f"candidates {key}: " + "; ".join(f"{us:.1f} {c}" for c, us in ranked[:4]),
+              flush=True)
+    report["families"] = families(report["candidate_us"])
+    print_families(report["families"])
+    report["int4_configs"] = {s: {b: c.as_dict() for b, c in lins[0]._tuned[torch.bfloat16]
+                                  .gemm.items()} for s, lins in int4.items()}
+    save()
+
+    # each bucket's fastest candidates re-timed in CUDA graphs over the 32 layers' weights
+    graph: dict[str, dict[str, float]] = {}
+    graph_best: dict[tuple[str, int], GemmConfig] = {}
+    configs = {str(c): c for m in M64_BUCKETS for c in
+               (*int_tuning.int_gemm.candidates(m, GROUP, 4096),
+                *int_tuning.int_gemm.candidates(m, GROUP, 14336))}
+    for shape, (n, k) in SHAPES.items():
+        for m in M64_BUCKETS:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            ranked = sorted(report["candidate_us"][f"{shape}/gemm/{m}"].items(),
+                            key=lambda kv: kv[1])[:_TOP]
+            times = {}
+            for label, _ in ranked:
+                c = configs[label]
+                lins = int4[shape]
+                try:
+                    times[label] = graph_us(lambda c=c, x=x, lins=lins: [
+                        int_gemm(x, lin.packed.qweight, lin.packed.scales, lin.packed.zeros,
+                                 GROUP, config=c, counters=lin.splitk_counters)
+                        for lin in lins]) / LAYERS
+                except Exception as exc:  # noqa: BLE001 - reported
+                    print(f"graph {shape}/{m} {c}: failed {exc}", flush=True)
+                    times[label] = float("inf")
+            graph[f"{shape}/{m}"] = times
+            best = min(times, key=times.__getitem__)
+            graph_best[(shape, m)] = configs[best]
+            print(f"graph {shape}/gemm/{m}: " + "; ".join(
+                f"{us:.1f} (tuner {dict(ranked)[c]:.1f}) {c}" for c, us in
+                sorted(times.items(), key=lambda kv: kv[1])), flush=True)
+    report["graph_us"] = graph
+    save()
+
+    checks, rows, stacks = {}, {}, {}
+    for shape, (n, k) in SHAPES.items():
+        for m in (*M64_BUCKETS, 40):
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            ref = x.float() @ bf16[shape][0].float().t()
+            err = float((int4[shape][0](x).float() - ref).abs().max() / ref.abs().max())
+            checks[f"{shape}/M={m}"] = {"max_err": err, "ok": err <= 2**-7}
+            if err > 2**-7:
+                print(f"CHECK FAILED {shape} M={m}: err {err:.2e}", flush=True)
+        for m in M64_BUCKETS:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            lins, ws = int4[shape], bf16[shape]
+            t_int4 = graph_us(lambda lins=lins, x=x: [lin(x) for lin in lins]) / LAYERS
+            t_cublas = graph_us(lambda ws=ws, x=x: [F.linear(x, w) for w in ws]) / LAYERS
+            rows[f"{shape}/M={m}"] = {"int4_us": t_int4, "bf16_cublas_us": t_cublas,
+                                      "speedup": t_cublas / t_int4}
+            print(f"{shape:8s} M={m:3d} int4 {t_int4:7.1f} us cuBLAS {t_cublas:7.1f} us "
+                  f"-> x{t_cublas / t_int4:.2f}", flush=True)
+    report["llama_shape_checks"] = checks
+    print(f"llama-shape checks: {sum(c['ok'] for c in checks.values())}/{len(checks)} ok",
+          flush=True)
+    report["per_linear"] = rows
+    for m in M64_BUCKETS:
+        xh = torch.randn(m, 4096, device="cuda").bfloat16()
+        xi = torch.randn(m, 14336, device="cuda").bfloat16()
+        xs = {"qkv": xh, "o": xh, "gate_up": xh, "down": xi}
+
+        def int4_stack(xs: dict[str, torch.Tensor] = xs) -> None:
+            for layer in range(LAYERS):
+                for shape in SHAPES:
+                    int4[shape][layer](xs[shape])
+
+        def forced_stack(m: int = m, xs: dict[str, torch.Tensor] = xs) -> None:
+            for layer in range(LAYERS):
+                for shape in SHAPES:
+                    lin = int4[shape][layer]
+                    int_gemm(xs[shape], lin.packed.qweight, lin.packed.scales, lin.packed.zeros,
+                             GROUP, config=graph_best[(shape, gemm_bucket(m))],
+                             counters=lin.splitk_counters)
+
+        def bf16_stack(xs: dict[str, torch.Tensor] = xs) -> None:
+            for layer in range(LAYERS):
+                for shape in SHAPES:
+                    F.linear(xs[shape], bf16[shape][layer])
+
+        t_int4, t_forced, t_bf16 = graph_us(int4_stack), graph_us(forced_stack), graph_us(bf16_stack)
+        stacks[str(m)] = {"int4_us": t_int4, "int4_graph_best_us": t_forced, "bf16_us": t_bf16,
+                          "speedup": t_bf16 / t_int4, "speedup_graph_best": t_bf16 / t_forced}
+        print(f"stack M={m:3d}: int4 {t_int4 / 1e3:.3f} ms (graph-best forced "
+              f"{t_forced / 1e3:.3f}) bf16 {t_bf16 / 1e3:.3f} ms -> x{t_bf16 / t_int4:.2f} "
+              f"(forced x{t_bf16 / t_forced:.2f})", flush=True)
+    report["stack"] = stacks
+    report["seconds"] = time.perf_counter() - t_start
+    save()
+    lines = [f"## W4A16 32 / 64-row GEMM buckets, {name} (copy {bandwidth:.0f} GB/s)", "",
+             "| linear | M | int4 us | bf16 cuBLAS us | bf16 / int4 | chosen |", "|---|---|---|---|---|---|"]
+    for key, row in rows.items():
+        shape, m = key.split("/M=")
+        lines.append(f"| {shape} | {m} | {row['int4_us']:.1f} | {row['bf16_cublas_us']:.1f} | "
+                     f"{row['speedup']:.2f} | {report['int4_configs'][shape][int(m)]} |")
+    lines += ["", "| stack M | int4 ms | graph-best forced ms | bf16 ms | bf16 / int4 |",
+              "|---|---|---|---|---|"]
+    for m, st in stacks.items():
+        lines.append(f"| {m} | {st['int4_us'] / 1e3:.3f} | {st['int4_graph_best_us'] / 1e3:.3f} | "
+                     f"{st['bf16_us'] / 1e3:.3f} | {st['speedup']:.2f} |")
+    (out / "int4_kernels_m64.md").write_text("\n".join(lines) + "\n")
+    print(f"done in {report['seconds']:.0f} s", flush=True)
 
 
 def _gemv_form(c: dict[str, Any]) -> str:

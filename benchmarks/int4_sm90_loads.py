@@ -1,6 +1,8 @@
 """Compile the W4A16 GEMM candidates of the 32..128-row buckets for sm_90 on a CPU (no GPU) and
-count, per candidate, the global loads left in the K loop: whether the loop is pipelined under the
-Triton that is importable (this checkout's, or the GPU machine's 3.6 through PYTHONPATH).
+count, per candidate, the global loads left in the K loop (whether the loop is pipelined), the
+loop's instructions a warp issues per K step, registers, shared memory and how many programs fit
+an SM, under the Triton that is importable (this checkout's, or the GPU machine's 3.6 through
+PYTHONPATH).
 
     PYTHONPATH=$PWD:$PWD/gen/python .venv/bin/python benchmarks/int4_sm90_loads.py
     PYTHONPATH=/tmp/t36:$PWD:$PWD/gen/python .venv/bin/python benchmarks/int4_sm90_loads.py
@@ -12,14 +14,18 @@ element of a replicated layout is one instruction here, which ptxas may merge), 
 of the K loop (the largest loop, nvdisasm): `LDG` synchronous loads, `LDGSTS` cp.async copies
 (the pipelined tiles), `BAR` barriers, `SASS / weight` the loop's instructions x threads /
 weights of a K step. A pipelined loop has only LDGSTS for the weight and x tiles; the scales and
-zeros (2-byte values, one per row) are LDGs loaded one K step ahead into registers, or LDGSTS
-too with GemmConfig.scale_runs.
+zeros (2-byte values, one per row) are LDGs loaded one K step ahead into registers. `warp-step`
+the loop's instructions (what one warp issues per K step: at 1-2 warps per scheduler a step's
+time is about this chain's latency), `regs` ptxas's registers per thread, `smem` the kernel's
+shared memory, `/SM` the programs that fit an SM by both (65536 registers, 228 KB), `mma`
+wgmma or mma.sync. Split-K variants are listed apart (their loop is the split-1 tile's).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,7 +36,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shard.kernels import int_gemm, int_gemv
+from shard.kernels import int_gemm, int_gemm_lop3, int_gemv
 from shard.kernels.int_gemm import GemmConfig
 from tests.shard.test_int_kernels_sm90_ptx import _sass_k_loop
 
@@ -53,14 +59,24 @@ def compile_sm90(fn, types: dict[str, str], consts: dict[str, object], warps: in
 
 def compile_gemm(c: GemmConfig, group: int = 128):
     """int_gemm's kernel for one "dq" / "offset" candidate, bf16 x, group-128 int4."""
-    types = {**_PTRS, **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_qn",
-                                            "stride_sn", "stride_ym")}}
+    types = {**_PTRS, "part_ptr": "*fp32", "count_ptr": "*i32",
+             **{n: "i32" for n in _SCALARS}}
     consts = {"GROUP": group, "NG": max(c.block_k // group, 1), "BLOCK_M": c.block_m,
               "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "GROUP_M": c.group_m,
               "STAGES": c.stages, "HAS_BIAS": False, "BITS": 4, "X_SPLIT": c.x_split,
               "W_FIRST": c.w_first, "X_KIND": 2, "OFFSET": True, "DQ": c.path == "dq",
-              "WORDS": c.words, "RUNS": c.scale_runs}
+              "WORDS": c.words, "SPLIT_K": c.split_k}
     return compile_sm90(int_gemm._int_gemm_kernel, types, consts, c.warps, c.stages)
+
+
+def compile_lop3z(c: GemmConfig):
+    """int_gemm's "lop3z" candidate (shard/kernels/int_gemm_lop3.py), whole tiles."""
+    types = {**_PTRS, "part_ptr": "*fp32", "count_ptr": "*i32",
+             **{n: "i32" for n in _SCALARS}}
+    consts = {"GROUP": 128, "ROWS": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
+              "SPLIT_K": c.split_k, "STAGES": c.stages, "HAS_BIAS": False, "X_KIND": 2,
+              "ASM": True, "EVEN": True}
+    return compile_sm90(int_gemm_lop3._lop3z_kernel, types, consts, c.warps, c.stages)
 
 
 def compile_lop3(c: GemmConfig):
@@ -75,11 +91,27 @@ def compile_lop3(c: GemmConfig):
     return compile_sm90(int_gemv._int_gemv_kernel, types, consts, c.warps, c.stages)
 
 
+def registers(ptx: str, tmp: Path) -> int:
+    """ptxas -v's registers per thread for sm_90a (Triton's ptxas)."""
+    path = tmp / "k.ptx"
+    path.write_text(ptx)
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    err = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(path), "-o", str(tmp / "k.o")],
+                         capture_output=True, text=True, check=True).stderr
+    return int(re.search(r"Used (\d+) registers", err).group(1))
+
+
 def loads(kernel, block_n: int, block_k: int, warps: int, tmp: Path) -> dict[str, float]:
     ptx = kernel.asm["ptx"]
     body = _sass_k_loop(kernel.asm["cubin"], tmp)
     ops = [i.split()[1] if i.startswith("@") else i.split()[0] for i in body]
-    return {"ptx_ld_global": len(re.findall(r"ld\.global", ptx)),
+    regs = registers(ptx, tmp)
+    smem = kernel.metadata.shared
+    return {"regs": regs, "smem_kb": smem / 1024,
+            "per_sm": min(65536 // (regs * 32 * warps), 228 * 1024 // max(smem, 1)),
+            "mma": "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "-",
+            "warp_step": len(body),
+            "ptx_ld_global": len(re.findall(r"ld\.global", ptx)),
             "loop_ldg": sum(o.startswith("LDG") and not o.startswith(("LDGSTS", "LDGDEPBAR"))
                             for o in ops),
             "loop_ldgsts": sum(o.startswith("LDGSTS") for o in ops),
@@ -89,8 +121,7 @@ def loads(kernel, block_n: int, block_k: int, warps: int, tmp: Path) -> dict[str
 
 def label(c: GemmConfig) -> str:
     extra = "".join(f" {f}" for f, on in (("words", c.words), ("w_first", c.w_first),
-                                           ("x_split", c.x_split),
-                                           ("scale_runs", c.scale_runs)) if on)
+                                           ("x_split", c.x_split)) if on)
     sk = f" split-K {c.split_k}" if c.split_k > 1 else ""
     return (f"{c.path} {c.block_m}x{c.block_n}x{c.block_k} w{c.warps} st{c.stages}{extra}{sk}")
 
@@ -107,16 +138,19 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     print(f"triton {triton.__version__}, sm_90, bf16 x, int4 group 128")
     print(f"{'candidate':48s} {'ptx ld.global':>13s} {'loop LDG':>8s} {'LDGSTS':>6s} "
-          f"{'BAR':>3s} {'SASS/weight':>11s}")
+          f"{'BAR':>3s} {'SASS/weight':>11s} {'warp-step':>9s} {'regs':>4s} {'smem':>6s} "
+          f"{'/SM':>3s} mma")
     for name, c in seen.items():
         try:
-            k = compile_lop3(c) if c.path == "lop3" else compile_gemm(c)
+            k = (compile_lop3(c) if c.path == "lop3" else compile_lop3z(c)
+                 if c.path == "lop3z" else compile_gemm(c))
             r = loads(k, c.block_n, c.block_k, c.warps, tmp)
         except Exception as e:  # noqa: BLE001 - report and go on: a survey, not a test
             print(f"{name:48s} failed: {type(e).__name__}: {str(e)[:80]}")
             continue
         print(f"{name:48s} {r['ptx_ld_global']:13d} {r['loop_ldg']:8d} {r['loop_ldgsts']:6d} "
-              f"{r['loop_bar']:3d} {r['per_weight']:11.2f}", flush=True)
+              f"{r['loop_bar']:3d} {r['per_weight']:11.2f} {r['warp_step']:9d} {r['regs']:4d} "
+              f"{r['smem_kb']:5.0f}K {r['per_sm']:3d} {r['mma']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -149,40 +149,6 @@ def group_params(s_ptr, z_ptr, rows, row_mask, k0, k_end, stride_sn, GROUP: tl.c
 
 
 @triton.jit
-def chunk_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP: tl.constexpr):
-    """Scales and zeros of the tile at feature k0 (inside one group), fp32 [BLOCK_N, 1], read as
-    the aligned run of 8 groups around it: a 16-byte vector per row (fp16) whose address depends
-    only on k0, which Triton's pipeliner turns into a cp.async in the K loop's stages like the
-    weight and x tiles (group_params' 2-byte loads stay synchronous), then the tile's group
-    picked in registers by in-thread splits (_pick8: a sum over the run instead compiled to a
-    layout change through shared memory, 4 more barriers a K step). Reads only columns below
-    stride_sn (the row's length for the contiguous [N, G] scales the GEMM passes); vectorized
-    where stride_sn % 8 == 0 (Triton's specialization on divisibility by 16 tells it), scalar
-    loads otherwise."""
-    g = k0 // GROUP
-    cols = tl.max_contiguous(tl.multiple_of((g // 8) * 8 + tl.arange(0, 8), 8), 8)  # [8]
-    ptrs = rows.to(tl.int64)[:, None] * stride_sn + cols[None, :]
-    mask = row_mask[:, None] & (cols < stride_sn)[None, :]
-    s8 = tl.load(s_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_N, 8]
-    z8 = tl.load(z_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
-    s = _pick8(s8, g % 8)
-    z = _pick8(z8, g % 8)
-    return s[:, None], z[:, None]
-
-
-@triton.jit
-def _pick8(v8, j):
-    """v8[:, j] for a [BLOCK_N, 8] run, by three in-thread splits (no reduction)."""
-    BN: tl.constexpr = v8.shape[0]
-    a, b = tl.split(tl.reshape(v8, [BN, 4, 2]))  # even / odd columns
-    v4 = tl.where((j & 1) != 0, b, a)  # [BN, 4]: columns j & 1 + 2i
-    a, b = tl.split(tl.reshape(v4, [BN, 2, 2]))
-    v2 = tl.where((j & 2) != 0, b, a)  # [BN, 2]
-    a, b = tl.split(v2)
-    return tl.where((j & 4) != 0, b, a)  # [BN]
-
-
-@triton.jit
 def dequant(q, s, z, NG: tl.constexpr):
     """(q - z) * s in fp32 for a half-tile q [BLOCK_N, C] (integers) whose C columns hold NG
     equal runs of one group each; s, z [BLOCK_N, NG]."""
@@ -251,6 +217,6 @@ def kernel_group(group: int, k: int) -> int:
     return min(k, group)
 
 
-__all__ = ["chunk_params", "dequant", "group_params", "groups_per_tile", "kernel_group", "load_halves",
+__all__ = ["dequant", "group_params", "groups_per_tile", "kernel_group", "load_halves",
            "load_joined", "load_words", "offset_ok", "offset_weights", "offset_zero", "scale_tile", "tile_fits",
            "triton", "words_tile", "x_kind"]

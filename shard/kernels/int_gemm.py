@@ -27,6 +27,13 @@ Design:
   correction per tile): the packed bytes split into low and high nibbles multiplied with x's
   even / odd columns as OFF + q made exact in x's dtype by bit operations, then
   acc += (part - sum(x) * (OFF + z)) * s; timed only for buckets up to 128 rows.
+  "lop3" (32 / 64 rows, int4): int_gemv's lop3 tile with x padded to the bucket; "lop3z" the
+  same unpack with the zero point subtracted in its inline PTX (shard/kernels/int_gemm_lop3.py:
+  no row sums of x per step).
+- Split-K ("dq", "lop3", "lop3z"; GemmConfig.split_k): the N = 4096 / 6144 shapes have too few
+  output tiles at 32 / 64 rows to give every SM more than one program, and a K step of these
+  tiles is a latency-bound chain (benchmarks/INT_KERNELS.md, "32 / 64 rows"): each K range its
+  own program, fp32 partials and a per-tile arrival counter (int_tiles.finish).
 - Tiles either lie inside one group or hold whole groups (int_dequant.tile_fits).
 - Configs are chosen per M bucket (next power of two, 32..4096) by measured time at warm-up
   (shard/kernels/int_tuning.py), never while a CUDA graph is captured; launches pass the chosen
@@ -45,7 +52,6 @@ import triton
 import triton.language as tl
 
 from shard.kernels.int_dequant import (
-    chunk_params,
     dequant,
     group_params,
     groups_per_tile,
@@ -61,6 +67,7 @@ from shard.kernels.int_dequant import (
     words_tile,
     x_kind,
 )
+from shard.kernels.int_tiles import finish
 
 __all__ = ["GEMM_M_BUCKETS", "GemmConfig", "candidates", "gemm_bucket", "int_gemm"]
 
@@ -75,7 +82,10 @@ def gemm_bucket(m: int) -> int:
 @triton.jit(do_not_specialize=["M"])
 def _int_gemm_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr,
+    part_ptr,  # SPLIT_K > 1: [SPLIT_K, M, N] fp32 partial sums (int_tiles.finish)
+    count_ptr,  # SPLIT_K > 1: [>= output tiles] int32 arrival counters, zero between launches
     M, N, K,
+    K_SPLIT,  # input features per K split: a multiple of BLOCK_K
     stride_xm, stride_qn, stride_sn, stride_ym,
     GROUP: tl.constexpr,
     NG: tl.constexpr,
@@ -92,9 +102,12 @@ def _int_gemm_kernel(
     OFFSET: tl.constexpr,  # int_dequant.offset_ok: weights made exact in x's dtype by bit ops
     DQ: tl.constexpr,  # GemmConfig.path "dq": weight tile dequantized to x's dtype, one MMA chain
     WORDS: tl.constexpr,  # GemmConfig.words ("dq", int4, NG 1): the tile built from int32 words
-    RUNS: tl.constexpr = False,  # GemmConfig.scale_runs ("dq", NG 1): int_dequant.chunk_params
+    SPLIT_K: tl.constexpr = 1,  # GemmConfig.split_k: K ranges per output tile (program_id(1))
 ):
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     # GROUP_M consecutive programs walk down M over the same weight columns (L2 reuse).
@@ -112,16 +125,12 @@ def _int_gemm_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y's tile transposed
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    s, z = group_params(s_ptr, z_ptr, rows, row_mask, 0, K, stride_sn, GROUP, NG)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        if RUNS:
-            # this tile's scales from 16-byte runs of 8 groups, cp.async-pipelined with the tiles
-            s, z = chunk_params(s_ptr, z_ptr, rows, row_mask, k0, stride_sn, GROUP)
-            s_next, z_next = s, z
-        else:
-            # the next tile's scales now (int_dequant.group_params: not pipelined otherwise)
-            s_next, z_next = group_params(s_ptr, z_ptr, rows, row_mask, k0 + BLOCK_K,
-                                          K, stride_sn, GROUP, NG)
+    s, z = group_params(s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_sn, GROUP, NG)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        # the next tile's scales now (int_dequant.group_params: not pipelined otherwise; two
+        # steps ahead through the loop's registers, Triton 3.6 / 3.9 stop pipelining the loop)
+        s_next, z_next = group_params(s_ptr, z_ptr, rows, row_mask, k0 + BLOCK_K,
+                                      k_hi, stride_sn, GROUP, NG)
         if DQ:
             # The standard W4A16 structure: the [BLOCK_N, BLOCK_K] weight tile in feature order,
             # dequantized in registers to x's dtype (exactly PackedInt.dequantize(x.dtype)'s
@@ -188,10 +197,17 @@ def _int_gemm_kernel(
         s, z = s_next, z_next
     if W_FIRST:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + rows[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & row_mask[None, :])
+    if SPLIT_K > 1:
+        # this split's partial, the last of the output tile's splits to arrive adds them all
+        # (its counter: tile pid_m * tiles_n + pid_n, reset to 0 for the next launch / replay)
+        finish(acc, offs_m, m_mask, rows, row_mask, pid_n, pid_k, b_ptr, y_ptr, part_ptr,
+               count_ptr + pid_m * tiles_n, M, N, stride_ym, BLOCK_M, BLOCK_N, SPLIT_K,
+               HAS_BIAS)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + rows[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & row_mask[None, :])
 
 
 @triton.jit
@@ -273,13 +289,10 @@ class GemmConfig:
     words: bool = False
     # "lop3" (32 / 64 rows, int4, tiles inside one group): int_gemv's lop3 tile with x padded to
     # block_m rows, one program over all rows of the bucket (each weight unpacked once, PRMT /
-    # LOP3), split into split_k K ranges (the N = 4096 shapes have too few row blocks otherwise)
+    # LOP3). "lop3" and "dq": K split into split_k ranges, each its own program, the last to
+    # finish adding the fp32 partials (int_tiles.finish): the N = 4096 / 6144 shapes have too
+    # few output tiles to give every SM more than one program otherwise
     split_k: int = 1
-    # "dq", tiles inside one group: the scales and zeros read as 16-byte runs of 8 groups per row
-    # in the K loop's cp.async stages (int_dequant.chunk_params: no synchronous load left in the
-    # loop) instead of 2-byte loads one K step ahead (~0.7-1 more SASS instruction per weight
-    # for the run's layout change: measured against the others)
-    scale_runs: bool = False
 
     def as_dict(self) -> dict[str, int | bool | str]:
         return asdict(self)
@@ -312,14 +325,6 @@ _DQ_WORDS = tuple(
         (256, 128, 64, 8, 3, False), (32, 128, 128, 4, 3, True), (64, 128, 64, 4, 4, True),
     )
 )
-# 32..128-row tiles with their scales and zeros in the cp.async stages (GemmConfig.scale_runs)
-_DQ_RUNS = tuple(
-    GemmConfig(bm, bn, bk, w, st, path="dq", words=wd, scale_runs=True)
-    for bm, bn, bk, w, st, wd in (
-        (32, 128, 128, 4, 3, True), (64, 128, 128, 4, 3, True), (64, 128, 128, 4, 3, False),
-        (64, 256, 128, 8, 3, True), (128, 128, 128, 8, 3, True),
-    )
-)
 _OFFSET = tuple(
     GemmConfig(bm, bn, bk, w, st, x_split=xs, w_first=wf)
     for bm, bn, bk, w, st, xs, wf in (
@@ -334,11 +339,45 @@ _CUBLAS_TILES = ((32, 4), (64, 8))  # (block_n, warps)
 # The "offset" path reads x with stride-2 loads that cannot be pipelined
 # (tests/shard/test_int_kernels_sm90_ptx.py): timed only up to this bucket, where it was chosen.
 _OFFSET_MAX_M = 128
-_CONFIGS = (*_DQ, *_DQ_WORDS, *_DQ_RUNS, *_OFFSET)
-# path "lop3": (block_n, block_k, warps, stages, split_k), block_m = the bucket (32 or 64)
-# (sm_90 SASS per weight in the K loop at 64 rows: 256 x 128 / 8 warps ~4.4, 128 x 128 / 4 ~5.5)
-_LOP3_TILES = ((256, 128, 8, 3, 1), (256, 128, 8, 3, 2), (256, 128, 8, 3, 4), (128, 128, 4, 3, 1),
-               (128, 128, 4, 3, 2), (128, 128, 4, 3, 4), (64, 128, 4, 3, 4), (64, 128, 4, 4, 8))
+_CONFIGS = (*_DQ, *_DQ_WORDS, *_OFFSET)
+
+# The 32- and 64-row buckets (decode batches) have their own short list. Why (H100, 2026-11-28,
+# benchmarks/INT_KERNELS.md "M = 64"): their K steps cost ~1-2.7 us each, latency- not
+# bandwidth-bound. The chosen tiles ran 4 warps per program and 1-2 programs per SM (dq 64 x 64
+# x 128: 96 programs for qkv, 94 KB of shared memory, 128 registers; lop3 64 x 64: 202
+# registers), i.e. 1-2 warps per scheduler, each step one dependent chain of ~470-510 SASS
+# instructions (dequantize or unpack -> shared store -> barrier -> wgmma -> wait -> rescale) at
+# ~4 cycles apiece. So: more warps per scheduler (8-warp tiles; split-K for the dq path too,
+# with stages 3 for 2-3 programs per SM), and fewer instructions per step (the "lop3z" tile,
+# shard/kernels/int_gemm_lop3.py: no row sums of x per step). Kept from the older lists: the
+# tiles that won or came within ~10 % of the winner at 32 / 64 rows on 2026-11-28.
+# "dq": (block_m, block_n, block_k, warps, stages, words, split_k)
+_SMALL_DQ = tuple(
+    GemmConfig(bm, bn, bk, w, st, path="dq", words=wd, split_k=sk)
+    for bm, bn, bk, w, st, wd, sk in (
+        # kept (qkv 64 / gate_up 64 / o 32 winners or near them)
+        (64, 64, 128, 4, 4, True, 1), (64, 128, 128, 4, 3, False, 1),
+        (64, 128, 128, 4, 3, True, 1), (32, 32, 128, 4, 4, False, 1),
+        # 8 warps: half the dequantizing chain per warp, 2 warps per scheduler
+        (64, 64, 128, 8, 3, True, 1), (64, 128, 128, 8, 3, True, 1),
+        # split-K: qkv 96 -> 192 / 384 programs, o / down 64 -> 128 / 256 at 64 x 64 (72 KB of
+        # shared memory at stages 3: 3 programs per SM)
+        (64, 64, 128, 4, 3, True, 2), (64, 64, 128, 4, 3, True, 4), (64, 128, 128, 8, 3, True, 2),
+        (64, 64, 128, 8, 3, True, 4), (64, 64, 128, 8, 3, True, 2), (32, 64, 128, 4, 3, True, 4),
+        # K tiles of 64 (half a group): x's stage 8 KB instead of 16, more programs per SM
+        (64, 64, 64, 4, 4, True, 4),
+    )
+)
+# "lop3": (block_n, block_k, warps, stages, split_k), block_m = the bucket (32 or 64)
+# (sm_90 SASS per weight in the K loop at 64 rows: 256 x 128 / 8 warps ~4.2, 64 x 128 / 4 ~7.9,
+# ~130 instructions a warp-step of them x's row sums)
+_LOP3_TILES = ((256, 128, 8, 3, 1), (128, 128, 4, 3, 1), (128, 128, 4, 3, 4), (64, 128, 4, 3, 4))
+# "lop3z" (shard/kernels/int_gemm_lop3.py: the zero subtracted in the unpack, no row sums):
+# (block_n, block_k, warps, stages, split_k); sm_90 (Triton 3.6) at 64 rows: 64 x 128 /
+# 4 warps ~300 SASS a warp-step (4.7 per weight; lop3: 508, 7.9), 157 registers, 3 programs
+# per SM; 128 x 128 / 4 warps 3.6 per weight (lop3 5.3)
+_LOP3Z_TILES = ((64, 128, 4, 3, 4), (128, 128, 4, 3, 4), (128, 128, 8, 3, 2),
+                (64, 128, 8, 3, 4), (128, 128, 4, 3, 1), (64, 64, 4, 4, 8))
 # (no stages-1 register-prefetch tiles here: at 64 rows they spill to local memory)
 _LOP3_BUCKETS = (32, 64)
 
@@ -346,35 +385,35 @@ _LOP3_BUCKETS = (32, 64)
 def candidates(m: int, group_size: int, in_features: int) -> list[GemmConfig]:
     """The candidates for a bucket of m rows whose K tiles line up with the groups (tiles taller
     than twice the bucket would mostly multiply padding), the dequantize-then-cuBLAS ones last;
-    [] where no K tile lines up."""
+    [] where no K tile lines up. The 32- and 64-row buckets: _SMALL_DQ and the lop3 tiles."""
     block_k = _largest_tile(group_size, in_features)
     if block_k is None:
         return []
-    fits = [c for c in _CONFIGS if tile_fits(c.block_k, group_size, in_features)
-            and (not c.words or (in_features % 32 == 0
-                                 and groups_per_tile(c.block_k, group_size, in_features) == 1))
-            and (not c.scale_runs or _runs_ok(c, group_size, in_features))]
-    if not fits:  # e.g. group 32 with K not a multiple of 64: the largest tile that lines up
-        fits = [GemmConfig(bm, 64, block_k, 4, 3, path="dq") for bm in (32, 64, 128)]
-    sized = [c for c in fits if c.block_m <= max(2 * m, 32)
+
+    def fits(c: GemmConfig) -> bool:
+        return (tile_fits(c.block_k, group_size, in_features)
+                and (not c.words or (in_features % 32 == 0
+                                     and groups_per_tile(c.block_k, group_size, in_features) == 1)))
+
+    # (the short list was chosen for tiles inside one group: group 128 or per channel; smaller
+    # groups keep the general list's tiles of 32 / 64 features)
+    small = [c for c in _SMALL_DQ if m in _LOP3_BUCKETS and fits(c)
+             and groups_per_tile(c.block_k, group_size, in_features) == 1
+             and c.block_m <= max(2 * m, 32)]
+    every = [c for c in _CONFIGS if fits(c)]
+    if not every:  # e.g. group 32 with K not a multiple of 64: the largest tile that lines up
+        every = [GemmConfig(bm, 64, block_k, 4, 3, path="dq") for bm in (32, 64, 128)]
+    sized = [c for c in every if c.block_m <= max(2 * m, 32)
              and (c.path != "offset" or m <= _OFFSET_MAX_M)]
-    lop3 = [GemmConfig(m, bn, bk, w, st, path="lop3", split_k=sk)
-            for bn, bk, w, st, sk in _LOP3_TILES
-            if m in _LOP3_BUCKETS and in_features % 32 == 0
-            and groups_per_tile(bk, group_size, in_features) == 1
-            and tile_fits(bk, group_size, in_features)]
-    return [*(sized or fits), *lop3,
+    lop3_ok = m in _LOP3_BUCKETS and in_features % 32 == 0
+    tiles = [*((GemmConfig(m, bn, bk, w, st, path="lop3", split_k=sk)
+                for bn, bk, w, st, sk in _LOP3_TILES)),
+             *((GemmConfig(m, bn, bk, w, st, path="lop3z", split_k=sk)
+                for bn, bk, w, st, sk in _LOP3Z_TILES))]
+    lop3 = [c for c in tiles if lop3_ok and groups_per_tile(c.block_k, group_size, in_features) == 1
+            and tile_fits(c.block_k, group_size, in_features)]
+    return [*(small or sized or every), *lop3,
             *(GemmConfig(0, bn, block_k, w, 1, path="cublas") for bn, w in _CUBLAS_TILES)]
-
-
-def _runs_ok(config: GemmConfig, group_size: int, k: int) -> bool:
-    """Whether a "dq" config reads its scales as runs (GemmConfig.scale_runs): tiles inside one
-    group, and not the words tile of 64 features, whose [BLOCK_N, 8] int32 words beside the
-    [BLOCK_N, 8] runs fail Triton's compile (3.6: an LLVM abort that ends the process, 3.9: a
-    pass error; found with benchmarks/int4_sm90_loads.py)."""
-    return (config.path == "dq" and config.scale_runs
-            and groups_per_tile(config.block_k, group_size, k) == 1
-            and not (config.words and config.block_k // 8 == 8))
 
 
 def _largest_tile(group_size: int, k: int) -> int | None:
@@ -399,8 +438,8 @@ def int_gemm(
     bias: torch.Tensor | None = None,  # [N]
     bits: int = 4,
     config: GemmConfig | None = None,
-    counters: torch.Tensor | None = None,  # "lop3" split-K: int32, zero (int_gemv.int4_gemv)
-    int_zeros: bool = True,  # "lop3": every zero point an integer
+    counters: torch.Tensor | None = None,  # split-K: int32, zero, >= output tiles (else fresh)
+    int_zeros: bool = True,  # every zero point an integer ("lop3z" needs it, else runs "lop3")
 ) -> torch.Tensor:
     """y [M, N] = x @ dequant(qweight).T (+ bias) in x's dtype; config: a tuned candidate (None:
     the first candidate of M's bucket)."""
@@ -411,12 +450,22 @@ def int_gemm(
                          f"hold {k} int{bits} input features")
     if config is None:
         config = default_config(gemm_bucket(m), group_size, k)
-    if config.path == "lop3":
+    if config.path in ("lop3", "lop3z"):
         if (bits == 4 and k % 32 == 0 and qweight.stride(0) % 16 == 0
                 and qweight.data_ptr() % 16 == 0 and config.block_k >= 32
                 and groups_per_tile(config.block_k, group_size, k) == 1
                 and tile_fits(config.block_k, group_size, k)):
             from shard.kernels.int_gemv import GemvConfig, int4_gemv
+
+            if config.path == "lop3z" and int_zeros:
+                from shard.kernels.int_gemm_lop3 import lop3z_gemm
+
+                # rows beyond the tile (a config used above its bucket): one launch per block_m
+                return torch.cat([
+                    lop3z_gemm(x[i:i + config.block_m], qweight, scales, zeros, group_size, bias,
+                               config.block_m, config.block_n, config.block_k, config.warps,
+                               config.stages, config.split_k, counters)
+                    for i in range(0, m, config.block_m)]) if m else x.new_empty(0, n)
 
             tile = GemvConfig(config.block_n, config.block_k, config.warps, config.stages,
                               config.split_k, use_dot=True, lop3=True)
@@ -425,7 +474,8 @@ def int_gemm(
                                         group_size, bias, bits=4, int_zeros=int_zeros,
                                         config=tile, counters=counters, rows=config.block_m)
                               for i in range(0, m, config.block_m)]) if m else x.new_empty(0, n)
-        config = replace(config, path="dq", split_k=1)  # not an int4 weight the tile reads
+        # not an int4 weight the tile reads: the dq tile of the same shape, whole K
+        config = replace(config, path="dq", split_k=1)
     if config.path == "cublas":
         w = dequantize_weight(qweight, scales, zeros, group_size, k, x.dtype, bits,
                               config.block_n, config.block_k, config.warps)
@@ -444,10 +494,25 @@ def int_gemm(
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return y
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
-    _int_gemm_kernel[grid](
-        x, qweight, scales, zeros, bias if bias is not None else scales, y,
-        m, n, k,
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    # K split into whole tiles (an empty last split cannot occur: split recomputed from k_split)
+    split = max(1, min(config.split_k if config.path == "dq" else 1,
+                       triton.cdiv(k, config.block_k)))
+    k_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
+    split = triton.cdiv(k, k_split)
+    if split > 1:
+        if counters is None or counters.numel() < tiles:
+            # (a config used above its bucket can have more output tiles than a linear's
+            # counters: fresh zeroed ones, from the caching allocator, are as good)
+            counters = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+        elif counters.dtype != torch.int32:
+            raise ValueError("int_gemm: split-K counters must be int32")
+        part = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    else:
+        counters = part = scales  # valid pointers, never read
+    _int_gemm_kernel[(tiles, split)](
+        x, qweight, scales, zeros, bias if bias is not None else scales, y, part, counters,
+        m, n, k, k_split,
         k, qweight.stride(0), scales.stride(0), n,
         GROUP=kernel_group(group_size, k),
         NG=groups_per_tile(config.block_k, group_size, k),
@@ -464,7 +529,7 @@ def int_gemm(
         OFFSET=offset_ok(bits, x_kind(x.dtype)),
         DQ=config.path == "dq",
         WORDS=config.words,
-        RUNS=_runs_ok(config, group_size, k),
+        SPLIT_K=split,
         num_warps=config.warps,
         num_stages=config.stages,
     )

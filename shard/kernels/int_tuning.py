@@ -96,7 +96,8 @@ class IntTuning:
         return cls(gemv, gemm)
 
 
-_SOURCES = ("int_gemv.py", "int_gemv_wide.py", "int_tiles.py", "int_gemm.py", "int_dequant.py", "int_tuning.py", "graph_timing.py")
+_SOURCES = ("int_gemv.py", "int_gemv_wide.py", "int_tiles.py", "int_gemm.py", "int_gemm_lop3.py",
+            "int_dequant.py", "int_tuning.py", "graph_timing.py")
 
 
 @functools.cache
@@ -229,15 +230,16 @@ def _tune(w: IntWeightView, dtype: torch.dtype) -> IntTuning:
         x = torch.randn((bucket, k), dtype=dtype, device=device)
         pool = int_gemm.candidates(bucket, w.group_size, k)
         ref = None
-        # the lop3 (inline PTX) and scale_runs (new Triton code paths) candidates are checked
-        if any(c.path == "lop3" or c.scale_runs for c in pool):  # as the GEMVs are
+        # the lop3 / lop3z (inline PTX) and split-K (counters, partials) candidates are
+        # checked as the GEMVs are
+        if any(_checked(c) for c in pool):
             w_ref = _dequantized(w)
             ref = x.float() @ w_ref.t() + (0.0 if w.bias is None else w.bias.float())
             del w_ref
 
         def check(c: GemmConfig, x: torch.Tensor = x, ref: torch.Tensor | None = ref
                   ) -> str | None:
-            if (c.path != "lop3" and not c.scale_runs) or ref is None:
+            if not _checked(c) or ref is None:
                 return None
             err = float((w.gemm(x, c).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
             return None if err <= _CHECK_BOUND else f"max error {err:.2e} of max |y|"
@@ -246,6 +248,12 @@ def _tune(w: IntWeightView, dtype: torch.dtype) -> IntTuning:
                                        check)
         TIMINGS[(w.qweight.shape[0], k, "gemm", bucket)] = times
     return IntTuning(gemv, gemm)
+
+
+def _checked(c: GemmConfig) -> bool:
+    """Whether a GEMM candidate's output is checked before it is timed: the inline-PTX tiles and
+    the split-K ones (the others' code paths run in the interpreter tests as compiled)."""
+    return c.path in ("lop3", "lop3z") or c.split_k > 1
 
 
 def _load(w: IntWeightView, dtype: torch.dtype, tuned: IntTuning) -> None:

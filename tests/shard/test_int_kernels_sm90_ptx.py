@@ -7,7 +7,7 @@ H100 (benchmarks/raw/round10/int4/): x's even / odd columns were read with strid
 narrow for cp.async, so every K step waited on synchronous global loads (38-80 ld.global in the
 compiled loop). The "dq" GEMM and the "join" / "words" GEMV load x's tile contiguously and the
 scales one step ahead; what is left as ld.global are those scale / zero loads (<= 8
-instructions; the dq GEMM's counted in the loop's SASS, see its test; none with scale_runs).
+instructions; the dq GEMM's counted in the loop's SASS, see its test).
 
 Runs under whichever Triton is importable (CI: this checkout's); the GPU machine's 3.6 too:
 PYTHONPATH=/tmp/t36:$PWD:$PWD/gen/python .venv/bin/python -m pytest tests/shard/test_int_kernels_sm90_ptx.py
@@ -63,6 +63,9 @@ def _compile_kernel(fn, types: dict[str, str], consts: dict[str, object], warps:
 
 _PTRS = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16", "b_ptr": "*fp16",
          "y_ptr": "*bf16"}
+_SPLIT_PTRS = {"part_ptr": "*fp32", "count_ptr": "*i32"}
+_GEMM_SCALARS = {n: "i32" for n in ("M", "N", "K", "K_SPLIT", "stride_xm", "stride_qn",
+                                    "stride_sn", "stride_ym")}
 
 
 def _loop_loads(body: list[str]) -> tuple[int, int]:
@@ -72,32 +75,28 @@ def _loop_loads(body: list[str]) -> tuple[int, int]:
     return sync, sum(o.startswith("LDGSTS") for o in ops)
 
 
-@pytest.mark.parametrize(("words", "runs"), [(False, False), (True, False), (True, True)])
-def test_dq_gemm_k_loop_is_pipelined(tmp_path, words: bool, runs: bool) -> None:
+@pytest.mark.parametrize("words", [False, True])
+def test_dq_gemm_k_loop_is_pipelined(tmp_path, words: bool) -> None:
     """The "dq" GEMM (the 32..128-row buckets): the weight and x tiles cp.async-pipelined, the
     accumulator in wgmma, and in the compiled K loop (SASS, after ptxas) only the scale / zero
-    loads one step ahead as synchronous loads, or none with scale_runs. Counted in SASS, not
+    loads one step ahead as synchronous loads. Counted in SASS, not
     PTX: Triton 3.6 (the GPU machine's) loads the [BLOCK_N, 1] scales in the tile's replicated
     layout, 16-256 identical ld.global per thread in the PTX, which ptxas merges into the same
     2 LDG as 3.9's (benchmarks/int4_sm90_loads.py, benchmarks/INT_KERNELS.md)."""
     from shard.kernels import int_gemm
 
-    types = {**_PTRS, "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_qn": "i32",
-             "stride_sn": "i32", "stride_ym": "i32"}
+    types = {**_PTRS, **_SPLIT_PTRS, **_GEMM_SCALARS}
     consts = {"GROUP": 128, "NG": 1, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,
               "STAGES": 3, "HAS_BIAS": False, "BITS": 4, "X_SPLIT": False, "W_FIRST": False,
-              "X_KIND": 2, "OFFSET": True, "DQ": True, "WORDS": words, "RUNS": runs}
+              "X_KIND": 2, "OFFSET": True, "DQ": True, "WORDS": words, "SPLIT_K": 1}
     kernel = _compile_kernel(int_gemm._int_gemm_kernel, types, consts, warps=4, stages=3)
     ptx = kernel.asm["ptx"]
     assert re.search(r"cp\.async\.c[ag]\.shared\.global", ptx), "x / weight tiles not cp.async"
     assert "wgmma.mma_async" in ptx  # Hopper's asynchronous MMA, accumulator kept in it
     sync, copies = _loop_loads(_sass_k_loop(kernel.asm["cubin"], tmp_path))
-    # per thread: x's 64 x 128 bf16 = 8 16-byte copies, the weights' 128 x 64 B in 4-8 copies,
-    # the scale and zero runs 2 more
-    assert copies >= 12 + 2 * runs, f"{copies} cp.async copies in the K loop"
-    assert sync <= (0 if runs else 2), f"{sync} synchronous global loads in the K loop"
-    if runs:
-        assert "ld.global" not in ptx
+    # per thread: x's 64 x 128 bf16 = 8 16-byte copies, the weights' 128 x 64 B in 4-8 copies
+    assert copies >= 12, f"{copies} cp.async copies in the K loop"
+    assert sync <= 2, f"{sync} synchronous global loads in the K loop"
 
 
 @pytest.mark.parametrize("form", ["join", "words"])
@@ -328,3 +327,121 @@ def test_multi_group_tiles_load_wide_rows_before_the_pdl_wait(tmp_path, diag: bo
         assert "wgmma.mma_async" in ptx or "mma.sync" in ptx
     bound = 3.6 if diag else 6.5 if persist else 5.5
     assert per_weight <= bound, f"{per_weight:.2f} SASS per weight"
+
+
+# ------------------------------------ the 32 / 64-row buckets: lop3z and split-K dq (issue 40)
+
+
+def _lop3z_compile(tmp_path, block_n: int, warps: int, split_k: int = 4, rows: int = 64):
+    """int_gemm_lop3's kernel for sm_90 (bf16 x, group-128 int4, whole tiles): (SASS of the K
+    loop, PTX)."""
+    from shard.kernels import int_gemm_lop3
+
+    consts = {"GROUP": 128, "ROWS": rows, "BLOCK_N": block_n, "BLOCK_K": 128,
+              "SPLIT_K": split_k, "STAGES": 3, "HAS_BIAS": False, "X_KIND": 2, "ASM": True,
+              "EVEN": True}
+    kernel = _compile_kernel(int_gemm_lop3._lop3z_kernel, {**_PTRS, **_SPLIT_PTRS,
+                                                           **_GEMM_SCALARS}, consts, warps, 3)
+    return _sass_k_loop(kernel.asm["cubin"], tmp_path), kernel.asm["ptx"]
+
+
+def test_lop3z_tile_has_no_row_sums_and_fewer_instructions(tmp_path) -> None:
+    """The lop3z tile (int_gemm path "lop3z", 32 / 64 rows): the zero point subtracted from each
+    unpacked pair by one packed bf16 FMA in the inline PTX (ptxas: HADD2.BF16_V2), no row sums
+    of x in the K loop (the lop3 tile's shuffle reduction: ~32 SHFL and ~90 FADD a warp-step at
+    64 x 64), wgmma with the unpacked tile from registers, everything streamed by cp.async, and
+    under ~65 % of the lop3 tile's instructions a warp-step (Triton 3.6: 302 vs 508; 3.9 about
+    the same), the 2-byte scale / zero loads one step ahead the only synchronous ones."""
+    body, ptx = _lop3z_compile(tmp_path, 64, 4)
+    lop3_per_weight, _ = _gemv_per_weight(tmp_path, "lop3", "*bf16", 64, 4, rows=64)
+    lop3_steps = lop3_per_weight * 64 * 128 / (32 * 4)  # instructions a warp issues per K step
+    ops = [i.split()[1] if i.startswith("@") else i.split()[0] for i in body]
+    assert ptx.count("fma.rn.bf16x2") >= 4 and ptx.count("lop3.b32") >= 4, "no fused unpack"
+    assert "wgmma.mma_async" in ptx
+    assert re.search(r"cp\.async\.c[ag]\.shared\.global", ptx)
+    assert not any(o.startswith("SHFL") for o in ops), "x's row sums are back in the loop"
+    assert sum(o.startswith(("HADD2.BF16", "HFMA2.BF16")) for o in ops) >= 16
+    sync, copies = _loop_loads(body)
+    assert copies >= 8 and sync <= 4, (sync, copies)
+    assert len(body) < 0.65 * lop3_steps, (len(body), lop3_steps)
+
+
+def test_dq_split_k_compiles_with_the_finish_outside_the_loop(tmp_path) -> None:
+    """The split-K dq tile (64 x 64 x 128, 8 warps): still pipelined
+    (cp.async tiles, wgmma, <= 2 synchronous loads in the loop: the scales), the finish's
+    acq_rel counter after the loop, and 8 warps halve the per-warp chain of a K step
+    (Triton 3.6: 294 SASS instructions a warp-step against 472 at 4 warps)."""
+    from shard.kernels import int_gemm
+
+    def compile_dq(warps: int, split_k: int):
+        consts = {"GROUP": 128, "NG": 1, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128,
+                  "GROUP_M": 8, "STAGES": 3, "HAS_BIAS": False, "BITS": 4, "X_SPLIT": False,
+                  "W_FIRST": False, "X_KIND": 2, "OFFSET": True, "DQ": True, "WORDS": True,
+                  "SPLIT_K": split_k}
+        return _compile_kernel(int_gemm._int_gemm_kernel, {**_PTRS, **_SPLIT_PTRS,
+                                                           **_GEMM_SCALARS}, consts, warps, 3)
+
+    split = compile_dq(8, 4)
+    ptx = split.asm["ptx"]
+    body = _sass_k_loop(split.asm["cubin"], tmp_path)
+    assert "wgmma.mma_async" in ptx and re.search(r"atom\.[\w.]*acq_rel[\w.]*\.add", ptx)
+    sync, copies = _loop_loads(body)
+    assert copies >= 4 and sync <= 2, (sync, copies)
+    assert not any("ATOM" in i or "RED" in i.split()[0] for i in body), "finish inside the loop"
+    four = _sass_k_loop(compile_dq(4, 1).asm["cubin"], tmp_path)
+    assert len(body) < 0.75 * len(four), (len(body), len(four))
+
+
+def _fma_x2(a: int, b: int, c: int, dtype) -> int:
+    """PTX fma.rn.{bf16x2,f16x2}: per 16-bit half, a * b + c rounded once to the dtype."""
+    import torch
+
+    def halves(v: int) -> torch.Tensor:
+        raw = torch.tensor([v & 0xFFFF, (v >> 16) & 0xFFFF], dtype=torch.int32).to(torch.int16)
+        return raw.view(dtype).double()
+
+    d = (halves(a) * halves(b) + halves(c)).to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
+    return int(d[0]) | int(d[1]) << 16
+
+
+@pytest.mark.parametrize("x_kind", [1, 2])
+def test_lop3z_unpack_asm_gives_q_minus_z(x_kind: int) -> None:
+    """int_gemm_lop3's inline PTX, executed instruction by instruction in Python (PRMT, LOP3, MOV,
+    the packed FMA): output j's low half = q - z of element a's byte j (its zero from $6's low
+    half), the high half the same of element b ($7), exactly, in bf16 / fp16. The interpreter
+    tests cover the kernel's Triton form; the GPU run checks the compiled kernel."""
+    import random
+
+    import torch
+
+    from shard.kernels.int_gemm_lop3 import unpack_sub_asm
+
+    dtype, magic, one, fma, off = ((torch.float16, 0x64006400, 0x3C003C00, "fma.rn.f16x2", 1024)
+                                   if x_kind == 1 else
+                                   (torch.bfloat16, 0x43004300, 0x3F803F80, "fma.rn.bf16x2", 128))
+    asm = unpack_sub_asm(magic, one, fma)
+
+    def bits(v: float) -> int:  # a 16-bit pattern in an int32 register, as the kernel passes nz
+        return int(torch.tensor([v], dtype=dtype).view(torch.int16).to(torch.int32)[0])
+
+    rng = random.Random(0)
+    for _ in range(100):
+        a, b = rng.getrandbits(32), rng.getrandbits(32)
+        za, zb = rng.randrange(16), rng.randrange(16)
+        regs = {"$4": a, "$5": b, "$6": bits(-(off + za)) & 0xFFFFFFFF,
+                "$7": bits(-(off + zb)) & 0xFFFFFFFF}
+        for line in asm.splitlines():
+            op = re.match(r"(prmt|lop3|mov|fma)\.\S+ (\S+), (\S+)(?:, (\S+))?(?:, (\S+))?(?:, (\S+))?;",
+                          line)
+            if not op:
+                continue
+            args = [regs[x] if x in regs else int(x, 0) for x in op.groups()[2:] if x is not None]
+            name = op.group(1)
+            regs[op.group(2)] = (_prmt(*args[:3]) if name == "prmt"
+                                 else _lop3(*args) if name == "lop3" else args[0] if name == "mov"
+                                 else _fma_x2(*args, dtype))
+        for j in range(4):
+            lo = torch.tensor([regs[f"${j}"] & 0xFFFF], dtype=torch.int32).to(torch.int16)
+            hi = torch.tensor([regs[f"${j}"] >> 16], dtype=torch.int32).to(torch.int16)
+            assert float(lo.view(dtype)[0]) == ((a >> (8 * j)) & 0xF) - za, (hex(a), j)
+            assert float(hi.view(dtype)[0]) == ((b >> (8 * j)) & 0xF) - zb, (hex(b), j)

@@ -84,18 +84,6 @@ _CHECK = textwrap.dedent(
          GemmConfig(16, 32, 64, 4, 2, path="dq", w_first=True, words=True)),
         (4, 24, 128, 32, False, torch.bfloat16, False, 18,
          GemmConfig(16, 32, 64, 4, 2, path="dq", words=True)),
-        # scales / zeros read as runs of 8 groups and picked in registers (scale_runs): 16
-        # groups a row (two runs, every position) with fractional fp32 zeros; 12 groups a row
-        # from words (the second run partly past the row's end, masked); one group per row with
-        # a K tail; int8 with 2 groups per tile falls back to group_params
-        (4, 24, 1024, 64, True, torch.bfloat16, True, 20,
-         GemmConfig(32, 16, 64, 4, 2, path="dq", scale_runs=True)),
-        (4, 16, 1536, 128, False, torch.float16, False, 17,
-         GemmConfig(32, 16, 128, 4, 2, path="dq", words=True, scale_runs=True)),
-        (4, 20, 96, 96, False, torch.bfloat16, True, 18,
-         GemmConfig(32, 32, 64, 4, 2, path="dq", scale_runs=True)),
-        (8, 24, 128, 32, False, torch.float16, True, 18,
-         GemmConfig(16, 16, 64, 4, 2, path="dq", scale_runs=True)),
         # dequantize (one kernel) then F.linear: several groups per tile, a K tail, int8
         (4, 24, 256, 64, False, torch.bfloat16, True, 20, GemmConfig(0, 16, 128, 4, 1, path="cublas")),
         (4, 20, 96, 96, True, torch.float16, False, 18, GemmConfig(0, 16, 128, 4, 1, path="cublas")),
@@ -151,3 +139,69 @@ _CHECK = textwrap.dedent(
 
 def test_int_gemm_in_interpreter():
     run_interpreted(BF16_DOT_PRELUDE + _CHECK)
+
+
+# The 32 / 64-row buckets' new paths: the dq tile split along K (partials and arrival counters
+# per output tile, int_tiles.finish); the lop3z tile
+# (shard/kernels/int_gemm_lop3.py: the zero point subtracted in the unpack, here its Triton
+# form). Counters shared across calls and left at zero; M / N / K-split tails; bias; bf16 and fp16;
+# fractional zero points send a lop3z config to the lop3 tile.
+_SPLIT_CHECK = textwrap.dedent(
+    """
+    from shard.kernels.int_gemm import GemmConfig, int_gemm
+    from shard.quantization.int_weights import PackedInt, UnpackedInt
+
+    torch.manual_seed(1)
+    counters = torch.zeros(16, dtype=torch.int32)
+
+    def packed_weight(n, k, group, fractional=False):
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        scales = (torch.rand(n, k // group) * 0.1 + 0.01).half()
+        zeros = (torch.rand(n, k // group) * 30 - 15 if fractional
+                 else torch.randint(0, 16, (n, k // group)).half())
+        return PackedInt.pack(UnpackedInt(q, scales, zeros, torch.arange(k) // group, 4))
+
+    # (N, K, group, fractional, dtype, bias, M, config)
+    CASES = (
+        # split-K 3 of 5 K tiles (the last split shorter), 2 M tiles x 2 N tiles, N tail
+        (24, 320, 64, False, torch.bfloat16, True, 20,
+         GemmConfig(16, 16, 64, 4, 2, path="dq", words=True, split_k=3)),
+        (32, 256, 128, False, torch.float16, False, 33,
+         GemmConfig(32, 16, 64, 4, 2, path="dq", split_k=2)),
+        (16, 256, 64, True, torch.bfloat16, True, 17,
+         GemmConfig(32, 16, 64, 4, 2, path="dq", w_first=True, split_k=4)),
+        # 8 K steps over 4 groups (the scales carried one step ahead), dq and lop3z
+        (16, 512, 128, False, torch.bfloat16, False, 18,
+         GemmConfig(16, 16, 64, 4, 2, path="dq", words=True)),
+        (16, 512, 64, False, torch.float16, True, 18,
+         GemmConfig(32, 16, 64, 4, 2, path="lop3z")),
+        # lop3z: split-K 2 with an N tail (masked loads), whole-tile shapes (unmasked), fp16
+        (40, 256, 128, False, torch.bfloat16, True, 20,
+         GemmConfig(32, 16, 64, 4, 2, path="lop3z", split_k=2)),
+        (32, 256, 64, False, torch.float16, False, 64,
+         GemmConfig(64, 32, 64, 4, 2, path="lop3z", split_k=1)),
+        (32, 256, 128, False, torch.bfloat16, False, 40,
+         GemmConfig(32, 16, 64, 4, 2, path="lop3z", split_k=4)),  # rows past 32
+        (24, 128, 64, True, torch.bfloat16, True, 20,
+         GemmConfig(32, 16, 64, 4, 2, path="lop3z")),  # fractional zeros: the lop3 tile
+    )
+    for n, k, group, fractional, dtype, with_bias, m, config in CASES:
+        packed = packed_weight(n, k, group, fractional)
+        bias = torch.randn(n).to(dtype) if with_bias else None
+        x = torch.randn(m, k).to(dtype)
+        ref = x.float() @ packed.dequantize(torch.float32).t()
+        if bias is not None:
+            ref += bias.float()
+        y = int_gemm(x, packed.qweight, packed.scales, packed.zeros, group, bias, config=config,
+                     counters=counters, int_zeros=not fractional)
+        err = float((y.float() - ref).abs().max() / ref.abs().max())
+        label = (n, k, group, fractional, dtype, m, config)
+        assert y.shape == (m, n) and y.dtype == dtype, label
+        assert err <= (2**-6 if dtype == torch.bfloat16 else 2**-9), (label, err)
+        assert int(counters.abs().sum()) == 0, label
+    """
+)
+
+
+def test_int_gemm_split_k_and_lop3z_in_interpreter():
+    run_interpreted(BF16_DOT_PRELUDE + _SPLIT_CHECK)
