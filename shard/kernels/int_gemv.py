@@ -335,6 +335,10 @@ class GemvConfig:
     # wide / diag tiles: > 0 caps the registers per thread (ptxas .maxnreg) so that more programs
     # fit an SM (more bytes in flight); only where the sm_90 compile showed no spills
     maxnreg: int = 0
+    # wide tiles, stages 0, gridded: x's planes / the scales loaded and the nibbles unpacked by
+    # inline PTX in the words' layout (int_gemv_wide._ptx_k_loop: no layout conversion or
+    # barrier in the K loop, one LOP3 a weight)
+    ptx: bool = False
 
     def as_dict(self) -> dict[str, int | bool]:
         return asdict(self)
@@ -574,7 +578,7 @@ def int4_gemv(
         return int_gemv_wide.wide_gemv(x, qweight, scales, zeros, group_size, bias,
                                        config.block_n, config.block_k, config.warps,
                                        config.stages, config.split_k, config.diag, config.pdl,
-                                       counters, config.persist, config.maxnreg)
+                                       counters, config.persist, config.maxnreg, config.ptx)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     tiles_n = triton.cdiv(n, config.block_n)
     split = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))

@@ -274,7 +274,8 @@ def test_lop3_gemv_register_prefetch_form(tmp_path) -> None:
 
 
 def _wide_compile(tmp_path, diag: bool, block_n: int, block_k: int, warps: int,
-                  stages: int = 1, persist: bool = False) -> tuple[float, str, list[str]]:
+                  stages: int = 1, persist: bool = False,
+                  ptx: bool = False) -> tuple[float, str, list[str]]:
     """SASS instructions per weight in the K loop, the PTX and the loop's SASS, of a wide / diag tile of
     group-128 int4 weights at batch 1, launched as a programmatic dependent."""
     from triton.backends.compiler import GPUTarget
@@ -287,8 +288,9 @@ def _wide_compile(tmp_path, diag: bool, block_n: int, block_k: int, warps: int,
              "stride_sn": "i32", "stride_ym": "i32"}
     consts = {"GROUP": 128, "BLOCK_N": block_n, "BLOCK_K": block_k,
               "ROWS": int_gemv_wide.diag_rows(1, block_k, 128) if diag else 1, "SPLIT_K": 1,
-              "STAGES": stages, "HAS_BIAS": False, "X_KIND": 2, "DIAG": diag, "ASM": diag,
-              "EVEN": True, "PDL": True, "PERSIST": persist, "TILES": 4}
+              "STAGES": stages, "HAS_BIAS": False, "X_KIND": 2, "DIAG": diag,
+              "ASM": diag or ptx, "EVEN": True, "PDL": True, "PERSIST": persist, "TILES": 4,
+              "XPTX": ptx}
     sig = {**types, **dict.fromkeys(consts, "constexpr")}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
              if ty != "constexpr" and name not in ("M", "count_ptr")
@@ -328,3 +330,62 @@ def test_multi_group_tiles_load_wide_rows_before_the_pdl_wait(tmp_path, diag: bo
         assert "wgmma.mma_async" in ptx or "mma.sync" in ptx
     bound = 3.6 if diag else 6.5 if persist else 5.5
     assert per_weight <= bound, f"{per_weight:.2f} SASS per weight"
+
+
+@pytest.mark.parametrize(("block_n", "block_k", "warps"), [(16, 1024, 4), (8, 2048, 4)])
+def test_ptx_wide_tile_has_no_layout_conversion_in_its_k_loop(tmp_path, block_n: int,
+                                                             block_k: int, warps: int) -> None:
+    """The wide tile's inline-PTX form (GemvConfig.ptx): x's planes and the scales are loaded in
+    the words' layout, so its K loop has no barrier and no shared-memory traffic (the Triton
+    form converts them through shared memory: 22-28 barriers a K step under Triton 3.6), x is
+    one 16-byte load per word column, each nibble one LOP3, and the loop stays under ~4.2 SASS
+    per weight (measured when written, Triton 3.9 / 3.6: 16 x 1024 3.9 / 3.95, 8 x 2048 3.9 /
+    3.95; the Triton form 4.7 / 4.8 and 4.8 / 5.2). The first tile's weights are loaded before
+    the PDL wait, which sits in the same asm statement as the first x load."""
+    per_weight, ptx, body = _wide_compile(tmp_path, False, block_n, block_k, warps, stages=0,
+                                          ptx=True)
+    ops = [i.split()[1] if i.startswith("@") else i.split()[0] for i in body]
+    assert not [o for o in ops if o.startswith(("BAR", "STS", "LDS"))], "layout conversion"
+    weight_loads = [i for i in body if "LDG.E.EF" in i]
+    assert weight_loads and all(".128" in i for i in weight_loads), weight_loads
+    # x: one 16-byte load per word column a thread holds, shared by its rows (>= 2 here): at
+    # most half a load per word a thread holds (4 per weight load)
+    x_loads = [i for i in body if "LDG.E.128" in i]
+    assert x_loads and len(x_loads) <= 2 * len(weight_loads), (x_loads, weight_loads)
+    lop3 = sum(o.startswith("LOP3") for o in ops)
+    assert lop3 * 32 * warps <= 1.2 * block_n * block_k, f"{lop3} LOP3: unpack not fused"
+    wait = ptx.find("griddepcontrol.wait")
+    first = re.search(r"ld\.global\.L1::evict_first[.\w:]*\.v4\.b32", ptx)
+    assert first and first.start() < wait, "the first weight tile is loaded only after the PDL wait"
+    assert per_weight <= 4.2, f"{per_weight:.2f} SASS per weight"
+
+
+def test_nibble_unpack_asm_equals_the_interpreter_form() -> None:
+    """int_gemv_wide.nibble_asm executed instruction by instruction in Python gives the bits of
+    the interpreter's form (_hi / _lo of the word shifted by 16, 8, 0, -8, -16), which the
+    interpreter tests check against the dequantized weight: OFF_i + nibble i as fp32 bits."""
+    import random
+
+    from shard.kernels.int_gemv_wide import nibble_asm
+
+    rng = random.Random(0)
+    m32 = 0xFFFFFFFF
+    for _ in range(300):
+        w = rng.getrandbits(32)
+        regs: dict[str, int] = {"$8": w}
+        for line in nibble_asm().splitlines():
+            op = re.match(r"(mul\.lo\.u32|mul\.hi\.u32|lop3\.b32) (\S+), (\S+), (\S+)"
+                          r"(?:, (\S+), (\S+))?;", line)
+            if not op:
+                continue
+            a, b = (regs[v] if v in regs else int(v, 0) for v in op.group(3, 4))
+            if op.group(1) == "mul.lo.u32":
+                regs[op.group(2)] = (a * b) & m32
+            elif op.group(1) == "mul.hi.u32":
+                regs[op.group(2)] = (a * b) >> 32
+            else:
+                regs[op.group(2)] = _lop3(a, b, int(op.group(5), 0), int(op.group(6), 0))
+        for i in range(8):
+            q = (w >> (4 * i)) & 0xF
+            want = (q << 16) | 0x43000000 if i % 2 == 0 else (q << 12) | 0x45000000
+            assert regs[f"${i}"] == want, (hex(w), i)
