@@ -358,21 +358,25 @@ class GemvConfig:
 _WORDS = tuple(
     GemvConfig(bn, bk, w, st, sk, words=True)
     for bn, bk, w, st, sk in (
-        (256, 128, 8, 3, 1), (256, 128, 8, 4, 1), (256, 128, 8, 3, 2), (256, 128, 8, 3, 4),
-        (256, 128, 8, 3, 8), (256, 128, 4, 3, 1), (256, 128, 4, 3, 2), (128, 128, 8, 3, 1),
-        (128, 128, 8, 3, 4), (128, 128, 8, 3, 8), (512, 128, 8, 3, 1), (64, 128, 4, 4, 4),
-        (256, 32, 8, 6, 1),
+        # batch-1 fallbacks where no multi-group tile applies (per-channel weights, K not a
+        # multiple of 256, groups that are not a power of two): pruned to the tiles that were
+        # the family's 1st / 2nd on some Llama-3-8B linear (H100, /work/data14/int4_b1_h100);
+        # the first stays first (int_tuning's untuned default); 256 x 32 for groups of 32
+        (256, 128, 8, 3, 1), (256, 128, 8, 3, 8), (256, 128, 8, 3, 2), (128, 128, 8, 3, 8),
+        (128, 128, 8, 3, 4), (64, 128, 4, 4, 4), (256, 32, 8, 6, 1),
     )
 )
 _FMA = (
+    # batch 1 only, the fallbacks for what the word / wide tiles do not take (K % 32 != 0, int8
+    # weights, groups of 64 at BLOCK_K 128): pruned to the family's 1st / 2nd on some Llama
+    # linear (H100), plus the 64-wide tile for groups of 64 and the 32-wide one for groups of 32
     *(GemvConfig(bn, bk, w, st, sk, join=True)
       for bn, bk, w, st, sk in (
-          (64, 128, 4, 4, 1), (128, 128, 8, 3, 1), (128, 128, 8, 4, 1), (256, 128, 8, 3, 1),
-          (64, 128, 4, 4, 2), (128, 128, 8, 3, 2), (64, 128, 4, 4, 4), (128, 128, 8, 3, 4),
-          (256, 128, 8, 3, 4), (32, 128, 4, 4, 4), (128, 64, 4, 4, 2), (64, 32, 4, 6, 1),
+          (128, 128, 8, 3, 4), (256, 128, 8, 3, 4), (256, 128, 8, 3, 1), (128, 64, 4, 4, 2),
+          (64, 32, 4, 6, 1),
       )),
-    # the first version's halves tiles (x read with stride-2 loads): its batch-1 choices, and the
-    # 256 / 512-wide tiles for per-channel weights
+    # the first version's halves tiles (x read with stride-2 loads): its best at batch 1, and
+    # the 256 / 512-wide tiles for per-channel weights
     *(GemvConfig(bn, bk, w, st, sk)
       for bn, bk, w, st, sk in (
           (64, 128, 4, 3, 1), (32, 128, 4, 4, 4), (128, 128, 8, 3, 4),
@@ -397,7 +401,9 @@ _DOT = (
 )
 
 
-_DOT_FOR_M1 = 8  # the join tensor-core candidates, also timed at batch 1
+# The join tensor-core candidates timed at batch 1 too: none since the H100 sweep of the Llama-3-8B
+# linears (the best, 64 x 128, 2.6x slower than the wide tile on qkv and 1.3x the word tile).
+_DOT_FOR_M1 = 0
 
 # 1..16 rows, int4 (x padded to 16 rows, one compiled kernel for every bucket): the lop3 tiles.
 # sm_90 SASS per weight in the K loop (128 x 128 tile, 4 warps / 256 x 128, 8 warps): ~3.1 / 2.8
@@ -416,6 +422,11 @@ _LOP3 = tuple(
         (64, 128, 4, 1, 8),
     )
 )
+# Batch 1 times only the two lop3 tiles that came within 5 % of the word tiles (the fallbacks
+# where no wide tile applies) on some Llama linear (H100): o / down 64 x 128 split-K 8, qkv
+# 64 x 128 split-K 4.
+_LOP3_B1 = (GemvConfig(64, 128, 4, 1, 8, use_dot=True, lop3=True),
+            GemvConfig(64, 128, 4, 4, 4, use_dot=True, lop3=True))
 
 
 # Several K tiles' bytes per row in flight (int_gemv_wide.py; benchmarks/INT_KERNELS.md, "W4A16
@@ -429,25 +440,40 @@ _LOP3 = tuple(
 _WIDE = tuple(
     GemvConfig(bn, bk, w, st, sk, wide=True, pdl=True)
     for bn, bk, w, st, sk in (
+        # pruned to those within 15 % of the best on some Llama-3-8B linear (H100 sweep,
+        # /work/data14/int4_b1_h100): st 1 = register double buffer
         (4, 2048, 4, 1, 1), (8, 1024, 4, 1, 1), (16, 1024, 4, 1, 1), (8, 2048, 4, 1, 1),
-        (16, 512, 4, 1, 1), (32, 512, 4, 1, 1), (32, 1024, 8, 1, 1), (16, 1024, 4, 1, 2),
-        (16, 1024, 4, 1, 4), (32, 1024, 4, 1, 4), (8, 2048, 4, 1, 2), (64, 512, 8, 1, 4),
-        (16, 1024, 4, 3, 1), (32, 512, 4, 4, 2),
+        (32, 512, 4, 1, 1), (16, 1024, 4, 1, 4), (32, 1024, 4, 1, 4), (16, 1024, 4, 3, 1),
         # stages 0: one tile at a time, no register prefetch (int_gemv_wide.py)
         (16, 1024, 4, 0, 1), (32, 512, 4, 0, 1), (8, 2048, 4, 0, 1), (16, 2048, 4, 0, 1),
-        (32, 1024, 4, 0, 4), (16, 2048, 4, 0, 2), (32, 1024, 8, 0, 4),
+        (32, 1024, 4, 0, 4),
     )
-) + (GemvConfig(16, 1024, 4, 1, 1, wide=True), GemvConfig(16, 1024, 4, 1, 4, wide=True)) + tuple(
+) + (GemvConfig(16, 1024, 4, 1, 1, wide=True),) + tuple(  # PDL off: the sweep's on / off pair
     # persistent: (block_n, block_k, warps, split_k, programs per SM); ~128 registers (3.6):
-    # 4 programs of 128 threads fit an SM, ~212 for 32 rows: 2
+    # 4 programs of 128 threads fit an SM, ~212 for 32 rows: 2 (down_proj's 1st / 3rd)
     GemvConfig(bn, bk, w, 1, sk, wide=True, pdl=True, persist=ps)
-    for bn, bk, w, sk, ps in ((16, 1024, 4, 1, 3), (16, 1024, 4, 4, 4), (8, 2048, 4, 1, 4),
-                              (32, 1024, 4, 2, 2), (16, 1024, 4, 2, 4))
+    for bn, bk, w, sk, ps in ((16, 1024, 4, 4, 4), (32, 1024, 4, 2, 2), (16, 1024, 4, 2, 4))
 ) + tuple(
     # registers capped at 96 (no spills under Triton 3.6): 5 programs of 128 threads per SM
-    # instead of 4
+    # instead of 4 (gate_up's best)
     GemvConfig(bn, bk, 4, 0, sk, wide=True, pdl=True, maxnreg=96)
     for bn, bk, sk in ((16, 1024, 1), (8, 2048, 1), (16, 1024, 4))
+)
+# The wide tile's inline-PTX form (GemvConfig.ptx, int_gemv_wide._ptx_k_loop; stages 0,
+# gridded, PDL): no layout conversion in the K loop, one LOP3 a nibble. sm_90 SASS per weight
+# under Triton 3.6 (the device's): 3.95 with 16 words a thread (4 rows x 4 word columns, or
+# 1-2 rows x 8-16 columns; 80 registers: 6 programs of 128 threads per SM), 3.6 with 32 (128
+# registers: 4 per SM); the Triton form 4.6-5.2 at 125-168. Tiles: the measured winners'
+# shapes (qkv 16 x 2048, o / down 8 x 2048, gate_up 16 x 1024), more rows per thread (32 x
+# 1024, 2-warp 16 x 1024 / 8 x 1024), one-shot rows for K = 4096 (4 / 8 x 4096: one K step a
+# program, no loop), and capped registers for more programs per SM (64: 8 per SM).
+_WIDE_PTX = tuple(
+    GemvConfig(bn, bk, w, 0, sk, wide=True, pdl=True, ptx=True, maxnreg=mr)
+    for bn, bk, w, sk, mr in (
+        (16, 1024, 4, 1, 0), (8, 2048, 4, 1, 0), (16, 2048, 4, 1, 0), (32, 1024, 4, 1, 0),
+        (16, 1024, 2, 1, 0), (8, 1024, 2, 1, 0), (4, 4096, 4, 1, 0), (8, 4096, 4, 1, 0),
+        (32, 2048, 8, 1, 0), (16, 1024, 4, 1, 64), (16, 2048, 4, 1, 96), (8, 2048, 4, 2, 0),
+    )
 )
 # Tensor cores, 1..16 rows (x' rows = bucket x NG <= 32: BLOCK_K 256 serves every bucket, 512
 # up to 8 rows). sm_90 compiles (Triton 3.6) of 16-64K-weight tiles: 2.3-3.3 SASS per weight,
@@ -474,17 +500,19 @@ _DIAG = tuple(
 
 
 def candidates(m: int, group_size: int, in_features: int) -> list[GemvConfig]:
-    """The tuning candidates for a batch of m rows whose K tiles line up with the groups."""
-    # batch 1 also tries the tensor cores (x padded to 16 rows): fewer instructions per weight
-    # than the CUDA-core FMA path, which needs ~5 per int4 weight and nears the ALU limit
+    """The tuning candidates for a batch of m rows whose K tiles line up with the groups. Batch
+    1 is pruned to what came within 15 % of the best on some Llama-3-8B linear in the H100 sweep
+    (benchmarks/int4_b1_sweep.py), plus the fallbacks for shapes the wide tiles do not serve:
+    no diag tiles (2-3x slower than wide at batch 1), two lop3 ones, no tensor-core join ones."""
     pool = [*_FMA, *_DOT[:_DOT_FOR_M1]] if m == 1 else list(_DOT)
     if m == 1 and in_features % 32 == 0:  # word rows 16-byte aligned
         pool = [*(c for c in _WORDS
                   if groups_per_tile(c.block_k, group_size, in_features) == 1), *pool]
     if in_features % 32 == 0:  # after the others: a bucket's first candidate stays as it was
-        pool += [c for c in _LOP3 if groups_per_tile(c.block_k, group_size, in_features) == 1]
+        pool += [c for c in (_LOP3_B1 if m == 1 else _LOP3)
+                 if groups_per_tile(c.block_k, group_size, in_features) == 1]
     if in_features % 32 == 0:  # the multi-group tiles
-        pool += [c for c in (*_WIDE, *_DIAG)
+        pool += [c for c in ((*_WIDE, *_WIDE_PTX) if m == 1 else _DIAG)
                  if int_gemv_wide.supported(c.block_k, group_size, in_features, m, c.diag)]
     fits = [c for c in pool if tile_fits(c.block_k, group_size, in_features)]
     if not fits:  # e.g. group 32 with K not a multiple of 128: the largest tile that lines up
