@@ -335,7 +335,7 @@ class GemvConfig:
     # wide / diag tiles: > 0 caps the registers per thread (ptxas .maxnreg) so that more programs
     # fit an SM (more bytes in flight); only where the sm_90 compile showed no spills
     maxnreg: int = 0
-    # wide tiles, stages 0, gridded: x's planes / the scales loaded and the nibbles unpacked by
+    # wide tiles, stages 0 / 1, gridded: x's planes / the scales loaded and the nibbles unpacked by
     # inline PTX in the words' layout (int_gemv_wide._ptx_k_loop: no layout conversion or
     # barrier in the K loop, one LOP3 a weight)
     ptx: bool = False
@@ -459,7 +459,7 @@ _WIDE = tuple(
     GemvConfig(bn, bk, 4, 0, sk, wide=True, pdl=True, maxnreg=96)
     for bn, bk, sk in ((16, 1024, 1), (8, 2048, 1), (16, 1024, 4))
 )
-# The wide tile's inline-PTX form (GemvConfig.ptx, int_gemv_wide._ptx_k_loop; stages 0,
+# The wide tile's inline-PTX form (GemvConfig.ptx, int_gemv_wide._ptx_k_loop; stages 0 / 1,
 # gridded, PDL): no layout conversion in the K loop, one LOP3 a nibble. sm_90 SASS per weight
 # under Triton 3.6 (the device's): 3.95 with 16 words a thread (4 rows x 4 word columns, or
 # 1-2 rows x 8-16 columns; 80 registers: 6 programs of 128 threads per SM), 3.6 with 32 (128
@@ -474,6 +474,12 @@ _WIDE_PTX = tuple(
         (16, 1024, 2, 1, 0), (8, 1024, 2, 1, 0), (4, 4096, 4, 1, 0), (8, 4096, 4, 1, 0),
         (32, 2048, 8, 1, 0), (16, 1024, 4, 1, 64), (16, 2048, 4, 1, 96), (8, 2048, 4, 2, 0),
     )
+) + tuple(
+    # stages 1: the next tile's words prefetched into registers (two tiles a program in
+    # flight); 16 words a thread: 124 registers (4 programs per SM, 64 KB in flight against
+    # st 0's 6 x 8 KB), 4.2 SASS per weight; capped at 96: 5 programs, some spills
+    GemvConfig(bn, bk, w, 1, 1, wide=True, pdl=True, ptx=True, maxnreg=mr)
+    for bn, bk, w, mr in ((16, 1024, 4, 0), (8, 2048, 4, 0), (8, 1024, 2, 0), (16, 1024, 4, 96))
 )
 # Tensor cores, 1..16 rows (x' rows = bucket x NG <= 32: BLOCK_K 256 serves every bucket, 512
 # up to 8 rows). sm_90 compiles (Triton 3.6) of 16-64K-weight tiles: 2.3-3.3 SASS per weight,

@@ -184,7 +184,8 @@ def _fma_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_q
 
 
 # ------------------------------------------------------------------------------------------------
-# The "wide" tile with inline-PTX loads and unpack (GemvConfig.ptx, STAGES 0, gridded; batch 1).
+# The "wide" tile with inline-PTX loads and unpack (GemvConfig.ptx, STAGES 0 / 1, gridded;
+# batch 1).
 # Why (sm_90 SASS of the measured winners, benchmarks/INT_KERNELS.md "wide tile below its probe"):
 # the Triton form above spends ~4.8 SASS per weight under Triton 3.6 and ~2.4 of them on the INT
 # pipe (LOP3 / SHF / PRMT: half the FP32 rate on Hopper), of which ~0.7 are layout conversions of
@@ -333,34 +334,53 @@ def _ptx_tile(words, x_ptr, s_ptr, z_ptr, rows_c, k0, stride_sn, acc, GROUP: tl.
 
 
 @triton.jit
-def _ptx_words(q_ptr, rows, row_mask, k0, stride_qn, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-    """The words [BLOCK_N, BLOCK_K / 8] int32 at k0 (16-byte vectors, evict-first)."""
+def _ptx_words(q_ptr, rows, row_mask, k0, k_hi, stride_qn, BLOCK_K: tl.constexpr,
+               EVEN: tl.constexpr):
+    """The words [BLOCK_N, BLOCK_K / 8] int32 at k0 (16-byte vectors, evict-first); nothing is
+    read where k0 >= k_hi (a prefetch past the range: one predicate per tile)."""
     w_rows = (q_ptr + rows.to(tl.int64) * stride_qn).to(tl.pointer_type(tl.int32))
     offs = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), 4),
                              BLOCK_K // 8)
+    live = (tl.zeros([BLOCK_K // 8], tl.int32) + k0) < k_hi
     if EVEN:
-        return tl.load(w_rows[:, None] + offs[None, :], eviction_policy="evict_first")
-    else:
-        return tl.load(w_rows[:, None] + offs[None, :], mask=row_mask[:, None], other=0,
+        return tl.load(w_rows[:, None] + offs[None, :], mask=live[None, :], other=0,
                        eviction_policy="evict_first")
+    else:
+        return tl.load(w_rows[:, None] + offs[None, :], mask=row_mask[:, None] & live[None, :],
+                       other=0, eviction_policy="evict_first")
 
 
 @triton.jit
 def _ptx_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_qn, stride_sn,
                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                X_KIND: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
-                PDL: tl.constexpr):
-    """Batch 1, one tile at a time: [BLOCK_N] fp32 = x[k_lo:k_hi] . dequant(W[rows, ...]); the
-    first tile's words loaded before the PDL wait."""
+                STAGES: tl.constexpr, X_KIND: tl.constexpr, ASM: tl.constexpr,
+                EVEN: tl.constexpr, PDL: tl.constexpr):
+    """Batch 1: [BLOCK_N] fp32 = x[k_lo:k_hi] . dequant(W[rows, k_lo:k_hi]). STAGES 0: one tile
+    at a time; 1: the next tile's words loaded before this tile's math (a register double
+    buffer: two tiles a program in flight, ~16-32 more registers). The first tile (peeled) has
+    its words loaded before the PDL wait, which sits in its x load (_ptx_x)."""
     rows_c = tl.where(row_mask, rows, 0)  # scale rows past N read row 0's (never stored)
     acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    words = _ptx_words(q_ptr, rows, row_mask, k_lo, stride_qn, BLOCK_K, EVEN)
-    acc = _ptx_tile(words, x_ptr, s_ptr, z_ptr, rows_c, k_lo, stride_sn, acc, GROUP, X_KIND, ASM,
-                    PDL)  # the PDL wait in the first tile's x load (_ptx_x)
-    for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=1):
-        words = _ptx_words(q_ptr, rows, row_mask, k0, stride_qn, BLOCK_K, EVEN)
-        acc = _ptx_tile(words, x_ptr, s_ptr, z_ptr, rows_c, k0, stride_sn, acc, GROUP, X_KIND,
-                        ASM, False)
+    words = _ptx_words(q_ptr, rows, row_mask, k_lo, k_hi, stride_qn, BLOCK_K, EVEN)
+    if STAGES == 0:
+        acc = _ptx_tile(words, x_ptr, s_ptr, z_ptr, rows_c, k_lo, stride_sn, acc, GROUP, X_KIND,
+                        ASM, PDL)
+        for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=1):
+            words = _ptx_words(q_ptr, rows, row_mask, k0, k_hi, stride_qn, BLOCK_K, EVEN)
+            acc = _ptx_tile(words, x_ptr, s_ptr, z_ptr, rows_c, k0, stride_sn, acc, GROUP,
+                            X_KIND, ASM, False)
+    else:
+        words_n = _ptx_words(q_ptr, rows, row_mask, k_lo + BLOCK_K, k_hi, stride_qn, BLOCK_K,
+                             EVEN)
+        acc = _ptx_tile(words, x_ptr, s_ptr, z_ptr, rows_c, k_lo, stride_sn, acc, GROUP, X_KIND,
+                        ASM, PDL)
+        words = words_n
+        for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=1):
+            words_n = _ptx_words(q_ptr, rows, row_mask, k0 + BLOCK_K, k_hi, stride_qn, BLOCK_K,
+                                 EVEN)
+            acc = _ptx_tile(words, x_ptr, s_ptr, z_ptr, rows_c, k0, stride_sn, acc, GROUP,
+                            X_KIND, ASM, False)
+            words = words_n
     return tl.sum(acc, axis=1)
 
 
@@ -566,7 +586,7 @@ def _wide_gemv_kernel(
     PDL: tl.constexpr,
     PERSIST: tl.constexpr = False,  # a few programs per SM loop over the units (_persistent)
     TILES: tl.constexpr = 1,  # PERSIST: K tiles per split (K_SPLIT / BLOCK_K)
-    XPTX: tl.constexpr = False,  # the wide tile's inline-PTX form (_ptx_k_loop; STAGES 0)
+    XPTX: tl.constexpr = False,  # the wide tile's inline-PTX form (_ptx_k_loop; STAGES 0 / 1)
 ):
     let_dependents_launch(PDL)
     if PERSIST:
@@ -604,7 +624,8 @@ def _gridded(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N
     else:
         if XPTX:
             acc = _ptx_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_qn,
-                              stride_sn, GROUP, BLOCK_N, BLOCK_K, X_KIND, ASM, EVEN, PDL)
+                              stride_sn, GROUP, BLOCK_N, BLOCK_K, STAGES, X_KIND, ASM, EVEN,
+                              PDL)
         else:
             acc = _fma_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_qn,
                               stride_sn, GROUP, BLOCK_N, BLOCK_K, STAGES, EVEN, PDL)
@@ -659,9 +680,9 @@ def wide_gemv(
     """y [M, N] = x @ dequant(qweight).T (+ bias) with a wide / diag tile (int_gemv.int4_gemv
     checks `supported` and normalizes x first). persist > 0: the persistent form with
     min(units, persist x SMs) programs; maxnreg > 0: registers per thread capped (CUDA); ptx:
-    the wide tile's inline-PTX form (_ptx_k_loop: stages 0, gridded, batch 1 only)."""
-    if ptx and (diag or persist or stages != 0):
-        raise ValueError("int4_gemv: the ptx wide tile is gridded, stages 0, batch 1 only")
+    the wide tile's inline-PTX form (_ptx_k_loop: stages 0 / 1, gridded, batch 1 only)."""
+    if ptx and (diag or persist or stages > 1):
+        raise ValueError("int4_gemv: the ptx wide tile is gridded, stages 0 / 1, batch 1 only")
     m, k = x.shape
     n = qweight.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)

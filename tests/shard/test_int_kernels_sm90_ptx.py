@@ -332,18 +332,21 @@ def test_multi_group_tiles_load_wide_rows_before_the_pdl_wait(tmp_path, diag: bo
     assert per_weight <= bound, f"{per_weight:.2f} SASS per weight"
 
 
-@pytest.mark.parametrize(("block_n", "block_k", "warps"), [(16, 1024, 4), (8, 2048, 4)])
+@pytest.mark.parametrize(("block_n", "block_k", "warps", "stages"),
+                         [(16, 1024, 4, 0), (8, 2048, 4, 0), (16, 1024, 4, 1)])
 def test_ptx_wide_tile_has_no_layout_conversion_in_its_k_loop(tmp_path, block_n: int,
-                                                             block_k: int, warps: int) -> None:
+                                                             block_k: int, warps: int,
+                                                             stages: int) -> None:
     """The wide tile's inline-PTX form (GemvConfig.ptx): x's planes and the scales are loaded in
     the words' layout, so its K loop has no barrier and no shared-memory traffic (the Triton
     form converts them through shared memory: 22-28 barriers a K step under Triton 3.6), x is
     one 16-byte load per word column, each nibble one LOP3, and the loop stays under ~4.2 SASS
     per weight (measured when written, Triton 3.9 / 3.6: 16 x 1024 3.9 / 3.95, 8 x 2048 3.9 /
-    3.95; the Triton form 4.7 / 4.8 and 4.8 / 5.2). The first tile's weights are loaded before
-    the PDL wait, which sits in the same asm statement as the first x load."""
-    per_weight, ptx, body = _wide_compile(tmp_path, False, block_n, block_k, warps, stages=0,
-                                          ptx=True)
+    3.95; the Triton form 4.7 / 4.8 and 4.8 / 5.2; with the next tile prefetched, stages 1,
+    16 x 1024 4.1 / 4.2). The first tile's weights are loaded before the PDL wait, which sits
+    in the same asm statement as the first x load."""
+    per_weight, ptx, body = _wide_compile(tmp_path, False, block_n, block_k, warps,
+                                          stages=stages, ptx=True)
     ops = [i.split()[1] if i.startswith("@") else i.split()[0] for i in body]
     assert not [o for o in ops if o.startswith(("BAR", "STS", "LDS"))], "layout conversion"
     weight_loads = [i for i in body if "LDG.E.EF" in i]
@@ -357,7 +360,7 @@ def test_ptx_wide_tile_has_no_layout_conversion_in_its_k_loop(tmp_path, block_n:
     wait = ptx.find("griddepcontrol.wait")
     first = re.search(r"ld\.global\.L1::evict_first[.\w:]*\.v4\.b32", ptx)
     assert first and first.start() < wait, "the first weight tile is loaded only after the PDL wait"
-    assert per_weight <= 4.2, f"{per_weight:.2f} SASS per weight"
+    assert per_weight <= 4.2 + 0.2 * stages, f"{per_weight:.2f} SASS per weight"
 
 
 def test_nibble_unpack_asm_equals_the_interpreter_form() -> None:

@@ -108,7 +108,7 @@ def test_batch_one_pool_is_pruned_and_keeps_its_fallbacks() -> None:
     pool = int_gemv.candidates(1, 128, 4096)
     assert len(pool) <= 60, len(pool)
     assert pool[0] == GemvConfig(256, 128, 8, 3, 1, words=True)
-    assert any(c.ptx for c in pool) and all(c.stages == 0 and not c.persist
+    assert any(c.ptx for c in pool) and all(c.stages <= 1 and not c.persist
                                             for c in pool if c.ptx)
     assert not any(c.diag or (c.use_dot and not c.lop3) for c in pool)
     for group, k in ((4096, 4096), (128, 4224), (64, 4096), (32, 4128), (128, 4112)):
