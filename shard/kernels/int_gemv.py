@@ -461,18 +461,20 @@ _WIDE = tuple(
 )
 # The wide tile's inline-PTX form (GemvConfig.ptx, int_gemv_wide._ptx_k_loop; stages 0 / 1,
 # gridded, PDL): no layout conversion in the K loop, one LOP3 a nibble. sm_90 SASS per weight
-# under Triton 3.6 (the device's): 3.95 with 16 words a thread (4 rows x 4 word columns, or
-# 1-2 rows x 8-16 columns; 80 registers: 6 programs of 128 threads per SM), 3.6 with 32 (128
-# registers: 4 per SM); the Triton form 4.6-5.2 at 125-168. Tiles: the measured winners'
-# shapes (qkv 16 x 2048, o / down 8 x 2048, gate_up 16 x 1024), more rows per thread (32 x
-# 1024, 2-warp 16 x 1024 / 8 x 1024), one-shot rows for K = 4096 (4 / 8 x 4096: one K step a
-# program, no loop), and capped registers for more programs per SM (64: 8 per SM).
+# under Triton 3.6 (the device's; `benchmarks/int4_sm90_loads.py --b1 4096` prints them all):
+# 3.7 with 16 words a thread (4 rows x 4 word columns, or 1-2 rows x 8-16 columns; 96
+# registers: 5 programs of 128 threads per SM; capped at 80: 6, 4.0; at 64: 8, 4.1), 3.5 with
+# 32 (128 registers: 4 per SM); the Triton form 4.6-5.2 at 125-168. Tiles: the measured
+# winners' shapes (qkv 16 x 2048, o / down 8 x 2048, gate_up 16 x 1024), more rows per thread
+# (32 x 1024, 2-warp 16 x 1024 / 8 x 1024), one-shot rows for K = 4096 (4 / 8 x 4096: one K
+# step a program), capped registers (more programs per SM) and split-K 2 for o / down.
 _WIDE_PTX = tuple(
     GemvConfig(bn, bk, w, 0, sk, wide=True, pdl=True, ptx=True, maxnreg=mr)
     for bn, bk, w, sk, mr in (
         (16, 1024, 4, 1, 0), (8, 2048, 4, 1, 0), (16, 2048, 4, 1, 0), (32, 1024, 4, 1, 0),
         (16, 1024, 2, 1, 0), (8, 1024, 2, 1, 0), (4, 4096, 4, 1, 0), (8, 4096, 4, 1, 0),
-        (32, 2048, 8, 1, 0), (16, 1024, 4, 1, 64), (16, 2048, 4, 1, 96), (8, 2048, 4, 2, 0),
+        (32, 2048, 8, 1, 0), (16, 1024, 4, 1, 64), (16, 1024, 4, 1, 80), (16, 2048, 4, 1, 96),
+        (8, 2048, 4, 2, 0),
     )
 ) + tuple(
     # stages 1: the next tile's words prefetched into registers (two tiles a program in
@@ -600,7 +602,8 @@ def int4_gemv(
         config = replace(config, lop3=False, join=True, use_dot=True)  # joined tensor-core tile
     if (config.wide or config.diag) and (
             bits != 4 or k % 32 or qweight.stride(0) % 16 or qweight.data_ptr() % 16
-            or not int_gemv_wide.supported(config.block_k, group_size, k, m, config.diag)):
+            or not int_gemv_wide.supported(config.block_k, group_size, k, m, config.diag)
+            or (config.ptx and scales.numel() >= 2**31)):  # ptx: int32 scale offsets
         config = default_config(m, group_size, k)  # (candidates() offers none of these)
     use_dot = config.use_dot or m > 1 or config.lop3
     # One layout for every call (rows K apart, 16-byte aligned), so capture-time launches hit the

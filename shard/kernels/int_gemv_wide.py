@@ -261,15 +261,13 @@ _X_ASM_WAIT: tl.constexpr = tl.constexpr("griddepcontrol.wait;\n"
 
 
 @triton.jit
-def _ptx_x(x_ptr, k0, C: tl.constexpr, X_KIND: tl.constexpr, ASM: tl.constexpr,
-           WAIT: tl.constexpr):
+def _ptx_x(xp, X_KIND: tl.constexpr, ASM: tl.constexpr, WAIT: tl.constexpr):
     """x's planes [1, C] fp32 (x_i[c] = x[k0 + 8c + i]) from one 16-byte load per column, in the
     words' layout (a pure asm: Triton rematerializes it in the consumer's layout; a non-pure one
     stays in a default layout under Triton 3.9 and costs a conversion per plane). WAIT: the PDL
     wait first (the first tile)."""
-    c = k0 // 8 + tl.arange(0, C)
     if ASM:
-        addr = (x_ptr + 8 * c[None, :]).to(tl.int64, bitcast=True)
+        addr = xp.to(tl.int64, bitcast=True)
         if WAIT:
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
                 _X_ASM_WAIT, "=r,=r,=r,=r,l", [addr], dtype=(tl.int32,) * 4, is_pure=True,
@@ -279,7 +277,7 @@ def _ptx_x(x_ptr, k0, C: tl.constexpr, X_KIND: tl.constexpr, ASM: tl.constexpr,
                 _X_ASM, "=r,=r,=r,=r,l", [addr], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
     else:
         wait_for_predecessor(WAIT)
-        xp = x_ptr.to(tl.pointer_type(tl.int32)) + 4 * c[None, :]
+        xp = xp.to(tl.pointer_type(tl.int32))
         p0 = tl.load(xp)
         p1 = tl.load(xp + 1)
         p2 = tl.load(xp + 2)
@@ -292,10 +290,10 @@ def _ptx_x(x_ptr, k0, C: tl.constexpr, X_KIND: tl.constexpr, ASM: tl.constexpr,
 
 
 @triton.jit
-def _ptx_group(ptr, offs, ASM: tl.constexpr):
-    """ptr[offs] [BLOCK_N, C] as fp32 (scales or zeros: 16- or 32-bit floats), in offs' layout."""
+def _ptx_group(ptr, ASM: tl.constexpr):
+    """*ptr [BLOCK_N, C] as fp32 (scales or zeros: 16- or 32-bit floats), in ptr's layout."""
     if ASM:
-        addr = (ptr + offs).to(tl.int64, bitcast=True)
+        addr = ptr.to(tl.int64, bitcast=True)
         if ptr.dtype.element_ty.primitive_bitwidth == 16:
             v = tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [addr],
                                           dtype=tl.int16, is_pure=True, pack=1)
@@ -304,19 +302,18 @@ def _ptx_group(ptr, offs, ASM: tl.constexpr):
                                           dtype=tl.int32, is_pure=True, pack=1)
         return v.to(ptr.dtype.element_ty, bitcast=True).to(tl.float32)
     else:
-        return tl.load(ptr + offs).to(tl.float32)
+        return tl.load(ptr).to(tl.float32)
 
 
 @triton.jit
-def _ptx_tile(words, x_ptr, s_ptr, z_ptr, rows_c, k0, stride_sn, acc, GROUP: tl.constexpr,
+def _ptx_tile(words, x_ptr, s_ptr, z_ptr, xb, sb, k0, acc, GROUP: tl.constexpr,
               X_KIND: tl.constexpr, ASM: tl.constexpr, WAIT: tl.constexpr):
     """acc [BLOCK_N, C] += s * (sum_i x_i (OFF_i + q_i) - xoff - z * sum_i x_i) per word."""
     C: tl.constexpr = words.shape[1]
-    x0, x1, x2, x3, x4, x5, x6, x7 = _ptx_x(x_ptr, k0, C, X_KIND, ASM, WAIT)
-    g = k0 // GROUP + tl.arange(0, C) // (GROUP // 8)  # each word column's group
-    offs = rows_c.to(tl.int64)[:, None] * stride_sn + g[None, :]
-    s = _ptx_group(s_ptr, offs, ASM)
-    z = _ptx_group(z_ptr, offs, ASM)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _ptx_x(x_ptr + k0 + xb, X_KIND, ASM, WAIT)
+    offs = sb + (k0 // GROUP + tl.arange(0, C) // (GROUP // 8))[None, :]  # each word's group
+    s = _ptx_group(s_ptr + offs, ASM)
+    z = _ptx_group(z_ptr + offs, ASM)
     v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles(words, ASM)
     xe = (x0 + x2) + (x4 + x6)
     xo = (x1 + x3) + (x5 + x7)
@@ -359,27 +356,29 @@ def _ptx_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_q
     at a time; 1: the next tile's words loaded before this tile's math (a register double
     buffer: two tiles a program in flight, ~16-32 more registers). The first tile (peeled) has
     its words loaded before the PDL wait, which sits in its x load (_ptx_x)."""
-    rows_c = tl.where(row_mask, rows, 0)  # scale rows past N read row 0's (never stored)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    # loop-invariant bases (the K step adds a scalar): x's word columns [1, C] (8 features
+    # apart) and the scale / zero rows [BLOCK_N, 1] (rows past N read row 0's, never stored)
+    C: tl.constexpr = BLOCK_K // 8
+    xb = 8 * tl.arange(0, C)[None, :]
+    sb = tl.where(row_mask, rows, 0)[:, None] * stride_sn  # int32: N x groups < 2^31
+    acc = tl.zeros([BLOCK_N, C], dtype=tl.float32)
     words = _ptx_words(q_ptr, rows, row_mask, k_lo, k_hi, stride_qn, BLOCK_K, EVEN)
     if STAGES == 0:
-        acc = _ptx_tile(words, x_ptr, s_ptr, z_ptr, rows_c, k_lo, stride_sn, acc, GROUP, X_KIND,
-                        ASM, PDL)
+        acc = _ptx_tile(words, x_ptr, s_ptr, z_ptr, xb, sb, k_lo, acc, GROUP, X_KIND, ASM, PDL)
         for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=1):
             words = _ptx_words(q_ptr, rows, row_mask, k0, k_hi, stride_qn, BLOCK_K, EVEN)
-            acc = _ptx_tile(words, x_ptr, s_ptr, z_ptr, rows_c, k0, stride_sn, acc, GROUP,
-                            X_KIND, ASM, False)
+            acc = _ptx_tile(words, x_ptr, s_ptr, z_ptr, xb, sb, k0, acc, GROUP, X_KIND, ASM,
+                                False)
     else:
         words_n = _ptx_words(q_ptr, rows, row_mask, k_lo + BLOCK_K, k_hi, stride_qn, BLOCK_K,
                              EVEN)
-        acc = _ptx_tile(words, x_ptr, s_ptr, z_ptr, rows_c, k_lo, stride_sn, acc, GROUP, X_KIND,
-                        ASM, PDL)
+        acc = _ptx_tile(words, x_ptr, s_ptr, z_ptr, xb, sb, k_lo, acc, GROUP, X_KIND, ASM, PDL)
         words = words_n
         for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=1):
             words_n = _ptx_words(q_ptr, rows, row_mask, k0 + BLOCK_K, k_hi, stride_qn, BLOCK_K,
                                  EVEN)
-            acc = _ptx_tile(words, x_ptr, s_ptr, z_ptr, rows_c, k0, stride_sn, acc, GROUP,
-                            X_KIND, ASM, False)
+            acc = _ptx_tile(words, x_ptr, s_ptr, z_ptr, xb, sb, k0, acc, GROUP, X_KIND, ASM,
+                                False)
             words = words_n
     return tl.sum(acc, axis=1)
 
