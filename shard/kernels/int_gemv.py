@@ -460,29 +460,32 @@ _WIDE = tuple(
     for bn, bk, sk in ((16, 1024, 1), (8, 2048, 1), (16, 1024, 4))
 )
 # The wide tile's inline-PTX form (GemvConfig.ptx, int_gemv_wide._ptx_k_loop; stages 0 / 1,
-# gridded, PDL): no layout conversion in the K loop, one LOP3 a nibble. sm_90 SASS per weight
-# under Triton 3.6 (the device's; `benchmarks/int4_sm90_loads.py --b1 4096` prints them all):
-# 3.7 with 16 words a thread (4 rows x 4 word columns, or 1-2 rows x 8-16 columns; 96
-# registers: 5 programs of 128 threads per SM; capped at 80: 6, 4.0; at 64: 8, 4.1), 3.5 with
-# 32 (128 registers: 4 per SM); the Triton form 4.6-5.2 at 125-168. Tiles: the measured
-# winners' shapes (qkv 16 x 2048, o / down 8 x 2048, gate_up 16 x 1024), more rows per thread
-# (32 x 1024, 2-warp 16 x 1024 / 8 x 1024), one-shot rows for K = 4096 (4 / 8 x 4096: one K
-# step a program), capped registers (more programs per SM) and split-K 2 for o / down.
+# gridded, PDL): no layout conversion in the K loop, one LOP3 a nibble, 11 instructions a word
+# to unpack. sm_90 SASS per weight under Triton 3.6 (the device's; `benchmarks/
+# int4_sm90_loads.py --b1 4096` prints them all): 3.6 with 16 words a thread (4 rows x 4 word
+# columns, or 1-2 rows x 8-16 columns) at 128 registers (4 programs of 128 threads per SM),
+# 3.7 capped at 96 (5 per SM), 3.9 at 80 (6, a few spills), 4.1 at 64 (8); 3.4 with 32 words
+# a thread (167 registers, 3 per SM; 128: 4 per SM); the Triton form 4.6-5.2 at 125-168.
+# Tiles: the measured winners' shapes (qkv 16 x 2048, o / down 8 x 2048, gate_up 16 x 1024),
+# more rows per thread (32 x 1024), one-shot rows for K = 4096 (4 / 8 x 4096: one K step a
+# program), a 256-thread 32 x 2048, 2-warp 8 x 1024, and split-K 2 for o / down.
 _WIDE_PTX = tuple(
     GemvConfig(bn, bk, w, 0, sk, wide=True, pdl=True, ptx=True, maxnreg=mr)
     for bn, bk, w, sk, mr in (
-        (16, 1024, 4, 1, 0), (8, 2048, 4, 1, 0), (16, 2048, 4, 1, 0), (32, 1024, 4, 1, 0),
-        (16, 1024, 2, 1, 0), (8, 1024, 2, 1, 0), (4, 4096, 4, 1, 0), (8, 4096, 4, 1, 0),
-        (32, 2048, 8, 1, 0), (16, 1024, 4, 1, 64), (16, 1024, 4, 1, 80), (16, 2048, 4, 1, 96),
-        (8, 2048, 4, 2, 0),
+        (16, 1024, 4, 1, 0), (16, 1024, 4, 1, 96), (16, 1024, 4, 1, 80), (16, 1024, 4, 1, 64),
+        (8, 2048, 4, 1, 0), (8, 2048, 4, 1, 96), (16, 2048, 4, 1, 0), (16, 2048, 4, 1, 128),
+        (32, 1024, 4, 1, 128), (8, 1024, 2, 1, 0), (4, 4096, 4, 1, 0), (8, 4096, 4, 1, 0),
+        (32, 2048, 8, 1, 0), (8, 2048, 4, 2, 0),
     )
 ) + tuple(
     # stages 1: the next tile's words prefetched into registers (two tiles a program in
-    # flight); 16 words a thread: 124 registers (4 programs per SM, 64 KB in flight against
-    # st 0's 6 x 8 KB), 4.2 SASS per weight; capped at 96: 5 programs, some spills
+    # flight); 16 words a thread: ~128 registers (4 programs per SM, 64 KB in flight against
+    # st 0's 5-6 x 8 KB), ~4 SASS per weight; capped at 96: 5 programs, some spills
     GemvConfig(bn, bk, w, 1, 1, wide=True, pdl=True, ptx=True, maxnreg=mr)
     for bn, bk, w, mr in ((16, 1024, 4, 0), (8, 2048, 4, 0), (8, 1024, 2, 0), (16, 1024, 4, 96))
 )
+
+
 # Tensor cores, 1..16 rows (x' rows = bucket x NG <= 32: BLOCK_K 256 serves every bucket, 512
 # up to 8 rows). sm_90 compiles (Triton 3.6) of 16-64K-weight tiles: 2.3-3.3 SASS per weight,
 # 130-255 registers (larger tiles spill: the unpacked tile and the double-buffered words are

@@ -205,17 +205,20 @@ def _fma_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_q
 # - per word: p = sum_i x_i (OFF_i + q_i) - xoff; acc += s * (p - z * sum_i x_i) (10 FFMA).
 # The interpreter (CPU tensors, ASM False) runs the same arithmetic with Triton loads / bit ops.
 def nibble_asm() -> str:
-    """PTX: $8 an int32 word, $0..$7 fp32 OFF_i + nibble i (bits 16..19 of a shifted copy with
-    128's exponent for even i, bits 12..15 with 2048's for odd i; as _hi / _lo)."""
+    """PTX: $8 an int32 word, $0..$7 fp32 OFF_i + nibble i (bits 16..19 of a moved copy with
+    128's exponent for even i, bits 12..15 with 2048's for odd i; as _hi / _lo). Three moved
+    copies, 11 instructions a word: one PRMT puts byte 0 at byte 2 (nibble 0 at bits 16..19)
+    and byte 3 at byte 1 (nibble 7 at bits 12..15), a multiply by 2^8 + 2^20 is the word << 8
+    at bits 0..19 (nibbles 1, 2; as an IMAD on the FMA pipe, not a shift on the INT pipe), a
+    mul.hi by 2^24 the word >> 8 (nibbles 5, 6); nibbles 3, 4 need no move."""
     hi = "0x000F0000, 0x43000000, 0xEA"  # (t & 0xF0000) | 128.0's bits (0xEA: (a & b) | c)
     lo = "0x0000F000, 0x45000000, 0xEA"  # (t & 0xF000) | 2048.0's bits
     return "\n".join([
         "{", ".reg .b32 t;",
-        "mul.lo.u32 t, $8, 0x110000;", f"lop3.b32 $0, t, {hi};",
+        "prmt.b32 t, $8, $8, 0x0030;", f"lop3.b32 $0, t, {hi};", f"lop3.b32 $7, t, {lo};",
         "mul.lo.u32 t, $8, 0x100100;", f"lop3.b32 $1, t, {lo};", f"lop3.b32 $2, t, {hi};",
         f"lop3.b32 $3, $8, {lo};", f"lop3.b32 $4, $8, {hi};",
         "mul.hi.u32 t, $8, 16777216;", f"lop3.b32 $5, t, {lo};", f"lop3.b32 $6, t, {hi};",
-        "mul.hi.u32 t, $8, 65536;", f"lop3.b32 $7, t, {lo};",
         "}"])
 
 

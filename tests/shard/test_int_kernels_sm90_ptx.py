@@ -377,12 +377,14 @@ def test_nibble_unpack_asm_equals_the_interpreter_form() -> None:
         w = rng.getrandbits(32)
         regs: dict[str, int] = {"$8": w}
         for line in nibble_asm().splitlines():
-            op = re.match(r"(mul\.lo\.u32|mul\.hi\.u32|lop3\.b32) (\S+), (\S+), (\S+)"
-                          r"(?:, (\S+), (\S+))?;", line)
+            op = re.match(r"(mul\.lo\.u32|mul\.hi\.u32|lop3\.b32|prmt\.b32) (\S+), (\S+), "
+                          r"(\S+)(?:, (\S+))?(?:, (\S+))?;", line)
             if not op:
                 continue
             a, b = (regs[v] if v in regs else int(v, 0) for v in op.group(3, 4))
-            if op.group(1) == "mul.lo.u32":
+            if op.group(1) == "prmt.b32":
+                regs[op.group(2)] = _prmt(a, b, int(op.group(5), 0))
+            elif op.group(1) == "mul.lo.u32":
                 regs[op.group(2)] = (a * b) & m32
             elif op.group(1) == "mul.hi.u32":
                 regs[op.group(2)] = (a * b) >> 32
