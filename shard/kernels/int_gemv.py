@@ -479,10 +479,12 @@ _WIDE_PTX = tuple(
     )
 ) + tuple(
     # stages 1: the next tile's words prefetched into registers (two tiles a program in
-    # flight); 16 words a thread: ~128 registers (4 programs per SM, 64 KB in flight against
-    # st 0's 5-6 x 8 KB), ~4 SASS per weight; capped at 96: 5 programs, some spills
+    # flight); 16 words a thread: 3.9 SASS per weight at 160-167 registers (3 programs per
+    # SM), capped at 128 (4 per SM: 64 KB in flight against st 0's 4-5 x 8 KB) or 96 (5, 4.3,
+    # some spills)
     GemvConfig(bn, bk, w, 1, 1, wide=True, pdl=True, ptx=True, maxnreg=mr)
-    for bn, bk, w, mr in ((16, 1024, 4, 0), (8, 2048, 4, 0), (8, 1024, 2, 0), (16, 1024, 4, 96))
+    for bn, bk, w, mr in ((16, 1024, 4, 0), (8, 2048, 4, 0), (16, 1024, 4, 128),
+                          (16, 1024, 4, 96))
 )
 
 
