@@ -111,8 +111,8 @@ def compile_wide(c: GemvConfig, group: int = 128):
              **{n: "i32" for n in _SCALARS}}
     consts = {"GROUP": group, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "ROWS": 1,
               "SPLIT_K": c.split_k, "STAGES": c.stages, "HAS_BIAS": False, "X_KIND": 2,
-              "DIAG": False, "ASM": c.ptx, "EVEN": True, "PDL": c.pdl,
-              "PERSIST": bool(c.persist), "TILES": 4 if c.persist else 1, "XPTX": c.ptx}
+              "DIAG": False, "ASM": bool(c.ptx), "EVEN": True, "PDL": c.pdl,
+              "PERSIST": bool(c.persist), "TILES": 4 if c.persist else 1, "XPTX": int(c.ptx)}
     sig = {**types, **dict.fromkeys(consts, "constexpr")}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
              if ty != "constexpr" and name not in ("M", "count_ptr")

@@ -337,8 +337,8 @@ class GemvConfig:
     maxnreg: int = 0
     # wide tiles, stages 0 / 1, gridded: x's planes / the scales loaded and the nibbles unpacked by
     # inline PTX in the words' layout (int_gemv_wide._ptx_k_loop: no layout conversion or
-    # barrier in the K loop, one LOP3 a weight)
-    ptx: bool = False
+    # barrier in the K loop, one LOP3 a weight); 2: the scaling once per 4 words, not per word
+    ptx: int = 0
 
     def as_dict(self) -> dict[str, int | bool]:
         return asdict(self)
@@ -463,28 +463,34 @@ _WIDE = tuple(
 # gridded, PDL): no layout conversion in the K loop, one LOP3 a nibble, 11 instructions a word
 # to unpack. sm_90 SASS per weight under Triton 3.6 (the device's; `benchmarks/
 # int4_sm90_loads.py --b1 4096` prints them all): 3.6 with 16 words a thread (4 rows x 4 word
-# columns, or 1-2 rows x 8-16 columns) at 128 registers (4 programs of 128 threads per SM),
-# 3.7 capped at 96 (5 per SM), 3.9 at 80 (6, a few spills), 4.1 at 64 (8); 3.4 with 32 words
-# a thread (167 registers, 3 per SM; 128: 4 per SM); the Triton form 4.6-5.2 at 125-168.
-# Tiles: the measured winners' shapes (qkv 16 x 2048, o / down 8 x 2048, gate_up 16 x 1024),
-# more rows per thread (32 x 1024), one-shot rows for K = 4096 (4 / 8 x 4096: one K step a
-# program), a 256-thread 32 x 2048, 2-warp 8 x 1024, and split-K 2 for o / down.
+# columns, or 1-2 rows x 8-16 columns) at 120-128 registers (4 programs of 128 threads per SM),
+# 3.7 capped at 96 (5 per SM), 4.1 at 64 (8, spills); 3.4 with 32 words a thread (167
+# registers, 3 per SM); the Triton form 4.6-5.2 at 125-168. Tiles: the measured winners' shapes
+# (qkv 16 x 2048, o / down 8 x 2048, gate_up 16 x 1024), one-shot rows for K = 4096 (4 x 4096:
+# one K step a program), a 256-thread 32 x 2048, 2-warp 8 x 1024, and split-K 2 for o / down.
 _WIDE_PTX = tuple(
     GemvConfig(bn, bk, w, 0, sk, wide=True, pdl=True, ptx=True, maxnreg=mr)
     for bn, bk, w, sk, mr in (
-        (16, 1024, 4, 1, 0), (16, 1024, 4, 1, 96), (16, 1024, 4, 1, 80), (16, 1024, 4, 1, 64),
-        (8, 2048, 4, 1, 0), (8, 2048, 4, 1, 96), (16, 2048, 4, 1, 0), (16, 2048, 4, 1, 128),
-        (32, 1024, 4, 1, 128), (8, 1024, 2, 1, 0), (4, 4096, 4, 1, 0), (8, 4096, 4, 1, 0),
-        (32, 2048, 8, 1, 0), (8, 2048, 4, 2, 0),
+        (16, 1024, 4, 1, 0), (16, 1024, 4, 1, 96), (16, 1024, 4, 1, 64), (8, 2048, 4, 1, 0),
+        (16, 2048, 4, 1, 0), (8, 1024, 2, 1, 0), (4, 4096, 4, 1, 0), (32, 2048, 8, 1, 0),
+        (8, 2048, 4, 2, 0),
     )
 ) + tuple(
     # stages 1: the next tile's words prefetched into registers (two tiles a program in
-    # flight); 16 words a thread: 3.9 SASS per weight at 160-167 registers (3 programs per
-    # SM), capped at 128 (4 per SM: 64 KB in flight against st 0's 4-5 x 8 KB) or 96 (5, 4.3,
-    # some spills)
+    # flight); 16 words a thread: 3.9 SASS per weight at 160 registers (3 programs per SM),
+    # capped at 128 (4 per SM: 64 KB in flight against st 0's 4-5 x 8 KB)
     GemvConfig(bn, bk, w, 1, 1, wide=True, pdl=True, ptx=True, maxnreg=mr)
-    for bn, bk, w, mr in ((16, 1024, 4, 0), (8, 2048, 4, 0), (16, 1024, 4, 128),
-                          (16, 1024, 4, 96))
+    for bn, bk, w, mr in ((16, 1024, 4, 0), (16, 1024, 4, 128))
+) + tuple(
+    # ptx 2: the 4 words a thread holds (one group) summed before the scaling, 2 FFMA per 4 words
+    # instead of per word: under Triton 3.6 16 x 1024 / 8 x 2048 3.54 SASS per weight at 96
+    # registers (5 programs per SM; ptx 1: 3.61 at 120-128), 16 x 2048 3.28 at 128, stages 1
+    # 3.68 at 128 (ptx 1: 3.88 at 160); Triton 3.9 sums x's runs across lanes (a shuffle and a
+    # barrier a K step: 3.4-3.8)
+    GemvConfig(bn, bk, w, st, 1, wide=True, pdl=True, ptx=2, maxnreg=mr)
+    for bn, bk, w, st, mr in ((16, 1024, 4, 0, 0), (8, 2048, 4, 0, 0), (16, 2048, 4, 0, 0),
+                              (32, 1024, 4, 0, 0), (8, 4096, 4, 0, 0), (16, 1024, 4, 0, 80),
+                              (16, 1024, 4, 1, 0), (8, 2048, 4, 1, 0))
 )
 
 

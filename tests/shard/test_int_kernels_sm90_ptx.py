@@ -275,7 +275,7 @@ def test_lop3_gemv_register_prefetch_form(tmp_path) -> None:
 
 def _wide_compile(tmp_path, diag: bool, block_n: int, block_k: int, warps: int,
                   stages: int = 1, persist: bool = False,
-                  ptx: bool = False) -> tuple[float, str, list[str]]:
+                  ptx: int = 0) -> tuple[float, str, list[str]]:
     """SASS instructions per weight in the K loop, the PTX and the loop's SASS, of a wide / diag tile of
     group-128 int4 weights at batch 1, launched as a programmatic dependent."""
     from triton.backends.compiler import GPUTarget
@@ -289,8 +289,8 @@ def _wide_compile(tmp_path, diag: bool, block_n: int, block_k: int, warps: int,
     consts = {"GROUP": 128, "BLOCK_N": block_n, "BLOCK_K": block_k,
               "ROWS": int_gemv_wide.diag_rows(1, block_k, 128) if diag else 1, "SPLIT_K": 1,
               "STAGES": stages, "HAS_BIAS": False, "X_KIND": 2, "DIAG": diag,
-              "ASM": diag or ptx, "EVEN": True, "PDL": True, "PERSIST": persist, "TILES": 4,
-              "XPTX": ptx}
+              "ASM": diag or bool(ptx), "EVEN": True, "PDL": True, "PERSIST": persist,
+              "TILES": 4, "XPTX": ptx}
     sig = {**types, **dict.fromkeys(consts, "constexpr")}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
              if ty != "constexpr" and name not in ("M", "count_ptr")
@@ -346,7 +346,7 @@ def test_ptx_wide_tile_has_no_layout_conversion_in_its_k_loop(tmp_path, block_n:
     and 4.8 / 5.2). The first tile's weights are loaded before the PDL wait, which sits in the
     same asm statement as the first x load."""
     per_weight, ptx, body = _wide_compile(tmp_path, False, block_n, block_k, warps,
-                                          stages=stages, ptx=True)
+                                          stages=stages, ptx=1)
     ops = [i.split()[1] if i.startswith("@") else i.split()[0] for i in body]
     assert not [o for o in ops if o.startswith(("BAR", "STS", "LDS"))], "layout conversion"
     weight_loads = [i for i in body if "LDG.E.EF" in i]
@@ -361,6 +361,26 @@ def test_ptx_wide_tile_has_no_layout_conversion_in_its_k_loop(tmp_path, block_n:
     first = re.search(r"ld\.global\.L1::evict_first[.\w:]*\.v4\.b32", ptx)
     assert first and first.start() < wait, "the first weight tile is loaded only after the PDL wait"
     assert per_weight <= 4.2 + 0.2 * stages, f"{per_weight:.2f} SASS per weight"
+
+
+@pytest.mark.parametrize(("block_n", "block_k", "stages"), [(16, 1024, 0), (16, 1024, 1)])
+def test_ptx_wide_tile_scaled_per_four_words(tmp_path, block_n: int, block_k: int,
+                                             stages: int) -> None:
+    """ptx 2: the 4 words a thread holds (one group) summed before the scaling: fewer FFMA per
+    weight than ptx 1 (2 per 4 words instead of per word: ~1.1 against ~1.27), the sum in
+    registers (Triton 3.6: no barrier; 3.9 sums x's 4-word runs with a shuffle: at most 2
+    barriers a K step), under ~4 SASS per weight (when written, 3.9 / 3.6: 3.6 / 3.5 at
+    stages 0, 3.9 / 3.7 at stages 1)."""
+    per_word = {}
+    for ptx_form in (1, 2):
+        per_weight, _, body = _wide_compile(tmp_path, False, block_n, block_k, 4, stages=stages,
+                                            ptx=ptx_form)
+        ops = [(i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0]
+               for i in body]
+        per_word[ptx_form] = ops.count("FFMA") * 32 * 4 / (block_n * block_k)
+    assert per_word[2] <= per_word[1] - 0.1, per_word
+    assert ops.count("BAR") <= 2 and ops.count("LOP3") * 32 * 4 <= 1.2 * block_n * block_k
+    assert per_weight <= 4.0 + 0.1 * stages, f"{per_weight:.2f} SASS per weight"
 
 
 def test_nibble_unpack_asm_equals_the_interpreter_form() -> None:

@@ -189,7 +189,13 @@ _CHECK = textwrap.dedent(
             (torch.float16, 32, 256, 32, True, GemvConfig(8, 128, 4, 1, wide=True, ptx=True),
              (1,)),
             (torch.bfloat16, 16, 1024, 64, True,
-             GemvConfig(16, 512, 2, 0, wide=True, pdl=True, ptx=True), (1,))):
+             GemvConfig(16, 512, 2, 0, wide=True, pdl=True, ptx=True), (1,)),
+            # ... scaled per 4 words (ptx 2): groups of 32 (one 4-word run a group) with an N
+            # tail and split-K, fp16 groups of 128 with the next tile prefetched
+            (torch.bfloat16, 24, 512, 32, True,
+             GemvConfig(16, 256, 4, 0, split_k=2, wide=True, pdl=True, ptx=2), (1,)),
+            (torch.float16, 16, 1024, 128, False, GemvConfig(8, 256, 4, 1, wide=True, ptx=2),
+             (1,))):
         groups = k // group
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         scales = (torch.rand(n, groups) * 0.1 + 0.01).half()
