@@ -133,7 +133,7 @@ def probe_shape(shape: str, lins: list, bandwidth: float) -> list[dict[str, Any]
 def family(c: GemvConfig) -> str:
     """The candidate's tile kind: the new multi-group tiles (wide / diag) or the older ones."""
     if c.wide:
-        return "wide"
+        return ("wide", "wptx", "wquad")[c.ptx]
     if c.diag:
         return "diag"
     if c.lop3:

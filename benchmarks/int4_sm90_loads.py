@@ -9,6 +9,11 @@ PYTHONPATH).
 
 (/tmp/t36: `pip install --no-deps --target /tmp/t36 triton==3.6.0`, the device image's version.)
 
+`--b1`: the batch-1 wide tiles instead (int_gemv_wide.py, Triton and inline-PTX forms,
+GemvConfig.ptx): per candidate the K loop's SASS per weight, the INT-pipe share of it (LOP3 / SHF
+/ PRMT / IADD3 / LEA / ISETP...: half the FP32 rate on Hopper, the first pipe to fill), barriers
+and shared-memory ops in the loop (layout conversions), registers and local-memory bytes.
+
 Columns: `ptx ld.global` (every synchronous global load in the PTX, outside the loop too; one
 element of a replicated layout is one instruction here, which ptxas may merge), and in the SASS
 of the K loop (the largest loop, nvdisasm): `LDG` synchronous loads, `LDGSTS` cp.async copies
@@ -36,8 +41,9 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shard.kernels import int_gemm, int_gemm_lop3, int_gemv
+from shard.kernels import int_gemm, int_gemm_lop3, int_gemv, int_gemv_wide
 from shard.kernels.int_gemm import GemmConfig
+from shard.kernels.int_gemv import GemvConfig
 from tests.shard.test_int_kernels_sm90_ptx import _sass_k_loop
 
 _PTRS = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16", "b_ptr": "*fp16",
@@ -126,10 +132,77 @@ def label(c: GemmConfig) -> str:
     return (f"{c.path} {c.block_m}x{c.block_n}x{c.block_k} w{c.warps} st{c.stages}{extra}{sk}")
 
 
+_INT_PIPE = ("LOP3", "SHF", "PRMT", "IADD3", "LEA", "ISETP", "SEL", "VIADD", "PLOP3", "IABS")
+
+
+def compile_wide(c: GemvConfig, group: int = 128):
+    """int_gemv_wide's kernel for one batch-1 wide candidate: bf16 x, fp16 scales, no N tail."""
+    types = {**_PTRS, "part_ptr": "*fp32", "count_ptr": "*i32",
+             **{n: "i32" for n in _SCALARS}}
+    consts = {"GROUP": group, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "ROWS": 1,
+              "SPLIT_K": c.split_k, "STAGES": c.stages, "HAS_BIAS": False, "X_KIND": 2,
+              "DIAG": False, "ASM": bool(c.ptx), "EVEN": True, "PDL": c.pdl,
+              "PERSIST": bool(c.persist), "TILES": 4 if c.persist else 1, "XPTX": int(c.ptx)}
+    sig = {**types, **dict.fromkeys(consts, "constexpr")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
+             if ty != "constexpr" and name not in ("M", "count_ptr")
+             and (ty.startswith("*") or name in ("N", "K", "K_SPLIT")
+                  or name.startswith("stride"))}
+    options: dict[str, int] = {"num_warps": c.warps, "num_stages": max(1, c.stages)}
+    if c.maxnreg:
+        options["maxnreg"] = c.maxnreg
+    return triton.compile(ASTSource(fn=int_gemv_wide._wide_gemv_kernel, signature=sig,
+                                    constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def resources(cubin: bytes, tmp: Path) -> tuple[int, int]:
+    """(registers, local-memory stack bytes) per thread, from cuobjdump."""
+    path = tmp / "r.cubin"
+    path.write_bytes(cubin)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    out = subprocess.run([str(tool), "--dump-resource-usage", str(path)], capture_output=True,
+                         text=True, check=True).stdout
+    reg, stack = re.search(r"REG:(\d+)", out), re.search(r"STACK:(\d+)", out)
+    return int(reg.group(1)) if reg else -1, int(stack.group(1)) if stack else -1
+
+
+def wide_b1(k: int) -> None:
+    """Every batch-1 wide candidate for a K of k: the K loop's instruction mix."""
+    from benchmarks.int4_b1_sweep import short
+
+    tmp = Path(tempfile.mkdtemp())
+    print(f"triton {triton.__version__}, sm_90, bf16 x, int4 group 128, K {k}")
+    print(f"{'candidate':44s} {'SASS/w':>6s} {'INT/w':>5s} {'FFMA/w':>6s} {'BAR':>3s} "
+          f"{'LDS+STS':>7s} {'regs':>4s} {'stack':>5s}")
+    for c in int_gemv.candidates(1, 128, k):
+        if not c.wide:
+            continue
+        try:
+            kernel = compile_wide(c)
+            body = _sass_k_loop(kernel.asm["cubin"], tmp)
+            regs, stack = resources(kernel.asm["cubin"], tmp)
+        except Exception as e:  # noqa: BLE001 - report and go on: a survey, not a test
+            print(f"{short(c):44s} failed: {type(e).__name__}: {str(e)[:80]}")
+            continue
+        ops = [(i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for i in body]
+        per = 32 * c.warps / (c.block_n * c.block_k)
+        print(f"{short(c):44s} {len(body) * per:6.2f} "
+              f"{sum(o in _INT_PIPE for o in ops) * per:5.2f} "
+              f"{sum(o == 'FFMA' for o in ops) * per:6.2f} {ops.count('BAR'):3d} "
+              f"{sum(o in ('LDS', 'STS', 'STSM') for o in ops):7d} {regs:4d} {stack:5d}",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--buckets", default="32,64,128")
+    ap.add_argument("--b1", type=int, default=0, metavar="K",
+                    help="survey the batch-1 wide tiles for this K instead (e.g. 4096)")
     args = ap.parse_args()
+    if args.b1:
+        wide_b1(args.b1)
+        return
     seen: dict[str, GemmConfig] = {}
     for m in (int(b) for b in args.buckets.split(",")):
         for c in int_gemm.candidates(m, 128, 4096):

@@ -13,8 +13,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout 540 python3 benchmarks/int4_b1_sweep.py --out "$OUT" > "$OUT/int4_b1_sweep.log" 2>&1
 echo "sweep rc=$?"
 grep -E "^\[compile\]|FAILED|Traceback|Error" "$OUT/int4_b1_sweep.log" | head -30
-# per-candidate lines of the new tiles (wide / diag), fastest first per shape
-grep -E "^  (qkv|o|gate_up|down) +[0-9.]+ us .*  (wide|diag) " "$OUT/int4_b1_sweep.log" \
+# per-candidate lines of the new tiles (wide / wptx = wide with inline PTX / wquad = wptx scaled per 4 words / diag), fastest first per shape
+grep -E "^  (qkv|o|gate_up|down) +[0-9.]+ us .*  (wide|wptx|wquad|diag) " "$OUT/int4_b1_sweep.log" \
   | sort -k1,1 -k2,2n | awk '{c[$1]++} c[$1] <= 6'
 sed -n '/=* SUMMARY =*/,$p' "$OUT/int4_b1_sweep.log"
 tail -5 "$OUT/int4_b1_sweep.log"

@@ -335,6 +335,10 @@ class GemvConfig:
     # wide / diag tiles: > 0 caps the registers per thread (ptxas .maxnreg) so that more programs
     # fit an SM (more bytes in flight); only where the sm_90 compile showed no spills
     maxnreg: int = 0
+    # wide tiles, stages 0 / 1, gridded: x's planes / the scales loaded and the nibbles unpacked by
+    # inline PTX in the words' layout (int_gemv_wide._ptx_k_loop: no layout conversion or
+    # barrier in the K loop, one LOP3 a weight); 2: the scaling once per 4 words, not per word
+    ptx: int = 0
 
     def as_dict(self) -> dict[str, int | bool]:
         return asdict(self)
@@ -354,21 +358,25 @@ class GemvConfig:
 _WORDS = tuple(
     GemvConfig(bn, bk, w, st, sk, words=True)
     for bn, bk, w, st, sk in (
-        (256, 128, 8, 3, 1), (256, 128, 8, 4, 1), (256, 128, 8, 3, 2), (256, 128, 8, 3, 4),
-        (256, 128, 8, 3, 8), (256, 128, 4, 3, 1), (256, 128, 4, 3, 2), (128, 128, 8, 3, 1),
-        (128, 128, 8, 3, 4), (128, 128, 8, 3, 8), (512, 128, 8, 3, 1), (64, 128, 4, 4, 4),
-        (256, 32, 8, 6, 1),
+        # batch-1 fallbacks where no multi-group tile applies (per-channel weights, K not a
+        # multiple of 256, groups that are not a power of two): pruned to the tiles that were
+        # the family's 1st / 2nd on some Llama-3-8B linear (H100, /work/data14/int4_b1_h100);
+        # the first stays first (int_tuning's untuned default); 256 x 32 for groups of 32
+        (256, 128, 8, 3, 1), (256, 128, 8, 3, 8), (256, 128, 8, 3, 2), (128, 128, 8, 3, 8),
+        (128, 128, 8, 3, 4), (64, 128, 4, 4, 4), (256, 32, 8, 6, 1),
     )
 )
 _FMA = (
+    # batch 1 only, the fallbacks for what the word / wide tiles do not take (K % 32 != 0, int8
+    # weights, groups of 64 at BLOCK_K 128): pruned to the family's 1st / 2nd on some Llama
+    # linear (H100), plus the 64-wide tile for groups of 64 and the 32-wide one for groups of 32
     *(GemvConfig(bn, bk, w, st, sk, join=True)
       for bn, bk, w, st, sk in (
-          (64, 128, 4, 4, 1), (128, 128, 8, 3, 1), (128, 128, 8, 4, 1), (256, 128, 8, 3, 1),
-          (64, 128, 4, 4, 2), (128, 128, 8, 3, 2), (64, 128, 4, 4, 4), (128, 128, 8, 3, 4),
-          (256, 128, 8, 3, 4), (32, 128, 4, 4, 4), (128, 64, 4, 4, 2), (64, 32, 4, 6, 1),
+          (128, 128, 8, 3, 4), (256, 128, 8, 3, 4), (256, 128, 8, 3, 1), (128, 64, 4, 4, 2),
+          (64, 32, 4, 6, 1),
       )),
-    # the first version's halves tiles (x read with stride-2 loads): its batch-1 choices, and the
-    # 256 / 512-wide tiles for per-channel weights
+    # the first version's halves tiles (x read with stride-2 loads): its best at batch 1, and
+    # the 256 / 512-wide tiles for per-channel weights
     *(GemvConfig(bn, bk, w, st, sk)
       for bn, bk, w, st, sk in (
           (64, 128, 4, 3, 1), (32, 128, 4, 4, 4), (128, 128, 8, 3, 4),
@@ -393,7 +401,9 @@ _DOT = (
 )
 
 
-_DOT_FOR_M1 = 8  # the join tensor-core candidates, also timed at batch 1
+# The join tensor-core candidates timed at batch 1 too: none since the H100 sweep of the Llama-3-8B
+# linears (the best, 64 x 128, 2.6x slower than the wide tile on qkv and 1.3x the word tile).
+_DOT_FOR_M1 = 0
 
 # 1..16 rows, int4 (x padded to 16 rows, one compiled kernel for every bucket): the lop3 tiles.
 # sm_90 SASS per weight in the K loop (128 x 128 tile, 4 warps / 256 x 128, 8 warps): ~3.1 / 2.8
@@ -412,6 +422,11 @@ _LOP3 = tuple(
         (64, 128, 4, 1, 8),
     )
 )
+# Batch 1 times only the two lop3 tiles that came within 5 % of the word tiles (the fallbacks
+# where no wide tile applies) on some Llama linear (H100): o / down 64 x 128 split-K 8, qkv
+# 64 x 128 split-K 4.
+_LOP3_B1 = (GemvConfig(64, 128, 4, 1, 8, use_dot=True, lop3=True),
+            GemvConfig(64, 128, 4, 4, 4, use_dot=True, lop3=True))
 
 
 # Several K tiles' bytes per row in flight (int_gemv_wide.py; benchmarks/INT_KERNELS.md, "W4A16
@@ -425,26 +440,60 @@ _LOP3 = tuple(
 _WIDE = tuple(
     GemvConfig(bn, bk, w, st, sk, wide=True, pdl=True)
     for bn, bk, w, st, sk in (
+        # pruned to those within 15 % of the best on some Llama-3-8B linear (H100 sweep,
+        # /work/data14/int4_b1_h100): st 1 = register double buffer
         (4, 2048, 4, 1, 1), (8, 1024, 4, 1, 1), (16, 1024, 4, 1, 1), (8, 2048, 4, 1, 1),
-        (16, 512, 4, 1, 1), (32, 512, 4, 1, 1), (32, 1024, 8, 1, 1), (16, 1024, 4, 1, 2),
-        (16, 1024, 4, 1, 4), (32, 1024, 4, 1, 4), (8, 2048, 4, 1, 2), (64, 512, 8, 1, 4),
-        (16, 1024, 4, 3, 1), (32, 512, 4, 4, 2),
+        (32, 512, 4, 1, 1), (16, 1024, 4, 1, 4), (32, 1024, 4, 1, 4), (16, 1024, 4, 3, 1),
         # stages 0: one tile at a time, no register prefetch (int_gemv_wide.py)
         (16, 1024, 4, 0, 1), (32, 512, 4, 0, 1), (8, 2048, 4, 0, 1), (16, 2048, 4, 0, 1),
-        (32, 1024, 4, 0, 4), (16, 2048, 4, 0, 2), (32, 1024, 8, 0, 4),
+        (32, 1024, 4, 0, 4),
     )
-) + (GemvConfig(16, 1024, 4, 1, 1, wide=True), GemvConfig(16, 1024, 4, 1, 4, wide=True)) + tuple(
+) + (GemvConfig(16, 1024, 4, 1, 1, wide=True),) + tuple(  # PDL off: the sweep's on / off pair
     # persistent: (block_n, block_k, warps, split_k, programs per SM); ~128 registers (3.6):
-    # 4 programs of 128 threads fit an SM, ~212 for 32 rows: 2
+    # 4 programs of 128 threads fit an SM, ~212 for 32 rows: 2 (down_proj's 1st / 3rd)
     GemvConfig(bn, bk, w, 1, sk, wide=True, pdl=True, persist=ps)
-    for bn, bk, w, sk, ps in ((16, 1024, 4, 1, 3), (16, 1024, 4, 4, 4), (8, 2048, 4, 1, 4),
-                              (32, 1024, 4, 2, 2), (16, 1024, 4, 2, 4))
+    for bn, bk, w, sk, ps in ((16, 1024, 4, 4, 4), (32, 1024, 4, 2, 2), (16, 1024, 4, 2, 4))
 ) + tuple(
     # registers capped at 96 (no spills under Triton 3.6): 5 programs of 128 threads per SM
-    # instead of 4
+    # instead of 4 (gate_up's best)
     GemvConfig(bn, bk, 4, 0, sk, wide=True, pdl=True, maxnreg=96)
     for bn, bk, sk in ((16, 1024, 1), (8, 2048, 1), (16, 1024, 4))
 )
+# The wide tile's inline-PTX form (GemvConfig.ptx, int_gemv_wide._ptx_k_loop; stages 0 / 1,
+# gridded, PDL): no layout conversion in the K loop, one LOP3 a nibble, 11 instructions a word
+# to unpack. sm_90 SASS per weight under Triton 3.6 (the device's; `benchmarks/
+# int4_sm90_loads.py --b1 4096` prints them all): 3.6 with 16 words a thread (4 rows x 4 word
+# columns, or 1-2 rows x 8-16 columns) at 120-128 registers (4 programs of 128 threads per SM),
+# 3.7 capped at 96 (5 per SM), 4.1 at 64 (8, spills); 3.4 with 32 words a thread (167
+# registers, 3 per SM); the Triton form 4.6-5.2 at 125-168. Tiles: the measured winners' shapes
+# (qkv 16 x 2048, o / down 8 x 2048, gate_up 16 x 1024), one-shot rows for K = 4096 (4 x 4096:
+# one K step a program), a 256-thread 32 x 2048, 2-warp 8 x 1024, and split-K 2 for o / down.
+_WIDE_PTX = tuple(
+    GemvConfig(bn, bk, w, 0, sk, wide=True, pdl=True, ptx=True, maxnreg=mr)
+    for bn, bk, w, sk, mr in (
+        (16, 1024, 4, 1, 0), (16, 1024, 4, 1, 96), (16, 1024, 4, 1, 64), (8, 2048, 4, 1, 0),
+        (16, 2048, 4, 1, 0), (8, 1024, 2, 1, 0), (4, 4096, 4, 1, 0), (32, 2048, 8, 1, 0),
+        (8, 2048, 4, 2, 0),
+    )
+) + tuple(
+    # stages 1: the next tile's words prefetched into registers (two tiles a program in
+    # flight); 16 words a thread: 3.9 SASS per weight at 160 registers (3 programs per SM),
+    # capped at 128 (4 per SM: 64 KB in flight against st 0's 4-5 x 8 KB)
+    GemvConfig(bn, bk, w, 1, 1, wide=True, pdl=True, ptx=True, maxnreg=mr)
+    for bn, bk, w, mr in ((16, 1024, 4, 0), (16, 1024, 4, 128))
+) + tuple(
+    # ptx 2: the 4 words a thread holds (one group) summed before the scaling, 2 FFMA per 4 words
+    # instead of per word: under Triton 3.6 16 x 1024 / 8 x 2048 3.54 SASS per weight at 96
+    # registers (5 programs per SM; ptx 1: 3.61 at 120-128), 16 x 2048 3.28 at 128, stages 1
+    # 3.68 at 128 (ptx 1: 3.88 at 160); Triton 3.9 sums x's runs across lanes (a shuffle and a
+    # barrier a K step: 3.4-3.8)
+    GemvConfig(bn, bk, w, st, 1, wide=True, pdl=True, ptx=2, maxnreg=mr)
+    for bn, bk, w, st, mr in ((16, 1024, 4, 0, 0), (8, 2048, 4, 0, 0), (16, 2048, 4, 0, 0),
+                              (32, 1024, 4, 0, 0), (8, 4096, 4, 0, 0), (16, 1024, 4, 0, 80),
+                              (16, 1024, 4, 1, 0), (8, 2048, 4, 1, 0))
+)
+
+
 # Tensor cores, 1..16 rows (x' rows = bucket x NG <= 32: BLOCK_K 256 serves every bucket, 512
 # up to 8 rows). sm_90 compiles (Triton 3.6) of 16-64K-weight tiles: 2.3-3.3 SASS per weight,
 # 130-255 registers (larger tiles spill: the unpacked tile and the double-buffered words are
@@ -470,17 +519,19 @@ _DIAG = tuple(
 
 
 def candidates(m: int, group_size: int, in_features: int) -> list[GemvConfig]:
-    """The tuning candidates for a batch of m rows whose K tiles line up with the groups."""
-    # batch 1 also tries the tensor cores (x padded to 16 rows): fewer instructions per weight
-    # than the CUDA-core FMA path, which needs ~5 per int4 weight and nears the ALU limit
+    """The tuning candidates for a batch of m rows whose K tiles line up with the groups. Batch
+    1 is pruned to what came within 15 % of the best on some Llama-3-8B linear in the H100 sweep
+    (benchmarks/int4_b1_sweep.py), plus the fallbacks for shapes the wide tiles do not serve:
+    no diag tiles (2-3x slower than wide at batch 1), two lop3 ones, no tensor-core join ones."""
     pool = [*_FMA, *_DOT[:_DOT_FOR_M1]] if m == 1 else list(_DOT)
     if m == 1 and in_features % 32 == 0:  # word rows 16-byte aligned
         pool = [*(c for c in _WORDS
                   if groups_per_tile(c.block_k, group_size, in_features) == 1), *pool]
     if in_features % 32 == 0:  # after the others: a bucket's first candidate stays as it was
-        pool += [c for c in _LOP3 if groups_per_tile(c.block_k, group_size, in_features) == 1]
+        pool += [c for c in (_LOP3_B1 if m == 1 else _LOP3)
+                 if groups_per_tile(c.block_k, group_size, in_features) == 1]
     if in_features % 32 == 0:  # the multi-group tiles
-        pool += [c for c in (*_WIDE, *_DIAG)
+        pool += [c for c in ((*_WIDE, *_WIDE_PTX) if m == 1 else _DIAG)
                  if int_gemv_wide.supported(c.block_k, group_size, in_features, m, c.diag)]
     fits = [c for c in pool if tile_fits(c.block_k, group_size, in_features)]
     if not fits:  # e.g. group 32 with K not a multiple of 128: the largest tile that lines up
@@ -562,7 +613,8 @@ def int4_gemv(
         config = replace(config, lop3=False, join=True, use_dot=True)  # joined tensor-core tile
     if (config.wide or config.diag) and (
             bits != 4 or k % 32 or qweight.stride(0) % 16 or qweight.data_ptr() % 16
-            or not int_gemv_wide.supported(config.block_k, group_size, k, m, config.diag)):
+            or not int_gemv_wide.supported(config.block_k, group_size, k, m, config.diag)
+            or (config.ptx and scales.numel() >= 2**31)):  # ptx: int32 scale offsets
         config = default_config(m, group_size, k)  # (candidates() offers none of these)
     use_dot = config.use_dot or m > 1 or config.lop3
     # One layout for every call (rows K apart, 16-byte aligned), so capture-time launches hit the
@@ -574,7 +626,7 @@ def int4_gemv(
         return int_gemv_wide.wide_gemv(x, qweight, scales, zeros, group_size, bias,
                                        config.block_n, config.block_k, config.warps,
                                        config.stages, config.split_k, config.diag, config.pdl,
-                                       counters, config.persist, config.maxnreg)
+                                       counters, config.persist, config.maxnreg, config.ptx)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     tiles_n = triton.cdiv(n, config.block_n)
     split = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))

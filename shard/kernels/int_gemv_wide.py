@@ -183,6 +183,225 @@ def _fma_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_q
     return tl.sum(acc, axis=1)
 
 
+# ------------------------------------------------------------------------------------------------
+# The "wide" tile with inline-PTX loads and unpack (GemvConfig.ptx, STAGES 0 / 1, gridded;
+# batch 1).
+# Why (sm_90 SASS of the measured winners, benchmarks/INT_KERNELS.md "wide tile below its probe"):
+# the Triton form above spends ~4.8 SASS per weight under Triton 3.6 and ~2.4 of them on the INT
+# pipe (LOP3 / SHF / PRMT: half the FP32 rate on Hopper), of which ~0.7 are layout conversions of
+# x's planes and the scales through shared memory (22-28 barriers a K step: every warp of the
+# program waits for the others, so the program cannot overlap its own loads and math) and ~1 the
+# unfused mask-and-or (2 LOP3 a nibble: ptxas keeps neither constant in a register). Here:
+# - x's 8 planes of word column c are ONE 16-byte load (features 8c .. 8c + 7 as 4 int32 pairs),
+#   issued by inline PTX on the [1, C] tensor in the words' own layout: Triton's load coalescing
+#   cannot move it to another layout, so there is no conversion, no barrier. The planes are then
+#   split from the pairs in registers (bf16: a shift / a mask; fp16: a cvt), once per column for
+#   all the rows a thread holds.
+# - the scales / zeros are loaded per (row, word column) in the same layout (inline PTX, pure:
+#   the 4 columns a thread holds in one group share the address and LLVM merges their loads).
+# - each nibble is one LOP3 ((t & mask) | exponent, inline PTX: the constants stay in registers)
+#   after one of 4 shifts of its word, the right shifts as mul.hi (the FMA pipe's IMAD, not the
+#   INT pipe's SHF).
+# - per word: p = sum_i x_i (OFF_i + q_i) - xoff; acc += s * (p - z * sum_i x_i) (10 FFMA).
+# The interpreter (CPU tensors, ASM False) runs the same arithmetic with Triton loads / bit ops.
+def nibble_asm() -> str:
+    """PTX: $8 an int32 word, $0..$7 fp32 OFF_i + nibble i (bits 16..19 of a moved copy with
+    128's exponent for even i, bits 12..15 with 2048's for odd i; as _hi / _lo). Three moved
+    copies, 11 instructions a word: one PRMT puts byte 0 at byte 2 (nibble 0 at bits 16..19)
+    and byte 3 at byte 1 (nibble 7 at bits 12..15), a multiply by 2^8 + 2^20 is the word << 8
+    at bits 0..19 (nibbles 1, 2; as an IMAD on the FMA pipe, not a shift on the INT pipe), a
+    mul.hi by 2^24 the word >> 8 (nibbles 5, 6); nibbles 3, 4 need no move."""
+    hi = "0x000F0000, 0x43000000, 0xEA"  # (t & 0xF0000) | 128.0's bits (0xEA: (a & b) | c)
+    lo = "0x0000F000, 0x45000000, 0xEA"  # (t & 0xF000) | 2048.0's bits
+    return "\n".join([
+        "{", ".reg .b32 t;",
+        "prmt.b32 t, $8, $8, 0x0030;", f"lop3.b32 $0, t, {hi};", f"lop3.b32 $7, t, {lo};",
+        "mul.lo.u32 t, $8, 0x100100;", f"lop3.b32 $1, t, {lo};", f"lop3.b32 $2, t, {hi};",
+        f"lop3.b32 $3, $8, {lo};", f"lop3.b32 $4, $8, {hi};",
+        "mul.hi.u32 t, $8, 16777216;", f"lop3.b32 $5, t, {lo};", f"lop3.b32 $6, t, {hi};",
+        "}"])
+
+
+_NIBBLE_ASM: tl.constexpr = tl.constexpr(nibble_asm())
+
+
+@triton.jit
+def _nibbles(words, ASM: tl.constexpr):
+    """The 8 nibbles of each int32 word as fp32 OFF_i + q_i (nibble_asm; the interpreter's form
+    with Triton bit operations, element for element equal)."""
+    if ASM:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _NIBBLE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words], dtype=(tl.float32,) * 8,
+            is_pure=True, pack=1)
+    else:
+        v0 = _hi(words << 16)
+        v1 = _lo(words << 8)
+        v2 = _hi(words << 8)
+        v3 = _lo(words)
+        v4 = _hi(words)
+        v5 = _lo(words >> 8)
+        v6 = _hi(words >> 8)
+        v7 = _lo(words >> 16)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _pair_planes(p, X_KIND: tl.constexpr):
+    """An int32 holding two 16-bit x values (x[2j] low, x[2j + 1] high) as two fp32."""
+    if X_KIND == 2:  # bf16: the upper half of an fp32
+        return (p << 16).to(tl.float32, bitcast=True), (p & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = (p & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = ((p >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, hi
+
+
+_X_ASM: tl.constexpr = tl.constexpr("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];")
+# The first tile's: the PDL wait in the same asm statement, so that the load (a pure asm, which
+# LLVM may move) can never be issued before the previous kernel, which writes x, has finished.
+_X_ASM_WAIT: tl.constexpr = tl.constexpr("griddepcontrol.wait;\n"
+                                         "ld.global.v4.b32 {$0, $1, $2, $3}, [$4];")
+
+
+@triton.jit
+def _ptx_x(xp, X_KIND: tl.constexpr, ASM: tl.constexpr, WAIT: tl.constexpr):
+    """x's planes [1, C] fp32 (x_i[c] = x[k0 + 8c + i]) from one 16-byte load per column, in the
+    words' layout (a pure asm: Triton rematerializes it in the consumer's layout; a non-pure one
+    stays in a default layout under Triton 3.9 and costs a conversion per plane). WAIT: the PDL
+    wait first (the first tile)."""
+    if ASM:
+        addr = xp.to(tl.int64, bitcast=True)
+        if WAIT:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                _X_ASM_WAIT, "=r,=r,=r,=r,l", [addr], dtype=(tl.int32,) * 4, is_pure=True,
+                pack=1)
+        else:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                _X_ASM, "=r,=r,=r,=r,l", [addr], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+    else:
+        wait_for_predecessor(WAIT)
+        xp = xp.to(tl.pointer_type(tl.int32))
+        p0 = tl.load(xp)
+        p1 = tl.load(xp + 1)
+        p2 = tl.load(xp + 2)
+        p3 = tl.load(xp + 3)
+    x0, x1 = _pair_planes(p0, X_KIND)
+    x2, x3 = _pair_planes(p1, X_KIND)
+    x4, x5 = _pair_planes(p2, X_KIND)
+    x6, x7 = _pair_planes(p3, X_KIND)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _ptx_group(ptr, ASM: tl.constexpr):
+    """*ptr [BLOCK_N, C] as fp32 (scales or zeros: 16- or 32-bit floats), in ptr's layout."""
+    if ASM:
+        addr = ptr.to(tl.int64, bitcast=True)
+        if ptr.dtype.element_ty.primitive_bitwidth == 16:
+            v = tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [addr],
+                                          dtype=tl.int16, is_pure=True, pack=1)
+        else:
+            v = tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [addr],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        return v.to(ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+    else:
+        return tl.load(ptr).to(tl.float32)
+
+
+@triton.jit
+def _ptx_tile(words, x_ptr, s_ptr, z_ptr, xb, sb, k0, acc, GROUP: tl.constexpr,
+              X_KIND: tl.constexpr, ASM: tl.constexpr, WAIT: tl.constexpr, QUAD: tl.constexpr):
+    """Per word: p = sum_i x_i (OFF_i + q_i) - xoff; then acc [BLOCK_N, C] += s * (p - z * sum_i
+    x_i), or with QUAD acc [BLOCK_N, C / 4] += s * (sum of 4 adjacent words' p - z * their sum
+    of x): 4 words = 32 features lie in one group (GROUP >= 32) and in one thread (the words'
+    16-byte vectors), so the sum stays in registers and the scaling costs 2 FFMA per 4 words
+    instead of per word (Triton 3.6; 3.9 sums x's 4-word runs across lanes: a shuffle and a
+    barrier a K step)."""
+    C: tl.constexpr = words.shape[1]
+    BN: tl.constexpr = words.shape[0]
+    x0, x1, x2, x3, x4, x5, x6, x7 = _ptx_x(x_ptr + k0 + xb, X_KIND, ASM, WAIT)
+    if QUAD:  # each 4-word run's group
+        offs = sb + (k0 // GROUP + tl.arange(0, C // 4) // (GROUP // 32))[None, :]
+    else:  # each word's group
+        offs = sb + (k0 // GROUP + tl.arange(0, C) // (GROUP // 8))[None, :]
+    s = _ptx_group(s_ptr + offs, ASM)
+    z = _ptx_group(z_ptr + offs, ASM)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles(words, ASM)
+    xe = (x0 + x2) + (x4 + x6)
+    xo = (x1 + x3) + (x5 + x7)
+    xw = xe + xo  # [1, C]
+    xoff = 128.0 * xe + 2048.0 * xo
+    p = v0 * x0 - xoff
+    p += v1 * x1
+    p += v2 * x2
+    p += v3 * x3
+    p += v4 * x4
+    p += v5 * x5
+    p += v6 * x6
+    p += v7 * x7
+    if QUAD:
+        pq = tl.sum(tl.reshape(p, [BN, C // 4, 4]), axis=2)
+        xq = tl.sum(tl.reshape(xw, [1, C // 4, 4]), axis=2)
+        return acc + s * (pq - z * xq)
+    else:
+        return acc + s * (p - z * xw)
+
+
+@triton.jit
+def _ptx_words(q_ptr, rows, row_mask, k0, k_hi, stride_qn, BLOCK_K: tl.constexpr,
+               EVEN: tl.constexpr):
+    """The words [BLOCK_N, BLOCK_K / 8] int32 at k0 (16-byte vectors, evict-first); nothing is
+    read where k0 >= k_hi (a prefetch past the range: one predicate per tile)."""
+    w_rows = (q_ptr + rows.to(tl.int64) * stride_qn).to(tl.pointer_type(tl.int32))
+    offs = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, BLOCK_K // 8), 4),
+                             BLOCK_K // 8)
+    live = (tl.zeros([BLOCK_K // 8], tl.int32) + k0) < k_hi
+    if EVEN:
+        return tl.load(w_rows[:, None] + offs[None, :], mask=live[None, :], other=0,
+                       eviction_policy="evict_first")
+    else:
+        return tl.load(w_rows[:, None] + offs[None, :], mask=row_mask[:, None] & live[None, :],
+                       other=0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _ptx_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_qn, stride_sn,
+                GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                STAGES: tl.constexpr, X_KIND: tl.constexpr, ASM: tl.constexpr,
+                EVEN: tl.constexpr, PDL: tl.constexpr, QUAD: tl.constexpr):
+    """Batch 1: [BLOCK_N] fp32 = x[k_lo:k_hi] . dequant(W[rows, k_lo:k_hi]). STAGES 0: one tile
+    at a time; 1: the next tile's words loaded before this tile's math (a register double
+    buffer: two tiles a program in flight, ~16-32 more registers). The first tile (peeled) has
+    its words loaded before the PDL wait, which sits in its x load (_ptx_x)."""
+    # loop-invariant bases (the K step adds a scalar): x's word columns [1, C] (8 features
+    # apart) and the scale / zero rows [BLOCK_N, 1] (rows past N read row 0's, never stored)
+    C: tl.constexpr = BLOCK_K // 8
+    xb = 8 * tl.arange(0, C)[None, :]
+    sb = tl.where(row_mask, rows, 0)[:, None] * stride_sn  # int32: N x groups < 2^31
+    acc = tl.zeros([BLOCK_N, C // 4 if QUAD else C], dtype=tl.float32)
+    words = _ptx_words(q_ptr, rows, row_mask, k_lo, k_hi, stride_qn, BLOCK_K, EVEN)
+    if STAGES == 0:
+        acc = _ptx_tile(words, x_ptr, s_ptr, z_ptr, xb, sb, k_lo, acc, GROUP, X_KIND, ASM, PDL,
+                        QUAD)
+        for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=1):
+            words = _ptx_words(q_ptr, rows, row_mask, k0, k_hi, stride_qn, BLOCK_K, EVEN)
+            acc = _ptx_tile(words, x_ptr, s_ptr, z_ptr, xb, sb, k0, acc, GROUP, X_KIND, ASM,
+                                False, QUAD)
+    else:
+        words_n = _ptx_words(q_ptr, rows, row_mask, k_lo + BLOCK_K, k_hi, stride_qn, BLOCK_K,
+                             EVEN)
+        acc = _ptx_tile(words, x_ptr, s_ptr, z_ptr, xb, sb, k_lo, acc, GROUP, X_KIND, ASM, PDL,
+                        QUAD)
+        words = words_n
+        for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=1):
+            words_n = _ptx_words(q_ptr, rows, row_mask, k0 + BLOCK_K, k_hi, stride_qn, BLOCK_K,
+                                 EVEN)
+            acc = _ptx_tile(words, x_ptr, s_ptr, z_ptr, xb, sb, k0, acc, GROUP, X_KIND, ASM,
+                                False, QUAD)
+            words = words_n
+    return tl.sum(acc, axis=1)
+
+
 @triton.jit
 def _diag_weights(q_ptr, s_ptr, z_ptr, rows, row_mask, M, k0, k_hi, stride_qn, stride_sn,
                   GROUP: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
@@ -385,6 +604,8 @@ def _wide_gemv_kernel(
     PDL: tl.constexpr,
     PERSIST: tl.constexpr = False,  # a few programs per SM loop over the units (_persistent)
     TILES: tl.constexpr = 1,  # PERSIST: K tiles per split (K_SPLIT / BLOCK_K)
+    XPTX: tl.constexpr = 0,  # the wide tile's inline-PTX form (_ptx_k_loop; STAGES 0 / 1);
+    # 2: its scaling per 4 words (_ptx_tile's QUAD)
 ):
     let_dependents_launch(PDL)
     if PERSIST:
@@ -394,7 +615,7 @@ def _wide_gemv_kernel(
     else:
         _gridded(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
                  stride_xm, stride_qn, stride_sn, stride_ym, GROUP, BLOCK_N, BLOCK_K, ROWS,
-                 SPLIT_K, STAGES, HAS_BIAS, X_KIND, DIAG, ASM, EVEN, PDL)
+                 SPLIT_K, STAGES, HAS_BIAS, X_KIND, DIAG, ASM, EVEN, PDL, XPTX)
 
 
 @triton.jit
@@ -403,7 +624,7 @@ def _gridded(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
              SPLIT_K: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr,
              X_KIND: tl.constexpr, DIAG: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
-             PDL: tl.constexpr):
+             PDL: tl.constexpr, XPTX: tl.constexpr):
     """One program per (row block, K split): program (pid_n, pid_k)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -420,8 +641,13 @@ def _gridded(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N
         out = tl.trans(tl.sum(tl.reshape(acc, [BLOCK_N, MR, NG]), axis=2))  # [MR, BLOCK_N]
         offs_m = tl.arange(0, MR)
     else:
-        acc = _fma_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_qn,
-                          stride_sn, GROUP, BLOCK_N, BLOCK_K, STAGES, EVEN, PDL)
+        if XPTX:
+            acc = _ptx_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_qn,
+                              stride_sn, GROUP, BLOCK_N, BLOCK_K, STAGES, X_KIND, ASM, EVEN,
+                              PDL, XPTX == 2)
+        else:
+            acc = _fma_k_loop(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, k_lo, k_hi, stride_qn,
+                              stride_sn, GROUP, BLOCK_N, BLOCK_K, STAGES, EVEN, PDL)
         out = acc[None, :]  # [1, BLOCK_N]
         offs_m = tl.arange(0, 1)
     finish(out, offs_m, offs_m < M, rows, row_mask, pid_n, pid_k, b_ptr, y_ptr, part_ptr,
@@ -468,10 +694,15 @@ def wide_gemv(
     counters: torch.Tensor | None,
     persist: int = 0,
     maxnreg: int = 0,
+    ptx: int = 0,
 ) -> torch.Tensor:
     """y [M, N] = x @ dequant(qweight).T (+ bias) with a wide / diag tile (int_gemv.int4_gemv
     checks `supported` and normalizes x first). persist > 0: the persistent form with
-    min(units, persist x SMs) programs; maxnreg > 0: registers per thread capped (CUDA)."""
+    min(units, persist x SMs) programs; maxnreg > 0: registers per thread capped (CUDA); ptx:
+    the wide tile's inline-PTX form (_ptx_k_loop: stages 0 / 1, gridded, batch 1 only; 2: its
+    scaling per 4 words)."""
+    if ptx and (diag or persist or stages > 1):
+        raise ValueError("int4_gemv: the ptx wide tile is gridded, stages 0 / 1, batch 1 only")
     m, k = x.shape
     n = qweight.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -507,10 +738,11 @@ def wide_gemv(
         HAS_BIAS=bias is not None,
         X_KIND=x_kind(x.dtype),
         DIAG=diag,
-        ASM=diag and x.is_cuda,  # the interpreter (CPU tensors) runs no inline PTX
+        ASM=(diag or ptx) and x.is_cuda,  # the interpreter (CPU tensors) runs no inline PTX
         EVEN=n % block_n == 0,
         PERSIST=bool(persist),
         TILES=k_split // block_k,
+        XPTX=int(ptx),
         num_warps=warps,
         num_stages=max(1, stages),
         **launch,

@@ -273,7 +273,8 @@ def test_lop3_gemv_register_prefetch_form(tmp_path) -> None:
 
 
 def _wide_compile(tmp_path, diag: bool, block_n: int, block_k: int, warps: int,
-                  stages: int = 1, persist: bool = False) -> tuple[float, str, list[str]]:
+                  stages: int = 1, persist: bool = False,
+                  ptx: int = 0) -> tuple[float, str, list[str]]:
     """SASS instructions per weight in the K loop, the PTX and the loop's SASS, of a wide / diag tile of
     group-128 int4 weights at batch 1, launched as a programmatic dependent."""
     from triton.backends.compiler import GPUTarget
@@ -286,8 +287,9 @@ def _wide_compile(tmp_path, diag: bool, block_n: int, block_k: int, warps: int,
              "stride_sn": "i32", "stride_ym": "i32"}
     consts = {"GROUP": 128, "BLOCK_N": block_n, "BLOCK_K": block_k,
               "ROWS": int_gemv_wide.diag_rows(1, block_k, 128) if diag else 1, "SPLIT_K": 1,
-              "STAGES": stages, "HAS_BIAS": False, "X_KIND": 2, "DIAG": diag, "ASM": diag,
-              "EVEN": True, "PDL": True, "PERSIST": persist, "TILES": 4}
+              "STAGES": stages, "HAS_BIAS": False, "X_KIND": 2, "DIAG": diag,
+              "ASM": diag or bool(ptx), "EVEN": True, "PDL": True, "PERSIST": persist,
+              "TILES": 4, "XPTX": ptx}
     sig = {**types, **dict.fromkeys(consts, "constexpr")}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
              if ty != "constexpr" and name not in ("M", "count_ptr")
@@ -445,3 +447,87 @@ def test_lop3z_unpack_asm_gives_q_minus_z(x_kind: int) -> None:
             hi = torch.tensor([regs[f"${j}"] >> 16], dtype=torch.int32).to(torch.int16)
             assert float(lo.view(dtype)[0]) == ((a >> (8 * j)) & 0xF) - za, (hex(a), j)
             assert float(hi.view(dtype)[0]) == ((b >> (8 * j)) & 0xF) - zb, (hex(b), j)
+
+
+@pytest.mark.parametrize(("block_n", "block_k", "warps", "stages"),
+                         [(16, 1024, 4, 0), (8, 2048, 4, 0), (16, 1024, 4, 1)])
+def test_ptx_wide_tile_has_no_layout_conversion_in_its_k_loop(tmp_path, block_n: int,
+                                                             block_k: int, warps: int,
+                                                             stages: int) -> None:
+    """The wide tile's inline-PTX form (GemvConfig.ptx): x's planes and the scales are loaded in
+    the words' layout, so its K loop has no barrier and no shared-memory traffic (the Triton
+    form converts them through shared memory: 22-28 barriers a K step under Triton 3.6), x is
+    one 16-byte load per word column, each nibble one LOP3, and the loop stays under ~4.2 SASS
+    per weight (measured when written, Triton 3.9 / 3.6: 16 x 1024 and 8 x 2048 3.56 / 3.61,
+    with the next tile prefetched, stages 1, 16 x 1024 3.79 / 3.88; the Triton form 4.7 / 4.8
+    and 4.8 / 5.2). The first tile's weights are loaded before the PDL wait, which sits in the
+    same asm statement as the first x load."""
+    per_weight, ptx, body = _wide_compile(tmp_path, False, block_n, block_k, warps,
+                                          stages=stages, ptx=1)
+    ops = [i.split()[1] if i.startswith("@") else i.split()[0] for i in body]
+    assert not [o for o in ops if o.startswith(("BAR", "STS", "LDS"))], "layout conversion"
+    weight_loads = [i for i in body if "LDG.E.EF" in i]
+    assert weight_loads and all(".128" in i for i in weight_loads), weight_loads
+    # x: one 16-byte load per word column a thread holds, shared by its rows (>= 2 here): at
+    # most half a load per word a thread holds (4 per weight load)
+    x_loads = [i for i in body if "LDG.E.128" in i]
+    assert x_loads and len(x_loads) <= 2 * len(weight_loads), (x_loads, weight_loads)
+    lop3 = sum(o.startswith("LOP3") for o in ops)
+    assert lop3 * 32 * warps <= 1.2 * block_n * block_k, f"{lop3} LOP3: unpack not fused"
+    wait = ptx.find("griddepcontrol.wait")
+    first = re.search(r"ld\.global\.L1::evict_first[.\w:]*\.v4\.b32", ptx)
+    assert first and first.start() < wait, "the first weight tile is loaded only after the PDL wait"
+    assert per_weight <= 4.2 + 0.2 * stages, f"{per_weight:.2f} SASS per weight"
+
+
+@pytest.mark.parametrize(("block_n", "block_k", "stages"), [(16, 1024, 0), (16, 1024, 1)])
+def test_ptx_wide_tile_scaled_per_four_words(tmp_path, block_n: int, block_k: int,
+                                             stages: int) -> None:
+    """ptx 2: the 4 words a thread holds (one group) summed before the scaling: fewer FFMA per
+    weight than ptx 1 (2 per 4 words instead of per word: ~1.1 against ~1.27), the sum in
+    registers (Triton 3.6: no barrier; 3.9 sums x's 4-word runs with a shuffle: at most 2
+    barriers a K step), under ~4 SASS per weight (when written, 3.9 / 3.6: 3.6 / 3.5 at
+    stages 0, 3.9 / 3.7 at stages 1)."""
+    per_word = {}
+    for ptx_form in (1, 2):
+        per_weight, _, body = _wide_compile(tmp_path, False, block_n, block_k, 4, stages=stages,
+                                            ptx=ptx_form)
+        ops = [(i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0]
+               for i in body]
+        per_word[ptx_form] = ops.count("FFMA") * 32 * 4 / (block_n * block_k)
+    assert per_word[2] <= per_word[1] - 0.1, per_word
+    assert ops.count("BAR") <= 2 and ops.count("LOP3") * 32 * 4 <= 1.2 * block_n * block_k
+    assert per_weight <= 4.0 + 0.1 * stages, f"{per_weight:.2f} SASS per weight"
+
+
+def test_nibble_unpack_asm_equals_the_interpreter_form() -> None:
+    """int_gemv_wide.nibble_asm executed instruction by instruction in Python gives the bits of
+    the interpreter's form (_hi / _lo of the word shifted by 16, 8, 0, -8, -16), which the
+    interpreter tests check against the dequantized weight: OFF_i + nibble i as fp32 bits."""
+    import random
+
+    from shard.kernels.int_gemv_wide import nibble_asm
+
+    rng = random.Random(0)
+    m32 = 0xFFFFFFFF
+    for _ in range(300):
+        w = rng.getrandbits(32)
+        regs: dict[str, int] = {"$8": w}
+        for line in nibble_asm().splitlines():
+            op = re.match(r"(mul\.lo\.u32|mul\.hi\.u32|lop3\.b32|prmt\.b32) (\S+), (\S+), "
+                          r"(\S+)(?:, (\S+))?(?:, (\S+))?;", line)
+            if not op:
+                continue
+            a, b = (regs[v] if v in regs else int(v, 0) for v in op.group(3, 4))
+            if op.group(1) == "prmt.b32":
+                regs[op.group(2)] = _prmt(a, b, int(op.group(5), 0))
+            elif op.group(1) == "mul.lo.u32":
+                regs[op.group(2)] = (a * b) & m32
+            elif op.group(1) == "mul.hi.u32":
+                regs[op.group(2)] = (a * b) >> 32
+            else:
+                regs[op.group(2)] = _lop3(a, b, int(op.group(5), 0), int(op.group(6), 0))
+        for i in range(8):
+            q = (w >> (4 * i)) & 0xF
+            want = (q << 16) | 0x43000000 if i % 2 == 0 else (q << 12) | 0x45000000
+            assert regs[f"${i}"] == want, (hex(w), i)

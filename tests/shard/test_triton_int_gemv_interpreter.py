@@ -179,7 +179,23 @@ _CHECK = textwrap.dedent(
             (torch.float16, 32, 768, 64, True,
              GemvConfig(8, 256, 4, 1, split_k=2, wide=True, persist=1), (1,)),
             (torch.bfloat16, 40, 512, 64, False,
-             GemvConfig(16, 256, 4, 1, split_k=2, use_dot=True, diag=True, persist=2), (1, 3))):
+             GemvConfig(16, 256, 4, 1, split_k=2, use_dot=True, diag=True, persist=2), (1, 3)),
+            # the wide tile's inline-PTX form (GemvConfig.ptx; here its Triton twin: x planes from
+            # int32 pairs, scales per word column, 4-shift unpack): an N tail with split-K,
+            # fp16 with fractional zeros in groups of 32 and the next tile prefetched (stages 1,
+            # the prefetch past the range reading nothing), a 512-wide tile of groups of 64
+            (torch.bfloat16, 24, 512, 128, False,
+             GemvConfig(16, 256, 4, 0, split_k=2, wide=True, pdl=True, ptx=True), (1,)),
+            (torch.float16, 32, 256, 32, True, GemvConfig(8, 128, 4, 1, wide=True, ptx=True),
+             (1,)),
+            (torch.bfloat16, 16, 1024, 64, True,
+             GemvConfig(16, 512, 2, 0, wide=True, pdl=True, ptx=True), (1,)),
+            # ... scaled per 4 words (ptx 2): groups of 32 (one 4-word run a group) with an N
+            # tail and split-K, fp16 groups of 128 with the next tile prefetched
+            (torch.bfloat16, 24, 512, 32, True,
+             GemvConfig(16, 256, 4, 0, split_k=2, wide=True, pdl=True, ptx=2), (1,)),
+            (torch.float16, 16, 1024, 128, False, GemvConfig(8, 256, 4, 1, wide=True, ptx=2),
+             (1,))):
         groups = k // group
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         scales = (torch.rand(n, groups) * 0.1 + 0.01).half()
