@@ -47,10 +47,13 @@ __all__ = ["ExpertNames", "FusedMoE", "MoeRouting", "RoutingStats", "SparseMoeBl
 # Rows per block of the CPU path's batched matmuls (the CUDA kernel picks its own).
 _CPU_BLOCK_M = 8
 
-# Decode-sized CUDA steps on one rank: the residual add + RMSNorm before the sparse block, its
-# router GEMV and the routing in one launch (shard/kernels/moe_router.py) instead of three.
-# `fused_router(False)` restores the three launches (benchmarks compare both in one process).
-_fused_router = True
+# Opt-in: decode-sized CUDA steps on one rank run the residual add + RMSNorm before the sparse
+# block, its router GEMV and the routing in one launch (shard/kernels/moe_router.py) instead of
+# three. Off by default: measured on an H100 (2026-11-28, Qwen3-30B-A3B shape, batch 1,
+# benchmarks/MOE_B1.md) the launch alone takes 5.0 us against 7.2 us for the three it replaces,
+# but the whole step is ~12 us a layer slower with it. `fused_router(True)` turns it on
+# (benchmarks compare both in one process).
+_fused_router = False
 
 
 @contextmanager

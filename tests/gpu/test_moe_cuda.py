@@ -199,19 +199,19 @@ def test_fused_add_norm_router_compiled_matches_the_three_launches(n):
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
 def test_tiny_moe_models_same_tokens_with_and_without_the_fused_router(moe_models, arch):
-    """The decode graphs with the fused add + norm + router launch (the default) and with the
-    three launches (fused_router(False)) generate the same greedy tokens (float32 models) up to
-    the first near-tie (the router's dot products sum in another order)."""
+    """The decode graphs with the fused add + norm + router launch (opt-in, fused_router(True))
+    and with the three launches (the default) generate the same greedy tokens (float32 models)
+    up to the first near-tie (the router's dot products sum in another order)."""
     from shard.layers.moe import fused_router
     from shard.testing.tiny import greedy_tokens
     from tests.helpers.moe import moe_shard
     from tests.helpers.numerics import agree_until_near_tie
 
     margins: list[list[float]] = []
-    with fused_router(False):
-        want = greedy_tokens(moe_shard(moe_models[arch], device="cuda"), 12, margins)
-    fused = moe_shard(moe_models[arch], device="cuda")
-    agree_until_near_tie(greedy_tokens(fused, 12), want, margins)
+    want = greedy_tokens(moe_shard(moe_models[arch], device="cuda"), 12, margins)
+    with fused_router(True):
+        fused = moe_shard(moe_models[arch], device="cuda")
+        agree_until_near_tie(greedy_tokens(fused, 12), want, margins)
     assert fused.runner.last_path == "decode_graph"
     from shard.layers.moe import SparseMoeBlock
 
