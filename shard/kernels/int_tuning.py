@@ -6,7 +6,9 @@ bucket, at warm-up (eagerly: compiles and host syncs), never while a CUDA graph 
   runs it (shard/kernels/graph_timing.py: ramp-up and tails show there); the other buckets with
   Triton's do_bench, L2 cleared before each call (shard/kernels/gemv.py's bench_us).
 - GEMM (shard/kernels/int_gemm.py), buckets GEMM_M_BUCKETS (32 .. 4096, the next power of two of
-  M): do_bench; the candidates include dequantize-then-cuBLAS (int_gemm's "cublas" path), so no
+  M): up to GRAPH_TIMED_GEMM_MAX rows (the decode steps CUDA graphs replay) in a CUDA graph as
+  batch 1 (on an H100 do_bench's eager times picked tiles up to 1.7x slower in a graph than the
+  graph-fastest: benchmarks/INT_KERNELS.md, round 14), above that do_bench; the candidates include dequantize-then-cuBLAS (int_gemm's "cublas" path), so no
   bucket runs slower than that.
 Every chosen config is then launched once at its bucket's batch, which loads its kernel on the
 device; a later launch at any M of the bucket hits the same compiled kernel (M is not
@@ -65,8 +67,10 @@ class IntWeightView:
                                   int_zeros=self.int_zeros, config=config,
                                   counters=self.counters)
 
-    def gemm(self, x: torch.Tensor, config: GemmConfig) -> torch.Tensor:
-        return int_gemm.int_gemm(x, self.qweight, self.scales, self.zeros, self.group_size,
+    def gemm(self, x: torch.Tensor, config: GemmConfig,
+             qweight: torch.Tensor | None = None) -> torch.Tensor:
+        return int_gemm.int_gemm(x, self.qweight if qweight is None else qweight, self.scales,
+                                 self.zeros, self.group_size,
                                  self.bias, bits=self.bits, config=config,
                                  counters=self.counters, int_zeros=self.int_zeros)
 
@@ -114,6 +118,11 @@ def kernel_version() -> str:
 # (relative to the largest |y|) is not chosen: x's dtype rounds y to 2^-8 (bf16); the tests bound
 # the kernels at 2^-7.
 _CHECK_BOUND = 2**-6
+
+# GEMM buckets up to this many rows are decode steps the CUDA graphs replay (shard/runner/
+# cuda_graphs.py captures up to the server's max batch, 256 by default): timed in a graph, as
+# they run; larger ones are prefill chunks, launched eagerly and timed so.
+GRAPH_TIMED_GEMM_MAX = 256
 
 _MEMO: dict[tuple, IntTuning] = {}
 # Every timed candidate of the tunings this process ran: (N, K, "gemv" | "gemm", bucket) ->
@@ -244,8 +253,13 @@ def _tune(w: IntWeightView, dtype: torch.dtype) -> IntTuning:
             err = float((w.gemm(x, c).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
             return None if err <= _CHECK_BOUND else f"max error {err:.2e} of max |y|"
 
-        gemm[bucket], times = _fastest(lambda c, x=x: bench_us(lambda: w.gemm(x, c)), pool,
-                                       check)
+        if bucket <= GRAPH_TIMED_GEMM_MAX:
+            gemm[bucket], times = _fastest(
+                lambda c, x=x: time_in_graph_us(lambda q, c=c: w.gemm(x, c, q), views), pool,
+                check)
+        else:
+            gemm[bucket], times = _fastest(lambda c, x=x: bench_us(lambda: w.gemm(x, c)), pool,
+                                           check)
         TIMINGS[(w.qweight.shape[0], k, "gemm", bucket)] = times
     return IntTuning(gemv, gemm)
 
