@@ -194,6 +194,13 @@ def _fastest(time_us: Callable[[Any], float], pool: list,
     return best[1], timings
 
 
+def _wrong(y: torch.Tensor, ref: torch.Tensor) -> str | None:
+    """None where y [M, N] is within _CHECK_BOUND of fp32 ref (relative to its largest |y|), else
+    what is wrong (_fastest's check)."""
+    err = float((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+    return None if err <= _CHECK_BOUND else f"max error {err:.2e} of max |y|"
+
+
 def _dequantized(w: IntWeightView) -> torch.Tensor:
     """[N, K] fp32: (q - zero) * scale, as PackedInt.dequantize computes it (the kernels'
     reference; shard.kernels imports no quantization code)."""
@@ -221,8 +228,7 @@ def _tune(w: IntWeightView, dtype: torch.dtype) -> IntTuning:
         ref = x.float() @ w_ref.t() + (0.0 if w.bias is None else w.bias.float())
 
         def check(c: GemvConfig, x: torch.Tensor = x, ref: torch.Tensor = ref) -> str | None:
-            err = float((w.gemv(x, c).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
-            return None if err <= _CHECK_BOUND else f"max error {err:.2e} of max |y|"
+            return _wrong(w.gemv(x, c), ref)
 
         pool = int_gemv.candidates(bucket, w.group_size, k)
         if bucket == 1:
@@ -250,8 +256,7 @@ def _tune(w: IntWeightView, dtype: torch.dtype) -> IntTuning:
                   ) -> str | None:
             if not _checked(c) or ref is None:
                 return None
-            err = float((w.gemm(x, c).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
-            return None if err <= _CHECK_BOUND else f"max error {err:.2e} of max |y|"
+            return _wrong(w.gemm(x, c), ref)
 
         if bucket <= GRAPH_TIMED_GEMM_MAX:
             gemm[bucket], times = _fastest(
