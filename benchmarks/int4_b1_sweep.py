@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -62,9 +61,11 @@ from int4_kernels import (
     LAYERS,
     SHAPES,
     SPEC_GBPS,
+    capture_graph,
     copy_bandwidth,
     interpreter_checks,
     random_packed,
+    replay_us,
 )
 
 from shard.kernels import int_gemm, int_gemv
@@ -233,26 +234,11 @@ def graph_time(calls: Callable[[], list[torch.Tensor]], replays: int = 5
                ) -> tuple[float, list[torch.Tensor]]:
     """(median microseconds of one replay of a CUDA graph of calls(), the graph's outputs after
     the replays); warmed up eagerly on a side stream first."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = calls()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    outs = [o.clone() for o in outs]
+    graph, outs = capture_graph(calls)
+    us = replay_us(graph, replays)
+    outs = [o.clone() for o in outs]  # out of the graph's pool before it goes
     del graph
-    return statistics.median(times), outs
+    return us, outs
 
 
 def sweep_shape(shape: str, lins: list, ref_w: torch.Tensor, bandwidth: float
