@@ -60,9 +60,8 @@ from int4_kernels import (
     GROUP,
     LAYERS,
     SHAPES,
-    SPEC_GBPS,
     capture_graph,
-    copy_bandwidth,
+    device_header,
     interpreter_checks,
     random_packed,
     replay_us,
@@ -341,14 +340,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     torch.manual_seed(0)
-    name = torch.cuda.get_device_name()
-    bandwidth = copy_bandwidth()
-    spec = next((v for key, v in SPEC_GBPS.items() if key in name), None)
-    report: dict[str, Any] = {"device": name, "copy_GBps": bandwidth, "spec_GBps": spec,
-                              "group": GROUP, "layers": LAYERS, "torch": torch.__version__,
+    report: dict[str, Any] = {**device_header(), "torch": torch.__version__,
                               "triton": triton.__version__}
-    print(f"{name}: copy {bandwidth:.0f} GB/s (spec {spec}); torch {torch.__version__}, triton "
-          f"{triton.__version__}", flush=True)
+    bandwidth = report["copy_GBps"]
+    print(f"{report['device']}: copy {bandwidth:.0f} GB/s (spec {report['spec_GBps']}); torch "
+          f"{torch.__version__}, triton {triton.__version__}", flush=True)
 
     def save() -> None:
         (args.out / "int4_b1_sweep.json").write_text(json.dumps(report, indent=1, default=str))

@@ -108,6 +108,15 @@ def replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return statistics.median(times)
 
 
+def device_header() -> dict[str, Any]:
+    """A report's device facts: name, measured copy GB/s, the data sheet's GB/s (None where the
+    card is not in SPEC_GBPS), the weights' group and layer count."""
+    name = torch.cuda.get_device_name()
+    spec = next((v for key, v in SPEC_GBPS.items() if key in name), None)
+    return {"device": name, "copy_GBps": copy_bandwidth(), "spec_GBps": spec, "group": GROUP,
+            "layers": LAYERS}
+
+
 def graph_us(calls: Callable[[], Any], replays: int = 5) -> float:
     """Median microseconds of one replay of a CUDA graph of calls() (warmed up eagerly)."""
     graph, _ = capture_graph(calls)
@@ -304,12 +313,9 @@ def main() -> None:
         return
     t_start = time.perf_counter()
     torch.manual_seed(0)
-    name = torch.cuda.get_device_name()
-    bandwidth = copy_bandwidth()
-    spec = next((v for key, v in SPEC_GBPS.items() if key in name), None)
-    report: dict[str, Any] = {"device": name, "copy_GBps": bandwidth, "spec_GBps": spec,
-                              "group": GROUP, "layers": LAYERS}
-    print(f"{name}: copy {bandwidth:.0f} GB/s (spec {spec})", flush=True)
+    report: dict[str, Any] = device_header()
+    bandwidth, spec = report["copy_GBps"], report["spec_GBps"]
+    print(f"{report['device']}: copy {bandwidth:.0f} GB/s (spec {spec})", flush=True)
 
     def save() -> None:
         (args.out / "int4_kernels.json").write_text(json.dumps(report, indent=1, default=str))
