@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -61,10 +60,11 @@ from int4_kernels import (
     GROUP,
     LAYERS,
     SHAPES,
-    SPEC_GBPS,
-    copy_bandwidth,
+    capture_graph,
+    device_header,
     interpreter_checks,
     random_packed,
+    replay_us,
 )
 
 from shard.kernels import int_gemm, int_gemv
@@ -233,26 +233,11 @@ def graph_time(calls: Callable[[], list[torch.Tensor]], replays: int = 5
                ) -> tuple[float, list[torch.Tensor]]:
     """(median microseconds of one replay of a CUDA graph of calls(), the graph's outputs after
     the replays); warmed up eagerly on a side stream first."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = calls()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    outs = [o.clone() for o in outs]
+    graph, outs = capture_graph(calls)
+    us = replay_us(graph, replays)
+    outs = [o.clone() for o in outs]  # out of the graph's pool before it goes
     del graph
-    return statistics.median(times), outs
+    return us, outs
 
 
 def sweep_shape(shape: str, lins: list, ref_w: torch.Tensor, bandwidth: float
@@ -355,14 +340,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     torch.manual_seed(0)
-    name = torch.cuda.get_device_name()
-    bandwidth = copy_bandwidth()
-    spec = next((v for key, v in SPEC_GBPS.items() if key in name), None)
-    report: dict[str, Any] = {"device": name, "copy_GBps": bandwidth, "spec_GBps": spec,
-                              "group": GROUP, "layers": LAYERS, "torch": torch.__version__,
+    report: dict[str, Any] = {**device_header(), "torch": torch.__version__,
                               "triton": triton.__version__}
-    print(f"{name}: copy {bandwidth:.0f} GB/s (spec {spec}); torch {torch.__version__}, triton "
-          f"{triton.__version__}", flush=True)
+    bandwidth = report["copy_GBps"]
+    print(f"{report['device']}: copy {bandwidth:.0f} GB/s (spec {report['spec_GBps']}); torch "
+          f"{torch.__version__}, triton {triton.__version__}", flush=True)
 
     def save() -> None:
         (args.out / "int4_b1_sweep.json").write_text(json.dumps(report, indent=1, default=str))

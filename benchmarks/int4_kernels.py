@@ -80,8 +80,9 @@ def copy_bandwidth() -> float:
     return 2 * 2**30 * 10 / (start.elapsed_time(end) / 1e3) / 1e9
 
 
-def graph_us(calls: Callable[[], None], replays: int = 5) -> float:
-    """Median microseconds of one replay of a CUDA graph of calls() (warmed up eagerly)."""
+def capture_graph(calls: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """(a CUDA graph of calls(), what the captured calls() returned); warmed up eagerly on a side
+    stream first."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -89,7 +90,12 @@ def graph_us(calls: Callable[[], None], replays: int = 5) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        calls()
+        outs = calls()
+    return graph, outs
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Median microseconds of one replay of graph (after one untimed replay)."""
     graph.replay()
     times = []
     for _ in range(replays):
@@ -99,8 +105,37 @@ def graph_us(calls: Callable[[], None], replays: int = 5) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    del graph
     return statistics.median(times)
+
+
+def device_header() -> dict[str, Any]:
+    """A report's device facts: name, measured copy GB/s, the data sheet's GB/s (None where the
+    card is not in SPEC_GBPS), the weights' group and layer count."""
+    name = torch.cuda.get_device_name()
+    spec = next((v for key, v in SPEC_GBPS.items() if key in name), None)
+    return {"device": name, "copy_GBps": copy_bandwidth(), "spec_GBps": spec, "group": GROUP,
+            "layers": LAYERS}
+
+
+def graph_us(calls: Callable[[], Any], replays: int = 5) -> float:
+    """Median microseconds of one replay of a CUDA graph of calls() (warmed up eagerly)."""
+    graph, _ = capture_graph(calls)
+    return replay_us(graph, replays)
+
+
+def stack_inputs(m: int) -> dict[str, torch.Tensor]:
+    """x [m, K] bf16 for each of SHAPES' linears (the hidden size; down's the MLP's)."""
+    xh = torch.randn(m, 4096, device="cuda").bfloat16()
+    xi = torch.randn(m, 14336, device="cuda").bfloat16()
+    return {"qkv": xh, "o": xh, "gate_up": xh, "down": xi}
+
+
+def run_stack(lins: dict[str, list[Callable[[torch.Tensor], Any]]],
+              xs: dict[str, torch.Tensor]) -> None:
+    """Every layer's four linears (lins[shape][layer]), in order, on xs."""
+    for layer in range(LAYERS):
+        for shape in SHAPES:
+            lins[shape][layer](xs[shape])
 
 
 def eager_us(calls: Callable[[], None], repeats: int = 5) -> float:
@@ -278,12 +313,9 @@ def main() -> None:
         return
     t_start = time.perf_counter()
     torch.manual_seed(0)
-    name = torch.cuda.get_device_name()
-    bandwidth = copy_bandwidth()
-    spec = next((v for key, v in SPEC_GBPS.items() if key in name), None)
-    report: dict[str, Any] = {"device": name, "copy_GBps": bandwidth, "spec_GBps": spec,
-                              "group": GROUP, "layers": LAYERS}
-    print(f"{name}: copy {bandwidth:.0f} GB/s (spec {spec})", flush=True)
+    report: dict[str, Any] = device_header()
+    bandwidth, spec = report["copy_GBps"], report["spec_GBps"]
+    print(f"{report['device']}: copy {bandwidth:.0f} GB/s (spec {spec})", flush=True)
 
     def save() -> None:
         (args.out / "int4_kernels.json").write_text(json.dumps(report, indent=1, default=str))
@@ -387,14 +419,10 @@ def main() -> None:
     stack_bytes = LAYERS * sum(bytes_int4.values())
     for m in (*GRAPH_MS, PREFILL_M):
         timer = graph_us if m in GRAPH_MS else eager_us
-        xh = torch.randn(m, 4096, device="cuda").bfloat16()
-        xi = torch.randn(m, 14336, device="cuda").bfloat16()
-        xs = {"qkv": xh, "o": xh, "gate_up": xh, "down": xi}
+        xs = stack_inputs(m)
 
         def int4_stack(xs: dict[str, torch.Tensor] = xs) -> None:
-            for layer in range(LAYERS):
-                for shape in SHAPES:
-                    int4[shape][layer](xs[shape])
+            run_stack(int4, xs)
 
         def bf16_stack(m: int = m, xs: dict[str, torch.Tensor] = xs) -> None:
             for layer in range(LAYERS):
@@ -670,14 +698,10 @@ def main_m64(out: Path) -> None:
           flush=True)
     report["per_linear"] = rows
     for m in M64_BUCKETS:
-        xh = torch.randn(m, 4096, device="cuda").bfloat16()
-        xi = torch.randn(m, 14336, device="cuda").bfloat16()
-        xs = {"qkv": xh, "o": xh, "gate_up": xh, "down": xi}
+        xs = stack_inputs(m)
 
         def int4_stack(xs: dict[str, torch.Tensor] = xs) -> None:
-            for layer in range(LAYERS):
-                for shape in SHAPES:
-                    int4[shape][layer](xs[shape])
+            run_stack(int4, xs)
 
         def forced_stack(m: int = m, xs: dict[str, torch.Tensor] = xs) -> None:
             for layer in range(LAYERS):

@@ -49,6 +49,7 @@ from benchmarks.moe_bench import (
     _step_bytes,
     aliased_layers,
     link_model,
+    part_runner,
     write_checkpoint,
 )
 
@@ -437,13 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = not args.tiny
     res: dict[str, Any] = {"shape": shape, "errors": {}, "models": []}
 
-    def attempt(name: str, fn) -> None:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - recorded; the next part still runs
-            traceback.print_exc()
-            res["errors"][name] = f"{type(exc).__name__}: {exc}"[:500]
-        write_report(res, args.out)
+    attempt = part_runner(res, lambda: write_report(res, args.out))
 
     copy_bps = float("nan")
     if cuda:

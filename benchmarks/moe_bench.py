@@ -43,7 +43,7 @@ import math
 import re
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -622,6 +622,22 @@ def extrapolate(models: list[dict], target: int) -> dict:
 # ---- report ----------------------------------------------------------------------------------
 
 
+def part_runner(res: dict[str, Any],
+                save: Callable[[], None]) -> Callable[[str, Callable[[], object]], None]:
+    """attempt(name, fn): runs one part of a benchmark; an exception is printed and recorded in
+    res["errors"][name] (the next part still runs), and the report saved after each part."""
+
+    def attempt(name: str, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - recorded; the next part still runs
+            traceback.print_exc()
+            res["errors"][name] = f"{type(exc).__name__}: {exc}"[:500]
+        save()
+
+    return attempt
+
+
 def write_report(res: dict, out: Path) -> None:
     (out / "moe.json").write_text(json.dumps(res, indent=1, default=str))
     lines = ["# Fused MoE on a Qwen3-30B-A3B shape", ""]
@@ -772,13 +788,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = not args.tiny
     res: dict[str, Any] = {"shape": shape, "errors": {}, "models": []}
 
-    def attempt(name: str, fn) -> None:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - recorded; the next part still runs
-            traceback.print_exc()
-            res["errors"][name] = f"{type(exc).__name__}: {exc}"[:500]
-        write_report(res, args.out)
+    attempt = part_runner(res, lambda: write_report(res, args.out))
 
     if cuda:
         import torch

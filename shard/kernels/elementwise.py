@@ -30,6 +30,20 @@ def _normed_times_weight(x, rstd, w_ptr, offs, mask, dtype, OFFSET: tl.constexpr
 
 
 @triton.jit
+def _add_normed_row(d_ptr, x_ptr, row, stride_d, stride_x, nw_ptr, offs, mask, n_cols, eps, dtype,
+                    OFFSET: tl.constexpr):
+    """(s, RMSNorm(s)) [BLOCK] each in dtype of row `row` of delta and residual x, s = x + delta
+    rounded to dtype: _add_rms_norm_kernel's rounding points. The fused prologues (moe_router.py,
+    norm_gemv.py) compute their token's row with it."""
+    d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (x + d).to(dtype)
+    sf = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(sf * sf, 0) / n_cols + eps)
+    return s, _normed_times_weight(sf, rstd, nw_ptr, offs, mask, dtype, OFFSET)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
                      BLOCK: tl.constexpr, PDL: tl.constexpr = False, OFFSET: tl.constexpr = 0.0):
     let_dependents_launch(PDL)  # latency-bound: the next GEMV may start streaming now

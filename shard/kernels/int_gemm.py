@@ -67,7 +67,7 @@ from shard.kernels.int_dequant import (
     words_tile,
     x_kind,
 )
-from shard.kernels.int_tiles import finish
+from shard.kernels.int_tiles import finish, k_splits, split_workspace
 
 __all__ = ["GEMM_M_BUCKETS", "GemmConfig", "candidates", "gemm_bucket", "int_gemm"]
 
@@ -495,21 +495,10 @@ def int_gemm(
     if m == 0:
         return y
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    # K split into whole tiles (an empty last split cannot occur: split recomputed from k_split)
-    split = max(1, min(config.split_k if config.path == "dq" else 1,
-                       triton.cdiv(k, config.block_k)))
-    k_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
-    split = triton.cdiv(k, k_split)
-    if split > 1:
-        if counters is None or counters.numel() < tiles:
-            # (a config used above its bucket can have more output tiles than a linear's
-            # counters: fresh zeroed ones, from the caching allocator, are as good)
-            counters = torch.zeros(tiles, dtype=torch.int32, device=x.device)
-        elif counters.dtype != torch.int32:
-            raise ValueError("int_gemm: split-K counters must be int32")
-        part = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    else:
-        counters = part = scales  # valid pointers, never read
+    split, k_split = k_splits(k, config.block_k, config.split_k if config.path == "dq" else 1)
+    # (a config used above its bucket can have more output tiles than a linear's counters:
+    # fresh zeroed ones, from the caching allocator, are as good)
+    part, counters = split_workspace(split, m, n, tiles, counters, scales, "int_gemm", grow=True)
     _int_gemm_kernel[(tiles, split)](
         x, qweight, scales, zeros, bias if bias is not None else scales, y, part, counters,
         m, n, k, k_split,

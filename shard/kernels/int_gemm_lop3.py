@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from shard.kernels.int_dequant import group_params, kernel_group, x_kind
-from shard.kernels.int_tiles import finish, offset_bytes
+from shard.kernels.int_tiles import finish, k_splits, offset_bytes, split_workspace
 
 __all__ = ["lop3z_gemm", "unpack_sub_asm"]
 
@@ -53,22 +53,23 @@ _ASM_SUB_BF16: tl.constexpr = tl.constexpr(unpack_sub_asm(0x43004300, 0x3F803F80
 
 
 @triton.jit
+def _sub_asm(e, nz, ASM_TEXT: tl.constexpr, DT: tl.constexpr):
+    """_sub_bytes' inline PTX in dtype DT: each row's -(OFF + z) as DT's bits, one per element."""
+    nzd = nz.to(DT)
+    nz2 = tl.broadcast_to(nzd.to(tl.int16, bitcast=True).to(tl.int32)[:, None], e.shape)
+    return tl.inline_asm_elementwise(ASM_TEXT, "=r,=r,=r,=r,r,r,r,r", [e, nz2],
+                                     dtype=(nzd.dtype,) * 4, is_pure=True, pack=2)
+
+
+@triton.jit
 def _sub_bytes(e, nz, X_KIND: tl.constexpr, ASM: tl.constexpr):
     """q - z for byte j = 0..3's low nibble q of the int32 elements e [BN, E], in x's dtype; nz
     [BN] fp32 = -(OFF + z) of each row (exact in x's dtype: OFF + z <= 143 in bf16, 1039 fp16)."""
     if ASM:
         if X_KIND == 1:
-            bits = nz.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-            nz2 = tl.broadcast_to(bits[:, None], e.shape)
-            o0, o1, o2, o3 = tl.inline_asm_elementwise(
-                _ASM_SUB_FP16, "=r,=r,=r,=r,r,r,r,r", [e, nz2], dtype=(tl.float16,) * 4,
-                is_pure=True, pack=2)
+            o0, o1, o2, o3 = _sub_asm(e, nz, _ASM_SUB_FP16, tl.float16)
         else:
-            bits = nz.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
-            nz2 = tl.broadcast_to(bits[:, None], e.shape)
-            o0, o1, o2, o3 = tl.inline_asm_elementwise(
-                _ASM_SUB_BF16, "=r,=r,=r,=r,r,r,r,r", [e, nz2], dtype=(tl.bfloat16,) * 4,
-                is_pure=True, pack=2)
+            o0, o1, o2, o3 = _sub_asm(e, nz, _ASM_SUB_BF16, tl.bfloat16)
     else:
         o0, o1, o2, o3 = offset_bytes(e, X_KIND, False)
         dt = o0.dtype
@@ -180,17 +181,9 @@ def lop3z_gemm(
     scales, zeros = scales.contiguous(), zeros.contiguous()
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     tiles_n = triton.cdiv(n, block_n)
-    split = max(1, min(split_k, triton.cdiv(k, block_k)))
-    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    split = triton.cdiv(k, k_split)
-    if split > 1:
-        if counters is None or counters.numel() < tiles_n:
-            counters = torch.zeros(tiles_n, dtype=torch.int32, device=x.device)
-        elif counters.dtype != torch.int32:
-            raise ValueError("lop3z_gemm: split-K counters must be int32")
-        part = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    else:
-        counters = part = scales  # valid pointers, never read
+    split, k_split = k_splits(k, block_k, split_k)
+    part, counters = split_workspace(split, m, n, tiles_n, counters, scales, "lop3z_gemm",
+                                     grow=True)
     _lop3z_kernel[(tiles_n, split)](
         x, qweight, scales, zeros, bias if bias is not None else scales, y, part, counters,
         m, n, k, k_split,

@@ -63,7 +63,7 @@ from shard.kernels.int_dequant import (
     tile_fits,
     x_kind,
 )
-from shard.kernels.int_tiles import finish, lop3_tile
+from shard.kernels.int_tiles import finish, k_splits, lop3_tile, split_workspace
 
 __all__ = ["GEMV_MAX_M", "GemvConfig", "candidates", "int4_gemv", "pick_block_k"]
 
@@ -629,17 +629,9 @@ def int4_gemv(
                                        counters, config.persist, config.maxnreg, config.ptx)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     tiles_n = triton.cdiv(n, config.block_n)
-    split = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))
-    k_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
-    split = triton.cdiv(k, k_split)
-    if split > 1:
-        if counters is None:
-            counters = torch.zeros(tiles_n, dtype=torch.int32, device=x.device)
-        elif counters.numel() < tiles_n or counters.dtype != torch.int32:
-            raise ValueError(f"int4_gemv: split-K needs >= {tiles_n} int32 counters")
-        part = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    else:
-        counters = part = scales  # valid pointers, never read
+    split, k_split = k_splits(k, config.block_k, config.split_k)
+    part, counters = split_workspace(split, m, n, tiles_n, counters, scales, "int4_gemv",
+                                     grow=False)
     _int_gemv_kernel[(tiles_n, split)](
         x, qweight, scales, zeros, bias if bias is not None else scales, y, part, counters,
         m, n, k, k_split,

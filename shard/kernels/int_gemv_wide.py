@@ -54,7 +54,7 @@ import triton.language as tl
 
 from shard.kernels import pdl
 from shard.kernels.int_dequant import offset_zero, x_kind
-from shard.kernels.int_tiles import finish, lop3_tile
+from shard.kernels.int_tiles import finish, lop3_tile, split_workspace
 from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
 
 __all__ = ["diag_rows", "supported", "wide_gemv"]
@@ -713,14 +713,8 @@ def wide_gemv(
         split = max(d for d in range(1, split + 1) if tiles_k % d == 0)
     k_split = triton.cdiv(tiles_k, split) * block_k
     split = triton.cdiv(k, k_split)
-    if split > 1:
-        if counters is None:
-            counters = torch.zeros(tiles_n, dtype=torch.int32, device=x.device)
-        elif counters.numel() < tiles_n or counters.dtype != torch.int32:
-            raise ValueError(f"int4_gemv: split-K needs >= {tiles_n} int32 counters")
-        part = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    else:
-        counters = part = scales  # valid pointers, never read
+    part, counters = split_workspace(split, m, n, tiles_n, counters, scales, "int4_gemv",
+                                     grow=False)
     launch = pdl.launch_options(x.device) if use_pdl else {"PDL": False}
     if maxnreg and x.is_cuda:
         launch["maxnreg"] = maxnreg

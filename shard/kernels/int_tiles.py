@@ -1,15 +1,17 @@
 """Triton pieces shared by the W4A16 GEMV kernels (shard/kernels/int_gemv.py and
 int_gemv_wide.py): the lop3 unpack of int4 words into 16-bit MMA operands (PRMT + LOP3 inline
 PTX on CUDA, the same bits in Triton operations under the interpreter) and the split-K finish
-(partials, an acq_rel arrival counter, the last split reduces and resets it).
+(partials, an acq_rel arrival counter, the last split reduces and resets it), and the host side
+of that split: the K ranges and the launch's workspace.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-__all__ = ["finish", "lop3_tile", "offset_bytes", "unpack_asm"]
+__all__ = ["finish", "k_splits", "lop3_tile", "offset_bytes", "split_workspace", "unpack_asm"]
 
 
 # The lop3 unpack (GemvConfig.lop3): an int32 element e whose bytes j = 0..3 hold a weight in their
@@ -103,3 +105,32 @@ def finish(acc, offs_m, m_mask, rows, row_mask, pid_n, pid_k, b_ptr, y_ptr, part
             acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + offs_m[:, None] * stride_ym + rows[None, :],
                  acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+def k_splits(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(splits, input features per split): K in up to split_k ranges of whole block_k tiles; the
+    count recomputed from the range so that no split is empty."""
+    split = max(1, min(split_k, triton.cdiv(k, block_k)))
+    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    return triton.cdiv(k, k_split), k_split
+
+
+def split_workspace(
+    split: int,
+    m: int,
+    n: int,
+    tiles: int,  # output tiles: the arrival counters finish needs
+    counters: torch.Tensor | None,  # the caller's int32 counters, zero between launches
+    scales: torch.Tensor,  # stands in for both pointers when split == 1
+    who: str,  # the entry point, for the error
+    grow: bool,  # fewer than `tiles` counters: fresh zeroed ones (True) or a ValueError
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partials [split, m, n] fp32, counters) for finish; split 1: scales twice (valid
+    pointers, never read). No counters given: fresh zeroed ones (the caching allocator's)."""
+    if split == 1:
+        return scales, scales
+    if counters is None or (grow and counters.numel() < tiles):
+        counters = torch.zeros(tiles, dtype=torch.int32, device=scales.device)
+    elif counters.numel() < tiles or counters.dtype != torch.int32:
+        raise ValueError(f"{who}: split-K needs >= {tiles} int32 counters")
+    return torch.empty(split, m, n, device=scales.device, dtype=torch.float32), counters

@@ -194,6 +194,13 @@ def _fastest(time_us: Callable[[Any], float], pool: list,
     return best[1], timings
 
 
+def _wrong(y: torch.Tensor, ref: torch.Tensor) -> str | None:
+    """None where y [M, N] is within _CHECK_BOUND of fp32 ref (relative to its largest |y|), else
+    what is wrong (_fastest's check)."""
+    err = float((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+    return None if err <= _CHECK_BOUND else f"max error {err:.2e} of max |y|"
+
+
 def _dequantized(w: IntWeightView) -> torch.Tensor:
     """[N, K] fp32: (q - zero) * scale, as PackedInt.dequantize computes it (the kernels'
     reference; shard.kernels imports no quantization code)."""
@@ -213,6 +220,15 @@ def _tune(w: IntWeightView, dtype: torch.dtype) -> IntTuning:
     device = w.qweight.device
     gemv: dict[int, GemvConfig] = {}
     views = weight_views(w.qweight)
+
+    def timer(run: Callable[..., torch.Tensor], x: torch.Tensor,
+              in_graph: bool) -> Callable[[Any], float]:
+        """Microseconds of run(x, config): in a CUDA graph cycling through the weight's views (as
+        decode steps replay it), else launched eagerly (prefill chunks)."""
+        if in_graph:
+            return lambda c: time_in_graph_us(lambda q: run(x, c, q), views)
+        return lambda c: bench_us(lambda: run(x, c))
+
     # Each GEMV candidate's output is checked once against the dequantized weight before it is
     # timed: the lop3 tiles' unpack is inline PTX, which no CPU test executes.
     w_ref = _dequantized(w)  # [N, K] fp32
@@ -221,17 +237,10 @@ def _tune(w: IntWeightView, dtype: torch.dtype) -> IntTuning:
         ref = x.float() @ w_ref.t() + (0.0 if w.bias is None else w.bias.float())
 
         def check(c: GemvConfig, x: torch.Tensor = x, ref: torch.Tensor = ref) -> str | None:
-            err = float((w.gemv(x, c).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
-            return None if err <= _CHECK_BOUND else f"max error {err:.2e} of max |y|"
+            return _wrong(w.gemv(x, c), ref)
 
         pool = int_gemv.candidates(bucket, w.group_size, k)
-        if bucket == 1:
-            gemv[bucket], times = _fastest(
-                lambda c, x=x: time_in_graph_us(lambda q, c=c: w.gemv(x, c, q), views), pool,
-                check)
-        else:
-            gemv[bucket], times = _fastest(lambda c, x=x: bench_us(lambda: w.gemv(x, c)), pool,
-                                           check)
+        gemv[bucket], times = _fastest(timer(w.gemv, x, bucket == 1), pool, check)
         TIMINGS[(w.qweight.shape[0], k, "gemv", bucket)] = times
     del w_ref
     gemm: dict[int, GemmConfig] = {}
@@ -250,16 +259,10 @@ def _tune(w: IntWeightView, dtype: torch.dtype) -> IntTuning:
                   ) -> str | None:
             if not _checked(c) or ref is None:
                 return None
-            err = float((w.gemm(x, c).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
-            return None if err <= _CHECK_BOUND else f"max error {err:.2e} of max |y|"
+            return _wrong(w.gemm(x, c), ref)
 
-        if bucket <= GRAPH_TIMED_GEMM_MAX:
-            gemm[bucket], times = _fastest(
-                lambda c, x=x: time_in_graph_us(lambda q, c=c: w.gemm(x, c, q), views), pool,
-                check)
-        else:
-            gemm[bucket], times = _fastest(lambda c, x=x: bench_us(lambda: w.gemm(x, c)), pool,
-                                           check)
+        gemm[bucket], times = _fastest(timer(w.gemm, x, bucket <= GRAPH_TIMED_GEMM_MAX), pool,
+                                       check)
         TIMINGS[(w.qweight.shape[0], k, "gemm", bucket)] = times
     return IntTuning(gemv, gemm)
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from shard.kernels import pdl
-from shard.kernels.elementwise import _normed_times_weight
+from shard.kernels.elementwise import _add_normed_row
 from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
 
 MAX_HIDDEN = 8192
@@ -82,12 +82,8 @@ def _add_norm_gemv_kernel(
                 eviction_policy="evict_first")  # [ROWS, BLOCK_H], before the wait
     wait_for_predecessor(PDL)
     dt = res_ptr.dtype.element_ty
-    d = tl.load(d_ptr + t * stride_d + offs_h, mask=hmask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + t * stride_x + offs_h, mask=hmask, other=0.0).to(tl.float32)
-    s = (x + d).to(dt)
-    sf = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(sf * sf, 0) / H + eps)
-    h = _normed_times_weight(sf, rstd, nw_ptr, offs_h, hmask, dt, OFFSET)  # [BLOCK_H] dtype
+    s, h = _add_normed_row(d_ptr, x_ptr, t, stride_d, stride_x, nw_ptr, offs_h, hmask, H, eps,
+                           dt, OFFSET)  # [BLOCK_H] dtype each
     if pid == 0:
         tl.store(res_ptr + t * H + offs_h, s, mask=hmask)
     # (e4m3 values are exact in fp32; the per-row scale after the dot, as the fp8 GEMV does)

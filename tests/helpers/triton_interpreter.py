@@ -70,6 +70,26 @@ BF16_DOT_PRELUDE = textwrap.dedent(
     """
 )
 
+# triton 3.9's interpreter hands a masked load an int32 mask where a kernel's mask is a computed
+# tensor (attention_decode's early-tile reload), which its C++ masked load refuses ("mask has
+# unsupported dtype"); compiled, the mask is i1. The patch converts it.
+INT_MASK_PRELUDE = textwrap.dedent(
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    _masked_load = interpreter.InterpreterBuilder.create_masked_load
+
+    def _create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        if mask.data.dtype != np.bool_:
+            mask = interpreter.TensorHandle(mask.data != 0, tl.int1)
+        return _masked_load(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    interpreter.InterpreterBuilder.create_masked_load = _create_masked_load
+    """
+)
+
 
 # Prepended to every check (run_interpreted): a speed-up of the interpreter's plumbing only, not
 # of what a kernel computes. Each call of a @triton.jit helper from inside a kernel

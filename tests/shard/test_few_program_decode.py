@@ -10,25 +10,11 @@ from __future__ import annotations
 
 import textwrap
 
-from tests.helpers.triton_interpreter import INTERPRETER_MARKS, run_interpreted
+from tests.helpers.triton_interpreter import INT_MASK_PRELUDE, INTERPRETER_MARKS, run_interpreted
 
 _CHECK = textwrap.dedent(
     """
-    import numpy as np
     import torch
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    # triton 3.9's interpreter hands the fused mode's early-tile reload an int32 mask, which its
-    # masked load refuses (as in tests/shard/test_triton_decode_interpreter.py); compiled: i1.
-    _masked_load = interpreter.InterpreterBuilder.create_masked_load
-
-    def _create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
-        if mask.data.dtype != np.bool_:
-            mask = interpreter.TensorHandle(mask.data != 0, tl.int1)
-        return _masked_load(self, ptrs, mask, other, cache_policy, is_volatile)
-
-    interpreter.InterpreterBuilder.create_masked_load = _create_masked_load
 
     from shard.attention.cuda_backend import CudaAttentionBackend, DecodeTiling
     from shard.attention.torch_backend import TorchAttentionBackend
@@ -99,4 +85,4 @@ _CHECK = textwrap.dedent(
 @INTERPRETER_MARKS[0]
 @INTERPRETER_MARKS[1]
 def test_few_program_decode_tiling_in_interpreter():
-    run_interpreted(_CHECK)
+    run_interpreted(INT_MASK_PRELUDE + _CHECK)  # the fused mode's early-tile reload

@@ -23,20 +23,13 @@ import re
 
 import pytest
 
+from tests.helpers.sm90 import compile_sm90, cuda_backend_available
 from tests.helpers.tools import needs
 
 triton = pytest.importorskip("triton")
 
 
-def _backend_available() -> bool:
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure: no CUDA backend here
-        return False
-    return True
-
-
-pytestmark = [needs(_backend_available(), "triton without its CUDA backend (ptxas)"),
+pytestmark = [needs(cuda_backend_available(), "triton without its CUDA backend (ptxas)"),
               pytest.mark.timeout(300)]
 
 
@@ -48,17 +41,8 @@ def _compile(fn, types: dict[str, str], consts: dict[str, object], warps: int, s
 def _compile_kernel(fn, types: dict[str, str], consts: dict[str, object], warps: int,
                     stages: int):
     """fn compiled for sm_90 (PTX, cubin) with a launch's specialization."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = {**types, **dict.fromkeys(consts, "constexpr")}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
-             if ty != "constexpr" and name not in ("M", "count_ptr")
-             and (ty.startswith("*") or name in ("N", "K", "K_SPLIT") or name.startswith("stride"))}
-    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "num_stages": stages})
-    return kernel
+    return compile_sm90(fn, types, consts, warps, stages, divisible=("N", "K", "K_SPLIT"),
+                        unaligned=("M", "count_ptr"))
 
 
 _PTRS = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16", "b_ptr": "*fp16",
@@ -103,9 +87,7 @@ def test_dq_gemm_k_loop_is_pipelined(tmp_path, words: bool) -> None:
 def test_gemv_k_loop_is_pipelined(form: str) -> None:
     from shard.kernels import int_gemv
 
-    types = {**_PTRS, "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32",
-             "K": "i32", "K_SPLIT": "i32", "stride_xm": "i32", "stride_qn": "i32",
-             "stride_sn": "i32", "stride_ym": "i32"}
+    types = {**_PTRS, **_SPLIT_PTRS, **_GEMM_SCALARS}
     consts = {"GROUP": 128, "NG": 1, "ROWS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1,
               "STAGES": 3, "HAS_BIAS": False, "USE_DOT": False, "BITS": 4, "INT_ZEROS": True,
               "X_KIND": 2, "OFFSET": True, "JOIN": form == "join", "WORDS": form == "words",
@@ -160,14 +142,9 @@ def _gemv_per_weight(tmp_path, form: str, x_dtype: str, block_n: int, warps: int
                      rows: int = 16, stages: int = 3) -> tuple[float, str]:
     """SASS instructions per weight in the GEMV's K loop, and the PTX, for a 128-feature tile
     of group-128 int4 weights."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from shard.kernels import int_gemv
 
-    types = {**_PTRS, "x_ptr": x_dtype, "y_ptr": x_dtype, "part_ptr": "*fp32",
-             "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32",
-             "stride_xm": "i32", "stride_qn": "i32", "stride_sn": "i32", "stride_ym": "i32"}
+    types = {**_PTRS, "x_ptr": x_dtype, "y_ptr": x_dtype, **_SPLIT_PTRS, **_GEMM_SCALARS}
     lop3 = form == "lop3"
     consts = {"GROUP": 128, "NG": 1, "ROWS": rows if lop3 else 1, "BLOCK_N": block_n,
               "BLOCK_K": 128, "SPLIT_K": 1, "STAGES": stages, "HAS_BIAS": False,
@@ -176,14 +153,7 @@ def _gemv_per_weight(tmp_path, form: str, x_dtype: str, block_n: int, warps: int
               "OFFSET": True, "JOIN": False, "WORDS": form == "words", "LOP3": lop3, "ASM": lop3,
               # Llama shapes: no N / K tail, unmasked loads (int4_gemv passes EVEN there)
               "EVEN": lop3}
-    sig = {**types, **dict.fromkeys(consts, "constexpr")}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
-             if ty != "constexpr" and name not in ("M", "count_ptr")
-             and (ty.startswith("*") or name in ("N", "K", "K_SPLIT") or name.startswith("stride"))}
-    kernel = triton.compile(ASTSource(fn=int_gemv._int_gemv_kernel, signature=sig,
-                                      constexprs=consts, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "num_stages": stages})
+    kernel = _compile_kernel(int_gemv._int_gemv_kernel, types, consts, warps, stages)
     body = _sass_k_loop(kernel.asm["cubin"], tmp_path)
     return len(body) * 32 * warps / (block_n * 128), kernel.asm["ptx"]
 
@@ -277,27 +247,15 @@ def _wide_compile(tmp_path, diag: bool, block_n: int, block_k: int, warps: int,
                   ptx: int = 0) -> tuple[float, str, list[str]]:
     """SASS instructions per weight in the K loop, the PTX and the loop's SASS, of a wide / diag tile of
     group-128 int4 weights at batch 1, launched as a programmatic dependent."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from shard.kernels import int_gemv_wide
 
-    types = {**_PTRS, "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32",
-             "K": "i32", "K_SPLIT": "i32", "stride_xm": "i32", "stride_qn": "i32",
-             "stride_sn": "i32", "stride_ym": "i32"}
+    types = {**_PTRS, **_SPLIT_PTRS, **_GEMM_SCALARS}
     consts = {"GROUP": 128, "BLOCK_N": block_n, "BLOCK_K": block_k,
               "ROWS": int_gemv_wide.diag_rows(1, block_k, 128) if diag else 1, "SPLIT_K": 1,
               "STAGES": stages, "HAS_BIAS": False, "X_KIND": 2, "DIAG": diag,
               "ASM": diag or bool(ptx), "EVEN": True, "PDL": True, "PERSIST": persist,
               "TILES": 4, "XPTX": ptx}
-    sig = {**types, **dict.fromkeys(consts, "constexpr")}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
-             if ty != "constexpr" and name not in ("M", "count_ptr")
-             and (ty.startswith("*") or name in ("N", "K", "K_SPLIT") or name.startswith("stride"))}
-    kernel = triton.compile(ASTSource(fn=int_gemv_wide._wide_gemv_kernel, signature=sig,
-                                      constexprs=consts, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "num_stages": stages})
+    kernel = _compile_kernel(int_gemv_wide._wide_gemv_kernel, types, consts, warps, stages)
     body = _sass_k_loop(kernel.asm["cubin"], tmp_path)
     return len(body) * 32 * warps / (block_n * block_k), kernel.asm["ptx"], body
 

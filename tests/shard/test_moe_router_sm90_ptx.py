@@ -15,27 +15,17 @@ import re
 
 import pytest
 
+from tests.helpers.sm90 import compile_sm90, cuda_backend_available
 from tests.helpers.tools import needs
 
 triton = pytest.importorskip("triton")
 
 
-def _backend_available() -> bool:
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure: no CUDA backend here
-        return False
-    return True
-
-
-pytestmark = [needs(_backend_available(), "triton without its CUDA backend (ptxas)"),
+pytestmark = [needs(cuda_backend_available(), "triton without its CUDA backend (ptxas)"),
               pytest.mark.timeout(300)]
 
 
 def test_router_weights_stream_before_the_wait_and_the_ticket_is_acq_rel() -> None:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from shard.kernels import moe_router
 
     hidden, experts, warps = 2048, 128, 4
@@ -48,14 +38,8 @@ def test_router_weights_stream_before_the_wait_and_the_ticket_is_acq_rel() -> No
     consts = {"TOP_K": 8, "K_POW2": 8, "SOFTMAX_FIRST": True, "RENORMALIZE": True,
               "BLOCK_E": experts, "BLOCK_H": hidden, "ROWS": cfg.rows, "PDL": True,
               "OFFSET": 0.0}
-    sig = {**types, **dict.fromkeys(consts, "constexpr")}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
-             if ty != "constexpr" and (ty.startswith("*") or name in ("H", "E")
-                                       or name.startswith("stride"))}
-    kernel = triton.compile(
-        ASTSource(fn=moe_router._add_norm_route_kernel, signature=sig, constexprs=consts,
-                  attrs=attrs),
-        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+    kernel = compile_sm90(moe_router._add_norm_route_kernel, types, consts, warps, 1,
+                          divisible=("H", "E"))
     lines = kernel.asm["ptx"].splitlines()
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     launch = next(i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line)

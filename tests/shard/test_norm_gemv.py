@@ -17,6 +17,7 @@ import textwrap
 
 import pytest
 
+from tests.helpers.sm90 import compile_sm90, cuda_backend_available
 from tests.helpers.tools import needs
 from tests.helpers.triton_interpreter import INTERPRETER_MARKS, run_interpreted
 
@@ -83,22 +84,11 @@ def test_add_norm_gemv_in_interpreter():
     run_interpreted(_CHECK)
 
 
-def _backend_available() -> bool:
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure: no CUDA backend here
-        return False
-    return True
-
-
-@needs(_backend_available(), "triton without its CUDA backend (ptxas)")
+@needs(cuda_backend_available(), "triton without its CUDA backend (ptxas)")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fp8", [False, True])
 def test_weights_stream_before_the_wait_on_sm90(fp8: bool) -> None:
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    pytest.importorskip("triton")
     from shard.kernels import norm_gemv
 
     hidden, warps = 2048, 4
@@ -108,14 +98,8 @@ def test_weights_stream_before_the_wait_on_sm90(fp8: bool) -> None:
              "stride_x": "i32", "stride_w": "i32", "stride_y": "i32", "eps": "fp32"}
     consts = {"BLOCK_H": hidden, "ROWS": cfg.rows, "HAS_SCALE": fp8, "PDL": True,
               "OFFSET": 0.0}
-    sig = {**types, **dict.fromkeys(consts, "constexpr")}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
-             if ty != "constexpr" and (ty.startswith("*") or name in ("N", "H")
-                                       or name.startswith("stride"))}
-    kernel = triton.compile(
-        ASTSource(fn=norm_gemv._add_norm_gemv_kernel, signature=sig, constexprs=consts,
-                  attrs=attrs),
-        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+    kernel = compile_sm90(norm_gemv._add_norm_gemv_kernel, types, consts, warps, 1,
+                          divisible=("N", "H"))
     lines = kernel.asm["ptx"].splitlines()
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     loads = [i for i, line in enumerate(lines) if re.search(r"ld\.global", line)]

@@ -22,11 +22,13 @@ import textwrap
 
 from tests.helpers.triton_interpreter import (
     BF16_DOT_PRELUDE,
+    INT_MASK_PRELUDE,
     INTERPRETER_MARKS,
     run_interpreted,
 )
 
-_PRELUDE = BF16_DOT_PRELUDE + textwrap.dedent(
+# (INT_MASK_PRELUDE: the early tile's reload, Q_IN_REGISTERS, gets an int32 mask)
+_PRELUDE = BF16_DOT_PRELUDE + INT_MASK_PRELUDE + textwrap.dedent(
     """
     import numpy as np
     import torch
@@ -68,17 +70,6 @@ _PRELUDE = BF16_DOT_PRELUDE + textwrap.dedent(
         _set_grid_idx(self, x, y, z)
 
     interpreter.InterpreterBuilder.set_grid_idx = _maybe_reversed_grid_idx
-
-    # triton 3.9's interpreter hands the early tile's reload (Q_IN_REGISTERS) an int32 mask, which
-    # its C++ masked load refuses ("mask has unsupported dtype"); compiled, the mask is i1.
-    _masked_load = interpreter.InterpreterBuilder.create_masked_load
-
-    def _create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
-        if mask.data.dtype != np.bool_:
-            mask = interpreter.TensorHandle(mask.data != 0, tl.int1)
-        return _masked_load(self, ptrs, mask, other, cache_policy, is_volatile)
-
-    interpreter.InterpreterBuilder.create_masked_load = _create_masked_load
 
     from shard.attention.base import AttentionMetadata
     from shard.attention.torch_backend import TorchAttentionBackend

@@ -24,20 +24,28 @@ _CHECK = textwrap.dedent(
     from shard.quantization.int_weights import PackedInt, UnpackedInt
 
     BOUND = {torch.float16: 2**-10, torch.bfloat16: 2**-7}
+
+
+    def random_int4(n, k, group, frac=False):
+        # (packed int4 weight [N, K] of random codes, scales and zeros (fractional with frac),
+        # its fp32 dequantization [N, K])
+        groups = k // group
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        scales = (torch.rand(n, groups) * 0.1 + 0.01).half()
+        zeros = (torch.rand(n, groups) * 30 - 15 if frac
+                 else torch.randint(0, 16, (n, groups)).half())
+        packed = PackedInt.pack(UnpackedInt(q, scales, zeros, torch.arange(k) // group, 4))
+        return packed, packed.dequantize(torch.float32)
+
+
     torch.manual_seed(0)
     # (N, K, group): two groups per row with a 64-wide tile; a whole-row group with a K tail
     # inside the last tile; an N tail below BLOCK_N. Shape, dtype and bias run as a pairwise
     # covering set (6 cases, not the full product's 12: every pair of their values meets in one),
     # each at every batch size.
     for i, (n, k, group) in enumerate(((48, 128, 64), (40, 96, 96), (5, 64, 32))):
-        groups = k // group
-        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-        scales = (torch.rand(n, groups) * 0.1 + 0.01).half()
-        zeros = torch.randint(0, 16, (n, groups)).half()
-        g_idx = torch.arange(k) // group
-        packed = PackedInt.pack(UnpackedInt(q, scales, zeros, g_idx, 4))
+        packed, w = random_int4(n, k, group)  # w [N, K]
         assert packed.group_size == group and packed.g_idx is None
-        w = packed.dequantize(torch.float32)  # [N, K]
         for j, dtype in enumerate((torch.bfloat16, torch.float16)):
             # shape i meets both bias states (j = 0, 1), dtype j too (i = 0, 1)
             for bias in ((torch.randn(n).to(dtype),) if (i + j) % 2 else (None,)):
@@ -134,13 +142,7 @@ _CHECK = textwrap.dedent(
                                                          lop3=True)),
             (torch.bfloat16, 32, 128, 128, False, GemvConfig(16, 32, 4, 1, split_k=2,
                                                              use_dot=True, lop3=True))):
-        groups = k // group
-        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-        scales = (torch.rand(n, groups) * 0.1 + 0.01).half()
-        zeros = (torch.rand(n, groups) * 30 - 15 if frac
-                 else torch.randint(0, 16, (n, groups)).half())
-        packed = PackedInt.pack(UnpackedInt(q, scales, zeros, torch.arange(k) // group, 4))
-        w = packed.dequantize(torch.float32)
+        packed, w = random_int4(n, k, group, frac)
         bias = torch.randn(n).to(dtype)
         counters = torch.zeros(4, dtype=torch.int32)
         for m in (1, 7, 16):
@@ -196,13 +198,7 @@ _CHECK = textwrap.dedent(
              GemvConfig(16, 256, 4, 0, split_k=2, wide=True, pdl=True, ptx=2), (1,)),
             (torch.float16, 16, 1024, 128, False, GemvConfig(8, 256, 4, 1, wide=True, ptx=2),
              (1,))):
-        groups = k // group
-        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-        scales = (torch.rand(n, groups) * 0.1 + 0.01).half()
-        zeros = (torch.rand(n, groups) * 30 - 15 if frac
-                 else torch.randint(0, 16, (n, groups)).half())
-        packed = PackedInt.pack(UnpackedInt(q, scales, zeros, torch.arange(k) // group, 4))
-        w = packed.dequantize(torch.float32)
+        packed, w = random_int4(n, k, group, frac)
         bias = torch.randn(n).to(dtype)
         counters = torch.zeros(8, dtype=torch.int32)
         for m in ms:
