@@ -7,9 +7,10 @@ bucket, at warm-up (eagerly: compiles and host syncs), never while a CUDA graph 
   Triton's do_bench, L2 cleared before each call (shard/kernels/gemv.py's bench_us).
 - GEMM (shard/kernels/int_gemm.py), buckets GEMM_M_BUCKETS (32 .. 4096, the next power of two of
   M): up to GRAPH_TIMED_GEMM_MAX rows (the decode steps CUDA graphs replay) in a CUDA graph as
-  batch 1 (on an H100 do_bench's eager times picked tiles up to 1.7x slower in a graph than the
-  graph-fastest: benchmarks/INT_KERNELS.md, round 14), above that do_bench; the candidates include dequantize-then-cuBLAS (int_gemm's "cublas" path), so no
-  bucket runs slower than that.
+  batch 1 (on an H100, do_bench's eager times once picked o_proj's cuBLAS path at 64 rows, 24.4
+  us in the graph against 17.4 for the graph-fastest: benchmarks/INT_KERNELS.md, round 14),
+  above that do_bench; the candidates include dequantize-then-cuBLAS (int_gemm's "cublas"
+  path), so no bucket runs slower than that.
 Every chosen config is then launched once at its bucket's batch, which loads its kernel on the
 device; a later launch at any M of the bucket hits the same compiled kernel (M is not
 specialized on), so CUDA-graph capture launches nothing new.
