@@ -47,6 +47,8 @@ TRITON_INTERPRET=1 on CPU tensors (tests/shard/test_triton_moe_interpreter.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -118,10 +120,30 @@ DECODE_CONFIGS: dict[bool, tuple[tuple[int, DecodeConfig], ...]] = {
 DECODE_MAX_SLOTS = 32
 
 
+# benchmarks' A/B switch (config_override): None uses the table.
+_override: DecodeConfig | None = None
+
+
+@contextmanager
+def config_override(config: DecodeConfig | None) -> Iterator[None]:
+    """Decode-sized launches inside the block use `config` instead of the table's (None: the
+    table): benchmarks compare configs in one process (each is a compiled variant: capture
+    graphs after an eager call)."""
+    global _override
+    previous, _override = _override, config
+    try:
+        yield
+    finally:
+        _override = previous
+
+
 def decode_config_for(num_slots: int, fp8: bool = False) -> DecodeConfig | None:
-    """The table's decode config for n * k routed slots, or None past DECODE_MAX_SLOTS."""
+    """The table's decode config for n * k routed slots (or the override), or None past
+    DECODE_MAX_SLOTS."""
     if num_slots > DECODE_MAX_SLOTS:
         return None
+    if _override is not None:
+        return _override
     return next((cfg for limit, cfg in DECODE_CONFIGS[fp8] if num_slots <= limit),
                 DECODE_CONFIGS[fp8][-1][1])
 
