@@ -187,6 +187,7 @@ class Variant:
     attention: Any = None  # CudaAttentionBackend.few_program_decode (DecodeTiling) or None
     router: Any = None  # moe_router.RouterConfig or None (its default)
     norm_prologue: bool = False  # shard.layers.linear.norm_prologue (the input norm in qkv)
+    moe_config: Any = None  # moe_decode.config_override (the expert launches' config) or None
 
 
 def _fp8_subset(variants: list[Variant]) -> list[Variant]:
@@ -223,7 +224,7 @@ def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[Variant]:
 
 def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                    quantize: str | None, alias_from: int | None, best_attn: dict | None,
-                   subset: bool = False) -> dict:
+                   subset: bool = False, variant_names: str | None = None) -> dict:
     import torch
 
     from benchmarks.harness.timing import cuda_time_ms, decode_step
@@ -264,14 +265,23 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
     from shard.kernels import moe_router
 
     variants = _variants(best_attn, kv_heads, cuda)
-    for var in _fp8_subset(variants) if subset else variants:
+    variants = _fp8_subset(variants) if subset else variants
+    from shard.kernels import moe_decode
+
+    if moe_decode.decode_config_for(shape["num_experts_per_tok"], quantize == "fp8").down_split:
+        # the table's batch-1 entry before the split down launch (its 32-slot entry), A/B
+        variants.insert(1, Variant("old:no-split", False,
+                                   moe_config=moe_decode.DECODE_CONFIGS[quantize == "fp8"][-1][1]))
+    if variant_names:
+        variants = [v for v in variants if v.name in variant_names.split(",")]
+    for var in variants:
         name = var.name
         row: dict[str, Any] = {"variant": name}
         try:
             for backend in backends:
                 backend.few_program_decode = var.attention
             with fused_router(var.fused_router), moe_router.config_override(var.router), \
-                    norm_prologue(var.norm_prologue):
+                    norm_prologue(var.norm_prologue), moe_decode.config_override(var.moe_config):
                 if cuda:
                     # this variant's graph (captured under its settings: every bucket runs
                     # eagerly first, compiling its kernels), its replay time and its kernels
@@ -430,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=Path("/tmp/moe-b1"))
     p.add_argument("--parts", default="attention,bf16,fp8")
     p.add_argument("--tiny", action="store_true", help="CPU dry run on a small shape")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated model variant names (default: all)")
     args = p.parse_args(argv)
     t_start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -469,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         if q in parts:
             attempt(f"model_{q}", lambda q=q: res["models"].append(bench_model_b1(
                 d, shape, copy_bps, cuda, None if q == "bf16" else "fp8", STORED, best,
-                subset=q == "fp8")))
+                subset=q == "fp8", variant_names=args.variants)))
     res["wall_s"] = time.time() - t_start
     write_report(res, args.out)
     print("\n".join(summary(res)), flush=True)

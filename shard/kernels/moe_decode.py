@@ -16,6 +16,12 @@ MB bf16) and nothing else, so it is a GEMV's problem: keep every SM streaming we
       slots of w_j * down_{e_j}(inter[t, j]) in fp32 registers -> out [n, H]: the weighted sum
       over the k slots is fused (no [n * k, H] buffer, no sum kernel, no atomics, no zeroing).
       The k slots' down rows are one flattened, software-pipelined stream of K tiles.
+      Or (config.down_split: the fp8 table's batch-1 entry) grid (n * k slots, H / down_split row
+      blocks): each program streams one slot's [down_split, I] slice (its expert id, a guess,
+      and first K tile loaded before the PDL wait), writes an fp32 partial row [n * k, H], and
+      the last program of a (token, row block) by an acq_rel ticket sums the k partials in slot
+      order with the routing weights: 8x the programs at batch 1, no serial 8-experts x K-tiles
+      chain.
 
 fp8 weights (float8_e4m3fn, per expert and output channel fp32 scales) are loaded as 1 byte and
 converted in registers: a step reads half the bytes. Slots whose id is outside [0, E) (another
@@ -23,7 +29,9 @@ rank's experts) read nothing and add zero.
 
 Rounding: gate and up are rounded to the activations' dtype, silu(gate) and the product too (as
 the torch form); each slot's down output is scaled by its routing weight and summed in fp32,
-rounded once (the grouped path rounds each slot's weighted row before its sum).
+rounded once (the grouped path rounds each slot's weighted row before its sum). The split down
+launch keeps those points (fp32 partials, weights applied in slot order, one rounding); its K
+sum runs in another fp32 order (the output may differ by one rounding step of its dtype).
 
 Programmatic dependent launch (shard/kernels/pdl.py, sm_90+): both launches are dependents, so
 each one's programs are dispatched during the previous kernel's tail (everything they read is an
@@ -39,6 +47,8 @@ TRITON_INTERPRET=1 on CPU tensors (tests/shard/test_triton_moe_interpreter.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +78,25 @@ class DecodeConfig:
     # Grid order: routed slots (tokens, for down) fastest, so slots sharing an expert stream its
     # rows together; False: column tiles fastest.
     slots_first: bool = True
+    # The split down launch (0: off): grid (n * k slots, H / down_split rows): each program
+    # streams ONE slot's expert slice [down_split, I] (K tiles of down_block_k) and writes its
+    # fp32 partial row; the last program of a (token, row block), by an acq_rel ticket, sums the
+    # k partials in slot order with the routing weights and writes the output. At batch 1 that
+    # is 8 x H / down_split programs (512 at 32 rows) instead of H / down_block_n looping over 8
+    # experts x K tiles: more bytes in flight, no serial 8-experts x K-tiles chain. Its expert
+    # id (a guess) and first K tile are loaded before the PDL wait and checked after it.
+    down_split: int = 0
+    down_stages: int = 0  # the down launch's pipelining depth (0: `stages`)
+
+    def name(self) -> str:
+        """'up16x256w4-down8x256w4-st4[-dst3-split32]' (benchmarks' rows)."""
+        return (f"up{self.up_block_n}x{self.up_block_k}w{self.up_warps}-down"
+                f"{self.down_split or self.down_block_n}x{self.down_block_k}w{self.down_warps}"
+                f"-st{self.stages}"
+                + (f"-dst{self.down_stages}" if self.down_stages else "")
+                + (f"-split{self.down_split}" if self.down_split else "")
+                + ("-route-inside" if self.route_inside else "")
+                + ("" if self.slots_first else "-cols-first"))
 
 
 # By routed slots n * k, for 16-bit and for fp8 weights (1-byte loads: twice the K per tile for
@@ -80,15 +109,41 @@ DECODE_CONFIGS: dict[bool, tuple[tuple[int, DecodeConfig], ...]] = {
     # dependent launch the in-kernel routing delays every program's weight stream), and 8 output
     # columns per down program beat 4.
     False: ((32, DecodeConfig(16, 256, 4, 8, 256, 4, 4, route_inside=False)),),
-    True: ((32, DecodeConfig(16, 512, 4, 8, 512, 4, 4, route_inside=False)),),
+    # fp8 at batch 1 (8 slots): the split down launch, 32 rows a program, measured on an H100
+    # (2026-11-28, Qwen3-30B-A3B shape, benchmarks/MOE_B1.md round 15): down + sum alone 18.9 ->
+    # 7.5 us a layer, the whole CUDA-graph step 2.950 -> 2.743 ms. bf16 keeps the fused sum
+    # (its split form measured +1.8 us a layer in the step).
+    True: ((8, DecodeConfig(16, 512, 4, 8, 256, 4, 4, route_inside=False, down_split=32,
+                            down_stages=3)),
+           (32, DecodeConfig(16, 512, 4, 8, 512, 4, 4, route_inside=False))),
 }
 DECODE_MAX_SLOTS = 32
 
 
+# benchmarks' A/B switch (config_override): None uses the table.
+_override: DecodeConfig | None = None
+
+
+@contextmanager
+def config_override(config: DecodeConfig | None) -> Iterator[None]:
+    """Decode-sized launches inside the block use `config` instead of the table's (None: the
+    table): benchmarks compare configs in one process (each is a compiled variant: capture
+    graphs after an eager call)."""
+    global _override
+    previous, _override = _override, config
+    try:
+        yield
+    finally:
+        _override = previous
+
+
 def decode_config_for(num_slots: int, fp8: bool = False) -> DecodeConfig | None:
-    """The table's decode config for n * k routed slots, or None past DECODE_MAX_SLOTS."""
+    """The table's decode config for n * k routed slots (or the override), or None past
+    DECODE_MAX_SLOTS."""
     if num_slots > DECODE_MAX_SLOTS:
         return None
+    if _override is not None:
+        return _override
     return next((cfg for limit, cfg in DECODE_CONFIGS[fp8] if num_slots <= limit),
                 DECODE_CONFIGS[fp8][-1][1])
 
@@ -246,6 +301,116 @@ def _down_sum_kernel(
     tl.store(out_ptr + t * stride_om + rows, total.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
+@triton.jit
+def _down_split_kernel(
+    inter_ptr,  # [n * k, I]
+    w_ptr,  # [E, H, I]
+    s_ptr,  # [E, H] fp32 scales (HAS_SCALE)
+    out_ptr,  # [n, H]
+    part_ptr,  # [n * k, H] fp32 scratch: each slot's down row (scaled by the fp8 scales)
+    ticket_ptr,  # [>= n * row blocks] int32, zero between launches
+    topw_ptr,  # [n * k] fp32 routing weights
+    ids_ptr,  # [n * k] expert ids
+    H,
+    I,
+    E,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_om,
+    TOP_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # DecodeConfig.down_split: output rows per program
+    BLOCK_K: tl.constexpr,  # >= I: the slot's whole slice in one tile
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    let_dependents_launch(PDL)
+    slot = tl.program_id(0)  # slots fastest: a row block's k programs run (and finish) together
+    pid_n = tl.program_id(1)
+    slot64 = slot.to(tl.int64)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < H
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
+    # Before the wait (PDL: during the gate/up launch): the slot's expert id, a guess (final when
+    # the routing completed before the gate/up launch started, as the plain routing launch does;
+    # a PDL routing or router launch may still be writing it), and the first K tile of its rows.
+    guess = tl.load(ids_ptr + slot).to(tl.int32)
+    guess = tl.where((guess >= 0) & (guess < E), guess, -1)
+    k_first = offs_k < tl.where(guess >= 0, I, 0)  # a dropped slot reads nothing
+    w_first = tl.load(w_rows + tl.maximum(guess, 0).to(tl.int64) * stride_we + offs_k[None, :],
+                      mask=row_mask[:, None] & k_first[None, :], other=0.0,
+                      eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
+    wait_for_predecessor(PDL)  # ids, weights, inter rows: final from here on
+    expert = tl.load(ids_ptr + slot).to(tl.int32)
+    expert = tl.where((expert >= 0) & (expert < E), expert, -1)
+    e_rows = w_rows + tl.maximum(expert, 0).to(tl.int64) * stride_we
+    again = expert != guess  # a stale guess: its tile loaded again (else no bytes)
+    k_again = offs_k < tl.where(again & (expert >= 0), I, 0)
+    w = tl.load(e_rows + offs_k[None, :], mask=row_mask[:, None] & k_again[None, :], other=0.0,
+                eviction_policy="evict_first")
+    w = tl.where(again, w, w_first)
+    k_lim = tl.where(expert >= 0, I, 0)
+    a_row = inter_ptr + slot64 * I
+    a = tl.load(a_row + offs_k, mask=offs_k < k_lim, other=0.0).to(tl.float32)
+    acc2 = w.to(tl.float32) * a[None, :]  # [BLOCK_N, BLOCK_K] fp32, one row sum at the end
+    for k0 in tl.range(BLOCK_K, I, BLOCK_K, num_stages=STAGES):  # none when BLOCK_K >= I
+        k = k0 + offs_k
+        k_mask = k < k_lim
+        w = tl.load(e_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        a = tl.load(a_row + k, mask=k_mask, other=0.0).to(tl.float32)
+        acc2 += w.to(tl.float32) * a[None, :]
+    part = tl.sum(acc2, axis=1)  # [BLOCK_N]
+    if HAS_SCALE:
+        part = part * tl.load(s_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_se + rows,
+                              mask=row_mask, other=0.0)
+    tl.store(part_ptr + slot64 * H + rows, part, mask=row_mask)
+    # Every thread's partial precedes the ticket; the acq_rel atomic publishes it to (and, for
+    # the last program of the row block, acquires the others' from) the whole GPU
+    # (moe_router's and the decode attention's split merge).
+    tl.debug_barrier()
+    t = slot // TOP_K
+    ticket_at = ticket_ptr + t * tl.num_programs(1) + pid_n
+    ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel", scope="gpu")
+    if ticket == TOP_K - 1:
+        tl.store(ticket_at, 0)  # all k programs of this (token, row block) have taken theirs
+        # The k partials in slot order, each times its routing weight, summed in fp32 and
+        # rounded once: _down_sum_kernel's rounding points (its per-slot row sums add the K
+        # tiles in another order: fp32 reassociation only).
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            sj = t * TOP_K + j
+            ej = tl.load(ids_ptr + sj).to(tl.int32)
+            keep = (ej >= 0) & (ej < E)
+            wj = tl.where(keep, tl.load(topw_ptr + sj), 0.0)
+            pj = tl.load(part_ptr + sj.to(tl.int64) * H + rows,
+                         mask=rows < tl.where(keep, H, 0), other=0.0,
+                         cache_modifier=".cg")  # other SMs wrote it: past the L1
+            total += pj * wj
+        tl.store(out_ptr + t.to(tl.int64) * stride_om + rows,
+                 total.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+# The split down launch's ticket counters, one per (token, row block) of a launch: zero between
+# launches (the last program of each resets its own), allocated once per device and never moved
+# (CUDA graphs bake the address in); launches on a device share them (one stream per device).
+_SPLIT_TICKETS: dict[torch.device, torch.Tensor] = {}
+SPLIT_TICKETS = 1 << 16  # n * H / down_split: 32 tokens x hidden 8192 at 4 rows
+
+
+def _split_tickets(device: torch.device) -> torch.Tensor:
+    held = _SPLIT_TICKETS.get(device)
+    if held is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("moe_decode: split down tickets first allocated while capturing a "
+                               "CUDA graph; launch the config eagerly first (warm_up)")
+        held = _SPLIT_TICKETS[device] = torch.zeros(SPLIT_TICKETS, dtype=torch.int32,
+                                                    device=device)
+    return held
+
+
 def moe_decode(
     x: torch.Tensor,  # [n, H] bf16/fp16 (fp32 under the interpreter)
     w13: torch.Tensor,  # [E, 2I, H]
@@ -305,14 +470,30 @@ def moe_decode(
         BLOCK_N=cfg.up_block_n, BLOCK_K=cfg.up_block_k, STAGES=cfg.stages,
         SLOTS_FIRST=cfg.slots_first, num_warps=cfg.up_warps, num_stages=cfg.stages, **pdl.launch_options(x.device),
     )
+    stages = cfg.down_stages or cfg.stages
+    if cfg.down_split:
+        row_blocks = triton.cdiv(hidden, cfg.down_split)
+        tickets = _split_tickets(x.device)
+        assert n * row_blocks <= tickets.numel(), (n, row_blocks)
+        partials = torch.empty(slots, hidden, dtype=torch.float32, device=x.device)
+        _down_split_kernel[(slots, row_blocks)](
+            inter, w2, scale2 if scale2 is not None else weights, out, partials, tickets,
+            weights, ids, hidden, inter_dim, num_experts, w2.stride(0), w2.stride(1),
+            scale2.stride(0) if scale2 is not None else 0, out.stride(0),
+            TOP_K=top_k, HAS_SCALE=scale2 is not None, BLOCK_N=cfg.down_split,
+            BLOCK_K=cfg.down_block_k, STAGES=stages, num_warps=cfg.down_warps,
+            num_stages=stages, **pdl.launch_options(x.device),
+        )
+        return out
     down_tiles = triton.cdiv(hidden, cfg.down_block_n)
     _down_sum_kernel[(n, down_tiles) if cfg.slots_first else (down_tiles, n)](
         inter, w2, scale2 if scale2 is not None else weights, out, weights, ids,
         hidden, inter_dim, num_experts,
         w2.stride(0), w2.stride(1), scale2.stride(0) if scale2 is not None else 0, out.stride(0),
         TOP_K=top_k, K_POW2=k_pow2, HAS_SCALE=scale2 is not None,
-        BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, STAGES=cfg.stages,
-        SLOTS_FIRST=cfg.slots_first, num_warps=cfg.down_warps, num_stages=cfg.stages, **pdl.launch_options(x.device),
+        BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, STAGES=stages,
+        SLOTS_FIRST=cfg.slots_first, num_warps=cfg.down_warps, num_stages=stages,
+        **pdl.launch_options(x.device),
     )
     return out
 

@@ -102,6 +102,45 @@ def test_decode_kernels_compiled_match_the_loop(fp8):
     assert float((got.float() - want).abs().max() / want.abs().max()) < 2**-6
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_split_down_from_a_cuda_graph_matches_the_fused_sum(fp8):
+    """The split down launch (DecodeConfig.down_split: per-slot programs, a ticketed finish; the
+    fp8 table's batch-1 entry), compiled, at batch 1 from a CUDA graph of 12 layer calls with
+    different routings, replayed 3 times (its tickets must be back at zero for each replay),
+    equals the fused-sum down launch's eager results; K in tiles and the whole slice in one."""
+    import dataclasses
+
+    from shard.kernels import moe_decode
+
+    moe = _layer(8, fp8)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    xs = [torch.randn(1, H, device="cuda", generator=gen).bfloat16() for _ in range(12)]
+    lgs = [torch.randn(1, E, device="cuda", generator=gen).bfloat16() for _ in range(12)]
+    fused = dataclasses.replace(moe_decode.DECODE_CONFIGS[fp8][-1][1], down_split=0)
+
+    def run(cfg):
+        return [moe_decode.decode_layer(x, lg, moe.w13, moe.w2, moe.routing, moe.scale13,
+                                        moe.scale2, cfg) for x, lg in zip(xs, lgs)]
+
+    want = [w.float() for w in run(fused)]
+    table = moe_decode.decode_config_for(8, fp8)
+    assert table is not None and bool(table.down_split) == fp8
+    for opts in ({"down_split": 16, "down_block_k": 64, "down_stages": 3},
+                 {"down_split": 32, "down_block_k": 1024, "down_stages": 1}):
+        cfg = dataclasses.replace(table, **opts)
+        run(cfg)  # compiles (a capture cannot)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = run(cfg)
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        for got, w in zip(outs, want, strict=True):
+            err = float((got.float() - w).abs().max() / w.abs().max())
+            assert err < 2**-6, (opts, err)
+        assert not moe_decode._split_tickets(xs[0].device).any()
+
+
 def test_empty_experts_on_cuda():
     moe = _layer(2)
     x = torch.randn(9, H, device="cuda").bfloat16()

@@ -1,0 +1,58 @@
+"""shard/kernels/moe_decode.py's split down launch (DecodeConfig.down_split, the fp8 table's
+batch-1 entry) compiled for Hopper (sm_90) on the CPU, without a GPU, as a batch-1 step launches
+it (programmatic dependent launch on, Qwen3-30B-A3B's shape: top-8, hidden 2048, intermediate
+768): the launch loads its slot's expert id and the first [32, 256] fp8 K tile of its slice
+BEFORE `griddepcontrol.wait` (its point: those bytes stream during the gate/up launch's tail),
+triggers its dependents before the wait (pdl.py's protocol), and takes its ticket with an acq_rel
+atomic at gpu scope after it; the partials the last program sums are read past the L1 (.cg).
+
+Compiled with the specialization a real launch gets (16-byte aligned pointers, sizes and strides
+divisible by 16), with the ptxas Triton ships; skipped where Triton has no CUDA backend.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.helpers.sm90 import compile_sm90, cuda_backend_available
+from tests.helpers.tools import needs
+
+triton = pytest.importorskip("triton")
+
+
+pytestmark = [needs(cuda_backend_available(), "triton without its CUDA backend (ptxas)"),
+              pytest.mark.timeout(300)]
+
+
+def _split_ptx() -> list[str]:
+    from shard.kernels import moe_decode
+
+    cfg = moe_decode.decode_config_for(8, fp8=True)
+    assert cfg is not None and cfg.down_split
+    types = {"inter_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16",
+             "part_ptr": "*fp32", "ticket_ptr": "*i32", "topw_ptr": "*fp32", "ids_ptr": "*i32",
+             "H": "i32", "I": "i32", "E": "i32", "stride_we": "i32", "stride_wn": "i32",
+             "stride_se": "i32", "stride_om": "i32"}
+    stages = cfg.down_stages or cfg.stages
+    consts = {"TOP_K": 8, "HAS_SCALE": True, "BLOCK_N": cfg.down_split,
+              "BLOCK_K": cfg.down_block_k, "STAGES": stages, "PDL": True}
+    kernel = compile_sm90(moe_decode._down_split_kernel, types, consts, cfg.down_warps, stages,
+                          divisible=("H", "I"))
+    return kernel.asm["ptx"].splitlines()
+
+
+def test_split_down_streams_its_first_tile_before_the_wait() -> None:
+    lines = _split_ptx()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    trigger = next(i for i, line in enumerate(lines)
+                   if "griddepcontrol.launch_dependents" in line)
+    assert trigger < wait
+    before = [line for line in lines[:wait] if "ld.global" in line]
+    # [32, 256] fp8 over 128 threads: 64 bytes a thread, in vectors; the id: one b32 load
+    assert sum(1 for line in before if re.search(r"\.v[24]\.", line)) >= 32 * 256 // 128 // 16
+    assert sum(1 for line in before if re.search(r"ld\.global[.a-z:_0-9]*\.b32 ", line)) == 1
+    atom = [line for line in lines[wait:] if "atom." in line]
+    assert atom and all(".gpu.acq_rel" in line for line in atom), atom
+    assert any("ld.global.cg" in line for line in lines[wait:])
