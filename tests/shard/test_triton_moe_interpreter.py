@@ -114,8 +114,9 @@ _ROUTE_CHECK = textwrap.dedent(
 # over the k slots fused) against the per-expert loop: given routing for top-k 1, 2 and 8, ids of
 # experts another rank holds, a batch that leaves experts empty, routing computed inside the
 # gate/up launch (weights, ids and the statistics of real rows equal moe_route's), fp8 weights
-# (1-byte loads, per-expert per-channel scales) with fp32 and bf16 activations; then FusedMoE's
-# CUDA path at a decode-sized batch (which takes these kernels) equals its CPU path.
+# (1-byte loads, per-expert per-channel scales) with fp32 and bf16 activations, the split down
+# launch; then FusedMoE's CUDA path at a decode-sized batch (which takes these kernels) equals
+# its CPU path.
 _DECODE_CHECK = textwrap.dedent(
     """
     import dataclasses
@@ -179,6 +180,36 @@ _DECODE_CHECK = textwrap.dedent(
         got = moe_decode.moe_decode(xx, q13, q2, 8, s13, s2, cfg, topk_weights=weights,
                                     topk_ids=ids)
         check(got, xx, ids, weights, r13, r2, tol=tol)
+
+    # the split down launch (down_split: one program per (slot, row block), fp32 partials, the
+    # last program of a row block sums them by an acq_rel ticket; the fp8 table's batch-1
+    # entry): the whole K in one tile (64 >= I) and K tiles with a tail (16 + 16 + 8), row
+    # blocks with a tail (48 % 32), dropped slots (slot 0 included: the tile before the wait
+    # reads nothing); equal to the fused-sum launch; the tickets back at zero after each launch
+    whole = dataclasses.replace(cfg, down_split=32, down_block_k=64)
+    tiled = dataclasses.replace(cfg, down_split=16, down_block_k=16, down_stages=2)
+    assert "-split32" in whole.name() and "-dst2" in tiled.name()
+    assert moe_decode.decode_config_for(8, fp8=True).down_split
+    assert not moe_decode.decode_config_for(8, fp8=False).down_split
+    tickets = moe_decode._split_tickets(torch.device("cpu"))
+    for n, k in ((1, 1), (3, 2), (2, 8)):
+        x = torch.randn(n, H)
+        weights, ids = route(torch.randn(n, E), MoeRouting(k, renormalize=k > 1))
+        if k == 2:
+            ids[1, 1] = E
+            ids[2, 0] = E + 1
+        ref = moe_decode.moe_decode(x, w13, w2, k, config=cfg, topk_weights=weights,
+                                    topk_ids=ids)
+        for c in (whole, tiled):
+            got = moe_decode.moe_decode(x, w13, w2, k, config=c, topk_weights=weights,
+                                        topk_ids=ids)
+            check(got, x, ids, weights)
+            assert not tickets.any(), "tickets not reset"
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        for xx, tol in ((x, 1e-5), (x.bfloat16(), 2**-5)):  # fp8, as the table uses it
+            got = moe_decode.moe_decode(xx, q13, q2, k, s13, s2, whole, topk_weights=weights,
+                                        topk_ids=ids)
+            check(got, xx, ids, weights, r13, r2, tol=tol)
 
     # FusedMoE's CUDA path at 2 tokens x top-2 (decode kernels) = its CPU path
     assert moe_decode.decode_config_for(4) is not None
@@ -266,68 +297,6 @@ _ROUTER_CHECK = textwrap.dedent(
     """
 )
 
-# shard/kernels/moe_decode.py's split down launch (DecodeConfig.down_split: one program per
-# (slot, row block), partials [n * k, H] fp32, the last program of a row block sums them by an
-# acq_rel ticket; the fp8 table's batch-1 entry) against the per-expert loop and against the
-# default down launch: top-k 1, 2 and 8, a batch with dropped slots (ids >= E, slot 0 included:
-# the tile before the wait reads nothing), the whole K in one tile (BLOCK_K 64 >= I = 40) and K
-# tiles with a tail (16 + 16 + 8), row blocks with a tail (48 % 32), fp8 weights with fp32 and
-# bf16 activations; the tickets are back at zero after every launch (graph replays rely on it);
-# the fp8 table's batch-1 entry is a split launch.
-_SPLIT_CHECK = textwrap.dedent(
-    """
-    import dataclasses
-    import torch
-    from shard.kernels import moe_decode
-    from shard.kernels.moe_align import MoeRouting, per_expert_loop, route
-    from shard.quantization.fp8 import dequantize_fp8, quantize_fp8_per_channel
-
-    torch.manual_seed(0)
-    E, H, I = 8, 48, 40
-    w13 = torch.randn(E, 2 * I, H) * 0.2
-    w2 = torch.randn(E, H, I) * 0.2
-    q13, s13 = map(torch.stack, zip(*(quantize_fp8_per_channel(w) for w in w13)))
-    q2, s2 = map(torch.stack, zip(*(quantize_fp8_per_channel(w) for w in w2)))
-    r13 = torch.stack([dequantize_fp8(q, s, torch.float32) for q, s in zip(q13, s13)])
-    r2 = torch.stack([dequantize_fp8(q, s, torch.float32) for q, s in zip(q2, s2)])
-    base = moe_decode.DecodeConfig(8, 32, 1, 32, 16, 1, 1)
-    whole = dataclasses.replace(base, down_split=32, down_block_k=64)
-    tiled = dataclasses.replace(base, down_split=16, down_block_k=16, down_stages=2)
-    assert "-split32" in whole.name() and "-dst2" in tiled.name()
-    assert moe_decode.decode_config_for(8, fp8=True).down_split
-    assert not moe_decode.decode_config_for(8, fp8=False).down_split
-
-    def check(got, x, ids, weights, a13=w13, a2=w2, tol=1e-5):
-        keep = ids < E
-        want = per_expert_loop(x.float(), a13.float(), a2.float(), weights * keep,
-                               torch.where(keep, ids, 0))
-        assert got.shape == x.shape and got.dtype == x.dtype
-        err = float((got.float() - want).abs().max() / want.abs().max())
-        assert err <= tol, (tuple(ids.shape), err)
-
-    tickets = moe_decode._split_tickets(torch.device("cpu"))
-    for n, k in ((1, 1), (3, 2), (2, 8)):
-        x = torch.randn(n, H)
-        weights, ids = route(torch.randn(n, E), MoeRouting(k, renormalize=k > 1))
-        if k == 2:
-            ids[1, 1] = E
-            ids[2, 0] = E + 1
-        for c in (whole, tiled):
-            got = moe_decode.moe_decode(x, w13, w2, k, config=c, topk_weights=weights,
-                                        topk_ids=ids)
-            check(got, x, ids, weights)
-            assert not tickets.any(), "tickets not reset"
-            ref = moe_decode.moe_decode(x, w13, w2, k, config=base, topk_weights=weights,
-                                        topk_ids=ids)
-            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
-        # fp8 (the table's use): the whole-K tile, fp32 and bf16 activations
-        for xx, tol in ((x, 1e-5), (x.bfloat16(), 2**-5)):
-            got = moe_decode.moe_decode(xx, q13, q2, k, s13, s2, whole, topk_weights=weights,
-                                        topk_ids=ids)
-            check(got, xx, ids, weights, r13, r2, tol=tol)
-    """
-)
-
 pytestmark = INTERPRETER_MARKS
 
 
@@ -345,7 +314,3 @@ def test_routing_and_layout_kernels_in_interpreter():
 
 def test_fused_add_norm_router_kernel_in_interpreter():
     run_interpreted(_ROUTER_CHECK)
-
-
-def test_split_down_kernel_in_interpreter():
-    run_interpreted(_SPLIT_CHECK)
