@@ -262,12 +262,10 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
     out["roofline_ms"] = sum(parts.values()) / copy_bps * 1e3 if cuda else float("nan")
     backends = list({id(a.backend): a.backend for a in model.attns}.values())
     kv_heads = shape["num_key_value_heads"]
-    from shard.kernels import moe_router
+    from shard.kernels import moe_decode, moe_router
 
     variants = _variants(best_attn, kv_heads, cuda)
     variants = _fp8_subset(variants) if subset else variants
-    from shard.kernels import moe_decode
-
     if moe_decode.decode_config_for(shape["num_experts_per_tok"], quantize == "fp8").down_split:
         # the table's batch-1 entry before the split down launch (its 32-slot entry), A/B
         variants.insert(1, Variant("old:no-split", False,

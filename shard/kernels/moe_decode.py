@@ -111,8 +111,9 @@ DECODE_CONFIGS: dict[bool, tuple[tuple[int, DecodeConfig], ...]] = {
     False: ((32, DecodeConfig(16, 256, 4, 8, 256, 4, 4, route_inside=False)),),
     # fp8 at batch 1 (8 slots): the split down launch, 32 rows a program, measured on an H100
     # (2026-11-28, Qwen3-30B-A3B shape, benchmarks/MOE_B1.md round 15): down + sum alone 18.9 ->
-    # 7.5 us a layer, the whole CUDA-graph step 2.950 -> 2.743 ms. bf16 keeps the fused sum
-    # (its split form measured +1.8 us a layer in the step).
+    # 7.5 us a layer; the whole CUDA-graph step 2.977 -> 2.586 ms against the 32-slot entry in
+    # the same process. bf16 keeps the fused sum (its split form measured +1.8 us a layer in
+    # the step). Batches of 2-4 (9-32 slots) keep the entry they were measured with.
     True: ((8, DecodeConfig(16, 512, 4, 8, 256, 4, 4, route_inside=False, down_split=32,
                             down_stages=3)),
            (32, DecodeConfig(16, 512, 4, 8, 512, 4, 4, route_inside=False))),
@@ -321,7 +322,7 @@ def _down_split_kernel(
     TOP_K: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # DecodeConfig.down_split: output rows per program
-    BLOCK_K: tl.constexpr,  # >= I: the slot's whole slice in one tile
+    BLOCK_K: tl.constexpr,  # K tile (>= I: the slot's whole slice in one tile)
     STAGES: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
