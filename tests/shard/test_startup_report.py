@@ -4,6 +4,7 @@ memory, warmup's phases (shard.layers.weights, shard.server.host_memory, shard.r
 from __future__ import annotations
 
 import logging
+import mmap
 import sys
 
 import pytest
@@ -34,14 +35,19 @@ def test_parameter_bytes_counts_each_storage_once():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_host_memory_reports_this_process():
     """Anonymous memory grows by what the process writes; the peak never trails it."""
+    size = 64 * 2**20
     before = read_host_memory()
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB written: resident, anonymous
+    # A fresh private anonymous mapping, every page written: a tensor could be served from
+    # memory the allocator already holds resident (then nothing grows: seen once in CI)
+    block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    block.write(b"\x01" * size)
     after = read_host_memory()
     assert before is not None and after is not None
     assert after.anon - before.anon > 48 * 2**20
     assert after.peak_rss >= after.anon + after.file + after.shmem - 2**20
     assert "GiB" in after.describe()
-    del block
+    block.close()
 
 
 def test_load_and_warmup_log_their_phases(tiny_models, caplog):
