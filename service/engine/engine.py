@@ -234,7 +234,8 @@ class LocalEngine:
         # (deadline, seq_id) min-heap. A request that ends before its deadline leaves its entry
         # behind (lazy deletion); _submit compacts the heap once stale entries outnumber live
         # ones, so it holds at most 2 x in-flight + DEADLINE_HEAP_SLACK entries instead of one
-        # per request admitted in the last deadline's worth of time (hours for long deadlines).
+        # per request admitted in the last deadline's worth of time (hours for long deadlines);
+        # when the last request leaves, every entry is stale and the heap is emptied.
         self._deadlines: list[tuple[float, int]] = []
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -535,7 +536,13 @@ class LocalEngine:
         if self._dirty_sinks:
             self._flush_sinks()
         if not self._streams:
-            self._idle.set()
+            self._went_idle()
+
+    def _went_idle(self) -> None:
+        """No request is in flight: every deadline entry is stale, so the heap is emptied now
+        rather than at the next compaction (an idle router holds nothing per request)."""
+        self._deadlines.clear()
+        self._idle.set()
 
     def _finish_stopped(self, stream: _Stream, seq: Sequence | None) -> None:
         """The last event of a request its reader stopped: the engine's accounting of the
@@ -653,7 +660,7 @@ class LocalEngine:
         if self._dirty_sinks:
             self._flush_sinks()
         if not streams:
-            self._idle.set()
+            self._went_idle()
         self.sched_cpu_s += t_sched
         self.max_sched_cpu_s = max(self.max_sched_cpu_s, t_sched)
         shard_cpu_s = self.shard.cpu_seconds  # building and reading the RPCs
