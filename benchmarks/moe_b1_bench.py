@@ -188,6 +188,8 @@ class Variant:
     router: Any = None  # moe_router.RouterConfig or None (its default)
     norm_prologue: bool = False  # shard.layers.linear.norm_prologue (the input norm in qkv)
     moe_config: Any = None  # moe_decode.config_override (the expert launches' config) or None
+    warm_o: bool = False  # shard.layers.attention.WARM_O_PROJ (o_proj warmed into L2)
+    fuse_qk_norm: bool = True  # shard.layers.attention.FUSE_QK_NORM (q/k norms in attention)
 
 
 def _fp8_subset(variants: list[Variant]) -> list[Variant]:
@@ -230,6 +232,7 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
     from benchmarks.harness.timing import cuda_time_ms, decode_step
     from benchmarks.harness.tp import prefill_logits_8b
     from shard.distributed.groups import Dist
+    from shard.layers.attention import FUSE_QK_NORM, WARM_O_PROJ
     from shard.layers.linear import norm_prologue
     from shard.layers.moe import fused_router
     from shard.server.loader import Shard, ShardConfig
@@ -270,6 +273,10 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
         # the table's batch-1 entry before the split down launch (its 32-slot entry), A/B
         variants.insert(1, Variant("old:no-split", False,
                                    moe_config=moe_decode.DECODE_CONFIGS[quantize == "fp8"][-1][1]))
+    if cuda:  # the attention launch warms o_proj's weight into L2 (shard/kernels/l2_warm.py)
+        variants.insert(1, Variant("old:warm-o", False, warm_o=True))
+        # the q/k norms as their own launch (before round 16), A/B
+        variants.insert(1, Variant("old:qk-norm-apart", False, fuse_qk_norm=False))
     if variant_names:
         variants = [v for v in variants if v.name in variant_names.split(",")]
     for var in variants:
@@ -279,7 +286,8 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
             for backend in backends:
                 backend.few_program_decode = var.attention
             with fused_router(var.fused_router), moe_router.config_override(var.router), \
-                    norm_prologue(var.norm_prologue), moe_decode.config_override(var.moe_config):
+                    norm_prologue(var.norm_prologue), moe_decode.config_override(var.moe_config), \
+                    WARM_O_PROJ.override(var.warm_o), FUSE_QK_NORM.override(var.fuse_qk_norm):
                 if cuda:
                     # this variant's graph (captured under its settings: every bucket runs
                     # eagerly first, compiling its kernels), its replay time and its kernels

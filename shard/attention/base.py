@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from shard.kernels.head_norms import HeadNorms
 from shard.quantization.kv_cache import KvScales
 
 
@@ -72,6 +73,8 @@ class AttentionBackend(Protocol):
       batch size alone, so they can be captured in CUDA graphs (shard/runner/cuda_graphs.py);
     - fuse_rotary_into_decode: decode-only steps should take rotate_write_and_attend_decode
       (one kernel) rather than rotate_and_write_kv + attend; benchmarks switch it off to compare.
+    - fuses_qk_norm_into_decode: rotate_write_and_attend_decode also applies per-head q/k
+      RMSNorms (head_norms) before the rotation, saving their own launch (Qwen3, Gemma 3).
     Backends subclass this protocol: the fused methods' default bodies compose the plain ones,
     and a backend with a kernel for them overrides them, with the same results.
     """
@@ -79,6 +82,7 @@ class AttentionBackend(Protocol):
     name: str
     graph_safe: bool
     fuse_rotary_into_decode: bool
+    fuses_qk_norm_into_decode: bool
 
     def write_kv(
         self,
@@ -100,6 +104,9 @@ class AttentionBackend(Protocol):
         sliding_window: int | None,  # attend to at most this many most recent positions
         kv_scales: KvScales | None = None,  # fp8 caches: read value = stored * scale
         softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+        # A hint: the weights the next launch streams (o_proj's), which a decode kernel may
+        # warm into L2 while it runs (shard/kernels/l2_warm.py); backends may ignore it.
+        warm: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
@@ -128,12 +135,15 @@ class AttentionBackend(Protocol):
         value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         meta: AttentionMetadata, scale: float, sliding_window: int | None,
         kv_scales: KvScales | None = None, softcap: float | None = None,
+        warm: torch.Tensor | None = None,  # as attend's
+        head_norms: HeadNorms | None = None,  # only where fuses_qk_norm_into_decode
     ) -> torch.Tensor:
         """rotate_and_write_kv, then attend, for a decode-only step (one new token per
         sequence: the caller checks meta.is_decode_only); returns [n, num_heads, head_dim]."""
+        assert head_norms is None, f"{self.name}: no q/k norm inside the decode kernel"
         query = self.rotate_and_write_kv(
             rotary, positions, query, key, value, key_cache, value_cache, meta.slot_mapping,
             kv_scales,
         )
         return self.attend(query, key_cache, value_cache, meta, scale, sliding_window, kv_scales,
-                           softcap)
+                           softcap, warm)

@@ -23,6 +23,7 @@ import torch
 
 from shard.attention.base import AttentionBackend, AttentionMetadata, Rotary
 from shard.attention.mixed_step import MixedSplit, prefill_tile_map, split_trailing_decodes
+from shard.kernels.head_norms import HeadNorms
 from shard.quantization.kv_cache import KvScales
 
 
@@ -93,6 +94,8 @@ class CudaAttentionBackend(AttentionBackend):
         # Decode-only steps take rotate_write_and_attend_decode (one kernel for rotary, the cache
         # store and attention); benchmarks switch it off to compare with the two-kernel path.
         self.fuse_rotary_into_decode = True
+        # ... and the per-head q/k RMSNorms before the rotation (attention_decode.HeadNorms).
+        self.fuses_qk_norm_into_decode = True
         # Decode-only steps with few (sequence, KV head) programs take this tiling instead of
         # the kernel's defaults; None: the defaults everywhere. Set before any graph capture
         # (benchmarks/moe_b1_bench.py measures candidates side by side).
@@ -134,6 +137,8 @@ class CudaAttentionBackend(AttentionBackend):
         meta: AttentionMetadata, scale: float, sliding_window: int | None,
         kv_scales: KvScales | None = None,  # fp8 caches: stored = x / scale per KV head
         softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
+        warm: torch.Tensor | None = None,  # warmed into L2 by the decode kernel
+        head_norms: HeadNorms | None = None,  # q/k RMSNorm per head before the rotation
     ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]; shapes: see AttentionBackend
         """rotate_and_write_kv then attend for a decode-only step (the caller checks
         meta.is_decode_only and one token per sequence), in one kernel plus the split merge:
@@ -160,6 +165,8 @@ class CudaAttentionBackend(AttentionBackend):
             k_scale=k_scale,
             v_scale=v_scale,
             softcap=softcap,
+            warm=warm,
+            head_norms=head_norms,
             **self._decode_tile_args(query.shape[0], key_cache.shape[2]),
         )
 
@@ -194,6 +201,7 @@ class CudaAttentionBackend(AttentionBackend):
         sliding_window: int | None,
         kv_scales: KvScales | None = None,  # fp8 caches: read value = stored * scale
         softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
+        warm: torch.Tensor | None = None,  # decode-only steps: warmed into L2 by the kernel
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         k_scale, v_scale = (None, None)
         if key_cache.element_size() == 1:
@@ -211,6 +219,7 @@ class CudaAttentionBackend(AttentionBackend):
                 k_scale=k_scale,
                 v_scale=v_scale,
                 softcap=softcap,
+                warm=warm,
                 **self._decode_tile_args(query.shape[0], key_cache.shape[2]),
             )
         if self._flash and key_cache.shape[1] % 256 == 0 and k_scale is None:

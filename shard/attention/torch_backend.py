@@ -21,6 +21,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     graph_safe = False  # attend loops over host-side lengths
     fuse_rotary_into_decode = False  # no fused kernel: the composed form is the same work
+    fuses_qk_norm_into_decode = False
 
     def write_kv(
         self,
@@ -48,6 +49,7 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window: int | None,
         kv_scales: KvScales | None = None,
         softcap: float | None = None,
+        warm: torch.Tensor | None = None,  # nothing to warm on CPU
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # 4-D inputs with enable_gqa (no repeat of K/V over the query group) and a mask only
         # where causality needs one: SDPA then takes its fused (flash) CPU kernel, not the math

@@ -54,6 +54,9 @@ from shard.kernels import pdl
 # The rotary and cache-store building blocks of rotary_store_kv, shared so that the fused mode
 # runs the very same instructions (bit-identical results).
 from shard.kernels.elementwise import _rope_load, _rope_tables, _to_cache
+from shard.kernels.head_norms import HeadNorms
+from shard.kernels.l2_warm import launch_args as warm_launch_args
+from shard.kernels.l2_warm import warm_share
 from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
 from shard.kernels.softcap import soft_cap_log2
 
@@ -140,6 +143,38 @@ def store_kv(
 
 
 @triton.jit
+def _rope_load_normed(src, tok, st_t, st_h, c, s, w_ptr, eps, NH: tl.constexpr,
+                      HALF: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+                      NORM: tl.constexpr, OFFSET: tl.constexpr):
+    """_rope_load, with NORM each head first RMS-normalized over its 2 * HALF values and
+    multiplied by w [2 * HALF] with shard/kernels/qk_norm.py's rounding points (normalized,
+    rounded to the model dtype, times w, rounded again; OFFSET != 0: x * rstd * (w + OFFSET),
+    rounded once), so that the rotation sees the values the separate norm launch would store.
+    (The sum of squares adds the two halves' sums: fp32 reassociation only.)"""
+    if NORM:
+        offs_h = tl.arange(0, HEADS_PAD)
+        offs_d = tl.arange(0, HALF_PAD)
+        m = (offs_h < NH)[:, None] & (offs_d < HALF)[None, :]
+        base = src + tok * st_t + offs_h[:, None] * st_h + offs_d[None, :]
+        x1 = tl.load(base, mask=m, other=0.0).to(tl.float32)  # [HEADS_PAD, HALF_PAD]
+        x2 = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+        dtype = src.dtype.element_ty
+        if OFFSET != 0:
+            y1 = (x1 * rstd * (w1 + OFFSET)).to(dtype).to(tl.float32)
+            y2 = (x2 * rstd * (w2 + OFFSET)).to(dtype).to(tl.float32)
+        else:
+            y1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+            y2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+        at = offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+        return y1 * c - y2 * s, y2 * c + y1 * s, at, m
+    else:
+        return _rope_load(src, tok, st_t, st_h, c, s, NH, HALF, HEADS_PAD, HALF_PAD)
+
+
+@triton.jit
 def _rotate_q_group(
     q_ptr,  # unrotated [num_seqs, num_heads, head_dim] (strided view)
     dst_ptr,  # where head kvh * GROUP of this program's output rows starts
@@ -150,15 +185,22 @@ def _rotate_q_group(
     stride_dst_head,
     c,  # [1, HALF_PAD] fp32 (_rope_tables)
     s,
+    qn_w_ptr,  # QK_NORM: q's norm weight [head_dim]
+    norm_eps,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    NORM_OFFSET: tl.constexpr,
 ):
-    """Rotates KV head kvh's GROUP query heads of sequence seq and stores them rounded to the
-    model dtype (as rotary_store_kv's q_out holds them), heads stride_dst_head apart."""
-    first, second, _, m = _rope_load(q_ptr + kvh * GROUP * stride_q_head, seq, stride_q_seq,
-                                     stride_q_head, c, s, GROUP, HALF, GROUP_PAD, HALF_PAD)
+    """Rotates KV head kvh's GROUP query heads of sequence seq (QK_NORM: normalized first)
+    and stores them rounded to the model dtype (as rotary_store_kv's q_out holds them), heads
+    stride_dst_head apart."""
+    first, second, _, m = _rope_load_normed(q_ptr + kvh * GROUP * stride_q_head, seq,
+                                            stride_q_seq, stride_q_head, c, s, qn_w_ptr,
+                                            norm_eps, GROUP, HALF, GROUP_PAD, HALF_PAD, QK_NORM,
+                                            NORM_OFFSET)
     at = tl.arange(0, GROUP_PAD)[:, None] * stride_dst_head + tl.arange(0, HALF_PAD)[None, :]
     dtype = q_ptr.dtype.element_ty
     # .to(dtype) is the rounding point; the second cast is exact (dst: model dtype or fp32).
@@ -199,9 +241,13 @@ def _store_new_kv(
     stride_slot,
     c,  # [1, HALF_PAD] fp32 (_rope_tables)
     s,
+    kn_w_ptr,  # QK_NORM: k's norm weight [head_dim]
+    norm_eps,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    NORM_OFFSET: tl.constexpr,
 ):
     """Rotated k and plain v of (seq, kvh) into cache slot `slot`, exactly as rotary_store_kv
     stores them (one head of its [heads, half] tiles: a 2-row tile, the second row masked).
@@ -215,8 +261,9 @@ def _store_new_kv(
         ks = tl.load(k_scale_ptr + kvh)
         vs = tl.load(v_scale_ptr + kvh)
     row = slot * stride_slot + kvh * (2 * HALF)
-    k1, k2, at, m = _rope_load(k_ptr + kvh * stride_k_head, seq, stride_k_seq, stride_k_head, c,
-                               s, 1, HALF, 2, HALF_PAD)
+    k1, k2, at, m = _rope_load_normed(k_ptr + kvh * stride_k_head, seq, stride_k_seq,
+                                      stride_k_head, c, s, kn_w_ptr, norm_eps, 1, HALF, 2,
+                                      HALF_PAD, QK_NORM, NORM_OFFSET)
     k1 = _to_cache(k1, ks, dtype, cache_dtype, FP8_MAX)
     k2 = _to_cache(k2, ks, dtype, cache_dtype, FP8_MAX)
     tl.store(k_cache_ptr + row + at, k1, mask=m)
@@ -246,6 +293,9 @@ def _rotary_prologue(
     is_owner,  # this program's split holds the new token: it stores the new k, v
     stride_q_seq, stride_q_head, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
     stride_slot, stride_out_seq, stride_out_head, stride_out_split,
+    qn_w_ptr,  # QK_NORM: q's and k's per-head RMSNorm weights [head_dim]
+    kn_w_ptr,
+    norm_eps,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -254,6 +304,8 @@ def _rotary_prologue(
     HALF_PAD: tl.constexpr,
     FP8_MAX: tl.constexpr,
     Q_IN_REGISTERS: tl.constexpr,  # HALF == HALF_PAD: halves joined in registers, no scratch
+    QK_NORM: tl.constexpr,  # q and k RMS-normalized per head before the rotation
+    NORM_OFFSET: tl.constexpr,  # QK_NORM: Gemma 3's weight offset (0: none)
 ):
     """FUSED_ROTARY's first phase (module docstring): rotates the group's q, stores the new k, v
     if is_owner, and returns (q [GROUP_PAD, BLOCK_D] in the model dtype, the stored k and v rows
@@ -264,22 +316,24 @@ def _rotary_prologue(
     rows and is read back after a CTA barrier (the kernel overwrites them with its result)."""
     rows = out_ptr + seq * stride_out_seq + split * stride_out_split
     if Q_IN_REGISTERS:
-        first, second, _, _ = _rope_load(q_ptr + kvh * GROUP * stride_q_head, seq, stride_q_seq,
-                                         stride_q_head, cos_t, sin_t, GROUP, HALF, GROUP_PAD,
-                                         HALF_PAD)
+        first, second, _, _ = _rope_load_normed(q_ptr + kvh * GROUP * stride_q_head, seq,
+                                                stride_q_seq, stride_q_head, cos_t, sin_t,
+                                                qn_w_ptr, norm_eps, GROUP, HALF, GROUP_PAD,
+                                                HALF_PAD, QK_NORM, NORM_OFFSET)
         dtype = q_ptr.dtype.element_ty
         q = _rows_of_halves(first.to(dtype), second.to(dtype))  # [GROUP_PAD, BLOCK_D]
     else:
         _rotate_q_group(q_ptr, rows + kvh * GROUP * stride_out_head, seq, kvh, stride_q_seq,
-                        stride_q_head, stride_out_head, cos_t, sin_t, GROUP, GROUP_PAD, HALF,
-                        HALF_PAD)
+                        stride_q_head, stride_out_head, cos_t, sin_t, qn_w_ptr, norm_eps, GROUP,
+                        GROUP_PAD, HALF, HALF_PAD, QK_NORM, NORM_OFFSET)
     k_row = tl.zeros([BLOCK_D], dtype=q_ptr.dtype.element_ty)
     v_row = tl.zeros([BLOCK_D], dtype=q_ptr.dtype.element_ty)
     if is_owner & (slot >= 0):
         k_row, v_row = _store_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
                                      v_scale_ptr, seq, kvh, slot, stride_k_seq, stride_k_head,
                                      stride_v_seq, stride_v_head, stride_slot, cos_t, sin_t,
-                                     HALF, HALF_PAD, FP8_MAX)
+                                     kn_w_ptr, norm_eps, HALF, HALF_PAD, FP8_MAX, QK_NORM,
+                                     NORM_OFFSET)
     # Every thread passes here (outside the branch): the CTA's global writes above become
     # visible to all of its threads before anything reads them back (q's scratch; the new
     # token's row, where the tile loop reaches it).
@@ -369,6 +423,11 @@ def _decode_split_kernel(
     stride_final_head,
     sm_scale_log2,  # softmax scale * log2(e)
     window,  # sliding window (positions), <= 0 for none
+    warm_ptr,  # WARM: the next launch's weights, warmed into L2 (shard/kernels/l2_warm.py)
+    warm_bytes,
+    qn_w_ptr,  # QK_NORM (FUSED_ROTARY): q's and k's per-head RMSNorm weights [head_dim]
+    kn_w_ptr,
+    norm_eps,
     NUM_SPLITS,  # runtime: one compiled kernel serves every split count
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # >= 16 for tl.dot
@@ -388,6 +447,9 @@ def _decode_split_kernel(
     GROUP_P2: tl.constexpr = 1,  # next power of two of GROUP (_merge_splits)
     SPLITS_PAD: tl.constexpr = 1,  # next power of two of NUM_SPLITS (_merge_splits)
     SOFTCAP: tl.constexpr = 0.0,  # > 0: attention-logit soft-capping (Gemma 2), 0: none
+    WARM: tl.constexpr = False,  # warm [warm_ptr, + warm_bytes) into L2 after the wait
+    QK_NORM: tl.constexpr = False,  # FUSED_ROTARY: q/k RMSNorm per head first (Qwen3, Gemma 3)
+    NORM_OFFSET: tl.constexpr = 0.0,  # QK_NORM: the weight applied is (NORM_OFFSET + w)
 ):
     # Latency-bound at decode batch sizes: let the next kernel launch now. Before the wait on
     # the previous kernel (q/k/v's GEMV, or the rotary + store kernel) only what it cannot have
@@ -448,8 +510,9 @@ def _decode_split_kernel(
             q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
             cos_t, sin_t, new_slot, seq.to(tl.int64), kvh, split, split == owner,
             stride_q_seq, stride_q_head, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
-            stride_slot, stride_out_seq, stride_out_head, stride_out_split, GROUP,
-            GROUP_PAD, HEAD_DIM, BLOCK_D, HALF, HALF_PAD, FP8_MAX, Q_IN_REGISTERS,
+            stride_slot, stride_out_seq, stride_out_head, stride_out_split, qn_w_ptr, kn_w_ptr,
+            norm_eps, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D, HALF, HALF_PAD, FP8_MAX, Q_IN_REGISTERS,
+            QK_NORM, NORM_OFFSET,
         )  # q [GROUP_PAD, BLOCK_D]; the stored new k, v rows [BLOCK_D] (owner only)
     else:
         q = tl.load(
@@ -491,6 +554,12 @@ def _decode_split_kernel(
                         dtype)
         m_i, l_i, acc = _attend_tile(q, k, v, mask_n, m_i, l_i, acc, qk_scale, SOFTCAP)
 
+    # The o_proj GEMV's weights stream into L2 while the partial store, the ticket and the
+    # merge run. Not earlier: the prefetch's HBM requests would queue ahead of this program's
+    # own K/V loads (measured: warming right after the wait made the step 7 us a layer slower).
+    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    warm_share(warm_ptr, warm_bytes, (seq * tl.num_programs(1) + kvh) * tl.num_programs(2) + split,
+               programs, WARM)
     if FUSED_ROTARY and not Q_IN_REGISTERS:
         # Every thread has read its q (the scratch) before any thread overwrites it below.
         tl.debug_barrier()
@@ -648,6 +717,7 @@ class _NewTokens:
     cos: torch.Tensor  # [max_positions, head_dim] fp32 (shard.layers.rotary.RotaryEmbedding)
     sin: torch.Tensor
     slot_mapping: torch.Tensor  # [num_seqs] int64, < 0: padding row (nothing stored)
+    head_norms: HeadNorms | None = None  # q/k RMSNorm per head before the rotation
 
 
 def paged_decode_attention(
@@ -666,6 +736,7 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches with scales
     v_scale: torch.Tensor | None = None,
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+    warm: torch.Tensor | None = None,  # the next launch's weights: into L2 (l2_warm.py)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Attention of one new query token per sequence over its whole paged context (the last
     sliding_window positions only, where given)."""
@@ -673,7 +744,7 @@ def paged_decode_attention(
         out = torch.empty_like(query)
     return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
                    num_splits, out, block_n, num_warps, num_stages, k_scale, v_scale, None,
-                   softcap)
+                   softcap, warm)
 
 
 def rotary_store_decode_attention(
@@ -698,8 +769,11 @@ def rotary_store_decode_attention(
     k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32: fp8 caches with scales
     v_scale: torch.Tensor | None = None,
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+    warm: torch.Tensor | None = None,  # the next launch's weights: into L2 (l2_warm.py)
+    head_norms: HeadNorms | None = None,  # q/k RMSNorm per head before the rotation
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """shard.kernels.elementwise.rotary_store_kv then paged_decode_attention, in the split kernel itself
+    """(head_norms: shard.kernels.qk_norm.qk_rms_norm, then) shard.kernels.elementwise.
+    rotary_store_kv then paged_decode_attention, in the split kernel itself
     (the module docstring's fused mode): one launch fewer, the same output and cache contents,
     bit for bit. fp8 caches store x / scale per KV head (scales None: 1.0)."""
     num_seqs, num_heads, head_dim = query.shape
@@ -708,10 +782,10 @@ def rotary_store_decode_attention(
     assert key_cache.is_contiguous() and value_cache.is_contiguous()
     if out is None:
         out = torch.empty((num_seqs, num_heads, head_dim), dtype=query.dtype, device=query.device)
-    new = _NewTokens(key, value, positions, cos, sin, slot_mapping)
+    new = _NewTokens(key, value, positions, cos, sin, slot_mapping, head_norms)
     return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
                    num_splits, out, block_n, num_warps, num_stages, k_scale, v_scale, new,
-                   softcap)
+                   softcap, warm)
 
 
 def _decode(
@@ -731,6 +805,7 @@ def _decode(
     v_scale: torch.Tensor | None,
     new: _NewTokens | None,  # FUSED_ROTARY inputs, None: query is rotated, the cache written
     softcap: float | None = None,  # > 0: attention-logit soft-capping
+    warm: torch.Tensor | None = None,  # warmed into L2 after the kernel's PDL wait
 ) -> torch.Tensor:
     """Launches the split kernel (its last split per sequence and KV head merges). Host work only:
     no syncs; the temporaries depend on the batch shape alone (CUDA-graph capture)."""
@@ -773,6 +848,7 @@ def _decode(
             ones = torch.ones(num_kv_heads, dtype=torch.float32, device=query.device)
             k_store_scale, v_store_scale = ones, ones
     fused = new is not None
+    norms = new.head_norms if new is not None else None
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         key_cache,
@@ -807,6 +883,10 @@ def _decode(
         out.stride(1),
         scale * LOG2E,
         sliding_window or 0,
+        *warm_launch_args(warm, dummy),
+        norms.q_weight if norms is not None else dummy,
+        norms.k_weight if norms is not None else dummy,
+        norms.eps if norms is not None else 0.0,
         NUM_SPLITS=num_splits,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -829,6 +909,9 @@ def _decode(
         GROUP_P2=triton.next_power_of_2(group),
         SPLITS_PAD=triton.next_power_of_2(num_splits),
         SOFTCAP=float(softcap or 0.0),
+        WARM=warm is not None,
+        QK_NORM=norms is not None,
+        NORM_OFFSET=float(norms.offset) if norms is not None else 0.0,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch_options(query.device),

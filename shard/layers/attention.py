@@ -16,10 +16,36 @@ import torch
 from torch import nn
 
 from shard.attention.base import AttentionBackend, AttentionMetadata
+from shard.kernels.head_norms import HeadNorms
+from shard.layers.qk_norm import HeadRMSNorm, qk_rms_norm
 from shard.layers.rotary import RotaryEmbedding
+from shard.layers.toggle import Toggle
 from shard.layers.weights import WeightLoader, Weights
 from shard.quantization.kv_cache import FP8_MAXES, KvCalibration, KvScales, scales_from_amax
 from shard.quantization.kv_rotation import orthogonal_rotation, rotate_heads
+
+# Whether decode attention warms the o_proj weight into L2 while it runs (shard/kernels/
+# l2_warm.py). Off: measured slower (benchmarks/MOE_B1.md, round 16).
+WARM_O_PROJ = Toggle(False)
+# Whether a decode-only step applies per-head q/k RMSNorms inside the fused rotary + store +
+# attention launch where the backend can (fuses_qk_norm_into_decode) instead of its own launch.
+FUSE_QK_NORM = Toggle(True)
+
+
+def o_proj_warm_target(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """The o_proj weight (RowParallelLinear.streamed_weight) for the attention launch to warm,
+    when WARM_O_PROJ is on and it can be (a contiguous CUDA tensor); else None."""
+    if not WARM_O_PROJ or weight is None or not weight.is_cuda or not weight.is_contiguous():
+        return None
+    return weight
+
+
+def kernel_head_norms(q_norm: HeadRMSNorm, k_norm: HeadRMSNorm) -> HeadNorms | None:
+    """The two per-head norms as one decode launch applies them (one eps and weight offset for
+    both), or None where they differ."""
+    if q_norm.eps != k_norm.eps or q_norm.weight_offset != k_norm.weight_offset:
+        return None
+    return HeadNorms(q_norm.weight, k_norm.weight, q_norm.eps, q_norm.weight_offset)
 
 
 class PagedAttention(nn.Module, WeightLoader):
@@ -106,10 +132,23 @@ class PagedAttention(nn.Module, WeightLoader):
         positions: torch.Tensor,  # [num_tokens]
         cache: tuple[torch.Tensor, torch.Tensor],  # [num_blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
+        warm: torch.Tensor | None = None,  # the o_proj weight: a hint (AttentionBackend.attend)
+        # Per-head q/k RMSNorms to apply first (Qwen3, Gemma 3): inside the decode launch where
+        # the backend fuses them (FUSE_QK_NORM), else their own launch here.
+        head_norms: tuple[HeadRMSNorm, HeadRMSNorm] | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         n, b = q.shape[0], self.backend
         key_cache, value_cache = cache
-        if self.kv_calibration is not None or self.key_rotation is not None:
+        apart = self.kv_calibration is not None or self.key_rotation is not None
+        one_kernel = (not apart and b.fuse_rotary_into_decode and meta.is_decode_only
+                      and n == meta.seq_lens.shape[0])
+        norms = None
+        if head_norms is not None:
+            if one_kernel and b.fuses_qk_norm_into_decode and FUSE_QK_NORM:
+                norms = kernel_head_norms(*head_norms)
+            if norms is None:
+                q, k = qk_rms_norm(q, k, *head_norms)
+        if apart:
             # Steps apart: warmup observes K/V as stored; key rotation multiplies q and k by R
             # after rotary (the fused kernels apply rotary only).
             q, k = self.rotary(positions, q, k)
@@ -121,17 +160,17 @@ class PagedAttention(nn.Module, WeightLoader):
             if self.kv_calibration is not None:
                 self.kv_calibration.observe(k, v)
             b.write_kv(k, v, key_cache, value_cache, meta.slot_mapping, self.kv_scales)
-        elif b.fuse_rotary_into_decode and meta.is_decode_only and n == meta.seq_lens.shape[0]:
-            o = b.rotate_write_and_attend_decode(  # rotary, cache store, attention: one kernel
+        elif one_kernel:  # (q/k norms,) rotary, cache store, attention: one kernel
+            o = b.rotate_write_and_attend_decode(
                 self.rotary, positions, q, k, v, key_cache, value_cache, meta, self.scale,
-                self.sliding_window, self.kv_scales, self.softcap,
+                self.sliding_window, self.kv_scales, self.softcap, warm, norms,
             )
             return o.reshape(n, self.num_heads * self.head_dim)
         else:
             q = b.rotate_and_write_kv(self.rotary, positions, q, k, v, key_cache, value_cache,
                                       meta.slot_mapping, self.kv_scales)
         o = b.attend(q, key_cache, value_cache, meta, self.scale, self.sliding_window,
-                     self.kv_scales, self.softcap)
+                     self.kv_scales, self.softcap, warm)
         return o.reshape(n, self.num_heads * self.head_dim)
 
     def begin_kv_calibration(self) -> bool:

@@ -175,6 +175,14 @@ class RowParallelLinear(nn.Module, WeightLoader):
         y = self.dist.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
+    def streamed_weight(self) -> torch.Tensor | None:
+        """The tensor a decode-sized forward streams (16-bit, or fp8's e4m3 weight), for a
+        launch before it to warm into L2; None for other layouts (GPTQ / AWQ packs)."""
+        if self.quantized is None:
+            return self.weight
+        weight = getattr(self.quantized, "weight", None)
+        return weight if isinstance(weight, torch.Tensor) else None
+
     def partial(self, x: torch.Tensor, push: bool = False) -> torch.Tensor | PushedPartial:
         """This rank's share of the output, not yet summed over ranks (the caller sums it, e.g.
         fused with the next norm: `reduce_add_rms_norm`); the bias is counted once, on rank 0.

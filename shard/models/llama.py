@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from shard.attention.base import AttentionMetadata
-from shard.layers.attention import PagedAttention
+from shard.layers.attention import PagedAttention, o_proj_warm_target
 from shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shard.layers.linear import MergedColumnParallelLinear, PushedPartial, RowParallelLinear
 from shard.layers.norm import RMSNorm, reduce_add_rms_norm
@@ -103,9 +103,13 @@ class LlamaAttention(nn.Module):
         head_dim] (this rank's) -> [n, hidden]."""
         n, a = q.shape[0], self.attn
         q, k = q.view(n, a.num_heads, a.head_dim), k.view(n, a.num_kv_heads, a.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        head_norms = None
+        if isinstance(self.q_norm, HeadRMSNorm) and isinstance(self.k_norm, HeadRMSNorm):
+            head_norms = (self.q_norm, self.k_norm)  # the attention layer applies them
+        elif self.q_norm is not None and self.k_norm is not None:
             q, k = qk_rms_norm(q, k, self.q_norm, self.k_norm)
-        o = a(q, k, v.view(n, a.num_kv_heads, a.head_dim), positions, cache, meta)
+        o = a(q, k, v.view(n, a.num_kv_heads, a.head_dim), positions, cache, meta,
+              warm=o_proj_warm_target(self.o_proj.streamed_weight()), head_norms=head_norms)
         # Un-reduced: the layer's next step is the fused all-reduce + norm, so the GEMV may push.
         return self.o_proj(o) if reduce else self.o_proj.partial(o, push=True)
 

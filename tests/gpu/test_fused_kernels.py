@@ -308,3 +308,44 @@ def test_model_decode_takes_fused_path_and_equals_unfused(tmp_path, monkeypatch,
     assert unfused_calls == 0
     for a, b in zip(fused, unfused):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["qwen3", "gemma3"])
+@pytest.mark.parametrize("seq_lens", [[300], [300, 0, 1000, 17]], ids=["batch1", "padded"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_fused_decode_with_head_norms_equals_norm_launch_then_two_kernels(cache_dtype, seq_lens,
+                                                                         offset):
+    """q/k per-head RMSNorms inside the fused decode kernel (HeadNorms) against the separate
+    qk_rms_norm launch before the unfused pair: the new K/V rows and the outputs within bf16
+    rounding (the fused norm adds the sum of squares' two halves apart: an fp32 reassociation,
+    which can move a normalized value by one bf16 step). A missing or misapplied norm or
+    weight moves them by far more (the weights are drawn in [0.5, 1.5))."""
+    from shard.kernels.attention_decode import paged_decode_attention, rotary_store_decode_attention
+    from shard.kernels.elementwise import rotary_store_kv
+    from shard.kernels.head_norms import HeadNorms
+    from shard.kernels.qk_norm import qk_rms_norm
+
+    d = _decode_step(cache_dtype, seq_lens, seed=7 + len(seq_lens))
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w = (torch.rand(2, d.q.shape[-1], device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
+    norms = HeadNorms(w[0], w[1], 1e-6, offset)
+    fused_cache, want_cache = d.cache.clone(), d.cache.clone()
+    fp8_max = float(torch.finfo(cache_dtype).max) if d.scales[0] is not None else 0.0
+    q, k = qk_rms_norm(d.q, d.k, w[0], w[1], 1e-6, offset)
+    q_rot = rotary_store_kv(d.positions, q, k, d.v, d.rope.cos, d.rope.sin, *want_cache,
+                            d.slots, *d.scales, fp8_max)
+    want = paged_decode_attention(q_rot, *want_cache, d.tables, d.seq_lens, d.scale, None, 5,
+                                  k_scale=d.scales[0], v_scale=d.scales[1])
+    got = rotary_store_decode_attention(d.q, d.k, d.v, d.positions, d.rope.cos, d.rope.sin,
+                                        *fused_cache, d.slots, d.tables, d.seq_lens, d.scale,
+                                        None, 5, k_scale=d.scales[0], v_scale=d.scales[1],
+                                        head_norms=norms)
+    torch.testing.assert_close(got, want, atol=8e-3, rtol=2**-6)
+    rows = d.slots[d.slots >= 0]
+    for a, b in zip(fused_cache, want_cache):  # the new tokens' rows: one cache step apart
+        a, b = (c.view(-1, *c.shape[2:])[rows].float() for c in (a, b))
+        step = 2**-7 if cache_dtype == torch.bfloat16 else 2**-3
+        assert ((a - b).abs() <= step * b.abs() + 2**-9).all()
+    for i, s in enumerate(seq_lens):
+        if s == 0:
+            assert not got[i].any()

@@ -78,14 +78,18 @@ _PRELUDE = BF16_DOT_PRELUDE + INT_MASK_PRELUDE + textwrap.dedent(
     from shard.quantization.kv_cache import KvScales
     from shard.layers.rotary import RotaryEmbedding
     from shard.kernels.elementwise import rotary_store_kv
+    from shard.kernels.head_norms import HeadNorms
+    from shard.kernels.qk_norm import qk_rms_norm
 
     HEADS, KV_HEADS, PAGE, BLOCKS = 8, 2, 16, 40
     EPS = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-20}  # rounding
     TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}  # output vs torch
 
-    def case(dtype, cache_dtype, head_dim, seq_lens, num_splits, window, seed):
+    def case(dtype, cache_dtype, head_dim, seq_lens, num_splits, window, seed, norm_offset=None):
         '''One decode step of len(seq_lens) sequences (seq_len 0: a graph padding row, slot -1)
-        through the fused kernel and the unfused pair, from the same starting cache.'''
+        through the fused kernel and the unfused pair, from the same starting cache. With
+        norm_offset, q/k per-head RMSNorms (weights offset by it) inside the fused kernel against
+        the separate qk_rms_norm launch before the pair.'''
         gen = torch.Generator().manual_seed(seed)
         n = len(seq_lens)
         rope = RotaryEmbedding(head_dim, 512, {"rope_type": "default", "rope_theta": 10000.0},
@@ -111,16 +115,22 @@ _PRELUDE = BF16_DOT_PRELUDE + INT_MASK_PRELUDE + textwrap.dedent(
         fused_cache, reversed_cache, pair_cache = cache.clone(), cache.clone(), cache.clone()
         scale = head_dim ** -0.5
         sc = scales or (None, None)
+        norms = None
+        if norm_offset is not None:
+            w = (torch.rand(2, head_dim, generator=gen) + 0.5).to(dtype)
+            norms = HeadNorms(w[0], w[1], 1e-6, norm_offset)
         got = rotary_store_decode_attention(
             q, k, v, positions, rope.cos, rope.sin, *fused_cache, slots, tables, lens, scale,
-            window, num_splits, k_scale=sc[0], v_scale=sc[1])
+            window, num_splits, k_scale=sc[0], v_scale=sc[1], head_norms=norms)
         REVERSED[0] = True
         try:
             got_reversed = rotary_store_decode_attention(
                 q, k, v, positions, rope.cos, rope.sin, *reversed_cache, slots, tables, lens,
-                scale, window, num_splits, k_scale=sc[0], v_scale=sc[1])
+                scale, window, num_splits, k_scale=sc[0], v_scale=sc[1], head_norms=norms)
         finally:
             REVERSED[0] = False
+        if norms is not None:  # the separate launch, then the pair as below
+            q, k = qk_rms_norm(q, k, norms.q_weight, norms.k_weight, norms.eps, norm_offset)
         fp8_max = float(torch.finfo(cache_dtype).max) if scales else 0.0
         q_rot = rotary_store_kv(positions, q, k, v, rope.cos, rope.sin, *pair_cache, slots,
                                 *sc, fp8_max)
@@ -128,9 +138,16 @@ _PRELUDE = BF16_DOT_PRELUDE + INT_MASK_PRELUDE + textwrap.dedent(
                                       num_splits, k_scale=sc[0], v_scale=sc[1])
         what = (dtype, cache_dtype, head_dim, seq_lens, num_splits, window)
         assert got.shape == (n, HEADS, head_dim) and got.dtype == dtype, what
-        assert torch.equal(got, want) and torch.equal(got_reversed, want), what
-        for c in (fused_cache, reversed_cache):
-            assert torch.equal(c.view(torch.uint8), pair_cache.view(torch.uint8)), what
+        if norms is None:
+            assert torch.equal(got, want) and torch.equal(got_reversed, want), what
+            for c in (fused_cache, reversed_cache):
+                assert torch.equal(c.view(torch.uint8), pair_cache.view(torch.uint8)), what
+        else:  # the sum of squares adds in another fp32 order: one rounding step apart at most
+            for a, b in ((got, want), (got_reversed, want), *((c, pair_cache) for c in
+                                                             (fused_cache, reversed_cache))):
+                bound = 2 * EPS[dtype] * b.float().abs().amax(-1, keepdim=True)
+                assert ((a.float() - b.float()).abs() <= bound).all(), what
+            assert torch.equal(got, got_reversed), what
         assert not torch.equal(fused_cache.view(torch.uint8), cache.view(torch.uint8)), what
         for i, s in enumerate(seq_lens):
             if s == 0:
@@ -217,6 +234,15 @@ _FP8_CHECK = textwrap.dedent(
     """
 )
 
+# q/k per-head RMSNorms inside the fused kernel (Qwen3: weight offset 0; Gemma 3: 1.0, rounded
+# once), one split and several, a padding row, head_dim with and without padded halves.
+_QK_NORM_CHECK = textwrap.dedent(
+    """
+    case(torch.bfloat16, torch.bfloat16, 64, [37], 1, None, 201, norm_offset=0.0)
+    case(torch.float32, torch.float32, 48, [70, 0, 130, 1], 3, 20, 202, norm_offset=1.0)
+    """
+)
+
 
 def _run_interpreted(check: str) -> None:
     run_interpreted(_PRELUDE + check)
@@ -231,3 +257,7 @@ def test_fused_rotary_decode_model_dtype_cache_in_interpreter():
 
 def test_fused_rotary_decode_fp8_cache_in_interpreter():
     _run_interpreted(_FP8_CHECK)
+
+
+def test_fused_rotary_decode_with_qk_norms_in_interpreter():
+    _run_interpreted(_QK_NORM_CHECK)
