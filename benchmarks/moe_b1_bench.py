@@ -277,8 +277,9 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
         variants.insert(1, Variant("old:warm-o", False, warm_o=True))
         # the q/k norms as their own launch (before round 16), A/B
         variants.insert(1, Variant("old:qk-norm-apart", False, fuse_qk_norm=False))
-    if variant_names:
-        variants = [v for v in variants if v.name in variant_names.split(",")]
+    if variant_names:  # in the order given; a name given twice runs twice (interleaved A/B)
+        by_name = {v.name: v for v in variants}
+        variants = [by_name[n] for n in variant_names.split(",") if n in by_name]
     for var in variants:
         name = var.name
         row: dict[str, Any] = {"variant": name}
@@ -447,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default="attention,bf16,fp8")
     p.add_argument("--tiny", action="store_true", help="CPU dry run on a small shape")
     p.add_argument("--variants", default=None,
-                   help="comma-separated model variant names (default: all)")
+                   help="comma-separated model variant names, run in this order; a name "
+                        "may repeat (interleaved A/B) (default: all)")
     args = p.parse_args(argv)
     t_start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
