@@ -150,6 +150,44 @@ def decode_config_for(num_slots: int, fp8: bool = False) -> DecodeConfig | None:
 
 
 @triton.jit
+def _tile_rows(tile, I, BLOCK_N: tl.constexpr):
+    """Row tile `tile` of an expert's w13 [2I, H]: tile row 2r is gate row c_r, 2r + 1 up row
+    I + c_r, c_r = tile * BLOCK_N / 2 + r (the bytes in flight of one tile serve both halves of
+    the epilogue). -> rows [BLOCK_N] int32, row_mask [BLOCK_N] (c_r < I)."""
+    r = tl.arange(0, BLOCK_N)
+    cols = tile * (BLOCK_N // 2) + r // 2
+    return cols + (r % 2) * I, cols < I
+
+
+@triton.jit
+def _tile_dots(w_rows, row_mask, x_row, k, H):
+    """One K tile of the gate/up dot products: w_rows [BLOCK_N] row pointers, x_row the token's
+    activations, k [BLOCK_K] columns (those >= H read nothing). -> [BLOCK_N] fp32 partial dots."""
+    k_mask = k < H
+    w = tl.load(w_rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                other=0.0, eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K], read once
+    xv = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
+    return tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+
+
+@triton.jit
+def _silu_mul_store(acc, rows, row_mask, s_row, inter_row, tile, I, HAS_SCALE: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """The gate/up epilogue of one row tile: acc [BLOCK_N] fp32 dots in _tile_rows' interleaved
+    order (times the fp8 scales s_row[rows] when HAS_SCALE) -> inter_row[c] = silu(gate_c) *
+    up_c for the tile's BLOCK_N / 2 columns c < I. Rounded to inter's dtype at the torch form's
+    points: gate and up, silu(gate), the product."""
+    out_ty = inter_row.dtype.element_ty
+    if HAS_SCALE:
+        acc = acc * tl.load(s_row + rows, mask=row_mask, other=0.0)
+    y = acc.to(out_ty).to(tl.float32)
+    g, u = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))  # [BLOCK_N // 2] each
+    a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+    offs_out = tile * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(inter_row + offs_out, (a * u).to(out_ty), mask=offs_out < I)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,  # [n, H] activations
     w_ptr,  # [E, 2I, H] rows 0..I-1 gate, I..2I-1 up
@@ -210,32 +248,16 @@ def _gate_up_kernel(
     if COUNT:  # noqa: SIM102 - a constexpr, then a runtime test (Triton)
         if pid_n == 0:  # CUDA-graph padding rows have valid 0
             tl.atomic_add(counts_ptr + expert, tl.load(valid_ptr + t))
-    # Tile row 2r: gate row c_r, 2r + 1: up row I + c_r (the bytes in flight of one tile serve
-    # both halves of the epilogue).
-    r = tl.arange(0, BLOCK_N)
-    cols = pid_n * (BLOCK_N // 2) + r // 2
-    rows = cols + (r % 2) * I
-    row_mask = cols < I
+    rows, row_mask = _tile_rows(pid_n, I, BLOCK_N)
     e64 = expert.to(tl.int64)
     w_rows = w_ptr + e64 * stride_we + rows.to(tl.int64) * stride_wn  # [BLOCK_N]
     x_row = x_ptr + t.to(tl.int64) * stride_xm
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
-        k = k0 + offs_k
-        k_mask = k < H
-        w = tl.load(w_rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0, eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
-        xv = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
-        acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-    out_ty = inter_ptr.dtype.element_ty
-    if HAS_SCALE:
-        acc = acc * tl.load(s_ptr + e64 * stride_se + rows, mask=row_mask, other=0.0)
-    y = acc.to(out_ty).to(tl.float32)
-    g, u = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))  # [BLOCK_N // 2] each
-    a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
-    offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    tl.store(inter_ptr + slot.to(tl.int64) * I + offs_out, (a * u).to(out_ty), mask=offs_out < I)
+        acc += _tile_dots(w_rows, row_mask, x_row, k0 + offs_k, H)
+    _silu_mul_store(acc, rows, row_mask, s_ptr + e64 * stride_se,
+                    inter_ptr + slot.to(tl.int64) * I, pid_n, I, HAS_SCALE, BLOCK_N)
 
 
 @triton.jit
