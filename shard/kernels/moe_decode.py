@@ -364,8 +364,9 @@ def _gate_up_stream_kernel(
     kept_or_1 = tl.maximum(kept, 1)  # the item decode's divisor (no iteration when kept = 0)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    # it: (my item j, K tile kt); the pipeliner keeps STAGES - 1 tiles in flight across item
-    # boundaries (its prologue loads the next item's first tiles during this item's last).
+    # it: (my item j, K tile kt). The pipeliner issues iteration it + STAGES - 1's copies during
+    # iteration it, whichever item it belongs to: the next item's first tiles stream during this
+    # item's last tile and epilogue (the sm_90 test checks the loop compiles to cp.async stages).
     for it in tl.range(0, my_items * k_tiles, num_stages=STAGES):
         j = it // k_tiles
         kt = it - j * k_tiles
