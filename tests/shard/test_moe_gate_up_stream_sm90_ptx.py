@@ -17,6 +17,7 @@ divisible by 16), with the ptxas Triton ships; skipped where Triton has no CUDA 
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -33,8 +34,9 @@ pytestmark = [needs(cuda_backend_available(), "triton without its CUDA backend (
 THREADS_PER_WARP = 32
 
 
+@functools.cache
 def _compiled(fp8: bool, variant: str) -> tuple[Any, Any]:
-    """(the bench variant's DecodeConfig, its stream kernel compiled for sm_90)."""
+    """(the bench variant's DecodeConfig, its stream kernel compiled for sm_90): once a module."""
     from benchmarks.moe_b1_bench import up_stream_configs
     from shard.kernels import moe_decode
 
