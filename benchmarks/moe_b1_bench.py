@@ -21,7 +21,10 @@ DIR/moe_b1.json and DIR/MOE_B1.md and ends its stdout with a compact summary:
    - `fused+norm-prologue[+attn:<tiling>]`: also the input add + RMSNorm inside the qkv GEMV's
      launch (shard/kernels/norm_gemv.py, opt-in shard.layers.linear.norm_prologue);
    - `fused:router-r<rows>w<warps>`: other tilings of the fused launch (moe_router.RouterConfig);
-   fp8 runs old, fused, fused+norm-prologue and the first attention tiling only (time);
+   - `old:up-stream[-<tiling>]` (CUDA only, bf16 and fp8): `old` with the persistent gate/up
+     launch (moe_decode.DecodeConfig.up_stream, UP_STREAMS: tilings, programs per SM);
+   fp8 runs old, fused, fused+norm-prologue, the first attention tiling and the up-stream
+   variants only (time);
    each with the step's byte roofline (moe_bench._step_bytes: dense weights and norms, LM head,
    the experts the step touched by the layers' own routing statistics, K/V) and a per-kernel
    breakdown (device us per step and per layer, by kernel name, CUPTI).
@@ -180,6 +183,35 @@ def kernel_table(fn, calls: int, layers: int) -> dict:
 ROUTER_CONFIGS = ((1, 1), (2, 2))
 
 
+# The persistent gate/up launch (moe_decode.DecodeConfig.up_stream) in the old step: the table's
+# batch-1 entry with its gate/up launch replaced, the down launch as it is. (variant, weight rows,
+# K tile for bf16, K tile for fp8 (1-byte weights: twice the K for the same bytes), stages,
+# programs per SM).
+UP_STREAMS = (
+    # branch moep's measured stream (318c99d: 50.3 MB in 17.3 us, 98 % of copy): 16 x 1024 bf16;
+    # fp8 16 x 2048, the same 32 KB a tile
+    ("old:up-stream", 16, 1024, 2048, 3, 1),
+    # one K tile an item (an epilogue every tile), half the rows: twice the items, finer balance;
+    # fp8: 16 KB tiles (H = 2048 is the widest K tile)
+    ("old:up-stream-8x2048-st4", 8, 2048, 2048, 4, 1),
+    # two programs an SM: twice the tiles in flight, half the items each
+    ("old:up-stream-2sm", 16, 1024, 2048, 3, 2),
+)
+
+
+def up_stream_configs(top_k: int, fp8: bool) -> list[tuple[str, Any]]:
+    """UP_STREAMS as (variant name, moe_decode.DecodeConfig) on the table's entry for top_k
+    routed slots (batch 1)."""
+    from shard.kernels import moe_decode
+
+    base = moe_decode.decode_config_for(top_k, fp8)
+    assert base is not None and not base.route_inside
+    return [(name, dataclasses.replace(base, up_stream=per_sm, up_block_n=rows,
+                                       up_block_k=k8 if fp8 else k16, stages=stages,
+                                       down_stages=base.down_stages or base.stages))
+            for name, rows, k16, k8, stages, per_sm in UP_STREAMS]
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str
@@ -273,7 +305,11 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
         # the table's batch-1 entry before the split down launch (its 32-slot entry), A/B
         variants.insert(1, Variant("old:no-split", False,
                                    moe_config=moe_decode.DECODE_CONFIGS[quantize == "fp8"][-1][1]))
-    if cuda:  # the attention launch warms o_proj's weight into L2 (shard/kernels/l2_warm.py)
+    if cuda:  # the old step with the persistent gate/up launch, after `old` (and old:no-split)
+        at = 1 + sum(v.name == "old:no-split" for v in variants)
+        variants[at:at] = [Variant(name, False, moe_config=cfg) for name, cfg in
+                           up_stream_configs(shape["num_experts_per_tok"], quantize == "fp8")]
+        # the attention launch warms o_proj's weight into L2 (shard/kernels/l2_warm.py)
         variants.insert(1, Variant("old:warm-o", False, warm_o=True))
         # the q/k norms as their own launch (before round 16), A/B
         variants.insert(1, Variant("old:qk-norm-apart", False, fuse_qk_norm=False))
@@ -283,6 +319,8 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
     for var in variants:
         name = var.name
         row: dict[str, Any] = {"variant": name}
+        if var.moe_config is not None:
+            row["moe_config"] = var.moe_config.name()
         try:
             for backend in backends:
                 backend.few_program_decode = var.attention
@@ -332,7 +370,8 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
 
 # ---- report --------------------------------------------------------------------------------
 
-_SHORT = (("_gate_up_kernel", "gate/up"), ("_down_sum_kernel", "down+sum"),
+_SHORT = (("_gate_up_kernel", "gate/up"), ("_gate_up_stream_kernel", "gate/up-stream"),
+          ("_down_sum_kernel", "down+sum"),
           ("_add_norm_route_kernel", "add+norm+router+route"), ("_route_kernel", "route"),
           ("_qk_rms_norm_kernel", "qk-norm"),
           ("_decode_split_kernel", "attention"), ("_add_rms_norm_kernel", "add+norm"),

@@ -6,12 +6,17 @@ the step needs the routing, layout and sum kernels around its two GEMMs, and few
 expert stream its weights. At batch 1 the step reads k experts' weights (Qwen3-30B-A3B: 8 x 9.4
 MB bf16) and nothing else, so it is a GEMV's problem: keep every SM streaming weight bytes.
 
-    launch 1, grid (n * k slots, I tiles) (config.slots_first; else transposed): the slot's token row x[t] against its expert's gate
-      and up rows (CUDA-core FMAs, fp32 accumulation, wide K loads, as shard/kernels/gemv.py's
-      batch-1 path), silu(gate) * up -> inter [n * k, I]. With `logits` the routing itself
-      (softmax, top-k, renormalization: moe_route.route_row) runs in each program (128 logits:
-      free) and the N-tile-0 programs write the slot's weight and id (and the routing
-      statistics): no routing launch.
+    launch 1, grid (n * k slots, I tiles) (config.slots_first; else transposed): the slot's
+      token row x[t] against its expert's gate and up rows (CUDA-core FMAs, fp32 accumulation,
+      wide K loads, as shard/kernels/gemv.py's batch-1 path), silu(gate) * up -> inter
+      [n * k, I]. With `logits` the routing itself (softmax, top-k, renormalization:
+      moe_route.route_row) runs in each program (128 logits: free) and the N-tile-0 programs
+      write the slot's weight and id (and the routing statistics): no routing launch.
+      Or (config.up_stream, given routing only) persistent: grid (min(items, up_stream x SMs)),
+      the items (held slot, I tile) strided over the programs, each program's items and their
+      K tiles ONE flattened, software-pipelined stream (the epilogue at each item's last K
+      tile): one pipeline ramp a program instead of one a (slot, I tile), and a tail of one
+      item (at batch 1 the gridded form's 768 programs each stream 8 K tiles of 16 x 256).
     launch 2, grid (n tokens, H tiles): for each output column tile, the sum over the token's k
       slots of w_j * down_{e_j}(inter[t, j]) in fp32 registers -> out [n, H]: the weighted sum
       over the k slots is fused (no [n * k, H] buffer, no sum kernel, no atomics, no zeroing).
@@ -47,6 +52,7 @@ TRITON_INTERPRET=1 on CPU tensors (tests/shard/test_triton_moe_interpreter.py).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -87,14 +93,27 @@ class DecodeConfig:
     # id (a guess) and first K tile are loaded before the PDL wait and checked after it.
     down_split: int = 0
     down_stages: int = 0  # the down launch's pipelining depth (0: `stages`)
+    # The persistent gate/up launch (0: off, the gridded one): m > 0 is m programs per SM
+    # (int_gemv_wide's `persist`), at most one per work item (held slot, row tile of up_block_n
+    # rows). Each program runs its items' K tiles (up_block_k wide, `stages` deep) as one
+    # pipelined stream: one ramp a program, not one a (slot, row tile). Given routing only
+    # (route_inside=False): the ids are the routing launch's output.
+    up_stream: int = 0
+
+    def __post_init__(self) -> None:
+        if self.up_stream < 0 or (self.up_stream and self.route_inside):
+            raise ValueError(f"DecodeConfig: up_stream={self.up_stream} needs programs per SM "
+                             f">= 0 and route_inside=False")
 
     def name(self) -> str:
-        """'up16x256w4-down8x256w4-st4[-dst3-split32]' (benchmarks' rows)."""
+        """'up16x256w4-down8x256w4-st4[-dst3-split32][-upstream1]' (benchmarks' rows;
+        upstream<m>: the persistent gate/up launch, m programs per SM)."""
         return (f"up{self.up_block_n}x{self.up_block_k}w{self.up_warps}-down"
                 f"{self.down_split or self.down_block_n}x{self.down_block_k}w{self.down_warps}"
                 f"-st{self.stages}"
                 + (f"-dst{self.down_stages}" if self.down_stages else "")
                 + (f"-split{self.down_split}" if self.down_split else "")
+                + (f"-upstream{self.up_stream}" if self.up_stream else "")
                 + ("-route-inside" if self.route_inside else "")
                 + ("" if self.slots_first else "-cols-first"))
 
@@ -147,6 +166,44 @@ def decode_config_for(num_slots: int, fp8: bool = False) -> DecodeConfig | None:
         return _override
     return next((cfg for limit, cfg in DECODE_CONFIGS[fp8] if num_slots <= limit),
                 DECODE_CONFIGS[fp8][-1][1])
+
+
+@triton.jit
+def _tile_rows(tile, I, BLOCK_N: tl.constexpr):
+    """Row tile `tile` of an expert's w13 [2I, H]: tile row 2r is gate row c_r, 2r + 1 up row
+    I + c_r, c_r = tile * BLOCK_N / 2 + r (the bytes in flight of one tile serve both halves of
+    the epilogue). -> rows [BLOCK_N] int32, row_mask [BLOCK_N] (c_r < I)."""
+    r = tl.arange(0, BLOCK_N)
+    cols = tile * (BLOCK_N // 2) + r // 2
+    return cols + (r % 2) * I, cols < I
+
+
+@triton.jit
+def _tile_dots(w_rows, row_mask, x_row, k, H):
+    """One K tile of the gate/up dot products: w_rows [BLOCK_N] row pointers, x_row the token's
+    activations, k [BLOCK_K] columns (those >= H read nothing). -> [BLOCK_N] fp32 partial dots."""
+    k_mask = k < H
+    w = tl.load(w_rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                other=0.0, eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K], read once
+    xv = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
+    return tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+
+
+@triton.jit
+def _silu_mul_store(acc, rows, row_mask, s_row, inter_row, tile, I, HAS_SCALE: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """The gate/up epilogue of one row tile: acc [BLOCK_N] fp32 dots in _tile_rows' interleaved
+    order (times the fp8 scales s_row[rows] when HAS_SCALE) -> inter_row[c] = silu(gate_c) *
+    up_c for the tile's BLOCK_N / 2 columns c < I. Rounded to inter's dtype at the torch form's
+    points: gate and up, silu(gate), the product."""
+    out_ty = inter_row.dtype.element_ty
+    if HAS_SCALE:
+        acc = acc * tl.load(s_row + rows, mask=row_mask, other=0.0)
+    y = acc.to(out_ty).to(tl.float32)
+    g, u = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))  # [BLOCK_N // 2] each
+    a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+    offs_out = tile * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(inter_row + offs_out, (a * u).to(out_ty), mask=offs_out < I)
 
 
 @triton.jit
@@ -210,32 +267,120 @@ def _gate_up_kernel(
     if COUNT:  # noqa: SIM102 - a constexpr, then a runtime test (Triton)
         if pid_n == 0:  # CUDA-graph padding rows have valid 0
             tl.atomic_add(counts_ptr + expert, tl.load(valid_ptr + t))
-    # Tile row 2r: gate row c_r, 2r + 1: up row I + c_r (the bytes in flight of one tile serve
-    # both halves of the epilogue).
-    r = tl.arange(0, BLOCK_N)
-    cols = pid_n * (BLOCK_N // 2) + r // 2
-    rows = cols + (r % 2) * I
-    row_mask = cols < I
+    rows, row_mask = _tile_rows(pid_n, I, BLOCK_N)
     e64 = expert.to(tl.int64)
     w_rows = w_ptr + e64 * stride_we + rows.to(tl.int64) * stride_wn  # [BLOCK_N]
     x_row = x_ptr + t.to(tl.int64) * stride_xm
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
-        k = k0 + offs_k
-        k_mask = k < H
-        w = tl.load(w_rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0, eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
-        xv = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
-        acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-    out_ty = inter_ptr.dtype.element_ty
-    if HAS_SCALE:
-        acc = acc * tl.load(s_ptr + e64 * stride_se + rows, mask=row_mask, other=0.0)
-    y = acc.to(out_ty).to(tl.float32)
-    g, u = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))  # [BLOCK_N // 2] each
-    a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
-    offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    tl.store(inter_ptr + slot.to(tl.int64) * I + offs_out, (a * u).to(out_ty), mask=offs_out < I)
+        acc += _tile_dots(w_rows, row_mask, x_row, k0 + offs_k, H)
+    _silu_mul_store(acc, rows, row_mask, s_ptr + e64 * stride_se,
+                    inter_ptr + slot.to(tl.int64) * I, pid_n, I, HAS_SCALE, BLOCK_N)
+
+
+@triton.jit
+def _stream_item_index(v, tile, kept, tiles, SLOTS_FIRST: tl.constexpr):
+    """The stream's item number of (kept slot v, row tile): slots fastest (the items in flight
+    together, one per program, cover one column range of every slot: slots sharing an expert
+    read its rows together, as the gridded launch's order) or row tiles fastest."""
+    if SLOTS_FIRST:
+        return tile * kept + v
+    return v * tiles + tile
+
+
+@triton.jit
+def _stream_item(item, slots, ids, keep, rank, kept, tiles, SLOTS_FIRST: tl.constexpr):
+    """_stream_item_index's inverse: item -> (slot, its expert, row tile). slots, ids, keep, rank:
+    [SLOTS_POW2] each slot's index, expert id, whether it is held here, its rank among those."""
+    if SLOTS_FIRST:
+        v = item % kept
+        tile = item // kept
+    else:
+        v = item // tiles
+        tile = item % tiles
+    pick = keep & (rank == v)  # exactly one slot
+    return tl.sum(tl.where(pick, slots, 0), 0), tl.sum(tl.where(pick, ids, 0), 0), tile
+
+
+# S (n * k) varies with the batch: not specialized (1, multiples of 16), so one compiled variant
+# serves every decode batch's CUDA graph (warm_up launches n = 1 only).
+@triton.jit(do_not_specialize=["S"])
+def _gate_up_stream_kernel(
+    x_ptr,  # [n, H] activations
+    w_ptr,  # [E, 2I, H] rows 0..I-1 gate, I..2I-1 up
+    s_ptr,  # [E, 2I] fp32 scales (HAS_SCALE)
+    inter_ptr,  # [n * k, I] out: silu(gate) * up per held slot (other slots' rows: not written)
+    ids_ptr,  # [n * k] expert ids (the routing launch's output)
+    counts_ptr,  # [E] int64 routing statistics (COUNT)
+    valid_ptr,  # [n] int64, 1 for real rows (COUNT)
+    S,  # n * k routed slots
+    I,
+    H,
+    E,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    TOP_K: tl.constexpr,
+    SLOTS_POW2: tl.constexpr,  # >= S: the ids as one vector
+    COUNT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    SLOTS_FIRST: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent (shard/kernels/pdl.py)
+):
+    """_gate_up_kernel's given-routing form as a persistent launch (DecodeConfig.up_stream): P
+    programs (about one per SM) share the work items (held slot, row tile), item i going to
+    program i % P, and each program runs its items' K tiles as ONE flattened, software-pipelined
+    stream: one pipeline ramp a program instead of one a (slot, row tile), and the tail is one
+    item. Strided items rather than contiguous ranges: the same balance (item counts differ by at
+    most one) and the items in flight together are consecutive ones, as the gridded launch runs
+    them. Only the slots held here (ids in [0, E)) are items: another rank's slots take no
+    program time and read nothing, and their inter rows are not written."""
+    let_dependents_launch(PDL)
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    # Everything below depends on the ids and x, the previous kernels' output: no weight tile
+    # can be loaded before the wait (its expert is not known yet).
+    wait_for_predecessor(PDL)
+    slots = tl.arange(0, SLOTS_POW2)
+    ids = tl.load(ids_ptr + slots, mask=slots < S, other=-1).to(tl.int32)  # [SLOTS_POW2]
+    keep = (ids >= 0) & (ids < E)
+    rank = tl.cumsum(keep.to(tl.int32), 0) - 1  # [SLOTS_POW2] held slots: 0, 1, ...
+    kept = tl.sum(keep.to(tl.int32), 0)
+    tiles = tl.cdiv(I, BLOCK_N // 2)
+    if COUNT:
+        # Each held slot once, by the program of its row tile 0 (as the gridded launch's tile-0
+        # programs); CUDA-graph padding rows have valid 0.
+        mine = keep & (_stream_item_index(rank, 0, kept, tiles, SLOTS_FIRST) % num_progs == pid)
+        rows_valid = tl.load(valid_ptr + slots // TOP_K, mask=mine, other=0)
+        tl.atomic_add(counts_ptr + tl.where(mine, ids, 0), rows_valid, mask=mine)
+    k_tiles = tl.cdiv(H, BLOCK_K)
+    # items pid, pid + P, ... below kept * tiles (kept * tiles - pid > -P: never negative)
+    my_items = tl.cdiv(kept * tiles - pid, num_progs)
+    kept_or_1 = tl.maximum(kept, 1)  # the item decode's divisor (no iteration when kept = 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # it: (my item j, K tile kt). The pipeliner issues iteration it + STAGES - 1's copies during
+    # iteration it, whichever item it belongs to: the next item's first tiles stream during this
+    # item's last tile and epilogue (the sm_90 test checks the loop compiles to cp.async stages).
+    for it in tl.range(0, my_items * k_tiles, num_stages=STAGES):
+        j = it // k_tiles
+        kt = it - j * k_tiles
+        slot, expert, tile = _stream_item(pid + j * num_progs, slots, ids, keep, rank,
+                                          kept_or_1, tiles, SLOTS_FIRST)
+        rows, row_mask = _tile_rows(tile, I, BLOCK_N)
+        e64 = expert.to(tl.int64)
+        w_rows = w_ptr + e64 * stride_we + rows.to(tl.int64) * stride_wn  # [BLOCK_N]
+        x_row = x_ptr + (slot // TOP_K).to(tl.int64) * stride_xm
+        acc += _tile_dots(w_rows, row_mask, x_row, kt * BLOCK_K + offs_k, H)
+        if kt == k_tiles - 1:  # the item's last K tile: its outputs, then the next item's sums
+            _silu_mul_store(acc, rows, row_mask, s_ptr + e64 * stride_se,
+                            inter_ptr + slot.to(tl.int64) * I, tile, I, HAS_SCALE, BLOCK_N)
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
 
 
 @triton.jit
@@ -412,6 +557,50 @@ def _split_tickets(device: torch.device) -> torch.Tensor:
     return held
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device; 3 under the interpreter (CPU tensors: fewer programs than items, and
+    counts that do not divide them, so the tests see programs looping over several)."""
+    if device.type != "cuda":
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _gate_up_stream(
+    x: torch.Tensor,  # [n, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    scale13: torch.Tensor | None,  # [E, 2I] float32 with fp8 weights
+    inter: torch.Tensor,  # [n * k, I] out
+    ids: torch.Tensor,  # [n * k] expert ids
+    count_into: torch.Tensor | None,  # [E] int64 routing statistics
+    valid: torch.Tensor | None,  # [n] int64 (with count_into)
+    top_k: int,
+    cfg: DecodeConfig,
+) -> None:
+    """Launch 1 as the persistent stream (cfg.up_stream): min(items, up_stream x SMs) programs,
+    items = n * k slots x row tiles (the launch takes the held slots' items only)."""
+    slots, inter_dim = inter.shape
+    num_experts, _, hidden = w13.shape
+    items = slots * triton.cdiv(inter_dim, cfg.up_block_n // 2)
+    programs = min(items, cfg.up_stream * _sm_count(x.device))
+    dummy = ids  # the pointers a variant without scales / statistics never reads
+    _gate_up_stream_kernel[(programs,)](
+        x, w13, scale13 if scale13 is not None else dummy, inter, ids,
+        count_into if count_into is not None else dummy,
+        valid if count_into is not None else dummy,
+        slots, inter_dim, hidden, num_experts,
+        x.stride(0), w13.stride(0), w13.stride(1),
+        scale13.stride(0) if scale13 is not None else 0,
+        TOP_K=top_k,
+        # one variant for every decode-sized batch (warm_up launches n = 1 only)
+        SLOTS_POW2=triton.next_power_of_2(max(slots, DECODE_MAX_SLOTS)),
+        COUNT=count_into is not None, HAS_SCALE=scale13 is not None,
+        BLOCK_N=cfg.up_block_n, BLOCK_K=cfg.up_block_k, STAGES=cfg.stages,
+        SLOTS_FIRST=cfg.slots_first, num_warps=cfg.up_warps, num_stages=cfg.stages,
+        **pdl.launch_options(x.device),
+    )
+
+
 def moe_decode(
     x: torch.Tensor,  # [n, H] bf16/fp16 (fp32 under the interpreter)
     w13: torch.Tensor,  # [E, 2I, H]
@@ -455,22 +644,28 @@ def moe_decode(
     if count and valid is None:  # int64 as RoutingStats' rows (one compiled variant)
         valid = torch.ones(n, dtype=torch.int64, device=x.device)
     up_tiles = triton.cdiv(inter_dim, cfg.up_block_n // 2)
-    _gate_up_kernel[(slots, up_tiles) if cfg.slots_first else (up_tiles, slots)](
-        x, w13, scale13 if scale13 is not None else weights, inter,
-        logits if route else x, weights, ids,
-        count_into if count else weights, valid if count else weights,
-        inter_dim, hidden, num_experts,
-        x.stride(0), w13.stride(0), w13.stride(1),
-        scale13.stride(0) if scale13 is not None else 0,
-        logits.stride(0) if route else 0,
-        TOP_K=top_k, K_POW2=k_pow2, ROUTE=route,
-        SOFTMAX_FIRST=routing.softmax_first if route else True,
-        RENORMALIZE=routing.renormalize if route else False,
-        BLOCK_E=triton.next_power_of_2(num_experts), COUNT=count,
-        HAS_SCALE=scale13 is not None,
-        BLOCK_N=cfg.up_block_n, BLOCK_K=cfg.up_block_k, STAGES=cfg.stages,
-        SLOTS_FIRST=cfg.slots_first, num_warps=cfg.up_warps, num_stages=cfg.stages, **pdl.launch_options(x.device),
-    )
+    if cfg.up_stream:
+        assert not route, "the persistent gate/up launch takes given routing"
+        _gate_up_stream(x, w13, scale13, inter, ids, count_into if count else None, valid, top_k,
+                        cfg)
+    else:
+        _gate_up_kernel[(slots, up_tiles) if cfg.slots_first else (up_tiles, slots)](
+            x, w13, scale13 if scale13 is not None else weights, inter,
+            logits if route else x, weights, ids,
+            count_into if count else weights, valid if count else weights,
+            inter_dim, hidden, num_experts,
+            x.stride(0), w13.stride(0), w13.stride(1),
+            scale13.stride(0) if scale13 is not None else 0,
+            logits.stride(0) if route else 0,
+            TOP_K=top_k, K_POW2=k_pow2, ROUTE=route,
+            SOFTMAX_FIRST=routing.softmax_first if route else True,
+            RENORMALIZE=routing.renormalize if route else False,
+            BLOCK_E=triton.next_power_of_2(num_experts), COUNT=count,
+            HAS_SCALE=scale13 is not None,
+            BLOCK_N=cfg.up_block_n, BLOCK_K=cfg.up_block_k, STAGES=cfg.stages,
+            SLOTS_FIRST=cfg.slots_first, num_warps=cfg.up_warps, num_stages=cfg.stages,
+            **pdl.launch_options(x.device),
+        )
     stages = cfg.down_stages or cfg.stages
     if cfg.down_split:
         row_blocks = triton.cdiv(hidden, cfg.down_split)

@@ -141,6 +141,54 @@ def test_split_down_from_a_cuda_graph_matches_the_fused_sum(fp8):
         assert not moe_decode._split_tickets(xs[0].device).any()
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gate_up_stream_from_a_cuda_graph_matches_the_gridded_launch(fp8):
+    """The persistent gate/up launch (DecodeConfig.up_stream: benchmarks/moe_b1_bench.py's
+    old:up-stream variants, and 64-wide K tiles: several an item, the stream crossing items),
+    compiled, from a CUDA graph of layer calls at batch 1 and 3 (one with ids another rank
+    holds), replayed twice, equals the gridded gate/up launch's eager results and counts the
+    same routing statistics."""
+    import dataclasses
+
+    from benchmarks.moe_b1_bench import up_stream_configs
+    from shard.kernels import moe_decode
+
+    moe = _layer(8, fp8)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    calls = []
+    for n in (1, 3, 3):
+        x = torch.randn(n, H, device="cuda", generator=gen).bfloat16()
+        w, ids = torch.rand(n, 8, device="cuda", generator=gen), torch.randperm(E)[:8]
+        calls.append((x, w, ids.repeat(n, 1).cuda()))
+    calls[-1][2][1:, ::3] = E + 1  # another rank's experts: dropped, not counted
+    gridded = moe_decode.decode_config_for(8, fp8)
+    assert gridded is not None and not gridded.up_stream
+
+    def run(cfg, counts):
+        return [moe_decode.moe_decode(x, moe.w13, moe.w2, 8, moe.scale13, moe.scale2, cfg,
+                                      topk_weights=w, topk_ids=ids, count_into=counts)
+                for x, w, ids in calls]
+
+    want_counts = torch.zeros(E, dtype=torch.int64, device="cuda")
+    want = run(gridded, want_counts)
+    streams = [cfg for _, cfg in up_stream_configs(8, fp8)]
+    streams.append(dataclasses.replace(streams[0], up_block_k=64, up_stream=1))
+    for cfg in streams:
+        counts = torch.zeros(E, dtype=torch.int64, device="cuda")
+        run(cfg, counts)  # compiles (a capture cannot)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = run(cfg, counts)
+        counts.zero_()
+        for _ in range(2):
+            g.replay()
+        torch.cuda.synchronize()
+        for got, ref in zip(outs, want, strict=True):
+            err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+            assert err < 2**-6, (cfg.name(), err)
+        assert torch.equal(counts, 2 * want_counts), cfg.name()
+
+
 def test_empty_experts_on_cuda():
     moe = _layer(2)
     x = torch.randn(9, H, device="cuda").bfloat16()

@@ -115,8 +115,8 @@ _ROUTE_CHECK = textwrap.dedent(
 # experts another rank holds, a batch that leaves experts empty, routing computed inside the
 # gate/up launch (weights, ids and the statistics of real rows equal moe_route's), fp8 weights
 # (1-byte loads, per-expert per-channel scales) with fp32 and bf16 activations, the split down
-# launch; then FusedMoE's CUDA path at a decode-sized batch (which takes these kernels) equals
-# its CPU path.
+# launch, the persistent gate/up launch; then FusedMoE's CUDA path at a decode-sized batch (which
+# takes these kernels) equals its CPU path.
 _DECODE_CHECK = textwrap.dedent(
     """
     import dataclasses
@@ -212,6 +212,55 @@ _DECODE_CHECK = textwrap.dedent(
             got = moe_decode.moe_decode(xx, q13, q2, k, s13, s2, whole, topk_weights=weights,
                                         topk_ids=ids)
             check(got, xx, ids, weights, r13, r2, tol=tol)
+
+    # the persistent gate/up launch (up_stream: m programs per SM, 3 "SMs" on CPU; items (held
+    # slot, row tile) strided over the programs, each program's K tiles one flattened loop):
+    # equal to the gridded launch bit for bit (the same K order per row) and to the loop. Row
+    # tiles of 32 columns (I = 40: 2 tiles, the second a tail), K tiles of 32 (H = 48: a tail);
+    # items not divisible by the programs (top-8: 16 on 3; top-2 with a slot dropped: 10 on 6 and
+    # on 3), a program left without items (5 of 6 slots dropped: 2 items on 3), every slot
+    # dropped, both item orders, the statistics of real rows, fp8 weights with fp32 and bf16
+    # activations.
+    grid = dataclasses.replace(cfg, up_block_n=64, route_inside=False)
+    stream = dataclasses.replace(grid, up_stream=1)
+    assert "-upstream1" in stream.name()
+
+    def same_as_grid(x, ids, weights, c, a13=w13, a2=w2, s13=None, s2=None, valid=None):
+        counts = [torch.zeros(E, dtype=torch.int64) for _ in range(2)]
+        outs = [moe_decode.moe_decode(x, a13, a2, ids.shape[1], s13, s2, g, topk_weights=weights,
+                                      topk_ids=ids, count_into=n, valid=valid)
+                for g, n in ((grid, counts[0]), (c, counts[1]))]
+        assert torch.equal(outs[1], outs[0]) and torch.equal(counts[1], counts[0]), c.name()
+        real = ids if valid is None else ids[valid.bool()]
+        assert torch.equal(counts[1], torch.bincount(real[real < E], minlength=E)), counts
+        return outs[1]
+
+    for n, k in ((1, 1), (1, 8), (3, 2)):
+        x = torch.randn(n, H)
+        weights, ids = route(torch.randn(n, E), MoeRouting(k, renormalize=k > 1))
+        if k == 2:
+            ids[0, 1] = E  # 5 held slots: 10 items on 6 programs (2 per "SM")
+            valid = torch.tensor([1, 0, 1])  # a CUDA-graph padding row: not counted
+            for c in (dataclasses.replace(stream, up_stream=2),
+                      dataclasses.replace(stream, slots_first=False)):
+                check(same_as_grid(x, ids, weights, c, valid=valid), x, ids, weights)
+            ids[1:, :] = E + 1  # 1 held slot: 2 items on 3 programs
+        check(same_as_grid(x, ids, weights, stream), x, ids, weights)
+    assert not same_as_grid(x, torch.full_like(ids, E), weights, stream).any()
+    weights, ids = route(torch.randn(1, E), MoeRouting(8, renormalize=True))
+    x = torch.randn(1, H)
+    for xx, tol in ((x, 1e-5), (x.bfloat16(), 2**-5)):
+        check(same_as_grid(xx, ids, weights, stream, q13, q2, s13, s2), xx, ids, weights, r13,
+              r2, tol=tol)
+    # another rank's slots: no item, their inter rows never written (left NaN here)
+    inter = torch.full((3 * 2, I), float("nan"))
+    ids = torch.tensor([[2, E], [E + 5, 2], [7, 0]])
+    moe_decode._gate_up_stream(x.expand(3, H), w13, None, inter, ids.reshape(-1), None, None, 2,
+                               stream)
+    held = ids.reshape(-1) < E
+    gate, up = torch.einsum("h,snh->sn", x[0], w13[ids.reshape(-1)[held]]).chunk(2, dim=-1)
+    torch.testing.assert_close(inter[held], torch.nn.functional.silu(gate) * up)
+    assert inter[~held].isnan().all()
 
     # FusedMoE's CUDA path at 2 tokens x top-2 (decode kernels) = its CPU path
     assert moe_decode.decode_config_for(4) is not None
