@@ -15,14 +15,19 @@ CHUNK-byte pieces, one per lane of its first warp. Bytes past a share's last 16-
 (the instruction's granule) are left to the GEMV.
 
 Protocol (a kernel with a `WARM` constexpr takes `warm_ptr, warm_bytes`): call `warm_share`
-after the kernel's PDL wait (shard/kernels/pdl.py): before it the previous kernel, a weight
-stream on the step's critical path, may still be reading HBM, and warming would only take
-bandwidth from it. A launch with WARM off passes any pointer and 0 and compiles no code for it.
+once the kernel's own HBM loads are done. Prefetch requests queue in the memory system like any
+load: issued right after the decode attention's PDL wait, 16.8 MB of them delayed its K/V loads
+and made the step 7 us a layer slower (H200, benchmarks/MOE_B1.md round 16), so the attention
+issues them after its K/V loop, into the window of its partial store, ticket and merge. A launch
+with WARM off passes any pointer and 0 bytes and compiles no code for it.
 
-Whether it pays is measured, not assumed (off by default: shard.layers.attention.warm_o_proj;
-benchmarks/moe_b1_bench compares both in one process): a pass that had every GEMV bulk-prefetch its own weight rows
-before its wait made the step slower (shard/kernels/pdl.py) — there the prefetch raced the
-stream it fed, here it fills a window in which HBM is otherwise idle.
+Measured, not assumed (off by default: shard.layers.attention.WARM_O_PROJ; benchmarks/
+l2_warm_probe.py and moe_b1_bench's `old:warm-o`): in that window an 8 MiB fp8 o_proj gained
+1.4-2.2 us a layer, a 16 MiB bf16 one lost 1.3-4.7. The probe: a 21 MB stream read 10.0 us cold,
+8.3-8.8 warmed (by 1 to 132 programs alike), 6.9 hot; warmed lines outlived a 75 MB evict-first
+stream (8.6 us); an evict-last prefetch made the read 25.9 us. (A pass that had every GEMV
+bulk-prefetch its own weight rows before its wait also made the step slower, shard/kernels/pdl.py:
+there the prefetch raced the stream it fed.)
 """
 
 from __future__ import annotations

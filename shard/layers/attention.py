@@ -25,10 +25,14 @@ from shard.quantization.kv_cache import FP8_MAXES, KvCalibration, KvScales, scal
 from shard.quantization.kv_rotation import orthogonal_rotation, rotate_heads
 
 # Whether decode attention warms the o_proj weight into L2 while it runs (shard/kernels/
-# l2_warm.py). Off: measured slower (benchmarks/MOE_B1.md, round 16).
+# l2_warm.py). Off: at Qwen3-30B-A3B's batch-1 step on an H200 (benchmarks/MOE_B1.md, round 16)
+# it saved 1.4-2.2 us a layer with fp8 o_proj (8 MiB) but cost 1.3-4.7 with bf16 (16 MiB, more
+# than the merge's window holds), and it is unmeasured on dense shapes.
 WARM_O_PROJ = Toggle(False)
 # Whether a decode-only step applies per-head q/k RMSNorms inside the fused rotary + store +
 # attention launch where the backend can (fuses_qk_norm_into_decode) instead of its own launch.
+# On: one launch a layer fewer; the Qwen3-30B-A3B batch-1 step (H200, interleaved A/B) took
+# 1.1-2.8 us a layer less in bf16 and the same in fp8.
 FUSE_QK_NORM = Toggle(True)
 
 
