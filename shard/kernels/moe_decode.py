@@ -81,6 +81,9 @@ class DecodeConfig:
     # The layer's routing (softmax, top-k) inside every gate/up program (no routing launch, but
     # each program's weight stream starts after it) or as moe_route.route's launch before.
     route_inside: bool = True
+    # Warps of that routing launch (route_inside False): one keeps the softmax and the top-k's
+    # arg-max reductions inside a warp (shuffles, no CTA barriers).
+    route_warps: int = 4
     # Grid order: routed slots (tokens, for down) fastest, so slots sharing an expert stream its
     # rows together; False: column tiles fastest.
     slots_first: bool = True
@@ -114,6 +117,7 @@ class DecodeConfig:
                 + (f"-dst{self.down_stages}" if self.down_stages else "")
                 + (f"-split{self.down_split}" if self.down_split else "")
                 + (f"-upstream{self.up_stream}" if self.up_stream else "")
+                + (f"-routew{self.route_warps}" if self.route_warps != 4 else "")
                 + ("-route-inside" if self.route_inside else "")
                 + ("" if self.slots_first else "-cols-first"))
 
@@ -726,6 +730,6 @@ def decode_layer(
                           routing=routing, count_into=count_into, valid=valid)
     from shard.kernels import moe_route
 
-    weights, ids = moe_route.route(logits, routing)
+    weights, ids = moe_route.route(logits, routing, config.route_warps)
     return moe_decode(x, w13, w2, routing.top_k, scale13, scale2, config, topk_weights=weights,
                       topk_ids=ids, count_into=count_into, valid=valid)

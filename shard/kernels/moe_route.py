@@ -87,7 +87,8 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l,
     tl.store(ids_ptr + t * TOP_K + ks, top_i, mask=kmask)
 
 
-def route(logits: torch.Tensor, routing: MoeRouting) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, routing: MoeRouting,
+          num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, E] -> (weights [n, k] float32, ids [n, k] int32)."""
     n, num_experts = logits.shape
     k = routing.top_k
@@ -97,7 +98,7 @@ def route(logits: torch.Tensor, routing: MoeRouting) -> tuple[torch.Tensor, torc
         _route_kernel[(n,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=k,
                             K_POW2=triton.next_power_of_2(k), SOFTMAX_FIRST=routing.softmax_first,
                             RENORMALIZE=routing.renormalize,
-                            BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4)
+                            BLOCK_E=triton.next_power_of_2(num_experts), num_warps=num_warps)
     return weights, ids
 
 
