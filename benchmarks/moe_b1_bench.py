@@ -313,10 +313,11 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
         variants.insert(1, Variant("old:warm-o", False, warm_o=True))
         # the q/k norms as their own launch (before round 16), A/B
         variants.insert(1, Variant("old:qk-norm-apart", False, fuse_qk_norm=False))
-        # the routing launch with one warp; the input add + norm inside the q/k/v GEMV
+        # the routing launch with four warps (before round 16); the input add + norm inside the
+        # q/k/v GEMV
         table = moe_decode.decode_config_for(shape["num_experts_per_tok"], quantize == "fp8")
-        variants.insert(1, Variant("old:route-w1", False,
-                                   moe_config=dataclasses.replace(table, route_warps=1)))
+        variants.insert(1, Variant("old:route-w4", False,
+                                   moe_config=dataclasses.replace(table, route_warps=4)))
         variants.insert(1, Variant("old:norm-prologue", False, norm_prologue=True))
     if variant_names:  # in the order given; a name given twice runs twice (interleaved A/B)
         by_name = {v.name: v for v in variants}

@@ -6,6 +6,7 @@
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
-v=old,old:route-w1,old:norm-prologue,old:warm-o,old,old:route-w1,old:norm-prologue,old:warm-o,old
+# (Run at b861534 as old:route-w1 against 4 warps; one warp is the table's default since.)
+v=old,old:route-w4,old:norm-prologue,old:warm-o,old,old:route-w4,old:norm-prologue,old:warm-o,old
 timeout 560 python3 -m benchmarks.moe_b1_bench --out $OUT --parts bf16,fp8 --variants $v 2>&1 \
   | grep -v Warn | tee $OUT/bench.log | grep -v "kernels:\|roofline bytes" | tail -24

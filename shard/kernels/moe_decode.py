@@ -82,8 +82,10 @@ class DecodeConfig:
     # each program's weight stream starts after it) or as moe_route.route's launch before.
     route_inside: bool = True
     # Warps of that routing launch (route_inside False): one keeps the softmax and the top-k's
-    # arg-max reductions inside a warp (shuffles, no CTA barriers).
-    route_warps: int = 4
+    # arg-max reductions inside a warp (shuffles; 0 CTA barriers in its sm_90 PTX against 43
+    # with 4 warps). The Qwen3-30B-A3B batch-1 step on an H200, interleaved with 4 warps
+    # (benchmarks/MOE_B1.md, round 16): 1.5-1.6 us a layer less, bf16 and fp8.
+    route_warps: int = 1
     # Grid order: routed slots (tokens, for down) fastest, so slots sharing an expert stream its
     # rows together; False: column tiles fastest.
     slots_first: bool = True
@@ -117,7 +119,7 @@ class DecodeConfig:
                 + (f"-dst{self.down_stages}" if self.down_stages else "")
                 + (f"-split{self.down_split}" if self.down_split else "")
                 + (f"-upstream{self.up_stream}" if self.up_stream else "")
-                + (f"-routew{self.route_warps}" if self.route_warps != 4 else "")
+                + (f"-routew{self.route_warps}" if self.route_warps != 1 else "")
                 + ("-route-inside" if self.route_inside else "")
                 + ("" if self.slots_first else "-cols-first"))
 

@@ -56,3 +56,19 @@ def test_split_down_streams_its_first_tile_before_the_wait() -> None:
     atom = [line for line in lines[wait:] if "atom." in line]
     assert atom and all(".gpu.acq_rel" in line for line in atom), atom
     assert any("ld.global.cg" in line for line in lines[wait:])
+
+
+def test_decode_routing_launch_reduces_inside_one_warp() -> None:
+    """The decode table's routing launch (DecodeConfig.route_warps, one warp): its softmax and
+    top-k reductions compile to warp shuffles with no CTA barrier (43 with four warps)."""
+    from shard.kernels import moe_decode, moe_route
+
+    cfg = moe_decode.decode_config_for(8, fp8=True)
+    assert cfg is not None and not cfg.route_inside
+    types = {"logits_ptr": "*bf16", "w_ptr": "*fp32", "ids_ptr": "*i32", "E": "i32",
+             "stride_l": "i32"}
+    consts = {"TOP_K": 8, "K_POW2": 8, "SOFTMAX_FIRST": True, "RENORMALIZE": True,
+              "BLOCK_E": 128}
+    ptx = compile_sm90(moe_route._route_kernel, types, consts, cfg.route_warps, 1,
+                       divisible=()).asm["ptx"]
+    assert cfg.route_warps == 1 and "bar.sync" not in ptx and "shfl.sync" in ptx
