@@ -45,6 +45,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.kernel_profile import device_spans, exposed_by_kernel, label_by_neighbours
 from benchmarks.moe_bench import (
     QWEN3_30B_A3B,
     TINY,
@@ -173,8 +174,13 @@ def kernel_table(fn, calls: int, layers: int) -> dict:
         count[name] += evt.count // calls
     rows = [{"name": k, "us": v, "count": count[k], "us_per_layer": v / layers}
             for k, v in sorted(us.items(), key=lambda kv: -kv[1])]
+    # The critical path by kernel (kernel_profile.exposed_by_kernel): what each adds to the step
+    # after everything before it finished; idle = the host's gaps between the replays.
+    charged, idle = exposed_by_kernel(label_by_neighbours(device_spans(prof), _short))
+    exposed = [{"name": k, "us_per_layer": v / calls / layers}
+               for k, v in sorted(charged.items(), key=lambda kv: -kv[1])]
     return {"kernels_per_step": sum(count.values()), "kernel_sum_us": sum(us.values()),
-            "rows": rows}
+            "rows": rows, "exposed": exposed, "idle_us_per_step": idle / calls}
 
 
 # Fused router launch tilings also tried in the bf16 model (rows per program, warps), beside
@@ -408,6 +414,15 @@ def kernel_line(table: dict, layers: int) -> str:
             f"ms; per layer: " + ", ".join(parts))
 
 
+def exposed_line(table: dict) -> str:
+    """'attention > gemv > add+norm 6.1, ...': the ten largest critical-path charges, us a
+    layer (kernel_table's exposed rows), and their sum."""
+    rows = table.get("exposed") or []
+    total = sum(r["us_per_layer"] for r in rows)
+    return (f"{total:.1f} us/L in all; " + ", ".join(
+        f"{r['name']} {r['us_per_layer']:.1f}" for r in rows[:10]))
+
+
 def summary(res: dict) -> list[str]:
     lines = [(f"== MoE batch-1 summary: {res.get('device')}, {LAYERS} layers, ctx {CONTEXT}, "
               f"CUDA graphs, copy {res.get('copy_gbps', float('nan')):.0f} GB/s ==")]
@@ -437,6 +452,7 @@ def summary(res: dict) -> list[str]:
         ok = [v for v in m["variants"] if "kernels" in v]
         for v in ([ok[0], min(ok, key=lambda v: v["step_ms"])] if ok else []):
             lines.append(f"  {q} {v['variant']} kernels: {kernel_line(v['kernels'], m['layers'])}")
+            lines.append(f"  {q} {v['variant']} exposed: {exposed_line(v['kernels'])}")
         if ok and ok[0] is min(ok, key=lambda v: v["step_ms"]):
             lines.pop()  # the same variant twice
         b = m.get("bytes", {})
