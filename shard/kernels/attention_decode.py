@@ -41,8 +41,7 @@ Imported only on CUDA machines (triton is not needed on CPU).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +57,7 @@ from shard.kernels.head_norms import HeadNorms
 from shard.kernels.l2_warm import launch_args as warm_launch_args
 from shard.kernels.l2_warm import warm_share
 from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
+from shard.kernels.setting import Setting
 from shard.kernels.softcap import soft_cap_log2
 
 LOG2E = 1.4426950408889634
@@ -671,21 +671,16 @@ def _tickets(device: torch.device, count: int) -> torch.Tensor:
     return held[-1]
 
 
-_q_through_memory = False  # A/B only (q_through_memory): FUSED_ROTARY's q path of head_dims
-# that are not powers of two, forced onto every head_dim
+# A/B only (q_through_memory): FUSED_ROTARY's q path of head_dims that are not powers of two,
+# forced onto every head_dim
+_Q_THROUGH_MEMORY = Setting(False)
 
 
-@contextmanager
-def q_through_memory() -> Iterator[None]:
+def q_through_memory() -> AbstractContextManager[None]:
     """Inside the block the fused mode parks the rotated q in its output rows and reads it back
     (_rotary_prologue) whatever the head_dim: benchmarks compare it with the register path in
-    one process (kernels compile a variant per setting: capture a graph after an eager call)."""
-    global _q_through_memory
-    previous, _q_through_memory = _q_through_memory, True
-    try:
-        yield
-    finally:
-        _q_through_memory = previous
+    one process (shard/kernels/setting.py)."""
+    return _Q_THROUGH_MEMORY.override(True)
 
 
 def decode_tile(head_dim: int) -> int:
@@ -905,7 +900,7 @@ def _decode(
         # 4.25 -> 4.48 ms fp8, benchmarks/QUANT_TP.md).
         EARLY_TILE=num_seqs == 1,
         Q_IN_REGISTERS=fused and head_dim // 2 == triton.next_power_of_2(head_dim // 2)
-        and not _q_through_memory,
+        and not _Q_THROUGH_MEMORY.value,
         GROUP_P2=triton.next_power_of_2(group),
         SPLITS_PAD=triton.next_power_of_2(num_splits),
         SOFTCAP=float(softcap or 0.0),

@@ -53,8 +53,7 @@ TRITON_INTERPRET=1 on CPU tensors (tests/shard/test_triton_moe_interpreter.py).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +64,7 @@ from shard.kernels import pdl
 from shard.kernels.moe_align import MoeRouting
 from shard.kernels.moe_route import route_row
 from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
+from shard.kernels.setting import Setting
 
 
 @dataclass(frozen=True)
@@ -147,20 +147,13 @@ DECODE_MAX_SLOTS = 32
 
 
 # benchmarks' A/B switch (config_override): None uses the table.
-_override: DecodeConfig | None = None
+_OVERRIDE: Setting[DecodeConfig | None] = Setting(None)
 
 
-@contextmanager
-def config_override(config: DecodeConfig | None) -> Iterator[None]:
+def config_override(config: DecodeConfig | None) -> AbstractContextManager[None]:
     """Decode-sized launches inside the block use `config` instead of the table's (None: the
-    table): benchmarks compare configs in one process (each is a compiled variant: capture
-    graphs after an eager call)."""
-    global _override
-    previous, _override = _override, config
-    try:
-        yield
-    finally:
-        _override = previous
+    table): benchmarks compare configs in one process (shard/kernels/setting.py)."""
+    return _OVERRIDE.override(config)
 
 
 def decode_config_for(num_slots: int, fp8: bool = False) -> DecodeConfig | None:
@@ -168,8 +161,8 @@ def decode_config_for(num_slots: int, fp8: bool = False) -> DecodeConfig | None:
     DECODE_MAX_SLOTS."""
     if num_slots > DECODE_MAX_SLOTS:
         return None
-    if _override is not None:
-        return _override
+    if _OVERRIDE.value is not None:
+        return _OVERRIDE.value
     return next((cfg for limit, cfg in DECODE_CONFIGS[fp8] if num_slots <= limit),
                 DECODE_CONFIGS[fp8][-1][1])
 

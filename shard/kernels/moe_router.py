@@ -28,8 +28,7 @@ So a step's MoE half is 3 launches (this, gate/up, down+sum) instead of 5. Shape
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +40,7 @@ from shard.kernels.elementwise import _add_normed_row
 from shard.kernels.moe_align import MoeRouting
 from shard.kernels.moe_route import route_values
 from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
+from shard.kernels.setting import Setting
 
 # Largest hidden size served (the row and a [ROWS, H] weight slice sit in registers).
 MAX_HIDDEN = 8192
@@ -57,19 +57,13 @@ class RouterConfig:
     num_warps: int
 
 
-_override: RouterConfig | None = None
+_OVERRIDE: Setting[RouterConfig | None] = Setting(None)
 
 
-@contextmanager
-def config_override(config: RouterConfig | None) -> Iterator[None]:
+def config_override(config: RouterConfig | None) -> AbstractContextManager[None]:
     """Launches made inside the block use `config` (None: default_config): benchmarks compare
-    tilings in one process (each is a compiled variant: capture graphs after an eager call)."""
-    global _override
-    previous, _override = _override, config
-    try:
-        yield
-    finally:
-        _override = previous
+    tilings in one process (shard/kernels/setting.py)."""
+    return _OVERRIDE.override(config)
 
 
 def default_config(hidden: int, num_experts: int) -> RouterConfig:
@@ -195,7 +189,7 @@ def add_rms_norm_route(
     num_experts = router_weight.shape[0]
     assert applies(hidden, n), (n, hidden)
     assert x.stride(1) == 1 and delta.stride(1) == 1 and router_weight.stride(1) == 1
-    cfg = config or _override or default_config(hidden, num_experts)
+    cfg = config or _OVERRIDE.value or default_config(hidden, num_experts)
     k = routing.top_k
     dev = x.device
     normed = torch.empty((n, hidden), dtype=x.dtype, device=dev)

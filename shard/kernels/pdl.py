@@ -30,14 +30,16 @@ and later); `override` lets benchmarks compare with PDL off in the same process.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
 import triton
 import triton.language as tl
 
-_override: bool | None = None
+from shard.kernels.setting import Setting
+
+# benchmarks' A/B switch (override): None follows the device.
+_FORCED: Setting[bool | None] = Setting(None)
 
 
 @functools.cache
@@ -52,7 +54,7 @@ def enabled(device: torch.device) -> bool:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if not _supported(index):
         return False
-    return True if _override is None else _override
+    return True if _FORCED.value is None else bool(_FORCED.value)
 
 
 def launch_options(device: torch.device) -> dict[str, bool]:
@@ -64,17 +66,10 @@ def launch_options(device: torch.device) -> dict[str, bool]:
     return {"PDL": on, "launch_pdl": on}
 
 
-@contextmanager
-def override(on: bool) -> Iterator[None]:
+def override(on: bool) -> AbstractContextManager[None]:
     """Forces PDL on or off (where supported) for launches made inside the block: benchmarks
-    compare both in one process. Kernels compile a variant per setting, so a CUDA graph must be
-    captured after an eager call under the same setting."""
-    global _override
-    previous, _override = _override, on
-    try:
-        yield
-    finally:
-        _override = previous
+    compare both in one process (shard/kernels/setting.py)."""
+    return _FORCED.override(on)
 
 
 @triton.jit

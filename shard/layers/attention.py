@@ -17,9 +17,9 @@ from torch import nn
 
 from shard.attention.base import AttentionBackend, AttentionMetadata
 from shard.kernels.head_norms import HeadNorms
+from shard.kernels.setting import Setting
 from shard.layers.qk_norm import HeadRMSNorm, qk_rms_norm
 from shard.layers.rotary import RotaryEmbedding
-from shard.layers.toggle import Toggle
 from shard.layers.weights import WeightLoader, Weights
 from shard.quantization.kv_cache import FP8_MAXES, KvCalibration, KvScales, scales_from_amax
 from shard.quantization.kv_rotation import orthogonal_rotation, rotate_heads
@@ -28,18 +28,18 @@ from shard.quantization.kv_rotation import orthogonal_rotation, rotate_heads
 # l2_warm.py). Off: at Qwen3-30B-A3B's batch-1 step on an H200 (benchmarks/MOE_B1.md, round 16)
 # it saved 1.4-2.2 us a layer with fp8 o_proj (8 MiB) but cost 1.3-4.7 with bf16 (16 MiB, more
 # than the merge's window holds), and it is unmeasured on dense shapes.
-WARM_O_PROJ = Toggle(False)
+WARM_O_PROJ = Setting(False)
 # Whether a decode-only step applies per-head q/k RMSNorms inside the fused rotary + store +
 # attention launch where the backend can (fuses_qk_norm_into_decode) instead of its own launch.
 # On: one launch a layer fewer; the Qwen3-30B-A3B batch-1 step (H200, interleaved A/B) took
 # 1.1-2.8 us a layer less in bf16 and the same in fp8.
-FUSE_QK_NORM = Toggle(True)
+FUSE_QK_NORM = Setting(True)
 
 
 def o_proj_warm_target(weight: torch.Tensor | None) -> torch.Tensor | None:
     """The o_proj weight (RowParallelLinear.streamed_weight) for the attention launch to warm,
     when WARM_O_PROJ is on and it can be (a contiguous CUDA tensor); else None."""
-    if not WARM_O_PROJ or weight is None or not weight.is_cuda or not weight.is_contiguous():
+    if not WARM_O_PROJ.value or weight is None or not weight.is_cuda or not weight.is_contiguous():
         return None
     return weight
 
@@ -148,7 +148,7 @@ class PagedAttention(nn.Module, WeightLoader):
                       and n == meta.seq_lens.shape[0])
         norms = None
         if head_norms is not None:
-            if one_kernel and b.fuses_qk_norm_into_decode and FUSE_QK_NORM:
+            if one_kernel and b.fuses_qk_norm_into_decode and FUSE_QK_NORM.value:
                 norms = kernel_head_norms(*head_norms)
             if norms is None:
                 q, k = qk_rms_norm(q, k, *head_norms)

@@ -51,8 +51,8 @@ import hashlib
 import importlib.util
 import logging
 import threading
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,6 +62,7 @@ import torch.nn.functional as F
 
 from shard.kernels import tuning_cache
 from shard.kernels.gemv_buckets import GEMV_MAX_M, M_BUCKETS, m_bucket
+from shard.kernels.setting import Setting
 
 if TYPE_CHECKING:
     import triton
@@ -118,7 +119,7 @@ _LOCK = threading.Lock()
 _WARNED: set[ShapeKey] = set()
 # Shapes whose GEMV PUSH variants are loaded (linear_pushed), with their tuning record.
 _PUSH_READY: dict[ShapeKey, Mapping[int, BucketChoice]] = {}
-_FORCED: Backend | None = None
+_FORCED: Setting[Backend | None] = Setting(None)
 
 
 # ------------------------------------------------------------------------------ public API
@@ -150,7 +151,7 @@ def linear_pushed(
     call (then: linear() and the fused kernel's own push), or where cuBLAS's plain timing beat
     the tuned Triton config by more than the push saves (PUSH_SAVING_US)."""
     _check_shapes("linear_pushed", x, weight, None)
-    if _FORCED is Backend.CUBLAS or not _eligible(x, weight, None):
+    if _FORCED.value is Backend.CUBLAS or not _eligible(x, weight, None):
         return False
     key = shape_key(weight, x.dtype, None, False)
     record = _PUSH_READY.get(key)
@@ -237,17 +238,11 @@ def tuned(
     return _TUNED.get(shape_key(weight, dtype, bias, silu_mul))
 
 
-@contextmanager
-def forced_backend(backend: Backend | None) -> Iterator[None]:
+def forced_backend(backend: Backend | None) -> AbstractContextManager[None]:
     """Within the block every eligible call takes `backend` (TRITON: the tuned config, tuning
     eagerly first if needed; CUBLAS: never tunes). Process-wide, not per thread: for tests and
     benchmarks. A graph captured inside the block keeps the backend it captured."""
-    global _FORCED
-    previous, _FORCED = _FORCED, backend
-    try:
-        yield
-    finally:
-        _FORCED = previous
+    return _FORCED.override(backend)
 
 
 def clear() -> None:
@@ -343,11 +338,11 @@ def _dispatch(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool
 ) -> BucketChoice | None:
     """The tuned choice whose Triton config to launch, or None for the torch/cuBLAS path."""
-    if _FORCED is Backend.CUBLAS or not _eligible(x, weight, bias):
+    if _FORCED.value is Backend.CUBLAS or not _eligible(x, weight, bias):
         return None
     record = _tuned_record(weight, x.dtype, bias, silu_mul)
     m = x.shape[0]
-    if select_backend(m, record, _FORCED) is Backend.CUBLAS:
+    if select_backend(m, record, _FORCED.value) is Backend.CUBLAS:
         return None
     assert record is not None
     return record[m_bucket(m)]

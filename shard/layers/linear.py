@@ -10,8 +10,8 @@ runs one GEMV (or one fp8 GEMV with the SiLU-and-mul in its epilogue) instead of
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shard.distributed.groups import Dist
+from shard.kernels.setting import Setting
 from shard.layers import decode_linear
 from shard.layers.decode_linear import linear, linear_pushed  # F.linear or a faster decode GEMV
 from shard.layers.lora import LoraWeights
@@ -32,19 +33,13 @@ from shard.quantization.w8a8 import W8A8Linear
 # RMSNorm before it in the GEMV's own launch (shard/kernels/norm_gemv.py) for steps of a few
 # tokens; off until measured to beat the tuned GEMV plus the norm launch
 # (benchmarks/moe_b1_bench.py compares both in one process).
-_norm_prologue = False
+_NORM_PROLOGUE = Setting(False)
 
 
-@contextmanager
-def norm_prologue(on: bool) -> Iterator[None]:
+def norm_prologue(on: bool) -> AbstractContextManager[None]:
     """Inside the block forward_add_rms_norm serves (on) or declines (off). Capture a CUDA graph
     under the setting it is replayed with."""
-    global _norm_prologue
-    previous, _norm_prologue = _norm_prologue, on
-    try:
-        yield
-    finally:
-        _norm_prologue = previous
+    return _NORM_PROLOGUE.override(on)
 
 
 def _packed_int(weights: Weights, prefix: str) -> bool:
@@ -366,7 +361,7 @@ class MergedColumnParallelLinear(nn.Module, WeightLoader):
         opt-in norm prologue is on and serves: CUDA, a plain or fp8 merged weight, no LoRA,
         Llama's norm, a few tokens (norm_gemv.applies). None otherwise: the caller runs add + norm,
         then forward. delta must already be summed over ranks (the caller's concern)."""
-        if not (_norm_prologue and x.is_cuda and x.dim() == 2 and x.shape[0]):
+        if not (_NORM_PROLOGUE.value and x.is_cuda and x.dim() == 2 and x.shape[0]):
             return None
         if (not self._norm_warm and not torch.cuda.is_current_stream_capturing()
                 and self.norm_prologue_serves(delta[:1], x[:1], weight_offset)):

@@ -25,8 +25,7 @@ sums at a step's existing sync point (shard/engine).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +34,7 @@ from torch import nn
 
 from shard.distributed.groups import Dist
 from shard.kernels.moe_align import MoeRouting, align_by_expert, grouped_moe_torch, route
+from shard.kernels.setting import Setting
 from shard.layers import decode_linear
 from shard.layers.linear import MergedColumnParallelLinear, PushedPartial, RowParallelLinear
 from shard.layers.norm import RMSNorm
@@ -53,20 +53,14 @@ _CPU_BLOCK_M = 8
 # benchmarks/MOE_B1.md) the launch alone takes 5.0 us against 7.2 us for the three it replaces,
 # but the whole step is ~12 us a layer slower with it. `fused_router(True)` turns it on
 # (benchmarks compare both in one process).
-_fused_router = False
+_FUSED_ROUTER = Setting(False)
 
 
-@contextmanager
-def fused_router(on: bool) -> Iterator[None]:
+def fused_router(on: bool) -> AbstractContextManager[None]:
     """Inside the block SparseMoeBlock.forward_add_norm takes the fused launch (on) or declines
     (off: the decoder layer runs add + norm, the router GEMV and routing apart). Capture a CUDA
     graph under the setting it is replayed with."""
-    global _fused_router
-    previous, _fused_router = _fused_router, on
-    try:
-        yield
-    finally:
-        _fused_router = previous
+    return _FUSED_ROUTER.override(on)
 
 
 @dataclass(frozen=True)
@@ -398,7 +392,7 @@ class SparseMoeBlock(nn.Module):
         decode-sized batch, Llama's norm): add + norm + router GEMV + routing in one kernel
         (shard/kernels/moe_router.py), then the experts' decode kernels. None where it does
         not: the caller runs the unfused form. push: ignored (as in forward)."""
-        if not (_fused_router and isinstance(delta, torch.Tensor) and x.is_cuda):
+        if not (_FUSED_ROUTER.value and isinstance(delta, torch.Tensor) and x.is_cuda):
             return None
         if (not self._router_warm and x.shape[0] and not torch.cuda.is_current_stream_capturing()
                 and self.fused_router_serves(delta[:1], x[:1], norm)):

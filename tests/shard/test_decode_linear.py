@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shard.kernels.gemv_buckets import GEMV_MAX_M, M_BUCKETS, m_bucket
 from shard.layers import decode_linear as dl
 from shard.layers.decode_linear import Backend, BucketChoice
-from shard.kernels.gemv_buckets import GEMV_MAX_M, M_BUCKETS, m_bucket
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,14 +80,14 @@ def test_winner_needs_the_margin():
 
 
 def test_forced_backend_nests_and_restores():
-    assert dl._FORCED is None
+    assert dl._FORCED.value is None
     with dl.forced_backend(Backend.TRITON):
-        assert dl._FORCED is Backend.TRITON
+        assert dl._FORCED.value is Backend.TRITON
         with pytest.raises(RuntimeError), dl.forced_backend(Backend.CUBLAS):
-            assert dl._FORCED is Backend.CUBLAS
+            assert dl._FORCED.value is Backend.CUBLAS
             raise RuntimeError
-        assert dl._FORCED is Backend.TRITON
-    assert dl._FORCED is None
+        assert dl._FORCED.value is Backend.TRITON
+    assert dl._FORCED.value is None
 
 
 def test_shape_key_fields():
