@@ -22,8 +22,8 @@ issues them after its K/V loop, into the window of its partial store, ticket and
 with WARM off passes any pointer and 0 bytes and compiles no code for it.
 
 Measured, not assumed (off by default: shard.layers.attention.WARM_O_PROJ; benchmarks/
-l2_warm_probe.py and moe_b1_bench's `old:warm-o`): in that window an 8 MiB fp8 o_proj gained
-1.4-2.2 us a layer, a 16 MiB bf16 one lost 1.3-4.7. The probe: a 21 MB stream read 10.0 us cold,
+l2_warm_probe.py and moe_b1_bench's `old:warm-o`): in that window an 8 MiB fp8 o_proj moved
+the step by -2.2 to +0.5 us a layer (noise), a 16 MiB bf16 one by -0.8 to +4.7. The probe: a 21 MB stream read 10.0 us cold,
 8.3-8.8 warmed (by 1 to 132 programs alike), 6.9 hot; warmed lines outlived a 75 MB evict-first
 stream (8.6 us); an evict-last prefetch made the read 25.9 us. (A pass that had every GEMV
 bulk-prefetch its own weight rows before its wait also made the step slower, shard/kernels/pdl.py:

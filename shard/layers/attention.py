@@ -26,8 +26,8 @@ from shard.quantization.kv_rotation import orthogonal_rotation, rotate_heads
 
 # Whether decode attention warms the o_proj weight into L2 while it runs (shard/kernels/
 # l2_warm.py). Off: at Qwen3-30B-A3B's batch-1 step on an H200 (benchmarks/MOE_B1.md, round 16)
-# it saved 1.4-2.2 us a layer with fp8 o_proj (8 MiB) but cost 1.3-4.7 with bf16 (16 MiB, more
-# than the merge's window holds), and it is unmeasured on dense shapes.
+# it was noise with fp8 o_proj (8 MiB: -2.2 to +0.5 us a layer) and mostly a loss with bf16
+# (16 MiB, more than the merge's window holds: -0.8 to +4.7), and is unmeasured on dense shapes.
 WARM_O_PROJ = Setting(False)
 # Whether a decode-only step applies per-head q/k RMSNorms inside the fused rotary + store +
 # attention launch where the backend can (fuses_qk_norm_into_decode) instead of its own launch.
