@@ -205,6 +205,16 @@ UP_STREAMS = (
 )
 
 
+# moe_decode.DecodeConfig changes on the table's batch-1 entry measured in round 17
+# (benchmarks/MOE_B1.md): (variant name, the fields replaced)
+ROUND17_CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("old:route-trigger", {"route_trigger": True}),
+    ("old:down-early", {"down_early_ids": True}),
+    ("old:route-trigger+down-early", {"route_trigger": True, "down_early_ids": True}),
+    ("old:split16", {"down_split": 16, "down_block_k": 256, "down_stages": 3}),
+)
+
+
 def up_stream_configs(top_k: int, fp8: bool) -> list[tuple[str, Any]]:
     """UP_STREAMS as (variant name, moe_decode.DecodeConfig) on the table's entry for top_k
     routed slots (batch 1)."""
@@ -325,6 +335,10 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
         variants.insert(1, Variant("old:route-w4", False,
                                    moe_config=dataclasses.replace(table, route_warps=4)))
         variants.insert(1, Variant("old:norm-prologue", False, norm_prologue=True))
+        # round 17: the routing launch lets gate/up launch as it starts; the fused-sum down
+        # launch's ids before its wait (a guess); both; bf16's fused sum as the split launch
+        variants[1:1] = [Variant(name, False, moe_config=dataclasses.replace(table, **opts))
+                         for name, opts in ROUND17_CONFIGS]
     if variant_names:  # in the order given; a name given twice runs twice (interleaved A/B)
         by_name = {v.name: v for v in variants}
         variants = [by_name[n] for n in variant_names.split(",") if n in by_name]

@@ -86,6 +86,15 @@ class DecodeConfig:
     # with 4 warps). The Qwen3-30B-A3B batch-1 step on an H200, interleaved with 4 warps
     # (benchmarks/MOE_B1.md, round 16): 1.5-1.6 us a layer less, bf16 and fp8.
     route_warps: int = 1
+    # That routing launch lets the gate/up launch (a programmatic dependent) be launched as it
+    # starts: gate/up's programs are then placed during the routing and wait for it, instead of
+    # being launched and placed once it has completed.
+    route_trigger: bool = False
+    # The fused-sum down launch (down_split 0) loads the slots' expert ids before its PDL wait,
+    # a guess checked after it (a stale guess streams again): its weight stream starts one L2
+    # round trip earlier. Pays where the ids are final by then (the routing launch completed
+    # before gate/up started: no route_trigger, no route_inside).
+    down_early_ids: bool = False
     # Grid order: routed slots (tokens, for down) fastest, so slots sharing an expert stream its
     # rows together; False: column tiles fastest.
     slots_first: bool = True
@@ -120,6 +129,8 @@ class DecodeConfig:
                 + (f"-split{self.down_split}" if self.down_split else "")
                 + (f"-upstream{self.up_stream}" if self.up_stream else "")
                 + (f"-routew{self.route_warps}" if self.route_warps != 1 else "")
+                + ("-route-trigger" if self.route_trigger else "")
+                + ("-down-early-ids" if self.down_early_ids else "")
                 + ("-route-inside" if self.route_inside else "")
                 + ("" if self.slots_first else "-cols-first"))
 
@@ -383,6 +394,44 @@ def _gate_up_stream_kernel(
 
 
 @triton.jit
+def _down_stream(inter_ptr, w_ptr, s_ptr, ids, wts, ks, t, rows, row_mask, I, stride_we,
+                 stride_wn, stride_se, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """_down_sum_kernel's weighted sum for its BLOCK_N output rows: ids, wts [K_POW2] the
+    token's slots' experts (-1: dropped) and routing weights. -> [BLOCK_N] fp32"""
+    offs_k = tl.arange(0, BLOCK_K)
+    k_tiles = tl.cdiv(I, BLOCK_K)
+    total = tl.zeros(rows.shape, dtype=tl.float32)
+    # One stream over (slot j, K tile): the pipelining runs across the slots' boundaries.
+    for it in tl.range(0, TOP_K * k_tiles, num_stages=STAGES):
+        j = it // k_tiles
+        k = (it % k_tiles) * BLOCK_K + offs_k
+        pick = ks == j
+        expert = tl.sum(tl.where(pick, ids, 0), 0)
+        k_lim = tl.where(expert >= 0, I, 0)  # a dropped slot reads nothing
+        e64 = tl.maximum(expert, 0).to(tl.int64)
+        k_mask = k < k_lim
+        w = tl.load(w_ptr + e64 * stride_we + rows[:, None].to(tl.int64) * stride_wn + k[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
+        a = tl.load(inter_ptr + (t * TOP_K + j) * I + k, mask=k_mask, other=0.0).to(tl.float32)
+        part = tl.sum(w.to(tl.float32) * a[None, :], axis=1)  # [BLOCK_N]
+        scale = tl.sum(tl.where(pick, wts, 0.0), 0)
+        if HAS_SCALE:
+            part = part * tl.load(s_ptr + e64 * stride_se + rows, mask=row_mask, other=0.0)
+        total += part * scale
+    return total
+
+
+@triton.jit
+def _held_ids(slot_ids_ptr, ks, kmask, E):
+    """A token's slots' expert ids (slot_ids_ptr: its first slot's) [K_POW2] int32, -1 for a
+    slot not held here (outside [0, E): another rank's expert) or past TOP_K."""
+    ids = tl.load(slot_ids_ptr + ks, mask=kmask, other=-1).to(tl.int32)
+    return tl.where(kmask & (ids >= 0) & (ids < E), ids, -1)
+
+
+@triton.jit
 def _down_sum_kernel(
     inter_ptr,  # [n * k, I]
     w_ptr,  # [E, H, I]
@@ -405,9 +454,9 @@ def _down_sum_kernel(
     STAGES: tl.constexpr,
     SLOTS_FIRST: tl.constexpr,
     PDL: tl.constexpr = False,
+    EARLY_IDS: tl.constexpr = False,  # DecodeConfig.down_early_ids
 ):
     let_dependents_launch(PDL)
-    wait_for_predecessor(PDL)  # the slots' ids and inter rows: the gate/up launch's output
     if SLOTS_FIRST:  # tokens fastest (L2 reuse of shared experts, as above)
         t = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1)
@@ -416,33 +465,28 @@ def _down_sum_kernel(
         t = tl.program_id(1).to(tl.int64)
     ks = tl.arange(0, K_POW2)
     kmask = ks < TOP_K
-    ids = tl.load(ids_ptr + t * TOP_K + ks, mask=kmask, other=-1).to(tl.int32)  # [K_POW2]
-    keep = kmask & (ids >= 0) & (ids < E)
-    wts = tl.where(keep, tl.load(topw_ptr + t * TOP_K + ks, mask=kmask, other=0.0), 0.0)
-    ids = tl.where(keep, ids, -1)
+    slot_ids = ids_ptr + t * TOP_K
+    if EARLY_IDS:
+        # Before the wait: the slots' expert ids, a guess (final when the routing launch
+        # completed before the gate/up launch started, as a plain routing launch without
+        # route_trigger does), so the weight stream's first tiles are issued right after the
+        # wait instead of one L2 round trip later.
+        guess = _held_ids(slot_ids, ks, kmask, E)
+    wait_for_predecessor(PDL)  # the slots' ids and inter rows: final from here on
+    ids = _held_ids(slot_ids, ks, kmask, E)  # [K_POW2]
+    wts = tl.where(ids >= 0, tl.load(topw_ptr + t * TOP_K + ks, mask=kmask, other=0.0), 0.0)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < H
-    offs_k = tl.arange(0, BLOCK_K)
-    k_tiles = tl.cdiv(I, BLOCK_K)
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    # One stream over (slot j, K tile): the pipelining runs across the slots' boundaries.
-    for it in tl.range(0, TOP_K * k_tiles, num_stages=STAGES):
-        j = it // k_tiles
-        k = (it % k_tiles) * BLOCK_K + offs_k
-        pick = ks == j
-        expert = tl.sum(tl.where(pick, ids, 0), 0)
-        k_lim = tl.where(expert >= 0, I, 0)  # a dropped slot reads nothing
-        e64 = tl.maximum(expert, 0).to(tl.int64)
-        k_mask = k < k_lim
-        w = tl.load(w_ptr + e64 * stride_we + rows[:, None].to(tl.int64) * stride_wn + k[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0,
-                    eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
-        a = tl.load(inter_ptr + (t * TOP_K + j) * I + k, mask=k_mask, other=0.0).to(tl.float32)
-        part = tl.sum(w.to(tl.float32) * a[None, :], axis=1)  # [BLOCK_N]
-        scale = tl.sum(tl.where(pick, wts, 0.0), 0)
-        if HAS_SCALE:
-            part = part * tl.load(s_ptr + e64 * stride_se + rows, mask=row_mask, other=0.0)
-        total += part * scale
+    if EARLY_IDS:
+        total = _down_stream(inter_ptr, w_ptr, s_ptr, guess, wts, ks, t, rows, row_mask, I,
+                             stride_we, stride_wn, stride_se, TOP_K, HAS_SCALE, BLOCK_K, STAGES)
+        if tl.sum((guess != ids).to(tl.int32), 0) > 0:  # a stale guess: the stream again
+            total = _down_stream(inter_ptr, w_ptr, s_ptr, ids, wts, ks, t, rows, row_mask, I,
+                                 stride_we, stride_wn, stride_se, TOP_K, HAS_SCALE, BLOCK_K,
+                                 STAGES)
+    else:
+        total = _down_stream(inter_ptr, w_ptr, s_ptr, ids, wts, ks, t, rows, row_mask, I,
+                             stride_we, stride_wn, stride_se, TOP_K, HAS_SCALE, BLOCK_K, STAGES)
     tl.store(out_ptr + t * stride_om + rows, total.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
@@ -687,8 +731,8 @@ def moe_decode(
         w2.stride(0), w2.stride(1), scale2.stride(0) if scale2 is not None else 0, out.stride(0),
         TOP_K=top_k, K_POW2=k_pow2, HAS_SCALE=scale2 is not None,
         BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, STAGES=stages,
-        SLOTS_FIRST=cfg.slots_first, num_warps=cfg.down_warps, num_stages=stages,
-        **pdl.launch_options(x.device),
+        SLOTS_FIRST=cfg.slots_first, EARLY_IDS=cfg.down_early_ids, num_warps=cfg.down_warps,
+        num_stages=stages, **pdl.launch_options(x.device),
     )
     return out
 
@@ -725,6 +769,6 @@ def decode_layer(
                           routing=routing, count_into=count_into, valid=valid)
     from shard.kernels import moe_route
 
-    weights, ids = moe_route.route(logits, routing, config.route_warps)
+    weights, ids = moe_route.route(logits, routing, config.route_warps, config.route_trigger)
     return moe_decode(x, w13, w2, routing.top_k, scale13, scale2, config, topk_weights=weights,
                       topk_ids=ids, count_into=count_into, valid=valid)

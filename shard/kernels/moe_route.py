@@ -25,7 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from shard.kernels import pdl
 from shard.kernels.moe_align import ExpertLayout, MoeRouting, max_padded_rows
+from shard.kernels.pdl import let_dependents_launch
 
 ALIGN_MAX_SLOTS = 8192  # n * k up to which `align` is used (decode and small prefills)
 _CHUNK = 512  # slots per iteration of the histogram and scatter loops
@@ -77,7 +79,12 @@ def route_values(x, offs, valid, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
 @triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l,
                   TOP_K: tl.constexpr, K_POW2: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                  TRIGGER: tl.constexpr = False):
+    # A plain launch (it reads the router GEMV's logits only once that kernel has completed),
+    # but with TRIGGER it lets its programmatic dependent (the gate/up launch) be launched now,
+    # so that grid's programs are placed and waiting when the routing completes.
+    let_dependents_launch(TRIGGER)
     t = tl.program_id(0).to(tl.int64)
     top_v, top_i = route_row(logits_ptr, t, E, stride_l, TOP_K, K_POW2, SOFTMAX_FIRST,
                              RENORMALIZE, BLOCK_E)
@@ -87,9 +94,11 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l,
     tl.store(ids_ptr + t * TOP_K + ks, top_i, mask=kmask)
 
 
-def route(logits: torch.Tensor, routing: MoeRouting,
-          num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [n, E] -> (weights [n, k] float32, ids [n, k] int32)."""
+def route(logits: torch.Tensor, routing: MoeRouting, num_warps: int = 4,
+          trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, E] -> (weights [n, k] float32, ids [n, k] int32). trigger: the next kernel,
+    if a programmatic dependent, may be launched as soon as this one starts (sm_90+; see
+    moe_decode.DecodeConfig.route_trigger)."""
     n, num_experts = logits.shape
     k = routing.top_k
     weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
@@ -98,7 +107,8 @@ def route(logits: torch.Tensor, routing: MoeRouting,
         _route_kernel[(n,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=k,
                             K_POW2=triton.next_power_of_2(k), SOFTMAX_FIRST=routing.softmax_first,
                             RENORMALIZE=routing.renormalize,
-                            BLOCK_E=triton.next_power_of_2(num_experts), num_warps=num_warps)
+                            BLOCK_E=triton.next_power_of_2(num_experts), num_warps=num_warps,
+                            TRIGGER=trigger and pdl.enabled(logits.device))
     return weights, ids
 
 

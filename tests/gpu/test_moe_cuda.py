@@ -142,6 +142,42 @@ def test_split_down_from_a_cuda_graph_matches_the_fused_sum(fp8):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
+def test_early_ids_and_route_trigger_from_a_cuda_graph_match_the_plain_launches(fp8):
+    """The fused-sum down launch with its ids loaded before the PDL wait (down_early_ids: a
+    guess, checked after the wait) and the routing launch letting gate/up launch as it starts
+    (route_trigger), alone and together (then down's guess is often stale: its programs can be
+    placed before the routing completes), compiled, from a CUDA graph of 12 layer calls with
+    different routings replayed 3 times, equal the plain launches' eager results bit for bit."""
+    import dataclasses
+
+    from shard.kernels import moe_decode
+
+    moe = _layer(8, fp8)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    xs = [torch.randn(1, H, device="cuda", generator=gen).bfloat16() for _ in range(12)]
+    lgs = [torch.randn(1, E, device="cuda", generator=gen).bfloat16() for _ in range(12)]
+    plain = dataclasses.replace(moe_decode.DECODE_CONFIGS[fp8][-1][1], down_split=0)
+
+    def run(cfg):
+        return [moe_decode.decode_layer(x, lg, moe.w13, moe.w2, moe.routing, moe.scale13,
+                                        moe.scale2, cfg) for x, lg in zip(xs, lgs)]
+
+    want = run(plain)
+    for opts in ({"down_early_ids": True}, {"route_trigger": True},
+                 {"down_early_ids": True, "route_trigger": True}):
+        cfg = dataclasses.replace(plain, **opts)
+        run(cfg)  # compiles (a capture cannot)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = run(cfg)
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        for got, w in zip(outs, want, strict=True):
+            assert torch.equal(got, w), opts
+
+
+@pytest.mark.parametrize("fp8", [False, True])
 def test_gate_up_stream_from_a_cuda_graph_matches_the_gridded_launch(fp8):
     """The persistent gate/up launch (DecodeConfig.up_stream: benchmarks/moe_b1_bench.py's
     old:up-stream variants, and 64-wide K tiles: several an item, the stream crossing items),

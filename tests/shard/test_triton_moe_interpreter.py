@@ -213,6 +213,26 @@ _DECODE_CHECK = textwrap.dedent(
                                         topk_ids=ids)
             check(got, xx, ids, weights, r13, r2, tol=tol)
 
+    # the fused-sum down launch with the slots' ids loaded before its wait (down_early_ids, a
+    # guess checked after it) and the routing launch letting gate/up launch early
+    # (route_trigger): the same sums bit for bit as without, dropped slots included (here the
+    # guess is never stale: the GPU test covers a stale one)
+    plain = dataclasses.replace(cfg, route_inside=False)
+    early = dataclasses.replace(plain, down_early_ids=True, route_trigger=True)
+    assert early.name().endswith("-route-trigger-down-early-ids")
+    for n, k in ((1, 8), (3, 2)):
+        x, logits = torch.randn(n, H), torch.randn(n, E)
+        r = MoeRouting(k, renormalize=True)
+        want = moe_decode.decode_layer(x, logits, w13, w2, r, None, None, plain)
+        assert torch.equal(moe_decode.decode_layer(x, logits, w13, w2, r, None, None, early), want)
+        weights, ids = route(logits, r)
+        ids[0, 0] = E + 2  # another rank's expert
+        got = moe_decode.moe_decode(x, w13, w2, k, config=early, topk_weights=weights,
+                                    topk_ids=ids)
+        check(got, x, ids, weights)
+        assert torch.equal(got, moe_decode.moe_decode(x, w13, w2, k, config=plain,
+                                                      topk_weights=weights, topk_ids=ids))
+
     # the persistent gate/up launch (up_stream: m programs per SM, 3 "SMs" on CPU; items (held
     # slot, row tile) strided over the programs, each program's K tiles one flattened loop):
     # equal to the gridded launch bit for bit (the same K order per row) and to the loop. Row
