@@ -23,6 +23,9 @@ DIR/moe_b1.json and DIR/MOE_B1.md and ends its stdout with a compact summary:
    - `fused:router-r<rows>w<warps>`: other tilings of the fused launch (moe_router.RouterConfig);
    - `old:up-stream[-<tiling>]` (CUDA only, bf16 and fp8): `old` with the persistent gate/up
      launch (moe_decode.DecodeConfig.up_stream, UP_STREAMS: tilings, programs per SM);
+   - `old:router-norm`, `old:norm-prologue+router-norm` (CUDA only): `old` (and the input norm
+     in qkv) with add + RMSNorm + router GEMV in one launch, the routing its own launch
+     (opt-in shard.layers.moe.ROUTER_NORM);
    fp8 runs old, fused, fused+norm-prologue, the first attention tiling and the up-stream
    variants only (time);
    each with the step's byte roofline (moe_bench._step_bytes: dense weights and norms, LM head,
@@ -228,6 +231,7 @@ class Variant:
     moe_config: Any = None  # moe_decode.config_override (the expert launches' config) or None
     warm_o: bool = False  # shard.layers.attention.WARM_O_PROJ (o_proj warmed into L2)
     fuse_qk_norm: bool = True  # shard.layers.attention.FUSE_QK_NORM (q/k norms in attention)
+    router_norm: bool = False  # shard.layers.moe.ROUTER_NORM (add + norm in the router GEMV)
 
 
 def _fp8_subset(variants: list[Variant]) -> list[Variant]:
@@ -272,7 +276,7 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
     from shard.distributed.groups import Dist
     from shard.layers.attention import FUSE_QK_NORM, WARM_O_PROJ
     from shard.layers.linear import norm_prologue
-    from shard.layers.moe import fused_router
+    from shard.layers.moe import ROUTER_NORM, fused_router
     from shard.server.loader import Shard, ShardConfig
 
     device = "cuda" if cuda else "cpu"
@@ -325,6 +329,11 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
         variants.insert(1, Variant("old:route-w4", False,
                                    moe_config=dataclasses.replace(table, route_warps=4)))
         variants.insert(1, Variant("old:norm-prologue", False, norm_prologue=True))
+        # the post-attention add + norm inside the router GEMV's launch (routing apart), alone
+        # and with the input add + norm inside the q/k/v GEMV
+        variants[2:2] = [Variant("old:router-norm", False, router_norm=True),
+                         Variant("old:norm-prologue+router-norm", False, norm_prologue=True,
+                                 router_norm=True)]
     if variant_names:  # in the order given; a name given twice runs twice (interleaved A/B)
         by_name = {v.name: v for v in variants}
         variants = [by_name[n] for n in variant_names.split(",") if n in by_name]
@@ -338,7 +347,8 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                 backend.few_program_decode = var.attention
             with fused_router(var.fused_router), moe_router.config_override(var.router), \
                     norm_prologue(var.norm_prologue), moe_decode.config_override(var.moe_config), \
-                    WARM_O_PROJ.override(var.warm_o), FUSE_QK_NORM.override(var.fuse_qk_norm):
+                    WARM_O_PROJ.override(var.warm_o), FUSE_QK_NORM.override(var.fuse_qk_norm), \
+                    ROUTER_NORM.override(var.router_norm):
                 if cuda:
                     # this variant's graph (captured under its settings: every bucket runs
                     # eagerly first, compiling its kernels), its replay time and its kernels
