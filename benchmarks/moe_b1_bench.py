@@ -23,6 +23,9 @@ DIR/moe_b1.json and DIR/MOE_B1.md and ends its stdout with a compact summary:
    - `fused:router-r<rows>w<warps>`: other tilings of the fused launch (moe_router.RouterConfig);
    - `old:up-stream[-<tiling>]` (CUDA only, bf16 and fp8): `old` with the persistent gate/up
      launch (moe_decode.DecodeConfig.up_stream, UP_STREAMS: tilings, programs per SM);
+   - `old:router-norm`, `old:norm-prologue+router-norm` (CUDA only): `old` (and the input norm
+     in qkv) with add + RMSNorm + router GEMV in one launch, the routing its own launch
+     (opt-in shard.layers.moe.ROUTER_NORM);
    fp8 runs old, fused, fused+norm-prologue, the first attention tiling and the up-stream
    variants only (time);
    each with the step's byte roofline (moe_bench._step_bytes: dense weights and norms, LM head,
@@ -209,9 +212,13 @@ UP_STREAMS = (
 # (benchmarks/MOE_B1.md): (variant name, the fields replaced)
 ROUND17_CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("old:route-trigger", {"route_trigger": True}),
+    ("old:no-route-trigger", {"route_trigger": False}),
     ("old:down-early", {"down_early_ids": True}),
+    ("old:no-down-early", {"down_early_ids": False}),
     ("old:route-trigger+down-early", {"route_trigger": True, "down_early_ids": True}),
     ("old:split16", {"down_split": 16, "down_block_k": 256, "down_stages": 3}),
+    ("old:route-trigger+split16", {"route_trigger": True, "down_split": 16,
+                                   "down_block_k": 256, "down_stages": 3}),
 )
 
 
@@ -238,6 +245,7 @@ class Variant:
     moe_config: Any = None  # moe_decode.config_override (the expert launches' config) or None
     warm_o: bool = False  # shard.layers.attention.WARM_O_PROJ (o_proj warmed into L2)
     fuse_qk_norm: bool = True  # shard.layers.attention.FUSE_QK_NORM (q/k norms in attention)
+    router_norm: bool = False  # shard.layers.moe.ROUTER_NORM (add + norm in the router GEMV)
 
 
 def _fp8_subset(variants: list[Variant]) -> list[Variant]:
@@ -282,7 +290,7 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
     from shard.distributed.groups import Dist
     from shard.layers.attention import FUSE_QK_NORM, WARM_O_PROJ
     from shard.layers.linear import norm_prologue
-    from shard.layers.moe import fused_router
+    from shard.layers.moe import ROUTER_NORM, fused_router
     from shard.server.loader import Shard, ShardConfig
 
     device = "cuda" if cuda else "cpu"
@@ -335,6 +343,11 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
         variants.insert(1, Variant("old:route-w4", False,
                                    moe_config=dataclasses.replace(table, route_warps=4)))
         variants.insert(1, Variant("old:norm-prologue", False, norm_prologue=True))
+        # the post-attention add + norm inside the router GEMV's launch (routing apart), alone
+        # and with the input add + norm inside the q/k/v GEMV
+        variants[2:2] = [Variant("old:router-norm", False, router_norm=True),
+                         Variant("old:norm-prologue+router-norm", False, norm_prologue=True,
+                                 router_norm=True)]
         # round 17: the routing launch lets gate/up launch as it starts; the fused-sum down
         # launch's ids before its wait (a guess); both; bf16's fused sum as the split launch
         variants[1:1] = [Variant(name, False, moe_config=dataclasses.replace(table, **opts))
@@ -352,7 +365,8 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                 backend.few_program_decode = var.attention
             with fused_router(var.fused_router), moe_router.config_override(var.router), \
                     norm_prologue(var.norm_prologue), moe_decode.config_override(var.moe_config), \
-                    WARM_O_PROJ.override(var.warm_o), FUSE_QK_NORM.override(var.fuse_qk_norm):
+                    WARM_O_PROJ.override(var.warm_o), FUSE_QK_NORM.override(var.fuse_qk_norm), \
+                    ROUTER_NORM.override(var.router_norm):
                 if cuda:
                     # this variant's graph (captured under its settings: every bucket runs
                     # eagerly first, compiling its kernels), its replay time and its kernels

@@ -144,14 +144,21 @@ DECODE_CONFIGS: dict[bool, tuple[tuple[int, DecodeConfig], ...]] = {
     # every program at each batch (bf16 batch 1: 29.0 vs 45.1 us a layer; with programmatic
     # dependent launch the in-kernel routing delays every program's weight stream), and 8 output
     # columns per down program beat 4.
-    False: ((32, DecodeConfig(16, 256, 4, 8, 256, 4, 4, route_inside=False)),),
+    # Round 17 (H200, interleaved A/B, benchmarks/MOE_B1.md): the down launch's ids before its
+    # wait: its exposed time 10.7 -> 9.8 us a layer. route_trigger is NOT for bf16's fused-sum
+    # down launch: placed during the routing it ran 27.0 instead of 10.7 us a layer.
+    False: ((32, DecodeConfig(16, 256, 4, 8, 256, 4, 4, route_inside=False,
+                              down_early_ids=True)),),
     # fp8 at batch 1 (8 slots): the split down launch, 32 rows a program, measured on an H100
     # (2026-11-28, Qwen3-30B-A3B shape, benchmarks/MOE_B1.md round 15): down + sum alone 18.9 ->
     # 7.5 us a layer; the whole CUDA-graph step 2.977 -> 2.586 ms against the 32-slot entry in
     # the same process. bf16 keeps the fused sum (its split form measured +1.8 us a layer in
     # the step). Batches of 2-4 (9-32 slots) keep the entry they were measured with.
+    # Round 17 (H200, interleaved A/B): the routing launch lets gate/up launch as it starts
+    # (route_trigger): gate/up's exposed time 11.2 -> 9.5 us a layer, the step -1.1 us a layer
+    # (the split down launch checks its guessed ids, so an early placement is safe).
     True: ((8, DecodeConfig(16, 512, 4, 8, 256, 4, 4, route_inside=False, down_split=32,
-                            down_stages=3)),
+                            down_stages=3, route_trigger=True)),
            (32, DecodeConfig(16, 512, 4, 8, 512, 4, 4, route_inside=False))),
 }
 DECODE_MAX_SLOTS = 32

@@ -24,6 +24,12 @@ dependent memory round trips. Here they are one kernel:
   (The split-merge pattern of shard/kernels/attention_decode.py.)
 So a step's MoE half is 3 launches (this, gate/up, down+sum) instead of 5. Shapes are static
 (no host sync) and the tickets are allocated once per device: CUDA-graph safe.
+
+ROUTE False (add_rms_norm_logits): the same launch without the tickets and the routing: it stores
+h, s and the logits only, and the routing stays its own launch (as FusedMoE.forward runs it).
+Why: measured in the whole step the one-program routing tail made the fused form slower
+(benchmarks/MOE_B1.md, rounds 14-15), while the add + norm launch it saves costs ~1.4 us a
+layer on an H200; this middle form (4 launches) is opt-in (shard.layers.moe.ROUTER_NORM).
 """
 
 from __future__ import annotations
@@ -101,6 +107,7 @@ def _add_norm_route_kernel(
     ROWS: tl.constexpr,
     PDL: tl.constexpr = False,
     OFFSET: tl.constexpr = 0.0,  # Llama's norm (the callers check weight_offset == 0)
+    ROUTE: tl.constexpr = True,  # False: logits only (topw/ids/ticket pointers unused)
 ):
     let_dependents_launch(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -123,23 +130,24 @@ def _add_norm_route_kernel(
         tl.store(h_ptr + t * H + offs_h, h, mask=hmask)
     logit = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)  # [ROWS]
     tl.store(logits_ptr + t * E + erows, logit.to(logits_ptr.dtype.element_ty), mask=emask)
-    # Every thread's logits precede the ticket; the acq_rel atomic publishes them to (and, for
-    # the last program, acquires the others' from) the whole GPU.
-    tl.debug_barrier()
-    ticket_at = ticket_ptr + t
-    ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel", scope="gpu")
-    if ticket == tl.num_programs(1) - 1:
-        tl.store(ticket_at, 0)  # every program of this token has taken its ticket
-        offs_e = tl.arange(0, BLOCK_E)
-        valid = offs_e < E
-        row = tl.load(logits_ptr + t * E + offs_e, mask=valid, other=-float("inf"),
-                      cache_modifier=".cg").to(tl.float32)  # other SMs wrote it: past the L1
-        row = tl.where(valid, row, -float("inf"))
-        top_v, top_i = route_values(row, offs_e, valid, TOP_K, K_POW2, SOFTMAX_FIRST,
-                                    RENORMALIZE)
-        ks = tl.arange(0, K_POW2)
-        tl.store(topw_ptr + t * TOP_K + ks, top_v, mask=ks < TOP_K)
-        tl.store(ids_ptr + t * TOP_K + ks, top_i, mask=ks < TOP_K)
+    if ROUTE:
+        # Every thread's logits precede the ticket; the acq_rel atomic publishes them to (and,
+        # for the last program, acquires the others' from) the whole GPU.
+        tl.debug_barrier()
+        ticket_at = ticket_ptr + t
+        ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(1) - 1:
+            tl.store(ticket_at, 0)  # every program of this token has taken its ticket
+            offs_e = tl.arange(0, BLOCK_E)
+            valid = offs_e < E
+            row = tl.load(logits_ptr + t * E + offs_e, mask=valid, other=-float("inf"),
+                          cache_modifier=".cg").to(tl.float32)  # other SMs wrote it: past L1
+            row = tl.where(valid, row, -float("inf"))
+            top_v, top_i = route_values(row, offs_e, valid, TOP_K, K_POW2, SOFTMAX_FIRST,
+                                        RENORMALIZE)
+            ks = tl.arange(0, K_POW2)
+            tl.store(topw_ptr + t * TOP_K + ks, top_v, mask=ks < TOP_K)
+            tl.store(ids_ptr + t * TOP_K + ks, top_i, mask=ks < TOP_K)
 
 
 # Per-device ticket counters, one per token of a launch: zero between launches (the last
@@ -159,12 +167,18 @@ def _tickets(device: torch.device) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class NormedRouting:
-    """add_rms_norm_route's outputs."""
+class NormedLogits:
+    """add_rms_norm_logits's outputs."""
 
     normed: torch.Tensor  # [n, H] RMSNorm(x + delta), the experts' input
     residual: torch.Tensor  # [n, H] x + delta, the residual stream
     logits: torch.Tensor  # [n, E] router logits, model dtype
+
+
+@dataclass(frozen=True)
+class NormedRouting(NormedLogits):
+    """add_rms_norm_route's outputs: add_rms_norm_logits's and the routing."""
+
     weights: torch.Tensor  # [n, k] float32
     ids: torch.Tensor  # [n, k] int32
 
@@ -185,25 +199,64 @@ def add_rms_norm_route(
 ) -> NormedRouting:
     """(RMSNorm(x + delta), x + delta, router logits of the normed row, the routing) in one
     launch: elementwise.add_rms_norm, then x @ router_weight.T, then moe_route.route."""
+    n, k = x.shape[0], routing.top_k
+    weights = torch.empty((n, k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((n, k), dtype=torch.int32, device=x.device)
+    r = _launch(delta, x, norm_weight, eps, router_weight, config, (routing, weights, ids))
+    return NormedRouting(r.normed, r.residual, r.logits, weights, ids)
+
+
+def add_rms_norm_logits(
+    delta: torch.Tensor,  # [n, H]
+    x: torch.Tensor,  # [n, H]
+    norm_weight: torch.Tensor,  # [H]
+    eps: float,
+    router_weight: torch.Tensor,  # [E, H]
+    config: RouterConfig | None = None,
+) -> NormedLogits:
+    """(RMSNorm(x + delta), x + delta, router logits of the normed row) in one launch (ROUTE
+    False): elementwise.add_rms_norm, then x @ router_weight.T; the caller routes. No tickets:
+    safe to capture in a CUDA graph without an eager call first."""
+    return _launch(delta, x, norm_weight, eps, router_weight, config, None)
+
+
+# ROUTE False's placeholder routing constexprs: one compiled variant whatever the family's routing
+_NO_ROUTING = MoeRouting(1, False)
+
+
+def _launch(
+    delta: torch.Tensor,
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    router_weight: torch.Tensor,
+    config: RouterConfig | None,
+    route: tuple[MoeRouting, torch.Tensor, torch.Tensor] | None,  # (routing, weights, ids) out
+) -> NormedLogits:
+    """The launch behind add_rms_norm_route (route given: ROUTE True, the routing into its
+    weights [n, k] and ids [n, k]) and add_rms_norm_logits (None: ROUTE False)."""
     n, hidden = x.shape
     num_experts = router_weight.shape[0]
     assert applies(hidden, n), (n, hidden)
     assert x.stride(1) == 1 and delta.stride(1) == 1 and router_weight.stride(1) == 1
     cfg = config or _OVERRIDE.value or default_config(hidden, num_experts)
-    k = routing.top_k
     dev = x.device
     normed = torch.empty((n, hidden), dtype=x.dtype, device=dev)
     residual = torch.empty((n, hidden), dtype=x.dtype, device=dev)
     logits = torch.empty((n, num_experts), dtype=x.dtype, device=dev)
-    weights = torch.empty((n, k), dtype=torch.float32, device=dev)
-    ids = torch.empty((n, k), dtype=torch.int32, device=dev)
+    if route is None:
+        # ROUTE False reads none of topw/ids/ticket: any tensor at hand stands in (no ticket
+        # counters: nothing to allocate, also while capturing)
+        routing, weights, ids, tickets = _NO_ROUTING, logits, logits, logits
+    else:
+        (routing, weights, ids), tickets = route, _tickets(dev)
+    k = routing.top_k
     _add_norm_route_kernel[(n, triton.cdiv(num_experts, cfg.rows))](
-        delta, x, norm_weight, router_weight, normed, residual, logits, weights, ids,
-        _tickets(dev), hidden, num_experts, delta.stride(0), x.stride(0),
-        router_weight.stride(0), eps,
+        delta, x, norm_weight, router_weight, normed, residual, logits, weights, ids, tickets,
+        hidden, num_experts, delta.stride(0), x.stride(0), router_weight.stride(0), eps,
         TOP_K=k, K_POW2=triton.next_power_of_2(k), SOFTMAX_FIRST=routing.softmax_first,
         RENORMALIZE=routing.renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_H=triton.next_power_of_2(hidden), ROWS=cfg.rows, num_warps=cfg.num_warps,
-        **pdl.launch_options(dev),
+        BLOCK_H=triton.next_power_of_2(hidden), ROWS=cfg.rows, ROUTE=route is not None,
+        num_warps=cfg.num_warps, **pdl.launch_options(dev),
     )
-    return NormedRouting(normed, residual, logits, weights, ids)
+    return NormedLogits(normed, residual, logits)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,9 @@ from shard.layers.norm import RMSNorm
 from shard.layers.weights import WeightLoader, Weights
 from shard.quantization.fp8 import FP8_DTYPE, quantize_fp8_per_channel
 from shard.quantization.methods import QuantizeMethod
+
+if TYPE_CHECKING:  # a Triton module: the layers import it where a CUDA path runs
+    from shard.kernels.moe_router import NormedLogits
 
 __all__ = ["ExpertNames", "FusedMoE", "MoeRouting", "RoutingStats", "SparseMoeBlock"]
 
@@ -61,6 +65,15 @@ def fused_router(on: bool) -> AbstractContextManager[None]:
     (off: the decoder layer runs add + norm, the router GEMV and routing apart). Capture a CUDA
     graph under the setting it is replayed with."""
     return _FUSED_ROUTER.override(on)
+
+
+# Opt-in, where the fused router is off: the same decode-sized steps run the residual add +
+# RMSNorm and the router GEMV in one launch without the routing (moe_router.add_rms_norm_logits),
+# the routing and the experts as the unfused form runs them (4 launches instead of 5: the add +
+# norm launch saved, ~1.4 us a layer on an H200, without the fused router's one-program routing
+# tail). Off by default until measured in the whole step on a GPU (benchmarks/moe_b1_bench.py's
+# old:router-norm). Capture a CUDA graph under the setting it is replayed with.
+ROUTER_NORM = Setting(False)
 
 
 @dataclass(frozen=True)
@@ -367,7 +380,9 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = GatedMLP(hidden, shared_intermediate, dist) if shared_intermediate \
             else None
         self.shared_expert_gate = ReplicatedLinear(hidden, 1) if shared_intermediate else None
-        self._router_warm = False  # the fused router launch compiled (forward_add_norm)
+        # forward_add_norm's launches compiled: True, with the routing (fused_router); False,
+        # without (ROUTER_NORM)
+        self._router_warm: set[bool] = set()
 
     def forward(self, x: torch.Tensor, reduce: bool = True, push: bool = False) -> torch.Tensor:
         """x [n, H] -> [n, H]; with reduce=False this rank's un-reduced share (push: ignored,
@@ -388,13 +403,15 @@ class SparseMoeBlock(nn.Module):
                          norm: RMSNorm, push: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The decoder layer's `h, x = reduce_add_rms_norm(dist, delta, x, norm); y = self(h,
-        reduce=False)` as (x, y), where the fused launch serves the step (CUDA, one rank, a
-        decode-sized batch, Llama's norm): add + norm + router GEMV + routing in one kernel
-        (shard/kernels/moe_router.py), then the experts' decode kernels. None where it does
-        not: the caller runs the unfused form. push: ignored (as in forward)."""
-        if not (_FUSED_ROUTER.value and isinstance(delta, torch.Tensor) and x.is_cuda):
+        reduce=False)` as (x, y), where a fused launch is on (fused_router, ROUTER_NORM) and
+        serves the step (CUDA, one rank, a decode-sized batch, Llama's norm): see
+        forward_add_norm_fused. None where it does not: the caller runs the unfused form.
+        push: ignored (as in forward)."""
+        if not ((_FUSED_ROUTER.value or ROUTER_NORM.value) and isinstance(delta, torch.Tensor)
+                and x.is_cuda):
             return None
-        if (not self._router_warm and x.shape[0] and not torch.cuda.is_current_stream_capturing()
+        if (_FUSED_ROUTER.value not in self._router_warm and x.shape[0]
+                and not torch.cuda.is_current_stream_capturing()
                 and self.fused_router_serves(delta[:1], x[:1], norm)):
             # At the first eager call, whatever its size (warm-up's prefill, when graphs are
             # off): a later decode step then finds the kernel compiled (no compile while serving)
@@ -404,9 +421,10 @@ class SparseMoeBlock(nn.Module):
         return self.forward_add_norm_fused(delta, x, norm)
 
     def fused_router_serves(self, delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> bool:
-        """Whether the fused launch computes this step's add + norm + routing: one rank (under
-        tensor parallelism the all-reduce comes first), Llama's norm, [n, H] rows with unit
-        column stride, n tokens the decode kernels take (moe_decode.DECODE_MAX_SLOTS)."""
+        """Whether the fused launch (fused_router's or ROUTER_NORM's) computes this step's add
+        + norm + router GEMV (+ routing): one rank (under tensor parallelism the all-reduce
+        comes first), Llama's norm, [n, H] rows with unit column stride, n tokens the decode
+        kernels take (moe_decode.DECODE_MAX_SLOTS)."""
         from shard.kernels import moe_router
 
         if x.dim() != 2 or delta.shape != x.shape or x.stride(1) != 1 or delta.stride(1) != 1:
@@ -418,19 +436,32 @@ class SparseMoeBlock(nn.Module):
     def forward_add_norm_fused(self, delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm
                                ) -> tuple[torch.Tensor, torch.Tensor]:
         """forward_add_norm's fused path (the caller checked fused_router_serves; also run on
-        CPU tensors by the interpreter tests). -> (x + delta, this rank's MLP output)"""
+        CPU tensors by the interpreter tests). -> (x + delta, this rank's MLP output).
+        fused_router: add + norm + router GEMV + routing in one kernel
+        (shard/kernels/moe_router.py), then the experts' decode kernels on that routing; else
+        (ROUTER_NORM) add + norm + router GEMV in one kernel, then the experts as forward runs
+        them (the routing launch and the decode kernels)."""
         from shard.kernels import moe_router
 
-        r = moe_router.add_rms_norm_route(delta, x, norm.weight, norm.eps, self.gate.weight,
-                                          self.experts.routing)
-        y = self.experts.forward_routed(r.normed, r.weights, r.ids, r.logits)
+        r = self._router_launch(delta, x, norm)
+        if isinstance(r, moe_router.NormedRouting):
+            y = self.experts.forward_routed(r.normed, r.weights, r.ids, r.logits)
+        else:
+            y = self.experts(r.normed, r.logits)
         return r.residual, self._add_shared(r.normed, y)
 
-    def _warm_router(self, delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> None:
-        """Compiles the fused launch and allocates its tickets eagerly (a CUDA-graph capture can
-        do neither): one row, outputs dropped."""
+    def _router_launch(self, delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm
+                       ) -> NormedLogits:
+        """The launch the settings select: with the routing (fused_router) or without."""
         from shard.kernels import moe_router
 
-        moe_router.add_rms_norm_route(delta[:1], x[:1], norm.weight, norm.eps, self.gate.weight,
-                                      self.experts.routing)
-        self._router_warm = True
+        args = (delta, x, norm.weight, norm.eps, self.gate.weight)
+        if _FUSED_ROUTER.value:
+            return moe_router.add_rms_norm_route(*args, self.experts.routing)
+        return moe_router.add_rms_norm_logits(*args)
+
+    def _warm_router(self, delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> None:
+        """Compiles the launch the settings select (and allocates the routing form's tickets)
+        eagerly (a CUDA-graph capture can do neither): one row, outputs dropped."""
+        self._router_launch(delta[:1], x[:1], norm)
+        self._router_warm.add(_FUSED_ROUTER.value)

@@ -283,13 +283,18 @@ def test_tiny_moe_models_on_cuda_match_cpu_with_graphs(moe_models, arch):
     assert gpu.runner.last_path == "decode_graph"
 
 
+@pytest.mark.parametrize("route", [True, False], ids=["route", "logits-only"])
 @pytest.mark.parametrize("n", [1, 3])
-def test_fused_add_norm_router_compiled_matches_the_three_launches(n):
+def test_fused_add_norm_router_compiled_matches_the_three_launches(n, route):
     """shard/kernels/moe_router.py compiled, Qwen3-30B-A3B's router shape in bf16: the residual
     sum equals elementwise.add_rms_norm's bit for bit and the norm to a bf16 step, the logits equal the router
     matmul of the normed row to bf16 rounding, the routing equals moe_route's on those logits
     exactly; replayed from a CUDA graph (the per-token tickets reset themselves) it gives the
-    same again."""
+    same again. Without the routing (ROUTE False, add_rms_norm_logits, what ROUTER_NORM runs):
+    the same normed row, sum and logits as the routing launch bit for bit (the same arithmetic
+    up to the logits store), and the same again from a graph."""
+    import functools
+
     from shard.kernels import elementwise, moe_route, moe_router
     from shard.kernels.moe_align import MoeRouting
 
@@ -300,46 +305,56 @@ def test_fused_add_norm_router_compiled_matches_the_three_launches(n):
     nw = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).bfloat16()
     rw = (torch.randn(experts, hidden, device="cuda", generator=gen) * 0.02).bfloat16()
     routing = MoeRouting(8, True)
-    got = moe_router.add_rms_norm_route(d, x, nw, 1e-6, rw, routing)
+    launch = (functools.partial(moe_router.add_rms_norm_route, routing=routing) if route
+              else moe_router.add_rms_norm_logits)
+    got = launch(d, x, nw, 1e-6, rw)
     h, s = elementwise.add_rms_norm(d, x, nw, 1e-6)
     assert torch.equal(got.residual, s)
     # the same arithmetic; the row's sum of squares may reduce in another order: one bf16 step
     torch.testing.assert_close(got.normed, h, rtol=2**-7, atol=1e-6)
     want = (h.float() @ rw.float().T)
     assert float((got.logits.float() - want).abs().max()) <= 2**-7 * float(want.abs().max())
-    w, ids = moe_route.route(got.logits, routing)
-    assert torch.equal(got.ids, ids)
-    torch.testing.assert_close(got.weights, w, rtol=1e-6, atol=1e-7)
+    if isinstance(got, moe_router.NormedRouting):
+        w, ids = moe_route.route(got.logits, routing)
+        assert torch.equal(got.ids, ids)
+        torch.testing.assert_close(got.weights, w, rtol=1e-6, atol=1e-7)
+    else:
+        routed = moe_router.add_rms_norm_route(d, x, nw, 1e-6, rw, routing)
+        assert torch.equal(got.normed, routed.normed) and torch.equal(got.logits, routed.logits)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        again = moe_router.add_rms_norm_route(d, x, nw, 1e-6, rw, routing)
+        again = launch(d, x, nw, 1e-6, rw)
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
-    assert torch.equal(again.ids, got.ids) and torch.equal(again.weights, got.weights)
-    assert int(moe_router._TICKETS[d.device].abs().sum()) == 0
+    assert torch.equal(again.logits, got.logits) and torch.equal(again.normed, got.normed)
+    if isinstance(got, moe_router.NormedRouting):
+        assert torch.equal(again.ids, got.ids) and torch.equal(again.weights, got.weights)
+        assert int(moe_router._TICKETS[d.device].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("route", [True, False], ids=["fused-router", "router-norm"])
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
-def test_tiny_moe_models_same_tokens_with_and_without_the_fused_router(moe_models, arch):
-    """The decode graphs with the fused add + norm + router launch (opt-in, fused_router(True))
-    and with the three launches (the default) generate the same greedy tokens (float32 models)
-    up to the first near-tie (the router's dot products sum in another order)."""
-    from shard.layers.moe import fused_router
+def test_tiny_moe_models_same_tokens_with_and_without_the_fused_router(moe_models, arch, route):
+    """The decode graphs with the fused add + norm + router launch (opt-in: with the routing,
+    fused_router(True); without it, ROUTER_NORM) and with the three launches (the default)
+    generate the same greedy tokens (float32 models) up to the first near-tie (the router's dot
+    products sum in another order)."""
+    from shard.layers.moe import ROUTER_NORM, fused_router
     from shard.testing.tiny import greedy_tokens
     from tests.helpers.moe import moe_shard
     from tests.helpers.numerics import agree_until_near_tie
 
     margins: list[list[float]] = []
     want = greedy_tokens(moe_shard(moe_models[arch], device="cuda"), 12, margins)
-    with fused_router(True):
+    with fused_router(True) if route else ROUTER_NORM.override(True):
         fused = moe_shard(moe_models[arch], device="cuda")
         agree_until_near_tie(greedy_tokens(fused, 12), want, margins)
     assert fused.runner.last_path == "decode_graph"
     from shard.layers.moe import SparseMoeBlock
 
     blocks = [m for m in fused.runner.model.modules() if isinstance(m, SparseMoeBlock)]
-    assert blocks and all(b._router_warm for b in blocks)  # the fused launch ran
+    assert blocks and all(b._router_warm == {route} for b in blocks)  # the fused launch ran
 
 
 @pytest.mark.parametrize(("splits", "block_n", "warps"), [(8, 32, 4), (32, 16, 2)])

@@ -60,15 +60,43 @@ def test_split_down_streams_its_first_tile_before_the_wait() -> None:
 
 def test_decode_routing_launch_reduces_inside_one_warp() -> None:
     """The decode table's routing launch (DecodeConfig.route_warps, one warp): its softmax and
-    top-k reductions compile to warp shuffles with no CTA barrier (43 with four warps)."""
+    top-k reductions compile to warp shuffles with no CTA barrier (43 with four warps); the fp8
+    entry's route_trigger lets the gate/up launch go as it starts, the bf16 one's does not."""
     from shard.kernels import moe_decode, moe_route
 
-    cfg = moe_decode.decode_config_for(8, fp8=True)
-    assert cfg is not None and not cfg.route_inside
     types = {"logits_ptr": "*bf16", "w_ptr": "*fp32", "ids_ptr": "*i32", "E": "i32",
              "stride_l": "i32"}
-    consts = {"TOP_K": 8, "K_POW2": 8, "SOFTMAX_FIRST": True, "RENORMALIZE": True,
-              "BLOCK_E": 128}
-    ptx = compile_sm90(moe_route._route_kernel, types, consts, cfg.route_warps, 1,
-                       divisible=()).asm["ptx"]
-    assert cfg.route_warps == 1 and "bar.sync" not in ptx and "shfl.sync" in ptx
+    for fp8 in (True, False):
+        cfg = moe_decode.decode_config_for(8, fp8=fp8)
+        assert cfg is not None and not cfg.route_inside and cfg.route_trigger == fp8
+        consts = {"TOP_K": 8, "K_POW2": 8, "SOFTMAX_FIRST": True, "RENORMALIZE": True,
+                  "BLOCK_E": 128, "TRIGGER": cfg.route_trigger}
+        ptx = compile_sm90(moe_route._route_kernel, types, consts, cfg.route_warps, 1,
+                           divisible=()).asm["ptx"]
+        assert cfg.route_warps == 1 and "bar.sync" not in ptx and "shfl.sync" in ptx
+        assert ("griddepcontrol.launch_dependents" in ptx) == fp8
+
+
+def test_fused_sum_down_loads_its_ids_before_the_wait() -> None:
+    """The bf16 table's fused-sum down launch (DecodeConfig.down_early_ids): the slots' expert
+    ids are loaded before `griddepcontrol.wait` (so its weight stream starts right after it) and
+    again after it (the check); nothing else is read before the wait."""
+    from shard.kernels import moe_decode
+
+    cfg = moe_decode.decode_config_for(8, fp8=False)
+    assert cfg is not None and not cfg.down_split and cfg.down_early_ids
+    types = {"inter_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "out_ptr": "*bf16",
+             "topw_ptr": "*fp32", "ids_ptr": "*i32", "H": "i32", "I": "i32", "E": "i32",
+             "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_om": "i32"}
+    consts = {"TOP_K": 8, "K_POW2": 8, "HAS_SCALE": False, "BLOCK_N": cfg.down_block_n,
+              "BLOCK_K": cfg.down_block_k, "STAGES": cfg.stages, "SLOTS_FIRST": cfg.slots_first,
+              "PDL": True, "EARLY_IDS": cfg.down_early_ids}
+    lines = compile_sm90(moe_decode._down_sum_kernel, types, consts, cfg.down_warps, cfg.stages,
+                         divisible=("H", "I")).asm["ptx"].splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    loads = [i for i, line in enumerate(lines) if "ld.global" in line]
+    before = [i for i in loads if i < wait]
+    assert before, "no ids load before the wait"
+    assert all(".b32" in lines[i] or ".u32" in lines[i] for i in before), \
+        [lines[i] for i in before]
+    assert any(i > wait for i in loads)

@@ -304,16 +304,20 @@ _DECODE_CHECK = textwrap.dedent(
 # and moe_route's routing (ids exactly) for several tilings, hidden sizes that are not powers of
 # two, expert counts that are not multiples of the tile, each routing variant; the per-token
 # tickets are back at zero after every launch (the next launch, or graph replay, relies on it).
-# Then the sparse block's fused path (SparseMoeBlock.forward_add_norm_fused, what the decoder
-# layer runs on CUDA at decode-sized batches) equals the unfused add + norm + block, with and
-# without Qwen2-MoE's gated shared expert, counting the same routing statistics.
+# The launch without the routing (ROUTE False, add_rms_norm_logits) stores the same normed row,
+# sum and logits as the routing launch, bit for bit, and touches no ticket.
+# Then the sparse block's fused paths (SparseMoeBlock.forward_add_norm_fused, what the decoder
+# layer runs on CUDA at decode-sized batches, under fused_router and under ROUTER_NORM) equal the
+# unfused add + norm + block, with and without Qwen2-MoE's gated shared expert, counting the
+# same routing statistics.
 _ROUTER_CHECK = textwrap.dedent(
     """
     import torch
     from shard.distributed.groups import Dist
     from shard.kernels import elementwise, moe_router
     from shard.kernels.moe_align import MoeRouting, route
-    from shard.layers.moe import QWEN_EXPERT_NAMES, RoutingStats, SparseMoeBlock
+    from shard.layers.moe import (
+        QWEN_EXPERT_NAMES, ROUTER_NORM, RoutingStats, SparseMoeBlock, fused_router)
     from shard.layers.norm import RMSNorm, add_rms_norm
 
     torch.manual_seed(0)
@@ -327,24 +331,32 @@ _ROUTER_CHECK = textwrap.dedent(
         h, s = elementwise.add_rms_norm(d, x, nw, 1e-6)
         for cfg in (None, moe_router.RouterConfig(1, 1), moe_router.RouterConfig(8, 2)):
             got = moe_router.add_rms_norm_route(d, x, nw, 1e-6, rw, r, cfg)
-            assert torch.equal(got.residual, s), (n, H, E)
-            torch.testing.assert_close(got.normed, h, rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(got.logits, got.normed @ rw.T, rtol=1e-5, atol=1e-5)
+            assert tickets() == 0
+            alone = moe_router.add_rms_norm_logits(d, x, nw, 1e-6, rw, cfg)  # ROUTE False
+            for out in (got, alone):
+                assert torch.equal(out.residual, s), (n, H, E)
+                torch.testing.assert_close(out.normed, h, rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(out.logits, out.normed @ rw.T, rtol=1e-5, atol=1e-5)
+            assert torch.equal(alone.normed, got.normed) and torch.equal(alone.logits, got.logits)
+            assert tickets() == 0
             w, i = route(got.logits, r)
             assert torch.equal(got.ids.long(), i), (n, H, E, r, got.ids, i)
             torch.testing.assert_close(got.weights, w, rtol=1e-6, atol=1e-6)
-            assert tickets() == 0
     # bf16: the sum rounded to bf16 before the norm, as the add_rms_norm kernel rounds it (the
     # same interpreter roundings on both sides: equal bit for bit)
     d, x, nw = (torch.randn(2, 40).bfloat16(), torch.randn(2, 40).bfloat16(),
                 (torch.rand(40) + 0.5).bfloat16())
-    got = moe_router.add_rms_norm_route(d, x, nw, 1e-6, torch.randn(8, 40).bfloat16(),
-                                        MoeRouting(2, True))
+    rw = torch.randn(8, 40).bfloat16()
+    got = moe_router.add_rms_norm_route(d, x, nw, 1e-6, rw, MoeRouting(2, True))
     h, s = elementwise.add_rms_norm(d, x, nw, 1e-6)
     assert torch.equal(got.residual, s) and torch.equal(got.normed, h)
+    alone = moe_router.add_rms_norm_logits(d, x, nw, 1e-6, rw)
+    assert torch.equal(alone.residual, s) and torch.equal(alone.normed, h)
+    assert torch.equal(alone.logits, got.logits)
 
     E, H, I = 8, 40, 24
-    for shared in (0, 16):
+    for shared, switch in ((0, fused_router), (16, fused_router), (0, ROUTER_NORM.override),
+                           (16, ROUTER_NORM.override)):
         block = SparseMoeBlock(H, E, I, MoeRouting(2, True), Dist(), QWEN_EXPERT_NAMES, shared)
         for p in block.parameters():
             p.data = torch.randn(p.shape) * 0.3
@@ -356,7 +368,9 @@ _ROUTER_CHECK = textwrap.dedent(
         d, x = torch.randn(3, H), torch.randn(3, H)
         assert block.fused_router_serves(d, x, norm)
         stats.begin_step(torch.tensor([1, 1, 0]))  # the last row: CUDA-graph padding
-        x_new, y = block.forward_add_norm_fused(d, x, norm)
+        with switch(True):
+            x_new, y = block.forward_add_norm_fused(d, x, norm)
+            assert block.forward_add_norm(d, x, norm) is None  # CPU tensors: the unfused form
         fused_counts = stats.take()
         h, s = add_rms_norm(d, x, norm)
         stats.begin_step(torch.tensor([1, 1, 0]))
@@ -364,7 +378,6 @@ _ROUTER_CHECK = textwrap.dedent(
         assert torch.equal(x_new, s)
         torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
         assert fused_counts == stats.take() and sum(fused_counts[0]) == 2 * 2
-        assert block.forward_add_norm(d, x, norm) is None  # CPU tensors: the unfused form
     """
 )
 
