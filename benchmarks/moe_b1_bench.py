@@ -219,6 +219,7 @@ ROUND17_CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("old:split16", {"down_split": 16, "down_block_k": 256, "down_stages": 3}),
     ("old:route-trigger+split16", {"route_trigger": True, "down_split": 16,
                                    "down_block_k": 256, "down_stages": 3}),
+    ("old:route-dependent", {"route_dependent": True}),
 )
 
 

@@ -90,6 +90,9 @@ class DecodeConfig:
     # starts: gate/up's programs are then placed during the routing and wait for it, instead of
     # being launched and placed once it has completed.
     route_trigger: bool = False
+    # That routing launch is itself a programmatic dependent of the router GEMV (placed during
+    # it, waiting for its logits) instead of a plain launch.
+    route_dependent: bool = False
     # The fused-sum down launch (down_split 0) loads the slots' expert ids before its PDL wait,
     # a guess checked after it (a stale guess streams again): its weight stream starts one L2
     # round trip earlier. Pays where the ids are final by then (the routing launch completed
@@ -130,6 +133,7 @@ class DecodeConfig:
                 + (f"-upstream{self.up_stream}" if self.up_stream else "")
                 + (f"-routew{self.route_warps}" if self.route_warps != 1 else "")
                 + ("-route-trigger" if self.route_trigger else "")
+                + ("-route-dependent" if self.route_dependent else "")
                 + ("-down-early-ids" if self.down_early_ids else "")
                 + ("-route-inside" if self.route_inside else "")
                 + ("" if self.slots_first else "-cols-first"))
@@ -776,6 +780,7 @@ def decode_layer(
                           routing=routing, count_into=count_into, valid=valid)
     from shard.kernels import moe_route
 
-    weights, ids = moe_route.route(logits, routing, config.route_warps, config.route_trigger)
+    weights, ids = moe_route.route(logits, routing, config.route_warps, config.route_trigger,
+                                   config.route_dependent)
     return moe_decode(x, w13, w2, routing.top_k, scale13, scale2, config, topk_weights=weights,
                       topk_ids=ids, count_into=count_into, valid=valid)

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from shard.kernels import pdl
 from shard.kernels.moe_align import ExpertLayout, MoeRouting, max_padded_rows
-from shard.kernels.pdl import let_dependents_launch
+from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
 
 ALIGN_MAX_SLOTS = 8192  # n * k up to which `align` is used (decode and small prefills)
 _CHUNK = 512  # slots per iteration of the histogram and scatter loops
@@ -80,11 +80,13 @@ def route_values(x, offs, valid, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l,
                   TOP_K: tl.constexpr, K_POW2: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
                   RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-                  TRIGGER: tl.constexpr = False):
-    # A plain launch (it reads the router GEMV's logits only once that kernel has completed),
-    # but with TRIGGER it lets its programmatic dependent (the gate/up launch) be launched now,
-    # so that grid's programs are placed and waiting when the routing completes.
+                  TRIGGER: tl.constexpr = False, PDL: tl.constexpr = False):
+    # With TRIGGER it lets its programmatic dependent (the gate/up launch) be launched now, so
+    # that grid's programs are placed and waiting when the routing completes. PDL: launched as a
+    # programmatic dependent itself (placed during the router GEMV, waiting for its logits);
+    # else a plain launch, which starts once the router GEMV has completed.
     let_dependents_launch(TRIGGER)
+    wait_for_predecessor(PDL)
     t = tl.program_id(0).to(tl.int64)
     top_v, top_i = route_row(logits_ptr, t, E, stride_l, TOP_K, K_POW2, SOFTMAX_FIRST,
                              RENORMALIZE, BLOCK_E)
@@ -95,10 +97,11 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l,
 
 
 def route(logits: torch.Tensor, routing: MoeRouting, num_warps: int = 4,
-          trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+          trigger: bool = False, dependent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, E] -> (weights [n, k] float32, ids [n, k] int32). trigger: the next kernel,
-    if a programmatic dependent, may be launched as soon as this one starts (sm_90+; see
-    moe_decode.DecodeConfig.route_trigger)."""
+    if a programmatic dependent, may be launched as soon as this one starts; dependent: this
+    launch is a programmatic dependent of the previous kernel (sm_90+ both; see
+    moe_decode.DecodeConfig.route_trigger and route_dependent)."""
     n, num_experts = logits.shape
     k = routing.top_k
     weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
@@ -108,7 +111,8 @@ def route(logits: torch.Tensor, routing: MoeRouting, num_warps: int = 4,
                             K_POW2=triton.next_power_of_2(k), SOFTMAX_FIRST=routing.softmax_first,
                             RENORMALIZE=routing.renormalize,
                             BLOCK_E=triton.next_power_of_2(num_experts), num_warps=num_warps,
-                            TRIGGER=trigger and pdl.enabled(logits.device))
+                            TRIGGER=trigger and pdl.enabled(logits.device),
+                            **(pdl.launch_options(logits.device) if dependent else {}))
     return weights, ids
 
 

@@ -146,7 +146,8 @@ def test_early_ids_and_route_trigger_from_a_cuda_graph_match_the_plain_launches(
     """The fused-sum down launch with its ids loaded before the PDL wait (down_early_ids: a
     guess, checked after the wait) and the routing launch letting gate/up launch as it starts
     (route_trigger), alone and together (then down's guess is often stale: its programs can be
-    placed before the routing completes), compiled, from a CUDA graph of 12 layer calls with
+    placed before the routing completes), and the routing launch as a programmatic dependent
+    (route_dependent), compiled, from a CUDA graph of 12 layer calls with
     different routings replayed 3 times, equal the plain launches' eager results bit for bit."""
     import dataclasses
 
@@ -156,7 +157,8 @@ def test_early_ids_and_route_trigger_from_a_cuda_graph_match_the_plain_launches(
     gen = torch.Generator(device="cuda").manual_seed(9)
     xs = [torch.randn(1, H, device="cuda", generator=gen).bfloat16() for _ in range(12)]
     lgs = [torch.randn(1, E, device="cuda", generator=gen).bfloat16() for _ in range(12)]
-    plain = dataclasses.replace(moe_decode.DECODE_CONFIGS[fp8][-1][1], down_split=0)
+    plain = dataclasses.replace(moe_decode.DECODE_CONFIGS[fp8][-1][1], down_split=0,
+                                down_early_ids=False, route_trigger=False, route_dependent=False)
 
     def run(cfg):
         return [moe_decode.decode_layer(x, lg, moe.w13, moe.w2, moe.routing, moe.scale13,
@@ -164,7 +166,8 @@ def test_early_ids_and_route_trigger_from_a_cuda_graph_match_the_plain_launches(
 
     want = run(plain)
     for opts in ({"down_early_ids": True}, {"route_trigger": True},
-                 {"down_early_ids": True, "route_trigger": True}):
+                 {"down_early_ids": True, "route_trigger": True},
+                 {"route_dependent": True}, {"route_dependent": True, "route_trigger": True}):
         cfg = dataclasses.replace(plain, **opts)
         run(cfg)  # compiles (a capture cannot)
         g = torch.cuda.CUDAGraph()

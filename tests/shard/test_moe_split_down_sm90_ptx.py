@@ -70,7 +70,7 @@ def test_decode_routing_launch_reduces_inside_one_warp() -> None:
         cfg = moe_decode.decode_config_for(8, fp8=fp8)
         assert cfg is not None and not cfg.route_inside and cfg.route_trigger == fp8
         consts = {"TOP_K": 8, "K_POW2": 8, "SOFTMAX_FIRST": True, "RENORMALIZE": True,
-                  "BLOCK_E": 128, "TRIGGER": cfg.route_trigger}
+                  "BLOCK_E": 128, "TRIGGER": cfg.route_trigger, "PDL": cfg.route_dependent}
         ptx = compile_sm90(moe_route._route_kernel, types, consts, cfg.route_warps, 1,
                            divisible=()).asm["ptx"]
         assert cfg.route_warps == 1 and "bar.sync" not in ptx and "shfl.sync" in ptx

@@ -215,11 +215,13 @@ _DECODE_CHECK = textwrap.dedent(
 
     # the fused-sum down launch with the slots' ids loaded before its wait (down_early_ids, a
     # guess checked after it) and the routing launch letting gate/up launch early
-    # (route_trigger): the same sums bit for bit as without, dropped slots included (here the
+    # (route_trigger) and waiting for the router GEMV as a programmatic dependent
+    # (route_dependent): the same sums bit for bit as without, dropped slots included (here the
     # guess is never stale: the GPU test covers a stale one)
     plain = dataclasses.replace(cfg, route_inside=False)
-    early = dataclasses.replace(plain, down_early_ids=True, route_trigger=True)
-    assert early.name().endswith("-route-trigger-down-early-ids")
+    early = dataclasses.replace(plain, down_early_ids=True, route_trigger=True,
+                                route_dependent=True)
+    assert early.name().endswith("-route-trigger-route-dependent-down-early-ids")
     for n, k in ((1, 8), (3, 2)):
         x, logits = torch.randn(n, H), torch.randn(n, E)
         r = MoeRouting(k, renormalize=True)
