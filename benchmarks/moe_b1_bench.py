@@ -23,9 +23,11 @@ DIR/moe_b1.json and DIR/MOE_B1.md and ends its stdout with a compact summary:
    - `fused:router-r<rows>w<warps>`: other tilings of the fused launch (moe_router.RouterConfig);
    - `old:up-stream[-<tiling>]` (CUDA only, bf16 and fp8): `old` with the persistent gate/up
      launch (moe_decode.DecodeConfig.up_stream, UP_STREAMS: tilings, programs per SM);
-   - `old:router-norm`, `old:norm-prologue+router-norm` (CUDA only): `old` (and the input norm
-     in qkv) with add + RMSNorm + router GEMV in one launch, the routing its own launch
-     (opt-in shard.layers.moe.ROUTER_NORM);
+   - `old:no-router-norm` (CUDA only): `old` with the post-attention add + RMSNorm as its own
+     launch (shard.layers.moe.ROUTER_NORM off; on, the default since round 17, add + RMSNorm +
+     router GEMV are one launch and the routing its own);
+   - ROUND17_CONFIGS (CUDA only): the decode table's entry with route_trigger, route_dependent,
+     down_early_ids or the split down launch switched (moe_decode.DecodeConfig);
    fp8 runs old, fused, fused+norm-prologue, the first attention tiling and the up-stream
    variants only (time);
    each with the step's byte roofline (moe_bench._step_bytes: dense weights and norms, LM head,
@@ -246,7 +248,7 @@ class Variant:
     moe_config: Any = None  # moe_decode.config_override (the expert launches' config) or None
     warm_o: bool = False  # shard.layers.attention.WARM_O_PROJ (o_proj warmed into L2)
     fuse_qk_norm: bool = True  # shard.layers.attention.FUSE_QK_NORM (q/k norms in attention)
-    router_norm: bool = False  # shard.layers.moe.ROUTER_NORM (add + norm in the router GEMV)
+    router_norm: bool = True  # shard.layers.moe.ROUTER_NORM (add + norm in the router GEMV)
 
 
 def _fp8_subset(variants: list[Variant]) -> list[Variant]:
@@ -346,9 +348,7 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
         variants.insert(1, Variant("old:norm-prologue", False, norm_prologue=True))
         # the post-attention add + norm inside the router GEMV's launch (routing apart), alone
         # and with the input add + norm inside the q/k/v GEMV
-        variants[2:2] = [Variant("old:router-norm", False, router_norm=True),
-                         Variant("old:norm-prologue+router-norm", False, norm_prologue=True,
-                                 router_norm=True)]
+        variants[2:2] = [Variant("old:no-router-norm", False, router_norm=False)]
         # round 17: the routing launch lets gate/up launch as it starts; the fused-sum down
         # launch's ids before its wait (a guess); both; bf16's fused sum as the split launch
         variants[1:1] = [Variant(name, False, moe_config=dataclasses.replace(table, **opts))

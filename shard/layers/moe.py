@@ -67,13 +67,14 @@ def fused_router(on: bool) -> AbstractContextManager[None]:
     return _FUSED_ROUTER.override(on)
 
 
-# Opt-in, where the fused router is off: the same decode-sized steps run the residual add +
-# RMSNorm and the router GEMV in one launch without the routing (moe_router.add_rms_norm_logits),
-# the routing and the experts as the unfused form runs them (4 launches instead of 5: the add +
-# norm launch saved, ~1.4 us a layer on an H200, without the fused router's one-program routing
-# tail). Off by default until measured in the whole step on a GPU (benchmarks/moe_b1_bench.py's
-# old:router-norm). Capture a CUDA graph under the setting it is replayed with.
-ROUTER_NORM = Setting(False)
+# On by default, where the fused router is off: decode-sized steps run the residual add + RMSNorm
+# and the router GEMV in one launch without the routing (moe_router.add_rms_norm_logits), then
+# the routing and the experts as the unfused form runs them (4 launches instead of 5, without
+# the fused router's one-program routing tail). Measured in the whole Qwen3-30B-A3B-shaped
+# batch-1 step on an H200 (round 17, benchmarks/MOE_B1.md, interleaved with it off): -1.5 us a
+# layer of critical path in bf16 and in fp8. Off: the three launches. Capture a CUDA graph under
+# the setting it is replayed with.
+ROUTER_NORM = Setting(True)
 
 
 @dataclass(frozen=True)
