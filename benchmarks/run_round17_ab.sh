@@ -7,7 +7,6 @@
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
-git log --oneline -1 > $OUT/commit.txt 2>/dev/null
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw --format=csv > $OUT/gpu.txt
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_moe_cuda.py 2>&1 \
   | tail -15 > $OUT/gpu_moe.log
