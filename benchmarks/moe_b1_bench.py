@@ -69,9 +69,11 @@ STORED = 8  # layers in the random checkpoint; the rest alias them
 # (tile, warps, next_pow2(splits)) is a compile of its own (~2-4 s): 2 warps only with tile 16.
 SPLITS = (4, 8, 16, 32)
 TILES = (16, 32, 64)
-WARPS = (4, 2)
+WARPS = (4, 2, 1)
 # Split counts also tried in the whole model (with the default tile), beside the sweep's best.
 MODEL_SPLITS = (8,)
+# (splits, K/V tile, warps) of the attention launch run in the default step (old+attn:...)
+OLD_ATTN_TILINGS = ((16, 16, 2), (16, 32, 2), (16, 32, 1), (32, 16, 1), (8, 64, 2))
 
 
 # ---- 2. attention kernel alone -------------------------------------------------------------
@@ -265,6 +267,10 @@ def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[Variant]:
     out = [Variant("old", False), Variant("fused", True)]
     if not cuda:
         return out + [Variant("fused+norm-prologue", True, norm_prologue=True)]
+    # round 17: the default step with fewer warps per attention program (fewer CTA barriers in
+    # its chain of dependent steps: the routing launch gained 1.5 us a layer from one warp)
+    out += [Variant(f"old+attn:{t.name()}", False, t)
+            for t in (DecodeTiling(kv_heads, s, n, w) for s, n, w in OLD_ATTN_TILINGS)]
     tilings: list[DecodeTiling] = []
     if best is not None:
         tilings.append(DecodeTiling(kv_heads, best["splits"], best["block_n"], best["num_warps"]))
