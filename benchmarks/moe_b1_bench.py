@@ -224,6 +224,8 @@ ROUND17_CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("old:route-trigger+split16", {"route_trigger": True, "down_split": 16,
                                    "down_block_k": 256, "down_stages": 3}),
     ("old:route-dependent", {"route_dependent": True}),
+    ("old:up-late", {"up_late_trigger": True}),
+    ("old:route-trigger+up-late", {"route_trigger": True, "up_late_trigger": True}),
 )
 
 

@@ -98,6 +98,11 @@ class DecodeConfig:
     # round trip earlier. Pays where the ids are final by then (the routing launch completed
     # before gate/up started: no route_trigger, no route_inside).
     down_early_ids: bool = False
+    # The gridded gate/up launch lets the down launch go only after its PDL wait (the routing
+    # has completed) instead of as it starts: with route_trigger its programs are placed during
+    # the routing, and down's would otherwise be placed then too (bf16's fused-sum down launch
+    # placed that early ran 27 instead of 10.7 us a layer, round 17).
+    up_late_trigger: bool = False
     # Grid order: routed slots (tokens, for down) fastest, so slots sharing an expert stream its
     # rows together; False: column tiles fastest.
     slots_first: bool = True
@@ -134,6 +139,7 @@ class DecodeConfig:
                 + (f"-routew{self.route_warps}" if self.route_warps != 1 else "")
                 + ("-route-trigger" if self.route_trigger else "")
                 + ("-route-dependent" if self.route_dependent else "")
+                + ("-up-late-trigger" if self.up_late_trigger else "")
                 + ("-down-early-ids" if self.down_early_ids else "")
                 + ("-route-inside" if self.route_inside else "")
                 + ("" if self.slots_first else "-cols-first"))
@@ -259,11 +265,16 @@ def _gate_up_kernel(
     STAGES: tl.constexpr,
     SLOTS_FIRST: tl.constexpr,
     PDL: tl.constexpr = False,  # launched as a programmatic dependent (shard/kernels/pdl.py)
+    # PDL: let the down launch go at once (TRIGGER_FIRST) or after the wait (TRIGGER_LATE,
+    # DecodeConfig.up_late_trigger); one of the two
+    TRIGGER_FIRST: tl.constexpr = False,
+    TRIGGER_LATE: tl.constexpr = False,
 ):
-    let_dependents_launch(PDL)
+    let_dependents_launch(TRIGGER_FIRST)
     # Everything this kernel reads (x, the logits or ids) is the previous kernels' output: the
     # overlap PDL gives here is the launch and block dispatch only.
     wait_for_predecessor(PDL)
+    let_dependents_launch(TRIGGER_LATE)
     if SLOTS_FIRST:
         # Slots fastest: the programs in flight together cover one column range of every slot,
         # so slots that share an expert (batch > 1) read its rows at about the same time (L2).
@@ -718,6 +729,8 @@ def moe_decode(
             HAS_SCALE=scale13 is not None,
             BLOCK_N=cfg.up_block_n, BLOCK_K=cfg.up_block_k, STAGES=cfg.stages,
             SLOTS_FIRST=cfg.slots_first, num_warps=cfg.up_warps, num_stages=cfg.stages,
+            TRIGGER_FIRST=pdl.enabled(x.device) and not cfg.up_late_trigger,
+            TRIGGER_LATE=pdl.enabled(x.device) and cfg.up_late_trigger,
             **pdl.launch_options(x.device),
         )
     stages = cfg.down_stages or cfg.stages

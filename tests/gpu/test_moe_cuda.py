@@ -146,8 +146,9 @@ def test_early_ids_and_route_trigger_from_a_cuda_graph_match_the_plain_launches(
     """The fused-sum down launch with its ids loaded before the PDL wait (down_early_ids: a
     guess, checked after the wait) and the routing launch letting gate/up launch as it starts
     (route_trigger), alone and together (then down's guess is often stale: its programs can be
-    placed before the routing completes), and the routing launch as a programmatic dependent
-    (route_dependent), compiled, from a CUDA graph of 12 layer calls with
+    placed before the routing completes), the routing launch as a programmatic dependent
+    (route_dependent), gate/up letting down launch only after its wait (up_late_trigger),
+    compiled, from a CUDA graph of 12 layer calls with
     different routings replayed 3 times, equal the plain launches' eager results bit for bit."""
     import dataclasses
 
@@ -158,7 +159,8 @@ def test_early_ids_and_route_trigger_from_a_cuda_graph_match_the_plain_launches(
     xs = [torch.randn(1, H, device="cuda", generator=gen).bfloat16() for _ in range(12)]
     lgs = [torch.randn(1, E, device="cuda", generator=gen).bfloat16() for _ in range(12)]
     plain = dataclasses.replace(moe_decode.DECODE_CONFIGS[fp8][-1][1], down_split=0,
-                                down_early_ids=False, route_trigger=False, route_dependent=False)
+                                down_early_ids=False, route_trigger=False, route_dependent=False,
+                                up_late_trigger=False)
 
     def run(cfg):
         return [moe_decode.decode_layer(x, lg, moe.w13, moe.w2, moe.routing, moe.scale13,
@@ -167,7 +169,8 @@ def test_early_ids_and_route_trigger_from_a_cuda_graph_match_the_plain_launches(
     want = run(plain)
     for opts in ({"down_early_ids": True}, {"route_trigger": True},
                  {"down_early_ids": True, "route_trigger": True},
-                 {"route_dependent": True}, {"route_dependent": True, "route_trigger": True}):
+                 {"route_dependent": True}, {"route_dependent": True, "route_trigger": True},
+                 {"route_trigger": True, "up_late_trigger": True, "down_early_ids": True}):
         cfg = dataclasses.replace(plain, **opts)
         run(cfg)  # compiles (a capture cannot)
         g = torch.cuda.CUDAGraph()

@@ -100,3 +100,30 @@ def test_fused_sum_down_loads_its_ids_before_the_wait() -> None:
     assert all(".b32" in lines[i] or ".u32" in lines[i] for i in before), \
         [lines[i] for i in before]
     assert any(i > wait for i in loads)
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_gate_up_lets_down_launch_before_or_after_its_wait(late: bool) -> None:
+    """The gridded gate/up launch triggers its dependent (the down launch) at its start, or,
+    with DecodeConfig.up_late_trigger, only after `griddepcontrol.wait` (the routing has
+    completed by then), once either way."""
+    import dataclasses
+
+    from shard.kernels import moe_decode
+
+    cfg = dataclasses.replace(moe_decode.decode_config_for(8, fp8=False), up_late_trigger=late)
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "inter_ptr": "*bf16",
+             "logits_ptr": "*bf16", "topw_ptr": "*fp32", "ids_ptr": "*i32", "counts_ptr": "*i64",
+             "valid_ptr": "*i64", "I": "i32", "H": "i32", "E": "i32", "stride_xm": "i32",
+             "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_l": "i32"}
+    consts = {"TOP_K": 8, "K_POW2": 8, "ROUTE": False, "SOFTMAX_FIRST": True,
+              "RENORMALIZE": True, "BLOCK_E": 128, "COUNT": True, "HAS_SCALE": False,
+              "BLOCK_N": cfg.up_block_n, "BLOCK_K": cfg.up_block_k, "STAGES": cfg.stages,
+              "SLOTS_FIRST": cfg.slots_first, "PDL": True,
+              "TRIGGER_FIRST": not cfg.up_late_trigger, "TRIGGER_LATE": cfg.up_late_trigger}
+    lines = compile_sm90(moe_decode._gate_up_kernel, types, consts, cfg.up_warps, cfg.stages,
+                         divisible=("H", "I")).asm["ptx"].splitlines()
+    wait = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+    trigger = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
+    assert len(wait) == 1 and len(trigger) == 1
+    assert (trigger[0] > wait[0]) == late

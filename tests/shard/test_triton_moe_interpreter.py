@@ -220,8 +220,8 @@ _DECODE_CHECK = textwrap.dedent(
     # guess is never stale: the GPU test covers a stale one)
     plain = dataclasses.replace(cfg, route_inside=False)
     early = dataclasses.replace(plain, down_early_ids=True, route_trigger=True,
-                                route_dependent=True)
-    assert early.name().endswith("-route-trigger-route-dependent-down-early-ids")
+                                route_dependent=True, up_late_trigger=True)
+    assert early.name().endswith("-route-trigger-route-dependent-up-late-trigger-down-early-ids")
     for n, k in ((1, 8), (3, 2)):
         x, logits = torch.randn(n, H), torch.randn(n, E)
         r = MoeRouting(k, renormalize=True)
