@@ -59,6 +59,7 @@ from shard.kernels.l2_warm import warm_share
 from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
 from shard.kernels.setting import Setting
 from shard.kernels.softcap import soft_cap_log2
+from shard.kernels.tickets import TicketCounters
 
 LOG2E = 1.4426950408889634
 
@@ -650,25 +651,10 @@ def _merge_splits(
     )
 
 
-# Per-device ticket counters of the split kernel's merge, one per (sequence, KV head) of a
-# launch: zero between launches (the last split resets its own), so allocated once, zeroed, and
-# never moved (CUDA graphs bake the address in). Default split counts split only batches of
-# fewer than num_sms (sequence, KV head) pairs, well inside the first allocation; larger explicit
-# counts grow it, outside capture only (old ones stay alive). Launches on a device share them,
-# so they must run one after another (the engine's one stream per device).
-_TICKETS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    held = _TICKETS.setdefault(device, [])
-    if held and held[-1].numel() >= count:
-        return held[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"decode attention: {count} ticket counters needed while capturing a CUDA graph, "
-            f"{held[-1].numel() if held else 0} allocated; run the batch eagerly first")
-    held.append(torch.zeros(max(count, 1024), dtype=torch.int32, device=device))
-    return held[-1]
+# The split kernel's merge counters, one per (sequence, KV head) of a launch
+# (shard/kernels/tickets.py). Default split counts split only batches of fewer than num_sms
+# (sequence, KV head) pairs, well inside the first allocation; larger explicit counts grow it.
+_TICKETS = TicketCounters("decode attention", 1024)
 
 
 # A/B only (q_through_memory): FUSED_ROTARY's q path of head_dims that are not powers of two,
@@ -830,7 +816,7 @@ def _decode(
         s_seq, s_head, s_split = part.stride(0), part.stride(1), part.stride(2)
     # (Allocated at the first call whatever the split count: a CUDA-graph warm-up runs only the
     # largest batch, with one split, before the smaller, split batches are captured.)
-    tickets = _tickets(query.device, 0 if one else num_seqs * num_kv_heads)
+    tickets = _TICKETS.take(query.device, 0 if one else num_seqs * num_kv_heads)
     # Pointer arguments that the compiled variant never reads: the ticket counters (int32 as
     # seq_lens was, allocated once, 16-byte aligned). Not seq_lens: a mixed step passes
     # seq_lens[p:], aligned or not by p, and each of these eight arguments' alignment would be

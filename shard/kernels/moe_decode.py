@@ -65,6 +65,7 @@ from shard.kernels.moe_align import MoeRouting
 from shard.kernels.moe_route import route_row
 from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
 from shard.kernels.setting import Setting
+from shard.kernels.tickets import TicketCounters
 
 
 @dataclass(frozen=True)
@@ -604,22 +605,9 @@ def _down_split_kernel(
                  total.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-# The split down launch's ticket counters, one per (token, row block) of a launch: zero between
-# launches (the last program of each resets its own), allocated once per device and never moved
-# (CUDA graphs bake the address in); launches on a device share them (one stream per device).
-_SPLIT_TICKETS: dict[torch.device, torch.Tensor] = {}
-SPLIT_TICKETS = 1 << 16  # n * H / down_split: 32 tokens x hidden 8192 at 4 rows
-
-
-def _split_tickets(device: torch.device) -> torch.Tensor:
-    held = _SPLIT_TICKETS.get(device)
-    if held is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("moe_decode: split down tickets first allocated while capturing a "
-                               "CUDA graph; launch the config eagerly first (warm_up)")
-        held = _SPLIT_TICKETS[device] = torch.zeros(SPLIT_TICKETS, dtype=torch.int32,
-                                                    device=device)
-    return held
+# The split down launch's counters, one per (token, row block) of a launch
+# (shard/kernels/tickets.py); the first allocation covers 32 tokens x hidden 8192 at 4 rows.
+_SPLIT_TICKETS = TicketCounters("moe_decode split down", 1 << 16)
 
 
 @functools.cache
@@ -736,8 +724,7 @@ def moe_decode(
     stages = cfg.down_stages or cfg.stages
     if cfg.down_split:
         row_blocks = triton.cdiv(hidden, cfg.down_split)
-        tickets = _split_tickets(x.device)
-        assert n * row_blocks <= tickets.numel(), (n, row_blocks)
+        tickets = _SPLIT_TICKETS.take(x.device, n * row_blocks)
         partials = torch.empty(slots, hidden, dtype=torch.float32, device=x.device)
         _down_split_kernel[(slots, row_blocks)](
             inter, w2, scale2 if scale2 is not None else weights, out, partials, tickets,

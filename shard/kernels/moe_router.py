@@ -48,6 +48,7 @@ from shard.kernels.moe_align import MoeRouting
 from shard.kernels.moe_route import route_values
 from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
 from shard.kernels.setting import Setting
+from shard.kernels.tickets import TicketCounters
 
 # Largest hidden size served (the row and a [ROWS, H] weight slice sit in registers).
 MAX_HIDDEN = 8192
@@ -151,20 +152,8 @@ def _add_norm_route_kernel(
             tl.store(ids_ptr + t * TOP_K + ks, top_i, mask=ks < TOP_K)
 
 
-# Per-device ticket counters, one per token of a launch: zero between launches (the last
-# program of a token resets its own), allocated once and never moved (CUDA graphs bake the
-# address in). Launches on a device share them: one stream per device (the engine's).
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-
-
-def _tickets(device: torch.device) -> torch.Tensor:
-    held = _TICKETS.get(device)
-    if held is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("moe_router: ticket counters first allocated while capturing a "
-                               "CUDA graph; run add_rms_norm_route eagerly first (warm_up)")
-        held = _TICKETS[device] = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
-    return held
+# One counter per token of a launch (shard/kernels/tickets.py).
+_TICKETS = TicketCounters("moe_router", MAX_ROWS)
 
 
 @dataclass(frozen=True)
@@ -250,7 +239,7 @@ def _launch(
         # counters: nothing to allocate, also while capturing)
         routing, weights, ids, tickets = _NO_ROUTING, logits, logits, logits
     else:
-        (routing, weights, ids), tickets = route, _tickets(dev)
+        (routing, weights, ids), tickets = route, _TICKETS.take(dev, n)
     k = routing.top_k
     _add_norm_route_kernel[(n, triton.cdiv(num_experts, cfg.rows))](
         delta, x, norm_weight, router_weight, normed, residual, logits, weights, ids, tickets,
