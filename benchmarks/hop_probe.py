@@ -37,8 +37,8 @@ _TICKETS = TicketCounters("hop_probe", 1)
 
 
 @triton.jit
-def _hop_kernel(src_ptr, dst_ptr, ticket_ptr, PDL: tl.constexpr, READ: tl.constexpr,
-                TICKET: tl.constexpr, BLOCK: tl.constexpr):
+def _hop_kernel(src_ptr, dst_ptr, ticket_ptr, merged_at, PDL: tl.constexpr,
+                READ: tl.constexpr, TICKET: tl.constexpr, BLOCK: tl.constexpr):
     let_dependents_launch(PDL)
     wait_for_predecessor(PDL)
     pid = tl.program_id(0)
@@ -54,14 +54,14 @@ def _hop_kernel(src_ptr, dst_ptr, ticket_ptr, PDL: tl.constexpr, READ: tl.conste
             offs = tl.arange(0, BLOCK)
             vals = tl.load(dst_ptr + offs, mask=offs < tl.num_programs(0), other=0.0,
                            cache_modifier=".cg")
-            tl.store(dst_ptr + MAX_PROGRAMS, tl.sum(vals, 0))
+            tl.store(dst_ptr + merged_at, tl.sum(vals, 0))
 
 
 def _chain(bufs: list[torch.Tensor], tickets: torch.Tensor, programs: int, use_pdl: bool,
            read: bool, ticket: bool) -> None:
     opts = pdl.launch_options(bufs[0].device) if use_pdl else {"PDL": False}
     for i in range(LAUNCHES):
-        _hop_kernel[(programs,)](bufs[i % 2], bufs[(i + 1) % 2], tickets, READ=read,
+        _hop_kernel[(programs,)](bufs[i % 2], bufs[(i + 1) % 2], tickets, MAX_PROGRAMS, READ=read,
                                  TICKET=ticket, BLOCK=triton.next_power_of_2(programs),
                                  num_warps=4, **opts)
 
