@@ -102,6 +102,35 @@ def test_decode_kernels_compiled_match_the_loop(fp8):
     assert float((got.float() - want).abs().max() / want.abs().max()) < 2**-6
 
 
+def _layer_calls(moe, seed: int, calls: int = 12):
+    """run(cfg) -> the outputs of `calls` batch-1 decode_layer calls of `moe` under the decode
+    config cfg, each with its own random activations and router logits (so its own routing)."""
+    from shard.kernels import moe_decode
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    xs = [torch.randn(1, H, device="cuda", generator=gen).bfloat16() for _ in range(calls)]
+    lgs = [torch.randn(1, E, device="cuda", generator=gen).bfloat16() for _ in range(calls)]
+
+    def run(cfg):
+        return [moe_decode.decode_layer(x, lg, moe.w13, moe.w2, moe.routing, moe.scale13,
+                                        moe.scale2, cfg) for x, lg in zip(xs, lgs)]
+
+    return run
+
+
+def _replayed(run, cfg, replays: int = 3):
+    """run(cfg) eagerly (compiles: a capture cannot), then captured in a CUDA graph and replayed
+    `replays` times: the captured outputs after the last replay."""
+    run(cfg)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = run(cfg)
+    for _ in range(replays):
+        g.replay()
+    torch.cuda.synchronize()
+    return outs
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_split_down_from_a_cuda_graph_matches_the_fused_sum(fp8):
     """The split down launch (DecodeConfig.down_split: per-slot programs, a ticketed finish; the
@@ -112,33 +141,18 @@ def test_split_down_from_a_cuda_graph_matches_the_fused_sum(fp8):
 
     from shard.kernels import moe_decode
 
-    moe = _layer(8, fp8)
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    xs = [torch.randn(1, H, device="cuda", generator=gen).bfloat16() for _ in range(12)]
-    lgs = [torch.randn(1, E, device="cuda", generator=gen).bfloat16() for _ in range(12)]
+    run = _layer_calls(_layer(8, fp8), seed=5)
     fused = dataclasses.replace(moe_decode.DECODE_CONFIGS[fp8][-1][1], down_split=0)
-
-    def run(cfg):
-        return [moe_decode.decode_layer(x, lg, moe.w13, moe.w2, moe.routing, moe.scale13,
-                                        moe.scale2, cfg) for x, lg in zip(xs, lgs)]
-
     want = [w.float() for w in run(fused)]
     table = moe_decode.decode_config_for(8, fp8)
     assert table is not None and bool(table.down_split) == fp8
     for opts in ({"down_split": 16, "down_block_k": 64, "down_stages": 3},
                  {"down_split": 32, "down_block_k": 1024, "down_stages": 1}):
-        cfg = dataclasses.replace(table, **opts)
-        run(cfg)  # compiles (a capture cannot)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            outs = run(cfg)
-        for _ in range(3):
-            g.replay()
-        torch.cuda.synchronize()
+        outs = _replayed(run, dataclasses.replace(table, **opts))
         for got, w in zip(outs, want, strict=True):
             err = float((got.float() - w).abs().max() / w.abs().max())
             assert err < 2**-6, (opts, err)
-        assert moe_decode._SPLIT_TICKETS.all_zero(xs[0].device)
+        assert moe_decode._SPLIT_TICKETS.all_zero(torch.device("cuda", 0))
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -154,31 +168,16 @@ def test_early_ids_and_route_trigger_from_a_cuda_graph_match_the_plain_launches(
 
     from shard.kernels import moe_decode
 
-    moe = _layer(8, fp8)
-    gen = torch.Generator(device="cuda").manual_seed(9)
-    xs = [torch.randn(1, H, device="cuda", generator=gen).bfloat16() for _ in range(12)]
-    lgs = [torch.randn(1, E, device="cuda", generator=gen).bfloat16() for _ in range(12)]
+    run = _layer_calls(_layer(8, fp8), seed=9)
     plain = dataclasses.replace(moe_decode.DECODE_CONFIGS[fp8][-1][1], down_split=0,
                                 down_early_ids=False, route_trigger=False, route_dependent=False,
                                 up_late_trigger=False)
-
-    def run(cfg):
-        return [moe_decode.decode_layer(x, lg, moe.w13, moe.w2, moe.routing, moe.scale13,
-                                        moe.scale2, cfg) for x, lg in zip(xs, lgs)]
-
     want = run(plain)
     for opts in ({"down_early_ids": True}, {"route_trigger": True},
                  {"down_early_ids": True, "route_trigger": True},
                  {"route_dependent": True}, {"route_dependent": True, "route_trigger": True},
                  {"route_trigger": True, "up_late_trigger": True, "down_early_ids": True}):
-        cfg = dataclasses.replace(plain, **opts)
-        run(cfg)  # compiles (a capture cannot)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            outs = run(cfg)
-        for _ in range(3):
-            g.replay()
-        torch.cuda.synchronize()
+        outs = _replayed(run, dataclasses.replace(plain, **opts))
         for got, w in zip(outs, want, strict=True):
             assert torch.equal(got, w), opts
 
