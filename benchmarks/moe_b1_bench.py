@@ -296,7 +296,7 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                    subset: bool = False, variant_names: str | None = None) -> dict:
     import torch
 
-    from benchmarks.harness.timing import cuda_time_ms, decode_step
+    from benchmarks.harness.timing import cuda_time_ms, decode_step, gpu_state
     from benchmarks.harness.tp import prefill_logits_8b
     from shard.distributed.groups import Dist
     from shard.layers.attention import FUSE_QK_NORM, WARM_O_PROJ
@@ -388,6 +388,7 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                     graphs.run(step.token_ids, step.positions, step.seq_lens, step.block_tables)
                     replay = graphs.graphs[graphs.bucket(1)].replay
                     ms = cuda_time_ms(replay, iters=50)
+                    row["gpu"] = gpu_state(torch.cuda.current_device())
                     row["step_ms"] = ms
                     row["pct_of_roofline"] = out["roofline_ms"] / ms * 100
                     row["kernels"] = kernel_table(replay, 5, layers)
@@ -404,10 +405,14 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
             for backend in backends:
                 backend.few_program_decode = None
         out["variants"].append(row)
+        gpu = row.get("gpu") or {}
         print(f"model {layers}L {out['quantize']} b=1 {name}: "
               f"{row.get('step_ms', float('nan')):.3f} ms/step "
               f"({row.get('pct_of_roofline', float('nan')):.1f}% of roofline "
-              f"{out['roofline_ms']:.3f} ms)", flush=True)
+              f"{out['roofline_ms']:.3f} ms)"
+              + (f" [sm {gpu.get('clocks.sm')} MHz, {gpu.get('temperature.gpu')} C, "
+                 f"{gpu.get('power.draw')} W, throttle {gpu.get('clocks_throttle_reasons.active')}]"
+                 if gpu else ""), flush=True)
     runner.kv_cache = None
     runner.graphs = None
     del shard, runner, model

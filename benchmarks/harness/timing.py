@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -28,6 +29,26 @@ def cuda_time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
         e.synchronize()
         times.append(s.elapsed_time(e))
     return statistics.median(times)
+
+
+# nvidia-smi's fields for gpu_state, in its order
+_GPU_FIELDS = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw",
+               "clocks_throttle_reasons.active")
+
+
+def gpu_state(index: int = 0) -> dict[str, str]:
+    """GPU `index`'s SM and memory clocks (MHz), temperature (C), power (W) and active throttle
+    reasons (a bit mask) from nvidia-smi, read right after a timing loop: step times that drift
+    within one process can be set against the clocks. {} where nvidia-smi does not answer."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--id={index}", f"--query-gpu={','.join(_GPU_FIELDS)}",
+             "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10,
+            check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    values = [v.strip() for v in out.split(",")]
+    return dict(zip(_GPU_FIELDS, values, strict=False)) if len(values) == len(_GPU_FIELDS) else {}
 
 
 def wall_time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
