@@ -293,7 +293,8 @@ def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[Variant]:
 
 def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                    quantize: str | None, alias_from: int | None, best_attn: dict | None,
-                   subset: bool = False, variant_names: str | None = None) -> dict:
+                   subset: bool = False, variant_names: str | None = None,
+                   profile: bool = True) -> dict:
     import torch
 
     from benchmarks.harness.timing import cuda_time_ms, decode_step, gpu_state
@@ -391,7 +392,8 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                     row["gpu"] = gpu_state(torch.cuda.current_device())
                     row["step_ms"] = ms
                     row["pct_of_roofline"] = out["roofline_ms"] / ms * 100
-                    row["kernels"] = kernel_table(replay, 5, layers)
+                    if profile:  # CUPTI replays: the critical path by kernel
+                        row["kernels"] = kernel_table(replay, 5, layers)
                     del graphs, replay
                 else:
                     runner.execute(step)
@@ -553,6 +555,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=None,
                    help="comma-separated model variant names, run in this order; a name "
                         "may repeat (interleaved A/B) (default: all)")
+    p.add_argument("--no-profile", action="store_true",
+                   help="no per-kernel CUPTI replays (step times only): whether the profiler "
+                        "sessions between variants cause the step-time drift within a process")
     args = p.parse_args(argv)
     t_start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -592,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
         if q in parts:
             attempt(f"model_{q}", lambda q=q: res["models"].append(bench_model_b1(
                 d, shape, copy_bps, cuda, None if q == "bf16" else "fp8", STORED, best,
-                subset=q == "fp8", variant_names=args.variants)))
+                subset=q == "fp8", variant_names=args.variants, profile=not args.no_profile)))
     res["wall_s"] = time.time() - t_start
     write_report(res, args.out)
     print("\n".join(summary(res)), flush=True)
