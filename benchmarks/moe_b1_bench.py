@@ -47,6 +47,7 @@ import gc
 import json
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,12 +80,14 @@ OLD_ATTN_TILINGS = ((16, 16, 2), (16, 32, 2), (16, 32, 1), (32, 16, 1), (8, 64, 
 # ---- 2. attention kernel alone -------------------------------------------------------------
 
 
-def attention_sweep(shape: dict, layers: int = LAYERS, budget_s: float = 60.0) -> dict:
-    """The fused rotary + store + split-KV decode kernel at batch 1, each tiling over `layers`
-    distinct caches in one CUDA graph: us per layer."""
+def attention_chain(shape: dict, layers: int = LAYERS) -> Callable[..., None]:
+    """run(tiling, fused=True, stamps=None): the batch-1 decode attention of `layers` distinct
+    layers back to back (each its own K/V cache of CONTEXT random positions and its own q/k/v),
+    as a step launches it: fused rotary + store + split-KV (fused=False: q as if rotated, the
+    cache as if written). tiling: a DecodeTiling or None (the defaults); stamps: None or int64
+    [layers, programs, STAMP_SLOTS] (shard/kernels/stamps.py)."""
     import torch
 
-    from benchmarks.moe_bench import _graph_ms
     from shard.attention.cuda_backend import DecodeTiling
     from shard.kernels import attention_decode as ad
     from shard.layers.rotary import RotaryEmbedding
@@ -103,16 +106,14 @@ def attention_sweep(shape: dict, layers: int = LAYERS, budget_s: float = 60.0) -
     pos = torch.tensor([CONTEXT - 1], device=dev)
     slots = torch.tensor([CONTEXT - 1], device=dev)
     outs = torch.empty(layers, 1, heads, hd, dtype=torch.bfloat16, device=dev)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    default_splits = ad.default_num_splits(1, kvh, sms)
 
-    def run(t: DecodeTiling | None, fused: bool = True) -> None:
+    def run(t: DecodeTiling | None, fused: bool = True, stamps: Any = None) -> None:
         for i in range(layers):
             q, k, v = qkv[i].split([heads * hd, kvh * hd, kvh * hd], -1)
-            kw: dict[str, Any] = {}
+            kw: dict[str, Any] = {"stamps": None if stamps is None else stamps[i]}
             if t is not None:
-                kw = {"num_splits": t.num_splits, "block_n": t.block_n,
-                      "num_warps": t.num_warps, "num_stages": t.num_stages}
+                kw.update(num_splits=t.num_splits, block_n=t.block_n, num_warps=t.num_warps,
+                          num_stages=t.num_stages)
             if not fused:  # q taken as already rotated, the cache as already written
                 ad.paged_decode_attention(q.view(1, heads, hd), caches[i][0], caches[i][1],
                                           tables, lens, hd**-0.5, out=outs[i], **kw)
@@ -121,6 +122,23 @@ def attention_sweep(shape: dict, layers: int = LAYERS, budget_s: float = 60.0) -
                 q.view(1, heads, hd), k.view(1, kvh, hd), v.view(1, kvh, hd), pos, rope.cos,
                 rope.sin, caches[i][0], caches[i][1], slots, tables, lens, hd**-0.5,
                 out=outs[i], **kw)
+
+    return run
+
+
+def attention_sweep(shape: dict, layers: int = LAYERS, budget_s: float = 60.0) -> dict:
+    """The fused rotary + store + split-KV decode kernel at batch 1, each tiling over `layers`
+    distinct caches in one CUDA graph: us per layer."""
+    import torch
+
+    from benchmarks.moe_bench import _graph_ms
+    from shard.attention.cuda_backend import DecodeTiling
+    from shard.kernels import attention_decode as ad
+
+    kvh, hd = shape["num_key_value_heads"], shape["head_dim"]
+    run = attention_chain(shape, layers)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    default_splits = ad.default_num_splits(1, kvh, sms)
 
     name = f"s{default_splits}-n{ad.decode_tile(hd)}-w4-st3"
     rows: list[dict] = [{"tiling": f"default({name})",

@@ -59,6 +59,7 @@ from shard.kernels.l2_warm import warm_share
 from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
 from shard.kernels.setting import Setting
 from shard.kernels.softcap import soft_cap_log2
+from shard.kernels.stamps import stamp
 from shard.kernels.tickets import TicketCounters
 
 LOG2E = 1.4426950408889634
@@ -429,6 +430,7 @@ def _decode_split_kernel(
     qn_w_ptr,  # QK_NORM (FUSED_ROTARY): q's and k's per-head RMSNorm weights [head_dim]
     kn_w_ptr,
     norm_eps,
+    stamps_ptr,  # STAMPS: int64 [programs, STAMP_SLOTS], program = (seq, kv head, split) order
     NUM_SPLITS,  # runtime: one compiled kernel serves every split count
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # >= 16 for tl.dot
@@ -451,6 +453,7 @@ def _decode_split_kernel(
     WARM: tl.constexpr = False,  # warm [warm_ptr, + warm_bytes) into L2 after the wait
     QK_NORM: tl.constexpr = False,  # FUSED_ROTARY: q/k RMSNorm per head first (Qwen3, Gemma 3)
     NORM_OFFSET: tl.constexpr = 0.0,  # QK_NORM: the weight applied is (NORM_OFFSET + w)
+    STAMPS: tl.constexpr = False,  # record STAMP_POINTS (shard/kernels/stamps.py)
 ):
     # Latency-bound at decode batch sizes: let the next kernel launch now. Before the wait on
     # the previous kernel (q/k/v's GEMV, or the rotary + store kernel) only what it cannot have
@@ -461,6 +464,8 @@ def _decode_split_kernel(
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    program = (seq * tl.num_programs(1) + kvh) * tl.num_programs(2) + split
+    stamp(stamps_ptr, program, 0, STAMPS)
     # fp8: K = stored * k_scale, V = stored * v_scale for this program's KV head; both scales are
     # folded in exactly (scores * k_scale, output * v_scale) instead of scaling every element.
     qk_scale = sm_scale_log2
@@ -502,6 +507,7 @@ def _decode_split_kernel(
         k_first, v_first = _load_kv(k_cache_ptr, v_cache_ptr, first_off,
                                     (first_in & ~first_new)[:, None] & mask_d[None, :], dtype)
     wait_for_predecessor(PDL)
+    stamp(stamps_ptr, program, 1, STAMPS)
 
     if FUSED_ROTARY:
         # The split holding the new token (position seq_len - 1) stores its k, v; split 0 when
@@ -522,6 +528,7 @@ def _decode_split_kernel(
             mask=mask_g[:, None] & mask_d[None, :],
             other=0.0,
         )  # [GROUP_PAD, BLOCK_D]
+    stamp(stamps_ptr, program, 2, STAMPS)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -554,13 +561,13 @@ def _decode_split_kernel(
         k, v = _load_kv(k_cache_ptr, v_cache_ptr, kv_off, mask_n[:, None] & mask_d[None, :],
                         dtype)
         m_i, l_i, acc = _attend_tile(q, k, v, mask_n, m_i, l_i, acc, qk_scale, SOFTCAP)
+    stamp(stamps_ptr, program, 3, STAMPS)
 
     # The o_proj GEMV's weights stream into L2 while the partial store, the ticket and the
     # merge run. Not earlier: the prefetch's HBM requests would queue ahead of this program's
     # own K/V loads (measured: warming right after the wait made the step 7 us a layer slower).
     programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    warm_share(warm_ptr, warm_bytes, (seq * tl.num_programs(1) + kvh) * tl.num_programs(2) + split,
-               programs, WARM)
+    warm_share(warm_ptr, warm_bytes, program, programs, WARM)
     if FUSED_ROTARY and not Q_IN_REGISTERS:
         # Every thread has read its q (the scratch) before any thread overwrites it below.
         tl.debug_barrier()
@@ -578,6 +585,7 @@ def _decode_split_kernel(
         tl.store(
             out_ptr + out_off, (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask
         )
+        stamp(stamps_ptr, program, 7, STAMPS)
     else:
         # Unnormalised partial output and its log2-sum-exp (-inf for an empty split).
         safe_l = tl.where(l_i > 0, l_i, 1.0)
@@ -590,14 +598,17 @@ def _decode_split_kernel(
         # fewer per layer). Every thread's stores above precede the ticket; the acq_rel atomic
         # publishes them to (and, for the last split, acquires the others' from) the whole GPU.
         tl.debug_barrier()
+        stamp(stamps_ptr, program, 4, STAMPS)
         ticket_at = ticket_ptr + seq * tl.num_programs(1) + kvh
         ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel", scope="gpu")
+        stamp(stamps_ptr, program, 5, STAMPS)
         if ticket == NUM_SPLITS - 1:
             tl.store(ticket_at, 0)  # every split has taken its ticket: reset for the next launch
             _merge_splits(out_ptr, lse_ptr, final_ptr, seq.to(tl.int64), kvh, num_heads,
                           NUM_SPLITS, stride_out_seq, stride_out_head, stride_out_split,
                           stride_final_seq, stride_final_head, GROUP, GROUP_P2, SPLITS_PAD,
                           HEAD_DIM, BLOCK_D)
+            stamp(stamps_ptr, program, 6, STAMPS)
 
 
 @triton.jit
@@ -669,6 +680,12 @@ def q_through_memory() -> AbstractContextManager[None]:
     return _Q_THROUGH_MEMORY.override(True)
 
 
+# The split kernel's stamp points (shard/kernels/stamps.py; `stamps=` of the launches below), in
+# program order. A program that merges stamps 6; a one-split launch stamps 7 instead of 4-6.
+STAMP_POINTS = ("start", "after the PDL wait", "q ready (after the rotary prologue)",
+                "tiles attended", "partials stored", "ticket taken", "merged", "output stored")
+
+
 def decode_tile(head_dim: int) -> int:
     """K/V positions per tile (BLOCK_N): 64 up to head_dim 128 (measured, benchmarks/NOTES.md);
     32 beyond (Gemma's 256), so that the pipelined K and V tiles (3 stages of 2 x BLOCK_N x
@@ -718,6 +735,7 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
     warm: torch.Tensor | None = None,  # the next launch's weights: into L2 (l2_warm.py)
+    stamps: torch.Tensor | None = None,  # int64 [programs, STAMP_SLOTS]: STAMP_POINTS recorded
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Attention of one new query token per sequence over its whole paged context (the last
     sliding_window positions only, where given)."""
@@ -725,7 +743,7 @@ def paged_decode_attention(
         out = torch.empty_like(query)
     return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
                    num_splits, out, block_n, num_warps, num_stages, k_scale, v_scale, None,
-                   softcap, warm)
+                   softcap, warm, stamps)
 
 
 def rotary_store_decode_attention(
@@ -752,6 +770,7 @@ def rotary_store_decode_attention(
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
     warm: torch.Tensor | None = None,  # the next launch's weights: into L2 (l2_warm.py)
     head_norms: HeadNorms | None = None,  # q/k RMSNorm per head before the rotation
+    stamps: torch.Tensor | None = None,  # int64 [programs, STAMP_SLOTS]: STAMP_POINTS recorded
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """(head_norms: shard.kernels.qk_norm.qk_rms_norm, then) shard.kernels.elementwise.
     rotary_store_kv then paged_decode_attention, in the split kernel itself
@@ -766,7 +785,7 @@ def rotary_store_decode_attention(
     new = _NewTokens(key, value, positions, cos, sin, slot_mapping, head_norms)
     return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
                    num_splits, out, block_n, num_warps, num_stages, k_scale, v_scale, new,
-                   softcap, warm)
+                   softcap, warm, stamps)
 
 
 def _decode(
@@ -787,6 +806,7 @@ def _decode(
     new: _NewTokens | None,  # FUSED_ROTARY inputs, None: query is rotated, the cache written
     softcap: float | None = None,  # > 0: attention-logit soft-capping
     warm: torch.Tensor | None = None,  # warmed into L2 after the kernel's PDL wait
+    stamps: torch.Tensor | None = None,  # int64 [>= programs, STAMP_SLOTS] (STAMP_POINTS)
 ) -> torch.Tensor:
     """Launches the split kernel (its last split per sequence and KV head merges). Host work only:
     no syncs; the temporaries depend on the batch shape alone (CUDA-graph capture)."""
@@ -868,6 +888,7 @@ def _decode(
         norms.q_weight if norms is not None else dummy,
         norms.k_weight if norms is not None else dummy,
         norms.eps if norms is not None else 0.0,
+        stamps if stamps is not None else dummy,
         NUM_SPLITS=num_splits,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -893,6 +914,7 @@ def _decode(
         WARM=warm is not None,
         QK_NORM=norms is not None,
         NORM_OFFSET=float(norms.offset) if norms is not None else 0.0,
+        STAMPS=stamps is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch_options(query.device),

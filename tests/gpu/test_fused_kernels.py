@@ -187,6 +187,35 @@ def test_last_split_merges_under_stress(seq_lens):
     assert attention_decode._TICKETS.all_zero(d.q.device)
 
 
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_stamps_change_nothing_and_follow_the_points(num_splits):
+    """The split kernel with its %globaltimer stamps (benchmarks/attention_stamps.py): the same
+    output and cache bytes as without; every program's stamps rise in STAMP_POINTS' order, and
+    with several splits exactly one program per (sequence, KV head) merges, after its ticket."""
+    from shard.kernels.attention_decode import rotary_store_decode_attention
+    from shard.kernels.stamps import STAMP_SLOTS
+
+    d = _decode_step(torch.bfloat16, [300, 700], seed=3)
+    caches = (d.cache.clone(), d.cache.clone())
+    programs = 2 * d.k.shape[1] * num_splits
+    stamps = torch.zeros(programs, STAMP_SLOTS, dtype=torch.int64, device="cuda")
+    outs = [rotary_store_decode_attention(d.q, d.k, d.v, d.positions, d.rope.cos, d.rope.sin,
+                                          *cache, d.slots, d.tables, d.seq_lens, d.scale, None,
+                                          num_splits, stamps=st)
+            for cache, st in zip(caches, (None, stamps), strict=True)]
+    _assert_same_bytes(outs[0], outs[1])
+    _assert_same_bytes(caches[0], caches[1])
+    s = stamps.cpu()
+    passed = [0, 1, 2, 3, 7] if num_splits == 1 else [0, 1, 2, 3, 4, 5]
+    assert bool((s[:, passed] > 0).all())
+    assert bool((s[:, passed].diff(dim=1) >= 0).all())
+    if num_splits > 1:
+        merged = s[:, 6] > 0
+        assert int(merged.sum()) == programs // num_splits
+        assert bool((s[merged, 6] >= s[merged, 5]).all())
+        assert not bool((s[:, 7] > 0).any())
+
+
 @pytest.mark.parametrize("seq_lens", [[300], [300, 0, 1000, 17]], ids=["batch1", "padded"])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_fused_decode_backend_in_cuda_graph_equals_two_kernels(cache_dtype, seq_lens):
