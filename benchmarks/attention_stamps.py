@@ -29,10 +29,11 @@ from typing import Any
 
 import numpy as np
 
-# (splits, K/V tile, warps, stages); None: the launch's defaults (s16-n64-w4-st3 at 4 KV heads)
-CONFIGS: tuple[tuple[int, int, int, int] | None, ...] = (
-    None, (16, 64, 4, 1), (16, 32, 4, 3), (16, 16, 2, 3), (8, 64, 4, 3), (4, 64, 4, 3),
-    (1, 64, 4, 3))
+# ((splits, K/V tile, warps, stages) or None for the launch's defaults (s16-n64-w4-st3 at 4 KV
+# heads), the merge one split at a time: attention_decode.merge_by_split)
+CONFIGS: tuple[tuple[tuple[int, int, int, int] | None, bool], ...] = (
+    (None, False), (None, True), ((16, 64, 4, 1), False), ((16, 64, 4, 1), True),
+    ((8, 64, 4, 3), True), ((16, 32, 4, 3), True), ((16, 64, 4, 3), False))
 PHASES = ("lag", "q", "attend", "store", "ticket", "merge")
 
 
@@ -45,7 +46,9 @@ def layer_phases(stamps: np.ndarray) -> dict[str, Any]:
     one_split = bool((s[:, :, 7] > 0).any())
     # a program's last point: the output stored (one split), merged (the merging split) or
     # its ticket taken
-    done = s[:, :, 7] if one_split else np.where(s[:, :, 6] > 0, s[:, :, 6], s[:, :, 5])
+    # (a merge stamp older than the program's ticket is an earlier replay's: not this one's)
+    merged = s[:, :, 6] >= s[:, :, 5]
+    done = s[:, :, 7] if one_split else np.where(merged, s[:, :, 6], s[:, :, 5])
     release = s[:, :, 1].min(axis=1)  # [layers] the first return from the PDL wait
     end = done.max(axis=1)
     rows: dict[str, list[float]] = {k: [] for k in
@@ -63,8 +66,7 @@ def layer_phases(stamps: np.ndarray) -> dict[str, Any]:
         else:
             steps["store"] = s[i, :, 4] - s[i, :, 3]
             steps["ticket"] = s[i, :, 5] - s[i, :, 4]
-            merged = s[i, :, 6] > 0
-            steps["merge"] = np.where(merged, s[i, :, 6] - s[i, :, 5], np.nan)
+            steps["merge"] = np.where(merged[i], s[i, :, 6] - s[i, :, 5], np.nan)
         critical = int(np.argmax(done[i]))
         for name, values in steps.items():
             rows[name].append(float(np.nanmean(values)))
@@ -86,16 +88,18 @@ def run(layers: int = 48, replays: int = 10) -> dict[str, Any]:
     chain = attention_chain(shape, layers)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for cfg in CONFIGS:
+    for cfg, by_split in CONFIGS:
         tiling = None if cfg is None else DecodeTiling(kvh, *cfg)
         splits = ad.default_num_splits(1, kvh, sms) if cfg is None else cfg[0]
-        name = f"default(s{splits})" if cfg is None else tiling.name()
+        name = (f"default(s{splits})" if tiling is None else tiling.name()) + (
+            "+by-split" if by_split else "")
         stamps = torch.zeros(layers, kvh * splits, STAMP_SLOTS, dtype=torch.int64, device="cuda")
         row: dict[str, Any] = {"tiling": name, "programs": kvh * splits}
         try:
-            row["us_per_layer"] = _graph_ms(lambda t=tiling: chain(t)) * 1e3 / layers
-            row["stamped_us_per_layer"] = _graph_ms(
-                lambda t=tiling, st=stamps: chain(t, stamps=st), iters=replays) * 1e3 / layers
+            with ad.merge_by_split(by_split):
+                row["us_per_layer"] = _graph_ms(lambda t=tiling: chain(t)) * 1e3 / layers
+                row["stamped_us_per_layer"] = _graph_ms(
+                    lambda t=tiling, st=stamps: chain(t, stamps=st), iters=replays) * 1e3 / layers
             row.update(layer_phases(stamps.cpu().numpy()))
         except Exception as exc:  # noqa: BLE001 - recorded; the next tiling still runs
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -106,11 +110,11 @@ def run(layers: int = 48, replays: int = 10) -> dict[str, Any]:
 
 def _line(row: dict[str, Any]) -> str:
     if "error" in row:
-        return f"{row['tiling']:>18s}  {row['error']}"
+        return f"{row['tiling']:>27s}  {row['error']}"
     cells = " ".join(f"{k} {row[k]:.2f}" for k in
                      ("us_per_layer", "stamped_us_per_layer", "period", "early", "hop", "span",
                       *PHASES, *(f"critical {p}" for p in PHASES)) if k in row)
-    return f"{row['tiling']:>18s}  {cells}"
+    return f"{row['tiling']:>27s}  {cells}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,8 +73,10 @@ TILES = (16, 32, 64)
 WARPS = (4, 2, 1)
 # Split counts also tried in the whole model (with the default tile), beside the sweep's best.
 MODEL_SPLITS = (8,)
-# (splits, K/V tile, warps) of the attention launch run in the default step (old+attn:...)
-OLD_ATTN_TILINGS = ((16, 16, 2), (16, 32, 2), (16, 32, 1), (32, 16, 1), (8, 64, 2))
+# (splits, K/V tile, warps, stages) of the attention launch run in the default step
+# (old+attn:...); round 18: one stage (benchmarks/attention_stamps.py: 9.1 -> 8.1 us alone)
+OLD_ATTN_TILINGS = ((16, 16, 2, 3), (16, 32, 2, 3), (16, 32, 1, 3), (32, 16, 1, 3),
+                    (8, 64, 2, 3), (16, 64, 4, 1))
 
 
 # ---- 2. attention kernel alone -------------------------------------------------------------
@@ -271,12 +273,15 @@ class Variant:
     warm_o: bool = False  # shard.layers.attention.WARM_O_PROJ (o_proj warmed into L2)
     fuse_qk_norm: bool = True  # shard.layers.attention.FUSE_QK_NORM (q/k norms in attention)
     router_norm: bool = True  # shard.layers.moe.ROUTER_NORM (add + norm in the router GEMV)
+    merge_by_split: bool = False  # attention_decode.merge_by_split (the split merge's form)
 
 
 def _fp8_subset(variants: list[Variant]) -> list[Variant]:
-    """fp8 (time): old, fused, the norm prologue, the first attention tiling (the sweep's best)."""
+    """fp8 (time): the old step's variants, fused, the norm prologue, the first attention tiling
+    (the sweep's best)."""
     attn = [v for v in variants if v.name.startswith("fused+attn:")][:1]
-    return [v for v in variants if v.name in ("old", "fused", "fused+norm-prologue")] + attn
+    return [v for v in variants if v.name in ("fused", "fused+norm-prologue")
+            or v.name == "old" or v.name.startswith(("old:", "old+"))] + attn
 
 
 def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[Variant]:
@@ -290,7 +295,11 @@ def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[Variant]:
     # round 17: the default step with fewer warps per attention program (fewer CTA barriers in
     # its chain of dependent steps: the routing launch gained 1.5 us a layer from one warp)
     out += [Variant(f"old+attn:{t.name()}", False, t)
-            for t in (DecodeTiling(kv_heads, s, n, w) for s, n, w in OLD_ATTN_TILINGS)]
+            for t in (DecodeTiling(kv_heads, *tiling) for tiling in OLD_ATTN_TILINGS)]
+    # round 18: the attention's merge one split at a time (attention_decode.merge_by_split)
+    out += [Variant("old:merge-by-split", False, merge_by_split=True),
+            *(Variant(f"old+attn:{t.name()}:merge-by-split", False, t, merge_by_split=True)
+              for t in (DecodeTiling(kv_heads, *tiling) for tiling in OLD_ATTN_TILINGS[-1:]))]
     tilings: list[DecodeTiling] = []
     if best is not None:
         tilings.append(DecodeTiling(kv_heads, best["splits"], best["block_n"], best["num_warps"]))
@@ -351,7 +360,7 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
     out["roofline_ms"] = sum(parts.values()) / copy_bps * 1e3 if cuda else float("nan")
     backends = list({id(a.backend): a.backend for a in model.attns}.values())
     kv_heads = shape["num_key_value_heads"]
-    from shard.kernels import moe_decode, moe_router
+    from shard.kernels import attention_decode, moe_decode, moe_router
 
     variants = _variants(best_attn, kv_heads, cuda)
     variants = _fp8_subset(variants) if subset else variants
@@ -394,6 +403,7 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
             with fused_router(var.fused_router), moe_router.config_override(var.router), \
                     norm_prologue(var.norm_prologue), moe_decode.config_override(var.moe_config), \
                     WARM_O_PROJ.override(var.warm_o), FUSE_QK_NORM.override(var.fuse_qk_norm), \
+                    attention_decode.merge_by_split(var.merge_by_split), \
                     ROUTER_NORM.override(var.router_norm):
                 if cuda:
                     # this variant's graph (captured under its settings: every bucket runs

@@ -454,6 +454,7 @@ def _decode_split_kernel(
     QK_NORM: tl.constexpr = False,  # FUSED_ROTARY: q/k RMSNorm per head first (Qwen3, Gemma 3)
     NORM_OFFSET: tl.constexpr = 0.0,  # QK_NORM: the weight applied is (NORM_OFFSET + w)
     STAMPS: tl.constexpr = False,  # record STAMP_POINTS (shard/kernels/stamps.py)
+    MERGE_BY_SPLIT: tl.constexpr = False,  # _merge_splits' form (merge_by_split)
 ):
     # Latency-bound at decode batch sizes: let the next kernel launch now. Before the wait on
     # the previous kernel (q/k/v's GEMV, or the rotary + store kernel) only what it cannot have
@@ -607,7 +608,7 @@ def _decode_split_kernel(
             _merge_splits(out_ptr, lse_ptr, final_ptr, seq.to(tl.int64), kvh, num_heads,
                           NUM_SPLITS, stride_out_seq, stride_out_head, stride_out_split,
                           stride_final_seq, stride_final_head, GROUP, GROUP_P2, SPLITS_PAD,
-                          HEAD_DIM, BLOCK_D)
+                          HEAD_DIM, BLOCK_D, MERGE_BY_SPLIT)
             stamp(stamps_ptr, program, 6, STAMPS)
 
 
@@ -630,35 +631,55 @@ def _merge_splits(
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BY_SPLIT: tl.constexpr = False,
 ):
     """Merges the splits of KV head kvh's query heads of one sequence (run by the split kernel's
     program that finishes last): o = sum_s w_s * part_s / sum_s w_s,
     w_s = 2^(lse_s - max lse). The other programs wrote the partials: loaded past the L1
-    (.cg), which is not coherent across SMs and may hold an earlier step's lines."""
+    (.cg), which is not coherent across SMs and may hold an earlier step's lines.
+    BY_SPLIT: the partials are read and weighted one split's [GROUP, head_dim] rows at a time
+    (independent loads, so still all in flight) instead of as one [splits, GROUP, head_dim]
+    block, whose values and addresses one program holds at once (128 fp32 a thread at 16 x 8 x
+    128 with 4 warps) and whose split sum crosses warps."""
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_g = tl.arange(0, GROUP_P2)
     offs_d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + offs_g  # [GROUP_P2]
-    mask_sg = (offs_s < NUM_SPLITS)[:, None] & (offs_g < GROUP)[None, :]  # [SPLITS_PAD, GROUP_P2]
-    lse = tl.load(lse_ptr + (seq * num_heads + heads[None, :]) * NUM_SPLITS + offs_s[:, None],
-                  mask=mask_sg, other=float("-inf"), cache_modifier=".cg")
-    part = tl.load(
-        part_ptr + seq * stride_part_seq + heads[None, :, None] * stride_part_head
-        + offs_s[:, None, None] * stride_part_split + offs_d[None, None, :],
-        mask=mask_sg[:, :, None] & (offs_d < HEAD_DIM)[None, None, :],
-        other=0.0,
-        cache_modifier=".cg",
-    )  # [SPLITS_PAD, GROUP_P2, BLOCK_D]
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    mask_sg = (offs_s < NUM_SPLITS)[:, None] & mask_g[None, :]  # [SPLITS_PAD, GROUP_P2]
+    lse_at = lse_ptr + (seq * num_heads + heads) * NUM_SPLITS  # [GROUP_P2]
+    lse = tl.load(lse_at[None, :] + offs_s[:, None], mask=mask_sg, other=float("-inf"),
+                  cache_modifier=".cg")
     m = tl.max(lse, 0)  # [GROUP_P2]
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m[None, :])  # 0 for empty splits
     denom = tl.sum(w, 0)
     denom = tl.where(denom > 0, denom, 1.0)
-    o = tl.sum(part * w[:, :, None], 0) / denom[:, None]  # [GROUP_P2, BLOCK_D]
+    part_at = part_ptr + seq * stride_part_seq + heads[:, None] * stride_part_head + offs_d[None, :]
+    if BY_SPLIT:
+        o = tl.zeros([GROUP_P2, BLOCK_D], tl.float32)
+        for s in tl.static_range(SPLITS_PAD):
+            here = mask_g & (s < NUM_SPLITS)  # [GROUP_P2]
+            w_s = tl.exp2(tl.load(lse_at + s, mask=here, other=float("-inf"),
+                                  cache_modifier=".cg") - m)
+            part_s = tl.load(part_at + s * stride_part_split,
+                             mask=here[:, None] & mask_d[None, :], other=0.0,
+                             cache_modifier=".cg")  # [GROUP_P2, BLOCK_D]
+            o += part_s * w_s[:, None]
+        o = o / denom[:, None]
+    else:
+        part = tl.load(
+            part_at[None, :, :] + offs_s[:, None, None] * stride_part_split,
+            mask=mask_sg[:, :, None] & mask_d[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )  # [SPLITS_PAD, GROUP_P2, BLOCK_D]
+        o = tl.sum(part * w[:, :, None], 0) / denom[:, None]  # [GROUP_P2, BLOCK_D]
     tl.store(
         out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + offs_d[None, :],
         o.to(out_ptr.dtype.element_ty),
-        mask=(offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
     )
 
 
@@ -671,6 +692,16 @@ _TICKETS = TicketCounters("decode attention", 1024)
 # A/B only (q_through_memory): FUSED_ROTARY's q path of head_dims that are not powers of two,
 # forced onto every head_dim
 _Q_THROUGH_MEMORY = Setting(False)
+
+
+# A/B (merge_by_split): _merge_splits' BY_SPLIT form
+_MERGE_BY_SPLIT = Setting(False)
+
+
+def merge_by_split(on: bool) -> AbstractContextManager[None]:
+    """Inside the block the split kernel's merge reads the partials one split at a time
+    (_merge_splits' BY_SPLIT); capture a CUDA graph under the setting it is replayed with."""
+    return _MERGE_BY_SPLIT.override(on)
 
 
 def q_through_memory() -> AbstractContextManager[None]:
@@ -915,6 +946,7 @@ def _decode(
         QK_NORM=norms is not None,
         NORM_OFFSET=float(norms.offset) if norms is not None else 0.0,
         STAMPS=stamps is not None,
+        MERGE_BY_SPLIT=_MERGE_BY_SPLIT.value,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch_options(query.device),

@@ -53,3 +53,13 @@ def test_one_split_ends_at_the_output_store() -> None:
     assert r["store"] == pytest.approx(0.4)
     assert "ticket" not in r and "merge" not in r
     assert r["span"] == pytest.approx((100 + 800 + 400) / 1e3)
+
+
+def test_an_earlier_replays_merge_stamp_is_ignored() -> None:
+    """The buffer outlives replays: a program that merged in an earlier replay but not in the
+    last keeps an older stamp 6, which is not this replay's merge."""
+    s = _split_layers(6, 4)
+    s[:, 0, 6] = s[:, 0, 5] - 1_500  # program 0 merged a replay ago (> 0 from layer 1)
+    r = layer_phases(s)
+    assert r["merge"] == pytest.approx(0.8)
+    assert r["span"] == pytest.approx((300 + 2_800) / 1e3)

@@ -161,8 +161,9 @@ def test_rotary_store_decode_attention_equals_two_kernels(cache_dtype, seq_lens,
             assert not got[i].any()  # padding row: zeros
 
 
+@pytest.mark.parametrize("by_split", [False, True], ids=["block-merge", "merge-by-split"])
 @pytest.mark.parametrize("seq_lens", [[1024], [1024, 0, 700, 33]], ids=["batch1", "padded"])
-def test_last_split_merges_under_stress(seq_lens):
+def test_last_split_merges_under_stress(seq_lens, by_split):
     """The split that finishes last merges its (sequence, KV head) (the split kernel's ticket
     protocol). 16 splits, 60 launches queued back to back with new queries and read after one
     sync: each equals one split's result (no merge) to rounding, and every ticket counter is
@@ -173,13 +174,14 @@ def test_last_split_merges_under_stress(seq_lens):
     d = _decode_step(torch.bfloat16, seq_lens, seed=7)
     gen = torch.Generator(device="cuda").manual_seed(8)
     results = []
-    for _ in range(60):
-        q = torch.randn(d.q.shape, device="cuda", generator=gen).to(torch.bfloat16)
-        split = attention_decode.paged_decode_attention(q, *d.cache, d.tables, d.seq_lens, d.scale,
-                                                     None, 16)
-        whole = attention_decode.paged_decode_attention(q, *d.cache, d.tables, d.seq_lens, d.scale,
-                                                     None, 1)
-        results.append((split, whole))
+    with attention_decode.merge_by_split(by_split):
+        for _ in range(60):
+            q = torch.randn(d.q.shape, device="cuda", generator=gen).to(torch.bfloat16)
+            split = attention_decode.paged_decode_attention(q, *d.cache, d.tables, d.seq_lens,
+                                                         d.scale, None, 16)
+            whole = attention_decode.paged_decode_attention(q, *d.cache, d.tables, d.seq_lens,
+                                                         d.scale, None, 1)
+            results.append((split, whole))
     torch.cuda.synchronize()
     for i, (split, whole) in enumerate(results):
         torch.testing.assert_close(split, whole, atol=2e-3, rtol=1e-2, msg=f"launch {i}")

@@ -16,7 +16,7 @@ pytestmark = [needs(cuda_backend_available(), "triton without its CUDA backend (
               pytest.mark.timeout(300)]
 
 
-def _compile_split_kernel(stamps: bool, one_split: bool):
+def _compile_split_kernel(stamps: bool, one_split: bool, merge_by_split: bool = False):
     from shard.kernels import attention_decode as ad
 
     pointers = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
@@ -37,13 +37,16 @@ def _compile_split_kernel(stamps: bool, one_split: bool):
               "HALF": 64, "HALF_PAD": 64, "FP8_MAX": 0.0, "PDL": True, "EARLY_TILE": True,
               "Q_IN_REGISTERS": True, "GROUP_P2": 8, "SPLITS_PAD": 1 if one_split else 16,
               "SOFTCAP": 0.0, "WARM": False, "QK_NORM": True, "NORM_OFFSET": 0.0,
-              "STAMPS": stamps}
+              "STAMPS": stamps, "MERGE_BY_SPLIT": merge_by_split}
     return compile_sm90(ad._decode_split_kernel, types, consts, 4, 3, divisible=())
 
 
-@pytest.mark.parametrize("one_split", [False, True], ids=["splits", "one-split"])
-def test_stamps_in_point_order_around_the_wait_and_ticket(one_split: bool) -> None:
-    lines = _compile_split_kernel(True, one_split).asm["ptx"].splitlines()
+@pytest.mark.parametrize(("one_split", "merge_by_split"), [(False, False), (False, True),
+                                                          (True, False)],
+                         ids=["splits", "splits-merge-by-split", "one-split"])
+def test_stamps_in_point_order_around_the_wait_and_ticket(one_split: bool,
+                                                          merge_by_split: bool) -> None:
+    lines = _compile_split_kernel(True, one_split, merge_by_split).asm["ptx"].splitlines()
     reads = [i for i, line in enumerate(lines) if "%globaltimer" in line]
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     atomics = [i for i, line in enumerate(lines) if "atom." in line]

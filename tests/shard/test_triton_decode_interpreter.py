@@ -243,6 +243,41 @@ _QK_NORM_CHECK = textwrap.dedent(
     """
 )
 
+# The merge's two forms (_merge_splits: one [splits, group, head_dim] block, or one split's rows
+# at a time under merge_by_split): each against float64 attention over the gathered context, and
+# the two within fp32 summation-order rounding of each other. Split counts 3 (padded to 4, one
+# masked split) and 5 (padded to 8), with empty splits ([1] and the padding row).
+_MERGE_FORMS_CHECK = textwrap.dedent(
+    """
+    from shard.kernels.attention_decode import merge_by_split
+
+    gen = torch.Generator().manual_seed(301)
+    for seq_lens, num_splits in (([70, 0, 130, 1], 3), ([200, 9], 5)):
+        n, head_dim = len(seq_lens), 64
+        q = torch.randn(n, HEADS, head_dim, generator=gen)
+        per = max(-(-max(seq_lens) // PAGE), 1)
+        tables = torch.randperm(BLOCKS, generator=gen)[: n * per].view(n, per).to(torch.int32)
+        cache = torch.randn(2, BLOCKS, PAGE, KV_HEADS, head_dim, generator=gen)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        scale = head_dim ** -0.5
+        block = paged_decode_attention(q, *cache, tables, lens, scale, None, num_splits)
+        with merge_by_split(True):
+            by_split = paged_decode_attention(q, *cache, tables, lens, scale, None, num_splits)
+        for i, length in enumerate(seq_lens):
+            if length == 0:
+                assert not block[i].any() and not by_split[i].any()
+                continue
+            slots = (tables[i].long()[:, None] * PAGE + torch.arange(PAGE)).flatten()[:length]
+            k, v = (c.reshape(-1, KV_HEADS, head_dim)[slots].double() for c in cache)
+            k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
+            w = torch.softmax(torch.einsum("hd,thd->ht", q[i].double(), k) * scale, -1)
+            want = torch.einsum("ht,thd->hd", w, v).float()
+            for got in (block[i], by_split[i]):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(by_split, block, atol=1e-6, rtol=1e-6)
+    """
+)
+
 
 def _run_interpreted(check: str) -> None:
     run_interpreted(_PRELUDE + check)
@@ -261,3 +296,7 @@ def test_fused_rotary_decode_fp8_cache_in_interpreter():
 
 def test_fused_rotary_decode_with_qk_norms_in_interpreter():
     _run_interpreted(_QK_NORM_CHECK)
+
+
+def test_merge_forms_equal_float64_attention_in_interpreter():
+    _run_interpreted(_MERGE_FORMS_CHECK)
