@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 # ((splits, K/V tile, warps, stages) or None for the launch's defaults (s16-n64-w4-st3 at 4 KV
-# heads), the merge one split at a time: attention_decode.merge_by_split)
+# heads), the merge one split at a time (attention_decode.merge_by_split; the default since
+# round 18, False: the block form before it))
 CONFIGS: tuple[tuple[tuple[int, int, int, int] | None, bool], ...] = (
     (None, False), (None, True), ((16, 64, 4, 1), False), ((16, 64, 4, 1), True),
     ((8, 64, 4, 3), True), ((16, 32, 4, 3), True), ((16, 64, 4, 3), False))

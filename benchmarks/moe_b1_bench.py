@@ -74,9 +74,10 @@ WARPS = (4, 2, 1)
 # Split counts also tried in the whole model (with the default tile), beside the sweep's best.
 MODEL_SPLITS = (8,)
 # (splits, K/V tile, warps, stages) of the attention launch run in the default step
-# (old+attn:...); round 18: one stage (benchmarks/attention_stamps.py: 9.1 -> 8.1 us alone)
+# (old+attn:...); round 18: one stage, and 32-position tiles with four warps
+# (benchmarks/attention_stamps.py: the fastest alone)
 OLD_ATTN_TILINGS = ((16, 16, 2, 3), (16, 32, 2, 3), (16, 32, 1, 3), (32, 16, 1, 3),
-                    (8, 64, 2, 3), (16, 64, 4, 1))
+                    (8, 64, 2, 3), (16, 64, 4, 1), (16, 32, 4, 3))
 
 
 # ---- 2. attention kernel alone -------------------------------------------------------------
@@ -273,7 +274,7 @@ class Variant:
     warm_o: bool = False  # shard.layers.attention.WARM_O_PROJ (o_proj warmed into L2)
     fuse_qk_norm: bool = True  # shard.layers.attention.FUSE_QK_NORM (q/k norms in attention)
     router_norm: bool = True  # shard.layers.moe.ROUTER_NORM (add + norm in the router GEMV)
-    merge_by_split: bool = False  # attention_decode.merge_by_split (the split merge's form)
+    merge_by_split: bool = True  # attention_decode.merge_by_split (the split merge's form)
 
 
 def _fp8_subset(variants: list[Variant]) -> list[Variant]:
@@ -296,10 +297,8 @@ def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[Variant]:
     # its chain of dependent steps: the routing launch gained 1.5 us a layer from one warp)
     out += [Variant(f"old+attn:{t.name()}", False, t)
             for t in (DecodeTiling(kv_heads, *tiling) for tiling in OLD_ATTN_TILINGS)]
-    # round 18: the attention's merge one split at a time (attention_decode.merge_by_split)
-    out += [Variant("old:merge-by-split", False, merge_by_split=True),
-            *(Variant(f"old+attn:{t.name()}:merge-by-split", False, t, merge_by_split=True)
-              for t in (DecodeTiling(kv_heads, *tiling) for tiling in OLD_ATTN_TILINGS[-1:]))]
+    # the attention's merge as one block (before round 18; attention_decode.merge_by_split)
+    out.append(Variant("old:block-merge", False, merge_by_split=False))
     tilings: list[DecodeTiling] = []
     if best is not None:
         tilings.append(DecodeTiling(kv_heads, best["splits"], best["block_n"], best["num_warps"]))

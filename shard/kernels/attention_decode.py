@@ -660,7 +660,7 @@ def _merge_splits(
     if BY_SPLIT:
         o = tl.zeros([GROUP_P2, BLOCK_D], tl.float32)
         for s in tl.static_range(SPLITS_PAD):
-            here = mask_g & (s < NUM_SPLITS)  # [GROUP_P2]
+            here = mask_g & (offs_g * 0 + s < NUM_SPLITS)  # [GROUP_P2] (a tensor, not a bool)
             w_s = tl.exp2(tl.load(lse_at + s, mask=here, other=float("-inf"),
                                   cache_modifier=".cg") - m)
             part_s = tl.load(part_at + s * stride_part_split,
@@ -694,13 +694,17 @@ _TICKETS = TicketCounters("decode attention", 1024)
 _Q_THROUGH_MEMORY = Setting(False)
 
 
-# A/B (merge_by_split): _merge_splits' BY_SPLIT form
-_MERGE_BY_SPLIT = Setting(False)
+# _merge_splits' BY_SPLIT form, on: at batch 1 of Qwen3-30B-A3B's attention (16 splits x 8 query
+# heads x 128) the merge took 3.5 us in one [splits, group, head_dim] block and 1.0 us one split
+# at a time, measured inside the kernel (benchmarks/attention_stamps.py, H200, round 18 of
+# benchmarks/MOE_B1.md); the A/B switch keeps the block form for benchmarks.
+_MERGE_BY_SPLIT = Setting(True)
 
 
 def merge_by_split(on: bool) -> AbstractContextManager[None]:
-    """Inside the block the split kernel's merge reads the partials one split at a time
-    (_merge_splits' BY_SPLIT); capture a CUDA graph under the setting it is replayed with."""
+    """Inside the block the split kernel's merge reads the partials one split at a time (on, the
+    default; _merge_splits' BY_SPLIT) or as one block (off); capture a CUDA graph under the
+    setting it is replayed with."""
     return _MERGE_BY_SPLIT.override(on)
 
 
