@@ -16,8 +16,8 @@ attention_decode.STAMP_POINTS) and splits a layer's time into:
 - `lag`: a program's return from the wait after the first program's.
 Means over the middle layers of the last replay, us; `critical` is the program that ended last.
 
-`python -m benchmarks.attention_stamps --out DIR` writes DIR/attention_stamps.json and prints
-the table.
+`python -m benchmarks.attention_stamps --out DIR [--contexts 512,4096] [--names ...]` writes
+DIR/attention_stamps.json (one result per context) and prints the table.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def layer_phases(stamps: np.ndarray) -> dict[str, Any]:
     return {k: float(np.mean(v)) for k, v in rows.items() if v}
 
 
-def run(layers: int = 48, replays: int = 10) -> dict[str, Any]:
+def run(layers: int = 48, replays: int = 10, context: int = 512,
+        names: set[str] | None = None) -> dict[str, Any]:
     import torch
 
     from benchmarks.moe_b1_bench import attention_chain
@@ -86,7 +87,7 @@ def run(layers: int = 48, replays: int = 10) -> dict[str, Any]:
 
     shape = QWEN3_30B_A3B
     kvh = shape["num_key_value_heads"]
-    chain = attention_chain(shape, layers)
+    chain = attention_chain(shape, layers, context)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for cfg, by_split in CONFIGS:
@@ -94,8 +95,10 @@ def run(layers: int = 48, replays: int = 10) -> dict[str, Any]:
         splits = ad.default_num_splits(1, kvh, sms) if cfg is None else cfg[0]
         name = (f"default(s{splits})" if tiling is None else tiling.name()) + (
             "+by-split" if by_split else "")
+        if names is not None and name not in names:
+            continue
         stamps = torch.zeros(layers, kvh * splits, STAMP_SLOTS, dtype=torch.int64, device="cuda")
-        row: dict[str, Any] = {"tiling": name, "programs": kvh * splits}
+        row: dict[str, Any] = {"tiling": name, "programs": kvh * splits, "context": context}
         try:
             with ad.merge_by_split(by_split):
                 row["us_per_layer"] = _graph_ms(lambda t=tiling: chain(t)) * 1e3 / layers
@@ -106,7 +109,8 @@ def run(layers: int = 48, replays: int = 10) -> dict[str, Any]:
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)
         print(_line(row), flush=True)
-    return {"device": torch.cuda.get_device_name(), "layers": layers, "rows": rows}
+    return {"device": torch.cuda.get_device_name(), "layers": layers, "context": context,
+            "rows": rows}
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -115,16 +119,20 @@ def _line(row: dict[str, Any]) -> str:
     cells = " ".join(f"{k} {row[k]:.2f}" for k in
                      ("us_per_layer", "stamped_us_per_layer", "period", "early", "hop", "span",
                       *PHASES, *(f"critical {p}" for p in PHASES)) if k in row)
-    return f"{row['tiling']:>27s}  {cells}"
+    return f"ctx {row['context']:6d} {row['tiling']:>27s}  {cells}"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.attention_stamps")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--contexts", default="512", help="comma-separated context lengths")
+    p.add_argument("--names", default=None,
+                   help="comma-separated row names of CONFIGS to run (default: all)")
     args = p.parse_args(argv)
-    res = run()
+    names = set(args.names.split(",")) if args.names else None
+    results = [run(context=int(c), names=names) for c in args.contexts.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "attention_stamps.json").write_text(json.dumps(res, indent=1))
+    (args.out / "attention_stamps.json").write_text(json.dumps(results, indent=1))
     return 0
 
 

@@ -83,9 +83,10 @@ OLD_ATTN_TILINGS = ((16, 16, 2, 3), (16, 32, 2, 3), (16, 32, 1, 3), (32, 16, 1, 
 # ---- 2. attention kernel alone -------------------------------------------------------------
 
 
-def attention_chain(shape: dict, layers: int = LAYERS) -> Callable[..., None]:
+def attention_chain(shape: dict, layers: int = LAYERS, context: int = CONTEXT
+                    ) -> Callable[..., None]:
     """run(tiling, fused=True, stamps=None): the batch-1 decode attention of `layers` distinct
-    layers back to back (each its own K/V cache of CONTEXT random positions and its own q/k/v),
+    layers back to back (each its own K/V cache of `context` random positions and its own q/k/v),
     as a step launches it: fused rotary + store + split-KV (fused=False: q as if rotated, the
     cache as if written). tiling: a DecodeTiling or None (the defaults); stamps: None or int64
     [layers, programs, STAMP_SLOTS] (shard/kernels/stamps.py)."""
@@ -97,17 +98,17 @@ def attention_chain(shape: dict, layers: int = LAYERS) -> Callable[..., None]:
 
     heads, kvh, hd = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     page = 16
-    per = CONTEXT // page
+    per = context // page
     dev = torch.device("cuda")
-    rope = RotaryEmbedding(hd, CONTEXT + 1, {"rope_type": "default", "rope_theta": 1e6}, dev)
+    rope = RotaryEmbedding(hd, context + 1, {"rope_type": "default", "rope_theta": 1e6}, dev)
     gen = torch.Generator(device="cuda").manual_seed(0)
     caches = [torch.randn(2, per + 1, page, kvh, hd, device=dev, generator=gen).bfloat16()
               for _ in range(layers)]
     qkv = torch.randn(layers, 1, (heads + 2 * kvh) * hd, device=dev, generator=gen).bfloat16()
     tables = torch.arange(per, dtype=torch.int32, device=dev)[None, :]
-    lens = torch.tensor([CONTEXT], dtype=torch.int32, device=dev)
-    pos = torch.tensor([CONTEXT - 1], device=dev)
-    slots = torch.tensor([CONTEXT - 1], device=dev)
+    lens = torch.tensor([context], dtype=torch.int32, device=dev)
+    pos = torch.tensor([context - 1], device=dev)
+    slots = torch.tensor([context - 1], device=dev)
     outs = torch.empty(layers, 1, heads, hd, dtype=torch.bfloat16, device=dev)
 
     def run(t: DecodeTiling | None, fused: bool = True, stamps: Any = None) -> None:
