@@ -28,11 +28,15 @@ DIR/moe_b1.json and DIR/MOE_B1.md and ends its stdout with a compact summary:
      router GEMV are one launch and the routing its own);
    - ROUND17_CONFIGS (CUDA only): the decode table's entry with route_trigger, route_dependent,
      down_early_ids or the split down launch switched (moe_decode.DecodeConfig);
-   fp8 runs old, fused, fused+norm-prologue, the first attention tiling and the up-stream
-   variants only (time);
+   - `old:block-merge` (CUDA only): `old` with the decode attention's split merge as one block
+     (attention_decode.merge_by_split off; on, the default since round 18);
+   fp8 runs the old step's variants, fused, fused+norm-prologue and the first attention tiling
+   only (time);
    each with the step's byte roofline (moe_bench._step_bytes: dense weights and norms, LM head,
    the experts the step touched by the layers' own routing statistics, K/V) and a per-kernel
-   breakdown (device us per step and per layer, by kernel name, CUPTI).
+   breakdown (device us per step and per layer, by kernel name, CUPTI; `--no-profile` skips it,
+   and step-time A/Bs should: a CUPTI session slows the process's later graph replays).
+   `--stamps`: each variant's stamped launches' phases inside the step (step_stamps).
 
 `--tiny` runs part 3's code path on CPU with a small shape (eager steps, no graphs, no sweep).
 """
@@ -318,10 +322,45 @@ def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[Variant]:
     return out
 
 
+def step_stamps(runner: Any, step: Any, context: int, replays: int = 5) -> dict:
+    """The step's stamped launches (attention, routing, gate/up, down; shard/kernels/stamps.py)
+    from a graph captured under a StampRecorder, after `replays` replays: their phases by kernel
+    (benchmarks/harness/stamps.step_phases), us."""
+    import torch
+
+    from benchmarks.harness.stamps import step_phases
+    from shard.kernels import stamps
+    from shard.runner.cuda_graphs import CudaGraphDecodeRunner
+
+    recorder = stamps.StampRecorder(1 << 18, runner.device)
+    with stamps.recording(recorder):  # eager warm-up: scratch rows; the capture: the buffer
+        graphs = CudaGraphDecodeRunner(runner.forward, runner.device, runner.block_size, 1,
+                                       -(-context // runner.block_size), buckets=[1])
+        graphs.capture()
+    for _ in range(replays):
+        graphs.run(step.token_ids, step.positions, step.seq_lens, step.block_tables)
+    torch.cuda.synchronize()
+    rows = recorder.buffer.cpu().numpy()
+    return step_phases([(launch.kernel, rows[launch.first:launch.first + launch.programs],
+                         launch.points) for launch in recorder.launches])
+
+
+def stamps_lines(phases: dict) -> list[str]:
+    """step_stamps' result, a line a kernel."""
+    lines = []
+    for kernel, p in phases.items():
+        steps = ", ".join(f"{k.removeprefix('critical: ')} {v:.2f}" for k, v in p.items()
+                          if k.startswith("critical: "))
+        lines.append(f"  stamps {kernel:10s} x{p['count']:3d}: span {p['span']:.2f} gap "
+                     f"{p.get('gap', float('nan')):.2f} early {p.get('early', float('nan')):.2f}"
+                     f" | critical: {steps}")
+    return lines
+
+
 def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                    quantize: str | None, alias_from: int | None, best_attn: dict | None,
                    subset: bool = False, variant_names: str | None = None,
-                   profile: bool = True) -> dict:
+                   profile: bool = True, stamped: bool = False) -> dict:
     import torch
 
     from benchmarks.harness.timing import cuda_time_ms, decode_step, gpu_state
@@ -423,6 +462,8 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                     if profile:  # CUPTI replays: the critical path by kernel
                         row["kernels"] = kernel_table(replay, 5, layers)
                     del graphs, replay
+                    if stamped:  # a graph of its own, with the stamped kernel variants
+                        row["stamps"] = step_stamps(runner, step, context)
                 else:
                     runner.execute(step)
                     t1 = time.perf_counter()
@@ -443,6 +484,8 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
               + (f" [sm {gpu.get('clocks.sm')} MHz, {gpu.get('temperature.gpu')} C, "
                  f"{gpu.get('power.draw')} W, throttle {gpu.get('clocks_throttle_reasons.active')}]"
                  if gpu else ""), flush=True)
+        for line in stamps_lines(row.get("stamps") or {}):
+            print(line, flush=True)
     runner.kv_cache = None
     runner.graphs = None
     del shard, runner, model
@@ -583,9 +626,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=None,
                    help="comma-separated model variant names, run in this order; a name "
                         "may repeat (interleaved A/B) (default: all)")
+    p.add_argument("--stamps", action="store_true",
+                   help="each variant's step also from a graph with the stamped kernels "
+                        "(attention, routing, gate/up, down): their phases (step_stamps)")
     p.add_argument("--no-profile", action="store_true",
-                   help="no per-kernel CUPTI replays (step times only): whether the profiler "
-                        "sessions between variants cause the step-time drift within a process")
+                   help="no per-kernel CUPTI replays (step times only). Use it for step-time "
+                        "A/Bs: after a CUPTI session, graph replays in the same process run "
+                        "slower (measured in round 18: bf16 +0.1 ms, fp8 +0.24 ms a step)")
     args = p.parse_args(argv)
     t_start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -625,7 +672,8 @@ def main(argv: list[str] | None = None) -> int:
         if q in parts:
             attempt(f"model_{q}", lambda q=q: res["models"].append(bench_model_b1(
                 d, shape, copy_bps, cuda, None if q == "bf16" else "fp8", STORED, best,
-                subset=q == "fp8", variant_names=args.variants, profile=not args.no_profile)))
+                subset=q == "fp8", variant_names=args.variants, profile=not args.no_profile,
+                stamped=args.stamps)))
     res["wall_s"] = time.time() - t_start
     write_report(res, args.out)
     print("\n".join(summary(res)), flush=True)

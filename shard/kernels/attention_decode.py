@@ -59,7 +59,8 @@ from shard.kernels.l2_warm import warm_share
 from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
 from shard.kernels.setting import Setting
 from shard.kernels.softcap import soft_cap_log2
-from shard.kernels.stamps import stamp
+from shard.kernels.stamps import program_index, stamp
+from shard.kernels.stamps import take as take_stamps
 from shard.kernels.tickets import TicketCounters
 
 LOG2E = 1.4426950408889634
@@ -465,7 +466,7 @@ def _decode_split_kernel(
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    program = (seq * tl.num_programs(1) + kvh) * tl.num_programs(2) + split
+    program = program_index()  # (seq, kvh, split), the split fastest
     stamp(stamps_ptr, program, 0, STAMPS)
     # fp8: K = stored * k_scale, V = stored * v_scale for this program's KV head; both scales are
     # folded in exactly (scores * k_scale, output * v_scale) instead of scaling every element.
@@ -885,6 +886,8 @@ def _decode(
             k_store_scale, v_store_scale = ones, ones
     fused = new is not None
     norms = new.head_norms if new is not None else None
+    if stamps is None:  # inside stamps.recording: this launch's rows (else None)
+        stamps = take_stamps("attention", num_seqs * num_kv_heads * num_splits, STAMP_POINTS)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         key_cache,

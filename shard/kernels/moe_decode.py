@@ -65,6 +65,8 @@ from shard.kernels.moe_align import MoeRouting
 from shard.kernels.moe_route import route_row
 from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
 from shard.kernels.setting import Setting
+from shard.kernels.stamps import program_index, stamp
+from shard.kernels.stamps import take as take_stamps
 from shard.kernels.tickets import TicketCounters
 
 
@@ -253,6 +255,7 @@ def _gate_up_kernel(
     stride_wn,
     stride_se,
     stride_l,
+    stamps_ptr,  # STAMPS: int64 [programs, STAMP_SLOTS] (GATE_UP_STAMP_POINTS)
     TOP_K: tl.constexpr,
     K_POW2: tl.constexpr,
     ROUTE: tl.constexpr,
@@ -270,12 +273,16 @@ def _gate_up_kernel(
     # DecodeConfig.up_late_trigger); one of the two
     TRIGGER_FIRST: tl.constexpr = False,
     TRIGGER_LATE: tl.constexpr = False,
+    STAMPS: tl.constexpr = False,  # shard/kernels/stamps.py
 ):
     let_dependents_launch(TRIGGER_FIRST)
+    program = program_index()
+    stamp(stamps_ptr, program, 0, STAMPS)
     # Everything this kernel reads (x, the logits or ids) is the previous kernels' output: the
     # overlap PDL gives here is the launch and block dispatch only.
     wait_for_predecessor(PDL)
     let_dependents_launch(TRIGGER_LATE)
+    stamp(stamps_ptr, program, 1, STAMPS)
     if SLOTS_FIRST:
         # Slots fastest: the programs in flight together cover one column range of every slot,
         # so slots that share an expert (batch > 1) read its rows at about the same time (L2).
@@ -297,6 +304,7 @@ def _gate_up_kernel(
         expert = tl.load(ids_ptr + slot).to(tl.int32)
     if (expert < 0) | (expert >= E):  # another rank's expert: the down launch skips the slot
         return
+    stamp(stamps_ptr, program, 2, STAMPS)  # (after a branch on it: the id has arrived)
     if COUNT:  # noqa: SIM102 - a constexpr, then a runtime test (Triton)
         if pid_n == 0:  # CUDA-graph padding rows have valid 0
             tl.atomic_add(counts_ptr + expert, tl.load(valid_ptr + t))
@@ -310,6 +318,7 @@ def _gate_up_kernel(
         acc += _tile_dots(w_rows, row_mask, x_row, k0 + offs_k, H)
     _silu_mul_store(acc, rows, row_mask, s_ptr + e64 * stride_se,
                     inter_ptr + slot.to(tl.int64) * I, pid_n, I, HAS_SCALE, BLOCK_N)
+    stamp(stamps_ptr, program, 3, STAMPS)
 
 
 @triton.jit
@@ -469,6 +478,7 @@ def _down_sum_kernel(
     stride_wn,
     stride_se,
     stride_om,
+    stamps_ptr,  # STAMPS: int64 [programs, STAMP_SLOTS] (DOWN_SUM_STAMP_POINTS)
     TOP_K: tl.constexpr,
     K_POW2: tl.constexpr,
     HAS_SCALE: tl.constexpr,
@@ -478,8 +488,11 @@ def _down_sum_kernel(
     SLOTS_FIRST: tl.constexpr,
     PDL: tl.constexpr = False,
     EARLY_IDS: tl.constexpr = False,  # DecodeConfig.down_early_ids
+    STAMPS: tl.constexpr = False,  # shard/kernels/stamps.py
 ):
     let_dependents_launch(PDL)
+    program = program_index()
+    stamp(stamps_ptr, program, 0, STAMPS)
     if SLOTS_FIRST:  # tokens fastest (L2 reuse of shared experts, as above)
         t = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1)
@@ -496,6 +509,7 @@ def _down_sum_kernel(
         # wait instead of one L2 round trip later.
         guess = _held_ids(slot_ids, ks, kmask, E)
     wait_for_predecessor(PDL)  # the slots' ids and inter rows: final from here on
+    stamp(stamps_ptr, program, 1, STAMPS)
     ids = _held_ids(slot_ids, ks, kmask, E)  # [K_POW2]
     wts = tl.where(ids >= 0, tl.load(topw_ptr + t * TOP_K + ks, mask=kmask, other=0.0), 0.0)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -511,6 +525,7 @@ def _down_sum_kernel(
         total = _down_stream(inter_ptr, w_ptr, s_ptr, ids, wts, ks, t, rows, row_mask, I,
                              stride_we, stride_wn, stride_se, TOP_K, HAS_SCALE, BLOCK_K, STAGES)
     tl.store(out_ptr + t * stride_om + rows, total.to(out_ptr.dtype.element_ty), mask=row_mask)
+    stamp(stamps_ptr, program, 2, STAMPS)
 
 
 @triton.jit
@@ -530,14 +545,18 @@ def _down_split_kernel(
     stride_wn,
     stride_se,
     stride_om,
+    stamps_ptr,  # STAMPS: int64 [programs, STAMP_SLOTS] (DOWN_SPLIT_STAMP_POINTS)
     TOP_K: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # DecodeConfig.down_split: output rows per program
     BLOCK_K: tl.constexpr,  # K tile (>= I: the slot's whole slice in one tile)
     STAGES: tl.constexpr,
     PDL: tl.constexpr = False,
+    STAMPS: tl.constexpr = False,  # shard/kernels/stamps.py
 ):
     let_dependents_launch(PDL)
+    program = program_index()
+    stamp(stamps_ptr, program, 0, STAMPS)
     slot = tl.program_id(0)  # slots fastest: a row block's k programs run (and finish) together
     pid_n = tl.program_id(1)
     slot64 = slot.to(tl.int64)
@@ -555,6 +574,7 @@ def _down_split_kernel(
                       mask=row_mask[:, None] & k_first[None, :], other=0.0,
                       eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
     wait_for_predecessor(PDL)  # ids, weights, inter rows: final from here on
+    stamp(stamps_ptr, program, 1, STAMPS)
     expert = tl.load(ids_ptr + slot).to(tl.int32)
     expert = tl.where((expert >= 0) & (expert < E), expert, -1)
     e_rows = w_rows + tl.maximum(expert, 0).to(tl.int64) * stride_we
@@ -579,6 +599,7 @@ def _down_split_kernel(
         part = part * tl.load(s_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_se + rows,
                               mask=row_mask, other=0.0)
     tl.store(part_ptr + slot64 * H + rows, part, mask=row_mask)
+    stamp(stamps_ptr, program, 2, STAMPS)
     # Every thread's partial precedes the ticket; the acq_rel atomic publishes it to (and, for
     # the last program of the row block, acquires the others' from) the whole GPU
     # (moe_router's and the decode attention's split merge).
@@ -586,6 +607,7 @@ def _down_split_kernel(
     t = slot // TOP_K
     ticket_at = ticket_ptr + t * tl.num_programs(1) + pid_n
     ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel", scope="gpu")
+    stamp(stamps_ptr, program, 3, STAMPS)
     if ticket == TOP_K - 1:
         tl.store(ticket_at, 0)  # all k programs of this (token, row block) have taken theirs
         # The k partials in slot order, each times its routing weight, summed in fp32 and
@@ -603,6 +625,14 @@ def _down_split_kernel(
             total += pj * wj
         tl.store(out_ptr + t.to(tl.int64) * stride_om + rows,
                  total.to(out_ptr.dtype.element_ty), mask=row_mask)
+        stamp(stamps_ptr, program, 4, STAMPS)
+
+
+# The expert launches' stamp points (shard/kernels/stamps.py), by stamp slot
+GATE_UP_STAMP_POINTS = ("start", "after the PDL wait", "expert id in", "stored")
+DOWN_SUM_STAMP_POINTS = ("start", "after the PDL wait", "stored")
+DOWN_SPLIT_STAMP_POINTS = ("start", "after the PDL wait", "partial stored", "ticket taken",
+                           "merged")
 
 
 # The split down launch's counters, one per (token, row block) of a launch
@@ -702,6 +732,7 @@ def moe_decode(
         _gate_up_stream(x, w13, scale13, inter, ids, count_into if count else None, valid, top_k,
                         cfg)
     else:
+        up_stamps = take_stamps("gate/up", slots * up_tiles, GATE_UP_STAMP_POINTS)
         _gate_up_kernel[(slots, up_tiles) if cfg.slots_first else (up_tiles, slots)](
             x, w13, scale13 if scale13 is not None else weights, inter,
             logits if route else x, weights, ids,
@@ -710,6 +741,7 @@ def moe_decode(
             x.stride(0), w13.stride(0), w13.stride(1),
             scale13.stride(0) if scale13 is not None else 0,
             logits.stride(0) if route else 0,
+            up_stamps if up_stamps is not None else weights,
             TOP_K=top_k, K_POW2=k_pow2, ROUTE=route,
             SOFTMAX_FIRST=routing.softmax_first if route else True,
             RENORMALIZE=routing.renormalize if route else False,
@@ -719,6 +751,7 @@ def moe_decode(
             SLOTS_FIRST=cfg.slots_first, num_warps=cfg.up_warps, num_stages=cfg.stages,
             TRIGGER_FIRST=pdl.enabled(x.device) and not cfg.up_late_trigger,
             TRIGGER_LATE=pdl.enabled(x.device) and cfg.up_late_trigger,
+            STAMPS=up_stamps is not None,
             **pdl.launch_options(x.device),
         )
     stages = cfg.down_stages or cfg.stages
@@ -726,24 +759,28 @@ def moe_decode(
         row_blocks = triton.cdiv(hidden, cfg.down_split)
         tickets = _SPLIT_TICKETS.take(x.device, n * row_blocks)
         partials = torch.empty(slots, hidden, dtype=torch.float32, device=x.device)
+        split_stamps = take_stamps("down split", slots * row_blocks, DOWN_SPLIT_STAMP_POINTS)
         _down_split_kernel[(slots, row_blocks)](
             inter, w2, scale2 if scale2 is not None else weights, out, partials, tickets,
             weights, ids, hidden, inter_dim, num_experts, w2.stride(0), w2.stride(1),
             scale2.stride(0) if scale2 is not None else 0, out.stride(0),
+            split_stamps if split_stamps is not None else weights,
             TOP_K=top_k, HAS_SCALE=scale2 is not None, BLOCK_N=cfg.down_split,
             BLOCK_K=cfg.down_block_k, STAGES=stages, num_warps=cfg.down_warps,
-            num_stages=stages, **pdl.launch_options(x.device),
+            num_stages=stages, STAMPS=split_stamps is not None, **pdl.launch_options(x.device),
         )
         return out
     down_tiles = triton.cdiv(hidden, cfg.down_block_n)
+    sum_stamps = take_stamps("down+sum", n * down_tiles, DOWN_SUM_STAMP_POINTS)
     _down_sum_kernel[(n, down_tiles) if cfg.slots_first else (down_tiles, n)](
         inter, w2, scale2 if scale2 is not None else weights, out, weights, ids,
         hidden, inter_dim, num_experts,
         w2.stride(0), w2.stride(1), scale2.stride(0) if scale2 is not None else 0, out.stride(0),
+        sum_stamps if sum_stamps is not None else weights,
         TOP_K=top_k, K_POW2=k_pow2, HAS_SCALE=scale2 is not None,
         BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, STAGES=stages,
         SLOTS_FIRST=cfg.slots_first, EARLY_IDS=cfg.down_early_ids, num_warps=cfg.down_warps,
-        num_stages=stages, **pdl.launch_options(x.device),
+        num_stages=stages, STAMPS=sum_stamps is not None, **pdl.launch_options(x.device),
     )
     return out
 

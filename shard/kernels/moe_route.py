@@ -28,6 +28,8 @@ import triton.language as tl
 from shard.kernels import pdl
 from shard.kernels.moe_align import ExpertLayout, MoeRouting, max_padded_rows
 from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
+from shard.kernels.stamps import stamp
+from shard.kernels.stamps import take as take_stamps
 
 ALIGN_MAX_SLOTS = 8192  # n * k up to which `align` is used (decode and small prefills)
 _CHUNK = 512  # slots per iteration of the histogram and scatter loops
@@ -76,17 +78,25 @@ def route_values(x, offs, valid, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
     return top_v, top_i
 
 
+# The routing launch's stamp points (shard/kernels/stamps.py), by stamp slot
+ROUTE_STAMP_POINTS = ("start", "after the PDL wait", "stored")
+
+
 @triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l,
+                  stamps_ptr,  # STAMPS: int64 [programs, STAMP_SLOTS] (ROUTE_STAMP_POINTS)
                   TOP_K: tl.constexpr, K_POW2: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
                   RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-                  TRIGGER: tl.constexpr = False, PDL: tl.constexpr = False):
+                  TRIGGER: tl.constexpr = False, PDL: tl.constexpr = False,
+                  STAMPS: tl.constexpr = False):
     # With TRIGGER it lets its programmatic dependent (the gate/up launch) be launched now, so
     # that grid's programs are placed and waiting when the routing completes. PDL: launched as a
     # programmatic dependent itself (placed during the router GEMV, waiting for its logits);
     # else a plain launch, which starts once the router GEMV has completed.
     let_dependents_launch(TRIGGER)
+    stamp(stamps_ptr, tl.program_id(0), 0, STAMPS)
     wait_for_predecessor(PDL)
+    stamp(stamps_ptr, tl.program_id(0), 1, STAMPS)
     t = tl.program_id(0).to(tl.int64)
     top_v, top_i = route_row(logits_ptr, t, E, stride_l, TOP_K, K_POW2, SOFTMAX_FIRST,
                              RENORMALIZE, BLOCK_E)
@@ -94,6 +104,7 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l,
     kmask = ks < TOP_K
     tl.store(w_ptr + t * TOP_K + ks, top_v, mask=kmask)
     tl.store(ids_ptr + t * TOP_K + ks, top_i, mask=kmask)
+    stamp(stamps_ptr, tl.program_id(0), 2, STAMPS)
 
 
 def route(logits: torch.Tensor, routing: MoeRouting, num_warps: int = 4,
@@ -107,11 +118,14 @@ def route(logits: torch.Tensor, routing: MoeRouting, num_warps: int = 4,
     weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(n, k, dtype=torch.int32, device=logits.device)
     if n:
-        _route_kernel[(n,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=k,
+        stamps = take_stamps("route", n, ROUTE_STAMP_POINTS)
+        _route_kernel[(n,)](logits, weights, ids, num_experts, logits.stride(0),
+                            stamps if stamps is not None else weights, TOP_K=k,
                             K_POW2=triton.next_power_of_2(k), SOFTMAX_FIRST=routing.softmax_first,
                             RENORMALIZE=routing.renormalize,
                             BLOCK_E=triton.next_power_of_2(num_experts), num_warps=num_warps,
                             TRIGGER=trigger and pdl.enabled(logits.device),
+                            STAMPS=stamps is not None,
                             **(pdl.launch_options(logits.device) if dependent else {}))
     return weights, ids
 

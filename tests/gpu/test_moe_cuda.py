@@ -443,3 +443,29 @@ def test_norm_prologue_gemv_compiled_matches_norm_then_linear(fp8):
     assert torch.equal(res, s)
     want = h.float() @ ref_w.T
     assert float((y.float() - want).abs().max()) <= 2**-7 * float(want.abs().max()) + 1e-3
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_stamped_expert_launches_from_a_cuda_graph_equal_the_plain_ones(fp8):
+    """The routing, gate/up and down launches captured under shard.kernels.stamps.recording
+    (moe_b1_bench --stamps): the same outputs bit for bit; one recorded launch per kernel and
+    layer call, in launch order; every program's stamps rise in point order (those it passed)."""
+    from shard.kernels import moe_decode, stamps
+
+    run = _layer_calls(_layer(8, fp8), seed=11, calls=4)
+    table = moe_decode.decode_config_for(8, fp8)
+    want = run(table)
+    recorder = stamps.StampRecorder(1 << 16, torch.device("cuda"))
+    with stamps.recording(recorder):
+        outs = _replayed(run, table)
+    for got, w in zip(outs, want, strict=True):
+        assert torch.equal(got, w)
+    down = "down split" if table.down_split else "down+sum"
+    assert [launch.kernel for launch in recorder.launches] == ["route", "gate/up", down] * 4
+    for launch in recorder.launches:
+        rows = recorder.rows(launch)[:, :len(launch.points)].cpu()
+        assert bool((rows[:, :2] > 0).all()), launch.kernel  # start, after the wait: all
+        passed = rows > 0
+        later = rows[:, 1:][passed[:, 1:] & passed[:, :-1]]
+        earlier = rows[:, :-1][passed[:, 1:] & passed[:, :-1]]
+        assert bool((later >= earlier).all()), launch.kernel
