@@ -30,6 +30,7 @@ DIR/moe_b1.json and DIR/MOE_B1.md and ends its stdout with a compact summary:
      down_early_ids or the split down launch switched (moe_decode.DecodeConfig);
    - `old:block-merge` (CUDA only): `old` with the decode attention's split merge as one block
      (attention_decode.merge_by_split off; on, the default since round 18);
+   - `old:fine-splits` (CUDA only): split shares of 16 positions (attention_decode.fine_splits);
    fp8 runs the old step's variants, fused, fused+norm-prologue and the first attention tiling
    only (time);
    each with the step's byte roofline (moe_bench._step_bytes: dense weights and norms, LM head,
@@ -280,6 +281,7 @@ class Variant:
     fuse_qk_norm: bool = True  # shard.layers.attention.FUSE_QK_NORM (q/k norms in attention)
     router_norm: bool = True  # shard.layers.moe.ROUTER_NORM (add + norm in the router GEMV)
     merge_by_split: bool = True  # attention_decode.merge_by_split (the split merge's form)
+    fine_splits: bool = False  # attention_decode.fine_splits (split shares of 16 positions)
 
 
 def _fp8_subset(variants: list[Variant]) -> list[Variant]:
@@ -304,6 +306,9 @@ def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[Variant]:
             for t in (DecodeTiling(kv_heads, *tiling) for tiling in OLD_ATTN_TILINGS)]
     # the attention's merge as one block (before round 18; attention_decode.merge_by_split)
     out.append(Variant("old:block-merge", False, merge_by_split=False))
+    # split shares rounded to 16 positions, not to the 64-position tile (attention_decode.
+    # fine_splits): 16 busy splits at context 512, as 32-position tiles give, keeping the tile
+    out.append(Variant("old:fine-splits", False, fine_splits=True))
     tilings: list[DecodeTiling] = []
     if best is not None:
         tilings.append(DecodeTiling(kv_heads, best["splits"], best["block_n"], best["num_warps"]))
@@ -443,6 +448,7 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                     norm_prologue(var.norm_prologue), moe_decode.config_override(var.moe_config), \
                     WARM_O_PROJ.override(var.warm_o), FUSE_QK_NORM.override(var.fuse_qk_norm), \
                     attention_decode.merge_by_split(var.merge_by_split), \
+                    attention_decode.fine_splits(var.fine_splits), \
                     ROUTER_NORM.override(var.router_norm):
                 if cuda:
                     # this variant's graph (captured under its settings: every bucket runs

@@ -456,6 +456,7 @@ def _decode_split_kernel(
     NORM_OFFSET: tl.constexpr = 0.0,  # QK_NORM: the weight applied is (NORM_OFFSET + w)
     STAMPS: tl.constexpr = False,  # record STAMP_POINTS (shard/kernels/stamps.py)
     MERGE_BY_SPLIT: tl.constexpr = False,  # _merge_splits' form (merge_by_split)
+    CHUNK: tl.constexpr = 0,  # a split's share is a multiple of CHUNK positions (fine_splits)
 ):
     # Latency-bound at decode batch sizes: let the next kernel launch now. Before the wait on
     # the previous kernel (q/k/v's GEMV, or the rotary + store kernel) only what it cannot have
@@ -479,9 +480,11 @@ def _decode_split_kernel(
     lo = 0
     if window > 0:
         lo = tl.maximum(seq_len - window, 0)
-    # This split's share of [lo, seq_len), rounded up to whole tiles.
+    # This split's share of [lo, seq_len), rounded up to whole tiles (CHUNK == BLOCK_N) or to
+    # CHUNK positions (fine_splits: more splits busy at short contexts, the last tile of each
+    # partly masked).
     span = seq_len - lo
-    chunk = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(span, NUM_SPLITS), CHUNK) * CHUNK
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -707,6 +710,22 @@ def merge_by_split(on: bool) -> AbstractContextManager[None]:
     default; _merge_splits' BY_SPLIT) or as one block (off); capture a CUDA graph under the
     setting it is replayed with."""
     return _MERGE_BY_SPLIT.override(on)
+
+
+# Opt-in A/B (fine_splits): a split's share of the context rounded to FINE_CHUNK positions instead
+# of whole tiles. At batch 1 of 4 KV heads (16 splits) and context 512, 64-position tiles leave 8
+# splits busy with a tile each; 32-position tiles keep 16 busy and made the bf16 step 0.10 ms
+# faster, but lost 27-43 % alone at contexts 4096-16384 (benchmarks/MOE_B1.md, round 18). Finer
+# shares with the 64-position tile are the candidate for both; not yet measured.
+FINE_CHUNK = 16
+_FINE_SPLITS = Setting(False)
+
+
+def fine_splits(on: bool) -> AbstractContextManager[None]:
+    """Inside the block a split's share of the context is a multiple of FINE_CHUNK positions
+    (on) or of the tile (off, the default); capture a CUDA graph under the setting it is
+    replayed with."""
+    return _FINE_SPLITS.override(on)
 
 
 def q_through_memory() -> AbstractContextManager[None]:
@@ -954,6 +973,7 @@ def _decode(
         NORM_OFFSET=float(norms.offset) if norms is not None else 0.0,
         STAMPS=stamps is not None,
         MERGE_BY_SPLIT=_MERGE_BY_SPLIT.value,
+        CHUNK=FINE_CHUNK if _FINE_SPLITS.value else block_n,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch_options(query.device),

@@ -37,7 +37,7 @@ def _compile_split_kernel(stamps: bool, one_split: bool, merge_by_split: bool = 
               "HALF": 64, "HALF_PAD": 64, "FP8_MAX": 0.0, "PDL": True, "EARLY_TILE": True,
               "Q_IN_REGISTERS": True, "GROUP_P2": 8, "SPLITS_PAD": 1 if one_split else 16,
               "SOFTCAP": 0.0, "WARM": False, "QK_NORM": True, "NORM_OFFSET": 0.0,
-              "STAMPS": stamps, "MERGE_BY_SPLIT": merge_by_split}
+              "STAMPS": stamps, "MERGE_BY_SPLIT": merge_by_split, "CHUNK": 64}
     return compile_sm90(ad._decode_split_kernel, types, consts, 4, 3, divisible=())
 
 
