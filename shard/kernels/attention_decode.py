@@ -456,7 +456,8 @@ def _decode_split_kernel(
     NORM_OFFSET: tl.constexpr = 0.0,  # QK_NORM: the weight applied is (NORM_OFFSET + w)
     STAMPS: tl.constexpr = False,  # record STAMP_POINTS (shard/kernels/stamps.py)
     MERGE_BY_SPLIT: tl.constexpr = False,  # _merge_splits' form (merge_by_split)
-    CHUNK: tl.constexpr = 0,  # a split's share is a multiple of CHUNK positions (fine_splits)
+    CHUNK: tl.constexpr = 0,  # a split's share: a multiple of CHUNK positions (_decode: BLOCK_N or
+    # FINE_CHUNK, fine_splits)
 ):
     # Latency-bound at decode batch sizes: let the next kernel launch now. Before the wait on
     # the previous kernel (q/k/v's GEMV, or the rotary + store kernel) only what it cannot have
