@@ -31,6 +31,8 @@ DIR/moe_b1.json and DIR/MOE_B1.md and ends its stdout with a compact summary:
    - `old:block-merge` (CUDA only): `old` with the decode attention's split merge as one block
      (attention_decode.merge_by_split off; on, the default since round 18);
    - `old:fine-splits` (CUDA only): split shares of 16 positions (attention_decode.fine_splits);
+   - `old:new-kv-first` (CUDA only): the new k, v loaded by every attention program with its q
+     (attention_decode.new_kv_first);
    fp8 runs the old step's variants, fused, fused+norm-prologue and the first attention tiling
    only (time);
    each with the step's byte roofline (moe_bench._step_bytes: dense weights and norms, LM head,
@@ -282,6 +284,7 @@ class Variant:
     router_norm: bool = True  # shard.layers.moe.ROUTER_NORM (add + norm in the router GEMV)
     merge_by_split: bool = True  # attention_decode.merge_by_split (the split merge's form)
     fine_splits: bool = False  # attention_decode.fine_splits (split shares of 16 positions)
+    new_kv_first: bool = False  # attention_decode.new_kv_first (new k, v loaded with q)
 
 
 def _fp8_subset(variants: list[Variant]) -> list[Variant]:
@@ -309,6 +312,8 @@ def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[Variant]:
     # split shares rounded to 16 positions, not to the 64-position tile (attention_decode.
     # fine_splits): 16 busy splits at context 512, as 32-position tiles give, keeping the tile
     out.append(Variant("old:fine-splits", False, fine_splits=True))
+    # every attention program loads the new k, v with its q (the owner's second round trip)
+    out.append(Variant("old:new-kv-first", False, new_kv_first=True))
     tilings: list[DecodeTiling] = []
     if best is not None:
         tilings.append(DecodeTiling(kv_heads, best["splits"], best["block_n"], best["num_warps"]))
@@ -449,6 +454,7 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                     WARM_O_PROJ.override(var.warm_o), FUSE_QK_NORM.override(var.fuse_qk_norm), \
                     attention_decode.merge_by_split(var.merge_by_split), \
                     attention_decode.fine_splits(var.fine_splits), \
+                    attention_decode.new_kv_first(var.new_kv_first), \
                     ROUTER_NORM.override(var.router_norm):
                 if cuda:
                     # this variant's graph (captured under its settings: every bucket runs

@@ -227,60 +227,64 @@ def _first_row(tile):
 
 
 @triton.jit
-def _store_new_kv(
+def _new_kv(
     k_ptr,  # unrotated [num_seqs, num_kv_heads, head_dim] (strided view)
     v_ptr,
-    k_cache_ptr,  # [num_slots, num_kv_heads * head_dim]
-    v_cache_ptr,
     k_scale_ptr,  # [num_kv_heads] fp32 (FP8_MAX > 0 only)
     v_scale_ptr,
     seq,  # int64
     kvh,
-    slot,  # int64, >= 0
     stride_k_seq,
     stride_k_head,
     stride_v_seq,
     stride_v_head,
-    stride_slot,
     c,  # [1, HALF_PAD] fp32 (_rope_tables)
     s,
     kn_w_ptr,  # QK_NORM: k's norm weight [head_dim]
     norm_eps,
+    cache_dtype: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     FP8_MAX: tl.constexpr,
     QK_NORM: tl.constexpr,
     NORM_OFFSET: tl.constexpr,
 ):
-    """Rotated k and plain v of (seq, kvh) into cache slot `slot`, exactly as rotary_store_kv
-    stores them (one head of its [heads, half] tiles: a 2-row tile, the second row masked).
-    Returns the stored k and v rows [2 * HALF_PAD] as the attention reads them back (upcast to
-    the model dtype); they are the cache's bytes only when HALF == HALF_PAD."""
+    """Rotated k and plain v of (seq, kvh) as rotary_store_kv stores them (one head of its
+    [heads, half] tiles: a 2-row tile, the second row masked): (k halves, v halves in the cache
+    dtype [2, HALF_PAD] each, their offsets in a cache row, the mask)."""
     dtype = k_ptr.dtype.element_ty
-    cache_dtype = k_cache_ptr.dtype.element_ty
     ks = 1.0
     vs = 1.0
     if FP8_MAX > 0:
         ks = tl.load(k_scale_ptr + kvh)
         vs = tl.load(v_scale_ptr + kvh)
-    row = slot * stride_slot + kvh * (2 * HALF)
     k1, k2, at, m = _rope_load_normed(k_ptr + kvh * stride_k_head, seq, stride_k_seq,
                                       stride_k_head, c, s, kn_w_ptr, norm_eps, 1, HALF, 2,
                                       HALF_PAD, QK_NORM, NORM_OFFSET)
-    k1 = _to_cache(k1, ks, dtype, cache_dtype, FP8_MAX)
-    k2 = _to_cache(k2, ks, dtype, cache_dtype, FP8_MAX)
-    tl.store(k_cache_ptr + row + at, k1, mask=m)
-    tl.store(k_cache_ptr + row + at + HALF, k2, mask=m)
     # V is not rotated; cos 1, sin 0 loads it through the same helper, as rotary_store_kv does.
     v1, v2, _, _ = _rope_load(v_ptr + kvh * stride_v_head, seq, stride_v_seq, stride_v_head, 1.0,
                               0.0, 1, HALF, 2, HALF_PAD)
-    v1 = _to_cache(v1, vs, dtype, cache_dtype, FP8_MAX)
-    v2 = _to_cache(v2, vs, dtype, cache_dtype, FP8_MAX)
+    return (_to_cache(k1, ks, dtype, cache_dtype, FP8_MAX),
+            _to_cache(k2, ks, dtype, cache_dtype, FP8_MAX),
+            _to_cache(v1, vs, dtype, cache_dtype, FP8_MAX),
+            _to_cache(v2, vs, dtype, cache_dtype, FP8_MAX), at, m)
+
+
+@triton.jit
+def _store_kv_halves(k_cache_ptr, v_cache_ptr, row, at, m, k1, k2, v1, v2, HALF: tl.constexpr):
+    """_new_kv's halves into the cache row starting at element `row`."""
+    tl.store(k_cache_ptr + row + at, k1, mask=m)
+    tl.store(k_cache_ptr + row + at + HALF, k2, mask=m)
     tl.store(v_cache_ptr + row + at, v1, mask=m)
     tl.store(v_cache_ptr + row + at + HALF, v2, mask=m)
-    k_row = _first_row(_rows_of_halves(k1.to(dtype), k2.to(dtype)))
-    v_row = _first_row(_rows_of_halves(v1.to(dtype), v2.to(dtype)))
-    return k_row, v_row
+
+
+@triton.jit
+def _kv_rows(k1, k2, v1, v2, dtype: tl.constexpr):
+    """The stored k and v rows [2 * HALF_PAD] as the attention reads them back (upcast to the
+    model dtype); the cache's bytes only when HALF == HALF_PAD."""
+    return (_first_row(_rows_of_halves(k1.to(dtype), k2.to(dtype))),
+            _first_row(_rows_of_halves(v1.to(dtype), v2.to(dtype))))
 
 
 @triton.jit
@@ -309,6 +313,7 @@ def _rotary_prologue(
     Q_IN_REGISTERS: tl.constexpr,  # HALF == HALF_PAD: halves joined in registers, no scratch
     QK_NORM: tl.constexpr,  # q and k RMS-normalized per head before the rotation
     NORM_OFFSET: tl.constexpr,  # QK_NORM: Gemma 3's weight offset (0: none)
+    NEW_KV_FIRST: tl.constexpr,  # new_kv_first: the new k, v loaded by every program, first
 ):
     """FUSED_ROTARY's first phase (module docstring): rotates the group's q, stores the new k, v
     if is_owner, and returns (q [GROUP_PAD, BLOCK_D] in the model dtype, the stored k and v rows
@@ -318,6 +323,12 @@ def _rotary_prologue(
     of two: the halves' padding sits inside the row) q goes through this program's own output
     rows and is read back after a CTA barrier (the kernel overwrites them with its result)."""
     rows = out_ptr + seq * stride_out_seq + split * stride_out_split
+    if NEW_KV_FIRST:  # (every program: see below)
+        k1, k2, v1, v2, at, m = _new_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, seq, kvh,
+                                        stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
+                                        cos_t, sin_t, kn_w_ptr, norm_eps,
+                                        k_cache_ptr.dtype.element_ty, HALF, HALF_PAD, FP8_MAX,
+                                        QK_NORM, NORM_OFFSET)
     if Q_IN_REGISTERS:
         first, second, _, _ = _rope_load_normed(q_ptr + kvh * GROUP * stride_q_head, seq,
                                                 stride_q_seq, stride_q_head, cos_t, sin_t,
@@ -329,14 +340,27 @@ def _rotary_prologue(
         _rotate_q_group(q_ptr, rows + kvh * GROUP * stride_out_head, seq, kvh, stride_q_seq,
                         stride_q_head, stride_out_head, cos_t, sin_t, qn_w_ptr, norm_eps, GROUP,
                         GROUP_PAD, HALF, HALF_PAD, QK_NORM, NORM_OFFSET)
-    k_row = tl.zeros([BLOCK_D], dtype=q_ptr.dtype.element_ty)
-    v_row = tl.zeros([BLOCK_D], dtype=q_ptr.dtype.element_ty)
-    if is_owner & (slot >= 0):
-        k_row, v_row = _store_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                                     v_scale_ptr, seq, kvh, slot, stride_k_seq, stride_k_head,
-                                     stride_v_seq, stride_v_head, stride_slot, cos_t, sin_t,
-                                     kn_w_ptr, norm_eps, HALF, HALF_PAD, FP8_MAX, QK_NORM,
-                                     NORM_OFFSET)
+    dtype = q_ptr.dtype.element_ty
+    own = is_owner & (slot >= 0)
+    row = slot * stride_slot + kvh * (2 * HALF)
+    k_row = tl.zeros([BLOCK_D], dtype=dtype)
+    v_row = tl.zeros([BLOCK_D], dtype=dtype)
+    if NEW_KV_FIRST:
+        # Stored by the owner only, computed by every program (below, its loads issued before
+        # q's): no branch between the wait and the new k, v loads, so they are in flight with q's.
+        if own:
+            _store_kv_halves(k_cache_ptr, v_cache_ptr, row, at, m, k1, k2, v1, v2, HALF)
+        k_new, v_new = _kv_rows(k1, k2, v1, v2, dtype)
+        k_row = tl.where(own, k_new, k_row)
+        v_row = tl.where(own, v_new, v_row)
+    elif own:
+        k1, k2, v1, v2, at, m = _new_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, seq, kvh,
+                                        stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
+                                        cos_t, sin_t, kn_w_ptr, norm_eps,
+                                        k_cache_ptr.dtype.element_ty, HALF, HALF_PAD, FP8_MAX,
+                                        QK_NORM, NORM_OFFSET)
+        _store_kv_halves(k_cache_ptr, v_cache_ptr, row, at, m, k1, k2, v1, v2, HALF)
+        k_row, v_row = _kv_rows(k1, k2, v1, v2, dtype)
     # Every thread passes here (outside the branch): the CTA's global writes above become
     # visible to all of its threads before anything reads them back (q's scratch; the new
     # token's row, where the tile loop reaches it).
@@ -458,6 +482,7 @@ def _decode_split_kernel(
     MERGE_BY_SPLIT: tl.constexpr = False,  # _merge_splits' form (merge_by_split)
     CHUNK: tl.constexpr = 0,  # a split's share: a multiple of CHUNK positions (_decode: BLOCK_N or
     # FINE_CHUNK, fine_splits)
+    NEW_KV_FIRST: tl.constexpr = False,  # FUSED_ROTARY: _rotary_prologue's (new_kv_first)
 ):
     # Latency-bound at decode batch sizes: let the next kernel launch now. Before the wait on
     # the previous kernel (q/k/v's GEMV, or the rotary + store kernel) only what it cannot have
@@ -525,7 +550,7 @@ def _decode_split_kernel(
             stride_q_seq, stride_q_head, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
             stride_slot, stride_out_seq, stride_out_head, stride_out_split, qn_w_ptr, kn_w_ptr,
             norm_eps, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D, HALF, HALF_PAD, FP8_MAX, Q_IN_REGISTERS,
-            QK_NORM, NORM_OFFSET,
+            QK_NORM, NORM_OFFSET, NEW_KV_FIRST,
         )  # q [GROUP_PAD, BLOCK_D]; the stored new k, v rows [BLOCK_D] (owner only)
     else:
         q = tl.load(
@@ -727,6 +752,21 @@ def fine_splits(on: bool) -> AbstractContextManager[None]:
     (on) or of the tile (off, the default); capture a CUDA graph under the setting it is
     replayed with."""
     return _FINE_SPLITS.override(on)
+
+
+# Opt-in A/B (new_kv_first): in the fused rotary prologue every program loads and rotates the new
+# token's k and v, before its q, and only the owner stores them. The stamps put the owner's
+# prologue at 1.3-1.5 us against 0.6 for the others (benchmarks/MOE_B1.md, round 18): its k, v
+# loads sat behind a branch taken after q's math, a second dependent round trip. Not yet
+# measured; the same values and cache bytes either way.
+_NEW_KV_FIRST = Setting(False)
+
+
+def new_kv_first(on: bool) -> AbstractContextManager[None]:
+    """Inside the block the fused prologue loads the new k, v in every program, first (on) or
+    in the owner only, after q (off, the default); capture a CUDA graph under the setting it is
+    replayed with."""
+    return _NEW_KV_FIRST.override(on)
 
 
 def q_through_memory() -> AbstractContextManager[None]:
@@ -975,6 +1015,7 @@ def _decode(
         STAMPS=stamps is not None,
         MERGE_BY_SPLIT=_MERGE_BY_SPLIT.value,
         CHUNK=FINE_CHUNK if _FINE_SPLITS.value else block_n,
+        NEW_KV_FIRST=_NEW_KV_FIRST.value,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch_options(query.device),
