@@ -255,6 +255,8 @@ ROUND17_CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("old:route-dependent", {"route_dependent": True}),
     ("old:up-late", {"up_late_trigger": True}),
     ("old:route-trigger+up-late", {"route_trigger": True, "up_late_trigger": True}),
+    # round 18 (prepared, not yet measured): the routing's top-k as one bitonic top-k
+    ("old:route-sorted", {"route_sorted": True}),
 )
 
 

@@ -96,6 +96,10 @@ class DecodeConfig:
     # That routing launch is itself a programmatic dependent of the router GEMV (placed during
     # it, waiting for its logits) instead of a plain launch.
     route_dependent: bool = False
+    # That routing launch picks its top-k with one bitonic top-k of packed (value, index) keys
+    # instead of top_k rounds of a max and an argmax reduction (moe_route._sorted_top_k; the
+    # same picks in the same order). Opt-in until measured (round 18 prepared it).
+    route_sorted: bool = False
     # The fused-sum down launch (down_split 0) loads the slots' expert ids before its PDL wait,
     # a guess checked after it (a stale guess streams again): its weight stream starts one L2
     # round trip earlier. Pays where the ids are final by then (the routing launch completed
@@ -142,6 +146,7 @@ class DecodeConfig:
                 + (f"-routew{self.route_warps}" if self.route_warps != 1 else "")
                 + ("-route-trigger" if self.route_trigger else "")
                 + ("-route-dependent" if self.route_dependent else "")
+                + ("-route-sorted" if self.route_sorted else "")
                 + ("-up-late-trigger" if self.up_late_trigger else "")
                 + ("-down-early-ids" if self.down_early_ids else "")
                 + ("-route-inside" if self.route_inside else "")
@@ -294,7 +299,7 @@ def _gate_up_kernel(
     t = slot // TOP_K
     if ROUTE:
         top_v, top_i = route_row(logits_ptr, t.to(tl.int64), E, stride_l, TOP_K, K_POW2,
-                                 SOFTMAX_FIRST, RENORMALIZE, BLOCK_E)
+                                 SOFTMAX_FIRST, RENORMALIZE, BLOCK_E, False)
         pick = tl.arange(0, K_POW2) == slot % TOP_K
         expert = tl.sum(tl.where(pick, top_i, 0), 0)
         if pid_n == 0:
@@ -818,6 +823,6 @@ def decode_layer(
     from shard.kernels import moe_route
 
     weights, ids = moe_route.route(logits, routing, config.route_warps, config.route_trigger,
-                                   config.route_dependent)
+                                   config.route_dependent, config.route_sorted)
     return moe_decode(x, w13, w2, routing.top_k, scale13, scale2, config, topk_weights=weights,
                       topk_ids=ids, count_into=count_into, valid=valid)

@@ -38,18 +38,36 @@ _BLOCK_CHUNK = 32  # blocks per iteration of the block-expert loop ([32, bins] c
 
 @triton.jit
 def route_row(logits_ptr, t, E, stride_l, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
-              SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+              SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+              SORTED: tl.constexpr):
     """Token t's routing: (weights [K_POW2] float32, ids [K_POW2] int32), entries past TOP_K
     unused. Also inlined by shard/kernels/moe_decode.py's gate/up kernel (routing fused there)."""
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
     x = tl.load(logits_ptr + t * stride_l + offs, mask=valid, other=-float("inf")).to(tl.float32)
-    return route_values(x, offs, valid, TOP_K, K_POW2, SOFTMAX_FIRST, RENORMALIZE)
+    return route_values(x, offs, valid, TOP_K, K_POW2, SOFTMAX_FIRST, RENORMALIZE, SORTED)
+
+
+@triton.jit
+def _sorted_top_k(vals, offs, K_POW2: tl.constexpr):
+    """The K_POW2 largest of vals [BLOCK_E] float32 (descending; among equal values the lowest
+    index first, as the max / argmax loop picks them): (values, indices). One bitonic top-k
+    (tl.topk) of int64 keys, the value's bits made order-preserving in the high word and
+    BLOCK_E - 1 - index in the low one, instead of K_POW2 rounds of a max and an argmax
+    reduction (each a chain of cross-lane shuffles)."""
+    bits = tl.where(vals == 0.0, 0.0, vals).to(tl.int32, bitcast=True)  # -0.0 as +0.0 (equal)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order = the floats' order
+    last = offs.shape[0] - 1
+    keys = (ordered.to(tl.int64) << 32) | (last - offs).to(tl.int64)
+    top = tl.topk(keys, K_POW2)  # [K_POW2] int64, descending
+    high = (top >> 32).to(tl.int32)
+    value = (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    return value, (last - (top & 0xFFFFFFFF)).to(tl.int32)
 
 
 @triton.jit
 def route_values(x, offs, valid, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
-                 SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr):
+                 SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr, SORTED: tl.constexpr):
     """route_row on a row already in registers: x [BLOCK_E] float32 logits (-inf where not
     valid), offs = arange(BLOCK_E), valid = offs < E. Also inlined by
     shard/kernels/moe_router.py (the router GEMV's last program routes its token)."""
@@ -60,14 +78,17 @@ def route_values(x, offs, valid, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
     else:
         vals = x
     ks = tl.arange(0, K_POW2)
-    top_v = tl.zeros([K_POW2], dtype=tl.float32)
-    top_i = tl.zeros([K_POW2], dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(vals, 0)
-        idx = tl.argmax(vals, 0, tie_break_left=True)
-        top_v = tl.where(ks == j, best, top_v)
-        top_i = tl.where(ks == j, idx, top_i)
-        vals = tl.where(offs == idx, -float("inf"), vals)
+    if SORTED:  # DecodeConfig.route_sorted: the same picks in the same order
+        top_v, top_i = _sorted_top_k(vals, offs, K_POW2)
+    else:
+        top_v = tl.zeros([K_POW2], dtype=tl.float32)
+        top_i = tl.zeros([K_POW2], dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(vals, 0)
+            idx = tl.argmax(vals, 0, tie_break_left=True)
+            top_v = tl.where(ks == j, best, top_v)
+            top_i = tl.where(ks == j, idx, top_i)
+            vals = tl.where(offs == idx, -float("inf"), vals)
     kmask = ks < TOP_K
     if SOFTMAX_FIRST:
         if RENORMALIZE:
@@ -88,7 +109,7 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l,
                   TOP_K: tl.constexpr, K_POW2: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
                   RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
                   TRIGGER: tl.constexpr = False, PDL: tl.constexpr = False,
-                  STAMPS: tl.constexpr = False):
+                  STAMPS: tl.constexpr = False, SORTED: tl.constexpr = False):
     # With TRIGGER it lets its programmatic dependent (the gate/up launch) be launched now, so
     # that grid's programs are placed and waiting when the routing completes. PDL: launched as a
     # programmatic dependent itself (placed during the router GEMV, waiting for its logits);
@@ -99,7 +120,7 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l,
     stamp(stamps_ptr, tl.program_id(0), 1, STAMPS)
     t = tl.program_id(0).to(tl.int64)
     top_v, top_i = route_row(logits_ptr, t, E, stride_l, TOP_K, K_POW2, SOFTMAX_FIRST,
-                             RENORMALIZE, BLOCK_E)
+                             RENORMALIZE, BLOCK_E, SORTED)
     ks = tl.arange(0, K_POW2)
     kmask = ks < TOP_K
     tl.store(w_ptr + t * TOP_K + ks, top_v, mask=kmask)
@@ -108,11 +129,13 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_l,
 
 
 def route(logits: torch.Tensor, routing: MoeRouting, num_warps: int = 4,
-          trigger: bool = False, dependent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+          trigger: bool = False, dependent: bool = False, sort: bool = False
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, E] -> (weights [n, k] float32, ids [n, k] int32). trigger: the next kernel,
     if a programmatic dependent, may be launched as soon as this one starts; dependent: this
     launch is a programmatic dependent of the previous kernel (sm_90+ both; see
-    moe_decode.DecodeConfig.route_trigger and route_dependent)."""
+    moe_decode.DecodeConfig.route_trigger and route_dependent); sort: the top-k as one bitonic
+    top-k of packed keys (_sorted_top_k; DecodeConfig.route_sorted), the same result."""
     n, num_experts = logits.shape
     k = routing.top_k
     weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
@@ -125,7 +148,7 @@ def route(logits: torch.Tensor, routing: MoeRouting, num_warps: int = 4,
                             RENORMALIZE=routing.renormalize,
                             BLOCK_E=triton.next_power_of_2(num_experts), num_warps=num_warps,
                             TRIGGER=trigger and pdl.enabled(logits.device),
-                            STAMPS=stamps is not None,
+                            STAMPS=stamps is not None, SORTED=sort,
                             **(pdl.launch_options(logits.device) if dependent else {}))
     return weights, ids
 

@@ -146,7 +146,7 @@ def _add_norm_route_kernel(
                           cache_modifier=".cg").to(tl.float32)  # other SMs wrote it: past L1
             row = tl.where(valid, row, -float("inf"))
             top_v, top_i = route_values(row, offs_e, valid, TOP_K, K_POW2, SOFTMAX_FIRST,
-                                        RENORMALIZE)
+                                        RENORMALIZE, False)
             ks = tl.arange(0, K_POW2)
             tl.store(topw_ptr + t * TOP_K + ks, top_v, mask=ks < TOP_K)
             tl.store(ids_ptr + t * TOP_K + ks, top_i, mask=ks < TOP_K)

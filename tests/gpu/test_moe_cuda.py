@@ -161,8 +161,8 @@ def test_early_ids_and_route_trigger_from_a_cuda_graph_match_the_plain_launches(
     guess, checked after the wait) and the routing launch letting gate/up launch as it starts
     (route_trigger), alone and together (then down's guess is often stale: its programs can be
     placed before the routing completes), the routing launch as a programmatic dependent
-    (route_dependent), gate/up letting down launch only after its wait (up_late_trigger),
-    compiled, from a CUDA graph of 12 layer calls with
+    (route_dependent), gate/up letting down launch only after its wait (up_late_trigger), the
+    routing's sorted top-k (route_sorted), compiled, from a CUDA graph of 12 layer calls with
     different routings replayed 3 times, equal the plain launches' eager results bit for bit."""
     import dataclasses
 
@@ -176,7 +176,8 @@ def test_early_ids_and_route_trigger_from_a_cuda_graph_match_the_plain_launches(
     for opts in ({"down_early_ids": True}, {"route_trigger": True},
                  {"down_early_ids": True, "route_trigger": True},
                  {"route_dependent": True}, {"route_dependent": True, "route_trigger": True},
-                 {"route_trigger": True, "up_late_trigger": True, "down_early_ids": True}):
+                 {"route_trigger": True, "up_late_trigger": True, "down_early_ids": True},
+                 {"route_sorted": True}):
         outs = _replayed(run, dataclasses.replace(plain, **opts))
         for got, w in zip(outs, want, strict=True):
             assert torch.equal(got, w), opts

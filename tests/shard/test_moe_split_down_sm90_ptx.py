@@ -83,7 +83,7 @@ def test_decode_routing_launch_reduces_inside_one_warp() -> None:
         assert cfg is not None and not cfg.route_inside and cfg.route_trigger == fp8
         consts = {"TOP_K": 8, "K_POW2": 8, "SOFTMAX_FIRST": True, "RENORMALIZE": True,
                   "BLOCK_E": 128, "TRIGGER": cfg.route_trigger, "PDL": cfg.route_dependent,
-                  "STAMPS": False}
+                  "STAMPS": False, "SORTED": cfg.route_sorted}
         ptx = compile_sm90(moe_route._route_kernel, ROUTE_TYPES, consts, cfg.route_warps, 1,
                            divisible=()).asm["ptx"]
         assert cfg.route_warps == 1 and "bar.sync" not in ptx and "shfl.sync" in ptx
@@ -158,7 +158,8 @@ def test_expert_and_routing_launches_stamp_their_points(stamps: bool) -> None:
     bf16 = moe_decode.decode_config_for(8, fp8=False)
     route = compile_sm90(moe_route._route_kernel, ROUTE_TYPES,
                          {"TOP_K": 8, "K_POW2": 8, "SOFTMAX_FIRST": True, "RENORMALIZE": True,
-                          "BLOCK_E": 128, "TRIGGER": True, "PDL": True, "STAMPS": stamps},
+                          "BLOCK_E": 128, "TRIGGER": True, "PDL": True, "STAMPS": stamps,
+                          "SORTED": False},
                          1, 1, divisible=()).asm["ptx"].splitlines()
     up = compile_sm90(moe_decode._gate_up_kernel, UP_TYPES,
                       {"TOP_K": 8, "K_POW2": 8, "ROUTE": False, "SOFTMAX_FIRST": True,
@@ -181,3 +182,20 @@ def test_expert_and_routing_launches_stamp_their_points(stamps: bool) -> None:
             _stamp_order(lines, points)
         else:
             assert not any("%globaltimer" in line for line in lines)
+
+
+def test_sorted_routing_top_k_takes_fewer_shuffles() -> None:
+    """DecodeConfig.route_sorted's top-k (one bitonic top-k of packed keys) compiles for the
+    one-warp routing launch with fewer warp shuffles than the max / argmax rounds (133 against
+    83 measured at 128 experts, top-8: 64-bit keys take two shuffles an exchange)."""
+    from shard.kernels import moe_route
+
+    counts = {}
+    for sort in (False, True):
+        consts = {"TOP_K": 8, "K_POW2": 8, "SOFTMAX_FIRST": True, "RENORMALIZE": True,
+                  "BLOCK_E": 128, "TRIGGER": False, "PDL": False, "STAMPS": False,
+                  "SORTED": sort}
+        ptx = compile_sm90(moe_route._route_kernel, ROUTE_TYPES, consts, 1, 1,
+                           divisible=()).asm["ptx"]
+        counts[sort] = ptx.count("shfl.sync")
+    assert 0 < counts[True] < counts[False], counts

@@ -61,6 +61,34 @@ _CHECK = BF16_DOT_PRELUDE + textwrap.dedent(
     """
 )
 
+# The routing launch's sorted top-k (route(..., sort=True), DecodeConfig.route_sorted) against
+# its max / argmax loop: the same ids in the same order and the same weights, bit for bit, for
+# softmax before / after top-k, renormalized or not, 6 and 60 experts (padded to 8 and 64),
+# top-k 1, 2, 6 and 8, logits with ties (repeated values: the lowest index first), negative
+# zeros beside zeros, and -inf.
+_SORTED_TOPK_CHECK = textwrap.dedent(
+    """
+    import torch
+    from shard.kernels import moe_route
+    from shard.kernels.moe_align import MoeRouting
+
+    torch.manual_seed(1)
+    for E, n, k in ((6, 3, 1), (6, 3, 2), (60, 4, 6), (128, 3, 8), (60, 2, 8)):
+        logits = torch.randn(n, E)
+        logits[0, : E // 2] = logits[0, E // 2 : 2 * (E // 2)]  # every value twice
+        logits[1] = torch.round(logits[1])  # many ties, zeros among them
+        logits[1, 1] = -0.0
+        logits[-1] = 0.0  # all tied, a negative zero first: the loop takes index 0 first
+        logits[-1, 0] = -0.0
+        logits[-1, -1] = float("-inf")
+        for r in (MoeRouting(k, True), MoeRouting(k, False), MoeRouting(k, False, False)):
+            w, i = moe_route.route(logits, r)
+            ws, is_ = moe_route.route(logits, r, sort=True)
+            assert torch.equal(i, is_), (E, n, k, r, i, is_)
+            assert torch.equal(w, ws), (E, n, k, r)
+    """
+)
+
 # shard/kernels/moe_route.py: routing and the one-program layout equal the torch forms exactly
 # (ids, weights, every row of the layout, the statistics of real rows), over several chunks of
 # slots and with dropped ids; then FusedMoE's CUDA path (route, align with statistics, the two
@@ -399,3 +427,7 @@ def test_routing_and_layout_kernels_in_interpreter():
 
 def test_fused_add_norm_router_kernel_in_interpreter():
     run_interpreted(_ROUTER_CHECK)
+
+
+def test_sorted_routing_top_k_equals_the_argmax_loop_in_interpreter():
+    run_interpreted(_SORTED_TOPK_CHECK)
