@@ -31,8 +31,8 @@ import numpy as np
 
 # ((splits, K/V tile, warps, stages) or None for the launch's defaults (s16-n64-w4-st3 at 4 KV
 # heads), the merge one split at a time (attention_decode.merge_by_split; the default since
-# round 18, False: the block form before it), split shares of 16 positions
-# (attention_decode.fine_splits), the new k, v loaded with q (attention_decode.new_kv_first))
+# round 18, False: the block form before it), short shares attended with half tiles
+# (attention_decode.half_tiles), the new k, v loaded with q (attention_decode.new_kv_first))
 CONFIGS: tuple[tuple[tuple[int, int, int, int] | None, bool, bool, bool], ...] = (
     (None, False, False, False), (None, True, False, False), ((16, 64, 4, 1), False, False, False),
     ((16, 64, 4, 1), True, False, False), ((8, 64, 4, 3), True, False, False),
@@ -93,18 +93,18 @@ def run(layers: int = 48, replays: int = 10, context: int = 512,
     chain = attention_chain(shape, layers, context)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for cfg, by_split, fine, kv_first in CONFIGS:
+    for cfg, by_split, half, kv_first in CONFIGS:
         tiling = None if cfg is None else DecodeTiling(kvh, *cfg)
         splits = ad.default_num_splits(1, kvh, sms) if cfg is None else cfg[0]
         name = (f"default(s{splits})" if tiling is None else tiling.name()) + (
-            "+by-split" if by_split else "") + ("+fine" if fine else "") + (
+            "+by-split" if by_split else "") + ("+half" if half else "") + (
             "+kv-first" if kv_first else "")
         if names is not None and name not in names:
             continue
         stamps = torch.zeros(layers, kvh * splits, STAMP_SLOTS, dtype=torch.int64, device="cuda")
         row: dict[str, Any] = {"tiling": name, "programs": kvh * splits, "context": context}
         try:
-            with ad.merge_by_split(by_split), ad.fine_splits(fine), ad.new_kv_first(kv_first):
+            with ad.merge_by_split(by_split), ad.half_tiles(half), ad.new_kv_first(kv_first):
                 row["us_per_layer"] = _graph_ms(lambda t=tiling: chain(t)) * 1e3 / layers
                 row["stamped_us_per_layer"] = _graph_ms(
                     lambda t=tiling, st=stamps: chain(t, stamps=st), iters=replays) * 1e3 / layers

@@ -28,9 +28,11 @@ DIR/moe_b1.json and DIR/MOE_B1.md and ends its stdout with a compact summary:
      router GEMV are one launch and the routing its own);
    - ROUND17_CONFIGS (CUDA only): the decode table's entry with route_trigger, route_dependent,
      down_early_ids or the split down launch switched (moe_decode.DecodeConfig);
+   - ROUND19_CONFIGS (CUDA only): the expert launches' pipelines, K tiles and program counts;
    - `old:block-merge` (CUDA only): `old` with the decode attention's split merge as one block
      (attention_decode.merge_by_split off; on, the default since round 18);
-   - `old:fine-splits` (CUDA only): split shares of 16 positions (attention_decode.fine_splits);
+   - `old:half-tiles` (CUDA only): a split's share within half a tile attended with a half tile
+     (attention_decode.half_tiles);
    - `old:new-kv-first` (CUDA only): the new k, v loaded by every attention program with its q
      (attention_decode.new_kv_first);
    fp8 runs the old step's variants, fused, fused+norm-prologue and the first attention tiling
@@ -255,8 +257,30 @@ ROUND17_CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("old:route-dependent", {"route_dependent": True}),
     ("old:up-late", {"up_late_trigger": True}),
     ("old:route-trigger+up-late", {"route_trigger": True, "up_late_trigger": True}),
-    # round 18 (prepared, not yet measured): the routing's top-k as one bitonic top-k
+    # round 18: the routing's top-k as one bitonic top-k (the default since round 19); the loop
     ("old:route-sorted", {"route_sorted": True}),
+    ("old:route-loop", {"route_sorted": False}),
+)
+
+
+# The expert launches' bytes in flight, round 19 (benchmarks/MOE_B1.md): the step stamps put
+# bf16's gate/up at 77 % and its fused-sum down at 58 % of copy rate after their PDL waits, fp8's
+# at 64 % and (split down) 42 %. (variant name, the fields replaced as a function of the
+# table's batch-1 entry: deeper pipelines, wider K tiles, more down programs)
+def _down_stages(t: Any) -> int:
+    return t.down_stages or t.stages
+
+
+ROUND19_CONFIGS: tuple[tuple[str, Callable[[Any], dict[str, Any]]], ...] = (
+    ("old:down-st6", lambda t: {"down_stages": 6}),
+    # one K tile an expert slice (768 of 1024; the split launch's 32 rows spill at 1024: 512)
+    ("old:down-kwide", lambda t: {"down_block_k": 512 if t.down_split else 1024,
+                                  "down_stages": 2}),
+    ("old:down-n4", lambda t: {"down_block_n": 4, "down_stages": _down_stages(t)}),
+    ("old:up-st6", lambda t: {"stages": 6, "down_stages": _down_stages(t)}),
+    ("old:up-k2x", lambda t: {"up_block_k": 2 * t.up_block_k, "stages": 3,
+                              "down_stages": _down_stages(t)}),
+    ("old:up-n32", lambda t: {"up_block_n": 32, "stages": 3, "down_stages": _down_stages(t)}),
 )
 
 
@@ -285,7 +309,7 @@ class Variant:
     fuse_qk_norm: bool = True  # shard.layers.attention.FUSE_QK_NORM (q/k norms in attention)
     router_norm: bool = True  # shard.layers.moe.ROUTER_NORM (add + norm in the router GEMV)
     merge_by_split: bool = True  # attention_decode.merge_by_split (the split merge's form)
-    fine_splits: bool = False  # attention_decode.fine_splits (split shares of 16 positions)
+    half_tiles: bool = False  # attention_decode.half_tiles (short shares, half-width tiles)
     new_kv_first: bool = False  # attention_decode.new_kv_first (new k, v loaded with q)
 
 
@@ -311,9 +335,9 @@ def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[Variant]:
             for t in (DecodeTiling(kv_heads, *tiling) for tiling in OLD_ATTN_TILINGS)]
     # the attention's merge as one block (before round 18; attention_decode.merge_by_split)
     out.append(Variant("old:block-merge", False, merge_by_split=False))
-    # split shares rounded to 16 positions, not to the 64-position tile (attention_decode.
-    # fine_splits): 16 busy splits at context 512, as 32-position tiles give, keeping the tile
-    out.append(Variant("old:fine-splits", False, fine_splits=True))
+    # a split's share within half a tile attended with a half tile (attention_decode.half_tiles):
+    # 16 busy splits of 32-position tiles at context 512, the 64-position tile at long contexts
+    out.append(Variant("old:half-tiles", False, half_tiles=True))
     # every attention program loads the new k, v with its q (the owner's second round trip)
     out.append(Variant("old:new-kv-first", False, new_kv_first=True))
     tilings: list[DecodeTiling] = []
@@ -440,6 +464,8 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
         # launch's ids before its wait (a guess); both; bf16's fused sum as the split launch
         variants[1:1] = [Variant(name, False, moe_config=dataclasses.replace(table, **opts))
                          for name, opts in ROUND17_CONFIGS]
+        variants[1:1] = [Variant(name, False, moe_config=dataclasses.replace(table, **opts(table)))
+                         for name, opts in ROUND19_CONFIGS]
     if variant_names:  # in the order given; a name given twice runs twice (interleaved A/B)
         by_name = {v.name: v for v in variants}
         variants = [by_name[n] for n in variant_names.split(",") if n in by_name]
@@ -455,7 +481,7 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                     norm_prologue(var.norm_prologue), moe_decode.config_override(var.moe_config), \
                     WARM_O_PROJ.override(var.warm_o), FUSE_QK_NORM.override(var.fuse_qk_norm), \
                     attention_decode.merge_by_split(var.merge_by_split), \
-                    attention_decode.fine_splits(var.fine_splits), \
+                    attention_decode.half_tiles(var.half_tiles), \
                     attention_decode.new_kv_first(var.new_kv_first), \
                     ROUTER_NORM.override(var.router_norm):
                 if cuda:

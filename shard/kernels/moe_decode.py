@@ -98,8 +98,11 @@ class DecodeConfig:
     route_dependent: bool = False
     # That routing launch picks its top-k with one bitonic top-k of packed (value, index) keys
     # instead of top_k rounds of a max and an argmax reduction (moe_route._sorted_top_k; the
-    # same picks in the same order). Opt-in until measured (round 18 prepared it).
-    route_sorted: bool = False
+    # same picks in the same order; 83 warp shuffles against 133 in its sm_90 PTX). Qwen3-30B-
+    # A3B batch-1 step on an H200 without the profiler (benchmarks/MOE_B1.md, round 19), twice
+    # each, interleaved: bf16 2.711 / 2.703 ms against 2.714-2.723, fp8 1.964 / 1.963 against
+    # 1.984-2.002.
+    route_sorted: bool = True
     # The fused-sum down launch (down_split 0) loads the slots' expert ids before its PDL wait,
     # a guess checked after it (a stale guess streams again): its weight stream starts one L2
     # round trip earlier. Pays where the ids are final by then (the routing launch completed
@@ -146,7 +149,7 @@ class DecodeConfig:
                 + (f"-routew{self.route_warps}" if self.route_warps != 1 else "")
                 + ("-route-trigger" if self.route_trigger else "")
                 + ("-route-dependent" if self.route_dependent else "")
-                + ("-route-sorted" if self.route_sorted else "")
+                + ("" if self.route_sorted else "-route-loop")
                 + ("-up-late-trigger" if self.up_late_trigger else "")
                 + ("-down-early-ids" if self.down_early_ids else "")
                 + ("-route-inside" if self.route_inside else "")

@@ -190,17 +190,18 @@ def test_last_split_merges_under_stress(seq_lens, by_split):
 
 
 @pytest.mark.parametrize("seq_lens", [[512], [300, 0, 1000, 17]], ids=["batch1", "padded"])
-def test_fine_split_shares_equal_tile_shares(seq_lens):
-    """attention_decode.fine_splits (a split's share a multiple of 16 positions, not of the tile;
-    opt-in, moe_b1_bench old:fine-splits): the fused kernel equals the unfused pair under the
-    same shares, and both equal the tile shares' result to rounding (another split of the same
-    sum); the new token is stored by the split that holds it."""
+def test_half_tiles_equal_whole_tiles(seq_lens):
+    """attention_decode.half_tiles (a split's share within half a tile attended with a half tile;
+    opt-in, moe_b1_bench old:half-tiles; here 512, 300 and 17 over 16 splits are such shares,
+    1000 is not): the fused kernel equals the unfused pair under the same shares, and both equal
+    the whole tiles' result to rounding (another split of the same sum); the new token is stored
+    by the split that holds it."""
     from shard.kernels import attention_decode as ad
     from shard.kernels.elementwise import rotary_store_kv
 
     d = _decode_step(torch.bfloat16, seq_lens, seed=21)
     fused_cache, pair_cache, tile_cache = d.cache.clone(), d.cache.clone(), d.cache.clone()
-    with ad.fine_splits(True):
+    with ad.half_tiles(True):
         got = ad.rotary_store_decode_attention(d.q, d.k, d.v, d.positions, d.rope.cos,
                                                d.rope.sin, *fused_cache, d.slots, d.tables,
                                                d.seq_lens, d.scale, None, 16)

@@ -74,8 +74,10 @@ def test_split_down_streams_its_first_tile_before_the_wait() -> None:
 
 def test_decode_routing_launch_reduces_inside_one_warp() -> None:
     """The decode table's routing launch (DecodeConfig.route_warps, one warp): its softmax and
-    top-k reductions compile to warp shuffles with no CTA barrier (43 with four warps); the fp8
-    entry's route_trigger lets the gate/up launch go as it starts, the bf16 one's does not."""
+    top-k reductions compile to warp shuffles with no CTA barrier (43 with four warps) in the
+    loop form (route_sorted off; the sorted form's layout change goes through shared memory,
+    test_sorted_routing_top_k_takes_fewer_shuffles); the fp8 entry's route_trigger lets the
+    gate/up launch go as it starts, the bf16 one's does not."""
     from shard.kernels import moe_decode, moe_route
 
     for fp8 in (True, False):
@@ -83,7 +85,7 @@ def test_decode_routing_launch_reduces_inside_one_warp() -> None:
         assert cfg is not None and not cfg.route_inside and cfg.route_trigger == fp8
         consts = {"TOP_K": 8, "K_POW2": 8, "SOFTMAX_FIRST": True, "RENORMALIZE": True,
                   "BLOCK_E": 128, "TRIGGER": cfg.route_trigger, "PDL": cfg.route_dependent,
-                  "STAMPS": False, "SORTED": cfg.route_sorted}
+                  "STAMPS": False, "SORTED": False}
         ptx = compile_sm90(moe_route._route_kernel, ROUTE_TYPES, consts, cfg.route_warps, 1,
                            divisible=()).asm["ptx"]
         assert cfg.route_warps == 1 and "bar.sync" not in ptx and "shfl.sync" in ptx
@@ -187,8 +189,11 @@ def test_expert_and_routing_launches_stamp_their_points(stamps: bool) -> None:
 def test_sorted_routing_top_k_takes_fewer_shuffles() -> None:
     """DecodeConfig.route_sorted's top-k (one bitonic top-k of packed keys) compiles for the
     one-warp routing launch with fewer warp shuffles than the max / argmax rounds (133 against
-    83 measured at 128 experts, top-8: 64-bit keys take two shuffles an exchange)."""
-    from shard.kernels import moe_route
+    83 measured at 128 experts, top-8: 64-bit keys take two shuffles an exchange); the decode
+    table's batch-1 entries use it (round 19's step A/B, benchmarks/MOE_B1.md)."""
+    from shard.kernels import moe_decode, moe_route
+
+    assert all(moe_decode.decode_config_for(8, fp8).route_sorted for fp8 in (False, True))
 
     counts = {}
     for sort in (False, True):

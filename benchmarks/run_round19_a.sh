@@ -1,17 +1,13 @@
 #!/usr/bin/env bash
-# The next lease for issue 39 (benchmarks/MOE_B1.md, round 18 "Next"): the GPU tests written in
-# round 18 without a GPU (step stamps, fine split shares, new k/v first), the attention chain's
-# stamps for those options, then their A/B in the step without the profiler (a CUPTI session
-# slows later replays in the process), then the step stamps of `old`.
-# run(command="bash benchmarks/run_round18_next.sh", carry=[".whl-tw"]).
+# Round 19, second lease (ran as call 3): the vision GPU tests (the first lease ran them from the
+# wrong directory), then round 18's prepared A/B. old:fine-splits was removed after this run
+# (attention_decode.half_tiles replaced it).
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
-timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_moe_cuda.py \
-  tests/gpu/test_fused_kernels.py -k "stamp or fine or stress or new_kv or early_ids" 2>&1 \
-  | tail -8 \
-  > $OUT/gpu_new.log
-tail -3 $OUT/gpu_new.log
+timeout 70 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_vision_cuda.py 2>&1 \
+  | tail -3 > $OUT/vision.log
+tail -2 $OUT/vision.log
 timeout 90 python3 -m benchmarks.attention_stamps --out $OUT/chain --contexts 512,4096 --names \
   "default(s16)+by-split,default(s16)+by-split+fine,default(s16)+by-split+kv-first,default(s16)+by-split+fine+kv-first" \
   2>&1 | grep -v Warn | cut -c1-200
