@@ -414,7 +414,8 @@ def _attend_tile(q, k, v, mask_n, m_i, l_i, acc, qk_scale, SOFTCAP: tl.constexpr
 # a multiple of 16 or neither). Specialized, each combination was a kernel variant of its own,
 # compiled in the middle of serving (shard/runtime/kernel_compiles.py); these arguments feed
 # only scalar and gathered loads, which their specialization does not speed up.
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]; FUSED_ROTARY: not yet rotated
     k_cache_ptr,  # [num_blocks * block_size, num_kv_heads, head_dim]
@@ -479,7 +480,6 @@ def _decode_split_kernel(
     NORM_OFFSET: tl.constexpr = 0.0,  # QK_NORM: the weight applied is (NORM_OFFSET + w)
     STAMPS: tl.constexpr = False,  # record STAMP_POINTS (shard/kernels/stamps.py)
     MERGE_BY_SPLIT: tl.constexpr = False,  # _merge_splits' form (merge_by_split)
-    HALF_TILES: tl.constexpr = False,  # a share within half a tile: half a tile (half_tiles)
     NEW_KV_FIRST: tl.constexpr = False,  # FUSED_ROTARY: _rotary_prologue's (new_kv_first)
 ):
     # Latency-bound at decode batch sizes: let the next kernel launch now. Before the wait on
@@ -504,76 +504,21 @@ def _decode_split_kernel(
     lo = 0
     if window > 0:
         lo = tl.maximum(seq_len - window, 0)
-    # This split's share of [lo, seq_len), rounded up to whole tiles; HALF_TILES: a share that
-    # fits in half a tile is half a tile, attended with a BLOCK_N // 2 tile (half_tiles).
+    # This split's share of [lo, seq_len), rounded up to whole tiles. (Finer shares, and half-width
+    # tiles for shares within half a tile, measured no faster in the step: benchmarks/MOE_B1.md,
+    # round 19.)
     span = seq_len - lo
-    per_split = tl.cdiv(span, NUM_SPLITS)
-    chunk = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
-    if HALF_TILES:
-        chunk = tl.where(per_split <= BLOCK_N // 2, BLOCK_N // 2, chunk)
+    chunk = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # (Python's False unless HALF_TILES: then the branch below compiles to the full tile alone)
-    short = False
-    if HALF_TILES:
-        short = per_split <= BLOCK_N // 2
-    if short:
-        _attend_share(q_ptr, k_cache_ptr, v_cache_ptr, bt_row, out_ptr, lse_ptr, final_ptr,
-                      ticket_ptr, k_scale_ptr, v_scale_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr,
-                      pos_ptr, slot_ptr, stride_q_seq, stride_q_head, stride_k_seq,
-                      stride_k_head, stride_v_seq, stride_v_head, stride_cos, stride_slot,
-                      stride_out_seq, stride_out_head, stride_out_split, stride_final_seq,
-                      stride_final_head, warm_ptr, warm_bytes, qn_w_ptr, kn_w_ptr, norm_eps,
-                      stamps_ptr, NUM_SPLITS, seq, kvh, split, program, qk_scale, v_mul,
-                      seq_len, lo, span, chunk, start, end, BLOCK_N // 2, GROUP, GROUP_PAD,
-                      HEAD_DIM, BLOCK_D, PAGE, ONE_SPLIT, SCALED, FUSED_ROTARY, HALF, HALF_PAD,
-                      FP8_MAX, PDL, EARLY_TILE, Q_IN_REGISTERS, GROUP_P2, SPLITS_PAD, SOFTCAP,
-                      WARM, QK_NORM, NORM_OFFSET, STAMPS, MERGE_BY_SPLIT, NEW_KV_FIRST)
-    else:
-        _attend_share(q_ptr, k_cache_ptr, v_cache_ptr, bt_row, out_ptr, lse_ptr, final_ptr,
-                      ticket_ptr, k_scale_ptr, v_scale_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr,
-                      pos_ptr, slot_ptr, stride_q_seq, stride_q_head, stride_k_seq,
-                      stride_k_head, stride_v_seq, stride_v_head, stride_cos, stride_slot,
-                      stride_out_seq, stride_out_head, stride_out_split, stride_final_seq,
-                      stride_final_head, warm_ptr, warm_bytes, qn_w_ptr, kn_w_ptr, norm_eps,
-                      stamps_ptr, NUM_SPLITS, seq, kvh, split, program, qk_scale, v_mul,
-                      seq_len, lo, span, chunk, start, end, BLOCK_N, GROUP, GROUP_PAD,
-                      HEAD_DIM, BLOCK_D, PAGE, ONE_SPLIT, SCALED, FUSED_ROTARY, HALF, HALF_PAD,
-                      FP8_MAX, PDL, EARLY_TILE, Q_IN_REGISTERS, GROUP_P2, SPLITS_PAD, SOFTCAP,
-                      WARM, QK_NORM, NORM_OFFSET, STAMPS, MERGE_BY_SPLIT, NEW_KV_FIRST)
 
-
-@triton.jit
-def _attend_share(
-    q_ptr, k_cache_ptr, v_cache_ptr, bt_row, out_ptr, lse_ptr, final_ptr, ticket_ptr,
-    k_scale_ptr, v_scale_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-    stride_q_seq, stride_q_head, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
-    stride_cos, stride_slot, stride_out_seq, stride_out_head, stride_out_split,
-    stride_final_seq, stride_final_head, warm_ptr, warm_bytes, qn_w_ptr, kn_w_ptr, norm_eps,
-    stamps_ptr, NUM_SPLITS,
-    seq, kvh, split, program,  # the program's (sequence, KV head, split) and program_index()
-    qk_scale, v_mul,  # the score scale (log2 domain, fp8's k_scale folded in) and fp8's v_scale
-    seq_len, lo, span,  # the sequence's length, its window's first position, seq_len - lo
-    chunk, start, end,  # a split's share, this split's [start, end)
-    BLOCK_N: tl.constexpr,  # K/V positions a tile
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, ONE_SPLIT: tl.constexpr, SCALED: tl.constexpr,
-    FUSED_ROTARY: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    FP8_MAX: tl.constexpr, PDL: tl.constexpr, EARLY_TILE: tl.constexpr,
-    Q_IN_REGISTERS: tl.constexpr, GROUP_P2: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    SOFTCAP: tl.constexpr, WARM: tl.constexpr, QK_NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
-    STAMPS: tl.constexpr, MERGE_BY_SPLIT: tl.constexpr, NEW_KV_FIRST: tl.constexpr,
-):
-    """_decode_split_kernel's program from its early tile on (the kernel's parameters, which it
-    documents, and its share): PDL wait, prologue, tiles, partial store, ticket and merge.
-    BLOCK_N is a parameter so that one kernel can hold a half-tile copy (half_tiles)."""
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     mask_g = offs_g < GROUP
     mask_d = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
     offs_n = tl.arange(0, BLOCK_N)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_head_off = kvh * HEAD_DIM
     dtype = q_ptr.dtype.element_ty
     if FUSED_ROTARY:
@@ -789,23 +734,6 @@ def merge_by_split(on: bool) -> AbstractContextManager[None]:
     default; _merge_splits' BY_SPLIT) or as one block (off); capture a CUDA graph under the
     setting it is replayed with."""
     return _MERGE_BY_SPLIT.override(on)
-
-
-# Opt-in A/B (half_tiles): a split whose share of the context fits in half a tile gets half a tile
-# and attends it with a BLOCK_N // 2 tile (the kernel holds both copies; long contexts take the
-# full one). At batch 1 of 4 KV heads (16 splits) and context 512, 64-position tiles leave 8
-# splits busy with a tile each; 32-position tiles keep 16 busy and made the bf16 step 0.10 ms
-# faster, but lost 27-43 % alone at contexts 4096-16384 (benchmarks/MOE_B1.md, round 18). Shares
-# of 16 positions with the 64-position tile (16 busy splits, half of each tile masked) were no
-# faster than whole tiles (round 19), so the tile's width is what counts.
-_HALF_TILES = Setting(False)
-
-
-def half_tiles(on: bool) -> AbstractContextManager[None]:
-    """Inside the block a split's share that fits in half a tile is attended with a half-width
-    tile (on) or with the whole tile, shares rounded to whole tiles (off, the default); capture
-    a CUDA graph under the setting it is replayed with."""
-    return _HALF_TILES.override(on)
 
 
 # Opt-in A/B (new_kv_first): in the fused rotary prologue every program loads and rotates the new
@@ -1068,7 +996,6 @@ def _decode(
         NORM_OFFSET=float(norms.offset) if norms is not None else 0.0,
         STAMPS=stamps is not None,
         MERGE_BY_SPLIT=_MERGE_BY_SPLIT.value,
-        HALF_TILES=_HALF_TILES.value and block_n >= 32,  # tl.dot: tiles of >= 16
         NEW_KV_FIRST=_NEW_KV_FIRST.value,
         num_warps=num_warps,
         num_stages=num_stages,

@@ -190,35 +190,6 @@ def test_last_split_merges_under_stress(seq_lens, by_split):
 
 
 @pytest.mark.parametrize("seq_lens", [[512], [300, 0, 1000, 17]], ids=["batch1", "padded"])
-def test_half_tiles_equal_whole_tiles(seq_lens):
-    """attention_decode.half_tiles (a split's share within half a tile attended with a half tile;
-    opt-in, moe_b1_bench old:half-tiles; here 512, 300 and 17 over 16 splits are such shares,
-    1000 is not): the fused kernel equals the unfused pair under the same shares, and both equal
-    the whole tiles' result to rounding (another split of the same sum); the new token is stored
-    by the split that holds it."""
-    from shard.kernels import attention_decode as ad
-    from shard.kernels.elementwise import rotary_store_kv
-
-    d = _decode_step(torch.bfloat16, seq_lens, seed=21)
-    fused_cache, pair_cache, tile_cache = d.cache.clone(), d.cache.clone(), d.cache.clone()
-    with ad.half_tiles(True):
-        got = ad.rotary_store_decode_attention(d.q, d.k, d.v, d.positions, d.rope.cos,
-                                               d.rope.sin, *fused_cache, d.slots, d.tables,
-                                               d.seq_lens, d.scale, None, 16)
-        q_rot = rotary_store_kv(d.positions, d.q, d.k, d.v, d.rope.cos, d.rope.sin,
-                                *pair_cache, d.slots, None, None, 0.0)
-        want = ad.paged_decode_attention(q_rot, *pair_cache, d.tables, d.seq_lens, d.scale,
-                                         None, 16)
-    tiles = ad.rotary_store_decode_attention(d.q, d.k, d.v, d.positions, d.rope.cos, d.rope.sin,
-                                             *tile_cache, d.slots, d.tables, d.seq_lens,
-                                             d.scale, None, 16)
-    _assert_equal_but_mma_order(got, want)
-    _assert_same_bytes(fused_cache, pair_cache)
-    _assert_same_bytes(fused_cache, tile_cache)
-    torch.testing.assert_close(got, tiles, atol=4e-3, rtol=2**-6)
-
-
-@pytest.mark.parametrize("seq_lens", [[512], [300, 0, 1000, 17]], ids=["batch1", "padded"])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_new_kv_first_equals_the_owner_only_prologue(cache_dtype, seq_lens):
     """attention_decode.new_kv_first (every program loads and rotates the new k, v before its

@@ -17,7 +17,7 @@ pytestmark = [needs(cuda_backend_available(), "triton without its CUDA backend (
 
 
 def _compile_split_kernel(stamps: bool, one_split: bool, merge_by_split: bool = False,
-                          new_kv_first: bool = False, half_tiles: bool = False):
+                          new_kv_first: bool = False):
     from shard.kernels import attention_decode as ad
 
     pointers = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
@@ -38,7 +38,7 @@ def _compile_split_kernel(stamps: bool, one_split: bool, merge_by_split: bool = 
               "HALF": 64, "HALF_PAD": 64, "FP8_MAX": 0.0, "PDL": True, "EARLY_TILE": True,
               "Q_IN_REGISTERS": True, "GROUP_P2": 8, "SPLITS_PAD": 1 if one_split else 16,
               "SOFTCAP": 0.0, "WARM": False, "QK_NORM": True, "NORM_OFFSET": 0.0,
-              "STAMPS": stamps, "MERGE_BY_SPLIT": merge_by_split, "HALF_TILES": half_tiles,
+              "STAMPS": stamps, "MERGE_BY_SPLIT": merge_by_split,
               "NEW_KV_FIRST": new_kv_first}
     return compile_sm90(ad._decode_split_kernel, types, consts, 4, 3, divisible=())
 
@@ -81,19 +81,3 @@ def test_new_kv_first_loads_the_new_k_v_with_q() -> None:
     owner_only, first = loads_before_a_branch(False), loads_before_a_branch(True)
     # k and v: two halves each, in vectors over the CTA's threads
     assert first > owner_only, (owner_only, first)
-
-
-def test_half_tiles_hold_a_pipelined_copy_of_each_tile_width() -> None:
-    """attention_decode.half_tiles: the kernel holds the 32-position copy beside the 64-position
-    one, each with its asynchronous (pipelined) K/V copies, its tensor-core dots and its wait on
-    the previous kernel (the copies are branches a program takes one of)."""
-
-    def counts(half_tiles: bool) -> dict[str, int]:
-        ptx = _compile_split_kernel(False, False, True, half_tiles=half_tiles).asm["ptx"]
-        return {"cp.async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
-                "mma": ptx.count("mma.sync"), "wait": ptx.count("griddepcontrol.wait")}
-
-    whole, both = counts(False), counts(True)
-    assert both["cp.async"] > whole["cp.async"] > 0, (whole, both)
-    assert both["mma"] > whole["mma"] > 0, (whole, both)
-    assert (whole["wait"], both["wait"]) == (1, 2), (whole, both)

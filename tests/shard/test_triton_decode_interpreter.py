@@ -244,14 +244,12 @@ _QK_NORM_CHECK = textwrap.dedent(
 )
 
 # The merge's two forms (_merge_splits: one [splits, group, head_dim] block, or one split's rows
-# at a time under merge_by_split) and the half tiles (half_tiles: a split's share within half
-# the 64-position tile attended with a 32-position tile; here 70 over 3 splits and 9 over 5 are,
-# 130 and 200 are not): each against float64 attention over the gathered context, and within
-# fp32 summation-order rounding of each other. Split counts 3 (padded to 4, one masked split)
+# at a time under merge_by_split): each against float64 attention over the gathered context,
+# and within fp32 summation-order rounding of each other. Split counts 3 (padded to 4, one masked split)
 # and 5 (padded to 8), with empty splits ([1] and the padding row).
 _MERGE_FORMS_CHECK = textwrap.dedent(
     """
-    from shard.kernels.attention_decode import half_tiles, merge_by_split
+    from shard.kernels.attention_decode import merge_by_split
 
     gen = torch.Generator().manual_seed(301)
     for seq_lens, num_splits in (([70, 0, 130, 1], 3), ([200, 9], 5)):
@@ -265,34 +263,18 @@ _MERGE_FORMS_CHECK = textwrap.dedent(
         block = paged_decode_attention(q, *cache, tables, lens, scale, None, num_splits)
         with merge_by_split(True):
             by_split = paged_decode_attention(q, *cache, tables, lens, scale, None, num_splits)
-        with half_tiles(True):
-            half = paged_decode_attention(q, *cache, tables, lens, scale, None, num_splits)
         for i, length in enumerate(seq_lens):
             if length == 0:
-                assert not block[i].any() and not by_split[i].any() and not half[i].any()
+                assert not block[i].any() and not by_split[i].any()
                 continue
             slots = (tables[i].long()[:, None] * PAGE + torch.arange(PAGE)).flatten()[:length]
             k, v = (c.reshape(-1, KV_HEADS, head_dim)[slots].double() for c in cache)
             k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
             w = torch.softmax(torch.einsum("hd,thd->ht", q[i].double(), k) * scale, -1)
             want = torch.einsum("ht,thd->hd", w, v).float()
-            for got in (block[i], by_split[i], half[i]):
+            for got in (block[i], by_split[i]):
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(by_split, block, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(half, block, atol=1e-6, rtol=1e-6)
-    """
-)
-
-# The fused kernel under half_tiles: the split that holds the new token (its share now half a
-# tile where it fits) stores it and reads it, the same as the unfused pair under the same shares
-# (bit for bit, both grid orders), with and without a window; full-tile shares beside them.
-_HALF_TILES_CHECK = textwrap.dedent(
-    """
-    from shard.kernels.attention_decode import half_tiles
-
-    with half_tiles(True):
-        case(torch.bfloat16, torch.bfloat16, 64, [70, 0, 130, 1], 3, None, 401)
-        case(torch.float32, torch.float32, 64, [200], 5, 50, 402)
     """
 )
 
@@ -332,10 +314,6 @@ def test_fused_rotary_decode_with_qk_norms_in_interpreter():
 
 def test_merge_forms_equal_float64_attention_in_interpreter():
     _run_interpreted(_MERGE_FORMS_CHECK)
-
-
-def test_fused_rotary_decode_with_half_tiles_in_interpreter():
-    _run_interpreted(_HALF_TILES_CHECK)
 
 
 def test_fused_rotary_decode_with_new_kv_first_in_interpreter():
