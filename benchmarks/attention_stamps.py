@@ -31,13 +31,12 @@ import numpy as np
 
 # ((splits, K/V tile, warps, stages) or None for the launch's defaults (s16-n64-w4-st3 at 4 KV
 # heads), the merge one split at a time (attention_decode.merge_by_split; the default since
-# round 18, False: the block form before it), the new k, v loaded with q
-# (attention_decode.new_kv_first). (Round 18's finer split shares and round 19's half-width
-# tiles for short shares were removed after their A/B: benchmarks/MOE_B1.md, round 19.)
-CONFIGS: tuple[tuple[tuple[int, int, int, int] | None, bool, bool], ...] = (
-    (None, False, False), (None, True, False), ((16, 64, 4, 1), False, False),
-    ((16, 64, 4, 1), True, False), ((8, 64, 4, 3), True, False),
-    ((16, 32, 4, 3), True, False), ((16, 64, 4, 3), False, False), (None, True, True))
+# round 18, False: the block form before it). (Round 18's finer split shares and new k, v
+# loaded with q, and round 19's half-width tiles for short shares, were removed after their
+# A/B: benchmarks/MOE_B1.md, round 19.)
+CONFIGS: tuple[tuple[tuple[int, int, int, int] | None, bool], ...] = (
+    (None, False), (None, True), ((16, 64, 4, 1), False), ((16, 64, 4, 1), True),
+    ((8, 64, 4, 3), True), ((16, 32, 4, 3), True), ((16, 64, 4, 3), False))
 PHASES = ("lag", "q", "attend", "store", "ticket", "merge")
 
 
@@ -93,17 +92,17 @@ def run(layers: int = 48, replays: int = 10, context: int = 512,
     chain = attention_chain(shape, layers, context)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for cfg, by_split, kv_first in CONFIGS:
+    for cfg, by_split in CONFIGS:
         tiling = None if cfg is None else DecodeTiling(kvh, *cfg)
         splits = ad.default_num_splits(1, kvh, sms) if cfg is None else cfg[0]
-        name = (f"default(s{splits})" if tiling is None else tiling.name()) + (
-            "+by-split" if by_split else "") + ("+kv-first" if kv_first else "")
+        name = ((f"default(s{splits})" if tiling is None else tiling.name())
+                + ("+by-split" if by_split else ""))
         if names is not None and name not in names:
             continue
         stamps = torch.zeros(layers, kvh * splits, STAMP_SLOTS, dtype=torch.int64, device="cuda")
         row: dict[str, Any] = {"tiling": name, "programs": kvh * splits, "context": context}
         try:
-            with ad.merge_by_split(by_split), ad.new_kv_first(kv_first):
+            with ad.merge_by_split(by_split):
                 row["us_per_layer"] = _graph_ms(lambda t=tiling: chain(t)) * 1e3 / layers
                 row["stamped_us_per_layer"] = _graph_ms(
                     lambda t=tiling, st=stamps: chain(t, stamps=st), iters=replays) * 1e3 / layers

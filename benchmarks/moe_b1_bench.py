@@ -31,8 +31,6 @@ DIR/moe_b1.json and DIR/MOE_B1.md and ends its stdout with a compact summary:
    - ROUND19_CONFIGS (CUDA only): the expert launches' pipelines, K tiles and program counts;
    - `old:block-merge` (CUDA only): `old` with the decode attention's split merge as one block
      (attention_decode.merge_by_split off; on, the default since round 18);
-   - `old:new-kv-first` (CUDA only): the new k, v loaded by every attention program with its q
-     (attention_decode.new_kv_first);
    fp8 runs the old step's variants, fused, fused+norm-prologue and the first attention tiling
    only (time);
    each with the step's byte roofline (moe_bench._step_bytes: dense weights and norms, LM head,
@@ -307,7 +305,6 @@ class Variant:
     fuse_qk_norm: bool = True  # shard.layers.attention.FUSE_QK_NORM (q/k norms in attention)
     router_norm: bool = True  # shard.layers.moe.ROUTER_NORM (add + norm in the router GEMV)
     merge_by_split: bool = True  # attention_decode.merge_by_split (the split merge's form)
-    new_kv_first: bool = False  # attention_decode.new_kv_first (new k, v loaded with q)
 
 
 def _fp8_subset(variants: list[Variant]) -> list[Variant]:
@@ -332,8 +329,6 @@ def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[Variant]:
             for t in (DecodeTiling(kv_heads, *tiling) for tiling in OLD_ATTN_TILINGS)]
     # the attention's merge as one block (before round 18; attention_decode.merge_by_split)
     out.append(Variant("old:block-merge", False, merge_by_split=False))
-    # every attention program loads the new k, v with its q (the owner's second round trip)
-    out.append(Variant("old:new-kv-first", False, new_kv_first=True))
     tilings: list[DecodeTiling] = []
     if best is not None:
         tilings.append(DecodeTiling(kv_heads, best["splits"], best["block_n"], best["num_warps"]))
@@ -475,7 +470,6 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                     norm_prologue(var.norm_prologue), moe_decode.config_override(var.moe_config), \
                     WARM_O_PROJ.override(var.warm_o), FUSE_QK_NORM.override(var.fuse_qk_norm), \
                     attention_decode.merge_by_split(var.merge_by_split), \
-                    attention_decode.new_kv_first(var.new_kv_first), \
                     ROUTER_NORM.override(var.router_norm):
                 if cuda:
                     # this variant's graph (captured under its settings: every bucket runs

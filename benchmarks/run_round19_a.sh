@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Round 19, second lease (ran as call 3): the vision GPU tests (the first lease ran them from the
-# wrong directory), then round 18's prepared A/B. old:fine-splits was removed after this run
-# (attention_decode.half_tiles replaced it).
+# wrong directory), then round 18's prepared A/B. A record: fine_splits and new_kv_first (and
+# their variants and chain rows) were removed after this run (benchmarks/MOE_B1.md, round 19).
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh

@@ -3,7 +3,9 @@
 # table's default, half tiles, the stamp test's stale-stamp filter), the attention chain with
 # half tiles from context 128 to 16,384, then the step A/B without the profiler: half tiles,
 # the expert launches' pipelines and tiles (ROUND19_CONFIGS), the routing's old loop.
-# run(command="bash benchmarks/run_round19_b.sh", carry=[".whl-tw"]).
+# run(command="bash benchmarks/run_round19_b.sh", carry=[".whl-tw"]). A record (call 4): half
+# tiles (attention_decode.half_tiles, old:half-tiles, the chain's +half rows) were removed after
+# it (benchmarks/MOE_B1.md, round 19).
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh

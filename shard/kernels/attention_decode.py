@@ -313,7 +313,6 @@ def _rotary_prologue(
     Q_IN_REGISTERS: tl.constexpr,  # HALF == HALF_PAD: halves joined in registers, no scratch
     QK_NORM: tl.constexpr,  # q and k RMS-normalized per head before the rotation
     NORM_OFFSET: tl.constexpr,  # QK_NORM: Gemma 3's weight offset (0: none)
-    NEW_KV_FIRST: tl.constexpr,  # new_kv_first: the new k, v loaded by every program, first
 ):
     """FUSED_ROTARY's first phase (module docstring): rotates the group's q, stores the new k, v
     if is_owner, and returns (q [GROUP_PAD, BLOCK_D] in the model dtype, the stored k and v rows
@@ -323,12 +322,6 @@ def _rotary_prologue(
     of two: the halves' padding sits inside the row) q goes through this program's own output
     rows and is read back after a CTA barrier (the kernel overwrites them with its result)."""
     rows = out_ptr + seq * stride_out_seq + split * stride_out_split
-    if NEW_KV_FIRST:  # (every program: see below)
-        k1, k2, v1, v2, at, m = _new_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, seq, kvh,
-                                        stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
-                                        cos_t, sin_t, kn_w_ptr, norm_eps,
-                                        k_cache_ptr.dtype.element_ty, HALF, HALF_PAD, FP8_MAX,
-                                        QK_NORM, NORM_OFFSET)
     if Q_IN_REGISTERS:
         first, second, _, _ = _rope_load_normed(q_ptr + kvh * GROUP * stride_q_head, seq,
                                                 stride_q_seq, stride_q_head, cos_t, sin_t,
@@ -345,15 +338,10 @@ def _rotary_prologue(
     row = slot * stride_slot + kvh * (2 * HALF)
     k_row = tl.zeros([BLOCK_D], dtype=dtype)
     v_row = tl.zeros([BLOCK_D], dtype=dtype)
-    if NEW_KV_FIRST:
-        # Stored by the owner only, computed by every program (below, its loads issued before
-        # q's): no branch between the wait and the new k, v loads, so they are in flight with q's.
-        if own:
-            _store_kv_halves(k_cache_ptr, v_cache_ptr, row, at, m, k1, k2, v1, v2, HALF)
-        k_new, v_new = _kv_rows(k1, k2, v1, v2, dtype)
-        k_row = tl.where(own, k_new, k_row)
-        v_row = tl.where(own, v_new, v_row)
-    elif own:
+    # The owner alone loads the new k, v, after q. (Loading them in every program before q,
+    # so that the owner's loads leave the branch, measured no faster in the step:
+    # benchmarks/MOE_B1.md, round 19.)
+    if own:
         k1, k2, v1, v2, at, m = _new_kv(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, seq, kvh,
                                         stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
                                         cos_t, sin_t, kn_w_ptr, norm_eps,
@@ -480,7 +468,6 @@ def _decode_split_kernel(
     NORM_OFFSET: tl.constexpr = 0.0,  # QK_NORM: the weight applied is (NORM_OFFSET + w)
     STAMPS: tl.constexpr = False,  # record STAMP_POINTS (shard/kernels/stamps.py)
     MERGE_BY_SPLIT: tl.constexpr = False,  # _merge_splits' form (merge_by_split)
-    NEW_KV_FIRST: tl.constexpr = False,  # FUSED_ROTARY: _rotary_prologue's (new_kv_first)
 ):
     # Latency-bound at decode batch sizes: let the next kernel launch now. Before the wait on
     # the previous kernel (q/k/v's GEMV, or the rotary + store kernel) only what it cannot have
@@ -548,7 +535,7 @@ def _decode_split_kernel(
             stride_q_seq, stride_q_head, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
             stride_slot, stride_out_seq, stride_out_head, stride_out_split, qn_w_ptr, kn_w_ptr,
             norm_eps, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D, HALF, HALF_PAD, FP8_MAX, Q_IN_REGISTERS,
-            QK_NORM, NORM_OFFSET, NEW_KV_FIRST,
+            QK_NORM, NORM_OFFSET,
         )  # q [GROUP_PAD, BLOCK_D]; the stored new k, v rows [BLOCK_D] (owner only)
     else:
         q = tl.load(
@@ -734,21 +721,6 @@ def merge_by_split(on: bool) -> AbstractContextManager[None]:
     default; _merge_splits' BY_SPLIT) or as one block (off); capture a CUDA graph under the
     setting it is replayed with."""
     return _MERGE_BY_SPLIT.override(on)
-
-
-# Opt-in A/B (new_kv_first): in the fused rotary prologue every program loads and rotates the new
-# token's k and v, before its q, and only the owner stores them. The stamps put the owner's
-# prologue at 1.3-1.5 us against 0.6 for the others (benchmarks/MOE_B1.md, round 18): its k, v
-# loads sat behind a branch taken after q's math, a second dependent round trip. Not yet
-# measured; the same values and cache bytes either way.
-_NEW_KV_FIRST = Setting(False)
-
-
-def new_kv_first(on: bool) -> AbstractContextManager[None]:
-    """Inside the block the fused prologue loads the new k, v in every program, first (on) or
-    in the owner only, after q (off, the default); capture a CUDA graph under the setting it is
-    replayed with."""
-    return _NEW_KV_FIRST.override(on)
 
 
 def q_through_memory() -> AbstractContextManager[None]:
@@ -996,7 +968,6 @@ def _decode(
         NORM_OFFSET=float(norms.offset) if norms is not None else 0.0,
         STAMPS=stamps is not None,
         MERGE_BY_SPLIT=_MERGE_BY_SPLIT.value,
-        NEW_KV_FIRST=_NEW_KV_FIRST.value,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch_options(query.device),

@@ -189,32 +189,6 @@ def test_last_split_merges_under_stress(seq_lens, by_split):
     assert attention_decode._TICKETS.all_zero(d.q.device)
 
 
-@pytest.mark.parametrize("seq_lens", [[512], [300, 0, 1000, 17]], ids=["batch1", "padded"])
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_new_kv_first_equals_the_owner_only_prologue(cache_dtype, seq_lens):
-    """attention_decode.new_kv_first (every program loads and rotates the new k, v before its
-    q; the owner alone stores them; opt-in, moe_b1_bench old:new-kv-first): the same cache bytes
-    and, to the compiled dots' order, the same outputs as the owner-only prologue, q/k norms on."""
-    from shard.kernels import attention_decode as ad
-    from shard.kernels.head_norms import HeadNorms
-
-    d = _decode_step(cache_dtype, seq_lens, seed=23)
-    gen = torch.Generator(device="cuda").manual_seed(24)
-    w = (torch.rand(2, 128, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
-    norms = HeadNorms(w[0], w[1], 1e-6, 0.0)
-    outs, caches = [], []
-    for first in (False, True):
-        cache = d.cache.clone()
-        with ad.new_kv_first(first):
-            outs.append(ad.rotary_store_decode_attention(
-                d.q, d.k, d.v, d.positions, d.rope.cos, d.rope.sin, *cache, d.slots, d.tables,
-                d.seq_lens, d.scale, None, 16, k_scale=d.scales[0], v_scale=d.scales[1],
-                head_norms=norms))
-        caches.append(cache)
-    _assert_same_bytes(caches[0], caches[1])
-    _assert_equal_but_mma_order(outs[1], outs[0])
-
-
 @pytest.mark.parametrize("num_splits", [1, 5])
 def test_stamps_change_nothing_and_follow_the_points(num_splits):
     """The split kernel with its %globaltimer stamps (benchmarks/attention_stamps.py): the same

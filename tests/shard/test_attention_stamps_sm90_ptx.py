@@ -16,8 +16,7 @@ pytestmark = [needs(cuda_backend_available(), "triton without its CUDA backend (
               pytest.mark.timeout(300)]
 
 
-def _compile_split_kernel(stamps: bool, one_split: bool, merge_by_split: bool = False,
-                          new_kv_first: bool = False):
+def _compile_split_kernel(stamps: bool, one_split: bool, merge_by_split: bool = False):
     from shard.kernels import attention_decode as ad
 
     pointers = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
@@ -38,8 +37,7 @@ def _compile_split_kernel(stamps: bool, one_split: bool, merge_by_split: bool = 
               "HALF": 64, "HALF_PAD": 64, "FP8_MAX": 0.0, "PDL": True, "EARLY_TILE": True,
               "Q_IN_REGISTERS": True, "GROUP_P2": 8, "SPLITS_PAD": 1 if one_split else 16,
               "SOFTCAP": 0.0, "WARM": False, "QK_NORM": True, "NORM_OFFSET": 0.0,
-              "STAMPS": stamps, "MERGE_BY_SPLIT": merge_by_split,
-              "NEW_KV_FIRST": new_kv_first}
+              "STAMPS": stamps, "MERGE_BY_SPLIT": merge_by_split}
     return compile_sm90(ad._decode_split_kernel, types, consts, 4, 3, divisible=())
 
 
@@ -64,20 +62,3 @@ def test_no_stamps_no_timer() -> None:
     ptx = _compile_split_kernel(False, False).asm["ptx"]
     assert "%globaltimer" not in ptx
 
-
-def test_new_kv_first_loads_the_new_k_v_with_q() -> None:
-    """attention_decode.new_kv_first: every program loads the new token's k and v with its q,
-    before any branch after the PDL wait (the owner-only form loads them behind the branch
-    taken by the owner, after q's math: a second dependent round trip)."""
-
-    def loads_before_a_branch(new_kv_first: bool) -> int:
-        lines = _compile_split_kernel(False, False, new_kv_first=new_kv_first).asm["ptx"]
-        lines = lines.splitlines()
-        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-        branch = next(i for i, line in enumerate(lines)
-                      if i > wait and " bra" in line and line.lstrip().startswith("@"))
-        return sum(1 for line in lines[wait:branch] if "ld.global" in line)
-
-    owner_only, first = loads_before_a_branch(False), loads_before_a_branch(True)
-    # k and v: two halves each, in vectors over the CTA's threads
-    assert first > owner_only, (owner_only, first)

@@ -278,21 +278,6 @@ _MERGE_FORMS_CHECK = textwrap.dedent(
     """
 )
 
-# The fused prologue with new_kv_first (every program loads and rotates the new k, v first; the
-# owner alone stores them): the same outputs and cache bytes as the unfused pair, both grid
-# orders; model-dtype and fp8 caches, q/k norms, a padding row.
-_NEW_KV_FIRST_CHECK = textwrap.dedent(
-    """
-    from shard.kernels.attention_decode import new_kv_first
-
-    with new_kv_first(True):
-        case(torch.bfloat16, torch.bfloat16, 64, [70, 0, 130, 1], 3, None, 501)
-        case(torch.bfloat16, torch.float8_e4m3fn, 64, [37], 4, 20, 502)
-        case(torch.bfloat16, torch.bfloat16, 64, [37], 1, None, 503, norm_offset=0.0)
-    """
-)
-
-
 def _run_interpreted(check: str) -> None:
     run_interpreted(_PRELUDE + check)
 
@@ -314,7 +299,3 @@ def test_fused_rotary_decode_with_qk_norms_in_interpreter():
 
 def test_merge_forms_equal_float64_attention_in_interpreter():
     _run_interpreted(_MERGE_FORMS_CHECK)
-
-
-def test_fused_rotary_decode_with_new_kv_first_in_interpreter():
-    _run_interpreted(_NEW_KV_FIRST_CHECK)
