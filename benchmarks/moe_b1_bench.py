@@ -277,8 +277,6 @@ ROUND19_CONFIGS: tuple[tuple[str, Callable[[Any], dict[str, Any]]], ...] = (
     ("old:up-k2x", lambda t: {"up_block_k": 2 * t.up_block_k, "stages": 3,
                               "down_stages": _down_stages(t)}),
     ("old:up-n32", lambda t: {"up_block_n": 32, "stages": 3, "down_stages": _down_stages(t)}),
-    # the down launch's rows asked of L2 before its wait, during gate/up (DecodeConfig.down_warm)
-    ("old:down-warm", lambda t: {"down_warm": True}),
 )
 
 

@@ -72,15 +72,6 @@ _PREFETCH_LAST_ASM = tl.constexpr("""{
 
 
 @triton.jit
-def prefetch_l2(starts, sizes, EVICT_LAST: tl.constexpr = False):
-    """One prefetch into L2 per element: starts [LANES] int8 pointers, 16-byte aligned; sizes
-    [LANES] int32 bytes, multiples of 16 (<= 0: none). The first warp's lanes issue them (a
-    [LANES <= 32] tensor is held whole by every warp)."""
-    tl.inline_asm_elementwise(_PREFETCH_LAST_ASM if EVICT_LAST else _PREFETCH_ASM, "=r,l,r",
-                              [starts, sizes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def warm_share(warm_ptr, warm_bytes, part, parts, WARM: tl.constexpr,
                EVICT_LAST: tl.constexpr = False, CHUNK: tl.constexpr = 16384,
                LANES: tl.constexpr = 32):
@@ -96,4 +87,6 @@ def warm_share(warm_ptr, warm_bytes, part, parts, WARM: tl.constexpr,
         for c0 in range(lo, hi, CHUNK * LANES):
             start = c0 + lanes * CHUNK  # [LANES] chunk starts (16-byte aligned: CHUNK is)
             size = tl.minimum(hi - start, CHUNK) // 16 * 16  # [LANES] bytes, <= 0: none
-            prefetch_l2(base + start, size.to(tl.int32), EVICT_LAST)
+            tl.inline_asm_elementwise(_PREFETCH_LAST_ASM if EVICT_LAST else _PREFETCH_ASM,
+                                      "=r,l,r", [base + start, size.to(tl.int32)],
+                                      dtype=tl.int32, is_pure=False, pack=1)

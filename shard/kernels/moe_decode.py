@@ -61,7 +61,6 @@ import triton
 import triton.language as tl
 
 from shard.kernels import pdl
-from shard.kernels.l2_warm import prefetch_l2
 from shard.kernels.moe_align import MoeRouting
 from shard.kernels.moe_route import route_row
 from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
@@ -126,11 +125,6 @@ class DecodeConfig:
     # id (a guess) and first K tile are loaded before the PDL wait and checked after it.
     down_split: int = 0
     down_stages: int = 0  # the down launch's pipelining depth (0: `stages`)
-    # The down launch's programs, placed by PDL during the gate/up launch, ask L2 for their
-    # expert rows before their wait (the guessed ids: down_early_ids, or the split launch's),
-    # so that after it the rows stream from L2: gate/up leaves HBM ~25 % idle (the step stamps,
-    # benchmarks/MOE_B1.md round 19). Opt-in until measured.
-    down_warm: bool = False
     # The persistent gate/up launch (0: off, the gridded one): m > 0 is m programs per SM
     # (int_gemv_wide's `persist`), at most one per work item (held slot, row tile of up_block_n
     # rows). Each program runs its items' K tiles (up_block_k wide, `stages` deep) as one
@@ -139,9 +133,6 @@ class DecodeConfig:
     up_stream: int = 0
 
     def __post_init__(self) -> None:
-        if self.down_warm and not (self.down_split or self.down_early_ids):
-            raise ValueError("DecodeConfig: down_warm needs the ids before the wait "
-                             "(down_early_ids or down_split)")
         if self.up_stream < 0 or (self.up_stream and self.route_inside):
             raise ValueError(f"DecodeConfig: up_stream={self.up_stream} needs programs per SM "
                              f">= 0 and route_inside=False")
@@ -154,7 +145,6 @@ class DecodeConfig:
                 f"-st{self.stages}"
                 + (f"-dst{self.down_stages}" if self.down_stages else "")
                 + (f"-split{self.down_split}" if self.down_split else "")
-                + ("-down-warm" if self.down_warm else "")
                 + (f"-upstream{self.up_stream}" if self.up_stream else "")
                 + (f"-routew{self.route_warps}" if self.route_warps != 1 else "")
                 + ("-route-trigger" if self.route_trigger else "")
@@ -482,38 +472,6 @@ def _held_ids(slot_ids_ptr, ks, kmask, E):
 
 
 @triton.jit
-def _expert_row_spans(experts, row0, H, stride_we, stride_wn, elem_bytes, BLOCK_N: tl.constexpr,
-                      K_POW2: tl.constexpr, LANES: tl.constexpr = 32):
-    """Byte spans of rows [row0, row0 + BLOCK_N) (those < H) of each expert's [H, I] slice of
-    w [E, H, I] (rows stride_wn elements apart): experts [K_POW2] int32 (-1: none), K_POW2 <=
-    LANES. LANES // K_POW2 lanes share an expert's block, rounded in to 16 bytes at both ends
-    (nothing outside it is touched), in consecutive 16-byte-aligned pieces.
-    -> (starts [LANES] int64 byte offsets from w, sizes [LANES] int32, 0: none)."""
-    lanes = tl.arange(0, LANES)
-    per: tl.constexpr = LANES // K_POW2  # lanes an expert
-    ks = tl.arange(0, K_POW2)
-    e = tl.sum(tl.where(ks[None, :] == (lanes // per)[:, None], experts[None, :], 0), axis=1)
-    rows = tl.maximum(tl.minimum(H - row0, BLOCK_N), 0)
-    begin = (e.to(tl.int64) * stride_we + row0.to(tl.int64) * stride_wn) * elem_bytes
-    first = tl.cdiv(begin, 16) * 16
-    last = (begin + rows.to(tl.int64) * stride_wn * elem_bytes) // 16 * 16
-    piece = tl.cdiv(tl.cdiv(tl.maximum(last - first, 0), per), 16) * 16
-    lo = first + (lanes % per) * piece
-    size = tl.where(e >= 0, tl.maximum(tl.minimum(lo + piece, last) - lo, 0), 0)
-    return lo, size.to(tl.int32)
-
-
-@triton.jit
-def _warm_expert_rows(w_ptr, experts, row0, H, stride_we, stride_wn, BLOCK_N: tl.constexpr,
-                      K_POW2: tl.constexpr):
-    """Asks L2 for the experts' row blocks (_expert_row_spans; DecodeConfig.down_warm)."""
-    elem_bytes: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    starts, sizes = _expert_row_spans(experts, row0, H, stride_we, stride_wn, elem_bytes,
-                                      BLOCK_N, K_POW2)
-    prefetch_l2(w_ptr.to(tl.pointer_type(tl.int8)) + starts, sizes)
-
-
-@triton.jit
 def _down_sum_kernel(
     inter_ptr,  # [n * k, I]
     w_ptr,  # [E, H, I]
@@ -539,7 +497,6 @@ def _down_sum_kernel(
     PDL: tl.constexpr = False,
     EARLY_IDS: tl.constexpr = False,  # DecodeConfig.down_early_ids
     STAMPS: tl.constexpr = False,  # shard/kernels/stamps.py
-    WARM: tl.constexpr = False,  # DecodeConfig.down_warm (with EARLY_IDS)
 ):
     let_dependents_launch(PDL)
     program = program_index()
@@ -559,9 +516,6 @@ def _down_sum_kernel(
         # route_trigger does), so the weight stream's first tiles are issued right after the
         # wait instead of one L2 round trip later.
         guess = _held_ids(slot_ids, ks, kmask, E)
-        if WARM:
-            _warm_expert_rows(w_ptr, guess, pid_n * BLOCK_N, H, stride_we, stride_wn, BLOCK_N,
-                              K_POW2)
     wait_for_predecessor(PDL)  # the slots' ids and inter rows: final from here on
     stamp(stamps_ptr, program, 1, STAMPS)
     ids = _held_ids(slot_ids, ks, kmask, E)  # [K_POW2]
@@ -607,7 +561,6 @@ def _down_split_kernel(
     STAGES: tl.constexpr,
     PDL: tl.constexpr = False,
     STAMPS: tl.constexpr = False,  # shard/kernels/stamps.py
-    WARM: tl.constexpr = False,  # DecodeConfig.down_warm
 ):
     let_dependents_launch(PDL)
     program = program_index()
@@ -628,9 +581,6 @@ def _down_split_kernel(
     w_first = tl.load(w_rows + tl.maximum(guess, 0).to(tl.int64) * stride_we + offs_k[None, :],
                       mask=row_mask[:, None] & k_first[None, :], other=0.0,
                       eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
-    if WARM:  # the rest of the slice (the first tile's lines again: a third of it)
-        _warm_expert_rows(w_ptr, tl.zeros([1], tl.int32) + guess, pid_n * BLOCK_N, H, stride_we,
-                          stride_wn, BLOCK_N, 1)
     wait_for_predecessor(PDL)  # ids, weights, inter rows: final from here on
     stamp(stamps_ptr, program, 1, STAMPS)
     expert = tl.load(ids_ptr + slot).to(tl.int32)
@@ -813,8 +763,6 @@ def moe_decode(
             **pdl.launch_options(x.device),
         )
     stages = cfg.down_stages or cfg.stages
-    # (an sm_90 instruction: not under the CPU interpreter)
-    warm = cfg.down_warm and x.device.type == "cuda"
     if cfg.down_split:
         row_blocks = triton.cdiv(hidden, cfg.down_split)
         tickets = _SPLIT_TICKETS.take(x.device, n * row_blocks)
@@ -827,8 +775,7 @@ def moe_decode(
             split_stamps if split_stamps is not None else weights,
             TOP_K=top_k, HAS_SCALE=scale2 is not None, BLOCK_N=cfg.down_split,
             BLOCK_K=cfg.down_block_k, STAGES=stages, num_warps=cfg.down_warps,
-            num_stages=stages, STAMPS=split_stamps is not None, WARM=warm,
-            **pdl.launch_options(x.device),
+            num_stages=stages, STAMPS=split_stamps is not None, **pdl.launch_options(x.device),
         )
         return out
     down_tiles = triton.cdiv(hidden, cfg.down_block_n)
@@ -841,8 +788,7 @@ def moe_decode(
         TOP_K=top_k, K_POW2=k_pow2, HAS_SCALE=scale2 is not None,
         BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, STAGES=stages,
         SLOTS_FIRST=cfg.slots_first, EARLY_IDS=cfg.down_early_ids, num_warps=cfg.down_warps,
-        num_stages=stages, STAMPS=sum_stamps is not None, WARM=warm and cfg.down_early_ids,
-        **pdl.launch_options(x.device),
+        num_stages=stages, STAMPS=sum_stamps is not None, **pdl.launch_options(x.device),
     )
     return out
 

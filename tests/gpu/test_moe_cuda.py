@@ -136,8 +136,7 @@ def test_split_down_from_a_cuda_graph_matches_the_fused_sum(fp8):
     """The split down launch (DecodeConfig.down_split: per-slot programs, a ticketed finish; the
     fp8 table's batch-1 entry), compiled, at batch 1 from a CUDA graph of 12 layer calls with
     different routings, replayed 3 times (its tickets must be back at zero for each replay),
-    equals the fused-sum down launch's eager results; K in tiles and the whole slice in one, and
-    with its rows asked of L2 before the wait (down_warm)."""
+    equals the fused-sum down launch's eager results; K in tiles and the whole slice in one."""
     import dataclasses
 
     from shard.kernels import moe_decode
@@ -148,8 +147,7 @@ def test_split_down_from_a_cuda_graph_matches_the_fused_sum(fp8):
     table = moe_decode.decode_config_for(8, fp8)
     assert table is not None and bool(table.down_split) == fp8
     for opts in ({"down_split": 16, "down_block_k": 64, "down_stages": 3},
-                 {"down_split": 32, "down_block_k": 1024, "down_stages": 1},
-                 {"down_split": 32, "down_block_k": 256, "down_stages": 3, "down_warm": True}):
+                 {"down_split": 32, "down_block_k": 1024, "down_stages": 1}):
         outs = _replayed(run, dataclasses.replace(table, **opts))
         for got, w in zip(outs, want, strict=True):
             err = float((got.float() - w).abs().max() / w.abs().max())
@@ -164,8 +162,7 @@ def test_early_ids_and_route_trigger_from_a_cuda_graph_match_the_plain_launches(
     (route_trigger), alone and together (then down's guess is often stale: its programs can be
     placed before the routing completes), the routing launch as a programmatic dependent
     (route_dependent), gate/up letting down launch only after its wait (up_late_trigger), the
-    routing's sorted top-k (route_sorted), the down launch's rows asked of L2 before its wait
-    (down_warm), compiled, from a CUDA graph of 12 layer calls with
+    routing's sorted top-k (route_sorted), compiled, from a CUDA graph of 12 layer calls with
     different routings replayed 3 times, equal the plain launches' eager results bit for bit."""
     import dataclasses
 
@@ -180,7 +177,7 @@ def test_early_ids_and_route_trigger_from_a_cuda_graph_match_the_plain_launches(
                  {"down_early_ids": True, "route_trigger": True},
                  {"route_dependent": True}, {"route_dependent": True, "route_trigger": True},
                  {"route_trigger": True, "up_late_trigger": True, "down_early_ids": True},
-                 {"route_sorted": True}, {"down_early_ids": True, "down_warm": True}):
+                 {"route_sorted": True}):
         outs = _replayed(run, dataclasses.replace(plain, **opts))
         for got, w in zip(outs, want, strict=True):
             assert torch.equal(got, w), opts

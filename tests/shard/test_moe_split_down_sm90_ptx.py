@@ -44,15 +44,14 @@ UP_TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "inter_ptr": "
             "stamps_ptr": "*i64"}
 
 
-def _split_ptx(stamps: bool = False, warm: bool = False) -> list[str]:
+def _split_ptx(stamps: bool = False) -> list[str]:
     from shard.kernels import moe_decode
 
     cfg = moe_decode.decode_config_for(8, fp8=True)
     assert cfg is not None and cfg.down_split
     stages = cfg.down_stages or cfg.stages
     consts = {"TOP_K": 8, "HAS_SCALE": True, "BLOCK_N": cfg.down_split,
-              "BLOCK_K": cfg.down_block_k, "STAGES": stages, "PDL": True, "STAMPS": stamps,
-              "WARM": warm}
+              "BLOCK_K": cfg.down_block_k, "STAGES": stages, "PDL": True, "STAMPS": stamps}
     kernel = compile_sm90(moe_decode._down_split_kernel, SPLIT_TYPES, consts, cfg.down_warps, stages,
                           divisible=("H", "I"))
     return kernel.asm["ptx"].splitlines()
@@ -103,7 +102,7 @@ def test_fused_sum_down_loads_its_ids_before_the_wait() -> None:
     assert cfg is not None and not cfg.down_split and cfg.down_early_ids
     consts = {"TOP_K": 8, "K_POW2": 8, "HAS_SCALE": False, "BLOCK_N": cfg.down_block_n,
               "BLOCK_K": cfg.down_block_k, "STAGES": cfg.stages, "SLOTS_FIRST": cfg.slots_first,
-              "PDL": True, "EARLY_IDS": cfg.down_early_ids, "STAMPS": False, "WARM": False}
+              "PDL": True, "EARLY_IDS": cfg.down_early_ids, "STAMPS": False}
     lines = compile_sm90(moe_decode._down_sum_kernel, SUM_TYPES, consts, cfg.down_warps, cfg.stages,
                          divisible=("H", "I")).asm["ptx"].splitlines()
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
@@ -175,7 +174,7 @@ def test_expert_and_routing_launches_stamp_their_points(stamps: bool) -> None:
                         {"TOP_K": 8, "K_POW2": 8, "HAS_SCALE": False, "BLOCK_N": bf16.down_block_n,
                          "BLOCK_K": bf16.down_block_k, "STAGES": bf16.stages,
                          "SLOTS_FIRST": bf16.slots_first, "PDL": True, "EARLY_IDS": True,
-                         "STAMPS": stamps, "WARM": False},
+                         "STAMPS": stamps},
                         bf16.down_warps, bf16.stages, divisible=("H", "I")).asm["ptx"].splitlines()
     split = _split_ptx(stamps)
     cases = ((route, moe_route.ROUTE_STAMP_POINTS), (up, moe_decode.GATE_UP_STAMP_POINTS),
@@ -205,29 +204,3 @@ def test_sorted_routing_top_k_takes_fewer_shuffles() -> None:
                            divisible=()).asm["ptx"]
         counts[sort] = ptx.count("shfl.sync")
     assert 0 < counts[True] < counts[False], counts
-
-
-@pytest.mark.parametrize("warm", [True, False], ids=["warm", "off"])
-def test_down_launches_ask_l2_for_their_rows_before_the_wait(warm: bool) -> None:
-    """DecodeConfig.down_warm: the fused-sum down launch (bf16 table, its ids guessed before the
-    wait) and the split one (fp8 table) issue their L2 prefetches (cp.async.bulk.prefetch.L2,
-    one site each: the lanes' pieces) before `griddepcontrol.wait`, that is while the gate/up
-    launch runs; without it none. A config with neither has no ids to warm before its wait."""
-    import dataclasses
-
-    from shard.kernels import moe_decode
-
-    bf16 = moe_decode.decode_config_for(8, fp8=False)
-    with pytest.raises(ValueError, match="down_warm"):
-        dataclasses.replace(bf16, down_early_ids=False, down_warm=True)
-    consts = {"TOP_K": 8, "K_POW2": 8, "HAS_SCALE": False, "BLOCK_N": bf16.down_block_n,
-              "BLOCK_K": bf16.down_block_k, "STAGES": bf16.stages,
-              "SLOTS_FIRST": bf16.slots_first, "PDL": True, "EARLY_IDS": True, "STAMPS": False,
-              "WARM": warm}
-    fused = compile_sm90(moe_decode._down_sum_kernel, SUM_TYPES, consts, bf16.down_warps,
-                         bf16.stages, divisible=("H", "I")).asm["ptx"].splitlines()
-    for lines in (fused, _split_ptx(warm=warm)):
-        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-        sites = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2" in line]
-        assert len(sites) == (1 if warm else 0), sites
-        assert all(i < wait for i in sites)

@@ -413,61 +413,6 @@ _ROUTER_CHECK = textwrap.dedent(
 pytestmark = INTERPRETER_MARKS
 
 
-# DecodeConfig.down_warm's spans (moe_decode._expert_row_spans): for each expert held, the
-# lanes' [start, start + size) pieces, 16-byte aligned, tile its row block's bytes rounded in to
-# 16 bytes at both ends, without gap or overlap; an expert not held (-1) and a block past H ask
-# for nothing. top-8 with bf16 rows (4 lanes an expert), one fp8 slot (32 lanes),
-# a row block cut by H, rows whose bytes are not a multiple of 16.
-_WARM_SPANS_CHECK = textwrap.dedent(
-    """
-    import torch
-    import triton
-    import triton.language as tl
-    from shard.kernels.moe_decode import _expert_row_spans
-
-    @triton.jit
-    def spans(experts_ptr, starts_ptr, sizes_ptr, row0, H, stride_we, stride_wn,
-              ELEM: tl.constexpr, BLOCK_N: tl.constexpr, K_POW2: tl.constexpr):
-        experts = tl.load(experts_ptr + tl.arange(0, K_POW2))
-        starts, sizes = _expert_row_spans(experts, row0, H, stride_we, stride_wn, ELEM, BLOCK_N,
-                                          K_POW2)
-        tl.store(starts_ptr + tl.arange(0, 32), starts)
-        tl.store(sizes_ptr + tl.arange(0, 32), sizes)
-
-    for experts, row0, H, I, elem, block_n in (
-            ([3, 0, 127, -1, 5, 64, 9, 1], 2040, 2048, 768, 2, 8),
-            ([17], 32, 2048, 768, 1, 32),
-            ([2, -1], 96, 100, 50, 2, 8),
-            ([4, 1, 0, 2], 104, 100, 37, 1, 8)):
-        k = len(experts)
-        starts = torch.zeros(32, dtype=torch.int64)
-        sizes = torch.zeros(32, dtype=torch.int32)
-        spans[(1,)](torch.tensor(experts, dtype=torch.int32), starts, sizes, row0, H, H * I, I,
-                    ELEM=elem, BLOCK_N=block_n, K_POW2=k)
-        per = 32 // k
-        for j, e in enumerate(experts):
-            got = [(int(starts[l]), int(sizes[l])) for l in range(j * per, (j + 1) * per)]
-            got = [(a, n) for a, n in got if n > 0]
-            rows = max(min(H - row0, block_n), 0)
-            begin = (e * H + row0) * I * elem
-            end = begin + rows * I * elem
-            if e < 0 or rows == 0:
-                assert not got, (experts, j, got)
-                continue
-            assert all(a % 16 == 0 and n % 16 == 0 for a, n in got), got
-            covered = sorted(got)
-            assert covered[0][0] == -(-begin // 16) * 16, (covered, begin)
-            assert covered[-1][0] + covered[-1][1] == end // 16 * 16, (covered, end)
-            for (a, n), (b, _) in zip(covered, covered[1:]):
-                assert a + n == b, covered
-    """
-)
-
-
-def test_down_warm_spans_tile_each_experts_row_block_in_interpreter():
-    run_interpreted(_WARM_SPANS_CHECK)
-
-
 def test_fused_moe_kernel_in_interpreter():
     run_interpreted(_CHECK)
 
