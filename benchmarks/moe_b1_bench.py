@@ -31,6 +31,8 @@ DIR/moe_b1.json and DIR/MOE_B1.md and ends its stdout with a compact summary:
    - ROUND19_CONFIGS (CUDA only): the expert launches' pipelines, K tiles and program counts;
    - `old:block-merge` (CUDA only): `old` with the decode attention's split merge as one block
      (attention_decode.merge_by_split off; on, the default since round 18);
+   - `old:short-graph` (CUDA only): the step replays a second graph made for contexts up to 512
+     positions, with 32-position K/V tiles (CudaAttentionBackend.short_decode);
    fp8 runs the old step's variants, fused, fused+norm-prologue and the first attention tiling
    only (time);
    each with the step's byte roofline (moe_bench._step_bytes: dense weights and norms, LM head,
@@ -305,6 +307,7 @@ class Variant:
     fuse_qk_norm: bool = True  # shard.layers.attention.FUSE_QK_NORM (q/k norms in attention)
     router_norm: bool = True  # shard.layers.moe.ROUTER_NORM (add + norm in the router GEMV)
     merge_by_split: bool = True  # attention_decode.merge_by_split (the split merge's form)
+    short_decode: bool = False  # CudaAttentionBackend.short_decode (a short-context graph)
 
 
 def _fp8_subset(variants: list[Variant]) -> list[Variant]:
@@ -329,6 +332,10 @@ def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[Variant]:
             for t in (DecodeTiling(kv_heads, *tiling) for tiling in OLD_ATTN_TILINGS)]
     # the attention's merge as one block (before round 18; attention_decode.merge_by_split)
     out.append(Variant("old:block-merge", False, merge_by_split=False))
+    # round 19: a second graph for steps whose contexts fit 512 positions, captured with
+    # 32-position K/V tiles (CudaAttentionBackend.short_decode: s16-n32-w4-st3's gain at
+    # context 512 without its loss at long contexts, which the default graph keeps)
+    out.append(Variant("old:short-graph", False, short_decode=True))
     tilings: list[DecodeTiling] = []
     if best is not None:
         tilings.append(DecodeTiling(kv_heads, best["splits"], best["block_n"], best["num_warps"]))
@@ -424,6 +431,7 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
     out["roofline_ms"] = sum(parts.values()) / copy_bps * 1e3 if cuda else float("nan")
     backends = list({id(a.backend): a.backend for a in model.attns}.values())
     kv_heads = shape["num_key_value_heads"]
+    from shard.attention.cuda_backend import ShortDecode
     from shard.kernels import attention_decode, moe_decode, moe_router
 
     variants = _variants(best_attn, kv_heads, cuda)
@@ -466,6 +474,7 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
         try:
             for backend in backends:
                 backend.few_program_decode = var.attention
+                backend.short_decode = ShortDecode() if var.short_decode else None
             with fused_router(var.fused_router), moe_router.config_override(var.router), \
                     norm_prologue(var.norm_prologue), moe_decode.config_override(var.moe_config), \
                     WARM_O_PROJ.override(var.warm_o), FUSE_QK_NORM.override(var.fuse_qk_norm), \
@@ -477,11 +486,14 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                     from shard.runner.cuda_graphs import CudaGraphDecodeRunner
 
                     per = -(-context // runner.block_size)
-                    graphs = CudaGraphDecodeRunner(runner.forward, runner.device,
-                                                   runner.block_size, 1, per, buckets=[1])
+                    graphs = CudaGraphDecodeRunner(
+                        runner.forward, runner.device, runner.block_size, 1, per, buckets=[1],
+                        short_context=runner.attention.short_decode_context)
                     graphs.capture()
                     graphs.run(step.token_ids, step.positions, step.seq_lens, step.block_tables)
-                    replay = graphs.graphs[graphs.bucket(1)].replay
+                    row["short_graph"] = graphs.last_short
+                    replay = (graphs.short_graphs if graphs.last_short
+                              else graphs.graphs)[graphs.bucket(1)].replay
                     ms = cuda_time_ms(replay, iters=50)
                     row["gpu"] = gpu_state(torch.cuda.current_device())
                     row["step_ms"] = ms
@@ -502,6 +514,7 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
         finally:
             for backend in backends:
                 backend.few_program_decode = None
+                backend.short_decode = None
         out["variants"].append(row)
         gpu = row.get("gpu") or {}
         print(f"model {layers}L {out['quantize']} b=1 {name}: "

@@ -75,6 +75,9 @@ class AttentionBackend(Protocol):
       (one kernel) rather than rotate_and_write_kv + attend; benchmarks switch it off to compare.
     - fuses_qk_norm_into_decode: rotate_write_and_attend_decode also applies per-head q/k
       RMSNorms (head_norms) before the rotation, saving their own launch (Qwen3, Gemma 3).
+    - short_decode_context(num_seqs): a decode-only step whose contexts all fit this many
+      positions (meta.max_seq_len) takes a launch made for short contexts; the graph runner then
+      captures a second graph per such batch size, with max_seq_len at this bound (0: none).
     Backends subclass this protocol: the fused methods' default bodies compose the plain ones,
     and a backend with a kernel for them overrides them, with the same results.
     """
@@ -83,6 +86,11 @@ class AttentionBackend(Protocol):
     graph_safe: bool
     fuse_rotary_into_decode: bool
     fuses_qk_norm_into_decode: bool
+
+    def short_decode_context(self, num_seqs: int) -> int:
+        """Positions up to which a decode-only step of num_seqs sequences takes its short-context
+        launch (see the capabilities above); 0: no such launch."""
+        return 0
 
     def write_kv(
         self,

@@ -70,6 +70,23 @@ class DecodeTiling:
                 f"-st{self.num_stages}")
 
 
+@dataclass(frozen=True)
+class ShortDecode:
+    """The decode launch of steps whose contexts all fit max_context positions, at batches up to
+    max_batch (short_decode_context: the graph runner captures a graph of its own for them).
+    Why: at batch 1 of 4 KV heads the kernel's 16 splits of a 512-position context with the
+    64-position tile leave 8 splits busy with one tile each; 32-position tiles keep all 16 busy.
+    In the Qwen3-30B-A3B step (H200, benchmarks/MOE_B1.md rounds 18-19) that tiling
+    (s16-n32-w4-st3) was -2 us a layer at context 512 but lost 12-43 % alone at 4-16 K, and one
+    kernel holding both tile widths lost in the step, hence a graph per context class."""
+
+    max_context: int = 512
+    max_batch: int = 1
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+
+
 class CudaAttentionBackend(AttentionBackend):
     """AttentionBackend for CUDA devices (see shard/attention/base.py for the contract)."""
 
@@ -100,6 +117,9 @@ class CudaAttentionBackend(AttentionBackend):
         # the kernel's defaults; None: the defaults everywhere. Set before any graph capture
         # (benchmarks/moe_b1_bench.py measures candidates side by side).
         self.few_program_decode: DecodeTiling | None = None
+        # Decode-only steps whose contexts fit short_decode's bound take its launch (with CUDA
+        # graphs: a graph of their own); None: off (opt-in until measured in the step).
+        self.short_decode: ShortDecode | None = None
 
     def write_kv(
         self,
@@ -167,7 +187,7 @@ class CudaAttentionBackend(AttentionBackend):
             softcap=softcap,
             warm=warm,
             head_norms=head_norms,
-            **self._decode_tile_args(query.shape[0], key_cache.shape[2]),
+            **self._decode_tile_args(query.shape[0], key_cache.shape[2], meta.max_seq_len),
         )
 
     def num_decode_splits(self, num_seqs: int, num_kv_heads: int) -> int:
@@ -180,11 +200,23 @@ class CudaAttentionBackend(AttentionBackend):
         t = self.few_program_decode
         return t if t is not None and num_seqs * num_kv_heads <= t.max_programs else None
 
-    def _decode_tile_args(self, num_seqs: int, num_kv_heads: int) -> dict[str, int]:
-        """block_n / num_warps / num_stages of few_program_decode where it applies ({}: the
-        kernel's defaults)."""
+    def short_decode_context(self, num_seqs: int) -> int:
+        s = self.short_decode
+        if s is None or num_seqs > s.max_batch or self.few_program_decode is not None:
+            return 0
+        return s.max_context
+
+    def _decode_tile_args(self, num_seqs: int, num_kv_heads: int,
+                          max_seq_len: int) -> dict[str, int]:
+        """block_n / num_warps / num_stages of few_program_decode where it applies, else of
+        short_decode where the step's contexts fit its bound ({}: the kernel's defaults)."""
         t = self._few_program_tiling(num_seqs, num_kv_heads)
         if t is None:
+            short = self.short_decode_context(num_seqs)
+            if short and max_seq_len <= short and self.short_decode is not None:
+                s = self.short_decode
+                return {"block_n": s.block_n, "num_warps": s.num_warps,
+                        "num_stages": s.num_stages}
             return {}
         args = {"num_warps": t.num_warps, "num_stages": t.num_stages}
         if t.block_n is not None:
@@ -220,7 +252,7 @@ class CudaAttentionBackend(AttentionBackend):
                 v_scale=v_scale,
                 softcap=softcap,
                 warm=warm,
-                **self._decode_tile_args(query.shape[0], key_cache.shape[2]),
+                **self._decode_tile_args(query.shape[0], key_cache.shape[2], meta.max_seq_len),
             )
         if self._flash and key_cache.shape[1] % 256 == 0 and k_scale is None:
             return self._flash_prefill(query, key_cache, value_cache, meta, scale, sliding_window,

@@ -54,6 +54,12 @@ def default_buckets(max_batch: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def fits_short_graph(limit: int, seq_lens: list[int]) -> bool:
+    """Whether a decode step of these context lengths replays its bucket's short-context graph
+    (limit: the bound that graph was captured with, 0: none)."""
+    return limit > 0 and max(seq_lens) <= limit
+
+
 class CudaGraphDecodeRunner:
     """Captures `forward` for decode-only batches and replays it with padded inputs."""
 
@@ -67,6 +73,11 @@ class CudaGraphDecodeRunner:
         buckets: list[int] | None = None,
         lora: LoraBatch | None = None,
         query_len: int = 1,  # tokens per request: 1 for decode, 1 + k for verify steps
+        # Batch size -> positions up to which a decode step takes the attention backend's
+        # short-context launch (AttentionBackend.short_decode_context; 0: none): those buckets
+        # get a second graph, captured with max_seq_len at that bound, replayed when every
+        # context of the step fits it. Plain decode graphs only (not LoRA, not verify).
+        short_context: Callable[[int], int] | None = None,
     ):
         self.forward = forward
         self.device = device
@@ -108,6 +119,11 @@ class CudaGraphDecodeRunner:
         self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.lora_outputs: dict[int, torch.Tensor] = {}
         self.pool: Any = None
+        self.short_limits = {n: limit for n in self.buckets
+                             if (limit := short_context(n) if short_context else 0) > 0}
+        self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.short_outputs: dict[int, torch.Tensor] = {}
+        self.last_short = False  # whether the last replay was a short-context graph
 
     # ---- capture ----------------------------------------------------------------------------
 
@@ -125,7 +141,7 @@ class CudaGraphDecodeRunner:
             at = tables + b * w
             self.lora_slots[:n].copy_(s[at : at + n])
 
-    def _meta(self, n: int) -> AttentionMetadata:
+    def _meta(self, n: int, short: bool = False) -> AttentionMetadata:
         q = self.query_len
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: n + 1],
@@ -133,12 +149,12 @@ class CudaGraphDecodeRunner:
             block_tables=self.block_tables[:n],
             slot_mapping=self.slot_mapping[: n * q],
             max_query_len=q,
-            max_seq_len=self.width * self.block_size,
+            max_seq_len=self.short_limits[n] if short else self.width * self.block_size,
             query_lens_host=[q] * n,
             seq_lens_host=[1] * n,  # only the count matters to the CUDA backend
         )
 
-    def _run(self, n: int, with_lora: bool = False) -> torch.Tensor:
+    def _run(self, n: int, with_lora: bool = False, short: bool = False) -> torch.Tensor:
         self._unpack(n)
         if self.lora is not None:
             if with_lora:
@@ -147,7 +163,7 @@ class CudaGraphDecodeRunner:
                 self.lora.clear()
         t = n * self.query_len
         return self.forward(
-            self.input_ids[:t], self.positions[:t], self._meta(n), self.logits_indices[:t]
+            self.input_ids[:t], self.positions[:t], self._meta(n, short), self.logits_indices[:t]
         )
 
     @torch.inference_mode()
@@ -176,6 +192,8 @@ class CudaGraphDecodeRunner:
             for n in self.buckets:
                 for with_lora in self._variants():
                     self._run(n, with_lora)
+                if n in self.short_limits:
+                    self._run(n, short=True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
@@ -186,12 +204,18 @@ class CudaGraphDecodeRunner:
                     out = self._run(n, with_lora)
                 (self.lora_outputs if with_lora else self.outputs)[n] = out
                 (self.lora_graphs if with_lora else self.graphs)[n] = graph
+            if n in self.short_limits:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.short_outputs[n] = self._run(n, short=True)
+                self.short_graphs[n] = graph
         if self.lora is not None:
             self.lora.clear()
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
         log.info("captured %d CUDA graphs (batch %d..%d, %d tokens each) in %.1f s",
-                 len(self.graphs) + len(self.lora_graphs), self.buckets[0], self.max_batch,
+                 len(self.graphs) + len(self.lora_graphs) + len(self.short_graphs),
+                 self.buckets[0], self.max_batch,
                  self.query_len, seconds)
         return seconds
 
@@ -270,9 +294,14 @@ class CudaGraphDecodeRunner:
         self._copy_queued()
         if placeholders is not None:  # token ids at the head of the staging buffer
             self._staged.index_copy_(0, placeholders[0], placeholders[1])
+        self.last_short = False
         if with_lora:
             self.lora_graphs[g].replay()
             return self.lora_outputs[g][:n]
+        if fits_short_graph(self.short_limits.get(g, 0), seq_lens):
+            self.last_short = True
+            self.short_graphs[g].replay()
+            return self.short_outputs[g][:n]
         self.graphs[g].replay()
         return self.outputs[g][:n]
 

@@ -175,6 +175,7 @@ class ModelRunner:
         graphs = CudaGraphDecodeRunner(
             self.forward, self.device, self.block_size, max_batch,
             -(-max_seq_len // self.block_size), lora=self.lora,
+            short_context=self.attention.short_decode_context,
         )
         seconds = graphs.capture()
         self.graphs = graphs

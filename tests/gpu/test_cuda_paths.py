@@ -107,6 +107,41 @@ def test_tiny_cuda_graph_decode_matches_eager(tiny_llama):
     assert got == eager
 
 
+def test_short_context_graph_replays_while_contexts_fit_its_bound(tiny_llama):
+    """CudaAttentionBackend.short_decode (opt-in): the runner captures a second graph for batch 1
+    with meta.max_seq_len at the bound (32 positions here) and 32-position K/V tiles, and
+    replays it while the context fits, then the default graph; the logits match eager decode
+    (fed the same tokens) to float32 rounding of another tiling."""
+    from shard.attention.cuda_backend import ShortDecode
+    from shard.runner.cuda_graphs import CudaGraphDecodeRunner
+
+    gpu = _load(tiny_llama, "cuda", "float32", "auto")
+    gpu.runner.allocate_kv_cache(64)
+    prompt = [list(range(5, 25))]  # 20 tokens: contexts 21 .. 44 over 24 steps
+    eager, eager_logits = _greedy(gpu.runner, prompt, 24)
+    gpu.runner.attention.short_decode = ShortDecode(max_context=32, block_n=32)
+    gpu.runner.allocate_kv_cache(64)
+    graphs = CudaGraphDecodeRunner(gpu.runner.forward, gpu.runner.device, gpu.runner.block_size,
+                                   max_batch=4, max_blocks_per_seq=16,
+                                   short_context=gpu.runner.attention.short_decode_context)
+    graphs.capture()
+    assert graphs.short_limits == {1: 32} and set(graphs.short_graphs) == {1}
+    flags = []
+    run = graphs.run
+
+    def recording_run(*args, **kwargs):
+        out = run(*args, **kwargs)
+        flags.append((max(args[2]), graphs.last_short))
+        return out
+
+    graphs.run = recording_run
+    _, logits = _greedy(gpu.runner, prompt, 24, graphs=graphs, forced=eager)
+    assert flags and all(short == (context <= 32) for context, short in flags), flags
+    assert {short for _, short in flags} == {True, False}
+    for got, want in zip(logits, eager_logits, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
 def test_llama3_shape_logits_within_bf16_tolerance(tmp_path):
     """2 layers of the real Llama-3-8B shape: Triton backend vs the portable torch backend on the
     same GPU and weights, prefill + 3 decode steps fed the same tokens."""

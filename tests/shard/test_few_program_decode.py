@@ -86,3 +86,71 @@ _CHECK = textwrap.dedent(
 @INTERPRETER_MARKS[1]
 def test_few_program_decode_tiling_in_interpreter():
     run_interpreted(INT_MASK_PRELUDE + _CHECK)  # the fused mode's early-tile reload
+
+
+# CudaAttentionBackend.short_decode: a decode-only step whose contexts all fit its bound
+# (meta.max_seq_len, which a short-context CUDA graph is captured with) at a batch up to its
+# max_batch launches with its tile, warps and stages; a longer context, a larger batch, or
+# few_program_decode set (which wins) keep the other launch. The outputs equal the reference.
+_SHORT_CHECK = textwrap.dedent(
+    """
+    import torch
+
+    from shard.attention.cuda_backend import CudaAttentionBackend, DecodeTiling, ShortDecode
+    from shard.attention.torch_backend import TorchAttentionBackend
+    from shard.testing.paged_batch import random_paged_step
+
+    class Recorder:
+        def __init__(self, module):
+            self.module, self.calls = module, []
+
+        def __getattr__(self, name):
+            fn = getattr(self.module, name)
+            if not name.endswith("decode_attention"):
+                return fn
+
+            def wrapped(*args, **kwargs):
+                self.calls.append(kwargs)
+                return fn(*args, **kwargs)
+            return wrapped
+
+    heads, kv_heads, hd, page = 8, 4, 32, 16
+    short = ShortDecode(max_context=64, max_batch=1, block_n=16, num_warps=2, num_stages=1)
+    assert TorchAttentionBackend().short_decode_context(1) == 0  # the protocol's default
+    reference = TorchAttentionBackend()
+    for seq_lens, few, applies in (([50], None, True), ([64], None, True), ([65], None, False),
+                                   ([37, 60], None, False),
+                                   ([50], DecodeTiling(max_programs=4), False)):
+        q, cache, meta = random_paged_step([1] * len(seq_lens), seq_lens, heads, kv_heads, hd,
+                                           page)
+        assert meta.max_seq_len == max(seq_lens)
+        backend = CudaAttentionBackend("cpu", use_flash_attn=False, num_sms=132)
+        backend.short_decode = short
+        backend.few_program_decode = few
+        n = len(seq_lens)
+        assert backend.short_decode_context(n) == (64 if n == 1 and few is None else 0)
+        backend._decode = rec = Recorder(backend._decode)
+        got = backend.attend(q, *cache, meta, 0.2, None)
+        want = reference.attend(q, *cache, meta, 0.2, None)
+        assert float((got - want).abs().max()) < 2e-5, seq_lens
+        kw = rec.calls[-1]
+        if applies:
+            assert (kw["block_n"], kw["num_warps"], kw["num_stages"]) == (16, 2, 1), kw
+        else:
+            assert kw.get("block_n") is None, (seq_lens, kw)
+    """
+)
+
+
+@INTERPRETER_MARKS[0]
+@INTERPRETER_MARKS[1]
+def test_short_decode_launch_for_contexts_within_its_bound_in_interpreter():
+    run_interpreted(_SHORT_CHECK)
+
+
+def test_a_step_replays_the_short_graph_only_when_every_context_fits() -> None:
+    from shard.runner.cuda_graphs import fits_short_graph
+
+    assert fits_short_graph(512, [512]) and fits_short_graph(512, [3, 512])
+    assert not fits_short_graph(512, [513]) and not fits_short_graph(512, [3, 600])
+    assert not fits_short_graph(0, [1])  # no short graph for the bucket
