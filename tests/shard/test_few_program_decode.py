@@ -12,16 +12,10 @@ import textwrap
 
 from tests.helpers.triton_interpreter import INT_MASK_PRELUDE, INTERPRETER_MARKS, run_interpreted
 
-_CHECK = textwrap.dedent(
+# The kernel module, recording each launch's keyword arguments (both checks below).
+_RECORDER = textwrap.dedent(
     """
-    import torch
-
-    from shard.attention.cuda_backend import CudaAttentionBackend, DecodeTiling
-    from shard.attention.torch_backend import TorchAttentionBackend
-    from shard.layers.rotary import RotaryEmbedding
-    from shard.testing.paged_batch import random_paged_step
-
-    class Recorder:  # the kernel module, recording each launch's keyword arguments
+    class Recorder:
         def __init__(self, module):
             self.module, self.calls = module, []
 
@@ -34,6 +28,17 @@ _CHECK = textwrap.dedent(
                 self.calls.append(kwargs)
                 return fn(*args, **kwargs)
             return wrapped
+    """
+)
+
+_CHECK = textwrap.dedent(
+    """
+    import torch
+
+    from shard.attention.cuda_backend import CudaAttentionBackend, DecodeTiling
+    from shard.attention.torch_backend import TorchAttentionBackend
+    from shard.layers.rotary import RotaryEmbedding
+    from shard.testing.paged_batch import random_paged_step
 
     heads, kv_heads, hd, page = 8, 4, 32, 16
     tiling = DecodeTiling(max_programs=4, num_splits=8, block_n=16, num_warps=2, num_stages=1)
@@ -85,7 +90,7 @@ _CHECK = textwrap.dedent(
 @INTERPRETER_MARKS[0]
 @INTERPRETER_MARKS[1]
 def test_few_program_decode_tiling_in_interpreter():
-    run_interpreted(INT_MASK_PRELUDE + _CHECK)  # the fused mode's early-tile reload
+    run_interpreted(INT_MASK_PRELUDE + _RECORDER + _CHECK)  # the fused mode's early-tile reload
 
 
 # CudaAttentionBackend.short_decode: a decode-only step whose contexts all fit its bound
@@ -99,20 +104,6 @@ _SHORT_CHECK = textwrap.dedent(
     from shard.attention.cuda_backend import CudaAttentionBackend, DecodeTiling, ShortDecode
     from shard.attention.torch_backend import TorchAttentionBackend
     from shard.testing.paged_batch import random_paged_step
-
-    class Recorder:
-        def __init__(self, module):
-            self.module, self.calls = module, []
-
-        def __getattr__(self, name):
-            fn = getattr(self.module, name)
-            if not name.endswith("decode_attention"):
-                return fn
-
-            def wrapped(*args, **kwargs):
-                self.calls.append(kwargs)
-                return fn(*args, **kwargs)
-            return wrapped
 
     heads, kv_heads, hd, page = 8, 4, 32, 16
     short = ShortDecode(max_context=64, max_batch=1, block_n=16, num_warps=2, num_stages=1)
@@ -145,7 +136,7 @@ _SHORT_CHECK = textwrap.dedent(
 @INTERPRETER_MARKS[0]
 @INTERPRETER_MARKS[1]
 def test_short_decode_launch_for_contexts_within_its_bound_in_interpreter():
-    run_interpreted(_SHORT_CHECK)
+    run_interpreted(_RECORDER + _SHORT_CHECK)
 
 
 def test_a_step_replays_the_short_graph_only_when_every_context_fits() -> None:
