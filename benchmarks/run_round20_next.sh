@@ -8,6 +8,6 @@ cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
 timeout -s INT 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_cuda_paths.py \
   tests/gpu/test_moe_cuda.py -k "short or graphs" -rfE 2>&1 | grep -v Warn | tail -6
-timeout 150 python3 -m benchmarks.moe_b1_bench --out $OUT/ab --no-profile --parts bf16,fp8 \
-  --variants old,old:short-graph,old,old:short-graph 2>&1 | grep -v Warn > $OUT/ab.log
+timeout 280 python3 -m benchmarks.moe_b1_bench --out $OUT/ab --no-profile --parts bf16,fp8 \
+  --variants old,old:short-graph,old,old:short-graph,old:short-graph,old 2>&1 | grep -v Warn > $OUT/ab.log
 grep -E "^model|rror" $OUT/ab.log | cut -c1-100
