@@ -31,8 +31,9 @@ DIR/moe_b1.json and DIR/MOE_B1.md and ends its stdout with a compact summary:
    - ROUND19_CONFIGS (CUDA only): the expert launches' pipelines, K tiles and program counts;
    - `old:block-merge` (CUDA only): `old` with the decode attention's split merge as one block
      (attention_decode.merge_by_split off; on, the default since round 18);
-   - `old:short-graph` (CUDA only): the step replays a second graph made for contexts up to 512
-     positions, with 32-position K/V tiles (CudaAttentionBackend.short_decode);
+   - `old:no-short-graph` (CUDA only): `old` without the second graph made for contexts up to
+     512 positions with 32-position K/V tiles (CudaAttentionBackend.short_decode; on, the
+     default since round 20);
    fp8 runs the old step's variants, fused, fused+norm-prologue and the first attention tiling
    only (time);
    each with the step's byte roofline (moe_bench._step_bytes: dense weights and norms, LM head,
@@ -307,7 +308,7 @@ class Variant:
     fuse_qk_norm: bool = True  # shard.layers.attention.FUSE_QK_NORM (q/k norms in attention)
     router_norm: bool = True  # shard.layers.moe.ROUTER_NORM (add + norm in the router GEMV)
     merge_by_split: bool = True  # attention_decode.merge_by_split (the split merge's form)
-    short_decode: bool = False  # CudaAttentionBackend.short_decode (a short-context graph)
+    short_decode: bool = True  # CudaAttentionBackend.short_decode (a short-context graph)
 
 
 def _fp8_subset(variants: list[Variant]) -> list[Variant]:
@@ -332,10 +333,10 @@ def _variants(best: dict | None, kv_heads: int, cuda: bool) -> list[Variant]:
             for t in (DecodeTiling(kv_heads, *tiling) for tiling in OLD_ATTN_TILINGS)]
     # the attention's merge as one block (before round 18; attention_decode.merge_by_split)
     out.append(Variant("old:block-merge", False, merge_by_split=False))
-    # round 19: a second graph for steps whose contexts fit 512 positions, captured with
-    # 32-position K/V tiles (CudaAttentionBackend.short_decode: s16-n32-w4-st3's gain at
+    # before round 20: no second graph for steps whose contexts fit 512 positions
+    # (CudaAttentionBackend.short_decode, 32-position K/V tiles: s16-n32-w4-st3's gain at
     # context 512 without its loss at long contexts, which the default graph keeps)
-    out.append(Variant("old:short-graph", False, short_decode=True))
+    out.append(Variant("old:no-short-graph", False, short_decode=False))
     tilings: list[DecodeTiling] = []
     if best is not None:
         tilings.append(DecodeTiling(kv_heads, best["splits"], best["block_n"], best["num_warps"]))
@@ -514,7 +515,7 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
         finally:
             for backend in backends:
                 backend.few_program_decode = None
-                backend.short_decode = None
+                backend.short_decode = ShortDecode()  # the default
         out["variants"].append(row)
         gpu = row.get("gpu") or {}
         print(f"model {layers}L {out['quantize']} b=1 {name}: "

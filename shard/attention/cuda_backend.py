@@ -118,8 +118,11 @@ class CudaAttentionBackend(AttentionBackend):
         # (benchmarks/moe_b1_bench.py measures candidates side by side).
         self.few_program_decode: DecodeTiling | None = None
         # Decode-only steps whose contexts fit short_decode's bound take its launch (with CUDA
-        # graphs: a graph of their own); None: off (opt-in until measured in the step).
-        self.short_decode: ShortDecode | None = None
+        # graphs: a graph of their own); None: off. On by default: the Qwen3-30B-A3B-shaped
+        # batch-1 step at context 512 on an H200 (benchmarks/MOE_B1.md, round 20, three
+        # interleaved pairs without the profiler): bf16 2.598-2.601 ms against 2.698-2.707,
+        # fp8 1.929-1.938 against 1.971-1.986.
+        self.short_decode: ShortDecode | None = ShortDecode()
 
     def write_kv(
         self,

@@ -119,8 +119,11 @@ class CudaGraphDecodeRunner:
         self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.lora_outputs: dict[int, torch.Tensor] = {}
         self.pool: Any = None
+        # (None where the bucket's own graph is captured within the bound: it takes the short
+        # launch itself, see AttentionBackend.short_decode_context.)
         self.short_limits = {n: limit for n in self.buckets
-                             if (limit := short_context(n) if short_context else 0) > 0}
+                             if 0 < (limit := short_context(n) if short_context else 0)
+                             < self.width * block_size}
         self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.short_outputs: dict[int, torch.Tensor] = {}
         self.last_short = False  # whether the last replay was a short-context graph

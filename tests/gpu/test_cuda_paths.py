@@ -108,10 +108,10 @@ def test_tiny_cuda_graph_decode_matches_eager(tiny_llama):
 
 
 def test_short_context_graph_replays_while_contexts_fit_its_bound(tiny_llama):
-    """CudaAttentionBackend.short_decode (opt-in): the runner captures a second graph for batch 1
-    with meta.max_seq_len at the bound (32 positions here) and 32-position K/V tiles, and
-    replays it while the context fits, then the default graph; the logits match eager decode
-    (fed the same tokens) to float32 rounding of another tiling."""
+    """CudaAttentionBackend.short_decode (on by default; its bound lowered here): the runner
+    captures a second graph for batch 1 with meta.max_seq_len at the bound (32 positions here)
+    and 32-position K/V tiles, and replays it while the context fits, then the default graph;
+    the logits match eager decode (fed the same tokens) to float32 rounding of another tiling."""
     from shard.attention.cuda_backend import ShortDecode
     from shard.runner.cuda_graphs import CudaGraphDecodeRunner
 
@@ -126,6 +126,11 @@ def test_short_context_graph_replays_while_contexts_fit_its_bound(tiny_llama):
                                    short_context=gpu.runner.attention.short_decode_context)
     graphs.capture()
     assert graphs.short_limits == {1: 32} and set(graphs.short_graphs) == {1}
+    # a runner whose own graphs are bounded by 32 positions takes the short launch in them
+    bounded = CudaGraphDecodeRunner(gpu.runner.forward, gpu.runner.device, gpu.runner.block_size,
+                                    max_batch=1, max_blocks_per_seq=32 // gpu.runner.block_size,
+                                    short_context=gpu.runner.attention.short_decode_context)
+    assert bounded.short_limits == {}
     flags = []
     run = graphs.run
 

@@ -51,6 +51,7 @@ _CHECK = textwrap.dedent(
         for opt in (None, tiling):
             backend = CudaAttentionBackend("cpu", use_flash_attn=False, num_sms=132)
             backend.few_program_decode = opt
+            backend.short_decode = None  # (None: the kernel's defaults, not the short launch)
             backend._decode = rec = Recorder(backend._decode)
             outs[opt] = got = backend.attend(q, *cache, meta, 0.2, None)
             assert float((got - want).abs().max()) < 2e-5, (seq_lens, opt)
@@ -73,6 +74,7 @@ _CHECK = textwrap.dedent(
     for opt in (None, tiling):
         backend = CudaAttentionBackend("cpu", use_flash_attn=False, num_sms=132)
         backend.few_program_decode = opt
+        backend.short_decode = None
         backend._decode = rec = Recorder(backend._decode)
         kc, vc = cache[0].clone(), cache[1].clone()
         out = backend.rotate_write_and_attend_decode(rotary, pos, q, k, v, kc, vc, meta, 0.2,
@@ -108,6 +110,8 @@ _SHORT_CHECK = textwrap.dedent(
     heads, kv_heads, hd, page = 8, 4, 32, 16
     short = ShortDecode(max_context=64, max_batch=1, block_n=16, num_warps=2, num_stages=1)
     assert TorchAttentionBackend().short_decode_context(1) == 0  # the protocol's default
+    default = CudaAttentionBackend("cpu", use_flash_attn=False, num_sms=132)
+    assert default.short_decode == ShortDecode() and default.short_decode_context(1) == 512
     reference = TorchAttentionBackend()
     for seq_lens, few, applies in (([50], None, True), ([64], None, True), ([65], None, False),
                                    ([37, 60], None, False),
