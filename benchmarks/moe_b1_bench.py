@@ -29,8 +29,6 @@ DIR/moe_b1.json and DIR/MOE_B1.md and ends its stdout with a compact summary:
    - ROUND17_CONFIGS (CUDA only): the decode table's entry with route_trigger, route_dependent,
      down_early_ids or the split down launch switched (moe_decode.DecodeConfig);
    - ROUND19_CONFIGS (CUDA only): the expert launches' pipelines, K tiles and program counts;
-   - ROUND20_CONFIGS (CUDA only): the split down launch leaving its sum to the next layer's
-     add + norm (DecodeConfig.defer_sum), and bf16 with the split down launch;
    - `old:block-merge` (CUDA only): `old` with the decode attention's split merge as one block
      (attention_decode.merge_by_split off; on, the default since round 18);
    - `old:no-short-graph` (CUDA only): `old` without the second graph made for contexts up to
@@ -285,18 +283,6 @@ ROUND19_CONFIGS: tuple[tuple[str, Callable[[Any], dict[str, Any]]], ...] = (
 )
 
 
-# Round 20: the split down launch without its ticket and merge, the next layer's input add + norm
-# summing the partials (DecodeConfig.defer_sum; a no-op on a table entry without down_split);
-# bf16 with the split launch (32 rows a program, as fp8's entry), merged and deferred.
-ROUND20_CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("old:defer", {"defer_sum": True}),
-    ("old:split32", {"down_split": 32, "down_stages": 3}),
-    ("old:split32-defer", {"down_split": 32, "down_stages": 3, "defer_sum": True}),
-    ("old:split32-k128-defer", {"down_split": 32, "down_block_k": 128, "down_stages": 3,
-                                "defer_sum": True}),
-)
-
-
 def up_stream_configs(top_k: int, fp8: bool) -> list[tuple[str, Any]]:
     """UP_STREAMS as (variant name, moe_decode.DecodeConfig) on the table's entry for top_k
     routed slots (batch 1)."""
@@ -478,8 +464,6 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                          for name, opts in ROUND17_CONFIGS]
         variants[1:1] = [Variant(name, False, moe_config=dataclasses.replace(table, **opts(table)))
                          for name, opts in ROUND19_CONFIGS]
-        variants[1:1] = [Variant(name, False, moe_config=dataclasses.replace(table, **opts))
-                         for name, opts in ROUND20_CONFIGS]
     if variant_names:  # in the order given; a name given twice runs twice (interleaved A/B)
         by_name = {v.name: v for v in variants}
         variants = [by_name[n] for n in variant_names.split(",") if n in by_name]

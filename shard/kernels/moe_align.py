@@ -41,37 +41,6 @@ class MoeRouting:
     softmax_first: bool = True
 
 
-@dataclass(frozen=True)
-class SlotPartials:
-    """A decode-sized MoE output left unsummed for the next residual add (DecodeConfig.defer_sum:
-    the split down launch without its ticket and merge; moe_decode.add_slot_partials_rms_norm
-    sums it). Token t's output is sum_j weights[t * k + j] * partials[t * k + j] over its k
-    slots in slot order, fp32, rounded once to `dtype`; a slot whose id is outside
-    [0, num_experts) adds nothing."""
-
-    partials: torch.Tensor  # [n * k, H] float32: each slot's down row (fp8 scales applied)
-    weights: torch.Tensor  # [n * k] float32 routing weights
-    ids: torch.Tensor  # [n * k] expert ids (int32 or int64)
-    top_k: int
-    num_experts: int
-    dtype: torch.dtype  # the model's activations
-
-    @property
-    def rows(self) -> int:
-        return self.partials.shape[0] // self.top_k
-
-    def total(self) -> torch.Tensor:
-        """The summed output [n, H] in dtype (the torch form of the kernels' sum)."""
-        keep = (self.ids >= 0) & (self.ids < self.num_experts)
-        w = torch.where(keep, self.weights, 0.0)  # [n * k]
-        p = torch.where(keep[:, None], self.partials, 0.0)
-        rows = (p * w[:, None]).view(self.rows, self.top_k, -1)  # [n, k, H]
-        out = torch.zeros_like(rows[:, 0])
-        for j in range(self.top_k):  # slot order, as the kernels add
-            out += rows[:, j]
-        return out.to(self.dtype)
-
-
 def route(logits: torch.Tensor, routing: MoeRouting) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, E] -> (weights [n, k] float32, ids [n, k] int64), as transformers computes them
     (softmax in float32, top-k by value)."""

@@ -61,8 +61,7 @@ import triton
 import triton.language as tl
 
 from shard.kernels import pdl
-from shard.kernels.elementwise import _normed_times_weight
-from shard.kernels.moe_align import MoeRouting, SlotPartials
+from shard.kernels.moe_align import MoeRouting
 from shard.kernels.moe_route import route_row
 from shard.kernels.pdl import let_dependents_launch, wait_for_predecessor
 from shard.kernels.setting import Setting
@@ -126,10 +125,6 @@ class DecodeConfig:
     # id (a guess) and first K tile are loaded before the PDL wait and checked after it.
     down_split: int = 0
     down_stages: int = 0  # the down launch's pipelining depth (0: `stages`)
-    # The split down launch leaves its fp32 partials for the next residual add to sum
-    # (moe_decode's defer_sum, where the caller allows it: one rank, the next layer's input norm
-    # as the consumer; add_slot_partials_rms_norm): no ticket and no merge in the launch.
-    defer_sum: bool = False
     # The persistent gate/up launch (0: off, the gridded one): m > 0 is m programs per SM
     # (int_gemv_wide's `persist`), at most one per work item (held slot, row tile of up_block_n
     # rows). Each program runs its items' K tiles (up_block_k wide, `stages` deep) as one
@@ -150,7 +145,6 @@ class DecodeConfig:
                 f"-st{self.stages}"
                 + (f"-dst{self.down_stages}" if self.down_stages else "")
                 + (f"-split{self.down_split}" if self.down_split else "")
-                + ("-defer" if self.defer_sum else "")
                 + (f"-upstream{self.up_stream}" if self.up_stream else "")
                 + (f"-routew{self.route_warps}" if self.route_warps != 1 else "")
                 + ("-route-trigger" if self.route_trigger else "")
@@ -567,7 +561,6 @@ def _down_split_kernel(
     STAGES: tl.constexpr,
     PDL: tl.constexpr = False,
     STAMPS: tl.constexpr = False,  # shard/kernels/stamps.py
-    MERGE: tl.constexpr = True,  # False: the partials are the output (DecodeConfig.defer_sum)
 ):
     let_dependents_launch(PDL)
     program = program_index()
@@ -615,90 +608,32 @@ def _down_split_kernel(
                               mask=row_mask, other=0.0)
     tl.store(part_ptr + slot64 * H + rows, part, mask=row_mask)
     stamp(stamps_ptr, program, 2, STAMPS)
-    if MERGE:
-        # Every thread's partial precedes the ticket; the acq_rel atomic publishes it to (and,
-        # for the last program of the row block, acquires the others' from) the whole GPU
-        # (moe_router's and the decode attention's split merge).
-        tl.debug_barrier()
-        t = slot // TOP_K
-        ticket_at = ticket_ptr + t * tl.num_programs(1) + pid_n
-        ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel", scope="gpu")
-        stamp(stamps_ptr, program, 3, STAMPS)
-        if ticket == TOP_K - 1:
-            tl.store(ticket_at, 0)  # all k programs of this (token, row block) took theirs
-            # other SMs wrote the partials: read past the L1
-            total = _weighted_slot_sum(part_ptr, topw_ptr, ids_ptr, t, E, H, rows, TOP_K, True)
-            tl.store(out_ptr + t.to(tl.int64) * stride_om + rows,
-                     total.to(out_ptr.dtype.element_ty), mask=row_mask)
-            stamp(stamps_ptr, program, 4, STAMPS)
-
-
-@triton.jit
-def _weighted_slot_sum(part_ptr, topw_ptr, ids_ptr, t, E, H, cols, TOP_K: tl.constexpr,
-                       PAST_L1: tl.constexpr):
-    """Token t's k partials [k, H] fp32 at columns cols, in slot order, each times its routing
-    weight, summed in fp32 (a slot whose id is outside [0, E) adds nothing): the split down
-    launch's merge and add_slot_partials_rms_norm's delta, so both round the same sum
-    (_down_sum_kernel's rounding points; its per-slot row sums add the K tiles in another
-    order: fp32 reassociation only). -> [len(cols)] fp32"""
-    total = tl.zeros(cols.shape, dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        sj = t * TOP_K + j
-        ej = tl.load(ids_ptr + sj).to(tl.int32)
-        keep = (ej >= 0) & (ej < E)
-        wj = tl.where(keep, tl.load(topw_ptr + sj), 0.0)
-        at = part_ptr + sj.to(tl.int64) * H + cols
-        cols_in = cols < tl.where(keep, H, 0)
-        if PAST_L1:
-            pj = tl.load(at, mask=cols_in, other=0.0, cache_modifier=".cg")
-        else:
-            pj = tl.load(at, mask=cols_in, other=0.0)
-        total += pj * wj
-    return total
-
-
-@triton.jit
-def _add_slot_partials_rms_norm_kernel(part_ptr, topw_ptr, ids_ptr, x_ptr, w_ptr, out_ptr,
-                                       res_ptr, stride_x, n_cols, E, eps, TOP_K: tl.constexpr,
-                                       BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                                       OFFSET: tl.constexpr = 0.0):
-    """elementwise._add_rms_norm_kernel with delta = the token's summed slot partials, rounded
-    to the model dtype first (the split down launch's output), then the same add and norm."""
-    let_dependents_launch(PDL)  # latency-bound: the next GEMV may start streaming now
-    wait_for_predecessor(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n_cols
-    dt = res_ptr.dtype.element_ty
-    d = _weighted_slot_sum(part_ptr, topw_ptr, ids_ptr, row, E, n_cols, offs, TOP_K, False)
-    d = d.to(dt).to(tl.float32)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    s = (x + d).to(dt)
-    tl.store(res_ptr + row * n_cols + offs, s, mask=mask)
-    s = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(s * s, 0) / n_cols + eps)
-    y = _normed_times_weight(s, rstd, w_ptr, offs, mask, out_ptr.dtype.element_ty, OFFSET)
-    tl.store(out_ptr + row * n_cols + offs, y, mask=mask)
-
-
-def add_slot_partials_rms_norm(delta: SlotPartials, x: torch.Tensor, weight: torch.Tensor,
-                               eps: float, weight_offset: float = 0.0
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """elementwise.add_rms_norm(delta.total(), x, ...) in one launch: (rms_norm(x + delta),
-    x + delta) [n, H] each in x's dtype, the same bits."""
-    n, h = x.shape
-    assert delta.rows == n and delta.partials.shape[1] == h and x.stride(1) == 1, (n, h)
-    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
-    res = torch.empty((n, h), dtype=x.dtype, device=x.device)
-    if n == 0:
-        return out, res
-    block = triton.next_power_of_2(h)
-    _add_slot_partials_rms_norm_kernel[(n,)](
-        delta.partials, delta.weights, delta.ids, x, weight, out, res, x.stride(0), h,
-        delta.num_experts, eps, TOP_K=delta.top_k, BLOCK=block,
-        num_warps=8 if block >= 4096 else 4, OFFSET=float(weight_offset),
-        **pdl.launch_options(x.device))
-    return out, res
+    # Every thread's partial precedes the ticket; the acq_rel atomic publishes it to (and, for
+    # the last program of the row block, acquires the others' from) the whole GPU
+    # (moe_router's and the decode attention's split merge).
+    tl.debug_barrier()
+    t = slot // TOP_K
+    ticket_at = ticket_ptr + t * tl.num_programs(1) + pid_n
+    ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel", scope="gpu")
+    stamp(stamps_ptr, program, 3, STAMPS)
+    if ticket == TOP_K - 1:
+        tl.store(ticket_at, 0)  # all k programs of this (token, row block) have taken theirs
+        # The k partials in slot order, each times its routing weight, summed in fp32 and
+        # rounded once: _down_sum_kernel's rounding points (its per-slot row sums add the K
+        # tiles in another order: fp32 reassociation only).
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            sj = t * TOP_K + j
+            ej = tl.load(ids_ptr + sj).to(tl.int32)
+            keep = (ej >= 0) & (ej < E)
+            wj = tl.where(keep, tl.load(topw_ptr + sj), 0.0)
+            pj = tl.load(part_ptr + sj.to(tl.int64) * H + rows,
+                         mask=rows < tl.where(keep, H, 0), other=0.0,
+                         cache_modifier=".cg")  # other SMs wrote it: past the L1
+            total += pj * wj
+        tl.store(out_ptr + t.to(tl.int64) * stride_om + rows,
+                 total.to(out_ptr.dtype.element_ty), mask=row_mask)
+        stamp(stamps_ptr, program, 4, STAMPS)
 
 
 # The expert launches' stamp points (shard/kernels/stamps.py), by stamp slot
@@ -772,12 +707,9 @@ def moe_decode(
     routing: MoeRouting | None = None,  # with logits
     count_into: torch.Tensor | None = None,  # [E] int64: adds routed slots per expert
     valid: torch.Tensor | None = None,  # [n] int64: only rows with valid != 0 are counted
-    defer_sum: bool = False,  # the caller sums SlotPartials (where config.defer_sum says so)
-) -> torch.Tensor | SlotPartials:
+) -> torch.Tensor:
     """sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j] -> [n, H] x.dtype,
-    routing either given (topk_weights, topk_ids) or computed from `logits` with `routing`.
-    With defer_sum and a config whose split down launch defers its sum: the slots' partials
-    (SlotPartials) instead, for add_slot_partials_rms_norm."""
+    routing either given (topk_weights, topk_ids) or computed from `logits` with `routing`."""
     n, hidden = x.shape
     num_experts, inter2, _ = w13.shape
     inter_dim = inter2 // 2
@@ -833,8 +765,7 @@ def moe_decode(
     stages = cfg.down_stages or cfg.stages
     if cfg.down_split:
         row_blocks = triton.cdiv(hidden, cfg.down_split)
-        merge = not (defer_sum and cfg.defer_sum)
-        tickets = _SPLIT_TICKETS.take(x.device, n * row_blocks) if merge else weights
+        tickets = _SPLIT_TICKETS.take(x.device, n * row_blocks)
         partials = torch.empty(slots, hidden, dtype=torch.float32, device=x.device)
         split_stamps = take_stamps("down split", slots * row_blocks, DOWN_SPLIT_STAMP_POINTS)
         _down_split_kernel[(slots, row_blocks)](
@@ -844,11 +775,9 @@ def moe_decode(
             split_stamps if split_stamps is not None else weights,
             TOP_K=top_k, HAS_SCALE=scale2 is not None, BLOCK_N=cfg.down_split,
             BLOCK_K=cfg.down_block_k, STAGES=stages, num_warps=cfg.down_warps,
-            num_stages=stages, STAMPS=split_stamps is not None, MERGE=merge,
-            **pdl.launch_options(x.device),
+            num_stages=stages, STAMPS=split_stamps is not None, **pdl.launch_options(x.device),
         )
-        return out if merge else SlotPartials(partials, weights, ids, top_k, num_experts,
-                                              x.dtype)
+        return out
     down_tiles = triton.cdiv(hidden, cfg.down_block_n)
     sum_stamps = take_stamps("down+sum", n * down_tiles, DOWN_SUM_STAMP_POINTS)
     _down_sum_kernel[(n, down_tiles) if cfg.slots_first else (down_tiles, n)](
@@ -875,11 +804,6 @@ def warm_up(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: MoeRo
     scratch = torch.zeros_like(count_into) if count_into is not None else None
     for _, cfg in DECODE_CONFIGS[scale13 is not None]:
         decode_layer(one, logits, w13, w2, routing, scale13, scale2, cfg, scratch)
-        if cfg.down_split and cfg.defer_sum:  # the partials, and the next add + norm's launch
-            partials = decode_layer(one, logits, w13, w2, routing, scale13, scale2, cfg, scratch,
-                                    defer_sum=True)
-            assert isinstance(partials, SlotPartials)
-            add_slot_partials_rms_norm(partials, one, torch.ones_like(one[0]), 1e-6)
 
 
 def decode_layer(
@@ -893,18 +817,15 @@ def decode_layer(
     config: DecodeConfig,
     count_into: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
-    defer_sum: bool = False,
-) -> torch.Tensor | SlotPartials:
+) -> torch.Tensor:
     """FusedMoE's decode-sized forward: routing inside the gate/up launch or as its own launch
-    (config.route_inside), then moe_decode. -> [n, H] (or its SlotPartials: moe_decode's
-    defer_sum)"""
+    (config.route_inside), then moe_decode. -> [n, H]"""
     if config.route_inside:
         return moe_decode(x, w13, w2, routing.top_k, scale13, scale2, config, logits=logits,
-                          routing=routing, count_into=count_into, valid=valid,
-                          defer_sum=defer_sum)
+                          routing=routing, count_into=count_into, valid=valid)
     from shard.kernels import moe_route
 
     weights, ids = moe_route.route(logits, routing, config.route_warps, config.route_trigger,
                                    config.route_dependent, config.route_sorted)
     return moe_decode(x, w13, w2, routing.top_k, scale13, scale2, config, topk_weights=weights,
-                      topk_ids=ids, count_into=count_into, valid=valid, defer_sum=defer_sum)
+                      topk_ids=ids, count_into=count_into, valid=valid)

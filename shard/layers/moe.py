@@ -34,13 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shard.distributed.groups import Dist
-from shard.kernels.moe_align import (
-    MoeRouting,
-    SlotPartials,
-    align_by_expert,
-    grouped_moe_torch,
-    route,
-)
+from shard.kernels.moe_align import MoeRouting, align_by_expert, grouped_moe_torch, route
 from shard.kernels.setting import Setting
 from shard.layers import decode_linear
 from shard.layers.linear import MergedColumnParallelLinear, PushedPartial, RowParallelLinear
@@ -250,13 +244,10 @@ class FusedMoE(nn.Module, WeightLoader):
                                       "--quantize fp8 only")
         return True
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, defer_sum: bool = False
-                ) -> torch.Tensor | SlotPartials:
-        """x [n, H], router_logits [n, E] -> [n, H], this rank's partial sum. defer_sum: the
-        caller's next residual add can sum the routed slots itself (one rank): a decode config
-        that defers (DecodeConfig.defer_sum) returns its SlotPartials."""
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x [n, H], router_logits [n, E] -> [n, H], this rank's partial sum."""
         if x.is_cuda:
-            return self._forward_cuda(x, router_logits, defer_sum)
+            return self._forward_cuda(x, router_logits)
         topk_weights, topk_ids = route(router_logits, self.routing)  # [n, k] each
         if self.stats is not None:
             self.stats.record(self.layer_index, topk_ids)
@@ -266,12 +257,11 @@ class FusedMoE(nn.Module, WeightLoader):
                                  self.routing.top_k, self.scale13, self.scale2)
 
     def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                       router_logits: torch.Tensor, defer_sum: bool = False
-                       ) -> torch.Tensor | SlotPartials:
+                       router_logits: torch.Tensor) -> torch.Tensor:
         """x [n, H] with its routing already computed (weights [n, k] float32, ids [n, k]
         int32; moe_router's fused launch) -> [n, H], this rank's partial, through the decode
         kernels (the caller checked `decode_sized`). router_logits [n, E]: only for the
-        first eager call's warm-up of every variant. defer_sum as in forward."""
+        first eager call's warm-up of every variant."""
         from shard.kernels import moe_decode
 
         if x.is_cuda and not self._warm and not torch.cuda.is_current_stream_capturing():
@@ -284,8 +274,7 @@ class FusedMoE(nn.Module, WeightLoader):
             x, self.w13, self.w2, self.routing.top_k, self.scale13, self.scale2, cfg,
             topk_weights=topk_weights, topk_ids=topk_ids,
             count_into=stats.counts[self.layer_index] if stats is not None else None,
-            valid=stats.valid_rows(x.shape[0]) if stats is not None else None,
-            defer_sum=defer_sum)
+            valid=stats.valid_rows(x.shape[0]) if stats is not None else None)
 
     def decode_sized(self, n: int) -> bool:
         """Whether n tokens take the decode kernels on CUDA (every expert on this rank)."""
@@ -303,9 +292,7 @@ class FusedMoE(nn.Module, WeightLoader):
         ids = topk_ids - lo
         return torch.where((ids < 0) | (ids >= local), local, ids)
 
-    def _forward_cuda(self, x: torch.Tensor, router_logits: torch.Tensor,
-                      defer_sum: bool = False
-                      ) -> torch.Tensor | SlotPartials:
+    def _forward_cuda(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Up to moe_decode.DECODE_MAX_SLOTS routed slots: the decode kernels (routing
         in its own launch or inside gate/up, as the table says; statistics counted). Past that: routing (1 launch), layout (1 launch up to
         moe_route.ALIGN_MAX_SLOTS, with the statistics), the two grouped GEMMs and the sum over
@@ -326,8 +313,7 @@ class FusedMoE(nn.Module, WeightLoader):
                 x, router_logits, self.w13, self.w2, self.routing, self.scale13, self.scale2,
                 decode_cfg,
                 count_into=stats.counts[self.layer_index] if stats is not None else None,
-                valid=stats.valid_rows(x.shape[0]) if stats is not None else None,
-                defer_sum=defer_sum)
+                valid=stats.valid_rows(x.shape[0]) if stats is not None else None)
         topk_weights, topk_ids = moe_route.route(router_logits, self.routing)  # [n, k] each
         local = self.w13.shape[0]
         cfg = fused_moe.config_for(topk_ids.numel(), local)
@@ -399,20 +385,11 @@ class SparseMoeBlock(nn.Module):
         # without (ROUTER_NORM)
         self._router_warm: set[bool] = set()
 
-    def forward(self, x: torch.Tensor, reduce: bool = True, push: bool = False
-                ) -> torch.Tensor | SlotPartials:
-        """x [n, H] -> [n, H]; with reduce=False this rank's un-reduced share. push (the output
-        goes to the next layer's reduce_add_rms_norm): on one rank without a shared expert the
-        routed experts may leave their sum to it (SlotPartials, FusedMoE's defer_sum)."""
-        y = self.experts(x, self.gate(x), self._defers(push and not reduce))
-        if isinstance(y, SlotPartials):
-            return y
+    def forward(self, x: torch.Tensor, reduce: bool = True, push: bool = False) -> torch.Tensor:
+        """x [n, H] -> [n, H]; with reduce=False this rank's un-reduced share (push: ignored,
+        the experts' output is not a GEMV's)."""
+        y = self.experts(x, self.gate(x))
         return self._reduce(self._add_shared(x, y), reduce)
-
-    def _defers(self, push: bool) -> bool:
-        """Whether the routed experts' sum may be left to the next residual add (a pushed
-        output on one rank, nothing to add to it)."""
-        return push and self.dist.world_size == 1 and self.shared_expert is None
 
     def _add_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is not None:
@@ -430,7 +407,7 @@ class SparseMoeBlock(nn.Module):
         reduce=False)` as (x, y), where a fused launch is on (fused_router, ROUTER_NORM) and
         serves the step (CUDA, one rank, a decode-sized batch, Llama's norm): see
         forward_add_norm_fused. None where it does not: the caller runs the unfused form.
-        push: as in forward."""
+        push: ignored (as in forward)."""
         if not ((_FUSED_ROUTER.value or ROUTER_NORM.value) and isinstance(delta, torch.Tensor)
                 and x.is_cuda):
             return None
@@ -442,7 +419,7 @@ class SparseMoeBlock(nn.Module):
             self._warm_router(delta, x, norm)
         if not self.fused_router_serves(delta, x, norm):
             return None
-        return self.forward_add_norm_fused(delta, x, norm, self._defers(push))
+        return self.forward_add_norm_fused(delta, x, norm)
 
     def fused_router_serves(self, delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> bool:
         """Whether the fused launch (fused_router's or ROUTER_NORM's) computes this step's add
@@ -457,9 +434,8 @@ class SparseMoeBlock(nn.Module):
         return (self.dist.world_size == 1 and norm.weight_offset == 0
                 and moe_router.applies(hidden, n) and self.experts.decode_sized(n))
 
-    def forward_add_norm_fused(self, delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm,
-                               defer_sum: bool = False
-                               ) -> tuple[torch.Tensor, torch.Tensor | SlotPartials]:
+    def forward_add_norm_fused(self, delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
         """forward_add_norm's fused path (the caller checked fused_router_serves; also run on
         CPU tensors by the interpreter tests). -> (x + delta, this rank's MLP output).
         fused_router: add + norm + router GEMV + routing in one kernel
@@ -470,11 +446,9 @@ class SparseMoeBlock(nn.Module):
 
         r = self._router_launch(delta, x, norm)
         if isinstance(r, moe_router.NormedRouting):
-            y = self.experts.forward_routed(r.normed, r.weights, r.ids, r.logits, defer_sum)
+            y = self.experts.forward_routed(r.normed, r.weights, r.ids, r.logits)
         else:
-            y = self.experts(r.normed, r.logits, defer_sum)
-        if isinstance(y, SlotPartials):
-            return r.residual, y
+            y = self.experts(r.normed, r.logits)
         return r.residual, self._add_shared(r.normed, y)
 
     def _router_launch(self, delta: torch.Tensor, x: torch.Tensor, norm: RMSNorm

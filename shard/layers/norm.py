@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from shard.distributed.groups import Dist
-from shard.kernels.moe_align import SlotPartials
 from shard.layers.linear import PushedPartial
 from shard.layers.weights import WeightLoader, Weights
 
@@ -61,22 +60,12 @@ def add_rms_norm(
 
 
 def reduce_add_rms_norm(
-    dist: Dist, partial: torch.Tensor | PushedPartial | SlotPartials, x: torch.Tensor,
-    norm: RMSNorm
+    dist: Dist, partial: torch.Tensor | PushedPartial, x: torch.Tensor, norm: RMSNorm
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add after a row-parallel linear: s = x + (sum over ranks of partial), returns
     (norm(s), s). partial [num_tokens, hidden] is RowParallelLinear.partial's output. Decode-sized
     CUDA tensors take one kernel for the all-reduce, the add and the norm where the fused kernel
-    is available (shard.distributed.all_reduce_norm); otherwise the all-reduce, then add + norm.
-    A MoE layer's SlotPartials (one rank) are summed by the add + norm's own launch."""
-    if isinstance(partial, SlotPartials):
-        assert dist.world_size == 1, "SlotPartials are one rank's whole output"
-        if x.is_cuda:
-            from shard.kernels.moe_decode import add_slot_partials_rms_norm
-
-            return add_slot_partials_rms_norm(partial, x, norm.weight, norm.eps,
-                                              norm.weight_offset)
-        return add_rms_norm(partial.total(), x, norm)
+    is available (shard.distributed.all_reduce_norm); otherwise the all-reduce, then add + norm."""
     fused = dist.fused_all_reduce_norm
     if norm.weight_offset:  # the fused collective computes Llama's norm only (no offset)
         assert isinstance(partial, torch.Tensor)

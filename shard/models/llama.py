@@ -157,9 +157,8 @@ class LlamaDecoderLayer(nn.Module):
         before it) fused into the following norm. The residual stream is x + the sum over ranks
         of delta, this rank's un-reduced share of the previous MLP output (None before the first
         layer); returns the new (x, delta) pair, delta still to be reduced and added. delta
-        may be pushed into the all-reduce's buffers already (PushedPartial), or left as a MoE
-        layer's unsummed slots (SlotPartials), except after the last layer, whose delta the
-        caller slices to the rows that need logits."""
+        may be pushed into the all-reduce's buffers already (PushedPartial) except after the
+        last layer, whose delta the caller slices to the rows that need logits."""
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         attn = self.self_attn
         # One rank: the add + norm may run in the qkv GEMV's own launch (opt-in,

@@ -44,15 +44,14 @@ UP_TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "inter_ptr": "
             "stamps_ptr": "*i64"}
 
 
-def _split_ptx(stamps: bool = False, merge: bool = True) -> list[str]:
+def _split_ptx(stamps: bool = False) -> list[str]:
     from shard.kernels import moe_decode
 
     cfg = moe_decode.decode_config_for(8, fp8=True)
     assert cfg is not None and cfg.down_split
     stages = cfg.down_stages or cfg.stages
     consts = {"TOP_K": 8, "HAS_SCALE": True, "BLOCK_N": cfg.down_split,
-              "BLOCK_K": cfg.down_block_k, "STAGES": stages, "PDL": True, "STAMPS": stamps,
-              "MERGE": merge}
+              "BLOCK_K": cfg.down_block_k, "STAGES": stages, "PDL": True, "STAMPS": stamps}
     kernel = compile_sm90(moe_decode._down_split_kernel, SPLIT_TYPES, consts, cfg.down_warps, stages,
                           divisible=("H", "I"))
     return kernel.asm["ptx"].splitlines()
@@ -71,20 +70,6 @@ def test_split_down_streams_its_first_tile_before_the_wait() -> None:
     atom = [line for line in lines[wait:] if "atom." in line]
     assert atom and all(".gpu.acq_rel" in line for line in atom), atom
     assert any("ld.global.cg" in line for line in lines[wait:])
-
-
-def test_split_down_without_its_merge_takes_no_ticket() -> None:
-    """DecodeConfig.defer_sum (MERGE off): the launch stores its partials and ends, no atomic,
-    no read of another program's partial; the same loads before the wait."""
-    lines, merged = _split_ptx(merge=False), _split_ptx()
-    assert not any("atom." in line for line in lines)
-    assert not any("ld.global.cg" in line for line in lines)
-
-    def loads_before_wait(ptx: list[str]) -> int:
-        wait = next(i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line)
-        return sum(1 for line in ptx[:wait] if "ld.global" in line)
-
-    assert loads_before_wait(lines) == loads_before_wait(merged)
 
 
 def test_decode_routing_launch_reduces_inside_one_warp() -> None:

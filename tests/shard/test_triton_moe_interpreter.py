@@ -410,88 +410,6 @@ _ROUTER_CHECK = textwrap.dedent(
     """
 )
 
-# DecodeConfig.defer_sum: the split down launch without its ticket and merge returns its slots'
-# partials (SlotPartials), and the next layer's add + norm launch sums them
-# (moe_decode.add_slot_partials_rms_norm): the residual and the normed row equal the merged
-# launch followed by elementwise.add_rms_norm bit for bit (fp32 and bf16 activations, fp8 weights,
-# dropped slots, Gemma's norm offset); the launch takes no ticket; SlotPartials.total (the torch
-# form, reduce_add_rms_norm's off CUDA) equals the merged output; a config without defer_sum, or a
-# caller that does not allow it, gets the summed output; FusedMoE's CUDA path defers only when
-# both say so, and the sparse block never with a shared expert.
-_DEFER_CHECK = textwrap.dedent(
-    """
-    import dataclasses
-    import torch
-    from shard.distributed.groups import Dist
-    from shard.kernels import elementwise, moe_decode
-    from shard.kernels.moe_align import MoeRouting, SlotPartials, route
-    from shard.layers.moe import QWEN_EXPERT_NAMES, SparseMoeBlock
-    from shard.layers.norm import RMSNorm, reduce_add_rms_norm
-    from shard.quantization.fp8 import quantize_fp8_per_channel
-
-    torch.manual_seed(0)
-    E, H, I = 8, 48, 40
-    w13 = torch.randn(E, 2 * I, H) * 0.2
-    w2 = torch.randn(E, H, I) * 0.2
-    q13, s13 = map(torch.stack, zip(*(quantize_fp8_per_channel(w) for w in w13)))
-    q2, s2 = map(torch.stack, zip(*(quantize_fp8_per_channel(w) for w in w2)))
-    split = moe_decode.DecodeConfig(8, 32, 1, 32, 16, 1, 1, route_inside=False, down_split=16,
-                                    down_stages=2)
-    defer = dataclasses.replace(split, defer_sum=True)
-    assert defer.name().endswith("-split16-defer")
-    tickets_zero = lambda: moe_decode._SPLIT_TICKETS.all_zero(torch.device("cpu"))
-    for n, k, dtype, fp8, offset in ((1, 8, torch.float32, False, 0.0),
-                                     (3, 2, torch.float32, True, 0.0),
-                                     (2, 8, torch.bfloat16, True, 0.0),
-                                     (2, 2, torch.bfloat16, False, 1.0)):
-        x = torch.randn(n, H).to(dtype)
-        resid = torch.randn(n, H).to(dtype)
-        nw = (torch.rand(H) + 0.5).to(dtype)
-        weights, ids = route(torch.randn(n, E), MoeRouting(k, renormalize=True))
-        if k == 2:
-            ids[0, 1] = E  # another rank's expert: adds nothing
-        a13, a2, sc13, sc2 = (q13, q2, s13, s2) if fp8 else (w13, w2, None, None)
-        args = (x, a13, a2, k, sc13, sc2)
-        merged = moe_decode.moe_decode(*args, split, topk_weights=weights, topk_ids=ids)
-        parts = moe_decode.moe_decode(*args, defer, topk_weights=weights, topk_ids=ids,
-                                      defer_sum=True)
-        assert isinstance(parts, SlotPartials) and parts.rows == n and tickets_zero()
-        # (torch's bf16 rounding against the interpreter's: one bf16 step apart at most)
-        bf16_step = 0 if dtype == torch.float32 else 2**-7
-        torch.testing.assert_close(parts.total(), merged, rtol=bf16_step, atol=0)
-        want_h, want_s = elementwise.add_rms_norm(merged, resid, nw, 1e-6, offset)
-        got_h, got_s = moe_decode.add_slot_partials_rms_norm(parts, resid, nw, 1e-6, offset)
-        assert torch.equal(got_s, want_s) and torch.equal(got_h, want_h), (n, k, dtype, offset)
-        # summed where either side does not defer
-        for cfg, allow in ((split, True), (defer, False)):
-            out = moe_decode.moe_decode(*args, cfg, topk_weights=weights, topk_ids=ids,
-                                        defer_sum=allow)
-            assert isinstance(out, torch.Tensor) and torch.equal(out, merged)
-        # off CUDA the layers' add + norm sums the partials in torch
-        norm = RMSNorm(H, 1e-6, offset)
-        norm.weight.data = nw
-        h, s = reduce_add_rms_norm(Dist(), parts, resid, norm)
-        torch.testing.assert_close(s, want_s, rtol=bf16_step, atol=bf16_step)
-        torch.testing.assert_close(h, want_h, rtol=2 * bf16_step, atol=1e-6 + 2 * bf16_step)
-
-    # the layers: FusedMoE's CUDA path (run on CPU tensors here) defers where asked and the
-    # config defers; the sparse block allows it on one rank without a shared expert only
-    for shared in (0, 16):
-        block = SparseMoeBlock(H, E, I, MoeRouting(2, True), Dist(), QWEN_EXPERT_NAMES, shared)
-        for p in block.parameters():
-            p.data = torch.randn(p.shape) * 0.3
-        block.experts._warm = True
-        assert block._defers(True) == (shared == 0) and not block._defers(False)
-    h, logits = torch.randn(1, H), torch.randn(1, E)
-    with moe_decode.config_override(defer):
-        parts = block.experts._forward_cuda(h, logits, True)
-        summed = block.experts._forward_cuda(h, logits, False)
-    with moe_decode.config_override(split):
-        assert torch.equal(block.experts._forward_cuda(h, logits, True), summed)
-    assert isinstance(parts, SlotPartials) and torch.equal(parts.total(), summed)  # fp32
-    """
-)
-
 pytestmark = INTERPRETER_MARKS
 
 
@@ -513,7 +431,3 @@ def test_fused_add_norm_router_kernel_in_interpreter():
 
 def test_sorted_routing_top_k_equals_the_argmax_loop_in_interpreter():
     run_interpreted(_SORTED_TOPK_CHECK)
-
-
-def test_deferred_slot_sum_in_the_next_add_norm_in_interpreter():
-    run_interpreted(_DEFER_CHECK)
