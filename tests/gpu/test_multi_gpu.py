@@ -82,13 +82,18 @@ def trained_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tuning_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The module's shared GEMV tuning cache, also configured for this pytest process (the
-    one-GPU greedy reference) while the module runs."""
+    one-GPU greedy reference) while the module runs. The process's in-memory tuning records
+    are dropped on entry: an earlier test module tuning the same weight shapes would otherwise
+    leave the one-GPU run nothing to measure into this cache, and the launched deployments
+    (which read it) would measure them again (the whole GPU suite on 2 x H200, round 20)."""
     from shard.kernels import tuning_cache
+    from shard.layers import decode_linear
 
     path = (Path(os.environ["TUNING_CACHE_DIR"]) if os.environ.get("TUNING_CACHE_DIR")
             else tmp_path_factory.mktemp("gemv_tuning"))
     previous = tuning_cache.active()
     tuning_cache.configure(tuning_cache.TuningCache(path))
+    decode_linear.clear()
     try:
         yield path
     finally:
