@@ -3,6 +3,8 @@
 # (CudaAttentionBackend.short_decode + CudaGraphDecodeRunner's short graphs, opt-in, written in
 # round 19 without a lease left): its GPU tests, then its step A/B without the profiler.
 # run(command="bash benchmarks/run_round20_next.sh", carry=[".whl-tw"]).
+# A record of round 20's call 1 (raw/round20/call1): the graph is now the default and its A/B
+# variant is `old:no-short-graph` (`old:short-graph` no longer exists).
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
