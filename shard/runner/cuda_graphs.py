@@ -119,7 +119,7 @@ class CudaGraphDecodeRunner:
         self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.lora_outputs: dict[int, torch.Tensor] = {}
         self.pool: Any = None
-        # (None where the bucket's own graph is captured within the bound: it takes the short
+        # (No entry where the bucket's own graph is captured within the bound: it takes the short
         # launch itself, see AttentionBackend.short_decode_context.)
         self.short_limits = {n: limit for n in self.buckets
                              if 0 < (limit := short_context(n) if short_context else 0)
