@@ -55,7 +55,7 @@ import gc
 import json
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -309,6 +309,56 @@ class Variant:
     router_norm: bool = True  # shard.layers.moe.ROUTER_NORM (add + norm in the router GEMV)
     merge_by_split: bool = True  # attention_decode.merge_by_split (the split merge's form)
     short_decode: bool = True  # CudaAttentionBackend.short_decode (a short-context graph)
+    # The o_proj shape's batch-1 GEMV choice replaced (o_proj_choice): "cublas", or the index of
+    # a candidate in gemv.configs_for(1, bf16); None: its tuned choice
+    o_proj: str | int | None = None
+
+
+def o_proj_variants() -> list[Variant]:
+    """Round 20: the o_proj GEMV streams at 63 % of copy in the bf16 step, q/k/v at 88 % (call 6's
+    critical path); its choice is tuned in isolation (decode_linear's timing, L2 cleared). Each
+    batch-1 candidate and cuBLAS in the step instead (bf16 only: fp8 weights take their own
+    GEMV)."""
+    import torch
+
+    from shard.kernels.gemv import configs_for
+
+    n = len(configs_for(1, torch.bfloat16))
+    return ([Variant(f"old:oproj-c{i}", False, o_proj=i) for i in range(n)]
+            + [Variant("old:oproj-cublas", False, o_proj="cublas")])
+
+
+@contextlib.contextmanager
+def o_proj_choice(model: Any, choice: str | int | None) -> Iterator[str]:
+    """Inside the block the o_proj weight shape's batch-1 GEMV runs `choice` (Variant.o_proj);
+    yields the tuned choice's description (what the block replaced)."""
+    import torch
+
+    from shard.kernels.gemv import config_dict, configs_for
+    from shard.layers import decode_linear
+
+    weight = getattr(model.model.layers[0].self_attn.o_proj, "weight", None)  # [H, heads * D]
+    if weight is None or weight.dtype not in decode_linear.GEMV_DTYPES:
+        yield ""  # (fp8 weights: their own GEMV, not tuned here)
+        return
+    record = decode_linear.tune(weight, weight.dtype)
+    key = decode_linear.shape_key(weight, weight.dtype, None, False)
+    tuned = record[1]
+    described = (f"tuned {tuned.backend.value} {config_dict(tuned.config)} triton "
+                 f"{tuned.triton_us:.2f} us cublas {tuned.cublas_us:.2f} us")
+    if choice is None:
+        yield described
+        return
+    if choice == "cublas":
+        forced = dataclasses.replace(tuned, backend=decode_linear.Backend.CUBLAS)
+    else:
+        forced = dataclasses.replace(tuned, backend=decode_linear.Backend.TRITON,
+                                     config=configs_for(1, torch.bfloat16)[int(choice)])
+    decode_linear._TUNED[key] = {**record, 1: forced}
+    try:
+        yield described + f" -> {forced.backend.value} {config_dict(forced.config)}"
+    finally:
+        decode_linear._TUNED[key] = dict(record)
 
 
 def _fp8_subset(variants: list[Variant]) -> list[Variant]:
@@ -464,6 +514,7 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                          for name, opts in ROUND17_CONFIGS]
         variants[1:1] = [Variant(name, False, moe_config=dataclasses.replace(table, **opts(table)))
                          for name, opts in ROUND19_CONFIGS]
+        variants[1:1] = o_proj_variants()
     if variant_names:  # in the order given; a name given twice runs twice (interleaved A/B)
         by_name = {v.name: v for v in variants}
         variants = [by_name[n] for n in variant_names.split(",") if n in by_name]
@@ -480,7 +531,10 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                     norm_prologue(var.norm_prologue), moe_decode.config_override(var.moe_config), \
                     WARM_O_PROJ.override(var.warm_o), FUSE_QK_NORM.override(var.fuse_qk_norm), \
                     attention_decode.merge_by_split(var.merge_by_split), \
-                    ROUTER_NORM.override(var.router_norm):
+                    ROUTER_NORM.override(var.router_norm), \
+                    (o_proj_choice(model, var.o_proj) if cuda
+                     else contextlib.nullcontext("")) as o_proj:
+                row["o_proj"] = o_proj
                 if cuda:
                     # this variant's graph (captured under its settings: every bucket runs
                     # eagerly first, compiling its kernels), its replay time and its kernels
@@ -527,6 +581,8 @@ def bench_model_b1(model_dir: Path, shape: dict, copy_bps: float, cuda: bool,
                  if gpu else ""), flush=True)
         for line in stamps_lines(row.get("stamps") or {}):
             print(line, flush=True)
+        if row.get("o_proj"):
+            print(f"  o_proj GEMV at batch 1: {row['o_proj']}", flush=True)
     runner.kv_cache = None
     runner.graphs = None
     del shard, runner, model
