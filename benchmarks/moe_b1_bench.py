@@ -309,9 +309,10 @@ class Variant:
     router_norm: bool = True  # shard.layers.moe.ROUTER_NORM (add + norm in the router GEMV)
     merge_by_split: bool = True  # attention_decode.merge_by_split (the split merge's form)
     short_decode: bool = True  # CudaAttentionBackend.short_decode (a short-context graph)
-    # The o_proj shape's batch-1 GEMV choice replaced (o_proj_choice): "cublas", or the index of
-    # a candidate in gemv.configs_for(1, bf16); None: its tuned choice
-    o_proj: str | int | None = None
+    # The o_proj shape's batch-1 GEMV choice replaced (o_proj_choice): "cublas", the index of a
+    # candidate in gemv.configs_for(1, bf16), or a CUDA-core tile outside them (O_PROJ_TILES);
+    # None: its tuned choice
+    o_proj: str | int | tuple[int, int, int, int] | None = None
 
 
 def o_proj_variants() -> list[Variant]:
@@ -325,7 +326,16 @@ def o_proj_variants() -> list[Variant]:
 
     n = len(configs_for(1, torch.bfloat16))
     return ([Variant(f"old:oproj-c{i}", False, o_proj=i) for i in range(n)]
-            + [Variant("old:oproj-cublas", False, o_proj="cublas")])
+            + [Variant("old:oproj-cublas", False, o_proj="cublas")]
+            + [Variant(f"old:oproj-{rows}x{k}w{warps}st{stages}", False,
+                       o_proj=(rows, k, warps, stages)) for rows, k, warps, stages in O_PROJ_TILES])
+
+
+# CUDA-core tiles (rows, K tile, warps, stages) outside the 16-bit candidates, for o_proj's long
+# rows (4,096 against the hidden 2,048): fewer K iterations a program, one load when whole
+# (gemv.py: whole 4,096-wide fp8 rows lost on Llama-3-8B's shapes).
+O_PROJ_TILES = ((2, 2048, 4, 1), (1, 4096, 4, 1), (2, 4096, 8, 1), (4, 2048, 8, 1),
+                (1, 2048, 4, 1))
 
 
 @contextlib.contextmanager
@@ -351,6 +361,12 @@ def o_proj_choice(model: Any, choice: str | int | None) -> Iterator[str]:
         return
     if choice == "cublas":
         forced = dataclasses.replace(tuned, backend=decode_linear.Backend.CUBLAS)
+    elif isinstance(choice, tuple):
+        from shard.kernels.gemv import _config
+
+        rows, k, warps, stages = choice
+        forced = dataclasses.replace(tuned, backend=decode_linear.Backend.TRITON,
+                                     config=_config(rows, k, warps, stages, False))
     else:
         forced = dataclasses.replace(tuned, backend=decode_linear.Backend.TRITON,
                                      config=configs_for(1, torch.bfloat16)[int(choice)])
