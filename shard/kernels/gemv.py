@@ -358,12 +358,6 @@ _W16_FMA_CONFIGS = (
     # plain loop.
     _config(2, 1024, 4, 1, False, prefetch=True),
     _config(4, 1024, 4, 1, False, prefetch=True),
-    # Whole rows up to 4,096 wide, one load a program. Qwen3-30B-A3B's o_proj (2,048 rows of
-    # 4,096) forced onto them in its bf16 batch-1 step on an H200: 2 x 4096 with 8 warps -1.2 us
-    # a layer against the tuned 2 x 1024 (1 x 4096: -1.4, but the SiLU epilogue pairs rows;
-    # benchmarks/MOE_B1.md, round 20, call 8). (Whole 4,096-wide fp8 rows lost on Llama-3-8B's
-    # shapes: see above.)
-    _config(2, 4096, 8, 1, False),
 )
 # 16-bit weights, 2 <= M <= 16: half fp8's BLOCK_K keeps the weight bytes per stage (BLOCK_N x
 # BLOCK_K x 2 B: 8-16 KB); x's [16, BLOCK_K] tile shrinks with it. Each program re-reads x from
