@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The next lease for issue 39 (benchmarks/MOE_B1.md, round 20 "Next" item 2), after
-# `git cherry-pick <the gemv candidate commit>` (whole 4,096-wide rows, 2 x 4096 with 8 warps,
+# `git show 96fe843 -- shard/kernels/gemv.py | git apply` (whole 4,096-wide rows, 2 x 4096, 8 warps,
 # added to gemv._W16_FMA_CONFIGS): the GEMV's GPU tests, then which candidate the tuner picks
 # for the o_proj shape (printed with `old`) and the bf16 step against the old pick (c4: 2 x 1024)
 # and the forced whole rows. If the tuner's pick wins in the step, the GPU suite
